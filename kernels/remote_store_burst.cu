@@ -1,0 +1,157 @@
+// Remote-store Burst–Gap microbenchmark (paper §3.1).
+//
+// K producers, one CTA each, repeat: align at a grid barrier, store B bytes with 16-byte stores
+// into the destination buffer (a peer GPU's memory, or the issuing GPU's own for the local
+// control), then spin for a producer-side gap that issues no remote stores. Thread 0 of every
+// CTA records, per burst, the SM clock at issue start and issue end and %globaltimer at issue
+// start; the host turns cycles into time with the SM clock measured over the same launch
+// (clock64 and %globaltimer read together at kernel entry and exit).
+//
+// Built at run time by CuPy/NVRTC for sm_90 and compiled by nvcc in the tests: no includes.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define XSTAGE_ERR_BARRIER_TIMEOUT 1u
+
+__device__ __forceinline__ u64 global_timer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ u32 load_acquire_gpu(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void add_release_gpu(u32* p, u32 v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+// The value a producer stores: a function of (burst, producer, vector index) so that the
+// destination check can tell which burst last wrote each line and catch misplaced stores.
+__device__ __forceinline__ uint4 burst_pattern(u32 seed, u32 burst, u32 producer, u32 vec) {
+    u32 tag = seed ^ (burst * 0x9E3779B1u);
+    return make_uint4(tag, producer, vec, tag ^ (producer << 16) ^ (vec * 0x85EBCA77u));
+}
+
+// Grid barrier among the K co-resident CTAs (thread 0 calls it). The arrival counter only grows:
+// round r completes when it reaches (r + 1) * K, so no reset races the next round. The wait is
+// bounded by timeout_ns of %globaltimer; on expiry it raises the error flag and returns false.
+__device__ bool grid_barrier(u32* arrivals, u32 round, u32 n_ctas, u64 timeout_ns, u32* error) {
+    add_release_gpu(arrivals, 1u);
+    const u32 target = (round + 1u) * n_ctas;
+    const u64 deadline = global_timer_ns() + timeout_ns;
+    while (load_acquire_gpu(arrivals) < target) {
+        if (global_timer_ns() > deadline || load_acquire_gpu(error) != 0u) {
+            atomicOr(error, XSTAGE_ERR_BARRIER_TIMEOUT);
+            return false;
+        }
+    }
+    return true;
+}
+
+// trace:  [n_bursts][K][3] = issue-start clock64, issue-end clock64, issue-start %globaltimer
+// clocks: [K][5]           = entry %globaltimer, entry clock64, exit %globaltimer, exit clock64,
+//                            %smid (the host checks that every producer had an SM of its own)
+extern "C" __global__ void burst_gap(
+        uint4* __restrict__ dst,
+        u64 slot_vecs,            // 16-byte vectors per rotation slot (K * B / 16)
+        u32 n_slots,              // bursts rotate through this many slots (1 rewrites the same lines)
+        u32 vecs_per_producer,    // B / 16
+        u32 n_bursts,
+        u64 gap_cycles,           // producer-side gap G in SM cycles
+        u32 seed,
+        u32* arrivals,            // zeroed before launch
+        u32* error,               // zeroed before launch
+        u64 timeout_ns,
+        u64* __restrict__ trace,
+        u64* __restrict__ clocks) {
+    const u32 producer = blockIdx.x;
+    const u32 n_producers = gridDim.x;
+    if (threadIdx.x == 0) {
+        u32 smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        clocks[producer * 5 + 0] = global_timer_ns();
+        clocks[producer * 5 + 1] = clock64();
+        clocks[producer * 5 + 4] = smid;
+    }
+    __shared__ int abort_run;
+    for (u32 burst = 0; burst < n_bursts; ++burst) {
+        if (threadIdx.x == 0) {
+            abort_run = !grid_barrier(arrivals, burst, n_producers, timeout_ns, error);
+        }
+        __syncthreads();
+        if (abort_run) break;
+        u64* rec = trace + ((u64)burst * n_producers + producer) * 3;
+        if (threadIdx.x == 0) {
+            rec[0] = clock64();
+            rec[2] = global_timer_ns();
+        }
+        __syncthreads();
+        uint4* out = dst + (u64)(burst % n_slots) * slot_vecs + (u64)producer * vecs_per_producer;
+        for (u32 v = threadIdx.x; v < vecs_per_producer; v += blockDim.x) {
+            out[v] = burst_pattern(seed, burst, producer, v);
+        }
+        // Issue ends when every warp of the CTA has issued its stores; completion is not awaited.
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const u64 end = clock64();
+            rec[1] = end;
+            while ((u64)clock64() - end < gap_cycles) { }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        clocks[producer * 5 + 2] = global_timer_ns();
+        clocks[producer * 5 + 3] = clock64();
+    }
+}
+
+// Counts vectors of the destination buffer that differ from what the run must have left there:
+// each used slot holds the pattern of the last burst that wrote it, the rest still holds poison.
+extern "C" __global__ void count_burst_mismatches(
+        const uint4* __restrict__ buf,
+        u64 buffer_vecs,
+        u64 slot_vecs,
+        u32 n_slots,
+        u32 vecs_per_producer,
+        u32 n_bursts,
+        u32 seed,
+        u32 poison,
+        unsigned long long* mismatches) {
+    const u32 used_slots = n_bursts < n_slots ? n_bursts : n_slots;
+    const u64 written = (u64)used_slots * slot_vecs;
+    u64 local = 0;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < buffer_vecs;
+         i += (u64)gridDim.x * blockDim.x) {
+        const uint4 got = buf[i];
+        uint4 want;
+        if (i < written) {
+            const u32 slot = (u32)(i / slot_vecs);
+            const u64 within = i % slot_vecs;
+            const u32 last_burst = slot + ((n_bursts - 1u - slot) / n_slots) * n_slots;
+            want = burst_pattern(seed, last_burst, (u32)(within / vecs_per_producer),
+                                 (u32)(within % vecs_per_producer));
+        } else {
+            want = make_uint4(poison, poison, poison, poison);
+        }
+        local += (got.x != want.x) | (got.y != want.y) | (got.z != want.z) | (got.w != want.w);
+    }
+    if (local) atomicAdd(mismatches, local);
+}
+
+// SM clock over a window of %globaltimer: out = {timer start, clock start, timer end, clock end}.
+extern "C" __global__ void sample_sm_clock(u64 window_ns, u64* out) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const u64 t0 = global_timer_ns();
+    const u64 c0 = clock64();
+    u64 t1 = t0;
+    while (t1 - t0 < window_ns) t1 = global_timer_ns();
+    out[0] = t0;
+    out[1] = c0;
+    out[2] = t1;
+    out[3] = clock64();
+}

@@ -1,0 +1,2 @@
+"""xstage_lab: a workbench for the X-Stage Burst–Gap model of remote-store overlap on multi-GPU nodes."""
+__version__ = "0.1.0"

@@ -1,0 +1,88 @@
+"""Command line: ``python -m xstage_lab {characterize,calibrate,reproduce,summary}``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .records import RECORDS_DIR
+
+
+def _characterize(args) -> int:
+    from .experiments.remote_store import run_characterization
+
+    path = run_characterization(repeats=args.repeats, src=args.src, dst=args.dst,
+                                only=tuple(args.only) if args.only else None, root=args.root)
+    print(f"wrote {path}")
+    if args.calibrate:
+        from .experiments.remote_store import write_calibration
+        print(f"wrote {write_calibration(path, root=args.root)}")
+    return 0
+
+
+def _calibrate(args) -> int:
+    from .experiments.remote_store import write_calibration
+
+    print(f"wrote {write_calibration(args.record, root=args.root)}")
+    return 0
+
+
+def _reproduce(args) -> int:
+    from .runner import reproduce
+
+    return reproduce(only=args.only, backend=args.backend, out=args.out)
+
+
+def _summary(args) -> int:
+    from .summary import summary
+
+    s = summary(root=args.root)
+    print(json.dumps(s, indent=2) if args.json else _format_summary(s))
+    return 0
+
+
+def _format_summary(s: dict) -> str:
+    lines = []
+    for platform, entries in s["platforms"].items():
+        lines.append(platform)
+        for key, value in entries.items():
+            lines.append(f"  {key}: {json.dumps(value)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m xstage_lab")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("characterize", help="run the remote-store sweeps (Fig. 3) on this machine")
+    p.add_argument("--repeats", type=int, default=11)
+    p.add_argument("--src", type=int, default=0)
+    p.add_argument("--dst", type=int, default=1)
+    p.add_argument("--only", nargs="*", help="sweep names (drain_rate gap isolated lines pairs)")
+    p.add_argument("--root", type=Path, default=RECORDS_DIR, help="records root")
+    p.add_argument("--calibrate", action="store_true", help="also write the calibration record")
+    p.set_defaults(func=_characterize)
+
+    p = sub.add_parser("calibrate", help="fit M_X from a remote_store record into a calibration record")
+    p.add_argument("record", type=Path, help="path of a remote_store record")
+    p.add_argument("--root", type=Path, default=RECORDS_DIR)
+    p.set_defaults(func=_calibrate)
+
+    p = sub.add_parser("reproduce", help="run every notebook headlessly (papermill)")
+    p.add_argument("--only", action="append", help="notebook name (repeatable)")
+    p.add_argument("--backend", choices=("auto", "cuda", "replay"), default="auto")
+    p.add_argument("--out", type=Path, default=Path("out"))
+    p.set_defaults(func=_reproduce)
+
+    p = sub.add_parser("summary", help="headline numbers of the committed records")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--root", type=Path, default=RECORDS_DIR)
+    p.set_defaults(func=_summary)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

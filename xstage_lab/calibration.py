@@ -1,0 +1,247 @@
+"""Calibration of M_X = (T_iss^0(K, V), R, Q(K)) from a remote-store characterization (§3.3–3.6).
+
+- R from zero-gap steady-state periods across K/B decompositions, T_period^ss = V/R (eq. 1, Fig. 3d);
+- T_iss^0 from the recovered plateau of the gap sweep (§3.4);
+- Q(K) and the knee from isolated bursts, T_iss^iso = max(T_iss^0(K, V), (V − Q)/R) (eq. 7, Fig. 3c);
+- then the gap sweep predicted with no refit (eqs. 1, 3; Figs. 3a, 3b) and its error.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import least_squares
+
+from . import model
+from .sweep import median_spread
+
+MIB = 1024 * 1024
+KIB = 1024
+# Zero-gap points at or above this aggregate volume enter the R fit: well past the issue floor of
+# a full-chip burst, where the period is set by the drain (Fig. 3d's converged trend).
+R_FIT_MIN_VOLUME = 4 * MIB
+# Gap-sweep points whose gap is at least this multiple of V/R are on the recovered plateau.
+PLATEAU_GAP_MULTIPLE = 2.0
+
+
+def launch_medians(table: pd.DataFrame) -> pd.DataFrame:
+    """Steady-state value of each launch: the median over its non-warm-up bursts."""
+    steady = table[~table["warmup"]]
+    keys = ["sweep", "point", "repeat", "mode", "path", "producers", "burst_bytes", "gap_us",
+            "src", "dst", "lines", "burst_volume"]
+    return (steady.groupby(keys, dropna=False)[["t_iss_us", "period_us", "gap_eff_us",
+                                                 "start_skew_ns", "sm_clock_mhz"]]
+            .median().reset_index())
+
+
+def point_medians(launches: pd.DataFrame, value: str) -> pd.DataFrame:
+    """Median of ``value`` over repeats per measurement point, with its spread."""
+    keys = ["sweep", "point", "mode", "path", "producers", "burst_bytes", "gap_us", "src", "dst",
+            "lines", "burst_volume"]
+    return median_spread(launches, keys, value)
+
+
+# A zero-gap point whose period exceeds V/R by more than this is issue-limited, not drain-limited.
+ISSUE_LIMITED_EXCESS = 0.10
+
+
+def fit_drain_rate(burst_volume, period_us) -> tuple[float, np.ndarray]:
+    """Least-squares R (GB/s) for T_period = V/R through the origin (eq. 1), on the
+    drain-dominated points. The max law (eqs. 1–3) puts every period at or above V/R; a point
+    more than ISSUE_LIMITED_EXCESS above the fitted line is issue-limited and leaves the fit,
+    which is repeated until no point leaves. Returns R and the mask of the points kept."""
+    v, t = np.asarray(burst_volume, float), np.asarray(period_us, float)
+    keep = np.ones(v.size, bool)
+    while True:
+        if not keep.any():
+            raise ValueError("no drain-dominated points to fit R")
+        R = float((v[keep] @ v[keep]) / (v[keep] @ t[keep]) / 1e3)
+        now = t <= (1 + ISSUE_LIMITED_EXCESS) * model.drain_time(v, R)
+        if (now == keep).all():
+            return R, keep
+        keep = now
+
+
+@dataclass(frozen=True)
+class IsolatedFit:
+    """Eq. 7 fitted for one producer count: affine issue floor, capacity Q and knee volume."""
+
+    producers: int
+    drain_rate_GBps: float
+    fixed_us: float
+    issue_rate_GBps: float
+    capacity_bytes: float | None      # None: no drain-limited branch within the measured range
+    knee_volume_bytes: float | None
+
+    def floor(self) -> model.IssueFloor:
+        return model.IssueFloor(self.producers, self.fixed_us, self.issue_rate_GBps)
+
+    def predict(self, burst_volume):
+        t0 = self.floor()(burst_volume)
+        if self.capacity_bytes is None:
+            return t0
+        return model.isolated_issue_time(burst_volume, t0, self.capacity_bytes,
+                                         self.drain_rate_GBps)
+
+
+def fit_isolated(producers: int, burst_volume, t_iss_us, drain_rate: float) -> IsolatedFit:
+    """Fit T_iss^iso(V) = max(a + V/I, (V − Q)/R) with R fixed (eq. 7); the knee is where the two
+    branches meet, and Q = V_knee − R·T_iss^0(V_knee) (eq. 6 at the knee) holds by construction."""
+    v = np.asarray(burst_volume, float)
+    t = np.asarray(t_iss_us, float)
+    order = np.argsort(v)
+    v, t = v[order], t[order]
+    if v.size < 4:
+        raise ValueError("the isolated fit needs at least four burst volumes")
+    small = slice(0, max(2, v.size // 3))
+    slope, intercept = np.polyfit(v[small], t[small], 1)
+    q0 = float(np.median((v - drain_rate * 1e3 * t)[-3:]))  # V − R·T on the largest bursts
+    x0 = [max(intercept, 1e-3), max(1.0 / max(slope, 1e-12) / 1e3, drain_rate), max(q0, 0.0)]
+
+    def residual(x):
+        a, rate, q = x
+        pred = np.maximum(a + v / (rate * 1e3), (v - q) / (drain_rate * 1e3))
+        return (pred - t) / t
+
+    fit = least_squares(residual, x0, bounds=([0.0, 1.0, 0.0], [np.inf, np.inf, np.inf]))
+    a, rate, q = (float(x) for x in fit.x)
+    knee = None
+    if rate > drain_rate:  # issue outruns the drain, so a large enough burst must hit capacity
+        knee = (a + q / (drain_rate * 1e3)) / (1 / (drain_rate * 1e3) - 1 / (rate * 1e3))
+        if knee > v.max():
+            knee = None
+    return IsolatedFit(producers, drain_rate, a, rate, q if knee is not None else None, knee)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """M_X and how well it holds: the numbers of Table 1 for this platform."""
+
+    platform: str
+    source_record: str
+    sm_count: int
+    drain_rate_GBps: float
+    drain_rate_p25: float
+    drain_rate_p75: float
+    t_iss0_us: dict            # "K=..,B=.." -> plateau T_iss^0 (µs)
+    t_iss0_spread: dict        # "K=..,B=.." -> [p25, p75]
+    barrier_gap_us: float      # gap added by the per-burst alignment barrier (local control)
+    isolated: dict             # K -> IsolatedFit as a dict
+    recovery_gap_us: dict      # "K=..,B=.." -> G*
+    gap_issue_err_pct: float   # no-refit median |error| of T_iss over the remote gap sweep
+    gap_period_err_pct: float  # same for T_period
+    local_tiss_spread_pct: float  # (max - min)/median of local T_iss across gaps, worst B
+
+    def platform_model(self) -> model.PlatformModel:
+        def key(s):
+            k, b = s.split(",")
+            return int(k[2:]), int(b[2:])
+        return model.PlatformModel(
+            drain_rate=self.drain_rate_GBps,
+            t_iss0={key(k): v for k, v in self.t_iss0_us.items()},
+            capacity={int(k): f["capacity_bytes"] for k, f in self.isolated.items()
+                      if f["capacity_bytes"] is not None},
+            issue_floor={int(k): model.IssueFloor(int(k), f["fixed_us"], f["issue_rate_GBps"])
+                         for k, f in self.isolated.items()})
+
+    def summary(self) -> dict:
+        """The ``calibration`` entry of ``summary --json`` (schema in README.md)."""
+        iso = {int(k): f for k, f in self.isolated.items()}
+        return {
+            "R_GBps": round(self.drain_rate_GBps, 1),
+            "R_GBps_iqr": [round(self.drain_rate_p25, 1), round(self.drain_rate_p75, 1)],
+            "T_iss0_us": {k: round(v, 3) for k, v in self.t_iss0_us.items()},
+            "Q_MiB": {f"K={k}": round(f["capacity_bytes"] / MIB, 3)
+                      for k, f in iso.items() if f["capacity_bytes"] is not None},
+            "knee_KB_per_producer": {f"K={k}": round(f["knee_volume_bytes"] / k / 1000, 2)
+                                     for k, f in iso.items() if f["knee_volume_bytes"] is not None},
+            "G_star_us": {k: round(v, 3) for k, v in self.recovery_gap_us.items()},
+            "gap_prediction_median_abs_err_pct": round(self.gap_issue_err_pct, 2),
+            "gap_period_prediction_median_abs_err_pct": round(self.gap_period_err_pct, 2),
+            "local_control_tiss_spread_pct": round(self.local_tiss_spread_pct, 2),
+            "sm_count": self.sm_count,
+            "source_record": self.source_record,
+        }
+
+
+def _kb_key(k, b) -> str:
+    return f"K={int(k)},B={int(b)}"
+
+
+def calibrate(table: pd.DataFrame, platform: str, source_record: str,
+              min_volume: float = R_FIT_MIN_VOLUME) -> tuple[Calibration, pd.DataFrame]:
+    """Fit M_X from a ``remote_store`` record's table. Returns the calibration and the gap-sweep
+    points with their no-refit predictions (for Figs. 3a, 3b)."""
+    launches = launch_medians(table)
+    periods = point_medians(launches, "period_us")
+    issue = point_medians(launches, "t_iss_us")
+    gaps = point_medians(launches, "gap_eff_us")
+
+    # R (eq. 1): zero-gap periodic remote points, every K/B decomposition at or above min_volume.
+    zero_gap = launches[(launches["sweep"] == "drain_rate") & (launches["burst_volume"] >= min_volume)]
+    R, drain_limited = fit_drain_rate(zero_gap["burst_volume"], zero_gap["period_us"])
+    zero_gap = zero_gap[drain_limited]
+    per_launch_R = zero_gap["burst_volume"] / zero_gap["period_us"] / 1e3
+    r_p25, r_p75 = np.percentile(per_launch_R, [25, 75])
+
+    gap_pts = issue[issue["sweep"] == "gap"].merge(
+        gaps[gaps["sweep"] == "gap"][["point", "gap_eff_us"]], on="point")
+    gap_pts = gap_pts.merge(periods[periods["sweep"] == "gap"][["point", "period_us"]], on="point")
+    sm_count = int(gap_pts["producers"].max())
+
+    # The alignment barrier adds to every gap; the local control, which no drain backpressures,
+    # measures it: its effective gap minus the set gap.
+    local = gap_pts[gap_pts["path"] == "local"]
+    barrier_us = float(np.median(local["gap_eff_us"] - local["gap_us"]))
+
+    # T_iss^0 (K, B): the plateau, gaps of at least PLATEAU_GAP_MULTIPLE · V/R.
+    remote_launches = launches[(launches["sweep"] == "gap") & (launches["path"] == "remote")]
+    t_iss0, t_iss0_spread, g_star = {}, {}, {}
+    for (k, b), grp in remote_launches.groupby(["producers", "burst_bytes"]):
+        v = k * b
+        plateau = grp[grp["gap_us"] + barrier_us >= PLATEAU_GAP_MULTIPLE * model.drain_time(v, R)]
+        if plateau.empty:
+            raise ValueError(f"gap sweep for K={k}, B={b} reaches no recovered plateau")
+        key = _kb_key(k, b)
+        t_iss0[key] = float(plateau["t_iss_us"].median())
+        t_iss0_spread[key] = [float(x) for x in np.percentile(plateau["t_iss_us"], [25, 75])]
+        g_star[key] = float(model.recovery_gap(v, t_iss0[key], R))
+
+    # No-refit prediction of the gap sweep (eqs. 1, 3) at the gap the producers saw.
+    remote = gap_pts[gap_pts["path"] == "remote"].copy()
+    t0 = np.array([t_iss0[_kb_key(k, b)] for k, b in zip(remote["producers"], remote["burst_bytes"])])
+    g = remote["gap_us"] + barrier_us
+    remote["t_iss0_us"] = t0
+    remote["gap_model_us"] = g
+    remote["t_iss_pred_us"] = model.issue_time(g, remote["burst_volume"], t0, R)
+    remote["period_pred_us"] = model.period(g, remote["burst_volume"], t0, R)
+    remote["period_cc_us"] = model.period_completion_coupled(g, remote["burst_volume"], R)
+    issue_err = np.abs(remote["t_iss_pred_us"] / remote["t_iss_us"] - 1) * 100
+    period_err = np.abs(remote["period_pred_us"] / remote["period_us"] - 1) * 100
+    predicted = pd.concat([remote, local], ignore_index=True)
+
+    spreads = [(grp["t_iss_us"].max() - grp["t_iss_us"].min()) / grp["t_iss_us"].median() * 100
+               for _, grp in local.groupby("burst_bytes")]
+
+    iso = issue[(issue["sweep"] == "isolated") & (issue["path"] == "remote")]
+    isolated = {}
+    for k, grp in iso.groupby("producers"):
+        fit = fit_isolated(int(k), grp["burst_volume"], grp["t_iss_us"], R)
+        isolated[str(int(k))] = asdict(fit)
+    cal = Calibration(platform=platform, source_record=source_record, sm_count=sm_count,
+                      drain_rate_GBps=R, drain_rate_p25=float(r_p25), drain_rate_p75=float(r_p75),
+                      t_iss0_us=t_iss0, t_iss0_spread=t_iss0_spread, barrier_gap_us=barrier_us,
+                      isolated=isolated, recovery_gap_us=g_star,
+                      gap_issue_err_pct=float(np.median(issue_err)),
+                      gap_period_err_pct=float(np.median(period_err)),
+                      local_tiss_spread_pct=float(max(spreads)))
+    return cal, predicted
+
+
+def calibration_from_dict(d: dict) -> Calibration:
+    return Calibration(**d)
+
+
+def calibration_to_dict(cal: Calibration) -> dict:
+    return asdict(cal)

@@ -1,0 +1,94 @@
+"""The X-Stage Burst–Gap model (paper §3.2–3.5, eqs. 1–7) as plain functions.
+
+Units throughout: volumes in bytes, times in microseconds, the drain rate R in GB/s (1e9 B/s).
+Functions accept scalars or NumPy arrays. ``t_iss0`` is the backpressure-free issue time
+T_iss^0(K, V); ``burst_volume`` is the aggregate burst volume V = K·B; ``gap`` is the producer-side
+gap G; ``capacity`` is the effective outstanding capacity Q(K).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+_BYTES_PER_US_PER_GBPS = 1e3  # 1 GB/s moves 1e3 bytes per microsecond
+
+
+def drain_time(burst_volume, drain_rate):
+    """V/R in µs: the steady-state period of the drain-dominated regime (eq. 1)."""
+    return np.asarray(burst_volume, dtype=float) / (np.asarray(drain_rate, dtype=float)
+                                                     * _BYTES_PER_US_PER_GBPS)
+
+
+def issue_time(gap, burst_volume, t_iss0, drain_rate):
+    """Sender-visible issue time T_iss(G; K, V) = max(T_iss^0, V/R − G) (eq. 3)."""
+    return np.maximum(t_iss0, drain_time(burst_volume, drain_rate) - np.asarray(gap, dtype=float))
+
+
+def issue_overhead(gap, burst_volume, t_iss0, drain_rate):
+    """Backpressure overhead ΔT_iss = [V/R − G − T_iss^0]_+ (eq. 4)."""
+    return np.maximum(0.0, drain_time(burst_volume, drain_rate) - gap - np.asarray(t_iss0))
+
+
+def period(gap, burst_volume, t_iss0, drain_rate):
+    """Start-to-start period T_period = T_iss + G = max(T_iss^0 + G, V/R) (eqs. 1–3): the max law."""
+    return issue_time(gap, burst_volume, t_iss0, drain_rate) + np.asarray(gap, dtype=float)
+
+
+def period_completion_coupled(gap, burst_volume, drain_rate):
+    """The completion-coupled sum law T_period^cc = G + V/R (§3.4), for contrast with the max law."""
+    return np.asarray(gap, dtype=float) + drain_time(burst_volume, drain_rate)
+
+
+def recovery_gap(burst_volume, t_iss0, drain_rate):
+    """Minimum recovery gap G* = [V/R − T_iss^0]_+ (eq. 5)."""
+    return np.maximum(0.0, drain_time(burst_volume, drain_rate) - np.asarray(t_iss0))
+
+
+def peak_outstanding(burst_volume, t_iss0, drain_rate):
+    """Peak outstanding volume without a capacity limit, q_peak^0 = [V − R·T_iss^0]_+ (eq. 6)."""
+    drained = np.asarray(drain_rate, dtype=float) * _BYTES_PER_US_PER_GBPS * np.asarray(t_iss0)
+    return np.maximum(0.0, np.asarray(burst_volume, dtype=float) - drained)
+
+
+def isolated_issue_time(burst_volume, t_iss0, capacity, drain_rate):
+    """Issue time of an isolated burst, T_iss^iso = max(T_iss^0, (V − Q)/R) (eq. 7)."""
+    excess = np.asarray(burst_volume, dtype=float) - np.asarray(capacity, dtype=float)
+    return np.maximum(t_iss0, drain_time(excess, drain_rate))
+
+
+def capacity_from_knee(knee_volume, t_iss0_at_knee, drain_rate):
+    """Q from the isolated-burst knee: the volume still outstanding when issue of the knee burst
+    ends, V_knee − R·T_iss^0(V_knee) (eq. 6 at the knee, §3.5)."""
+    return peak_outstanding(knee_volume, t_iss0_at_knee, drain_rate)
+
+
+@dataclass(frozen=True)
+class IssueFloor:
+    """Backpressure-free issue time of K producers as a function of volume: an affine fit
+    T_iss^0(K, V) = fixed_us + V / (issue_rate·1e3), from the isolated bursts under the knee."""
+
+    producers: int
+    fixed_us: float
+    issue_rate_GBps: float
+
+    def __call__(self, burst_volume):
+        return self.fixed_us + drain_time(burst_volume, self.issue_rate_GBps)
+
+
+@dataclass(frozen=True)
+class PlatformModel:
+    """M_X = (T_iss^0(K, V), R, Q(K)) (§3.6): the three numbers that describe a platform."""
+
+    drain_rate: float                        # R, GB/s
+    t_iss0: dict[tuple[int, int], float]     # (K, B) -> measured plateau T_iss^0, µs
+    capacity: dict[int, float]               # K -> Q(K), bytes
+    issue_floor: dict[int, IssueFloor]       # K -> affine T_iss^0(K, V)
+
+    def t_iss0_at(self, producers: int, burst_bytes: int) -> float:
+        """T_iss^0 for (K, B): the measured plateau if there is one, else the affine floor."""
+        if (producers, burst_bytes) in self.t_iss0:
+            return self.t_iss0[(producers, burst_bytes)]
+        if producers in self.issue_floor:
+            return float(self.issue_floor[producers](producers * burst_bytes))
+        raise KeyError(f"no backpressure-free issue time calibrated for K={producers}")

@@ -1,0 +1,118 @@
+"""Records: a measured table plus its provenance, stored append-only under ``data/records``.
+
+A record is one Parquet file, ``data/records/<experiment>/<platform>/<record_id>.parquet``, whose
+schema metadata carries a JSON header (experiment, platform, creation time, the parameters of the
+run and the platform's provenance). The record id is the UTC creation time plus a digest of the
+table, so a rerun adds a new file; writing never replaces an existing one.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+RECORDS_DIR = DATA_DIR / "records"
+_META_KEY = b"xstage_lab"
+
+
+class RecordExistsError(FileExistsError):
+    """Raised instead of overwriting a record: records are append-only."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record: ``table`` and the JSON-serialisable ``meta`` header."""
+
+    path: Path
+    table: pd.DataFrame
+    meta: dict
+
+    @property
+    def record_id(self) -> str:
+        return self.meta["record_id"]
+
+    @property
+    def platform(self) -> str:
+        return self.meta["platform"]
+
+    @property
+    def params(self) -> dict:
+        return self.meta["params"]
+
+    @property
+    def provenance(self) -> dict:
+        return self.meta["provenance"]
+
+
+def write_record(experiment: str, platform: str, table: pd.DataFrame, params: dict,
+                 provenance: dict, root: Path = RECORDS_DIR) -> Path:
+    """Write ``table`` as a new record and return its path; never overwrites (append-only)."""
+    if not experiment.isidentifier() or not platform.replace("-", "_").isidentifier():
+        raise ValueError(f"experiment {experiment!r} and platform {platform!r} must be plain names")
+    created = datetime.now(timezone.utc)
+    arrow = pa.Table.from_pandas(table, preserve_index=False)
+    sink = io.BytesIO()
+    pq.write_table(arrow, sink)
+    digest = hashlib.sha256(sink.getvalue()).hexdigest()[:10]
+    record_id = f"{created:%Y%m%dT%H%M%SZ}-{digest}"
+    meta = {"record_id": record_id, "experiment": experiment, "platform": platform,
+            "created_utc": created.isoformat(), "params": params, "provenance": provenance}
+    arrow = arrow.replace_schema_metadata(
+        {**(arrow.schema.metadata or {}), _META_KEY: json.dumps(meta, default=str).encode()})
+    path = root / experiment / platform / f"{record_id}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(path, "xb") as f:
+            pq.write_table(arrow, f)
+    except FileExistsError as e:
+        raise RecordExistsError(f"record {path} exists; records are never replaced") from e
+    return path
+
+
+def read_record(path: Path | str) -> Record:
+    path = Path(path)
+    arrow = pq.read_table(path)
+    meta_raw = (arrow.schema.metadata or {}).get(_META_KEY)
+    if meta_raw is None:
+        raise ValueError(f"{path} is not an xstage_lab record (no provenance header)")
+    return Record(path=path, table=arrow.to_pandas(), meta=json.loads(meta_raw))
+
+
+def list_records(experiment: str, platform: str | None = None,
+                 root: Path = RECORDS_DIR) -> list[Path]:
+    """Paths of the records of ``experiment`` (on ``platform`` if given), oldest first."""
+    pattern = f"{platform}/*.parquet" if platform else "*/*.parquet"
+    return sorted((root / experiment).glob(pattern), key=lambda p: p.name)
+
+
+def platforms(experiment: str, root: Path = RECORDS_DIR) -> list[str]:
+    return sorted({p.parent.name for p in list_records(experiment, root=root)})
+
+
+def latest_record(experiment: str, platform: str, root: Path = RECORDS_DIR) -> Record:
+    paths = list_records(experiment, platform, root)
+    if not paths:
+        raise FileNotFoundError(f"no {experiment!r} record for platform {platform!r} under {root}")
+    return read_record(paths[-1])
+
+
+def resolve_record(experiment: str, platform: str, record: str | None,
+                   root: Path = RECORDS_DIR) -> Record:
+    """The record named ``record`` (an id or a path), or the platform's latest when None."""
+    if record is None:
+        return latest_record(experiment, platform, root)
+    candidate = Path(record)
+    if candidate.suffix == ".parquet" and candidate.exists():
+        return read_record(candidate)
+    matches = [p for p in list_records(experiment, platform, root) if p.stem == record]
+    if not matches:
+        raise FileNotFoundError(f"no {experiment!r} record {record!r} for platform {platform!r}")
+    return read_record(matches[0])

@@ -1,0 +1,109 @@
+"""The sweep harness shared by every experiment: declared axes, their product, warm-up, repeats
+in rotated order, the SM clock before and after, a progress bar, and medians with spread."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+
+@dataclass(frozen=True)
+class Axis:
+    """A named axis. A value may be a dict of parameters that vary together (a source and a
+    destination GPU, say): the point takes them, and the axis column a label of them."""
+
+    name: str
+    values: tuple
+
+    def __init__(self, name: str, values: Sequence):
+        if not values:
+            raise ValueError(f"axis {name!r} has no values")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "values", tuple(values))
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """The cartesian product of ``axes``, each point completed by ``fixed`` parameters.
+
+    Each point is measured ``warmup`` times unrecorded before its first recorded repeat; the
+    ``repeats`` passes visit all points, each pass in an order rotated by ``len(points)/repeats``
+    so that no point always runs first or right after the same neighbour.
+    """
+
+    name: str
+    axes: tuple[Axis, ...]
+    fixed: dict = field(default_factory=dict)
+    repeats: int = 5
+    warmup: int = 1
+
+    def __post_init__(self):
+        names = [a.name for a in self.axes]
+        if len(set(names)) != len(names) or set(names) & set(self.fixed):
+            raise ValueError(f"sweep {self.name!r}: axis names must be unique and not fixed")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError("repeats must be >= 1 and warmup >= 0")
+
+    def points(self) -> list[dict]:
+        out = []
+        for combo in itertools.product(*(a.values for a in self.axes)):
+            point = dict(self.fixed)
+            for axis, value in zip(self.axes, combo):
+                if isinstance(value, dict):
+                    point.update(value)
+                    value = ",".join(f"{k}={v}" for k, v in value.items())
+                point[axis.name] = value
+            out.append(point)
+        return out
+
+    def describe(self) -> dict:
+        """The declaration as plain data, for a record's parameters."""
+        return {"name": self.name, "axes": {a.name: list(a.values) for a in self.axes},
+                "fixed": self.fixed, "repeats": self.repeats, "warmup": self.warmup}
+
+    def order(self) -> list[tuple[int, int]]:
+        """(repeat, point index) in execution order."""
+        n = len(self.points())
+        step = max(1, n // self.repeats)
+        return [(r, (i + r * step) % n) for r in range(self.repeats) for i in range(n)]
+
+
+Measure = Callable[[dict], pd.DataFrame]
+
+
+def run_sweep(sweep: Sweep, measure: Measure, validate: Callable[[dict], None] | None = None,
+              sm_clock_mhz: Callable[[], float] | None = None,
+              progress: bool = True) -> tuple[pd.DataFrame, dict]:
+    """Run ``measure`` at every point of ``sweep``; return its rows tagged with the point's
+    parameters, ``point``, ``repeat`` and ``order``, and a dict of run facts (clocks).
+
+    ``validate`` sees every point before the first launch, so bad input fails before any work."""
+    points = sweep.points()
+    if validate is not None:
+        for p in points:
+            validate(p)
+    facts = {"sm_clock_mhz_before": sm_clock_mhz() if sm_clock_mhz else None}
+    warmed: set[int] = set()
+    frames = []
+    for seq, (rep, idx) in enumerate(tqdm(sweep.order(), desc=sweep.name, disable=not progress)):
+        if idx not in warmed:
+            for _ in range(sweep.warmup):
+                measure(points[idx])
+            warmed.add(idx)
+        rows = measure(points[idx])
+        frames.append(rows.assign(point=idx, repeat=rep, order=seq, **points[idx]))
+    facts["sm_clock_mhz_after"] = sm_clock_mhz() if sm_clock_mhz else None
+    return pd.concat(frames, ignore_index=True), facts
+
+
+def median_spread(df: pd.DataFrame, by: Sequence[str], value: str) -> pd.DataFrame:
+    """Median of ``value`` per group with its interquartile spread and count."""
+    g = df.groupby(list(by), sort=True)[value]
+    out = g.agg(median="median", p25=lambda s: np.percentile(s, 25),
+                p75=lambda s: np.percentile(s, 75), n="count").reset_index()
+    return out.rename(columns={"median": value, "p25": f"{value}_p25", "p75": f"{value}_p75",
+                               "n": f"{value}_n"})
