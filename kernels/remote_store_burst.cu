@@ -20,14 +20,17 @@ __device__ __forceinline__ u64 global_timer_ns() {
     return t;
 }
 
-__device__ __forceinline__ u32 load_acquire_gpu(const u32* p) {
+// The alignment barrier orders no data, only time, so its atomics are relaxed: a release would
+// fence, and a fence waits until this SM's outstanding remote stores complete, which hides the
+// X-Stage (the drain would be charged to the barrier instead of to the next burst's issue).
+__device__ __forceinline__ u32 load_relaxed_gpu(const u32* p) {
     u32 v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
 
-__device__ __forceinline__ void add_release_gpu(u32* p, u32 v) {
-    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+__device__ __forceinline__ void add_relaxed_gpu(u32* p, u32 v) {
+    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
 
 // The value a producer stores: a function of (burst, producer, vector index) so that the
@@ -41,11 +44,11 @@ __device__ __forceinline__ uint4 burst_pattern(u32 seed, u32 burst, u32 producer
 // round r completes when it reaches (r + 1) * K, so no reset races the next round. The wait is
 // bounded by timeout_ns of %globaltimer; on expiry it raises the error flag and returns false.
 __device__ bool grid_barrier(u32* arrivals, u32 round, u32 n_ctas, u64 timeout_ns, u32* error) {
-    add_release_gpu(arrivals, 1u);
+    add_relaxed_gpu(arrivals, 1u);
     const u32 target = (round + 1u) * n_ctas;
     const u64 deadline = global_timer_ns() + timeout_ns;
-    while (load_acquire_gpu(arrivals) < target) {
-        if (global_timer_ns() > deadline || load_acquire_gpu(error) != 0u) {
+    while (load_relaxed_gpu(arrivals) < target) {
+        if (global_timer_ns() > deadline || load_relaxed_gpu(error) != 0u) {
             atomicOr(error, XSTAGE_ERR_BARRIER_TIMEOUT);
             return false;
         }

@@ -1,0 +1,125 @@
+"""FlashAttention forward fused with the Ulysses post-attention All-to-All (paper §4.3, Figs. 5-7).
+
+Device code only: loaded by path through ``xstage_lab.kernel_sources.load_kernel_module``; the
+launchers and their contracts are in ``xstage_lab/experiments/attention.py``.
+
+Layout (issue 3, item 1), P ranks, H heads, head dim d, M tokens, H/P = H_LOCAL, M/P = rows per rank:
+  input on rank r      q, k, v  [M, H_LOCAL, d] bf16: every token, heads [r*H_LOCAL, (r+1)*H_LOCAL)
+  LOCAL epilogue       out      [M, H_LOCAL, d] bf16, the layout of q
+  REMOTE epilogue      recv_j   [M/P, H, d] bf16 on rank j: token rows [j*M/P, (j+1)*M/P), all heads;
+                       rank r writes recv_j[i, r*H_LOCAL + h, :] = O_r[j*M/P + i, h, :]
+The receive layout is the sequence-parallel [tokens, heads, d] layout the output projection reads.
+In both layouts one token's H_LOCAL heads from one rank are H_LOCAL*d contiguous elements.
+"""
+import triton
+import triton.language as tl
+
+# Hopper (sm_90) launch configurations keyed by head dim: b_m x b_n tiles, two warpgroups on the
+# 128-row tile (wgmma is issued per 64-row warpgroup), TMA loads pipelined num_stages deep within
+# the ~227 KB of shared memory a CTA may hold. CANDIDATES are the alternatives the benchmark times
+# once per head dim before the sweep (the paper tunes FA-only, then uses the same configuration
+# for FA-only, Serial and Fused).
+CONFIGS = {
+    64: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+}
+CANDIDATES = {
+    64: [CONFIGS[64],
+         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
+         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4)],
+    128: [CONFIGS[128],
+          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+          dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)],
+}
+# Remote-store copy kernel: a [COPY_BLOCK_ROWS, d] tile per head, 16-byte stores.
+COPY_CONFIG = dict(BLOCK_ROWS=32, num_warps=4)
+
+
+@triton.jit
+def _q_loop(q, k_desc, v_desc, col, M, qk_scale,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One output tile: the Q-loop over all ceil(M/b_n) KV tiles (Fig. 6) with online softmax.
+
+    Non-causal; scores are scaled by ``qk_scale`` = log2(e)/sqrt(d) so exp2 gives softmax. Returns
+    the normalized fp32 tile O = softmax(Q K^T / sqrt(d)) V.
+    """
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 1.0, tl.float32)  # multiplied by alpha = 0 on the first KV tile
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start_n in tl.range(0, M, BLOCK_N):
+        k = k_desc.load([start_n, col]).T
+        qk = tl.dot(q, k)
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        acc = acc * alpha[:, None]
+        v = v_desc.load([start_n, col])
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_ij
+    return acc / l_i[:, None]
+
+
+@triton.jit
+def flash_attention_kernel(q_desc, k_desc, v_desc, dst, M, rows_per_rank, rank, world, qk_scale,
+                           H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REMOTE: tl.constexpr):
+    """Persistent FlashAttention forward over the M/b_m x H_LOCAL output tiles of one rank.
+
+    ``q_desc``/``k_desc``/``v_desc`` are TMA descriptors over [M, H_LOCAL*d]; head h is the column
+    block [h*d, (h+1)*d). Each program walks tiles pid, pid + num_programs, ...; m blocks vary
+    fastest so concurrent tiles share a head's K and V in L2.
+
+    Epilogue (the ``REMOTE`` constexpr switch):
+      LOCAL   ``dst`` is out [M, H_LOCAL, d]; the tile is stored there.
+      REMOTE  ``dst`` is an int64 table of the P ranks' receive-buffer base addresses (symmetric
+              memory); each row of the tile is stored straight into its owning rank's buffer
+              (row // rows_per_rank) and the program goes on with its next tile: the tile drains
+              through X-Stage during the next Q-loop (Fig. 7, eq. 18) with no communication warp,
+              CTA or SM. Completion is not awaited here; the consumer synchronizes once per launch.
+    Both epilogues store the same bf16 values, so Fused equals Serial bitwise.
+    """
+    num_m_blocks = M // BLOCK_M
+    d_cols = tl.arange(0, HEAD_DIM)
+    for tile in tl.range(tl.program_id(0), num_m_blocks * H_LOCAL, tl.num_programs(0)):
+        head = tile // num_m_blocks
+        col = head * HEAD_DIM
+        row0 = (tile % num_m_blocks) * BLOCK_M
+        q = q_desc.load([row0, col])
+        o = _q_loop(q, k_desc, v_desc, col, M, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM).to(q.dtype)
+        rows = row0 + tl.arange(0, BLOCK_M).to(tl.int64)
+        if REMOTE:
+            owner = rows // rows_per_rank
+            base = tl.multiple_of(tl.load(dst + owner).to(tl.pointer_type(q.dtype)), 16)
+            offs = ((rows - owner * rows_per_rank) * (H_LOCAL * world) + rank * H_LOCAL + head) * HEAD_DIM
+            tl.store(base[:, None] + offs[:, None] + d_cols[None, :], o)
+        else:
+            offs = (rows * H_LOCAL + head) * HEAD_DIM
+            tl.store(dst + offs[:, None] + d_cols[None, :], o)
+
+
+@triton.jit
+def remote_store_a2a_kernel(src, peer_ptrs, M, rows_per_rank, rank, world,
+                            H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_ROWS: tl.constexpr):
+    """Post-attention All-to-All by remote stores, after any attention backend.
+
+    ``src`` is this rank's attention output [M, H_LOCAL, d]; ``peer_ptrs`` the int64 table of the P
+    ranks' receive buffers [M/P, H, d] (symmetric memory). Program i copies token rows
+    [i*BLOCK_ROWS, (i+1)*BLOCK_ROWS), one head at a time, into their owning ranks' buffers at the
+    addresses of the REMOTE epilogue of ``flash_attention_kernel``. No completion wait here.
+    """
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
+    in_range = rows < M
+    owner = rows // rows_per_rank
+    base = tl.multiple_of(tl.load(peer_ptrs + owner, mask=in_range, other=0)
+                          .to(tl.pointer_type(src.dtype.element_ty)), 16)
+    dst_row = (rows - owner * rows_per_rank) * (H_LOCAL * world) + rank * H_LOCAL
+    d_cols = tl.arange(0, HEAD_DIM)
+    for head in tl.static_range(H_LOCAL):
+        x = tl.load(src + ((rows * H_LOCAL + head) * HEAD_DIM)[:, None] + d_cols[None, :],
+                    mask=in_range[:, None])
+        tl.store(base[:, None] + ((dst_row + head) * HEAD_DIM)[:, None] + d_cols[None, :], x,
+                 mask=in_range[:, None])
