@@ -1,11 +1,17 @@
 // Remote-store Burst–Gap microbenchmark (paper §3.1).
 //
-// K producers, one CTA each, repeat: align at a grid barrier, store B bytes with 16-byte stores
-// into the destination buffer (a peer GPU's memory, or the issuing GPU's own for the local
-// control), then spin for a producer-side gap that issues no remote stores. Thread 0 of every
-// CTA records, per burst, the SM clock at issue start and issue end and %globaltimer at issue
-// start; the host turns cycles into time with the SM clock measured over the same launch
-// (clock64 and %globaltimer read together at kernel entry and exit).
+// K producers, one CTA each, repeat: store B bytes with 16-byte stores into the destination
+// buffer (a peer GPU's memory, or the issuing GPU's own for the local control), then spin for a
+// producer-side gap that issues no memory operations at all. Thread 0 of every CTA records, per
+// burst, the SM clock at issue start and issue end and %globaltimer at issue start; the host turns
+// cycles into time with the SM clock measured over the same launch (clock64 and %globaltimer read
+// together at kernel entry and exit).
+//
+// Alignment: a grid barrier before the first burst, and before every burst only when
+// align_each_burst is set (isolated bursts, which follow a full recovery). Periodic bursts run
+// free after the first: any memory operation between bursts, a barrier's atomics and polls
+// included, queues behind the outstanding remote stores and would absorb the backpressure that
+// the next burst's issue is meant to show. The host records the producers' start skew instead.
 //
 // Built at run time by CuPy/NVRTC for sm_90 and compiled by nvcc in the tests: no includes.
 
@@ -21,8 +27,7 @@ __device__ __forceinline__ u64 global_timer_ns() {
 }
 
 // The alignment barrier orders no data, only time, so its atomics are relaxed: a release would
-// fence, and a fence waits until this SM's outstanding remote stores complete, which hides the
-// X-Stage (the drain would be charged to the barrier instead of to the next burst's issue).
+// add a fence, which waits until this SM's outstanding remote stores complete.
 __device__ __forceinline__ u32 load_relaxed_gpu(const u32* p) {
     u32 v;
     asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -66,6 +71,7 @@ extern "C" __global__ void burst_gap(
         u32 vecs_per_producer,    // B / 16
         u32 n_bursts,
         u64 gap_cycles,           // producer-side gap G in SM cycles
+        u32 align_each_burst,     // grid barrier before every burst (else before the first only)
         u32 seed,
         u32* arrivals,            // zeroed before launch
         u32* error,               // zeroed before launch
@@ -83,11 +89,14 @@ extern "C" __global__ void burst_gap(
     }
     __shared__ int abort_run;
     for (u32 burst = 0; burst < n_bursts; ++burst) {
-        if (threadIdx.x == 0) {
-            abort_run = !grid_barrier(arrivals, burst, n_producers, timeout_ns, error);
+        if (burst == 0 || align_each_burst) {
+            if (threadIdx.x == 0) {
+                abort_run = !grid_barrier(arrivals, align_each_burst ? burst : 0u, n_producers,
+                                          timeout_ns, error);
+            }
+            __syncthreads();
+            if (abort_run) break;
         }
-        __syncthreads();
-        if (abort_run) break;
         u64* rec = trace + ((u64)burst * n_producers + producer) * 3;
         if (threadIdx.x == 0) {
             rec[0] = clock64();

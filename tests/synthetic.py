@@ -8,7 +8,7 @@ from xstage_lab import model
 from xstage_lab.experiments.remote_store import characterization_sweeps
 
 KNOWN = dict(drain_rate=700.0, fixed_us=0.25, issue_rate_per_producer_GBps=45.0,
-             capacity_per_producer=32 * 1024, barrier_us=1.2, sm_count=132)
+             capacity_per_producer=32 * 1024, loop_gap_us=1.2, sm_count=132)
 
 
 def issue_floor(k: int, v):
@@ -22,7 +22,7 @@ def capacity(k: int) -> float:
 def synthetic_table(noise: float = 0.0, seed: int = 0) -> pd.DataFrame:
     """Per-burst rows shaped like ``RemoteStoreBench.measure``'s, from the Burst–Gap model."""
     rng = np.random.default_rng(seed)
-    R, bar = KNOWN["drain_rate"], KNOWN["barrier_us"]
+    R, bar = KNOWN["drain_rate"], KNOWN["loop_gap_us"]
     rows = []
     for sw in characterization_sweeps(KNOWN["sm_count"], 2, repeats=3):
         for idx, p in enumerate(sw.points()):

@@ -126,7 +126,7 @@ class Calibration:
     drain_rate_p75: float
     t_iss0_us: dict            # "K=..,B=.." -> plateau T_iss^0 (µs)
     t_iss0_spread: dict        # "K=..,B=.." -> [p25, p75]
-    barrier_gap_us: float      # gap added by the per-burst alignment barrier (local control)
+    loop_gap_us: float         # gap the burst loop adds beyond G (CTA barrier, time stamps)
     isolated: dict             # K -> IsolatedFit as a dict
     recovery_gap_us: dict      # "K=..,B=.." -> G*
     gap_issue_err_pct: float   # no-refit median |error| of T_iss over the remote gap sweep
@@ -190,17 +190,17 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
     gap_pts = gap_pts.merge(periods[periods["sweep"] == "gap"][["point", "period_us"]], on="point")
     sm_count = int(gap_pts["producers"].max())
 
-    # The alignment barrier adds to every gap; the local control, which no drain backpressures,
-    # measures it: its effective gap minus the set gap.
+    # The burst loop (CTA barrier, time stamps) adds to every gap; the local control, which no
+    # drain backpressures, measures it: its effective gap minus the set gap.
     local = gap_pts[gap_pts["path"] == "local"]
-    barrier_us = float(np.median(local["gap_eff_us"] - local["gap_us"]))
+    loop_gap_us = float(np.median(local["gap_eff_us"] - local["gap_us"]))
 
     # T_iss^0 (K, B): the plateau, gaps of at least PLATEAU_GAP_MULTIPLE · V/R.
     remote_launches = launches[(launches["sweep"] == "gap") & (launches["path"] == "remote")]
     t_iss0, t_iss0_spread, g_star = {}, {}, {}
     for (k, b), grp in remote_launches.groupby(["producers", "burst_bytes"]):
         v = k * b
-        plateau = grp[grp["gap_us"] + barrier_us >= PLATEAU_GAP_MULTIPLE * model.drain_time(v, R)]
+        plateau = grp[grp["gap_us"] + loop_gap_us >= PLATEAU_GAP_MULTIPLE * model.drain_time(v, R)]
         if plateau.empty:
             raise ValueError(f"gap sweep for K={k}, B={b} reaches no recovered plateau")
         key = _kb_key(k, b)
@@ -211,7 +211,7 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
     # No-refit prediction of the gap sweep (eqs. 1, 3) at the gap the producers saw.
     remote = gap_pts[gap_pts["path"] == "remote"].copy()
     t0 = np.array([t_iss0[_kb_key(k, b)] for k, b in zip(remote["producers"], remote["burst_bytes"])])
-    g = remote["gap_us"] + barrier_us
+    g = remote["gap_us"] + loop_gap_us
     remote["t_iss0_us"] = t0
     remote["gap_model_us"] = g
     remote["t_iss_pred_us"] = model.issue_time(g, remote["burst_volume"], t0, R)
@@ -231,7 +231,7 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
         isolated[str(int(k))] = asdict(fit)
     cal = Calibration(platform=platform, source_record=source_record, sm_count=sm_count,
                       drain_rate_GBps=R, drain_rate_p25=float(r_p25), drain_rate_p75=float(r_p75),
-                      t_iss0_us=t_iss0, t_iss0_spread=t_iss0_spread, barrier_gap_us=barrier_us,
+                      t_iss0_us=t_iss0, t_iss0_spread=t_iss0_spread, loop_gap_us=loop_gap_us,
                       isolated=isolated, recovery_gap_us=g_star,
                       gap_issue_err_pct=float(np.median(issue_err)),
                       gap_period_err_pct=float(np.median(period_err)),

@@ -92,8 +92,8 @@ def burst_rows(trace: np.ndarray, clocks: np.ndarray, warmup_bursts: int) -> pd.
     ``trace`` is [n_bursts, K, 3] (issue-start clock, issue-end clock, issue-start %globaltimer);
     ``clocks`` is [K, 5] (entry timer, entry clock, exit timer, exit clock, SM id). Each
     producer's cycles become µs at the SM clock it measured over the launch. The burst's issue
-    time is the slowest producer's (all K·B bytes issued); the period is the producers' median
-    start-to-start time; the effective gap is period minus issue time.
+    time and period are the medians over producers of each producer's own (the slowest and the
+    fastest producer's issue times are kept beside); the effective gap is period minus issue time.
     """
     trace = trace.astype(np.float64)
     clocks = clocks.astype(np.float64)
@@ -102,13 +102,13 @@ def burst_rows(trace: np.ndarray, clocks: np.ndarray, warmup_bursts: int) -> pd.
     starts = trace[:, :, 0] / cycles_per_us
     period = np.full(trace.shape[0], np.nan)
     period[:-1] = np.median(np.diff(starts, axis=0), axis=1)
-    t_iss = issue.max(axis=1)
+    t_iss = np.median(issue, axis=1)
     n = trace.shape[0]
     return pd.DataFrame({
         "burst": np.arange(n),
         "warmup": np.arange(n) < warmup_bursts,
         "t_iss_us": t_iss,
-        "t_iss_median_us": np.median(issue, axis=1),
+        "t_iss_max_us": issue.max(axis=1),
         "t_iss_min_us": issue.min(axis=1),
         "period_us": period,
         "gap_eff_us": period - t_iss,
@@ -208,7 +208,7 @@ class RemoteStoreBench:
             kernel((K,), (s.threads,),
                    (np.uint64(buf.data.ptr), np.uint64(volume // 16), np.uint32(n_slots),
                     np.uint32(B // 16), np.uint32(n_bursts), np.uint64(round(gap_us * mhz)),
-                    np.uint32(self._seed), arrivals, error,
+                    np.uint32(isolated), np.uint32(self._seed), arrivals, error,
                     np.uint64(s.barrier_timeout_s * 1e9), trace, clocks),
                    shared_mem=smem)
             cp.cuda.Device(src).synchronize()

@@ -1,0 +1,169 @@
+"""Persistent expert-parallel MoE kernel with remote-store Combine (paper §2.2, §4.2).
+
+Device code only; the host side (tile tables, preconditions, launch) is
+``xstage_lab/experiments/moe.py`` and the schedules are ``xstage_lab/experiments/moe_schedules.py``.
+
+One program walks its own row of an int32 tile table, entries ``(kind, expert, row_block, n_block)``:
+
+* ``TILE_L1``: Linear-1 of one row block (``BLOCK_M`` dispatched rows of one local expert) for one
+  ``BLOCK_N1`` slice of the intermediate dimension: gate and up projections, SwiGLU, the result
+  stored to the local intermediate buffer ``h``; then one release-add on the row block's counter.
+* ``TILE_L2``: Linear-2 of one row block for one ``BLOCK_N2`` slice of the hidden dimension. It
+  acquire-spins until the row block's counter reaches ``INTER // BLOCK_N1`` (every Linear-1 slice of
+  those rows is visible); the epilogue stores the result rows straight into the Combine buffer of
+  each row's source rank through the peer pointer table (row -> (source rank, slot)): the
+  concentrated remote-store burst of the paper. There is no separate combine kernel.
+
+Every spin is bounded: after ``max_spin`` polls the tile is skipped and ``error_ptr`` counts it, so
+an unsatisfiable schedule ends with an error instead of a hang (the rows stay poisoned).
+
+``FP8`` selects W8A8: e4m3 operands with fp32 block scales, 1 x ``SCALE_BLOCK`` for activations
+(per row and K block) and ``SCALE_BLOCK`` x ``SCALE_BLOCK`` for weights, applied per K block as in
+DeepSeek-V3/DeepGEMM; the Linear-1 epilogue re-quantizes ``h`` per row and ``SCALE_BLOCK`` columns.
+
+Layouts (row-major, no padding inside a row; ``R`` = padded dispatched rows, ``E`` = local experts):
+``x [R, HIDDEN]``, ``x_scale [R, HIDDEN/SB]``, ``w1 [E, 2*INTER, HIDDEN]`` (gate rows, then up rows),
+``w1_scale [E, 2*INTER/SB, HIDDEN/SB]``, ``w2 [E, HIDDEN, INTER]``, ``w2_scale [E, HIDDEN/SB, INTER/SB]``,
+``h [R, INTER]``, ``h_scale [R, INTER/SB]``, ``row_src``/``row_slot`` int32 ``[R]`` (slot -1: padding),
+peer table int64 ``[P]`` of bf16 ``[slots, HIDDEN]`` Combine buffers.
+"""
+import triton
+import triton.language as tl
+
+TILE_L1 = tl.constexpr(0)
+TILE_L2 = tl.constexpr(1)
+E4M3_MAX = tl.constexpr(448.0)
+E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2**-6; below it e4m3 steps are 2**-9
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """Round fp32 onto the e4m3 grid (nearest, ties to even above 2**-6), saturating at 448.
+
+    The following ``.to(float8e4nv)`` is then exact, so GPU and interpreter agree (the interpreter's
+    own fp32 -> fp8 rounding drops the carry into the exponent)."""
+    x = tl.minimum(tl.maximum(x, -E4M3_MAX), E4M3_MAX)
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 mantissa bits, RNE
+    normal = bits.to(tl.float32, bitcast=True)
+    subnormal = tl.floor(tl.abs(x) * 512.0 + 0.5) / 512.0
+    subnormal = tl.where(x < 0, -subnormal, subnormal)
+    return tl.where(tl.abs(x) < E4M3_MIN_NORMAL, subnormal, normal)
+
+
+@triton.jit
+def _linear1_swiglu_tile(expert, row_block, n_block,
+                         x_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, h_ptr, h_scale_ptr, row_ready_ptr,
+                         HIDDEN, INTER,
+                         FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
+                         BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    rows = (row_block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = n_block * BLOCK_N1 + tl.arange(0, BLOCK_N1)
+    ks = tl.arange(0, BLOCK_K)
+    w_gate = w1_ptr + expert.to(tl.int64) * (2 * INTER) * HIDDEN
+    w_up = w_gate + INTER.to(tl.int64) * HIDDEN
+    k_scales = HIDDEN // SCALE_BLOCK
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N1), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N1), dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        a = tl.load(x_ptr + rows[:, None] * HIDDEN + (k0 + ks)[None, :])
+        b_gate = tl.load(w_gate + cols[None, :].to(tl.int64) * HIDDEN + (k0 + ks)[:, None])
+        b_up = tl.load(w_up + cols[None, :].to(tl.int64) * HIDDEN + (k0 + ks)[:, None])
+        if FP8:
+            # One K block lies inside one scale block: promote to fp32 with both scales.
+            a_s = tl.load(x_scale_ptr + rows * k_scales + k0 // SCALE_BLOCK)
+            w_scales = w1_scale_ptr + expert.to(tl.int64) * (2 * INTER // SCALE_BLOCK) * k_scales
+            g_s = tl.load(w_scales + (cols // SCALE_BLOCK) * k_scales + k0 // SCALE_BLOCK)
+            u_s = tl.load(w_scales + ((INTER + cols) // SCALE_BLOCK) * k_scales + k0 // SCALE_BLOCK)
+            acc_gate += tl.dot(a, b_gate) * (a_s[:, None] * g_s[None, :])
+            acc_up += tl.dot(a, b_up) * (a_s[:, None] * u_s[None, :])
+        else:
+            acc_gate = tl.dot(a, b_gate, acc_gate)
+            acc_up = tl.dot(a, b_up, acc_up)
+    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # SwiGLU: silu(gate) * up
+    h_ptrs = h_ptr + rows[:, None] * INTER + cols[None, :]
+    if FP8:
+        # BLOCK_N1 == SCALE_BLOCK: the tile holds exactly one activation scale block per row.
+        amax = tl.max(tl.abs(h), axis=1)
+        scale = tl.maximum(amax, 1e-12) / E4M3_MAX
+        q = _round_to_e4m3(h / scale[:, None])
+        tl.store(h_ptrs, q.to(tl.float8e4nv))
+        tl.store(h_scale_ptr + rows * (INTER // SCALE_BLOCK) + n_block, scale)
+    else:
+        tl.store(h_ptrs, h.to(tl.bfloat16))
+    # Every thread's h stores happen-before the release (CTA barrier + release cumulativity).
+    tl.debug_barrier()
+    tl.atomic_add(row_ready_ptr + row_block, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _linear2_combine_tile(expert, row_block, n_block,
+                          h_ptr, h_scale_ptr, w2_ptr, w2_scale_ptr, row_ready_ptr,
+                          row_src_ptr, row_slot_ptr, combine_ptrs_ptr, error_ptr, max_spin,
+                          HIDDEN, INTER,
+                          FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
+                          BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    # Acquire-wait until all INTER // BLOCK_N1 Linear-1 slices of this row block are visible.
+    needed = INTER // BLOCK_N1
+    ready = tl.atomic_add(row_ready_ptr + row_block, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (ready < needed) & (spins < max_spin):
+        ready = tl.atomic_add(row_ready_ptr + row_block, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if ready < needed:
+        tl.atomic_add(error_ptr, 1)  # bounded spin expired: report and skip, never hang
+    else:
+        tl.debug_barrier()  # the acquiring thread's view is ordered before every thread's loads
+        rows = (row_block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = n_block * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+        ks = tl.arange(0, BLOCK_K)
+        w = w2_ptr + expert.to(tl.int64) * HIDDEN * INTER
+        k_scales = INTER // SCALE_BLOCK
+        acc = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            # .cg: read h at L2, where the producers' released stores are.
+            a = tl.load(h_ptr + rows[:, None] * INTER + (k0 + ks)[None, :], cache_modifier=".cg")
+            b = tl.load(w + cols[None, :].to(tl.int64) * INTER + (k0 + ks)[:, None])
+            if FP8:
+                a_s = tl.load(h_scale_ptr + rows * k_scales + k0 // SCALE_BLOCK, cache_modifier=".cg")
+                w_scales = w2_scale_ptr + expert.to(tl.int64) * (HIDDEN // SCALE_BLOCK) * k_scales
+                b_s = tl.load(w_scales + (cols // SCALE_BLOCK) * k_scales + k0 // SCALE_BLOCK)
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+            else:
+                acc = tl.dot(a, b, acc)
+        # Epilogue: each row goes to its source rank's Combine buffer (remote store burst).
+        slot = tl.load(row_slot_ptr + rows)
+        src = tl.load(row_src_ptr + rows)
+        dst = tl.load(combine_ptrs_ptr + src).to(tl.pointer_type(tl.bfloat16))
+        out_ptrs = dst[:, None] + slot.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
+        tl.store(out_ptrs, acc.to(tl.bfloat16), mask=(slot >= 0)[:, None])
+
+
+@triton.jit
+def fused_moe_kernel(tiles_ptr, num_tiles_ptr, max_tiles,
+                     x_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w2_ptr, w2_scale_ptr,
+                     h_ptr, h_scale_ptr, row_ready_ptr,
+                     row_src_ptr, row_slot_ptr, combine_ptrs_ptr,
+                     error_ptr, max_spin,
+                     HIDDEN, INTER,
+                     FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
+                     BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """One persistent program per table row; the schedule is the table, not this code."""
+    pid = tl.program_id(0)
+    my_tiles = tiles_ptr + pid * max_tiles * 4
+    for i in range(0, tl.load(num_tiles_ptr + pid)):
+        kind = tl.load(my_tiles + i * 4)
+        expert = tl.load(my_tiles + i * 4 + 1)
+        row_block = tl.load(my_tiles + i * 4 + 2)
+        n_block = tl.load(my_tiles + i * 4 + 3)
+        if kind == TILE_L1:
+            _linear1_swiglu_tile(expert, row_block, n_block,
+                                 x_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, h_ptr, h_scale_ptr,
+                                 row_ready_ptr, HIDDEN, INTER,
+                                 FP8, BLOCK_M, BLOCK_N1, BLOCK_K, SCALE_BLOCK)
+        else:
+            _linear2_combine_tile(expert, row_block, n_block,
+                                  h_ptr, h_scale_ptr, w2_ptr, w2_scale_ptr, row_ready_ptr,
+                                  row_src_ptr, row_slot_ptr, combine_ptrs_ptr, error_ptr, max_spin,
+                                  HIDDEN, INTER,
+                                  FP8, BLOCK_M, BLOCK_N1, BLOCK_N2, BLOCK_K, SCALE_BLOCK)

@@ -1,0 +1,367 @@
+"""Ulysses attention fused with its post-attention All-to-All through remote stores (paper §4.3, §5.3).
+
+Layout (issue 3, item 1). P ranks, H heads, head dim d, M tokens:
+  before attention, rank r holds q, k, v  [M, H/P, d] bf16: all tokens, heads [r*H/P, (r+1)*H/P);
+  after the All-to-All, rank j holds      [M/P, H, d] bf16: tokens [j*M/P, (j+1)*M/P), all heads,
+  with head index r*H/P + h for local head h of rank r. ``ulysses_gather`` states this mapping.
+
+Paths, all producing the same [M/P, H, d] result on every rank:
+  ``flash_attention``      the Triton FlashAttention forward (FA-only), output [M, H/P, d] locally;
+  ``fused_attention_a2a``  X-Stage-Fused: the same kernel, each output tile stored into its owning
+                           rank's symmetric buffer at the tile boundary (Fig. 7);
+  Serial                   ``flash_attention`` then ``nccl_a2a`` (NCCL ``all_to_all_single``);
+  ``remote_store_a2a``     the All-to-All alone by remote stores, after any attention backend;
+  ``sdpa_nccl``            what users run today: torch SDPA (cuDNN backend) then NCCL.
+Remote stores are not awaited by the kernels: the consumer completes them with one barrier per
+launch (``ReceiveBuffer.barrier``), as the paper's sender-side boundary assumes (§5.1).
+
+Device code: ``kernels/flash_attention.py``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from triton.runtime.interpreter import InterpretedFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..kernel_sources import load_kernel_module
+
+_kernels = load_kernel_module("flash_attention")
+
+DTYPE = torch.bfloat16
+HEAD_DIMS = (64, 128)
+LOG2E = 1.4426950408889634
+# A symmetric-memory pointer must allow 16-byte stores (TMA and vector stores need it too).
+ALIGN_BYTES = 16
+
+
+def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
+    """The launch configuration for ``head_dim``: the Hopper table ``CONFIGS`` updated by ``config``.
+
+    Keys: BLOCK_M (b_m, rows of an output tile), BLOCK_N (b_n, rows of a KV tile), num_warps,
+    num_stages. Tiles must be powers of two >= 16 (``tl.dot``).
+    """
+    _check_head_dim(head_dim)
+    cfg = dict(_kernels.CONFIGS[head_dim], **(config or {}))
+    unknown = set(cfg) - {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+    if unknown:
+        raise ValueError(f"unknown configuration keys {sorted(unknown)}")
+    for key in ("BLOCK_M", "BLOCK_N"):
+        b = cfg[key]
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"{key}={b} must be a power of two >= 16")
+    return cfg
+
+
+def check_ulysses_shape(seq_len: int, heads: int, world: int) -> None:
+    """Raise ValueError unless P = ``world`` divides both the heads and the sequence (item 1)."""
+    if world < 1:
+        raise ValueError(f"world size P={world} must be >= 1")
+    if heads % world:
+        raise ValueError(f"heads H={heads} are not divisible by P={world}")
+    if seq_len % world:
+        raise ValueError(f"sequence length M={seq_len} is not divisible by P={world}")
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                    out: torch.Tensor | None = None, config: dict | None = None,
+                    num_programs: int | None = None) -> torch.Tensor:
+    """FA-only: non-causal softmax(q k^T / sqrt(d)) v per head, output on this rank.
+
+    Contract: q, k, v bf16 [M, H/P, d], contiguous, on one device, d in {64, 128}, M a multiple of
+    the configuration's b_m and b_n; fp32 accumulation. ``out`` (bf16 [M, H/P, d], contiguous) is
+    written in place when given, else allocated. ``num_programs`` bounds the persistent grid
+    (default: one program per SM). Returns the output [M, H/P, d].
+    """
+    M, h_local, d, cfg = _check_qkv(q, k, v, config)
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        _check_tensor("out", out, q.shape, q.device)
+    _launch_flash_attention(q, k, v, out, rows_per_rank=M, rank=0, world=1, remote=False,
+                            cfg=cfg, num_programs=num_programs)
+    return out
+
+
+def fused_attention_a2a(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        peer_ptrs: torch.Tensor, rank: int, world: int, *,
+                        config: dict | None = None, num_programs: int | None = None) -> None:
+    """X-Stage-Fused Ulysses attention: FlashAttention whose epilogue stores each output tile into
+    the owning rank's receive buffer and resumes with the next tile (§4.3, Fig. 7).
+
+    Contract: q, k, v as for ``flash_attention`` (this rank's heads [rank*H/P, (rank+1)*H/P));
+    ``peer_ptrs`` int64 [P] on q's device, entry j the base address of rank j's receive buffer
+    bf16 [M/P, H, d] (``ReceiveBuffer.peer_ptrs``); P = ``world`` divides M. Returns at launch:
+    receivers must synchronize once (``ReceiveBuffer.barrier``) before reading. The values stored
+    are bitwise those of ``nccl_a2a(flash_attention(q, k, v))`` with the same configuration.
+    """
+    M, h_local, d, cfg = _check_qkv(q, k, v, config)
+    _check_peer_ptrs(peer_ptrs, q.device, rank, world, M)
+    _launch_flash_attention(q, k, v, peer_ptrs, rows_per_rank=M // world, rank=rank, world=world,
+                            remote=True, cfg=cfg, num_programs=num_programs)
+
+
+def remote_store_a2a(out_local: torch.Tensor, peer_ptrs: torch.Tensor, rank: int, world: int,
+                     *, block_rows: int | None = None) -> None:
+    """The post-attention All-to-All by remote stores, usable after any attention backend.
+
+    Contract: ``out_local`` bf16 [M, H/P, d] contiguous (this rank's attention output, heads
+    [rank*H/P, (rank+1)*H/P)), d in {64, 128}; ``peer_ptrs`` as for ``fused_attention_a2a``;
+    P = ``world`` divides M. Rank j's buffer receives rows [j*M/P, (j+1)*M/P) at head offset
+    rank*H/P. Returns at launch; receivers synchronize once (``ReceiveBuffer.barrier``).
+    """
+    if not isinstance(out_local, torch.Tensor) or out_local.dim() != 3:
+        raise ValueError("out_local must be a tensor [M, H/P, d]")
+    M, h_local, d = out_local.shape
+    _check_head_dim(d)
+    _check_tensor("out_local", out_local, out_local.shape, out_local.device)
+    _check_peer_ptrs(peer_ptrs, out_local.device, rank, world, M)
+    block_rows = block_rows or _kernels.COPY_CONFIG["BLOCK_ROWS"]
+    _check_launchable(out_local.device)
+    _kernels.remote_store_a2a_kernel[(triton_cdiv(M, block_rows),)](
+        out_local, peer_ptrs, M, M // world, rank, world,
+        H_LOCAL=h_local, HEAD_DIM=d, BLOCK_ROWS=block_rows,
+        num_warps=_kernels.COPY_CONFIG["num_warps"])
+
+
+def nccl_a2a(out_local: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """The post-attention All-to-All through ``dist.all_to_all_single`` (Serial, A2A-only, and the
+    SDPA baseline, as yunchang, xDiT and DeepSpeed do it).
+
+    Contract: ``out_local`` [M, H/P, d] contiguous, this rank's heads; P = group size divides M.
+    Row block j of ``out_local`` goes to rank j unchanged (no send-side permute); the received
+    [P, M/P, H/P, d] (source rank first) is permuted to [M/P, P*H/P, d]. Returns it, in ``out``
+    (contiguous [M/P, H, d]) when given.
+    """
+    world = dist.get_world_size(group)
+    if out_local.dim() != 3 or not out_local.is_contiguous():
+        raise ValueError("out_local must be a contiguous tensor [M, H/P, d]")
+    M, h_local, d = out_local.shape
+    check_ulysses_shape(M, h_local * world, world)
+    shape = (M // world, world * h_local, d)
+    if out is not None:
+        _check_tensor("out", out, shape, out_local.device, dtype=out_local.dtype)
+    recv = torch.empty_like(out_local)
+    dist.all_to_all_single(recv, out_local, group=group)
+    received = recv.view(world, M // world, h_local, d).permute(1, 0, 2, 3)
+    if out is None:
+        return received.reshape(shape)
+    out.view(M // world, world, h_local, d).copy_(received)
+    return out
+
+
+def sdpa_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """torch SDPA, non-causal, forced onto its cuDNN backend; [M, H/P, d] in and out (contiguous).
+
+    Inputs are passed as [1, H/P, M, d] views of the Ulysses layout, as users do; the kernel raises
+    if cuDNN attention is unavailable rather than falling back to another backend.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        o = F.scaled_dot_product_attention(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)))
+    return o[0].transpose(0, 1).contiguous()
+
+
+def sdpa_nccl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              group: dist.ProcessGroup | None = None, *,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """The baseline users run today: ``sdpa_cudnn`` then ``nccl_a2a``. Returns [M/P, H, d]."""
+    return nccl_a2a(sdpa_cudnn(q, k, v), group, out=out)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        max_scores: int = 1 << 28) -> torch.Tensor:
+    """Float32 non-causal attention per head, [M, H/P, d] in, float32 [M, H/P, d] out.
+
+    Query rows are processed in chunks so at most ``max_scores`` fp32 scores exist at once; TF32 is
+    disabled for the duration.
+    """
+    M, h_local, d = q.shape
+    qh, kh, vh = (t.float().transpose(0, 1) for t in (q, k, v))  # [H/P, M, d]
+    out = torch.empty(h_local, M, d, dtype=torch.float32, device=q.device)
+    chunk = max(1, max_scores // (h_local * M))
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        for i in range(0, M, chunk):
+            s = qh[:, i:i + chunk] @ kh.transpose(1, 2) / math.sqrt(d)
+            out[:, i:i + chunk] = torch.softmax(s, dim=-1) @ vh
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    return out.transpose(0, 1).contiguous()
+
+
+def ulysses_gather(local_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """What every rank must receive, from all P ranks' attention outputs [M, H/P, d] (item 1):
+    element j is [M/P, H, d], rows [j*M/P, (j+1)*M/P) with rank r's heads at [r*H/P, (r+1)*H/P)."""
+    world = len(local_outputs)
+    full = torch.cat(list(local_outputs), dim=1)  # [M, H, d], heads in rank order
+    check_ulysses_shape(full.shape[0], full.shape[1], world)
+    return [c.contiguous() for c in full.chunk(world, dim=0)]
+
+
+def reference_ulysses(q_all: Sequence[torch.Tensor], k_all: Sequence[torch.Tensor],
+                      v_all: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Float32 reference of the whole Ulysses post-attention path: from every rank's q, k, v
+    [M, H/P, d] (index = rank), the float32 [M/P, H, d] that each rank must receive."""
+    if not len(q_all) == len(k_all) == len(v_all):
+        raise ValueError("q_all, k_all and v_all must hold one tensor per rank")
+    return ulysses_gather([reference_attention(q, k, v) for q, k, v in zip(q_all, k_all, v_all)])
+
+
+@dataclass
+class ReceiveBuffer:
+    """A symmetric-memory receive buffer and its peer pointer table, sized for the largest case.
+
+    ``buffer`` is a flat bf16 allocation on every rank; ``view(M, heads, d)`` is its [M/P, H, d]
+    prefix, and ``peer_ptrs`` (int64 [P], on this rank's device) the base addresses of that prefix
+    on every rank, for the REMOTE epilogue and ``remote_store_a2a``.
+    """
+
+    buffer: torch.Tensor
+    handle: object
+    peer_ptrs: torch.Tensor
+    rank: int
+    world: int
+
+    def view(self, seq_len: int, heads: int, head_dim: int) -> torch.Tensor:
+        check_ulysses_shape(seq_len, heads, self.world)
+        n = seq_len // self.world * heads * head_dim
+        if n > self.buffer.numel():
+            raise ValueError(f"[{seq_len // self.world}, {heads}, {head_dim}] exceeds the receive "
+                             f"buffer of {self.buffer.numel()} elements")
+        return self.buffer[:n].view(seq_len // self.world, heads, head_dim)
+
+    def barrier(self) -> None:
+        """Consumer-side completion, once per launch: a device barrier over the signal pads
+        (release/acquire at system scope) on the current stream, after which every rank's remote
+        stores issued earlier on its stream are visible to every rank."""
+        self.handle.barrier(channel=0)
+
+
+def symmetric_receive_buffer(numel: int, group: dist.ProcessGroup | None = None) -> ReceiveBuffer:
+    """Allocate ``numel`` bf16 of torch symmetric memory on every rank and exchange the pointers.
+
+    Checks first, with a clear error, that all ranks are on one host and every pair of their GPUs
+    has peer access (remote stores need it), and that NVLink multicast is off
+    (TORCH_SYMM_MEM_DISABLE_MULTICAST=1). Collective over ``group``.
+    """
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = group or dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") != "1":
+        raise RuntimeError("TORCH_SYMM_MEM_DISABLE_MULTICAST=1 must be set: NVLink multicast stays off")
+    device = torch.device("cuda", torch.cuda.current_device())
+    places = [None] * world
+    dist.all_gather_object(places, (socket.gethostname(), device.index), group=group)
+    for peer, (host, index) in enumerate(places):
+        if host != places[rank][0]:
+            raise RuntimeError(f"rank {peer} is on host {host}, rank {rank} on {places[rank][0]}: "
+                               "remote stores need every rank on one host")
+        if peer != rank and not torch.cuda.can_device_access_peer(device.index, index):
+            raise RuntimeError(f"GPU {device.index} (rank {rank}) has no peer access to GPU {index} "
+                               f"(rank {peer}): remote stores need peer access between all GPUs")
+    buffer = symm_mem.empty(numel, dtype=DTYPE, device=device)
+    handle = symm_mem.rendezvous(buffer, group)
+    # buffer_ptrs are the bases of the ranks' allocations; the tensor may start at an offset into
+    # it (pooled symmetric allocations), which must be the same on every rank.
+    offset = buffer.data_ptr() - handle.buffer_ptrs[rank]
+    offsets = [None] * world
+    dist.all_gather_object(offsets, offset, group=group)
+    if len(set(offsets)) != 1:
+        raise RuntimeError(f"symmetric buffer offsets differ across ranks: {offsets}")
+    ptrs = [p + offset for p in handle.buffer_ptrs]
+    if any(p == 0 or p % ALIGN_BYTES for p in ptrs):
+        raise RuntimeError(f"peer pointers must be non-null and {ALIGN_BYTES}-byte aligned: {ptrs}")
+    return ReceiveBuffer(buffer, handle, torch.tensor(ptrs, dtype=torch.int64, device=device),
+                         rank, world)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_head_dim(d: int) -> None:
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dim d={d} is not supported (supported: {HEAD_DIMS})")
+
+
+def _check_tensor(name: str, t: torch.Tensor, shape, device: torch.device,
+                  dtype: torch.dtype = DTYPE) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.data_ptr() % ALIGN_BYTES:
+        raise ValueError(f"{name} must be {ALIGN_BYTES}-byte aligned")
+
+
+def _check_qkv(q, k, v, config):
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError("q must be a tensor [M, H/P, d]")
+    M, h_local, d = q.shape
+    _check_head_dim(d)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, q.shape, q.device)
+    cfg = flash_attention_config(d, config)
+    if M % cfg["BLOCK_M"] or M % cfg["BLOCK_N"]:
+        raise ValueError(f"sequence length M={M} must be a multiple of the tile sizes "
+                         f"b_m={cfg['BLOCK_M']} and b_n={cfg['BLOCK_N']} (head dim {d})")
+    return M, h_local, d, cfg
+
+
+def _check_peer_ptrs(peer_ptrs: torch.Tensor, device: torch.device, rank: int, world: int,
+                     seq_len: int) -> None:
+    """Metadata only: reading device entries would synchronize (and break CUDA-graph capture);
+    ``symmetric_receive_buffer`` validates the entries when it builds the table."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} must be in [0, P={world})")
+    if seq_len % world:
+        raise ValueError(f"sequence length M={seq_len} is not divisible by P={world}")
+    if not isinstance(peer_ptrs, torch.Tensor) or peer_ptrs.dtype != torch.int64:
+        raise ValueError("peer_ptrs must be an int64 tensor of receive-buffer addresses")
+    if tuple(peer_ptrs.shape) != (world,):
+        raise ValueError(f"peer_ptrs must hold one pointer per rank: shape [{world}], "
+                         f"got {list(peer_ptrs.shape)}")
+    if peer_ptrs.device != device or not peer_ptrs.is_contiguous():
+        raise ValueError(f"peer_ptrs must be contiguous on {device}, got {peer_ptrs.device}")
+
+
+def _check_launchable(device: torch.device) -> None:
+    interpreted = isinstance(_kernels.flash_attention_kernel, InterpretedFunction)
+    if device.type != "cuda" and not interpreted:
+        raise ValueError(f"tensors on {device}: the kernels run on CUDA devices "
+                         "(CPU tensors only under TRITON_INTERPRET=1)")
+
+
+def _launch_flash_attention(q, k, v, dst, *, rows_per_rank, rank, world, remote, cfg,
+                            num_programs):
+    M, h_local, d = q.shape
+    _check_launchable(q.device)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    # Heads are column blocks of the [M, H/P * d] matrix, so one descriptor serves all heads.
+    descs = [TensorDescriptor(t.view(M, h_local * d), [M, h_local * d], [h_local * d, 1], [rows, d])
+             for t, rows in ((q, bm), (k, bn), (v, bn))]
+    tiles = M // bm * h_local
+    if num_programs is None:
+        num_programs = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                        if q.device.type == "cuda" else tiles)
+    _kernels.flash_attention_kernel[(min(tiles, num_programs),)](
+        *descs, dst, M, rows_per_rank, rank, world, LOG2E / math.sqrt(d),
+        H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

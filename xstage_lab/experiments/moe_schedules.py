@@ -1,0 +1,265 @@
+"""Tile schedules of the fused MoE kernel (paper §4.2, Algorithm 1) and their checker.
+
+A schedule is data: one ordered tile list per persistent program. The kernel
+(``kernels/moe_fused.py``) executes whatever lists it is given, so a new schedule needs no kernel
+change. Terms follow the paper:
+
+* a *scheduler row* (row block) is ``block_m`` dispatched tokens of one local expert; rows are
+  numbered expert by expert, ``O_e`` is the first row of expert ``e`` and ``e(p)`` the expert of
+  row ``p``;
+* ``P_1`` (``l1_n_blocks``) and ``P_2`` (``l2_n_blocks``) are the Linear-1 and Linear-2 tiles of one
+  row; every Linear-2 tile of row ``p`` depends on all ``P_1`` Linear-1 tiles of row ``p``;
+* ``G`` programs walk the tile streams with stride ``G`` (program ``g`` starts at ``g``);
+* ``D`` (``lead_rows``) is the minimum row lead of the Linear-1 stream over the Linear-2 stream.
+
+Expert-Wave (the baseline, §2.2): local experts grouped into waves; the merged stream is each wave's
+Linear-1 tiles followed by its Linear-2 tiles, dealt round-robin to the programs.
+
+Interleaved (Algorithm 1): each program merges its strided Linear-1 and Linear-2 streams, emitting
+Linear-2 only when ``p_2 + D <= p_1`` (``p_1 = inf`` once its Linear-1 stream is done); the default
+``D`` is ``D_knee`` (eq. 16). Triton has no two-CTA clusters, so one program is one instance
+(``r = 0``, N-tile ``k mod P_i``), where the paper pairs CTAs with ``n = 2(k mod P_i) + r``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+L1 = 0
+L2 = 1
+TILE_FIELDS = 4  # (kind, expert, row_block, n_block): one int32 table entry
+
+
+class Tile(NamedTuple):
+    kind: int        # L1 or L2
+    expert: int      # local expert index
+    row_block: int   # global scheduler row (row blocks of all local experts, expert by expert)
+    n_block: int     # N-tile index in the tile's output (intermediate for L1, hidden for L2)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-program tile lists plus how they were built."""
+
+    name: str
+    programs: tuple[tuple[Tile, ...], ...]
+    lead_rows: int | None = None   # D for an interleaved schedule; None where no lead is promised
+
+    @property
+    def num_programs(self) -> int:
+        return len(self.programs)
+
+    @property
+    def num_tiles(self) -> int:
+        return sum(len(p) for p in self.programs)
+
+
+@dataclass(frozen=True)
+class MoEProblem:
+    """The tile grid of one rank's fused MoE call."""
+
+    blocks_per_expert: tuple[int, ...]  # row blocks of each local expert (0 for an idle expert)
+    l1_n_blocks: int                    # P_1 = intermediate / block_n1
+    l2_n_blocks: int                    # P_2 = hidden / block_n2
+
+    def __post_init__(self):
+        if any(b < 0 for b in self.blocks_per_expert):
+            raise ValueError(f"blocks_per_expert must be >= 0, got {self.blocks_per_expert}")
+        if self.l1_n_blocks < 1 or self.l2_n_blocks < 1:
+            raise ValueError("l1_n_blocks and l2_n_blocks must be >= 1")
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.blocks_per_expert)
+
+    @property
+    def first_row(self) -> tuple[int, ...]:
+        """O_e: the first scheduler row of each local expert."""
+        return tuple(int(v) for v in np.concatenate(([0], np.cumsum(self.blocks_per_expert)[:-1])))
+
+    @property
+    def row_expert(self) -> tuple[int, ...]:
+        """e(p): the local expert of each scheduler row."""
+        return tuple(e for e, b in enumerate(self.blocks_per_expert) for _ in range(b))
+
+    def l1_tile(self, k: int) -> Tile:
+        """The k-th tile of the row-major Linear-1 stream."""
+        row = k // self.l1_n_blocks
+        return Tile(L1, self.row_expert[row], row, k % self.l1_n_blocks)
+
+    def l2_tile(self, k: int) -> Tile:
+        row = k // self.l2_n_blocks
+        return Tile(L2, self.row_expert[row], row, k % self.l2_n_blocks)
+
+    def all_tiles(self) -> set[Tile]:
+        rows = self.num_rows
+        return ({self.l1_tile(k) for k in range(rows * self.l1_n_blocks)}
+                | {self.l2_tile(k) for k in range(rows * self.l2_n_blocks)})
+
+
+def d_knee(b_n: int, k_sm: int, h_inter: int) -> int:
+    """Eq. 16: D_knee = ceil(b_n * K_SM / (2 h_inter)), the anti-starvation lead in scheduler rows.
+
+    ``b_n`` is the Linear-1 N-tile width in the concatenated gate|up output (2 * intermediate
+    columns), so ``2 h_inter / b_n`` Linear-1 tiles make a row and K_SM programs in flight span
+    ``b_n K_SM / (2 h_inter)`` rows. In this kernel an L1 tile computes ``block_n1`` gate and
+    ``block_n1`` up columns, i.e. ``b_n = 2 * block_n1``."""
+    if b_n < 1 or k_sm < 1 or h_inter < 1:
+        raise ValueError(f"b_n, k_sm and h_inter must be >= 1, got {b_n}, {k_sm}, {h_inter}")
+    return math.ceil(b_n * k_sm / (2 * h_inter))
+
+
+def default_experts_per_wave(problem: MoEProblem, num_programs: int) -> int:
+    """The fewest experts whose Linear-1 tiles (at the mean rows per active expert) fill every
+    program once, as MegaMoE's wave heuristic does with the expected tokens per expert."""
+    active = [b for b in problem.blocks_per_expert if b > 0]
+    if not active:
+        return 1
+    l1_tiles_per_expert = problem.l1_n_blocks * sum(active) / len(active)
+    return max(1, min(len(problem.blocks_per_expert), math.ceil(num_programs / l1_tiles_per_expert)))
+
+
+def _deal(stream: Sequence[Tile], num_programs: int) -> tuple[tuple[Tile, ...], ...]:
+    """Program g takes stream items g, g + G, g + 2G, ... (the persistent stride-G walk)."""
+    return tuple(tuple(stream[g::num_programs]) for g in range(num_programs))
+
+
+def expert_wave_schedule(problem: MoEProblem, num_programs: int,
+                         experts_per_wave: int | None = None) -> Schedule:
+    """Expert-Wave: per wave, its Linear-1 tiles then its Linear-2 tiles (row-major each), the
+    concatenated stream dealt with stride G. Linear-2 bursts of a wave run back to back."""
+    if num_programs < 1:
+        raise ValueError(f"num_programs must be >= 1, got {num_programs}")
+    if experts_per_wave is None:
+        experts_per_wave = default_experts_per_wave(problem, num_programs)
+    if experts_per_wave < 1:
+        raise ValueError(f"experts_per_wave must be >= 1, got {experts_per_wave}")
+    stream: list[Tile] = []
+    first, n_exp = problem.first_row, len(problem.blocks_per_expert)
+    for e0 in range(0, n_exp, experts_per_wave):
+        e1 = min(e0 + experts_per_wave, n_exp)
+        rows = range(first[e0], first[e1 - 1] + problem.blocks_per_expert[e1 - 1])
+        stream += [problem.l1_tile(p * problem.l1_n_blocks + n)
+                   for p in rows for n in range(problem.l1_n_blocks)]
+        stream += [problem.l2_tile(p * problem.l2_n_blocks + n)
+                   for p in rows for n in range(problem.l2_n_blocks)]
+    return Schedule("expert_wave", _deal(stream, num_programs))
+
+
+def interleaved_schedule(problem: MoEProblem, num_programs: int, lead_rows: int) -> Schedule:
+    """Algorithm 1 with instance stride G = ``num_programs`` and lead D = ``lead_rows`` (>= 1;
+    D = 0 would let a program wait on its own next Linear-1 tile)."""
+    if num_programs < 1:
+        raise ValueError(f"num_programs must be >= 1, got {num_programs}")
+    if lead_rows < 1:
+        raise ValueError(f"lead_rows D must be >= 1 (D = 0 can self-deadlock), got {lead_rows}")
+    n1 = problem.num_rows * problem.l1_n_blocks  # P * P_1
+    n2 = problem.num_rows * problem.l2_n_blocks  # P * P_2
+    programs = []
+    for g in range(num_programs):
+        k1 = k2 = g
+        tiles: list[Tile] = []
+        while k1 < n1 or k2 < n2:
+            p1 = k1 // problem.l1_n_blocks if k1 < n1 else math.inf
+            p2 = k2 // problem.l2_n_blocks
+            if k2 < n2 and p2 + lead_rows <= p1:
+                tiles.append(problem.l2_tile(k2))
+                k2 += num_programs
+            else:
+                tiles.append(problem.l1_tile(k1))
+                k1 += num_programs
+        programs.append(tuple(tiles))
+    return Schedule("interleaved", tuple(programs), lead_rows=lead_rows)
+
+
+class ScheduleError(ValueError):
+    """A schedule that must not be launched; the message says which rule failed and where."""
+
+
+def execution_order(problem: MoEProblem, schedule: Schedule) -> list[tuple[int, Tile]]:
+    """Simulate every program resident at once and return the tiles in completion order.
+
+    Each round, every program whose next tile is ready completes it (Linear-1 is always ready;
+    Linear-2 of row ``p`` is ready once all ``P_1`` Linear-1 tiles of row ``p`` are done). Readiness
+    only ever turns on, so the set of tiles finished at the fixpoint does not depend on the
+    interleaving: this is Kahn's algorithm on the wait-for graph (list-order edges plus Linear-1 ->
+    Linear-2 edges). All tiles finish iff that graph is acyclic, i.e. iff no interleaving of the
+    resident programs can deadlock. Raises ScheduleError naming the stuck programs otherwise."""
+    l1_done = [0] * problem.num_rows
+    heads = [0] * schedule.num_programs
+    order: list[tuple[int, Tile]] = []
+    progressed = True
+    while progressed:
+        progressed = False
+        for g, tiles in enumerate(schedule.programs):
+            if heads[g] == len(tiles):
+                continue
+            t = tiles[heads[g]]
+            if t.kind == L2 and l1_done[t.row_block] < problem.l1_n_blocks:
+                continue
+            if t.kind == L1:
+                l1_done[t.row_block] += 1
+            heads[g] += 1
+            order.append((g, t))
+            progressed = True
+    stuck = [(g, heads[g], tiles[heads[g]]) for g, tiles in enumerate(schedule.programs)
+             if heads[g] < len(tiles)]
+    if stuck:
+        detail = "; ".join(f"program {g} at position {i} waits with {t}" for g, i, t in stuck[:4])
+        raise ScheduleError(f"{schedule.name}: deadlock with all programs resident "
+                            f"({len(stuck)} programs stuck): {detail}")
+    return order
+
+
+def check_schedule(problem: MoEProblem, schedule: Schedule) -> None:
+    """Raise ScheduleError unless the schedule is launchable:
+
+    1. every tile of the problem appears exactly once, and nothing else does;
+    2. dependencies are respected inside each program: no Linear-2 tile precedes a Linear-1 tile of
+       its own row in the same list (the program would wait on itself);
+    3. the lead D (``schedule.lead_rows``, where set) is honoured: whenever a program emits Linear-2
+       of row p_2, its next Linear-1 tile is in a row p_1 >= p_2 + D (or it has none left);
+    4. no deadlock with all programs resident (``execution_order``)."""
+    seen: dict[Tile, int] = {}
+    for g, tiles in enumerate(schedule.programs):
+        for t in tiles:
+            if t in seen:
+                raise ScheduleError(f"{schedule.name}: {t} appears twice (programs {seen[t]} and {g})")
+            seen[t] = g
+    expected = problem.all_tiles()
+    missing, extra = expected - seen.keys(), seen.keys() - expected
+    if missing or extra:
+        raise ScheduleError(f"{schedule.name}: {len(missing)} tiles missing (e.g. "
+                            f"{sorted(missing)[:3]}), {len(extra)} unknown (e.g. {sorted(extra)[:3]})")
+    for g, tiles in enumerate(schedule.programs):
+        next_l1_row = math.inf  # row of the next Linear-1 tile after the current position
+        l1_rows_after: set[int] = set()
+        for i in range(len(tiles) - 1, -1, -1):
+            t = tiles[i]
+            if t.kind == L1:
+                next_l1_row = t.row_block
+                l1_rows_after.add(t.row_block)
+                continue
+            if t.row_block in l1_rows_after:
+                raise ScheduleError(f"{schedule.name}: program {g} position {i}: {t} precedes a "
+                                    f"Linear-1 tile of its own row in the same program")
+            if schedule.lead_rows is not None and next_l1_row < t.row_block + schedule.lead_rows:
+                raise ScheduleError(f"{schedule.name}: program {g} position {i}: {t} emitted with "
+                                    f"Linear-1 at row {next_l1_row}, lead below D = {schedule.lead_rows}")
+    execution_order(problem, schedule)
+
+
+def tile_table(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's int32 table ``[programs, max_tiles, 4]`` (unused entries zero) and the int32
+    tile count of each program."""
+    counts = np.array([len(p) for p in schedule.programs], dtype=np.int32)
+    table = np.zeros((schedule.num_programs, max(1, int(counts.max(initial=0))), TILE_FIELDS),
+                     dtype=np.int32)
+    for g, tiles in enumerate(schedule.programs):
+        if tiles:
+            table[g, :len(tiles)] = np.asarray(tiles, dtype=np.int32)
+    return table, counts
