@@ -2,16 +2,13 @@
 //
 // K producers, one CTA each, repeat: store B bytes with 16-byte stores into the destination
 // buffer (a peer GPU's memory, or the issuing GPU's own for the local control), then spin for a
-// producer-side gap that issues no memory operations at all. Thread 0 of every CTA records, per
+// producer-side gap that issues no remote stores. A timekeeper warp of every CTA records, per
 // burst, the SM clock at issue start and issue end and %globaltimer at issue start; the host turns
 // cycles into time with the SM clock measured over the same launch (clock64 and %globaltimer read
 // together at kernel entry and exit).
 //
-// Alignment: a grid barrier before the first burst, and before every burst only when
-// align_each_burst is set (isolated bursts, which follow a full recovery). Periodic bursts run
-// free after the first: any memory operation between bursts, a barrier's atomics and polls
-// included, queues behind the outstanding remote stores and would absorb the backpressure that
-// the next burst's issue is meant to show. The host records the producers' start skew instead.
+// Alignment: a grid barrier before the first burst, and before every burst when
+// align_each_burst is set, so that the K bursts form one aggregate burst of V = K·B bytes.
 //
 // Built at run time by CuPy/NVRTC for sm_90 and compiled by nvcc in the tests: no includes.
 
@@ -64,6 +61,11 @@ __device__ bool grid_barrier(u32* arrivals, u32 round, u32 n_ctas, u64 timeout_n
 // trace:  [n_bursts][K][3] = issue-start clock64, issue-end clock64, issue-start %globaltimer
 // clocks: [K][5]           = entry %globaltimer, entry clock64, exit %globaltimer, exit clock64,
 //                            %smid (the host checks that every producer had an SM of its own)
+//
+// A CTA is blockDim.x - 32 store threads plus one timekeeper warp (the last), which issues no
+// remote stores: it aligns, stamps and spins the gap. Stamps stay in shared memory until the
+// end, so between bursts the only memory operations are the barrier's, by the timekeeper.
+// Dynamic shared memory: at least n_bursts * 3 * 8 bytes.
 extern "C" __global__ void burst_gap(
         uint4* __restrict__ dst,
         u64 slot_vecs,            // 16-byte vectors per rotation slot (K * B / 16)
@@ -78,45 +80,52 @@ extern "C" __global__ void burst_gap(
         u64 timeout_ns,
         u64* __restrict__ trace,
         u64* __restrict__ clocks) {
+    extern __shared__ u64 stamps[];  // [n_bursts][3]
+    __shared__ int abort_run;
     const u32 producer = blockIdx.x;
     const u32 n_producers = gridDim.x;
-    if (threadIdx.x == 0) {
+    const u32 store_threads = blockDim.x - 32u;
+    const bool timekeeper = threadIdx.x == store_threads;  // lane 0 of the last warp
+    if (timekeeper) {
         u32 smid;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
         clocks[producer * 5 + 0] = global_timer_ns();
         clocks[producer * 5 + 1] = clock64();
         clocks[producer * 5 + 4] = smid;
+        abort_run = 0;
     }
-    __shared__ int abort_run;
     for (u32 burst = 0; burst < n_bursts; ++burst) {
-        if (burst == 0 || align_each_burst) {
-            if (threadIdx.x == 0) {
-                abort_run = !grid_barrier(arrivals, align_each_burst ? burst : 0u, n_producers,
-                                          timeout_ns, error);
+        if (timekeeper) {
+            if ((burst == 0 || align_each_burst) &&
+                !grid_barrier(arrivals, align_each_burst ? burst : 0u, n_producers, timeout_ns,
+                              error)) {
+                abort_run = 1;
             }
-            __syncthreads();
-            if (abort_run) break;
-        }
-        u64* rec = trace + ((u64)burst * n_producers + producer) * 3;
-        if (threadIdx.x == 0) {
-            rec[0] = clock64();
-            rec[2] = global_timer_ns();
+            stamps[burst * 3 + 0] = clock64();
+            stamps[burst * 3 + 2] = global_timer_ns();
         }
         __syncthreads();
-        uint4* out = dst + (u64)(burst % n_slots) * slot_vecs + (u64)producer * vecs_per_producer;
-        for (u32 v = threadIdx.x; v < vecs_per_producer; v += blockDim.x) {
-            out[v] = burst_pattern(seed, burst, producer, v);
+        if (abort_run) break;
+        if (threadIdx.x < store_threads) {
+            uint4* out = dst + (u64)(burst % n_slots) * slot_vecs
+                             + (u64)producer * vecs_per_producer;
+            for (u32 v = threadIdx.x; v < vecs_per_producer; v += store_threads) {
+                out[v] = burst_pattern(seed, burst, producer, v);
+            }
         }
         // Issue ends when every warp of the CTA has issued its stores; completion is not awaited.
         __syncthreads();
-        if (threadIdx.x == 0) {
+        if (timekeeper) {
             const u64 end = clock64();
-            rec[1] = end;
+            stamps[burst * 3 + 1] = end;
             while ((u64)clock64() - end < gap_cycles) { }
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    for (u32 i = threadIdx.x; i < n_bursts * 3u; i += blockDim.x) {
+        trace[((u64)(i / 3u) * n_producers + producer) * 3 + i % 3u] = stamps[i];
+    }
+    if (timekeeper) {
         clocks[producer * 5 + 2] = global_timer_ns();
         clocks[producer * 5 + 3] = clock64();
     }

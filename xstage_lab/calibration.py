@@ -29,7 +29,7 @@ def launch_medians(table: pd.DataFrame) -> pd.DataFrame:
     """Steady-state value of each launch: the median over its non-warm-up bursts."""
     steady = table[~table["warmup"]]
     keys = ["sweep", "point", "repeat", "mode", "path", "producers", "burst_bytes", "gap_us",
-            "src", "dst", "lines", "burst_volume"]
+            "src", "dst", "lines", "align", "burst_volume"]
     return (steady.groupby(keys, dropna=False)[["t_iss_us", "period_us", "gap_eff_us",
                                                  "start_skew_ns", "sm_clock_mhz"]]
             .median().reset_index())
@@ -38,7 +38,7 @@ def launch_medians(table: pd.DataFrame) -> pd.DataFrame:
 def point_medians(launches: pd.DataFrame, value: str) -> pd.DataFrame:
     """Median of ``value`` over repeats per measurement point, with its spread."""
     keys = ["sweep", "point", "mode", "path", "producers", "burst_bytes", "gap_us", "src", "dst",
-            "lines", "burst_volume"]
+            "lines", "align", "burst_volume"]
     return median_spread(launches, keys, value)
 
 

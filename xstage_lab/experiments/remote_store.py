@@ -28,6 +28,9 @@ MIB = 1024 * KIB
 MODES = ("periodic", "isolated")
 PATHS = ("remote", "local")
 LINES = ("fresh", "rewrite")
+# "each": a grid barrier aligns the K producers before every burst (one aggregate burst of K·B
+# bytes); "first": before the first burst only, after which the producers run free.
+ALIGNS = ("each", "first")
 _POISON = 0xA5A5A5A5
 _ERR_BARRIER_TIMEOUT = 1
 
@@ -36,7 +39,7 @@ _ERR_BARRIER_TIMEOUT = 1
 class BenchSettings:
     """Launch settings shared by every point of a characterization run."""
 
-    threads: int = 512                 # threads per producer CTA
+    threads: int = 512                 # store threads per producer CTA (plus one timekeeper warp)
     periodic_bursts: int = 48          # bursts per periodic launch
     periodic_warmup_bursts: int = 16   # first bursts of a launch, before steady state
     isolated_bursts: int = 8
@@ -64,6 +67,8 @@ def validate_point(p: dict, inv: Inventory, settings: BenchSettings = BenchSetti
         raise ValueError(f"path must be one of {PATHS}, got {p['path']!r}")
     if p.get("lines", "fresh") not in LINES:
         raise ValueError(f"lines must be one of {LINES}, got {p['lines']!r}")
+    if p.get("align", "each") not in ALIGNS:
+        raise ValueError(f"align must be one of {ALIGNS}, got {p['align']!r}")
     if not isinstance(B, (int, np.integer)) or B <= 0 or B % 16:
         raise ValueError(f"burst_bytes B={B} must be a positive multiple of 16 (16-byte stores)")
     if G < 0:
@@ -82,8 +87,8 @@ def validate_point(p: dict, inv: Inventory, settings: BenchSettings = BenchSetti
             raise ValueError(f"GPU {src} has no peer access to GPU {dst}")
     if K * B > settings.buffer_bytes:
         raise ValueError(f"burst volume K*B={K * B} exceeds the {settings.buffer_bytes}-byte buffer")
-    if settings.threads % 32 or not 32 <= settings.threads <= 1024:
-        raise ValueError("threads per producer must be a multiple of 32 in 32..1024")
+    if settings.threads % 32 or not 32 <= settings.threads <= 992:
+        raise ValueError("store threads per producer must be a multiple of 32 in 32..992")
 
 
 def burst_rows(trace: np.ndarray, clocks: np.ndarray, warmup_bursts: int) -> pd.DataFrame:
@@ -205,10 +210,11 @@ class RemoteStoreBench:
             error = cp.zeros(1, cp.uint32)
             trace = cp.zeros((n_bursts, K, 3), cp.uint64)
             clocks = cp.zeros((K, 5), cp.uint64)
-            kernel((K,), (s.threads,),
+            kernel((K,), (s.threads + 32,),
                    (np.uint64(buf.data.ptr), np.uint64(volume // 16), np.uint32(n_slots),
                     np.uint32(B // 16), np.uint32(n_bursts), np.uint64(round(gap_us * mhz)),
-                    np.uint32(isolated), np.uint32(self._seed), arrivals, error,
+                    np.uint32(isolated or p.get("align", "each") == "each"),
+                    np.uint32(self._seed), arrivals, error,
                     np.uint64(s.barrier_timeout_s * 1e9), trace, clocks),
                    shared_mem=smem)
             cp.cuda.Device(src).synchronize()
@@ -250,17 +256,19 @@ def characterization_sweeps(sm_count: int, n_gpus: int, src: int = 0, dst: int =
     """
     K = sm_count
     Ks = sorted({max(1, K // 8), max(1, K // 4), max(1, K // 2), K})
-    common = dict(src=src, dst=dst, lines="fresh")
+    common = dict(src=src, dst=dst, lines="fresh", align="each")
     return [
-        Sweep("drain_rate", (Axis("producers", Ks),
+        Sweep("drain_rate", (Axis("align", ALIGNS), Axis("producers", Ks),
                              Axis("burst_bytes", [8 * KIB, 16 * KIB, 32 * KIB, 64 * KIB,
                                                   128 * KIB, 256 * KIB])),
-              fixed=dict(common, mode="periodic", path="remote", gap_us=0.0), repeats=repeats),
-        Sweep("gap", (Axis("path", PATHS),
+              fixed=dict(src=src, dst=dst, lines="fresh", mode="periodic", path="remote",
+                         gap_us=0.0), repeats=repeats),
+        Sweep("gap", (Axis("align", ALIGNS), Axis("path", PATHS),
                       Axis("burst_bytes", [8 * KIB, 16 * KIB, 32 * KIB, 64 * KIB]),
                       Axis("gap_us", [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0,
                                       12.0, 16.0, 24.0, 32.0, 48.0, 64.0])),
-              fixed=dict(common, mode="periodic", producers=K), repeats=repeats),
+              fixed=dict(src=src, dst=dst, lines="fresh", mode="periodic", producers=K),
+              repeats=repeats),
         Sweep("isolated", (Axis("path", PATHS), Axis("producers", Ks[-3:]),
                            Axis("burst_bytes", [k * KIB for k in (1, 2, 4, 8, 12, 16, 20, 24, 28,
                                                                   32, 36, 40, 48, 56, 64, 96, 128,
@@ -268,11 +276,12 @@ def characterization_sweeps(sm_count: int, n_gpus: int, src: int = 0, dst: int =
               fixed=dict(common, mode="isolated", gap_us=0.0), repeats=repeats),
         Sweep("lines", (Axis("lines", LINES), Axis("burst_bytes", [32 * KIB, 128 * KIB])),
               fixed=dict(src=src, dst=dst, mode="periodic", path="remote", gap_us=0.0,
-                         producers=K), repeats=repeats),
+                         producers=K, align="each"), repeats=repeats),
         Sweep("pairs", (Axis("route", [{"src": a, "dst": b} for a in range(n_gpus)
                                        for b in range(n_gpus) if a != b]),
                         Axis("burst_bytes", [64 * KIB, 256 * KIB])),
-              fixed=dict(mode="periodic", path="remote", gap_us=0.0, producers=K, lines="fresh"),
+              fixed=dict(mode="periodic", path="remote", gap_us=0.0, producers=K, lines="fresh",
+                         align="each"),
               repeats=max(3, repeats // 2)),
     ]
 

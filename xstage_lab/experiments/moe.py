@@ -1,0 +1,694 @@
+"""Expert-parallel MoE layer around the fused kernel (paper §2.2, §4.2): host side.
+
+Pipeline of one layer over P ranks (SPMD under torchrun, one GPU per rank):
+
+1. Router: softmax over expert logits, top-k, weights renormalised over the k picks.
+   ``balanced``: i.i.d. logits; ``skewed``: seeded hot experts, the same on every rank, get a
+   logit bias (persistent hot experts, §1).
+2. Dispatch: a separate step *before* the fused kernel (MegaMoE fuses it; here it is NCCL
+   ``all_to_all_single``). Each rank sends every (token, k) slot to the rank owning the expert; the
+   receiver lays rows out expert by expert, each expert padded to ``block_m`` rows, and keeps for
+   every row its source rank and slot (``t * top_k + j``). FP8 activations are quantized on the
+   source, so Dispatch moves e4m3 rows plus 1 x 128 scales.
+3. The fused kernel (``kernels/moe_fused.py``) runs Linear-1 + SwiGLU and Linear-2 tiles over the
+   local experts in the order of a tile table; each Linear-2 epilogue stores its rows straight into
+   the source ranks' symmetric Combine buffers.
+4. Combine ends on the source rank with the top-k weighted sum of its ``[T * top_k, hidden]`` buffer,
+   after a symmetric-memory barrier has made every peer's stores visible.
+
+The unfused path users run instead: grouped (or per-expert) matmuls, SwiGLU, NCCL all-to-all back to
+the sources, weighted sum. ``reference_moe`` is the float32 torch reference.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..kernel_sources import load_kernel_module
+from .moe_schedules import L1, L2, MoEProblem, Schedule, check_schedule, tile_table
+
+SHAPES_PATH = Path(__file__).resolve().parents[2] / "data" / "moe_shapes.json"
+PRECISIONS = ("bf16", "fp8")
+ROUTINGS = ("balanced", "skewed")
+E4M3_MAX = 448.0
+FP8_SCALE_BLOCK = 128  # DeepSeek-style 1 x 128 activation and 128 x 128 weight scale blocks
+# About seconds of polling on an H200, far above any legitimate wait (a whole call is milliseconds).
+DEFAULT_MAX_SPIN_ITERS = 1 << 22
+# Skewed routing: 1/16 of the experts are hot with this logit bias (6-14x the mean load at top-6..10).
+HOT_EXPERT_FRACTION = 1 / 16
+HOT_LOGIT_BIAS = 2.0
+
+
+class MoEContractError(ValueError):
+    """Bad input for the fused MoE path, raised before anything is launched."""
+
+
+# ----------------------------------------------------------------------------------------- shapes
+
+@dataclass(frozen=True)
+class MoEShape:
+    model: str
+    variant: str
+    hidden: int
+    intermediate: int
+    routed_experts: int
+    top_k: int
+    source: str
+
+
+def load_shapes(path: Path = SHAPES_PATH) -> dict[str, MoEShape]:
+    """The model shapes of ``data/moe_shapes.json``, keyed by model name."""
+    doc = json.loads(Path(path).read_text())
+    shapes = {}
+    for m in doc["models"]:
+        s = MoEShape(**m)
+        for f in ("hidden", "intermediate", "routed_experts", "top_k"):
+            if not isinstance(getattr(s, f), int) or getattr(s, f) < 1:
+                raise ValueError(f"{path}: {s.model}.{f} must be a positive integer")
+        shapes[s.model] = s
+    return shapes
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Kernel tile sizes. An L1 tile is ``block_m`` rows x ``block_n1`` intermediate columns (gate
+    and up); an L2 tile is ``block_m`` rows x ``block_n2`` hidden columns."""
+
+    block_m: int = 64
+    block_n1: int = 128
+    block_n2: int = 128
+    block_k: int = 64
+    scale_block: int = FP8_SCALE_BLOCK
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_tile_config(precision: str) -> TileConfig:
+    """bf16: K blocks of 64 keep three pipeline stages of gate + up + A tiles in shared memory;
+    fp8: K blocks equal the 128-wide scale block (one scale pair per K block)."""
+    _check_precision(precision)
+    return TileConfig() if precision == "bf16" else TileConfig(block_k=FP8_SCALE_BLOCK)
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise MoEContractError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+def check_tile_config(config: TileConfig, precision: str, hidden: int, intermediate: int) -> None:
+    """Raise MoEContractError unless the shapes divide into the tiles (the kernel has no masks
+    along N or K)."""
+    _check_precision(precision)
+    for name in ("block_m", "block_n1", "block_n2", "block_k"):
+        v = getattr(config, name)
+        if v < 16 or v & (v - 1):
+            raise MoEContractError(f"{name}={v} must be a power of two >= 16 (tl.dot tiles)")
+    for dim, dim_name, blocks in ((hidden, "hidden", ("block_k", "block_n2")),
+                                  (intermediate, "intermediate", ("block_k", "block_n1"))):
+        for b in blocks:
+            if dim % getattr(config, b):
+                raise MoEContractError(f"{dim_name}={dim} is not divisible by {b}="
+                                       f"{getattr(config, b)}; pick another tile")
+    if precision == "fp8":
+        sb = config.scale_block
+        if hidden % sb or intermediate % sb:
+            raise MoEContractError(f"fp8 needs hidden={hidden} and intermediate={intermediate} "
+                                   f"divisible by the scale block {sb}")
+        if config.block_n1 != sb:
+            raise MoEContractError(f"fp8 needs block_n1 == scale_block ({config.block_n1} != {sb}):"
+                                   " the Linear-1 epilogue quantizes h one scale block per tile")
+        if sb % config.block_k:
+            raise MoEContractError(f"fp8 needs block_k={config.block_k} to divide scale_block={sb}")
+
+
+# ---------------------------------------------------------------------------------------- routing
+
+def _generator(seed: int, device) -> torch.Generator:
+    return torch.Generator(device=torch.device(device)).manual_seed(int(seed))
+
+
+def hot_experts(num_experts: int, seed: int) -> torch.Tensor:
+    """The seeded hot experts of skewed routing; identical on every rank (seed only)."""
+    count = max(1, round(num_experts * HOT_EXPERT_FRACTION))
+    return torch.randperm(num_experts, generator=_generator(seed, "cpu"))[:count]
+
+
+def router_logits(num_tokens: int, num_experts: int, routing: str, *, seed: int, rank: int = 0,
+                  device="cpu") -> torch.Tensor:
+    """float32 ``[num_tokens, num_experts]`` logits of one rank's tokens (fresh per rank)."""
+    if routing not in ROUTINGS:
+        raise MoEContractError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    g = _generator(seed * 7919 + rank + 1, device)
+    logits = torch.randn(num_tokens, num_experts, generator=g, device=device)
+    if routing == "skewed":
+        logits[:, hot_experts(num_experts, seed).to(device)] += HOT_LOGIT_BIAS
+    return logits
+
+
+def router_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts (int64 ``[T, k]``) and their softmax weights renormalised to sum to one."""
+    num_experts = logits.shape[-1]
+    if not 1 <= top_k <= num_experts:
+        raise MoEContractError(f"top_k={top_k} must be in 1..{num_experts} (the routed experts)")
+    weights, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    return ids, weights / weights.sum(dim=-1, keepdim=True)
+
+
+# ---------------------------------------------------------------------------------------- weights
+
+def quantize_rows_fp8(x: torch.Tensor, block: int = FP8_SCALE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 x ``block`` e4m3 quantization of ``[..., K]``: values and fp32 scales ``[..., K / block]``."""
+    *lead, k = x.shape
+    xf = x.float().reshape(*lead, k // block, block)
+    scale = xf.abs().amax(-1).clamp_min(1e-12) / E4M3_MAX
+    q = (xf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(*lead, k), scale
+
+
+def dequantize_rows_fp8(q: torch.Tensor, scale: torch.Tensor, block: int = FP8_SCALE_BLOCK) -> torch.Tensor:
+    return q.float() * scale.repeat_interleave(block, dim=-1)
+
+
+def quantize_blocks_fp8(w: torch.Tensor, block: int = FP8_SCALE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block`` x ``block`` e4m3 quantization of ``[..., N, K]``: scales ``[..., N/block, K/block]``."""
+    *lead, n, k = w.shape
+    wf = w.float().reshape(*lead, n // block, block, k // block, block)
+    scale = wf.abs().amax(dim=(-3, -1)).clamp_min(1e-12) / E4M3_MAX
+    q = (wf / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(*lead, n, k), scale
+
+
+def dequantize_blocks_fp8(q: torch.Tensor, scale: torch.Tensor, block: int = FP8_SCALE_BLOCK) -> torch.Tensor:
+    return q.float() * scale.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
+
+
+def expert_master_weights(shape: MoEShape, expert: int, *, seed: int,
+                          device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 weights of global expert ``expert``: ``w1 [2I, H]`` (gate rows, then up rows) and
+    ``w2 [H, I]``, N(0, 1/fan_in). Deterministic per (seed, expert, device type), so every rank and
+    the reference regenerate the same expert without holding all experts."""
+    g = _generator(seed * 1_000_003 + expert, device)
+    h, i = shape.hidden, shape.intermediate
+    w1 = (torch.randn(2 * i, h, generator=g, device=device) * h ** -0.5).to(torch.bfloat16)
+    w2 = (torch.randn(h, i, generator=g, device=device) * i ** -0.5).to(torch.bfloat16)
+    return w1, w2
+
+
+@dataclass
+class ExpertWeights:
+    """The local experts of one rank, in the kernel's layout (see ``kernels/moe_fused.py``)."""
+
+    precision: str
+    w1: torch.Tensor                     # [E_loc, 2I, H] bf16 or e4m3
+    w2: torch.Tensor                     # [E_loc, H, I]
+    w1_scale: torch.Tensor | None = None  # [E_loc, 2I/128, H/128] fp32 (fp8 only)
+    w2_scale: torch.Tensor | None = None  # [E_loc, H/128, I/128]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w1.shape[2]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w2.shape[2]
+
+
+def check_expert_parallel(num_experts: int, world: int) -> int:
+    """Experts per rank; raises unless P divides the routed experts."""
+    if world < 1 or num_experts % world:
+        raise MoEContractError(f"P={world} ranks must divide the {num_experts} routed experts")
+    return num_experts // world
+
+
+def local_expert_weights(shape: MoEShape, rank: int, world: int, precision: str, *, seed: int,
+                         device="cpu", scale_block: int = FP8_SCALE_BLOCK) -> ExpertWeights:
+    """Experts ``rank * E_loc .. (rank + 1) * E_loc - 1`` (contiguous placement), quantized per
+    128 x 128 block for fp8."""
+    _check_precision(precision)
+    per_rank = check_expert_parallel(shape.routed_experts, world)
+    w1s, w2s, s1s, s2s = [], [], [], []
+    for e in range(rank * per_rank, (rank + 1) * per_rank):
+        w1, w2 = expert_master_weights(shape, e, seed=seed, device=device)
+        if precision == "fp8":
+            (w1, s1), (w2, s2) = quantize_blocks_fp8(w1, scale_block), quantize_blocks_fp8(w2, scale_block)
+            s1s.append(s1)
+            s2s.append(s2)
+        w1s.append(w1)
+        w2s.append(w2)
+    if precision == "bf16":
+        return ExpertWeights(precision, torch.stack(w1s), torch.stack(w2s))
+    return ExpertWeights(precision, torch.stack(w1s), torch.stack(w2s), torch.stack(s1s), torch.stack(s2s))
+
+
+# --------------------------------------------------------------------------------------- dispatch
+
+@dataclass(frozen=True)
+class SendPlan:
+    """Source side of Dispatch: slots ``t * top_k + j`` sorted by destination expert."""
+
+    order: torch.Tensor          # int64 [T * k]: the slot sent in each send position
+    experts: torch.Tensor        # int64 [T * k]: global expert of each send position
+    counts: tuple[int, ...]      # rows sent to each rank
+    top_k: int
+
+
+def plan_send(topk_ids: torch.Tensor, num_experts: int, world: int) -> SendPlan:
+    per_rank = check_expert_parallel(num_experts, world)
+    flat = topk_ids.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+        raise MoEContractError(f"expert ids must lie in 0..{num_experts - 1}")
+    order = torch.argsort(flat, stable=True)
+    experts = flat[order]
+    counts = torch.bincount(experts // per_rank, minlength=world)
+    return SendPlan(order, experts, tuple(int(c) for c in counts.tolist()), topk_ids.shape[1])
+
+
+@dataclass
+class DispatchLayout:
+    """Expert side of Dispatch: the kernel's rows, expert by expert, each padded to ``block_m``.
+
+    ``arrival_rows[i]`` is the padded row of the i-th received row (received rows come source by
+    source, ``recv_counts`` of each); padding rows have ``row_slot = -1`` and zero activations."""
+
+    x: torch.Tensor                       # [R, H] bf16 or e4m3
+    x_scale: torch.Tensor | None          # [R, H/128] fp32 (fp8)
+    row_src: torch.Tensor                 # int32 [R]
+    row_slot: torch.Tensor                # int32 [R]
+    arrival_rows: torch.Tensor            # int64 [N_recv]
+    recv_counts: tuple[int, ...]          # rows received from each source rank
+    tokens_per_expert: tuple[int, ...]
+    block_m: int
+    max_slot: int                         # largest slot of any row (-1 if none)
+
+    @property
+    def blocks_per_expert(self) -> tuple[int, ...]:
+        return tuple(-(-n // self.block_m) for n in self.tokens_per_expert)
+
+    @property
+    def num_rows(self) -> int:
+        return self.x.shape[0]
+
+
+def build_layout(recv_x: torch.Tensor, recv_x_scale: torch.Tensor | None, recv_slot: torch.Tensor,
+                 recv_expert: torch.Tensor, recv_counts: Sequence[int], experts_per_rank: int,
+                 block_m: int) -> DispatchLayout:
+    """Lay received rows out expert by expert (stable: source, then slot order inside an expert)."""
+    n = recv_x.shape[0]
+    device = recv_x.device
+    src = torch.repeat_interleave(torch.arange(len(recv_counts), device=device),
+                                  torch.tensor(list(recv_counts), device=device))
+    tokens = torch.bincount(recv_expert, minlength=experts_per_rank)
+    tokens_host = [int(v) for v in tokens.tolist()]
+    blocks = [-(-t // block_m) for t in tokens_host]
+    padded_start = torch.tensor(np.concatenate(([0], np.cumsum(blocks)[:-1])) * block_m,
+                                dtype=torch.int64, device=device)
+    sorted_start = torch.cumsum(tokens, 0) - tokens
+    perm = torch.argsort(recv_expert, stable=True)
+    e_sorted = recv_expert[perm]
+    rank_in_expert = torch.arange(n, device=device) - sorted_start[e_sorted]
+    arrival_rows = torch.empty(n, dtype=torch.int64, device=device)
+    arrival_rows[perm] = padded_start[e_sorted] + rank_in_expert
+    rows = sum(blocks) * block_m
+    x = torch.zeros(rows, recv_x.shape[1], dtype=recv_x.dtype, device=device)
+    x[arrival_rows] = recv_x
+    x_scale = None
+    if recv_x_scale is not None:
+        x_scale = torch.zeros(rows, recv_x_scale.shape[1], dtype=recv_x_scale.dtype, device=device)
+        x_scale[arrival_rows] = recv_x_scale
+    row_src = torch.zeros(rows, dtype=torch.int32, device=device)
+    row_slot = torch.full((rows,), -1, dtype=torch.int32, device=device)
+    row_src[arrival_rows] = src.to(torch.int32)
+    row_slot[arrival_rows] = recv_slot.to(torch.int32)
+    return DispatchLayout(x, x_scale, row_src, row_slot, arrival_rows, tuple(recv_counts),
+                          tuple(tokens_host), block_m, int(recv_slot.max()) if n else -1)
+
+
+def dispatch(x: torch.Tensor, x_scale: torch.Tensor | None, topk_ids: torch.Tensor, *,
+             num_experts: int, block_m: int, group=None) -> tuple[SendPlan, DispatchLayout]:
+    """Dispatch over NCCL ``all_to_all_single`` (a step before the fused kernel). ``x`` is this
+    rank's ``[T, H]`` tokens (bf16, or e4m3 with ``x_scale [T, H/128]``). One host sync: the
+    receiver learns its row counts, which the host needs to build the tile schedule."""
+    import torch.distributed as dist
+    world = dist.get_world_size(group)
+    plan = plan_send(topk_ids, num_experts, world)
+    per_rank = num_experts // world
+    send_counts = torch.tensor(plan.counts, dtype=torch.int64, device=x.device)
+    recv_counts_t = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts_t, send_counts, group=group)
+    recv_counts = [int(v) for v in recv_counts_t.tolist()]
+    n_recv = sum(recv_counts)
+
+    def exchange(send: torch.Tensor) -> torch.Tensor:
+        # NCCL moves bytes: e4m3 travels as uint8.
+        wire = send.view(torch.uint8) if send.dtype == torch.float8_e4m3fn else send
+        out = torch.empty((n_recv, *send.shape[1:]), dtype=wire.dtype, device=send.device)
+        dist.all_to_all_single(out, wire.contiguous(), output_split_sizes=recv_counts,
+                               input_split_sizes=list(plan.counts), group=group)
+        return out.view(send.dtype) if send.dtype == torch.float8_e4m3fn else out
+
+    tokens = plan.order // plan.top_k
+    recv_x = exchange(x[tokens])
+    recv_scale = exchange(x_scale[tokens]) if x_scale is not None else None
+    meta = exchange(torch.stack((plan.order, plan.experts % per_rank), dim=1))
+    return plan, build_layout(recv_x, recv_scale, meta[:, 0], meta[:, 1], recv_counts, per_rank,
+                              block_m)
+
+
+def combine_weighted_sum(combine_rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The end of Combine on the source rank: ``out[t] = sum_j w[t, j] * rows[t * k + j]`` in fp32."""
+    t, k = topk_weights.shape
+    rows = combine_rows[: t * k].view(t, k, -1).float()
+    return (rows * topk_weights[..., None].float()).sum(dim=1).to(torch.bfloat16)
+
+
+# -------------------------------------------------------------------------------- Combine buffers
+
+@dataclass(frozen=True)
+class CombinePeers:
+    """The pointer table of the contract: base address of every rank's bf16 ``[slots, hidden]``
+    Combine buffer, as this rank may store to it, plus the int64 device copy the kernel reads."""
+
+    ptrs: tuple[int, ...]
+    table: torch.Tensor
+    slots: int
+    hidden: int
+
+    def __post_init__(self):
+        if len(self.ptrs) < 1 or any(p == 0 for p in self.ptrs):
+            raise MoEContractError(f"every peer needs a mapped Combine buffer, got {self.ptrs}")
+        if self.table.dtype != torch.int64 or tuple(self.table.shape) != (len(self.ptrs),):
+            raise MoEContractError("the peer table must be int64 [P]")
+
+    @property
+    def world(self) -> int:
+        return len(self.ptrs)
+
+
+def local_combine_peers(buffers: Sequence[torch.Tensor]) -> CombinePeers:
+    """Peers that are ordinary tensors of this process (one per simulated rank; CPU tests)."""
+    b0 = buffers[0]
+    for b in buffers:
+        if b.dtype != torch.bfloat16 or b.dim() != 2 or b.shape != b0.shape or not b.is_contiguous():
+            raise MoEContractError("Combine buffers must be contiguous bf16 [slots, hidden], all alike")
+    ptrs = tuple(b.data_ptr() for b in buffers)
+    return CombinePeers(ptrs, torch.tensor(ptrs, dtype=torch.int64, device=b0.device), b0.shape[0],
+                        b0.shape[1])
+
+
+class SymmetricCombine:
+    """One symmetric-memory Combine buffer per rank, big enough for ``max_slots`` rows (torch
+    ``_symmetric_memory.empty`` + ``rendezvous``; NVLink multicast is never used)."""
+
+    def __init__(self, max_slots: int, hidden: int, *, group=None, device=None):
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+        group = dist.group.WORLD if group is None else group
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+        self.hidden, self.max_slots = hidden, max_slots
+        self.buffer = symm_mem.empty(max_slots * hidden, dtype=torch.bfloat16, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, group)
+        world = dist.get_world_size(group)
+        devices = [None] * world
+        dist.all_gather_object(devices, device.index, group=group)
+        missing = [d for d in devices if d != device.index
+                   and not torch.cuda.can_device_access_peer(device.index, d)]
+        if missing:
+            raise MoEContractError(f"GPU {device.index} has no peer access to GPU(s) {missing}")
+        # A view inside a larger symmetric allocation sits at the same offset on every rank.
+        offset = self.buffer.data_ptr() - self.handle.buffer_ptrs[self.handle.rank]
+        self.base_ptrs = tuple(p + offset for p in self.handle.buffer_ptrs)
+        if len(self.base_ptrs) != world:
+            raise MoEContractError(f"rendezvous returned {len(self.base_ptrs)} peers for {world} ranks")
+
+    def rows(self, slots: int) -> torch.Tensor:
+        """This rank's own buffer as ``[slots, hidden]``."""
+        if slots > self.max_slots:
+            raise MoEContractError(f"{slots} slots exceed the {self.max_slots} allocated")
+        return self.buffer[: slots * self.hidden].view(slots, self.hidden)
+
+    def peers(self, slots: int) -> CombinePeers:
+        self.rows(slots)
+        return CombinePeers(self.base_ptrs, torch.tensor(self.base_ptrs, dtype=torch.int64,
+                                                         device=self.buffer.device), slots, self.hidden)
+
+    def barrier(self) -> None:
+        """Stream-ordered barrier over the group: earlier stores (this rank's remote ones
+        included) are visible to every peer's later work."""
+        self.handle.barrier(channel=0)
+
+
+# ------------------------------------------------------------------------------------ fused path
+
+@dataclass
+class FusedMoECall:
+    """A prepared launch of the fused kernel for one schedule; calling it zeroes the row counters
+    and launches. ``error_count()`` reads the spin-timeout flag (synchronizes)."""
+
+    schedule: Schedule
+    args: tuple
+    constexprs: dict
+    grid: tuple[int]
+    row_ready: torch.Tensor
+    error: torch.Tensor
+
+    def __call__(self) -> None:
+        self.row_ready.zero_()
+        load_kernel_module("moe_fused").fused_moe_kernel[self.grid](*self.args, **self.constexprs)
+
+    def error_count(self) -> int:
+        return int(self.error.item())
+
+
+def _expect(t: torch.Tensor | None, name: str, shape: tuple, dtype: torch.dtype, device) -> None:
+    if t is None:
+        raise MoEContractError(f"{name} is required")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise MoEContractError(f"{name} must be {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+    if t.device != device or not t.is_contiguous():
+        raise MoEContractError(f"{name} must be contiguous on {device}")
+
+
+def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: Schedule,
+                      peers: CombinePeers, *, config: TileConfig,
+                      max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS,
+                      verify_schedule: bool = True) -> FusedMoECall:
+    """Check the contract of the fused kernel and build its launch; nothing runs on the device.
+
+    Contract: ``weights`` in the kernel layout for ``weights.precision``; ``layout`` from the same
+    ``block_m``; every shape divisible by its tile (``check_tile_config``); a peer table of P
+    mapped bf16 ``[slots >= max slot + 1, hidden]`` buffers, P covering every ``row_src``; a
+    schedule over exactly this layout's tiles (``check_schedule``: each tile once, dependencies,
+    lead D, no deadlock with all programs resident) with at most one program per SM (persistent
+    programs must all be resident). ``verify_schedule=False`` skips only the schedule rules (the
+    bounded-spin test launches a deliberately unsatisfiable schedule)."""
+    precision, device = weights.precision, weights.w1.device
+    e_loc, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
+    check_tile_config(config, precision, hidden, inter)
+    wdt = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
+    _expect(weights.w1, "w1", (e_loc, 2 * inter, hidden), wdt, device)
+    _expect(weights.w2, "w2", (e_loc, hidden, inter), wdt, device)
+    if precision == "fp8":
+        sb = config.scale_block
+        _expect(weights.w1_scale, "w1_scale", (e_loc, 2 * inter // sb, hidden // sb), torch.float32, device)
+        _expect(weights.w2_scale, "w2_scale", (e_loc, hidden // sb, inter // sb), torch.float32, device)
+    if layout.block_m != config.block_m:
+        raise MoEContractError(f"layout padded to block_m={layout.block_m}, tiles use {config.block_m}")
+    if len(layout.tokens_per_expert) != e_loc:
+        raise MoEContractError(f"layout has {len(layout.tokens_per_expert)} experts, weights {e_loc}")
+    rows = layout.num_rows
+    if rows != config.block_m * sum(layout.blocks_per_expert):
+        raise MoEContractError(f"layout rows {rows} != block_m * row blocks")
+    _expect(layout.x, "x", (rows, hidden), wdt, device)
+    if precision == "fp8":
+        _expect(layout.x_scale, "x_scale", (rows, hidden // config.scale_block), torch.float32, device)
+    _expect(layout.row_src, "row_src", (rows,), torch.int32, device)
+    _expect(layout.row_slot, "row_slot", (rows,), torch.int32, device)
+    if peers.world != len(layout.recv_counts):
+        raise MoEContractError(f"peer table has {peers.world} ranks, Dispatch had {len(layout.recv_counts)}")
+    if peers.hidden != hidden or peers.slots <= layout.max_slot:
+        raise MoEContractError(f"Combine buffers [{peers.slots}, {peers.hidden}] cannot take slot "
+                               f"{layout.max_slot} of hidden {hidden}")
+    if peers.table.device != device:
+        raise MoEContractError(f"peer table on {peers.table.device}, kernel on {device}")
+    problem = MoEProblem(layout.blocks_per_expert, inter // config.block_n1, hidden // config.block_n2)
+    if verify_schedule:
+        check_schedule(problem, schedule)
+    table, counts = tile_table(schedule)
+    if table.size and len(counts) and counts.max() > 0:
+        used = np.concatenate([table[g, :c] for g, c in enumerate(counts)])
+        limits = ((used[:, 0] == L1) & (used[:, 3] >= problem.l1_n_blocks)) | \
+                 ((used[:, 0] == L2) & (used[:, 3] >= problem.l2_n_blocks))
+        if (~np.isin(used[:, 0], (L1, L2))).any() or (used[:, 1] >= e_loc).any() or \
+                (used[:, 1] < 0).any() or (used[:, 2] >= problem.num_rows).any() or \
+                (used[:, 2] < 0).any() or (used[:, 3] < 0).any() or limits.any():
+            raise MoEContractError("tile table entry outside the layout's experts, rows or N tiles")
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if schedule.num_programs > sms:
+            raise MoEContractError(f"{schedule.num_programs} persistent programs exceed the {sms} SMs:"
+                                   " waiting programs could keep later ones from ever starting")
+    if max_spin_iters < 1:
+        raise MoEContractError("max_spin_iters must be >= 1")
+    h_dtype = wdt
+    h = torch.empty(rows, inter, dtype=h_dtype, device=device)
+    h_scale = (torch.empty(rows, inter // config.scale_block, dtype=torch.float32, device=device)
+               if precision == "fp8" else None)
+    row_ready = torch.zeros(max(1, problem.num_rows), dtype=torch.int32, device=device)
+    error = torch.zeros(1, dtype=torch.int32, device=device)
+    tiles = torch.from_numpy(table).to(device)
+    args = (tiles, torch.from_numpy(counts).to(device), table.shape[1],
+            layout.x, layout.x_scale, weights.w1, weights.w1_scale, weights.w2, weights.w2_scale,
+            h, h_scale, row_ready, layout.row_src, layout.row_slot, peers.table,
+            error, max_spin_iters, hidden, inter)
+    constexprs = dict(FP8=precision == "fp8", BLOCK_M=config.block_m, BLOCK_N1=config.block_n1,
+                      BLOCK_N2=config.block_n2, BLOCK_K=config.block_k,
+                      SCALE_BLOCK=config.scale_block, num_warps=config.num_warps,
+                      num_stages=config.num_stages)
+    return FusedMoECall(schedule, args, constexprs, (schedule.num_programs,), row_ready, error)
+
+
+# ---------------------------------------------------------------------------------- unfused path
+
+_UNFUSED_IMPL: dict[tuple[str, str], str] = {}
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _scaled_mm_blockwise(a_q, a_s, b_q, b_s, transposed_scale_a: bool) -> torch.Tensor:
+    """``a [M, K] @ b[N, K].T`` with 1 x 128 scales on a and 128 x 128 on b (torch cuBLAS/CUTLASS)."""
+    scale_a = a_s.t().contiguous().t() if transposed_scale_a else a_s
+    return torch._scaled_mm(a_q, b_q.t(), scale_a=scale_a, scale_b=b_s.t(), out_dtype=torch.bfloat16)
+
+
+def _unfused_impl(device: torch.device, precision: str) -> str:
+    """Pick, once per device type and precision, the fastest library path that gives correct
+    results on a small probe: grouped GEMM (bf16) or block-scaled ``_scaled_mm`` (fp8); else the
+    per-expert bf16 fallback. The choice is recorded with every result."""
+    key = (device.type, precision)
+    if key in _UNFUSED_IMPL:
+        return _UNFUSED_IMPL[key]
+    choice = "per_expert_mm" if precision == "bf16" else "dequant_per_expert_mm"
+    if device.type == "cuda":
+        g = _generator(0, device)
+        a = torch.randn(128, 256, generator=g, device=device).to(torch.bfloat16)
+        b = torch.randn(2, 256, 256, generator=g, device=device).to(torch.bfloat16)
+        if precision == "bf16":
+            try:
+                offs = torch.tensor([64, 128], dtype=torch.int32, device=device)
+                got = torch._grouped_mm(a, b.transpose(1, 2), offs=offs).float()
+                want = torch.cat([a[:64].float() @ b[0].float().t(), a[64:].float() @ b[1].float().t()])
+                if ((got - want).norm() / want.norm()).item() < 1e-2:
+                    choice = "grouped_mm"
+            except (RuntimeError, AttributeError, TypeError):
+                pass
+        else:
+            aq, asc = quantize_rows_fp8(a)
+            bq, bsc = quantize_blocks_fp8(b[0])
+            want = dequantize_rows_fp8(aq, asc) @ dequantize_blocks_fp8(bq, bsc).t()
+            for transposed in (False, True):
+                try:
+                    got = _scaled_mm_blockwise(aq, asc, bq, bsc, transposed).float()
+                except (RuntimeError, AttributeError, TypeError):
+                    continue
+                if ((got - want).norm() / want.norm()).item() < 2e-2:
+                    choice = "scaled_mm_blockwise" + ("_t" if transposed else "")
+                    break
+    _UNFUSED_IMPL[key] = choice
+    return choice
+
+
+def expert_ffn_unfused(layout: DispatchLayout, weights: ExpertWeights) -> tuple[torch.Tensor, str]:
+    """Linear-1, SwiGLU, Linear-2 of every local expert with library matmuls: bf16 ``[R, H]`` over
+    the layout's rows (padding rows included, as in the fused kernel), and the path used."""
+    impl = _unfused_impl(layout.x.device, weights.precision)
+    starts = np.concatenate(([0], np.cumsum(layout.blocks_per_expert))) * layout.block_m
+    y = torch.zeros(layout.num_rows, weights.hidden, dtype=torch.bfloat16, device=layout.x.device)
+    if impl == "grouped_mm":
+        offs = torch.tensor(starts[1:], dtype=torch.int32, device=layout.x.device)
+        h = _swiglu(torch._grouped_mm(layout.x, weights.w1.transpose(1, 2), offs=offs))
+        return torch._grouped_mm(h, weights.w2.transpose(1, 2), offs=offs), impl
+    for e in range(weights.num_experts):
+        lo, hi = int(starts[e]), int(starts[e + 1])
+        if lo == hi:
+            continue
+        if impl.startswith("scaled_mm_blockwise"):
+            t = impl.endswith("_t")
+            x_s = layout.x_scale[lo:hi]
+            h = _swiglu(_scaled_mm_blockwise(layout.x[lo:hi], x_s, weights.w1[e], weights.w1_scale[e], t))
+            hq, hs = quantize_rows_fp8(h)
+            y[lo:hi] = _scaled_mm_blockwise(hq, hs, weights.w2[e], weights.w2_scale[e], t)
+        elif weights.precision == "fp8":
+            x = dequantize_rows_fp8(layout.x[lo:hi], layout.x_scale[lo:hi]).to(torch.bfloat16)
+            w1 = dequantize_blocks_fp8(weights.w1[e], weights.w1_scale[e]).to(torch.bfloat16)
+            w2 = dequantize_blocks_fp8(weights.w2[e], weights.w2_scale[e]).to(torch.bfloat16)
+            y[lo:hi] = _swiglu(x @ w1.t()) @ w2.t()
+        else:
+            y[lo:hi] = _swiglu(layout.x[lo:hi] @ weights.w1[e].t()) @ weights.w2[e].t()
+    return y, impl
+
+
+def unfused_moe(layout: DispatchLayout, plan: SendPlan, weights: ExpertWeights,
+                topk_weights: torch.Tensor, *, group=None) -> torch.Tensor:
+    """The path users run instead of the fused kernel: expert matmuls, NCCL all-to-all Combine back
+    to the source ranks, scatter into slots, weighted sum. Returns bf16 ``[T, H]``."""
+    import torch.distributed as dist
+    y, _ = expert_ffn_unfused(layout, weights)
+    back = torch.empty(sum(plan.counts), weights.hidden, dtype=y.dtype, device=y.device)
+    dist.all_to_all_single(back, y[layout.arrival_rows], output_split_sizes=list(plan.counts),
+                           input_split_sizes=list(layout.recv_counts), group=group)
+    combine = torch.empty(topk_weights.numel(), weights.hidden, dtype=y.dtype, device=y.device)
+    combine[plan.order] = back
+    return combine_weighted_sum(combine, topk_weights)
+
+
+# ------------------------------------------------------------------------------------- reference
+
+def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  shape: MoEShape, *, seed: int, precision: str,
+                  scale_block: int = FP8_SCALE_BLOCK) -> dict[str, torch.Tensor]:
+    """float32 reference of one rank's MoE output ``[T, H]``, independent of Dispatch, the kernel and
+    Combine: each expert is regenerated from its seed and applied to the tokens that picked it.
+
+    ``"fp32"``: the layer on the bf16 inputs and master weights in float32. For fp8 also
+    ``"fp8_emulated"``: the same with the W8A8 quantization steps emulated (x per 1 x 128, weights
+    per 128 x 128, h re-quantized per 1 x 128), which isolates the kernel's own error."""
+    _check_precision(precision)
+    out = {"fp32": torch.zeros(x.shape[0], shape.hidden, dtype=torch.float32, device=x.device)}
+    if precision == "fp8":
+        out["fp8_emulated"] = torch.zeros_like(out["fp32"])
+        xq = dequantize_rows_fp8(*quantize_rows_fp8(x, scale_block), scale_block)
+    xf = x.float()
+    for e in torch.unique(topk_ids).tolist():
+        tok, j = (topk_ids == e).nonzero(as_tuple=True)
+        w = topk_weights[tok, j].float()[:, None]
+        w1, w2 = expert_master_weights(shape, e, seed=seed, device=x.device)
+        out["fp32"].index_add_(0, tok, w * (_swiglu(xf[tok] @ w1.float().t()) @ w2.float().t()))
+        if precision == "fp8":
+            w1q = dequantize_blocks_fp8(*quantize_blocks_fp8(w1, scale_block), scale_block)
+            w2q = dequantize_blocks_fp8(*quantize_blocks_fp8(w2, scale_block), scale_block)
+            h = _swiglu(xq[tok] @ w1q.t())
+            hq = dequantize_rows_fp8(*quantize_rows_fp8(h, scale_block), scale_block)
+            out["fp8_emulated"].index_add_(0, tok, w * (hq @ w2q.t()))
+    return out
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative Frobenius error ``||got - want|| / ||want||`` (inf if got has a NaN)."""
+    got, want = got.float(), want.float()
+    if not torch.isfinite(got).all():
+        return math.inf
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
