@@ -40,6 +40,7 @@ def synthetic_table(noise: float = 0.0, seed: int = 0) -> pd.DataFrame:
             for rep in range(sw.repeats):
                 jitter = 1 + noise * rng.standard_normal(4)
                 rows.append(dict(p, sweep=sw.name, point=idx, repeat=rep, burst=5, warmup=False,
+                                 producers_in_window=k, window_rate_GBps=min(R, v / (t + g) / 1e3),
                                  t_iss_us=t * jitter[0], period_us=(t + g) * jitter[1],
                                  gap_eff_us=g * jitter[1] + t * (jitter[1] - jitter[0]),
                                  start_skew_ns=50.0, sm_clock_mhz=1980.0, burst_volume=v))

@@ -27,11 +27,12 @@ PLATEAU_GAP_MULTIPLE = 2.0
 
 def launch_medians(table: pd.DataFrame) -> pd.DataFrame:
     """Steady-state value of each launch: the median over its non-warm-up bursts."""
-    steady = table[~table["warmup"]]
+    steady = table[~table["warmup"] & (table["producers_in_window"] > 0)]
     keys = ["sweep", "point", "repeat", "mode", "path", "producers", "burst_bytes", "gap_us",
             "src", "dst", "lines", "align", "burst_volume"]
     return (steady.groupby(keys, dropna=False)[["t_iss_us", "period_us", "gap_eff_us",
-                                                 "start_skew_ns", "sm_clock_mhz"]]
+                                                 "start_skew_ns", "window_rate_GBps",
+                                                 "sm_clock_mhz"]]
             .median().reset_index())
 
 
@@ -124,6 +125,7 @@ class Calibration:
     drain_rate_GBps: float
     drain_rate_p25: float
     drain_rate_p75: float
+    window_rate_GBps: float    # free-running producers' aggregate zero-gap rate (cross-check of R)
     t_iss0_us: dict            # "K=..,B=.." -> plateau T_iss^0 (µs)
     t_iss0_spread: dict        # "K=..,B=.." -> [p25, p75]
     loop_gap_us: float         # gap the burst loop adds beyond G (CTA barrier, time stamps)
@@ -131,7 +133,9 @@ class Calibration:
     recovery_gap_us: dict      # "K=..,B=.." -> G*
     gap_issue_err_pct: float   # no-refit median |error| of T_iss over the remote gap sweep
     gap_period_err_pct: float  # same for T_period
-    local_tiss_spread_pct: float  # (max - min)/median of local T_iss across gaps, worst B
+    local_tiss_spread_pct: float  # (max - min)/median of local T_iss across its issue-bound gaps
+    local_tiss_spread_all_gaps_pct: float  # the same over every gap, HBM-bound ones included
+    local_drain_rate_GBps: float  # the local control's zero-gap rate (HBM-bound)
 
     def platform_model(self) -> model.PlatformModel:
         def key(s):
@@ -151,6 +155,7 @@ class Calibration:
         return {
             "R_GBps": round(self.drain_rate_GBps, 1),
             "R_GBps_iqr": [round(self.drain_rate_p25, 1), round(self.drain_rate_p75, 1)],
+            "R_free_running_window_GBps": round(self.window_rate_GBps, 1),
             "T_iss0_us": {k: round(v, 3) for k, v in self.t_iss0_us.items()},
             "Q_MiB": {f"K={k}": round(f["capacity_bytes"] / MIB, 3)
                       for k, f in iso.items() if f["capacity_bytes"] is not None},
@@ -160,6 +165,8 @@ class Calibration:
             "gap_prediction_median_abs_err_pct": round(self.gap_issue_err_pct, 2),
             "gap_period_prediction_median_abs_err_pct": round(self.gap_period_err_pct, 2),
             "local_control_tiss_spread_pct": round(self.local_tiss_spread_pct, 2),
+            "local_control_tiss_spread_all_gaps_pct": round(self.local_tiss_spread_all_gaps_pct, 2),
+            "local_drain_rate_GBps": round(self.local_drain_rate_GBps, 1),
             "sm_count": self.sm_count,
             "source_record": self.source_record,
         }
@@ -178,8 +185,12 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
     issue = point_medians(launches, "t_iss_us")
     gaps = point_medians(launches, "gap_eff_us")
 
-    # R (eq. 1): zero-gap periodic remote points, every K/B decomposition at or above min_volume.
-    zero_gap = launches[(launches["sweep"] == "drain_rate") & (launches["burst_volume"] >= min_volume)]
+    # R (eq. 1): zero-gap periods of aligned aggregate bursts, every K/B decomposition at or above
+    # min_volume. Free-running producers cross-check it through their window rate.
+    drain = launches[launches["sweep"] == "drain_rate"]
+    zero_gap = drain[(drain["align"] == "each") & (drain["burst_volume"] >= min_volume)]
+    free = drain[(drain["align"] == "first") & (drain["burst_volume"] >= min_volume)]
+    window_rate = float(free["window_rate_GBps"].median()) if len(free) else float("nan")
     R, drain_limited = fit_drain_rate(zero_gap["burst_volume"], zero_gap["period_us"])
     zero_gap = zero_gap[drain_limited]
     per_launch_R = zero_gap["burst_volume"] / zero_gap["period_us"] / 1e3
@@ -219,10 +230,18 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
     remote["period_cc_us"] = model.period_completion_coupled(g, remote["burst_volume"], R)
     issue_err = np.abs(remote["t_iss_pred_us"] / remote["t_iss_us"] - 1) * 100
     period_err = np.abs(remote["period_pred_us"] / remote["period_us"] - 1) * 100
-    predicted = pd.concat([remote, local], ignore_index=True)
 
-    spreads = [(grp["t_iss_us"].max() - grp["t_iss_us"].min()) / grp["t_iss_us"].median() * 100
-               for _, grp in local.groupby("burst_bytes")]
+    # The local control is issue-bound except where its own drain binds: at the smallest gaps a
+    # full-chip burst to local memory streams at HBM bandwidth (its zero-gap rate, V/T_period).
+    local = local.assign(gap_model_us=local["gap_us"] + loop_gap_us)
+    local_rate = float((local["burst_volume"] / local["period_us"])[local["gap_us"] == 0].max() / 1e3)
+    issue_bound = local["gap_model_us"] >= model.drain_time(local["burst_volume"], local_rate)
+
+    def spread(frame):
+        return max((g["t_iss_us"].max() - g["t_iss_us"].min()) / g["t_iss_us"].median() * 100
+                   for _, g in frame.groupby("burst_bytes"))
+
+    predicted = pd.concat([remote, local.assign(local_issue_bound=issue_bound)], ignore_index=True)
 
     iso = issue[(issue["sweep"] == "isolated") & (issue["path"] == "remote")]
     isolated = {}
@@ -231,11 +250,14 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
         isolated[str(int(k))] = asdict(fit)
     cal = Calibration(platform=platform, source_record=source_record, sm_count=sm_count,
                       drain_rate_GBps=R, drain_rate_p25=float(r_p25), drain_rate_p75=float(r_p75),
+                      window_rate_GBps=window_rate,
                       t_iss0_us=t_iss0, t_iss0_spread=t_iss0_spread, loop_gap_us=loop_gap_us,
                       isolated=isolated, recovery_gap_us=g_star,
                       gap_issue_err_pct=float(np.median(issue_err)),
                       gap_period_err_pct=float(np.median(period_err)),
-                      local_tiss_spread_pct=float(max(spreads)))
+                      local_tiss_spread_pct=float(spread(local[issue_bound])),
+                      local_tiss_spread_all_gaps_pct=float(spread(local)),
+                      local_drain_rate_GBps=local_rate)
     return cal, predicted
 
 

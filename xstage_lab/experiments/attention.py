@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import triton
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -58,6 +59,12 @@ def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
         if b < 16 or b & (b - 1):
             raise ValueError(f"{key}={b} must be a power of two >= 16")
     return cfg
+
+
+def flash_attention_candidates(head_dim: int) -> list[dict]:
+    """The Hopper configurations worth timing for ``head_dim`` (the table's ``CANDIDATES``)."""
+    _check_head_dim(head_dim)
+    return [flash_attention_config(head_dim, c) for c in _kernels.CANDIDATES[head_dim]]
 
 
 def check_ulysses_shape(seq_len: int, heads: int, world: int) -> None:
@@ -125,7 +132,7 @@ def remote_store_a2a(out_local: torch.Tensor, peer_ptrs: torch.Tensor, rank: int
     _check_peer_ptrs(peer_ptrs, out_local.device, rank, world, M)
     block_rows = block_rows or _kernels.COPY_CONFIG["BLOCK_ROWS"]
     _check_launchable(out_local.device)
-    _kernels.remote_store_a2a_kernel[(triton_cdiv(M, block_rows),)](
+    _kernels.remote_store_a2a_kernel[(triton.cdiv(M, block_rows),)](
         out_local, peer_ptrs, M, M // world, rank, world,
         H_LOCAL=h_local, HEAD_DIM=d, BLOCK_ROWS=block_rows,
         num_warps=_kernels.COPY_CONFIG["num_warps"])
@@ -284,10 +291,6 @@ def symmetric_receive_buffer(numel: int, group: dist.ProcessGroup | None = None)
         raise RuntimeError(f"peer pointers must be non-null and {ALIGN_BYTES}-byte aligned: {ptrs}")
     return ReceiveBuffer(buffer, handle, torch.tensor(ptrs, dtype=torch.int64, device=device),
                          rank, world)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _check_head_dim(d: int) -> None:

@@ -172,8 +172,8 @@ def quantize_rows_fp8(x: torch.Tensor, block: int = FP8_SCALE_BLOCK) -> tuple[to
     return q.reshape(*lead, k), scale
 
 
-def dequantize_rows_fp8(q: torch.Tensor, scale: torch.Tensor, block: int = FP8_SCALE_BLOCK) -> torch.Tensor:
-    return q.float() * scale.repeat_interleave(block, dim=-1)
+def dequantize_rows_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.repeat_interleave(q.shape[-1] // scale.shape[-1], dim=-1)
 
 
 def quantize_blocks_fp8(w: torch.Tensor, block: int = FP8_SCALE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +185,8 @@ def quantize_blocks_fp8(w: torch.Tensor, block: int = FP8_SCALE_BLOCK) -> tuple[
     return q.reshape(*lead, n, k), scale
 
 
-def dequantize_blocks_fp8(q: torch.Tensor, scale: torch.Tensor, block: int = FP8_SCALE_BLOCK) -> torch.Tensor:
+def dequantize_blocks_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    block = q.shape[-1] // scale.shape[-1]
     return q.float() * scale.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
 
 
@@ -300,6 +301,11 @@ class DispatchLayout:
         return self.x.shape[0]
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """e4m3 tensors as uint8 for gathers, scatters and NCCL (byte moves need no fp8 kernels)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def build_layout(recv_x: torch.Tensor, recv_x_scale: torch.Tensor | None, recv_slot: torch.Tensor,
                  recv_expert: torch.Tensor, recv_counts: Sequence[int], experts_per_rank: int,
                  block_m: int) -> DispatchLayout:
@@ -320,8 +326,9 @@ def build_layout(recv_x: torch.Tensor, recv_x_scale: torch.Tensor | None, recv_s
     arrival_rows = torch.empty(n, dtype=torch.int64, device=device)
     arrival_rows[perm] = padded_start[e_sorted] + rank_in_expert
     rows = sum(blocks) * block_m
-    x = torch.zeros(rows, recv_x.shape[1], dtype=recv_x.dtype, device=device)
-    x[arrival_rows] = recv_x
+    x = _bytes(torch.zeros(rows, recv_x.shape[1], dtype=recv_x.dtype, device=device))
+    x[arrival_rows] = _bytes(recv_x)
+    x = x.view(recv_x.dtype)
     x_scale = None
     if recv_x_scale is not None:
         x_scale = torch.zeros(rows, recv_x_scale.shape[1], dtype=recv_x_scale.dtype, device=device)
@@ -350,15 +357,13 @@ def dispatch(x: torch.Tensor, x_scale: torch.Tensor | None, topk_ids: torch.Tens
     n_recv = sum(recv_counts)
 
     def exchange(send: torch.Tensor) -> torch.Tensor:
-        # NCCL moves bytes: e4m3 travels as uint8.
-        wire = send.view(torch.uint8) if send.dtype == torch.float8_e4m3fn else send
-        out = torch.empty((n_recv, *send.shape[1:]), dtype=wire.dtype, device=send.device)
-        dist.all_to_all_single(out, wire.contiguous(), output_split_sizes=recv_counts,
+        out = torch.empty((n_recv, *send.shape[1:]), dtype=send.dtype, device=send.device)
+        dist.all_to_all_single(out, send.contiguous(), output_split_sizes=recv_counts,
                                input_split_sizes=list(plan.counts), group=group)
-        return out.view(send.dtype) if send.dtype == torch.float8_e4m3fn else out
+        return out
 
     tokens = plan.order // plan.top_k
-    recv_x = exchange(x[tokens])
+    recv_x = exchange(_bytes(x)[tokens]).view(x.dtype)
     recv_scale = exchange(x_scale[tokens]) if x_scale is not None else None
     meta = exchange(torch.stack((plan.order, plan.experts % per_rank), dim=1))
     return plan, build_layout(recv_x, recv_scale, meta[:, 0], meta[:, 1], recv_counts, per_rank,
@@ -568,10 +573,18 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _scaled_mm_blockwise(a_q, a_s, b_q, b_s, transposed_scale_a: bool) -> torch.Tensor:
-    """``a [M, K] @ b[N, K].T`` with 1 x 128 scales on a and 128 x 128 on b (torch cuBLAS/CUTLASS)."""
-    scale_a = a_s.t().contiguous().t() if transposed_scale_a else a_s
-    return torch._scaled_mm(a_q, b_q.t(), scale_a=scale_a, scale_b=b_s.t(), out_dtype=torch.bfloat16)
+# Scale layouts tried for torch._scaled_mm's block-wise (1 x 128, 128 x 128) recipe: whether scale_a
+# is outer-dim-major and whether scale_b (passed as [K/128, N/128]) is made contiguous.
+_SCALE_LAYOUTS = {"scaled_mm_blockwise": (False, False), "scaled_mm_blockwise_ta": (True, False),
+                  "scaled_mm_blockwise_cb": (False, True), "scaled_mm_blockwise_ta_cb": (True, True)}
+
+
+def _scaled_mm_blockwise(a_q, a_s, b_q, b_s, impl: str) -> torch.Tensor:
+    """``a [M, K] @ b [N, K].T`` with 1 x 128 scales on a and 128 x 128 on b, bf16 out."""
+    outer_a, contiguous_b = _SCALE_LAYOUTS[impl]
+    scale_a = a_s.t().contiguous().t() if outer_a else a_s
+    scale_b = b_s.t().contiguous() if contiguous_b else b_s.t()
+    return torch._scaled_mm(a_q, b_q.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
 
 
 def _unfused_impl(device: torch.device, precision: str) -> str:
@@ -599,13 +612,13 @@ def _unfused_impl(device: torch.device, precision: str) -> str:
             aq, asc = quantize_rows_fp8(a)
             bq, bsc = quantize_blocks_fp8(b[0])
             want = dequantize_rows_fp8(aq, asc) @ dequantize_blocks_fp8(bq, bsc).t()
-            for transposed in (False, True):
+            for impl in _SCALE_LAYOUTS:
                 try:
-                    got = _scaled_mm_blockwise(aq, asc, bq, bsc, transposed).float()
+                    got = _scaled_mm_blockwise(aq, asc, bq, bsc, impl).float()
                 except (RuntimeError, AttributeError, TypeError):
                     continue
                 if ((got - want).norm() / want.norm()).item() < 2e-2:
-                    choice = "scaled_mm_blockwise" + ("_t" if transposed else "")
+                    choice = impl
                     break
     _UNFUSED_IMPL[key] = choice
     return choice
@@ -616,21 +629,20 @@ def expert_ffn_unfused(layout: DispatchLayout, weights: ExpertWeights) -> tuple[
     the layout's rows (padding rows included, as in the fused kernel), and the path used."""
     impl = _unfused_impl(layout.x.device, weights.precision)
     starts = np.concatenate(([0], np.cumsum(layout.blocks_per_expert))) * layout.block_m
-    y = torch.zeros(layout.num_rows, weights.hidden, dtype=torch.bfloat16, device=layout.x.device)
     if impl == "grouped_mm":
         offs = torch.tensor(starts[1:], dtype=torch.int32, device=layout.x.device)
         h = _swiglu(torch._grouped_mm(layout.x, weights.w1.transpose(1, 2), offs=offs))
         return torch._grouped_mm(h, weights.w2.transpose(1, 2), offs=offs), impl
+    y = torch.zeros(layout.num_rows, weights.hidden, dtype=torch.bfloat16, device=layout.x.device)
     for e in range(weights.num_experts):
         lo, hi = int(starts[e]), int(starts[e + 1])
         if lo == hi:
             continue
-        if impl.startswith("scaled_mm_blockwise"):
-            t = impl.endswith("_t")
-            x_s = layout.x_scale[lo:hi]
-            h = _swiglu(_scaled_mm_blockwise(layout.x[lo:hi], x_s, weights.w1[e], weights.w1_scale[e], t))
-            hq, hs = quantize_rows_fp8(h)
-            y[lo:hi] = _scaled_mm_blockwise(hq, hs, weights.w2[e], weights.w2_scale[e], t)
+        if impl in _SCALE_LAYOUTS:
+            h = _swiglu(_scaled_mm_blockwise(layout.x[lo:hi], layout.x_scale[lo:hi], weights.w1[e],
+                                             weights.w1_scale[e], impl))
+            hq, hs = quantize_rows_fp8(h, weights.hidden // weights.w2_scale.shape[1])
+            y[lo:hi] = _scaled_mm_blockwise(hq, hs, weights.w2[e], weights.w2_scale[e], impl)
         elif weights.precision == "fp8":
             x = dequantize_rows_fp8(layout.x[lo:hi], layout.x_scale[lo:hi]).to(torch.bfloat16)
             w1 = dequantize_blocks_fp8(weights.w1[e], weights.w1_scale[e]).to(torch.bfloat16)
@@ -670,7 +682,7 @@ def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     out = {"fp32": torch.zeros(x.shape[0], shape.hidden, dtype=torch.float32, device=x.device)}
     if precision == "fp8":
         out["fp8_emulated"] = torch.zeros_like(out["fp32"])
-        xq = dequantize_rows_fp8(*quantize_rows_fp8(x, scale_block), scale_block)
+        xq = dequantize_rows_fp8(*quantize_rows_fp8(x, scale_block))
     xf = x.float()
     for e in torch.unique(topk_ids).tolist():
         tok, j = (topk_ids == e).nonzero(as_tuple=True)
@@ -678,10 +690,10 @@ def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         w1, w2 = expert_master_weights(shape, e, seed=seed, device=x.device)
         out["fp32"].index_add_(0, tok, w * (_swiglu(xf[tok] @ w1.float().t()) @ w2.float().t()))
         if precision == "fp8":
-            w1q = dequantize_blocks_fp8(*quantize_blocks_fp8(w1, scale_block), scale_block)
-            w2q = dequantize_blocks_fp8(*quantize_blocks_fp8(w2, scale_block), scale_block)
+            w1q = dequantize_blocks_fp8(*quantize_blocks_fp8(w1, scale_block))
+            w2q = dequantize_blocks_fp8(*quantize_blocks_fp8(w2, scale_block))
             h = _swiglu(xq[tok] @ w1q.t())
-            hq = dequantize_rows_fp8(*quantize_rows_fp8(h, scale_block), scale_block)
+            hq = dequantize_rows_fp8(*quantize_rows_fp8(h, scale_block))
             out["fp8_emulated"].index_add_(0, tok, w * (hq @ w2q.t()))
     return out
 

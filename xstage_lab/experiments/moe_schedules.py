@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -76,12 +77,12 @@ class MoEProblem:
     def num_rows(self) -> int:
         return sum(self.blocks_per_expert)
 
-    @property
+    @cached_property
     def first_row(self) -> tuple[int, ...]:
         """O_e: the first scheduler row of each local expert."""
         return tuple(int(v) for v in np.concatenate(([0], np.cumsum(self.blocks_per_expert)[:-1])))
 
-    @property
+    @cached_property
     def row_expert(self) -> tuple[int, ...]:
         """e(p): the local expert of each scheduler row."""
         return tuple(e for e, b in enumerate(self.blocks_per_expert) for _ in range(b))
