@@ -102,10 +102,12 @@ def burst_rows(trace: np.ndarray, clocks: np.ndarray, warmup_bursts: int,
 
     Producers that run free drift apart (unequal arbitration lets some race ahead), so the K
     producers overlap only inside a window: from the latest start of a first steady burst to the
-    earliest start of a last burst. A producer's burst counts where it starts inside that window;
-    the burst's issue time and period are the medians over those producers (with the slowest and
-    fastest issue times beside), and ``window_rate_GBps`` is the bytes the producers issued in
-    the window over its length: with no gap it is the aggregate drain rate, however they drift.
+    earliest start of a last burst. A producer's burst counts where it starts inside that window.
+    The burst's issue time and period are means over those producers, as the fluid model's are
+    time averages: under backpressure the arbitration serves producers unevenly, a few bursts
+    wait long and most little, and a median would miss the waits (median, slowest and fastest
+    issue times are kept beside). ``window_rate_GBps`` is the bytes the producers issued in the
+    window over its length: with no gap it is the aggregate drain rate, however they drift.
     """
     trace = trace.astype(np.float64)
     clocks = clocks.astype(np.float64)
@@ -122,8 +124,8 @@ def burst_rows(trace: np.ndarray, clocks: np.ndarray, warmup_bursts: int,
     counted = in_window.any(axis=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a burst no producer counts gives NaN
-        t_iss = np.nanmedian(issue_w, axis=1)
-        per = np.nanmedian(period_w, axis=1)
+        t_iss, t_median = np.nanmean(issue_w, axis=1), np.nanmedian(issue_w, axis=1)
+        per = np.nanmean(period_w, axis=1)
         t_max, t_min = np.nanmax(issue_w, axis=1), np.nanmin(issue_w, axis=1)
     window_us = (hi - lo) / 1e3
     rate = in_window.sum() * burst_bytes / (window_us * 1e3) if window_us > 0 else np.nan
@@ -132,6 +134,7 @@ def burst_rows(trace: np.ndarray, clocks: np.ndarray, warmup_bursts: int,
         "warmup": np.arange(n) < warmup_bursts,
         "producers_in_window": in_window.sum(axis=1),
         "t_iss_us": np.where(counted, t_iss, np.nan),
+        "t_iss_median_us": np.where(counted, t_median, np.nan),
         "t_iss_max_us": np.where(counted, t_max, np.nan),
         "t_iss_min_us": np.where(counted, t_min, np.nan),
         "period_us": np.where(counted, per, np.nan),
