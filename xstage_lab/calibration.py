@@ -25,15 +25,21 @@ R_FIT_MIN_VOLUME = 4 * MIB
 PLATEAU_GAP_MULTIPLE = 2.0
 
 
-def launch_medians(table: pd.DataFrame) -> pd.DataFrame:
-    """Steady-state value of each launch: the median over its non-warm-up bursts."""
+def launch_means(table: pd.DataFrame) -> pd.DataFrame:
+    """Steady-state value of each launch: the mean over its producers' bursts inside the window
+    where all producers overlap (each burst row weighted by the producers it counts), after the
+    warm-up bursts. A time average, as the fluid model's quantities are."""
     steady = table[~table["warmup"] & (table["producers_in_window"] > 0)]
     keys = ["sweep", "point", "repeat", "mode", "path", "producers", "burst_bytes", "gap_us",
             "src", "dst", "lines", "align", "burst_volume"]
-    return (steady.groupby(keys, dropna=False)[["t_iss_us", "period_us", "gap_eff_us",
-                                                 "start_skew_ns", "window_rate_GBps",
-                                                 "sm_clock_mhz"]]
-            .median().reset_index())
+    values = ["t_iss_us", "period_us", "gap_eff_us"]
+    w = steady["producers_in_window"]
+    weighted = steady[keys].assign(_w=w, **{v: steady[v] * w for v in values})
+    sums = weighted.groupby(keys, dropna=False).sum()
+    out = sums[values].div(sums["_w"], axis=0)
+    rest = steady.groupby(keys, dropna=False)[["start_skew_ns", "window_rate_GBps",
+                                               "sm_clock_mhz"]].median()
+    return out.join(rest).reset_index()
 
 
 def point_medians(launches: pd.DataFrame, value: str) -> pd.DataFrame:
@@ -133,6 +139,7 @@ class Calibration:
     recovery_gap_us: dict      # "K=..,B=.." -> G*
     gap_issue_err_pct: float   # no-refit median |error| of T_iss over the remote gap sweep
     gap_period_err_pct: float  # same for T_period
+    gap_drain_branch_err_pct: float  # T_iss error over the drain-limited points only (G < G*)
     local_tiss_spread_pct: float  # (max - min)/median of local T_iss across its issue-bound gaps
     local_tiss_spread_all_gaps_pct: float  # the same over every gap, HBM-bound ones included
     local_drain_rate_GBps: float  # the local control's zero-gap rate (HBM-bound)
@@ -164,6 +171,7 @@ class Calibration:
             "G_star_us": {k: round(v, 3) for k, v in self.recovery_gap_us.items()},
             "gap_prediction_median_abs_err_pct": round(self.gap_issue_err_pct, 2),
             "gap_period_prediction_median_abs_err_pct": round(self.gap_period_err_pct, 2),
+            "gap_drain_branch_median_abs_err_pct": round(self.gap_drain_branch_err_pct, 2),
             "local_control_tiss_spread_pct": round(self.local_tiss_spread_pct, 2),
             "local_control_tiss_spread_all_gaps_pct": round(self.local_tiss_spread_all_gaps_pct, 2),
             "local_drain_rate_GBps": round(self.local_drain_rate_GBps, 1),
@@ -180,7 +188,7 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
               min_volume: float = R_FIT_MIN_VOLUME) -> tuple[Calibration, pd.DataFrame]:
     """Fit M_X from a ``remote_store`` record's table. Returns the calibration and the gap-sweep
     points with their no-refit predictions (for Figs. 3a, 3b)."""
-    launches = launch_medians(table)
+    launches = launch_means(table)
     periods = point_medians(launches, "period_us")
     issue = point_medians(launches, "t_iss_us")
     gaps = point_medians(launches, "gap_eff_us")
@@ -229,6 +237,8 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
     remote["period_pred_us"] = model.period(g, remote["burst_volume"], t0, R)
     remote["period_cc_us"] = model.period_completion_coupled(g, remote["burst_volume"], R)
     issue_err = np.abs(remote["t_iss_pred_us"] / remote["t_iss_us"] - 1) * 100
+    drain_branch = g < np.array([g_star[_kb_key(k, b)] for k, b in
+                                 zip(remote["producers"], remote["burst_bytes"])])
     period_err = np.abs(remote["period_pred_us"] / remote["period_us"] - 1) * 100
 
     # The local control is issue-bound except where its own drain binds: at the smallest gaps a
@@ -255,6 +265,7 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
                       isolated=isolated, recovery_gap_us=g_star,
                       gap_issue_err_pct=float(np.median(issue_err)),
                       gap_period_err_pct=float(np.median(period_err)),
+                      gap_drain_branch_err_pct=float(np.median(issue_err[drain_branch])),
                       local_tiss_spread_pct=float(spread(local[issue_bound])),
                       local_tiss_spread_all_gaps_pct=float(spread(local)),
                       local_drain_rate_GBps=local_rate)

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from ..calibration import calibrate, calibration_to_dict
-from ..platform import Inventory, inventory
+from ..platform import Inventory, git_commit, inventory
 from ..records import RECORDS_DIR, read_record, write_record
 from ..sweep import Axis, Sweep
 
@@ -346,6 +346,6 @@ def write_calibration(record_path: Path | str, root: Path = RECORDS_DIR) -> Path
     rec = read_record(record_path)
     cal, _ = calibrate(rec.table, rec.platform, rec.record_id)
     table = pd.DataFrame([{"quantity": k, "value": json.dumps(v)} for k, v in cal.summary().items()])
-    return write_record("calibration", rec.platform, table,
-                        {"source_record": rec.record_id, "calibration": calibration_to_dict(cal)},
-                        rec.provenance, root)
+    params = {"source_record": rec.record_id, "calibrated_with_commit": git_commit(),
+              "calibration": calibration_to_dict(cal)}
+    return write_record("calibration", rec.platform, table, params, rec.provenance, root)
