@@ -53,6 +53,17 @@ def point_medians(launches: pd.DataFrame, value: str) -> pd.DataFrame:
 ISSUE_LIMITED_EXCESS = 0.10
 
 
+def point_table(launches: pd.DataFrame) -> pd.DataFrame:
+    """Every measurement point's medians over repeats (issue time, period, effective gap), with
+    their interquartile spread."""
+    keys = ["sweep", "point", "mode", "path", "producers", "burst_bytes", "gap_us", "src", "dst",
+            "lines", "align", "burst_volume"]
+    out = point_medians(launches, "t_iss_us")
+    for value in ("period_us", "gap_eff_us", "window_rate_GBps"):
+        out = out.merge(point_medians(launches, value), on=keys)
+    return out
+
+
 def fit_drain_rate(burst_volume, period_us) -> tuple[float, np.ndarray]:
     """Least-squares R (GB/s) for T_period = V/R through the origin (eq. 1), on the
     drain-dominated points. The max law (eqs. 1–3) puts every period at or above V/R; a point
@@ -166,7 +177,7 @@ class Calibration:
             "T_iss0_us": {k: round(v, 3) for k, v in self.t_iss0_us.items()},
             "Q_MiB": {f"K={k}": round(f["capacity_bytes"] / MIB, 3)
                       for k, f in iso.items() if f["capacity_bytes"] is not None},
-            "knee_KB_per_producer": {f"K={k}": round(f["knee_volume_bytes"] / k / 1000, 2)
+            "knee_KB_per_producer": {f"K={k}": round(f["knee_volume_bytes"] / k / KIB, 2)
                                      for k, f in iso.items() if f["knee_volume_bytes"] is not None},
             "G_star_us": {k: round(v, 3) for k, v in self.recovery_gap_us.items()},
             "gap_prediction_median_abs_err_pct": round(self.gap_issue_err_pct, 2),
@@ -189,9 +200,7 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
     """Fit M_X from a ``remote_store`` record's table. Returns the calibration and the gap-sweep
     points with their no-refit predictions (for Figs. 3a, 3b)."""
     launches = launch_means(table)
-    periods = point_medians(launches, "period_us")
-    issue = point_medians(launches, "t_iss_us")
-    gaps = point_medians(launches, "gap_eff_us")
+    points = point_table(launches)
 
     # R (eq. 1): zero-gap periods of aligned aggregate bursts, every K/B decomposition at or above
     # min_volume. Free-running producers cross-check it through their window rate.
@@ -204,9 +213,7 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
     per_launch_R = zero_gap["burst_volume"] / zero_gap["period_us"] / 1e3
     r_p25, r_p75 = np.percentile(per_launch_R, [25, 75])
 
-    gap_pts = issue[issue["sweep"] == "gap"].merge(
-        gaps[gaps["sweep"] == "gap"][["point", "gap_eff_us"]], on="point")
-    gap_pts = gap_pts.merge(periods[periods["sweep"] == "gap"][["point", "period_us"]], on="point")
+    gap_pts = points[points["sweep"] == "gap"]
     sm_count = int(gap_pts["producers"].max())
 
     # The burst loop (CTA barrier, time stamps) adds to every gap; the local control, which no
@@ -253,7 +260,7 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
 
     predicted = pd.concat([remote, local.assign(local_issue_bound=issue_bound)], ignore_index=True)
 
-    iso = issue[(issue["sweep"] == "isolated") & (issue["path"] == "remote")]
+    iso = points[(points["sweep"] == "isolated") & (points["path"] == "remote")]
     isolated = {}
     for k, grp in iso.groupby("producers"):
         fit = fit_isolated(int(k), grp["burst_volume"], grp["t_iss_us"], R)

@@ -1,0 +1,243 @@
+"""Figures and tables, drawn only from records and fits, and their publication for ``reproduce``.
+
+``publish``/``publish_table`` display in a notebook and, when the runner passes an output folder,
+also write HTML (PNG where kaleido finds a Chromium), CSV and Markdown, and add an entry to the
+folder's ``manifest.jsonl`` from which the runner builds the index page.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from . import model
+from .calibration import Calibration, IsolatedFit
+
+KIB = 1024
+MIB = 1024 * 1024
+_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2"]
+
+
+def _kb(b) -> str:
+    return f"{int(b) // KIB} KB"
+
+
+def fig3a_issue_time(cal: Calibration, predicted: pd.DataFrame) -> go.Figure:
+    """Fig. 3(a): sender-visible issue time against the producer-side gap, remote and local,
+    with eq. 3 drawn from the calibrated (T_iss^0, R) and no refit."""
+    fig = go.Figure()
+    g = np.linspace(0, predicted["gap_us"].max() + cal.loop_gap_us, 400)
+    for i, (b, grp) in enumerate(predicted.groupby("burst_bytes")):
+        color = _COLORS[i % len(_COLORS)]
+        k = int(grp["producers"].iloc[0])
+        remote, local = grp[grp["path"] == "remote"], grp[grp["path"] == "local"]
+        gap_r = remote["gap_us"] + cal.loop_gap_us
+        fig.add_scatter(x=gap_r, y=remote["t_iss_us"], mode="markers", marker=dict(color=color),
+                        name=f"remote B={_kb(b)}",
+                        error_y=dict(type="data", symmetric=False,
+                                     array=remote["t_iss_us_p75"] - remote["t_iss_us"],
+                                     arrayminus=remote["t_iss_us"] - remote["t_iss_us_p25"]))
+        fig.add_scatter(x=local["gap_us"] + cal.loop_gap_us, y=local["t_iss_us"], mode="markers",
+                        marker=dict(color=color, symbol="x"), name=f"local control B={_kb(b)}")
+        t0 = cal.t_iss0_us[f"K={k},B={int(b)}"]
+        fig.add_scatter(x=g, y=model.issue_time(g, k * b, t0, cal.drain_rate_GBps), mode="lines",
+                        line=dict(color=color, dash="dash"), name=f"eq. 3, B={_kb(b)}")
+    fig.update_layout(title=f"Fig. 3(a) {cal.platform}: issue time vs gap (K={cal.sm_count})",
+                      xaxis_title="producer-side gap G (µs, incl. loop overhead)",
+                      yaxis_title="T_iss (µs)", yaxis_type="log")
+    return fig
+
+
+def fig3b_period(cal: Calibration, predicted: pd.DataFrame) -> go.Figure:
+    """Fig. 3(b): start-to-start period against the gap: the max law T_iss^0 + G vs V/R (eqs. 1–3)
+    against the completion-coupled sum law G + V/R."""
+    fig = go.Figure()
+    remote_all = predicted[predicted["path"] == "remote"]
+    g = np.linspace(0, remote_all["gap_us"].max() + cal.loop_gap_us, 400)
+    for i, (b, remote) in enumerate(remote_all.groupby("burst_bytes")):
+        color = _COLORS[i % len(_COLORS)]
+        k = int(remote["producers"].iloc[0])
+        t0 = cal.t_iss0_us[f"K={k},B={int(b)}"]
+        fig.add_scatter(x=remote["gap_us"] + cal.loop_gap_us, y=remote["period_us"],
+                        mode="markers", marker=dict(color=color), name=f"measured B={_kb(b)}")
+        fig.add_scatter(x=g, y=model.period(g, k * b, t0, cal.drain_rate_GBps), mode="lines",
+                        line=dict(color=color, dash="dash"), name=f"max law B={_kb(b)}")
+        fig.add_scatter(x=g, y=model.period_completion_coupled(g, k * b, cal.drain_rate_GBps),
+                        mode="lines", line=dict(color=color, dash="dot", width=1),
+                        name=f"sum law (completion-coupled) B={_kb(b)}")
+    fig.update_layout(title=f"Fig. 3(b) {cal.platform}: burst period vs gap",
+                      xaxis_title="producer-side gap G (µs)", yaxis_title="T_period (µs)")
+    return fig
+
+
+def fig3c_isolated(cal: Calibration, isolated: pd.DataFrame) -> go.Figure:
+    """Fig. 3(c): isolated-burst issue time against aggregate volume with the eq. 7 fit per K
+    and its knee."""
+    fig = go.Figure()
+    for i, (k, grp) in enumerate(isolated[isolated["path"] == "remote"].groupby("producers")):
+        color = _COLORS[i % len(_COLORS)]
+        fit = IsolatedFit(**cal.isolated[str(int(k))])
+        v = np.geomspace(grp["burst_volume"].min(), grp["burst_volume"].max(), 300)
+        fig.add_scatter(x=grp["burst_volume"] / MIB, y=grp["t_iss_us"], mode="markers",
+                        marker=dict(color=color), name=f"remote K={k}")
+        fig.add_scatter(x=v / MIB, y=fit.predict(v), mode="lines",
+                        line=dict(color=color, dash="dash"), name=f"eq. 7 fit K={k}")
+        if fit.knee_volume_bytes is not None:
+            fig.add_vline(x=fit.knee_volume_bytes / MIB, line=dict(color=color, dash="dot"))
+    local = isolated[isolated["path"] == "local"]
+    for k, grp in local.groupby("producers"):
+        fig.add_scatter(x=grp["burst_volume"] / MIB, y=grp["t_iss_us"], mode="markers",
+                        marker=dict(symbol="x", color="gray"), name=f"local control K={k}")
+    fig.update_layout(title=f"Fig. 3(c) {cal.platform}: isolated burst, capacity knee",
+                      xaxis_title="aggregate burst volume V (MiB)", yaxis_title="T_iss^iso (µs)",
+                      xaxis_type="log", yaxis_type="log")
+    return fig
+
+
+def fig3d_drain_rate(cal: Calibration, zero_gap: pd.DataFrame) -> go.Figure:
+    """Fig. 3(d): zero-gap steady-state period over K/B decompositions with T = V/R (eq. 1)."""
+    fig = go.Figure()
+    aligned = zero_gap[zero_gap["align"] == "each"]
+    for i, (k, grp) in enumerate(aligned.groupby("producers")):
+        fig.add_scatter(x=grp["burst_volume"] / MIB, y=grp["period_us"], mode="markers",
+                        marker=dict(color=_COLORS[i % len(_COLORS)]), name=f"K={k}")
+    v = np.linspace(0, aligned["burst_volume"].max(), 100)
+    fig.add_scatter(x=v / MIB, y=model.drain_time(v, cal.drain_rate_GBps), mode="lines",
+                    line=dict(color="black", dash="dash"),
+                    name=f"V/R, R = {cal.drain_rate_GBps:.0f} GB/s")
+    fig.update_layout(title=f"Fig. 3(d) {cal.platform}: zero-gap period, shared drain rate",
+                      xaxis_title="aggregate burst volume V (MiB)",
+                      yaxis_title="steady-state T_period (µs)")
+    return fig
+
+
+def table1_comparison(paper: dict, calibrations: list[Calibration]) -> pd.DataFrame:
+    """Table 1's parameters: the paper's beside each platform's, with the spread measured."""
+    rows = [("SMs per GPU (K max)", paper["sm_count"], lambda c: c.sm_count),
+            ("R (GB/s)", paper["R_GBps"],
+             lambda c: f"{c.drain_rate_GBps:.1f} [IQR {c.drain_rate_p25:.1f}–{c.drain_rate_p75:.1f}]")]
+    for key, value in paper["T_iss0_us"].items():
+        rows.append((f"T_iss^0 (µs) at B={_kb(key.split('B=')[1])}, K=all SMs", value,
+                     lambda c, b=key.split("B=")[1]: _t_iss0_text(c, int(b))))
+    rows.append(("Q (MiB), K = all SMs", next(iter(paper["Q_MiB"].values())),
+                 lambda c: _fmt(c.isolated.get(str(c.sm_count), {}).get("capacity_bytes"), MIB)))
+    rows.append(("knee (KB per producer), K = all SMs",
+                 next(iter(paper["knee_KB_per_producer"].values())),
+                 lambda c: _fmt(_knee_per_producer(c), KIB)))
+    for key, value in paper["G_star_us"].items():
+        b = int(key.split("B=")[1])
+        rows.append((f"G* (µs) at B={_kb(b)}, K=all SMs", value,
+                     lambda c, b=b: _fmt(c.recovery_gap_us.get(f"K={c.sm_count},B={b}"), 1)))
+    rows.append(("gap sweep, no-refit median |error| of T_iss (%)", None,
+                 lambda c: f"{c.gap_issue_err_pct:.2f} (drain branch {c.gap_drain_branch_err_pct:.2f})"))
+    return pd.DataFrame([{"quantity": name, "paper": paper_value,
+                          **{c.platform: f(c) for c in calibrations}}
+                         for name, paper_value, f in rows])
+
+
+def _fmt(value, unit) -> str:
+    return "—" if value is None else f"{value / unit:.3g}"
+
+
+def _knee_per_producer(c: Calibration):
+    fit = c.isolated.get(str(c.sm_count), {})
+    knee = fit.get("knee_volume_bytes")
+    return None if knee is None else knee / c.sm_count
+
+
+def _t_iss0_text(c: Calibration, b: int) -> str:
+    key = f"K={c.sm_count},B={b}"
+    if key not in c.t_iss0_us:
+        return "—"
+    lo, hi = c.t_iss0_spread[key]
+    return f"{c.t_iss0_us[key]:.3f} [IQR {lo:.3f}–{hi:.3f}]"
+
+
+def explore_burst_gap(cal: Calibration, predicted: pd.DataFrame):
+    """An ipywidgets explorer: move K, B and G and see eq. 3 and eq. 7 beside the measured gap
+    sweep. Under papermill it renders once at its defaults."""
+    import ipywidgets as w
+    from IPython.display import display
+
+    measured_b = sorted(int(b) for b in predicted["burst_bytes"].unique())
+    floor = cal.platform_model()
+    ks = w.IntSlider(value=cal.sm_count, min=1, max=cal.sm_count, description="K")
+    bs = w.SelectionSlider(options=[(f"{b // KIB} KB", b) for b in
+                                    sorted(set(measured_b) | {k * KIB for k in (4, 12, 24, 48, 96)})],
+                           value=measured_b[0], description="B")
+    gs = w.FloatSlider(value=2.0, min=0.0, max=float(predicted["gap_us"].max()), step=0.5,
+                       description="G (µs)")
+    out = w.Output()
+
+    def draw(K, B, G):
+        t0 = floor.t_iss0_at(K, B) if (K, B) in floor.t_iss0 else float(
+            floor.issue_floor[max(floor.issue_floor)](K * B))
+        v = K * B
+        g = np.linspace(0, gs.max + cal.loop_gap_us, 300)
+        fig = make_subplots(rows=1, cols=2, subplot_titles=("issue time (eq. 3)", "period (eqs. 1–3)"))
+        fig.add_scatter(x=g, y=model.issue_time(g, v, t0, cal.drain_rate_GBps), row=1, col=1,
+                        name="model T_iss")
+        fig.add_scatter(x=g, y=model.period(g, v, t0, cal.drain_rate_GBps), row=1, col=2,
+                        name="model T_period")
+        data = predicted[(predicted["path"] == "remote") & (predicted["producers"] == K)
+                         & (predicted["burst_bytes"] == B)]
+        if len(data):
+            fig.add_scatter(x=data["gap_us"] + cal.loop_gap_us, y=data["t_iss_us"], mode="markers",
+                            row=1, col=1, name="measured T_iss")
+            fig.add_scatter(x=data["gap_us"] + cal.loop_gap_us, y=data["period_us"],
+                            mode="markers", row=1, col=2, name="measured T_period")
+        for col in (1, 2):
+            fig.add_vline(x=G, line=dict(dash="dot"), row=1, col=col)
+        fig.update_layout(title=(f"K={K}, B={B // KIB} KB, V={v / MIB:.2f} MiB: "
+                                 f"T_iss(G)={float(model.issue_time(G, v, t0, cal.drain_rate_GBps)):.2f} µs, "
+                                 f"G*={float(model.recovery_gap(v, t0, cal.drain_rate_GBps)):.2f} µs"),
+                          height=380)
+        with out:
+            out.clear_output(wait=True)
+            display(fig)
+
+    w.interactive_output(draw, {"K": ks, "B": bs, "G": gs})
+    display(w.VBox([w.HBox([ks, bs, gs]), out]))
+
+
+def publish(fig: go.Figure, name: str, out_dir: Path | str | None, caption: str = "") -> None:
+    """Show ``fig``; with ``out_dir``, also write ``name``.html (and .png where kaleido can) and
+    list it in the manifest."""
+    fig.show()
+    if out_dir is None:
+        return
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig.write_html(out / f"{name}.html", include_plotlyjs="cdn")
+    files = [f"{name}.html"]
+    try:
+        fig.write_image(out / f"{name}.png", width=1000, height=600)
+        files.append(f"{name}.png")
+    except Exception as e:  # kaleido needs a Chromium; the HTML stands alone without it
+        caption = f"{caption} (no PNG: {type(e).__name__})".strip()
+    _manifest(out, {"kind": "figure", "name": name, "title": fig.layout.title.text or name,
+                    "caption": caption, "files": files})
+
+
+def publish_table(df: pd.DataFrame, name: str, out_dir: Path | str | None, title: str = "") -> None:
+    """Show ``df``; with ``out_dir``, also write ``name``.csv and ``name``.md and list it."""
+    from IPython.display import display
+
+    display(df)
+    if out_dir is None:
+        return
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / f"{name}.csv", index=False)
+    (out / f"{name}.md").write_text(df.to_markdown(index=False) + "\n")
+    _manifest(out, {"kind": "table", "name": name, "title": title or name,
+                    "files": [f"{name}.csv", f"{name}.md"], "html": df.to_html(index=False)})
+
+
+def _manifest(out: Path, entry: dict) -> None:
+    with open(out / "manifest.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")

@@ -1,0 +1,73 @@
+"""``reproduce``: run every notebook headlessly through papermill, collect what they publish,
+and write an index page of every figure and table."""
+from __future__ import annotations
+
+import html
+import json
+import sys
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def notebooks(only: list[str] | None = None) -> list[Path]:
+    """The notebooks in run order; ``only`` selects by stem, with or without its number prefix."""
+    found = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
+    if not only:
+        return found
+    chosen = [p for p in found if p.stem in only or p.stem.split("_", 1)[-1] in only]
+    unknown = set(only) - {p.stem for p in chosen} - {p.stem.split("_", 1)[-1] for p in chosen}
+    if unknown:
+        raise ValueError(f"no notebook named {sorted(unknown)}; have {[p.stem for p in found]}")
+    return chosen
+
+
+def reproduce(only: list[str] | None = None, backend: str = "auto", out: Path = Path("out")) -> int:
+    """Execute the notebooks into ``out``; returns 0, or 1 after the first failing notebook (its
+    failing cell printed)."""
+    import papermill as pm
+
+    from .platform import choose_backend
+
+    choice = choose_backend(backend)
+    print(choice.banner())
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    done = []
+    for nb in tqdm(notebooks(only), desc="notebooks"):
+        fig_dir = out / nb.stem
+        fig_dir.mkdir(exist_ok=True)
+        (fig_dir / "manifest.jsonl").unlink(missing_ok=True)
+        try:
+            pm.execute_notebook(str(nb), str(out / nb.name), cwd=str(NOTEBOOKS_DIR),
+                                parameters={"backend": choice.name, "out_dir": str(fig_dir.resolve())},
+                                progress_bar=False, kernel_name="python3")
+        except pm.PapermillExecutionError as e:
+            print(f"\n{nb.name} failed in cell {e.exec_count}:\n{e.source}\n{e.ename}: {e.evalue}",
+                  file=sys.stderr)
+            _write_index(out, done, choice.banner())
+            return 1
+        done.append(nb)
+    index = _write_index(out, done, choice.banner())
+    print(f"wrote {index}")
+    return 0
+
+
+def _write_index(out: Path, done: list[Path], banner: str) -> Path:
+    parts = [f"<h1>xstage_lab: reproduced figures and tables</h1><p>{html.escape(banner)}</p>"]
+    for nb in done:
+        parts.append(f'<h2>{html.escape(nb.stem)}</h2><p><a href="{nb.name}">executed notebook</a></p>')
+        manifest = out / nb.stem / "manifest.jsonl"
+        entries = [json.loads(line) for line in manifest.read_text().splitlines()] if manifest.exists() else []
+        for e in entries:
+            links = " · ".join(f'<a href="{nb.stem}/{f}">{f}</a>' for f in e["files"])
+            parts.append(f"<h3>{html.escape(e['title'])}</h3><p>{html.escape(e.get('caption', ''))}</p>"
+                         f"<p>{links}</p>{e.get('html', '')}")
+    index = out / "index.html"
+    index.write_text("<!doctype html><meta charset='utf-8'><title>xstage_lab</title>"
+                     "<style>body{font-family:sans-serif;max-width:70em;margin:auto}"
+                     "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}"
+                     "</style>" + "\n".join(parts))
+    return index
