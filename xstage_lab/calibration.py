@@ -51,6 +51,9 @@ def point_medians(launches: pd.DataFrame, value: str) -> pd.DataFrame:
 
 # A zero-gap point whose period exceeds V/R by more than this is issue-limited, not drain-limited.
 ISSUE_LIMITED_EXCESS = 0.10
+# An isolated sweep that the affine floor alone fits within this relative error has no
+# drain-limited branch in range: no knee, no capacity.
+FLOOR_ONLY_TOL = 0.02
 
 
 def point_table(launches: pd.DataFrame) -> pd.DataFrame:
@@ -116,6 +119,11 @@ def fit_isolated(producers: int, burst_volume, t_iss_us, drain_rate: float) -> I
     slope, intercept = np.polyfit(v[small], t[small], 1)
     q0 = float(np.median((v - drain_rate * 1e3 * t)[-3:]))  # V − R·T on the largest bursts
     x0 = [max(intercept, 1e-3), max(1.0 / max(slope, 1e-12) / 1e3, drain_rate), max(q0, 0.0)]
+    floor_only = least_squares(lambda x: (x[0] + v / (x[1] * 1e3) - t) / t, x0[:2],
+                               bounds=([0.0, 1.0], [np.inf, np.inf]))
+    if np.max(np.abs(floor_only.fun)) <= FLOOR_ONLY_TOL:
+        a, rate = (float(x) for x in floor_only.x)
+        return IsolatedFit(producers, drain_rate, a, rate, None, None)
 
     def residual(x):
         a, rate, q = x

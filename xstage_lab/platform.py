@@ -6,6 +6,7 @@ peer-capable GPUs exist, otherwise ``replay``.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import platform as _py_platform
 import re
@@ -48,8 +49,12 @@ class Inventory:
     def peer_capable_gpus(self) -> int:
         """Size of the largest group of GPUs of which every ordered pair is a peer pair."""
         n = len(self.gpus)
-        return max((sum(1 for j in range(n) if j == i or (self.peer[i][j] and self.peer[j][i]))
-                    for i in range(n)), default=0)
+        for size in range(n, 1, -1):
+            for group in itertools.combinations(range(n), size):
+                if all(self.peer[i][j] and self.peer[j][i]
+                       for i, j in itertools.combinations(group, 2)):
+                    return size
+        return min(n, 1)
 
 
 @lru_cache(maxsize=1)

@@ -74,14 +74,14 @@ def validate_point(p: dict, inv: Inventory, settings: BenchSettings = BenchSetti
         raise ValueError(f"align must be one of {ALIGNS}, got {p['align']!r}")
     if not isinstance(B, (int, np.integer)) or B <= 0 or B % 16:
         raise ValueError(f"burst_bytes B={B} must be a positive multiple of 16 (16-byte stores)")
-    if G < 0:
+    if not G >= 0:  # also refuses NaN
         raise ValueError(f"gap_us G={G} must not be negative")
     n = len(inv.gpus)
     src, dst = p["src"], p["dst"]
     if not (0 <= src < n and 0 <= dst < n):
         raise ValueError(f"src={src} and dst={dst} must name GPUs 0..{n - 1}")
     sms = inv.gpus[src].sm_count
-    if not 1 <= K <= sms:
+    if not isinstance(K, (int, np.integer)) or not 1 <= K <= sms:
         raise ValueError(f"producers K={K} must be in 1..{sms} (one CTA per SM of GPU {src})")
     if p["path"] == "remote":
         if src == dst:

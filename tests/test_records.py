@@ -1,0 +1,157 @@
+"""Records: append-only Parquet files with a JSON provenance header."""
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from xstage_lab import records
+from xstage_lab.records import (
+    Record, RecordExistsError, latest_record, list_records, platforms, read_record,
+    resolve_record, write_record)
+
+
+def _table(offset: float = 0.0) -> pd.DataFrame:
+    return pd.DataFrame({"point": [0, 1, 2], "t_iss_us": [0.5 + offset, 1.25, 2.0],
+                         "path": ["remote", "local", "remote"], "warmup": [True, False, False]})
+
+
+def _freeze(monkeypatch, when: datetime):
+    """Make records' clock read ``when``."""
+    class Frozen(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return when
+    monkeypatch.setattr(records, "datetime", Frozen)
+
+
+T1 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+T2 = datetime(2026, 1, 2, 3, 4, 6, tzinfo=timezone.utc)
+
+
+def test_round_trip(tmp_path):
+    df = _table()
+    params = {"repeats": 3, "sweeps": ["gap"], "where": Path("/x/y")}
+    prov = {"gpu_count": 2, "git_commit": "abc"}
+    path = write_record("remote_store", "h200-x2", df, params, prov, root=tmp_path)
+    assert path.parent == tmp_path / "remote_store" / "h200-x2"
+    assert path.suffix == ".parquet"
+    rec = read_record(path)
+    assert isinstance(rec, Record)
+    pd.testing.assert_frame_equal(rec.table, df)
+    assert rec.path == path
+    assert rec.platform == "h200-x2"
+    assert rec.meta["experiment"] == "remote_store"
+    assert rec.params == {"repeats": 3, "sweeps": ["gap"], "where": "/x/y"}  # default=str
+    assert rec.provenance == prov
+    assert rec.record_id == path.stem
+    created = datetime.fromisoformat(rec.meta["created_utc"])
+    assert created.tzinfo is not None
+    # id = <UTC second>-<10 hex digits of the table digest>
+    stamp, digest = rec.record_id.split("-")
+    assert stamp == f"{created:%Y%m%dT%H%M%SZ}"
+    assert len(digest) == 10 and int(digest, 16) >= 0
+    # read_record accepts a str as well
+    pd.testing.assert_frame_equal(read_record(str(path)).table, df)
+
+
+def test_same_table_same_second_collides_and_keeps_the_first(tmp_path, monkeypatch):
+    _freeze(monkeypatch, T1)
+    path = write_record("remote_store", "h200-x2", _table(), {"run": 1}, {}, root=tmp_path)
+    before = path.read_bytes()
+    with pytest.raises(RecordExistsError):
+        write_record("remote_store", "h200-x2", _table(), {"run": 2}, {}, root=tmp_path)
+    assert issubclass(RecordExistsError, FileExistsError)
+    assert path.read_bytes() == before
+    assert read_record(path).params == {"run": 1}
+    assert list_records("remote_store", root=tmp_path) == [path]
+
+
+def test_different_tables_same_second_are_two_records(tmp_path, monkeypatch):
+    _freeze(monkeypatch, T1)
+    a = write_record("remote_store", "h200-x2", _table(0.0), {}, {}, root=tmp_path)
+    b = write_record("remote_store", "h200-x2", _table(1.0), {}, {}, root=tmp_path)
+    assert a != b
+    assert a.stem.split("-")[0] == b.stem.split("-")[0] == "20260102T030405Z"
+    assert sorted(list_records("remote_store", "h200-x2", root=tmp_path)) == sorted([a, b])
+
+
+def test_same_table_next_second_is_a_new_record(tmp_path, monkeypatch):
+    _freeze(monkeypatch, T1)
+    a = write_record("remote_store", "h200-x2", _table(), {}, {}, root=tmp_path)
+    _freeze(monkeypatch, T2)
+    b = write_record("remote_store", "h200-x2", _table(), {}, {}, root=tmp_path)
+    assert a != b
+    assert a.stem.split("-")[1] == b.stem.split("-")[1]  # same table, same digest
+
+
+def test_list_latest_resolve(tmp_path, monkeypatch):
+    _freeze(monkeypatch, T2)
+    newer = write_record("remote_store", "h200-x2", _table(2.0), {"n": "newer"}, {}, root=tmp_path)
+    _freeze(monkeypatch, T1)
+    older = write_record("remote_store", "h200-x2", _table(1.0), {"n": "older"}, {}, root=tmp_path)
+    other = write_record("remote_store", "h100-x8", _table(3.0), {"n": "other"}, {}, root=tmp_path)
+    write_record("calibration", "h200-x2", _table(4.0), {"n": "cal"}, {}, root=tmp_path)
+
+    # oldest first, by id (creation time), whatever the write order
+    assert list_records("remote_store", "h200-x2", root=tmp_path) == [older, newer]
+    assert set(list_records("remote_store", root=tmp_path)) == {older, newer, other}
+    assert list_records("nothing_here", root=tmp_path) == []
+    assert platforms("remote_store", root=tmp_path) == ["h100-x8", "h200-x2"]
+
+    assert latest_record("remote_store", "h200-x2", root=tmp_path).path == newer
+    assert latest_record("remote_store", "h100-x8", root=tmp_path).params == {"n": "other"}
+    with pytest.raises(FileNotFoundError):
+        latest_record("remote_store", "a100-x4", root=tmp_path)
+
+    # None → latest; by id; by path (str or Path); unknown → FileNotFoundError
+    assert resolve_record("remote_store", "h200-x2", None, root=tmp_path).path == newer
+    assert resolve_record("remote_store", "h200-x2", older.stem, root=tmp_path).path == older
+    assert resolve_record("remote_store", "h200-x2", str(older), root=tmp_path).params == \
+        {"n": "older"}
+    # a path is taken as is, even of another platform
+    assert resolve_record("remote_store", "h200-x2", str(other), root=tmp_path).path == other
+    with pytest.raises(FileNotFoundError):
+        resolve_record("remote_store", "h200-x2", "20990101T000000Z-0123456789", root=tmp_path)
+    with pytest.raises(FileNotFoundError):  # an id of another platform is not this one's
+        resolve_record("remote_store", "h200-x2", other.stem, root=tmp_path)
+    with pytest.raises(FileNotFoundError):
+        resolve_record("remote_store", "h200-x2", str(tmp_path / "missing.parquet"),
+                       root=tmp_path)
+
+
+def test_parquet_without_header_is_rejected(tmp_path):
+    path = tmp_path / "plain.parquet"
+    pq.write_table(pa.Table.from_pandas(_table(), preserve_index=False), path)
+    with pytest.raises(ValueError, match="not an xstage_lab record"):
+        read_record(path)
+    with pytest.raises(ValueError):
+        resolve_record("remote_store", "h200-x2", str(path), root=tmp_path)
+
+
+def test_header_is_json_in_schema_metadata(tmp_path):
+    path = write_record("remote_store", "h200-x2", _table(), {"a": 1}, {"b": 2}, root=tmp_path)
+    meta = json.loads(pq.read_schema(path).metadata[b"xstage_lab"])
+    assert meta["params"] == {"a": 1} and meta["provenance"] == {"b": 2}
+    assert meta["platform"] == "h200-x2" and meta["experiment"] == "remote_store"
+
+
+@pytest.mark.parametrize("experiment,platform", [
+    ("remote-store", "h200-x2"),     # experiment must be an identifier
+    ("../escape", "h200-x2"),
+    ("a/b", "h200-x2"),
+    ("", "h200-x2"),
+    ("remote_store", "h200/x2"),
+    ("remote_store", "../h200"),
+    ("remote_store", "h200 x2"),
+    ("remote_store", ""),
+])
+def test_bad_names_rejected_before_writing(tmp_path, experiment, platform):
+    with pytest.raises(ValueError, match="plain names"):
+        write_record(experiment, platform, _table(), {}, {}, root=tmp_path)
+    assert list(tmp_path.iterdir()) == []
