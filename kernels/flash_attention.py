@@ -14,27 +14,28 @@ In both layouts one token's H_LOCAL heads from one rank are H_LOCAL*d contiguous
 import triton
 import triton.language as tl
 
-# Hopper (sm_90) launch configurations keyed by head dim: b_m x b_n tiles, two warpgroups on the
-# 128-row tile (wgmma is issued per 64-row warpgroup), TMA loads pipelined num_stages deep within
-# the 227 KB of shared memory a CTA may hold. Compiled for sm_90 with Triton 3.6 all of them fit,
-# without register spills (a 4-warp 128x64 tile at d=128 spills and is left out). CANDIDATES are
-# what the benchmark times once per head dim before the sweep; the configuration it picks serves
-# FA-only, Serial and Fused alike.
+# Hopper (sm_90) launch configurations keyed by head dim: b_m x b_n tiles, 8 warps = two
+# warpgroups on the 128-row tile (wgmma is issued per 64-row warpgroup), TMA loads pipelined
+# num_stages deep within the 227 KB of shared memory a CTA may hold. ctas_per_sm is the occupancy
+# the persistent grid is sized for (SMs x ctas_per_sm programs), from the registers and shared
+# memory of the sm_90 build (Triton 3.6, ptxas -v): none of these spills (a 4-warp 128x64 tile at
+# d=128 does, and is left out). CANDIDATES are what the benchmark times once per head dim before
+# the sweep; the configuration it picks serves FA-only, Serial and Fused alike.
 CONFIGS = {
-    64: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+    64: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1),
+    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, ctas_per_sm=1),
 }
 CANDIDATES = {
     64: [CONFIGS[64],
-         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
-         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4)],
+         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, ctas_per_sm=1),
+         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, ctas_per_sm=2),
+         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4, ctas_per_sm=2)],
     128: [CONFIGS[128],
-          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4)],
+          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1),
+          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1),
+          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, ctas_per_sm=1)],
 }
-# Remote-store copy kernel: a [COPY_BLOCK_ROWS, d] tile per head, 16-byte stores.
+# Remote-store copy kernel: a [BLOCK_ROWS, d] tile per head and step, 16-byte stores.
 COPY_CONFIG = dict(BLOCK_ROWS=32, num_warps=4)
 
 
@@ -94,11 +95,10 @@ def flash_attention_kernel(q_desc, k_desc, v_desc, dst, M, rows_per_rank, rank, 
         if REMOTE:
             owner = rows // rows_per_rank
             base = tl.multiple_of(tl.load(dst + owner).to(tl.pointer_type(q.dtype)), 16)
-            offs = ((rows - owner * rows_per_rank) * (H_LOCAL * world) + rank * H_LOCAL + head) * HEAD_DIM
-            tl.store(base[:, None] + offs[:, None] + d_cols[None, :], o)
+            dst_row = (rows - owner * rows_per_rank) * (H_LOCAL * world) + rank * H_LOCAL
+            tl.store(base[:, None] + ((dst_row + head) * HEAD_DIM)[:, None] + d_cols[None, :], o)
         else:
-            offs = (rows * H_LOCAL + head) * HEAD_DIM
-            tl.store(dst + offs[:, None] + d_cols[None, :], o)
+            tl.store(dst + ((rows * H_LOCAL + head) * HEAD_DIM)[:, None] + d_cols[None, :], o)
 
 
 @triton.jit

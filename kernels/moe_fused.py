@@ -16,6 +16,7 @@ One program walks its own row of an int32 tile table, entries ``(kind, expert, r
 
 Every spin is bounded: after ``max_spin`` polls the tile is skipped and ``error_ptr`` counts it, so
 an unsatisfiable schedule ends with an error instead of a hang (the rows stay poisoned).
+Deadlock freedom of a schedule assumes every program is resident (one program per SM at most).
 
 ``FP8`` selects W8A8: e4m3 operands with fp32 block scales, 1 x ``SCALE_BLOCK`` for activations
 (per row and K block) and ``SCALE_BLOCK`` x ``SCALE_BLOCK`` for weights, applied per K block as in
@@ -25,7 +26,7 @@ Layouts (row-major, no padding inside a row; ``R`` = padded dispatched rows, ``E
 ``x [R, HIDDEN]``, ``x_scale [R, HIDDEN/SB]``, ``w1 [E, 2*INTER, HIDDEN]`` (gate rows, then up rows),
 ``w1_scale [E, 2*INTER/SB, HIDDEN/SB]``, ``w2 [E, HIDDEN, INTER]``, ``w2_scale [E, HIDDEN/SB, INTER/SB]``,
 ``h [R, INTER]``, ``h_scale [R, INTER/SB]``, ``row_src``/``row_slot`` int32 ``[R]`` (slot -1: padding),
-peer table int64 ``[P]`` of bf16 ``[slots, HIDDEN]`` Combine buffers.
+peer table int64 ``[P]`` of 16-byte aligned bf16 ``[slots, HIDDEN]`` Combine buffers.
 """
 import triton
 import triton.language as tl
@@ -134,7 +135,8 @@ def _linear2_combine_tile(expert, row_block, n_block,
         # Epilogue: each row goes to its source rank's Combine buffer (remote store burst).
         slot = tl.load(row_slot_ptr + rows)
         src = tl.load(row_src_ptr + rows)
-        dst = tl.load(combine_ptrs_ptr + src).to(tl.pointer_type(tl.bfloat16))
+        # Buffers are 16-byte aligned (host contract): lets the stores go out as 16-byte vectors.
+        dst = tl.multiple_of(tl.load(combine_ptrs_ptr + src).to(tl.pointer_type(tl.bfloat16)), 16)
         out_ptrs = dst[:, None] + slot.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
         tl.store(out_ptrs, acc.to(tl.bfloat16), mask=(slot >= 0)[:, None])
 
@@ -167,3 +169,8 @@ def fused_moe_kernel(tiles_ptr, num_tiles_ptr, max_tiles,
                                   row_src_ptr, row_slot_ptr, combine_ptrs_ptr, error_ptr, max_spin,
                                   HIDDEN, INTER,
                                   FP8, BLOCK_M, BLOCK_N1, BLOCK_N2, BLOCK_K, SCALE_BLOCK)
+    # A system-scope release (a fence.sys in front of a no-op add) after a CTA barrier: every remote
+    # Combine store of this program is performed system-wide before the program exits, ahead of
+    # the host's symmetric-memory barrier that tells the source ranks their rows are there.
+    tl.debug_barrier()
+    tl.atomic_add(error_ptr, 0, sem="release", scope="sys")

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -47,17 +48,20 @@ def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
     """The launch configuration for ``head_dim``: the Hopper table ``CONFIGS`` updated by ``config``.
 
     Keys: BLOCK_M (b_m, rows of an output tile), BLOCK_N (b_n, rows of a KV tile), num_warps,
-    num_stages. Tiles must be powers of two >= 16 (``tl.dot``).
+    num_stages, ctas_per_sm (programs per SM in the persistent grid). Tiles must be powers of two
+    >= 16 (``tl.dot``).
     """
     _check_head_dim(head_dim)
     cfg = dict(_kernels.CONFIGS[head_dim], **(config or {}))
-    unknown = set(cfg) - {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+    unknown = set(cfg) - {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "ctas_per_sm"}
     if unknown:
         raise ValueError(f"unknown configuration keys {sorted(unknown)}")
     for key in ("BLOCK_M", "BLOCK_N"):
         b = cfg[key]
         if b < 16 or b & (b - 1):
             raise ValueError(f"{key}={b} must be a power of two >= 16")
+    if cfg["ctas_per_sm"] < 1:
+        raise ValueError(f"ctas_per_sm={cfg['ctas_per_sm']} must be >= 1")
     return cfg
 
 
@@ -84,8 +88,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     Contract: q, k, v bf16 [M, H/P, d], contiguous, on one device, d in {64, 128}, M a multiple of
     the configuration's b_m and b_n; fp32 accumulation. ``out`` (bf16 [M, H/P, d], contiguous) is
-    written in place when given, else allocated. ``num_programs`` bounds the persistent grid
-    (default: one program per SM). Returns the output [M, H/P, d].
+    written in place when given, else allocated. ``num_programs`` sizes the persistent grid
+    (default: SMs x ``ctas_per_sm`` of the configuration). Returns the output [M, H/P, d].
     """
     M, h_local, d, cfg = _check_qkv(q, k, v, config)
     if out is None:
@@ -131,6 +135,8 @@ def remote_store_a2a(out_local: torch.Tensor, peer_ptrs: torch.Tensor, rank: int
     _check_tensor("out_local", out_local, out_local.shape, out_local.device)
     _check_peer_ptrs(peer_ptrs, out_local.device, rank, world, M)
     block_rows = block_rows or _kernels.COPY_CONFIG["BLOCK_ROWS"]
+    if block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows={block_rows} must be a power of two")
     _check_launchable(out_local.device)
     _kernels.remote_store_a2a_kernel[(triton.cdiv(M, block_rows),)](
         out_local, peer_ptrs, M, M // world, rank, world,
@@ -171,7 +177,6 @@ def sdpa_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     Inputs are passed as [1, H/P, M, d] views of the Ulysses layout, as users do; the kernel raises
     if cuDNN attention is unavailable rather than falling back to another backend.
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o = F.scaled_dot_product_attention(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)))
     return o[0].transpose(0, 1).contiguous()
@@ -361,9 +366,11 @@ def _launch_flash_attention(q, k, v, dst, *, rows_per_rank, rank, world, remote,
     descs = [TensorDescriptor(t.view(M, h_local * d), [M, h_local * d], [h_local * d, 1], [rows, d])
              for t, rows in ((q, bm), (k, bn), (v, bn))]
     tiles = M // bm * h_local
+    if num_programs is not None and num_programs < 1:
+        raise ValueError(f"num_programs={num_programs} must be >= 1")
     if num_programs is None:
         num_programs = (torch.cuda.get_device_properties(q.device).multi_processor_count
-                        if q.device.type == "cuda" else tiles)
+                        * cfg["ctas_per_sm"] if q.device.type == "cuda" else tiles)
     _kernels.flash_attention_kernel[(min(tiles, num_programs),)](
         *descs, dst, M, rows_per_rank, rank, world, LOG2E / math.sqrt(d),
         H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote,

@@ -42,6 +42,7 @@ REMOTE_METHODS = ("a2a_remote", "fused")
 REL_TOL = 1e-2        # relative Frobenius error allowed against the float32 reference (bf16 output)
 TUNE_TRIALS = 3
 TUNE_MAX_SEQ = 16384  # configurations are timed at the largest swept M up to this
+DEVICE = "cuda"       # the current CUDA device of this rank
 
 
 def attention_flops(seq_len: int, heads: int, head_dim: int, world: int) -> int:
@@ -95,8 +96,12 @@ def validate(args, world: int) -> None:
     """Raise ValueError before any launch (the same verdict on every rank)."""
     if not args.seq or min(args.seq) <= 0:
         raise ValueError(f"--seq must list positive lengths, got {args.seq}")
+    # Tiles are powers of two: a multiple of the largest suits every candidate configuration.
+    tile = max(max(c["BLOCK_M"], c["BLOCK_N"]) for c in att.flash_attention_candidates(args.head_dim))
     for m in args.seq:
         att.check_ulysses_shape(m, args.heads, world)
+        if m % tile:
+            raise ValueError(f"sequence length M={m} must be a multiple of the {tile}-row tiles")
     if args.trials < 1 or args.iters < 1:
         raise ValueError("--trials and --iters must be >= 1")
     unknown = set(args.eager) - set(METHODS)
@@ -132,13 +137,13 @@ def all_gather_objects(obj, group=None) -> list:
 
 
 def random_qkv(seq_len: int, h_local: int, head_dim: int, seed: int):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(seq_len, h_local, head_dim, generator=g, device="cuda",
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return [torch.randn(seq_len, h_local, head_dim, generator=g, device=DEVICE,
                         dtype=torch.float32).to(att.DTYPE) for _ in range(3)]
 
 
 def poisoned(shape, dtype=att.DTYPE) -> torch.Tensor:
-    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
 
 
 def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -229,10 +234,10 @@ def time_trials(replays: dict, iters: int, trials: int, buf, group):
                 buf.barrier()  # remote visibility once per replay, after the timed window
             torch.cuda.synchronize()
             local[t, names.index(name)] = start.elapsed_time(end) * 1e3 / iters
-    gathered = torch.empty((dist.get_world_size(group),) + local.shape, dtype=torch.float64,
-                           device="cuda")
-    dist.all_gather_into_tensor(gathered, torch.from_numpy(local).cuda(), group=group)
-    return gathered.cpu().numpy(), orders
+    world = dist.get_world_size(group)
+    gathered = torch.empty((world * trials, len(names)), dtype=torch.float64, device=DEVICE)
+    dist.all_gather_into_tensor(gathered, torch.from_numpy(local).to(DEVICE), group=group)
+    return gathered.cpu().numpy().reshape(world, trials, len(names)), orders
 
 
 def median_iqr(x: np.ndarray) -> tuple[float, float]:
@@ -242,11 +247,13 @@ def median_iqr(x: np.ndarray) -> tuple[float, float]:
 
 def tune(args, buf, group) -> tuple[dict, list]:
     """Time each candidate configuration's FA-only at one M and keep the fastest (max over ranks,
-    median over trials). Candidates that do not fit the hardware are skipped on every rank."""
+    median over trials). Candidates that do not fit the hardware or miss the float32 reference
+    on any rank are skipped on every rank."""
     d, world = args.head_dim, dist.get_world_size(group)
     fitting = [m for m in args.seq if m <= TUNE_MAX_SEQ]
     seq_len = max(fitting) if fitting else min(args.seq)
     q, k, v = random_qkv(seq_len, args.heads // world, d, args.seed + 7)
+    ref = att.reference_attention(q, k, v)
     out = torch.empty_like(q)
     results = []
     for cfg in att.flash_attention_candidates(d):
@@ -255,12 +262,16 @@ def tune(args, buf, group) -> tuple[dict, list]:
             entry["skipped"] = "M is not a multiple of the tiles"
         else:
             try:
+                out.fill_(float("nan"))
                 att.flash_attention(q, k, v, out=out, config=cfg)
+                err = max(all_gather_objects(rel_error(out, ref), group))
+                if not err < REL_TOL:
+                    entry["skipped"] = f"relative error {err:.3g} against the float32 reference"
             except triton.runtime.errors.OutOfResources as e:
                 entry["skipped"] = f"out of resources: {e}"
         if "skipped" not in entry:
             replay = capture(lambda: att.flash_attention(q, k, v, out=out, config=cfg), args.iters,
-                             eager=False)
+                             eager="fa" in args.eager)
             times, _ = time_trials({"fa": replay}, args.iters, TUNE_TRIALS, buf, group)
             entry["fa_us"] = float(np.median(times.max(axis=0)[:, 0]))
         results.append(entry)

@@ -86,7 +86,7 @@ class TileConfig:
     block_n2: int = 128
     block_k: int = 64
     scale_block: int = FP8_SCALE_BLOCK
-    num_warps: int = 4
+    num_warps: int = 8  # two 64 x 128 fp32 accumulators (gate, up) fit without spills at 8 warps
     num_stages: int = 3
 
 
@@ -326,7 +326,7 @@ def build_layout(recv_x: torch.Tensor, recv_x_scale: torch.Tensor | None, recv_s
     arrival_rows = torch.empty(n, dtype=torch.int64, device=device)
     arrival_rows[perm] = padded_start[e_sorted] + rank_in_expert
     rows = sum(blocks) * block_m
-    x = _bytes(torch.zeros(rows, recv_x.shape[1], dtype=recv_x.dtype, device=device))
+    x = torch.zeros(rows, recv_x.shape[1], dtype=_bytes(recv_x).dtype, device=device)
     x[arrival_rows] = _bytes(recv_x)
     x = x.view(recv_x.dtype)
     x_scale = None
@@ -392,6 +392,8 @@ class CombinePeers:
     def __post_init__(self):
         if len(self.ptrs) < 1 or any(p == 0 for p in self.ptrs):
             raise MoEContractError(f"every peer needs a mapped Combine buffer, got {self.ptrs}")
+        if any(p % 16 for p in self.ptrs):
+            raise MoEContractError("Combine buffers must be 16-byte aligned (16-byte remote stores)")
         if self.table.dtype != torch.int64 or tuple(self.table.shape) != (len(self.ptrs),):
             raise MoEContractError("the peer table must be int64 [P]")
 
@@ -412,16 +414,16 @@ def local_combine_peers(buffers: Sequence[torch.Tensor]) -> CombinePeers:
 
 
 class SymmetricCombine:
-    """One symmetric-memory Combine buffer per rank, big enough for ``max_slots`` rows (torch
-    ``_symmetric_memory.empty`` + ``rendezvous``; NVLink multicast is never used)."""
+    """One symmetric-memory Combine buffer per rank holding ``capacity`` bf16 elements, viewed per
+    call as ``[slots, hidden]`` (torch ``_symmetric_memory.empty`` + ``rendezvous``; stores go
+    through the peers' ``buffer_ptrs``; NVLink multicast is never used)."""
 
-    def __init__(self, max_slots: int, hidden: int, *, group=None, device=None):
+    def __init__(self, capacity: int, *, group=None, device=None):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
         group = dist.group.WORLD if group is None else group
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
-        self.hidden, self.max_slots = hidden, max_slots
-        self.buffer = symm_mem.empty(max_slots * hidden, dtype=torch.bfloat16, device=device)
+        self.buffer = symm_mem.empty(capacity, dtype=torch.bfloat16, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group)
         world = dist.get_world_size(group)
         devices = [None] * world
@@ -430,22 +432,23 @@ class SymmetricCombine:
                    and not torch.cuda.can_device_access_peer(device.index, d)]
         if missing:
             raise MoEContractError(f"GPU {device.index} has no peer access to GPU(s) {missing}")
-        # A view inside a larger symmetric allocation sits at the same offset on every rank.
+        # The tensor may sit inside a larger symmetric allocation, at the same offset on every rank.
         offset = self.buffer.data_ptr() - self.handle.buffer_ptrs[self.handle.rank]
         self.base_ptrs = tuple(p + offset for p in self.handle.buffer_ptrs)
         if len(self.base_ptrs) != world:
             raise MoEContractError(f"rendezvous returned {len(self.base_ptrs)} peers for {world} ranks")
+        self.table = torch.tensor(self.base_ptrs, dtype=torch.int64, device=device)
 
-    def rows(self, slots: int) -> torch.Tensor:
+    def rows(self, slots: int, hidden: int) -> torch.Tensor:
         """This rank's own buffer as ``[slots, hidden]``."""
-        if slots > self.max_slots:
-            raise MoEContractError(f"{slots} slots exceed the {self.max_slots} allocated")
-        return self.buffer[: slots * self.hidden].view(slots, self.hidden)
+        if slots * hidden > self.buffer.numel():
+            raise MoEContractError(f"[{slots}, {hidden}] exceeds the {self.buffer.numel()} elements "
+                                   "allocated")
+        return self.buffer[: slots * hidden].view(slots, hidden)
 
-    def peers(self, slots: int) -> CombinePeers:
-        self.rows(slots)
-        return CombinePeers(self.base_ptrs, torch.tensor(self.base_ptrs, dtype=torch.int64,
-                                                         device=self.buffer.device), slots, self.hidden)
+    def peers(self, slots: int, hidden: int) -> CombinePeers:
+        self.rows(slots, hidden)
+        return CombinePeers(self.base_ptrs, self.table, slots, hidden)
 
     def barrier(self) -> None:
         """Stream-ordered barrier over the group: earlier stores (this rank's remote ones
@@ -482,6 +485,21 @@ def _expect(t: torch.Tensor | None, name: str, shape: tuple, dtype: torch.dtype,
         raise MoEContractError(f"{name} must be {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
     if t.device != device or not t.is_contiguous():
         raise MoEContractError(f"{name} must be contiguous on {device}")
+
+
+def _check_table_bounds(table: np.ndarray, counts: np.ndarray, problem: MoEProblem,
+                        num_experts: int) -> None:
+    """Every used entry names a tile kind, a local expert, a row and an N tile that exist (also
+    for schedules launched without ``check_schedule``): the kernel indexes memory with them."""
+    used = np.concatenate([table[g, :c] for g, c in enumerate(counts)] + [np.zeros((0, 4), np.int32)])
+    kind, expert, row, n = used.T
+    n_limit = np.where(kind == L1, problem.l1_n_blocks, problem.l2_n_blocks)
+    if (~np.isin(kind, (L1, L2))).any() or ((expert < 0) | (expert >= num_experts)).any() or \
+            ((row < 0) | (row >= problem.num_rows)).any() or ((n < 0) | (n >= n_limit)).any():
+        raise MoEContractError("tile table entry outside the layout's experts, rows or N tiles")
+    rows_expert = np.asarray(problem.row_expert, dtype=np.int64)
+    if len(row) and (rows_expert[row] != expert).any():
+        raise MoEContractError("tile table entry names an expert that does not own its row")
 
 
 def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: Schedule,
@@ -530,14 +548,7 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
     if verify_schedule:
         check_schedule(problem, schedule)
     table, counts = tile_table(schedule)
-    if table.size and len(counts) and counts.max() > 0:
-        used = np.concatenate([table[g, :c] for g, c in enumerate(counts)])
-        limits = ((used[:, 0] == L1) & (used[:, 3] >= problem.l1_n_blocks)) | \
-                 ((used[:, 0] == L2) & (used[:, 3] >= problem.l2_n_blocks))
-        if (~np.isin(used[:, 0], (L1, L2))).any() or (used[:, 1] >= e_loc).any() or \
-                (used[:, 1] < 0).any() or (used[:, 2] >= problem.num_rows).any() or \
-                (used[:, 2] < 0).any() or (used[:, 3] < 0).any() or limits.any():
-            raise MoEContractError("tile table entry outside the layout's experts, rows or N tiles")
+    _check_table_bounds(table, counts, problem, e_loc)
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         if schedule.num_programs > sms:
@@ -545,8 +556,7 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
                                    " waiting programs could keep later ones from ever starting")
     if max_spin_iters < 1:
         raise MoEContractError("max_spin_iters must be >= 1")
-    h_dtype = wdt
-    h = torch.empty(rows, inter, dtype=h_dtype, device=device)
+    h = torch.empty(rows, inter, dtype=wdt, device=device)
     h_scale = (torch.empty(rows, inter // config.scale_block, dtype=torch.float32, device=device)
                if precision == "fp8" else None)
     row_ready = torch.zeros(max(1, problem.num_rows), dtype=torch.int32, device=device)
@@ -587,7 +597,7 @@ def _scaled_mm_blockwise(a_q, a_s, b_q, b_s, impl: str) -> torch.Tensor:
     return torch._scaled_mm(a_q, b_q.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
 
 
-def _unfused_impl(device: torch.device, precision: str) -> str:
+def unfused_impl(device: torch.device, precision: str) -> str:
     """Pick, once per device type and precision, the fastest library path that gives correct
     results on a small probe: grouped GEMM (bf16) or block-scaled ``_scaled_mm`` (fp8); else the
     per-expert bf16 fallback. The choice is recorded with every result."""
@@ -627,7 +637,7 @@ def _unfused_impl(device: torch.device, precision: str) -> str:
 def expert_ffn_unfused(layout: DispatchLayout, weights: ExpertWeights) -> tuple[torch.Tensor, str]:
     """Linear-1, SwiGLU, Linear-2 of every local expert with library matmuls: bf16 ``[R, H]`` over
     the layout's rows (padding rows included, as in the fused kernel), and the path used."""
-    impl = _unfused_impl(layout.x.device, weights.precision)
+    impl = unfused_impl(layout.x.device, weights.precision)
     starts = np.concatenate(([0], np.cumsum(layout.blocks_per_expert))) * layout.block_m
     if impl == "grouped_mm":
         offs = torch.tensor(starts[1:], dtype=torch.int32, device=layout.x.device)
@@ -644,10 +654,13 @@ def expert_ffn_unfused(layout: DispatchLayout, weights: ExpertWeights) -> tuple[
             hq, hs = quantize_rows_fp8(h, weights.hidden // weights.w2_scale.shape[1])
             y[lo:hi] = _scaled_mm_blockwise(hq, hs, weights.w2[e], weights.w2_scale[e], impl)
         elif weights.precision == "fp8":
+            # W8A8 arithmetic on dequantized operands: same quantization points as the kernel.
+            block = weights.hidden // weights.w2_scale.shape[1]
             x = dequantize_rows_fp8(layout.x[lo:hi], layout.x_scale[lo:hi]).to(torch.bfloat16)
             w1 = dequantize_blocks_fp8(weights.w1[e], weights.w1_scale[e]).to(torch.bfloat16)
             w2 = dequantize_blocks_fp8(weights.w2[e], weights.w2_scale[e]).to(torch.bfloat16)
-            y[lo:hi] = _swiglu(x @ w1.t()) @ w2.t()
+            h = dequantize_rows_fp8(*quantize_rows_fp8(_swiglu(x @ w1.t()), block))
+            y[lo:hi] = h.to(torch.bfloat16) @ w2.t()
         else:
             y[lo:hi] = _swiglu(layout.x[lo:hi] @ weights.w1[e].t()) @ weights.w2[e].t()
     return y, impl

@@ -153,7 +153,12 @@ def expert_wave_schedule(problem: MoEProblem, num_programs: int,
 
 def interleaved_schedule(problem: MoEProblem, num_programs: int, lead_rows: int) -> Schedule:
     """Algorithm 1 with instance stride G = ``num_programs`` and lead D = ``lead_rows`` (>= 1;
-    D = 0 would let a program wait on its own next Linear-1 tile)."""
+    D = 0 would let a program wait on its own next Linear-1 tile).
+
+    Same tiles, dependencies and Combine volume as Expert-Wave; only the order changes, so the gap
+    between Linear-2 bursts grows from T_L2 to T_L2 + (n_1/n_2) T_L1 (eq. 12). D sets the phase of
+    the two streams, not their ratio: D >= D_knee (eq. 16) keeps Linear-2 from catching up with
+    Linear-1 and spinning."""
     if num_programs < 1:
         raise ValueError(f"num_programs must be >= 1, got {num_programs}")
     if lead_rows < 1:

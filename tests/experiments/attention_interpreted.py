@@ -1,0 +1,126 @@
+"""Ulysses attention kernels (issue 3) in Triton's CPU interpreter; run by
+``test_attention.py::test_kernels_in_the_interpreter`` in a process started with TRITON_INTERPRET=1.
+
+``@triton.jit`` (Triton's own ``tl.zeros``, ``tl.sum``... included) reads TRITON_INTERPRET when
+triton is imported, so the interpreter cannot be switched on inside a process that imported triton
+without it: hence a process of its own, and a file pytest does not collect on its own. Peer
+"buffers" are P separate CPU tensors whose ``data_ptr()``s form the pointer table, so one process
+plays every rank.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime import interpreter
+
+from xstage_lab.experiments import attention as att
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 from process start", allow_module_level=True)
+
+BF16 = torch.bfloat16
+REL_TOL = 1e-2
+TINY = dict(BLOCK_M=16, BLOCK_N=16)
+
+
+def _index_scalar(original):
+    """Triton 3.6's interpreter turns a 1-element array into a Python int with ``int(array)``,
+    which numpy >= 2.4 rejects, so every runtime loop bound fails (triton-lang/triton#9171, fixed
+    upstream by #9172 after 3.6). The same fix, for this process only."""
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    return patch
+
+
+def _dot_bf16_as_fp32(original):
+    """The interpreter stores bf16 as its uint16 bit pattern and ``tl.dot`` multiplies the bits
+    (triton-lang/triton#11584). Widen bf16 operands to fp32 first: exact, as on the tensor cores,
+    whose bf16 products accumulate in fp32."""
+    def widen(h):
+        if h.dtype != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32),
+                                        tl.float32)
+
+    def create_dot(self, a, b, d, *args):
+        return original(self, widen(a), widen(b), d, *args)
+    return create_dot
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_fixes():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter, "_patch_lang_tensor", _index_scalar(interpreter._patch_lang_tensor))
+        mp.setattr(interpreter.InterpreterBuilder, "create_dot",
+                   _dot_bf16_as_fp32(interpreter.InterpreterBuilder.create_dot))
+        yield
+
+
+def _qkv(M, h_local, d, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(M, h_local, d, generator=g) for _ in range(3))
+    return (q * scale).to(BF16), k.to(BF16), v.to(BF16)
+
+
+def _rel_err(x, ref):
+    return ((x.float() - ref).norm() / ref.norm()).item()
+
+
+def _bitwise_equal(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _peer_buffers(world, M, heads, d):
+    """The P ranks' receive buffers [M/P, H, d], poisoned, and their pointer table."""
+    bufs = [torch.full((M // world, heads, d), float("nan"), dtype=BF16) for _ in range(world)]
+    return bufs, torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+
+
+# FA-only (LOCAL epilogue) against the float32 reference; scale sharpens the softmax so the
+# running maximum matters. Fewer programs than tiles exercises the persistent loop.
+@pytest.mark.parametrize("M,h_local,d,scale,num_programs", [
+    (64, 2, 64, 1.0, 3),
+    (128, 1, 64, 4.0, 5),
+    (32, 2, 128, 2.0, 2),
+])
+def test_flash_attention_matches_float32_reference(M, h_local, d, scale, num_programs):
+    q, k, v = _qkv(M, h_local, d, seed=M + d, scale=scale)
+    out = torch.full_like(q, float("nan"))
+    att.flash_attention(q, k, v, out=out, config=TINY, num_programs=num_programs)
+    assert _rel_err(out, att.reference_attention(q, k, v)) < REL_TOL
+
+
+# Tile-to-rank addressing of the REMOTE epilogue: every rank's output lands where the reference
+# layout says, bitwise equal to the LOCAL output permuted. (2, 96, 32): rows_per_rank = 48, so the
+# tile of rows 32..63 straddles ranks 0 and 1.
+@pytest.mark.parametrize("world,M,block", [(2, 96, 32), (4, 64, 16), (8, 128, 16)])
+def test_fused_epilogue_delivers_the_ulysses_layout(world, M, block):
+    h_local, d = 2, 64
+    cfg = dict(BLOCK_M=block, BLOCK_N=block)
+    inputs = [_qkv(M, h_local, d, seed=10 * world + r) for r in range(world)]
+    local = [att.flash_attention(*qkv, config=cfg, num_programs=3) for qkv in inputs]
+    bufs, table = _peer_buffers(world, M, h_local * world, d)
+    for rank, qkv in enumerate(inputs):
+        att.fused_attention_a2a(*qkv, table, rank, world, config=cfg, num_programs=3)
+    expected = att.ulysses_gather(local)
+    reference = att.reference_ulysses(*zip(*inputs))
+    for j in range(world):
+        assert _bitwise_equal(bufs[j], expected[j]), f"rank {j} received other bits than Serial"
+        assert _rel_err(bufs[j], reference[j]) < REL_TOL
+
+
+# The copy kernel after any backend: blocks of 16 rows straddle ranks (rows_per_rank 20, 12, 8
+# for P = 2, 4, 8) and the last block is partial.
+@pytest.mark.parametrize("world,M,d", [(2, 40, 64), (4, 48, 128), (8, 64, 64)])
+def test_remote_store_a2a_delivers_the_ulysses_layout(world, M, d):
+    h_local = 3
+    g = torch.Generator().manual_seed(world)
+    local = [torch.randn(M, h_local, d, generator=g).to(BF16) for _ in range(world)]
+    bufs, table = _peer_buffers(world, M, h_local * world, d)
+    for rank in range(world):
+        att.remote_store_a2a(local[rank], table, rank, world, block_rows=16)
+    for j, want in enumerate(att.ulysses_gather(local)):
+        assert _bitwise_equal(bufs[j], want), f"rank {j} received other bits than the layout says"

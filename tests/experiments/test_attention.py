@@ -1,0 +1,238 @@
+"""Ulysses attention fused with its All-to-All (issue 3), on the CPU.
+
+The kernels themselves run in Triton's interpreter in a process of their own
+(``attention_interpreted.py``); here: the layout, bad input rejected before any launch,
+``nccl_a2a``'s permutes over gloo, the Table 3 arithmetic, and compilation for sm_90 (no GPU
+needed), which catches GPU-only compile errors, shared-memory overflow and unvectorized stores.
+"""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from xstage_lab.experiments import attention, attention_bench
+from xstage_lab.kernel_sources import kernel_path
+
+BF16 = torch.bfloat16
+TINY = dict(BLOCK_M=16, BLOCK_N=16)
+HOPPER = GPUTarget("cuda", 90, 64)
+HOPPER_SMEM_PER_BLOCK = 227 * 1024
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_kernels_in_the_interpreter():
+    """FA-only vs the float32 reference and the REMOTE epilogue / remote-store copy for P = 2, 4, 8,
+    under TRITON_INTERPRET=1 (which must be set before triton is imported)."""
+    cases = Path(__file__).with_name("attention_interpreted.py")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(cases)], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900)
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-6000:] + run.stderr[-2000:]
+
+
+def _kernel_copy(module_name: str):
+    """A private copy of kernels/flash_attention.py, compiled (this process has no interpreter)."""
+    spec = importlib.util.spec_from_file_location(module_name, kernel_path("flash_attention.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _qkv(M, h_local, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(M, h_local, d, generator=g).to(BF16) for _ in range(3)]
+
+
+def _bitwise_equal(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_ulysses_gather_states_the_layout():
+    world, M, h_local, d = 4, 8, 2, 1
+    local = [torch.arange(M * h_local, dtype=torch.float32).view(M, h_local, d) + 100 * r
+             for r in range(world)]
+    recv = attention.ulysses_gather(local)
+    for j in range(world):
+        for i in range(M // world):
+            for r in range(world):
+                for h in range(h_local):
+                    assert recv[j][i, r * h_local + h, 0] == local[r][j * M // world + i, h, 0]
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        raise AssertionError("kernel launched despite a failed precondition")
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    monkeypatch.setattr(attention._kernels, "flash_attention_kernel", _NoLaunch())
+    monkeypatch.setattr(attention._kernels, "remote_store_a2a_kernel", _NoLaunch())
+
+
+def _bad_calls():
+    q, k, v = _qkv(64, 2, 64, seed=0)
+    table = torch.zeros(2, dtype=torch.int64)
+    fa, fused, copy = (attention.flash_attention, attention.fused_attention_a2a,
+                       attention.remote_store_a2a)
+    return {
+        "dtype": (lambda: fa(q.half(), k.half(), v.half(), config=TINY), "bfloat16"),
+        "head dim": (lambda: fa(*_qkv(64, 2, 32, seed=0), config=TINY), "head dim"),
+        "M vs tiles": (lambda: fa(q, k, v), "multiple of the tile"),
+        "k shape": (lambda: fa(q, k[:32], v, config=TINY), "shape"),
+        "contiguity": (lambda: fa(q.transpose(0, 1).contiguous().transpose(0, 1), k, v,
+                                  config=TINY), "contiguous"),
+        "tile size": (lambda: fa(q, k, v, config=dict(BLOCK_M=24)), "power of two"),
+        "table length": (lambda: fused(q, k, v, torch.zeros(3, dtype=torch.int64), 0, 2,
+                                       config=TINY), "one pointer per rank"),
+        "table dtype": (lambda: fused(q, k, v, table.int(), 0, 2, config=TINY), "int64"),
+        "rank": (lambda: fused(q, k, v, table, 2, 2, config=TINY), "rank 2"),
+        "P divides M": (lambda: copy(torch.zeros(63, 2, 64, dtype=BF16),
+                                     torch.zeros(2, dtype=torch.int64), 0, 2), "divisible"),
+        "copy head dim": (lambda: copy(torch.zeros(64, 2, 96, dtype=BF16), table, 0, 2),
+                          "head dim"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_bad_input_is_rejected_before_launch(no_launch, case):
+    call, message = _bad_calls()[case]
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_heads_not_divisible_by_P_are_rejected():
+    with pytest.raises(ValueError, match="heads H=6 are not divisible by P=4"):
+        attention.check_ulysses_shape(1024, 6, 4)
+    with pytest.raises(ValueError, match="not divisible by P=4"):
+        attention_bench.validate(attention_bench.parse_args(["--out", "x", "--seq", "1026"]), 4)
+    with pytest.raises(ValueError, match="multiple of the 128-row tiles"):
+        attention_bench.validate(attention_bench.parse_args(["--out", "x", "--seq", "1000"]), 4)
+    attention_bench.validate(attention_bench.parse_args(["--out", "x"]), 4)  # the default sweep
+
+
+def test_cpu_tensors_need_the_interpreter():
+    with pytest.raises(ValueError, match="CUDA"):
+        attention.flash_attention(*_qkv(64, 2, 64, seed=0), config=TINY)
+
+
+def _gloo_a2a_worker(rank, world, init_file, M, h_local, d):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        local = [torch.randn(M, h_local, d, generator=torch.Generator().manual_seed(r)).to(BF16)
+                 for r in range(world)]
+        out = torch.full((M // world, h_local * world, d), float("nan"), dtype=BF16)
+        attention.nccl_a2a(local[rank], out=out)
+        assert _bitwise_equal(out, attention.ulysses_gather(local)[rank])
+        assert _bitwise_equal(attention.nccl_a2a(local[rank]), out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_to_all_single_permutes_into_the_ulysses_layout(tmp_path):
+    """``nccl_a2a``'s chunking and permute, over gloo on CPU with 4 processes."""
+    mp.spawn(_gloo_a2a_worker, args=(4, str(tmp_path / "init"), 8, 3, 4), nprocs=4)
+
+
+def test_table3_row_follows_eq_21():
+    med = dict(fa=100.0, sdpa=80.0, a2a_nccl=30.0, a2a_remote=20.0, serial=140.0, fused=110.0,
+               sdpa_nccl=120.0)
+    iqr = {m: 1.0 for m in med}
+    row = attention_bench.table3_row(8192, 24, 128, 4, med, iqr)
+    assert row["speedup"] == pytest.approx(140 / 110)
+    assert row["hiding_ratio"] == pytest.approx(1 - 10 / 40)
+    assert row["e_res_us"] == pytest.approx(10.0)
+    flops = 4 * 8192 ** 2 * 128 * 24 / 4
+    assert row["fa_tflops"] == pytest.approx(flops / 100e-6 / 1e12)
+    assert row["cudnn_tflops"] == pytest.approx(flops / 80e-6 / 1e12)
+    for key in ("M", "heads", "head_dim", "P", "fa_us", "a2a_nccl_us", "a2a_remote_us",
+                "serial_us", "fused_us", "sdpa_nccl_us", "fa_iqr_us", "fused_iqr_us"):
+        assert key in row
+
+
+# sm_90 compilation of the compiled copy: argument types as the launcher passes them (TMA
+# descriptors, 16-byte aligned pointers and sizes).
+def _compile_flash_attention(kernels, d, cfg, remote, h_local=6):
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    signature = {"q_desc": f"tensordesc<bf16[{bm}, {d}]>", "k_desc": f"tensordesc<bf16[{bn}, {d}]>",
+                 "v_desc": f"tensordesc<bf16[{bn}, {d}]>", "dst": "*i64" if remote else "*bf16",
+                 "M": "i32", "rows_per_rank": "i32", "rank": "i32", "world": "i32",
+                 "qk_scale": "fp32", "H_LOCAL": "constexpr", "HEAD_DIM": "constexpr",
+                 "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "REMOTE": "constexpr"}
+    constexprs = dict(H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote)
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (3, 4, 5)}
+    return triton.compile(ASTSource(kernels.flash_attention_kernel, signature, constexprs, aligned),
+                          target=HOPPER, options=dict(num_warps=cfg["num_warps"],
+                                                      num_stages=cfg["num_stages"]))
+
+
+@pytest.fixture(scope="module")
+def compiled_kernels():
+    return _kernel_copy("_test_flash_attention_sm90")
+
+
+@pytest.mark.parametrize("d", attention.HEAD_DIMS)
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
+def test_flash_attention_compiles_for_hopper(compiled_kernels, d, remote):
+    k = _compile_flash_attention(compiled_kernels, d, compiled_kernels.CONFIGS[d], remote)
+    ptx = k.asm["ptx"]
+    assert k.metadata.shared <= HOPPER_SMEM_PER_BLOCK
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    stores = re.findall(r"st\.global\S*", ptx)
+    assert stores and all(".v4." in s for s in stores), f"output stores not 16-byte: {stores}"
+
+
+def _ptxas_resources(ptx: str) -> tuple[int, int]:
+    """(registers per thread, spilled bytes) of a PTX module, from Triton's bundled ptxas -v."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        run = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(src), "-o",
+                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True, check=True)
+    log = run.stdout + run.stderr
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return int(re.search(r"Used (\d+) registers", log).group(1)), spills
+
+
+@pytest.mark.parametrize("d", attention.HEAD_DIMS)
+def test_candidate_configs_fit_hopper_at_their_occupancy(compiled_kernels, d):
+    """Every candidate builds for sm_90 without spills, and ctas_per_sm is the occupancy its
+    registers and shared memory allow (H100/H200: 64K registers, 228 KB shared memory per SM,
+    1 KB of it reserved per CTA, 2048 threads)."""
+    for cfg in compiled_kernels.CANDIDATES[d]:
+        threads = 32 * cfg["num_warps"]
+        fits = []
+        for remote in (False, True):
+            k = _compile_flash_attention(compiled_kernels, d, cfg, remote)
+            regs, spills = _ptxas_resources(k.asm["ptx"])
+            assert spills == 0 and k.metadata.shared <= HOPPER_SMEM_PER_BLOCK, (cfg, remote)
+            regs_per_warp = -(-regs * 32 // 256) * 256
+            fits.append(min(65536 // (regs_per_warp * cfg["num_warps"]),
+                            228 * 1024 // (k.metadata.shared + 1024), 2048 // threads))
+        assert cfg["ctas_per_sm"] == min(fits), (cfg, fits)
+
+
+def test_remote_store_copy_compiles_for_hopper(compiled_kernels):
+    signature = {"src": "*bf16", "peer_ptrs": "*i64", "M": "i32", "rows_per_rank": "i32",
+                 "rank": "i32", "world": "i32", "H_LOCAL": "constexpr", "HEAD_DIM": "constexpr",
+                 "BLOCK_ROWS": "constexpr"}
+    constexprs = dict(H_LOCAL=6, HEAD_DIM=128, BLOCK_ROWS=compiled_kernels.COPY_CONFIG["BLOCK_ROWS"])
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3)}
+    k = triton.compile(ASTSource(compiled_kernels.remote_store_a2a_kernel, signature, constexprs,
+                                 aligned), target=HOPPER,
+                       options=dict(num_warps=compiled_kernels.COPY_CONFIG["num_warps"]))
+    stores = re.findall(r"st\.global\S*", k.asm["ptx"])
+    assert stores and all(".v4." in s for s in stores), f"remote stores not 16-byte: {stores}"
