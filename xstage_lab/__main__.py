@@ -28,6 +28,13 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _import_bench(args) -> int:
+    from .records import import_bench_json
+
+    print(f"wrote {import_bench_json(args.file, args.experiment, root=args.root)}")
+    return 0
+
+
 def _reproduce(args) -> int:
     from .runner import reproduce
 
@@ -68,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("record", type=Path, help="path of a remote_store record")
     p.add_argument("--root", type=Path, default=RECORDS_DIR)
     p.set_defaults(func=_calibrate)
+
+    p = sub.add_parser("import-bench", help="save a torchrun benchmark's JSON output as a record")
+    p.add_argument("file", type=Path)
+    p.add_argument("--experiment", required=True, choices=("fa_a2a", "moe"))
+    p.add_argument("--root", type=Path, default=RECORDS_DIR)
+    p.set_defaults(func=_import_bench)
 
     p = sub.add_parser("reproduce", help="run every notebook headlessly (papermill)")
     p.add_argument("--only", action="append", help="notebook name (repeatable)")

@@ -116,9 +116,13 @@ def platform_name(inv: Inventory | None = None) -> str:
     inv = inventory() if inv is None else inv
     if not inv.gpus:
         raise RuntimeError(f"no GPU visible ({inv.error})")
-    model = re.sub(r"^nvidia\s+", "", inv.gpus[0].name.strip(), flags=re.I)
+    return platform_key(inv.gpus[0].name, len(inv.gpus))
+
+
+def platform_key(gpu_name: str, gpu_count: int) -> str:
+    model = re.sub(r"^nvidia\s+", "", gpu_name.strip(), flags=re.I)
     slug = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
-    return f"{slug}-x{len(inv.gpus)}"
+    return f"{slug}-x{gpu_count}"
 
 
 def _version(dist: str) -> str | None:

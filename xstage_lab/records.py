@@ -116,3 +116,18 @@ def resolve_record(experiment: str, platform: str, record: str | None,
     if not matches:
         raise FileNotFoundError(f"no {experiment!r} record {record!r} for platform {platform!r}")
     return read_record(matches[0])
+
+
+def import_bench_json(path: Path | str, experiment: str, root: Path = RECORDS_DIR) -> Path:
+    """Save a multi-process benchmark's JSON output (``rows`` plus a header holding
+    ``provenance``, at top level or under ``metadata``) as a record of ``experiment``."""
+    from .platform import platform_key
+
+    doc = json.loads(Path(path).read_text())
+    rows = doc.pop("rows")
+    header = doc.pop("metadata", doc)
+    provenance = header.pop("provenance")
+    table = pd.DataFrame([{k: json.dumps(v) if isinstance(v, (dict, list)) else v
+                           for k, v in row.items()} for row in rows])
+    platform = platform_key(provenance["gpu_name"], provenance["gpu_count"])
+    return write_record(experiment, platform, table, header, provenance, root)
