@@ -23,3 +23,28 @@ def test_cli_prints_json():
     out = subprocess.run([sys.executable, "-m", "xstage_lab", "summary", "--json"],
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out)["platforms"]
+
+
+def test_fa_a2a_rows_carry_the_documented_keys():
+    from xstage_lab.summary import FA_A2A_KEYS
+
+    for platform, entries in summary()["platforms"].items():
+        for row in entries.get("fa_a2a", []):
+            assert set(row) == set(FA_A2A_KEYS)
+            assert row["e_res_us"] == row["fused_us"] - row["fa_us"]
+            assert abs(row["speedup"] - row["serial_us"] / row["fused_us"]) < 1e-9
+
+
+def test_moe_entry_aggregates_its_per_config_speedups():
+    import numpy as np
+
+    for platform, entries in summary()["platforms"].items():
+        if "moe" not in entries:
+            continue
+        moe = entries["moe"]
+        speedups = np.array([c["speedup"] for c in moe["per_config"]])
+        assert moe["configs"] == len(speedups)
+        assert moe["max_speedup"] == round(float(speedups.max()), 4)
+        assert moe["geomean_speedup"] == round(float(np.exp(np.log(speedups).mean())), 4)
+        for c in moe["per_config"]:
+            assert abs(c["speedup"] - c["wave_us"] / c["interleaved_us"]) < 1e-6

@@ -241,3 +241,78 @@ def publish_table(df: pd.DataFrame, name: str, out_dir: Path | str | None, title
 def _manifest(out: Path, entry: dict) -> None:
     with open(out / "manifest.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
+
+
+def table3_comparison(paper: dict, records) -> pd.DataFrame:
+    """Table 3: the paper's FA4 and FA3 rows (P = 8) beside each platform's measured rows."""
+    rows = []
+    for gen in ("FA4", "FA3"):
+        for i, m in enumerate(paper["M"]):
+            p = paper[gen]
+            rows.append({"source": f"paper {gen}, P=8", "M": m, "fa_us": p["fa_us"][i],
+                         "serial_us": p["serial_us"][i], "fused_us": p["fused_us"][i],
+                         "speedup": p["speedup"][i], "hiding_ratio": p["hiding_ratio_pct"][i] / 100})
+    for rec in records:
+        for _, r in rec.table.iterrows():
+            rows.append({"source": f"{rec.platform} Triton FA, P={int(r['P'])}", "M": int(r["M"]),
+                         "fa_us": r["fa_us"], "serial_us": r["serial_us"], "fused_us": r["fused_us"],
+                         "speedup": r["speedup"], "hiding_ratio": r["hiding_ratio"],
+                         "a2a_nccl_us": r["a2a_nccl_us"], "a2a_remote_us": r["a2a_remote_us"],
+                         "sdpa_nccl_us": r["sdpa_nccl_us"], "fa_tflops": r["fa_tflops"],
+                         "cudnn_tflops": r["cudnn_tflops"]})
+    return pd.DataFrame(rows).round(3)
+
+
+def fig11_residual(paper: dict, records) -> go.Figure:
+    """Fig. 11 (measured part): relative residual E_res/T_FA = (T_fused − T_FA)/T_FA against M,
+    the paper's FA4 beside each platform's."""
+    fig = go.Figure()
+    fa4 = paper["FA4"]
+    fig.add_scatter(x=paper["M"], y=np.array(fa4["e_res_us"]) / np.array(fa4["fa_us"]) * 100,
+                    mode="lines+markers", name="paper FA4, P=8")
+    for rec in records:
+        t = rec.table
+        fig.add_scatter(x=t["M"], y=t["e_res_us"] / t["fa_us"] * 100, mode="lines+markers",
+                        name=f"{rec.platform}, P={int(t['P'].iloc[0])}")
+    fig.add_hrect(y0=-2, y1=2, fillcolor="lightblue", opacity=0.3, line_width=0,
+                  annotation_text="±2% DVFS envelope (paper)")
+    fig.update_layout(title="Fig. 11: sender-visible residual E_res/T_FA", xaxis_title="M (tokens)",
+                      yaxis_title="E_res / T_FA (%)")
+    return fig
+
+
+def fa_a2a_times(records) -> go.Figure:
+    """Per-method sender-visible time against M, one panel per platform."""
+    fig = make_subplots(rows=1, cols=len(records), subplot_titles=[r.platform for r in records])
+    methods = ("fa_us", "serial_us", "fused_us", "sdpa_nccl_us", "a2a_nccl_us", "a2a_remote_us")
+    for col, rec in enumerate(records, start=1):
+        for i, m in enumerate(methods):
+            fig.add_scatter(x=rec.table["M"], y=rec.table[m], mode="lines+markers",
+                            name=m.removesuffix("_us"), line=dict(color=_COLORS[i % len(_COLORS)]),
+                            showlegend=col == 1, row=1, col=col)
+    fig.update_yaxes(type="log", title_text="time (µs)")
+    fig.update_layout(title="FA + post-attention All-to-All: time per method")
+    return fig
+
+
+def moe_speedups(records) -> go.Figure:
+    """Fig. 8: Interleaved over Expert-Wave speedup by model, precision and routing."""
+    fig = make_subplots(rows=len(records), cols=1, subplot_titles=[r.platform for r in records])
+    for row, rec in enumerate(records, start=1):
+        t = rec.table
+        for i, ((prec, routing), grp) in enumerate(t.groupby(["precision", "routing"])):
+            fig.add_bar(x=grp["model"], y=grp["speedup"], name=f"{prec} {routing}",
+                        marker_color=_COLORS[i % len(_COLORS)], showlegend=row == 1, row=row, col=1)
+    fig.add_hline(y=1.0, line=dict(dash="dot"))
+    fig.update_layout(title="Fig. 8: MoE speedup, Interleaved over Expert-Wave", barmode="group",
+                      yaxis_title="T_wave / T_interleaved")
+    return fig
+
+
+def moe_headline(paper: dict, summaries: dict) -> pd.DataFrame:
+    """The MoE headline speedups: the paper's (84 configurations, EP = 8) beside each platform's."""
+    keys = ("configs", "geomean_speedup", "median_speedup", "max_speedup", "min_speedup")
+    rows = [{"source": "paper", **{k: paper.get(k, paper.get("min_speedup_reported")) for k in keys}}]
+    rows += [{"source": p, **{k: s[k] for k in keys},
+              "fused_vs_unfused_geomean": s["fused_vs_unfused_geomean"]} for p, s in summaries.items()]
+    return pd.DataFrame(rows)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from .records import RECORDS_DIR, latest_record, platforms
 
 
@@ -17,7 +19,41 @@ def calibration_entry(platform: str, root: Path) -> dict:
     return {row.quantity: json.loads(row.value) for row in rec.table.itertuples()}
 
 
-ENTRIES = {"calibration": calibration_entry}
+FA_A2A_KEYS = ("M", "heads", "head_dim", "P", "fa_us", "a2a_nccl_us", "a2a_remote_us", "serial_us",
+               "fused_us", "sdpa_nccl_us", "speedup", "hiding_ratio", "e_res_us", "fa_tflops",
+               "cudnn_tflops")
+
+
+def fa_a2a_entry(platform: str, root: Path) -> list[dict]:
+    """The ``fa_a2a`` entry: one row per (M, heads, head_dim, P) of the latest record."""
+    table = latest_record("fa_a2a", platform, root).table.astype(
+        {"M": int, "heads": int, "head_dim": int, "P": int})
+    return [{k: _plain(row[k]) for k in FA_A2A_KEYS} for _, row in table.iterrows()]
+
+
+MOE_ROW_KEYS = ("model", "precision", "routing", "tokens", "wave_us", "interleaved_us",
+                "unfused_us", "speedup")
+
+
+def moe_entry(platform: str, root: Path) -> dict:
+    """The ``moe`` entry: speedup of Interleaved over Expert-Wave across the configurations."""
+    table = latest_record("moe", platform, root).table
+    speedup = table["speedup"].to_numpy(float)
+    fused = (table["unfused_us"] / table[["wave_us", "interleaved_us"]].min(axis=1)).to_numpy(float)
+    return {"configs": len(table),
+            "geomean_speedup": round(float(np.exp(np.log(speedup).mean())), 4),
+            "median_speedup": round(float(np.median(speedup)), 4),
+            "max_speedup": round(float(speedup.max()), 4),
+            "min_speedup": round(float(speedup.min()), 4),
+            "fused_vs_unfused_geomean": round(float(np.exp(np.log(fused).mean())), 4),
+            "per_config": [{k: _plain(row[k]) for k in MOE_ROW_KEYS} for _, row in table.iterrows()]}
+
+
+def _plain(value):
+    return value.item() if hasattr(value, "item") else value
+
+
+ENTRIES = {"calibration": calibration_entry, "fa_a2a": fa_a2a_entry, "moe": moe_entry}
 
 
 def summary(root: Path = RECORDS_DIR) -> dict:

@@ -1,0 +1,50 @@
+"""Live multi-GPU runs from a notebook: one process per GPU under torchrun, whose JSON output
+becomes a record."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .records import RECORDS_DIR, import_bench_json
+
+# NVLink multicast stays off on shared machines (see README): every launch sets these.
+_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+             "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def torchrun_record(module: str, experiment: str, nproc: int, args: list[str] = (),
+                    root: Path = RECORDS_DIR) -> Path:
+    """Run ``python -m torch.distributed.run --nproc_per_node=nproc -m module --out FILE args``
+    and save its output as a record of ``experiment``; raises with the output on failure."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, **_SAFE_ENV,
+           "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", "-m", module, "--out", str(out), *args]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}"
+                               f"\n{proc.stderr[-4000:]}")
+        return import_bench_json(out, experiment, root)
+
+
+def load_or_run(experiment: str, module: str, backend: str = "auto", args: list[str] = (),
+                root: Path = RECORDS_DIR):
+    """``cuda``: run ``module`` on every peer-capable GPU and return its new record; ``replay``:
+    the latest committed record of every platform. Returns (backend choice, records)."""
+    from .platform import choose_backend, inventory
+    from .records import latest_record, platforms, read_record
+
+    choice = choose_backend(backend)
+    if choice.name == "cuda":
+        path = torchrun_record(module, experiment, inventory().peer_capable_gpus, list(args), root)
+        return choice, [read_record(path)]
+    names = platforms(experiment, root)
+    if not names:
+        raise FileNotFoundError(f"no {experiment!r} records under {root}")
+    return choice, [latest_record(experiment, p, root) for p in names]
