@@ -147,13 +147,14 @@ def test_all_to_all_single_permutes_into_the_ulysses_layout(tmp_path):
 
 
 def test_table3_row_follows_eq_21():
-    med = dict(fa=100.0, sdpa=80.0, a2a_nccl=30.0, a2a_remote=20.0, serial=140.0, fused=110.0,
-               sdpa_nccl=120.0)
+    med = dict(fa=100.0, fa_same_code=104.0, sdpa=80.0, a2a_nccl=30.0, a2a_remote=20.0,
+               serial=140.0, fused=110.0, sdpa_nccl=120.0)
     iqr = {m: 1.0 for m in med}
     row = attention_bench.table3_row(8192, 24, 128, 4, med, iqr)
     assert row["speedup"] == pytest.approx(140 / 110)
     assert row["hiding_ratio"] == pytest.approx(1 - 10 / 40)
     assert row["e_res_us"] == pytest.approx(10.0)
+    assert row["e_res_same_code_us"] == pytest.approx(6.0)
     flops = 4 * 8192 ** 2 * 128 * 24 / 4
     assert row["fa_tflops"] == pytest.approx(flops / 100e-6 / 1e12)
     assert row["cudnn_tflops"] == pytest.approx(flops / 80e-6 / 1e12)

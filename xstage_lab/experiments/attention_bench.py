@@ -37,7 +37,7 @@ from ..platform import provenance
 from . import attention as att
 
 DEFAULT_SEQ = (8192, 16384, 32768, 49152, 65536)
-METHODS = ("fa", "sdpa", "a2a_nccl", "a2a_remote", "serial", "fused", "sdpa_nccl")
+METHODS = ("fa", "fa_same_code", "sdpa", "a2a_nccl", "a2a_remote", "serial", "fused", "sdpa_nccl")
 REMOTE_METHODS = ("a2a_remote", "fused")
 REL_TOL = 1e-2        # relative Frobenius error allowed against the float32 reference (bf16 output)
 TUNE_TRIALS = 3
@@ -55,6 +55,8 @@ def table3_row(seq_len: int, heads: int, head_dim: int, world: int, med: dict, i
 
     speedup = T_serial / T_fused; E_res = T_fused - T_FA (§5.3); hiding ratio
     H = 1 - (T_fused - T_FA) / (T_serial - T_FA) (eq. 21); TF/s from ``attention_flops``.
+    ``e_res_same_code_us`` is E_res against FA-only run through the fused kernel's own code with
+    local destinations, which separates the remote stores from the two epilogues' code.
     """
     flops = attention_flops(seq_len, heads, head_dim, world)
     fa, fused, serial = med["fa"], med["fused"], med["serial"]
@@ -63,6 +65,7 @@ def table3_row(seq_len: int, heads: int, head_dim: int, world: int, med: dict, i
                speedup=serial / fused,
                hiding_ratio=1 - (fused - fa) / (serial - fa),
                e_res_us=fused - fa,
+               e_res_same_code_us=fused - med["fa_same_code"],
                fa_tflops=flops / fa / 1e6,
                cudnn_tflops=flops / med["sdpa"] / 1e6,
                speedup_over_sdpa_nccl=med["sdpa_nccl"] / fused,
@@ -181,10 +184,20 @@ def check_case(seq_len, heads, head_dim, cfg, buf, group, seed):
     buf.barrier()
     a2a_equal = bitwise_equal(recv, serial)
 
+    # FA-only through the fused kernel's own code: its epilogue stores every tile, as Fused does,
+    # but through a table of P buffers on this GPU (the local control of §3.1).
+    local_recv, local_table = local_destination(seq_len, heads, head_dim, world)
+    local_recv.fill_(float("nan"))
+    att.fused_attention_a2a(q, k, v, local_table, rank, world, config=cfg)
+    h = heads // world
+    same_code_equal = bitwise_equal(local_recv[:, :, rank * h:(rank + 1) * h].reshape(out_fa.shape),
+                                    out_fa)
+
     sdpa = att.sdpa_nccl(q, k, v, group, out=poisoned(recv_shape))
     metrics = dict(fa_rel_err=rel_error(out_fa, ref), serial_rel_err=rel_error(serial, ref_recv),
                    fused_rel_err=fused_err, sdpa_nccl_rel_err=rel_error(sdpa, ref_recv),
-                   fused_bitwise_serial=fused_equal, a2a_remote_bitwise_nccl=a2a_equal)
+                   fused_bitwise_serial=fused_equal, a2a_remote_bitwise_nccl=a2a_equal,
+                   fa_same_code_bitwise_fa=same_code_equal)
     failures = [f"{k}={v:.3g} (tolerance {REL_TOL})" for k, v in metrics.items()
                 if k.endswith("_rel_err") and not v < REL_TOL]
     failures += [f"{k} is False" for k, v in metrics.items() if v is False]
@@ -193,7 +206,15 @@ def check_case(seq_len, heads, head_dim, cfg, buf, group, seed):
     if bad:
         raise RuntimeError(f"correctness check failed at M={seq_len}, H={heads}, d={head_dim}, "
                            f"P={world}; nothing was timed. Failures by rank: {bad}")
-    return [m for m, _ in per_rank], q, k, v, out_fa
+    return [m for m, _ in per_rank], q, k, v, out_fa, local_table
+
+
+def local_destination(seq_len, heads, head_dim, world):
+    """P receive buffers [M/P, H, d] on this GPU and the pointer table that names them."""
+    recv = torch.empty((world, seq_len // world, heads, head_dim), dtype=att.DTYPE, device=DEVICE)
+    table = torch.tensor([recv[j].data_ptr() for j in range(world)], dtype=torch.int64,
+                         device=DEVICE)
+    return recv, table
 
 
 def capture(fn, iters: int, eager: bool):
@@ -284,10 +305,12 @@ def tune(args, buf, group) -> tuple[dict, list]:
 def run_case(seq_len, args, cfg, buf, group) -> tuple[dict, dict]:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     H, d = args.heads, args.head_dim
-    checks, q, k, v, out_fa = check_case(seq_len, H, d, cfg, buf, group,
-                                         seed=args.seed + 1000 * seq_len + rank)
+    checks, q, k, v, out_fa, local_table = check_case(seq_len, H, d, cfg, buf, group,
+                                                      seed=args.seed + 1000 * seq_len + rank)
     fns = {
         "fa": lambda: att.flash_attention(q, k, v, out=out_fa, config=cfg),
+        "fa_same_code": lambda: att.fused_attention_a2a(q, k, v, local_table, rank, world,
+                                                        config=cfg),
         "sdpa": lambda: att.sdpa_cudnn(q, k, v),
         "a2a_nccl": lambda: att.nccl_a2a(out_fa, group),
         "a2a_remote": lambda: att.remote_store_a2a(out_fa, buf.peer_ptrs, rank, world),
