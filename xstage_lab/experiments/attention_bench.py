@@ -186,7 +186,8 @@ def check_case(seq_len, heads, head_dim, cfg, buf, group, seed):
 
     # FA-only through the fused kernel's own code: its epilogue stores every tile, as Fused does,
     # but through a table of P buffers on this GPU (the local control of §3.1).
-    local_recv, local_table = local_destination(seq_len, heads, head_dim, world)
+    local = local_destination(seq_len, heads, head_dim, world)
+    local_recv, local_table = local
     local_recv.fill_(float("nan"))
     att.fused_attention_a2a(q, k, v, local_table, rank, world, config=cfg)
     h = heads // world
@@ -206,11 +207,12 @@ def check_case(seq_len, heads, head_dim, cfg, buf, group, seed):
     if bad:
         raise RuntimeError(f"correctness check failed at M={seq_len}, H={heads}, d={head_dim}, "
                            f"P={world}; nothing was timed. Failures by rank: {bad}")
-    return [m for m, _ in per_rank], q, k, v, out_fa, local_table
+    return [m for m, _ in per_rank], q, k, v, out_fa, local
 
 
 def local_destination(seq_len, heads, head_dim, world):
-    """P receive buffers [M/P, H, d] on this GPU and the pointer table that names them."""
+    """P receive buffers [M/P, H, d] on this GPU and the pointer table that names them (keep the
+    buffers referenced as long as the table is used)."""
     recv = torch.empty((world, seq_len // world, heads, head_dim), dtype=att.DTYPE, device=DEVICE)
     table = torch.tensor([recv[j].data_ptr() for j in range(world)], dtype=torch.int64,
                          device=DEVICE)
@@ -305,8 +307,8 @@ def tune(args, buf, group) -> tuple[dict, list]:
 def run_case(seq_len, args, cfg, buf, group) -> tuple[dict, dict]:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     H, d = args.heads, args.head_dim
-    checks, q, k, v, out_fa, local_table = check_case(seq_len, H, d, cfg, buf, group,
-                                                      seed=args.seed + 1000 * seq_len + rank)
+    checks, q, k, v, out_fa, (local_recv, local_table) = check_case(
+        seq_len, H, d, cfg, buf, group, seed=args.seed + 1000 * seq_len + rank)
     fns = {
         "fa": lambda: att.flash_attention(q, k, v, out=out_fa, config=cfg),
         "fa_same_code": lambda: att.fused_attention_a2a(q, k, v, local_table, rank, world,
