@@ -307,11 +307,12 @@ def tune(args, buf, group) -> tuple[dict, list]:
 def run_case(seq_len, args, cfg, buf, group) -> tuple[dict, dict]:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     H, d = args.heads, args.head_dim
-    checks, q, k, v, out_fa, (local_recv, local_table) = check_case(
-        seq_len, H, d, cfg, buf, group, seed=args.seed + 1000 * seq_len + rank)
+    # local = (buffers, table): the lambda below holds the tuple, so the buffers outlive the graph
+    checks, q, k, v, out_fa, local = check_case(seq_len, H, d, cfg, buf, group,
+                                                seed=args.seed + 1000 * seq_len + rank)
     fns = {
         "fa": lambda: att.flash_attention(q, k, v, out=out_fa, config=cfg),
-        "fa_same_code": lambda: att.fused_attention_a2a(q, k, v, local_table, rank, world,
+        "fa_same_code": lambda: att.fused_attention_a2a(q, k, v, local[1], rank, world,
                                                         config=cfg),
         "sdpa": lambda: att.sdpa_cudnn(q, k, v),
         "a2a_nccl": lambda: att.nccl_a2a(out_fa, group),
