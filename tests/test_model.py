@@ -164,3 +164,19 @@ def test_platform_model_t_iss0_at():
     assert pm2.t_iss0_at(16, 4096) == 0.3
     with pytest.raises(KeyError):
         pm2.t_iss0_at(16, 8192)
+
+
+def test_attention_tile_burst_and_eqs_17_to_20_hand_worked():
+    # B_t = b_m·d·s_out = 128·128·2 = 32768 bytes
+    assert model.tile_burst_bytes(128, 128) == 32768
+    # V = 132·32768 = 4325376 B at R = 400 GB/s: V/R = 4325376/400e3 = 10.81344 µs
+    v = 132 * 32768
+    # eq. 17: [V/R + T_lat − T_cover]_+ = 10.81344 + 1 − 2 = 9.81344; clamps at 0 for a big cover
+    assert model.completion_coupled_stall(v, 400.0, 2.0, 1.0) == pytest.approx(9.81344)
+    assert model.completion_coupled_stall(v, 400.0, 20.0) == 0.0
+    # eq. 19: [Δt − G_QK]_+ = [3 − 1]_+ = 2, and [0.5 − 1]_+ = 0
+    assert model.critical_path_stall(3.0, 1.0) == 2.0
+    assert model.critical_path_stall(0.5, 1.0) == 0.0
+    # eq. 20: G* = 10.0 µs, σ = 2.3 µs per KV tile: ⌈10/2.3⌉ = 5 KV tiles of b_n = 128 → 640
+    assert model.convergence_bound(10.0, 2.3, 128) == 640
+    assert model.convergence_bound(9.2, 2.3, 128) == 512  # exactly 4 KV tiles

@@ -92,3 +92,29 @@ class PlatformModel:
         if producers in self.issue_floor:
             return float(self.issue_floor[producers](producers * burst_bytes))
         raise KeyError(f"no backpressure-free issue time calibrated for K={producers}")
+
+
+# FlashAttention–A2A (§4.3): each output tile's epilogue is a burst of B_t = b_m·d·s_out bytes per
+# producer, separated by the next tile's full Q-loop.
+
+def tile_burst_bytes(block_m: int, head_dim: int, out_bytes: int = 2) -> int:
+    """Per-producer burst of one output tile, B_t = b_m·d·s_out (§4.3)."""
+    return block_m * head_dim * out_bytes
+
+
+def critical_path_stall(issue_stall, cover):
+    """Δt′ = [Δt − G_QK]_+ (eq. 19): the epilogue stall that outlasts the double-buffer cover.
+    Δt itself is eq. 18, ``issue_overhead`` with the Q-loop as the gap."""
+    return np.maximum(0.0, np.asarray(issue_stall, dtype=float) - cover)
+
+
+def completion_coupled_stall(burst_volume, drain_rate, cover, completion_latency=0.0):
+    """Δt_cc = [V/R + T_lat − T_cover]_+ (eq. 17): the exposure per aligned burst of an issuer
+    that must wait for remote visibility."""
+    return np.maximum(0.0, drain_time(burst_volume, drain_rate) + completion_latency - cover)
+
+
+def convergence_bound(recovery_gap_us, kv_tile_us, block_n: int) -> int:
+    """M*_ub = b_n·⌈G*/σ⌉ (eq. 20): the sequence length past which the Q-loop always covers the
+    drain, from the Q-loop time per KV tile σ."""
+    return int(block_n * np.ceil(recovery_gap_us / kv_tile_us))

@@ -263,17 +263,32 @@ def table3_comparison(paper: dict, records) -> pd.DataFrame:
     return pd.DataFrame(rows).round(3)
 
 
-def fig11_residual(paper: dict, records) -> go.Figure:
-    """Fig. 11 (measured part): relative residual E_res/T_FA = (T_fused − T_FA)/T_FA against M,
-    the paper's FA4 beside each platform's."""
+def fig11_residual(paper: dict, records, predictions: dict) -> go.Figure:
+    """Fig. 11: relative residual E_res/T_FA against M: the paper's FA4, each platform's measured
+    residual (against FA-only and against the same-code FA-only control), and the no-refit
+    predictions, X-Stage (eqs. 18–19) and completion-coupled (eq. 17), with M*_ub (eq. 20).
+    ``predictions`` maps a platform to ``attention_model.residual_predictions``'s table."""
     fig = go.Figure()
     fa4 = paper["FA4"]
     fig.add_scatter(x=paper["M"], y=np.array(fa4["e_res_us"]) / np.array(fa4["fa_us"]) * 100,
-                    mode="lines+markers", name="paper FA4, P=8")
-    for rec in records:
-        t = rec.table
+                    mode="lines+markers", name="paper FA4, P=8", line=dict(color="gray"))
+    for i, rec in enumerate(records):
+        color = _COLORS[i % len(_COLORS)]
+        t, pred = rec.table, predictions[rec.platform]
+        label = f"{rec.platform}, P={int(t['P'].iloc[0])}"
         fig.add_scatter(x=t["M"], y=t["e_res_us"] / t["fa_us"] * 100, mode="lines+markers",
-                        name=f"{rec.platform}, P={int(t['P'].iloc[0])}")
+                        line=dict(color=color), name=f"{label}: measured vs FA-only")
+        if "e_res_same_code_us" in t:
+            fig.add_scatter(x=t["M"], y=t["e_res_same_code_us"] / t["fa_same_code_us"] * 100,
+                            mode="lines+markers", line=dict(color=color, dash="dash"),
+                            name=f"{label}: measured vs same-code FA-only")
+        fig.add_scatter(x=pred["M"], y=pred["e_drain_us"] / pred["fa_us"] * 100, mode="lines",
+                        line=dict(color=color, dash="dot"), name=f"{label}: X-Stage prediction")
+        fig.add_scatter(x=pred["M"], y=pred["e_cc_us"] / pred["fa_us"] * 100, mode="lines",
+                        line=dict(color=color, dash="longdash"),
+                        name=f"{label}: completion-coupled prediction (T_lat = 0)")
+        fig.add_vline(x=int(pred["m_star_ub"].max()), line=dict(color=color, dash="dot"),
+                      annotation_text=f"M*_ub = {int(pred['m_star_ub'].max())}")
     fig.add_hrect(y0=-2, y1=2, fillcolor="lightblue", opacity=0.3, line_width=0,
                   annotation_text="±2% DVFS envelope (paper)")
     fig.update_layout(title="Fig. 11: sender-visible residual E_res/T_FA", xaxis_title="M (tokens)",

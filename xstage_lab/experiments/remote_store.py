@@ -387,3 +387,11 @@ def load_characterizations(backend: str = "auto", platforms: list[str] | None = 
         raise FileNotFoundError(f"no remote_store records under {root}")
     return choice, [Characterization.from_record(resolve_record("remote_store", p, record, root))
                     for p in names]
+
+
+def latest_calibration(platform: str, root: Path = RECORDS_DIR) -> Calibration:
+    """M_X of ``platform`` from its latest calibration record, for the experiments that use it."""
+    from ..calibration import calibration_from_dict
+    from ..records import latest_record
+
+    return calibration_from_dict(latest_record("calibration", platform, root).params["calibration"])

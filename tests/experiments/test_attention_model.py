@@ -1,0 +1,38 @@
+"""Fig. 11's no-refit predictions (eqs. 17–20) from a calibration and FA-only times."""
+import pandas as pd
+import pytest
+
+from xstage_lab import model
+from xstage_lab.experiments.attention_model import residual_predictions
+from xstage_lab.experiments.remote_store import latest_calibration
+from xstage_lab.records import platforms
+
+
+@pytest.fixture(scope="module")
+def cal():
+    return latest_calibration(platforms("calibration")[0])
+
+
+def test_predictions_hand_worked(cal):
+    # M = 8192, H = 24, P = 2: 64 row tiles × 12 heads = 768 tiles on 132 programs → 6 waves;
+    # T_FA = 870 µs → G_Qloop = 145 µs, σ = 145 / 64 KV tiles
+    table = pd.DataFrame([dict(M=8192, heads=24, head_dim=128, P=2, fa_us=870.0, e_res_us=5.0)])
+    p = residual_predictions(table, cal, 128, 128, 132).iloc[0]
+    assert p["waves"] == 6 and p["producers"] == 132
+    assert p["burst_volume"] == 132 * 32768
+    assert p["g_qloop_us"] == pytest.approx(145.0)
+    assert p["kv_tile_us"] == pytest.approx(145.0 / 64)
+    v_over_r = model.drain_time(132 * 32768, cal.drain_rate_GBps)
+    # the Q-loop covers the drain: no X-Stage residual; the coupled issuer pays V/R − σ/2 per wave
+    assert p["e_drain_us"] == 0.0
+    assert p["e_cc_us"] == pytest.approx(6 * (v_over_r - 145.0 / 64 / 2))
+    assert p["m_star_ub"] == model.convergence_bound(p["g_star_us"], 145.0 / 64, 128)
+
+
+def test_short_qloop_exposes_the_drain(cal):
+    # a Q-loop far shorter than V/R: eq. 18 gives a stall, eq. 19 subtracts the QK cover
+    table = pd.DataFrame([dict(M=1024, heads=2, head_dim=128, P=2, fa_us=8.0, e_res_us=0.0)])
+    p = residual_predictions(table, cal, 128, 128, 132).iloc[0]
+    assert p["waves"] == 1 and p["producers"] == 8  # 8 row tiles × 1 head: fewer than 132 programs
+    stall = model.issue_overhead(8.0, 8 * 32768, p["t_iss0_us"], cal.drain_rate_GBps)
+    assert p["e_drain_us"] == pytest.approx(max(0.0, float(stall) - 8.0 / 8 / 2))

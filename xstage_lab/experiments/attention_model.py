@@ -1,0 +1,56 @@
+"""The Burst–Gap model applied to FlashAttention–A2A (§4.3, eqs. 17–20): the predictions that
+Fig. 11 draws beside the measured residual, from a calibration and the measured FA-only times,
+with no refit.
+
+Per output tile a producer issues B_t = b_m·d·s_out bytes; in the worst case all K persistent
+programs align, V = K·B_t. The gap between a program's bursts is its next tile's Q-loop,
+G_Qloop = T_FA / N_t with N_t = ⌈tiles / programs⌉ tile waves; σ = G_Qloop / ⌈M/b_n⌉ is the time
+per KV tile, and the double-buffer cover G_QK (eq. 19) and the completion-coupled cover T_cover
+(eq. 17) are one QK^T mainloop, half of a KV tile's two matrix products (σ/2).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .. import model
+from ..calibration import Calibration
+
+
+def residual_predictions(table: pd.DataFrame, cal: Calibration, block_m: int, block_n: int,
+                         programs: int, completion_latency_us: float = 0.0) -> pd.DataFrame:
+    """Per measured M: N_t, G_Qloop, σ, the X-Stage drain residual E_drain = N_t·Δt′ (eqs. 18–19),
+    the completion-coupled residual E_cc = N_t·Δt_cc (eq. 17; T_lat = ``completion_latency_us``,
+    0 by default since the calibration does not measure it) and M*_ub (eq. 20)."""
+    rows = []
+    for _, r in table.iterrows():
+        M, d, h_local = int(r["M"]), int(r["head_dim"]), int(r["heads"]) // int(r["P"])
+        tiles = M // block_m * h_local
+        producers = min(programs, tiles)
+        waves = int(np.ceil(tiles / programs))
+        volume = producers * model.tile_burst_bytes(block_m, d)
+        t_iss0 = _t_iss0(cal, producers, model.tile_burst_bytes(block_m, d))
+        g_qloop = r["fa_us"] / waves
+        sigma = g_qloop / np.ceil(M / block_n)
+        cover = sigma / 2
+        stall = model.issue_overhead(g_qloop, volume, t_iss0, cal.drain_rate_GBps)  # eq. 18
+        g_star = float(model.recovery_gap(volume, t_iss0, cal.drain_rate_GBps))
+        rows.append(dict(
+            M=M, waves=waves, producers=producers, burst_volume=volume, t_iss0_us=t_iss0,
+            g_qloop_us=g_qloop, kv_tile_us=sigma, g_star_us=g_star,
+            e_drain_us=waves * float(model.critical_path_stall(stall, cover)),
+            e_cc_us=waves * float(model.completion_coupled_stall(volume, cal.drain_rate_GBps, cover,
+                                                                 completion_latency_us)),
+            m_star_ub=model.convergence_bound(g_star, sigma, block_n),
+            fa_us=r["fa_us"], e_res_us=r["e_res_us"]))
+    return pd.DataFrame(rows)
+
+
+def _t_iss0(cal: Calibration, producers: int, burst_bytes: int) -> float:
+    """T_iss^0 for K producers of B bytes; a K the calibration lacks takes the all-SM value at the
+    same B: below the knee the isolated issue floors of every K coincide at equal B (Fig. 3c)."""
+    platform = cal.platform_model()
+    try:
+        return platform.t_iss0_at(producers, burst_bytes)
+    except KeyError:
+        return platform.t_iss0_at(cal.sm_count, burst_bytes)
