@@ -316,3 +316,16 @@ def test_platform_model_consistent(clean):
     # the model predicts the calibration's own G*
     g = model.recovery_gap(132 * 8192, pm.t_iss0_at(132, 8192), pm.drain_rate)
     assert g == pytest.approx(cal.recovery_gap_us["K=132,B=8192"], rel=1e-12)
+
+
+def test_capacity_spread_from_per_repeat_fits():
+    cal, _ = calibrate(synthetic_table(noise=0.02, seed=3), "synth", "rec")
+    assert set(cal.capacity_spread) == {k for k, f in cal.isolated.items()
+                                        if f["capacity_bytes"] is not None}
+    for k, (lo, hi) in cal.capacity_spread.items():
+        assert lo <= hi
+        # each repeat alone lands near the pooled fit
+        assert abs((lo + hi) / 2 / cal.isolated[k]["capacity_bytes"] - 1) < 0.1
+    exact, _ = calibrate(synthetic_table(noise=0.0), "synth", "rec")
+    for k, (lo, hi) in exact.capacity_spread.items():
+        assert hi - lo < 1e-6 * exact.isolated[k]["capacity_bytes"]

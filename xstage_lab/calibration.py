@@ -155,6 +155,7 @@ class Calibration:
     t_iss0_spread: dict        # "K=..,B=.." -> [p25, p75]
     loop_gap_us: float         # gap the burst loop adds beyond G (CTA barrier, time stamps)
     isolated: dict             # K -> IsolatedFit as a dict
+    capacity_spread: dict      # K -> [p25, p75] of Q fitted on each repeat alone (bytes)
     recovery_gap_us: dict      # "K=..,B=.." -> G*
     gap_issue_err_pct: float   # no-refit median |error| of T_iss over the remote gap sweep
     gap_period_err_pct: float  # same for T_period
@@ -185,6 +186,8 @@ class Calibration:
             "T_iss0_us": {k: round(v, 3) for k, v in self.t_iss0_us.items()},
             "Q_MiB": {f"K={k}": round(f["capacity_bytes"] / MIB, 3)
                       for k, f in iso.items() if f["capacity_bytes"] is not None},
+            "Q_MiB_iqr": {f"K={k}": [round(q / MIB, 3) for q in spread]
+                          for k, spread in self.capacity_spread.items()},
             "knee_KB_per_producer": {f"K={k}": round(f["knee_volume_bytes"] / k / KIB, 2)
                                      for k, f in iso.items() if f["knee_volume_bytes"] is not None},
             "G_star_us": {k: round(v, 3) for k, v in self.recovery_gap_us.items()},
@@ -269,15 +272,22 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
     predicted = pd.concat([remote, local.assign(local_issue_bound=issue_bound)], ignore_index=True)
 
     iso = points[(points["sweep"] == "isolated") & (points["path"] == "remote")]
-    isolated = {}
+    iso_launches = launches[(launches["sweep"] == "isolated") & (launches["path"] == "remote")]
+    isolated, capacity_spread = {}, {}
     for k, grp in iso.groupby("producers"):
         fit = fit_isolated(int(k), grp["burst_volume"], grp["t_iss_us"], R)
         isolated[str(int(k))] = asdict(fit)
+        # The spread of Q: the same fit on each repeat's launches alone.
+        per_repeat = [fit_isolated(int(k), rep["burst_volume"], rep["t_iss_us"], R).capacity_bytes
+                      for _, rep in iso_launches[iso_launches["producers"] == k].groupby("repeat")]
+        per_repeat = [q for q in per_repeat if q is not None]
+        if per_repeat:
+            capacity_spread[str(int(k))] = [float(x) for x in np.percentile(per_repeat, [25, 75])]
     cal = Calibration(platform=platform, source_record=source_record, sm_count=sm_count,
                       drain_rate_GBps=R, drain_rate_p25=float(r_p25), drain_rate_p75=float(r_p75),
                       window_rate_GBps=window_rate,
                       t_iss0_us=t_iss0, t_iss0_spread=t_iss0_spread, loop_gap_us=loop_gap_us,
-                      isolated=isolated, recovery_gap_us=g_star,
+                      isolated=isolated, capacity_spread=capacity_spread, recovery_gap_us=g_star,
                       gap_issue_err_pct=float(np.median(issue_err)),
                       gap_period_err_pct=float(np.median(period_err)),
                       gap_drain_branch_err_pct=float(np.median(issue_err[drain_branch])),

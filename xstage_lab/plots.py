@@ -123,8 +123,7 @@ def table1_comparison(paper: dict, calibrations: list[Calibration]) -> pd.DataFr
     for key, value in paper["T_iss0_us"].items():
         rows.append((f"T_iss^0 (µs) at B={_kb(key.split('B=')[1])}, K=all SMs", value,
                      lambda c, b=key.split("B=")[1]: _t_iss0_text(c, int(b))))
-    rows.append(("Q (MiB), K = all SMs", next(iter(paper["Q_MiB"].values())),
-                 lambda c: _fmt(c.isolated.get(str(c.sm_count), {}).get("capacity_bytes"), MIB)))
+    rows.append(("Q (MiB), K = all SMs", next(iter(paper["Q_MiB"].values())), _capacity_text))
     rows.append(("knee (KB per producer), K = all SMs",
                  next(iter(paper["knee_KB_per_producer"].values())),
                  lambda c: _fmt(_knee_per_producer(c), KIB)))
@@ -141,6 +140,14 @@ def table1_comparison(paper: dict, calibrations: list[Calibration]) -> pd.DataFr
 
 def _fmt(value, unit) -> str:
     return "—" if value is None else f"{value / unit:.3g}"
+
+
+def _capacity_text(c: Calibration) -> str:
+    q = c.isolated.get(str(c.sm_count), {}).get("capacity_bytes")
+    spread = c.capacity_spread.get(str(c.sm_count))
+    if q is None or spread is None:
+        return _fmt(q, MIB)
+    return f"{q / MIB:.3g} [IQR {spread[0] / MIB:.3g}–{spread[1] / MIB:.3g}]"
 
 
 def _knee_per_producer(c: Calibration):
