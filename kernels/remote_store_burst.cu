@@ -9,6 +9,8 @@
 //
 // Alignment: a grid barrier before the first burst, and before every burst when
 // align_each_burst is set, so that the K bursts form one aggregate burst of V = K·B bytes.
+// With fence_each_burst the issue interval ends only when the burst is visible at the
+// destination (the completion-coupled issuer of §2.3 and §3.4).
 //
 // Built at run time by CuPy/NVRTC for sm_90 and compiled by nvcc in the tests: no includes.
 
@@ -74,6 +76,7 @@ extern "C" __global__ void burst_gap(
         u32 n_bursts,
         u64 gap_cycles,           // producer-side gap G in SM cycles
         u32 align_each_burst,     // grid barrier before every burst (else before the first only)
+        u32 fence_each_burst,     // completion-coupled: every store thread waits for visibility
         u32 seed,
         u32* arrivals,            // zeroed before launch
         u32* error,               // zeroed before launch
@@ -112,6 +115,9 @@ extern "C" __global__ void burst_gap(
             for (u32 v = threadIdx.x; v < vecs_per_producer; v += store_threads) {
                 out[v] = burst_pattern(seed, burst, producer, v);
             }
+            // The completion-coupled counterfactual (issue 8): a system-scope fence returns only
+            // once this thread's stores are visible at the destination.
+            if (fence_each_burst) __threadfence_system();
         }
         // Issue ends when every warp of the CTA has issued its stores; completion is not awaited.
         __syncthreads();

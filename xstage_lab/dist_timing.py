@@ -2,14 +2,15 @@
 
 One trial of a method: all ranks meet at a host barrier, then an all-reduce on the stream aligns
 their device timelines; a CUDA event pair on each rank brackets the method. Per trial the time that
-counts is the maximum over ranks (all-reduce MAX): the layer is done when the slowest rank is. The
+counts is the maximum over ranks (every rank's is gathered): the layer is done when the slowest
+rank is. The
 reported figure is the median over trials with the p25/p75 spread; the order of the methods
 rotates from trial to trial so that no method always runs first (or right after the same one).
 
 Optionally every method is captured once in a CUDA graph of ``graph_iters`` back-to-back calls and
 the graph is replayed per trial (per-call time = replay time / ``graph_iters``): launch overhead
-leaves the measurement and sustained back-to-back behaviour shows, as for FA4 in §5.3. Methods must
-then be capturable.
+leaves the measurement and sustained back-to-back behaviour shows, as for FA4 in §5.3. A method
+that cannot be captured is named ``eager`` and launched back to back instead.
 
 Without an initialised process group the same code times a single process (no barriers).
 """
@@ -37,43 +38,68 @@ def _host_barrier(group) -> None:
 def _graphed(fn: Callable[[], None], iters: int) -> Callable[[], None]:
     """Capture ``iters`` back-to-back calls of ``fn`` (already warmed up) in one CUDA graph."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: NCCL's watchdog thread may query events while this thread captures.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for _ in range(iters):
             fn()
     return graph.replay
 
 
+def rotated_order(names: list[str], trial: int) -> list[str]:
+    """The method order of trial ``trial``: the list rotated by ``trial`` places."""
+    shift = trial % len(names)
+    return names[shift:] + names[:shift]
+
+
 def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, warmup: int = 3,
-                 graph_iters: int | None = None, group=None) -> dict[str, dict]:
+                 graph_iters: int | None = None, group=None, eager: frozenset = frozenset(),
+                 after: dict[str, Callable[[], None]] | None = None) -> dict[str, dict]:
     """Time each method; returns ``{name: {"median_us", "p25_us", "p75_us", "min_us", "max_us",
-    "trials_us", "calls_per_trial"}}``, times per call in microseconds, each trial the maximum
-    over ranks. Every rank must call this with the same methods in the same order."""
+    "trials_us", "per_rank_us", "calls_per_trial"}}``, times per call in microseconds, each
+    trial's the maximum over ranks (``per_rank_us`` keeps every rank's). Methods named in
+    ``eager`` run as plain back-to-back launches where a graph cannot capture them. ``after[name]``
+    runs after every call of that method, outside the timed window (e.g. a barrier that makes
+    remote stores visible once per replay, §5.1). Every rank must call this with the same methods
+    in the same order."""
     if not methods:
         raise ValueError("no methods to time")
     if trials < 1 or warmup < 0 or (graph_iters is not None and graph_iters < 1):
         raise ValueError(f"need trials >= 1, warmup >= 0, graph_iters >= 1 or None; got "
                          f"{trials}, {warmup}, {graph_iters}")
     names = list(methods)
+    after = after or {}
     distributed = _distributed()
-    fns = dict(methods)
-    for name in names:
-        for _ in range(warmup):
-            fns[name]()
+
+    def call(name, fn):
+        fn()
+        if name in after:
+            after[name]()
+
+    # Warm-up (lazy initialisation, allocator pools) on a side stream when graphs will be captured,
+    # as torch.cuda.graph asks.
+    warm = torch.cuda.Stream() if graph_iters is not None else torch.cuda.current_stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        for name in names:
+            for _ in range(warmup):
+                call(name, methods[name])
+    torch.cuda.current_stream().wait_stream(warm)
     torch.cuda.synchronize()
-    calls = 1
+    fns, calls = dict(methods), 1
     if graph_iters is not None:
-        fns = {name: _graphed(fns[name], graph_iters) for name in names}
         calls = graph_iters
-        for name in names:  # first replay uploads the graph
-            fns[name]()
+        for name in names:
+            fn = methods[name]
+            fns[name] = ((lambda fn=fn: [fn() for _ in range(graph_iters)]) if name in eager
+                         else _graphed(fn, graph_iters))
+            call(name, fns[name])  # the first replay uploads the graph
         torch.cuda.synchronize()
     device = torch.device("cuda", torch.cuda.current_device())
     align = torch.zeros(1, device=device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = torch.zeros(trials, len(names), dtype=torch.float64)
     for t in range(trials):
-        shift = t % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated_order(names, t):
             torch.cuda.synchronize()
             if distributed:
                 import torch.distributed as dist
@@ -82,20 +108,25 @@ def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, wa
             start.record()
             fns[name]()
             end.record()
-            end.synchronize()
+            if name in after:
+                after[name]()
+            torch.cuda.synchronize()
             times[t, names.index(name)] = start.elapsed_time(end) * 1e3 / calls
+    per_rank = times[None]
     if distributed:
         import torch.distributed as dist
-        per_trial = times.to(device)
-        dist.all_reduce(per_trial, op=dist.ReduceOp.MAX, group=group)
-        times = per_trial.cpu()
+        gathered = torch.empty((dist.get_world_size(group), trials, len(names)),
+                               dtype=torch.float64, device=device)
+        dist.all_gather_into_tensor(gathered, times.to(device), group=group)
+        per_rank = gathered.cpu()
+    worst = per_rank.max(dim=0).values.numpy()  # [trials, methods]: the slowest rank per trial
     out = {}
     for j, name in enumerate(names):
-        col = times[:, j].numpy()
+        col = worst[:, j]
         out[name] = {"median_us": float(np.median(col)), "p25_us": float(np.percentile(col, 25)),
                      "p75_us": float(np.percentile(col, 75)), "min_us": float(col.min()),
                      "max_us": float(col.max()), "trials_us": [float(v) for v in col],
-                     "calls_per_trial": calls}
+                     "per_rank_us": per_rank[:, :, j].tolist(), "calls_per_trial": calls}
     return out
 
 

@@ -199,7 +199,7 @@ def test_burst_rows_aligned_zero_gap_rate_is_the_drain_rate():
 def test_every_characterization_point_validates(n_gpus):
     inv = make_inv(n_gpus)
     sweeps = characterization_sweeps(132, n_gpus, repeats=11)
-    assert [s.name for s in sweeps] == ["drain_rate", "gap", "isolated", "lines", "pairs"]
+    assert [s.name for s in sweeps] == ["drain_rate", "gap", "isolated", "fenced", "lines", "pairs"]
     for sw in sweeps:
         pts = sw.points()
         assert pts

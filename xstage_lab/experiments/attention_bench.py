@@ -10,9 +10,9 @@ One process per GPU. Per sequence length M:
    FA-only, Serial, Fused and SDPA+NCCL within bf16 tolerance of a float32 reference; the
    remote-store A2A bitwise equal to the NCCL A2A. Any failure aborts every rank before timing.
 2. Timing as §5.1 describes: each method is captured ``iters`` times back to back in one CUDA
-   graph; a trial aligns all ranks with a device barrier, replays the graph between CUDA events
-   on every rank, and takes the maximum over ranks; rows report the median over trials and the
-   IQR. Method order rotates across trials; SM clocks are read before and after each M.
+   graph; a trial aligns all ranks (``dist_timing.time_methods``), replays the graph between CUDA
+   events on every rank, and takes the maximum over ranks; rows report the median over trials
+   and the IQR. Method order rotates across trials; SM clocks are read before and after each M.
    The boundary is sender-visible: remote-store methods synchronize remote visibility once after
    the replay, outside the timed window; NCCL methods include their own completion.
 Rank 0 writes one JSON file: rows (Table 3 quantities), per-trial raw times and metadata.
@@ -22,17 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import triton
 
+from ..dist_timing import read_sm_clock_mhz, rotated_order, time_methods
 from ..platform import provenance
 from . import attention as att
 
@@ -110,27 +109,6 @@ def validate(args, world: int) -> None:
     unknown = set(args.eager) - set(METHODS)
     if unknown:
         raise ValueError(f"--eager names unknown methods {sorted(unknown)}; methods: {METHODS}")
-
-
-def sm_clock_mhz() -> float | None:
-    """This rank's GPU SM clock now: NVML if pynvml imports, else nvidia-smi, else None."""
-    uuid = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-        return float(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
-    except ImportError:
-        pass
-    except Exception:
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "-i", uuid, "--query-gpu=clocks.sm",
-                              "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-        return float(out.strip())
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
 
 
 def all_gather_objects(obj, group=None) -> list:
@@ -219,55 +197,6 @@ def local_destination(seq_len, heads, head_dim, world):
     return recv, table
 
 
-def capture(fn, iters: int, eager: bool):
-    """A callable issuing ``iters`` back-to-back calls of ``fn``: one CUDA-graph replay, or eager
-    launches where the method cannot be captured."""
-    if eager:
-        return lambda: [fn() for _ in range(iters)]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture: lazy init, allocator pools
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: NCCL's watchdog thread may query events while this thread captures.
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(iters):
-            fn()
-    torch.cuda.synchronize()
-    return graph.replay
-
-
-def time_trials(replays: dict, iters: int, trials: int, buf, group):
-    """Barrier-aligned event timing (step 2): µs per call, [ranks, trials, methods], and orders."""
-    names = list(replays)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    local = np.zeros((trials, len(names)))
-    orders = []
-    for t in range(trials):
-        order = names[t % len(names):] + names[:t % len(names)]
-        orders.append(order)
-        for name in order:
-            buf.barrier()  # device-side alignment: every rank starts the replay together
-            start.record()
-            replays[name]()
-            end.record()
-            if name in REMOTE_METHODS:
-                buf.barrier()  # remote visibility once per replay, after the timed window
-            torch.cuda.synchronize()
-            local[t, names.index(name)] = start.elapsed_time(end) * 1e3 / iters
-    world = dist.get_world_size(group)
-    gathered = torch.empty((world * trials, len(names)), dtype=torch.float64, device=DEVICE)
-    dist.all_gather_into_tensor(gathered, torch.from_numpy(local).to(DEVICE), group=group)
-    return gathered.cpu().numpy().reshape(world, trials, len(names)), orders
-
-
-def median_iqr(x: np.ndarray) -> tuple[float, float]:
-    q1, med, q3 = np.percentile(x, [25, 50, 75])
-    return float(med), float(q3 - q1)
-
-
 def tune(args, buf, group) -> tuple[dict, list]:
     """Time each candidate configuration's FA-only at one M and keep the fastest (max over ranks,
     median over trials). Candidates that do not fit the hardware or miss the float32 reference
@@ -293,10 +222,10 @@ def tune(args, buf, group) -> tuple[dict, list]:
             except triton.runtime.errors.OutOfResources as e:
                 entry["skipped"] = f"out of resources: {e}"
         if "skipped" not in entry:
-            replay = capture(lambda: att.flash_attention(q, k, v, out=out, config=cfg), args.iters,
-                             eager="fa" in args.eager)
-            times, _ = time_trials({"fa": replay}, args.iters, TUNE_TRIALS, buf, group)
-            entry["fa_us"] = float(np.median(times.max(axis=0)[:, 0]))
+            timing = time_methods({"fa": lambda: att.flash_attention(q, k, v, out=out, config=cfg)},
+                                  trials=TUNE_TRIALS, warmup=1, graph_iters=args.iters,
+                                  group=group, eager=frozenset(args.eager))
+            entry["fa_us"] = timing["fa"]["median_us"]
         results.append(entry)
     timed = [e for e in results if "fa_us" in e]
     if not timed:
@@ -321,21 +250,20 @@ def run_case(seq_len, args, cfg, buf, group) -> tuple[dict, dict]:
         "fused": lambda: att.fused_attention_a2a(q, k, v, buf.peer_ptrs, rank, world, config=cfg),
         "sdpa_nccl": lambda: att.sdpa_nccl(q, k, v, group),
     }
-    replays = {m: capture(fns[m], args.iters, eager=m in args.eager) for m in METHODS}
-    buf.barrier()  # the capture warm-ups stored remotely
-    clocks_before = all_gather_objects(sm_clock_mhz(), group)
-    times, orders = time_trials(replays, args.iters, args.trials, buf, group)
-    clocks_after = all_gather_objects(sm_clock_mhz(), group)
-    del replays
+    clocks_before = all_gather_objects(read_sm_clock_mhz(), group)
+    # Remote-store methods make their stores visible once per replay, outside the timed window.
+    timing = time_methods(fns, trials=args.trials, warmup=1, graph_iters=args.iters, group=group,
+                          eager=frozenset(args.eager),
+                          after={m: buf.barrier for m in REMOTE_METHODS})
+    clocks_after = all_gather_objects(read_sm_clock_mhz(), group)
     torch.cuda.empty_cache()
 
-    per_trial_max = times.max(axis=0)  # [trials, methods]: the slowest rank of each trial
-    stats = {m: median_iqr(per_trial_max[:, i]) for i, m in enumerate(METHODS)}
-    row = table3_row(seq_len, H, d, world, {m: s[0] for m, s in stats.items()},
-                     {m: s[1] for m, s in stats.items()})
-    raw = dict(M=seq_len, checks_by_rank=checks, order=orders,
-               max_us={m: per_trial_max[:, i].tolist() for i, m in enumerate(METHODS)},
-               per_rank_us={m: times[:, :, i].tolist() for i, m in enumerate(METHODS)},
+    row = table3_row(seq_len, H, d, world, {m: timing[m]["median_us"] for m in METHODS},
+                     {m: timing[m]["p75_us"] - timing[m]["p25_us"] for m in METHODS})
+    raw = dict(M=seq_len, checks_by_rank=checks,
+               order=[rotated_order(list(METHODS), t) for t in range(args.trials)],
+               max_us={m: timing[m]["trials_us"] for m in METHODS},
+               per_rank_us={m: timing[m]["per_rank_us"] for m in METHODS},
                sm_clock_mhz_before=clocks_before, sm_clock_mhz_after=clocks_after)
     return row, raw
 
@@ -389,7 +317,7 @@ def write_result(args, world, cfg, tuning, rows, raws, elapsed_s) -> None:
         config=cfg,
         tuning=tuning,
         timing=("sender-visible steady state: per method, `iters` back-to-back calls in one CUDA "
-                "graph replayed between CUDA events on every rank after a device barrier; per "
+                "graph replayed between CUDA events on every rank after a rank alignment; per "
                 "trial the maximum over ranks; rows hold the median over trials and the IQR, in "
                 "µs per call. Remote-store methods synchronize once after the replay, outside the "
                 "timed window (§5.1); NCCL methods include their own completion."),

@@ -5,8 +5,9 @@ each with 16-byte stores into a destination buffer, then spin for a gap G. This 
 a measurement point, launches it through CuPy, checks the destination buffer holds exactly what
 was written, and turns the in-kernel clocks into one row per burst.
 
-Modes: ``periodic`` (burst, gap, burst, ...) and ``isolated`` (each burst after a recovery gap long
-enough to drain it). Paths: ``remote`` (destination on a peer GPU) and ``local`` (the control: the
+Modes: ``periodic`` (burst, gap, burst, ...), ``isolated`` (each burst after a recovery gap long
+enough to drain it) and ``fenced`` (periodic, but each producer waits for its burst to be visible
+at the destination before the gap: the completion-coupled counterfactual). Paths: ``remote`` (destination on a peer GPU) and ``local`` (the control: the
 same code with the destination on the issuing GPU).
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..sweep import Axis, Sweep
 
 KIB = 1024
 MIB = 1024 * KIB
-MODES = ("periodic", "isolated")
+MODES = ("periodic", "isolated", "fenced")
 PATHS = ("remote", "local")
 LINES = ("fresh", "rewrite")
 # "each": a grid barrier aligns the K producers before every burst (one aggregate burst of K·B
@@ -240,6 +241,7 @@ class RemoteStoreBench:
                    (np.uint64(buf.data.ptr), np.uint64(volume // 16), np.uint32(n_slots),
                     np.uint32(B // 16), np.uint32(n_bursts), np.uint64(round(gap_us * mhz)),
                     np.uint32(isolated or p.get("align", "each") == "each"),
+                    np.uint32(p["mode"] == "fenced"),
                     np.uint32(self._seed), arrivals, error,
                     np.uint64(s.barrier_timeout_s * 1e9), trace, clocks),
                    shared_mem=smem)
@@ -277,6 +279,7 @@ def characterization_sweeps(sm_count: int, n_gpus: int, src: int = 0, dst: int =
     - ``drain_rate`` (Fig. 3d): zero-gap periodic bursts over K/B decompositions.
     - ``gap`` (Figs. 3a, 3b): the gap sweep at K = all SMs, remote and the local control.
     - ``isolated`` (Fig. 3c): isolated bursts over B for several K, remote and local.
+    - ``fenced``: the gap sweep with a system-scope fence after each burst (issue 8).
     - ``lines``: fresh destination lines against rewriting the same lines (a known bias).
     - ``pairs``: zero-gap periodic bursts on every ordered GPU pair, for R per pair.
     """
@@ -300,6 +303,11 @@ def characterization_sweeps(sm_count: int, n_gpus: int, src: int = 0, dst: int =
                                                                   32, 36, 40, 48, 56, 64, 96, 128,
                                                                   192, 256)])),
               fixed=dict(common, mode="isolated", gap_us=0.0), repeats=repeats),
+        Sweep("fenced", (Axis("path", PATHS),
+                         Axis("burst_bytes", [8 * KIB, 16 * KIB, 32 * KIB, 64 * KIB]),
+                         Axis("gap_us", [0.0, 1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0])),
+              fixed=dict(src=src, dst=dst, lines="fresh", mode="fenced", producers=K,
+                         align="first"), repeats=repeats),
         Sweep("lines", (Axis("lines", LINES), Axis("burst_bytes", [32 * KIB, 128 * KIB])),
               fixed=dict(src=src, dst=dst, mode="periodic", path="remote", gap_us=0.0,
                          producers=K, align="first"), repeats=repeats),
