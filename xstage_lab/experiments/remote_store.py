@@ -279,7 +279,9 @@ def characterization_sweeps(sm_count: int, n_gpus: int, src: int = 0, dst: int =
     - ``drain_rate`` (Fig. 3d): zero-gap periodic bursts over K/B decompositions.
     - ``gap`` (Figs. 3a, 3b): the gap sweep at K = all SMs, remote and the local control.
     - ``isolated`` (Fig. 3c): isolated bursts over B for several K, remote and local.
-    - ``fenced``: the gap sweep with a system-scope fence after each burst (issue 8).
+    - ``fenced``: the gap sweep with a system-scope fence after each burst (issue 8), aligned:
+      a fenced burst leaves nothing outstanding, so the barrier before the next absorbs no wait
+      and every burst is the aggregate V = K·B that the completion-coupled sum law describes.
     - ``lines``: fresh destination lines against rewriting the same lines (a known bias).
     - ``pairs``: zero-gap periodic bursts on every ordered GPU pair, for R per pair.
     """
@@ -307,7 +309,7 @@ def characterization_sweeps(sm_count: int, n_gpus: int, src: int = 0, dst: int =
                          Axis("burst_bytes", [8 * KIB, 16 * KIB, 32 * KIB, 64 * KIB]),
                          Axis("gap_us", [0.0, 1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0])),
               fixed=dict(src=src, dst=dst, lines="fresh", mode="fenced", producers=K,
-                         align="first"), repeats=repeats),
+                         align="each"), repeats=repeats),
         Sweep("lines", (Axis("lines", LINES), Axis("burst_bytes", [32 * KIB, 128 * KIB])),
               fixed=dict(src=src, dst=dst, mode="periodic", path="remote", gap_us=0.0,
                          producers=K, align="first"), repeats=repeats),
