@@ -329,3 +329,26 @@ def test_capacity_spread_from_per_repeat_fits():
     exact, _ = calibrate(synthetic_table(noise=0.0), "synth", "rec")
     for k, (lo, hi) in exact.capacity_spread.items():
         assert hi - lo < 1e-6 * exact.isolated[k]["capacity_bytes"]
+
+
+def test_fit_completion_recovers_the_latency_and_tells_the_laws_apart():
+    # fenced periods made from the sum law with T_lat = 1.5 µs on K = 132, R = 700 GB/s
+    from xstage_lab.calibration import fit_completion
+
+    k, R, t_lat, loop = 132, 700.0, 1.5, 0.7
+    rows, dec = [], []
+    for b in (8192, 16384, 32768):
+        v = k * b
+        for g in (0.0, 2.0, 8.0, 32.0):
+            t_complete = v / (R * 1e3) + t_lat
+            rows.append(dict(producers=k, burst_bytes=b, gap_us=g, burst_volume=v,
+                             t_iss_us=t_complete, period_us=t_complete + g + loop))
+            dec.append(dict(burst_bytes=b, gap_us=g, period_us=max(0.3 + g + loop, v / (R * 1e3))))
+    t_iss0 = {f"K={k},B={b}": 0.3 for b in (8192, 16384, 32768)}
+    fit = fit_completion(pd.DataFrame(rows), pd.DataFrame(dec), R, t_iss0, loop)
+    assert fit.completion_latency_us == pytest.approx(t_lat)
+    assert fit.completion_rate_GBps == pytest.approx(R)
+    assert fit.sum_law_err_pct == pytest.approx(0.0, abs=1e-9)
+    assert fit.max_law_err_pct > 10  # the decoupled model misses the coupled world
+    assert {p["B"] for p in fit.periods} == {8192, 16384, 32768}
+    assert all(p["period_coupled_us"] > p["period_decoupled_us"] for p in fit.periods)

@@ -48,3 +48,14 @@ def test_moe_entry_aggregates_its_per_config_speedups():
         assert moe["geomean_speedup"] == round(float(np.exp(np.log(speedups).mean())), 4)
         for c in moe["per_config"]:
             assert abs(c["speedup"] - c["wave_us"] / c["interleaved_us"]) < 1e-6
+
+
+def test_counterfactual_carries_both_worlds():
+    for platform, entries in summary()["platforms"].items():
+        if "counterfactual" not in entries:
+            continue
+        cf = entries["counterfactual"]
+        assert cf["T_lat_us"] > 0 and cf["T_complete_us"]
+        assert cf["sum_law_err_pct"] < cf["max_law_err_pct"]
+        for row in cf["microbenchmark"]:
+            assert row["period_coupled_us"] > 0 and row["period_decoupled_us"] > 0

@@ -163,6 +163,8 @@ class Calibration:
     local_tiss_spread_pct: float  # (max - min)/median of local T_iss across its issue-bound gaps
     local_tiss_spread_all_gaps_pct: float  # the same over every gap, HBM-bound ones included
     local_drain_rate_GBps: float  # the local control's zero-gap rate (HBM-bound)
+    # The completion-coupled world, measured by the fenced sweep (None where a record has none):
+    completion: dict | None = None   # CompletionFit as a dict
 
     def platform_model(self) -> model.PlatformModel:
         def key(s):
@@ -197,6 +199,8 @@ class Calibration:
             "local_control_tiss_spread_pct": round(self.local_tiss_spread_pct, 2),
             "local_control_tiss_spread_all_gaps_pct": round(self.local_tiss_spread_all_gaps_pct, 2),
             "local_drain_rate_GBps": round(self.local_drain_rate_GBps, 1),
+            **({"completion": {k: v for k, v in self.completion.items() if k != "periods"}}
+               if self.completion else {}),
             "sm_count": self.sm_count,
             "source_record": self.source_record,
         }
@@ -283,6 +287,9 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
         per_repeat = [q for q in per_repeat if q is not None]
         if per_repeat:
             capacity_spread[str(int(k))] = [float(x) for x in np.percentile(per_repeat, [25, 75])]
+    fenced = points[(points["sweep"] == "fenced") & (points["path"] == "remote")]
+    completion = (asdict(fit_completion(fenced, gap_pts[gap_pts["path"] == "remote"], R, t_iss0,
+                                        loop_gap_us)) if len(fenced) else None)
     cal = Calibration(platform=platform, source_record=source_record, sm_count=sm_count,
                       drain_rate_GBps=R, drain_rate_p25=float(r_p25), drain_rate_p75=float(r_p75),
                       window_rate_GBps=window_rate,
@@ -293,8 +300,55 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
                       gap_drain_branch_err_pct=float(np.median(issue_err[drain_branch])),
                       local_tiss_spread_pct=float(spread(local[issue_bound])),
                       local_tiss_spread_all_gaps_pct=float(spread(local)),
-                      local_drain_rate_GBps=local_rate)
+                      local_drain_rate_GBps=local_rate, completion=completion)
     return cal, predicted
+
+
+@dataclass(frozen=True)
+class CompletionFit:
+    """The completion-coupled issuer, measured (issue 8): every producer waits, after its burst,
+    until the burst is visible at the destination. T_complete(K, V) = V/R + T_lat with the
+    calibrated R (no refit); T_lat is eq. 17's fixed completion-latency component. The fenced
+    periods are then predicted by the sum law G + T_complete and, for contrast, by the max law
+    that the X-Stage model gives the decoupled issuer."""
+
+    producers: int
+    t_complete_us: dict        # "K=..,B=.." -> median fenced issue-to-visibility time
+    completion_latency_us: float           # T_lat: median of T_complete − V/R over B
+    completion_rate_GBps: float            # free fit of T_complete = V/R_c + c, a check of R
+    sum_law_err_pct: float     # median |error| of G + T_complete against the fenced periods
+    max_law_err_pct: float     # same for max(T_iss^0 + G, V/R)
+    periods: list              # rows {B, G, period_coupled_us, period_decoupled_us}
+
+
+def fit_completion(fenced: pd.DataFrame, decoupled: pd.DataFrame, drain_rate: float,
+                   t_iss0: dict, loop_gap_us: float) -> CompletionFit:
+    """Fit T_complete(K, V) and test the sum and max laws on the fenced sweep's point medians;
+    ``decoupled`` (the remote gap sweep) gives the periods of the same (B, G) without the fence."""
+    k = int(fenced["producers"].iloc[0])
+    per_b = fenced.groupby("burst_bytes")["t_iss_us"].median()
+    volume = per_b.index.to_numpy(float) * k
+    t_complete = per_b.to_numpy(float)
+    latency = float(np.median(t_complete - model.drain_time(volume, drain_rate)))
+    slope, _ = np.polyfit(volume, t_complete, 1)
+    g = fenced["gap_us"] + loop_gap_us
+    v = fenced["burst_volume"]
+    sum_law = g + model.drain_time(v, drain_rate) + latency
+    t0 = np.array([t_iss0.get(_kb_key(k, b), np.nan) for b in fenced["burst_bytes"]])
+    max_law = model.period(g, v, t0, drain_rate)
+    measured = fenced["period_us"]
+    return CompletionFit(
+        producers=k,
+        t_complete_us={_kb_key(k, b): float(t) for b, t in per_b.items()},
+        completion_latency_us=latency, completion_rate_GBps=float(1 / slope / 1e3),
+        sum_law_err_pct=float(np.median(np.abs(sum_law / measured - 1)) * 100),
+        max_law_err_pct=float(np.nanmedian(np.abs(max_law / measured - 1)) * 100),
+        periods=[{"B": int(r.burst_bytes), "G": float(r.gap_us),
+                  "period_coupled_us": float(r.period_us),
+                  "period_decoupled_us": float(r.period_us_decoupled)}
+                 for r in fenced.merge(decoupled[["burst_bytes", "gap_us", "period_us"]],
+                                       on=["burst_bytes", "gap_us"],
+                                       suffixes=("", "_decoupled")).itertuples()])
 
 
 def calibration_from_dict(d: dict) -> Calibration:

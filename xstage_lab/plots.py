@@ -74,6 +74,36 @@ def fig3b_period(cal: Calibration, predicted: pd.DataFrame) -> go.Figure:
     return fig
 
 
+def fig_two_worlds(cal: Calibration) -> go.Figure:
+    """The decoupled and the completion-coupled issuer measured side by side (issue 8): periods
+    of the periodic and the fenced sweep against the gap, with the max law (eqs. 1–3) and the sum
+    law G + V/R + T_lat."""
+    fit = cal.completion
+    periods = pd.DataFrame(fit["periods"])
+    k = fit["producers"]
+    fig = go.Figure()
+    g = np.linspace(0, periods["G"].max() + cal.loop_gap_us, 300)
+    for i, (b, grp) in enumerate(periods.groupby("B")):
+        color = _COLORS[i % len(_COLORS)]
+        v = k * b
+        x = grp["G"] + cal.loop_gap_us
+        fig.add_scatter(x=x, y=grp["period_decoupled_us"], mode="markers", marker=dict(color=color),
+                        name=f"decoupled B={_kb(b)}")
+        fig.add_scatter(x=x, y=grp["period_coupled_us"], mode="markers",
+                        marker=dict(color=color, symbol="diamond-open"), name=f"fenced B={_kb(b)}")
+        t0 = cal.t_iss0_us.get(f"K={k},B={int(b)}")
+        if t0 is not None:
+            fig.add_scatter(x=g, y=model.period(g, v, t0, cal.drain_rate_GBps), mode="lines",
+                            line=dict(color=color, dash="dash"), name=f"max law B={_kb(b)}")
+        fig.add_scatter(x=g, y=model.period_completion_coupled(g, v, cal.drain_rate_GBps)
+                        + fit["completion_latency_us"], mode="lines",
+                        line=dict(color=color, dash="dot"), name=f"sum law + T_lat B={_kb(b)}")
+    fig.update_layout(title=(f"{cal.platform}: decoupled vs completion-coupled issuer, measured "
+                             f"(T_lat = {fit['completion_latency_us']:.2f} µs)"),
+                      xaxis_title="producer-side gap G (µs)", yaxis_title="T_period (µs)")
+    return fig
+
+
 def fig3c_isolated(cal: Calibration, isolated: pd.DataFrame) -> go.Figure:
     """Fig. 3(c): isolated-burst issue time against aggregate volume with the eq. 7 fit per K
     and its knee."""
@@ -293,7 +323,8 @@ def fig11_residual(paper: dict, records, predictions: dict) -> go.Figure:
                         line=dict(color=color, dash="dot"), name=f"{label}: X-Stage prediction")
         fig.add_scatter(x=pred["M"], y=pred["e_cc_us"] / pred["fa_us"] * 100, mode="lines",
                         line=dict(color=color, dash="longdash"),
-                        name=f"{label}: completion-coupled prediction (T_lat = 0)")
+                        name=f"{label}: completion-coupled prediction "
+                             f"(T_lat = {pred['t_lat_us'].iloc[0]:.2f} µs)")
         fig.add_vline(x=int(pred["m_star_ub"].max()), line=dict(color=color, dash="dot"),
                       annotation_text=f"M*_ub = {int(pred['m_star_ub'].max())}")
     fig.add_hrect(y0=-2, y1=2, fillcolor="lightblue", opacity=0.3, line_width=0,

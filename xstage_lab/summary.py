@@ -19,6 +19,20 @@ def calibration_entry(platform: str, root: Path) -> dict:
     return {row.quantity: json.loads(row.value) for row in rec.table.itertuples()}
 
 
+def counterfactual_entry(platform: str, root: Path) -> dict:
+    """The ``counterfactual`` entry: the fenced (completion-coupled) microbenchmark beside the
+    decoupled one, from the latest calibration record that measured it."""
+    completion = latest_record("calibration", platform, root).params["calibration"].get("completion")
+    if completion is None:
+        return {}
+    return {"T_complete_us": completion["t_complete_us"],
+            "T_lat_us": completion["completion_latency_us"],
+            "completion_rate_GBps": completion["completion_rate_GBps"],
+            "sum_law_err_pct": completion["sum_law_err_pct"],
+            "max_law_err_pct": completion["max_law_err_pct"],
+            "microbenchmark": completion["periods"]}
+
+
 FA_A2A_KEYS = ("M", "heads", "head_dim", "P", "fa_us", "a2a_nccl_us", "a2a_remote_us", "serial_us",
                "fused_us", "sdpa_nccl_us", "speedup", "hiding_ratio", "e_res_us", "fa_tflops",
                "cudnn_tflops")
@@ -53,12 +67,18 @@ def _plain(value):
     return value.item() if hasattr(value, "item") else value
 
 
-ENTRIES = {"calibration": calibration_entry, "fa_a2a": fa_a2a_entry, "moe": moe_entry}
+# summary key -> (the experiment whose records it reads, the function that makes it)
+ENTRIES = {"calibration": ("calibration", calibration_entry),
+           "counterfactual": ("calibration", counterfactual_entry),
+           "fa_a2a": ("fa_a2a", fa_a2a_entry),
+           "moe": ("moe", moe_entry)}
 
 
 def summary(root: Path = RECORDS_DIR) -> dict:
     out: dict[str, dict] = {}
-    for key, entry in ENTRIES.items():
-        for platform in platforms(key, root):
-            out.setdefault(platform, {})[key] = entry(platform, root)
+    for key, (source, entry) in ENTRIES.items():
+        for platform in platforms(source, root):
+            value = entry(platform, root)
+            if value:
+                out.setdefault(platform, {})[key] = value
     return {"platforms": out}

@@ -25,7 +25,9 @@ def test_predictions_hand_worked(cal):
     v_over_r = model.drain_time(132 * 32768, cal.drain_rate_GBps)
     # the Q-loop covers the drain: no X-Stage residual; the coupled issuer pays V/R − σ/2 per wave
     assert p["e_drain_us"] == 0.0
-    assert p["e_cc_us"] == pytest.approx(6 * (v_over_r - 145.0 / 64 / 2))
+    t_lat = cal.completion["completion_latency_us"]  # measured by the fenced sweep
+    assert p["t_lat_us"] == t_lat
+    assert p["e_cc_us"] == pytest.approx(6 * (v_over_r + t_lat - 145.0 / 64 / 2))
     assert p["m_star_ub"] == model.convergence_bound(p["g_star_us"], 145.0 / 64, 128)
 
 

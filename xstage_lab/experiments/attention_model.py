@@ -18,10 +18,11 @@ from ..calibration import Calibration
 
 
 def residual_predictions(table: pd.DataFrame, cal: Calibration, block_m: int, block_n: int,
-                         programs: int, completion_latency_us: float = 0.0) -> pd.DataFrame:
+                         programs: int) -> pd.DataFrame:
     """Per measured M: N_t, G_Qloop, σ, the X-Stage drain residual E_drain = N_t·Δt′ (eqs. 18–19),
-    the completion-coupled residual E_cc = N_t·Δt_cc (eq. 17; T_lat = ``completion_latency_us``,
-    0 by default since the calibration does not measure it) and M*_ub (eq. 20)."""
+    the completion-coupled residual E_cc = N_t·Δt_cc (eq. 17, with T_lat measured by the fenced
+    sweep of the calibration, or 0, a lower bound, where it has none) and M*_ub (eq. 20)."""
+    completion_latency_us = cal.completion["completion_latency_us"] if cal.completion else 0.0
     rows = []
     for _, r in table.iterrows():
         M, d, h_local = int(r["M"]), int(r["head_dim"]), int(r["heads"]) // int(r["P"])
@@ -42,6 +43,7 @@ def residual_predictions(table: pd.DataFrame, cal: Calibration, block_m: int, bl
             e_cc_us=waves * float(model.completion_coupled_stall(volume, cal.drain_rate_GBps, cover,
                                                                  completion_latency_us)),
             m_star_ub=model.convergence_bound(g_star, sigma, block_n),
+            t_lat_us=completion_latency_us,
             fa_us=r["fa_us"], e_res_us=r["e_res_us"]))
     return pd.DataFrame(rows)
 
