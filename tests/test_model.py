@@ -180,3 +180,30 @@ def test_attention_tile_burst_and_eqs_17_to_20_hand_worked():
     # eq. 20: G* = 10.0 µs, σ = 2.3 µs per KV tile: ⌈10/2.3⌉ = 5 KV tiles of b_n = 128 → 640
     assert model.convergence_bound(10.0, 2.3, 128) == 640
     assert model.convergence_bound(9.2, 2.3, 128) == 512  # exactly 4 KV tiles
+
+
+def test_design_test_eq_10_hand_worked():
+    # V = 4 MiB, R = 400 GB/s: V/R = 10.48576 µs; T_iss^0 = 1 µs
+    v = 4 * 1024 * 1024
+    ok = model.design_test(v, gap=10.0, t_iss0=1.0, drain_rate=400.0, capacity=4e6)
+    # rate bound: 10.48576 <= 1 + 10; capacity: [4194304 − 400e3·1]_+ = 3794304 <= 4e6
+    assert ok.rate_bound and ok.capacity_bound and ok.action == "piggyback"
+    assert ok.issue_overhead_us == 0.0 and ok.recovery_gap_us == pytest.approx(9.48576)
+    assert ok.peak_outstanding_bytes == pytest.approx(3794304)
+    short = model.design_test(v, gap=5.0, t_iss0=1.0, drain_rate=400.0, capacity=4e6)
+    assert not short.rate_bound and short.action == "reshape"
+    assert short.issue_overhead_us == pytest.approx(10.48576 - 5 - 1)
+    small_q = model.design_test(v, gap=20.0, t_iss0=1.0, drain_rate=400.0, capacity=3e6)
+    assert small_q.rate_bound and not small_q.capacity_bound and small_q.action == "reshape"
+    # eq. 7 from empty: (4194304 − 3e6)/400e3 = 2.98576 µs
+    assert small_q.isolated_issue_us == pytest.approx(2.98576)
+
+
+def test_interleaving_condition_eqs_12_to_14_hand_worked():
+    # G_wave = T_L2 = 2 µs; with n1/n2 = 3 Linear-1 tiles of 1.5 µs per Linear-2: 2 + 4.5 = 6.5
+    assert model.interleaved_gap(2.0) == 2.0
+    assert model.interleaved_gap(2.0, 1.5, n1=3, n2=1) == pytest.approx(6.5)
+    # V = 2 MiB at 400 GB/s: V/R = 5.24288; T_iss^0 = 0.5: needs T_L2 + (n1/n2)·T_L1 >= 4.74288
+    v = 2 * 1024 * 1024
+    assert not model.interleaving_sufficient(v, 0.5, 400.0, 2.0, 1.5, n1=1, n2=1)  # 2+1.5 = 3.5
+    assert model.interleaving_sufficient(v, 0.5, 400.0, 2.0, 1.5, n1=2, n2=1)      # 2+3.0 = 5.0

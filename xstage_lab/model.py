@@ -118,3 +118,48 @@ def convergence_bound(recovery_gap_us, kv_tile_us, block_n: int) -> int:
     """M*_ub = b_n·⌈G*/σ⌉ (eq. 20): the sequence length past which the Q-loop always covers the
     drain, from the Q-loop time per KV tile σ."""
     return int(block_n * np.ceil(recovery_gap_us / kv_tile_us))
+
+
+# The design test (§4.1, eq. 10) and the MoE interleaving condition (§4.2, eqs. 12–14).
+
+@dataclass(frozen=True)
+class DesignTest:
+    """Eq. 10 for a recurring burst of ``burst_volume`` bytes followed by ``gap`` µs: the
+    long-term injection-rate bound V/R ≤ T_iss^0 + G and the single-burst capacity bound
+    [V − R·T_iss^0]_+ ≤ Q. Both hold: piggyback on the existing computation; else reshape."""
+
+    rate_bound: bool
+    capacity_bound: bool
+    issue_overhead_us: float       # eq. 4 at this gap
+    recovery_gap_us: float         # eq. 5
+    peak_outstanding_bytes: float  # eq. 6
+    isolated_issue_us: float       # eq. 7: one burst from empty
+
+    @property
+    def action(self) -> str:
+        return "piggyback" if self.rate_bound and self.capacity_bound else "reshape"
+
+
+def design_test(burst_volume, gap, t_iss0, drain_rate, capacity) -> DesignTest:
+    """The design test of eq. 10 with the overhead and recovery it predicts (eqs. 4–7)."""
+    q_peak = float(peak_outstanding(burst_volume, t_iss0, drain_rate))
+    return DesignTest(
+        rate_bound=bool(drain_time(burst_volume, drain_rate) <= t_iss0 + gap),
+        capacity_bound=bool(q_peak <= capacity),
+        issue_overhead_us=float(issue_overhead(gap, burst_volume, t_iss0, drain_rate)),
+        recovery_gap_us=float(recovery_gap(burst_volume, t_iss0, drain_rate)),
+        peak_outstanding_bytes=q_peak,
+        isolated_issue_us=float(isolated_issue_time(burst_volume, t_iss0, capacity, drain_rate)))
+
+
+def interleaved_gap(t_l2_mma, t_l1_mma=0.0, n1: float = 0, n2: float = 1):
+    """Natural gap between Linear-2 bursts (eq. 12): T_L2^mma under Expert-Wave (n1 = 0), plus
+    (n1/n2)·T_L1^mma of Linear-1 work interleaved per Linear-2 tile."""
+    return t_l2_mma + n1 / n2 * t_l1_mma
+
+
+def interleaving_sufficient(burst_volume, t_iss0, drain_rate, t_l2_mma, t_l1_mma, n1, n2) -> bool:
+    """Condition 1 (eq. 14): n2·V/R ≤ n2·(T_iss^0 + T_L2^mma) + n1·T_L1^mma, i.e. interleaving
+    the available Linear-1 work makes the gap reach G* (independent of the lead D)."""
+    return bool(n2 * drain_time(burst_volume, drain_rate)
+                <= n2 * (t_iss0 + t_l2_mma) + n1 * t_l1_mma)

@@ -1,0 +1,111 @@
+"""An X-Stage simulator that runs on the CPU: a fluid queue fed by any burst schedule.
+
+The queue holds the outstanding volume q (bytes). It drains at R whenever it is not empty. A burst
+of volume V injects at its backpressure-free rate V / T_iss^0 while q is below the capacity Q;
+at Q the injection can go no faster than the drain (backpressure). A gap injects nothing. This is
+the fluid abstraction of §3.2 played out in time rather than solved for steady state: for periodic
+bursts it settles on eq. 3 (T_iss = max(T_iss^0, V/R − G)) and for one burst from empty on eq. 7
+(max(T_iss^0, (V − Q)/R)), and it takes schedules the closed forms do not: mixed volumes, uneven
+gaps, the tile order of a fused kernel.
+
+Units as in ``model``: bytes, microseconds, R in GB/s.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+_BYTES_PER_US_PER_GBPS = 1e3
+
+
+@dataclass(frozen=True)
+class Burst:
+    """A burst of ``volume`` bytes issued in ``t_iss0`` µs when nothing backpressures it, then a
+    producer-side gap of ``gap`` µs."""
+
+    volume: float
+    t_iss0: float
+    gap: float
+
+    def __post_init__(self):
+        if self.volume < 0 or self.t_iss0 <= 0 or self.gap < 0:
+            raise ValueError(f"a burst needs volume >= 0, t_iss0 > 0, gap >= 0: {self}")
+
+
+def _issue(q: float, volume: float, inject: float, drain: float, capacity: float):
+    """Issue ``volume`` from outstanding ``q``: returns (issue time, q at the end)."""
+    if volume == 0:
+        return 0.0, q
+    if inject <= drain:  # the queue does not grow: no backpressure, q falls (not below 0)
+        t = volume / inject
+        return t, max(0.0, q - (drain - inject) * t)
+    # q grows at inject - drain until it reaches the capacity, then injection is held to drain
+    t_fill = max(0.0, capacity - q) / (inject - drain)
+    if volume <= inject * t_fill:
+        t = volume / inject
+        return t, q + (inject - drain) * t
+    return t_fill + (volume - inject * t_fill) / drain, max(q, capacity)
+
+
+def simulate(bursts: Sequence[Burst], drain_rate: float, capacity: float,
+             outstanding: float = 0.0) -> pd.DataFrame:
+    """Play ``bursts`` through the fluid queue from ``outstanding`` bytes; one row per burst:
+    start, issue time, period (start to next start), and the outstanding volume at issue end."""
+    if drain_rate <= 0 or capacity < 0:
+        raise ValueError("drain_rate must be > 0 and capacity >= 0")
+    drain = drain_rate * _BYTES_PER_US_PER_GBPS  # bytes per µs
+    q, now, rows = float(outstanding), 0.0, []
+    for b in bursts:
+        t_iss, q = _issue(q, b.volume, b.volume / b.t_iss0, drain, capacity)
+        rows.append(dict(start_us=now, t_iss_us=t_iss, q_end_bytes=q, volume=b.volume,
+                         gap_us=b.gap, period_us=t_iss + b.gap))
+        q = max(0.0, q - drain * b.gap)
+        now += t_iss + b.gap
+    return pd.DataFrame(rows)
+
+
+def steady_state(burst: Burst, drain_rate: float, capacity: float, bursts: int = 400) -> dict:
+    """Issue time and period of ``burst`` repeated until the queue settles (the last burst)."""
+    last = simulate([burst] * bursts, drain_rate, capacity).iloc[-1]
+    return {"t_iss_us": float(last["t_iss_us"]), "period_us": float(last["period_us"])}
+
+
+def predict_gap_sweep(points: pd.DataFrame, t_iss0: dict, drain_rate: float,
+                      capacity: dict, loop_gap_us: float) -> pd.DataFrame:
+    """The simulator's steady state for each measured (K, B, G) of a periodic gap sweep, with the
+    same inputs as the closed-form prediction (T_iss^0 plateau, R, Q(K), the loop's own gap)."""
+    out = points.copy()
+    sims = [steady_state(Burst(k * b, t_iss0[f"K={int(k)},B={int(b)}"], g + loop_gap_us),
+                         drain_rate, capacity[int(k)])
+            for k, b, g in zip(points["producers"], points["burst_bytes"], points["gap_us"])]
+    out["t_iss_sim_us"] = [s["t_iss_us"] for s in sims]
+    out["period_sim_us"] = [s["period_us"] for s in sims]
+    return out
+
+
+def tile_schedule_bursts(kinds: Sequence[str], mainloop_us: dict[str, float],
+                         burst_volume: dict[str, float], t_iss0: dict[str, float]) -> list[Burst]:
+    """A fused kernel's tile order as bursts: each tile's epilogue issues its remote-store volume
+    (``burst_volume[kind]``, 0 for tiles that store locally) and the next tile's mainloop is the
+    gap. E.g. MoE ``["L1", "L2", "L2", ...]`` with L2's Combine volume (§4.2), or attention
+    output tiles with the Q-loop as mainloop (§4.3)."""
+    kinds = list(kinds)
+    bursts = []
+    for i, kind in enumerate(kinds):
+        gap = mainloop_us[kinds[i + 1]] if i + 1 < len(kinds) else 0.0
+        if burst_volume[kind] > 0:
+            bursts.append(Burst(burst_volume[kind], t_iss0[kind], gap))
+        elif bursts:  # a tile that stores nothing remote lengthens the previous burst's gap
+            last = bursts[-1]
+            bursts[-1] = Burst(last.volume, last.t_iss0, last.gap + gap)
+    return bursts
+
+
+def gap_sweep_error(predicted: pd.DataFrame) -> dict:
+    """Median |error| (%) of the simulator against the measured issue times and periods."""
+    rel = lambda sim, meas: float(np.median(np.abs(predicted[sim] / predicted[meas] - 1)) * 100)
+    return {"t_iss_err_pct": rel("t_iss_sim_us", "t_iss_us"),
+            "period_err_pct": rel("period_sim_us", "period_us")}
