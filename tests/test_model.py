@@ -156,14 +156,16 @@ def test_platform_model_t_iss0_at():
     # no plateau for B = 16384 → floor: 0.25 + 2162688 / 5940e3 = 0.25 + 0.364089 = 0.614089
     assert pm.t_iss0_at(132, 16384) == pytest.approx(0.25 + 2162688 / 5.94e6, rel=1e-12)
     assert isinstance(pm.t_iss0_at(132, 16384), float)
-    # neither a plateau nor a floor for K = 7
-    with pytest.raises(KeyError, match="K=7"):
-        pm.t_iss0_at(7, 8192)
-    # plateau present for (K, B) but the floor is looked up only by K
+    # no floor for K = 7: the nearest calibrated K (132) at the same B: 0.25 + 132·8192/5940e3
+    assert pm.t_iss0_at(7, 8192) == pytest.approx(0.25 + 1081344 / 5.94e6, rel=1e-12)
+    assert pm.capacity_at(7) == 4 * MIB and pm.capacity_at(200) == 4 * MIB
+    # a plateau alone serves its own (K, B); with no floor at all, other B raise
     pm2 = model.PlatformModel(700.0, {(16, 4096): 0.3}, {}, {})
     assert pm2.t_iss0_at(16, 4096) == 0.3
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="K=16"):
         pm2.t_iss0_at(16, 8192)
+    with pytest.raises(KeyError):
+        pm2.capacity_at(16)
 
 
 def test_attention_tile_burst_and_eqs_17_to_20_hand_worked():

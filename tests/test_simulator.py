@@ -45,11 +45,12 @@ def test_periodic_steady_state_is_eq_3(gap):
 
 def test_tile_schedule_gaps_come_from_the_next_mainloops():
     # L2 epilogues store 1e6 B remotely; the gap after a burst runs to the next burst's
-    # epilogue: every mainloop in between, its own included (3 + 3 + 2 after the first)
+    # epilogue: every mainloop in between, its own included (3 + 3 + 2 after the first); the
+    # empty first entry carries the work before the first epilogue (3 + 2)
     bursts = simulator.tile_schedule_bursts(["L1", "L2", "L1", "L1", "L2", "L2"],
                                             {"L1": 3.0, "L2": 2.0}, {"L1": 0.0, "L2": 1e6},
                                             {"L1": 1.0, "L2": 0.5})
-    assert [(b.volume, b.gap) for b in bursts] == [(1e6, 8.0), (1e6, 2.0), (1e6, 0.0)]
+    assert [(b.volume, b.gap) for b in bursts] == [(0.0, 5.0), (1e6, 8.0), (1e6, 2.0), (1e6, 0.0)]
 
 
 def test_interleaving_removes_the_stall_the_wave_order_has():

@@ -86,12 +86,25 @@ class PlatformModel:
     issue_floor: dict[int, IssueFloor]       # K -> affine T_iss^0(K, V)
 
     def t_iss0_at(self, producers: int, burst_bytes: int) -> float:
-        """T_iss^0 for (K, B): the measured plateau if there is one, else the affine floor."""
+        """T_iss^0 for K producers of B bytes: the measured plateau if there is one, else the
+        affine floor of the nearest calibrated K (the smallest at or above K, else the largest)
+        at the same B, since the isolated floors of every K coincide at equal B (Fig. 3c)."""
         if (producers, burst_bytes) in self.t_iss0:
             return self.t_iss0[(producers, burst_bytes)]
-        if producers in self.issue_floor:
-            return float(self.issue_floor[producers](producers * burst_bytes))
-        raise KeyError(f"no backpressure-free issue time calibrated for K={producers}")
+        k = _nearest(producers, self.issue_floor, "backpressure-free issue time")
+        return float(self.issue_floor[k](k * burst_bytes))
+
+    def capacity_at(self, producers: int) -> float:
+        """Q for K producers: the nearest calibrated K at or above K (Q grows with K, so this
+        bounds it from above), else the largest."""
+        return self.capacity[_nearest(producers, self.capacity, "capacity")]
+
+
+def _nearest(producers: int, table: dict, what: str) -> int:
+    if not table:
+        raise KeyError(f"no {what} calibrated for K={producers}")
+    ks = sorted(table)
+    return next((k for k in ks if k >= producers), ks[-1])
 
 
 # FlashAttention–A2A (§4.3): each output tile's epilogue is a burst of B_t = b_m·d·s_out bytes per

@@ -211,8 +211,7 @@ def explore_burst_gap(cal: Calibration, predicted: pd.DataFrame):
     out = w.Output()
 
     def draw(K, B, G):
-        t0 = floor.t_iss0_at(K, B) if (K, B) in floor.t_iss0 else float(
-            floor.issue_floor[max(floor.issue_floor)](K * B))
+        t0 = floor.t_iss0_at(K, B)
         v = K * B
         g = np.linspace(0, gs.max + cal.loop_gap_us, 300)
         fig = make_subplots(rows=1, cols=2, subplot_titles=("issue time (eq. 3)", "period (eqs. 1–3)"))
@@ -239,6 +238,69 @@ def explore_burst_gap(cal: Calibration, predicted: pd.DataFrame):
 
     w.interactive_output(draw, {"K": ks, "B": bs, "G": gs})
     display(w.VBox([w.HBox([ks, bs, gs]), out]))
+
+
+def design_calculator(cal: Calibration):
+    """An ipywidgets calculator of the design test (eq. 10): K producers each storing one
+    b_rows × b_cols tile of ``bytes`` per element, separated by a mainloop of G µs, on this
+    calibrated platform: "piggyback" or "reshape", the issue overhead and the recovery gap.
+    Under papermill it renders once at its defaults (an attention output tile, 128 × 128 bf16)."""
+    import ipywidgets as w
+    from IPython.display import HTML, display
+
+    floor = cal.platform_model()
+    ks = w.IntSlider(value=cal.sm_count, min=1, max=cal.sm_count, description="K")
+    rows = w.IntText(value=128, description="tile rows")
+    cols = w.IntText(value=128, description="tile cols")
+    elem = w.Dropdown(options=[1, 2, 4], value=2, description="bytes/elem")
+    gap = w.FloatText(value=10.0, description="gap G (µs)")
+    out = w.Output()
+
+    def show(K, R_, C_, E_, G):
+        b = R_ * C_ * E_
+        t0, q = floor.t_iss0_at(K, b), floor.capacity_at(K)
+        verdict = model.design_test(K * b, G, t0, cal.drain_rate_GBps, q)
+        with out:
+            out.clear_output(wait=True)
+            display(HTML(
+                f"<b>{verdict.action}</b>: V = {K * b / MIB:.2f} MiB, T_iss⁰ = {t0:.2f} µs; "
+                f"rate bound {'holds' if verdict.rate_bound else 'fails'} (V/R = "
+                f"{float(model.drain_time(K * b, cal.drain_rate_GBps)):.2f} µs vs T_iss⁰ + G); "
+                f"capacity bound {'holds' if verdict.capacity_bound else 'fails'} (q_peak = "
+                f"{verdict.peak_outstanding_bytes / MIB:.2f} MiB vs Q = {q / MIB:.2f} MiB); "
+                f"issue overhead "
+                f"{verdict.issue_overhead_us:.2f} µs, recovery gap G* = "
+                f"{verdict.recovery_gap_us:.2f} µs, isolated issue {verdict.isolated_issue_us:.2f} µs"))
+
+    w.interactive_output(show, {"K": ks, "R_": rows, "C_": cols, "E_": elem, "G": gap})
+    display(w.VBox([w.HBox([ks, gap]), w.HBox([rows, cols, elem]), out]))
+
+
+def simulated_gap_sweep(predicted: pd.DataFrame, platform: str) -> go.Figure:
+    """The simulator's and the closed form's issue times over the measured gap sweep."""
+    fig = go.Figure()
+    for i, (b, grp) in enumerate(predicted.groupby("burst_bytes")):
+        color = _COLORS[i % len(_COLORS)]
+        fig.add_scatter(x=grp["gap_us"], y=grp["t_iss_us"], mode="markers", marker=dict(color=color),
+                        name=f"measured B={_kb(b)}")
+        fig.add_scatter(x=grp["gap_us"], y=grp["t_iss_sim_us"], mode="lines",
+                        line=dict(color=color), name=f"simulator B={_kb(b)}")
+        fig.add_scatter(x=grp["gap_us"], y=grp["t_iss_pred_us"], mode="lines",
+                        line=dict(color=color, dash="dot"), name=f"eq. 3 B={_kb(b)}")
+    fig.update_layout(title=f"{platform}: fluid simulator against the measured gap sweep",
+                      xaxis_title="set gap G (µs)", yaxis_title="T_iss (µs)", yaxis_type="log")
+    return fig
+
+
+def simulated_schedules(traces: dict[str, pd.DataFrame]) -> go.Figure:
+    """Per-burst issue times of several schedules played through the simulator."""
+    fig = go.Figure()
+    for name, trace in traces.items():
+        trace = trace[trace["volume"] > 0]
+        fig.add_scatter(x=trace["start_us"], y=trace["t_iss_us"], mode="lines+markers", name=name)
+    fig.update_layout(title="Simulated schedules: issue time of each remote-store burst",
+                      xaxis_title="burst start (µs)", yaxis_title="T_iss (µs)")
+    return fig
 
 
 def publish(fig: go.Figure, name: str, out_dir: Path | str | None, caption: str = "") -> None:

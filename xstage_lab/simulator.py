@@ -88,19 +88,17 @@ def predict_gap_sweep(points: pd.DataFrame, t_iss0: dict, drain_rate: float,
 
 def tile_schedule_bursts(kinds: Sequence[str], mainloop_us: dict[str, float],
                          burst_volume: dict[str, float], t_iss0: dict[str, float]) -> list[Burst]:
-    """A fused kernel's tile order as bursts: each tile's epilogue issues its remote-store volume
-    (``burst_volume[kind]``, 0 for tiles that store locally) and the next tile's mainloop is the
-    gap. E.g. MoE ``["L1", "L2", "L2", ...]`` with L2's Combine volume (§4.2), or attention
-    output tiles with the Q-loop as mainloop (§4.3)."""
-    kinds = list(kinds)
-    bursts = []
-    for i, kind in enumerate(kinds):
-        gap = mainloop_us[kinds[i + 1]] if i + 1 < len(kinds) else 0.0
+    """A fused kernel's tile order as bursts: each tile's mainloop runs, then its epilogue issues
+    its remote-store volume (``burst_volume[kind]``, 0 for tiles that store locally), so the gap
+    after a burst is every mainloop up to the next burst's epilogue. The first entry is an empty
+    burst whose gap is the work before the first epilogue. E.g. MoE ``["L1", "L2", "L2", ...]``
+    with Linear-2's Combine volume (§4.2), or attention output tiles with the Q-loop (§4.3)."""
+    bursts = [Burst(0.0, 1.0, 0.0)]
+    for kind in kinds:
+        last = bursts[-1]
+        bursts[-1] = Burst(last.volume, last.t_iss0, last.gap + mainloop_us[kind])
         if burst_volume[kind] > 0:
-            bursts.append(Burst(burst_volume[kind], t_iss0[kind], gap))
-        elif bursts:  # a tile that stores nothing remote lengthens the previous burst's gap
-            last = bursts[-1]
-            bursts[-1] = Burst(last.volume, last.t_iss0, last.gap + gap)
+            bursts.append(Burst(burst_volume[kind], t_iss0[kind], 0.0))
     return bursts
 
 
@@ -109,3 +107,20 @@ def gap_sweep_error(predicted: pd.DataFrame) -> dict:
     rel = lambda sim, meas: float(np.median(np.abs(predicted[sim] / predicted[meas] - 1)) * 100)
     return {"t_iss_err_pct": rel("t_iss_sim_us", "t_iss_us"),
             "period_err_pct": rel("period_sim_us", "period_us")}
+
+
+def moe_orders(l1_per_l2: int, l2_tiles: int) -> dict[str, list[str]]:
+    """One program's tiles in the two orders of §4.2: Expert-Wave (the Linear-1 tiles, then the
+    Linear-2 tiles back to back) and Interleaved (``l1_per_l2`` Linear-1 tiles before each
+    Linear-2 tile). Same tiles, same traffic."""
+    return {"Expert-Wave": ["L1"] * (l1_per_l2 * l2_tiles) + ["L2"] * l2_tiles,
+            "Interleaved": (["L1"] * l1_per_l2 + ["L2"]) * l2_tiles}
+
+
+def schedule_summary(traces: dict[str, pd.DataFrame], t_iss0: float) -> pd.DataFrame:
+    """Per schedule: the issue stall beyond T_iss^0 summed over its bursts, and when its last
+    burst's issue ends."""
+    return pd.DataFrame({
+        name: {"total issue stall (µs)": float((t["t_iss_us"] - t_iss0).clip(lower=0).sum()),
+               "last issue ends (µs)": float(t["start_us"].iloc[-1] + t["t_iss_us"].iloc[-1])}
+        for name, t in traces.items()})

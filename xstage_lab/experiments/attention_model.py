@@ -21,7 +21,8 @@ def residual_predictions(table: pd.DataFrame, cal: Calibration, block_m: int, bl
                          programs: int) -> pd.DataFrame:
     """Per measured M: N_t, G_Qloop, σ, the X-Stage drain residual E_drain = N_t·Δt′ (eqs. 18–19),
     the completion-coupled residual E_cc = N_t·Δt_cc (eq. 17, with T_lat measured by the fenced
-    sweep of the calibration, or 0, a lower bound, where it has none) and M*_ub (eq. 20)."""
+    sweep of the calibration, or 0, a lower bound, where it has none), M*_ub (eq. 20), and the
+    design test (eq. 10) for the aligned worst case."""
     completion_latency_us = cal.completion["completion_latency_us"] if cal.completion else 0.0
     rows = []
     for _, r in table.iterrows():
@@ -30,12 +31,15 @@ def residual_predictions(table: pd.DataFrame, cal: Calibration, block_m: int, bl
         producers = min(programs, tiles)
         waves = int(np.ceil(tiles / programs))
         volume = producers * model.tile_burst_bytes(block_m, d)
-        t_iss0 = _t_iss0(cal, producers, model.tile_burst_bytes(block_m, d))
+        platform = cal.platform_model()
+        t_iss0 = platform.t_iss0_at(producers, model.tile_burst_bytes(block_m, d))
         g_qloop = r["fa_us"] / waves
         sigma = g_qloop / np.ceil(M / block_n)
         cover = sigma / 2
         stall = model.issue_overhead(g_qloop, volume, t_iss0, cal.drain_rate_GBps)  # eq. 18
         g_star = float(model.recovery_gap(volume, t_iss0, cal.drain_rate_GBps))
+        verdict = model.design_test(volume, g_qloop, t_iss0, cal.drain_rate_GBps,
+                                    platform.capacity_at(producers))
         rows.append(dict(
             M=M, waves=waves, producers=producers, burst_volume=volume, t_iss0_us=t_iss0,
             g_qloop_us=g_qloop, kv_tile_us=sigma, g_star_us=g_star,
@@ -44,15 +48,11 @@ def residual_predictions(table: pd.DataFrame, cal: Calibration, block_m: int, bl
                                                                  completion_latency_us)),
             m_star_ub=model.convergence_bound(g_star, sigma, block_n),
             t_lat_us=completion_latency_us,
+            # the design test (eq. 10) for the aligned worst case; where one burst exceeds Q,
+            # eq. 7 bounds the stall of each aligned wave
+            rate_bound=verdict.rate_bound, capacity_bound=verdict.capacity_bound,
+            action=verdict.action,
+            e_capacity_bound_us=waves * max(0.0, verdict.isolated_issue_us - t_iss0),
             fa_us=r["fa_us"], e_res_us=r["e_res_us"]))
     return pd.DataFrame(rows)
 
-
-def _t_iss0(cal: Calibration, producers: int, burst_bytes: int) -> float:
-    """T_iss^0 for K producers of B bytes; a K the calibration lacks takes the all-SM value at the
-    same B: below the knee the isolated issue floors of every K coincide at equal B (Fig. 3c)."""
-    platform = cal.platform_model()
-    try:
-        return platform.t_iss0_at(producers, burst_bytes)
-    except KeyError:
-        return platform.t_iss0_at(cal.sm_count, burst_bytes)
