@@ -1,5 +1,4 @@
 """The fluid X-Stage simulator on hand-worked schedules, against the closed forms and records."""
-import numpy as np
 import pytest
 
 from xstage_lab import model, simulator
