@@ -42,7 +42,7 @@ def fa_a2a_entry(platform: str, root: Path) -> list[dict]:
     """The ``fa_a2a`` entry: one row per (M, heads, head_dim, P) of the latest record."""
     table = latest_record("fa_a2a", platform, root).table.astype(
         {"M": int, "heads": int, "head_dim": int, "P": int})
-    return [{k: _plain(row[k]) for k in FA_A2A_KEYS} for _, row in table.iterrows()]
+    return [{k: _plain(row[k]) for k in FA_A2A_KEYS} for row in table.to_dict("records")]
 
 
 MOE_ROW_KEYS = ("model", "precision", "routing", "tokens", "wave_us", "interleaved_us",
@@ -60,7 +60,8 @@ def moe_entry(platform: str, root: Path) -> dict:
             "max_speedup": round(float(speedup.max()), 4),
             "min_speedup": round(float(speedup.min()), 4),
             "fused_vs_unfused_geomean": round(float(np.exp(np.log(fused).mean())), 4),
-            "per_config": [{k: _plain(row[k]) for k in MOE_ROW_KEYS} for _, row in table.iterrows()]}
+            "per_config": [{k: _plain(row[k]) for k in MOE_ROW_KEYS}
+                           for row in table.to_dict("records")]}
 
 
 def _plain(value):
