@@ -3,7 +3,7 @@
 Device code only: loaded by path through ``xstage_lab.kernel_sources.load_kernel_module``; the
 launchers and their contracts are in ``xstage_lab/experiments/attention.py``.
 
-Layout (issue 3, item 1), P ranks, H heads, head dim d, M tokens, H/P = H_LOCAL, M/P = rows per rank:
+Ulysses layout (§4.3, Fig. 5), P ranks, H heads, head dim d, M tokens, H/P = H_LOCAL, M/P = rows per rank:
   input on rank r      q, k, v  [M, H_LOCAL, d] bf16: every token, heads [r*H_LOCAL, (r+1)*H_LOCAL)
   LOCAL epilogue       out      [M, H_LOCAL, d] bf16, the layout of q
   REMOTE epilogue      recv_j   [M/P, H, d] bf16 on rank j: token rows [j*M/P, (j+1)*M/P), all heads;

@@ -16,10 +16,33 @@ Without an initialised process group the same code times a single process (no ba
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
 import torch
+
+
+# NVLink multicast stays off: on shared machines a program that uses it can take the host's GPUs
+# out of service. Every multi-process run sets these and refuses other values.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def require_safe_env() -> None:
+    """Set the multicast switches where absent; refuse to run where someone turned them on."""
+    for key, value in SAFE_ENV.items():
+        if os.environ.setdefault(key, value) != value:
+            raise SystemExit(f"{key}={os.environ[key]!r}: this run needs {key}={value} "
+                             "(NVLink multicast off)")
+
+
+def all_gather_objects(obj, group=None) -> list:
+    """Every rank's ``obj``, in rank order."""
+    import torch.distributed as dist
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def _distributed() -> bool:
@@ -58,8 +81,9 @@ def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, wa
     "trials_us", "per_rank_us", "calls_per_trial"}}``, times per call in microseconds, each
     trial's the maximum over ranks (``per_rank_us`` keeps every rank's). Methods named in
     ``eager`` run as plain back-to-back launches where a graph cannot capture them. ``after[name]``
-    runs after every call of that method, outside the timed window (e.g. a barrier that makes
-    remote stores visible once per replay, §5.1). Every rank must call this with the same methods
+    runs after each invocation of that method (each call in warm-up, each replay of its
+    ``graph_iters`` calls when timed), outside the timed window: e.g. a barrier that makes remote
+    stores visible once per replay (§5.1). Every rank must call this with the same methods
     in the same order."""
     if not methods:
         raise ValueError("no methods to time")
@@ -134,10 +158,6 @@ def read_sm_clock_mhz(device=None) -> int | None:
     """The current SM clock of ``device`` (default: the current one) through NVML, or None where
     pynvml is not importable or NVML does not answer."""
     try:
-        import pynvml  # noqa: F401  (torch.cuda.clock_rate reads NVML through it)
-    except ImportError:
-        return None
-    try:
         return int(torch.cuda.clock_rate(device))
-    except Exception:  # NVML missing or refusing on this machine: the clock is unknown
+    except Exception:  # no pynvml, or NVML refusing on this machine: the clock is unknown
         return None

@@ -8,11 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .dist_timing import SAFE_ENV
 from .records import RECORDS_DIR, import_bench_json
-
-# NVLink multicast stays off on shared machines (see README): every launch sets these.
-_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-             "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def torchrun_record(module: str, experiment: str, nproc: int, args: list[str] = (),
@@ -20,7 +17,7 @@ def torchrun_record(module: str, experiment: str, nproc: int, args: list[str] = 
     """Run ``python -m torch.distributed.run --nproc_per_node=nproc -m module --out FILE args``
     and save its output as a record of ``experiment``; raises with the output on failure."""
     repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, **_SAFE_ENV,
+    env = {**os.environ, **SAFE_ENV,
            "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"

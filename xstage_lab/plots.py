@@ -431,3 +431,19 @@ def moe_headline(paper: dict, summaries: dict) -> pd.DataFrame:
     rows += [{"source": p, **{k: s[k] for k in keys},
               "fused_vs_unfused_geomean": s["fused_vs_unfused_geomean"]} for p, s in summaries.items()]
     return pd.DataFrame(rows)
+
+
+def drain_rate_heatmap(points: pd.DataFrame, platform: str) -> go.Figure:
+    """Zero-gap aggregate rate V/T_period of every ordered GPU pair (the ``pairs`` sweep), at
+    its largest burst: the drain rate R per source → destination."""
+    largest = points[points["burst_bytes"] == points["burst_bytes"].max()]
+    rate = (largest["burst_volume"] / largest["period_us"] / 1e3).to_numpy()
+    grid = pd.DataFrame({"src": largest["src"].to_numpy(), "dst": largest["dst"].to_numpy(),
+                         "rate": rate}).pivot(index="src", columns="dst", values="rate")
+    fig = go.Figure(go.Heatmap(z=grid.to_numpy(), x=[f"to GPU {d}" for d in grid.columns],
+                               y=[f"GPU {s}" for s in grid.index], colorbar=dict(title="GB/s"),
+                               text=np.round(grid.to_numpy(), 1), texttemplate="%{text}"))
+    fig.update_layout(title=(f"{platform}: zero-gap drain rate per ordered pair, "
+                             f"B = {_kb(largest['burst_bytes'].iloc[0])}, K = "
+                             f"{int(largest['producers'].iloc[0])}"))
+    return fig

@@ -16,6 +16,7 @@ import triton.language as tl
 from triton.runtime import interpreter
 
 from xstage_lab.experiments import attention as att
+from xstage_lab.checks import bitwise_equal, relative_error
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 from process start", allow_module_level=True)
@@ -65,14 +66,6 @@ def _qkv(M, h_local, d, seed, scale=1.0):
     return (q * scale).to(BF16), k.to(BF16), v.to(BF16)
 
 
-def _rel_err(x, ref):
-    return ((x.float() - ref).norm() / ref.norm()).item()
-
-
-def _bitwise_equal(a, b):
-    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
-
-
 def _peer_buffers(world, M, heads, d):
     """The P ranks' receive buffers [M/P, H, d], poisoned, and their pointer table."""
     bufs = [torch.full((M // world, heads, d), float("nan"), dtype=BF16) for _ in range(world)]
@@ -90,7 +83,7 @@ def test_flash_attention_matches_float32_reference(M, h_local, d, scale, num_pro
     q, k, v = _qkv(M, h_local, d, seed=M + d, scale=scale)
     out = torch.full_like(q, float("nan"))
     att.flash_attention(q, k, v, out=out, config=TINY, num_programs=num_programs)
-    assert _rel_err(out, att.reference_attention(q, k, v)) < REL_TOL
+    assert relative_error(out, att.reference_attention(q, k, v)) < REL_TOL
 
 
 # Tile-to-rank addressing of the REMOTE epilogue: every rank's output lands where the reference
@@ -108,8 +101,8 @@ def test_fused_epilogue_delivers_the_ulysses_layout(world, M, block):
     expected = att.ulysses_gather(local)
     reference = att.reference_ulysses(*zip(*inputs))
     for j in range(world):
-        assert _bitwise_equal(bufs[j], expected[j]), f"rank {j} received other bits than Serial"
-        assert _rel_err(bufs[j], reference[j]) < REL_TOL
+        assert bitwise_equal(bufs[j], expected[j]), f"rank {j} received other bits than Serial"
+        assert relative_error(bufs[j], reference[j]) < REL_TOL
 
 
 # The copy kernel after any backend: blocks of 16 rows straddle ranks (rows_per_rank 20, 12, 8
@@ -123,4 +116,4 @@ def test_remote_store_a2a_delivers_the_ulysses_layout(world, M, d):
     for rank in range(world):
         att.remote_store_a2a(local[rank], table, rank, world, block_rows=16)
     for j, want in enumerate(att.ulysses_gather(local)):
-        assert _bitwise_equal(bufs[j], want), f"rank {j} received other bits than the layout says"
+        assert bitwise_equal(bufs[j], want), f"rank {j} received other bits than the layout says"

@@ -21,6 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from xstage_lab.checks import bitwise_equal
 from xstage_lab.experiments import attention, attention_bench
 from xstage_lab.kernel_sources import kernel_path
 
@@ -53,10 +54,6 @@ def _kernel_copy(module_name: str):
 def _qkv(M, h_local, d, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(M, h_local, d, generator=g).to(BF16) for _ in range(3)]
-
-
-def _bitwise_equal(a, b):
-    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def test_ulysses_gather_states_the_layout():
@@ -135,8 +132,8 @@ def _gloo_a2a_worker(rank, world, init_file, M, h_local, d):
                  for r in range(world)]
         out = torch.full((M // world, h_local * world, d), float("nan"), dtype=BF16)
         attention.nccl_a2a(local[rank], out=out)
-        assert _bitwise_equal(out, attention.ulysses_gather(local)[rank])
-        assert _bitwise_equal(attention.nccl_a2a(local[rank]), out)
+        assert bitwise_equal(out, attention.ulysses_gather(local)[rank])
+        assert bitwise_equal(attention.nccl_a2a(local[rank]), out)
     finally:
         dist.destroy_process_group()
 

@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 import torch
 
+from xstage_lab.checks import relative_error
 from xstage_lab.experiments import moe
 from xstage_lab.experiments.moe_bench import TOLERANCE
 from xstage_lab.experiments.moe_schedules import (
@@ -289,7 +290,7 @@ def _check_against_reference(layer: SimulatedLayer, buffers) -> dict:
                                  seed=layer.seed, precision=layer.precision,
                                  scale_block=TINY_TILES.scale_block)
         for kind, want in refs.items():
-            err = moe.relative_error(out, want)
+            err = relative_error(out, want)
             assert err <= TOLERANCE[layer.precision][kind], f"rank {rank} {kind}: {err:.3g}"
             worst[kind] = max(worst.get(kind, 0.0), err)
     return worst

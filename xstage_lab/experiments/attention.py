@@ -1,6 +1,6 @@
 """Ulysses attention fused with its post-attention All-to-All through remote stores (paper §4.3, §5.3).
 
-Layout (issue 3, item 1). P ranks, H heads, head dim d, M tokens:
+Ulysses layout (§4.3, Fig. 5). P ranks, H heads, head dim d, M tokens:
   before attention, rank r holds q, k, v  [M, H/P, d] bf16: all tokens, heads [r*H/P, (r+1)*H/P);
   after the All-to-All, rank j holds      [M/P, H, d] bf16: tokens [j*M/P, (j+1)*M/P), all heads,
   with head index r*H/P + h for local head h of rank r. ``ulysses_gather`` states this mapping.
@@ -72,7 +72,7 @@ def flash_attention_candidates(head_dim: int) -> list[dict]:
 
 
 def check_ulysses_shape(seq_len: int, heads: int, world: int) -> None:
-    """Raise ValueError unless P = ``world`` divides both the heads and the sequence (item 1)."""
+    """Raise ValueError unless P = ``world`` divides both the heads and the sequence (§4.3, Fig. 5)."""
     if world < 1:
         raise ValueError(f"world size P={world} must be >= 1")
     if heads % world:
@@ -91,7 +91,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     written in place when given, else allocated. ``num_programs`` sizes the persistent grid
     (default: SMs x ``ctas_per_sm`` of the configuration). Returns the output [M, H/P, d].
     """
-    M, h_local, d, cfg = _check_qkv(q, k, v, config)
+    M, cfg = _check_qkv(q, k, v, config)
     if out is None:
         out = torch.empty_like(q)
     else:
@@ -113,7 +113,7 @@ def fused_attention_a2a(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     receivers must synchronize once (``ReceiveBuffer.barrier``) before reading. The values stored
     are bitwise those of ``nccl_a2a(flash_attention(q, k, v))`` with the same configuration.
     """
-    M, h_local, d, cfg = _check_qkv(q, k, v, config)
+    M, cfg = _check_qkv(q, k, v, config)
     _check_peer_ptrs(peer_ptrs, q.device, rank, world, M)
     _launch_flash_attention(q, k, v, peer_ptrs, rows_per_rank=M // world, rank=rank, world=world,
                             remote=True, cfg=cfg, num_programs=num_programs)
@@ -212,7 +212,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
 
 def ulysses_gather(local_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """What every rank must receive, from all P ranks' attention outputs [M, H/P, d] (item 1):
+    """What every rank must receive, from all P ranks' attention outputs [M, H/P, d] (§4.3, Fig. 5):
     element j is [M/P, H, d], rows [j*M/P, (j+1)*M/P) with rank r's heads at [r*H/P, (r+1)*H/P)."""
     world = len(local_outputs)
     full = torch.cat(list(local_outputs), dim=1)  # [M, H, d], heads in rank order
@@ -322,7 +322,7 @@ def _check_tensor(name: str, t: torch.Tensor, shape, device: torch.device,
 def _check_qkv(q, k, v, config):
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("q must be a tensor [M, H/P, d]")
-    M, h_local, d = q.shape
+    M, _, d = q.shape
     _check_head_dim(d)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, q.shape, q.device)
@@ -330,7 +330,7 @@ def _check_qkv(q, k, v, config):
     if M % cfg["BLOCK_M"] or M % cfg["BLOCK_N"]:
         raise ValueError(f"sequence length M={M} must be a multiple of the tile sizes "
                          f"b_m={cfg['BLOCK_M']} and b_n={cfg['BLOCK_N']} (head dim {d})")
-    return M, h_local, d, cfg
+    return M, cfg
 
 
 def _check_peer_ptrs(peer_ptrs: torch.Tensor, device: torch.device, rank: int, world: int,

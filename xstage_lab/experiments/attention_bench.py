@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 import triton
 
-from ..dist_timing import read_sm_clock_mhz, rotated_order, time_methods
+from ..checks import bitwise_equal, poisoned, relative_error
+from ..dist_timing import (all_gather_objects, read_sm_clock_mhz, require_safe_env, rotated_order,
+                           time_methods)
 from ..platform import provenance
 from . import attention as att
 
@@ -98,6 +100,8 @@ def validate(args, world: int) -> None:
     """Raise ValueError before any launch (the same verdict on every rank)."""
     if not args.seq or min(args.seq) <= 0:
         raise ValueError(f"--seq must list positive lengths, got {args.seq}")
+    if args.heads < 1:
+        raise ValueError(f"--heads must be >= 1, got {args.heads}")
     # Tiles are powers of two: a multiple of the largest suits every candidate configuration.
     tile = max(max(c["BLOCK_M"], c["BLOCK_N"]) for c in att.flash_attention_candidates(args.head_dim))
     for m in args.seq:
@@ -111,50 +115,32 @@ def validate(args, world: int) -> None:
         raise ValueError(f"--eager names unknown methods {sorted(unknown)}; methods: {METHODS}")
 
 
-def all_gather_objects(obj, group=None) -> list:
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 def random_qkv(seq_len: int, h_local: int, head_dim: int, seed: int):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     return [torch.randn(seq_len, h_local, head_dim, generator=g, device=DEVICE,
                         dtype=torch.float32).to(att.DTYPE) for _ in range(3)]
 
 
-def poisoned(shape, dtype=att.DTYPE) -> torch.Tensor:
-    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
-
-
-def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative Frobenius error; NaN where x holds NaN (so it fails every comparison)."""
-    return ((x.float() - ref).norm() / ref.norm()).item()
-
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
-
-
 def check_case(seq_len, heads, head_dim, cfg, buf, group, seed):
-    """Correctness of every path at one M (step 1); returns (metrics, q, k, v, FA output).
+    """Correctness of every path at one M (step 1); returns (metrics, q, k, v, FA output, local
+    destination buffers and their table for the same-code FA-only control).
 
     Raises RuntimeError on every rank if any check fails on any rank.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     q, k, v = random_qkv(seq_len, heads // world, head_dim, seed)
-    out_fa = att.flash_attention(q, k, v, out=poisoned(q.shape), config=cfg)
+    out_fa = att.flash_attention(q, k, v, out=poisoned(q.shape, att.DTYPE, DEVICE), config=cfg)
     ref = att.reference_attention(q, k, v)
-    ref_recv = att.nccl_a2a(ref, group)  # float32: what this rank must receive (item 1)
+    ref_recv = att.nccl_a2a(ref, group)  # float32: what this rank must receive (§4.3 layout)
     recv_shape = (seq_len // world, heads, head_dim)
-    serial = att.nccl_a2a(out_fa, group, out=poisoned(recv_shape))
+    serial = att.nccl_a2a(out_fa, group, out=poisoned(recv_shape, att.DTYPE, DEVICE))
 
     recv = buf.view(seq_len, heads, head_dim)
     recv.fill_(float("nan"))
     buf.barrier()  # every rank poisoned its buffer before any peer stores into it
     att.fused_attention_a2a(q, k, v, buf.peer_ptrs, rank, world, config=cfg)
     buf.barrier()
-    fused_equal, fused_err = bitwise_equal(recv, serial), rel_error(recv, ref_recv)
+    fused_equal, fused_err = bitwise_equal(recv, serial), relative_error(recv, ref_recv)
 
     recv.fill_(float("nan"))
     buf.barrier()
@@ -172,14 +158,15 @@ def check_case(seq_len, heads, head_dim, cfg, buf, group, seed):
     same_code_equal = bitwise_equal(local_recv[:, :, rank * h:(rank + 1) * h].reshape(out_fa.shape),
                                     out_fa)
 
-    sdpa = att.sdpa_nccl(q, k, v, group, out=poisoned(recv_shape))
-    metrics = dict(fa_rel_err=rel_error(out_fa, ref), serial_rel_err=rel_error(serial, ref_recv),
-                   fused_rel_err=fused_err, sdpa_nccl_rel_err=rel_error(sdpa, ref_recv),
+    sdpa = att.sdpa_nccl(q, k, v, group, out=poisoned(recv_shape, att.DTYPE, DEVICE))
+    metrics = dict(fa_rel_err=relative_error(out_fa, ref),
+                   serial_rel_err=relative_error(serial, ref_recv),
+                   fused_rel_err=fused_err, sdpa_nccl_rel_err=relative_error(sdpa, ref_recv),
                    fused_bitwise_serial=fused_equal, a2a_remote_bitwise_nccl=a2a_equal,
                    fa_same_code_bitwise_fa=same_code_equal)
-    failures = [f"{k}={v:.3g} (tolerance {REL_TOL})" for k, v in metrics.items()
-                if k.endswith("_rel_err") and not v < REL_TOL]
-    failures += [f"{k} is False" for k, v in metrics.items() if v is False]
+    failures = [f"{name}={value:.3g} (tolerance {REL_TOL})" for name, value in metrics.items()
+                if name.endswith("_rel_err") and not value < REL_TOL]
+    failures += [f"{name} is False" for name, value in metrics.items() if value is False]
     per_rank = all_gather_objects((metrics, failures), group)
     bad = {r: f for r, (_, f) in enumerate(per_rank) if f}
     if bad:
@@ -197,7 +184,7 @@ def local_destination(seq_len, heads, head_dim, world):
     return recv, table
 
 
-def tune(args, buf, group) -> tuple[dict, list]:
+def tune(args, group) -> tuple[dict, list]:
     """Time each candidate configuration's FA-only at one M and keep the fastest (max over ranks,
     median over trials). Candidates that do not fit the hardware or miss the float32 reference
     on any rank are skipped on every rank."""
@@ -209,19 +196,20 @@ def tune(args, buf, group) -> tuple[dict, list]:
     out = torch.empty_like(q)
     results = []
     for cfg in att.flash_attention_candidates(d):
+        # validate() made every M a multiple of every candidate's tiles
         entry = dict(config=cfg, M=seq_len)
-        if seq_len % cfg["BLOCK_M"] or seq_len % cfg["BLOCK_N"]:
-            entry["skipped"] = "M is not a multiple of the tiles"
+        try:
+            out.fill_(float("nan"))
+            att.flash_attention(q, k, v, out=out, config=cfg)
+            err = relative_error(out, ref)
+            reason = None if err < REL_TOL else f"relative error {err:.3g} against float32"
+        except triton.runtime.errors.OutOfResources as e:
+            reason = f"out of resources: {e}"
+        # a candidate any rank cannot run is skipped on every rank, so all stay in step
+        reasons = [r for r in all_gather_objects(reason, group) if r]
+        if reasons:
+            entry["skipped"] = reasons[0]
         else:
-            try:
-                out.fill_(float("nan"))
-                att.flash_attention(q, k, v, out=out, config=cfg)
-                err = max(all_gather_objects(rel_error(out, ref), group))
-                if not err < REL_TOL:
-                    entry["skipped"] = f"relative error {err:.3g} against the float32 reference"
-            except triton.runtime.errors.OutOfResources as e:
-                entry["skipped"] = f"out of resources: {e}"
-        if "skipped" not in entry:
             timing = time_methods({"fa": lambda: att.flash_attention(q, k, v, out=out, config=cfg)},
                                   trials=TUNE_TRIALS, warmup=1, graph_iters=args.iters,
                                   group=group, eager=frozenset(args.eager))
@@ -270,9 +258,7 @@ def run_case(seq_len, args, cfg, buf, group) -> tuple[dict, dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # NVLink multicast stays off on the device machine (shared/device/README.md).
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    require_safe_env()
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
@@ -285,7 +271,7 @@ def main(argv=None) -> int:
         if args.no_tune:
             cfg, tuning = att.flash_attention_config(args.head_dim), []
         else:
-            cfg, tuning = tune(args, buf, group)
+            cfg, tuning = tune(args, group)
         if rank == 0:
             print(f"[attention_bench] P={world} H={args.heads} d={args.head_dim} config={cfg}",
                   file=sys.stderr, flush=True)

@@ -22,7 +22,6 @@ the sources, weighted sum. ``reference_moe`` is the float32 torch reference.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -709,11 +708,3 @@ def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
             hq = dequantize_rows_fp8(*quantize_rows_fp8(h, scale_block))
             out["fp8_emulated"].index_add_(0, tok, w * (hq @ w2q.t()))
     return out
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Relative Frobenius error ``||got - want|| / ||want||`` (inf if got has a NaN)."""
-    got, want = got.float(), want.float()
-    if not torch.isfinite(got).all():
-        return math.inf
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()

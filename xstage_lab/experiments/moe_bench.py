@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from ..dist_timing import read_sm_clock_mhz, time_methods
+from ..checks import relative_error
+from ..dist_timing import all_gather_objects, read_sm_clock_mhz, require_safe_env, time_methods
 from . import moe
 from .moe_schedules import MoEProblem, d_knee, default_experts_per_wave, expert_wave_schedule, \
     interleaved_schedule
@@ -49,7 +50,6 @@ DEFAULT_TOKENS = 4096  # per rank
 # quantization: only accumulation order, bf16 output rounding and rare e4m3 rounding flips of h
 # remain, ~4e-3; 2e-2 bounds it.
 TOLERANCE = {"bf16": {"fp32": 1e-2}, "fp8": {"fp32": 0.1, "fp8_emulated": 2e-2}}
-REQUIRED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,24 +77,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         bad = [g for g in given if g not in allowed]
         if bad or not given:
             p.error(f"unknown {name} {bad}; choose from {list(allowed)}")
-    if a.tokens < 1 or a.trials < 1:
-        p.error("--tokens and --trials must be >= 1")
+    if a.tokens < 1 or a.trials < 1 or a.max_spin < 1:
+        p.error("--tokens, --trials and --max-spin must be >= 1")
+    if a.warmup < 0:
+        p.error("--warmup must be >= 0")
+    for name in ("graph_iters", "programs", "lead"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
     return a
-
-
-def _check_env() -> None:
-    """NVLink multicast must stay off (shared/device/README.md): set the switches if absent,
-    refuse to run if someone turned them on."""
-    for k, v in REQUIRED_ENV.items():
-        if os.environ.setdefault(k, v) != v:
-            raise SystemExit(f"{k}={os.environ[k]!r}: this benchmark needs {k}={v} (no multicast)")
-
-
-def _gather(obj) -> list:
-    import torch.distributed as dist
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def run_config(shape: moe.MoEShape, precision: str, routing: str, weights: moe.ExpertWeights,
@@ -139,9 +129,9 @@ def run_config(shape: moe.MoEShape, precision: str, routing: str, weights: moe.E
     bitwise = torch.equal(combined["wave"], combined["interleaved"])
     out = moe.combine_weighted_sum(combined["interleaved"], topk_w)
     ref = moe.reference_moe(x, topk_ids, topk_w, shape, seed=args.seed, precision=precision)
-    errors = {f"rel_err_{kind}": moe.relative_error(out, want) for kind, want in ref.items()}
+    errors = {f"rel_err_{kind}": relative_error(out, want) for kind, want in ref.items()}
     unfused_out = moe.unfused_moe(layout, plan, weights, topk_w)
-    errors["rel_err_unfused_fp32"] = moe.relative_error(unfused_out, ref["fp32"])
+    errors["rel_err_unfused_fp32"] = relative_error(unfused_out, ref["fp32"])
     tol = TOLERANCE[precision]
     failures = [f"spin errors {spin_errors}"] if any(spin_errors.values()) else []
     if not bitwise:
@@ -150,7 +140,7 @@ def run_config(shape: moe.MoEShape, precision: str, routing: str, weights: moe.E
                  if not errors[f"rel_err_{key}"] <= bound]
     if not errors["rel_err_unfused_fp32"] <= tol["fp32"]:
         failures.append(f"unfused rel_err_fp32 = {errors['rel_err_unfused_fp32']:.3g} > {tol['fp32']}")
-    all_failures = _gather(failures)
+    all_failures = all_gather_objects(failures)
     if any(all_failures):
         if rank == 0:
             for r, f in enumerate(all_failures):
@@ -173,7 +163,7 @@ def run_config(shape: moe.MoEShape, precision: str, routing: str, weights: moe.E
     timing = time_methods(methods, trials=args.trials, warmup=args.warmup,
                           graph_iters=args.graph_iters)
     late_errors = sum(call.error_count() for call in calls.values())
-    per_rank = _gather({"rows": layout.num_rows, "tokens_per_expert": layout.tokens_per_expert,
+    per_rank = all_gather_objects({"rows": layout.num_rows, "tokens_per_expert": layout.tokens_per_expert,
                         "errors": errors, "spin_errors_after_timing": late_errors,
                         "unfused_impl": moe.unfused_impl(device, precision)})
     received = [p["rows"] for p in per_rank]
@@ -199,7 +189,7 @@ def run_config(shape: moe.MoEShape, precision: str, routing: str, weights: moe.E
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    _check_env()
+    require_safe_env()
     import torch.distributed as dist
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
@@ -211,7 +201,7 @@ def main(argv=None) -> None:
         moe.check_expert_parallel(shapes[m].routed_experts, world)
     capacity = max(args.tokens * shapes[m].top_k * shapes[m].hidden for m in args.models)
     combine = moe.SymmetricCombine(capacity)
-    clocks_start = _gather(read_sm_clock_mhz())
+    clocks_start = all_gather_objects(read_sm_clock_mhz())
     started = time.time()
     rows = []
     for model in args.models:
@@ -230,7 +220,7 @@ def main(argv=None) -> None:
                           f"{row['unfused_us']:9.1f} us  speedup {row['speedup']:.3f}", flush=True)
             del weights
             torch.cuda.empty_cache()
-    clocks_end = _gather(read_sm_clock_mhz())
+    clocks_end = all_gather_objects(read_sm_clock_mhz())
     if rank == 0:
         from ..platform import provenance
         meta = {
