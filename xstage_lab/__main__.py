@@ -10,7 +10,10 @@ from .records import RECORDS_DIR
 
 
 def _characterize(args) -> int:
-    from .experiments.remote_store import run_characterization
+    from .experiments.remote_store import CALIBRATION_SWEEPS, run_characterization
+
+    if args.calibrate and args.only and not set(CALIBRATION_SWEEPS) <= set(args.only):
+        raise SystemExit(f"--calibrate needs the sweeps {CALIBRATION_SWEEPS} among --only")
 
     path = run_characterization(repeats=args.repeats, src=args.src, dst=args.dst,
                                 only=tuple(args.only) if args.only else None, root=args.root)

@@ -25,13 +25,23 @@ R_FIT_MIN_VOLUME = 4 * MIB
 PLATEAU_GAP_MULTIPLE = 2.0
 
 
+# A zero-gap point whose period exceeds V/R by more than this is issue-limited, not drain-limited.
+ISSUE_LIMITED_EXCESS = 0.10
+# An isolated sweep that the affine floor alone fits within this relative error has no
+# drain-limited branch in range: no knee, no capacity.
+FLOOR_ONLY_TOL = 0.02
+
+# What names a measurement point of a remote_store record; a launch is a point's repeat.
+POINT_KEYS = ["sweep", "point", "mode", "path", "producers", "burst_bytes", "gap_us", "src", "dst",
+              "lines", "align", "burst_volume"]
+
+
 def launch_means(table: pd.DataFrame) -> pd.DataFrame:
     """Steady-state value of each launch: the mean over its producers' bursts inside the window
     where all producers overlap (each burst row weighted by the producers it counts), after the
     warm-up bursts. A time average, as the fluid model's quantities are."""
     steady = table[~table["warmup"] & (table["producers_in_window"] > 0)]
-    keys = ["sweep", "point", "repeat", "mode", "path", "producers", "burst_bytes", "gap_us",
-            "src", "dst", "lines", "align", "burst_volume"]
+    keys = POINT_KEYS + ["repeat"]
     values = ["t_iss_us", "period_us", "gap_eff_us"]
     w = steady["producers_in_window"]
     weighted = steady[keys].assign(_w=w, **{v: steady[v] * w for v in values})
@@ -42,28 +52,12 @@ def launch_means(table: pd.DataFrame) -> pd.DataFrame:
     return out.join(rest).reset_index()
 
 
-def point_medians(launches: pd.DataFrame, value: str) -> pd.DataFrame:
-    """Median of ``value`` over repeats per measurement point, with its spread."""
-    keys = ["sweep", "point", "mode", "path", "producers", "burst_bytes", "gap_us", "src", "dst",
-            "lines", "align", "burst_volume"]
-    return median_spread(launches, keys, value)
-
-
-# A zero-gap point whose period exceeds V/R by more than this is issue-limited, not drain-limited.
-ISSUE_LIMITED_EXCESS = 0.10
-# An isolated sweep that the affine floor alone fits within this relative error has no
-# drain-limited branch in range: no knee, no capacity.
-FLOOR_ONLY_TOL = 0.02
-
-
 def point_table(launches: pd.DataFrame) -> pd.DataFrame:
-    """Every measurement point's medians over repeats (issue time, period, effective gap), with
-    their interquartile spread."""
-    keys = ["sweep", "point", "mode", "path", "producers", "burst_bytes", "gap_us", "src", "dst",
-            "lines", "align", "burst_volume"]
-    out = point_medians(launches, "t_iss_us")
+    """Every measurement point's medians over repeats (issue time, period, effective gap, window
+    rate), each with its interquartile spread."""
+    out = median_spread(launches, POINT_KEYS, "t_iss_us")
     for value in ("period_us", "gap_eff_us", "window_rate_GBps"):
-        out = out.merge(point_medians(launches, value), on=keys)
+        out = out.merge(median_spread(launches, POINT_KEYS, value), on=POINT_KEYS)
     return out
 
 
