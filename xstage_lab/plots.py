@@ -145,6 +145,12 @@ def fig3d_drain_rate(cal: Calibration, zero_gap: pd.DataFrame) -> go.Figure:
     return fig
 
 
+def calibration_summary_table(calibrations: list[Calibration]) -> pd.DataFrame:
+    """Every platform's ``summary --json`` calibration entry side by side."""
+    return (pd.DataFrame({c.platform: c.summary() for c in calibrations})
+            .rename_axis("quantity").reset_index().astype(str))
+
+
 def table1_comparison(paper: dict, calibrations: list[Calibration]) -> pd.DataFrame:
     """Table 1's parameters: the paper's beside each platform's, with the spread measured."""
     rows = [("SMs per GPU (K max)", paper["sm_count"], lambda c: c.sm_count),
@@ -424,8 +430,11 @@ def moe_speedups(records) -> go.Figure:
     return fig
 
 
-def moe_headline(paper: dict, summaries: dict) -> pd.DataFrame:
+def moe_headline(paper: dict, records) -> pd.DataFrame:
     """The MoE headline speedups: the paper's (84 configurations, EP = 8) beside each platform's."""
+    from .summary import moe_headline_numbers
+
+    summaries = {r.platform: moe_headline_numbers(r.table) for r in records}
     keys = ("configs", "geomean_speedup", "median_speedup", "max_speedup", "min_speedup")
     rows = [{"source": "paper", **{k: paper.get(k, paper.get("min_speedup_reported")) for k in keys}}]
     rows += [{"source": p, **{k: s[k] for k in keys},

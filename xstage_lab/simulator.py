@@ -124,3 +124,34 @@ def schedule_summary(traces: dict[str, pd.DataFrame], t_iss0: float) -> pd.DataF
         name: {"total issue stall (µs)": float((t["t_iss_us"] - t_iss0).clip(lower=0).sum()),
                "last issue ends (µs)": float(t["start_us"].iloc[-1] + t["t_iss_us"].iloc[-1])}
         for name, t in traces.items()})
+
+
+def check_gap_sweep(cal, predicted: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
+    """The simulator on a calibration's remote gap sweep (``calibration.calibrate``'s predicted
+    table), with its errors beside the closed form's."""
+    platform = cal.platform_model()
+    sim = predict_gap_sweep(predicted[predicted["path"] == "remote"], cal.t_iss0_us,
+                            cal.drain_rate_GBps, platform.capacity, cal.loop_gap_us)
+    errors = {**{f"simulator_{k}": v for k, v in gap_sweep_error(sim).items()},
+              "closed_form_t_iss_err_pct": cal.gap_issue_err_pct,
+              "closed_form_period_err_pct": cal.gap_period_err_pct}
+    return sim, errors
+
+
+def moe_schedules(cal, t_l1_mma_us: float, t_l2_mma_us: float, l2_tile_bytes: int,
+                  producers: int, l1_per_l2: int, l2_tiles: int) -> dict:
+    """Expert-Wave and Interleaved orders of the same Linear-1/Linear-2 tiles played on a
+    calibrated platform: per-burst traces, T_iss^0 of a Linear-2 burst, and whether eq. 14 says
+    interleaving suffices."""
+    from .model import interleaving_sufficient
+
+    platform = cal.platform_model()
+    volume, t0 = producers * l2_tile_bytes, platform.t_iss0_at(producers, l2_tile_bytes)
+    mainloop = {"L1": t_l1_mma_us, "L2": t_l2_mma_us}
+    burst, floor = {"L1": 0.0, "L2": volume}, {"L1": 1.0, "L2": t0}
+    traces = {name: simulate(tile_schedule_bursts(order, mainloop, burst, floor),
+                             cal.drain_rate_GBps, platform.capacity_at(producers))
+              for name, order in moe_orders(l1_per_l2, l2_tiles).items()}
+    return {"traces": traces, "t_iss0_us": t0,
+            "sufficient": interleaving_sufficient(volume, t0, cal.drain_rate_GBps, t_l2_mma_us,
+                                                  t_l1_mma_us, l1_per_l2, 1)}

@@ -51,7 +51,11 @@ MOE_ROW_KEYS = ("model", "precision", "routing", "tokens", "wave_us", "interleav
 
 def moe_entry(platform: str, root: Path) -> dict:
     """The ``moe`` entry: speedup of Interleaved over Expert-Wave across the configurations."""
-    table = latest_record("moe", platform, root).table
+    return moe_headline_numbers(latest_record("moe", platform, root).table)
+
+
+def moe_headline_numbers(table) -> dict:
+    """Speedup statistics of a ``moe`` record's table, with its per-configuration rows."""
     speedup = table["speedup"].to_numpy(float)
     fused = (table["unfused_us"] / table[["wave_us", "interleaved_us"]].min(axis=1)).to_numpy(float)
     return {"configs": len(table),

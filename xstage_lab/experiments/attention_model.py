@@ -56,3 +56,16 @@ def residual_predictions(table: pd.DataFrame, cal: Calibration, block_m: int, bl
             fa_us=r["fa_us"], e_res_us=r["e_res_us"]))
     return pd.DataFrame(rows)
 
+
+
+def record_predictions(record) -> pd.DataFrame:
+    """``residual_predictions`` for an ``fa_a2a`` record: its kernel configuration and SM count,
+    its platform's latest calibration, and the measured same-code residual beside."""
+    from .remote_store import latest_calibration
+
+    cfg, sm_count = record.params["config"], record.provenance["gpus"][0]["sm_count"]
+    out = residual_predictions(record.table, latest_calibration(record.platform), cfg["BLOCK_M"],
+                               cfg["BLOCK_N"], sm_count * cfg["ctas_per_sm"])
+    if "e_res_same_code_us" in record.table:
+        out["e_res_same_code_us"] = record.table["e_res_same_code_us"].to_numpy()
+    return out
