@@ -370,7 +370,8 @@ def table3_comparison(paper: dict, records) -> pd.DataFrame:
 
 def fig11_residual(paper: dict, records, predictions: dict) -> go.Figure:
     """Fig. 11: relative residual E_res/T_FA against M: the paper's FA4, each platform's measured
-    residual (against FA-only and against the same-code FA-only control), and the no-refit
+    residual (against FA-only, and against the same-code FA-only control from paired trials),
+    and the no-refit
     predictions, X-Stage (eqs. 18–19) and completion-coupled (eq. 17), with M*_ub (eq. 20).
     ``predictions`` maps a platform to ``attention_model.residual_predictions``'s table."""
     fig = go.Figure()
@@ -383,10 +384,17 @@ def fig11_residual(paper: dict, records, predictions: dict) -> go.Figure:
         label = f"{rec.platform}, P={int(t['P'].iloc[0])}"
         fig.add_scatter(x=t["M"], y=t["e_res_us"] / t["fa_us"] * 100, mode="lines+markers",
                         line=dict(color=color), name=f"{label}: measured vs FA-only")
-        if "e_res_same_code_us" in t:
-            fig.add_scatter(x=t["M"], y=t["e_res_same_code_us"] / t["fa_same_code_us"] * 100,
-                            mode="lines+markers", line=dict(color=color, dash="dash"),
-                            name=f"{label}: measured vs same-code FA-only")
+        if "e_res_paired_fa_same_code_us" in pred:
+            base = pred["e_res_paired_fa_same_code_us"] / pred["e_res_paired_fa_same_code_rel_pct"]
+            fig.add_scatter(
+                x=pred["M"], y=pred["e_res_paired_fa_same_code_rel_pct"], mode="lines+markers",
+                line=dict(color=color, dash="dash"),
+                error_y=dict(type="data", symmetric=False,
+                             array=(pred["e_res_paired_fa_same_code_p75_us"]
+                                    - pred["e_res_paired_fa_same_code_us"]) / base,
+                             arrayminus=(pred["e_res_paired_fa_same_code_us"]
+                                         - pred["e_res_paired_fa_same_code_p25_us"]) / base),
+                name=f"{label}: vs same-code FA-only, paired trials (median, IQR)")
         fig.add_scatter(x=pred["M"], y=pred["e_drain_us"] / pred["fa_us"] * 100, mode="lines",
                         line=dict(color=color, dash="dot"), name=f"{label}: X-Stage prediction")
         fig.add_scatter(x=pred["M"], y=pred["e_cc_us"] / pred["fa_us"] * 100, mode="lines",

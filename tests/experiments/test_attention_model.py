@@ -38,3 +38,34 @@ def test_short_qloop_exposes_the_drain(cal):
     assert p["waves"] == 1 and p["producers"] == 8  # 8 row tiles × 1 head: fewer than 132 programs
     stall = model.issue_overhead(8.0, 8 * 32768, p["t_iss0_us"], cal.drain_rate_GBps)
     assert p["e_drain_us"] == pytest.approx(max(0.0, float(stall) - 8.0 / 8 / 2))
+
+
+def test_paired_residuals_take_the_median_of_matched_differences():
+    from types import SimpleNamespace
+
+    from xstage_lab.experiments.attention_model import paired_residuals
+
+    # the clock halves in trial 3: unpaired medians would shift, matched differences do not
+    fa = [100.0, 101.0, 200.0, 99.0]
+    fused = [103.0, 104.0, 206.0, 102.0]       # differences 3, 3, 6, 3 → median 3
+    rec = SimpleNamespace(params={"raw": [{"M": 1024, "max_us": {"fa": fa, "fused": fused}}]})
+    row = paired_residuals(rec).iloc[0]
+    assert row["e_res_paired_fa_us"] == 3.0
+    assert row["e_res_paired_fa_p25_us"] == 3.0 and row["e_res_paired_fa_p75_us"] == 3.75
+    assert row["e_res_paired_fa_rel_pct"] == pytest.approx(3.0 / 100.5 * 100)
+    assert "e_res_paired_fa_same_code_us" not in row
+
+
+def test_prediction_check_names_the_nearer_prediction():
+    from xstage_lab.experiments.attention_model import prediction_check
+
+    pred = pd.DataFrame(dict(M=[8192, 65536], fa_us=[100.0, 1000.0], e_drain_us=[0.0, 0.0],
+                             e_cc_us=[8.0, 20.0], e_res_paired_fa_same_code_us=[1.0, 18.0],
+                             e_res_paired_fa_same_code_rel_pct=[1.0, 1.8],
+                             e_res_paired_fa_same_code_p25_us=[-1.0, 15.0],
+                             e_res_paired_fa_same_code_p75_us=[2.0, 21.0]))
+    check = prediction_check(pred)
+    # 1% measured: 0% (X-Stage) is nearer than 8%, and inside the IQR [-1%, 2%]
+    assert check["nearer"].tolist() == ["X-Stage", "completion-coupled"]
+    assert check["x_stage_in_iqr"].tolist() == [True, False]
+    assert check["measured_p75_pct"].tolist() == pytest.approx([2.0, 2.1])

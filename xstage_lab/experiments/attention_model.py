@@ -68,4 +68,41 @@ def record_predictions(record) -> pd.DataFrame:
                                cfg["BLOCK_N"], sm_count * cfg["ctas_per_sm"])
     if "e_res_same_code_us" in record.table:
         out["e_res_same_code_us"] = record.table["e_res_same_code_us"].to_numpy()
-    return out
+    return out.merge(paired_residuals(record), on="M")
+
+
+def paired_residuals(record) -> pd.DataFrame:
+    """E_res from matched trials (§5.3): per trial, Fused minus FA-only (and minus the same-code
+    FA-only) measured in the same rotation, then the median and IQR over trials. Clock drift
+    between trials, which shifts every method of a trial alike, cancels in the difference."""
+    rows = []
+    for raw in record.params["raw"]:
+        trials = {m: np.asarray(v) for m, v in raw["max_us"].items()}
+        row = {"M": raw["M"]}
+        for base in ("fa", "fa_same_code"):
+            if base in trials:
+                diff = trials["fused"] - trials[base]
+                lo, med, hi = np.percentile(diff, [25, 50, 75])
+                row |= {f"e_res_paired_{base}_us": med, f"e_res_paired_{base}_p25_us": lo,
+                        f"e_res_paired_{base}_p75_us": hi,
+                        f"e_res_paired_{base}_rel_pct": med / np.median(trials[base]) * 100}
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def prediction_check(predictions: pd.DataFrame) -> pd.DataFrame:
+    """Per M, which prediction the paired same-code residual supports: its median and IQR as a
+    share of T_FA beside the X-Stage (eqs. 18–19) and completion-coupled (eq. 17) predictions;
+    ``x_stage_in_iqr`` says whether the X-Stage prediction lies inside the measured IQR."""
+    base = predictions["e_res_paired_fa_same_code_us"] / predictions["e_res_paired_fa_same_code_rel_pct"]
+    lo = predictions["e_res_paired_fa_same_code_p25_us"] / base
+    hi = predictions["e_res_paired_fa_same_code_p75_us"] / base
+    measured = predictions["e_res_paired_fa_same_code_rel_pct"]
+    x_stage = predictions["e_drain_us"] / predictions["fa_us"] * 100
+    coupled = predictions["e_cc_us"] / predictions["fa_us"] * 100
+    return pd.DataFrame({
+        "M": predictions["M"], "measured_pct": measured, "measured_p25_pct": lo,
+        "measured_p75_pct": hi, "x_stage_pct": x_stage, "completion_coupled_pct": coupled,
+        "x_stage_in_iqr": (lo <= x_stage) & (x_stage <= hi),
+        "nearer": np.where((measured - x_stage).abs() <= (measured - coupled).abs(),
+                           "X-Stage", "completion-coupled")})
