@@ -13,3 +13,9 @@ def test_import_bench_names_only_known_experiments(tmp_path):
     out = subprocess.run([sys.executable, "-m", "xstage_lab", "import-bench", str(tmp_path / "x.json"),
                           "--experiment", "nonsense"], capture_output=True, text=True)
     assert out.returncode != 0 and "invalid choice" in out.stderr
+
+
+def test_measure_all_refuses_without_two_peer_gpus():
+    out = subprocess.run([sys.executable, "-m", "xstage_lab", "measure-all"], capture_output=True,
+                         text=True)
+    assert out.returncode != 0 and "needs two peer-capable GPUs" in out.stderr

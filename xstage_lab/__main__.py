@@ -1,4 +1,5 @@
-"""Command line: ``python -m xstage_lab {characterize,calibrate,reproduce,summary}``."""
+"""Command line: ``python -m xstage_lab {characterize,calibrate,import-bench,measure-all,reproduce,
+summary}``."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from .launch import BENCHMARKS
 from .records import RECORDS_DIR
 
 
@@ -35,6 +37,14 @@ def _import_bench(args) -> int:
     from .records import import_bench_json
 
     print(f"wrote {import_bench_json(args.file, args.experiment, root=args.root)}")
+    return 0
+
+
+def _measure_all(args) -> int:
+    from .launch import measure_all
+
+    for path in measure_all(root=args.root):
+        print(f"wrote {path}")
     return 0
 
 
@@ -81,9 +91,13 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("import-bench", help="save a torchrun benchmark's JSON output as a record")
     p.add_argument("file", type=Path)
-    p.add_argument("--experiment", required=True, choices=("fa_a2a", "moe"))
+    p.add_argument("--experiment", required=True, choices=sorted(BENCHMARKS))
     p.add_argument("--root", type=Path, default=RECORDS_DIR)
     p.set_defaults(func=_import_bench)
+
+    p = sub.add_parser("measure-all", help="every experiment live on this machine, as records")
+    p.add_argument("--root", type=Path, default=RECORDS_DIR)
+    p.set_defaults(func=_measure_all)
 
     p = sub.add_parser("reproduce", help="run every notebook headlessly (papermill)")
     p.add_argument("--only", action="append", help="notebook name (repeatable)")

@@ -22,11 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-
-# NVLink multicast stays off: on shared machines a program that uses it can take the host's GPUs
-# out of service. Every multi-process run sets these and refuses other values.
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
+from .platform import SAFE_ENV
 
 
 def require_safe_env() -> None:

@@ -8,8 +8,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .dist_timing import SAFE_ENV
+from .platform import SAFE_ENV
 from .records import RECORDS_DIR, import_bench_json
+
+
+# The multi-process experiments: record name -> the module torchrun runs.
+BENCHMARKS = {"fa_a2a": "xstage_lab.experiments.attention_bench",
+              "moe": "xstage_lab.experiments.moe_bench"}
 
 
 def torchrun_record(module: str, experiment: str, nproc: int, args: list[str] = (),
@@ -30,18 +35,36 @@ def torchrun_record(module: str, experiment: str, nproc: int, args: list[str] = 
         return import_bench_json(out, experiment, root)
 
 
-def load_or_run(experiment: str, module: str, backend: str = "auto", args: list[str] = (),
+def load_or_run(experiment: str, backend: str = "auto", args: list[str] = (),
                 root: Path = RECORDS_DIR):
-    """``cuda``: run ``module`` on every peer-capable GPU and return its new record; ``replay``:
-    the latest committed record of every platform. Returns (backend choice, records)."""
+    """``cuda``: run the experiment's benchmark on every peer-capable GPU and return its new
+    record; ``replay``: the latest committed record of every platform. Returns (backend choice,
+    records)."""
     from .platform import choose_backend, inventory
     from .records import latest_record, platforms, read_record
 
     choice = choose_backend(backend)
     if choice.name == "cuda":
-        path = torchrun_record(module, experiment, inventory().peer_capable_gpus, list(args), root)
+        path = torchrun_record(BENCHMARKS[experiment], experiment, inventory().peer_capable_gpus,
+                               list(args), root)
         return choice, [read_record(path)]
     names = platforms(experiment, root)
     if not names:
         raise FileNotFoundError(f"no {experiment!r} records under {root}")
     return choice, [latest_record(experiment, p, root) for p in names]
+
+
+def measure_all(root: Path = RECORDS_DIR) -> list[Path]:
+    """Every experiment live on this machine's GPUs, in one go: the remote-store
+    characterization and its calibration, then each multi-process benchmark on all peer-capable
+    GPUs. Returns the records written."""
+    from .experiments.remote_store import run_characterization, write_calibration
+    from .platform import choose_backend, inventory
+
+    choose_backend("cuda")  # raises without two peer-capable GPUs
+    characterization = run_characterization(root=root)
+    paths = [characterization, write_calibration(characterization, root=root)]
+    n = inventory().peer_capable_gpus
+    for experiment, module in BENCHMARKS.items():
+        paths.append(torchrun_record(module, experiment, n, root=root))
+    return paths

@@ -18,6 +18,10 @@ from importlib import metadata
 from pathlib import Path
 
 BACKENDS = ("auto", "cuda", "replay")
+# NVLink multicast stays off: on shared machines a program that uses it can take the host's GPUs
+# out of service. Every multi-process run sets these and refuses other values.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
 _REPO = Path(__file__).resolve().parent.parent
 
 
