@@ -21,7 +21,8 @@ def calibration_entry(platform: str, root: Path) -> dict:
 
 def counterfactual_entry(platform: str, root: Path) -> dict:
     """The ``counterfactual`` entry: the fenced (completion-coupled) microbenchmark beside the
-    decoupled one, from the latest calibration record that measured it."""
+    decoupled one, from the latest calibration record (absent where its characterization had no
+    fenced sweep)."""
     completion = latest_record("calibration", platform, root).params["calibration"].get("completion")
     if completion is None:
         return {}
