@@ -430,7 +430,9 @@ def moe_speedups(records) -> go.Figure:
     for row, rec in enumerate(records, start=1):
         t = rec.table
         for i, ((prec, routing), grp) in enumerate(t.groupby(["precision", "routing"])):
-            fig.add_bar(x=grp["model"], y=grp["speedup"], name=f"{prec} {routing}",
+            x = (grp["model"] if t["tokens"].nunique() == 1
+                 else grp["model"] + " · " + grp["tokens"].astype(int).astype(str))
+            fig.add_bar(x=x, y=grp["speedup"], name=f"{prec} {routing}",
                         marker_color=_COLORS[i % len(_COLORS)], showlegend=row == 1, row=row, col=1)
     fig.add_hline(y=1.0, line=dict(dash="dot"))
     fig.update_layout(title="Fig. 8: MoE speedup, Interleaved over Expert-Wave", barmode="group",

@@ -1,7 +1,8 @@
 """SPMD benchmark of the fused MoE kernel's two schedules and the unfused path (paper §5.2.1).
 
     torchrun --nproc_per_node=4 -m xstage_lab.experiments.moe_bench --out FILE \\
-        [--models M1,M2] [--precisions bf16,fp8] [--routing balanced,skewed] [--tokens N]
+        [--models M1,M2] [--precisions bf16,fp8] [--routing balanced,skewed] [--tokens N1,N2]
+        [--matrix data/moe_matrix.json]
 
 For every (model shape, precision, routing), on fresh seeded inputs:
 
@@ -25,6 +26,7 @@ interleaved_us, unfused_us, speedup (= wave / interleaved), spreads, ...}]}``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -59,7 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--models", default=",".join(shapes), help=f"comma list of {list(shapes)}")
     p.add_argument("--precisions", default=",".join(moe.PRECISIONS))
     p.add_argument("--routing", default=",".join(moe.ROUTINGS))
-    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="tokens per rank")
+    p.add_argument("--tokens", default=str(DEFAULT_TOKENS), help="comma list of tokens per rank")
+    p.add_argument("--matrix", type=Path, default=None,
+                   help="a JSON declaring models, precisions, routing and tokens_per_rank "
+                        "(e.g. data/moe_matrix.json); it replaces those four options")
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--graph-iters", type=int, default=None,
@@ -69,15 +74,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-spin", type=int, default=moe.DEFAULT_MAX_SPIN_ITERS)
     a = p.parse_args(argv)
+    if a.matrix is not None:
+        matrix = json.loads(a.matrix.read_text())
+        models = matrix["models"]
+        a.models = ",".join(shapes) if models == "all" else ",".join(models)
+        a.precisions, a.routing = ",".join(matrix["precisions"]), ",".join(matrix["routing"])
+        a.tokens = ",".join(str(t) for t in matrix["tokens_per_rank"])
     a.models = [m for m in a.models.split(",") if m]
     a.precisions = [x for x in a.precisions.split(",") if x]
     a.routing = [x for x in a.routing.split(",") if x]
+    try:
+        a.tokens = [int(t) for t in a.tokens.split(",") if t]
+    except ValueError:
+        p.error(f"--tokens must list integers, got {a.tokens!r}")
     for name, given, allowed in (("model", a.models, shapes), ("precision", a.precisions, moe.PRECISIONS),
                                  ("routing", a.routing, moe.ROUTINGS)):
         bad = [g for g in given if g not in allowed]
         if bad or not given:
             p.error(f"unknown {name} {bad}; choose from {list(allowed)}")
-    if a.tokens < 1 or a.trials < 1 or a.max_spin < 1:
+    if not a.tokens or min(a.tokens) < 1 or a.trials < 1 or a.max_spin < 1:
         p.error("--tokens, --trials and --max-spin must be >= 1")
     if a.warmup < 0:
         p.error("--warmup must be >= 0")
@@ -87,15 +102,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def run_config(shape: moe.MoEShape, precision: str, routing: str, weights: moe.ExpertWeights,
-               combine: moe.SymmetricCombine, args, config_seed: int) -> dict:
+def run_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
+               weights: moe.ExpertWeights, combine: moe.SymmetricCombine, args,
+               config_seed: int) -> dict:
     """Correctness, then timing, of one configuration; returns rank 0's result row."""
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = moe.default_tile_config(precision)
     moe.check_tile_config(cfg, precision, shape.hidden, shape.intermediate)
-    tokens, k, hidden, inter = args.tokens, shape.top_k, shape.hidden, shape.intermediate
+    k, hidden, inter = shape.top_k, shape.hidden, shape.intermediate
     programs = args.programs or torch.cuda.get_device_properties(device).multi_processor_count
 
     g = torch.Generator(device=device).manual_seed(config_seed * 1009 + rank)
@@ -199,7 +215,7 @@ def main(argv=None) -> None:
     shapes = moe.load_shapes()
     for m in args.models:
         moe.check_expert_parallel(shapes[m].routed_experts, world)
-    capacity = max(args.tokens * shapes[m].top_k * shapes[m].hidden for m in args.models)
+    capacity = max(args.tokens) * max(shapes[m].top_k * shapes[m].hidden for m in args.models)
     combine = moe.SymmetricCombine(capacity)
     clocks_start = all_gather_objects(read_sm_clock_mhz())
     started = time.time()
@@ -209,15 +225,18 @@ def main(argv=None) -> None:
         for precision in args.precisions:
             weights = moe.local_expert_weights(shape, rank, world, precision, seed=args.seed,
                                                device=torch.device("cuda", local_rank))
-            for routing in args.routing:
+            for routing, tokens in itertools.product(args.routing, args.tokens):
                 # Fresh inputs per configuration, reproducible whatever subset is run.
-                config_seed = args.seed + 1 + zlib.crc32(f"{model}|{precision}|{routing}".encode())
-                row = run_config(shape, precision, routing, weights, combine, args, config_seed)
+                config_seed = args.seed + 1 + zlib.crc32(
+                    f"{model}|{precision}|{routing}|{tokens}".encode())
+                row = run_config(shape, precision, routing, tokens, weights, combine, args,
+                                 config_seed)
                 rows.append(row)
                 if rank == 0:
-                    print(f"{model:18s} {precision:4s} {routing:8s} wave {row['wave_us']:9.1f} us  "
-                          f"interleaved {row['interleaved_us']:9.1f} us  unfused "
-                          f"{row['unfused_us']:9.1f} us  speedup {row['speedup']:.3f}", flush=True)
+                    print(f"{model:18s} {precision:4s} {routing:8s} {tokens:6d} wave "
+                          f"{row['wave_us']:9.1f} us  interleaved {row['interleaved_us']:9.1f} us  "
+                          f"unfused {row['unfused_us']:9.1f} us  speedup {row['speedup']:.3f}",
+                          flush=True)
             del weights
             torch.cuda.empty_cache()
     clocks_end = all_gather_objects(read_sm_clock_mhz())
