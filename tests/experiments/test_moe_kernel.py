@@ -188,9 +188,9 @@ def test_bench_arguments():
     from xstage_lab.experiments.moe_bench import parse_args
     a = parse_args(["--out", "x.json"])
     assert a.models == list(moe.load_shapes()) and a.precisions == ["bf16", "fp8"]
-    assert a.routing == ["balanced", "skewed"] and a.tokens == 4096
+    assert a.routing == ["balanced", "skewed"] and a.tokens == [4096]
     a = parse_args(["--out", "x.json", "--models", "Hy3,DiT-MoE", "--precisions", "fp8", "--tokens", "512"])
-    assert a.models == ["Hy3", "DiT-MoE"] and a.precisions == ["fp8"] and a.tokens == 512
+    assert a.models == ["Hy3", "DiT-MoE"] and a.precisions == ["fp8"] and a.tokens == [512]
     with pytest.raises(SystemExit):
         parse_args(["--out", "x.json", "--models", "GPT-5"])
 
