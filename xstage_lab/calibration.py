@@ -200,7 +200,8 @@ class Calibration:
         }
 
 
-def _kb_key(k, b) -> str:
+def kb_key(k, b) -> str:
+    """The key of a (K, B) pair in calibrations and summaries: ``K=132,B=32768``."""
     return f"K={int(k)},B={int(b)}"
 
 
@@ -238,14 +239,14 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
         plateau = grp[grp["gap_us"] + loop_gap_us >= PLATEAU_GAP_MULTIPLE * model.drain_time(v, R)]
         if plateau.empty:
             raise ValueError(f"gap sweep for K={k}, B={b} reaches no recovered plateau")
-        key = _kb_key(k, b)
+        key = kb_key(k, b)
         t_iss0[key] = float(plateau["t_iss_us"].median())
         t_iss0_spread[key] = [float(x) for x in np.percentile(plateau["t_iss_us"], [25, 75])]
         g_star[key] = float(model.recovery_gap(v, t_iss0[key], R))
 
     # No-refit prediction of the gap sweep (eqs. 1, 3) at the gap the producers saw.
     remote = gap_pts[gap_pts["path"] == "remote"].copy()
-    t0 = np.array([t_iss0[_kb_key(k, b)] for k, b in zip(remote["producers"], remote["burst_bytes"])])
+    t0 = np.array([t_iss0[kb_key(k, b)] for k, b in zip(remote["producers"], remote["burst_bytes"])])
     g = remote["gap_us"] + loop_gap_us
     remote["t_iss0_us"] = t0
     remote["gap_model_us"] = g
@@ -253,7 +254,7 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
     remote["period_pred_us"] = model.period(g, remote["burst_volume"], t0, R)
     remote["period_cc_us"] = model.period_completion_coupled(g, remote["burst_volume"], R)
     issue_err = np.abs(remote["t_iss_pred_us"] / remote["t_iss_us"] - 1) * 100
-    drain_branch = g < np.array([g_star[_kb_key(k, b)] for k, b in
+    drain_branch = g < np.array([g_star[kb_key(k, b)] for k, b in
                                  zip(remote["producers"], remote["burst_bytes"])])
     period_err = np.abs(remote["period_pred_us"] / remote["period_us"] - 1) * 100
 
@@ -328,12 +329,12 @@ def fit_completion(fenced: pd.DataFrame, decoupled: pd.DataFrame, drain_rate: fl
     g = fenced["gap_us"] + loop_gap_us
     v = fenced["burst_volume"]
     sum_law = g + model.drain_time(v, drain_rate) + latency
-    t0 = np.array([t_iss0.get(_kb_key(k, b), np.nan) for b in fenced["burst_bytes"]])
+    t0 = np.array([t_iss0.get(kb_key(k, b), np.nan) for b in fenced["burst_bytes"]])
     max_law = model.period(g, v, t0, drain_rate)
     measured = fenced["period_us"]
     return CompletionFit(
         producers=k,
-        t_complete_us={_kb_key(k, b): float(t) for b, t in per_b.items()},
+        t_complete_us={kb_key(k, b): float(t) for b, t in per_b.items()},
         completion_latency_us=latency, completion_rate_GBps=float(1 / slope / 1e3),
         sum_law_err_pct=float(np.median(np.abs(sum_law / measured - 1)) * 100),
         max_law_err_pct=float(np.nanmedian(np.abs(max_law / measured - 1)) * 100),

@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from . import model
-from .calibration import Calibration, IsolatedFit
+from .calibration import Calibration, IsolatedFit, kb_key
 
 KIB = 1024
 MIB = 1024 * 1024
@@ -43,7 +43,7 @@ def fig3a_issue_time(cal: Calibration, predicted: pd.DataFrame) -> go.Figure:
                                      arrayminus=remote["t_iss_us"] - remote["t_iss_us_p25"]))
         fig.add_scatter(x=local["gap_us"] + cal.loop_gap_us, y=local["t_iss_us"], mode="markers",
                         marker=dict(color=color, symbol="x"), name=f"local control B={_kb(b)}")
-        t0 = cal.t_iss0_us[f"K={k},B={int(b)}"]
+        t0 = cal.t_iss0_us[kb_key(k, b)]
         fig.add_scatter(x=g, y=model.issue_time(g, k * b, t0, cal.drain_rate_GBps), mode="lines",
                         line=dict(color=color, dash="dash"), name=f"eq. 3, B={_kb(b)}")
     fig.update_layout(title=f"Fig. 3(a) {cal.platform}: issue time vs gap (K={cal.sm_count})",
@@ -61,7 +61,7 @@ def fig3b_period(cal: Calibration, predicted: pd.DataFrame) -> go.Figure:
     for i, (b, remote) in enumerate(remote_all.groupby("burst_bytes")):
         color = _COLORS[i % len(_COLORS)]
         k = int(remote["producers"].iloc[0])
-        t0 = cal.t_iss0_us[f"K={k},B={int(b)}"]
+        t0 = cal.t_iss0_us[kb_key(k, b)]
         fig.add_scatter(x=remote["gap_us"] + cal.loop_gap_us, y=remote["period_us"],
                         mode="markers", marker=dict(color=color), name=f"measured B={_kb(b)}")
         fig.add_scatter(x=g, y=model.period(g, k * b, t0, cal.drain_rate_GBps), mode="lines",
@@ -91,7 +91,7 @@ def fig_two_worlds(cal: Calibration) -> go.Figure:
                         name=f"decoupled B={_kb(b)}")
         fig.add_scatter(x=x, y=grp["period_coupled_us"], mode="markers",
                         marker=dict(color=color, symbol="diamond-open"), name=f"fenced B={_kb(b)}")
-        t0 = cal.t_iss0_us.get(f"K={k},B={int(b)}")
+        t0 = cal.t_iss0_us.get(kb_key(k, b))
         if t0 is not None:
             fig.add_scatter(x=g, y=model.period(g, v, t0, cal.drain_rate_GBps), mode="lines",
                             line=dict(color=color, dash="dash"), name=f"max law B={_kb(b)}")
@@ -166,7 +166,7 @@ def table1_comparison(paper: dict, calibrations: list[Calibration]) -> pd.DataFr
     for key, value in paper["G_star_us"].items():
         b = int(key.split("B=")[1])
         rows.append((f"G* (µs) at B={_kb(b)}, K=all SMs", value,
-                     lambda c, b=b: _fmt(c.recovery_gap_us.get(f"K={c.sm_count},B={b}"), 1)))
+                     lambda c, b=b: _fmt(c.recovery_gap_us.get(kb_key(c.sm_count, b)), 1)))
     rows.append(("gap sweep, no-refit median |error| of T_iss (%)", None,
                  lambda c: f"{c.gap_issue_err_pct:.2f} (drain branch {c.gap_drain_branch_err_pct:.2f})"))
     return pd.DataFrame([{"quantity": name, "paper": paper_value,
@@ -193,7 +193,7 @@ def _knee_per_producer(c: Calibration):
 
 
 def _t_iss0_text(c: Calibration, b: int) -> str:
-    key = f"K={c.sm_count},B={b}"
+    key = kb_key(c.sm_count, b)
     if key not in c.t_iss0_us:
         return "—"
     lo, hi = c.t_iss0_spread[key]

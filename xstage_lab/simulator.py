@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from .calibration import kb_key
+
 _BYTES_PER_US_PER_GBPS = 1e3
 
 
@@ -78,7 +80,7 @@ def predict_gap_sweep(points: pd.DataFrame, t_iss0: dict, drain_rate: float,
     """The simulator's steady state for each measured (K, B, G) of a periodic gap sweep, with the
     same inputs as the closed-form prediction (T_iss^0 plateau, R, Q(K), the loop's own gap)."""
     out = points.copy()
-    sims = [steady_state(Burst(k * b, t_iss0[f"K={int(k)},B={int(b)}"], g + loop_gap_us),
+    sims = [steady_state(Burst(k * b, t_iss0[kb_key(k, b)], g + loop_gap_us),
                          drain_rate, capacity[int(k)])
             for k, b, g in zip(points["producers"], points["burst_bytes"], points["gap_us"])]
     out["t_iss_sim_us"] = [s["t_iss_us"] for s in sims]
