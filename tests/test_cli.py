@@ -19,3 +19,9 @@ def test_measure_all_refuses_without_two_peer_gpus():
     out = subprocess.run([sys.executable, "-m", "xstage_lab", "measure-all"], capture_output=True,
                          text=True)
     assert out.returncode != 0 and "needs two peer-capable GPUs" in out.stderr
+
+
+def test_measure_all_names_only_known_measurements():
+    out = subprocess.run([sys.executable, "-m", "xstage_lab", "measure-all", "--only", "nonsense"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "invalid choice" in out.stderr

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .launch import BENCHMARKS
+from .launch import BENCHMARKS, measurement_names
 from .records import RECORDS_DIR
 
 
@@ -43,7 +43,7 @@ def _import_bench(args) -> int:
 def _measure_all(args) -> int:
     from .launch import measure_all
 
-    for path in measure_all(root=args.root):
+    for path in measure_all(root=args.root, only=args.only):
         print(f"wrote {path}")
     return 0
 
@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("measure-all", help="every experiment live on this machine, as records")
     p.add_argument("--root", type=Path, default=RECORDS_DIR)
+    p.add_argument("--only", nargs="+", choices=measurement_names(),
+                   help="these measurements only, in this order (default: all)")
     p.set_defaults(func=_measure_all)
 
     p = sub.add_parser("reproduce", help="run every notebook headlessly (papermill)")

@@ -54,17 +54,39 @@ def load_or_run(experiment: str, backend: str = "auto", args: list[str] = (),
     return choice, [latest_record(experiment, p, root) for p in names]
 
 
-def measure_all(root: Path = RECORDS_DIR) -> list[Path]:
-    """Every experiment live on this machine's GPUs, in one go: the remote-store
-    characterization and its calibration, then each multi-process benchmark on all peer-capable
-    GPUs. Returns the records written."""
+def _remote_store(root: Path) -> list[Path]:
+    """The remote-store characterization (Fig. 3 sweeps) and the calibration fitted from it."""
     from .experiments.remote_store import run_characterization, write_calibration
+
+    characterization = run_characterization(root=root)
+    return [characterization, write_calibration(characterization, root=root)]
+
+
+# The in-process (CuPy) measurements: name -> function(root) returning the records it wrote.
+IN_PROCESS = {"remote_store": _remote_store}
+
+
+def measurement_names() -> list[str]:
+    """Every measurement ``measure_all`` runs, in its order."""
+    return [*IN_PROCESS, *BENCHMARKS]
+
+
+def measure_all(root: Path = RECORDS_DIR, only: list[str] | None = None) -> list[Path]:
+    """Every experiment (or those named in ``only``) live on this machine's GPUs, in one go: the
+    in-process measurements, then each multi-process benchmark on all peer-capable GPUs. Returns
+    the records written."""
     from .platform import choose_backend, inventory
 
+    names = measurement_names() if only is None else list(only)
+    unknown = sorted(set(names) - set(measurement_names()))
+    if unknown:
+        raise ValueError(f"unknown measurements {unknown}; known: {measurement_names()}")
     choose_backend("cuda")  # raises without two peer-capable GPUs
-    characterization = run_characterization(root=root)
-    paths = [characterization, write_calibration(characterization, root=root)]
     n = inventory().peer_capable_gpus
-    for experiment, module in BENCHMARKS.items():
-        paths.append(torchrun_record(module, experiment, n, root=root))
+    paths = []
+    for name in names:
+        if name in IN_PROCESS:
+            paths.extend(IN_PROCESS[name](root))
+        else:
+            paths.append(torchrun_record(BENCHMARKS[name], name, n, root=root))
     return paths
