@@ -16,24 +16,35 @@ import triton.language as tl
 
 # Hopper (sm_90) launch configurations keyed by head dim: b_m x b_n tiles, 8 warps = two
 # warpgroups on the 128-row tile (wgmma is issued per 64-row warpgroup), TMA loads pipelined
-# num_stages deep within the 227 KB of shared memory a CTA may hold. ctas_per_sm is the occupancy
-# the persistent grid is sized for (SMs x ctas_per_sm programs), from the registers and shared
-# memory of the sm_90 build (Triton 3.6, ptxas -v): none of these spills (a 4-warp 128x64 tile at
-# d=128 does, and is left out). CANDIDATES are what the benchmark times once per head dim before
-# the sweep; the configuration it picks serves FA-only, Serial and Fused alike.
+# num_stages deep within the 227 KB of shared memory a CTA may hold. persistent: a grid of
+# SMs x ctas_per_sm programs walking the tiles, else one program per tile; ctas_per_sm is the
+# occupancy from the registers and shared memory of the sm_90 build (Triton 3.6, ptxas -v).
+# CANDIDATES are what the benchmark times once per head dim before the sweep; the configuration
+# it picks serves FA-only, Serial and Fused alike. ``attention_bench --fa-only`` times a wider
+# grid against cuDNN.
 CONFIGS = {
-    64: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1),
-    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, ctas_per_sm=1),
+    64: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1, persistent=True,
+              warp_specialize=False),
+    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1, persistent=True,
+              warp_specialize=False),
 }
 CANDIDATES = {
     64: [CONFIGS[64],
-         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, ctas_per_sm=1),
-         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, ctas_per_sm=2),
-         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4, ctas_per_sm=2)],
+         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, ctas_per_sm=1, persistent=True,
+              warp_specialize=False),
+         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, ctas_per_sm=2, persistent=True,
+              warp_specialize=False),
+         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1,
+              persistent=False,
+              warp_specialize=False)],
     128: [CONFIGS[128],
-          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1),
-          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1),
-          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, ctas_per_sm=1)],
+          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, ctas_per_sm=1, persistent=True,
+              warp_specialize=False),
+          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1,
+               persistent=False,
+              warp_specialize=False),
+          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1, persistent=True,
+              warp_specialize=False)],
 }
 # Remote-store copy kernel: a [BLOCK_ROWS, d] tile per head and step, 16-byte stores.
 COPY_CONFIG = dict(BLOCK_ROWS=32, num_warps=4)
@@ -41,16 +52,19 @@ COPY_CONFIG = dict(BLOCK_ROWS=32, num_warps=4)
 
 @triton.jit
 def _q_loop(q, k_desc, v_desc, col, M, qk_scale,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+            WARP_SPECIALIZE: tl.constexpr):
     """One output tile: the Q-loop over all ceil(M/b_n) KV tiles (Fig. 6) with online softmax.
 
-    Non-causal; scores are scaled by ``qk_scale`` = log2(e)/sqrt(d) so exp2 gives softmax. Returns
-    the normalized fp32 tile O = softmax(Q K^T / sqrt(d)) V.
+    Non-causal; scores are scaled by ``qk_scale`` = log2(e)/sqrt(d) so exp2 gives softmax, and
+    normalized once after the loop. WARP_SPECIALIZE: Triton splits the loop into a TMA producer
+    warpgroup and consumer warpgroups (on sm_90 with num_warps=4: 12 warps, as FlashAttention-3
+    arranges them). Returns the normalized fp32 tile O = softmax(Q K^T / sqrt(d)) V.
     """
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 1.0, tl.float32)  # multiplied by alpha = 0 on the first KV tile
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start_n in tl.range(0, M, BLOCK_N):
+    for start_n in tl.range(0, M, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k = k_desc.load([start_n, col]).T
         qk = tl.dot(q, k)
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -65,14 +79,40 @@ def _q_loop(q, k_desc, v_desc, col, M, qk_scale,
 
 
 @triton.jit
-def flash_attention_kernel(q_desc, k_desc, v_desc, dst, M, rows_per_rank, rank, world, qk_scale,
-                           H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REMOTE: tl.constexpr):
-    """Persistent FlashAttention forward over the M/b_m x H_LOCAL output tiles of one rank.
+def _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world,
+                H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                REMOTE: tl.constexpr, FENCED: tl.constexpr):
+    """The epilogue of one output tile (rows row0.., head ``head``): LOCAL or REMOTE (see
+    ``flash_attention_kernel``); FENCED makes the tile's remote stores visible system-wide first."""
+    d_cols = tl.arange(0, HEAD_DIM)
+    rows = row0 + tl.arange(0, BLOCK_M).to(tl.int64)
+    if REMOTE:
+        owner = rows // rows_per_rank
+        base = tl.multiple_of(tl.load(dst + owner).to(tl.pointer_type(o.dtype)), 16)
+        dst_row = (rows - owner * rows_per_rank) * (H_LOCAL * world) + rank * H_LOCAL
+        tl.store(base[:, None] + ((dst_row + head) * HEAD_DIM)[:, None] + d_cols[None, :], o)
+        if FENCED:
+            # Every warp's stores precede the barrier; the release at system scope that follows
+            # is cumulative, so it waits until all of them are visible to every GPU (measured on
+            # H200 in session 1) before the program may start its next tile.
+            tl.debug_barrier()
+            tl.atomic_add(fence_flag, 0, sem="release", scope="sys")
+    else:
+        tl.store(dst + ((rows * H_LOCAL + head) * HEAD_DIM)[:, None] + d_cols[None, :], o)
+
+
+@triton.jit
+def flash_attention_kernel(q_desc, k_desc, v_desc, dst, fence_flag, M, rows_per_rank, rank, world,
+                           qk_scale, H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REMOTE: tl.constexpr,
+                           FENCED: tl.constexpr, PERSISTENT: tl.constexpr,
+                           WARP_SPECIALIZE: tl.constexpr):
+    """FlashAttention forward over the M/b_m x H_LOCAL output tiles of one rank.
 
     ``q_desc``/``k_desc``/``v_desc`` are TMA descriptors over [M, H_LOCAL*d]; head h is the column
-    block [h*d, (h+1)*d). Each program walks tiles pid, pid + num_programs, ...; m blocks vary
-    fastest so concurrent tiles share a head's K and V in L2.
+    block [h*d, (h+1)*d). Tile t is m block t % (M/b_m) of head t // (M/b_m): m blocks vary
+    fastest so concurrent tiles share a head's K and V in L2. PERSISTENT: each program walks tiles
+    pid, pid + num_programs, ...; otherwise one program per tile (grid = tiles).
 
     Epilogue (the ``REMOTE`` constexpr switch):
       LOCAL   ``dst`` is out [M, H_LOCAL, d]; the tile is stored there.
@@ -81,24 +121,30 @@ def flash_attention_kernel(q_desc, k_desc, v_desc, dst, M, rows_per_rank, rank, 
               (row // rows_per_rank) and the program goes on with its next tile: the tile drains
               through X-Stage during the next Q-loop (Fig. 7, eq. 18) with no communication warp,
               CTA or SM. Completion is not awaited here; the consumer synchronizes once per launch.
-    Both epilogues store the same bf16 values, so Fused equals Serial bitwise.
+              FENCED (issue 8): after each tile's stores a release at system scope on
+              ``fence_flag`` (an int32 on this GPU) waits for them to complete before the next
+              tile: the completion-coupled epilogue of eq. 17.
+    Every epilogue stores the same bf16 values, so Fused (fenced or not) equals Serial bitwise.
     """
     num_m_blocks = M // BLOCK_M
-    d_cols = tl.arange(0, HEAD_DIM)
-    for tile in tl.range(tl.program_id(0), num_m_blocks * H_LOCAL, tl.num_programs(0)):
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), num_m_blocks * H_LOCAL, tl.num_programs(0)):
+            head = tile // num_m_blocks
+            row0 = (tile % num_m_blocks) * BLOCK_M
+            q = q_desc.load([row0, head * HEAD_DIM])
+            o = _q_loop(q, k_desc, v_desc, head * HEAD_DIM, M, qk_scale, BLOCK_M, BLOCK_N,
+                        HEAD_DIM, WARP_SPECIALIZE).to(q.dtype)
+            _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world, H_LOCAL,
+                        HEAD_DIM, BLOCK_M, REMOTE, FENCED)
+    else:
+        tile = tl.program_id(0)
         head = tile // num_m_blocks
-        col = head * HEAD_DIM
         row0 = (tile % num_m_blocks) * BLOCK_M
-        q = q_desc.load([row0, col])
-        o = _q_loop(q, k_desc, v_desc, col, M, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM).to(q.dtype)
-        rows = row0 + tl.arange(0, BLOCK_M).to(tl.int64)
-        if REMOTE:
-            owner = rows // rows_per_rank
-            base = tl.multiple_of(tl.load(dst + owner).to(tl.pointer_type(q.dtype)), 16)
-            dst_row = (rows - owner * rows_per_rank) * (H_LOCAL * world) + rank * H_LOCAL
-            tl.store(base[:, None] + ((dst_row + head) * HEAD_DIM)[:, None] + d_cols[None, :], o)
-        else:
-            tl.store(dst + ((rows * H_LOCAL + head) * HEAD_DIM)[:, None] + d_cols[None, :], o)
+        q = q_desc.load([row0, head * HEAD_DIM])
+        o = _q_loop(q, k_desc, v_desc, head * HEAD_DIM, M, qk_scale, BLOCK_M, BLOCK_N,
+                    HEAD_DIM, WARP_SPECIALIZE).to(q.dtype)
+        _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world, H_LOCAL,
+                    HEAD_DIM, BLOCK_M, REMOTE, FENCED)
 
 
 @triton.jit

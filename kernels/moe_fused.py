@@ -18,6 +18,22 @@ Every spin is bounded: after ``max_spin`` polls the tile is skipped and ``error_
 an unsatisfiable schedule ends with an error instead of a hang (the rows stay poisoned).
 Deadlock freedom of a schedule assumes every program is resident (one program per SM at most).
 
+Two constexpr variants, both off for the timing of the two schedules:
+
+* ``INSTRUMENT``: per tile, ``TRACE_FIELDS`` int64 into ``trace_ptr [programs, max_tiles, 10]``:
+  ``%clock64`` then ``%globaltimer`` at four points (tile entry; dependency satisfied, i.e. after
+  the acquire-spin of a Linear-2 tile, equal to entry for Linear-1; mainloop end = epilogue start;
+  epilogue end = every store of the tile issued), then ``%smid`` and the spin count. Each stamp
+  follows a CTA barrier (``bar.sync``), so it is read once every warp has issued everything before
+  it; the asm is volatile (``is_pure=False``), so neither it nor the barrier moves across the
+  stores. The value stored is one thread's. This kernel is not warp-specialized: the same warps run
+  mainloop and epilogue, so the epilogue span (stamps 2 -> 3) is the sender-visible remote-store
+  span T_RS of the tile's Combine burst, and stores still draining after it delay the *next*
+  tile's loads (an SM's memory operations queue behind its outstanding remote stores).
+* ``FENCE``: after each Linear-2 tile's Combine stores, a CTA barrier and a system-scope release
+  (``fence.acq_rel.sys`` before a no-op add) by which the SM waits until its stores are performed
+  system-wide, then a barrier: the completion-coupled issuer of §2.3 (issue 8 counterfactual).
+
 ``FP8`` selects W8A8: e4m3 operands with fp32 block scales, 1 x ``SCALE_BLOCK`` for activations
 (per row and K block) and ``SCALE_BLOCK`` x ``SCALE_BLOCK`` for weights, applied per K block as in
 DeepSeek-V3/DeepGEMM; the Linear-1 epilogue re-quantizes ``h`` per row and ``SCALE_BLOCK`` columns.
@@ -33,6 +49,7 @@ import triton.language as tl
 
 TILE_L1 = tl.constexpr(0)
 TILE_L2 = tl.constexpr(1)
+TRACE_FIELDS = tl.constexpr(10)  # clock64 x 4, globaltimer x 4, smid, spins
 E4M3_MAX = tl.constexpr(448.0)
 E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2**-6; below it e4m3 steps are 2**-9
 
@@ -53,11 +70,27 @@ def _round_to_e4m3(x):
 
 
 @triton.jit
+def _stamp(rec, point: tl.constexpr):
+    """Stamp point ``point`` (0..3) of a tile record: ``%clock64`` at ``rec[point]``,
+    ``%globaltimer`` at ``rec[4 + point]``, after a CTA barrier (every warp got here)."""
+    tl.debug_barrier()
+    clk = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64,
+                                    is_pure=False, pack=1)
+    now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                    is_pure=False, pack=1)
+    tl.store(rec + point, clk)
+    tl.store(rec + 4 + point, now)
+
+
+@triton.jit
 def _linear1_swiglu_tile(expert, row_block, n_block,
                          x_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, h_ptr, h_scale_ptr, row_ready_ptr,
-                         HIDDEN, INTER,
+                         rec, HIDDEN, INTER,
                          FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
-                         BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+                         BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                         INSTRUMENT: tl.constexpr):
+    if INSTRUMENT:
+        _stamp(rec, 1)  # no dependency to wait for
     rows = (row_block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = n_block * BLOCK_N1 + tl.arange(0, BLOCK_N1)
     ks = tl.arange(0, BLOCK_K)
@@ -81,6 +114,8 @@ def _linear1_swiglu_tile(expert, row_block, n_block,
         else:
             acc_gate = tl.dot(a, b_gate, acc_gate)
             acc_up = tl.dot(a, b_up, acc_up)
+    if INSTRUMENT:
+        _stamp(rec, 2)
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # SwiGLU: silu(gate) * up
     h_ptrs = h_ptr + rows[:, None] * INTER + cols[None, :]
     if FP8:
@@ -95,15 +130,18 @@ def _linear1_swiglu_tile(expert, row_block, n_block,
     # Every thread's h stores happen-before the release (CTA barrier + release cumulativity).
     tl.debug_barrier()
     tl.atomic_add(row_ready_ptr + row_block, 1, sem="release", scope="gpu")
+    if INSTRUMENT:
+        _stamp(rec, 3)
 
 
 @triton.jit
 def _linear2_combine_tile(expert, row_block, n_block,
                           h_ptr, h_scale_ptr, w2_ptr, w2_scale_ptr, row_ready_ptr,
                           row_src_ptr, row_slot_ptr, combine_ptrs_ptr, error_ptr, max_spin,
-                          HIDDEN, INTER,
+                          rec, HIDDEN, INTER,
                           FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
-                          BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+                          BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                          INSTRUMENT: tl.constexpr, FENCE: tl.constexpr):
     # Acquire-wait until all INTER // BLOCK_N1 Linear-1 slices of this row block are visible.
     needed = INTER // BLOCK_N1
     ready = tl.atomic_add(row_ready_ptr + row_block, 0, sem="acquire", scope="gpu")
@@ -111,10 +149,14 @@ def _linear2_combine_tile(expert, row_block, n_block,
     while (ready < needed) & (spins < max_spin):
         ready = tl.atomic_add(row_ready_ptr + row_block, 0, sem="acquire", scope="gpu")
         spins += 1
+    if INSTRUMENT:
+        tl.store(rec + 9, spins.to(tl.int64))
     if ready < needed:
         tl.atomic_add(error_ptr, 1)  # bounded spin expired: report and skip, never hang
     else:
         tl.debug_barrier()  # the acquiring thread's view is ordered before every thread's loads
+        if INSTRUMENT:
+            _stamp(rec, 1)
         rows = (row_block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         cols = n_block * BLOCK_N2 + tl.arange(0, BLOCK_N2)
         ks = tl.arange(0, BLOCK_K)
@@ -132,6 +174,8 @@ def _linear2_combine_tile(expert, row_block, n_block,
                 acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
             else:
                 acc = tl.dot(a, b, acc)
+        if INSTRUMENT:
+            _stamp(rec, 2)
         # Epilogue: each row goes to its source rank's Combine buffer (remote store burst).
         slot = tl.load(row_slot_ptr + rows)
         src = tl.load(row_src_ptr + rows)
@@ -139,6 +183,14 @@ def _linear2_combine_tile(expert, row_block, n_block,
         dst = tl.multiple_of(tl.load(combine_ptrs_ptr + src).to(tl.pointer_type(tl.bfloat16)), 16)
         out_ptrs = dst[:, None] + slot.to(tl.int64)[:, None] * HIDDEN + cols[None, :]
         tl.store(out_ptrs, acc.to(tl.bfloat16), mask=(slot >= 0)[:, None])
+        if FENCE:
+            # Completion-coupled: wait until this tile's stores are visible system-wide (the
+            # release fence waits for the SM's outstanding remote stores), every warp with it.
+            tl.debug_barrier()
+            tl.atomic_add(error_ptr, 0, sem="release", scope="sys")
+            tl.debug_barrier()
+        if INSTRUMENT:
+            _stamp(rec, 3)
 
 
 @triton.jit
@@ -146,14 +198,21 @@ def fused_moe_kernel(tiles_ptr, num_tiles_ptr, max_tiles,
                      x_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w2_ptr, w2_scale_ptr,
                      h_ptr, h_scale_ptr, row_ready_ptr,
                      row_src_ptr, row_slot_ptr, combine_ptrs_ptr,
-                     error_ptr, max_spin,
+                     error_ptr, max_spin, trace_ptr,
                      HIDDEN, INTER,
                      FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
-                     BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+                     BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                     INSTRUMENT: tl.constexpr = False, FENCE: tl.constexpr = False):
     """One persistent program per table row; the schedule is the table, not this code."""
     pid = tl.program_id(0)
     my_tiles = tiles_ptr + pid * max_tiles * 4
     for i in range(0, tl.load(num_tiles_ptr + pid)):
+        rec = trace_ptr + (pid * max_tiles + i).to(tl.int64) * TRACE_FIELDS
+        if INSTRUMENT:
+            _stamp(rec, 0)
+            smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                             is_pure=False, pack=1)
+            tl.store(rec + 8, smid.to(tl.int64))
         kind = tl.load(my_tiles + i * 4)
         expert = tl.load(my_tiles + i * 4 + 1)
         row_block = tl.load(my_tiles + i * 4 + 2)
@@ -161,14 +220,15 @@ def fused_moe_kernel(tiles_ptr, num_tiles_ptr, max_tiles,
         if kind == TILE_L1:
             _linear1_swiglu_tile(expert, row_block, n_block,
                                  x_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, h_ptr, h_scale_ptr,
-                                 row_ready_ptr, HIDDEN, INTER,
-                                 FP8, BLOCK_M, BLOCK_N1, BLOCK_K, SCALE_BLOCK)
+                                 row_ready_ptr, rec, HIDDEN, INTER,
+                                 FP8, BLOCK_M, BLOCK_N1, BLOCK_K, SCALE_BLOCK, INSTRUMENT)
         else:
             _linear2_combine_tile(expert, row_block, n_block,
                                   h_ptr, h_scale_ptr, w2_ptr, w2_scale_ptr, row_ready_ptr,
                                   row_src_ptr, row_slot_ptr, combine_ptrs_ptr, error_ptr, max_spin,
-                                  HIDDEN, INTER,
-                                  FP8, BLOCK_M, BLOCK_N1, BLOCK_N2, BLOCK_K, SCALE_BLOCK)
+                                  rec, HIDDEN, INTER,
+                                  FP8, BLOCK_M, BLOCK_N1, BLOCK_N2, BLOCK_K, SCALE_BLOCK,
+                                  INSTRUMENT, FENCE)
     # A system-scope release (a fence.sys in front of a no-op add) after a CTA barrier: every remote
     # Combine store of this program is performed system-wide before the program exits, ahead of
     # the host's symmetric-memory barrier that tells the source ranks their rows are there.

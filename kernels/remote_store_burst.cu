@@ -182,3 +182,297 @@ extern "C" __global__ void sample_sm_clock(u64 window_ns, u64* out) {
     out[2] = t1;
     out[3] = clock64();
 }
+
+// ---------------------------------------------------------------------------------------------
+// Beyond 16-byte stores to one peer (issue 6): the same Burst–Gap loop with
+//  - an operation per burst (OP_*): 4-, 8- or 16-byte stores, remote reductions (red.global.add
+//    u32 or f32), bulk copies from shared memory (cp.async.bulk, the copy engine of sm_90) or
+//    16-byte remote loads whose words are summed so that they cannot be eliminated;
+//  - several destinations: producer p works on dst_table[p % n_dst] (one-to-all splits the
+//    producers over the peers);
+//  - a start aligned across GPUs: every GPU's producers meet in a grid barrier, CTA 0 reports to
+//    the host through pinned memory and waits for the host's go, which comes once every GPU has
+//    reported; a second grid barrier releases the rest.
+// Buffers are addressed in 32-bit words: a rotation slot holds K·B/4 words, producer p's part of
+// it starts at word p·B/4.
+
+#define OP_STORE4 0u
+#define OP_STORE8 1u
+#define OP_STORE16 2u
+#define OP_RED_ADD_U32 3u
+#define OP_RED_ADD_F32 4u
+#define OP_BULK 5u
+#define OP_LOAD16 6u
+#define XSTAGE_ERR_START_TIMEOUT 2u
+
+// The word a store (or bulk copy) leaves: a function of (burst, producer, word) as above.
+__device__ __forceinline__ u32 word_pattern(u32 seed, u32 burst, u32 producer, u32 word) {
+    return seed ^ (burst * 0x9E3779B1u) ^ (producer * 0x85EBCA77u) ^ (word * 0xC2B2AE3Du);
+}
+
+// What a reduction adds: the same every burst, so n bursts on a slot add n times it (exact in
+// f32 too: small integers).
+__device__ __forceinline__ u32 red_addend_u32(u32 producer, u32 word) {
+    return 1u + ((producer ^ word) & 0xFFu);
+}
+
+__device__ __forceinline__ float red_addend_f32(u32 producer, u32 word) {
+    return (float)(1u + ((producer ^ word) & 7u));
+}
+
+// The destinations come from a table, so the compiler cannot tell they are global memory: the
+// operations below take the global-space address and name the space themselves.
+__device__ __forceinline__ u64 to_global(const void* p) {
+    u64 g;
+    asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(p));
+    return g;
+}
+
+__device__ __forceinline__ u32 to_shared(const void* p) {
+    u32 s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+    return s;
+}
+
+__device__ __forceinline__ void st_global_u32(u32* p, u32 a) {
+    asm volatile("st.global.u32 [%0], %1;" :: "l"(to_global(p)), "r"(a) : "memory");
+}
+
+__device__ __forceinline__ void st_global_v2(uint2* p, u32 a, u32 b) {
+    asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(to_global(p)), "r"(a), "r"(b)
+                 : "memory");
+}
+
+__device__ __forceinline__ void st_global_v4(uint4* p, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(to_global(p)), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+// Bursts among n_bursts that use rotation slot `slot` (slot < min(n_bursts, n_slots)).
+__device__ __forceinline__ u32 slot_hits(u32 slot, u32 n_slots, u32 n_bursts) {
+    return (n_bursts - 1u - slot) / n_slots + 1u;
+}
+
+// trace, clocks and the timekeeper warp as in burst_gap. Dynamic shared memory: the stamps
+// (n_bursts * 3 * 8 bytes, rounded up to 128) then, for OP_BULK, B bytes of staging.
+// load_sums[K]: per producer, the sum of every word it loaded (OP_LOAD16), checked by the host.
+extern "C" __global__ void burst_gap_ops(
+        const u64* __restrict__ dst_table,
+        u32 n_dst,
+        u32 op,
+        u64 slot_words,           // 32-bit words per rotation slot (K * B / 4)
+        u32 n_slots,
+        u32 words_per_producer,   // B / 4
+        u32 bulk_chunk_bytes,     // OP_BULK: bytes per cp.async.bulk (a multiple of 16)
+        u32 n_bursts,
+        u64 gap_cycles,
+        u32 align_each_burst,
+        u32 seed,
+        u32* arrivals,            // zeroed before launch
+        u32* error,               // zeroed before launch
+        volatile u32* host_ready, // pinned host word of this GPU, zeroed before launch
+        const volatile u32* host_go,  // pinned host word, set by the host once all GPUs are ready
+        u64 timeout_ns,
+        unsigned long long* __restrict__ load_sums,
+        u64* __restrict__ trace,
+        u64* __restrict__ clocks) {
+    extern __shared__ __align__(128) u64 ops_stamps[];
+    __shared__ int abort_run;
+    const u32 producer = blockIdx.x;
+    const u32 n_producers = gridDim.x;
+    const u32 store_threads = blockDim.x - 32u;
+    const bool timekeeper = threadIdx.x == store_threads;
+    const bool store_thread = threadIdx.x < store_threads;
+    u32* stage = (u32*)(ops_stamps + ((n_bursts * 3u + 15u) & ~15u));
+    char* base = (char*)dst_table[producer % n_dst];
+    unsigned long long loaded = 0;
+    u32 round = 0;
+    if (timekeeper) {
+        u32 smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        clocks[producer * 5 + 0] = global_timer_ns();
+        clocks[producer * 5 + 1] = clock64();
+        clocks[producer * 5 + 4] = smid;
+        abort_run = 0;
+        // Start: all producers resident; CTA 0 meets the host; all released together.
+        bool ok = grid_barrier(arrivals, round++, n_producers, timeout_ns, error);
+        if (ok && producer == 0) {
+            *host_ready = 1u;
+            __threadfence_system();
+            const u64 deadline = global_timer_ns() + timeout_ns;
+            while (*host_go == 0u) {
+                if (global_timer_ns() > deadline) {
+                    atomicOr(error, XSTAGE_ERR_START_TIMEOUT);
+                    ok = false;
+                    break;
+                }
+            }
+        }
+        ok = ok && grid_barrier(arrivals, round++, n_producers, timeout_ns, error);
+        if (!ok) abort_run = 1;
+    }
+    for (u32 burst = 0; burst < n_bursts; ++burst) {
+        const u64 word0 = (u64)(burst % n_slots) * slot_words + (u64)producer * words_per_producer;
+        // Bulk: the staging is written before issue starts (its reads by the copy engine of the
+        // previous burst were awaited), and made visible to the async proxy.
+        if (op == OP_BULK && store_thread) {
+            for (u32 w = threadIdx.x; w < words_per_producer; w += store_threads) {
+                stage[w] = word_pattern(seed, burst, producer, w);
+            }
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        }
+        __syncthreads();
+        if (timekeeper) {
+            if (!abort_run && burst > 0 && align_each_burst &&
+                !grid_barrier(arrivals, round++, n_producers, timeout_ns, error)) {
+                abort_run = 1;
+            }
+            ops_stamps[burst * 3 + 0] = clock64();
+            ops_stamps[burst * 3 + 2] = global_timer_ns();
+        }
+        __syncthreads();
+        if (abort_run) break;
+        if (store_thread) {
+            const u32 t = threadIdx.x;
+            switch (op) {
+            case OP_STORE4: {
+                u32* out = (u32*)base + word0;
+                for (u32 w = t; w < words_per_producer; w += store_threads)
+                    st_global_u32(out + w, word_pattern(seed, burst, producer, w));
+                break;
+            }
+            case OP_STORE8: {
+                uint2* out = (uint2*)((u32*)base + word0);
+                for (u32 v = t; v < words_per_producer / 2u; v += store_threads)
+                    st_global_v2(out + v, word_pattern(seed, burst, producer, 2u * v),
+                                 word_pattern(seed, burst, producer, 2u * v + 1u));
+                break;
+            }
+            case OP_STORE16: {
+                uint4* out = (uint4*)((u32*)base + word0);
+                for (u32 v = t; v < words_per_producer / 4u; v += store_threads)
+                    st_global_v4(out + v, word_pattern(seed, burst, producer, 4u * v),
+                                 word_pattern(seed, burst, producer, 4u * v + 1u),
+                                 word_pattern(seed, burst, producer, 4u * v + 2u),
+                                 word_pattern(seed, burst, producer, 4u * v + 3u));
+                break;
+            }
+            case OP_RED_ADD_U32: {
+                u32* out = (u32*)base + word0;
+                for (u32 w = t; w < words_per_producer; w += store_threads)
+                    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;"
+                                 :: "l"(to_global(out + w)), "r"(red_addend_u32(producer, w))
+                                 : "memory");
+                break;
+            }
+            case OP_RED_ADD_F32: {
+                float* out = (float*)base + word0;
+                for (u32 w = t; w < words_per_producer; w += store_threads)
+                    asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;"
+                                 :: "l"(to_global(out + w)), "f"(red_addend_f32(producer, w))
+                                 : "memory");
+                break;
+            }
+            case OP_BULK: {
+                const u32 bytes = words_per_producer * 4u;
+                const u32 n_chunks = (bytes + bulk_chunk_bytes - 1u) / bulk_chunk_bytes;
+                bool issued = false;
+                for (u32 c = t; c < n_chunks; c += store_threads) {
+                    const u32 off = c * bulk_chunk_bytes;
+                    const u32 left = bytes - off;
+                    const u32 size = left < bulk_chunk_bytes ? left : bulk_chunk_bytes;
+                    const u32 src = to_shared((char*)stage + off);
+                    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                                 :: "l"(to_global((char*)((u32*)base + word0) + off)), "r"(src),
+                                    "r"(size)
+                                 : "memory");
+                    issued = true;
+                }
+                if (issued) {
+                    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                    // Issue ends when the copy engine has read the staging, not when the bytes
+                    // have landed: the bulk analogue of a store leaving the SM.
+                    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+                }
+                break;
+            }
+            case OP_LOAD16: {
+                const uint4* in = (const uint4*)((const u32*)base + word0);
+                for (u32 v = t; v < words_per_producer / 4u; v += store_threads) {
+                    uint4 x;
+                    asm volatile("ld.global.cv.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                                 : "l"(to_global(in + v)));
+                    loaded += (unsigned long long)x.x + x.y + x.z + x.w;
+                }
+                break;
+            }
+            default:
+                break;
+            }
+        }
+        // Issue ends when every warp of the CTA has issued (a load: has its data back).
+        __syncthreads();
+        if (timekeeper) {
+            const u64 end = clock64();
+            ops_stamps[burst * 3 + 1] = end;
+            while ((u64)clock64() - end < gap_cycles) { }
+        }
+    }
+    if (op == OP_LOAD16 && store_thread && loaded) atomicAdd(load_sums + producer, loaded);
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < n_bursts * 3u; i += blockDim.x) {
+        trace[((u64)(i / 3u) * n_producers + producer) * 3 + i % 3u] = ops_stamps[i];
+    }
+    if (timekeeper) {
+        clocks[producer * 5 + 2] = global_timer_ns();
+        clocks[producer * 5 + 3] = clock64();
+    }
+}
+
+// Counts words of one destination buffer that differ from what a burst_gap_ops run must have
+// left there: the producers p with p % n_dst == dst_index wrote their parts of each used slot
+// (the last burst's pattern; for a reduction, poison plus hits times the addend), the rest
+// still holds poison. Not for loads, which leave their buffer as it was: the host checks the
+// sums of what they loaded instead.
+extern "C" __global__ void count_ops_mismatches(
+        const u32* __restrict__ buf,
+        u64 buffer_words,
+        u64 slot_words,
+        u32 n_slots,
+        u32 words_per_producer,
+        u32 n_bursts,
+        u32 n_dst,
+        u32 dst_index,
+        u32 op,
+        u32 seed,
+        u32 poison,
+        unsigned long long* mismatches) {
+    const u32 used_slots = n_bursts < n_slots ? n_bursts : n_slots;
+    const u64 written = (u64)used_slots * slot_words;
+    u64 local = 0;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < buffer_words;
+         i += (u64)gridDim.x * blockDim.x) {
+        u32 want = poison;
+        if (i < written) {
+            const u32 slot = (u32)(i / slot_words);
+            const u64 within = i % slot_words;
+            const u32 producer = (u32)(within / words_per_producer);
+            const u32 word = (u32)(within % words_per_producer);
+            if (producer % n_dst == dst_index) {
+                const u32 hits = slot_hits(slot, n_slots, n_bursts);
+                if (op == OP_RED_ADD_U32) {
+                    want = poison + hits * red_addend_u32(producer, word);
+                } else if (op == OP_RED_ADD_F32) {
+                    float x = __uint_as_float(poison);
+                    for (u32 h = 0; h < hits; ++h) x += red_addend_f32(producer, word);
+                    want = __float_as_uint(x);
+                } else {
+                    want = word_pattern(seed, slot + (hits - 1u) * n_slots, producer, word);
+                }
+            }
+        }
+        local += buf[i] != want;
+    }
+    if (local) atomicAdd(mismatches, local);
+}

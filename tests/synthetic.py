@@ -45,3 +45,69 @@ def synthetic_table(noise: float = 0.0, seed: int = 0) -> pd.DataFrame:
                                  gap_eff_us=g * jitter[1] + t * (jitter[1] - jitter[0]),
                                  start_skew_ns=50.0, sm_clock_mhz=1980.0, burst_volume=v))
     return pd.DataFrame(rows)
+
+
+def synthetic_beyond_table(sweeps, drain_rate=None, noise: float = 0.0, seed: int = 0
+                           ) -> pd.DataFrame:
+    """Per-burst rows shaped like ``RemoteOpsBench.measure``'s for ``remote_ops.config_sweeps``:
+    every source of a point's routes drains at ``drain_rate(point)`` (default KNOWN's) times its
+    drain share, with KNOWN's issue floor, capacity and loop gap."""
+    from xstage_lab.experiments.remote_ops import drain_share, parse_routes
+
+    rng = np.random.default_rng(seed)
+    bar = KNOWN["loop_gap_us"]
+    rows = []
+    for sw in sweeps:
+        for idx, p in enumerate(sw.points()):
+            routes = parse_routes(p["routes"])
+            share = drain_share(routes)
+            k, b = p["producers"], p["burst_bytes"]
+            v = k * b
+            t0 = float(issue_floor(k, v))
+            g = p["gap_us"] + bar
+            for src, dsts in routes:
+                R = (drain_rate(p) if drain_rate else KNOWN["drain_rate"]) * share[src]
+                if p["path"] == "local":
+                    t = t0
+                elif p["mode"] == "isolated":
+                    t = float(model.isolated_issue_time(v, t0, capacity(k), R))
+                else:
+                    t = float(max(model.issue_time(g, v, t0, R),
+                                  model.isolated_issue_time(v, t0, capacity(k), R)))
+                for rep in range(sw.repeats):
+                    jitter = 1 + noise * rng.standard_normal(2)
+                    rows.append(dict(p, sweep=sw.name, point=idx, repeat=rep, burst=5,
+                                     warmup=False, producers_in_window=k, src=src,
+                                     dst=dsts[0] if len(dsts) == 1 else -1, n_dst=len(dsts),
+                                     window_rate_GBps=min(R, v / (t + g) / 1e3),
+                                     t_iss_us=t * jitter[0], period_us=(t + g) * jitter[1],
+                                     gap_eff_us=g * jitter[1] + t * (jitter[1] - jitter[0]),
+                                     start_skew_ns=50.0, gpu_start_spread_ns=800.0,
+                                     sm_clock_mhz=1980.0, burst_volume=v))
+    return pd.DataFrame(rows)
+
+
+def write_synthetic_beyond_records(root, n_gpus: int = 2, noise: float = 0.01):
+    """A ``remote_ops`` and a ``remote_patterns`` record under ``root`` from the model: 16-byte
+    stores at KNOWN's rate, every other operation at its own rate (the reductions far slower),
+    each all-to-one source at its drain share. Returns (ops path, patterns path)."""
+    from xstage_lab.experiments.injection_patterns import (pattern_instances, route_sets,
+                                                          write_patterns)
+    from xstage_lab.experiments.remote_ops import (OPS, config_sweeps, drain_share,
+                                                   parse_routes, write_operations)
+    from xstage_lab.experiments.remote_store import BenchSettings
+
+    rates = dict(zip(OPS, (700.0, 650.0, 400.0, 300.0, 690.0, 120.0, 110.0)))
+    provenance = {"gpu_name": "NVIDIA H200", "gpu_count": n_gpus, "synthetic": True}
+    facts = {"excluded": {}, "rates_GBps": {}, "clocks": {}, "sweeps": [], "elapsed_s": 0.0,
+             "seed": 0, "settings": {}}
+    sweeps = [sw for op in OPS for sw in config_sweeps({"op": op}, 132, dict(routes="0>1"),
+                                                       rates[op], BenchSettings(), repeats=3)]
+    ops = synthetic_beyond_table(sweeps, drain_rate=lambda p: rates[p["op"]], noise=noise)
+    ops_path = write_operations(ops, facts, 0, 1, f"h200-x{n_gpus}", provenance, root)
+    sweeps = [sw for r in route_sets(pattern_instances(n_gpus))
+              for sw in config_sweeps({"routes": r}, 132, dict(op="store16"),
+                                      KNOWN["drain_rate"] * min(drain_share(parse_routes(r)).values()),
+                                      BenchSettings(), repeats=3)]
+    patterns = synthetic_beyond_table(sweeps, noise=noise)
+    return ops_path, write_patterns(patterns, facts, n_gpus, f"h200-x{n_gpus}", provenance, root)

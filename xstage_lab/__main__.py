@@ -1,5 +1,5 @@
-"""Command line: ``python -m xstage_lab {characterize,calibrate,import-bench,measure-all,reproduce,
-summary}``."""
+"""Command line: ``python -m xstage_lab {characterize,calibrate,visibility,import-bench,
+measure-all,reproduce,summary}``."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +26,28 @@ def _characterize(args) -> int:
     return 0
 
 
+def _characterize_beyond(args) -> int:
+    import time
+    import traceback
+
+    from .experiments.injection_patterns import run_patterns
+    from .experiments.remote_ops import run_operations
+
+    parts = {"patterns": lambda: run_patterns(repeats=args.repeats, root=args.root),
+             "ops": lambda: run_operations(repeats=args.repeats, src=args.src, dst=args.dst,
+                                           root=args.root)}
+    t0, failed = time.monotonic(), []
+    for name in args.only:
+        try:  # each part its own record: one failing leaves the other's
+            print(f"wrote {parts[name]()}", flush=True)
+        except Exception:
+            traceback.print_exc()
+            failed.append(name)
+    print(f"characterize-beyond: {time.monotonic() - t0:.0f} s"
+          + (f"; failed: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
 def _calibrate(args) -> int:
     from .experiments.remote_store import write_calibration
 
@@ -37,6 +59,13 @@ def _import_bench(args) -> int:
     from .records import import_bench_json
 
     print(f"wrote {import_bench_json(args.file, args.experiment, root=args.root)}")
+    return 0
+
+
+def _visibility(args) -> int:
+    from .experiments.visibility import run_visibility
+
+    print(f"wrote {run_visibility(src=args.src, dst=args.dst, repeats=args.repeats, root=args.root)}")
     return 0
 
 
@@ -84,6 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibrate", action="store_true", help="also write the calibration record")
     p.set_defaults(func=_characterize)
 
+    p = sub.add_parser("characterize-beyond",
+                       help="injection patterns and remote operations (issue 6)")
+    p.add_argument("--only", nargs="+", choices=("patterns", "ops"), default=["patterns", "ops"])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--src", type=int, default=0, help="source GPU of the operations")
+    p.add_argument("--dst", type=int, default=1, help="destination GPU of the operations")
+    p.add_argument("--root", type=Path, default=RECORDS_DIR, help="records root")
+    p.set_defaults(func=_characterize_beyond)
+
     p = sub.add_parser("calibrate", help="fit M_X from a remote_store record into a calibration record")
     p.add_argument("record", type=Path, help="path of a remote_store record")
     p.add_argument("--root", type=Path, default=RECORDS_DIR)
@@ -94,6 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experiment", required=True, choices=sorted(BENCHMARKS))
     p.add_argument("--root", type=Path, default=RECORDS_DIR)
     p.set_defaults(func=_import_bench)
+
+    p = sub.add_parser("visibility", help="receiver-side remote-visible completion latency "
+                       "(issue 8 part 2), with the two GPUs' clocks aligned by ping-pong")
+    p.add_argument("--src", type=int, default=0)
+    p.add_argument("--dst", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--root", type=Path, default=RECORDS_DIR, help="records root")
+    p.set_defaults(func=_visibility)
 
     p = sub.add_parser("measure-all", help="every experiment live on this machine, as records")
     p.add_argument("--root", type=Path, default=RECORDS_DIR)

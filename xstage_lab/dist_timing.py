@@ -72,15 +72,19 @@ def rotated_order(names: list[str], trial: int) -> list[str]:
 
 def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, warmup: int = 3,
                  graph_iters: int | None = None, group=None, eager: frozenset = frozenset(),
-                 after: dict[str, Callable[[], None]] | None = None) -> dict[str, dict]:
+                 after: dict[str, Callable[[], None]] | None = None,
+                 clocks: bool = False) -> dict[str, dict]:
     """Time each method; returns ``{name: {"median_us", "p25_us", "p75_us", "min_us", "max_us",
     "trials_us", "per_rank_us", "calls_per_trial"}}``, times per call in microseconds, each
     trial's the maximum over ranks (``per_rank_us`` keeps every rank's). Methods named in
     ``eager`` run as plain back-to-back launches where a graph cannot capture them. ``after[name]``
     runs after each invocation of that method (each call in warm-up, each replay of its
     ``graph_iters`` calls when timed), outside the timed window: e.g. a barrier that makes remote
-    stores visible once per replay (§5.1). Every rank must call this with the same methods
-    in the same order."""
+    stores visible once per replay (§5.1). ``clocks``: each trial also reads every rank's SM clock
+    (``read_sm_clock_mhz``) while the method runs, right after its launch, into
+    ``"sm_clock_mhz"`` (per trial, the lowest over ranks; None where NVML does not answer) and
+    ``"per_rank_sm_clock_mhz"``: under DVFS a trial's time is then read beside its clock.
+    Every rank must call this with the same methods in the same order."""
     if not methods:
         raise ValueError("no methods to time")
     if trials < 1 or warmup < 0 or (graph_iters is not None and graph_iters < 1):
@@ -118,6 +122,8 @@ def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, wa
     align = torch.zeros(1, device=device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = torch.zeros(trials, len(names), dtype=torch.float64)
+    # NaN where the clock is unknown (or not asked for)
+    clock = torch.full((trials, len(names)), float("nan"), dtype=torch.float64)
     for t in range(trials):
         for name in rotated_order(names, t):
             torch.cuda.synchronize()
@@ -128,17 +134,20 @@ def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, wa
             start.record()
             fns[name]()
             end.record()
+            if clocks:  # the host returns at launch: the GPU is running the method now
+                mhz = read_sm_clock_mhz()
+                clock[t, names.index(name)] = float("nan") if mhz is None else mhz
             if name in after:
                 after[name]()
             torch.cuda.synchronize()
             times[t, names.index(name)] = start.elapsed_time(end) * 1e3 / calls
-    per_rank = times[None]
+    per_rank, per_rank_clock = times[None], clock[None]
     if distributed:
         import torch.distributed as dist
-        gathered = torch.empty((dist.get_world_size(group), trials, len(names)),
+        gathered = torch.empty((dist.get_world_size(group), 2, trials, len(names)),
                                dtype=torch.float64, device=device)
-        dist.all_gather_into_tensor(gathered, times.to(device), group=group)
-        per_rank = gathered.cpu()
+        dist.all_gather_into_tensor(gathered, torch.stack([times, clock]).to(device), group=group)
+        per_rank, per_rank_clock = gathered[:, 0].cpu(), gathered[:, 1].cpu()
     worst = per_rank.max(dim=0).values.numpy()  # [trials, methods]: the slowest rank per trial
     out = {}
     for j, name in enumerate(names):
@@ -147,7 +156,15 @@ def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, wa
                      "p75_us": float(np.percentile(col, 75)), "min_us": float(col.min()),
                      "max_us": float(col.max()), "trials_us": [float(v) for v in col],
                      "per_rank_us": per_rank[:, :, j].tolist(), "calls_per_trial": calls}
+        if clocks:
+            mhz = per_rank_clock[:, :, j]
+            out[name]["per_rank_sm_clock_mhz"] = [[_mhz(v) for v in r] for r in mhz.tolist()]
+            out[name]["sm_clock_mhz"] = [_mhz(v) for v in mhz.min(dim=0).values.tolist()]
     return out
+
+
+def _mhz(value: float) -> float | None:
+    return None if value != value else value  # NaN: the clock was not known
 
 
 def read_sm_clock_mhz(device=None) -> int | None:

@@ -14,7 +14,8 @@ from .records import RECORDS_DIR, import_bench_json
 
 # The multi-process experiments: record name -> the module torchrun runs.
 BENCHMARKS = {"fa_a2a": "xstage_lab.experiments.attention_bench",
-              "moe": "xstage_lab.experiments.moe_bench"}
+              "moe": "xstage_lab.experiments.moe_bench",
+              "moe_trace": "xstage_lab.experiments.moe_trace_bench"}
 
 
 def torchrun_record(module: str, experiment: str, nproc: int, args: list[str] = (),
@@ -62,8 +63,30 @@ def _remote_store(root: Path) -> list[Path]:
     return [characterization, write_calibration(characterization, root=root)]
 
 
+def _visibility(root: Path) -> list[Path]:
+    """Receiver-side remote-visible completion latency (issue 8 part 2)."""
+    from .experiments.visibility import run_visibility
+
+    return [run_visibility(root=root)]
+
+
+def _remote_patterns(root: Path) -> list[Path]:
+    """Multi-peer injection patterns on every GPU (issue 6, part 1)."""
+    from .experiments.injection_patterns import run_patterns
+
+    return [run_patterns(root=root)]
+
+
+def _remote_ops(root: Path) -> list[Path]:
+    """Remote operations beyond 16-byte stores (issue 6, part 2)."""
+    from .experiments.remote_ops import run_operations
+
+    return [run_operations(root=root)]
+
+
 # The in-process (CuPy) measurements: name -> function(root) returning the records it wrote.
-IN_PROCESS = {"remote_store": _remote_store}
+IN_PROCESS = {"remote_store": _remote_store, "visibility": _visibility,
+              "remote_patterns": _remote_patterns, "remote_ops": _remote_ops}
 
 
 def measurement_names() -> list[str]:

@@ -466,3 +466,297 @@ def drain_rate_heatmap(points: pd.DataFrame, platform: str) -> go.Figure:
                              f"B = {_kb(largest['burst_bytes'].iloc[0])}, K = "
                              f"{int(largest['producers'].iloc[0])}"))
     return fig
+
+
+def fig_visibility_latency(vis) -> go.Figure:
+    """Issue-to-visibility latency seen from the receiver (issue 8 part 2): every (burst,
+    producer) of a ``visibility`` record, boxes per burst volume B, one colour per gap G, one
+    panel per producer count K."""
+    table = vis.record.table
+    ks = sorted(table["producers"].unique())
+    gaps = sorted(table["gap_us"].unique())
+    fig = make_subplots(rows=1, cols=len(ks), shared_yaxes=True,
+                        subplot_titles=[f"K = {k}" for k in ks])
+    for col, k in enumerate(ks, start=1):
+        for i, g in enumerate(gaps):
+            sel = table[(table["producers"] == k) & (table["gap_us"] == g)]
+            fig.add_box(x=sel["burst_bytes"].map(_kb), y=sel["latency_us"], name=f"G = {g:g} µs",
+                        legendgroup=f"G{g}", showlegend=col == 1, boxpoints=False,
+                        marker=dict(color=_COLORS[i % len(_COLORS)]), row=1, col=col)
+    a = vis.alignment
+    fig.update_layout(boxmode="group", yaxis_title="issue end → flag visible at the receiver (µs)",
+                      title=(f"{vis.record.platform}: remote-visible completion seen from the "
+                             f"receiver (clock offset ±{a['uncertainty_ns']:.0f} ns)"))
+    fig.update_xaxes(title_text="burst volume per producer B")
+    return fig
+
+
+def visibility_alignment_table(visibilities) -> pd.DataFrame:
+    """The measured alignment of the two GPUs' %globaltimers, per platform."""
+    rows = []
+    for v in visibilities:
+        a = v.alignment
+        rows.append({"platform": v.record.platform,
+                     "θ before (ns)": a["before"]["offset_ns"], "θ after (ns)": a["after"]["offset_ns"],
+                     "drift (ns)": a["drift_ns"], "over (s)": round(a["span_s"], 2),
+                     "RTT min (ns)": a["before"]["rtt_min_ns"],
+                     "RTT median (ns)": a["before"]["rtt_median_ns"],
+                     "swap check (ns)": a["swap_check_ns"][0],
+                     "timer step src/dst (ns)": f"{a['resolution_src']['resolution_ns']}/"
+                                                f"{a['resolution_dst']['resolution_ns']}",
+                     "± bound (ns)": a["uncertainty_ns"]})
+    return pd.DataFrame(rows)
+
+
+def visibility_completion_table(vis) -> pd.DataFrame:
+    """The aligned first burst's receiver-seen completion against the fenced sweep's
+    T_complete(K, V) = V/R + T_lat."""
+    cols = {"producers": "K", "burst_bytes": "B", "visible_from_start_us": "visible from start (µs)",
+            "aggregate_visible_us": "last flag visible (µs)",
+            "T_complete_model_us": "T_complete = V/R + T_lat (µs)", "diff_us": "difference (µs)",
+            "launches": "launches"}
+    return vis.comparison[list(cols)].rename(columns=cols).round(3)
+
+
+# -------------------------------------------------- MoE mechanism (§5.2.2–5.2.3, ``moe_trace``)
+
+def _cell(v):
+    """A record cell that held a dict or list (stored as JSON text)."""
+    return json.loads(v) if isinstance(v, str) else v
+
+
+def moe_table2(paper: dict, trace_records) -> pd.DataFrame:
+    """Table 2: per model, eq. 15's prediction beside the measured per-tile stall (and its error)
+    for both schedules, the paper's row first, then each platform's (``moe_trace.table2``)."""
+    from .experiments.moe_trace import table2
+
+    rows = [{"source": "paper", **{k: v for k, v in r.items() if k != "paper_name"}}
+            for r in paper["rows"]]
+    rows += [{"source": rec.platform, **r} for rec in trace_records for r in table2(rec.table)]
+    df = pd.DataFrame(rows)
+    for s in ("wave", "int"):
+        df[f"err_{s}_us"] = df[f"stall_pred_{s}_us"] - df[f"stall_meas_{s}_us"]
+    order = {m: i for i, m in enumerate(r["model"] for r in paper["rows"])}
+    return (df.assign(_o=df["model"].map(order)).sort_values(["_o", "source"], kind="stable")
+            .drop(columns="_o").round(3).reset_index(drop=True))
+
+
+def moe_span_distributions(trace_record, paper: dict | None = None) -> go.Figure:
+    """Fig. 10: the sampled Linear-2 remote-store spans T_RS per model, Expert-Wave and
+    Interleaved, with the local-store controls; the paper's median ranges as bands."""
+    t = trace_record.table
+    runs = t[t["kind"] == "trace"]
+    fig = go.Figure()
+    series = (("wave", "remote", "Expert-Wave"), ("interleaved", "remote", "Interleaved"),
+              ("wave", "local", "Expert-Wave, local stores"),
+              ("interleaved", "local", "Interleaved, local stores"))
+    for i, (sched, path, label) in enumerate(series):
+        sel = runs[(runs["schedule"] == sched) & (runs["path"] == path)]
+        xs, ys = [], []
+        for row in sel.to_dict("records"):
+            sample = _cell(row["sample"])
+            if isinstance(sample, dict):  # rows without a sample: nothing to draw
+                xs += [row["model"]] * len(sample["span_us"])
+                ys += sample["span_us"]
+        if ys:
+            fig.add_box(x=xs, y=ys, name=label, marker_color=_COLORS[i], boxpoints=False,
+                        offsetgroup=str(i))
+    if paper is not None:
+        for key, color in (("span_wave_median_range_us", _COLORS[0]),
+                           ("span_int_median_range_us", _COLORS[1])):
+            lo, hi = paper["fig10"][key]
+            fig.add_hrect(y0=lo, y1=hi, fillcolor=color, opacity=0.12, line_width=0,
+                          annotation_text=f"paper {key.split('_')[1]} medians",
+                          annotation_position="top left")
+    fig.update_layout(boxmode="group", title=f"{trace_record.platform}: Fig. 10, Linear-2 "
+                      "remote-store span per tile", yaxis_title="T_RS (µs)")
+    return fig
+
+
+def moe_tensor_core_timeline(trace_record, model: str) -> go.Figure:
+    """Fig. 9 equivalent: the fraction of SMs inside a Linear-1 or Linear-2 mainloop over time
+    (from the in-kernel %globaltimer stamps), Expert-Wave above Interleaved, same time axis."""
+    t = trace_record.table
+    runs = t[(t["kind"] == "trace") & (t["path"] == "remote") & (t["model"] == model)]
+    names = {"wave": "Expert-Wave", "interleaved": "Interleaved"}
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, subplot_titles=list(names.values()))
+    for r, sched in enumerate(names, start=1):
+        row = runs[runs["schedule"] == sched]
+        if row.empty:
+            continue
+        line = _cell(row.iloc[0]["timeline"])
+        for i, (key, label) in enumerate((("l1", "Linear-1 mainloop"), ("l2", "Linear-2 mainloop"))):
+            fig.add_scatter(x=line["t_us"], y=np.asarray(line[key]) * 100, stackgroup=f"s{r}",
+                            name=label, line=dict(color=_COLORS[i + 2]), showlegend=r == 1,
+                            row=r, col=1)
+    fig.update_yaxes(title_text="SMs in a mainloop (%)", range=[0, 100])
+    fig.update_xaxes(title_text="time since the first tile (µs)", row=2, col=1)
+    fig.update_layout(title=f"{trace_record.platform}: Fig. 9 equivalent, {model} "
+                            f"(Tensor-Core activity from per-tile stamps)")
+    return fig
+
+
+def moe_d_sweep(trace_record) -> go.Figure:
+    """Interleaved speedup over Expert-Wave against the lead D / D_knee (eq. 16), with the share
+    of SM time Linear-2 tiles spend waiting for their Linear-1 inputs (starvation)."""
+    t = trace_record.table
+    sweep = t[t["kind"] == "d_sweep"].sort_values("lead_rows")
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["T_wave / T_interleaved",
+                                                        "Linear-2 dependency wait, share of SM time"])
+    for i, (m, grp) in enumerate(sweep.groupby("model", sort=False)):
+        c = _COLORS[i % len(_COLORS)]
+        fig.add_scatter(x=grp["d_factor"], y=grp["speedup"], mode="lines+markers", name=m,
+                        line=dict(color=c), row=1, col=1)
+        fig.add_scatter(x=grp["d_factor"], y=grp["wait_l2_share"], mode="lines+markers", name=m,
+                        line=dict(color=c), showlegend=False, row=1, col=2)
+    fig.update_xaxes(type="log", title_text="D / D_knee")
+    fig.add_hline(y=1.0, line=dict(dash="dot"), row=1, col=1)
+    fig.update_layout(title=f"{trace_record.platform}: lead D around D_knee (eq. 16)")
+    return fig
+
+
+def moe_regressions(trace_record, matrix_record=None) -> pd.DataFrame:
+    """Each regressing matrix cell with its measured cause: Interleaved minus Expert-Wave SM time
+    per component (µs per SM) from the traced launches of both schedules. With the matrix record,
+    every cell with speedup < 1 is listed, those without a trace marked "not traced"."""
+    t = trace_record.table
+    keys = ["model", "precision", "routing", "tokens"]
+    rows = []
+    for r in t[t["kind"] == "regression"].to_dict("records"):
+        delta = _cell(r["delta_per_sm_us"])
+        rows.append({k: r[k] for k in (*keys, "matrix_speedup", "makespan_ratio", "cause")}
+                    | {f"Δ{k} (µs/SM)": v for k, v in delta.items()})
+    df = pd.DataFrame(rows) if rows else pd.DataFrame(
+        columns=[*keys, "matrix_speedup", "makespan_ratio", "cause"])
+    if matrix_record is not None:
+        m = matrix_record.table
+        slow = m[m["speedup"] < 1][keys + ["speedup"]].rename(columns={"speedup": "matrix_speedup"})
+        df = slow.merge(df.drop(columns="matrix_speedup"), on=keys, how="left")
+        df["cause"] = df["cause"].fillna("not traced")
+    return df.sort_values("matrix_speedup").round(3).reset_index(drop=True)
+
+
+def moe_counterfactual(trace_record) -> pd.DataFrame:
+    """Decoupled (Expert-Wave, Interleaved) and completion-coupled (each Linear-2 tile fenced
+    until its stores are visible) times per configuration, measured in one run."""
+    from .experiments.moe_trace import counterfactual_rows
+
+    df = pd.DataFrame(counterfactual_rows(trace_record.table))
+    df["coupled_over_decoupled_wave"] = df["wave_fenced_us"] / df["wave_us"]
+    df["coupled_over_decoupled_int"] = df["interleaved_fenced_us"] / df["interleaved_us"]
+    return df.round(3)
+
+
+def moe_condition1(trace_record, platform) -> pd.DataFrame:
+    """Condition 1 (eqs. 12–14) per traced configuration from the calibrated platform
+    (``model.PlatformModel``) and the local-control mainloops, beside the measured spans."""
+    from .experiments.moe_trace import condition1_rows
+
+    return pd.DataFrame(condition1_rows(trace_record.table, platform))
+
+
+def _fit_row(fit: dict | None) -> dict:
+    """One fit of a patterns/operations summary entry (README's FIT) as table columns."""
+    if not fit:
+        return {"fit": "not measured"}
+    if "fit_error" in fit:
+        return {"fit": f"model fit failed: {fit['fit_error']}"}
+    nr = fit.get("no_refit_from_baseline") or {}
+    t0 = fit["T_iss0_us"]
+    return {"R (GB/s)": fit["R_GBps"], "R IQR": fit["R_GBps_iqr"],
+            **{f"T_iss0 {k.split(',')[1]} (µs)": v for k, v in t0.items()},
+            "Q (MiB)": next(iter(fit["Q_MiB"].values()), None),
+            "gap err, own fit (%)": fit["gap_prediction_median_abs_err_pct"],
+            "drain share": nr.get("share"), "R predicted (GB/s)": nr.get("drain_rate_GBps"),
+            "gap err, no refit (%)": nr.get("t_iss_err_pct"),
+            "period err, no refit (%)": nr.get("period_err_pct"), "fit": "ok"}
+
+
+def patterns_table(entry: dict) -> pd.DataFrame:
+    """Injection patterns (issue 6): per pattern instance and source GPU, the fitted
+    (T_iss⁰, R, Q), the gap sweep's error from its own fit and with no refit from its
+    one-to-one route's M_X times its drain share (``summary``'s ``patterns`` entry)."""
+    rows = []
+    for inst in entry["per_instance"]:
+        head = {"pattern": inst["pattern"], "instance": inst["instance"],
+                "routes": inst["routes"], "same as": inst["degenerate_of"] or ""}
+        for fit in inst["sources"] or [None]:
+            rows.append({**head, "src": fit["src"] if fit else None, **_fit_row(fit)})
+    return pd.DataFrame(rows)
+
+
+def patterns_drain_heatmap(entry: dict, platform: str) -> go.Figure:
+    """Fitted drain rate R of every ordered GPU pair, one-to-one (aligned zero-gap bursts,
+    eq. 1), from the patterns record: the topology heat map."""
+    cells = [(inst["sources"][0]["src"], int(inst["routes"].split(">")[1]),
+              inst["sources"][0].get("R_GBps", np.nan))
+             for inst in entry["per_instance"]
+             if inst["pattern"] == "one_to_one" and inst["sources"]]
+    grid = pd.DataFrame(cells, columns=["src", "dst", "rate"]).pivot(index="src", columns="dst",
+                                                                     values="rate")
+    fig = go.Figure(go.Heatmap(z=grid.to_numpy(), x=[f"to GPU {d}" for d in grid.columns],
+                               y=[f"GPU {s}" for s in grid.index], colorbar=dict(title="GB/s"),
+                               text=np.round(grid.to_numpy(), 1), texttemplate="%{text}"))
+    fig.update_layout(title=f"{platform}: fitted drain rate R per ordered pair (one-to-one)")
+    return fig
+
+
+def patterns_rates(entry: dict, platform: str) -> go.Figure:
+    """Per pattern instance and source: the fitted R beside the no-refit prediction (the
+    one-to-one R times the drain share)."""
+    table = patterns_table(entry)
+    table = table[table["fit"] == "ok"]
+    label = table["pattern"] + " " + table["instance"] + " · src " + table["src"].astype(str)
+    fig = go.Figure()
+    fig.add_bar(x=label, y=table["R (GB/s)"], name="fitted R")
+    fig.add_bar(x=label, y=table["R predicted (GB/s)"], name="one-to-one R × drain share")
+    fig.update_layout(title=f"{platform}: drain rate per injection pattern and source",
+                      yaxis_title="GB/s", barmode="group")
+    return fig
+
+
+def operations_table(entry: dict) -> pd.DataFrame:
+    """Remote operations (issue 6): per operation the fitted (T_iss⁰, R, Q) and the gap
+    sweep's error from its own fit and with no refit from the 16-byte stores' M_X; the
+    operations left out, with the reason (``summary``'s ``operations`` entry)."""
+    rows = [{"operation": op, **_fit_row(fit)} for op, fit in entry["per_op"].items()]
+    rows += [{"operation": label.split("=", 1)[1], "fit": f"not measured: {why}"}
+             for label, why in entry["excluded"].items()]
+    return pd.DataFrame(rows)
+
+
+def operations_gap_sweeps(record) -> go.Figure:
+    """Each operation's remote gap sweep (larger B): measured T_iss against the gap the
+    producers saw, with eq. 3 from its own fit and from the 16-byte stores' M_X (no refit)."""
+    from .experiments.remote_ops import BASELINE_OP, fit_config
+
+    table = record.table
+    fits = {op: fit_config(rows, op, int(rows["src"].iloc[0]), record.platform, record.record_id)
+            for op, rows in table.groupby("op", sort=False)}
+    base = fits[BASELINE_OP].calibration
+    ok = {op: f for op, f in fits.items() if f.calibration is not None}
+    fig = make_subplots(rows=1, cols=len(ok), subplot_titles=list(ok), shared_yaxes=False)
+    for col, (op, f) in enumerate(ok.items(), start=1):
+        cal, pts = f.calibration, f.predicted
+        pts = pts[(pts["path"] == "remote") & (pts["burst_bytes"] == pts["burst_bytes"].max())]
+        v, k, b = pts["burst_volume"].iloc[0], pts["producers"].iloc[0], pts["burst_bytes"].iloc[0]
+        first = col == 1
+        fig.add_scatter(x=pts["gap_us"] + cal.loop_gap_us, y=pts["t_iss_us"], mode="markers",
+                        marker=dict(color=_COLORS[0]), name="measured", showlegend=first,
+                        row=1, col=col)
+        g = np.linspace(0, (pts["gap_us"] + cal.loop_gap_us).max(), 200)
+        fig.add_scatter(x=g, y=model.issue_time(g, v, cal.t_iss0_us[kb_key(k, b)],
+                                                cal.drain_rate_GBps),
+                        line=dict(color=_COLORS[1]), name="eq. 3, own fit", showlegend=first,
+                        row=1, col=col)
+        if base is not None:
+            fig.add_scatter(x=g, y=model.issue_time(g, v, base.t_iss0_us[kb_key(k, b)],
+                                                    base.drain_rate_GBps),
+                            line=dict(color=_COLORS[2], dash="dash"),
+                            name=f"eq. 3, {BASELINE_OP} M_X (no refit)", showlegend=first,
+                            row=1, col=col)
+        fig.update_xaxes(title_text="gap G (µs)", row=1, col=col)
+    fig.update_yaxes(title_text="T_iss (µs)", row=1, col=1)
+    fig.update_layout(title=f"{record.platform}: issue time against gap per remote operation, "
+                            f"B = {_kb(b)}, K = {int(k)}")
+    return fig

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .experiments import moe_trace
+from .experiments.visibility import summary_entry as visibility_entry
 from .records import RECORDS_DIR, latest_record, platforms
 
 
@@ -31,7 +33,9 @@ def counterfactual_entry(platform: str, root: Path) -> dict:
             "completion_rate_GBps": completion["completion_rate_GBps"],
             "sum_law_err_pct": completion["sum_law_err_pct"],
             "max_law_err_pct": completion["max_law_err_pct"],
-            "microbenchmark": completion["periods"]}
+            "microbenchmark": completion["periods"],
+            **({"visibility": vis} if (vis := visibility_entry(platform, root)) else {}),
+            **({"moe": cc} if (cc := moe_trace.summary_counterfactual(platform, root)) else {})}
 
 
 FA_A2A_KEYS = ("M", "heads", "head_dim", "P", "fa_us", "a2a_nccl_us", "a2a_remote_us", "serial_us",
@@ -51,8 +55,10 @@ MOE_ROW_KEYS = ("model", "precision", "routing", "tokens", "wave_us", "interleav
 
 
 def moe_entry(platform: str, root: Path) -> dict:
-    """The ``moe`` entry: speedup of Interleaved over Expert-Wave across the configurations."""
-    return moe_headline_numbers(latest_record("moe", platform, root).table)
+    """The ``moe`` entry: speedup of Interleaved over Expert-Wave across the configurations, and
+    Table 2 (eq. 15 per model) where a ``moe_trace`` record exists."""
+    return {**moe_headline_numbers(latest_record("moe", platform, root).table),
+            **({"table2": t} if (t := moe_trace.summary_table2(platform, root)) else {})}
 
 
 def moe_headline_numbers(table) -> dict:
@@ -73,11 +79,29 @@ def _plain(value):
     return value.item() if hasattr(value, "item") else value
 
 
+def patterns_entry(platform: str, root: Path) -> dict:
+    """The ``patterns`` entry: injection patterns (issue 6), from the latest record."""
+    from .experiments.injection_patterns import summary_entry
+
+    rec = latest_record("remote_patterns", platform, root)
+    return summary_entry(rec.params, rec.record_id)
+
+
+def operations_entry(platform: str, root: Path) -> dict:
+    """The ``operations`` entry: remote operations beyond 16-byte stores (issue 6)."""
+    from .experiments.remote_ops import summary_entry
+
+    rec = latest_record("remote_ops", platform, root)
+    return summary_entry(rec.params, rec.record_id)
+
+
 # summary key -> (the experiment whose records it reads, the function that makes it)
 ENTRIES = {"calibration": ("calibration", calibration_entry),
            "counterfactual": ("calibration", counterfactual_entry),
            "fa_a2a": ("fa_a2a", fa_a2a_entry),
-           "moe": ("moe", moe_entry)}
+           "moe": ("moe", moe_entry),
+           "patterns": ("remote_patterns", patterns_entry),
+           "operations": ("remote_ops", operations_entry)}
 
 
 def summary(root: Path = RECORDS_DIR) -> dict:

@@ -162,15 +162,19 @@ def test_table3_row_follows_eq_21():
 
 # sm_90 compilation of the compiled copy: argument types as the launcher passes them (TMA
 # descriptors, 16-byte aligned pointers and sizes).
-def _compile_flash_attention(kernels, d, cfg, remote, h_local=6):
+def _compile_flash_attention(kernels, d, cfg, remote, h_local=6, fenced=False):
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     signature = {"q_desc": f"tensordesc<bf16[{bm}, {d}]>", "k_desc": f"tensordesc<bf16[{bn}, {d}]>",
                  "v_desc": f"tensordesc<bf16[{bn}, {d}]>", "dst": "*i64" if remote else "*bf16",
-                 "M": "i32", "rows_per_rank": "i32", "rank": "i32", "world": "i32",
-                 "qk_scale": "fp32", "H_LOCAL": "constexpr", "HEAD_DIM": "constexpr",
-                 "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "REMOTE": "constexpr"}
-    constexprs = dict(H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote)
-    aligned = {(i,): [["tt.divisibility", 16]] for i in (3, 4, 5)}
+                 "fence_flag": "*i32", "M": "i32", "rows_per_rank": "i32", "rank": "i32",
+                 "world": "i32", "qk_scale": "fp32", "H_LOCAL": "constexpr",
+                 "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                 "REMOTE": "constexpr", "FENCED": "constexpr", "PERSISTENT": "constexpr",
+                 "WARP_SPECIALIZE": "constexpr"}
+    constexprs = dict(H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote,
+                      FENCED=fenced, PERSISTENT=cfg["persistent"],
+                      WARP_SPECIALIZE=cfg["warp_specialize"])
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (3, 4, 5, 6)}
     return triton.compile(ASTSource(kernels.flash_attention_kernel, signature, constexprs, aligned),
                           target=HOPPER, options=dict(num_warps=cfg["num_warps"],
                                                       num_stages=cfg["num_stages"]))

@@ -29,3 +29,13 @@ def test_default_run_is_one_token_count():
 def test_bad_options_are_refused(bad):
     with pytest.raises(SystemExit):
         moe_bench.parse_args(["--out", "x.json", *bad])
+
+
+def test_matrix_chunks_cover_every_cell_once():
+    full = moe_bench.matrix_cells(moe_bench.parse_args(["--out", "x", "--matrix", str(MATRIX)]))
+    assert len(full) == 84 and len(set(full)) == 84
+    parts = [moe_bench.matrix_cells(moe_bench.parse_args(["--out", "x", "--matrix", str(MATRIX),
+                                                          "--chunk", f"{i}/3"])) for i in range(3)]
+    assert sum(parts, []) == full and all(len(p) == 28 for p in parts)
+    with pytest.raises(SystemExit):
+        moe_bench.parse_args(["--out", "x", "--chunk", "3/3"])

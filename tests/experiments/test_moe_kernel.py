@@ -444,10 +444,11 @@ _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv", torch.f
                  torch.int32: "i32", torch.int64: "i64"}
 
 
-def _compile_sm90(precision: str) -> dict:
+def _compile_sm90(precision: str, with_ptx: bool = False, **variant) -> dict:
     """Compile the launch that ``prepare_fused_moe`` builds (real argument list, GPU tile config and
     the divisibility hints Triton's JIT derives for 16-aligned pointers and multiples of 16) for an
-    H100/H200 target, down to a cubin; report shared memory and ptxas spills."""
+    H100/H200 target, down to a cubin; report shared memory and ptxas spills. ``variant``:
+    ``instrument`` / ``fence`` of ``prepare_fused_moe``; ``with_ptx`` adds the PTX text."""
     import re
     import tempfile
 
@@ -459,7 +460,7 @@ def _compile_sm90(precision: str) -> dict:
     from xstage_lab.kernel_sources import load_kernel_module
 
     layer = simulate_layer(precision, 2, seed=1)
-    call = _prepare(layer)
+    call = _prepare(layer, **variant)
     kernel = load_kernel_module("moe_fused").fused_moe_kernel
     names = kernel.arg_names
     signature, attrs = {}, {}
@@ -498,7 +499,8 @@ def _compile_sm90(precision: str) -> dict:
             # add become acquire loads
             "release_ops": compiled.asm["ptx"].count(".release."),
             "acquire_loads": compiled.asm["ptx"].count(".acquire."),
-            "vector_stores": compiled.asm["ptx"].count("st.global.v4")}
+            "vector_stores": compiled.asm["ptx"].count("st.global.v4"),
+            **({"ptx": compiled.asm["ptx"]} if with_ptx else {})}
 
 
 def _spawn(flag: str, interpret: bool, timeout: int) -> dict:

@@ -19,7 +19,8 @@ from xstage_lab.platform import GPU, Inventory
 from xstage_lab.sweep import Axis, Sweep, run_sweep
 
 CU = Path(__file__).resolve().parents[2] / "kernels" / "remote_store_burst.cu"
-KERNELS = ("burst_gap", "count_burst_mismatches", "sample_sm_clock")
+KERNELS = ("burst_gap", "count_burst_mismatches", "sample_sm_clock", "burst_gap_ops",
+           "count_ops_mismatches")
 
 
 def make_inv(n: int, sms: int = 132, peer: bool = True) -> Inventory:
@@ -268,5 +269,13 @@ def test_cuda_source_compiles_for_sm90_and_exports_the_kernels(tmp_path):
     r = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", "-o", str(ptx), str(CU)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    entries = set(re.findall(r"\.visible\s+\.entry\s+(\w+)\s*\(", ptx.read_text()))
+    text = ptx.read_text()
+    entries = set(re.findall(r"\.visible\s+\.entry\s+(\w+)\s*\(", text))
     assert entries == set(KERNELS)
+    # every operation of burst_gap_ops reaches the PTX (remote_ops.OPS)
+    for instruction in ("st.global.u32", "st.global.v2.u32", "st.global.v4.u32",
+                        "red.relaxed.gpu.global.add.u32", "red.relaxed.gpu.global.add.f32",
+                        "cp.async.bulk.global.shared::cta.bulk_group", "cp.async.bulk.commit_group",
+                        "cp.async.bulk.wait_group.read", "fence.proxy.async.shared::cta",
+                        "ld.global.cv.v4.u32"):
+        assert instruction in text, instruction

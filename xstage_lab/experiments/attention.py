@@ -48,18 +48,24 @@ def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
     """The launch configuration for ``head_dim``: the Hopper table ``CONFIGS`` updated by ``config``.
 
     Keys: BLOCK_M (b_m, rows of an output tile), BLOCK_N (b_n, rows of a KV tile), num_warps,
-    num_stages, ctas_per_sm (programs per SM in the persistent grid). Tiles must be powers of two
-    >= 16 (``tl.dot``).
+    num_stages, ctas_per_sm (programs resident per SM: the persistent grid's size per SM),
+    persistent (a grid of SMs x ctas_per_sm programs walking the tiles, or one program per tile),
+    warp_specialize (Triton's warp specialization of the Q-loop: a TMA producer warpgroup beside
+    the consumers). Tiles must be powers of two >= 16 (``tl.dot``).
     """
     _check_head_dim(head_dim)
     cfg = dict(_kernels.CONFIGS[head_dim], **(config or {}))
-    unknown = set(cfg) - {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "ctas_per_sm"}
+    unknown = set(cfg) - {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "ctas_per_sm",
+                          "persistent", "warp_specialize"}
     if unknown:
         raise ValueError(f"unknown configuration keys {sorted(unknown)}")
     for key in ("BLOCK_M", "BLOCK_N"):
         b = cfg[key]
         if b < 16 or b & (b - 1):
             raise ValueError(f"{key}={b} must be a power of two >= 16")
+    for key in ("persistent", "warp_specialize"):
+        if not isinstance(cfg[key], bool):
+            raise ValueError(f"{key}={cfg[key]!r} must be True or False")
     if cfg["ctas_per_sm"] < 1:
         raise ValueError(f"ctas_per_sm={cfg['ctas_per_sm']} must be >= 1")
     return cfg
@@ -88,7 +94,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     Contract: q, k, v bf16 [M, H/P, d], contiguous, on one device, d in {64, 128}, M a multiple of
     the configuration's b_m and b_n; fp32 accumulation. ``out`` (bf16 [M, H/P, d], contiguous) is
-    written in place when given, else allocated. ``num_programs`` sizes the persistent grid
+    written in place when given, else allocated. ``num_programs`` sizes a persistent grid
     (default: SMs x ``ctas_per_sm`` of the configuration). Returns the output [M, H/P, d].
     """
     M, cfg = _check_qkv(q, k, v, config)
@@ -97,15 +103,20 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     else:
         _check_tensor("out", out, q.shape, q.device)
     _launch_flash_attention(q, k, v, out, rows_per_rank=M, rank=0, world=1, remote=False,
-                            cfg=cfg, num_programs=num_programs)
+                            fenced=False, cfg=cfg, num_programs=num_programs)
     return out
 
 
 def fused_attention_a2a(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         peer_ptrs: torch.Tensor, rank: int, world: int, *,
-                        config: dict | None = None, num_programs: int | None = None) -> None:
+                        config: dict | None = None, num_programs: int | None = None,
+                        fenced: bool = False) -> None:
     """X-Stage-Fused Ulysses attention: FlashAttention whose epilogue stores each output tile into
     the owning rank's receive buffer and resumes with the next tile (§4.3, Fig. 7).
+
+    ``fenced`` (issue 8): after each tile's remote stores the program waits until they are visible
+    system-wide (a release fence at system scope) before its next tile, the completion-coupled
+    epilogue (eq. 17) against which X-Stage's decoupled one (eqs. 18-19) is measured.
 
     Contract: q, k, v as for ``flash_attention`` (this rank's heads [rank*H/P, (rank+1)*H/P));
     ``peer_ptrs`` int64 [P] on q's device, entry j the base address of rank j's receive buffer
@@ -116,7 +127,7 @@ def fused_attention_a2a(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     M, cfg = _check_qkv(q, k, v, config)
     _check_peer_ptrs(peer_ptrs, q.device, rank, world, M)
     _launch_flash_attention(q, k, v, peer_ptrs, rows_per_rank=M // world, rank=rank, world=world,
-                            remote=True, cfg=cfg, num_programs=num_programs)
+                            remote=True, fenced=fenced, cfg=cfg, num_programs=num_programs)
 
 
 def remote_store_a2a(out_local: torch.Tensor, peer_ptrs: torch.Tensor, rank: int, world: int,
@@ -357,7 +368,18 @@ def _check_launchable(device: torch.device) -> None:
                          "(CPU tensors only under TRITON_INTERPRET=1)")
 
 
-def _launch_flash_attention(q, k, v, dst, *, rows_per_rank, rank, world, remote, cfg,
+def _fence_flag(device: torch.device) -> torch.Tensor:
+    """The int32 the FENCED epilogue releases on: one per device, allocated once (outside any
+    CUDA-graph capture after the first call), never read."""
+    if device not in _FENCE_FLAGS:
+        _FENCE_FLAGS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _FENCE_FLAGS[device]
+
+
+_FENCE_FLAGS: dict[torch.device, torch.Tensor] = {}
+
+
+def _launch_flash_attention(q, k, v, dst, *, rows_per_rank, rank, world, remote, fenced, cfg,
                             num_programs):
     M, h_local, d = q.shape
     _check_launchable(q.device)
@@ -368,10 +390,12 @@ def _launch_flash_attention(q, k, v, dst, *, rows_per_rank, rank, world, remote,
     tiles = M // bm * h_local
     if num_programs is not None and num_programs < 1:
         raise ValueError(f"num_programs={num_programs} must be >= 1")
+    persistent = cfg["persistent"] or num_programs is not None
     if num_programs is None:
         num_programs = (torch.cuda.get_device_properties(q.device).multi_processor_count
-                        * cfg["ctas_per_sm"] if q.device.type == "cuda" else tiles)
+                        * cfg["ctas_per_sm"] if q.device.type == "cuda" and persistent else tiles)
     _kernels.flash_attention_kernel[(min(tiles, num_programs),)](
-        *descs, dst, M, rows_per_rank, rank, world, LOG2E / math.sqrt(d),
-        H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote,
+        *descs, dst, _fence_flag(q.device), M, rows_per_rank, rank, world, LOG2E / math.sqrt(d),
+        H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote, FENCED=fenced,
+        PERSISTENT=persistent, WARP_SPECIALIZE=cfg["warp_specialize"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -27,6 +27,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import triton
@@ -75,12 +76,172 @@ def table3_row(seq_len: int, heads: int, head_dim: int, world: int, med: dict, i
     return row
 
 
+# ``--fa-only``: the kernel configurations timed against cuDNN on one GPU (no NCCL, no peers),
+# as (BLOCK_M, BLOCK_N, num_warps, num_stages, persistent, warp_specialize); ctas_per_sm is 1 for
+# all (registers or shared memory). Without warp specialization 8 warps (two consumer
+# warpgroups) at most 128 x 128 or 256 x 64 tiles stay within 255 registers; with it, 4 warps
+# per partition (12 in all) at 168 registers (ptxas -v, Triton 3.6, sm_90).
+FA_ONLY_CANDIDATES = {
+    128: [(128, 128, 8, 3, True, False), (256, 64, 8, 3, False, False),
+          (256, 64, 8, 4, False, False), (128, 64, 8, 4, True, False),
+          (128, 128, 4, 2, False, True), (128, 128, 4, 2, True, True),
+          (128, 64, 4, 2, False, True), (128, 64, 4, 3, False, True),
+          (128, 64, 4, 4, False, True), (128, 64, 4, 3, True, True),
+          (64, 128, 4, 2, False, True), (256, 64, 4, 2, False, True)],
+    64: [(128, 128, 8, 3, True, False), (128, 128, 4, 2, False, True),
+         (128, 128, 4, 3, False, True), (128, 64, 4, 3, False, True)],
+}
+FA_ONLY_SEQ = (16384, 32768, 65536)
+FA_ONLY_HEADS = 12  # H/P local heads of the Table 3 case, H = 24 on P = 2
+
+
+def fa_only_candidates(head_dim: int) -> list[dict]:
+    """The configurations ``--fa-only`` times: ``FA_ONLY_CANDIDATES`` plus the table's
+    ``CANDIDATES``, each once."""
+    listed = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, ctas_per_sm=1,
+                   persistent=pers, warp_specialize=ws)
+              for bm, bn, w, st, pers, ws in FA_ONLY_CANDIDATES[head_dim]]
+    out = []
+    for cfg in listed + att.flash_attention_candidates(head_dim):
+        cfg = att.flash_attention_config(head_dim, cfg)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def config_name(cfg: dict) -> str:
+    """A short method name for a configuration, e.g. ``128x64_w8_s3_persistent``."""
+    return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}_w{cfg['num_warps']}_s{cfg['num_stages']}_"
+            + (f"persistent{cfg['ctas_per_sm']}" if cfg["persistent"] else "grid")
+            + ("_ws" if cfg["warp_specialize"] else ""))
+
+
+def fa_only_ratios(timing: dict, flops: int, baseline: str = "cudnn") -> dict:
+    """Per method of one ``time_methods`` result: TF/s at its median, the ratio of its TF/s to
+    the baseline's (median over median), and the median over trials of the per-trial ratio
+    (baseline time / method time within one rotation: both ran in the same clock state)."""
+    base = np.asarray(timing[baseline]["trials_us"])
+    out = {}
+    for name, t in timing.items():
+        trials = np.asarray(t["trials_us"])
+        out[name] = dict(median_us=t["median_us"], p25_us=t["p25_us"], p75_us=t["p75_us"],
+                         tflops=flops / t["median_us"] / 1e6,
+                         over_cudnn=timing[baseline]["median_us"] / t["median_us"],
+                         over_cudnn_paired=float(np.median(base / trials)),
+                         sm_clock_mhz=t.get("sm_clock_mhz"))
+    return out
+
+
+def remote_epilogue_checks(q, k, v, out_fa, cfg, world: int = 2) -> dict:
+    """The REMOTE epilogue of ``cfg``, unfenced and fenced, into P = ``world`` receive buffers on
+    this GPU (rank 0's tiles; the addressing of a P-rank run): each bitwise equal to the LOCAL
+    output ``out_fa`` where it lands, so Fused and Serial share this configuration's code."""
+    M, h, d = q.shape
+    out = {}
+    for fenced in (False, True):
+        print(f"[attention_bench --fa-only] remote epilogue, fenced={fenced}", file=sys.stderr,
+              flush=True)
+        recv, table = local_destination(M, h * world, d, world)
+        recv.fill_(float("nan"))
+        att.fused_attention_a2a(q, k, v, table, 0, world, config=cfg, fenced=fenced)
+        # buffer j holds rows [j*M/P, (j+1)*M/P); rank 0's heads are its first h
+        got = recv[:, :, :h].reshape(M, h, d)
+        out[f"remote{'_fenced' if fenced else ''}_bitwise_fa"] = bitwise_equal(got, out_fa)
+    return out
+
+
+def fa_only(args) -> dict:
+    """FA-only (LOCAL epilogue) of every ``fa_only_candidates`` configuration against torch SDPA
+    on cuDNN, on this process's GPU, H = ``args.heads`` local heads, per M in ``args.seq``.
+
+    Per M: fresh random q, k, v; each candidate's output (poisoned with NaN first) and cuDNN's
+    within ``REL_TOL`` of the float32 reference, else the candidate is skipped with the reason
+    (cuDNN failing aborts). Then one ``time_methods`` over the candidates and cuDNN: CUDA graphs of
+    ``iters`` calls, rotated order, ``trials`` trials, the SM clock read per trial. Returns the
+    JSON document (rows: one per M and method)."""
+    d, H = args.head_dim, args.heads
+    candidates = {config_name(c): c for c in fa_only_candidates(d)}
+    if args.configs:
+        unknown = set(args.configs) - set(candidates)
+        if unknown:
+            raise ValueError(f"--configs names unknown configurations {sorted(unknown)}; "
+                             f"known at d={d}: {sorted(candidates)}")
+        candidates = {name: candidates[name] for name in args.configs}
+    rows, checks, skipped, raw = [], [], {}, []
+    for seq_len in args.seq:
+        q, k, v = random_qkv(seq_len, H, d, args.seed + seq_len)
+        ref = att.reference_attention(q, k, v)
+        methods = {}
+        for name, cfg in candidates.items():
+            if name in skipped:
+                continue
+            if seq_len % max(cfg["BLOCK_M"], cfg["BLOCK_N"]):
+                continue
+            out = poisoned(q.shape, att.DTYPE, DEVICE)
+            # progress first: a launch that never returns leaves its name as the last line
+            print(f"[attention_bench --fa-only] M={seq_len}: checking {name}", file=sys.stderr,
+                  flush=True)
+            try:
+                att.flash_attention(q, k, v, out=out, config=cfg)
+                err = relative_error(out, ref)
+            except triton.runtime.errors.OutOfResources as e:
+                skipped[name] = f"out of resources: {e}"
+                continue
+            check = dict(M=seq_len, method=name, rel_err=err)
+            if seq_len == args.seq[0]:
+                check |= remote_epilogue_checks(q, k, v, out, cfg)
+            checks.append(check)
+            failed = [key for key, ok in check.items() if ok is False]
+            if not err < REL_TOL or failed:
+                skipped[name] = (f"M={seq_len}: relative error {err:.3g} against float32, "
+                                 f"failed {failed}")
+                continue
+            methods[name] = (lambda out=out, cfg=cfg: att.flash_attention(q, k, v, out=out,
+                                                                          config=cfg))
+        err = relative_error(att.sdpa_cudnn(q, k, v), ref)
+        checks.append(dict(M=seq_len, method="cudnn", rel_err=err))
+        if not err < REL_TOL:
+            raise RuntimeError(f"cuDNN SDPA misses the float32 reference at M={seq_len}: "
+                               f"relative error {err:.3g}; nothing was timed")
+        methods["cudnn"] = lambda: att.sdpa_cudnn(q, k, v)
+        del ref
+        timing = time_methods(methods, trials=args.trials, warmup=1, graph_iters=args.iters,
+                              clocks=True)
+        flops = attention_flops(seq_len, H, d, 1)
+        for name, r in fa_only_ratios(timing, flops).items():
+            rows.append(dict(M=seq_len, method=name, **r))
+        raw.append(dict(M=seq_len, order=[rotated_order(list(methods), t)
+                                          for t in range(args.trials)],
+                        trials_us={m: timing[m]["trials_us"] for m in methods},
+                        sm_clock_mhz={m: timing[m]["sm_clock_mhz"] for m in methods}))
+        best = max((r for r in rows if r["M"] == seq_len and r["method"] != "cudnn"),
+                   key=lambda r: r["tflops"])
+        print(f"[attention_bench --fa-only] M={seq_len}: best {best['method']} "
+              f"{best['tflops']:.0f} TF/s = {best['over_cudnn']:.3f} of cuDNN "
+              f"(paired {best['over_cudnn_paired']:.3f})", file=sys.stderr, flush=True)
+        torch.cuda.empty_cache()
+    return dict(experiment="fa_only_tuning", created_utc=datetime.now(timezone.utc).isoformat(),
+                params=dict(seq=args.seq, heads=H, head_dim=d, trials=args.trials,
+                            iters=args.iters, seed=args.seed, rel_tol=REL_TOL),
+                candidates=candidates, skipped=skipped, checks=checks, rows=rows, raw=raw,
+                versions=dict(torch=torch.__version__, triton=triton.__version__,
+                              cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version()),
+                gpu_name=torch.cuda.get_device_name(), provenance=provenance())
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="JSON file written by rank 0")
-    p.add_argument("--seq", default=",".join(map(str, DEFAULT_SEQ)),
-                   help="comma-separated sequence lengths M")
-    p.add_argument("--heads", type=int, default=24, help="total heads H (divisible by P)")
+    p.add_argument("--fa-only", action="store_true",
+                   help="one process, no torchrun: time the FA-only configurations against cuDNN "
+                        f"(default --seq {','.join(map(str, FA_ONLY_SEQ))}, --heads "
+                        f"{FA_ONLY_HEADS} local heads)")
+    p.add_argument("--configs", default="",
+                   help="with --fa-only: comma-separated configuration names (``config_name``) "
+                        "to time instead of all")
+    p.add_argument("--seq", default=None, help="comma-separated sequence lengths M")
+    p.add_argument("--heads", type=int, default=None,
+                   help="total heads H (divisible by P); with --fa-only the heads on the GPU")
     p.add_argument("--head-dim", type=int, default=128, choices=att.HEAD_DIMS)
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--iters", type=int, default=10, help="back-to-back calls per CUDA graph")
@@ -91,8 +252,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated methods launched back to back without a CUDA graph "
                         "(for a method that cannot be captured); recorded in the metadata")
     args = p.parse_args(argv)
+    if args.seq is None:
+        args.seq = ",".join(map(str, FA_ONLY_SEQ if args.fa_only else DEFAULT_SEQ))
+    if args.heads is None:
+        args.heads = FA_ONLY_HEADS if args.fa_only else 24
     args.seq = [int(s) for s in args.seq.split(",") if s]
     args.eager = [s for s in args.eager.split(",") if s]
+    args.configs = [s for s in args.configs.split(",") if s]
     return args
 
 
@@ -259,6 +425,14 @@ def run_case(seq_len, args, cfg, buf, group) -> tuple[dict, dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     require_safe_env()
+    if args.fa_only:
+        validate(args, 1)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        doc = fa_only(args)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1))
+        print(f"[attention_bench --fa-only] wrote {args.out}", file=sys.stderr, flush=True)
+        return 0
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))

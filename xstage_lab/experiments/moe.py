@@ -412,6 +412,21 @@ def local_combine_peers(buffers: Sequence[torch.Tensor]) -> CombinePeers:
                         b0.shape[1])
 
 
+def local_store_control(peers: CombinePeers, local: torch.Tensor) -> CombinePeers:
+    """The local-store control of §5.2.3: a peer table of the same layout whose entry for source
+    rank r points at ``local[r]``, a ``[P, slots, hidden]`` bf16 buffer on the issuing GPU. The
+    kernel runs unchanged; its Combine stores go to local HBM instead of over NVLink (one region
+    per source, so no two rows collide)."""
+    if local.dtype != torch.bfloat16 or not local.is_contiguous() or \
+            tuple(local.shape) != (peers.world, peers.slots, peers.hidden):
+        raise MoEContractError(f"local control buffer must be contiguous bf16 "
+                               f"[{peers.world}, {peers.slots}, {peers.hidden}]")
+    if local.device != peers.table.device:
+        raise MoEContractError(f"local control buffer on {local.device}, peer table on "
+                               f"{peers.table.device}")
+    return local_combine_peers(list(local.unbind(0)))
+
+
 class SymmetricCombine:
     """One symmetric-memory Combine buffer per rank holding ``capacity`` bf16 elements, viewed per
     call as ``[slots, hidden]`` (torch ``_symmetric_memory.empty`` + ``rendezvous``; stores go
@@ -457,10 +472,15 @@ class SymmetricCombine:
 
 # ------------------------------------------------------------------------------------ fused path
 
+TRACE_FIELDS = 10  # kernels/moe_fused.py: clock64 x 4, globaltimer x 4, smid, spins per tile
+
+
 @dataclass
 class FusedMoECall:
     """A prepared launch of the fused kernel for one schedule; calling it zeroes the row counters
-    and launches. ``error_count()`` reads the spin-timeout flag (synchronizes)."""
+    (and, instrumented, poisons the trace with -1) and launches. ``error_count()`` reads the
+    spin-timeout flag (synchronizes). ``trace`` is int64 ``[programs, max_tiles, TRACE_FIELDS]``
+    for an instrumented call (see ``kernels/moe_fused.py``), else None."""
 
     schedule: Schedule
     args: tuple
@@ -468,9 +488,12 @@ class FusedMoECall:
     grid: tuple[int]
     row_ready: torch.Tensor
     error: torch.Tensor
+    trace: torch.Tensor | None = None
 
     def __call__(self) -> None:
         self.row_ready.zero_()
+        if self.trace is not None:
+            self.trace.fill_(-1)
         load_kernel_module("moe_fused").fused_moe_kernel[self.grid](*self.args, **self.constexprs)
 
     def error_count(self) -> int:
@@ -504,7 +527,8 @@ def _check_table_bounds(table: np.ndarray, counts: np.ndarray, problem: MoEProbl
 def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: Schedule,
                       peers: CombinePeers, *, config: TileConfig,
                       max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS,
-                      verify_schedule: bool = True) -> FusedMoECall:
+                      verify_schedule: bool = True, instrument: bool = False,
+                      fence: bool = False) -> FusedMoECall:
     """Check the contract of the fused kernel and build its launch; nothing runs on the device.
 
     Contract: ``weights`` in the kernel layout for ``weights.precision``; ``layout`` from the same
@@ -513,7 +537,10 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
     schedule over exactly this layout's tiles (``check_schedule``: each tile once, dependencies,
     lead D, no deadlock with all programs resident) with at most one program per SM (persistent
     programs must all be resident). ``verify_schedule=False`` skips only the schedule rules (the
-    bounded-spin test launches a deliberately unsatisfiable schedule)."""
+    bounded-spin test launches a deliberately unsatisfiable schedule). ``instrument``: per-tile
+    stamps into ``FusedMoECall.trace``; ``fence``: every Linear-2 tile waits until its Combine
+    stores are visible system-wide (the completion-coupled variant). Both leave the results
+    unchanged."""
     precision, device = weights.precision, weights.w1.device
     e_loc, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
     check_tile_config(config, precision, hidden, inter)
@@ -561,15 +588,20 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
     row_ready = torch.zeros(max(1, problem.num_rows), dtype=torch.int32, device=device)
     error = torch.zeros(1, dtype=torch.int32, device=device)
     tiles = torch.from_numpy(table).to(device)
+    # Uninstrumented, the kernel never touches the trace: one element stands in for the pointer.
+    trace = torch.full((*table.shape[:2], TRACE_FIELDS) if instrument else (1,), -1,
+                       dtype=torch.int64, device=device)
     args = (tiles, torch.from_numpy(counts).to(device), table.shape[1],
             layout.x, layout.x_scale, weights.w1, weights.w1_scale, weights.w2, weights.w2_scale,
             h, h_scale, row_ready, layout.row_src, layout.row_slot, peers.table,
-            error, max_spin_iters, hidden, inter)
+            error, max_spin_iters, trace, hidden, inter)
     constexprs = dict(FP8=precision == "fp8", BLOCK_M=config.block_m, BLOCK_N1=config.block_n1,
                       BLOCK_N2=config.block_n2, BLOCK_K=config.block_k,
-                      SCALE_BLOCK=config.scale_block, num_warps=config.num_warps,
+                      SCALE_BLOCK=config.scale_block, INSTRUMENT=bool(instrument),
+                      FENCE=bool(fence), num_warps=config.num_warps,
                       num_stages=config.num_stages)
-    return FusedMoECall(schedule, args, constexprs, (schedule.num_programs,), row_ready, error)
+    return FusedMoECall(schedule, args, constexprs, (schedule.num_programs,), row_ready, error,
+                        trace if instrument else None)
 
 
 # ---------------------------------------------------------------------------------- unfused path

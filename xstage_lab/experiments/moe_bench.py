@@ -32,6 +32,7 @@ import os
 import sys
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,6 +55,16 @@ DEFAULT_TOKENS = 4096  # per rank
 TOLERANCE = {"bf16": {"fp32": 1e-2}, "fp8": {"fp32": 0.1, "fp8_emulated": 2e-2}}
 
 
+def matrix_cells(args) -> list[tuple[str, str, str, int]]:
+    """(model, precision, routing, tokens) of every cell, in run order; with ``--chunk I/N`` only
+    the I-th of N contiguous, near-equal pieces."""
+    cells = list(itertools.product(args.models, args.precisions, args.routing, args.tokens))
+    if args.chunk is None:
+        return cells
+    i, n = args.chunk
+    return cells[i * len(cells) // n:(i + 1) * len(cells) // n]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     shapes = moe.load_shapes()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -65,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--matrix", type=Path, default=None,
                    help="a JSON declaring models, precisions, routing and tokens_per_rank "
                         "(e.g. data/moe_matrix.json); it replaces those four options")
+    p.add_argument("--chunk", default=None, metavar="I/N",
+                   help="run only the I-th of N contiguous chunks of the cells (0-based), so a "
+                        "long matrix can run as resumable pieces, each its own record")
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--graph-iters", type=int, default=None,
@@ -96,18 +110,49 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--tokens, --trials and --max-spin must be >= 1")
     if a.warmup < 0:
         p.error("--warmup must be >= 0")
+    if a.chunk is not None:
+        try:
+            i, n = (int(v) for v in a.chunk.split("/"))
+        except ValueError:
+            p.error(f"--chunk must be I/N, got {a.chunk!r}")
+        if not 0 <= i < n:
+            p.error(f"--chunk {a.chunk}: need 0 <= I < N")
+        a.chunk = (i, n)
     for name in ("graph_iters", "programs", "lead"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return a
 
 
-def run_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
-               weights: moe.ExpertWeights, combine: moe.SymmetricCombine, args,
-               config_seed: int) -> dict:
-    """Correctness, then timing, of one configuration; returns rank 0's result row."""
+@dataclass
+class ConfigSetup:
+    """One configuration's inputs, Dispatch, schedules and prepared launches on this rank."""
+
+    shape: moe.MoEShape
+    precision: str
+    cfg: moe.TileConfig
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_w: torch.Tensor
+    plan: moe.SendPlan
+    layout: moe.DispatchLayout
+    problem: MoEProblem
+    programs: int
+    knee: int
+    lead: int
+    schedules: dict
+    peers: moe.CombinePeers
+    rows_view: torch.Tensor
+    calls: dict
+
+
+def setup_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
+                 weights: moe.ExpertWeights, combine: moe.SymmetricCombine, args,
+                 config_seed: int) -> ConfigSetup:
+    """Fresh seeded inputs, router, Dispatch, both schedules (lead ``args.lead`` or D_knee) and
+    their launches of the timing kernel (uninstrumented, unfenced)."""
     import torch.distributed as dist
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = moe.default_tile_config(precision)
     moe.check_tile_config(cfg, precision, shape.hidden, shape.intermediate)
@@ -132,19 +177,51 @@ def run_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
     calls = {name: moe.prepare_fused_moe(layout, weights, s, peers, config=cfg,
                                          max_spin_iters=args.max_spin)
              for name, s in schedules.items()}
+    return ConfigSetup(shape, precision, cfg, x, topk_ids, topk_w, plan, layout, problem, programs,
+                       knee, lead, schedules, peers, rows_view, calls)
+
+
+def combine_output(setup: ConfigSetup, combine: moe.SymmetricCombine, call) -> torch.Tensor:
+    """Run ``call`` once into this rank's Combine buffer poisoned with NaN; a copy of the buffer."""
+    setup.rows_view.fill_(float("nan"))
+    combine.barrier()
+    call()
+    combine.barrier()
+    return setup.rows_view.clone()
+
+
+def abort_on_failures(failures: list[str], what: str) -> None:
+    """Gather every rank's failures; any failure anywhere aborts the run (rank 0 says which)."""
+    import torch.distributed as dist
+    all_failures = all_gather_objects(failures)
+    if any(all_failures):
+        if dist.get_rank() == 0:
+            for r, f in enumerate(all_failures):
+                if f:
+                    print(f"[{what}] rank {r}: {'; '.join(f)}", file=sys.stderr)
+        raise SystemExit(f"correctness failed for {what}; not timing")
+
+
+def run_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
+               weights: moe.ExpertWeights, combine: moe.SymmetricCombine, args,
+               config_seed: int) -> dict:
+    """Correctness, then timing, of one configuration; returns rank 0's result row."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    setup = setup_config(shape, precision, routing, tokens, weights, combine, args, config_seed)
+    cfg, calls, layout, plan = setup.cfg, setup.calls, setup.layout, setup.plan
+    topk_w, rows_view = setup.topk_w, setup.rows_view
+    k, hidden, inter = shape.top_k, shape.hidden, shape.intermediate
+    programs, knee, lead, problem = setup.programs, setup.knee, setup.lead, setup.problem
 
     # 1. correctness, on a poisoned Combine buffer
-    combined = {}
-    for name, call in calls.items():
-        rows_view.fill_(float("nan"))
-        combine.barrier()
-        call()
-        combine.barrier()
-        combined[name] = rows_view.clone()
+    combined = {name: combine_output(setup, combine, call) for name, call in calls.items()}
     spin_errors = {name: call.error_count() for name, call in calls.items()}
     bitwise = torch.equal(combined["wave"], combined["interleaved"])
     out = moe.combine_weighted_sum(combined["interleaved"], topk_w)
-    ref = moe.reference_moe(x, topk_ids, topk_w, shape, seed=args.seed, precision=precision)
+    ref = moe.reference_moe(setup.x, setup.topk_ids, topk_w, shape, seed=args.seed,
+                            precision=precision)
     errors = {f"rel_err_{kind}": relative_error(out, want) for kind, want in ref.items()}
     unfused_out = moe.unfused_moe(layout, plan, weights, topk_w)
     errors["rel_err_unfused_fp32"] = relative_error(unfused_out, ref["fp32"])
@@ -156,14 +233,7 @@ def run_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
                  if not errors[f"rel_err_{key}"] <= bound]
     if not errors["rel_err_unfused_fp32"] <= tol["fp32"]:
         failures.append(f"unfused rel_err_fp32 = {errors['rel_err_unfused_fp32']:.3g} > {tol['fp32']}")
-    all_failures = all_gather_objects(failures)
-    if any(all_failures):
-        if rank == 0:
-            for r, f in enumerate(all_failures):
-                if f:
-                    print(f"[{shape.model} {precision} {routing}] rank {r}: {'; '.join(f)}",
-                          file=sys.stderr)
-        raise SystemExit(f"correctness failed for {shape.model} {precision} {routing}; not timing")
+    abort_on_failures(failures, f"{shape.model} {precision} {routing} {tokens}")
 
     # 2. timing
     def fused(call):
@@ -220,12 +290,16 @@ def main(argv=None) -> None:
     clocks_start = all_gather_objects(read_sm_clock_mhz())
     started = time.time()
     rows = []
+    cells = matrix_cells(args)
     for model in args.models:
         shape = shapes[model]
         for precision in args.precisions:
+            mine = [(r, t) for m, p, r, t in cells if (m, p) == (model, precision)]
+            if not mine:
+                continue
             weights = moe.local_expert_weights(shape, rank, world, precision, seed=args.seed,
                                                device=torch.device("cuda", local_rank))
-            for routing, tokens in itertools.product(args.routing, args.tokens):
+            for routing, tokens in mine:
                 # Fresh inputs per configuration, reproducible whatever subset is run.
                 config_seed = args.seed + 1 + zlib.crc32(
                     f"{model}|{precision}|{routing}|{tokens}".encode())
@@ -246,6 +320,7 @@ def main(argv=None) -> None:
             "experiment": "moe_fused_schedules", "paper": "§4.2, §5.2.1; timing §5.1",
             "world_size": world, "tokens_per_rank": args.tokens, "trials": args.trials,
             "warmup": args.warmup, "graph_iters": args.graph_iters, "seed": args.seed,
+            "chunk": None if args.chunk is None else f"{args.chunk[0]}/{args.chunk[1]}",
             "lead_rows": "d_knee (eq. 16)" if args.lead is None else args.lead,
             "max_spin_iters": args.max_spin, "tolerance": TOLERANCE,
             "skew": {"hot_expert_fraction": moe.HOT_EXPERT_FRACTION, "hot_logit_bias": moe.HOT_LOGIT_BIAS},

@@ -1,0 +1,159 @@
+"""Injection patterns: the route sets of every pattern on 2, 4 and 8 GPUs (and which are
+degenerate), their validation, and the per-source fits with the drain-share no-refit prediction
+on records made from known model parameters."""
+from __future__ import annotations
+
+import pytest
+
+from tests.experiments.test_remote_store import make_inv
+from tests.synthetic import KNOWN, synthetic_beyond_table
+from xstage_lab.experiments.injection_patterns import (PATTERNS, baseline_route, pattern_fits,
+                                                      pattern_instances, route_sets)
+from xstage_lab.experiments.remote_ops import (config_sweeps, drain_share, parse_routes,
+                                               validate_ops_point)
+from xstage_lab.experiments.remote_store import BenchSettings
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_pattern_instances(n):
+    inst = pattern_instances(n)
+    by = {p: [i for i in inst if i["pattern"] == p] for p in PATTERNS}
+    assert [len(by[p]) for p in PATTERNS] == [n * (n - 1), n, n, 1]
+    assert {parse_routes(i["routes"])[0] for i in by["one_to_one"]} == {
+        (a, (b,)) for a in range(n) for b in range(n) if a != b}
+    # one-to-all from s: s to every other GPU, in order
+    assert parse_routes(by["one_to_all"][1]["routes"]) == ((1, tuple(d for d in range(n)
+                                                                     if d != 1)),)
+    # all-to-one to d: every other GPU to d
+    assert parse_routes(by["all_to_one"][0]["routes"]) == tuple((s, (0,)) for s in range(1, n))
+    a2a = parse_routes(by["all_to_all"][0]["routes"])
+    assert [s for s, _ in a2a] == list(range(n))
+    assert all(set(d) == set(range(n)) - {s} for s, d in a2a)
+    # every route set validates at K = 132 on n GPUs
+    for routes in route_sets(inst):
+        validate_ops_point(dict(op="store16", routes=routes, mode="periodic", path="remote",
+                                producers=132, burst_bytes=65536, gap_us=0.0), make_inv(n))
+    degenerate = {i["pattern"] for i in inst if i["degenerate_of"]}
+    if n == 2:
+        # one-to-all and all-to-one are one-to-one routes; all-to-all is bidirectional
+        assert degenerate == {"one_to_all", "all_to_one"}
+        assert route_sets(inst) == ["0>1", "1>0", "0>1;1>0"]
+        assert by["one_to_all"][0]["degenerate_of"] == "0>1"
+        assert by["all_to_one"][0]["degenerate_of"] == "1>0"
+    else:
+        assert degenerate == set()
+        assert len(route_sets(inst)) == n * (n - 1) + 2 * n + 1
+    # the drain shares the no-refit prediction uses
+    assert set(drain_share(parse_routes(by["all_to_one"][0]["routes"])).values()) == {1 / (n - 1)}
+    assert set(drain_share(parse_routes(by["all_to_all"][0]["routes"])).values()) == {1.0}
+
+
+def test_one_gpu_has_no_patterns():
+    with pytest.raises(ValueError, match="at least two GPUs"):
+        pattern_instances(1)
+
+
+def test_baseline_route():
+    assert baseline_route(2, (0, 1, 3)) == "2>0"
+
+
+def test_pattern_fits_per_source_with_the_shared_drain():
+    # all-to-one onto GPU 0 of three GPUs, beside its one-to-one baselines: each source drains
+    # at half the one-to-one rate, which the drain share predicts with no refit
+    routes = ["1>0", "2>0", "1>0;2>0"]
+    sweeps = [sw for r in routes for sw in config_sweeps({"routes": r}, 132, dict(op="store16"),
+                                                         KNOWN["drain_rate"], BenchSettings(), 3)]
+    fits = pattern_fits(synthetic_beyond_table(sweeps), "test")
+    assert set(fits) == set(routes)
+    shared = {e["src"]: e for e in fits["1>0;2>0"]}
+    assert set(shared) == {1, 2}
+    for e in shared.values():
+        assert e["R_GBps"] == pytest.approx(KNOWN["drain_rate"] / 2, abs=0.1)
+        nr = e["no_refit_from_baseline"]
+        assert nr["share"] == 0.5
+        assert nr["drain_rate_GBps"] == pytest.approx(KNOWN["drain_rate"] / 2, abs=0.01)
+        assert nr["t_iss_err_pct"] == pytest.approx(0.0, abs=1e-3)
+    for r in ("1>0", "2>0"):
+        (e,) = fits[r]
+        assert e["R_GBps"] == pytest.approx(KNOWN["drain_rate"], abs=0.1)
+        assert e["no_refit_from_baseline"]["t_iss_err_pct"] == pytest.approx(0.0, abs=1e-3)
+
+
+def test_records_and_summary_entries(tmp_path):
+    from tests.synthetic import write_synthetic_beyond_records
+    from xstage_lab.records import read_record
+    from xstage_lab.summary import summary
+
+    ops_path, patterns_path = write_synthetic_beyond_records(tmp_path, n_gpus=3, noise=0.0)
+    rec = read_record(patterns_path)
+    assert rec.params["degenerate"] == []
+    assert set(rec.params["fits"]) == set(route_sets(pattern_instances(3)))
+    entry = summary(root=tmp_path)["platforms"]["h200-x3"]
+    pat, ops = entry["patterns"], entry["operations"]
+    assert pat["gpus"] == 3 and len(pat["per_instance"]) == 6 + 3 + 3 + 1
+    by = {(i["pattern"], i["instance"]): i for i in pat["per_instance"]}
+    a2o = by[("all_to_one", "dst=0")]
+    assert a2o["routes"] == "1>0;2>0" and a2o["degenerate_of"] is None
+    for src in a2o["sources"]:
+        assert src["R_GBps"] == pytest.approx(KNOWN["drain_rate"] / 2, abs=0.1)
+        assert src["no_refit_from_baseline"]["t_iss_err_pct"] == pytest.approx(0.0, abs=1e-3)
+    assert [s["src"] for s in by[("all_to_all", "all")]["sources"]] == [0, 1, 2]
+    # multi-source route sets only: 3 all-to-one and the all-to-all (synthetic spread 800 ns)
+    assert pat["gpu_start_spread_ns_median"] == {r: 800.0 for r in
+                                                 ("1>0;2>0", "0>1;2>1", "0>2;1>2",
+                                                  "0>1,2;1>0,2;2>0,1")}
+    assert ops["baseline"] == "store16" and ops["route"] == "0>1"
+    assert ops["per_op"]["red_add_u32"]["R_GBps"] == pytest.approx(120.0, abs=0.1)
+    assert ops["per_op"]["store16"]["no_refit_from_baseline"]["t_iss_err_pct"] == 0.0
+    # the reductions drain far slower than the 16-byte stores: the baseline mispredicts them
+    assert ops["per_op"]["red_add_u32"]["no_refit_from_baseline"]["t_iss_err_pct"] > 20.0
+    assert ops["source_record"] == ops_path.stem
+
+
+def test_two_gpu_record_names_the_degenerate_patterns(tmp_path):
+    from tests.synthetic import write_synthetic_beyond_records
+    from xstage_lab.summary import summary
+
+    write_synthetic_beyond_records(tmp_path, n_gpus=2)
+    pat = summary(root=tmp_path)["platforms"]["h200-x2"]["patterns"]
+    assert pat["degenerate"] == ["all_to_one", "one_to_all"]
+    by = {(i["pattern"], i["instance"]): i for i in pat["per_instance"]}
+    # a degenerate instance carries the fit of the one-to-one route set it equals
+    assert by[("one_to_all", "src=0")]["sources"] == by[("one_to_one", "0>1")]["sources"]
+
+
+def test_tables_and_figures_from_records(tmp_path):
+    from tests.synthetic import write_synthetic_beyond_records
+    from xstage_lab import plots
+    from xstage_lab.experiments import injection_patterns, remote_ops
+    from xstage_lab.records import read_record
+
+    ops_path, patterns_path = write_synthetic_beyond_records(tmp_path, n_gpus=3, noise=0.0)
+    pat = read_record(patterns_path)
+    entry = injection_patterns.summary_entry(pat.params, pat.record_id)
+    table = plots.patterns_table(entry)
+    # 6 one-to-one + 3 one-to-all + 3 all-to-one (two sources each) + all-to-all (three)
+    assert len(table) == 6 + 3 + 3 * 2 + 3
+    assert (table["fit"] == "ok").all()
+    a2o = table[table["pattern"] == "all_to_one"]
+    assert a2o["drain share"].tolist() == [0.5] * 6
+    heat = plots.patterns_drain_heatmap(entry, "h200-x3").data[0].z
+    assert heat.shape == (3, 3)
+    assert abs(heat[0][1] - KNOWN["drain_rate"]) < 0.1 and heat[0][0] != heat[0][0]  # NaN diagonal
+    assert len(plots.patterns_rates(entry, "h200-x3").data) == 2
+    ops = read_record(ops_path)
+    op_table = plots.operations_table(remote_ops.summary_entry(ops.params, ops.record_id))
+    assert op_table["operation"].tolist() == list(remote_ops.OPS)
+    fig = plots.operations_gap_sweeps(ops)
+    # per op: measured, own fit, baseline
+    assert len(fig.data) == 3 * len(remote_ops.OPS)
+
+
+def test_operations_table_names_what_was_left_out():
+    from xstage_lab import plots
+
+    entry = {"per_op": {"store16": {"key": "store16", "src": 0, "fit_error": "no plateau"}},
+             "excluded": {"op=bulk": "illegal address"}}
+    t = plots.operations_table(entry)
+    assert t["operation"].tolist() == ["store16", "bulk"]
+    assert t["fit"].tolist() == ["model fit failed: no plateau", "not measured: illegal address"]

@@ -1,0 +1,437 @@
+"""Instrumentation, fenced epilogue and local-store control of the fused MoE kernel
+(``kernels/moe_fused.py`` INSTRUMENT / FENCE, ``experiments/moe_trace.py``, ``moe_trace_bench``).
+
+Kernel cases run in a child under ``TRITON_INTERPRET=1`` with the interpreter patches of
+``test_moe_kernel`` plus one more: the interpreter has no inline assembly, so ``%clock64`` and
+``%globaltimer`` read a host nanosecond clock and ``%smid`` reads the program id (the GPU reads the
+registers). The analysis is tested on hand-made traces with known answers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import traceback
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from xstage_lab.experiments import moe, moe_trace
+from xstage_lab.experiments.moe_schedules import L1, L2, tile_table
+from tests.experiments.test_moe_kernel import (
+    REPO, SIM_PROGRAMS, TINY, TINY_TILES, _patch_interpreter, in_program_order,
+    poisoned_buffers, problem_of, rank_schedules, simulate_layer)
+
+
+# ------------------------------------------------------------------------ hand-made traces
+
+def _trace(programs: list[list[tuple]], clock_mhz: float = 1000.0):
+    """Trace, table and counts from per-program lists of (kind, entry_us, ready_us, ml_end_us,
+    end_us, spins); globaltimer in ns, clock64 = ns * clock_mhz / 1000 + an SM-specific offset."""
+    g_n, t_n = len(programs), max(len(p) for p in programs)
+    trace = np.full((g_n, t_n, 10), -1, dtype=np.int64)
+    table = np.zeros((g_n, t_n, 4), dtype=np.int32)
+    counts = np.array([len(p) for p in programs], dtype=np.int32)
+    for g, tiles in enumerate(programs):
+        offset = 10_000 * (g + 1)  # clock64 origins differ per SM
+        for i, (kind, *points_us, spins) in enumerate(tiles):
+            ns = np.array(points_us) * 1e3
+            trace[g, i, 0:4] = np.round(ns * clock_mhz / 1e3) + offset
+            trace[g, i, 4:8] = np.round(ns) + 1_000_000
+            trace[g, i, 8] = g
+            trace[g, i, 9] = spins if kind == L2 else -1
+            table[g, i] = (kind, 0, i, 0)
+    return trace, table, counts
+
+
+def test_tile_frame_durations_and_successors():
+    trace, table, counts = _trace([
+        [(L1, 0, 0, 4, 5, 0), (L2, 5, 7, 10, 13, 3), (L1, 13, 13, 17, 18, 0)],
+        [(L2, 1, 2, 6, 8, 0), (L2, 8, 8, 12, 14, 0)]], clock_mhz=1500.0)
+    assert moe_trace.trace_clock_mhz(trace, counts) == pytest.approx(1500.0, rel=1e-6)
+    f = moe_trace.tile_frame(trace, table, counts)
+    assert f["wait_us"].tolist() == pytest.approx([0, 2, 0, 1, 0], abs=1e-6)
+    assert f["mainloop_us"].tolist() == pytest.approx([4, 3, 4, 4, 4], abs=1e-6)
+    assert f["span_us"].tolist() == pytest.approx([1, 3, 1, 2, 2], abs=1e-6)
+    assert f["t0_us"].tolist() == pytest.approx([0, 5, 13, 1, 8])
+    assert f["next_kind"].tolist() == [L2, L1, -1, L2, -1]
+    assert f["next_mainloop_us"].iloc[1] == pytest.approx(4)
+    assert np.isnan(f["next_mainloop_us"].iloc[2])
+    assert f["spins"].tolist() == [0, 3, 0, 0, 0]
+
+
+def test_unstamped_tile_rejected():
+    trace, table, counts = _trace([[(L1, 0, 0, 1, 2, 0), (L2, 2, 3, 4, 5, 0)]])
+    trace[0, 1, 3] = -1  # epilogue never stamped: the tile was skipped
+    with pytest.raises(moe_trace.TraceError, match="program 0 tile 1"):
+        moe_trace.tile_frame(trace, table, counts)
+
+
+def test_eq15_prediction_and_measured_stall():
+    """Local control: L1 mainloop 10, L2 mainloop 4, L2 span 1 µs. Remote: an L2 tile with span 6
+    followed by an L2 whose mainloop took 7 (cover 4: pred 2, meas 3), and an L2 with span 3
+    followed by an L1 of mainloop 10 (cover 10: pred 0, meas 0)."""
+    local = moe_trace.tile_frame(*_trace([[(L1, 0, 0, 10, 11, 0), (L2, 11, 11, 15, 16, 0),
+                                           (L2, 16, 16, 20, 21, 0), (L1, 21, 21, 31, 32, 0)]]))
+    remote = moe_trace.tile_frame(*_trace([[(L1, 0, 0, 10, 11, 0), (L2, 11, 11, 15, 21, 0),
+                                            (L2, 21, 21, 28, 31, 0), (L1, 31, 31, 41, 42, 0)]]))
+    assert moe_trace.mainloop_floor(local) == {L1: pytest.approx(10), L2: pytest.approx(4)}
+    s = moe_trace.linear2_stalls(remote, local)
+    assert s["cover_us"].tolist() == pytest.approx([4, 10])
+    assert s["stall_pred_us"].tolist() == pytest.approx([2, 0], abs=1e-6)
+    assert s["stall_meas_us"].tolist() == pytest.approx([3, 0], abs=1e-6)
+    assert s["span_excess_us"].tolist() == pytest.approx([5, 2], abs=1e-6)
+    stats = moe_trace.run_stats(remote, local)
+    assert stats["stall_pred_us"] == pytest.approx(1.0) and stats["stall_meas_us"] == pytest.approx(1.5)
+    assert stats["span_l2_us"] == pytest.approx(4.5) and stats["cover_l1_us"] == pytest.approx(10)
+    row = moe_trace.table2_row("m", stats, {**stats, "span_l2_us": 1.0, "stall_pred_us": 0.0})
+    assert row["span_wave_us"] == pytest.approx(4.5) and row["span_int_us"] == 1.0
+    assert row["mma_l2_us"] == pytest.approx(4) and row["stall_pred_int_us"] == 0.0
+
+
+def test_wait_share_measures_starvation():
+    f = moe_trace.tile_frame(*_trace([[(L1, 0, 0, 4, 5, 0), (L2, 5, 9, 10, 11, 7)],
+                                      [(L2, 0, 6, 8, 10, 9), (L1, 10, 10, 14, 15, 0)]]))
+    stats = moe_trace.run_stats(f)
+    assert stats["wait_l2_total_us"] == pytest.approx(10)
+    assert stats["wait_l2_share"] == pytest.approx(10 / 26)
+    assert stats["spins_l2_max"] == 9
+
+
+def test_table2_and_counterfactual_from_a_record(tmp_path):
+    """A moe_trace bench JSON (rows of the three kinds) imported as a record gives Table 2 from its
+    trace rows and the coupled/decoupled times from its fenced rows."""
+    from xstage_lab.records import import_bench_json
+
+    local = moe_trace.tile_frame(*_trace([[(L1, 0, 0, 10, 11, 0), (L2, 11, 11, 15, 16, 0)]]))
+    wave = moe_trace.tile_frame(*_trace([[(L2, 0, 0, 4, 10, 0), (L2, 10, 10, 17, 18, 0)]]))
+    inter = moe_trace.tile_frame(*_trace([[(L2, 0, 0, 4, 5, 0), (L1, 5, 5, 15, 16, 0)]]))
+    base = {"model": "M", "precision": "fp8", "routing": "skewed", "tokens": 64}
+    shape = {"hidden": 512, "intermediate": 256, "num_programs": 4,
+             "tile_config": {"block_m": 64, "block_n1": 128, "block_n2": 128}}
+    rows = [{**base, **shape, "kind": "trace", "schedule": s, "path": "local",
+             **moe_trace.run_stats(local)} for s in ("wave", "interleaved")]
+    rows += [{**base, "kind": "trace", "schedule": "wave", "path": "remote",
+              **moe_trace.run_stats(wave, local), "sample": {"span_us": [6.0]}},
+             {**base, "kind": "trace", "schedule": "interleaved", "path": "remote",
+              **moe_trace.run_stats(inter, local)},
+             {**base, "kind": "fenced", "wave_us": 10.0, "interleaved_us": 9.0,
+              "wave_fenced_us": 14.0, "interleaved_fenced_us": 12.5},
+             {**base, "kind": "d_sweep", "lead_rows": 2, "interleaved_us": 9.5, "wave_us": 10.0}]
+    doc = tmp_path / "bench.json"
+    doc.write_text(json.dumps({"metadata": {"provenance": {"gpu_name": "NVIDIA H200",
+                                                           "gpu_count": 2}}, "rows": rows}))
+    import_bench_json(doc, "moe_trace", root=tmp_path)
+    table = moe_trace.latest_trace_table("h200-x2", tmp_path)
+    (row,) = moe_trace.table2(table)
+    # wave: span 6 then 1; first L2 is followed by an L2 (cover 4): pred 2, meas 7 - 4 = 3
+    assert row == {"model": "M", "span_wave_us": 3.5, "span_int_us": 1.0, "mma_l2_us": 4.0,
+                   "mma_l1_us": 10.0, "stall_pred_wave_us": 2.0, "stall_meas_wave_us": 3.0,
+                   "stall_pred_int_us": 0.0, "stall_meas_int_us": 0.0}
+    assert moe_trace.counterfactual_rows(table) == [{**base, "wave_us": 10.0, "interleaved_us": 9.0,
+                                                     "wave_fenced_us": 14.0,
+                                                     "interleaved_fenced_us": 12.5}]
+    assert moe_trace.summary_table2("h200-x2", tmp_path / "none") == []
+
+    # the notebook's tables and figures from the same record
+    from types import SimpleNamespace
+
+    from xstage_lab import plots
+    from xstage_lab.paper import published
+    rec = SimpleNamespace(platform="h200-x2", table=table)
+    t2 = plots.moe_table2(published("table2"), [rec])
+    ours = t2[t2["source"] == "h200-x2"].iloc[0]
+    assert ours["err_wave_us"] == pytest.approx(-1.0) and len(t2) == 8
+    assert t2[t2["source"] == "paper"]["model"].tolist()[0] == "DiT-MoE"
+    assert plots.moe_counterfactual(rec)["coupled_over_decoupled_wave"].iloc[0] == pytest.approx(1.4)
+    from types import SimpleNamespace as NS
+    (c1,) = moe_trace.condition1_rows(table, NS(drain_rate=65.536, t_iss0_at=lambda k, b: 0.25))
+    assert c1["T_l2_mma_us"] == pytest.approx(4.0) and c1["span_wave_us"] == pytest.approx(3.5)
+    assert c1["n1"] == 2 and c1["n2"] == 4 and c1["K_act"] == 4
+    matrix = SimpleNamespace(table=pd.DataFrame([{**base, "speedup": 0.8}, {**base, "tokens": 8, "speedup": 1.2}]))
+    reg = plots.moe_regressions(rec, matrix)
+    assert reg["cause"].tolist() == ["not traced"] and reg["matrix_speedup"].tolist() == [0.8]
+    fig10 = plots.moe_span_distributions(rec, published("table2"))
+    assert list(fig10.data[0].y) == [6.0]
+
+
+def test_regression_cause_is_the_component_that_grows():
+    """Two programs each. Interleaved waits 3 + 5 µs more on dependencies and its L1 mainloops
+    are 1 µs shorter in total: starvation (wait_l2, +4 µs per SM) is the measured cause."""
+    wave = moe_trace.run_stats(moe_trace.tile_frame(*_trace(
+        [[(L1, 0, 0, 4, 5, 0), (L2, 5, 5, 8, 9, 0)], [(L1, 0, 0, 4, 5, 0), (L2, 5, 5, 8, 9, 0)]])))
+    inter = moe_trace.run_stats(moe_trace.tile_frame(*_trace(
+        [[(L1, 0, 0, 3, 4, 0), (L2, 4, 7, 10, 11, 1)], [(L1, 0, 0, 4, 5, 0), (L2, 5, 10, 13, 14, 1)]])))
+    cause = moe_trace.regression_cause(wave, inter)
+    assert cause["cause"] == "wait_l2"
+    assert cause["delta_per_sm_us"]["wait_l2"] == pytest.approx(4.0)
+    assert cause["delta_per_sm_us"]["mainloop_l1"] == pytest.approx(-0.5)
+    assert cause["makespan_ratio"] == pytest.approx(9 / 14)
+    assert moe_trace.regression_cause(wave, wave)["cause"] == "none"  # nothing grows
+
+
+def test_regression_cells_from_matrix_outputs(tmp_path):
+    from xstage_lab.experiments.moe_trace_bench import parse_args
+    rows = [{"model": "DiT-MoE", "precision": "bf16", "routing": "skewed", "tokens": 2048, "speedup": 0.6},
+            {"model": "Hy3", "precision": "fp8", "routing": "skewed", "tokens": 4096, "speedup": 1.2},
+            {"model": "Qwen3.5", "precision": "fp8", "routing": "balanced", "tokens": 8192, "speedup": 0.9},
+            {"model": "DiT-MoE", "precision": "fp8", "routing": "balanced", "tokens": 8192, "speedup": 0.5}]
+    (tmp_path / "m.json").write_text(json.dumps({"metadata": {}, "rows": rows}))
+    a = parse_args(["--out", "x", "--regressions", str(tmp_path / "m.json"), "--max-regressions", "2"])
+    assert [c["speedup"] for c in a.regression_cells] == [0.5, 0.6]
+    assert parse_args(["--out", "x"]).regression_cells == []
+
+
+def test_condition1_by_hand():
+    """K_act = 4 SMs x 16 KiB = 64 KiB at R = 65.536 GB/s: V/R = 1 µs; T_iss^0 = T_L2 = 0.25 µs,
+    so Expert-Wave's overhead (eq. 4) is 0.5 µs; n1/n2 = 2/4 of T_L1 = 0.6 µs offsets 0.3 (eq. 13);
+    eq. 14: 4·1 > 4·0.5 + 2·0.6, interleaving alone is not sufficient."""
+    from types import SimpleNamespace
+    platform = SimpleNamespace(drain_rate=65.536, t_iss0_at=lambda k, b: 0.25)
+    c = moe_trace.condition1(0.25, 0.6, hidden=512, intermediate=256, block_m=64, block_n1=128,
+                             block_n2=128, programs=4, platform=platform)
+    assert c["V_over_R_us"] == pytest.approx(1.0) and c["G_wave_us"] == pytest.approx(0.25)
+    assert c["G_int_us"] == pytest.approx(0.55) and c["G_star_us"] == pytest.approx(0.75)
+    assert c["dT_iss_wave_us"] == pytest.approx(0.5) and c["dT_iss_int_us"] == pytest.approx(0.2)
+    assert c["condition1_holds"] is False
+    assert moe_trace.condition1(0.25, 2.0, hidden=512, intermediate=256, block_m=64, block_n1=128,
+                                block_n2=128, programs=4, platform=platform)["condition1_holds"]
+
+
+def test_tensor_core_activity_fractions():
+    """Two programs over 0..10 µs: program 0 in an L1 mainloop over 0..5, program 1 in an L2
+    mainloop over 5..10. Two bins: L1 active 1/2 then 0; L2 0 then 1/2."""
+    f = moe_trace.tile_frame(*_trace([[(L1, 0, 0, 5, 10, 0)], [(L2, 0, 5, 10, 10, 0)]]))
+    act = moe_trace.tensor_core_activity(f, bins=2)
+    assert act["t_us"] == pytest.approx([2.5, 7.5])
+    assert act["l1"] == pytest.approx([0.5, 0.0]) and act["l2"] == pytest.approx([0.0, 0.5])
+
+
+def test_sample_is_seeded_and_ordered():
+    frame = pd.DataFrame({"a": np.arange(100)})
+    s1, s2 = moe_trace.sample_tiles(frame, 10, 3), moe_trace.sample_tiles(frame, 10, 3)
+    assert s1["a"].tolist() == s2["a"].tolist() == sorted(s1["a"].tolist()) and len(s1) == 10
+    assert len(moe_trace.sample_tiles(frame, 500)) == 100
+
+
+def test_d_sweep_leads():
+    from xstage_lab.experiments.moe_trace_bench import DEFAULT_D_FACTORS, sweep_leads
+    assert sweep_leads(3, DEFAULT_D_FACTORS) == [1, 2, 3, 6, 12, 24]
+    assert sweep_leads(1, (0.25, 0.5, 1)) == [1]
+
+
+def test_trace_bench_arguments():
+    from xstage_lab.experiments.moe_trace_bench import parse_args
+    a = parse_args(["--out", "x.json"])
+    assert a.models == list(moe.load_shapes()) and a.local_models == a.models
+    assert a.precision == "fp8" and a.routing == "skewed" and a.d_factors[2] == 1
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "x.json", "--d-sweep-models", "GPT-5"])
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "x.json", "--d-factors", "0,1"])
+
+
+def test_registered_for_measure_all_and_import():
+    from xstage_lab.launch import BENCHMARKS
+    assert BENCHMARKS["moe_trace"] == "xstage_lab.experiments.moe_trace_bench"
+
+
+def test_local_store_control_contract():
+    layer = simulate_layer("bf16", 2)
+    peers = moe.local_combine_peers(poisoned_buffers(layer))
+    local = torch.zeros(2, peers.slots, peers.hidden, dtype=torch.bfloat16)
+    ctrl = moe.local_store_control(peers, local)
+    assert ctrl.ptrs == (local[0].data_ptr(), local[1].data_ptr()) and ctrl.slots == peers.slots
+    with pytest.raises(moe.MoEContractError, match="local control buffer"):
+        moe.local_store_control(peers, local[:1].contiguous())
+
+
+# ------------------------------------------------------------- kernel cases in the interpreter
+
+def _patch_inline_asm() -> None:
+    """The interpreter has no inline asm: %clock64 and %globaltimer read a host nanosecond clock
+    (monotone), %smid the program id."""
+    import time
+
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    class _Result:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def get_result(self, i):
+            return self.handle
+
+    def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+        if "%smid" in asm:
+            return _Result(interp.TensorHandle(np.array([self.grid_idx[0]], np.int32), tl.int32))
+        return _Result(interp.TensorHandle(np.array([time.perf_counter_ns()], np.int64), tl.int64))
+
+    interp.InterpreterBuilder.create_inline_asm = create_inline_asm
+
+
+def _linear(layer, name):
+    out = []
+    for rank in range(layer.world):
+        sched = rank_schedules(layer, rank)[name]
+        out.append(in_program_order(problem_of(layer, rank), sched, SIM_PROGRAMS))
+    return out
+
+
+def _launch(layer, schedules, **kw):
+    buffers = poisoned_buffers(layer)
+    peers = moe.local_combine_peers(buffers)
+    calls = []
+    for rank, sched in enumerate(schedules):
+        call = moe.prepare_fused_moe(layer.layouts[rank], layer.weights[rank], sched, peers,
+                                     config=TINY_TILES, max_spin_iters=1000, **kw)
+        call()
+        calls.append(call)
+    return buffers, calls
+
+
+def case_variants_bitwise(precision: str) -> dict:
+    """Instrumented and fenced launches leave the Combine buffers bitwise equal to the timing
+    kernel's, under both schedules; the trace stamps are monotone within every tile and from each
+    tile to the next of its program, and the frame analyses."""
+    layer = simulate_layer(precision, 2, seed=7)
+    detail = {}
+    for name in ("wave", "interleaved"):
+        scheds = _linear(layer, name)
+        plain, calls = _launch(layer, scheds)
+        assert [c.error_count() for c in calls] == [0, 0]
+        assert all(not torch.isnan(b.float()).any() for b in plain)
+        for kw in ({"instrument": True}, {"fence": True}):
+            got, calls = _launch(layer, scheds, **kw)
+            assert [c.error_count() for c in calls] == [0, 0], kw
+            assert all(torch.equal(a, b) for a, b in zip(plain, got)), (name, kw)
+        _, calls = _launch(layer, scheds, instrument=True)
+        for rank, call in enumerate(calls):
+            table, counts = tile_table(scheds[rank])
+            trace = call.trace.numpy()
+            for g, c in enumerate(counts):
+                rec = trace[g, :c]
+                assert (rec[:, :8] >= 0).all()
+                assert (np.diff(rec[:, 0:4], axis=1) >= 0).all() and (np.diff(rec[:, 4:8], axis=1) >= 0).all()
+                assert (rec[1:, 0] >= rec[:-1, 3]).all()  # next tile starts after this one ends
+                assert (rec[:, 8] == g).all()
+                l2 = table[g, :c, 0] == L2
+                assert (rec[l2, 9] == 0).all()  # program order: every dependency already met
+            frame = moe_trace.tile_frame(trace, table, counts, clock_mhz=1000.0)
+            assert len(frame) == int(counts.sum())
+        detail[name] = int(counts.sum())
+    return detail
+
+
+def case_local_store_control() -> dict:
+    """The local-store control writes each row to local[source][slot], the values the remote
+    run stores into that source's buffer; the peers' buffers stay poisoned."""
+    layer = simulate_layer("bf16", 2, seed=8)
+    scheds = _linear(layer, "interleaved")
+    plain, _ = _launch(layer, scheds)
+    peers_bufs = poisoned_buffers(layer)
+    peers = moe.local_combine_peers(peers_bufs)
+    written = 0
+    for rank, sched in enumerate(scheds):
+        local = torch.full((2, peers.slots, peers.hidden), float("nan"), dtype=torch.bfloat16)
+        call = moe.prepare_fused_moe(layer.layouts[rank], layer.weights[rank], sched,
+                                     moe.local_store_control(peers, local), config=TINY_TILES,
+                                     instrument=True)
+        call()
+        assert call.error_count() == 0
+        for src in range(2):
+            rows = ~torch.isnan(local[src].float()).any(dim=-1)
+            assert torch.equal(local[src][rows], plain[src][rows])
+            written += int(rows.sum())
+    assert all(torch.isnan(b.float()).all() for b in peers_bufs)
+    assert written == 2 * TINY["tokens"] * TINY["top_k"]  # every slot of every source, once
+    return {"rows": written}
+
+
+def interpreter_cases() -> dict:
+    cases = {f"variants_bitwise_{p}": (case_variants_bitwise, p) for p in moe.PRECISIONS}
+    cases["local_store_control"] = (case_local_store_control,)
+    return cases
+
+
+def _compile_variant(precision: str, **kw) -> dict:
+    """Compile the instrumented or fenced launch for sm_90 and read the order of barriers, clock
+    reads and Combine stores in the PTX."""
+    from tests.experiments.test_moe_kernel import _compile_sm90
+    return _compile_sm90(precision, with_ptx=True, **kw)
+
+
+def _child(argv: list[str]) -> int:
+    results = {}
+    if argv == ["--interpreter"]:
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+        _patch_interpreter()
+        _patch_inline_asm()
+        cases = interpreter_cases()
+    elif argv == ["--compile-sm90"]:
+        cases = {"instrument_fp8": (_compile_variant, "fp8"),
+                 "fence_bf16": (_compile_variant, "bf16")}
+    else:
+        raise SystemExit(f"unknown arguments {argv}")
+    for name, (fn, *args) in cases.items():
+        kw = {"instrument": True} if name.startswith("instrument") else \
+            {"fence": True} if name.startswith("fence") else {}
+        try:
+            results[name] = {"ok": True, "detail": fn(*args, **kw)}
+        except Exception:
+            results[name] = {"ok": False, "detail": traceback.format_exc()}
+    print(json.dumps(results))
+    return 0
+
+
+def _spawn(flag: str, interpret: bool, timeout: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "tests.experiments.test_moe_trace", flag],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise AssertionError(f"child {flag} failed:\n{proc.stdout}\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    return _spawn("--interpreter", interpret=True, timeout=1800)
+
+
+@pytest.mark.parametrize("case", list(interpreter_cases()))
+def test_interpreter_case(interpreter_results, case):
+    result = interpreter_results[case]
+    assert result["ok"], result["detail"]
+
+
+def test_stamps_and_fence_in_ptx():
+    """In the sm_90 PTX: every %clock64 read directly follows a bar.sync (nothing of the tile
+    between the barrier and the stamp); the Linear-2 Combine stores (16-byte vectors) lie between
+    the epilogue-start and epilogue-end stamps; the fenced kernel has a system-scope release atom
+    after each Linear-2 tile besides the one at the kernel's end; neither variant spills."""
+    results = _spawn("--compile-sm90", interpret=False, timeout=900)
+    for name, result in results.items():
+        assert result["ok"], result["detail"]
+        assert result["detail"]["spill_store_bytes"] == 0, name
+    lines = [ln.strip() for ln in results["instrument_fp8"]["detail"]["ptx"].splitlines()
+             if ln.strip() and not ln.strip().startswith((".loc", "//", "$L"))]
+    clocks = [i for i, ln in enumerate(lines) if "%clock64" in ln]
+    assert len(clocks) == 7, len(clocks)  # entry, then 3 stamps in each of the two tile kinds
+    for i in clocks:
+        assert lines[i - 1].startswith("bar.sync"), lines[i - 2:i + 1]
+    vector_stores = [i for i, ln in enumerate(lines) if "st.global.v4" in ln]
+    assert any(clocks[-2] < i < clocks[-1] for i in vector_stores)
+    assert not any(clocks[-3] < i < clocks[-2] for i in vector_stores)  # mainloop: no Combine store
+    fenced = results["fence_bf16"]["detail"]["ptx"]
+    assert len(re.findall(r"atom\.global\.sys\.release", fenced)) == 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(_child(sys.argv[1:]))
