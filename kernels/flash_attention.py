@@ -15,36 +15,32 @@ import triton
 import triton.language as tl
 
 # Hopper (sm_90) launch configurations keyed by head dim: b_m x b_n tiles, 8 warps = two
-# warpgroups on the 128-row tile (wgmma is issued per 64-row warpgroup), TMA loads pipelined
-# num_stages deep within the 227 KB of shared memory a CTA may hold. persistent: a grid of
-# SMs x ctas_per_sm programs walking the tiles, else one program per tile; ctas_per_sm is the
-# occupancy from the registers and shared memory of the sm_90 build (Triton 3.6, ptxas -v).
-# CANDIDATES are what the benchmark times once per head dim before the sweep; the configuration
-# it picks serves FA-only, Serial and Fused alike. ``attention_bench --fa-only`` times a wider
-# grid against cuDNN.
+# consumer warpgroups (wgmma is issued per warpgroup: at b_m = 256 each owns 128 rows), TMA loads
+# pipelined num_stages deep within the 227 KB of shared memory a CTA may hold. persistent: a grid
+# of SMs x ctas_per_sm programs walking the tiles, else one program per tile; ctas_per_sm is the
+# occupancy from the registers and shared memory of the sm_90 build (Triton 3.6, ptxas -v; a
+# 256 x 64 tile at 8 warps takes 254 registers, 256 x 128 and 4-warp 128 x 128 tiles spill).
+# CONFIGS holds the fastest FA-only configuration measured against cuDNN on H200 by
+# ``attention_bench --fa-only`` (one GPU, H = 12 local heads, M = 16K..64K); CANDIDATES are what
+# the Table 3 benchmark times once per head dim before its sweep, and the configuration it picks
+# serves FA-only, Serial and Fused alike. Triton 3.6's ``tl.range(..., warp_specialize=True)``
+# is left out: on sm_90 it hung at run time (one program per tile) or failed to compile
+# (persistent grid).
 CONFIGS = {
-    64: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1, persistent=True,
-              warp_specialize=False),
-    128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1, persistent=True,
-              warp_specialize=False),
+    64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, ctas_per_sm=2, persistent=True),
+    128: dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=4, ctas_per_sm=1, persistent=False),
 }
 CANDIDATES = {
     64: [CONFIGS[64],
-         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, ctas_per_sm=1, persistent=True,
-              warp_specialize=False),
-         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, ctas_per_sm=2, persistent=True,
-              warp_specialize=False),
+         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4, ctas_per_sm=2, persistent=True),
+         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1, persistent=True),
          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1,
-              persistent=False,
-              warp_specialize=False)],
+              persistent=False)],
     128: [CONFIGS[128],
-          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, ctas_per_sm=1, persistent=True,
-              warp_specialize=False),
+          dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1, persistent=False),
           dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1,
-               persistent=False,
-              warp_specialize=False),
-          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1, persistent=True,
-              warp_specialize=False)],
+               persistent=False),
+          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1, persistent=True)],
 }
 # Remote-store copy kernel: a [BLOCK_ROWS, d] tile per head and step, 16-byte stores.
 COPY_CONFIG = dict(BLOCK_ROWS=32, num_warps=4)
@@ -52,19 +48,16 @@ COPY_CONFIG = dict(BLOCK_ROWS=32, num_warps=4)
 
 @triton.jit
 def _q_loop(q, k_desc, v_desc, col, M, qk_scale,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-            WARP_SPECIALIZE: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """One output tile: the Q-loop over all ceil(M/b_n) KV tiles (Fig. 6) with online softmax.
 
     Non-causal; scores are scaled by ``qk_scale`` = log2(e)/sqrt(d) so exp2 gives softmax, and
-    normalized once after the loop. WARP_SPECIALIZE: Triton splits the loop into a TMA producer
-    warpgroup and consumer warpgroups (on sm_90 with num_warps=4: 12 warps, as FlashAttention-3
-    arranges them). Returns the normalized fp32 tile O = softmax(Q K^T / sqrt(d)) V.
+    normalized once after the loop. Returns the fp32 tile O = softmax(Q K^T / sqrt(d)) V.
     """
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 1.0, tl.float32)  # multiplied by alpha = 0 on the first KV tile
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start_n in tl.range(0, M, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in tl.range(0, M, BLOCK_N):
         k = k_desc.load([start_n, col]).T
         qk = tl.dot(q, k)
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -105,8 +98,7 @@ def _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world,
 def flash_attention_kernel(q_desc, k_desc, v_desc, dst, fence_flag, M, rows_per_rank, rank, world,
                            qk_scale, H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REMOTE: tl.constexpr,
-                           FENCED: tl.constexpr, PERSISTENT: tl.constexpr,
-                           WARP_SPECIALIZE: tl.constexpr):
+                           FENCED: tl.constexpr, PERSISTENT: tl.constexpr):
     """FlashAttention forward over the M/b_m x H_LOCAL output tiles of one rank.
 
     ``q_desc``/``k_desc``/``v_desc`` are TMA descriptors over [M, H_LOCAL*d]; head h is the column
@@ -129,22 +121,28 @@ def flash_attention_kernel(q_desc, k_desc, v_desc, dst, fence_flag, M, rows_per_
     num_m_blocks = M // BLOCK_M
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_m_blocks * H_LOCAL, tl.num_programs(0)):
-            head = tile // num_m_blocks
-            row0 = (tile % num_m_blocks) * BLOCK_M
-            q = q_desc.load([row0, head * HEAD_DIM])
-            o = _q_loop(q, k_desc, v_desc, head * HEAD_DIM, M, qk_scale, BLOCK_M, BLOCK_N,
-                        HEAD_DIM, WARP_SPECIALIZE).to(q.dtype)
-            _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world, H_LOCAL,
-                        HEAD_DIM, BLOCK_M, REMOTE, FENCED)
+            _output_tile(tile, num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, M,
+                         rows_per_rank, rank, world, qk_scale, H_LOCAL, HEAD_DIM, BLOCK_M,
+                         BLOCK_N, REMOTE, FENCED)
     else:
-        tile = tl.program_id(0)
-        head = tile // num_m_blocks
-        row0 = (tile % num_m_blocks) * BLOCK_M
-        q = q_desc.load([row0, head * HEAD_DIM])
-        o = _q_loop(q, k_desc, v_desc, head * HEAD_DIM, M, qk_scale, BLOCK_M, BLOCK_N,
-                    HEAD_DIM, WARP_SPECIALIZE).to(q.dtype)
-        _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world, H_LOCAL,
-                    HEAD_DIM, BLOCK_M, REMOTE, FENCED)
+        _output_tile(tl.program_id(0), num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, M,
+                     rows_per_rank, rank, world, qk_scale, H_LOCAL, HEAD_DIM, BLOCK_M, BLOCK_N,
+                     REMOTE, FENCED)
+
+
+@triton.jit
+def _output_tile(tile, num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, M, rows_per_rank,
+                 rank, world, qk_scale, H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REMOTE: tl.constexpr,
+                 FENCED: tl.constexpr):
+    """Output tile ``tile`` of ``flash_attention_kernel``: its Q-loop, then its epilogue."""
+    head = tile // num_m_blocks
+    row0 = (tile % num_m_blocks) * BLOCK_M
+    q = q_desc.load([row0, head * HEAD_DIM])
+    o = _q_loop(q, k_desc, v_desc, head * HEAD_DIM, M, qk_scale, BLOCK_M, BLOCK_N,
+                HEAD_DIM).to(q.dtype)
+    _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world, H_LOCAL, HEAD_DIM,
+                BLOCK_M, REMOTE, FENCED)
 
 
 @triton.jit

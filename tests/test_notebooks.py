@@ -34,6 +34,15 @@ def test_characterization_publishes_fig3_and_table1(reproduced):
     assert "Table 1" in index and "backend: replay" in index
 
 
+def test_fused_moe_publishes_fig8_table2_and_the_mechanism(reproduced):
+    names = {json.loads(line)["name"] for line in
+             (reproduced / "03_fused_moe" / "manifest.jsonl").read_text().splitlines()}
+    assert {"moe_headline", "fig8", "table2"} <= names
+    for prefix in ("fig9_", "fig10_", "condition1_", "moe_d_sweep_", "moe_regressions_",
+                   "moe_counterfactual_", "moe_traced_causes_"):
+        assert any(n.startswith(prefix) for n in names), prefix
+
+
 def test_failing_notebook_gives_nonzero_exit_and_names_the_cell(tmp_path, monkeypatch, capsys):
     import nbformat
 

@@ -364,13 +364,17 @@ def table3_comparison(paper: dict, records) -> pd.DataFrame:
                          "speedup": r["speedup"], "hiding_ratio": r["hiding_ratio"],
                          "a2a_nccl_us": r["a2a_nccl_us"], "a2a_remote_us": r["a2a_remote_us"],
                          "sdpa_nccl_us": r["sdpa_nccl_us"], "fa_tflops": r["fa_tflops"],
-                         "cudnn_tflops": r["cudnn_tflops"]})
+                         "cudnn_tflops": r["cudnn_tflops"],
+                         # the fenced (completion-coupled) epilogue, where the record has it
+                         **{k: r[k] for k in ("fused_fenced_us", "hiding_ratio_fenced")
+                            if k in r}})
     return pd.DataFrame(rows).round(3)
 
 
 def fig11_residual(paper: dict, records, predictions: dict) -> go.Figure:
     """Fig. 11: relative residual E_res/T_FA against M: the paper's FA4, each platform's measured
-    residual (against FA-only, and against the same-code FA-only control from paired trials),
+    residual (against FA-only, and against the same-code FA-only control from paired trials, of
+    the decoupled Fused epilogue and, where measured, of the fenced completion-coupled one),
     and the no-refit
     predictions, X-Stage (eqs. 18–19) and completion-coupled (eq. 17), with M*_ub (eq. 20).
     ``predictions`` maps a platform to ``attention_model.residual_predictions``'s table."""
@@ -384,17 +388,19 @@ def fig11_residual(paper: dict, records, predictions: dict) -> go.Figure:
         label = f"{rec.platform}, P={int(t['P'].iloc[0])}"
         fig.add_scatter(x=t["M"], y=t["e_res_us"] / t["fa_us"] * 100, mode="lines+markers",
                         line=dict(color=color), name=f"{label}: measured vs FA-only")
-        if "e_res_paired_fa_same_code_us" in pred:
-            base = pred["e_res_paired_fa_same_code_us"] / pred["e_res_paired_fa_same_code_rel_pct"]
+        for name, what, marker in (("e_res", "Fused", "circle"),
+                                   ("e_res_fenced", "Fused-fenced (coupled)", "x")):
+            tag = f"{name}_paired_fa_same_code"
+            if f"{tag}_us" not in pred:
+                continue
+            base = pred[f"{tag}_us"] / pred[f"{tag}_rel_pct"]
             fig.add_scatter(
-                x=pred["M"], y=pred["e_res_paired_fa_same_code_rel_pct"], mode="lines+markers",
-                line=dict(color=color, dash="dash"),
+                x=pred["M"], y=pred[f"{tag}_rel_pct"], mode="lines+markers",
+                line=dict(color=color, dash="dash"), marker=dict(symbol=marker),
                 error_y=dict(type="data", symmetric=False,
-                             array=(pred["e_res_paired_fa_same_code_p75_us"]
-                                    - pred["e_res_paired_fa_same_code_us"]) / base,
-                             arrayminus=(pred["e_res_paired_fa_same_code_us"]
-                                         - pred["e_res_paired_fa_same_code_p25_us"]) / base),
-                name=f"{label}: vs same-code FA-only, paired trials (median, IQR)")
+                             array=(pred[f"{tag}_p75_us"] - pred[f"{tag}_us"]) / base,
+                             arrayminus=(pred[f"{tag}_us"] - pred[f"{tag}_p25_us"]) / base),
+                name=f"{label}: {what} vs same-code FA-only, paired trials (median, IQR)")
         fig.add_scatter(x=pred["M"], y=pred["e_drain_us"] / pred["fa_us"] * 100, mode="lines",
                         line=dict(color=color, dash="dot"), name=f"{label}: X-Stage prediction")
         fig.add_scatter(x=pred["M"], y=pred["e_cc_us"] / pred["fa_us"] * 100, mode="lines",
@@ -565,11 +571,13 @@ def moe_span_distributions(trace_record, paper: dict | None = None) -> go.Figure
         for key, color in (("span_wave_median_range_us", _COLORS[0]),
                            ("span_int_median_range_us", _COLORS[1])):
             lo, hi = paper["fig10"][key]
-            fig.add_hrect(y0=lo, y1=hi, fillcolor=color, opacity=0.12, line_width=0,
-                          annotation_text=f"paper {key.split('_')[1]} medians",
-                          annotation_position="top left")
+            fig.add_hrect(y0=lo, y1=hi, fillcolor=color, opacity=0.12, line_width=0)
+            # annotations on a log axis take log10 positions (shapes take data values)
+            fig.add_annotation(x=0, xref="paper", xanchor="left", yanchor="bottom", y=np.log10(hi),
+                               text=f"paper {key.split('_')[1]} medians", showarrow=False)
+    # log axis: this platform's spans and the paper's bands differ by an order of magnitude
     fig.update_layout(boxmode="group", title=f"{trace_record.platform}: Fig. 10, Linear-2 "
-                      "remote-store span per tile", yaxis_title="T_RS (µs)")
+                      "remote-store span per tile", yaxis_title="T_RS (µs)", yaxis_type="log")
     return fig
 
 
@@ -615,25 +623,25 @@ def moe_d_sweep(trace_record) -> go.Figure:
     return fig
 
 
-def moe_regressions(trace_record, matrix_record=None) -> pd.DataFrame:
-    """Each regressing matrix cell with its measured cause: Interleaved minus Expert-Wave SM time
-    per component (µs per SM) from the traced launches of both schedules. With the matrix record,
-    every cell with speedup < 1 is listed, those without a trace marked "not traced"."""
-    t = trace_record.table
-    keys = ["model", "precision", "routing", "tokens"]
-    rows = []
-    for r in t[t["kind"] == "regression"].to_dict("records"):
-        delta = _cell(r["delta_per_sm_us"])
-        rows.append({k: r[k] for k in (*keys, "matrix_speedup", "makespan_ratio", "cause")}
-                    | {f"Δ{k} (µs/SM)": v for k, v in delta.items()})
-    df = pd.DataFrame(rows) if rows else pd.DataFrame(
-        columns=[*keys, "matrix_speedup", "makespan_ratio", "cause"])
-    if matrix_record is not None:
-        m = matrix_record.table
-        slow = m[m["speedup"] < 1][keys + ["speedup"]].rename(columns={"speedup": "matrix_speedup"})
-        df = slow.merge(df.drop(columns="matrix_speedup"), on=keys, how="left")
-        df["cause"] = df["cause"].fillna("not traced")
-    return df.sort_values("matrix_speedup").round(3).reset_index(drop=True)
+def moe_regressions(trace_record, matrix_record) -> pd.DataFrame:
+    """Each regressing matrix cell with its measured cause (``moe_trace.regression_rows``):
+    Interleaved minus Expert-Wave SM time per component (µs per SM) where the cell was traced,
+    "not traced" otherwise, with the measured proxies beside it."""
+    from .experiments.moe_trace import regression_rows
+
+    return pd.DataFrame(regression_rows(matrix_record.table, trace_record.table)).round(3)
+
+
+def moe_traced_causes(trace_record) -> pd.DataFrame:
+    """Per traced configuration, Interleaved minus Expert-Wave SM time per component (µs per SM),
+    the makespan ratio and both schedules' Linear-2 dependency-wait shares: where the gain or the
+    loss comes from (``moe_trace.traced_causes``)."""
+    from .experiments.moe_trace import traced_causes
+
+    rows = [{**{k: v for k, v in r.items() if k != "delta_per_sm_us"},
+             **{f"Δ{k} (µs/SM)": v for k, v in r["delta_per_sm_us"].items()}}
+            for r in traced_causes(trace_record.table)]
+    return pd.DataFrame(rows).round(3)
 
 
 def moe_counterfactual(trace_record) -> pd.DataFrame:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .experiments import moe_trace
+from .experiments.attention_model import summary_counterfactual as attention_counterfactual
 from .experiments.visibility import summary_entry as visibility_entry
 from .records import RECORDS_DIR, latest_record, platforms
 
@@ -35,7 +36,8 @@ def counterfactual_entry(platform: str, root: Path) -> dict:
             "max_law_err_pct": completion["max_law_err_pct"],
             "microbenchmark": completion["periods"],
             **({"visibility": vis} if (vis := visibility_entry(platform, root)) else {}),
-            **({"moe": cc} if (cc := moe_trace.summary_counterfactual(platform, root)) else {})}
+            **({"moe": cc} if (cc := moe_trace.summary_counterfactual(platform, root)) else {}),
+            **({"attention": a} if (a := attention_counterfactual(platform, root)) else {})}
 
 
 FA_A2A_KEYS = ("M", "heads", "head_dim", "P", "fa_us", "a2a_nccl_us", "a2a_remote_us", "serial_us",

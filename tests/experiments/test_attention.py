@@ -92,6 +92,11 @@ def _bad_calls():
         "contiguity": (lambda: fa(q.transpose(0, 1).contiguous().transpose(0, 1), k, v,
                                   config=TINY), "contiguous"),
         "tile size": (lambda: fa(q, k, v, config=dict(BLOCK_M=24)), "power of two"),
+        "persistent": (lambda: fa(q, k, v, config=dict(TINY, persistent=1)), "True or False"),
+        "config key": (lambda: fa(q, k, v, config=dict(TINY, warp_specialize=True)),
+                       "unknown configuration keys"),
+        "fenced table": (lambda: fused(q, k, v, table[:1], 0, 2, config=TINY, fenced=True),
+                         "one pointer per rank"),
         "table length": (lambda: fused(q, k, v, torch.zeros(3, dtype=torch.int64), 0, 2,
                                        config=TINY), "one pointer per rank"),
         "table dtype": (lambda: fused(q, k, v, table.int(), 0, 2, config=TINY), "int64"),
@@ -115,7 +120,7 @@ def test_heads_not_divisible_by_P_are_rejected():
         attention.check_ulysses_shape(1024, 6, 4)
     with pytest.raises(ValueError, match="not divisible by P=4"):
         attention_bench.validate(attention_bench.parse_args(["--out", "x", "--seq", "1026"]), 4)
-    with pytest.raises(ValueError, match="multiple of the 128-row tiles"):
+    with pytest.raises(ValueError, match="multiple of the 256-row tiles"):
         attention_bench.validate(attention_bench.parse_args(["--out", "x", "--seq", "1000"]), 4)
     attention_bench.validate(attention_bench.parse_args(["--out", "x"]), 4)  # the default sweep
 
@@ -145,13 +150,16 @@ def test_all_to_all_single_permutes_into_the_ulysses_layout(tmp_path):
 
 def test_table3_row_follows_eq_21():
     med = dict(fa=100.0, fa_same_code=104.0, sdpa=80.0, a2a_nccl=30.0, a2a_remote=20.0,
-               serial=140.0, fused=110.0, sdpa_nccl=120.0)
+               serial=140.0, fused=110.0, fused_fenced=130.0, sdpa_nccl=120.0)
     iqr = {m: 1.0 for m in med}
     row = attention_bench.table3_row(8192, 24, 128, 4, med, iqr)
     assert row["speedup"] == pytest.approx(140 / 110)
     assert row["hiding_ratio"] == pytest.approx(1 - 10 / 40)
     assert row["e_res_us"] == pytest.approx(10.0)
     assert row["e_res_same_code_us"] == pytest.approx(6.0)
+    assert row["e_res_fenced_us"] == pytest.approx(30.0)
+    assert row["hiding_ratio_fenced"] == pytest.approx(1 - 30 / 40)
+    assert row["speedup_fenced"] == pytest.approx(140 / 130)
     flops = 4 * 8192 ** 2 * 128 * 24 / 4
     assert row["fa_tflops"] == pytest.approx(flops / 100e-6 / 1e12)
     assert row["cudnn_tflops"] == pytest.approx(flops / 80e-6 / 1e12)
@@ -169,11 +177,9 @@ def _compile_flash_attention(kernels, d, cfg, remote, h_local=6, fenced=False):
                  "fence_flag": "*i32", "M": "i32", "rows_per_rank": "i32", "rank": "i32",
                  "world": "i32", "qk_scale": "fp32", "H_LOCAL": "constexpr",
                  "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                 "REMOTE": "constexpr", "FENCED": "constexpr", "PERSISTENT": "constexpr",
-                 "WARP_SPECIALIZE": "constexpr"}
+                 "REMOTE": "constexpr", "FENCED": "constexpr", "PERSISTENT": "constexpr"}
     constexprs = dict(H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote,
-                      FENCED=fenced, PERSISTENT=cfg["persistent"],
-                      WARP_SPECIALIZE=cfg["warp_specialize"])
+                      FENCED=fenced, PERSISTENT=cfg["persistent"])
     aligned = {(i,): [["tt.divisibility", 16]] for i in (3, 4, 5, 6)}
     return triton.compile(ASTSource(kernels.flash_attention_kernel, signature, constexprs, aligned),
                           target=HOPPER, options=dict(num_warps=cfg["num_warps"],
@@ -238,3 +244,51 @@ def test_remote_store_copy_compiles_for_hopper(compiled_kernels):
                        options=dict(num_warps=compiled_kernels.COPY_CONFIG["num_warps"]))
     stores = re.findall(r"st\.global\S*", k.asm["ptx"])
     assert stores and all(".v4." in s for s in stores), f"remote stores not 16-byte: {stores}"
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per_tile"])
+def test_fenced_epilogue_releases_at_system_scope(compiled_kernels, persistent):
+    """Issue 8: the fenced build waits on a system-scope release after a CTA barrier, once per
+    tile; the unfenced REMOTE and LOCAL builds have neither."""
+    cfg = dict(compiled_kernels.CONFIGS[128], persistent=persistent)
+    fenced = _compile_flash_attention(compiled_kernels, 128, cfg, True, fenced=True).asm["ptx"]
+    plain = _compile_flash_attention(compiled_kernels, 128, cfg, True).asm["ptx"]
+    release = re.findall(r"atom\.global\.sys\.release\.\S+", fenced)
+    assert len(release) == 1, release
+    body = fenced[:fenced.index(release[0])]
+    assert "bar.sync" in body[body.rindex("st.global"):], "no CTA barrier between stores and release"
+    assert "atom." not in plain and ".sys" not in plain
+
+
+def test_fa_only_mode_names_and_ratios():
+    cands = attention_bench.fa_only_candidates(128)
+    names = [attention_bench.config_name(c) for c in cands]
+    assert len(set(names)) == len(names) and "256x64_w8_s4_grid" in names
+    assert attention.flash_attention_config(128) in cands
+    timing = {"cudnn": dict(median_us=80.0, p25_us=79.0, p75_us=81.0, trials_us=[80.0, 40.0]),
+              "x": dict(median_us=100.0, p25_us=99.0, p75_us=101.0, trials_us=[100.0, 40.0])}
+    r = attention_bench.fa_only_ratios(timing, flops=10 ** 9)
+    assert r["x"]["tflops"] == pytest.approx(10.0)  # 1e9 FLOP in 100 µs
+    assert r["x"]["over_cudnn"] == pytest.approx(0.8)
+    assert r["x"]["over_cudnn_paired"] == pytest.approx(0.9)  # median of 0.8 and 1.0
+
+
+def test_fa_only_rejects_unknown_configs_before_launch(no_launch):
+    args = attention_bench.parse_args(["--out", "x", "--fa-only", "--configs", "nonsense"])
+    assert args.seq == list(attention_bench.FA_ONLY_SEQ) and args.heads == 12
+    with pytest.raises(ValueError, match="unknown configurations"):
+        attention_bench.fa_only(args)
+
+
+def test_paired_row_pairs_fused_and_fenced_with_both_baselines():
+    trials = dict(fa=[100.0, 200.0, 101.0], fa_same_code=[98.0, 196.0, 99.0],
+                  fused=[103.0, 206.0, 104.0], fused_fenced=[110.0, 220.0, 111.0])
+    clocks = dict(fa=[1980.0, 990.0, 1980.0], fa_same_code=[1980.0, 990.0, 1965.0],
+                  fused=[1980.0, 1500.0, 1980.0], fused_fenced=[1980.0, 990.0, None])
+    row = attention_bench.paired_row(trials, clocks)
+    assert row["e_res_paired_fa_us"] == 3.0                   # 3, 6, 3
+    assert row["e_res_paired_fa_matched_us"] == 3.0           # trial 2's clocks differ
+    assert row["e_res_paired_fa_matched_trials"] == 2
+    assert row["e_res_fenced_paired_fa_same_code_us"] == 12.0  # 12, 24, 12
+    assert row["e_res_fenced_paired_fa_matched_trials"] == 2   # trial 3's clock unknown
+    assert row["sm_clock_min_mhz"] == 990.0 and row["sm_clock_max_mhz"] == 1980.0

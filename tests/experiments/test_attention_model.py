@@ -69,3 +69,58 @@ def test_prediction_check_names_the_nearer_prediction():
     assert check["nearer"].tolist() == ["X-Stage", "completion-coupled"]
     assert check["x_stage_in_iqr"].tolist() == [True, False]
     assert check["measured_p75_pct"].tolist() == pytest.approx([2.0, 2.1])
+
+
+def test_paired_difference_matches_clock_states():
+    from xstage_lab.experiments.attention_model import paired_difference
+
+    r = paired_difference([10.0, 20.0, 12.0, 11.0], [8.0, 10.0, 9.0, 9.0],
+                          [1980, 1500, 1965, None], [1980, 1980, 1980, 1980])
+    assert r["median_us"] == 2.5                              # 2, 10, 3, 2
+    assert r["matched_trials"] == 2 and r["matched_median_us"] == 2.5  # trials 1 and 3
+    assert paired_difference([1.0], [0.0])["matched_median_us"] is None
+
+
+def test_prediction_check_scores_both_epilogues():
+    from xstage_lab.experiments.attention_model import prediction_check
+
+    pred = pd.DataFrame(dict(M=[8192], fa_us=[100.0], e_drain_us=[0.0], e_cc_us=[8.0],
+                             e_res_paired_fa_same_code_us=[1.0],
+                             e_res_paired_fa_same_code_rel_pct=[1.0],
+                             e_res_paired_fa_same_code_p25_us=[-1.0],
+                             e_res_paired_fa_same_code_p75_us=[2.0],
+                             e_res_fenced_paired_fa_same_code_us=[5.0],
+                             e_res_fenced_paired_fa_same_code_rel_pct=[5.0],
+                             e_res_fenced_paired_fa_same_code_p25_us=[4.0],
+                             e_res_fenced_paired_fa_same_code_p75_us=[6.0]))
+    c = prediction_check(pred).iloc[0]
+    assert c["x_stage_err_pct"] == pytest.approx(-1.0) and c["x_stage_in_iqr"]
+    # the coupled prediction, 8%, misses the fenced residual's IQR [4%, 6%]: it fails here
+    assert c["completion_coupled_err_pct"] == pytest.approx(3.0)
+    assert not c["completion_coupled_in_iqr"]
+    assert c["fenced_measured_pct"] == pytest.approx(5.0)
+
+
+def test_counterfactual_attention_entry(tmp_path):
+    from xstage_lab.experiments.attention_model import summary_counterfactual
+    from xstage_lab.records import write_record
+
+    assert summary_counterfactual("h200-x2", tmp_path) == {}
+    table = pd.DataFrame([dict(M=8192, fa_us=100.0, fused_us=101.0, fused_fenced_us=120.0,
+                               serial_us=130.0, e_res_us=1.0, e_res_fenced_us=20.0,
+                               hiding_ratio=1 - 1 / 30, hiding_ratio_fenced=1 - 20 / 30)])
+    write_record("fa_a2a", "h200-x2", table, {}, {}, root=tmp_path)
+    entry = summary_counterfactual("h200-x2", tmp_path)
+    assert entry["per_M"] == [dict(M=8192, coupled_us=120.0, decoupled_us=101.0, fa_us=100.0,
+                                   serial_us=130.0, e_res_coupled_us=20.0, e_res_decoupled_us=1.0,
+                                   hiding_ratio_coupled=pytest.approx(1 - 20 / 30),
+                                   hiding_ratio_decoupled=pytest.approx(1 - 1 / 30))]
+
+
+def test_prediction_failures_name_each_miss():
+    from xstage_lab.experiments.attention_model import prediction_failures
+
+    check = pd.DataFrame(dict(M=[8192, 16384], x_stage_pct=[0.0, 0.0], x_stage_err_pct=[-1.0, -3.0],
+                              x_stage_in_iqr=[True, False]))
+    (line,) = prediction_failures(check)
+    assert line.startswith("M=16384: the X-Stage") and "-3.00 points" in line

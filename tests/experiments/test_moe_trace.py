@@ -154,7 +154,11 @@ def test_table2_and_counterfactual_from_a_record(tmp_path):
     assert c1["n1"] == 2 and c1["n2"] == 4 and c1["K_act"] == 4
     matrix = SimpleNamespace(table=pd.DataFrame([{**base, "speedup": 0.8}, {**base, "tokens": 8, "speedup": 1.2}]))
     reg = plots.moe_regressions(rec, matrix)
-    assert reg["cause"].tolist() == ["not traced"] and reg["matrix_speedup"].tolist() == [0.8]
+    # the regressing cell is the traced one: Interleaved adds a 10 µs L1 mainloop, saves 7 µs of
+    # L2 mainloop and 6 µs of L2 span (one program)
+    assert reg["cause"].tolist() == ["mainloop_l1"] and reg["matrix_speedup"].tolist() == [0.8]
+    assert reg["Δmainloop_l2 (µs/SM)"].iloc[0] == pytest.approx(-7.0)
+    assert reg["makespan_ratio"].iloc[0] == pytest.approx(18 / 16)
     fig10 = plots.moe_span_distributions(rec, published("table2"))
     assert list(fig10.data[0].y) == [6.0]
 
@@ -172,6 +176,44 @@ def test_regression_cause_is_the_component_that_grows():
     assert cause["delta_per_sm_us"]["mainloop_l1"] == pytest.approx(-0.5)
     assert cause["makespan_ratio"] == pytest.approx(9 / 14)
     assert moe_trace.regression_cause(wave, wave)["cause"] == "none"  # nothing grows
+
+
+def test_regression_rows_cause_where_traced_proxies_elsewhere():
+    """Matrix cells below 1, worst first: the traced cell gets its measured cause, a ``regression``
+    row wins over a trace pair, an untraced cell is "not traced" with the same model's traced
+    wait shares and its D sweep at the cell's lead D beside it; quartile range from the spreads."""
+    wave = moe_trace.run_stats(moe_trace.tile_frame(*_trace(
+        [[(L1, 0, 0, 4, 5, 0), (L2, 5, 5, 8, 9, 0)], [(L1, 0, 0, 4, 5, 0), (L2, 5, 5, 8, 9, 0)]])))
+    inter = moe_trace.run_stats(moe_trace.tile_frame(*_trace(
+        [[(L1, 0, 0, 3, 4, 0), (L2, 4, 7, 10, 11, 1)], [(L1, 0, 0, 4, 5, 0), (L2, 5, 10, 13, 14, 1)]])))
+    base = {"model": "A", "precision": "fp8", "routing": "skewed", "tokens": 64}
+    trace = pd.DataFrame(
+        [{**base, "kind": "trace", "path": "remote", "schedule": "wave", **wave},
+         {**base, "kind": "trace", "path": "remote", "schedule": "interleaved", **inter},
+         {**base, "kind": "d_sweep", "lead_rows": 2, "d_factor": 1.0, "speedup": 0.7},
+         {**base, "kind": "d_sweep", "lead_rows": 4, "d_factor": 2.0, "speedup": 1.01},
+         {**base, "tokens": 32, "kind": "regression", "cause": "span_l2", "makespan_ratio": 0.9,
+          "delta_per_sm_us": json.dumps({"span_l2": 3.0})}])
+    spread = json.dumps({"wave": {"p25_us": 9.0, "p75_us": 11.0},
+                         "interleaved": {"p25_us": 10.0, "p75_us": 12.0}})
+    matrix = pd.DataFrame([{**base, "speedup": 0.64, "lead_rows": 2, "spreads": spread},
+                           {**base, "tokens": 128, "speedup": 0.9, "lead_rows": 2, "spreads": spread},
+                           {**base, "tokens": 32, "speedup": 0.95, "lead_rows": 2, "spreads": None},
+                           {**base, "model": "B", "speedup": 0.99, "lead_rows": 2, "spreads": spread},
+                           {**base, "tokens": 8, "speedup": 1.1, "lead_rows": 2, "spreads": spread}])
+    rows = moe_trace.regression_rows(matrix, trace)
+    assert [r["matrix_speedup"] for r in rows] == [0.64, 0.9, 0.95, 0.99]
+    assert [r["cause"] for r in rows] == ["wait_l2", "not traced", "span_l2", "not traced"]
+    assert rows[0]["speedup_lo"] == pytest.approx(0.75) and rows[0]["speedup_hi"] == pytest.approx(1.1)
+    assert rows[0]["Δwait_l2 (µs/SM)"] == pytest.approx(4.0) and rows[2]["Δspan_l2 (µs/SM)"] == 3.0
+    assert rows[1]["traced_wait_share_int"] == pytest.approx(inter["wait_l2_share"])
+    assert rows[1]["traced_shape"] == "fp8/skewed/64" and "speedup_lo" not in rows[2]
+    assert rows[1]["dsweep_speedup_at_lead"] == 0.7 and rows[1]["dsweep_best_d_factor"] == 2.0
+    assert "traced_shape" not in rows[3] and "dsweep_best_speedup" not in rows[3]
+    (c,) = moe_trace.traced_causes(trace)
+    assert c["cause"] == "wait_l2" and c["wait_share_int"] > c["wait_share_wave"] == 0.0
+    # mainloops 4 + 3 µs per program over 2 programs x 9 µs (wave); (3 + 3 + 4 + 3) / (2 x 14)
+    assert c["mma_busy_wave"] == pytest.approx(14 / 18) and c["mma_busy_int"] == pytest.approx(13 / 28)
 
 
 def test_regression_cells_from_matrix_outputs(tmp_path):

@@ -4,6 +4,7 @@ known model parameters (tests/synthetic.py)."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from tests.experiments.test_remote_store import make_inv
@@ -278,3 +279,62 @@ def test_cli_runs_each_part_and_reports_a_failing_one(monkeypatch, tmp_path, cap
     out = capsys.readouterr()
     assert "wrote " in out.out and "failed: ['patterns']" in out.out
     assert "no peer access" in out.err
+
+
+# --- isolation: each operation in a spawned process ------------------------------------------
+
+def fake_calibrate_op(cfg, fixed, K, repeats, progress, deadline, settings):
+    """Stands in for ``calibrate_op`` in the spawned children: bulk dies as a sticky CUDA fault
+    would (an exception), load16 exits without a word, red_add_u32 is left out by its own
+    bench (facts only); the others return rows tagged with the budget they were given."""
+    import os
+    import time
+
+    op = cfg["op"]
+    if op == "bulk":
+        raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+    if op == "load16":
+        os._exit(3)
+    facts = {"clocks": {f"op={op}/drain_rate": {"sm_clock_mhz_before": 1980.0}},
+             "sweeps": [{"config": cfg, "name": "drain_rate"}],
+             "rates_GBps": {f"op={op}": {"probe": 1.0, "drain_sweep": 1.0}},
+             "excluded": {}, "seeds": {f"op={op}": 7}}
+    if op == "red_add_u32":
+        return None, {**facts, "excluded": {f"op={op}": "time budget: needs ~99 s, 1 s left"},
+                      "rates_GBps": {}, "sweeps": []}
+    rows = pd.DataFrame({"op": [op] * 2, "config": [f"op={op}"] * 2, "K": [K] * 2,
+                         "budget_left_s": [deadline - time.monotonic()] * 2})
+    return rows, facts
+
+
+def test_calibrate_isolated_leaves_out_failed_children_and_merges_the_rest(monkeypatch):
+    from xstage_lab.experiments import remote_ops
+
+    monkeypatch.setattr(remote_ops, "calibrate_op", fake_calibrate_op)
+    ops = ("store16", "bulk", "load16", "red_add_u32", "store4")
+    table, facts = remote_ops.calibrate_isolated([{"op": op} for op in ops], dict(routes="0>1"),
+                                                 132, repeats=2, progress=False, budget_s=100.0)
+    # the children after a failed one still ran and their rows were merged in order
+    assert list(dict.fromkeys(table["op"])) == ["store16", "store4"]
+    assert (table["K"] == 132).all()
+    assert (table["budget_left_s"] <= 100.0).all() and (table["budget_left_s"] > 50.0).all()
+    ex = facts["excluded"]
+    assert set(ex) == {"op=bulk", "op=load16", "op=red_add_u32"}
+    assert ex["op=bulk"].startswith("child process exited 1: ")
+    assert ex["op=bulk"].endswith("RuntimeError: cudaErrorIllegalAddress: an illegal memory "
+                                  "access was encountered")
+    assert ex["op=load16"] == "child process exited 3: no error text"
+    assert ex["op=red_add_u32"] == "time budget: needs ~99 s, 1 s left"
+    assert facts["seeds"] == {"op=store16": 7, "op=red_add_u32": 7, "op=store4": 7}
+    assert set(facts["rates_GBps"]) == {"op=store16", "op=store4"}
+    assert [s["config"]["op"] for s in facts["sweeps"]] == ["store16", "store4"]
+    assert set(facts["clocks"]) == {f"op={op}/drain_rate" for op in ("store16", "red_add_u32",
+                                                                      "store4")}
+
+
+def test_calibrate_isolated_raises_when_nothing_was_measured(monkeypatch):
+    from xstage_lab.experiments import remote_ops
+
+    monkeypatch.setattr(remote_ops, "calibrate_op", fake_calibrate_op)
+    with pytest.raises(remote_ops.NothingMeasured, match="op=bulk"):
+        remote_ops.calibrate_isolated([{"op": "bulk"}], dict(routes="0>1"), 132, progress=False)

@@ -49,23 +49,21 @@ def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
 
     Keys: BLOCK_M (b_m, rows of an output tile), BLOCK_N (b_n, rows of a KV tile), num_warps,
     num_stages, ctas_per_sm (programs resident per SM: the persistent grid's size per SM),
-    persistent (a grid of SMs x ctas_per_sm programs walking the tiles, or one program per tile),
-    warp_specialize (Triton's warp specialization of the Q-loop: a TMA producer warpgroup beside
-    the consumers). Tiles must be powers of two >= 16 (``tl.dot``).
+    persistent (a grid of SMs x ctas_per_sm programs walking the tiles, or one program per tile).
+    Tiles must be powers of two >= 16 (``tl.dot``).
     """
     _check_head_dim(head_dim)
     cfg = dict(_kernels.CONFIGS[head_dim], **(config or {}))
     unknown = set(cfg) - {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "ctas_per_sm",
-                          "persistent", "warp_specialize"}
+                          "persistent"}
     if unknown:
         raise ValueError(f"unknown configuration keys {sorted(unknown)}")
     for key in ("BLOCK_M", "BLOCK_N"):
         b = cfg[key]
         if b < 16 or b & (b - 1):
             raise ValueError(f"{key}={b} must be a power of two >= 16")
-    for key in ("persistent", "warp_specialize"):
-        if not isinstance(cfg[key], bool):
-            raise ValueError(f"{key}={cfg[key]!r} must be True or False")
+    if not isinstance(cfg["persistent"], bool):
+        raise ValueError(f"persistent={cfg['persistent']!r} must be True or False")
     if cfg["ctas_per_sm"] < 1:
         raise ValueError(f"ctas_per_sm={cfg['ctas_per_sm']} must be >= 1")
     return cfg
@@ -94,8 +92,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     Contract: q, k, v bf16 [M, H/P, d], contiguous, on one device, d in {64, 128}, M a multiple of
     the configuration's b_m and b_n; fp32 accumulation. ``out`` (bf16 [M, H/P, d], contiguous) is
-    written in place when given, else allocated. ``num_programs`` sizes a persistent grid
-    (default: SMs x ``ctas_per_sm`` of the configuration). Returns the output [M, H/P, d].
+    written in place when given, else allocated. ``num_programs`` given: a persistent grid of
+    that many programs, whatever the configuration says (default: the configuration's grid, SMs x
+    ``ctas_per_sm`` programs when persistent). Returns the output [M, H/P, d].
     """
     M, cfg = _check_qkv(q, k, v, config)
     if out is None:
@@ -368,15 +367,15 @@ def _check_launchable(device: torch.device) -> None:
                          "(CPU tensors only under TRITON_INTERPRET=1)")
 
 
+_FENCE_FLAGS: dict[torch.device, torch.Tensor] = {}
+
+
 def _fence_flag(device: torch.device) -> torch.Tensor:
-    """The int32 the FENCED epilogue releases on: one per device, allocated once (outside any
-    CUDA-graph capture after the first call), never read."""
+    """The int32 the FENCED epilogue releases on: one per device, never read, allocated at the
+    first launch on that device (the benchmarks make it outside CUDA-graph capture)."""
     if device not in _FENCE_FLAGS:
         _FENCE_FLAGS[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return _FENCE_FLAGS[device]
-
-
-_FENCE_FLAGS: dict[torch.device, torch.Tensor] = {}
 
 
 def _launch_flash_attention(q, k, v, dst, *, rows_per_rank, rank, world, remote, fenced, cfg,
@@ -397,5 +396,4 @@ def _launch_flash_attention(q, k, v, dst, *, rows_per_rank, rank, world, remote,
     _kernels.flash_attention_kernel[(min(tiles, num_programs),)](
         *descs, dst, _fence_flag(q.device), M, rows_per_rank, rank, world, LOG2E / math.sqrt(d),
         H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote, FENCED=fenced,
-        PERSISTENT=persistent, WARP_SPECIALIZE=cfg["warp_specialize"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        PERSISTENT=persistent, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

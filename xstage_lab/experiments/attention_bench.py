@@ -3,19 +3,29 @@
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
     torchrun --standalone --nproc_per_node=P -m xstage_lab.experiments.attention_bench --out FILE \\
         [--seq 8192,16384,32768,49152,65536] [--heads 24] [--head-dim 128] [--trials 20] [--iters 10]
+    python -m xstage_lab.experiments.attention_bench --fa-only --out FILE   # one GPU, no torchrun
 
 One process per GPU. Per sequence length M:
 1. Correctness first, on fresh random inputs with every output poisoned (NaN) before its run:
-   Fused bitwise equal to Serial (the same kernel, then NCCL ``all_to_all_single``) on every rank;
+   Fused and Fused-fenced (issue 8: each tile's remote stores made visible system-wide before
+   the next tile) bitwise equal to Serial (the same kernel, then NCCL ``all_to_all_single``);
    FA-only, Serial, Fused and SDPA+NCCL within bf16 tolerance of a float32 reference; the
    remote-store A2A bitwise equal to the NCCL A2A. Any failure aborts every rank before timing.
 2. Timing as §5.1 describes: each method is captured ``iters`` times back to back in one CUDA
    graph; a trial aligns all ranks (``dist_timing.time_methods``), replays the graph between CUDA
    events on every rank, and takes the maximum over ranks; rows report the median over trials
-   and the IQR. Method order rotates across trials; SM clocks are read before and after each M.
+   and the IQR. Method order rotates across trials. Clocks may not be locked, so DVFS is
+   measured and paired out instead: ``--settle-s`` seconds of FA-only precede each M's trials,
+   each trial records every method's SM clock, and E_res is also reported as the median of
+   per-trial differences (Fused and FA-only run back to back in one rotation) and over the
+   clock-matched trials alone (``attention_model.paired_difference``).
    The boundary is sender-visible: remote-store methods synchronize remote visibility once after
    the replay, outside the timed window; NCCL methods include their own completion.
 Rank 0 writes one JSON file: rows (Table 3 quantities), per-trial raw times and metadata.
+
+``--fa-only`` (one process, one GPU): the FA-only configurations (``fa_only_candidates``) against
+torch SDPA on cuDNN, each checked first (float32 reference; REMOTE epilogue, fenced and not,
+bitwise equal to LOCAL), then timed in one rotation with the SM clock per trial.
 """
 from __future__ import annotations
 
@@ -37,10 +47,16 @@ from ..dist_timing import (all_gather_objects, read_sm_clock_mhz, require_safe_e
                            time_methods)
 from ..platform import provenance
 from . import attention as att
+from .attention_model import paired_difference
 
 DEFAULT_SEQ = (8192, 16384, 32768, 49152, 65536)
-METHODS = ("fa", "fa_same_code", "sdpa", "a2a_nccl", "a2a_remote", "serial", "fused", "sdpa_nccl")
-REMOTE_METHODS = ("a2a_remote", "fused")
+# fa, fused, fused_fenced and fa_same_code are neighbours so that each trial's rotation runs them
+# back to back (apart from the trials where the rotation splits them): their per-trial
+# differences, E_res, are taken within one clock state.
+METHODS = ("fa", "fused", "fused_fenced", "fa_same_code", "sdpa", "a2a_nccl", "a2a_remote",
+           "serial", "sdpa_nccl")
+REMOTE_METHODS = ("a2a_remote", "fused", "fused_fenced")
+SETTLE_S = 2.0        # FA-only back to back before each M's trials: DVFS settles under the load
 REL_TOL = 1e-2        # relative Frobenius error allowed against the float32 reference (bf16 output)
 TUNE_TRIALS = 3
 TUNE_MAX_SEQ = 16384  # configurations are timed at the largest swept M up to this
@@ -59,15 +75,20 @@ def table3_row(seq_len: int, heads: int, head_dim: int, world: int, med: dict, i
     H = 1 - (T_fused - T_FA) / (T_serial - T_FA) (eq. 21); TF/s from ``attention_flops``.
     ``e_res_same_code_us`` is E_res against FA-only run through the fused kernel's own code with
     local destinations, which separates the remote stores from the two epilogues' code.
+    The ``_fenced`` quantities are the same for the completion-coupled epilogue (issue 8).
     """
     flops = attention_flops(seq_len, heads, head_dim, world)
     fa, fused, serial = med["fa"], med["fused"], med["serial"]
+    fenced = med["fused_fenced"]
     row = dict(M=seq_len, heads=heads, head_dim=head_dim, P=world,
                **{f"{m}_us": med[m] for m in METHODS},
                speedup=serial / fused,
                hiding_ratio=1 - (fused - fa) / (serial - fa),
                e_res_us=fused - fa,
                e_res_same_code_us=fused - med["fa_same_code"],
+               speedup_fenced=serial / fenced,
+               hiding_ratio_fenced=1 - (fenced - fa) / (serial - fa),
+               e_res_fenced_us=fenced - fa,
                fa_tflops=flops / fa / 1e6,
                cudnn_tflops=flops / med["sdpa"] / 1e6,
                speedup_over_sdpa_nccl=med["sdpa_nccl"] / fused,
@@ -77,19 +98,12 @@ def table3_row(seq_len: int, heads: int, head_dim: int, world: int, med: dict, i
 
 
 # ``--fa-only``: the kernel configurations timed against cuDNN on one GPU (no NCCL, no peers),
-# as (BLOCK_M, BLOCK_N, num_warps, num_stages, persistent, warp_specialize); ctas_per_sm is 1 for
-# all (registers or shared memory). Without warp specialization 8 warps (two consumer
-# warpgroups) at most 128 x 128 or 256 x 64 tiles stay within 255 registers; with it, 4 warps
-# per partition (12 in all) at 168 registers (ptxas -v, Triton 3.6, sm_90).
+# as (BLOCK_M, BLOCK_N, num_warps, num_stages, persistent), besides the table's CANDIDATES.
+# ctas_per_sm is 1 for all (registers or shared memory, ptxas -v, Triton 3.6, sm_90).
 FA_ONLY_CANDIDATES = {
-    128: [(128, 128, 8, 3, True, False), (256, 64, 8, 3, False, False),
-          (256, 64, 8, 4, False, False), (128, 64, 8, 4, True, False),
-          (128, 128, 4, 2, False, True), (128, 128, 4, 2, True, True),
-          (128, 64, 4, 2, False, True), (128, 64, 4, 3, False, True),
-          (128, 64, 4, 4, False, True), (128, 64, 4, 3, True, True),
-          (64, 128, 4, 2, False, True), (256, 64, 4, 2, False, True)],
-    64: [(128, 128, 8, 3, True, False), (128, 128, 4, 2, False, True),
-         (128, 128, 4, 3, False, True), (128, 64, 4, 3, False, True)],
+    128: [(128, 128, 8, 3, True), (128, 128, 8, 3, False), (256, 64, 8, 3, False),
+          (256, 64, 8, 4, False), (128, 64, 8, 3, True), (128, 64, 8, 4, True)],
+    64: [(128, 128, 8, 3, True), (128, 128, 8, 4, True)],
 }
 FA_ONLY_SEQ = (16384, 32768, 65536)
 FA_ONLY_HEADS = 12  # H/P local heads of the Table 3 case, H = 24 on P = 2
@@ -99,8 +113,8 @@ def fa_only_candidates(head_dim: int) -> list[dict]:
     """The configurations ``--fa-only`` times: ``FA_ONLY_CANDIDATES`` plus the table's
     ``CANDIDATES``, each once."""
     listed = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, ctas_per_sm=1,
-                   persistent=pers, warp_specialize=ws)
-              for bm, bn, w, st, pers, ws in FA_ONLY_CANDIDATES[head_dim]]
+                   persistent=pers)
+              for bm, bn, w, st, pers in FA_ONLY_CANDIDATES[head_dim]]
     out = []
     for cfg in listed + att.flash_attention_candidates(head_dim):
         cfg = att.flash_attention_config(head_dim, cfg)
@@ -112,8 +126,7 @@ def fa_only_candidates(head_dim: int) -> list[dict]:
 def config_name(cfg: dict) -> str:
     """A short method name for a configuration, e.g. ``128x64_w8_s3_persistent``."""
     return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}_w{cfg['num_warps']}_s{cfg['num_stages']}_"
-            + (f"persistent{cfg['ctas_per_sm']}" if cfg["persistent"] else "grid")
-            + ("_ws" if cfg["warp_specialize"] else ""))
+            + (f"persistent{cfg['ctas_per_sm']}" if cfg["persistent"] else "grid"))
 
 
 def fa_only_ratios(timing: dict, flops: int, baseline: str = "cudnn") -> dict:
@@ -245,6 +258,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128, choices=att.HEAD_DIMS)
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--iters", type=int, default=10, help="back-to-back calls per CUDA graph")
+    p.add_argument("--settle-s", type=float, default=SETTLE_S,
+                   help="seconds of FA-only back to back before each M's trials (DVFS settles)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-tune", action="store_true",
                    help="use the configuration table as is instead of timing its candidates")
@@ -310,6 +325,12 @@ def check_case(seq_len, heads, head_dim, cfg, buf, group, seed):
 
     recv.fill_(float("nan"))
     buf.barrier()
+    att.fused_attention_a2a(q, k, v, buf.peer_ptrs, rank, world, config=cfg, fenced=True)
+    buf.barrier()
+    fenced_equal = bitwise_equal(recv, serial)
+
+    recv.fill_(float("nan"))
+    buf.barrier()
     att.remote_store_a2a(out_fa, buf.peer_ptrs, rank, world)
     buf.barrier()
     a2a_equal = bitwise_equal(recv, serial)
@@ -328,7 +349,8 @@ def check_case(seq_len, heads, head_dim, cfg, buf, group, seed):
     metrics = dict(fa_rel_err=relative_error(out_fa, ref),
                    serial_rel_err=relative_error(serial, ref_recv),
                    fused_rel_err=fused_err, sdpa_nccl_rel_err=relative_error(sdpa, ref_recv),
-                   fused_bitwise_serial=fused_equal, a2a_remote_bitwise_nccl=a2a_equal,
+                   fused_bitwise_serial=fused_equal, fused_fenced_bitwise_serial=fenced_equal,
+                   a2a_remote_bitwise_nccl=a2a_equal,
                    fa_same_code_bitwise_fa=same_code_equal)
     failures = [f"{name}={value:.3g} (tolerance {REL_TOL})" for name, value in metrics.items()
                 if name.endswith("_rel_err") and not value < REL_TOL]
@@ -387,6 +409,37 @@ def tune(args, group) -> tuple[dict, list]:
     return min(timed, key=lambda e: e["fa_us"])["config"], results
 
 
+def settle(fn, seconds: float) -> None:
+    """Run ``fn`` back to back for ``seconds`` (at least once) so the SM clock reaches the state
+    this load holds it in before any trial is timed (DVFS; clocks may not be locked)."""
+    end = time.perf_counter() + seconds
+    while True:
+        fn()
+        torch.cuda.synchronize()
+        if time.perf_counter() >= end:
+            return
+
+
+def paired_row(trials_us: dict, clocks_mhz: dict) -> dict:
+    """The Table 3 residuals from paired trials (``attention_model.paired_difference``): E_res of
+    the decoupled (fused) and completion-coupled (fused_fenced) epilogues against FA-only and
+    the same-code FA-only, each the median of per-trial differences, with the clock-matched
+    median and the SM clock spread over all trials."""
+    out = {}
+    for method, base in (("fused", "fa"), ("fused", "fa_same_code"), ("fused_fenced", "fa"),
+                         ("fused_fenced", "fa_same_code")):
+        tag = f"{'e_res_fenced' if method == 'fused_fenced' else 'e_res'}_paired_{base}"
+        r = paired_difference(trials_us[method], trials_us[base], clocks_mhz[method],
+                              clocks_mhz[base])
+        out |= {f"{tag}_us": r["median_us"], f"{tag}_p25_us": r["p25_us"],
+                f"{tag}_p75_us": r["p75_us"], f"{tag}_matched_us": r["matched_median_us"],
+                f"{tag}_matched_trials": r["matched_trials"]}
+    known = [c for m in clocks_mhz for c in clocks_mhz[m] if c is not None]
+    out["sm_clock_min_mhz"] = min(known) if known else None
+    out["sm_clock_max_mhz"] = max(known) if known else None
+    return out
+
+
 def run_case(seq_len, args, cfg, buf, group) -> tuple[dict, dict]:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     H, d = args.heads, args.head_dim
@@ -402,22 +455,28 @@ def run_case(seq_len, args, cfg, buf, group) -> tuple[dict, dict]:
         "a2a_remote": lambda: att.remote_store_a2a(out_fa, buf.peer_ptrs, rank, world),
         "serial": lambda: att.nccl_a2a(att.flash_attention(q, k, v, config=cfg), group),
         "fused": lambda: att.fused_attention_a2a(q, k, v, buf.peer_ptrs, rank, world, config=cfg),
+        "fused_fenced": lambda: att.fused_attention_a2a(q, k, v, buf.peer_ptrs, rank, world,
+                                                        config=cfg, fenced=True),
         "sdpa_nccl": lambda: att.sdpa_nccl(q, k, v, group),
     }
+    settle(fns["fa"], args.settle_s)
     clocks_before = all_gather_objects(read_sm_clock_mhz(), group)
     # Remote-store methods make their stores visible once per replay, outside the timed window.
     timing = time_methods(fns, trials=args.trials, warmup=1, graph_iters=args.iters, group=group,
                           eager=frozenset(args.eager),
-                          after={m: buf.barrier for m in REMOTE_METHODS})
+                          after={m: buf.barrier for m in REMOTE_METHODS}, clocks=True)
     clocks_after = all_gather_objects(read_sm_clock_mhz(), group)
     torch.cuda.empty_cache()
 
     row = table3_row(seq_len, H, d, world, {m: timing[m]["median_us"] for m in METHODS},
                      {m: timing[m]["p75_us"] - timing[m]["p25_us"] for m in METHODS})
+    row |= paired_row({m: timing[m]["trials_us"] for m in METHODS},
+                      {m: timing[m]["sm_clock_mhz"] for m in METHODS})
     raw = dict(M=seq_len, checks_by_rank=checks,
                order=[rotated_order(list(METHODS), t) for t in range(args.trials)],
                max_us={m: timing[m]["trials_us"] for m in METHODS},
                per_rank_us={m: timing[m]["per_rank_us"] for m in METHODS},
+               sm_clock_mhz={m: timing[m]["sm_clock_mhz"] for m in METHODS},
                sm_clock_mhz_before=clocks_before, sm_clock_mhz_after=clocks_after)
     return row, raw
 
@@ -473,14 +532,17 @@ def write_result(args, world, cfg, tuning, rows, raws, elapsed_s) -> None:
         created_utc=datetime.now(timezone.utc).isoformat(),
         params=dict(seq=args.seq, heads=args.heads, head_dim=args.head_dim, P=world,
                     trials=args.trials, iters=args.iters, seed=args.seed, rel_tol=REL_TOL,
-                    tuned=not args.no_tune, eager_methods=args.eager),
+                    tuned=not args.no_tune, eager_methods=args.eager, settle_s=args.settle_s),
         config=cfg,
         tuning=tuning,
         timing=("sender-visible steady state: per method, `iters` back-to-back calls in one CUDA "
                 "graph replayed between CUDA events on every rank after a rank alignment; per "
                 "trial the maximum over ranks; rows hold the median over trials and the IQR, in "
                 "µs per call. Remote-store methods synchronize once after the replay, outside the "
-                "timed window (§5.1); NCCL methods include their own completion."),
+                "timed window (§5.1); NCCL methods include their own completion. Clocks are not "
+                "locked: before each M, `settle_s` seconds of FA-only; every trial records the SM "
+                "clock of every method (lowest over ranks); E_res is also the median of per-trial "
+                "differences (paired, same rotation) and of the clock-matched trials only."),
         layout="q, k, v [M, H/P, d] on every rank (heads rank*H/P...); receive [M/P, H, d]",
         versions=dict(torch=torch.__version__, triton=triton.__version__,
                       cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())),

@@ -71,38 +71,126 @@ def record_predictions(record) -> pd.DataFrame:
     return out.merge(paired_residuals(record), on="M")
 
 
+# Two clock readings within one H200 DVFS step (15 MHz) count as the same clock state.
+CLOCK_MATCH_MHZ = 15.0
+
+
+def paired_difference(minuend_us, subtrahend_us, minuend_mhz=None, subtrahend_mhz=None) -> dict:
+    """Per-trial differences of two methods timed in the same rotations (§5.3's E_res from
+    matched trials): their median, p25 and p75; where both SM clocks are known per trial, the
+    median over the clock-matched trials alone (readings within ``CLOCK_MATCH_MHZ``) and their
+    count (None and 0 without clocks). Drift between trials shifts both methods of a trial alike
+    and cancels in the difference; matching also drops the trials whose clock moved between
+    the two methods."""
+    diff = np.asarray(minuend_us, float) - np.asarray(subtrahend_us, float)
+    lo, med, hi = np.percentile(diff, [25, 50, 75])
+    matched = np.zeros(len(diff), bool)
+    if minuend_mhz is not None and subtrahend_mhz is not None:
+        a = np.array([np.nan if c is None else c for c in minuend_mhz], float)
+        b = np.array([np.nan if c is None else c for c in subtrahend_mhz], float)
+        matched = np.abs(a - b) <= CLOCK_MATCH_MHZ  # False where a clock is unknown (NaN)
+    return dict(median_us=float(med), p25_us=float(lo), p75_us=float(hi),
+                matched_median_us=float(np.median(diff[matched])) if matched.any() else None,
+                matched_trials=int(matched.sum()))
+
+
+# (method, residual name): the decoupled epilogue (X-Stage, eqs. 18-19) and the fenced one
+# (completion-coupled, eq. 17, issue 8)
+RESIDUALS = (("fused", "e_res"), ("fused_fenced", "e_res_fenced"))
+
+
 def paired_residuals(record) -> pd.DataFrame:
-    """E_res from matched trials (§5.3): per trial, Fused minus FA-only (and minus the same-code
-    FA-only) measured in the same rotation, then the median and IQR over trials. Clock drift
-    between trials, which shifts every method of a trial alike, cancels in the difference."""
+    """E_res from matched trials (§5.3): per trial, Fused (and Fused-fenced, where the record has
+    it) minus FA-only and minus the same-code FA-only, measured in the same rotation; the
+    median, IQR and share of T_FA of the differences, and the clock-matched median where the
+    record has per-trial clocks (``paired_difference``)."""
     rows = []
     for raw in record.params["raw"]:
-        trials = {m: np.asarray(v) for m, v in raw["max_us"].items()}
+        trials = raw["max_us"]
+        clocks = raw.get("sm_clock_mhz", {})
         row = {"M": raw["M"]}
-        for base in ("fa", "fa_same_code"):
-            if base in trials:
-                diff = trials["fused"] - trials[base]
-                lo, med, hi = np.percentile(diff, [25, 50, 75])
-                row |= {f"e_res_paired_{base}_us": med, f"e_res_paired_{base}_p25_us": lo,
-                        f"e_res_paired_{base}_p75_us": hi,
-                        f"e_res_paired_{base}_rel_pct": med / np.median(trials[base]) * 100}
+        for method, name in RESIDUALS:
+            for base in ("fa", "fa_same_code"):
+                if method not in trials or base not in trials:
+                    continue
+                r = paired_difference(trials[method], trials[base], clocks.get(method),
+                                      clocks.get(base))
+                tag = f"{name}_paired_{base}"
+                row |= {f"{tag}_us": r["median_us"], f"{tag}_p25_us": r["p25_us"],
+                        f"{tag}_p75_us": r["p75_us"], f"{tag}_matched_us": r["matched_median_us"],
+                        f"{tag}_matched_trials": r["matched_trials"],
+                        f"{tag}_rel_pct": r["median_us"] / np.median(trials[base]) * 100}
         rows.append(row)
     return pd.DataFrame(rows)
 
 
 def prediction_check(predictions: pd.DataFrame) -> pd.DataFrame:
-    """Per M, which prediction the paired same-code residual supports: its median and IQR as a
-    share of T_FA beside the X-Stage (eqs. 18–19) and completion-coupled (eq. 17) predictions;
-    ``x_stage_in_iqr`` says whether the X-Stage prediction lies inside the measured IQR."""
-    base = predictions["e_res_paired_fa_same_code_us"] / predictions["e_res_paired_fa_same_code_rel_pct"]
-    lo = predictions["e_res_paired_fa_same_code_p25_us"] / base
-    hi = predictions["e_res_paired_fa_same_code_p75_us"] / base
-    measured = predictions["e_res_paired_fa_same_code_rel_pct"]
+    """Per M, each prediction against the residual it predicts, from the paired trials against
+    the same-code FA-only, all as shares of T_FA (%): the X-Stage prediction (eqs. 18-19)
+    against the decoupled Fused residual and, where the record has the fenced epilogue, the
+    completion-coupled prediction (eq. 17) against the fenced one. ``*_err_pct`` is prediction
+    minus measurement (points of T_FA); ``*_in_iqr`` whether the prediction lies inside the
+    measured IQR (where it does not, the prediction fails at that M); ``nearer`` which
+    prediction the decoupled residual is closer to."""
+    out = pd.DataFrame({"M": predictions["M"]})
     x_stage = predictions["e_drain_us"] / predictions["fa_us"] * 100
     coupled = predictions["e_cc_us"] / predictions["fa_us"] * 100
-    return pd.DataFrame({
-        "M": predictions["M"], "measured_pct": measured, "measured_p25_pct": lo,
-        "measured_p75_pct": hi, "x_stage_pct": x_stage, "completion_coupled_pct": coupled,
-        "x_stage_in_iqr": (lo <= x_stage) & (x_stage <= hi),
-        "nearer": np.where((measured - x_stage).abs() <= (measured - coupled).abs(),
-                           "X-Stage", "completion-coupled")})
+    out["x_stage_pct"] = x_stage
+    out["completion_coupled_pct"] = coupled
+    for name, prediction, label in (("e_res", x_stage, "x_stage"),
+                                    ("e_res_fenced", coupled, "completion_coupled")):
+        tag = f"{name}_paired_fa_same_code"
+        if f"{tag}_us" not in predictions:
+            continue
+        base = predictions[f"{tag}_us"] / predictions[f"{tag}_rel_pct"]
+        measured = predictions[f"{tag}_rel_pct"]
+        lo, hi = predictions[f"{tag}_p25_us"] / base, predictions[f"{tag}_p75_us"] / base
+        prefix = "measured" if name == "e_res" else "fenced_measured"
+        out[f"{prefix}_pct"], out[f"{prefix}_p25_pct"], out[f"{prefix}_p75_pct"] = measured, lo, hi
+        out[f"{label}_err_pct"] = prediction - measured
+        out[f"{label}_in_iqr"] = (lo <= prediction) & (prediction <= hi)
+    if "measured_pct" in out:
+        out["nearer"] = np.where((out["measured_pct"] - x_stage).abs()
+                                 <= (out["measured_pct"] - coupled).abs(),
+                                 "X-Stage", "completion-coupled")
+    return out
+
+
+def prediction_failures(check: pd.DataFrame) -> list[str]:
+    """One sentence per prediction and M where ``prediction_check`` finds the prediction outside
+    the measured IQR, with its error in points of T_FA."""
+    out = []
+    for label, name, measured in (("x_stage", "X-Stage (eqs. 18-19)", "decoupled Fused"),
+                                  ("completion_coupled", "completion-coupled (eq. 17)",
+                                   "fenced Fused")):
+        if f"{label}_in_iqr" not in check:
+            continue
+        for _, r in check[~check[f"{label}_in_iqr"].astype(bool)].iterrows():
+            out.append(f"M={int(r['M'])}: the {name} prediction misses the {measured} residual's "
+                       f"IQR by {r[f'{label}_err_pct']:+.2f} points of T_FA (prediction "
+                       f"{r[f'{label}_pct']:.2f}%)")
+    return out
+
+
+def summary_counterfactual(platform: str, root) -> dict:
+    """``summary --json``'s ``counterfactual.attention``: per M of the latest ``fa_a2a`` record
+    that measured the fenced epilogue, the completion-coupled (fenced) and decoupled (X-Stage)
+    Fused times beside FA-only and Serial, their residuals and hiding ratios (eq. 21); {} where
+    there is no such record."""
+    from ..records import latest_record, platforms
+
+    if platform not in platforms("fa_a2a", root):
+        return {}
+    rec = latest_record("fa_a2a", platform, root)
+    t = rec.table
+    if "fused_fenced_us" not in t:
+        return {}
+    return {"record": rec.record_id,
+            "per_M": [{"M": int(r["M"]), "coupled_us": float(r["fused_fenced_us"]),
+                       "decoupled_us": float(r["fused_us"]), "fa_us": float(r["fa_us"]),
+                       "serial_us": float(r["serial_us"]),
+                       "e_res_coupled_us": float(r["e_res_fenced_us"]),
+                       "e_res_decoupled_us": float(r["e_res_us"]),
+                       "hiding_ratio_coupled": float(r["hiding_ratio_fenced"]),
+                       "hiding_ratio_decoupled": float(r["hiding_ratio"])}
+                      for _, r in t.iterrows()]}

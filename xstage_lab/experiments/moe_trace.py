@@ -311,6 +311,74 @@ def counterfactual_rows(table: pd.DataFrame) -> list[dict]:
     return [{k: _round(row[k]) for k in FENCED_KEYS} for row in fenced.to_dict("records")]
 
 
+KEYS = ("model", "precision", "routing", "tokens")
+
+
+def traced_causes(table: pd.DataFrame) -> list[dict]:
+    """``regression_cause`` of every configuration traced under both schedules with remote stores
+    (``trace`` rows), beside both schedules' Linear-2 dependency-wait shares and Tensor-Core
+    occupancy (``mma_busy``: the SMs' summed mainloop time over programs x makespan, the mean of
+    the Fig. 9 curve): where Interleaved's SM time goes relative to Expert-Wave, for gains and
+    losses alike."""
+    remote = table[(table["kind"] == "trace") & (table["path"] == "remote")]
+    out = []
+    for key, runs in remote.groupby(list(KEYS), sort=False):
+        by = {r["schedule"]: r for r in runs.to_dict("records")}
+        if {"wave", "interleaved"} <= by.keys():
+            row = {**dict(zip(KEYS, key)), **regression_cause(by["wave"], by["interleaved"])}
+            for s, r in (("wave", by["wave"]), ("int", by["interleaved"])):
+                row[f"wait_share_{s}"] = r["wait_l2_share"]
+                row[f"mma_busy_{s}"] = ((r["mainloop_l1_total_us"] + r["mainloop_l2_total_us"])
+                                        / (r["programs"] * r["makespan_us"]))
+            out.append(row)
+    return out
+
+
+def regression_rows(matrix: pd.DataFrame, table: pd.DataFrame) -> list[dict]:
+    """Every matrix cell with speedup < 1, worst first, with its measured cause where a trace of
+    that very cell exists (a ``regression`` row, else a ``trace`` pair: ``traced_causes``) and
+    otherwise "not traced". Beside it, what was measured that bears on it: the speedup's range
+    over the trials' quartiles (wave p25/interleaved p75 .. wave p75/interleaved p25), and, from
+    the same model's traced shape, the dependency-wait shares of both schedules and the D sweep's
+    speedup at this cell's lead D and at the sweep's best D (proxies, not a trace of the cell)."""
+    exact = {tuple(r[k] for k in KEYS): r for r in traced_causes(table)}
+    exact |= {tuple(r[k] for k in KEYS): {**r, "delta_per_sm_us": _json(r["delta_per_sm_us"])}
+              for r in table[table["kind"] == "regression"].to_dict("records")}
+    by_model = {r["model"]: r for r in traced_causes(table)}
+    sweep = table[table["kind"] == "d_sweep"]
+    out = []
+    for cell in matrix[matrix["speedup"] < 1].sort_values("speedup").to_dict("records"):
+        key = tuple(cell[k] for k in KEYS)
+        row = {**dict(zip(KEYS, key)), "matrix_speedup": cell["speedup"]}
+        spread = _json(cell.get("spreads"))
+        if isinstance(spread, dict):
+            w, i = spread["wave"], spread["interleaved"]
+            row["speedup_lo"] = w["p25_us"] / i["p75_us"]
+            row["speedup_hi"] = w["p75_us"] / i["p25_us"]
+        for k in ("experts_per_wave", "lead_rows", "d_knee"):
+            if k in cell:
+                row[k] = cell[k]
+        cause = exact.get(key)
+        row["cause"] = cause["cause"] if cause else "not traced"
+        if cause:
+            row["makespan_ratio"] = cause["makespan_ratio"]
+            row |= {f"Δ{k} (µs/SM)": v for k, v in cause["delta_per_sm_us"].items()}
+        proxy = by_model.get(cell["model"])
+        if proxy:
+            row["traced_shape"] = "/".join(str(proxy[k]) for k in KEYS[1:])
+            row["traced_wait_share_wave"] = proxy["wait_share_wave"]
+            row["traced_wait_share_int"] = proxy["wait_share_int"]
+        d = sweep[sweep["model"] == cell["model"]]
+        if len(d) and "lead_rows" in cell:
+            at = d[d["lead_rows"] == cell["lead_rows"]]
+            best = d.loc[d["speedup"].idxmax()]
+            row["dsweep_speedup_at_lead"] = float(at["speedup"].iloc[0]) if len(at) else np.nan
+            row["dsweep_best_speedup"] = float(best["speedup"])
+            row["dsweep_best_d_factor"] = float(best["d_factor"])
+        out.append({k: _round(v) for k, v in row.items()})
+    return out
+
+
 def summary_table2(platform: str, root) -> list[dict]:
     table = latest_trace_table(platform, root)
     return [] if table is None else table2(table)

@@ -33,8 +33,8 @@ from ..sweep import Axis, Sweep
 from .remote_store import (KIB, BenchSettings, RemoteStoreBench, burst_rows,
                            isolated_recovery_us)
 
-# In run order: the baseline first; bulk copies (the one path through the copy engine, whose
-# fault would end the run's CUDA context) and the reductions (slowest) last.
+# In run order: the baseline first; bulk copies (the one path through the copy engine) and the
+# reductions (slowest: the first the time budget leaves out) last.
 OPS = ("store16", "store8", "store4", "load16", "bulk", "red_add_u32", "red_add_f32")
 OP_CODES = {op: i for i, op in enumerate(OPS)}  # OP_* in the kernel
 OP_BYTES = {"store4": 4, "store8": 8, "store16": 16, "red_add_u32": 4, "red_add_f32": 4,
@@ -56,7 +56,7 @@ GAP_FRACTIONS = (0.0, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1.0, 1.5, 2.5, 4.0)
 ISOLATED_BURSTS = tuple(k * KIB for k in (4, 8, 16, 24, 32, 48, 64, 128))
 LAUNCH_BUDGET_US = 10_000.0   # bursts of one periodic launch, at most (slow operations)
 MIN_BURSTS = 40               # bursts of a periodic launch at least (warm-up included)
-OPS_BUDGET_S = 150.0          # device time the operations may take (patterns: ~10 s on 2 GPUs)
+OPS_BUDGET_S = 135.0          # device time the operations may take, process starts included
 OPS_SETTINGS = BenchSettings()
 
 
@@ -266,7 +266,10 @@ class RemoteOpsBench(RemoteStoreBench):
         frames, first_start = [], {}
         for src, dsts, a in launched:
             with cp.cuda.Device(src):
-                cp.cuda.Device(src).synchronize()
+                try:
+                    cp.cuda.Device(src).synchronize()
+                except cp.cuda.runtime.CUDARuntimeError as e:  # sticky: name the point it hit
+                    raise RuntimeError(f"{e} on GPU {src} at {p}") from e
                 err = int(a["error"].get()[0])
                 trace_h, clocks_h, sums_h = a["trace"].get(), a["clocks"].get(), a["sums"].get()
             if err:
@@ -535,7 +538,87 @@ def calibrate_configs(bench: RemoteOpsBench, configs: list[dict], fixed: dict, K
         frames += [drain, run(gap, label, cfg), run(isolated, label, cfg)]
         print(f"{label}: done at {time.monotonic() - t0:.0f} s", flush=True)
     if not frames:
-        raise RuntimeError(f"no configuration was measured: {facts['excluded']}")
+        raise NothingMeasured(facts)
+    return pd.concat(frames, ignore_index=True), facts
+
+
+class NothingMeasured(RuntimeError):
+    """``calibrate_configs`` left every configuration out; ``facts`` says why."""
+
+    def __init__(self, facts: dict):
+        super().__init__(f"no configuration was measured: {facts['excluded']}")
+        self.facts = facts
+
+
+def calibrate_op(cfg: dict, fixed: dict, K: int, repeats: int, progress: bool,
+                 deadline: float, settings: OpsSettings) -> tuple[pd.DataFrame | None, dict]:
+    """One operation's ``calibrate_configs`` on a bench of its own, within what is left of the
+    run's budget at ``deadline`` (``time.monotonic``, one clock for every process of the
+    machine). Returns (rows or None where it was left out, facts with the bench's seed)."""
+    bench = RemoteOpsBench(settings)
+    try:
+        table, facts = calibrate_configs(bench, [cfg], fixed, K, repeats, progress,
+                                         deadline - time.monotonic())
+    except NothingMeasured as e:
+        table, facts = None, e.facts
+    return table, {**facts, "seeds": {_label(cfg): int(bench.seed)}}
+
+
+def _child_main(calibrate, kwargs: dict, out: Path) -> None:
+    """A spawned child: ``calibrate(**kwargs)`` pickled to ``out``; on an exception its
+    traceback goes to ``out.with_suffix('.err')`` and the child exits non-zero."""
+    import pickle
+    import traceback
+
+    try:
+        result = calibrate(**kwargs)
+    except BaseException:
+        out.with_suffix(".err").write_text(traceback.format_exc())
+        raise
+    out.write_bytes(pickle.dumps(result))
+
+
+def calibrate_isolated(configs: list[dict], fixed: dict, K: int, repeats: int = 5,
+                       progress: bool = True, budget_s: float = float("inf"),
+                       settings: OpsSettings = OpsSettings()) -> tuple[pd.DataFrame, dict]:
+    """``calibrate_op`` for each config in a process of its own (``spawn``), one at a time.
+
+    Why: a CUDA fault (an illegal address) is sticky, it ends the CUDA context of the process
+    that met it, so in one process it would lose every config after it and the record of all.
+    Here a child that faults, raises or dies loses its own config only: it is left out with its
+    exit code and the last lines of its error. Every child gets what is left of ``budget_s``.
+    Returns the merged rows and facts as ``calibrate_configs`` does (``seeds``: each child's)."""
+    import multiprocessing
+    import pickle
+    import tempfile
+
+    ctx = multiprocessing.get_context("spawn")
+    deadline = time.monotonic() + budget_s
+    frames, facts = [], {"clocks": {}, "sweeps": [], "rates_GBps": {}, "excluded": {},
+                         "seeds": {}}
+    with tempfile.TemporaryDirectory(prefix="xstage-ops-") as tmp:
+        for i, cfg in enumerate(configs):
+            out = Path(tmp) / f"config{i}.pkl"
+            child = ctx.Process(target=_child_main, args=(calibrate_op, dict(
+                cfg=cfg, fixed=fixed, K=K, repeats=repeats, progress=progress,
+                deadline=deadline, settings=settings), out))
+            child.start()
+            child.join()
+            if child.exitcode != 0 or not out.exists():
+                err = out.with_suffix(".err")
+                lines = err.read_text().splitlines() if err.exists() else []
+                tail = [ln.strip() for ln in lines if ln.strip(" ^~")][-3:]  # no caret rows
+                facts["excluded"][_label(cfg)] = (f"child process exited {child.exitcode}: "
+                                                  + (" | ".join(tail) or "no error text"))
+                continue
+            table, got = pickle.loads(out.read_bytes())
+            if table is not None:
+                frames.append(table)
+            for key in ("clocks", "rates_GBps", "excluded", "seeds"):
+                facts[key].update(got[key])
+            facts["sweeps"] += got["sweeps"]
+    if not frames:
+        raise NothingMeasured(facts)
     return pd.concat(frames, ignore_index=True), facts
 
 
@@ -544,20 +627,25 @@ def run_operations(repeats: int = 5, src: int = 0, dst: int = 1,
                    budget_s: float = OPS_BUDGET_S, root: Path = RECORDS_DIR) -> Path:
     """Calibrate every operation of ``OPS`` on the route ``src → dst`` and save one
     ``remote_ops`` record: per-burst rows, and in its parameters each operation's fit and its
-    no-refit error from the 16-byte stores of the same run (operations that failed their check
-    or would overrun ``budget_s`` are named with the reason). Returns the record's path."""
+    no-refit error from the 16-byte stores of the same run. Each operation runs in a process of
+    its own (``calibrate_isolated``); those that failed their check, faulted or would overrun
+    ``budget_s`` are named with the reason, in the record and printed. Returns the record's
+    path."""
     from ..platform import platform_name, provenance
 
+    from ..platform import inventory
+
     t0 = time.monotonic()
-    bench = RemoteOpsBench(settings)
-    inv = bench.inv
+    inv = inventory()
     K = inv.gpus[src].sm_count
     fixed = dict(routes=format_routes(((src, (dst,)),)))
-    table, facts = calibrate_configs(bench, [{"op": op} for op in OPS], fixed, K, repeats,
-                                     progress, budget_s)
-    facts = {**facts, "elapsed_s": round(time.monotonic() - t0, 1), "seed": int(bench.seed),
+    table, facts = calibrate_isolated([{"op": op} for op in OPS], fixed, K, repeats, progress,
+                                      budget_s, settings)
+    facts = {**facts, "elapsed_s": round(time.monotonic() - t0, 1),
              "settings": {**settings.bench.__dict__,
                           "bulk_chunk_bytes": settings.bulk_chunk_bytes}}
+    for label, why in facts["excluded"].items():
+        print(f"remote_ops: left out {label}: {why}", flush=True)
     print(f"remote_ops: {len(table)} rows in {facts['elapsed_s']:.0f} s", flush=True)
     return write_operations(table, facts, src, dst, platform_name(inv), provenance(inv), root)
 
