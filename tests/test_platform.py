@@ -101,3 +101,12 @@ def test_peer_capable_gpus_is_a_clique_not_a_star():
     # no three GPUs are all peers; the largest all-peer group has 2 GPUs
     star = {(0, 1), (1, 0), (0, 2), (2, 0)}
     assert inv(3, star).peer_capable_gpus == 2
+
+
+def test_git_commit_prefers_the_commit_the_sender_names(monkeypatch):
+    from xstage_lab.platform import git_commit
+
+    monkeypatch.setenv("XSTAGE_GIT_COMMIT", "0123abcd")
+    assert git_commit() == "0123abcd"
+    monkeypatch.delenv("XSTAGE_GIT_COMMIT")
+    assert git_commit() != "0123abcd"

@@ -144,13 +144,17 @@ def _run(cmd: list[str]) -> str | None:
 
 
 def git_commit() -> str:
-    """The checkout's commit (``+dirty`` when it has changes), or ``XSTAGE_GIT_COMMIT`` where the
-    tree was copied without its history (the GPU machine)."""
+    """``XSTAGE_GIT_COMMIT`` where set, else the checkout's commit (``+dirty`` when it has
+    changes). The variable wins: the GPU machine's copy of the tree carries a stale ``.git`` whose
+    HEAD is not the commit that was copied, so the sender names the commit it sent."""
+    named = os.environ.get("XSTAGE_GIT_COMMIT")
+    if named:
+        return named
     head = _run(["git", "-C", str(_REPO), "rev-parse", "HEAD"])
     if head:
         dirty = _run(["git", "-C", str(_REPO), "status", "--porcelain", "--untracked-files=no"])
         return head.strip() + ("+dirty" if dirty else "")
-    return os.environ.get("XSTAGE_GIT_COMMIT", "unknown")
+    return "unknown"
 
 
 def provenance(inv: Inventory | None = None) -> dict:
