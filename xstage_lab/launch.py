@@ -11,6 +11,8 @@ from pathlib import Path
 from .platform import SAFE_ENV
 from .records import RECORDS_DIR, import_bench_json
 
+MOE_MATRIX = Path(__file__).resolve().parent.parent / "data" / "moe_matrix.json"
+
 
 # The multi-process experiments: record name -> the module torchrun runs.
 BENCHMARKS = {"fa_a2a": "xstage_lab.experiments.attention_bench",
@@ -94,6 +96,21 @@ def measurement_names() -> list[str]:
     return [*IN_PROCESS, *BENCHMARKS]
 
 
+def _benchmark_args(name: str, written: dict[str, Path], root: Path) -> list[str]:
+    """What ``measure_all`` passes a benchmark: the declared MoE matrix, and to the trace
+    benchmark the MoE record whose regressing cells it explains (the one this run wrote, else the
+    latest of this platform under ``root``)."""
+    from .platform import platform_name
+    from .records import list_records
+
+    if name == "moe":
+        return ["--matrix", str(MOE_MATRIX)]
+    if name == "moe_trace":
+        moe = written.get("moe") or next(reversed(list_records("moe", platform_name(), root)), None)
+        return ["--regressions", str(moe)] if moe else []
+    return []
+
+
 def measure_all(root: Path = RECORDS_DIR, only: list[str] | None = None) -> list[Path]:
     """Every experiment (or those named in ``only``) live on this machine's GPUs, in one go: the
     in-process measurements, then each multi-process benchmark on all peer-capable GPUs. Returns
@@ -106,10 +123,12 @@ def measure_all(root: Path = RECORDS_DIR, only: list[str] | None = None) -> list
         raise ValueError(f"unknown measurements {unknown}; known: {measurement_names()}")
     choose_backend("cuda")  # raises without two peer-capable GPUs
     n = inventory().peer_capable_gpus
-    paths = []
+    paths, written = [], {}
     for name in names:
         if name in IN_PROCESS:
             paths.extend(IN_PROCESS[name](root))
         else:
-            paths.append(torchrun_record(BENCHMARKS[name], name, n, root=root))
+            written[name] = torchrun_record(BENCHMARKS[name], name, n,
+                                            _benchmark_args(name, written, root), root)
+            paths.append(written[name])
     return paths

@@ -477,3 +477,16 @@ def test_stamps_and_fence_in_ptx():
 
 if __name__ == "__main__":
     raise SystemExit(_child(sys.argv[1:]))
+
+
+def test_regression_cells_from_a_moe_record(tmp_path):
+    """measure-all hands the trace benchmark the moe record it just wrote, not the JSON."""
+    from xstage_lab.experiments.moe_trace_bench import parse_args
+    from xstage_lab.records import import_bench_json
+    rows = [{"model": "DiT-MoE", "precision": "bf16", "routing": "skewed", "tokens": 2048, "speedup": 0.6},
+            {"model": "Hy3", "precision": "fp8", "routing": "skewed", "tokens": 4096, "speedup": 1.2}]
+    prov = {"gpu_name": "NVIDIA H200", "gpu_count": 2, "git_commit": "test"}
+    (tmp_path / "m.json").write_text(json.dumps({"metadata": {"provenance": prov}, "rows": rows}))
+    record = import_bench_json(tmp_path / "m.json", "moe", root=tmp_path / "records")
+    a = parse_args(["--out", "x", "--regressions", str(record)])
+    assert [(c["model"], c["speedup"]) for c in a.regression_cells] == [("DiT-MoE", 0.6)]

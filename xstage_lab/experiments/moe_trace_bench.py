@@ -44,6 +44,7 @@ import torch
 
 from ..checks import relative_error
 from ..dist_timing import all_gather_objects, read_sm_clock_mhz, require_safe_env, time_methods
+from ..records import read_record
 from . import moe, moe_trace
 from .moe_bench import TOLERANCE, abort_on_failures, combine_output, setup_config
 from .moe_schedules import check_schedule, interleaved_schedule, tile_table
@@ -66,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--routing", default="skewed", choices=moe.ROUTINGS)
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     p.add_argument("--regressions", type=Path, nargs="+", default=[],
-                   help="moe_bench JSON output(s): trace both schedules of every cell whose "
+                   help="moe_bench JSON outputs or moe records: trace both schedules of every cell whose "
                         "speedup is below 1 (the worst --max-regressions), for measured causes")
     p.add_argument("--max-regressions", type=int, default=24)
     p.add_argument("--trials", type=int, default=20)
@@ -103,11 +104,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def regression_cells(paths, limit: int, shapes) -> list[dict]:
-    """The cells of ``moe_bench`` outputs with speedup (wave / interleaved) below 1, worst first,
-    at most ``limit``: {model, precision, routing, tokens, speedup}."""
+    """The cells of ``moe_bench`` outputs (its JSON, or the ``moe`` record made from it) with
+    speedup (wave / interleaved) below 1, worst first, at most ``limit``: {model, precision,
+    routing, tokens, speedup}."""
     cells = []
-    for path in paths:
-        for row in json.loads(Path(path).read_text())["rows"]:
+    for path in map(Path, paths):
+        rows = (read_record(path).table.to_dict("records") if path.suffix == ".parquet"
+                else json.loads(path.read_text())["rows"])
+        for row in rows:
             if row["speedup"] < 1 and row["model"] in shapes:
                 cells.append({k: row[k] for k in ("model", "precision", "routing", "tokens", "speedup")})
     return sorted(cells, key=lambda c: c["speedup"])[:limit]
