@@ -12,9 +12,9 @@ from tests.synthetic import KNOWN, capacity, issue_floor, synthetic_beyond_table
 from xstage_lab import model
 from xstage_lab.calibration import kb_key
 from xstage_lab.experiments.remote_ops import (
-    GAP_FRACTIONS, MIN_BURSTS, OPS, OpsSettings, config_sweeps, drain_share,
-    fit_config, fit_entry, format_routes, no_refit_error, parse_routes, stamps_bytes,
-    validate_ops_point)
+    _POISON, GAP_FRACTIONS, MIN_BURSTS, OP_CODES, OPS, OpsSettings, config_sweeps,
+    drain_share, expected_load_sums, fit_config, fit_entry, format_routes, kernel_op_codes,
+    no_refit_error, parse_routes, stamps_bytes, validate_ops_point)
 from xstage_lab.experiments.remote_store import KIB, MIB, BenchSettings
 
 INV2 = make_inv(2)
@@ -48,6 +48,63 @@ def test_drain_share():
     # a source is held back by its busiest destination: 0 → {1, 2} while 3 and 4 also hit 1
     # (load on 1 = 1/2 + 1 + 1 = 2.5: shares 0.4 for every source into 1)
     assert drain_share(parse_routes("0>1,2;3>1;4>1")) == pytest.approx({0: 0.4, 3: 0.4, 4: 0.4})
+
+
+# --- what the kernel runs and what the checks expect ------------------------------------------
+
+def test_op_codes_are_the_kernels():
+    # kernels/remote_store_burst.cu: #define OP_STORE4 0u ... OP_LOAD16 6u. Codes taken from the
+    # run order of OPS sent store16 to OP_STORE4, load16 to OP_RED_ADD_U32 (every load sum
+    # wrong), red_add_u32 to OP_BULK (staging past its shared memory: an illegal address) and
+    # red_add_f32 to OP_LOAD16 (the poisoned buffer left untouched) on the device.
+    assert OP_CODES == {"store4": 0, "store8": 1, "store16": 2, "red_add_u32": 3,
+                        "red_add_f32": 4, "bulk": 5, "load16": 6}
+    assert len(set(OP_CODES.values())) == len(OPS)
+    with pytest.raises(ValueError, match=r"no OP_\* code for \['load16'\]"):
+        kernel_op_codes("#define OP_STORE4 0u\n#define OP_STORE8 1u\n#define OP_STORE16 2u\n"
+                        "#define OP_RED_ADD_U32 3u\n#define OP_RED_ADD_F32 4u\n"
+                        "#define OP_BULK 5u\n")
+
+
+def _kernel_load_sums(words, K, B, n_slots, n_bursts, threads=3):
+    """burst_gap_ops' OP_LOAD16 loop, thread by thread, in Python integers."""
+    sums = [0] * K
+    for burst in range(n_bursts):
+        for p in range(K):
+            word0 = (burst % n_slots) * K * B // 4 + p * B // 4
+            for t in range(threads):
+                for v in range(t, B // 16, threads):
+                    sums[p] += sum(int(x) for x in words[word0 + 4 * v: word0 + 4 * v + 4])
+    return np.array(sums, np.uint64)
+
+
+@pytest.mark.parametrize("n_slots,n_bursts", [(4, 10), (4, 3), (5, 5), (1, 7)])
+def test_expected_load_sums_match_the_kernels_loop(n_slots, n_bursts):
+    K, B = 3, 64
+    rng = np.random.default_rng(n_slots * 100 + n_bursts)
+    # the device fill: non-negative int32 viewed as uint32, plus a few top-bit words
+    words = rng.integers(0, 2**31 - 1, n_slots * K * B // 4 + 40, dtype=np.int32).view(np.uint32)
+    words[::7] |= np.uint32(0x80000000)
+    want = _kernel_load_sums(words, K, B, n_slots, n_bursts)
+    got = expected_load_sums(words, K, B, n_slots, n_bursts)
+    assert got.dtype == np.uint64
+    np.testing.assert_array_equal(got, want)
+    assert (got > 0).all()
+
+
+def test_f32_reduction_expectation_is_exact_and_tells_hits_apart():
+    # count_ops_mismatches: x = poison as f32, then hits additions of a small integer, as the
+    # red.global.add.f32 of every hitting burst leaves it. Poison 0xA5A5A5A5 is a normal f32
+    # (≈ −2.9e-16), absorbed by the first addition; every sum is then an exact integer.
+    poison = np.array([_POISON], np.uint32).view(np.float32)[0]
+    assert np.isfinite(poison) and abs(poison) > np.finfo(np.float32).tiny
+    for addend in range(1, 9):
+        for hits in range(1, 8):
+            x = poison
+            for _ in range(hits):
+                x = np.float32(x + np.float32(addend))
+            assert x == np.float32(hits * addend)
+            assert x.view(np.uint32) != np.uint32(_POISON)
 
 
 # --- validation ------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ where the model stops describing the operation.
 from __future__ import annotations
 
 import ctypes
+import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,6 +29,7 @@ from .. import model
 from ..calibration import (Calibration, calibrate, fit_drain_rate, kb_key, launch_means,
                            point_table)
 from ..platform import Inventory
+from ..kernel_sources import cuda_source
 from ..records import RECORDS_DIR, write_record
 from ..sweep import Axis, Sweep
 from .remote_store import (KIB, BenchSettings, RemoteStoreBench, burst_rows,
@@ -36,7 +38,22 @@ from .remote_store import (KIB, BenchSettings, RemoteStoreBench, burst_rows,
 # In run order: the baseline first; bulk copies (the one path through the copy engine) and the
 # reductions (slowest: the first the time budget leaves out) last.
 OPS = ("store16", "store8", "store4", "load16", "bulk", "red_add_u32", "red_add_f32")
-OP_CODES = {op: i for i, op in enumerate(OPS)}  # OP_* in the kernel
+
+
+def kernel_op_codes(source: str) -> dict[str, int]:
+    """Each operation's code as the kernel defines it (``#define OP_STORE16 2u`` → ``store16:
+    2``). Read from the source, never from the run order of OPS: a code that differs from the
+    kernel's runs another operation under this one's name. Raises ValueError where an
+    operation of OPS has no define."""
+    codes = {m[1].lower(): int(m[2])
+             for m in re.finditer(r"^#define OP_(\w+) (\d+)u\b", source, re.MULTILINE)}
+    missing = [op for op in OPS if op not in codes]
+    if missing:
+        raise ValueError(f"kernel defines no OP_* code for {missing}")
+    return {op: codes[op] for op in OPS}
+
+
+OP_CODES = kernel_op_codes(cuda_source("remote_store_burst.cu"))  # OP_* in the kernel
 OP_BYTES = {"store4": 4, "store8": 8, "store16": 16, "red_add_u32": 4, "red_add_f32": 4,
             "bulk": 16, "load16": 16}
 BASELINE_OP = "store16"
@@ -164,6 +181,17 @@ def validate_ops_point(p: dict, inv: Inventory, settings: OpsSettings = OpsSetti
         raise ValueError("bulk_chunk_bytes must be a positive multiple of 16")
 
 
+def expected_load_sums(words, K: int, B: int, n_slots: int, n_bursts: int, xp=np):
+    """What each of K producers' OP_LOAD16 sums must be over ``words`` (the destination
+    buffer, uint32): burst b reads producer p's B bytes of slot b mod n_slots, so each used slot
+    counts once per burst that hit it (``slot_hits`` in the kernel). uint64, shape (K,);
+    ``xp``: numpy, or cupy for a device buffer."""
+    used = min(n_bursts, n_slots)
+    hits = (n_bursts - 1 - np.arange(used)) // n_slots + 1
+    per = words[:used * K * B // 4].reshape(used, K, B // 4).sum(axis=2, dtype=xp.uint64)
+    return (per * xp.asarray(hits, xp.uint64)[:, None]).sum(axis=0, dtype=xp.uint64)
+
+
 # --- the launcher ----------------------------------------------------------------------------
 
 class RemoteOpsBench(RemoteStoreBench):
@@ -278,7 +306,7 @@ class RemoteOpsBench(RemoteStoreBench):
             if len(set(clocks_h[:, 4].tolist())) != K:
                 raise RuntimeError(f"producers shared SMs on GPU {src} at {p}")
             if op == "load16":
-                self._check_loads(src, dsts, sums_h, K, B, volume, n_slots, n_bursts)
+                self._check_loads(src, dsts, sums_h, K, B, n_slots, n_bursts)
             else:
                 for i, d in enumerate(dsts):
                     self._check_ops_destination(src, d, i, len(dsts), op, volume, n_slots, B,
@@ -309,17 +337,14 @@ class RemoteOpsBench(RemoteStoreBench):
             raise RuntimeError(f"destination check failed ({op}, GPU {src} → {dst}): {bad} words "
                                f"differ from what the producers wrote (or poison was overwritten)")
 
-    def _check_loads(self, src, dsts, sums, K, B, volume, n_slots, n_bursts) -> None:
+    def _check_loads(self, src, dsts, sums, K, B, n_slots, n_bursts) -> None:
         """Each producer's loaded sum against the same sum taken over the buffer it read."""
         cp = self.cp
-        used = min(n_bursts, n_slots)
-        hits = (n_bursts - 1 - np.arange(used)) // n_slots + 1
         want = np.zeros(K, np.uint64)
         for i, d in enumerate(dsts):
-            buf = self._pair_buffer(src, d)
             with cp.cuda.Device(d):
-                per = buf[:used * volume // 4].reshape(used, K, B // 4).sum(axis=2, dtype=cp.uint64)
-                per = (per * cp.asarray(hits, cp.uint64)[:, None]).sum(axis=0).get()
+                per = expected_load_sums(self._pair_buffer(src, d), K, B, n_slots, n_bursts,
+                                         cp).get()
             mine = np.arange(K) % len(dsts) == i
             want[mine] = per[mine]
         bad = int((want != sums).sum())
