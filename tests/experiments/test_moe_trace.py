@@ -147,7 +147,11 @@ def test_table2_and_counterfactual_from_a_record(tmp_path):
     ours = t2[t2["source"] == "h200-x2"].iloc[0]
     assert ours["err_wave_us"] == pytest.approx(-1.0) and len(t2) == 8
     assert t2[t2["source"] == "paper"]["model"].tolist()[0] == "DiT-MoE"
-    assert plots.moe_counterfactual(rec)["coupled_over_decoupled_wave"].iloc[0] == pytest.approx(1.4)
+    cf = plots.moe_counterfactual(rec)
+    assert cf["coupled_over_decoupled_wave"].iloc[0] == pytest.approx(1.4)
+    # +4 µs over 2 Linear-2 tiles of the one program (wave); +3.5 µs over 1 (interleaved)
+    assert cf["fence_us_per_l2_tile_wave"].iloc[0] == pytest.approx(2.0)
+    assert cf["fence_us_per_l2_tile_int"].iloc[0] == pytest.approx(3.5)
     from types import SimpleNamespace as NS
     (c1,) = moe_trace.condition1_rows(table, NS(drain_rate=65.536, t_iss0_at=lambda k, b: 0.25))
     assert c1["T_l2_mma_us"] == pytest.approx(4.0) and c1["span_wave_us"] == pytest.approx(3.5)
@@ -179,9 +183,10 @@ def test_regression_cause_is_the_component_that_grows():
 
 
 def test_regression_rows_cause_where_traced_proxies_elsewhere():
-    """Matrix cells below 1, worst first: the traced cell gets its measured cause, a ``regression``
-    row wins over a trace pair, an untraced cell is "not traced" with the same model's traced
-    wait shares and its D sweep at the cell's lead D beside it; quartile range from the spreads."""
+    """Matrix cells below 1, worst first: the traced cell gets its measured cause and own wait
+    shares, a ``regression`` row wins over a trace pair, an untraced cell is "not traced" with the
+    causes of its model's traced regressing cells, the same model's traced wait shares and its D
+    sweep at the cell's lead D beside it; quartile range from the spreads."""
     wave = moe_trace.run_stats(moe_trace.tile_frame(*_trace(
         [[(L1, 0, 0, 4, 5, 0), (L2, 5, 5, 8, 9, 0)], [(L1, 0, 0, 4, 5, 0), (L2, 5, 5, 8, 9, 0)]])))
     inter = moe_trace.run_stats(moe_trace.tile_frame(*_trace(
@@ -193,7 +198,8 @@ def test_regression_rows_cause_where_traced_proxies_elsewhere():
          {**base, "kind": "d_sweep", "lead_rows": 2, "d_factor": 1.0, "speedup": 0.7},
          {**base, "kind": "d_sweep", "lead_rows": 4, "d_factor": 2.0, "speedup": 1.01},
          {**base, "tokens": 32, "kind": "regression", "cause": "span_l2", "makespan_ratio": 0.9,
-          "delta_per_sm_us": json.dumps({"span_l2": 3.0})}])
+          "delta_per_sm_us": json.dumps({"span_l2": 3.0}),
+          "wave": json.dumps({"wait_l2_share": 0.1}), "interleaved": json.dumps({"wait_l2_share": 0.3})}])
     spread = json.dumps({"wave": {"p25_us": 9.0, "p75_us": 11.0},
                          "interleaved": {"p25_us": 10.0, "p75_us": 12.0}})
     matrix = pd.DataFrame([{**base, "speedup": 0.64, "lead_rows": 2, "spreads": spread},
@@ -210,6 +216,18 @@ def test_regression_rows_cause_where_traced_proxies_elsewhere():
     assert rows[1]["traced_shape"] == "fp8/skewed/64" and "speedup_lo" not in rows[2]
     assert rows[1]["dsweep_speedup_at_lead"] == 0.7 and rows[1]["dsweep_best_d_factor"] == 2.0
     assert "traced_shape" not in rows[3] and "dsweep_best_speedup" not in rows[3]
+    # traced cells carry their own wait shares; untraced ones the causes of the model's traced
+    # regressing cells (both of model A's, worst first), or "none"
+    assert rows[0]["wait_share_int"] == pytest.approx(inter["wait_l2_share"])
+    assert rows[2]["wait_share_wave"] == 0.1 and rows[2]["wait_share_int"] == 0.3
+    assert "model_traced_regressions" not in rows[0] and "wait_share_wave" not in rows[1]
+    assert rows[1]["model_traced_regressions"] == "fp8/skewed/64: wait_l2; fp8/skewed/32: span_l2"
+    assert rows[3]["model_traced_regressions"] == "none"
+    groups = moe_trace.regression_groups(rows)
+    assert [(g["cause"], g["cells"]) for g in groups] == [("wait_l2", 1), ("not traced", 2),
+                                                          ("span_l2", 1)]
+    assert groups[1]["models"] == "A, B" and groups[1]["speedup_min"] == 0.9
+    assert groups[0]["Δwait_l2 min..max (µs/SM)"] == "+4..+4" and "makespan_ratio_min" not in groups[1]
     (c,) = moe_trace.traced_causes(trace)
     assert c["cause"] == "wait_l2" and c["wait_share_int"] > c["wait_share_wave"] == 0.0
     # mainloops 4 + 3 µs per program over 2 programs x 9 µs (wave); (3 + 3 + 4 + 3) / (2 x 14)

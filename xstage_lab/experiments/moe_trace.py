@@ -314,6 +314,14 @@ def counterfactual_rows(table: pd.DataFrame) -> list[dict]:
 KEYS = ("model", "precision", "routing", "tokens")
 
 
+def l2_tiles_per_sm(table: pd.DataFrame) -> dict[tuple, float]:
+    """Per (configuration, schedule) traced with remote stores, the critical rank's Linear-2
+    tiles per program (SM): what a per-launch time difference is divided by to give it per tile."""
+    remote = table[(table["kind"] == "trace") & (table["path"] == "remote")]
+    return {(*(r[k] for k in KEYS), r["schedule"]): r["tiles_l2"] / r["programs"]
+            for r in remote.to_dict("records")}
+
+
 def traced_causes(table: pd.DataFrame) -> list[dict]:
     """``regression_cause`` of every configuration traced under both schedules with remote stores
     (``trace`` rows), beside both schedules' Linear-2 dependency-wait shares and Tensor-Core
@@ -336,18 +344,24 @@ def traced_causes(table: pd.DataFrame) -> list[dict]:
 
 def regression_rows(matrix: pd.DataFrame, table: pd.DataFrame) -> list[dict]:
     """Every matrix cell with speedup < 1, worst first, with its measured cause where a trace of
-    that very cell exists (a ``regression`` row, else a ``trace`` pair: ``traced_causes``) and
-    otherwise "not traced". Beside it, what was measured that bears on it: the speedup's range
+    that very cell exists (a ``regression`` row, else a ``trace`` pair: ``traced_causes``), with
+    the cell's own dependency-wait shares, and otherwise "not traced" with the causes of the same
+    model's traced regressing cells (``model_traced_regressions``, "none" where there are none).
+    Beside it, what was measured that bears on it: the speedup's range
     over the trials' quartiles (wave p25/interleaved p75 .. wave p75/interleaved p25), and, from
     the same model's traced shape, the dependency-wait shares of both schedules and the D sweep's
     speedup at this cell's lead D and at the sweep's best D (proxies, not a trace of the cell)."""
     exact = {tuple(r[k] for k in KEYS): r for r in traced_causes(table)}
-    exact |= {tuple(r[k] for k in KEYS): {**r, "delta_per_sm_us": _json(r["delta_per_sm_us"])}
+    exact |= {tuple(r[k] for k in KEYS): {**r, "delta_per_sm_us": _json(r["delta_per_sm_us"]),
+                                          "wait_share_wave": _json(r["wave"])["wait_l2_share"],
+                                          "wait_share_int": _json(r["interleaved"])["wait_l2_share"]}
               for r in table[table["kind"] == "regression"].to_dict("records")}
     by_model = {r["model"]: r for r in traced_causes(table)}
     sweep = table[table["kind"] == "d_sweep"]
+    cells = matrix[matrix["speedup"] < 1].sort_values("speedup").to_dict("records")
+    traced_regressions = [k for k in (tuple(c[k] for k in KEYS) for c in cells) if k in exact]
     out = []
-    for cell in matrix[matrix["speedup"] < 1].sort_values("speedup").to_dict("records"):
+    for cell in cells:
         key = tuple(cell[k] for k in KEYS)
         row = {**dict(zip(KEYS, key)), "matrix_speedup": cell["speedup"]}
         spread = _json(cell.get("spreads"))
@@ -363,6 +377,12 @@ def regression_rows(matrix: pd.DataFrame, table: pd.DataFrame) -> list[dict]:
         if cause:
             row["makespan_ratio"] = cause["makespan_ratio"]
             row |= {f"Δ{k} (µs/SM)": v for k, v in cause["delta_per_sm_us"].items()}
+            row["wait_share_wave"] = cause["wait_share_wave"]
+            row["wait_share_int"] = cause["wait_share_int"]
+        else:  # proxy: the same model's regressing cells that were traced, with their causes
+            row["model_traced_regressions"] = "; ".join(
+                f"{'/'.join(str(v) for v in k[1:])}: {exact[k]['cause']}"
+                for k in traced_regressions if k[0] == cell["model"]) or "none"
         proxy = by_model.get(cell["model"])
         if proxy:
             row["traced_shape"] = "/".join(str(proxy[k]) for k in KEYS[1:])
@@ -375,6 +395,25 @@ def regression_rows(matrix: pd.DataFrame, table: pd.DataFrame) -> list[dict]:
             row["dsweep_speedup_at_lead"] = float(at["speedup"].iloc[0]) if len(at) else np.nan
             row["dsweep_best_speedup"] = float(best["speedup"])
             row["dsweep_best_d_factor"] = float(best["d_factor"])
+        out.append({k: _round(v) for k, v in row.items()})
+    return out
+
+
+def regression_groups(rows: list[dict]) -> list[dict]:
+    """``regression_rows`` grouped by cause ("not traced" is a group), worst group first: the
+    number of cells, their models, the range of the matrix speedup and, for traced groups, of the
+    traced launches' makespan ratio and of each component's Interleaved-minus-Expert-Wave SM time."""
+    df = pd.DataFrame(rows)
+    out = []
+    for cause, g in df.groupby("cause", sort=False):
+        row = {"cause": cause, "cells": len(g), "models": ", ".join(g["model"].unique()),
+               "speedup_min": g["matrix_speedup"].min(), "speedup_max": g["matrix_speedup"].max()}
+        if cause != "not traced":
+            row["makespan_ratio_min"] = g["makespan_ratio"].min()
+            row["makespan_ratio_max"] = g["makespan_ratio"].max()
+            for name, _, _ in COMPONENTS:
+                col = g[f"Δ{name} (µs/SM)"]
+                row[f"Δ{name} min..max (µs/SM)"] = f"{col.min():+.0f}..{col.max():+.0f}"
         out.append({k: _round(v) for k, v in row.items()})
     return out
 
