@@ -19,6 +19,18 @@ def capacity(k: int) -> float:
     return KNOWN["capacity_per_producer"] * k
 
 
+def issue_time(p: dict, k: int, v: float, t0: float, g: float, R: float) -> float:
+    """The Burst–Gap model's issue time of point ``p``'s bursts of volume ``v`` from ``k``
+    producers: the floor ``t0`` on the local path; isolated, the capacity-limited time; periodic
+    with period gap ``g``, the larger of the steady-state and the isolated time."""
+    if p["path"] == "local":
+        return t0
+    isolated = float(model.isolated_issue_time(v, t0, capacity(k), R))
+    if p["mode"] == "isolated":
+        return isolated
+    return float(max(model.issue_time(g, v, t0, R), isolated))
+
+
 def synthetic_table(noise: float = 0.0, seed: int = 0) -> pd.DataFrame:
     """Per-burst rows shaped like ``RemoteStoreBench.measure``'s, from the Burst–Gap model."""
     rng = np.random.default_rng(seed)
@@ -30,13 +42,7 @@ def synthetic_table(noise: float = 0.0, seed: int = 0) -> pd.DataFrame:
             v = k * b
             t0 = float(issue_floor(k, v))
             g = p["gap_us"] + bar
-            if p["path"] == "local":
-                t = t0
-            elif p["mode"] == "isolated":
-                t = float(model.isolated_issue_time(v, t0, capacity(k), R))
-            else:
-                t = float(max(model.issue_time(g, v, t0, R),
-                              model.isolated_issue_time(v, t0, capacity(k), R)))
+            t = issue_time(p, k, v, t0, g, R)
             for rep in range(sw.repeats):
                 jitter = 1 + noise * rng.standard_normal(4)
                 rows.append(dict(p, sweep=sw.name, point=idx, repeat=rep, burst=5, warmup=False,
@@ -67,13 +73,7 @@ def synthetic_beyond_table(sweeps, drain_rate=None, noise: float = 0.0, seed: in
             g = p["gap_us"] + bar
             for src, dsts in routes:
                 R = (drain_rate(p) if drain_rate else KNOWN["drain_rate"]) * share[src]
-                if p["path"] == "local":
-                    t = t0
-                elif p["mode"] == "isolated":
-                    t = float(model.isolated_issue_time(v, t0, capacity(k), R))
-                else:
-                    t = float(max(model.issue_time(g, v, t0, R),
-                                  model.isolated_issue_time(v, t0, capacity(k), R)))
+                t = issue_time(p, k, v, t0, g, R)
                 for rep in range(sw.repeats):
                     jitter = 1 + noise * rng.standard_normal(2)
                     rows.append(dict(p, sweep=sw.name, point=idx, repeat=rep, burst=5,

@@ -30,8 +30,19 @@ def test_characterization_publishes_fig3_and_table1(reproduced):
     assert {"table1", "calibration_summary"} <= names
     for fig in ("fig3a", "fig3b", "fig3c", "fig3d"):
         assert any(n.startswith(fig) for n in names), fig
+    assert {"visibility_clocks", "visibility_h200-x2", "visibility_latency_h200-x2",
+            "visibility_first_burst_h200-x2", "visibility_vs_T_complete_h200-x2"} <= names
     index = (reproduced / "index.html").read_text()
     assert "Table 1" in index and "backend: replay" in index
+
+
+def test_ulysses_attention_publishes_table3_fig11_tuning_and_the_fenced_pairing(reproduced):
+    names = {json.loads(line)["name"] for line in
+             (reproduced / "02_ulysses_attention" / "manifest.jsonl").read_text().splitlines()}
+    assert {"table3", "fig11", "fa_tuning", "fa_tuning_best"} <= names
+    for prefix in ("fa_a2a_headline_", "fig11_predictions_", "fig11_check_",
+                   "fa_fenced_vs_decoupled_"):
+        assert any(n.startswith(prefix) for n in names), prefix
 
 
 def test_fused_moe_publishes_fig8_table2_and_the_mechanism(reproduced):
@@ -39,8 +50,22 @@ def test_fused_moe_publishes_fig8_table2_and_the_mechanism(reproduced):
              (reproduced / "03_fused_moe" / "manifest.jsonl").read_text().splitlines()}
     assert {"moe_headline", "fig8", "table2"} <= names
     for prefix in ("fig9_", "fig10_", "condition1_", "moe_d_sweep_", "moe_regressions_",
-                   "moe_counterfactual_", "moe_traced_causes_"):
+                   "moe_counterfactual_", "moe_traced_causes_", "moe_regression_groups_"):
         assert any(n.startswith(prefix) for n in names), prefix
+
+
+def test_beyond_the_paper_publishes_patterns_operations_and_verdicts(reproduced):
+    entries = [json.loads(line) for line in
+               (reproduced / "05_beyond_the_paper" / "manifest.jsonl").read_text().splitlines()]
+    names = {e["name"] for e in entries}
+    for prefix in ("patterns_", "patterns_heatmap_", "patterns_rates_", "patterns_verdict_",
+                   "operations_", "operations_verdict_", "operations_gap_sweeps_",
+                   "operations_left_out_"):
+        assert any(n.startswith(prefix) for n in names), prefix
+    # the verdicts carry the notebook's threshold parameter and a yes/no for every measured row
+    verdict = next(e for e in entries if e["name"].startswith("operations_verdict_"))
+    csv = (reproduced / "05_beyond_the_paper" / verdict["files"][0]).read_text()
+    assert "holds without refit (≤ 5%)" in csv and ",yes" in csv
 
 
 def test_failing_notebook_gives_nonzero_exit_and_names_the_cell(tmp_path, monkeypatch, capsys):

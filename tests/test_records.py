@@ -155,3 +155,19 @@ def test_bad_names_rejected_before_writing(tmp_path, experiment, platform):
     with pytest.raises(ValueError, match="plain names"):
         write_record(experiment, platform, _table(), {}, {}, root=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_imports_are_named_by_when_they_were_measured(tmp_path):
+    """Imported in the opposite order, the later measurement is still the latest record."""
+    def bench_json(name: str, measured: str) -> Path:
+        prov = {"gpu_name": "NVIDIA H200", "gpu_count": 2, "date_utc": measured}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"metadata": {"provenance": prov}, "rows": [{"run": name}]}))
+        return path
+
+    later = records.import_bench_json(bench_json("later", "2026-11-29T22:57:00+00:00"), "fa_tuning",
+                                      root=tmp_path)
+    records.import_bench_json(bench_json("earlier", "2026-11-29T22:44:26.79+00:00"), "fa_tuning",
+                              root=tmp_path)
+    assert later.name.startswith("20261129T225700Z-")
+    assert latest_record("fa_tuning", "h200-x2", tmp_path).table["run"].tolist() == ["later"]

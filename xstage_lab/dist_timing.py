@@ -70,6 +70,11 @@ def rotated_order(names: list[str], trial: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
+# How ``time_methods`` times, for a record's metadata.
+TIMING_METHOD = ("barrier-aligned trials, CUDA events per rank, max over ranks per trial, "
+                 "median and p25/p75 over trials, method order rotated")
+
+
 def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, warmup: int = 3,
                  graph_iters: int | None = None, group=None, eager: frozenset = frozenset(),
                  after: dict[str, Callable[[], None]] | None = None,

@@ -505,21 +505,44 @@ def visibility_alignment_table(visibilities) -> pd.DataFrame:
         rows.append({"platform": v.record.platform,
                      "θ before (ns)": a["before"]["offset_ns"], "θ after (ns)": a["after"]["offset_ns"],
                      "drift (ns)": a["drift_ns"], "over (s)": round(a["span_s"], 2),
-                     "RTT min (ns)": a["before"]["rtt_min_ns"],
+                     "RTT min before/after (ns)": f"{a['before']['rtt_min_ns']}/"
+                                                  f"{a['after']['rtt_min_ns']}",
                      "RTT median (ns)": a["before"]["rtt_median_ns"],
-                     "swap check (ns)": a["swap_check_ns"][0],
+                     "swap check before/after (ns)": f"{a['swap_check_ns'][0]:g}/"
+                                                     f"{a['swap_check_ns'][1]:g}",
                      "timer step src/dst (ns)": f"{a['resolution_src']['resolution_ns']}/"
                                                 f"{a['resolution_dst']['resolution_ns']}",
                      "± bound (ns)": a["uncertainty_ns"]})
     return pd.DataFrame(rows)
 
 
+def visibility_latency_table(vis, column: str = "latency_us") -> pd.DataFrame:
+    """Median per-producer latency (µs; every burst and repeat) per (K, B), one column per G."""
+    t = vis.points.pivot(index=["producers", "burst_bytes"], columns="gap_us", values=column)
+    t.columns = [f"G = {g:g} µs" for g in t.columns]
+    return t.rename_axis(index=["K", "B"]).round(3).reset_index()
+
+
+def visibility_first_burst_table(vis) -> pd.DataFrame:
+    """The aligned first burst per (K, B, G) against T_complete(K, V), with the fraction of
+    launches whose next burst overlapped it (those gaps are left out of the comparison)."""
+    cols = {"producers": "K", "burst_bytes": "B", "gap_us": "G (µs)",
+            "visible_from_start_us": "visible from start (µs)",
+            "aggregate_visible_us": "last flag visible (µs)",
+            "T_complete_model_us": "T_complete (µs)", "diff_us": "difference (µs)",
+            "overlapped": "next burst overlapped", "isolated": "isolated"}
+    return vis.first_burst[list(cols)].rename(columns=cols).round(3)
+
+
 def visibility_completion_table(vis) -> pd.DataFrame:
-    """The aligned first burst's receiver-seen completion against the fenced sweep's
-    T_complete(K, V) = V/R + T_lat."""
+    """The aligned first burst's receiver-seen completion over the isolated gaps (G ≥ gap_min)
+    against the fenced sweep's T_complete(K, V) = V/R + T_lat."""
     cols = {"producers": "K", "burst_bytes": "B", "visible_from_start_us": "visible from start (µs)",
             "aggregate_visible_us": "last flag visible (µs)",
             "T_complete_model_us": "T_complete = V/R + T_lat (µs)", "diff_us": "difference (µs)",
+            "aggregate_diff_us": "last flag − T_complete (µs)",
+            "T_complete_fenced_us": "fenced sweep measured (µs)",
+            "fenced_diff_us": "difference to fenced (µs)", "gap_min_us": "gaps ≥ (µs)",
             "launches": "launches"}
     return vis.comparison[list(cols)].rename(columns=cols).round(3)
 
@@ -632,6 +655,14 @@ def moe_regressions(trace_record, matrix_record) -> pd.DataFrame:
     return pd.DataFrame(regression_rows(matrix_record.table, trace_record.table)).round(3)
 
 
+def moe_regression_groups(trace_record, matrix_record) -> pd.DataFrame:
+    """The regressing cells grouped by measured cause ("not traced" is a group), with counts,
+    models and the ranges of speedup and per-component SM time (``moe_trace.regression_groups``)."""
+    from .experiments.moe_trace import regression_groups, regression_rows
+
+    return pd.DataFrame(regression_groups(regression_rows(matrix_record.table, trace_record.table))).round(3)
+
+
 def moe_traced_causes(trace_record) -> pd.DataFrame:
     """Per traced configuration, Interleaved minus Expert-Wave SM time per component (µs per SM),
     the makespan ratio and both schedules' Linear-2 dependency-wait shares: where the gain or the
@@ -647,11 +678,16 @@ def moe_traced_causes(trace_record) -> pd.DataFrame:
 def moe_counterfactual(trace_record) -> pd.DataFrame:
     """Decoupled (Expert-Wave, Interleaved) and completion-coupled (each Linear-2 tile fenced
     until its stores are visible) times per configuration, measured in one run."""
-    from .experiments.moe_trace import counterfactual_rows
+    from .experiments.moe_trace import KEYS, counterfactual_rows, l2_tiles_per_sm
 
     df = pd.DataFrame(counterfactual_rows(trace_record.table))
     df["coupled_over_decoupled_wave"] = df["wave_fenced_us"] / df["wave_us"]
     df["coupled_over_decoupled_int"] = df["interleaved_fenced_us"] / df["interleaved_us"]
+    # the added time per Linear-2 tile of one SM of the critical rank (its traced launch)
+    per_sm = l2_tiles_per_sm(trace_record.table)
+    for s, sched in (("wave", "wave"), ("int", "interleaved")):
+        tiles = [per_sm.get((*(r[k] for k in KEYS), sched), np.nan) for r in df.to_dict("records")]
+        df[f"fence_us_per_l2_tile_{s}"] = (df[f"{sched}_fenced_us"] - df[f"{sched}_us"]) / tiles
     return df.round(3)
 
 
@@ -670,10 +706,15 @@ def _fit_row(fit: dict | None) -> dict:
     if "fit_error" in fit:
         return {"fit": f"model fit failed: {fit['fit_error']}"}
     nr = fit.get("no_refit_from_baseline") or {}
-    t0 = fit["T_iss0_us"]
+
+    def by_burst(values: dict, name: str) -> dict:  # keys "K=..,B=.." (one K per fit)
+        return {f"{name} B={_kb(k.split('B=')[1])} (µs)": v for k, v in values.items()}
+
     return {"R (GB/s)": fit["R_GBps"], "R IQR": fit["R_GBps_iqr"],
-            **{f"T_iss0 {k.split(',')[1]} (µs)": v for k, v in t0.items()},
+            **by_burst(fit["T_iss0_us"], "T_iss0"),
             "Q (MiB)": next(iter(fit["Q_MiB"].values()), None),
+            "knee (KB/producer)": next(iter(fit["knee_KB_per_producer"].values()), None),
+            **by_burst(fit["G_star_us"], "G*"),
             "gap err, own fit (%)": fit["gap_prediction_median_abs_err_pct"],
             "drain share": nr.get("share"), "R predicted (GB/s)": nr.get("drain_rate_GBps"),
             "gap err, no refit (%)": nr.get("t_iss_err_pct"),
@@ -704,8 +745,10 @@ def patterns_drain_heatmap(entry: dict, platform: str) -> go.Figure:
                                                                      values="rate")
     fig = go.Figure(go.Heatmap(z=grid.to_numpy(), x=[f"to GPU {d}" for d in grid.columns],
                                y=[f"GPU {s}" for s in grid.index], colorbar=dict(title="GB/s"),
+                               zmin=0,  # from zero: equal links must not look apart by noise
                                text=np.round(grid.to_numpy(), 1), texttemplate="%{text}"))
-    fig.update_layout(title=f"{platform}: fitted drain rate R per ordered pair (one-to-one)")
+    fig.update_layout(title=f"{platform}: fitted drain rate R per ordered pair (one-to-one)",
+                      yaxis=dict(autorange="reversed"))
     return fig
 
 
@@ -723,14 +766,47 @@ def patterns_rates(entry: dict, platform: str) -> go.Figure:
     return fig
 
 
-def operations_table(entry: dict) -> pd.DataFrame:
-    """Remote operations (issue 6): per operation the fitted (T_iss⁰, R, Q) and the gap
-    sweep's error from its own fit and with no refit from the 16-byte stores' M_X; the
-    operations left out, with the reason (``summary``'s ``operations`` entry)."""
+def operations_table(entry: dict, left_out: bool = True) -> pd.DataFrame:
+    """Remote operations (issue 6): per operation the fitted (T_iss⁰, R, Q), knee and G*, and
+    the gap sweep's error from its own fit and with no refit from the 16-byte stores' M_X;
+    with ``left_out``, also the operations left out, with the reason (``summary``'s
+    ``operations`` entry; ``operations_left_out`` lists them alone)."""
     rows = [{"operation": op, **_fit_row(fit)} for op, fit in entry["per_op"].items()]
-    rows += [{"operation": label.split("=", 1)[1], "fit": f"not measured: {why}"}
-             for label, why in entry["excluded"].items()]
+    if left_out:
+        rows += [{"operation": r["operation"], "fit": f"not measured: {r['reason']}"}
+                 for r in operations_left_out(entry).to_dict("records")]
     return pd.DataFrame(rows)
+
+
+def operations_left_out(entry: dict) -> pd.DataFrame:
+    """The operations a ``remote_ops`` record left out (failed check, fault, time budget),
+    each with the record's reason."""
+    return pd.DataFrame([{"operation": label.split("=", 1)[1], "reason": why}
+                         for label, why in entry["excluded"].items()],
+                        columns=["operation", "reason"])
+
+
+def no_refit_verdict(table: pd.DataFrame, keys: list[str], max_err_pct: float) -> pd.DataFrame:
+    """Whether the Burst–Gap model, calibrated once on the baseline (16-byte stores, or a
+    pattern's one-to-one route), still describes each row of ``patterns_table`` or
+    ``operations_table``: the gap sweep's median |T_iss error| from the row's own fit and with
+    no refit, and the fitted R's departure from the predicted one, each against ``max_err_pct``."""
+    needed = ["R (GB/s)", "R predicted (GB/s)", "gap err, own fit (%)", "gap err, no refit (%)"]
+    table = table.reindex(columns=list(dict.fromkeys([*table.columns, *needed])))  # no row fitted
+    ok = table["fit"] == "ok"
+    out = table[keys].copy()
+    ratio = table["R (GB/s)"] / table["R predicted (GB/s)"]
+    out["R / R predicted"] = ratio.round(3)
+    # the gap sweep's median can sit on its plateau; R alone decides the drain-bound regime
+    out[f"R as predicted (≤ {max_err_pct:g}%)"] = np.where(
+        ok, np.where((ratio - 1).abs() * 100 <= max_err_pct, "yes", "no"),
+        table["fit"].str.split(":").str[0])
+    for col, verdict in (("gap err, own fit (%)", "own fit holds"),
+                         ("gap err, no refit (%)", "holds without refit")):
+        out[col] = table[col]
+        out[f"{verdict} (≤ {max_err_pct:g}%)"] = np.where(
+            ok, np.where(table[col] <= max_err_pct, "yes", "no"), table["fit"].str.split(":").str[0])
+    return out
 
 
 def operations_gap_sweeps(record) -> go.Figure:

@@ -53,11 +53,13 @@ class Record:
 
 
 def write_record(experiment: str, platform: str, table: pd.DataFrame, params: dict,
-                 provenance: dict, root: Path = RECORDS_DIR) -> Path:
-    """Write ``table`` as a new record and return its path; never overwrites (append-only)."""
+                 provenance: dict, root: Path = RECORDS_DIR, created: datetime | None = None
+                 ) -> Path:
+    """Write ``table`` as a new record and return its path; never overwrites (append-only).
+    ``created`` (default: now) names the record, so records sort by when they were measured."""
     if not experiment.isidentifier() or not platform.replace("-", "_").isidentifier():
         raise ValueError(f"experiment {experiment!r} and platform {platform!r} must be plain names")
-    created = datetime.now(timezone.utc)
+    created = datetime.now(timezone.utc) if created is None else created.astimezone(timezone.utc)
     arrow = pa.Table.from_pandas(table, preserve_index=False)
     sink = io.BytesIO()
     pq.write_table(arrow, sink)
@@ -130,4 +132,7 @@ def import_bench_json(path: Path | str, experiment: str, root: Path = RECORDS_DI
     table = pd.DataFrame([{k: json.dumps(v) if isinstance(v, (dict, list)) else v
                            for k, v in row.items()} for row in rows])
     platform = platform_key(provenance["gpu_name"], provenance["gpu_count"])
-    return write_record(experiment, platform, table, header, provenance, root)
+    # Named by when the benchmark ran, not when it was imported: "latest" means latest measured.
+    measured = provenance.get("date_utc")
+    return write_record(experiment, platform, table, header, provenance, root,
+                        created=datetime.fromisoformat(measured) if measured else None)

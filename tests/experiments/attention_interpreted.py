@@ -9,12 +9,10 @@ plays every rank.
 """
 import os
 
-import numpy as np
 import pytest
 import torch
-import triton.language as tl
-from triton.runtime import interpreter
 
+from tests.experiments.triton_testing import interpreter_fixes
 from xstage_lab.experiments import attention as att
 from xstage_lab.checks import bitwise_equal, relative_error
 
@@ -26,37 +24,9 @@ REL_TOL = 1e-2
 TINY = dict(BLOCK_M=16, BLOCK_N=16)
 
 
-def _index_scalar(original):
-    """Triton 3.6's interpreter turns a 1-element array into a Python int with ``int(array)``,
-    which numpy >= 2.4 rejects, so every runtime loop bound fails (triton-lang/triton#9171, fixed
-    upstream by #9172 after 3.6). The same fix, for this process only."""
-    def patch(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-    return patch
-
-
-def _dot_bf16_as_fp32(original):
-    """The interpreter stores bf16 as its uint16 bit pattern and ``tl.dot`` multiplies the bits
-    (triton-lang/triton#11584). Widen bf16 operands to fp32 first: exact, as on the tensor cores,
-    whose bf16 products accumulate in fp32."""
-    def widen(h):
-        if h.dtype != tl.bfloat16:
-            return h
-        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32),
-                                        tl.float32)
-
-    def create_dot(self, a, b, d, *args):
-        return original(self, widen(a), widen(b), d, *args)
-    return create_dot
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter_fixes():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interpreter, "_patch_lang_tensor", _index_scalar(interpreter._patch_lang_tensor))
-        mp.setattr(interpreter.InterpreterBuilder, "create_dot",
-                   _dot_bf16_as_fp32(interpreter.InterpreterBuilder.create_dot))
+    with interpreter_fixes():
         yield
 
 

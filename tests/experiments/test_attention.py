@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,18 +17,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from tests.experiments.triton_testing import HOPPER_SMEM_PER_BLOCK, REPO, hopper_target, ptxas_report
 from xstage_lab.checks import bitwise_equal
 from xstage_lab.experiments import attention, attention_bench
 from xstage_lab.kernel_sources import kernel_path
 
 BF16 = torch.bfloat16
 TINY = dict(BLOCK_M=16, BLOCK_N=16)
-HOPPER = GPUTarget("cuda", 90, 64)
-HOPPER_SMEM_PER_BLOCK = 227 * 1024
-REPO = Path(__file__).resolve().parents[2]
+HOPPER = hopper_target()
 
 
 def test_kernels_in_the_interpreter():
@@ -202,19 +199,6 @@ def test_flash_attention_compiles_for_hopper(compiled_kernels, d, remote):
     assert stores and all(".v4." in s for s in stores), f"output stores not 16-byte: {stores}"
 
 
-def _ptxas_resources(ptx: str) -> tuple[int, int]:
-    """(registers per thread, spilled bytes) of a PTX module, from Triton's bundled ptxas -v."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        run = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(src), "-o",
-                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True, check=True)
-    log = run.stdout + run.stderr
-    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
-    return int(re.search(r"Used (\d+) registers", log).group(1)), spills
-
-
 @pytest.mark.parametrize("d", attention.HEAD_DIMS)
 def test_candidate_configs_fit_hopper_at_their_occupancy(compiled_kernels, d):
     """Every candidate builds for sm_90 without spills, and ctas_per_sm is the occupancy its
@@ -225,7 +209,8 @@ def test_candidate_configs_fit_hopper_at_their_occupancy(compiled_kernels, d):
         fits = []
         for remote in (False, True):
             k = _compile_flash_attention(compiled_kernels, d, cfg, remote)
-            regs, spills = _ptxas_resources(k.asm["ptx"])
+            ptxas = ptxas_report(k.asm["ptx"])
+            regs, spills = ptxas["registers"], ptxas["spill_store_bytes"] + ptxas["spill_load_bytes"]
             assert spills == 0 and k.metadata.shared <= HOPPER_SMEM_PER_BLOCK, (cfg, remote)
             regs_per_warp = -(-regs * 32 // 256) * 256
             fits.append(min(65536 // (regs_per_warp * cfg["num_warps"]),

@@ -115,6 +115,15 @@ def test_counterfactual_attention_entry(tmp_path):
                                    serial_us=130.0, e_res_coupled_us=20.0, e_res_decoupled_us=1.0,
                                    hiding_ratio_coupled=pytest.approx(1 - 20 / 30),
                                    hiding_ratio_decoupled=pytest.approx(1 - 1 / 30))]
+    # a record with the same-code control reports the paired residuals against it too
+    write_record("fa_a2a", "h200-x2", table.assign(fa_same_code_us=95.0,
+                                                  e_res_fenced_paired_fa_same_code_us=24.0,
+                                                  e_res_paired_fa_same_code_us=6.0),
+                 {}, {}, root=tmp_path / "same_code")
+    row = summary_counterfactual("h200-x2", tmp_path / "same_code")["per_M"][0]
+    assert row["fa_same_code_us"] == 95.0
+    assert row["e_res_coupled_paired_same_code_us"] == 24.0
+    assert row["e_res_decoupled_paired_same_code_us"] == 6.0
 
 
 def test_prediction_failures_name_each_miss():
@@ -124,3 +133,73 @@ def test_prediction_failures_name_each_miss():
                               x_stage_in_iqr=[True, False]))
     (line,) = prediction_failures(check)
     assert line.startswith("M=16384: the X-Stage") and "-3.00 points" in line
+
+
+def test_headline_marks_the_bar_from_16k_on():
+    from types import SimpleNamespace
+
+    from xstage_lab.experiments.attention_model import bar_failures, headline
+
+    t = pd.DataFrame(dict(M=[8192, 16384, 32768], speedup=[1.1, 1.2, 1.0],
+                          hiding_ratio=[0.9, 2.0, 0.5], speedup_fenced=[1.0, 1.1, 1.0],
+                          hiding_ratio_fenced=[0.5, 1.0, 0.4], a2a_remote_us=[50.0, 100.0, 200.0],
+                          a2a_nccl_us=[100.0, 100.0, 400.0], fa_tflops=[300.0, 390.0, 410.0],
+                          cudnn_tflops=[500.0, 500.0, 500.0]))
+    h = headline(SimpleNamespace(table=t))
+    assert h["a2a_remote_over_nccl"].tolist() == [0.5, 1.0, 0.5]
+    assert h["fa_over_cudnn"].tolist() == pytest.approx([0.6, 0.78, 0.82])
+    assert h["meets_bar"].tolist() == [None, False, True]  # 8192 is below the bar's range
+    (line,) = bar_failures(h)
+    assert line.startswith("M=16384, FA-only: 0.780") and "0.8 bar" in line
+
+
+def test_fenced_vs_decoupled_pairs_trials_and_counts_wins():
+    from types import SimpleNamespace
+
+    from xstage_lab.experiments.attention_model import fenced_vs_decoupled
+
+    fused = [100.0, 110.0, 120.0, 130.0]
+    fenced = [98.0, 111.0, 115.0, 126.0]            # differences -2, +1, -5, -4
+    clocks = {"fused": [1800, 1800, 1500, 1800], "fused_fenced": [1800, 1800, 1800, 1810],
+              "fa": [1500, 1500, 1500, 1500]}
+    rec = SimpleNamespace(params={"raw": [{"M": 1024, "sm_clock_mhz": clocks,
+                                           "max_us": {"fused": fused, "fused_fenced": fenced}}]})
+    r = fenced_vs_decoupled(rec).iloc[0]
+    assert r["fenced_minus_fused_us"] == -3.0
+    assert r["fenced_faster_trials"] == "3/4"
+    assert r["matched_trials"] == 3 and r["matched_us"] == -2.0  # trial 3's clocks differ
+    assert r["fa_clock_mhz"] == 1500 and r["fused_clock_mhz"] == 1800
+    assert r["rel_pct"] == pytest.approx(-3.0 / 115.0 * 100)
+    assert "fa_minus_same_code_us" not in r  # no same-code control in this record
+    rec.params["raw"][0]["max_us"] |= {"fa": [10.0, 12.0, 14.0, 16.0],
+                                       "fa_same_code": [9.0, 9.0, 9.0, 9.0]}
+    r = fenced_vs_decoupled(rec).iloc[0]
+    assert r["fa_minus_same_code_us"] == 4.0                 # differences 1, 3, 5, 7
+    assert (r["fa_minus_same_code_p25_us"], r["fa_minus_same_code_p75_us"]) == (2.5, 5.5)
+
+
+def test_tuning_table_orders_runs_by_creation_and_keeps_the_best(tmp_path):
+    from xstage_lab.experiments.attention_model import (bar_failures, tuning_best, tuning_records,
+                                                        tuning_table)
+    from xstage_lab.records import write_record
+
+    def run(created, d, ratios):
+        t = pd.DataFrame(dict(M=[16384] * 3, method=["a", "b", "cudnn"], median_us=[1.0] * 3,
+                              p25_us=[1.0] * 3, p75_us=[1.0] * 3, tflops=[1.0] * 3,
+                              over_cudnn=ratios + [1.0], over_cudnn_paired=ratios + [1.0],
+                              sm_clock_mhz=[[1980.0]] * 3))
+        return write_record("fa_tuning", "h200-x1", t, {"created_utc": created,
+                            "params": {"heads": 12, "head_dim": d, "trials": 3}}, {}, root=tmp_path)
+
+    run("2026-11-29T23:00:00", 64, [0.7, 0.9])      # written first, created last
+    run("2026-11-29T22:00:00", 128, [0.6, 0.75])
+    recs = tuning_records("h200-x1", tmp_path)
+    assert [r.params["params"]["head_dim"] for r in recs] == [128, 64]
+    table = tuning_table(recs)
+    assert table[table["method"] == "cudnn"]["meets_bar"].isna().all()
+    best = tuning_best(table)
+    assert best["method"].tolist() == ["b", "b"]
+    assert best["over_cudnn_paired"].tolist() == [0.75, 0.9]
+    assert best["meets_bar"].tolist() == [False, True]
+    (line,) = bar_failures(best, "over_cudnn_paired")
+    assert line.startswith("M=16384, d=128, b: 0.750")

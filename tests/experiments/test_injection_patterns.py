@@ -157,3 +157,34 @@ def test_operations_table_names_what_was_left_out():
     t = plots.operations_table(entry)
     assert t["operation"].tolist() == ["store16", "bulk"]
     assert t["fit"].tolist() == ["model fit failed: no plateau", "not measured: illegal address"]
+
+
+def test_no_refit_verdict_applies_the_threshold_to_each_sweep():
+    from xstage_lab import plots
+
+    def fit(R, own, no_refit):
+        return {"key": "", "src": 0, "R_GBps": R, "R_GBps_iqr": [R, R],
+                "T_iss0_us": {"K=132,B=16384": 0.5}, "Q_MiB": {"K=132": 2.0},
+                "knee_KB_per_producer": {"K=132": 18.0}, "G_star_us": {"K=132,B=16384": 5.0},
+                "gap_prediction_median_abs_err_pct": own,
+                "no_refit_from_baseline": {"drain_rate_GBps": 400.0, "share": 1.0,
+                                           "t_iss_err_pct": no_refit, "period_err_pct": 0.1}}
+
+    entry = {"per_op": {"store16": fit(400.0, 0.2, 0.2), "store4": fit(400.0, 0.3, 17.0),
+                        "bulk": fit(360.0, 9.0, 12.0),
+                        "red_add_f32": {"key": "red_add_f32", "src": 0, "fit_error": "no plateau"}},
+             "excluded": {"op=load16": "load check failed"}}
+    table = plots.operations_table(entry)
+    assert table["knee (KB/producer)"].tolist()[:3] == [18.0] * 3
+    assert "G* B=16 KB (µs)" in table and "T_iss0 B=16 KB (µs)" in table
+    v = plots.no_refit_verdict(table, ["operation"], 5.0).set_index("operation")
+    assert v["own fit holds (≤ 5%)"].tolist() == ["yes", "yes", "no", "model fit failed", "not measured"]
+    assert v["holds without refit (≤ 5%)"].tolist() == ["yes", "no", "no", "model fit failed",
+                                                        "not measured"]
+    assert v.loc["bulk", "R / R predicted"] == 0.9
+    assert v["R as predicted (≤ 5%)"].tolist() == ["yes", "yes", "no", "model fit failed",
+                                                   "not measured"]
+    assert plots.operations_table(entry, left_out=False)["operation"].tolist() == [
+        "store16", "store4", "bulk", "red_add_f32"]
+    assert plots.operations_left_out(entry).to_dict("records") == [
+        {"operation": "load16", "reason": "load check failed"}]

@@ -19,25 +19,22 @@ How the interpreter is used, and why:
   dispatched rows and row counters; their Combine buffers are P ordinary CPU tensors and the peer
   pointer table is built from their ``data_ptr()``: the same kernel code path that stores to
   peers over NVLink on the GPU.
-* Two Triton 3.6 interpreter defects are patched in the child only (``_patch_interpreter``); the
-  GPU path does not go through them.
+* Two Triton 3.6 interpreter defects are patched in the child only
+  (``triton_testing.interpreter_fixes``); the GPU path does not go through them.
 
 The last case compiles the kernel for sm_90 (no GPU needed) in a child without the interpreter.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import traceback
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.experiments.triton_testing import (HOPPER_SMEM_PER_BLOCK, assert_case_ok, child_main,
+                                              child_results)
 from xstage_lab.checks import relative_error
 from xstage_lab.experiments import moe
 from xstage_lab.experiments.moe_bench import TOLERANCE
@@ -45,7 +42,6 @@ from xstage_lab.experiments.moe_schedules import (
     L1, L2, MoEProblem, Schedule, ScheduleError, Tile, d_knee, execution_order,
     expert_wave_schedule, interleaved_schedule)
 
-REPO = Path(__file__).resolve().parents[2]
 # Tiny shapes with the kernel's structure intact: several experts per rank, P_1 = P_2 = 2 tiles,
 # two K blocks, and 32-wide fp8 scale blocks (128 on the GPU) so that each K block has its scales.
 TINY = dict(hidden=64, intermediate=64, top_k=2, tokens=8)
@@ -387,59 +383,6 @@ def interpreter_cases() -> dict:
     return cases
 
 
-def _patch_interpreter() -> None:
-    """Work around two defects of Triton 3.6's interpreter that this kernel hits:
-
-    1. a runtime scalar is a one-element array, and NumPy >= 2.3 refuses ``int()`` of it, so a loop
-       bound taken from a kernel argument (``range(0, HIDDEN, BLOCK_K)``) fails;
-    2. ``tl.dot`` on bf16 operands multiplies their raw uint16 storage; upcasting to fp32 first is
-       exact (bf16 products are exact in fp32, as in the tensor cores' fp32 accumulation)."""
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    patch_tensor = interp._patch_lang_tensor
-
-    def patched_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patched_tensor
-    create_dot = interp.InterpreterBuilder.create_dot
-
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        def up(h):
-            if h.dtype.scalar != tl.bfloat16:
-                return h
-            f32 = interp._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32)
-            return interp.TensorHandle(f32, tl.float32)
-        return create_dot(self, up(a), up(b), d, input_precision, max_num_imprecise_acc)
-
-    interp.InterpreterBuilder.create_dot = dot
-
-
-def _child(argv: list[str]) -> int:
-    """Entry of the child processes; prints one JSON object ``{case: {"ok", "detail"}}``."""
-    results = {}
-    if argv == ["--interpreter"]:
-        assert os.environ.get("TRITON_INTERPRET") == "1"
-        _patch_interpreter()
-        for name, (fn, *args) in interpreter_cases().items():
-            try:
-                results[name] = {"ok": True, "detail": fn(*args)}
-            except Exception:
-                results[name] = {"ok": False, "detail": traceback.format_exc()}
-    elif argv == ["--compile-sm90"]:
-        for precision in moe.PRECISIONS:
-            try:
-                results[f"compile_sm90_{precision}"] = {"ok": True, "detail": _compile_sm90(precision)}
-            except Exception:
-                results[f"compile_sm90_{precision}"] = {"ok": False, "detail": traceback.format_exc()}
-    else:
-        raise SystemExit(f"unknown arguments {argv}")
-    print(json.dumps(results))
-    return 0
-
-
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv", torch.float32: "fp32",
                  torch.int32: "i32", torch.int64: "i64"}
 
@@ -449,14 +392,10 @@ def _compile_sm90(precision: str, with_ptx: bool = False, **variant) -> dict:
     the divisibility hints Triton's JIT derives for 16-aligned pointers and multiples of 16) for an
     H100/H200 target, down to a cubin; report shared memory and ptxas spills. ``variant``:
     ``instrument`` / ``fence`` of ``prepare_fused_moe``; ``with_ptx`` adds the PTX text."""
-    import re
-    import tempfile
-
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
+    from tests.experiments.triton_testing import hopper_target, ptxas_report
     from xstage_lab.kernel_sources import load_kernel_module
 
     layer = simulate_layer(precision, 2, seed=1)
@@ -483,17 +422,11 @@ def _compile_sm90(precision: str, with_ptx: bool = False, **variant) -> dict:
     for name in constexprs:
         signature.setdefault(name, "constexpr")
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
-                              target=GPUTarget("cuda", 90, 64),
+                              target=hopper_target(),
                               options={"num_warps": gpu.num_warps, "num_stages": gpu.num_stages})
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "k.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o",
-                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True, check=True)
-    spills = [int(v) for v in re.findall(r"(\d+) bytes spill stores", out.stderr)]
-    registers = [int(v) for v in re.findall(r"Used (\d+) registers", out.stderr)]
-    return {"shared_bytes": compiled.metadata.shared, "spill_store_bytes": sum(spills),
-            "registers": max(registers), "has_cubin": bool(compiled.asm.get("cubin")),
+    ptxas = ptxas_report(compiled.asm["ptx"])
+    return {"shared_bytes": compiled.metadata.shared, "spill_store_bytes": ptxas["spill_store_bytes"],
+            "registers": ptxas["registers"], "has_cubin": bool(compiled.asm.get("cubin")),
             "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
             # counter release (gpu) and end-of-program fence (sys); the acquire polls of a zero
             # add become acquire loads
@@ -504,14 +437,7 @@ def _compile_sm90(precision: str, with_ptx: bool = False, **variant) -> dict:
 
 
 def _spawn(flag: str, interpret: bool, timeout: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "tests.experiments.test_moe_kernel", flag],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode:
-        raise AssertionError(f"child {flag} failed:\n{proc.stdout}\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return child_results("tests.experiments.test_moe_kernel", flag, interpret, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -521,21 +447,22 @@ def interpreter_results():
 
 @pytest.mark.parametrize("case", list(interpreter_cases()))
 def test_interpreter_case(interpreter_results, case):
-    result = interpreter_results[case]
-    assert result["ok"], result["detail"]
+    assert_case_ok(interpreter_results, case)
 
 
 def test_compiles_for_sm90():
     results = _spawn("--compile-sm90", interpret=False, timeout=600)
     for name, result in results.items():
-        assert result["ok"], result["detail"]
+        assert_case_ok(results, name)
         detail = result["detail"]
         assert detail["has_cubin"] and detail["wgmma"] > 0, (name, detail)
-        assert detail["shared_bytes"] <= 227 * 1024, (name, detail)  # H100/H200 opt-in maximum
+        assert detail["shared_bytes"] <= HOPPER_SMEM_PER_BLOCK, (name, detail)
         assert detail["spill_store_bytes"] == 0, (name, detail)
         assert detail["release_ops"] >= 2 and detail["acquire_loads"] >= 1, (name, detail)
         assert detail["vector_stores"] > 0, (name, detail)
 
 
 if __name__ == "__main__":
-    raise SystemExit(_child(sys.argv[1:]))
+    raise SystemExit(child_main(
+        sys.argv[1:], interpreter_cases(),
+        {f"compile_sm90_{p}": (_compile_sm90, p) for p in moe.PRECISIONS}))

@@ -1,19 +1,16 @@
 """Instrumentation, fenced epilogue and local-store control of the fused MoE kernel
 (``kernels/moe_fused.py`` INSTRUMENT / FENCE, ``experiments/moe_trace.py``, ``moe_trace_bench``).
 
-Kernel cases run in a child under ``TRITON_INTERPRET=1`` with the interpreter patches of
-``test_moe_kernel`` plus one more: the interpreter has no inline assembly, so ``%clock64`` and
+Kernel cases run in a child under ``TRITON_INTERPRET=1`` with the interpreter fixes of
+``triton_testing`` plus one more: the interpreter has no inline assembly, so ``%clock64`` and
 ``%globaltimer`` read a host nanosecond clock and ``%smid`` reads the program id (the GPU reads the
 registers). The analysis is tested on hand-made traces with known answers.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
-import traceback
 
 import numpy as np
 import pandas as pd
@@ -23,8 +20,9 @@ import torch
 from xstage_lab.experiments import moe, moe_trace
 from xstage_lab.experiments.moe_schedules import L1, L2, tile_table
 from tests.experiments.test_moe_kernel import (
-    REPO, SIM_PROGRAMS, TINY, TINY_TILES, _patch_interpreter, in_program_order,
-    poisoned_buffers, problem_of, rank_schedules, simulate_layer)
+    SIM_PROGRAMS, TINY, TINY_TILES, in_program_order, poisoned_buffers, problem_of, rank_schedules,
+    simulate_layer)
+from tests.experiments.triton_testing import assert_case_ok, child_main, child_results
 
 
 # ------------------------------------------------------------------------ hand-made traces
@@ -183,10 +181,11 @@ def test_regression_cause_is_the_component_that_grows():
 
 
 def test_regression_rows_cause_where_traced_proxies_elsewhere():
-    """Matrix cells below 1, worst first: the traced cell gets its measured cause and own wait
-    shares, a ``regression`` row wins over a trace pair, an untraced cell is "not traced" with the
-    causes of its model's traced regressing cells, the same model's traced wait shares and its D
-    sweep at the cell's lead D beside it; quartile range from the spreads."""
+    """Matrix cells below 1, worst first: the traced cell gets its measured cause, makespan ratio
+    and own wait shares, a ``regression`` row wins over a trace pair, an untraced cell is "not
+    traced" with the causes of its model's traced regressing cells and the same model's traced
+    wait shares beside it; the D sweep at the cell's lead D and the quartile range for every cell.
+    Groups count the traced launches that show the loss."""
     wave = moe_trace.run_stats(moe_trace.tile_frame(*_trace(
         [[(L1, 0, 0, 4, 5, 0), (L2, 5, 5, 8, 9, 0)], [(L1, 0, 0, 4, 5, 0), (L2, 5, 5, 8, 9, 0)]])))
     inter = moe_trace.run_stats(moe_trace.tile_frame(*_trace(
@@ -197,7 +196,7 @@ def test_regression_rows_cause_where_traced_proxies_elsewhere():
          {**base, "kind": "trace", "path": "remote", "schedule": "interleaved", **inter},
          {**base, "kind": "d_sweep", "lead_rows": 2, "d_factor": 1.0, "speedup": 0.7},
          {**base, "kind": "d_sweep", "lead_rows": 4, "d_factor": 2.0, "speedup": 1.01},
-         {**base, "tokens": 32, "kind": "regression", "cause": "span_l2", "makespan_ratio": 0.9,
+         {**base, "tokens": 32, "kind": "regression", "cause": "span_l2", "makespan_ratio": 1.02,
           "delta_per_sm_us": json.dumps({"span_l2": 3.0}),
           "wave": json.dumps({"wait_l2_share": 0.1}), "interleaved": json.dumps({"wait_l2_share": 0.3})}])
     spread = json.dumps({"wave": {"p25_us": 9.0, "p75_us": 11.0},
@@ -214,6 +213,9 @@ def test_regression_rows_cause_where_traced_proxies_elsewhere():
     assert rows[0]["Δwait_l2 (µs/SM)"] == pytest.approx(4.0) and rows[2]["Δspan_l2 (µs/SM)"] == 3.0
     assert rows[1]["traced_wait_share_int"] == pytest.approx(inter["wait_l2_share"])
     assert rows[1]["traced_shape"] == "fp8/skewed/64" and "speedup_lo" not in rows[2]
+    # a traced cell has its own wait shares: no proxy from the model's traced shape
+    assert "traced_shape" not in rows[0] and "traced_wait_share_int" not in rows[2]
+    assert rows[0]["makespan_ratio"] == round(9 / 14, 4) and rows[2]["makespan_ratio"] == 1.02
     assert rows[1]["dsweep_speedup_at_lead"] == 0.7 and rows[1]["dsweep_best_d_factor"] == 2.0
     assert "traced_shape" not in rows[3] and "dsweep_best_speedup" not in rows[3]
     # traced cells carry their own wait shares; untraced ones the causes of the model's traced
@@ -228,6 +230,9 @@ def test_regression_rows_cause_where_traced_proxies_elsewhere():
                                                           ("span_l2", 1)]
     assert groups[1]["models"] == "A, B" and groups[1]["speedup_min"] == 0.9
     assert groups[0]["Δwait_l2 min..max (µs/SM)"] == "+4..+4" and "makespan_ratio_min" not in groups[1]
+    # the wait_l2 trace shows the loss (9/14), the span_l2 one ran faster under Interleaved
+    assert groups[0]["traces_with_loss"] == 1 and groups[2]["traces_with_loss"] == 0
+    assert "traces_with_loss" not in groups[1]
     (c,) = moe_trace.traced_causes(trace)
     assert c["cause"] == "wait_l2" and c["wait_share_int"] > c["wait_share_wave"] == 0.0
     # mainloops 4 + 3 µs per program over 2 programs x 9 µs (wave); (3 + 3 + 4 + 3) / (2 x 14)
@@ -419,45 +424,15 @@ def interpreter_cases() -> dict:
     return cases
 
 
-def _compile_variant(precision: str, **kw) -> dict:
-    """Compile the instrumented or fenced launch for sm_90 and read the order of barriers, clock
-    reads and Combine stores in the PTX."""
+def _compile_variant(precision: str, variant: str) -> dict:
+    """Compile the ``variant`` ("instrument" or "fence") launch for sm_90 with its PTX, to read
+    the order of barriers, clock reads and Combine stores."""
     from tests.experiments.test_moe_kernel import _compile_sm90
-    return _compile_sm90(precision, with_ptx=True, **kw)
-
-
-def _child(argv: list[str]) -> int:
-    results = {}
-    if argv == ["--interpreter"]:
-        assert os.environ.get("TRITON_INTERPRET") == "1"
-        _patch_interpreter()
-        _patch_inline_asm()
-        cases = interpreter_cases()
-    elif argv == ["--compile-sm90"]:
-        cases = {"instrument_fp8": (_compile_variant, "fp8"),
-                 "fence_bf16": (_compile_variant, "bf16")}
-    else:
-        raise SystemExit(f"unknown arguments {argv}")
-    for name, (fn, *args) in cases.items():
-        kw = {"instrument": True} if name.startswith("instrument") else \
-            {"fence": True} if name.startswith("fence") else {}
-        try:
-            results[name] = {"ok": True, "detail": fn(*args, **kw)}
-        except Exception:
-            results[name] = {"ok": False, "detail": traceback.format_exc()}
-    print(json.dumps(results))
-    return 0
+    return _compile_sm90(precision, with_ptx=True, **{variant: True})
 
 
 def _spawn(flag: str, interpret: bool, timeout: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "tests.experiments.test_moe_trace", flag],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode:
-        raise AssertionError(f"child {flag} failed:\n{proc.stdout}\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return child_results("tests.experiments.test_moe_trace", flag, interpret, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -467,8 +442,7 @@ def interpreter_results():
 
 @pytest.mark.parametrize("case", list(interpreter_cases()))
 def test_interpreter_case(interpreter_results, case):
-    result = interpreter_results[case]
-    assert result["ok"], result["detail"]
+    assert_case_ok(interpreter_results, case)
 
 
 def test_stamps_and_fence_in_ptx():
@@ -478,7 +452,7 @@ def test_stamps_and_fence_in_ptx():
     after each Linear-2 tile besides the one at the kernel's end; neither variant spills."""
     results = _spawn("--compile-sm90", interpret=False, timeout=900)
     for name, result in results.items():
-        assert result["ok"], result["detail"]
+        assert_case_ok(results, name)
         assert result["detail"]["spill_store_bytes"] == 0, name
     lines = [ln.strip() for ln in results["instrument_fp8"]["detail"]["ptx"].splitlines()
              if ln.strip() and not ln.strip().startswith((".loc", "//", "$L"))]
@@ -494,7 +468,11 @@ def test_stamps_and_fence_in_ptx():
 
 
 if __name__ == "__main__":
-    raise SystemExit(_child(sys.argv[1:]))
+    raise SystemExit(child_main(
+        sys.argv[1:], interpreter_cases(),
+        {"instrument_fp8": (_compile_variant, "fp8", "instrument"),
+         "fence_bf16": (_compile_variant, "bf16", "fence")},
+        patch=_patch_inline_asm))
 
 
 def test_regression_cells_from_a_moe_record(tmp_path):

@@ -2,16 +2,13 @@
 the Fig. 3 sweeps, and the CUDA source (compiled by nvcc for sm_90, no GPU needed)."""
 from __future__ import annotations
 
-import re
-import shutil
-import struct
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from tests.experiments.cuda_testing import compile_sm90, needs_nvcc
 from xstage_lab.experiments.remote_store import (
     KIB, MIB, BenchSettings, burst_rows, characterization_sweeps, isolated_recovery_us,
     validate_point)
@@ -234,44 +231,11 @@ def test_characterization_sweeps_reject_on_a_smaller_or_peerless_machine():
 
 # --- the CUDA source -------------------------------------------------------------------------
 
-def _elf_function_symbols(blob: bytes) -> set[str]:
-    """Names of the global function symbols of an ELF64 little-endian file (a cubin)."""
-    assert blob[:4] == b"\x7fELF" and blob[4] == 2 and blob[5] == 1
-    shoff, = struct.unpack_from("<Q", blob, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", blob, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", blob, shoff + i * shentsize)
-                for i in range(shnum)]
-    names = set()
-    for sh in sections:
-        if sh[1] != 2:  # SHT_SYMTAB
-            continue
-        strtab = sections[sh[6]]
-        str_off = strtab[4]
-        off, size, entsize = sh[4], sh[5], sh[9]
-        for k in range(size // entsize):
-            st_name, st_info, _, _, _, _ = struct.unpack_from("<IBBHQQ", blob, off + k * entsize)
-            if st_info & 0xF == 2 and st_info >> 4 == 1:  # STT_FUNC, STB_GLOBAL
-                end = blob.index(b"\0", str_off + st_name)
-                names.add(blob[str_off + st_name:end].decode())
-    return names
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@needs_nvcc
 def test_cuda_source_compiles_for_sm90_and_exports_the_kernels(tmp_path):
-    cubin = tmp_path / "remote_store_burst.cubin"
-    r = subprocess.run(["nvcc", "-arch=sm_90", "--cubin", "-o", str(cubin), str(CU)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    symbols = _elf_function_symbols(cubin.read_bytes())
+    symbols, entries, text = compile_sm90(CU, tmp_path)
     assert set(KERNELS) <= symbols, symbols
-    # extern "C": unmangled names in the PTX too
-    ptx = tmp_path / "remote_store_burst.ptx"
-    r = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", "-o", str(ptx), str(CU)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    text = ptx.read_text()
-    entries = set(re.findall(r"\.visible\s+\.entry\s+(\w+)\s*\(", text))
-    assert entries == set(KERNELS)
+    assert entries == set(KERNELS)  # extern "C": unmangled names in the PTX too
     # every operation of burst_gap_ops reaches the PTX (remote_ops.OPS)
     for instruction in ("st.global.u32", "st.global.v2.u32", "st.global.v4.u32",
                         "red.relaxed.gpu.global.add.u32", "red.relaxed.gpu.global.add.f32",

@@ -3,9 +3,6 @@ resolution, latencies from synthetic stamps with a known offset and drift, valid
 launch, the record's size, the summary sub-entry, the figure, and the CUDA source (nvcc)."""
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
 from dataclasses import asdict
 from pathlib import Path
 
@@ -21,7 +18,8 @@ from xstage_lab.experiments.visibility import (
     validate_point, visibility_sweep)
 from xstage_lab.records import read_record, write_record
 
-from .test_remote_store import _elf_function_symbols, make_inv
+from .cuda_testing import compile_sm90, needs_nvcc
+from .test_remote_store import make_inv
 
 CU = Path(__file__).resolve().parents[2] / "kernels" / "visibility_latency.cu"
 KERNELS = ("visibility_sender", "visibility_receiver", "clock_pingpong", "globaltimer_steps")
@@ -246,11 +244,14 @@ def test_latency_recovered_with_offset_and_drift():
 
 def test_completion_comparison_matches_model_when_latency_is_the_model():
     theta = lambda t: np.full(np.shape(t), 777.0)                        # noqa: E731
-    table = add_latency(synthetic_table(theta, repeats=1),
+    table = add_latency(synthetic_table(theta, repeats=1, t_lat_us=2.1),
                         {"before": {"offset_ns": 777.0, "t_ref_ns": T_BASE},
                          "after": {"offset_ns": 777.0, "t_ref_ns": T_BASE + 10**12}})
-    cmp = completion_comparison(table, 400.0, 2.0)
-    assert len(cmp) == 9 and (cmp["launches"] == 5).all()
+    cmp = completion_comparison(table, 400.0, 2.1)
+    # only the gaps whose next burst starts after this one's last flag: G >= V/R + T_lat here
+    want_gap = np.where(cmp["producers"] * cmp["burst_bytes"] == 132 * 64 * KIB, 24.0, 8.0)
+    assert len(cmp) == 9 and list(cmp["gap_min_us"]) == list(want_gap)
+    assert list(cmp["launches"]) == [2 if g == 24.0 else 3 for g in want_gap]
     # visible from start = issue + (V/R + T_lat): the difference is the issue time alone
     issue_us = (100 + cmp["burst_bytes"] / 64) / 1e3
     np.testing.assert_allclose(cmp["diff_us"], issue_us, atol=3e-3)
@@ -259,10 +260,34 @@ def test_completion_comparison_matches_model_when_latency_is_the_model():
     assert ((cmp["aggregate_diff_us"] - cmp["diff_us"]) < 0.05).all()
     pts = latency_points(table)
     assert len(pts) == 45
-    want = model.drain_time(pts["producers"] * pts["burst_bytes"], 400.0) + 2.0
+    want = model.drain_time(pts["producers"] * pts["burst_bytes"], 400.0) + 2.1
     np.testing.assert_allclose(pts["latency_us"], want, atol=2e-3)
     agg = aggregate_bursts(table)
     assert len(agg) == 45 * VisibilitySettings().bursts
+
+
+def test_overlapped_first_bursts_are_kept_out_of_the_comparison():
+    """A first burst whose flag queues behind the next burst (G shorter than its completion)
+    shows both bursts' drain: it is reported per gap but not compared with T_complete."""
+    theta = lambda t: np.full(np.shape(t), 0.0)                          # noqa: E731
+    align = {"before": {"offset_ns": 0.0, "t_ref_ns": T_BASE},
+             "after": {"offset_ns": 0.0, "t_ref_ns": T_BASE + 10**12}}
+    raw = synthetic_table(theta, repeats=1, t_lat_us=2.1)
+    t_complete_ns = (model.drain_time(raw["producers"] * raw["burst_bytes"], 400.0) + 2.1) * 1e3
+    queued = (raw["burst"] == 0) & (raw["gap_us"] * 1e3 < t_complete_ns)
+    clean = add_latency(raw, align)
+    delayed = add_latency(raw.assign(t_visible_ns=raw["t_visible_ns"] + 10_000 * queued), align)
+    pts = vis.first_burst_points(delayed, 400.0, 2.1)
+    assert len(pts) == 45
+    by_gap = pts.set_index(["producers", "burst_bytes", "gap_us"])
+    assert by_gap.loc[(132, 64 * KIB, 8.0), "overlapped"] == 1.0
+    assert not by_gap.loc[(132, 64 * KIB, 8.0), "isolated"]
+    assert by_gap.loc[(132, 64 * KIB, 24.0), "isolated"]
+    assert by_gap.loc[(1, 4 * KIB, 0.0), "diff_us"] > 10.0
+    assert (pts.loc[pts["isolated"], "diff_us"] < 1.2).all()          # the issue time
+    assert (pts.loc[~pts["isolated"], "diff_us"] > 10.0).all()
+    pd.testing.assert_frame_equal(completion_comparison(delayed, 400.0, 2.1),
+                                  completion_comparison(clean, 400.0, 2.1))
 
 
 # --- the record, summary and figure -----------------------------------------------------------
@@ -280,7 +305,8 @@ def write_synthetic_records(root: Path, repeats: int = 2) -> Path:
     theta = lambda t: offset_at(t, before, after)                        # noqa: E731
     sweep = visibility_sweep(132, repeats=repeats)
     table = add_latency(synthetic_table(theta, sweep), a)
-    completion = {"producers": 132, "t_complete_us": {}, "completion_latency_us": 2.0,
+    completion = {"producers": 132, "t_complete_us": {"K=132,B=65536": 24.0},
+                  "completion_latency_us": 2.0,
                   "completion_rate_GBps": 400.0, "sum_law_err_pct": 3.0, "max_law_err_pct": 37.0,
                   "periods": []}
     write_record("calibration", "h200-x2", pd.DataFrame({"quantity": ["R_GBps"], "value": ["400"]}),
@@ -340,23 +366,26 @@ def test_figures_and_tables_from_synthetic_record(tmp_path):
     assert table.loc[0, "θ before (ns)"] == pytest.approx(1500, abs=0.5)
     cmp = plots.visibility_completion_table(v)
     assert list(cmp["K"]) == sorted(cmp["K"]) and len(cmp) == 9
+    assert (cmp["gaps ≥ (µs)"] > 0).all()
+    fenced = cmp.set_index(["K", "B"])["fenced sweep measured (µs)"]
+    assert fenced.loc[(132, 64 * KIB)] == 24.0 and fenced.drop((132, 64 * KIB)).isna().all()
+    full = cmp.set_index(["K", "B"]).loc[(132, 64 * KIB)]
+    assert full["difference to fenced (µs)"] == pytest.approx(
+        full["visible from start (µs)"] - 24.0, abs=1e-3)
+    lat = plots.visibility_latency_table(v)
+    assert lat.shape == (9, 7) and list(lat.columns)[:3] == ["K", "B", "G = 0 µs"]
+    assert lat.set_index(["K", "B"]).loc[(132, 64 * KIB), "G = 72 µs"] == pytest.approx(132 * 64 * KIB / 400e3 + 2.0,
+                                                                  abs=2e-3)
+    first = plots.visibility_first_burst_table(v)
+    assert len(first) == 45 and not first.loc[first["G (µs)"] == 0.0, "isolated"].any()
     assert vis.load_visibility("replay", root=tmp_path / "empty") == []
 
 
 # --- the CUDA source -----------------------------------------------------------------------------
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@needs_nvcc
 def test_cuda_source_compiles_for_sm90_and_exports_the_kernels(tmp_path):
-    cubin = tmp_path / "visibility_latency.cubin"
-    r = subprocess.run(["nvcc", "-arch=sm_90", "--cubin", "-o", str(cubin), str(CU)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert set(KERNELS) <= _elf_function_symbols(cubin.read_bytes())
-    ptx = tmp_path / "visibility_latency.ptx"
-    r = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", "-o", str(ptx), str(CU)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    text = ptx.read_text()
-    assert set(re.findall(r"\.visible\s+\.entry\s+(\w+)\s*\(", text)) == set(KERNELS)
+    symbols, entries, text = compile_sm90(CU, tmp_path)
+    assert set(KERNELS) <= symbols and entries == set(KERNELS)
     # the flag protocol: a release store by the sender, an acquire on the receiver side
     assert "st.release.sys" in text and "fence.acq_rel.sys" in text

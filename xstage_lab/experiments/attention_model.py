@@ -158,7 +158,7 @@ def prediction_check(predictions: pd.DataFrame) -> pd.DataFrame:
 
 def prediction_failures(check: pd.DataFrame) -> list[str]:
     """One sentence per prediction and M where ``prediction_check`` finds the prediction outside
-    the measured IQR, with its error in points of T_FA."""
+    the measured IQR, with its error against the measured median in points of T_FA."""
     out = []
     for label, name, measured in (("x_stage", "X-Stage (eqs. 18-19)", "decoupled Fused"),
                                   ("completion_coupled", "completion-coupled (eq. 17)",
@@ -166,16 +166,18 @@ def prediction_failures(check: pd.DataFrame) -> list[str]:
         if f"{label}_in_iqr" not in check:
             continue
         for _, r in check[~check[f"{label}_in_iqr"].astype(bool)].iterrows():
-            out.append(f"M={int(r['M'])}: the {name} prediction misses the {measured} residual's "
-                       f"IQR by {r[f'{label}_err_pct']:+.2f} points of T_FA (prediction "
-                       f"{r[f'{label}_pct']:.2f}%)")
+            out.append(f"M={int(r['M'])}: the {name} prediction {r[f'{label}_pct']:.2f}% lies "
+                       f"outside the {measured} residual's IQR; prediction minus median "
+                       f"{r[f'{label}_err_pct']:+.2f} points of T_FA")
     return out
 
 
 def summary_counterfactual(platform: str, root) -> dict:
     """``summary --json``'s ``counterfactual.attention``: per M of the latest ``fa_a2a`` record
     that measured the fenced epilogue, the completion-coupled (fenced) and decoupled (X-Stage)
-    Fused times beside FA-only and Serial, their residuals and hiding ratios (eq. 21); {} where
+    Fused times beside FA-only and Serial, their residuals and hiding ratios (eq. 21) against
+    FA-only and, where the record has them, their residuals against the same-code FA-only
+    (medians of per-trial differences, ``paired_residuals``: FA-only is another build); {} where
     there is no such record."""
     from ..records import latest_record, platforms
 
@@ -192,5 +194,118 @@ def summary_counterfactual(platform: str, root) -> dict:
                        "e_res_coupled_us": float(r["e_res_fenced_us"]),
                        "e_res_decoupled_us": float(r["e_res_us"]),
                        "hiding_ratio_coupled": float(r["hiding_ratio_fenced"]),
-                       "hiding_ratio_decoupled": float(r["hiding_ratio"])}
+                       "hiding_ratio_decoupled": float(r["hiding_ratio"]),
+                       **{key: float(r[col]) for key, col in SAME_CODE_KEYS.items() if col in r}}
                       for _, r in t.iterrows()]}
+
+
+# counterfactual.attention's same-code keys -> the fa_a2a record's columns
+SAME_CODE_KEYS = {"fa_same_code_us": "fa_same_code_us",
+                  "e_res_coupled_paired_same_code_us": "e_res_fenced_paired_fa_same_code_us",
+                  "e_res_decoupled_paired_same_code_us": "e_res_paired_fa_same_code_us"}
+
+
+# Issue 3's target for the Triton FA-only kernel: at least 0.8 of cuDNN's TF/s from M = 16384 on.
+FA_OVER_CUDNN_BAR = 0.8
+FA_OVER_CUDNN_FROM_M = 16384
+
+
+def _meets_bar(M, ratio):
+    """True/False against ``FA_OVER_CUDNN_BAR`` where M is in the target's range, else None."""
+    return [bool(r >= FA_OVER_CUDNN_BAR) if m >= FA_OVER_CUDNN_FROM_M else None
+            for m, r in zip(M, ratio)]
+
+
+def headline(record) -> pd.DataFrame:
+    """Per M of an ``fa_a2a`` record: the speedup over Serial and the hiding ratio (eq. 21,
+    1 − E_res/(T_Serial − T_FA), against FA-only) of the decoupled and the fenced Fused, the
+    remote-store All-to-All over NCCL's, and FA-only's TF/s over cuDNN's with the issue-3 bar
+    (``meets_bar`` None below ``FA_OVER_CUDNN_FROM_M``). A hiding ratio above 1 means Fused beat
+    FA-only itself, not that more than the A2A was hidden."""
+    t = record.table
+    out = pd.DataFrame({"M": t["M"].astype(int), "speedup": t["speedup"],
+                        "hiding_ratio": t["hiding_ratio"]})
+    if "fused_fenced_us" in t:
+        out["speedup_fenced"] = t["speedup_fenced"]
+        out["hiding_ratio_fenced"] = t["hiding_ratio_fenced"]
+    out["a2a_remote_over_nccl"] = t["a2a_remote_us"] / t["a2a_nccl_us"]
+    out["fa_tflops"], out["cudnn_tflops"] = t["fa_tflops"], t["cudnn_tflops"]
+    out["fa_over_cudnn"] = t["fa_tflops"] / t["cudnn_tflops"]
+    out["meets_bar"] = _meets_bar(out["M"], out["fa_over_cudnn"])
+    return out
+
+
+def fenced_vs_decoupled(record) -> pd.DataFrame:
+    """Per M, the fenced Fused minus the decoupled Fused from the paired trials of one rotation
+    (``paired_difference``: median, IQR, clock-matched median and count), how many trials the
+    fenced one was faster in, the same pairing of FA-only (the LOCAL build) minus the same-code
+    control (the REMOTE build with local destinations), which differ only by their build, and
+    the median SM clock read at each method's launch (one NVML reading per trial, the lowest
+    over ranks) for the four FA-based methods."""
+    rows = []
+    for raw in record.params["raw"]:
+        trials, clocks = raw["max_us"], raw.get("sm_clock_mhz", {})
+        if "fused_fenced" not in trials:
+            continue
+        r = paired_difference(trials["fused_fenced"], trials["fused"],
+                              clocks.get("fused_fenced"), clocks.get("fused"))
+        faster = np.asarray(trials["fused_fenced"]) < np.asarray(trials["fused"])
+        rows.append({"M": raw["M"], "fenced_minus_fused_us": r["median_us"],
+                     "p25_us": r["p25_us"], "p75_us": r["p75_us"],
+                     "rel_pct": r["median_us"] / np.median(trials["fused"]) * 100,
+                     "matched_us": r["matched_median_us"], "matched_trials": r["matched_trials"],
+                     "fenced_faster_trials": f"{int(faster.sum())}/{len(faster)}",
+                     **({} if "fa_same_code" not in trials else _build_pair(trials)),
+                     **{f"{m}_clock_mhz": float(np.nanmedian(np.array(clocks[m], float)))
+                        for m in ("fa", "fa_same_code", "fused", "fused_fenced") if m in clocks}})
+    return pd.DataFrame(rows)
+
+
+def _build_pair(trials: dict) -> dict:
+    r = paired_difference(trials["fa"], trials["fa_same_code"])
+    return {"fa_minus_same_code_us": r["median_us"], "fa_minus_same_code_p25_us": r["p25_us"],
+            "fa_minus_same_code_p75_us": r["p75_us"]}
+
+
+def tuning_records(platform: str = "h200-x1", root=None) -> list:
+    """Every ``fa_tuning`` record of ``platform`` (single-GPU FA-only candidates against cuDNN,
+    ``attention_bench --fa-only``), oldest run first (by their creation time: one import can
+    stamp several records with the same file time)."""
+    from ..records import RECORDS_DIR, list_records, read_record
+
+    recs = [read_record(p) for p in list_records("fa_tuning", platform, root or RECORDS_DIR)]
+    return sorted(recs, key=lambda r: r.params["created_utc"])
+
+
+def tuning_table(records) -> pd.DataFrame:
+    """The tuning runs side by side: per record, head dim, M and configuration, the median time
+    and IQR, TF/s, TF/s over cuDNN from paired trials, and the issue-3 bar (``meets_bar``)."""
+    frames = []
+    for rec in records:
+        p = rec.params["params"]
+        t = rec.table.drop(columns="sm_clock_mhz")
+        t.insert(0, "record", rec.record_id)
+        t.insert(1, "heads", p["heads"])
+        t.insert(2, "head_dim", p["head_dim"])
+        t.insert(3, "trials", p["trials"])
+        t["meets_bar"] = [None if m == "cudnn" else b for m, b in
+                          zip(t["method"], _meets_bar(t["M"], t["over_cudnn_paired"]))]
+        frames.append(t)
+    return pd.concat(frames, ignore_index=True)
+
+
+def tuning_best(table: pd.DataFrame) -> pd.DataFrame:
+    """Per record, head dim and M of ``tuning_table``: the fastest Triton configuration, its
+    TF/s over cuDNN (paired) and whether it meets the bar, in the runs' order."""
+    triton = table[table["method"] != "cudnn"]
+    best = triton.loc[triton.groupby(["record", "M"], sort=False)["over_cudnn_paired"].idxmax()]
+    return best[["record", "head_dim", "M", "method", "tflops", "over_cudnn_paired", "meets_bar"]]
+
+
+def bar_failures(table: pd.DataFrame, ratio: str = "fa_over_cudnn") -> list[str]:
+    """One sentence per row of ``headline`` or ``tuning_table`` whose FA-only TF/s over cuDNN's
+    (column ``ratio``) misses the issue-3 bar where the bar applies."""
+    label = table["method"] if "method" in table else pd.Series("FA-only", index=table.index)
+    return [f"M={int(r['M'])}{f', d={int(r.head_dim)}' if 'head_dim' in table else ''}, "
+            f"{label[i]}: {r[ratio]:.3f} of cuDNN's TF/s, below the {FA_OVER_CUDNN_BAR} bar"
+            for i, r in table.iterrows() if r["meets_bar"] is False]

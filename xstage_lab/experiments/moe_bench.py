@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from ..checks import relative_error
-from ..dist_timing import all_gather_objects, read_sm_clock_mhz, require_safe_env, time_methods
+from ..dist_timing import (TIMING_METHOD, all_gather_objects, read_sm_clock_mhz, require_safe_env,
+                           time_methods)
 from . import moe
 from .moe_schedules import MoEProblem, d_knee, default_experts_per_wave, expert_wave_schedule, \
     interleaved_schedule
@@ -273,18 +274,28 @@ def run_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
     }
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def init_expert_parallel(models: list[str]) -> tuple[int, int, int, dict[str, moe.MoEShape]]:
+    """Start this torchrun rank of an expert-parallel run: NVLink multicast off, its GPU, the NCCL
+    process group, float32 matmuls without TF32 (the reference is float32, not TF32), and every
+    model's routed experts checked to split over the ranks. Returns ``(local_rank, rank, world,
+    shapes)``."""
     require_safe_env()
     import torch.distributed as dist
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.backends.cuda.matmul.allow_tf32 = False  # the reference is float32, not TF32
+    torch.backends.cuda.matmul.allow_tf32 = False
     shapes = moe.load_shapes()
-    for m in args.models:
+    for m in models:
         moe.check_expert_parallel(shapes[m].routed_experts, world)
+    return local_rank, rank, world, shapes
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch.distributed as dist
+    local_rank, rank, world, shapes = init_expert_parallel(args.models)
     capacity = max(args.tokens) * max(shapes[m].top_k * shapes[m].hidden for m in args.models)
     combine = moe.SymmetricCombine(capacity)
     clocks_start = all_gather_objects(read_sm_clock_mhz())
@@ -326,8 +337,7 @@ def main(argv=None) -> None:
             "skew": {"hot_expert_fraction": moe.HOT_EXPERT_FRACTION, "hot_logit_bias": moe.HOT_LOGIT_BIAS},
             "timed_call": "expert compute + Combine into source buffers + top-k weighted sum; "
                           "Dispatch (NCCL all_to_all_single) runs before, untimed",
-            "timing": "barrier-aligned trials, CUDA events per rank, max over ranks per trial, "
-                      "median and p25/p75 over trials, method order rotated",
+            "timing": TIMING_METHOD,
             "sm_clock_mhz_start": clocks_start, "sm_clock_mhz_end": clocks_end,
             "wall_s": time.time() - started, "provenance": provenance(),
         }

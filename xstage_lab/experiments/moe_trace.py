@@ -344,13 +344,13 @@ def traced_causes(table: pd.DataFrame) -> list[dict]:
 
 def regression_rows(matrix: pd.DataFrame, table: pd.DataFrame) -> list[dict]:
     """Every matrix cell with speedup < 1, worst first, with its measured cause where a trace of
-    that very cell exists (a ``regression`` row, else a ``trace`` pair: ``traced_causes``), with
-    the cell's own dependency-wait shares, and otherwise "not traced" with the causes of the same
-    model's traced regressing cells (``model_traced_regressions``, "none" where there are none).
-    Beside it, what was measured that bears on it: the speedup's range
-    over the trials' quartiles (wave p25/interleaved p75 .. wave p75/interleaved p25), and, from
-    the same model's traced shape, the dependency-wait shares of both schedules and the D sweep's
-    speedup at this cell's lead D and at the sweep's best D (proxies, not a trace of the cell)."""
+    that very cell exists (a ``regression`` row, else a ``trace`` pair: ``traced_causes``): the
+    traced launch's makespan ratio (< 1 where it shows the loss itself) and the cell's own
+    dependency-wait shares. An untraced cell is "not traced", with proxies instead: the causes of
+    the same model's traced regressing cells (``model_traced_regressions``, "none" where there are
+    none) and the dependency-wait shares of the model's traced shape. For every cell, the speedup's
+    range over the trials' quartiles (wave p25/interleaved p75 .. wave p75/interleaved p25) and the
+    model's D sweep at this cell's lead D and at the sweep's best D."""
     exact = {tuple(r[k] for k in KEYS): r for r in traced_causes(table)}
     exact |= {tuple(r[k] for k in KEYS): {**r, "delta_per_sm_us": _json(r["delta_per_sm_us"]),
                                           "wait_share_wave": _json(r["wave"])["wait_l2_share"],
@@ -379,15 +379,15 @@ def regression_rows(matrix: pd.DataFrame, table: pd.DataFrame) -> list[dict]:
             row |= {f"Δ{k} (µs/SM)": v for k, v in cause["delta_per_sm_us"].items()}
             row["wait_share_wave"] = cause["wait_share_wave"]
             row["wait_share_int"] = cause["wait_share_int"]
-        else:  # proxy: the same model's regressing cells that were traced, with their causes
+        else:  # proxies: the same model's traced regressing cells and its traced shape
             row["model_traced_regressions"] = "; ".join(
                 f"{'/'.join(str(v) for v in k[1:])}: {exact[k]['cause']}"
                 for k in traced_regressions if k[0] == cell["model"]) or "none"
-        proxy = by_model.get(cell["model"])
-        if proxy:
-            row["traced_shape"] = "/".join(str(proxy[k]) for k in KEYS[1:])
-            row["traced_wait_share_wave"] = proxy["wait_share_wave"]
-            row["traced_wait_share_int"] = proxy["wait_share_int"]
+            proxy = by_model.get(cell["model"])
+            if proxy:
+                row["traced_shape"] = "/".join(str(proxy[k]) for k in KEYS[1:])
+                row["traced_wait_share_wave"] = proxy["wait_share_wave"]
+                row["traced_wait_share_int"] = proxy["wait_share_int"]
         d = sweep[sweep["model"] == cell["model"]]
         if len(d) and "lead_rows" in cell:
             at = d[d["lead_rows"] == cell["lead_rows"]]
@@ -401,14 +401,16 @@ def regression_rows(matrix: pd.DataFrame, table: pd.DataFrame) -> list[dict]:
 
 def regression_groups(rows: list[dict]) -> list[dict]:
     """``regression_rows`` grouped by cause ("not traced" is a group), worst group first: the
-    number of cells, their models, the range of the matrix speedup and, for traced groups, of the
-    traced launches' makespan ratio and of each component's Interleaved-minus-Expert-Wave SM time."""
+    number of cells, their models, the range of the matrix speedup and, for traced groups, how
+    many traced launches show the loss (``traces_with_loss``: makespan ratio < 1), the range of
+    their makespan ratio and of each component's Interleaved-minus-Expert-Wave SM time."""
     df = pd.DataFrame(rows)
     out = []
     for cause, g in df.groupby("cause", sort=False):
         row = {"cause": cause, "cells": len(g), "models": ", ".join(g["model"].unique()),
                "speedup_min": g["matrix_speedup"].min(), "speedup_max": g["matrix_speedup"].max()}
         if cause != "not traced":
+            row["traces_with_loss"] = int((g["makespan_ratio"] < 1).sum())
             row["makespan_ratio_min"] = g["makespan_ratio"].min()
             row["makespan_ratio_max"] = g["makespan_ratio"].max()
             for name, _, _ in COMPONENTS:

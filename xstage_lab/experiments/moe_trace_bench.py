@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 import zlib
 from pathlib import Path
@@ -43,10 +42,11 @@ import numpy as np
 import torch
 
 from ..checks import relative_error
-from ..dist_timing import all_gather_objects, read_sm_clock_mhz, require_safe_env, time_methods
+from ..dist_timing import TIMING_METHOD, all_gather_objects, read_sm_clock_mhz, time_methods
 from ..records import read_record
 from . import moe, moe_trace
-from .moe_bench import TOLERANCE, abort_on_failures, combine_output, setup_config
+from .moe_bench import (TOLERANCE, abort_on_failures, combine_output, init_expert_parallel,
+                        setup_config)
 from .moe_schedules import check_schedule, interleaved_schedule, tile_table
 
 DEFAULT_D_SWEEP = ("DiT-MoE", "Qwen3.5", "DeepSeek-V4-Flash")
@@ -211,23 +211,22 @@ def run_model(shape: moe.MoEShape, weights, combine, args, local_buf_elems: int)
     rows = []
 
     # 2. traces: local control first (its floors are the remote runs' cover windows)
+    def trace_row(name: str, sched, path: str, variant: str, local_tiles):
+        """One traced launch of ``variant``; its tiles and the critical rank's ``trace`` row."""
+        tiles = traced_run(variants[f"{name}_{variant}"], combine, sched)
+        per_rank = all_gather_objects(summarize(tiles, local_tiles, args.samples, args.bins, args.seed))
+        r, s = critical(per_rank)
+        return tiles, {**base, "kind": "trace", "schedule": name, "path": path,
+                       "lead_rows": sched.lead_rows, "rank": r, **s["stats"],
+                       "stats_per_rank": [p["stats"] for p in per_rank],
+                       "sample": s["sample"], "timeline": s["timeline"]}
+
     for name, sched in setup.schedules.items():
         local_tiles = None
         if shape.model in args.local_models:
-            local_tiles = traced_run(variants[f"{name}_local"], combine, sched)
-            per_rank = all_gather_objects(summarize(local_tiles, None, args.samples, args.bins, args.seed))
-            r, s = critical(per_rank)
-            rows.append({**base, "kind": "trace", "schedule": name, "path": "local",
-                         "lead_rows": sched.lead_rows, "rank": r, **s["stats"],
-                         "stats_per_rank": [p["stats"] for p in per_rank],
-                         "sample": s["sample"], "timeline": s["timeline"]})
-        tiles = traced_run(variants[f"{name}_instrumented"], combine, sched)
-        per_rank = all_gather_objects(summarize(tiles, local_tiles, args.samples, args.bins, args.seed))
-        r, s = critical(per_rank)
-        rows.append({**base, "kind": "trace", "schedule": name, "path": "remote",
-                     "lead_rows": sched.lead_rows, "rank": r, **s["stats"],
-                     "stats_per_rank": [p["stats"] for p in per_rank],
-                     "sample": s["sample"], "timeline": s["timeline"]})
+            local_tiles, row = trace_row(name, sched, "local", "local", None)
+            rows.append(row)
+        rows.append(trace_row(name, sched, "remote", "instrumented", local_tiles)[1])
 
     # 3. completion-coupled counterfactual, timed beside the decoupled schedules
     def fused(call):
@@ -344,16 +343,8 @@ def check_local_control(local: torch.Tensor, plain: torch.Tensor, slots: int, na
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    require_safe_env()
     import torch.distributed as dist
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    shapes = moe.load_shapes()
-    for m in args.models:
-        moe.check_expert_parallel(shapes[m].routed_experts, world)
+    local_rank, rank, world, shapes = init_expert_parallel(args.models)
     per_call = max([args.tokens * shapes[m].top_k * shapes[m].hidden for m in args.models] +
                    [c["tokens"] * shapes[c["model"]].top_k * shapes[c["model"]].hidden
                     for c in args.regression_cells])
@@ -399,8 +390,7 @@ def main(argv=None) -> None:
             "definitions": moe_trace.__doc__,
             "fenced": "each Linear-2 tile: CTA barrier, atomic add 0 with sem=release scope=sys "
                       "(fence.acq_rel.sys), CTA barrier, after its Combine stores",
-            "timing": "barrier-aligned trials, CUDA events per rank, max over ranks per trial, "
-                      "median and p25/p75 over trials, method order rotated",
+            "timing": TIMING_METHOD,
             "sm_clock_mhz_start": clocks_start, "sm_clock_mhz_end": clocks_end,
             "wall_s": time.time() - started, "provenance": provenance(),
         }

@@ -32,8 +32,8 @@ from ..platform import Inventory
 from ..kernel_sources import cuda_source
 from ..records import RECORDS_DIR, write_record
 from ..sweep import Axis, Sweep
-from .remote_store import (KIB, BenchSettings, RemoteStoreBench, burst_rows,
-                           isolated_recovery_us)
+from .remote_store import (KIB, BenchSettings, RemoteStoreBench, burst_rows, check_burst_and_gap,
+                           check_choice, isolated_recovery_us)
 
 # In run order: the baseline first; bulk copies (the one path through the copy engine) and the
 # reductions (slowest: the first the time budget leaves out) last.
@@ -129,20 +129,13 @@ def validate_ops_point(p: dict, inv: Inventory, settings: OpsSettings = OpsSetti
     """Raise ValueError for a point that must not be launched; called before any launch."""
     s = settings.bench
     K, B, G, op = p["producers"], p["burst_bytes"], p["gap_us"], p["op"]
-    if op not in OPS:
-        raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    if p["mode"] not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {p['mode']!r}")
-    if p["path"] not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {p['path']!r}")
-    if p.get("align", "each") not in ALIGNS:
-        raise ValueError(f"align must be one of {ALIGNS}, got {p['align']!r}")
+    check_choice("op", op, OPS)
+    check_choice("mode", p["mode"], MODES)
+    check_choice("path", p["path"], PATHS)
+    check_choice("align", p.get("align", "each"), ALIGNS)
     if p.get("lines", "fresh") != "fresh":
         raise ValueError("the operations bench writes fresh lines only")
-    if not isinstance(B, (int, np.integer)) or B <= 0 or B % 16:
-        raise ValueError(f"burst_bytes B={B} must be a positive multiple of 16")
-    if not G >= 0:
-        raise ValueError(f"gap_us G={G} must not be negative")
+    check_burst_and_gap(B, G)
     routes = parse_routes(p["routes"])
     n = len(inv.gpus)
     srcs = [src for src, _ in routes]

@@ -64,25 +64,38 @@ def isolated_recovery_us(burst_volume: int, settings: BenchSettings) -> float:
         settings.isolated_recovery_rate_GBps * 1e3)
 
 
-def validate_point(p: dict, inv: Inventory, settings: BenchSettings = BenchSettings()) -> None:
-    """Raise ValueError for a point that must not be launched; called before any launch."""
-    K, B, G = p["producers"], p["burst_bytes"], p["gap_us"]
-    if p["mode"] not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {p['mode']!r}")
-    if p["path"] not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {p['path']!r}")
-    if p.get("lines", "fresh") not in LINES:
-        raise ValueError(f"lines must be one of {LINES}, got {p['lines']!r}")
-    if p.get("align", "each") not in ALIGNS:
-        raise ValueError(f"align must be one of {ALIGNS}, got {p['align']!r}")
+def check_choice(name: str, value, allowed: tuple) -> None:
+    """ValueError unless ``value`` (a point's ``name`` field) is one of ``allowed``."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def check_burst_and_gap(B, G) -> None:
+    """ValueError unless the burst is a positive whole number of 16-byte stores and the gap is
+    not negative (nor NaN)."""
     if not isinstance(B, (int, np.integer)) or B <= 0 or B % 16:
         raise ValueError(f"burst_bytes B={B} must be a positive multiple of 16 (16-byte stores)")
     if not G >= 0:  # also refuses NaN
         raise ValueError(f"gap_us G={G} must not be negative")
+
+
+def check_gpus(src: int, dst: int, inv: Inventory) -> None:
+    """ValueError unless ``src`` and ``dst`` both name GPUs of ``inv``."""
     n = len(inv.gpus)
-    src, dst = p["src"], p["dst"]
     if not (0 <= src < n and 0 <= dst < n):
         raise ValueError(f"src={src} and dst={dst} must name GPUs 0..{n - 1}")
+
+
+def validate_point(p: dict, inv: Inventory, settings: BenchSettings = BenchSettings()) -> None:
+    """Raise ValueError for a point that must not be launched; called before any launch."""
+    K, B, G = p["producers"], p["burst_bytes"], p["gap_us"]
+    check_choice("mode", p["mode"], MODES)
+    check_choice("path", p["path"], PATHS)
+    check_choice("lines", p.get("lines", "fresh"), LINES)
+    check_choice("align", p.get("align", "each"), ALIGNS)
+    check_burst_and_gap(B, G)
+    src, dst = p["src"], p["dst"]
+    check_gpus(src, dst, inv)
     sms = inv.gpus[src].sm_count
     if not isinstance(K, (int, np.integer)) or not 1 <= K <= sms:
         raise ValueError(f"producers K={K} must be in 1..{sms} (one CTA per SM of GPU {src})")

@@ -28,11 +28,13 @@ import numpy as np
 import pandas as pd
 
 from .. import model
+from ..calibration import kb_key
 from ..platform import Inventory, choose_backend, inventory
 from ..records import (RECORDS_DIR, Record, latest_record, list_records, read_record,
                        resolve_record, write_record)
 from ..records import platforms as record_platforms
 from ..sweep import Axis, Sweep, median_spread
+from .remote_store import check_burst_and_gap, check_gpus
 
 KIB = 1024
 EXPERIMENT = "visibility"
@@ -65,14 +67,9 @@ def validate_point(p: dict, inv: Inventory, settings: VisibilitySettings = Visib
                    ) -> None:
     """Raise ValueError for a point that must not be launched; called before any launch."""
     K, B, G = p["producers"], p["burst_bytes"], p["gap_us"]
-    if not isinstance(B, (int, np.integer)) or B <= 0 or B % 16:
-        raise ValueError(f"burst_bytes B={B} must be a positive multiple of 16 (16-byte stores)")
-    if not G >= 0:  # also refuses NaN
-        raise ValueError(f"gap_us G={G} must not be negative")
-    n = len(inv.gpus)
+    check_burst_and_gap(B, G)
     src, dst = p["src"], p["dst"]
-    if not (0 <= src < n and 0 <= dst < n):
-        raise ValueError(f"src={src} and dst={dst} must name GPUs 0..{n - 1}")
+    check_gpus(src, dst, inv)
     if src == dst:
         raise ValueError(f"the receiver must be another GPU than the sender (GPU {src})")
     if not (inv.can_access_peer(src, dst) and inv.can_access_peer(dst, src)):
@@ -205,14 +202,16 @@ LAUNCH_KEYS = ["producers", "burst_bytes", "gap_us", "repeat"]
 
 def aggregate_bursts(table: pd.DataFrame) -> pd.DataFrame:
     """Per launch and burst: the aggregate burst of V = K·B bytes, from the first producer's issue
-    start to the last producer's flag becoming visible (``aggregate_visible_us``), and the mean
+    start (``first_start_ns``) to the last producer's flag becoming visible (``last_visible_ns``,
+    sender clock; ``aggregate_visible_us`` between them), and the mean
     per-producer latency from issue start (``visible_from_start_us``, what the fenced sweep's
     T_complete averages)."""
     g = table.groupby(LAUNCH_KEYS + ["burst"], sort=True)
-    out = g.agg(first_start=("t_iss_start_ns", "min"), last_visible=("t_visible_src_ns", "max"),
+    out = g.agg(first_start_ns=("t_iss_start_ns", "min"),
+                last_visible_ns=("t_visible_src_ns", "max"),
                 visible_from_start_us=("latency_from_start_us", "mean"),
                 latency_us=("latency_us", "mean")).reset_index()
-    out["aggregate_visible_us"] = (out.pop("last_visible") - out.pop("first_start")) / 1e3
+    out["aggregate_visible_us"] = (out["last_visible_ns"] - out["first_start_ns"]) / 1e3
     out["burst_volume"] = out["producers"] * out["burst_bytes"]
     return out
 
@@ -227,22 +226,62 @@ def latency_points(table: pd.DataFrame) -> pd.DataFrame:
     return a.merge(b, on=keys).merge(c, on=keys)
 
 
-def completion_comparison(table: pd.DataFrame, drain_rate_GBps: float,
-                          completion_latency_us: float) -> pd.DataFrame:
-    """Receiver-seen completion of the aligned first burst of every launch (every gap and repeat:
-    X-Stage is empty when it starts) against the fenced sweep's T_complete(K, V) = V/R + T_lat
-    (eq. 17 with the calibrated R and T_lat). ``diff_us`` = measured mean per-producer
-    issue-start-to-visible − T_complete; the aggregate (last flag) beside it."""
-    first = aggregate_bursts(table)
-    first = first[first["burst"] == 0]
-    g = first.groupby(["producers", "burst_bytes"], sort=True)
-    out = g.agg(visible_from_start_us=("visible_from_start_us", "median"),
-                aggregate_visible_us=("aggregate_visible_us", "median"),
-                launches=("aggregate_visible_us", "size")).reset_index()
+def _against_t_complete(out: pd.DataFrame, drain_rate_GBps: float,
+                        completion_latency_us: float) -> None:
+    """Add T_complete(K, V) = V/R + T_lat (eq. 17) to each row of medians, and the measured
+    per-producer (``diff_us``) and aggregate (``aggregate_diff_us``) differences to it."""
     volume = (out["producers"] * out["burst_bytes"]).to_numpy(float)
     out["T_complete_model_us"] = model.drain_time(volume, drain_rate_GBps) + completion_latency_us
     out["diff_us"] = out["visible_from_start_us"] - out["T_complete_model_us"]
     out["aggregate_diff_us"] = out["aggregate_visible_us"] - out["T_complete_model_us"]
+
+
+def first_burst_points(table: pd.DataFrame, drain_rate_GBps: float,
+                       completion_latency_us: float) -> pd.DataFrame:
+    """The aligned first burst of every launch (X-Stage is empty when it starts) per (K, B, G),
+    beside the fenced sweep's T_complete(K, V) = V/R + T_lat (eq. 17 with the calibrated R and
+    T_lat). ``overlapped``: the fraction of launches whose next burst began issuing before this
+    burst's last flag was visible; its stores then queue ahead of this burst's flag release and
+    the flag shows two bursts' drain, not one. ``isolated``: no launch of that G overlapped (a
+    per-gap verdict, so no single slow launch is dropped from an isolated gap)."""
+    agg = aggregate_bursts(table)
+    keys = ["producers", "burst_bytes", "gap_us"]
+    first = agg[agg["burst"] == 0].set_index(LAUNCH_KEYS)
+    nxt = agg[agg["burst"] == 1].set_index(LAUNCH_KEYS)["first_start_ns"].reindex(first.index)
+    first = first.assign(overlapped=nxt < first["last_visible_ns"]).reset_index()
+    out = first.groupby(keys, sort=True).agg(
+        visible_from_start_us=("visible_from_start_us", "median"),
+        aggregate_visible_us=("aggregate_visible_us", "median"),
+        overlapped=("overlapped", "mean"),
+        launches=("aggregate_visible_us", "size")).reset_index()
+    _against_t_complete(out, drain_rate_GBps, completion_latency_us)
+    out["isolated"] = out["overlapped"] == 0
+    return out
+
+
+def completion_comparison(table: pd.DataFrame, drain_rate_GBps: float,
+                          completion_latency_us: float, fenced_us: dict | None = None
+                          ) -> pd.DataFrame:
+    """Receiver-seen completion of the first burst against T_complete(K, V) per (K, B), over the
+    launches of the isolated gaps only (``first_burst_points``). ``diff_us`` = measured median
+    per-producer issue-start-to-visible − T_complete; the aggregate (last flag) beside it.
+    A (K, B) without an isolated gap has no row. ``fenced_us`` (the calibration's
+    ``t_complete_us``, keyed by ``kb_key``) adds the fenced sweep's own measurement where it has
+    the point, and the difference to it."""
+    pts = first_burst_points(table, drain_rate_GBps, completion_latency_us)
+    first = aggregate_bursts(table)
+    first = first[first["burst"] == 0].merge(
+        pts.loc[pts["isolated"], ["producers", "burst_bytes", "gap_us"]])
+    g = first.groupby(["producers", "burst_bytes"], sort=True)
+    out = g.agg(visible_from_start_us=("visible_from_start_us", "median"),
+                aggregate_visible_us=("aggregate_visible_us", "median"),
+                launches=("aggregate_visible_us", "size"),
+                gap_min_us=("gap_us", "min")).reset_index()
+    _against_t_complete(out, drain_rate_GBps, completion_latency_us)
+    fenced = [(fenced_us or {}).get(kb_key(k, b), np.nan)
+              for k, b in zip(out["producers"], out["burst_bytes"])]
+    out["T_complete_fenced_us"] = np.asarray(fenced, dtype=float)
+    out["fenced_diff_us"] = out["visible_from_start_us"] - out["T_complete_fenced_us"]
     return out
 
 
@@ -472,10 +511,12 @@ def _calibration_completion(platform: str, root: Path) -> tuple[float, dict] | N
 @dataclass(frozen=True)
 class Visibility:
     """One platform's visibility record with its analysis: per-point latencies and, where the
-    platform has a calibration with a fenced sweep, the comparison with T_complete."""
+    platform has a calibration with a fenced sweep, the first burst per gap and the comparison
+    with T_complete over the isolated gaps."""
 
     record: Record
     points: pd.DataFrame
+    first_burst: pd.DataFrame | None
     comparison: pd.DataFrame | None
     completion_latency_us: float | None
 
@@ -486,12 +527,14 @@ class Visibility:
     @classmethod
     def from_record(cls, rec: Record, root: Path = RECORDS_DIR) -> "Visibility":
         cal = _calibration_completion(rec.platform, root)
-        comparison, t_lat = None, None
+        first, comparison, t_lat = None, None, None
         if cal is not None:
             rate, completion = cal
             t_lat = completion["completion_latency_us"]
-            comparison = completion_comparison(rec.table, rate, t_lat)
-        return cls(rec, latency_points(rec.table), comparison, t_lat)
+            first = first_burst_points(rec.table, rate, t_lat)
+            comparison = completion_comparison(rec.table, rate, t_lat,
+                                               completion.get("t_complete_us"))
+        return cls(rec, latency_points(rec.table), first, comparison, t_lat)
 
 
 def load_visibility(backend: str = "auto", platforms: list[str] | None = None,
@@ -537,6 +580,7 @@ def summary_entry(platform: str, root: Path = RECORDS_DIR) -> dict:
              "visible_from_start_us": round(r.visible_from_start_us, 3),
              "aggregate_visible_us": round(r.aggregate_visible_us, 3),
              "T_complete_model_us": round(r.T_complete_model_us, 3),
-             "diff_us": round(r.diff_us, 3)}
+             "diff_us": round(r.diff_us, 3), "gap_min_us": float(r.gap_min_us),
+             "launches": int(r.launches)}
             for r in vis.comparison.itertuples()]
     return entry

@@ -1,0 +1,137 @@
+"""What the Triton kernel tests share: the fixes to Triton 3.6's CPU interpreter, kernel cases run
+in a child process, and the sm_90 target with its ptxas resource report (no GPU needed).
+
+``TRITON_INTERPRET`` must be set before Triton decides how to wrap a ``@triton.jit`` function, so
+interpreted kernels run in a process started with it; a module that must stay free of Triton in
+the pytest process imports this one only inside its child (``child_results`` needs no Triton).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HOPPER_SMEM_PER_BLOCK = 227 * 1024  # H100/H200 opt-in maximum per CTA
+
+
+# ------------------------------------------------------------------------ interpreter fixes
+
+@contextmanager
+def interpreter_fixes():
+    """Work around two defects of Triton 3.6's interpreter, for this process and this block only
+    (the GPU path does not go through them):
+
+    1. a runtime scalar is a one-element array and the interpreter turns it into a Python int with
+       ``int(array)``, which NumPy >= 2.4 rejects, so every loop bound taken from a kernel argument
+       (``range(0, HIDDEN, BLOCK_K)``) fails (triton-lang/triton#9171, fixed upstream by #9172
+       after 3.6);
+    2. the interpreter stores bf16 as its uint16 bit pattern and ``tl.dot`` multiplies the bits
+       (triton-lang/triton#11584). bf16 operands are widened to fp32 first: exact, as on the
+       tensor cores, whose bf16 products accumulate in fp32."""
+    import numpy as np
+    import pytest
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def widen(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32),
+                                        tl.float32)
+
+    def dot(self, a, b, d, *args):
+        return create_dot(self, widen(a), widen(b), d, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter, "_patch_lang_tensor", patched_tensor)
+        mp.setattr(interpreter.InterpreterBuilder, "create_dot", dot)
+        yield
+
+
+# ------------------------------------------------------------------ kernel cases in a child
+
+def run_cases(cases: dict) -> dict:
+    """``{name: (fn, *args)}`` run one by one; ``{name: {"ok", "detail"}}``, the detail being the
+    case's return value or its traceback."""
+    results = {}
+    for name, (fn, *args) in cases.items():
+        try:
+            results[name] = {"ok": True, "detail": fn(*args)}
+        except Exception:
+            results[name] = {"ok": False, "detail": traceback.format_exc()}
+    return results
+
+
+def child_main(argv: list[str], interpreter_cases: dict, compile_cases: dict,
+               patch=None) -> int:
+    """Entry of a test module's child processes: ``--interpreter`` runs ``interpreter_cases``
+    under ``interpreter_fixes`` (and ``patch()``, a further fix of the module's own),
+    ``--compile-sm90`` runs ``compile_cases``; prints ``run_cases``' JSON object."""
+    if argv == ["--interpreter"]:
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+        with interpreter_fixes():
+            if patch:
+                patch()
+            results = run_cases(interpreter_cases)
+    elif argv == ["--compile-sm90"]:
+        results = run_cases(compile_cases)
+    else:
+        raise SystemExit(f"unknown arguments {argv}")
+    print(json.dumps(results))
+    return 0
+
+
+def child_results(module: str, flag: str, interpret: bool, timeout: int) -> dict:
+    """Run ``python -m module flag`` from the repository root, with ``TRITON_INTERPRET=1`` from
+    its start or without it; the JSON object its last output line holds (``child_main``'s)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-m", module, flag],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise AssertionError(f"child {flag} failed:\n{proc.stdout}\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_case_ok(results: dict, case: str) -> None:
+    result = results[case]
+    assert result["ok"], result["detail"]
+
+
+# ------------------------------------------------------------------------- sm_90 compilation
+
+def hopper_target():
+    """The H100/H200 (sm_90) compile target."""
+    from triton.backends.compiler import GPUTarget
+    return GPUTarget("cuda", 90, 64)
+
+
+def ptxas_report(ptx: str) -> dict:
+    """Registers per thread (the most of any kernel in the module) and spilled bytes of a PTX
+    module, from Triton's bundled ``ptxas -v`` for sm_90a."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o",
+                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True, check=True)
+    log = out.stdout + out.stderr
+    return {"registers": max(int(v) for v in re.findall(r"Used (\d+) registers", log)),
+            "spill_store_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)),
+            "spill_load_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill loads", log))}
