@@ -604,6 +604,28 @@ def moe_span_distributions(trace_record, paper: dict | None = None) -> go.Figure
     return fig
 
 
+def moe_trace_runs(trace_record) -> pd.DataFrame:
+    """Fig. 10's numbers: per traced shape, schedule and store path, the Linear-2 T_RS median and
+    quartiles, its excess over the local-store control (``span_excess_us``), the mainloop medians,
+    the Linear-2 dependency-wait share and the makespan of the traced launch."""
+    t = trace_record.table
+    cols = ["model", "precision", "routing", "tokens", "schedule", "path", "span_l2_us",
+            "span_l2_p25_us", "span_l2_p75_us", "span_excess_us", "mainloop_l1_us",
+            "mainloop_l2_us", "wait_l2_share", "makespan_us"]
+    runs = t[t["kind"] == "trace"]
+    return runs[[c for c in cols if c in runs]].round(3).reset_index(drop=True)
+
+
+def moe_d_sweep_rows(trace_record) -> pd.DataFrame:
+    """The D sweep's numbers (``moe_d_sweep``): per model and lead D, both schedules' times of one
+    run, the speedup and the traced launch's Linear-2 dependency-wait share."""
+    t = trace_record.table
+    cols = ["model", "precision", "routing", "tokens", "d_knee", "lead_rows", "d_factor",
+            "wave_us", "interleaved_us", "speedup", "wait_l2_share"]
+    sweep = t[t["kind"] == "d_sweep"]
+    return sweep[[c for c in cols if c in sweep]].round(3).reset_index(drop=True)
+
+
 def moe_tensor_core_timeline(trace_record, model: str) -> go.Figure:
     """Fig. 9 equivalent: the fraction of SMs inside a Linear-1 or Linear-2 mainloop over time
     (from the in-kernel %globaltimer stamps), Expert-Wave above Interleaved, same time axis."""

@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 import triton
 from triton.compiler import ASTSource
 
-from tests.experiments.triton_testing import HOPPER_SMEM_PER_BLOCK, REPO, hopper_target, ptxas_report
+from tests.experiments.triton_testing import (HOPPER_SMEM_PER_BLOCK, REPO, hopper_target,
+                                              ptxas_report)
 from xstage_lab.checks import bitwise_equal
 from xstage_lab.experiments import attention, attention_bench
 from xstage_lab.kernel_sources import kernel_path
@@ -210,7 +211,8 @@ def test_candidate_configs_fit_hopper_at_their_occupancy(compiled_kernels, d):
         for remote in (False, True):
             k = _compile_flash_attention(compiled_kernels, d, cfg, remote)
             ptxas = ptxas_report(k.asm["ptx"])
-            regs, spills = ptxas["registers"], ptxas["spill_store_bytes"] + ptxas["spill_load_bytes"]
+            regs = ptxas["registers"]
+            spills = ptxas["spill_store_bytes"] + ptxas["spill_load_bytes"]
             assert spills == 0 and k.metadata.shared <= HOPPER_SMEM_PER_BLOCK, (cfg, remote)
             regs_per_warp = -(-regs * 32 // 256) * 256
             fits.append(min(65536 // (regs_per_warp * cfg["num_warps"]),

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from tests.experiments.triton_testing import (HOPPER_SMEM_PER_BLOCK, assert_case_ok, child_main,
-                                              child_results)
+                                              child_results, interpreter_case_tests)
 from xstage_lab.checks import relative_error
 from xstage_lab.experiments import moe
 from xstage_lab.experiments.moe_bench import TOLERANCE
@@ -436,22 +436,13 @@ def _compile_sm90(precision: str, with_ptx: bool = False, **variant) -> dict:
             **({"ptx": compiled.asm["ptx"]} if with_ptx else {})}
 
 
-def _spawn(flag: str, interpret: bool, timeout: int) -> dict:
-    return child_results("tests.experiments.test_moe_kernel", flag, interpret, timeout)
-
-
-@pytest.fixture(scope="module")
-def interpreter_results():
-    return _spawn("--interpreter", interpret=True, timeout=1800)
-
-
-@pytest.mark.parametrize("case", list(interpreter_cases()))
-def test_interpreter_case(interpreter_results, case):
-    assert_case_ok(interpreter_results, case)
+interpreter_results, test_interpreter_case = interpreter_case_tests(
+    "tests.experiments.test_moe_kernel", interpreter_cases())
 
 
 def test_compiles_for_sm90():
-    results = _spawn("--compile-sm90", interpret=False, timeout=600)
+    results = child_results("tests.experiments.test_moe_kernel", "--compile-sm90", interpret=False,
+                            timeout=600)
     for name, result in results.items():
         assert_case_ok(results, name)
         detail = result["detail"]

@@ -22,7 +22,8 @@ from xstage_lab.experiments.moe_schedules import L1, L2, tile_table
 from tests.experiments.test_moe_kernel import (
     SIM_PROGRAMS, TINY, TINY_TILES, in_program_order, poisoned_buffers, problem_of, rank_schedules,
     simulate_layer)
-from tests.experiments.triton_testing import assert_case_ok, child_main, child_results
+from tests.experiments.triton_testing import (assert_case_ok, child_main, child_results,
+                                              interpreter_case_tests)
 
 
 # ------------------------------------------------------------------------ hand-made traces
@@ -163,6 +164,13 @@ def test_table2_and_counterfactual_from_a_record(tmp_path):
     assert reg["makespan_ratio"].iloc[0] == pytest.approx(18 / 16)
     fig10 = plots.moe_span_distributions(rec, published("table2"))
     assert list(fig10.data[0].y) == [6.0]
+    runs = plots.moe_trace_runs(rec)
+    # wave remote spans 6 and 1 (median 3.5); the excess over the local control's Linear-2 span
+    # of 1 is taken over tiles with a successor: the first, 6 - 1
+    wave_remote = runs[(runs["schedule"] == "wave") & (runs["path"] == "remote")].iloc[0]
+    assert len(runs) == 4 and wave_remote["span_l2_us"] == 3.5 and wave_remote["span_excess_us"] == 5.0
+    sweep = plots.moe_d_sweep_rows(rec)
+    assert sweep[["lead_rows", "wave_us", "interleaved_us"]].values.tolist() == [[2, 10.0, 9.5]]
 
 
 def test_regression_cause_is_the_component_that_grows():
@@ -431,18 +439,8 @@ def _compile_variant(precision: str, variant: str) -> dict:
     return _compile_sm90(precision, with_ptx=True, **{variant: True})
 
 
-def _spawn(flag: str, interpret: bool, timeout: int) -> dict:
-    return child_results("tests.experiments.test_moe_trace", flag, interpret, timeout)
-
-
-@pytest.fixture(scope="module")
-def interpreter_results():
-    return _spawn("--interpreter", interpret=True, timeout=1800)
-
-
-@pytest.mark.parametrize("case", list(interpreter_cases()))
-def test_interpreter_case(interpreter_results, case):
-    assert_case_ok(interpreter_results, case)
+interpreter_results, test_interpreter_case = interpreter_case_tests(
+    "tests.experiments.test_moe_trace", interpreter_cases())
 
 
 def test_stamps_and_fence_in_ptx():
@@ -450,7 +448,8 @@ def test_stamps_and_fence_in_ptx():
     between the barrier and the stamp); the Linear-2 Combine stores (16-byte vectors) lie between
     the epilogue-start and epilogue-end stamps; the fenced kernel has a system-scope release atom
     after each Linear-2 tile besides the one at the kernel's end; neither variant spills."""
-    results = _spawn("--compile-sm90", interpret=False, timeout=900)
+    results = child_results("tests.experiments.test_moe_trace", "--compile-sm90", interpret=False,
+                            timeout=900)
     for name, result in results.items():
         assert_case_ok(results, name)
         assert result["detail"]["spill_store_bytes"] == 0, name

@@ -2,8 +2,9 @@
 in a child process, and the sm_90 target with its ptxas resource report (no GPU needed).
 
 ``TRITON_INTERPRET`` must be set before Triton decides how to wrap a ``@triton.jit`` function, so
-interpreted kernels run in a process started with it; a module that must stay free of Triton in
-the pytest process imports this one only inside its child (``child_results`` needs no Triton).
+interpreted kernels run in a process started with it (``child_results`` / ``child_main``). Triton
+is imported only inside the functions that need it, so a test module that keeps Triton out of the
+pytest process (``test_moe_kernel``) can import this one.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import tempfile
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 HOPPER_SMEM_PER_BLOCK = 227 * 1024  # H100/H200 opt-in maximum per CTA
@@ -36,7 +39,6 @@ def interpreter_fixes():
        (triton-lang/triton#11584). bf16 operands are widened to fp32 first: exact, as on the
        tensor cores, whose bf16 products accumulate in fp32."""
     import numpy as np
-    import pytest
     import triton.language as tl
     from triton.runtime import interpreter
 
@@ -111,6 +113,21 @@ def child_results(module: str, flag: str, interpret: bool, timeout: int) -> dict
 def assert_case_ok(results: dict, case: str) -> None:
     result = results[case]
     assert result["ok"], result["detail"]
+
+
+def interpreter_case_tests(module: str, cases: dict, timeout: int = 1800):
+    """The module-scoped fixture that runs ``cases`` in one ``--interpreter`` child of ``module``
+    (``child_main``) and the test that reports each case on its own; bind both in the test module:
+    ``interpreter_results, test_interpreter_case = interpreter_case_tests(...)``."""
+    @pytest.fixture(scope="module")
+    def interpreter_results():
+        return child_results(module, "--interpreter", interpret=True, timeout=timeout)
+
+    @pytest.mark.parametrize("case", list(cases))
+    def test_interpreter_case(interpreter_results, case):
+        assert_case_ok(interpreter_results, case)
+
+    return interpreter_results, test_interpreter_case
 
 
 # ------------------------------------------------------------------------- sm_90 compilation
