@@ -209,3 +209,14 @@ def test_interleaving_condition_eqs_12_to_14_hand_worked():
     v = 2 * 1024 * 1024
     assert not model.interleaving_sufficient(v, 0.5, 400.0, 2.0, 1.5, n1=1, n2=1)  # 2+1.5 = 3.5
     assert model.interleaving_sufficient(v, 0.5, 400.0, 2.0, 1.5, n1=2, n2=1)      # 2+3.0 = 5.0
+
+
+def test_verdict_agrees_with_a_measured_excess_beyond_its_tolerance():
+    # piggyback: no cost predicted, so the excess must stay at or below the tolerance
+    assert model.verdict_agrees("piggyback", 0.1, 0.2)
+    assert model.verdict_agrees("piggyback", -0.5, 0.2)  # one-sided: faster is no cost either
+    assert not model.verdict_agrees("piggyback", 0.3, 0.2)
+    # reshape: a cost predicted, so the excess must exceed the tolerance
+    assert model.verdict_agrees("reshape", 0.3, 0.2)
+    assert not model.verdict_agrees("reshape", 0.2, 0.2)
+    assert not model.verdict_agrees("reshape", -1.0, 0.2)

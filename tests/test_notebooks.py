@@ -55,6 +55,20 @@ def test_fused_moe_publishes_fig8_table2_and_the_mechanism(reproduced):
         assert any(n.startswith(prefix) for n in names), prefix
 
 
+def test_notebook_04_publishes_verdicts_beside_measurements(reproduced):
+    entries = [json.loads(line) for line in
+               (reproduced / "04_simulator_and_design_test" / "manifest.jsonl").read_text().splitlines()]
+    names = {e["name"] for e in entries}
+    assert {"simulator_errors", "simulated_schedules"} <= names
+    # the attention and MoE verdicts each carry a yes/no "agrees" column
+    for prefix in ("attention_verdicts_", "moe_verdicts_"):
+        verdict = next(e for e in entries if e["name"].startswith(prefix))
+        csv = reproduced / "04_simulator_and_design_test" / verdict["files"][0]
+        header, *rows = csv.read_text().splitlines()
+        assert header.split(",")[-1] == "agrees" and rows, prefix
+        assert {r.split(",")[-1] for r in rows} <= {"yes", "no"}, prefix
+
+
 def test_beyond_the_paper_publishes_patterns_operations_and_verdicts(reproduced):
     entries = [json.loads(line) for line in
                (reproduced / "05_beyond_the_paper" / "manifest.jsonl").read_text().splitlines()]

@@ -178,3 +178,11 @@ def interleaving_sufficient(burst_volume, t_iss0, drain_rate, t_l2_mma, t_l1_mma
     the available Linear-1 work makes the gap reach G* (independent of the lead D)."""
     return bool(n2 * drain_time(burst_volume, drain_rate)
                 <= n2 * (t_iss0 + t_l2_mma) + n1 * t_l1_mma)
+
+
+def verdict_agrees(action: str, excess_us: float, tolerance_us: float) -> bool:
+    """Whether a design-test verdict (eq. 10) agrees with a measurement: "piggyback" predicts no
+    backpressure cost, so the measured excess over a backpressure-free control must stay at or
+    below ``tolerance_us`` (the measurement's own spread); "reshape" predicts a cost, so the
+    excess must exceed it. One-sided: an excess below −tolerance is no cost either."""
+    return bool(excess_us > tolerance_us) == (action == "reshape")

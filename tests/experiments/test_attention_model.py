@@ -203,3 +203,17 @@ def test_tuning_table_orders_runs_by_creation_and_keeps_the_best(tmp_path):
     assert best["meets_bar"].tolist() == [False, True]
     (line,) = bar_failures(best, "over_cudnn_paired")
     assert line.startswith("M=16384, d=128, b: 0.750")
+
+
+def test_verdict_agreement_needs_a_p25_above_zero_for_reshape():
+    from xstage_lab.experiments.attention_model import verdict_agreement
+
+    tag = "e_res_paired_fa_same_code"
+    p = pd.DataFrame({"M": [1, 2, 3, 4], "action": ["reshape", "reshape", "reshape", "piggyback"],
+                      f"{tag}_us": [20.0, 200.0, -100.0, 5.0],
+                      f"{tag}_p25_us": [8.0, -15.0, -130.0, -2.0]})
+    v = verdict_agreement(p)
+    # tolerance = median − p25: 12, 215, 30, 7; excess beyond it only at M = 1
+    assert v["tolerance_us"].tolist() == pytest.approx([12.0, 215.0, 30.0, 7.0])
+    assert v["agrees"].tolist() == ["yes", "no", "no", "yes"]
+    assert "excess_us" not in p  # the predictions are not modified

@@ -485,3 +485,38 @@ def test_regression_cells_from_a_moe_record(tmp_path):
     record = import_bench_json(tmp_path / "m.json", "moe", root=tmp_path / "records")
     a = parse_args(["--out", "x", "--regressions", str(record)])
     assert [(c["model"], c["speedup"]) for c in a.regression_cells] == [("DiT-MoE", 0.6)]
+
+
+def test_design_verdicts_on_the_kernels_numbers():
+    """K_act = 4 SMs x 16 KiB = 64 KiB at R = 65.536 GB/s: V/R = 1 µs, T_iss^0 = 0.25 µs, so
+    G* = 0.75 µs. Expert-Wave's gap is T_L2 = 0.25 µs: reshape, eq. 4 overhead 0.5 µs.
+    Interleaved's is 0.25 + (2/4)·2.0 = 1.25 µs (eq. 12): piggyback. Tolerance: the local
+    control's T_RS IQR, 0.2 µs."""
+    from types import SimpleNamespace
+
+    platform = SimpleNamespace(drain_rate=65.536, t_iss0_at=lambda k, b: 0.25,
+                               capacity_at=lambda k: 1e6)
+    shape = {"kind": "trace", "precision": "fp8", "routing": "skewed", "tokens": 64,
+             "hidden": 512, "intermediate": 256, "num_programs": 4,
+             "tile_config": json.dumps({"block_m": 64, "block_n1": 128, "block_n2": 128})}
+    local = {"path": "local", "mainloop_l2_us": 0.25, "mainloop_l1_us": 2.0, "span_l2_us": 0.4,
+             "span_l2_p25_us": 0.3, "span_l2_p75_us": 0.5}
+    rows = []
+    for m, wave_span in (("M", 1.0), ("N", 0.5)):
+        for s, span in (("wave", wave_span), ("interleaved", 0.45)):
+            rows += [{**shape, "model": m, "schedule": s, **local},
+                     {**shape, "model": m, "schedule": s, "path": "remote", "span_l2_us": span,
+                      "stall_meas_us": 0.1}]
+    rows.append({**shape, "model": "O", "schedule": "wave", **local})  # no remote run: skipped
+    v = moe_trace.design_verdicts(pd.DataFrame(rows), platform)
+    assert [(r["model"], r["schedule"]) for r in v] == [
+        ("M", "wave"), ("M", "interleaved"), ("N", "wave"), ("N", "interleaved")]
+    wave, inter = v[0], v[1]
+    assert wave["burst_volume"] == 65536 and wave["K_act"] == 4
+    assert wave["gap_us"] == pytest.approx(0.25) and inter["gap_us"] == pytest.approx(1.25)
+    assert wave["g_star_us"] == pytest.approx(0.75)
+    assert wave["action"] == "reshape" and not wave["rate_bound"] and wave["capacity_bound"]
+    assert wave["dT_iss_pred_us"] == pytest.approx(0.5)
+    assert inter["action"] == "piggyback" and inter["dT_iss_pred_us"] == 0.0
+    assert wave["excess_us"] == pytest.approx(0.6) and wave["tolerance_us"] == pytest.approx(0.2)
+    assert [r["agrees"] for r in v] == ["yes", "yes", "no", "yes"]  # N: reshape, excess 0.1

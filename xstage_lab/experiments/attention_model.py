@@ -156,6 +156,21 @@ def prediction_check(predictions: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def verdict_agreement(predictions: pd.DataFrame) -> pd.DataFrame:
+    """``record_predictions`` with the design-test verdict (eq. 10, aligned worst case) held
+    against the measured residual: ``excess_us`` is the paired residual against the same-code
+    FA-only (median of per-trial differences), ``tolerance_us`` its median minus its p25, so a
+    measured excess (``model.verdict_agrees``) is a p25 above zero: at least three quarters of
+    the paired trials show Fused slower than FA-only; ``agrees`` "yes"/"no"."""
+    tag = "e_res_paired_fa_same_code"
+    out = predictions.copy()
+    out["excess_us"] = out[f"{tag}_us"]
+    out["tolerance_us"] = out[f"{tag}_us"] - out[f"{tag}_p25_us"]
+    out["agrees"] = ["yes" if model.verdict_agrees(a, e, t) else "no"
+                     for a, e, t in zip(out["action"], out["excess_us"], out["tolerance_us"])]
+    return out
+
+
 def prediction_failures(check: pd.DataFrame) -> list[str]:
     """One sentence per prediction and M where ``prediction_check`` finds the prediction outside
     the measured IQR, with its error against the measured median in points of T_FA."""

@@ -271,6 +271,52 @@ def condition1_rows(table: pd.DataFrame, platform) -> list[dict]:
     return out
 
 
+def design_verdicts(table: pd.DataFrame, platform) -> list[dict]:
+    """The design test (eq. 10) of every configuration and schedule of a ``moe_trace`` record
+    traced with remote stores and with the local-store control, on the kernel's own numbers,
+    beside what was measured. The burst is the aligned worst case of ``condition1``
+    (V = K_act·V_t, all programs' Linear-2 Combine stores at once); the gap is that schedule's
+    uninflated successor mainloop from its local control, T_L2^mma under Expert-Wave and eq. 12's
+    T_L2^mma + (n1/n2)·T_L1^mma under Interleaved. Measured: the median Linear-2 T_RS with remote
+    stores and in the control, their difference (``excess_us``), and the control's T_RS IQR as
+    the tolerance of ``model.verdict_agrees``; ``successor_inflation_us`` is the other route of
+    backpressure in this kernel (the successor mainloop's median inflation, ``linear2_stalls``)."""
+    from .. import model
+
+    traces = table[table["kind"] == "trace"]
+    out = []
+    for key, runs in traces.groupby(list(KEYS), sort=False):
+        by = {(r["schedule"], r["path"]): r for r in runs.to_dict("records")}
+        for schedule in ("wave", "interleaved"):
+            if not {(schedule, "local"), (schedule, "remote")} <= by.keys():
+                continue
+            local, remote = by[(schedule, "local")], by[(schedule, "remote")]
+            tiles = _json(local["tile_config"])
+            c = condition1(local["mainloop_l2_us"], local["mainloop_l1_us"],
+                           hidden=int(local["hidden"]), intermediate=int(local["intermediate"]),
+                           block_m=tiles["block_m"], block_n1=tiles["block_n1"],
+                           block_n2=tiles["block_n2"], programs=int(local["num_programs"]),
+                           platform=platform)
+            volume = c["K_act"] * c["V_t_bytes"]
+            gap = c["G_wave_us"] if schedule == "wave" else c["G_int_us"]
+            verdict = model.design_test(volume, gap, c["t_iss0_us"], platform.drain_rate,
+                                        platform.capacity_at(c["K_act"]))
+            excess = remote["span_l2_us"] - local["span_l2_us"]
+            tolerance = local["span_l2_p75_us"] - local["span_l2_p25_us"]
+            row = {**dict(zip(KEYS, key)), "schedule": schedule, "K_act": c["K_act"],
+                   "burst_volume": volume, "t_iss0_us": c["t_iss0_us"], "gap_us": gap,
+                   "V_over_R_us": c["V_over_R_us"], "g_star_us": verdict.recovery_gap_us,
+                   "rate_bound": verdict.rate_bound, "capacity_bound": verdict.capacity_bound,
+                   "action": verdict.action, "dT_iss_pred_us": verdict.issue_overhead_us,
+                   "t_rs_remote_us": remote["span_l2_us"], "t_rs_local_us": local["span_l2_us"],
+                   "excess_us": excess, "tolerance_us": tolerance,
+                   "successor_inflation_us": remote.get("stall_meas_us", np.nan),
+                   "agrees": "yes" if model.verdict_agrees(verdict.action, excess, tolerance)
+                   else "no"}
+            out.append({k: _round(v) for k, v in row.items()})
+    return out
+
+
 def _json(v):
     import json
     return json.loads(v) if isinstance(v, str) else v
