@@ -171,3 +171,20 @@ def test_imports_are_named_by_when_they_were_measured(tmp_path):
                               root=tmp_path)
     assert later.name.startswith("20261129T225700Z-")
     assert latest_record("fa_tuning", "h200-x2", tmp_path).table["run"].tolist() == ["later"]
+
+
+def test_git_commit_applies_the_errata_of_the_records_root(tmp_path):
+    prov = {"gpu_count": 2, "git_commit": "stale+dirty"}
+    first = write_record("moe", "h200-x2", _table(), {}, prov, root=tmp_path)
+    second = write_record("moe", "h200-x2", _table(1.0), {}, prov, root=tmp_path / "other")
+    (tmp_path / "errata.json").write_text(json.dumps(
+        {"provenance.git_commit": {f"moe/h200-x2/{first.stem}": "0123abcd"}}))
+    assert read_record(first).git_commit == "0123abcd"
+    assert read_record(second).git_commit == "stale+dirty"  # no errata under its root
+
+
+def test_committed_errata_name_committed_records():
+    errata = json.loads((records.RECORDS_DIR / records.ERRATA_FILE).read_text())
+    named = [*errata["provenance.git_commit"], *errata["invalid"]["records"]]
+    for key in named:
+        assert (records.RECORDS_DIR / f"{key}.parquet").is_file(), key

@@ -3,7 +3,8 @@
 A record is one Parquet file, ``data/records/<experiment>/<platform>/<record_id>.parquet``, whose
 schema metadata carries a JSON header (experiment, platform, creation time, the parameters of the
 run and the platform's provenance). The record id is the UTC creation time plus a digest of the
-table, so a rerun adds a new file; writing never replaces an existing one.
+table, so a rerun adds a new file; writing never replaces an existing one. Corrections to a
+record's header go into ``errata.json`` beside the experiments (``Record.git_commit`` reads it).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import hashlib
 import io
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import pyarrow.parquet as pq
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 RECORDS_DIR = DATA_DIR / "records"
 _META_KEY = b"xstage_lab"
+ERRATA_FILE = "errata.json"
 
 
 class RecordExistsError(FileExistsError):
@@ -50,6 +53,19 @@ class Record:
     @property
     def provenance(self) -> dict:
         return self.meta["provenance"]
+
+    @property
+    def git_commit(self) -> str:
+        """The commit that produced the record: its provenance's, unless the errata of its
+        records root correct it."""
+        key = f"{self.meta['experiment']}/{self.platform}/{self.record_id}"
+        corrected = _errata(self.path.parents[2] / ERRATA_FILE).get("provenance.git_commit", {})
+        return corrected.get(key, self.provenance.get("git_commit", "unknown"))
+
+
+@lru_cache(maxsize=None)
+def _errata(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def write_record(experiment: str, platform: str, table: pd.DataFrame, params: dict,
