@@ -60,6 +60,21 @@ __device__ bool grid_barrier(u32* arrivals, u32 round, u32 n_ctas, u64 timeout_n
     return true;
 }
 
+// Kernel exit of both burst kernels: every thread copies the CTA's per-burst stamps (issue start
+// cycle, issue end cycle, start %globaltimer) into trace[burst][producer][3], and the timekeeper
+// closes the clock pair that converts cycles into time.
+__device__ void write_trace(const u64* stamps, u32 n_bursts, u32 producer, u32 n_producers,
+                            bool timekeeper, u64* trace, u64* clocks) {
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < n_bursts * 3u; i += blockDim.x) {
+        trace[((u64)(i / 3u) * n_producers + producer) * 3 + i % 3u] = stamps[i];
+    }
+    if (timekeeper) {
+        clocks[producer * 5 + 2] = global_timer_ns();
+        clocks[producer * 5 + 3] = clock64();
+    }
+}
+
 // trace:  [n_bursts][K][3] = issue-start clock64, issue-end clock64, issue-start %globaltimer
 // clocks: [K][5]           = entry %globaltimer, entry clock64, exit %globaltimer, exit clock64,
 //                            %smid (the host checks that every producer had an SM of its own)
@@ -127,14 +142,7 @@ extern "C" __global__ void burst_gap(
             while ((u64)clock64() - end < gap_cycles) { }
         }
     }
-    __syncthreads();
-    for (u32 i = threadIdx.x; i < n_bursts * 3u; i += blockDim.x) {
-        trace[((u64)(i / 3u) * n_producers + producer) * 3 + i % 3u] = stamps[i];
-    }
-    if (timekeeper) {
-        clocks[producer * 5 + 2] = global_timer_ns();
-        clocks[producer * 5 + 3] = clock64();
-    }
+    write_trace(stamps, n_bursts, producer, n_producers, timekeeper, trace, clocks);
 }
 
 // Counts vectors of the destination buffer that differ from what the run must have left there:
@@ -420,14 +428,7 @@ extern "C" __global__ void burst_gap_ops(
         }
     }
     if (op == OP_LOAD16 && store_thread && loaded) atomicAdd(load_sums + producer, loaded);
-    __syncthreads();
-    for (u32 i = threadIdx.x; i < n_bursts * 3u; i += blockDim.x) {
-        trace[((u64)(i / 3u) * n_producers + producer) * 3 + i % 3u] = ops_stamps[i];
-    }
-    if (timekeeper) {
-        clocks[producer * 5 + 2] = global_timer_ns();
-        clocks[producer * 5 + 3] = clock64();
-    }
+    write_trace(ops_stamps, n_bursts, producer, n_producers, timekeeper, trace, clocks);
 }
 
 // Counts words of one destination buffer that differ from what a burst_gap_ops run must have
