@@ -50,11 +50,11 @@ from . import attention as att
 from .attention_model import paired_difference
 
 DEFAULT_SEQ = (8192, 16384, 32768, 49152, 65536)
-# fa, fused, fused_fenced and fa_same_code are neighbours so that each trial's rotation runs them
+# fa, fused, fused_fenced and the same-code controls are neighbours so that each trial's rotation runs them
 # back to back (apart from the trials where the rotation splits them): their per-trial
 # differences, E_res, are taken within one clock state.
-METHODS = ("fa", "fused", "fused_fenced", "fa_same_code", "sdpa", "a2a_nccl", "a2a_remote",
-           "serial", "sdpa_nccl")
+METHODS = ("fa", "fused", "fused_fenced", "fa_same_code_fenced", "fa_same_code", "sdpa",
+           "a2a_nccl", "a2a_remote", "serial", "sdpa_nccl")
 REMOTE_METHODS = ("a2a_remote", "fused", "fused_fenced")
 SETTLE_S = 2.0        # FA-only back to back before each M's trials: DVFS settles under the load
 REL_TOL = 1e-2        # relative Frobenius error allowed against the float32 reference (bf16 output)
@@ -75,8 +75,8 @@ def table3_row(seq_len: int, heads: int, head_dim: int, world: int, med: dict, i
     H = 1 - (T_fused - T_FA) / (T_serial - T_FA) (eq. 21); TF/s from ``attention_flops``.
     ``e_res_same_code_us`` is E_res against FA-only run through the fused kernel's own code with
     local destinations, which separates the remote stores from the two epilogues' code.
-    The ``_fenced`` quantities are the same for the completion-coupled epilogue (issue 8).
-    """
+    The ``_fenced`` quantities are the same for the completion-coupled epilogue (issue 8); its
+    same-code control is the fenced kernel storing into local destinations."""
     flops = attention_flops(seq_len, heads, head_dim, world)
     fa, fused, serial = med["fa"], med["fused"], med["serial"]
     fenced = med["fused_fenced"]
@@ -89,6 +89,7 @@ def table3_row(seq_len: int, heads: int, head_dim: int, world: int, med: dict, i
                speedup_fenced=serial / fenced,
                hiding_ratio_fenced=1 - (fenced - fa) / (serial - fa),
                e_res_fenced_us=fenced - fa,
+               e_res_fenced_same_code_us=fenced - med["fa_same_code_fenced"],
                fa_tflops=flops / fa / 1e6,
                cudnn_tflops=flops / med["sdpa"] / 1e6,
                speedup_over_sdpa_nccl=med["sdpa_nccl"] / fused,
@@ -98,12 +99,19 @@ def table3_row(seq_len: int, heads: int, head_dim: int, world: int, med: dict, i
 
 
 # ``--fa-only``: the kernel configurations timed against cuDNN on one GPU (no NCCL, no peers),
-# as (BLOCK_M, BLOCK_N, num_warps, num_stages, persistent), besides the table's CANDIDATES.
-# ctas_per_sm is 1 for all (registers or shared memory, ptxas -v, Triton 3.6, sm_90).
+# as (BLOCK_M, BLOCK_N, num_warps, num_stages, persistent, ctas_per_sm), besides the table's
+# CANDIDATES. ctas_per_sm is the occupancy of the sm_90 build (Triton 3.6, ptxas): the 4-warp
+# d=128 tiles fit two CTAs per SM (128 x 64 at s2: 255 registers, 96 KiB of shared memory, one
+# program per tile: its persistent build spills; 128 x 32 at s4: 212-249 registers, 96 KiB), so
+# each SM holds two independent warpgroups whose
+# softmax and MMAs can interleave; one 8-warp CTA synchronizes its two warpgroups with three
+# CTA barriers per KV tile.
 FA_ONLY_CANDIDATES = {
-    128: [(128, 128, 8, 3, True), (128, 128, 8, 3, False), (256, 64, 8, 3, False),
-          (256, 64, 8, 4, False), (128, 64, 8, 3, True), (128, 64, 8, 4, True)],
-    64: [(128, 128, 8, 3, True), (128, 128, 8, 4, True)],
+    128: [(128, 128, 8, 3, True, 1), (128, 128, 8, 3, False, 1), (256, 64, 8, 3, False, 1),
+          (256, 64, 8, 4, False, 1), (128, 64, 8, 3, True, 1), (128, 64, 8, 4, True, 1),
+          (128, 64, 4, 2, False, 2), (128, 32, 4, 4, True, 2),
+          (128, 32, 4, 4, False, 2), (128, 32, 4, 3, True, 2)],
+    64: [(128, 128, 8, 3, True, 1), (128, 128, 8, 4, True, 1)],
 }
 FA_ONLY_SEQ = (16384, 32768, 65536)
 FA_ONLY_HEADS = 12  # H/P local heads of the Table 3 case, H = 24 on P = 2
@@ -112,9 +120,9 @@ FA_ONLY_HEADS = 12  # H/P local heads of the Table 3 case, H = 24 on P = 2
 def fa_only_candidates(head_dim: int) -> list[dict]:
     """The configurations ``--fa-only`` times: ``FA_ONLY_CANDIDATES`` plus the table's
     ``CANDIDATES``, each once."""
-    listed = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, ctas_per_sm=1,
+    listed = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, ctas_per_sm=ctas,
                    persistent=pers)
-              for bm, bn, w, st, pers in FA_ONLY_CANDIDATES[head_dim]]
+              for bm, bn, w, st, pers, ctas in FA_ONLY_CANDIDATES[head_dim]]
     out = []
     for cfg in listed + att.flash_attention_candidates(head_dim):
         cfg = att.flash_attention_config(head_dim, cfg)
@@ -184,6 +192,8 @@ def fa_only(args) -> dict:
     for seq_len in args.seq:
         q, k, v = random_qkv(seq_len, H, d, args.seed + seq_len)
         ref = att.reference_attention(q, k, v)
+        if args.epilogues:
+            recv, table = local_destination(seq_len, 2 * H, d, 2)
         methods = {}
         for name, cfg in candidates.items():
             if name in skipped:
@@ -211,6 +221,14 @@ def fa_only(args) -> dict:
                 continue
             methods[name] = (lambda out=out, cfg=cfg: att.flash_attention(q, k, v, out=out,
                                                                           config=cfg))
+            if args.epilogues:
+                # the Fused kernel's code (REMOTE epilogue, fenced or not) storing into P = 2
+                # receive buffers on this GPU: its time against LOCAL's is the codegen's share
+                # of any Fused-versus-FA difference, with no peer traffic
+                for fenced in (False, True):
+                    methods[f"{name}+remote{'_fenced' if fenced else ''}"] = (
+                        lambda cfg=cfg, fenced=fenced: att.fused_attention_a2a(
+                            q, k, v, table, 0, 2, config=cfg, fenced=fenced))
         err = relative_error(att.sdpa_cudnn(q, k, v), ref)
         checks.append(dict(M=seq_len, method="cudnn", rel_err=err))
         if not err < REL_TOL:
@@ -227,7 +245,7 @@ def fa_only(args) -> dict:
                                           for t in range(args.trials)],
                         trials_us={m: timing[m]["trials_us"] for m in methods},
                         sm_clock_mhz={m: timing[m]["sm_clock_mhz"] for m in methods}))
-        best = max((r for r in rows if r["M"] == seq_len and r["method"] != "cudnn"),
+        best = max((r for r in rows if r["M"] == seq_len and r["method"] in candidates),
                    key=lambda r: r["tflops"])
         print(f"[attention_bench --fa-only] M={seq_len}: best {best['method']} "
               f"{best['tflops']:.0f} TF/s = {best['over_cudnn']:.3f} of cuDNN "
@@ -235,7 +253,8 @@ def fa_only(args) -> dict:
         torch.cuda.empty_cache()
     return dict(experiment="fa_only_tuning", created_utc=datetime.now(timezone.utc).isoformat(),
                 params=dict(seq=args.seq, heads=H, head_dim=d, trials=args.trials,
-                            iters=args.iters, seed=args.seed, rel_tol=REL_TOL),
+                            iters=args.iters, seed=args.seed, rel_tol=REL_TOL,
+                            epilogues=args.epilogues),
                 candidates=candidates, skipped=skipped, checks=checks, rows=rows, raw=raw,
                 versions=dict(torch=torch.__version__, triton=triton.__version__,
                               cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version()),
@@ -252,6 +271,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--configs", default="",
                    help="with --fa-only: comma-separated configuration names (``config_name``) "
                         "to time instead of all")
+    p.add_argument("--epilogues", action="store_true",
+                   help="with --fa-only: also time each configuration's REMOTE epilogue, fenced "
+                        "and not, into P = 2 receive buffers on the same GPU (``+remote``, "
+                        "``+remote_fenced``)")
     p.add_argument("--seq", default=None, help="comma-separated sequence lengths M")
     p.add_argument("--heads", type=int, default=None,
                    help="total heads H (divisible by P); with --fa-only the heads on the GPU")
@@ -344,6 +367,12 @@ def check_case(seq_len, heads, head_dim, cfg, buf, group, seed):
     h = heads // world
     same_code_equal = bitwise_equal(local_recv[:, :, rank * h:(rank + 1) * h].reshape(out_fa.shape),
                                     out_fa)
+    # and through the fenced kernel's code: the control that separates the fence's effect on the
+    # compiled Q-loop from its effect on the remote stores
+    local_recv.fill_(float("nan"))
+    att.fused_attention_a2a(q, k, v, local_table, rank, world, config=cfg, fenced=True)
+    same_code_fenced_equal = bitwise_equal(
+        local_recv[:, :, rank * h:(rank + 1) * h].reshape(out_fa.shape), out_fa)
 
     sdpa = att.sdpa_nccl(q, k, v, group, out=poisoned(recv_shape, att.DTYPE, DEVICE))
     metrics = dict(fa_rel_err=relative_error(out_fa, ref),
@@ -351,7 +380,8 @@ def check_case(seq_len, heads, head_dim, cfg, buf, group, seed):
                    fused_rel_err=fused_err, sdpa_nccl_rel_err=relative_error(sdpa, ref_recv),
                    fused_bitwise_serial=fused_equal, fused_fenced_bitwise_serial=fenced_equal,
                    a2a_remote_bitwise_nccl=a2a_equal,
-                   fa_same_code_bitwise_fa=same_code_equal)
+                   fa_same_code_bitwise_fa=same_code_equal,
+                   fa_same_code_fenced_bitwise_fa=same_code_fenced_equal)
     failures = [f"{name}={value:.3g} (tolerance {REL_TOL})" for name, value in metrics.items()
                 if name.endswith("_rel_err") and not value < REL_TOL]
     failures += [f"{name} is False" for name, value in metrics.items() if value is False]
@@ -427,7 +457,7 @@ def paired_row(trials_us: dict, clocks_mhz: dict) -> dict:
     median and the SM clock spread over all trials."""
     out = {}
     for method, base in (("fused", "fa"), ("fused", "fa_same_code"), ("fused_fenced", "fa"),
-                         ("fused_fenced", "fa_same_code")):
+                         ("fused_fenced", "fa_same_code"), ("fused_fenced", "fa_same_code_fenced")):
         tag = f"{'e_res_fenced' if method == 'fused_fenced' else 'e_res'}_paired_{base}"
         r = paired_difference(trials_us[method], trials_us[base], clocks_mhz[method],
                               clocks_mhz[base])
@@ -450,6 +480,8 @@ def run_case(seq_len, args, cfg, buf, group) -> tuple[dict, dict]:
         "fa": lambda: att.flash_attention(q, k, v, out=out_fa, config=cfg),
         "fa_same_code": lambda: att.fused_attention_a2a(q, k, v, local[1], rank, world,
                                                         config=cfg),
+        "fa_same_code_fenced": lambda: att.fused_attention_a2a(q, k, v, local[1], rank, world,
+                                                               config=cfg, fenced=True),
         "sdpa": lambda: att.sdpa_cudnn(q, k, v),
         "a2a_nccl": lambda: att.nccl_a2a(out_fa, group),
         "a2a_remote": lambda: att.remote_store_a2a(out_fa, buf.peer_ptrs, rank, world),

@@ -312,7 +312,8 @@ def tuning_table(records) -> pd.DataFrame:
 def tuning_best(table: pd.DataFrame) -> pd.DataFrame:
     """Per record, head dim and M of ``tuning_table``: the fastest Triton configuration, its
     TF/s over cuDNN (paired) and whether it meets the bar, in the runs' order."""
-    triton = table[table["method"] != "cudnn"]
+    # FA-only is the LOCAL epilogue; ``+remote`` rows time the Fused kernel's code (codegen)
+    triton = table[(table["method"] != "cudnn") & ~table["method"].str.contains("+", regex=False)]
     best = triton.loc[triton.groupby(["record", "M"], sort=False)["over_cudnn_paired"].idxmax()]
     return best[["record", "head_dim", "M", "method", "tflops", "over_cudnn_paired", "meets_bar"]]
 
