@@ -14,21 +14,21 @@ In both layouts one token's H_LOCAL heads from one rank are H_LOCAL*d contiguous
 import triton
 import triton.language as tl
 
-# Hopper (sm_90) launch configurations keyed by head dim: b_m x b_n tiles, 8 warps = two
-# consumer warpgroups (wgmma is issued per warpgroup: at b_m = 256 each owns 128 rows), TMA loads
-# pipelined num_stages deep within the 227 KB of shared memory a CTA may hold. persistent: a grid
-# of SMs x ctas_per_sm programs walking the tiles, else one program per tile; ctas_per_sm is the
-# occupancy from the registers and shared memory of the sm_90 build (Triton 3.6, ptxas -v; a
-# 256 x 64 tile at 8 warps takes 254 registers, 256 x 128 and 4-warp 128 x 128 tiles spill).
-# CONFIGS holds the fastest FA-only configuration measured against cuDNN on H200 by
-# ``attention_bench --fa-only`` (one GPU, H = 12 local heads, M = 16K..64K); CANDIDATES are what
-# the Table 3 benchmark times once per head dim before its sweep, and the configuration it picks
-# serves FA-only, Serial and Fused alike. Triton 3.6's ``tl.range(..., warp_specialize=True)``
-# is left out: on sm_90 it hung at run time (one program per tile) or failed to compile
-# (persistent grid).
+# Hopper (sm_90) launch configurations keyed by head dim: b_m x b_n tiles, TMA loads pipelined
+# num_stages deep. persistent: a grid of SMs x ctas_per_sm programs walking the tiles, else one
+# program per tile; ctas_per_sm is the occupancy from the registers and shared memory of the sm_90
+# build (Triton 3.6, ptxas -v). wgmma is issued per warpgroup (4 warps). One 8-warp CTA puts two
+# warpgroups on an SM, but its KV pipeline holds them in step with three CTA barriers per KV
+# tile, so their softmax and MMAs do not interleave; two 4-warp CTAs per SM (128 x 64 at two
+# stages: 255 registers, 96 KiB of shared memory each) run independently and do. CONFIGS holds the
+# fastest FA-only configuration measured against cuDNN on H200 by ``attention_bench --fa-only``
+# (one GPU, H = 12 local heads, M = 16K..64K); CANDIDATES are what the Table 3 benchmark times
+# once per head dim before its sweep, and the configuration it picks serves FA-only, Serial and
+# Fused alike. Triton 3.6's ``tl.range(..., warp_specialize=True)`` is left out: on sm_90 it hung
+# at run time (one program per tile) or failed to compile (persistent grid).
 CONFIGS = {
     64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, ctas_per_sm=2, persistent=True),
-    128: dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=4, ctas_per_sm=1, persistent=False),
+    128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, ctas_per_sm=2, persistent=False),
 }
 CANDIDATES = {
     64: [CONFIGS[64],
@@ -37,10 +37,10 @@ CANDIDATES = {
          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1,
               persistent=False)],
     128: [CONFIGS[128],
+          dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=4, ctas_per_sm=1, persistent=False),
           dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1, persistent=False),
           dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1,
-               persistent=False),
-          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1, persistent=True)],
+               persistent=False)],
 }
 # Remote-store copy kernel: a [BLOCK_ROWS, d] tile per head and step, 16-byte stores.
 COPY_CONFIG = dict(BLOCK_ROWS=32, num_warps=4)

@@ -12,37 +12,12 @@
 // With fence_each_burst the issue interval ends only when the burst is visible at the
 // destination (the completion-coupled issuer of §2.3 and §3.4).
 //
-// Built at run time by CuPy/NVRTC for sm_90 and compiled by nvcc in the tests: no includes.
+// Built at run time by CuPy/NVRTC for sm_90 with kernel_sources.cuda_options, and compiled by
+// nvcc in the tests with the same options.
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
+#include "xstage_device.cuh"
 
 #define XSTAGE_ERR_BARRIER_TIMEOUT 1u
-
-__device__ __forceinline__ u64 global_timer_ns() {
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-// The alignment barrier orders no data, only time, so its atomics are relaxed: a release would
-// add a fence, which waits until this SM's outstanding remote stores complete.
-__device__ __forceinline__ u32 load_relaxed_gpu(const u32* p) {
-    u32 v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void add_relaxed_gpu(u32* p, u32 v) {
-    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
-}
-
-// The value a producer stores: a function of (burst, producer, vector index) so that the
-// destination check can tell which burst last wrote each line and catch misplaced stores.
-__device__ __forceinline__ uint4 burst_pattern(u32 seed, u32 burst, u32 producer, u32 vec) {
-    u32 tag = seed ^ (burst * 0x9E3779B1u);
-    return make_uint4(tag, producer, vec, tag ^ (producer << 16) ^ (vec * 0x85EBCA77u));
-}
 
 // Grid barrier among the K co-resident CTAs (thread 0 calls it). The arrival counter only grows:
 // round r completes when it reaches (r + 1) * K, so no reset races the next round. The wait is
@@ -105,8 +80,7 @@ extern "C" __global__ void burst_gap(
     const u32 store_threads = blockDim.x - 32u;
     const bool timekeeper = threadIdx.x == store_threads;  // lane 0 of the last warp
     if (timekeeper) {
-        u32 smid;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        const u32 smid = sm_id();
         clocks[producer * 5 + 0] = global_timer_ns();
         clocks[producer * 5 + 1] = clock64();
         clocks[producer * 5 + 4] = smid;
@@ -296,8 +270,7 @@ extern "C" __global__ void burst_gap_ops(
     unsigned long long loaded = 0;
     u32 round = 0;
     if (timekeeper) {
-        u32 smid;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        const u32 smid = sm_id();
         clocks[producer * 5 + 0] = global_timer_ns();
         clocks[producer * 5 + 1] = clock64();
         clocks[producer * 5 + 4] = smid;

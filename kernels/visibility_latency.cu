@@ -11,10 +11,10 @@
 // Every stamp is %globaltimer; the two GPUs' timers are related by clock_pingpong (NTP style).
 //
 // Every wait is bounded by a %globaltimer deadline and raises a bit of the error word on expiry.
-// Built at run time by CuPy/NVRTC for sm_90 and compiled by nvcc in the tests: no includes.
+// Built at run time by CuPy/NVRTC for sm_90 with kernel_sources.cuda_options, and compiled by
+// nvcc in the tests with the same options.
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
+#include "xstage_device.cuh"
 
 #define VIS_ERR_BARRIER_TIMEOUT 1u   // sender grid barrier
 #define VIS_ERR_RELEASE_TIMEOUT 2u   // sender flag warp waited for a burst that never ended
@@ -22,12 +22,6 @@ typedef unsigned long long u64;
 #define VIS_ERR_FLAG_TIMEOUT 8u      // receiver poller: a flag never became visible
 #define VIS_ERR_CHECK_TIMEOUT 16u    // receiver checkers waited for a poller that gave up
 #define VIS_ERR_PINGPONG_TIMEOUT 32u
-
-__device__ __forceinline__ u64 global_timer_ns() {
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 
 __device__ __forceinline__ u32 load_acquire_sys(const u32* p) {
     u32 v;
@@ -48,16 +42,6 @@ __device__ __forceinline__ u32 load_relaxed_sys(const u32* p) {
 
 __device__ __forceinline__ void store_relaxed_sys(u32* p, u32 v) {
     asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ u32 load_relaxed_gpu(const u32* p) {
-    u32 v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void add_relaxed_gpu(u32* p, u32 v) {
-    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
 
 // Hand-over inside a CTA (generic addresses of shared variables).
@@ -83,13 +67,6 @@ __device__ __forceinline__ uint4 load_cg(const uint4* p) {
 // barrier.sync, not bar.sync (= barrier.sync.aligned): the timekeeper lane may arrive diverged.
 __device__ __forceinline__ void issue_barrier(u32 n_threads) {
     asm volatile("barrier.sync 1, %0;" :: "r"(n_threads) : "memory");
-}
-
-// The value producer `producer` stores in vector `vec` of burst `burst`; the receiver recomputes
-// it, so a misplaced or stale vector is caught.
-__device__ __forceinline__ uint4 visibility_pattern(u32 seed, u32 burst, u32 producer, u32 vec) {
-    u32 tag = seed ^ (burst * 0x9E3779B1u);
-    return make_uint4(tag, producer, vec, tag ^ (producer << 16) ^ (vec * 0x85EBCA77u));
 }
 
 // tx:    [n_bursts][K][3] = issue start, issue end (the last store of the CTA issued), return of
@@ -148,9 +125,7 @@ extern "C" __global__ void visibility_sender(
     flags_done:;
     } else {
         if (timekeeper) {
-            u32 smid;
-            asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-            smids[producer] = smid;
+            smids[producer] = sm_id();
             // Start only once the receiver polls, then together (one grid barrier).
             const u64 deadline = global_timer_ns() + timeout_ns;
             while (load_acquire_sys(ready) == 0u) {
@@ -178,7 +153,7 @@ extern "C" __global__ void visibility_sender(
             if (threadIdx.x < store_threads) {
                 uint4* out = dst + (u64)b * slot_vecs + (u64)producer * vecs_per_producer;
                 for (u32 v = threadIdx.x; v < vecs_per_producer; v += store_threads) {
-                    out[v] = visibility_pattern(seed, b, producer, v);
+                    out[v] = burst_pattern(seed, b, producer, v);
                 }
             }
             issue_barrier(store_threads + 32u);
@@ -273,7 +248,7 @@ extern "C" __global__ void visibility_receiver(
             u32 local = 0;
             for (u32 v = threadIdx.x - 32u; v < vecs_per_producer; v += checkers) {
                 const uint4 got = load_cg(in + v);
-                const uint4 want = visibility_pattern(seed, b, producer, v);
+                const uint4 want = burst_pattern(seed, b, producer, v);
                 local += (got.x != want.x) | (got.y != want.y) | (got.z != want.z)
                          | (got.w != want.w);
             }

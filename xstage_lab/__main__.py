@@ -33,9 +33,9 @@ def _characterize_beyond(args) -> int:
     from .experiments.injection_patterns import run_patterns
     from .experiments.remote_ops import run_operations
 
-    parts = {"patterns": lambda: run_patterns(repeats=args.repeats, root=args.root),
-             "ops": lambda: run_operations(repeats=args.repeats, src=args.src, dst=args.dst,
-                                           root=args.root)}
+    repeats = {} if args.repeats is None else {"repeats": args.repeats}
+    parts = {"patterns": lambda: run_patterns(root=args.root, **repeats),
+             "ops": lambda: run_operations(src=args.src, dst=args.dst, root=args.root, **repeats)}
     t0, failed = time.monotonic(), []
     for name in args.only:
         try:  # each part its own record: one failing leaves the other's
@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("characterize-beyond",
                        help="injection patterns and remote operations (issue 6)")
     p.add_argument("--only", nargs="+", choices=("patterns", "ops"), default=["patterns", "ops"])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="per point (default: 5; the patterns on more than four GPUs: 3)")
     p.add_argument("--src", type=int, default=0, help="source GPU of the operations")
     p.add_argument("--dst", type=int, default=1, help="destination GPU of the operations")
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help="records root")
@@ -127,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", type=Path, default=RECORDS_DIR)
     p.set_defaults(func=_calibrate)
 
-    p = sub.add_parser("import-bench", help="save a torchrun benchmark's JSON output as a record")
+    p = sub.add_parser("import-bench", help="save a benchmark's JSON output as a record (a "
+                                            "torchrun benchmark's, or fa_tuning: "
+                                            "attention_bench --fa-only)")
     p.add_argument("file", type=Path)
-    p.add_argument("--experiment", required=True, choices=sorted(BENCHMARKS))
+    p.add_argument("--experiment", required=True, choices=sorted(BENCHMARKS) + ["fa_tuning"])
     p.add_argument("--root", type=Path, default=RECORDS_DIR)
     p.set_defaults(func=_import_bench)
 

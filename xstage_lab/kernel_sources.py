@@ -2,6 +2,7 @@
 folder is not an importable package (``kernels`` is a name taken on PyPI)."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import sys
 from functools import lru_cache
@@ -9,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+DEVICE_HEADER = "xstage_device.cuh"  # the helpers every CUDA source includes
 
 
 def kernel_path(filename: str) -> Path:
@@ -21,6 +23,21 @@ def kernel_path(filename: str) -> Path:
 def cuda_source(filename: str) -> str:
     """The text of a CUDA C++ source in ``kernels/``, for ``cupy.RawModule``."""
     return kernel_path(filename).read_text()
+
+
+def cuda_options() -> tuple[str, ...]:
+    """The compiler options of every CUDA source in ``kernels/``, for NVRTC and nvcc alike."""
+    header_sha = hashlib.sha256(kernel_path(DEVICE_HEADER).read_bytes()).hexdigest()[:16]
+    # CuPy's cubin cache keys on source text + options, not includes: a header edit changes this
+    return ("--std=c++17", f"-I{KERNELS_DIR}", f"-DXSTAGE_DEVICE_HEADER_SHA={header_sha}")
+
+
+def cuda_module(filename: str):
+    """``kernels/<filename>`` compiled by CuPy/NVRTC for the current device (the cuda backend
+    only: imports CuPy)."""
+    import cupy
+
+    return cupy.RawModule(code=cuda_source(filename), options=cuda_options())
 
 
 @lru_cache(maxsize=None)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from xstage_lab.kernel_sources import cuda_options
+
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
 
@@ -36,12 +38,12 @@ def elf_function_symbols(blob: bytes) -> set[str]:
 
 
 def compile_sm90(cu: Path, out_dir: Path) -> tuple[set[str], set[str], str]:
-    """``cu`` compiled by nvcc for sm_90 to a cubin and to PTX: the cubin's global function
-    symbols, the PTX's visible entries (the same names where the kernels are ``extern "C"``) and
-    the PTX text."""
+    """``cu`` compiled by nvcc for sm_90 to a cubin and to PTX, with the options NVRTC gets at run
+    time (``cuda_options``): the cubin's global function symbols, the PTX's visible entries (the
+    same names where the kernels are ``extern "C"``) and the PTX text."""
     cubin, ptx = out_dir / f"{cu.stem}.cubin", out_dir / f"{cu.stem}.ptx"
     for flag, out in (("--cubin", cubin), ("-ptx", ptx)):
-        r = subprocess.run(["nvcc", "-arch=sm_90", flag, "-o", str(out), str(cu)],
+        r = subprocess.run(["nvcc", "-arch=sm_90", *cuda_options(), flag, "-o", str(out), str(cu)],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
     text = ptx.read_text()

@@ -270,16 +270,50 @@ def fenced_vs_decoupled(record) -> pd.DataFrame:
                      "rel_pct": r["median_us"] / np.median(trials["fused"]) * 100,
                      "matched_us": r["matched_median_us"], "matched_trials": r["matched_trials"],
                      "fenced_faster_trials": f"{int(faster.sum())}/{len(faster)}",
-                     **({} if "fa_same_code" not in trials else _build_pair(trials)),
+                     **_paired_columns(trials, "fa", "fa_same_code", "fa_minus_same_code"),
+                     **_paired_columns(trials, "fa_same_code_fenced", "fa_same_code",
+                                       "fenced_build_minus_same_code"),
+                     **_paired_columns(trials, "fused_fenced", "fa_same_code_fenced",
+                                       "fenced_minus_fenced_same_code"),
                      **{f"{m}_clock_mhz": float(np.nanmedian(np.array(clocks[m], float)))
-                        for m in ("fa", "fa_same_code", "fused", "fused_fenced") if m in clocks}})
+                        for m in ("fa", "fa_same_code", "fa_same_code_fenced", "fused",
+                                  "fused_fenced") if m in clocks}})
     return pd.DataFrame(rows)
 
 
-def _build_pair(trials: dict) -> dict:
-    r = paired_difference(trials["fa"], trials["fa_same_code"])
-    return {"fa_minus_same_code_us": r["median_us"], "fa_minus_same_code_p25_us": r["p25_us"],
-            "fa_minus_same_code_p75_us": r["p75_us"]}
+def _paired_columns(trials: dict, method: str, base: str, name: str) -> dict:
+    """``method`` minus ``base`` from paired trials as ``{name}_us`` and its IQR; nothing when the
+    record lacks either (the fenced same-code control exists from 2026-11-30 on)."""
+    if method not in trials or base not in trials:
+        return {}
+    r = paired_difference(trials[method], trials[base])
+    return {f"{name}_us": r["median_us"], f"{name}_p25_us": r["p25_us"],
+            f"{name}_p75_us": r["p75_us"]}
+
+
+def epilogue_builds(records) -> pd.DataFrame:
+    """The ``--fa-only --epilogues`` runs of ``records`` (``tuning_records``): per record, M and
+    configuration, the LOCAL build (FA-only) and the Fused kernel's REMOTE builds, unfenced and
+    fenced, all storing on one GPU with no peer traffic, as the median time and each REMOTE build
+    minus LOCAL from paired trials (µs and % of LOCAL): the build's share of any difference."""
+    rows = []
+    for rec in records:
+        if not rec.params["params"].get("epilogues"):
+            continue
+        for raw in rec.params["raw"]:
+            trials = raw["trials_us"]
+            for local in (m for m in trials if m != "cudnn" and "+" not in m):
+                row = {"record": rec.record_id, "M": raw["M"], "config": local,
+                       "local_us": float(np.median(trials[local]))}
+                for build in ("remote", "remote_fenced"):
+                    r = paired_difference(trials[f"{local}+{build}"], trials[local])
+                    row |= {f"{build}_us": float(np.median(trials[f"{local}+{build}"])),
+                            f"{build}_minus_local_us": r["median_us"],
+                            f"{build}_minus_local_p25_us": r["p25_us"],
+                            f"{build}_minus_local_p75_us": r["p75_us"],
+                            f"{build}_minus_local_pct": r["median_us"] / row["local_us"] * 100}
+                rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def tuning_records(platform: str = "h200-x1", root=None) -> list:

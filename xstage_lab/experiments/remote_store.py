@@ -22,6 +22,7 @@ import pandas as pd
 
 from ..calibration import (Calibration, calibrate, calibration_to_dict, launch_means,
                            point_table)
+from ..kernel_sources import cuda_module
 from ..platform import BackendChoice, Inventory, choose_backend, git_commit, inventory
 from ..records import RECORDS_DIR, Record, read_record, resolve_record, write_record
 from ..records import platforms as record_platforms
@@ -170,12 +171,9 @@ class RemoteStoreBench:
     def __init__(self, settings: BenchSettings = BenchSettings(), inv: Inventory | None = None):
         import cupy  # the cuda backend only
 
-        from ..kernel_sources import cuda_source
-
         self.cp = cupy
         self.settings = settings
         self.inv = inventory() if inv is None else inv
-        self._source = cuda_source("remote_store_burst.cu")
         self._modules: dict[int, object] = {}
         self._buffers: dict[int, object] = {}
         self._peers_enabled: set[tuple[int, int]] = set()
@@ -189,8 +187,7 @@ class RemoteStoreBench:
     def _module(self, dev: int):
         if dev not in self._modules:
             with self.cp.cuda.Device(dev):
-                self._modules[dev] = self.cp.RawModule(code=self._source,
-                                                       options=("--std=c++17",))
+                self._modules[dev] = cuda_module("remote_store_burst.cu")
         return self._modules[dev]
 
     def _buffer(self, dev: int):

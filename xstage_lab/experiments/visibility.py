@@ -29,6 +29,7 @@ import pandas as pd
 
 from .. import model
 from ..calibration import kb_key
+from ..kernel_sources import cuda_module
 from ..platform import Inventory, choose_backend, inventory
 from ..records import (RECORDS_DIR, Record, latest_record, list_records, read_record,
                        resolve_record, write_record)
@@ -298,14 +299,12 @@ class VisibilityBench:
                  inv: Inventory | None = None):
         import cupy  # the cuda backend only
 
-        from ..kernel_sources import cuda_source
         from .remote_store import RemoteStoreBench
 
         self.cp = cupy
         self.settings = settings
         self.inv = inventory() if inv is None else inv
         self.src, self.dst = src, dst
-        self._source = cuda_source(KERNEL_FILE)
         self._modules: dict[int, object] = {}
         # peer enabling and the SM clock (for the gap in cycles) come from the burst bench
         self._burst_bench = RemoteStoreBench(inv=self.inv)
@@ -325,7 +324,7 @@ class VisibilityBench:
     def _module(self, dev: int):
         if dev not in self._modules:
             with self.cp.cuda.Device(dev):
-                self._modules[dev] = self.cp.RawModule(code=self._source, options=("--std=c++17",))
+                self._modules[dev] = cuda_module(KERNEL_FILE)
         return self._modules[dev]
 
     def sm_clock_mhz(self) -> float:
