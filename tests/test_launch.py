@@ -29,3 +29,43 @@ def test_trace_explains_the_moe_record_of_this_run_else_the_latest(tmp_path, mon
 def test_unknown_measurements_are_refused_before_any_launch():
     with pytest.raises(ValueError, match="unknown measurements"):
         launch.measure_all(only=["remote_store", "nonsense"])
+
+
+def test_measure_all_launches_every_rank_of_eight_gpus(tmp_path, monkeypatch):
+    """On an 8-GPU machine every benchmark runs under torchrun with 8 processes, multicast off,
+    the MoE matrix declared, the trace benchmark given the MoE record of this run; each record
+    is imported under the records root, and nothing runs in process but what ``only`` names."""
+    import subprocess
+
+    from tests.experiments.test_remote_store import make_inv
+    from xstage_lab.platform import SAFE_ENV
+
+    monkeypatch.setattr("xstage_lab.platform.inventory", lambda: make_inv(8))
+    ran = []
+
+    def fake_run(cmd, env, capture_output, text):
+        ran.append((cmd, env))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    def fake_import(out, experiment, root):
+        return root / experiment / "h200-x8" / f"{Path(out).name}-{len(ran)}.parquet"
+
+    monkeypatch.setattr(launch.subprocess, "run", fake_run)
+    monkeypatch.setattr(launch, "import_bench_json", fake_import)
+    monkeypatch.setattr(launch, "IN_PROCESS", {name: lambda root: pytest.fail("ran in process")
+                                               for name in launch.IN_PROCESS})
+    paths = launch.measure_all(root=tmp_path, only=["fa_a2a", "moe", "moe_trace"])
+    assert [p.parent.parent.name for p in paths] == ["fa_a2a", "moe", "moe_trace"]
+    for (cmd, env), name in zip(ran, ["fa_a2a", "moe", "moe_trace"]):
+        out = cmd.index("--out")
+        assert cmd[1:out - 2] == ["-m", "torch.distributed.run", "--standalone",
+                                  "--nproc_per_node=8"]
+        assert cmd[out - 2:out] == ["-m", launch.BENCHMARKS[name]]
+        assert all(env[k] == v for k, v in SAFE_ENV.items())
+        tail = cmd[out + 2:]
+        if name == "moe":
+            assert tail == ["--matrix", str(launch.MOE_MATRIX)]
+        elif name == "moe_trace":
+            assert tail == ["--regressions", str(paths[1])]
+        else:
+            assert tail == []

@@ -110,3 +110,105 @@ def test_git_commit_prefers_the_commit_the_sender_names(monkeypatch):
     assert git_commit() == "0123abcd"
     monkeypatch.delenv("XSTAGE_GIT_COMMIT")
     assert git_commit() != "0123abcd"
+
+
+# ------------------------------------------------------------------------------ peer memory
+
+BASES = (0x7F0000000000, 0x7E0000000000, 0x7D0000000000)  # three ranks' allocations
+
+
+def test_peer_base_pointers_add_the_common_offset():
+    from xstage_lab.platform import peer_base_pointers
+
+    assert peer_base_pointers(BASES[1], BASES, 1, [0, 0, 0]) == BASES
+    # a pooled tensor 4 KiB into every rank's allocation
+    assert peer_base_pointers(BASES[2] + 4096, BASES, 2, [4096] * 3) == \
+        tuple(b + 4096 for b in BASES)
+
+
+def test_peer_base_pointers_refuse_offsets_that_differ():
+    from xstage_lab.platform import PeerError, peer_base_pointers
+
+    with pytest.raises(PeerError, match=r"offsets differ across ranks: \[4096, 0, 4096\]"):
+        peer_base_pointers(BASES[0] + 4096, BASES, 0, [4096, 0, 4096])
+    # this rank's own offset disagrees with what was gathered
+    with pytest.raises(PeerError, match="offsets differ"):
+        peer_base_pointers(BASES[0] + 512, BASES, 0, [4096] * 3)
+
+
+def test_peer_base_pointers_refuse_a_wrong_peer_count():
+    from xstage_lab.platform import PeerError, peer_base_pointers
+
+    with pytest.raises(PeerError, match="returned 2 peer pointers for 3 ranks"):
+        peer_base_pointers(BASES[0], BASES[:2], 0, [0, 0, 0])
+    with pytest.raises(PeerError, match=r"rank 3 is not in \[0, P=3\)"):
+        peer_base_pointers(BASES[0], BASES, 3, [0, 0, 0])
+
+
+def test_peer_base_pointers_refuse_bad_addresses():
+    from xstage_lab.platform import ALIGN_BYTES, PeerError, peer_base_pointers
+
+    with pytest.raises(PeerError, match="lies before its allocation"):
+        peer_base_pointers(BASES[0] - 16, BASES, 0, [-16] * 3)
+    with pytest.raises(PeerError, match=f"{ALIGN_BYTES}-byte aligned"):
+        peer_base_pointers(BASES[0] + 8, BASES, 0, [8] * 3)
+    with pytest.raises(PeerError, match="non-null"):
+        peer_base_pointers(BASES[0], (BASES[0], 0, BASES[2]), 0, [0] * 3)
+
+
+def test_check_peer_places():
+    from xstage_lab.platform import PeerError, check_peer_places
+
+    pairs = {(0, 1), (1, 0), (0, 2), (2, 0)}  # GPUs 1 and 2 are no peers of each other
+    peer = lambda a, b: (a, b) in pairs
+    check_peer_places([("h", 0), ("h", 1), ("h", 2)], 0, peer)
+    with pytest.raises(PeerError, match=r"GPU 1 \(rank 1\) has no peer access to GPU 2 \(rank 2\)"):
+        check_peer_places([("h", 0), ("h", 1), ("h", 2)], 1, peer)
+    with pytest.raises(PeerError, match="rank 1 is on host g, rank 0 on h: .* one host"):
+        check_peer_places([("h", 0), ("g", 1)], 0, peer)
+
+
+def test_symmetric_buffer_refuses_multicast_before_any_collective(monkeypatch):
+    """No process group exists here: the refusals must come before any distributed call."""
+    from xstage_lab.platform import SAFE_ENV, PeerError, symmetric_buffer
+
+    for k, v in SAFE_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST")
+    with pytest.raises(PeerError, match="NVLink multicast stays off.*TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+        symmetric_buffer(1024, None)
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    with pytest.raises(PeerError, match="NCCL_NVLS_ENABLE"):
+        symmetric_buffer(1024, None)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    with pytest.raises(ValueError, match="at least one element, got 0"):
+        symmetric_buffer(0, None)
+
+
+class FakeHandle:
+    """Stands in for torch's rendezvous handle: records its barriers."""
+
+    def __init__(self):
+        self.barriers = []
+
+    def barrier(self, channel: int = 0) -> None:
+        self.barriers.append(channel)
+
+
+def fake_symmetric_buffer(numel: int, world: int = 2, rank: int = 0):
+    """A ``SymmetricBuffer`` over an ordinary CPU tensor, for the wrappers' CPU tests."""
+    import torch
+
+    from xstage_lab.platform import SymmetricBuffer
+
+    tensor = torch.zeros(numel, dtype=torch.bfloat16)
+    ptrs = tuple(tensor.data_ptr() + 1024 * r for r in range(world))
+    return SymmetricBuffer(tensor, FakeHandle(), ptrs, torch.tensor(ptrs, dtype=torch.int64),
+                           rank, world)
+
+
+def test_symmetric_buffer_barrier_uses_channel_zero():
+    buf = fake_symmetric_buffer(64)
+    buf.barrier()
+    assert buf.handle.barriers == [0]

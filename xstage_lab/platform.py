@@ -1,8 +1,12 @@
-"""The platform: which GPUs this process sees, which pairs are peers, and the provenance of a run.
+"""The platform: which GPUs this process sees, which pairs are peers, the peer memory that remote
+stores write through, and the provenance of a run.
 
 The backend decides where numbers come from: ``cuda`` measures live on this machine's GPUs,
 ``replay`` reads the committed records in ``data/``; ``auto`` takes ``cuda`` where at least two
 peer-capable GPUs exist, otherwise ``replay``.
+
+Peer memory (``symmetric_buffer``): one flat tensor of torch symmetric memory per rank, and the
+table of its address on every rank that the REMOTE epilogues and Combine stores use.
 """
 from __future__ import annotations
 
@@ -10,18 +14,27 @@ import itertools
 import os
 import platform as _py_platform
 import re
+import socket
 import subprocess
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
 BACKENDS = ("auto", "cuda", "replay")
 # NVLink multicast stays off: on shared machines a program that uses it can take the host's GPUs
 # out of service. Every multi-process run sets these and refuses other values.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
+# Remote stores are 16 bytes wide (vector and TMA stores): every peer address must allow them.
+ALIGN_BYTES = 16
 _REPO = Path(__file__).resolve().parent.parent
 
 
@@ -87,6 +100,103 @@ def inventory() -> Inventory:
 
 def _cuda_version_str(v: int) -> str:
     return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+class PeerError(RuntimeError):
+    """The ranks cannot share peer memory; raised before anything stores through it."""
+
+
+@dataclass(frozen=True, eq=False)
+class SymmetricBuffer:
+    """One flat tensor of torch symmetric memory per rank and its address on every rank."""
+
+    tensor: torch.Tensor      # this rank's, flat
+    handle: object            # torch's rendezvous handle (barrier)
+    ptrs: tuple[int, ...]     # the tensor's address on rank r, mapped into this process
+    table: torch.Tensor       # ``ptrs`` as int64 [P] on this rank's GPU, for kernels
+    rank: int
+    world: int
+
+    def barrier(self) -> None:
+        """Consumer-side completion: a device barrier over the signal pads (release/acquire at
+        system scope) on the current stream, after which every rank's stores issued earlier on
+        its stream are visible to every rank's later work."""
+        self.handle.barrier(channel=0)
+
+
+def check_peer_places(places: Sequence[tuple[str, int]], rank: int,
+                      can_access_peer: Callable[[int, int], bool]) -> None:
+    """``places[r]`` is rank r's (host, GPU index). Remote stores need every rank on one host and
+    peer access from this rank's GPU to every other rank's."""
+    host, gpu = places[rank]
+    for peer, (peer_host, peer_gpu) in enumerate(places):
+        if peer_host != host:
+            raise PeerError(f"rank {peer} is on host {peer_host}, rank {rank} on {host}: "
+                            "remote stores need every rank on one host")
+        if peer != rank and not can_access_peer(gpu, peer_gpu):
+            raise PeerError(f"GPU {gpu} (rank {rank}) has no peer access to GPU {peer_gpu} "
+                            f"(rank {peer}): remote stores need peer access between all GPUs")
+
+
+def peer_base_pointers(data_ptr: int, buffer_ptrs: Sequence[int], rank: int,
+                       offsets: Sequence[int]) -> tuple[int, ...]:
+    """The address of one symmetric tensor on every rank, in rank order.
+
+    ``buffer_ptrs`` (the rendezvous handle's, one per rank) are the bases of the ranks'
+    allocations; the tensor, at ``data_ptr`` on this rank, may start at an offset into its
+    allocation (pooled symmetric allocations), so rank r's address is ``buffer_ptrs[r] + offset``.
+    That holds only where the offset is the same on every rank: ``offsets`` is every rank's
+    ``data_ptr - buffer_ptrs[rank]``, gathered in rank order.
+    """
+    world = len(offsets)
+    if len(buffer_ptrs) != world:
+        raise PeerError(f"rendezvous returned {len(buffer_ptrs)} peer pointers for {world} ranks")
+    if not 0 <= rank < world:
+        raise PeerError(f"rank {rank} is not in [0, P={world})")
+    offset = data_ptr - buffer_ptrs[rank]
+    if offset < 0:
+        raise PeerError(f"the tensor at {data_ptr:#x} lies before its allocation at "
+                        f"{buffer_ptrs[rank]:#x} (rank {rank})")
+    if any(o != offset for o in offsets):
+        raise PeerError(f"symmetric buffer offsets differ across ranks: {list(offsets)}")
+    ptrs = tuple(p + offset for p in buffer_ptrs)
+    if any(p == 0 or p % ALIGN_BYTES for p in ptrs):
+        raise PeerError(f"peer pointers must be non-null and {ALIGN_BYTES}-byte aligned: "
+                        f"{[hex(p) for p in ptrs]}")
+    return ptrs
+
+
+def symmetric_buffer(numel: int, dtype: torch.dtype,
+                     group: dist.ProcessGroup | None = None) -> SymmetricBuffer:
+    """Allocate ``numel`` elements of ``dtype`` of torch symmetric memory on every rank, on the
+    current GPU, and exchange the addresses. Collective over ``group`` (default: WORLD).
+
+    Checks first, with a ``PeerError``, that NVLink multicast is off (``SAFE_ENV``), that all ranks
+    are on one host with peer access between all their GPUs, then that the tensor sits at the same
+    offset into every rank's allocation.
+    """
+    wrong = {k: os.environ.get(k) for k, v in SAFE_ENV.items() if os.environ.get(k) != v}
+    if wrong:
+        raise PeerError(f"NVLink multicast stays off: symmetric memory needs {SAFE_ENV}, got {wrong}")
+    if numel < 1:
+        raise ValueError(f"a symmetric buffer needs at least one element, got {numel}")
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = dist.group.WORLD if group is None else group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device())
+    places = [None] * world
+    dist.all_gather_object(places, (socket.gethostname(), device.index), group=group)
+    check_peer_places(places, rank, torch.cuda.can_device_access_peer)
+    tensor = symm_mem.empty(numel, dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(tensor, group)
+    offsets = [None] * world
+    dist.all_gather_object(offsets, tensor.data_ptr() - handle.buffer_ptrs[rank], group=group)
+    ptrs = peer_base_pointers(tensor.data_ptr(), handle.buffer_ptrs, rank, offsets)
+    return SymmetricBuffer(tensor, handle, ptrs, torch.tensor(ptrs, dtype=torch.int64, device=device),
+                           rank, world)
 
 
 @dataclass(frozen=True)

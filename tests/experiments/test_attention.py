@@ -147,7 +147,7 @@ def test_all_to_all_single_permutes_into_the_ulysses_layout(tmp_path):
 
 
 def test_table3_row_follows_eq_21():
-    med = dict(fa=100.0, fa_same_code=104.0, sdpa=80.0, a2a_nccl=30.0, a2a_remote=20.0,
+    med = dict(fa=100.0, fa_same_code=104.0, fa_same_code_fenced=125.0, sdpa=80.0, a2a_nccl=30.0, a2a_remote=20.0,
                serial=140.0, fused=110.0, fused_fenced=130.0, sdpa_nccl=120.0)
     iqr = {m: 1.0 for m in med}
     row = attention_bench.table3_row(8192, 24, 128, 4, med, iqr)
@@ -156,6 +156,7 @@ def test_table3_row_follows_eq_21():
     assert row["e_res_us"] == pytest.approx(10.0)
     assert row["e_res_same_code_us"] == pytest.approx(6.0)
     assert row["e_res_fenced_us"] == pytest.approx(30.0)
+    assert row["e_res_fenced_same_code_us"] == pytest.approx(5.0)
     assert row["hiding_ratio_fenced"] == pytest.approx(1 - 30 / 40)
     assert row["speedup_fenced"] == pytest.approx(140 / 130)
     flops = 4 * 8192 ** 2 * 128 * 24 / 4
@@ -202,10 +203,10 @@ def test_flash_attention_compiles_for_hopper(compiled_kernels, d, remote):
 
 @pytest.mark.parametrize("d", attention.HEAD_DIMS)
 def test_candidate_configs_fit_hopper_at_their_occupancy(compiled_kernels, d):
-    """Every candidate builds for sm_90 without spills, and ctas_per_sm is the occupancy its
-    registers and shared memory allow (H100/H200: 64K registers, 228 KB shared memory per SM,
-    1 KB of it reserved per CTA, 2048 threads)."""
-    for cfg in compiled_kernels.CANDIDATES[d]:
+    """Every candidate (the table's and ``--fa-only``'s) builds for sm_90 without spills, and
+    ctas_per_sm is the occupancy its registers and shared memory allow (H100/H200: 64K registers,
+    228 KB shared memory per SM, 1 KB of it reserved per CTA, 2048 threads)."""
+    for cfg in attention_bench.fa_only_candidates(d):
         threads = 32 * cfg["num_warps"]
         fits = []
         for remote in (False, True):
@@ -269,13 +270,32 @@ def test_fa_only_rejects_unknown_configs_before_launch(no_launch):
 
 def test_paired_row_pairs_fused_and_fenced_with_both_baselines():
     trials = dict(fa=[100.0, 200.0, 101.0], fa_same_code=[98.0, 196.0, 99.0],
-                  fused=[103.0, 206.0, 104.0], fused_fenced=[110.0, 220.0, 111.0])
+                  fused=[103.0, 206.0, 104.0], fused_fenced=[110.0, 220.0, 111.0],
+                  fa_same_code_fenced=[108.0, 217.0, 110.0])
     clocks = dict(fa=[1980.0, 990.0, 1980.0], fa_same_code=[1980.0, 990.0, 1965.0],
-                  fused=[1980.0, 1500.0, 1980.0], fused_fenced=[1980.0, 990.0, None])
+                  fused=[1980.0, 1500.0, 1980.0], fused_fenced=[1980.0, 990.0, None],
+                  fa_same_code_fenced=[1980.0, 990.0, 1980.0])
     row = attention_bench.paired_row(trials, clocks)
     assert row["e_res_paired_fa_us"] == 3.0                   # 3, 6, 3
     assert row["e_res_paired_fa_matched_us"] == 3.0           # trial 2's clocks differ
     assert row["e_res_paired_fa_matched_trials"] == 2
     assert row["e_res_fenced_paired_fa_same_code_us"] == 12.0  # 12, 24, 12
     assert row["e_res_fenced_paired_fa_matched_trials"] == 2   # trial 3's clock unknown
+    assert row["e_res_fenced_paired_fa_same_code_fenced_us"] == 2.0  # 2, 3, 1
     assert row["sm_clock_min_mhz"] == 990.0 and row["sm_clock_max_mhz"] == 1980.0
+
+
+def test_receive_buffer_views_and_barrier():
+    from tests.test_platform import fake_symmetric_buffer
+
+    sym = fake_symmetric_buffer(4 * 8 * 64, world=2)
+    buf = attention.ReceiveBuffer(sym)
+    recv = buf.view(8, 8, 64)  # [M/P, H, d] prefix of the flat buffer
+    assert recv.shape == (4, 8, 64) and recv.data_ptr() == sym.tensor.data_ptr()
+    assert buf.peer_ptrs is sym.table
+    buf.barrier()
+    assert sym.handle.barriers == [0]
+    with pytest.raises(ValueError, match="exceeds the receive buffer of 2048 elements"):
+        buf.view(16, 8, 64)
+    with pytest.raises(ValueError):
+        buf.view(7, 8, 64)  # M not divisible by P

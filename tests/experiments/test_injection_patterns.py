@@ -188,3 +188,81 @@ def test_no_refit_verdict_applies_the_threshold_to_each_sweep():
         "store16", "store4", "bulk", "red_add_f32"]
     assert plots.operations_left_out(entry).to_dict("records") == [
         {"operation": "load16", "reason": "load check failed"}]
+
+
+def _source_launches_and_kernel_s(configs: list[tuple[dict, float]], repeats: int):
+    """Over ``(config, rate)`` pairs run as ``calibrate_configs`` runs them (a probe, then the
+    three sweeps, each point warmed up once): the launches times their source GPUs, and the
+    kernels' own seconds (``sweep_seconds`` with no host overhead)."""
+    from xstage_lab.experiments.remote_ops import config_sweeps, sweep_seconds
+
+    settings = BenchSettings()
+    source_launches, kernel_s = 0, 0.0
+    for cfg, rate in configs:
+        sweeps = config_sweeps(cfg, 132, dict(op="store16"), rate, settings, repeats)
+        launches = 1 + sum(len(sw.points()) * (sw.repeats + sw.warmup) for sw in sweeps)
+        source_launches += launches * len(parse_routes(cfg["routes"]))
+        kernel_s += sum(sweep_seconds(sw, rate, settings, launch_overhead_s=0.0) for sw in sweeps)
+    return source_launches, kernel_s
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_every_route_set_fits_the_budget(n):
+    """Issue 7: one call measures every route set of 8 GPUs. The estimate takes the host time per
+    launch and source GPU that the committed 2-GPU record took beyond its kernels (~11 ms: poison,
+    checks, copies, per-burst rows), and the 2-GPU one-to-one R scaled by each route set's drain
+    share (all-to-one on 8 GPUs: 1/7, seven times longer bursts)."""
+    from xstage_lab.experiments.injection_patterns import PATTERNS_BUDGET_S, default_repeats
+    from xstage_lab.records import latest_record
+
+    rec = latest_record("remote_patterns", "h200-x2").params
+    rates = {label.removeprefix("routes="): r["drain_sweep"] for label, r in rec["rates_GBps"].items()}
+    measured = [({"routes": r}, rate) for r, rate in rates.items()]
+    launches, kernel_s = _source_launches_and_kernel_s(measured, rec["sweeps"][0]["repeats"])
+    host_s = (rec["elapsed_s"] - kernel_s) / launches
+    assert 0.002 < host_s < 0.05
+
+    one_to_one = rates["0>1"]
+    configs = [({"routes": r}, one_to_one * min(drain_share(parse_routes(r)).values()))
+               for r in route_sets(pattern_instances(n))]
+    launches, kernel_s = _source_launches_and_kernel_s(configs, default_repeats(n))
+    estimate = kernel_s + host_s * launches
+    assert estimate <= PATTERNS_BUDGET_S, f"{n} GPUs: ~{estimate:.0f} s"
+    # the fits and the write follow the sweeps inside the same 10-minute call
+    assert PATTERNS_BUDGET_S <= 600 - 120
+
+
+def test_default_repeats():
+    from xstage_lab.experiments.injection_patterns import default_repeats
+
+    assert [default_repeats(n) for n in (2, 3, 4, 5, 8)] == [5, 5, 5, 3, 3]
+
+
+def test_drain_heatmap_of_eight_gpus():
+    """The topology heat map of 8 GPUs: all 56 one-to-one fits, each at [src, dst], the diagonal
+    empty; a pattern instance of several sources does not enter it."""
+    import numpy as np
+
+    from xstage_lab import plots
+
+    def fit(src, dst):
+        R = 100.0 * src + dst
+        return {"key": "", "src": src, "R_GBps": R, "R_GBps_iqr": [R, R],
+                "T_iss0_us": {"K=132,B=16384": 0.5}, "Q_MiB": {"K=132": 2.0},
+                "knee_KB_per_producer": {"K=132": 18.0}, "G_star_us": {"K=132,B=16384": 5.0},
+                "gap_prediction_median_abs_err_pct": 1.0}
+
+    inst = pattern_instances(8)
+    entry = {"per_instance": [
+        {**i, "sources": [fit(s, d[0]) for s, d in parse_routes(i["routes"])]} for i in inst]}
+    heat = plots.patterns_drain_heatmap(entry, "h200-x8").data[0]
+    z = np.asarray(heat.z, dtype=float)
+    assert z.shape == (8, 8)
+    assert list(heat.x) == [f"to GPU {d}" for d in range(8)]
+    assert list(heat.y) == [f"GPU {s}" for s in range(8)]
+    for s in range(8):
+        for d in range(8):
+            assert np.isnan(z[s, d]) if s == d else z[s, d] == 100.0 * s + d
+    table = plots.patterns_table(entry)
+    # 56 one-to-one + 8 one-to-all + 8 all-to-one of 7 sources + all-to-all of 8
+    assert len(table) == 56 + 8 + 8 * 7 + 8

@@ -39,7 +39,7 @@ from xstage_lab.checks import relative_error
 from xstage_lab.experiments import moe
 from xstage_lab.experiments.moe_bench import TOLERANCE
 from xstage_lab.experiments.moe_schedules import (
-    L1, L2, MoEProblem, Schedule, ScheduleError, Tile, d_knee, execution_order,
+    L1, L2, MoEProblem, Schedule, ScheduleError, Tile, check_schedule, d_knee, execution_order,
     expert_wave_schedule, interleaved_schedule)
 
 # Tiny shapes with the kernel's structure intact: several experts per rank, P_1 = P_2 = 2 tiles,
@@ -152,9 +152,14 @@ def _prepare(layer, rank=0, schedule=None, buffers=None, config=TINY_TILES, **kw
                                  config=config, **kw)
 
 
-def test_dispatch_layout_is_consistent(bf16_layer):
-    layer = bf16_layer
+@pytest.mark.parametrize("world", WORLDS)
+def test_dispatch_layout_is_consistent(world):
+    """Every rank's rows: its own local experts (contiguous placement, E/P each), padded per
+    expert, each row the token and slot its source sent, across P = 2, 4, 8 ranks."""
+    layer = simulate_layer("bf16", world, seed=world)
+    assert sum(sum(lay.recv_counts) for lay in layer.layouts) == world * TINY["tokens"] * TINY["top_k"]
     for rank, layout in enumerate(layer.layouts):
+        assert len(layout.recv_counts) == world and len(layout.tokens_per_expert) == 2
         assert layout.num_rows == TINY_TILES.block_m * sum(layout.blocks_per_expert)
         valid = layout.row_slot >= 0
         assert int(valid.sum()) == sum(layout.tokens_per_expert) == sum(layout.recv_counts)
@@ -189,6 +194,34 @@ def test_bench_arguments():
     assert a.models == ["Hy3", "DiT-MoE"] and a.precisions == ["fp8"] and a.tokens == [512]
     with pytest.raises(SystemExit):
         parse_args(["--out", "x.json", "--models", "GPT-5"])
+
+
+@pytest.mark.parametrize("model", list(moe.load_shapes()))
+def test_model_shapes_at_ep8_schedule_on_the_loaded_rank(model):
+    """EP = 8, skewed routing, 2048 tokens per rank (the matrix's least): the rank that
+    receives the most rows (hot experts) gets both schedules on 132 programs with D_knee, every
+    rule of ``check_schedule`` holding, and every routed slot lands on exactly one rank."""
+    world, tokens, programs = 8, 2048, 132
+    shape = moe.load_shapes()[model]
+    cfg = moe.default_tile_config("fp8")
+    plans = [moe.plan_send(moe.router_topk(moe.router_logits(tokens, shape.routed_experts,
+                                                             "skewed", seed=1, rank=r),
+                                           shape.top_k)[0], shape.routed_experts, world)
+             for r in range(world)]
+    received = np.sum([p.counts for p in plans], axis=0)
+    assert received.sum() == world * tokens * shape.top_k
+    per_rank = moe.check_expert_parallel(shape.routed_experts, world)
+    loaded = int(received.argmax())
+    experts = torch.cat([p.experts for p in plans])
+    mine = experts[experts // per_rank == loaded] % per_rank
+    tokens_per_expert = torch.bincount(mine, minlength=per_rank).tolist()
+    problem = MoEProblem(tuple(-(-n // cfg.block_m) for n in tokens_per_expert),
+                         shape.intermediate // cfg.block_n1, shape.hidden // cfg.block_n2)
+    knee = d_knee(2 * cfg.block_n1, programs, shape.intermediate)
+    for schedule in (expert_wave_schedule(problem, programs),
+                     interleaved_schedule(problem, programs, knee)):
+        check_schedule(problem, schedule)
+        assert schedule.num_programs == programs
 
 
 def test_top_k_above_experts_rejected():
@@ -451,6 +484,26 @@ def test_compiles_for_sm90():
         assert detail["spill_store_bytes"] == 0, (name, detail)
         assert detail["release_ops"] >= 2 and detail["acquire_loads"] >= 1, (name, detail)
         assert detail["vector_stores"] > 0, (name, detail)
+
+
+def test_symmetric_combine_views_its_buffer(monkeypatch):
+    """``SymmetricCombine`` over a CPU stand-in for the symmetric buffer (no process group)."""
+    from tests.test_platform import fake_symmetric_buffer
+
+    sym = fake_symmetric_buffer(16 * 64, world=2)
+    seen = []
+    monkeypatch.setattr(moe, "symmetric_buffer",
+                        lambda numel, dtype, group: seen.append((numel, dtype, group)) or sym)
+    combine = moe.SymmetricCombine(16 * 64)
+    assert seen == [(16 * 64, torch.bfloat16, None)]
+    rows = combine.rows(8, 64)
+    assert rows.shape == (8, 64) and rows.data_ptr() == sym.tensor.data_ptr()
+    peers = combine.peers(8, 64)
+    assert (peers.ptrs, peers.table, peers.world) == (sym.ptrs, sym.table, 2)
+    combine.barrier()
+    assert sym.handle.barriers == [0]
+    with pytest.raises(moe.MoEContractError, match="exceeds the 1024 elements"):
+        combine.peers(32, 64)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,6 @@ Device code: ``kernels/flash_attention.py``.
 from __future__ import annotations
 
 import math
-import os
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,14 +32,13 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernel_sources import load_kernel_module
+from ..platform import ALIGN_BYTES, SymmetricBuffer, symmetric_buffer
 
 _kernels = load_kernel_module("flash_attention")
 
 DTYPE = torch.bfloat16
 HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
-# A symmetric-memory pointer must allow 16-byte stores (TMA and vector stores need it too).
-ALIGN_BYTES = 16
 
 
 def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
@@ -239,73 +236,40 @@ def reference_ulysses(q_all: Sequence[torch.Tensor], k_all: Sequence[torch.Tenso
     return ulysses_gather([reference_attention(q, k, v) for q, k, v in zip(q_all, k_all, v_all)])
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReceiveBuffer:
-    """A symmetric-memory receive buffer and its peer pointer table, sized for the largest case.
+    """The receive buffer of every rank, one bf16 ``SymmetricBuffer`` sized for the largest case.
 
-    ``buffer`` is a flat bf16 allocation on every rank; ``view(M, heads, d)`` is its [M/P, H, d]
-    prefix, and ``peer_ptrs`` (int64 [P], on this rank's device) the base addresses of that prefix
-    on every rank, for the REMOTE epilogue and ``remote_store_a2a``.
+    ``view(M, heads, d)`` is its [M/P, H, d] prefix, and ``peer_ptrs`` (int64 [P], on this rank's
+    device) the base addresses of that prefix on every rank, for the REMOTE epilogue and
+    ``remote_store_a2a``.
     """
 
-    buffer: torch.Tensor
-    handle: object
-    peer_ptrs: torch.Tensor
-    rank: int
-    world: int
+    symmetric: SymmetricBuffer
+
+    @property
+    def peer_ptrs(self) -> torch.Tensor:
+        return self.symmetric.table
 
     def view(self, seq_len: int, heads: int, head_dim: int) -> torch.Tensor:
-        check_ulysses_shape(seq_len, heads, self.world)
-        n = seq_len // self.world * heads * head_dim
-        if n > self.buffer.numel():
-            raise ValueError(f"[{seq_len // self.world}, {heads}, {head_dim}] exceeds the receive "
-                             f"buffer of {self.buffer.numel()} elements")
-        return self.buffer[:n].view(seq_len // self.world, heads, head_dim)
+        buffer, world = self.symmetric.tensor, self.symmetric.world
+        check_ulysses_shape(seq_len, heads, world)
+        n = seq_len // world * heads * head_dim
+        if n > buffer.numel():
+            raise ValueError(f"[{seq_len // world}, {heads}, {head_dim}] exceeds the receive "
+                             f"buffer of {buffer.numel()} elements")
+        return buffer[:n].view(seq_len // world, heads, head_dim)
 
     def barrier(self) -> None:
-        """Consumer-side completion, once per launch: a device barrier over the signal pads
-        (release/acquire at system scope) on the current stream, after which every rank's remote
-        stores issued earlier on its stream are visible to every rank."""
-        self.handle.barrier(channel=0)
+        """Consumer-side completion, once per launch (``SymmetricBuffer.barrier``)."""
+        self.symmetric.barrier()
 
 
 def symmetric_receive_buffer(numel: int, group: dist.ProcessGroup | None = None) -> ReceiveBuffer:
-    """Allocate ``numel`` bf16 of torch symmetric memory on every rank and exchange the pointers.
-
-    Checks first, with a clear error, that all ranks are on one host and every pair of their GPUs
-    has peer access (remote stores need it), and that NVLink multicast is off
-    (TORCH_SYMM_MEM_DISABLE_MULTICAST=1). Collective over ``group``.
-    """
-    import torch.distributed._symmetric_memory as symm_mem
-
-    group = group or dist.group.WORLD
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") != "1":
-        raise RuntimeError("TORCH_SYMM_MEM_DISABLE_MULTICAST=1 must be set: NVLink multicast stays off")
-    device = torch.device("cuda", torch.cuda.current_device())
-    places = [None] * world
-    dist.all_gather_object(places, (socket.gethostname(), device.index), group=group)
-    for peer, (host, index) in enumerate(places):
-        if host != places[rank][0]:
-            raise RuntimeError(f"rank {peer} is on host {host}, rank {rank} on {places[rank][0]}: "
-                               "remote stores need every rank on one host")
-        if peer != rank and not torch.cuda.can_device_access_peer(device.index, index):
-            raise RuntimeError(f"GPU {device.index} (rank {rank}) has no peer access to GPU {index} "
-                               f"(rank {peer}): remote stores need peer access between all GPUs")
-    buffer = symm_mem.empty(numel, dtype=DTYPE, device=device)
-    handle = symm_mem.rendezvous(buffer, group)
-    # buffer_ptrs are the bases of the ranks' allocations; the tensor may start at an offset into
-    # it (pooled symmetric allocations), which must be the same on every rank.
-    offset = buffer.data_ptr() - handle.buffer_ptrs[rank]
-    offsets = [None] * world
-    dist.all_gather_object(offsets, offset, group=group)
-    if len(set(offsets)) != 1:
-        raise RuntimeError(f"symmetric buffer offsets differ across ranks: {offsets}")
-    ptrs = [p + offset for p in handle.buffer_ptrs]
-    if any(p == 0 or p % ALIGN_BYTES for p in ptrs):
-        raise RuntimeError(f"peer pointers must be non-null and {ALIGN_BYTES}-byte aligned: {ptrs}")
-    return ReceiveBuffer(buffer, handle, torch.tensor(ptrs, dtype=torch.int64, device=device),
-                         rank, world)
+    """Allocate ``numel`` bf16 of torch symmetric memory on every rank and exchange the pointers
+    (``platform.symmetric_buffer``: refuses, before allocating, ranks on several hosts, GPUs
+    without peer access and NVLink multicast left on). Collective over ``group``."""
+    return ReceiveBuffer(symmetric_buffer(numel, DTYPE, group))
 
 
 def _check_head_dim(d: int) -> None:
@@ -346,7 +310,7 @@ def _check_qkv(q, k, v, config):
 def _check_peer_ptrs(peer_ptrs: torch.Tensor, device: torch.device, rank: int, world: int,
                      seq_len: int) -> None:
     """Metadata only: reading device entries would synchronize (and break CUDA-graph capture);
-    ``symmetric_receive_buffer`` validates the entries when it builds the table."""
+    ``platform.symmetric_buffer`` validates the entries when it builds the table."""
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} must be in [0, P={world})")
     if seq_len % world:

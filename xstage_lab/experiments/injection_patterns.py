@@ -25,7 +25,18 @@ from .remote_ops import (OpsSettings, RemoteOpsBench, calibrate_configs, drain_s
                          fit_entry, format_routes, parse_routes)
 
 PATTERNS = ("one_to_one", "one_to_all", "all_to_one", "all_to_all")
-PATTERNS_BUDGET_S = 60.0   # device time the patterns may take (~10 s on 2 GPUs)
+# Device time the route sets may take (measured 16.5 s on 2 GPUs; from that, ~2.2 min on 4 and
+# ~6 min on 8 at ``default_repeats``), leaving the fits and the record's write (~1.5 min for the
+# 128 source fits of 8 GPUs) inside one 10-minute device call.
+PATTERNS_BUDGET_S = 420.0
+
+
+def default_repeats(n_gpus: int) -> int:
+    """Repeats per point: 5 up to four GPUs, 3 beyond. The P(P − 1) one-to-one route sets make
+    most of the work (56 of the 73 route sets on 8 GPUs, ~325 launches each at 5 repeats, ~217 at
+    3): at 5 repeats the 8-GPU patterns would need ~9 min before their fits, past one device
+    call."""
+    return 5 if n_gpus <= 4 else 3
 
 
 def pattern_instances(n_gpus: int) -> list[dict]:
@@ -78,12 +89,14 @@ def pattern_fits(table: pd.DataFrame, platform: str) -> dict[str, list[dict]]:
     return out
 
 
-def run_patterns(repeats: int = 5, settings: OpsSettings = OpsSettings(), progress: bool = True,
-                 budget_s: float = PATTERNS_BUDGET_S, root: Path = RECORDS_DIR) -> Path:
+def run_patterns(repeats: int | None = None, settings: OpsSettings = OpsSettings(),
+                 progress: bool = True, budget_s: float = PATTERNS_BUDGET_S,
+                 root: Path = RECORDS_DIR) -> Path:
     """Measure every injection pattern on this machine's GPUs and save one ``remote_patterns``
     record: per-burst rows of every source (``routes``, ``src``), and in its parameters the
     pattern instances, their degeneracy on this machine, every source's fit and the route sets
-    left out (a failed check, or past ``budget_s``: on 8 GPUs the 73 route sets need ~3 min)."""
+    left out (a failed check, or past ``budget_s``). ``repeats``: per point (None:
+    ``default_repeats`` for this machine's GPUs)."""
     from ..platform import platform_name, provenance
 
     t0 = time.monotonic()
@@ -93,6 +106,7 @@ def run_patterns(repeats: int = 5, settings: OpsSettings = OpsSettings(), progre
     if n < 2:
         raise RuntimeError("injection patterns need two peer-capable GPUs")
     instances = pattern_instances(n)
+    repeats = default_repeats(n) if repeats is None else repeats
     K = min(g.sm_count for g in inv.gpus[:n])
     fixed = dict(op="store16")
     table, facts = calibrate_configs(bench, [{"routes": r} for r in route_sets(instances)], fixed,

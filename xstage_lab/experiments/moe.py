@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernel_sources import load_kernel_module
+from ..platform import ALIGN_BYTES, symmetric_buffer
 from .moe_schedules import L1, L2, MoEProblem, Schedule, check_schedule, tile_table
 
 SHAPES_PATH = Path(__file__).resolve().parents[2] / "data" / "moe_shapes.json"
@@ -391,8 +392,9 @@ class CombinePeers:
     def __post_init__(self):
         if len(self.ptrs) < 1 or any(p == 0 for p in self.ptrs):
             raise MoEContractError(f"every peer needs a mapped Combine buffer, got {self.ptrs}")
-        if any(p % 16 for p in self.ptrs):
-            raise MoEContractError("Combine buffers must be 16-byte aligned (16-byte remote stores)")
+        if any(p % ALIGN_BYTES for p in self.ptrs):
+            raise MoEContractError(f"Combine buffers must be {ALIGN_BYTES}-byte aligned "
+                                   f"({ALIGN_BYTES}-byte remote stores)")
         if self.table.dtype != torch.int64 or tuple(self.table.shape) != (len(self.ptrs),):
             raise MoEContractError("the peer table must be int64 [P]")
 
@@ -429,45 +431,29 @@ def local_store_control(peers: CombinePeers, local: torch.Tensor) -> CombinePeer
 
 class SymmetricCombine:
     """One symmetric-memory Combine buffer per rank holding ``capacity`` bf16 elements, viewed per
-    call as ``[slots, hidden]`` (torch ``_symmetric_memory.empty`` + ``rendezvous``; stores go
-    through the peers' ``buffer_ptrs``; NVLink multicast is never used)."""
+    call as ``[slots, hidden]`` (``platform.symmetric_buffer``: torch ``_symmetric_memory``; stores
+    go through the peers' base addresses; NVLink multicast is never used). Collective over
+    ``group``."""
 
-    def __init__(self, capacity: int, *, group=None, device=None):
-        import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
-        group = dist.group.WORLD if group is None else group
-        device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
-        self.buffer = symm_mem.empty(capacity, dtype=torch.bfloat16, device=device)
-        self.handle = symm_mem.rendezvous(self.buffer, group)
-        world = dist.get_world_size(group)
-        devices = [None] * world
-        dist.all_gather_object(devices, device.index, group=group)
-        missing = [d for d in devices if d != device.index
-                   and not torch.cuda.can_device_access_peer(device.index, d)]
-        if missing:
-            raise MoEContractError(f"GPU {device.index} has no peer access to GPU(s) {missing}")
-        # The tensor may sit inside a larger symmetric allocation, at the same offset on every rank.
-        offset = self.buffer.data_ptr() - self.handle.buffer_ptrs[self.handle.rank]
-        self.base_ptrs = tuple(p + offset for p in self.handle.buffer_ptrs)
-        if len(self.base_ptrs) != world:
-            raise MoEContractError(f"rendezvous returned {len(self.base_ptrs)} peers for {world} ranks")
-        self.table = torch.tensor(self.base_ptrs, dtype=torch.int64, device=device)
+    def __init__(self, capacity: int, *, group=None):
+        self.symmetric = symmetric_buffer(capacity, torch.bfloat16, group)
 
     def rows(self, slots: int, hidden: int) -> torch.Tensor:
         """This rank's own buffer as ``[slots, hidden]``."""
-        if slots * hidden > self.buffer.numel():
-            raise MoEContractError(f"[{slots}, {hidden}] exceeds the {self.buffer.numel()} elements "
+        buffer = self.symmetric.tensor
+        if slots * hidden > buffer.numel():
+            raise MoEContractError(f"[{slots}, {hidden}] exceeds the {buffer.numel()} elements "
                                    "allocated")
-        return self.buffer[: slots * hidden].view(slots, hidden)
+        return buffer[: slots * hidden].view(slots, hidden)
 
     def peers(self, slots: int, hidden: int) -> CombinePeers:
         self.rows(slots, hidden)
-        return CombinePeers(self.base_ptrs, self.table, slots, hidden)
+        return CombinePeers(self.symmetric.ptrs, self.symmetric.table, slots, hidden)
 
     def barrier(self) -> None:
-        """Stream-ordered barrier over the group: earlier stores (this rank's remote ones
-        included) are visible to every peer's later work."""
-        self.handle.barrier(channel=0)
+        """Stream-ordered barrier over the group (``SymmetricBuffer.barrier``): earlier stores
+        (this rank's remote ones included) are visible to every peer's later work."""
+        self.symmetric.barrier()
 
 
 # ------------------------------------------------------------------------------------ fused path
