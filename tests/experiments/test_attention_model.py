@@ -31,6 +31,18 @@ def test_predictions_hand_worked(cal):
     assert p["m_star_ub"] == model.convergence_bound(p["g_star_us"], 145.0 / 64, 128)
 
 
+def test_predictions_at_p8(cal):
+    # M = 8192, H = 24, P = 8: 64 row tiles × 3 local heads = 192 tiles on 132 programs → 2 waves,
+    # every program busy in the first; at M = 4096 (96 tiles) fewer producers than programs
+    table = pd.DataFrame([dict(M=8192, heads=24, head_dim=128, P=8, fa_us=290.0, e_res_us=1.0),
+                          dict(M=4096, heads=24, head_dim=128, P=8, fa_us=40.0, e_res_us=1.0)])
+    p8, p4 = (r for _, r in residual_predictions(table, cal, 128, 128, 132).iterrows())
+    assert (p8["waves"], p8["producers"], p8["g_qloop_us"]) == (2, 132, 145.0)
+    assert p8["kv_tile_us"] == pytest.approx(145.0 / 64)
+    assert (p4["waves"], p4["producers"], p4["burst_volume"]) == (1, 96, 96 * 32768)
+    assert p4["t_iss0_us"] == cal.platform_model().t_iss0_at(96, 32768)
+
+
 def test_short_qloop_exposes_the_drain(cal):
     # a Q-loop far shorter than V/R: eq. 18 gives a stall, eq. 19 subtracts the QK cover
     table = pd.DataFrame([dict(M=1024, heads=2, head_dim=128, P=2, fa_us=8.0, e_res_us=0.0)])
@@ -99,6 +111,15 @@ def test_prediction_check_scores_both_epilogues():
     assert c["completion_coupled_err_pct"] == pytest.approx(3.0)
     assert not c["completion_coupled_in_iqr"]
     assert c["fenced_measured_pct"] == pytest.approx(5.0)
+    assert c["fenced_control"] == "fa_same_code"
+    # a record with the fenced build's own local control scores the fenced residual against it
+    pred = pred.assign(e_res_fenced_paired_fa_same_code_fenced_us=[7.0],
+                       e_res_fenced_paired_fa_same_code_fenced_rel_pct=[7.0],
+                       e_res_fenced_paired_fa_same_code_fenced_p25_us=[7.5],
+                       e_res_fenced_paired_fa_same_code_fenced_p75_us=[9.0])
+    c = prediction_check(pred).iloc[0]
+    assert c["fenced_control"] == "fa_same_code_fenced"
+    assert c["fenced_measured_pct"] == pytest.approx(7.0) and c["completion_coupled_in_iqr"]
 
 
 def test_counterfactual_attention_entry(tmp_path):
@@ -176,6 +197,29 @@ def test_fenced_vs_decoupled_pairs_trials_and_counts_wins():
     r = fenced_vs_decoupled(rec).iloc[0]
     assert r["fa_minus_same_code_us"] == 4.0                 # differences 1, 3, 5, 7
     assert (r["fa_minus_same_code_p25_us"], r["fa_minus_same_code_p75_us"]) == (2.5, 5.5)
+    assert "fenced_minus_fenced_same_code_us" not in r
+    rec.params["raw"][0]["max_us"]["fa_same_code_fenced"] = [96.0, 108.0, 113.0, 126.0]
+    r = fenced_vs_decoupled(rec).iloc[0]
+    assert r["fenced_minus_fenced_same_code_us"] == 2.0      # differences 2, 3, 2, 0
+    assert r["fenced_build_minus_same_code_us"] == 101.5    # 87, 99, 104, 117
+
+
+def test_epilogue_builds_pair_each_build_with_local():
+    from types import SimpleNamespace
+
+    from xstage_lab.experiments.attention_model import epilogue_builds
+
+    trials = {"c": [100.0, 102.0, 104.0], "c+remote": [99.0, 103.0, 101.0],
+              "c+remote_fenced": [95.0, 97.0, 99.0], "cudnn": [80.0, 80.0, 80.0]}
+    runs = [SimpleNamespace(record_id="a", params={"params": {"epilogues": True},
+                                                   "raw": [{"M": 4096, "trials_us": trials}]}),
+            SimpleNamespace(record_id="b", params={"params": {}, "raw": []})]
+    t = epilogue_builds(runs)
+    assert list(t["config"]) == ["c"]                       # cuDNN and non-epilogue runs left out
+    r = t.iloc[0]
+    assert r["remote_minus_local_us"] == -1.0               # differences -1, +1, -3
+    assert r["remote_fenced_minus_local_us"] == -5.0
+    assert r["remote_fenced_minus_local_pct"] == pytest.approx(-5.0 / 102.0 * 100)
 
 
 def test_tuning_table_orders_runs_by_creation_and_keeps_the_best(tmp_path):

@@ -94,14 +94,17 @@ def paired_difference(minuend_us, subtrahend_us, minuend_mhz=None, subtrahend_mh
                 matched_trials=int(matched.sum()))
 
 
-# (method, residual name): the decoupled epilogue (X-Stage, eqs. 18-19) and the fenced one
-# (completion-coupled, eq. 17, issue 8)
-RESIDUALS = (("fused", "e_res"), ("fused_fenced", "e_res_fenced"))
+# (method, residual name, same-code controls): the decoupled epilogue (X-Stage, eqs. 18-19) and
+# the fenced one (completion-coupled, eq. 17, issue 8), the latter also against its own build
+# storing locally (records from 2026-11-30 on), since the builds' Q-loops are scheduled apart
+RESIDUALS = (("fused", "e_res", ("fa", "fa_same_code")),
+             ("fused_fenced", "e_res_fenced", ("fa", "fa_same_code", "fa_same_code_fenced")))
 
 
 def paired_residuals(record) -> pd.DataFrame:
     """E_res from matched trials (§5.3): per trial, Fused (and Fused-fenced, where the record has
-    it) minus FA-only and minus the same-code FA-only, measured in the same rotation; the
+    it) minus FA-only and minus the same-code FA-only (for Fused-fenced also minus the fenced
+    build storing locally, where the record has it), measured in the same rotation; the
     median, IQR and share of T_FA of the differences, and the clock-matched median where the
     record has per-trial clocks (``paired_difference``)."""
     rows = []
@@ -109,8 +112,8 @@ def paired_residuals(record) -> pd.DataFrame:
         trials = raw["max_us"]
         clocks = raw.get("sm_clock_mhz", {})
         row = {"M": raw["M"]}
-        for method, name in RESIDUALS:
-            for base in ("fa", "fa_same_code"):
+        for method, name, bases in RESIDUALS:
+            for base in bases:
                 if method not in trials or base not in trials:
                     continue
                 r = paired_difference(trials[method], trials[base], clocks.get(method),
@@ -128,7 +131,8 @@ def prediction_check(predictions: pd.DataFrame) -> pd.DataFrame:
     """Per M, each prediction against the residual it predicts, from the paired trials against
     the same-code FA-only, all as shares of T_FA (%): the X-Stage prediction (eqs. 18-19)
     against the decoupled Fused residual and, where the record has the fenced epilogue, the
-    completion-coupled prediction (eq. 17) against the fenced one. ``*_err_pct`` is prediction
+    completion-coupled prediction (eq. 17) against the fenced one, whose control is the fenced
+    build storing locally where the record has it (``fenced_control``). ``*_err_pct`` is prediction
     minus measurement (points of T_FA); ``*_in_iqr`` whether the prediction lies inside the
     measured IQR (where it does not, the prediction fails at that M); ``nearer`` which
     prediction the decoupled residual is closer to."""
@@ -140,8 +144,12 @@ def prediction_check(predictions: pd.DataFrame) -> pd.DataFrame:
     for name, prediction, label in (("e_res", x_stage, "x_stage"),
                                     ("e_res_fenced", coupled, "completion_coupled")):
         tag = f"{name}_paired_fa_same_code"
+        if name == "e_res_fenced" and f"{tag}_fenced_us" in predictions:
+            tag = f"{tag}_fenced"
         if f"{tag}_us" not in predictions:
             continue
+        if name == "e_res_fenced":
+            out["fenced_control"] = tag.removeprefix("e_res_fenced_paired_")
         base = predictions[f"{tag}_us"] / predictions[f"{tag}_rel_pct"]
         measured = predictions[f"{tag}_rel_pct"]
         lo, hi = predictions[f"{tag}_p25_us"] / base, predictions[f"{tag}_p75_us"] / base
@@ -216,7 +224,10 @@ def summary_counterfactual(platform: str, root) -> dict:
 
 # counterfactual.attention's same-code keys -> the fa_a2a record's columns
 SAME_CODE_KEYS = {"fa_same_code_us": "fa_same_code_us",
+                  "fa_same_code_fenced_us": "fa_same_code_fenced_us",
                   "e_res_coupled_paired_same_code_us": "e_res_fenced_paired_fa_same_code_us",
+                  "e_res_coupled_paired_fenced_same_code_us":
+                      "e_res_fenced_paired_fa_same_code_fenced_us",
                   "e_res_decoupled_paired_same_code_us": "e_res_paired_fa_same_code_us"}
 
 
