@@ -111,3 +111,35 @@ def write_synthetic_beyond_records(root, n_gpus: int = 2, noise: float = 0.01):
                                       BenchSettings(), repeats=3)]
     patterns = synthetic_beyond_table(sweeps, noise=noise)
     return ops_path, write_patterns(patterns, facts, n_gpus, f"h200-x{n_gpus}", provenance, root)
+
+
+def write_eight_gpu_beside_committed(root) -> None:
+    """A records root with the committed h200-x2 records (the latest of each experiment) and an
+    h200-x8 platform beside them: the same measurements relabelled for eight GPUs (8 in the
+    provenance, P = 8 in the attention record, world_size = 8 in the MoE records) and injection
+    patterns and operations made from the model on eight GPUs."""
+    import copy
+    import shutil
+    from datetime import datetime
+
+    from xstage_lab.records import latest_record, write_record
+
+    for experiment in ("calibration", "remote_store", "visibility", "fa_a2a", "moe", "moe_trace",
+                       "remote_patterns", "remote_ops"):
+        rec = latest_record(experiment, "h200-x2")
+        copied = root / experiment / "h200-x2" / rec.path.name
+        copied.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(rec.path, copied)
+        if experiment in ("remote_patterns", "remote_ops"):
+            continue
+        table, params = rec.table.copy(), copy.deepcopy(rec.params)
+        for column in ("P", "world_size"):
+            if column in table:
+                table[column] = 8
+        if experiment == "fa_a2a":
+            params["params"]["P"] = 8
+        if "world_size" in params:
+            params["world_size"] = 8
+        write_record(experiment, "h200-x8", table, params, {**rec.provenance, "gpu_count": 8},
+                     root, created=datetime.fromisoformat(rec.meta["created_utc"]))
+    write_synthetic_beyond_records(root, n_gpus=8, noise=0.0)

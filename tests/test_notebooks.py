@@ -102,3 +102,56 @@ def test_failing_notebook_gives_nonzero_exit_and_names_the_cell(tmp_path, monkey
 def test_only_rejects_unknown_names():
     with pytest.raises(ValueError, match="no notebook"):
         runner.notebooks(["no_such_notebook"])
+
+
+def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_root, monkeypatch):
+    """Issue 7: the notebooks' calls in replay, with an h200-x8 platform's records beside the
+    committed h200-x2 ones: every side-by-side table and figure has both, in platform order, and
+    the per-platform ones work on the 8-GPU records (P = 8, 73 injection-pattern route sets)."""
+    import functools
+
+    from xstage_lab import plots
+    from xstage_lab.experiments import attention_model, injection_patterns, remote_ops, remote_store
+    from xstage_lab.experiments.visibility import load_visibility
+    from xstage_lab.launch import load_or_run
+    from xstage_lab.paper import published
+
+    root, both = eight_gpu_root, ["h200-x2", "h200-x8"]
+    # notebook 02 reads each record's calibration from the records root it replays
+    monkeypatch.setattr(remote_store, "latest_calibration",
+                        functools.partial(remote_store.latest_calibration, root=root))
+
+    # 01: Table 1, the calibration summary, the pairs heat maps, the visibility clocks
+    _, chars = remote_store.load_characterizations("replay", root=root)
+    assert [c.record.platform for c in chars] == both
+    cals = [c.calibration for c in chars]
+    assert list(plots.table1_comparison(published("table1"), cals).columns) == [
+        "quantity", "paper", *both]
+    assert list(plots.calibration_summary_table(cals).columns) == ["quantity", *both]
+    assert len(load_visibility("replay", root=root)) == 2
+    # 02: Table 3, the times per platform, Fig. 11 with each platform's predictions
+    _, fa = load_or_run("fa_a2a", "replay", root=root)
+    assert [r.platform for r in fa] == both
+    sources = set(plots.table3_comparison(published("table3"), fa)["source"])
+    assert {"h200-x2 Triton FA, P=2", "h200-x8 Triton FA, P=8"} <= sources
+    assert [a.text for a in plots.fa_a2a_times(fa).layout.annotations] == both
+    predictions = {r.platform: attention_model.record_predictions(r) for r in fa}
+    names = {t.name for t in plots.fig11_residual(published("table3"), fa, predictions).data}
+    assert any(n.startswith("h200-x8, P=8") for n in names)
+    assert any(n.startswith("h200-x2, P=2") for n in names)
+    # 03: the MoE headline, Fig. 8, Table 2, Condition 1 per platform
+    _, moe = load_or_run("moe", "replay", root=root)
+    _, traces = load_or_run("moe_trace", "replay", root=root)
+    assert plots.moe_headline(published("moe_headline"), moe)["source"].tolist() == ["paper", *both]
+    assert [a.text for a in plots.moe_speedups(moe).layout.annotations] == both
+    assert set(plots.moe_table2(published("table2"), traces)["source"]) == {"paper", *both}
+    for r in traces:
+        assert len(plots.moe_condition1(r, remote_store.latest_calibration(r.platform)
+                                        .platform_model()))
+    # 05: injection patterns and operations per platform
+    _, beyond = remote_ops.load_beyond("replay", root)
+    assert list(beyond) == both
+    rec = beyond["h200-x8"]["patterns"]
+    entry = injection_patterns.summary_entry(rec.params, rec.record_id)
+    assert len(plots.patterns_table(entry)) == 56 + 8 + 8 * 7 + 8
+    assert plots.patterns_drain_heatmap(entry, "h200-x8").data[0].z.shape == (8, 8)

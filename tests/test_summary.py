@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from xstage_lab.summary import summary
 
 
@@ -59,3 +61,23 @@ def test_counterfactual_carries_both_worlds():
         assert cf["sum_law_err_pct"] < cf["max_law_err_pct"]
         for row in cf["microbenchmark"]:
             assert row["period_coupled_us"] > 0 and row["period_decoupled_us"] > 0
+
+
+def test_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_root):
+    """Issue 7: an h200-x8 platform gets every entry the committed h200-x2 has, its own (P = 8,
+    8-GPU injection patterns), and leaves the h200-x2 entries as they were."""
+    platforms = summary(root=eight_gpu_root)["platforms"]
+    assert set(platforms) == {"h200-x2", "h200-x8"}
+    committed = summary()["platforms"]["h200-x2"]
+    assert json.dumps(platforms["h200-x2"], sort_keys=True) == json.dumps(committed, sort_keys=True)
+    x8 = platforms["h200-x8"]
+    assert set(x8) == set(committed)
+    assert {row["P"] for row in x8["fa_a2a"]} == {8}
+    assert x8["moe"]["configs"] == committed["moe"]["configs"]
+    pat = x8["patterns"]
+    assert pat["gpus"] == 8 and pat["degenerate"] == [] and not pat["excluded"]
+    assert len(pat["per_instance"]) == 56 + 8 + 8 + 1
+    by = {(i["pattern"], i["instance"]): i for i in pat["per_instance"]}
+    assert [s["src"] for s in by[("all_to_one", "dst=3")]["sources"]] == [0, 1, 2, 4, 5, 6, 7]
+    assert all(s["no_refit_from_baseline"]["share"] == pytest.approx(1 / 7, abs=1e-3)
+               for s in by[("all_to_one", "dst=3")]["sources"])

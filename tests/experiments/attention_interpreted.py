@@ -58,10 +58,12 @@ def test_flash_attention_matches_float32_reference(M, h_local, d, scale, num_pro
 
 # Tile-to-rank addressing of the REMOTE epilogue: every rank's output lands where the reference
 # layout says, bitwise equal to the LOCAL output permuted. (2, 96, 32): rows_per_rank = 48, so the
-# tile of rows 32..63 straddles ranks 0 and 1.
-@pytest.mark.parametrize("world,M,block", [(2, 96, 32), (4, 64, 16), (8, 128, 16)])
-def test_fused_epilogue_delivers_the_ulysses_layout(world, M, block):
-    h_local, d = 2, 64
+# tile of rows 32..63 straddles ranks 0 and 1; (8, 96, 16): rows_per_rank = 12, every other tile
+# straddles two of the 8 ranks, with the 3 local heads of H = 24 on P = 8.
+@pytest.mark.parametrize("world,M,block,h_local", [(2, 96, 32, 2), (4, 64, 16, 2), (8, 128, 16, 2),
+                                                   (8, 96, 16, 3)])
+def test_fused_epilogue_delivers_the_ulysses_layout(world, M, block, h_local):
+    d = 64
     cfg = dict(BLOCK_M=block, BLOCK_N=block)
     inputs = [_qkv(M, h_local, d, seed=10 * world + r) for r in range(world)]
     local = [att.flash_attention(*qkv, config=cfg, num_programs=3) for qkv in inputs]

@@ -120,7 +120,10 @@ def test_heads_not_divisible_by_P_are_rejected():
         attention_bench.validate(attention_bench.parse_args(["--out", "x", "--seq", "1026"]), 4)
     with pytest.raises(ValueError, match="multiple of the 256-row tiles"):
         attention_bench.validate(attention_bench.parse_args(["--out", "x", "--seq", "1000"]), 4)
-    attention_bench.validate(attention_bench.parse_args(["--out", "x"]), 4)  # the default sweep
+    for world in (2, 4, 8):  # the default sweep on every node size
+        attention_bench.validate(attention_bench.parse_args(["--out", "x"]), world)
+    with pytest.raises(ValueError, match="heads H=12 are not divisible by P=8"):
+        attention_bench.validate(attention_bench.parse_args(["--out", "x", "--heads", "12"]), 8)
 
 
 def test_cpu_tensors_need_the_interpreter():
@@ -141,9 +144,10 @@ def _gloo_a2a_worker(rank, world, init_file, M, h_local, d):
         dist.destroy_process_group()
 
 
-def test_all_to_all_single_permutes_into_the_ulysses_layout(tmp_path):
-    """``nccl_a2a``'s chunking and permute, over gloo on CPU with 4 processes."""
-    mp.spawn(_gloo_a2a_worker, args=(4, str(tmp_path / "init"), 8, 3, 4), nprocs=4)
+@pytest.mark.parametrize("world", [4, 8])
+def test_all_to_all_single_permutes_into_the_ulysses_layout(tmp_path, world):
+    """``nccl_a2a``'s chunking and permute, over gloo on CPU with 4 and 8 processes."""
+    mp.spawn(_gloo_a2a_worker, args=(world, str(tmp_path / "init"), 2 * world, 3, 4), nprocs=world)
 
 
 def test_table3_row_follows_eq_21():

@@ -313,14 +313,15 @@ def test_registered_for_measure_all_and_import():
     assert BENCHMARKS["moe_trace"] == "xstage_lab.experiments.moe_trace_bench"
 
 
-def test_local_store_control_contract():
-    layer = simulate_layer("bf16", 2)
+@pytest.mark.parametrize("world", [2, 8])
+def test_local_store_control_contract(world):
+    layer = simulate_layer("bf16", world)
     peers = moe.local_combine_peers(poisoned_buffers(layer))
-    local = torch.zeros(2, peers.slots, peers.hidden, dtype=torch.bfloat16)
+    local = torch.zeros(world, peers.slots, peers.hidden, dtype=torch.bfloat16)
     ctrl = moe.local_store_control(peers, local)
-    assert ctrl.ptrs == (local[0].data_ptr(), local[1].data_ptr()) and ctrl.slots == peers.slots
+    assert ctrl.ptrs == tuple(r.data_ptr() for r in local) and ctrl.slots == peers.slots
     with pytest.raises(moe.MoEContractError, match="local control buffer"):
-        moe.local_store_control(peers, local[:1].contiguous())
+        moe.local_store_control(peers, local[:world - 1].contiguous())
 
 
 # ------------------------------------------------------------- kernel cases in the interpreter
@@ -401,34 +402,34 @@ def case_variants_bitwise(precision: str) -> dict:
     return detail
 
 
-def case_local_store_control() -> dict:
+def case_local_store_control(world: int) -> dict:
     """The local-store control writes each row to local[source][slot], the values the remote
     run stores into that source's buffer; the peers' buffers stay poisoned."""
-    layer = simulate_layer("bf16", 2, seed=8)
+    layer = simulate_layer("bf16", world, seed=8)
     scheds = _linear(layer, "interleaved")
     plain, _ = _launch(layer, scheds)
     peers_bufs = poisoned_buffers(layer)
     peers = moe.local_combine_peers(peers_bufs)
     written = 0
     for rank, sched in enumerate(scheds):
-        local = torch.full((2, peers.slots, peers.hidden), float("nan"), dtype=torch.bfloat16)
+        local = torch.full((world, peers.slots, peers.hidden), float("nan"), dtype=torch.bfloat16)
         call = moe.prepare_fused_moe(layer.layouts[rank], layer.weights[rank], sched,
                                      moe.local_store_control(peers, local), config=TINY_TILES,
                                      instrument=True)
         call()
         assert call.error_count() == 0
-        for src in range(2):
+        for src in range(world):
             rows = ~torch.isnan(local[src].float()).any(dim=-1)
             assert torch.equal(local[src][rows], plain[src][rows])
             written += int(rows.sum())
     assert all(torch.isnan(b.float()).all() for b in peers_bufs)
-    assert written == 2 * TINY["tokens"] * TINY["top_k"]  # every slot of every source, once
+    assert written == world * TINY["tokens"] * TINY["top_k"]  # every slot of every source, once
     return {"rows": written}
 
 
 def interpreter_cases() -> dict:
     cases = {f"variants_bitwise_{p}": (case_variants_bitwise, p) for p in moe.PRECISIONS}
-    cases["local_store_control"] = (case_local_store_control,)
+    cases.update({f"local_store_control_P{w}": (case_local_store_control, w) for w in (2, 8)})
     return cases
 
 

@@ -217,6 +217,24 @@ def test_every_characterization_point_validates(n_gpus):
     assert all(p["gap_us"] == 0.0 for p in by["drain_rate"].points())
 
 
+def test_pairs_heatmap_of_eight_gpus():
+    """Notebook 01's R per ordered pair from the ``pairs`` sweep on 8 GPUs: the largest burst's
+    V/T_period of every pair at [src, dst], the diagonal empty."""
+    from xstage_lab import plots
+
+    sweep = {s.name: s for s in characterization_sweeps(132, 8)}["pairs"]
+    points = pd.DataFrame(sweep.points())
+    points["burst_volume"] = points["producers"] * points["burst_bytes"]
+    rate = 100.0 * points["src"] + points["dst"] + (points["burst_bytes"] < 256 * KIB) * 50.0
+    points["period_us"] = points["burst_volume"] / rate / 1e3
+    heat = plots.drain_rate_heatmap(points, "h200-x8").data[0]
+    z = np.asarray(heat.z, dtype=float)
+    assert z.shape == (8, 8) and list(heat.x) == [f"to GPU {d}" for d in range(8)]
+    for a in range(8):
+        for b in range(8):
+            assert np.isnan(z[a, b]) if a == b else z[a, b] == pytest.approx(100.0 * a + b)
+
+
 def test_characterization_sweeps_reject_on_a_smaller_or_peerless_machine():
     # the sweeps for 132 SMs do not fit a GPU of 66 SMs, nor run remote without peer access
     sweeps = characterization_sweeps(132, 2)
