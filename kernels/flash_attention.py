@@ -27,8 +27,10 @@ import triton.language as tl
 # Fused alike. Triton 3.6's ``tl.range(..., warp_specialize=True)`` is left out: on sm_90 it hung
 # at run time (one program per tile) or failed to compile (persistent grid).
 CONFIGS = {
-    64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, ctas_per_sm=2, persistent=True),
-    128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, ctas_per_sm=2, persistent=False),
+    64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, ctas_per_sm=2, persistent=True,
+             output_cache=""),
+    128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, ctas_per_sm=2, persistent=False,
+              output_cache=""),
 }
 CANDIDATES = {
     64: [CONFIGS[64],
@@ -74,16 +76,19 @@ def _q_loop(q, k_desc, v_desc, col, M, qk_scale,
 @triton.jit
 def _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world,
                 H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                REMOTE: tl.constexpr, FENCED: tl.constexpr):
+                REMOTE: tl.constexpr, FENCED: tl.constexpr, OUTPUT_CACHE: tl.constexpr):
     """The epilogue of one output tile (rows row0.., head ``head``): LOCAL or REMOTE (see
-    ``flash_attention_kernel``); FENCED makes the tile's remote stores visible system-wide first."""
+    ``flash_attention_kernel``); FENCED makes the tile's remote stores visible system-wide first.
+    OUTPUT_CACHE is the stores' cache operator: "" (write-back) or ".cs" (streaming: the lines
+    are allocated evict-first, so output tiles do not push the K and V tiles out of L2)."""
     d_cols = tl.arange(0, HEAD_DIM)
     rows = row0 + tl.arange(0, BLOCK_M).to(tl.int64)
     if REMOTE:
         owner = rows // rows_per_rank
         base = tl.multiple_of(tl.load(dst + owner).to(tl.pointer_type(o.dtype)), 16)
         dst_row = (rows - owner * rows_per_rank) * (H_LOCAL * world) + rank * H_LOCAL
-        tl.store(base[:, None] + ((dst_row + head) * HEAD_DIM)[:, None] + d_cols[None, :], o)
+        tl.store(base[:, None] + ((dst_row + head) * HEAD_DIM)[:, None] + d_cols[None, :], o,
+                 cache_modifier=OUTPUT_CACHE)
         if FENCED:
             # Every warp's stores precede the barrier; the release at system scope that follows
             # is cumulative, so it waits until all of them are visible to every GPU (measured on
@@ -91,14 +96,16 @@ def _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world,
             tl.debug_barrier()
             tl.atomic_add(fence_flag, 0, sem="release", scope="sys")
     else:
-        tl.store(dst + ((rows * H_LOCAL + head) * HEAD_DIM)[:, None] + d_cols[None, :], o)
+        tl.store(dst + ((rows * H_LOCAL + head) * HEAD_DIM)[:, None] + d_cols[None, :], o,
+                 cache_modifier=OUTPUT_CACHE)
 
 
 @triton.jit
 def flash_attention_kernel(q_desc, k_desc, v_desc, dst, fence_flag, M, rows_per_rank, rank, world,
                            qk_scale, H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REMOTE: tl.constexpr,
-                           FENCED: tl.constexpr, PERSISTENT: tl.constexpr):
+                           FENCED: tl.constexpr, PERSISTENT: tl.constexpr,
+                           OUTPUT_CACHE: tl.constexpr):
     """FlashAttention forward over the M/b_m x H_LOCAL output tiles of one rank.
 
     ``q_desc``/``k_desc``/``v_desc`` are TMA descriptors over [M, H_LOCAL*d]; head h is the column
@@ -123,18 +130,18 @@ def flash_attention_kernel(q_desc, k_desc, v_desc, dst, fence_flag, M, rows_per_
         for tile in tl.range(tl.program_id(0), num_m_blocks * H_LOCAL, tl.num_programs(0)):
             _output_tile(tile, num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, M,
                          rows_per_rank, rank, world, qk_scale, H_LOCAL, HEAD_DIM, BLOCK_M,
-                         BLOCK_N, REMOTE, FENCED)
+                         BLOCK_N, REMOTE, FENCED, OUTPUT_CACHE)
     else:
         _output_tile(tl.program_id(0), num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, M,
                      rows_per_rank, rank, world, qk_scale, H_LOCAL, HEAD_DIM, BLOCK_M, BLOCK_N,
-                     REMOTE, FENCED)
+                     REMOTE, FENCED, OUTPUT_CACHE)
 
 
 @triton.jit
 def _output_tile(tile, num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, M, rows_per_rank,
                  rank, world, qk_scale, H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REMOTE: tl.constexpr,
-                 FENCED: tl.constexpr):
+                 FENCED: tl.constexpr, OUTPUT_CACHE: tl.constexpr):
     """Output tile ``tile`` of ``flash_attention_kernel``: its Q-loop, then its epilogue."""
     head = tile // num_m_blocks
     row0 = (tile % num_m_blocks) * BLOCK_M
@@ -142,7 +149,7 @@ def _output_tile(tile, num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, M,
     o = _q_loop(q, k_desc, v_desc, head * HEAD_DIM, M, qk_scale, BLOCK_M, BLOCK_N,
                 HEAD_DIM).to(q.dtype)
     _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world, H_LOCAL, HEAD_DIM,
-                BLOCK_M, REMOTE, FENCED)
+                BLOCK_M, REMOTE, FENCED, OUTPUT_CACHE)
 
 
 @triton.jit

@@ -180,9 +180,11 @@ def _compile_flash_attention(kernels, d, cfg, remote, h_local=6, fenced=False):
                  "fence_flag": "*i32", "M": "i32", "rows_per_rank": "i32", "rank": "i32",
                  "world": "i32", "qk_scale": "fp32", "H_LOCAL": "constexpr",
                  "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                 "REMOTE": "constexpr", "FENCED": "constexpr", "PERSISTENT": "constexpr"}
+                 "REMOTE": "constexpr", "FENCED": "constexpr", "PERSISTENT": "constexpr",
+                 "OUTPUT_CACHE": "constexpr"}
     constexprs = dict(H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote,
-                      FENCED=fenced, PERSISTENT=cfg["persistent"])
+                      FENCED=fenced, PERSISTENT=cfg["persistent"],
+                      OUTPUT_CACHE=cfg.get("output_cache", ""))
     aligned = {(i,): [["tt.divisibility", 16]] for i in (3, 4, 5, 6)}
     return triton.compile(ASTSource(kernels.flash_attention_kernel, signature, constexprs, aligned),
                           target=HOPPER, options=dict(num_warps=cfg["num_warps"],
@@ -203,6 +205,19 @@ def test_flash_attention_compiles_for_hopper(compiled_kernels, d, remote):
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     stores = re.findall(r"st\.global\S*", ptx)
     assert stores and all(".v4." in s for s in stores), f"output stores not 16-byte: {stores}"
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
+def test_streaming_output_stores_only_where_configured(compiled_kernels, remote):
+    """output_cache=".cs" makes every output store st.global.cs (evict-first); the default
+    leaves them write-back; anything else is refused before a launch."""
+    for cache, want in (("", "st.global.v4"), (".cs", "st.global.cs.v4")):
+        cfg = attention.flash_attention_config(128, dict(output_cache=cache))
+        ptx = _compile_flash_attention(compiled_kernels, 128, cfg, remote).asm["ptx"]
+        stores = set(re.findall(r"st\.global\S*", ptx))
+        assert stores and all(st.startswith(want) for st in stores), (cache, stores)
+    with pytest.raises(ValueError, match="output_cache='.wt' must be one of"):
+        attention.flash_attention_config(128, dict(output_cache=".wt"))
 
 
 @pytest.mark.parametrize("d", attention.HEAD_DIMS)

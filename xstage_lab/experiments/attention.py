@@ -39,6 +39,9 @@ _kernels = load_kernel_module("flash_attention")
 DTYPE = torch.bfloat16
 HEAD_DIMS = (64, 128)
 LOG2E = 1.4426950408889634
+# The output stores' cache operators: write-back, or streaming (PTX st.cs: lines allocated
+# evict-first, so output tiles leave the K and V tiles in L2).
+OUTPUT_CACHES = ("", ".cs")
 
 
 def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
@@ -46,13 +49,14 @@ def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
 
     Keys: BLOCK_M (b_m, rows of an output tile), BLOCK_N (b_n, rows of a KV tile), num_warps,
     num_stages, ctas_per_sm (programs resident per SM: the persistent grid's size per SM),
-    persistent (a grid of SMs x ctas_per_sm programs walking the tiles, or one program per tile).
-    Tiles must be powers of two >= 16 (``tl.dot``).
+    persistent (a grid of SMs x ctas_per_sm programs walking the tiles, or one program per tile),
+    output_cache (the output stores' cache operator, ``OUTPUT_CACHES``). Tiles must be powers of
+    two >= 16 (``tl.dot``).
     """
     _check_head_dim(head_dim)
     cfg = dict(_kernels.CONFIGS[head_dim], **(config or {}))
     unknown = set(cfg) - {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "ctas_per_sm",
-                          "persistent"}
+                          "persistent", "output_cache"}
     if unknown:
         raise ValueError(f"unknown configuration keys {sorted(unknown)}")
     for key in ("BLOCK_M", "BLOCK_N"):
@@ -63,6 +67,8 @@ def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
         raise ValueError(f"persistent={cfg['persistent']!r} must be True or False")
     if cfg["ctas_per_sm"] < 1:
         raise ValueError(f"ctas_per_sm={cfg['ctas_per_sm']} must be >= 1")
+    if cfg["output_cache"] not in OUTPUT_CACHES:
+        raise ValueError(f"output_cache={cfg['output_cache']!r} must be one of {OUTPUT_CACHES}")
     return cfg
 
 
@@ -360,4 +366,5 @@ def _launch_flash_attention(q, k, v, dst, *, rows_per_rank, rank, world, remote,
     _kernels.flash_attention_kernel[(min(tiles, num_programs),)](
         *descs, dst, _fence_flag(q.device), M, rows_per_rank, rank, world, LOG2E / math.sqrt(d),
         H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote, FENCED=fenced,
-        PERSISTENT=persistent, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        PERSISTENT=persistent, OUTPUT_CACHE=cfg["output_cache"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])

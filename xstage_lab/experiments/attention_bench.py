@@ -99,7 +99,8 @@ def table3_row(seq_len: int, heads: int, head_dim: int, world: int, med: dict, i
 
 
 # ``--fa-only``: the kernel configurations timed against cuDNN on one GPU (no NCCL, no peers),
-# as (BLOCK_M, BLOCK_N, num_warps, num_stages, persistent, ctas_per_sm), besides the table's
+# as (BLOCK_M, BLOCK_N, num_warps, num_stages, persistent, ctas_per_sm, output_cache), besides the
+# table's
 # CANDIDATES. ctas_per_sm is the occupancy of the sm_90 build (Triton 3.6, ptxas): the 4-warp
 # d=128 tiles fit two CTAs per SM (128 x 64 at s2: 255 registers, 96 KiB of shared memory, one
 # program per tile: its persistent build spills; 128 x 32 at s4: 212-249 registers, 96 KiB), so
@@ -107,11 +108,13 @@ def table3_row(seq_len: int, heads: int, head_dim: int, world: int, med: dict, i
 # softmax and MMAs can interleave; one 8-warp CTA synchronizes its two warpgroups with three
 # CTA barriers per KV tile.
 FA_ONLY_CANDIDATES = {
-    128: [(128, 128, 8, 3, True, 1), (128, 128, 8, 3, False, 1), (256, 64, 8, 3, False, 1),
-          (256, 64, 8, 4, False, 1), (128, 64, 8, 3, True, 1), (128, 64, 8, 4, True, 1),
-          (128, 64, 4, 2, False, 2), (128, 32, 4, 4, True, 2),
-          (128, 32, 4, 4, False, 2), (128, 32, 4, 3, True, 2)],
-    64: [(128, 128, 8, 3, True, 1), (128, 128, 8, 4, True, 1)],
+    128: [(128, 128, 8, 3, True, 1, ""), (128, 128, 8, 3, False, 1, ""),
+          (256, 64, 8, 3, False, 1, ""), (256, 64, 8, 4, False, 1, ""),
+          (128, 64, 8, 3, True, 1, ""), (128, 64, 8, 4, True, 1, ""),
+          (128, 64, 4, 2, False, 2, ""), (128, 32, 4, 4, True, 2, ""),
+          (128, 32, 4, 4, False, 2, ""), (128, 32, 4, 3, True, 2, ""),
+          (128, 64, 4, 2, False, 2, ".cs"), (256, 64, 8, 4, False, 1, ".cs")],
+    64: [(128, 128, 8, 3, True, 1, ""), (128, 128, 8, 4, True, 1, "")],
 }
 FA_ONLY_SEQ = (16384, 32768, 65536)
 FA_ONLY_HEADS = 12  # H/P local heads of the Table 3 case, H = 24 on P = 2
@@ -121,8 +124,8 @@ def fa_only_candidates(head_dim: int) -> list[dict]:
     """The configurations ``--fa-only`` times: ``FA_ONLY_CANDIDATES`` plus the table's
     ``CANDIDATES``, each once."""
     listed = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, ctas_per_sm=ctas,
-                   persistent=pers)
-              for bm, bn, w, st, pers, ctas in FA_ONLY_CANDIDATES[head_dim]]
+                   persistent=pers, output_cache=cache)
+              for bm, bn, w, st, pers, ctas, cache in FA_ONLY_CANDIDATES[head_dim]]
     out = []
     for cfg in listed + att.flash_attention_candidates(head_dim):
         cfg = att.flash_attention_config(head_dim, cfg)
@@ -132,9 +135,11 @@ def fa_only_candidates(head_dim: int) -> list[dict]:
 
 
 def config_name(cfg: dict) -> str:
-    """A short method name for a configuration, e.g. ``128x64_w8_s3_persistent``."""
+    """A short method name for a configuration, e.g. ``128x64_w8_s3_persistent1``, with ``_cs``
+    for streaming output stores."""
     return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}_w{cfg['num_warps']}_s{cfg['num_stages']}_"
-            + (f"persistent{cfg['ctas_per_sm']}" if cfg["persistent"] else "grid"))
+            + (f"persistent{cfg['ctas_per_sm']}" if cfg["persistent"] else "grid")
+            + ("_cs" if cfg.get("output_cache") == ".cs" else ""))
 
 
 def fa_only_ratios(timing: dict, flops: int, baseline: str = "cudnn") -> dict:
