@@ -28,9 +28,9 @@ import triton.language as tl
 # at run time (one program per tile) or failed to compile (persistent grid).
 CONFIGS = {
     64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, ctas_per_sm=2, persistent=True,
-             output_cache=""),
+             output_cache="", pipelined=False),
     128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, ctas_per_sm=2, persistent=False,
-              output_cache=""),
+              output_cache="", pipelined=False),
 }
 CANDIDATES = {
     64: [CONFIGS[64],
@@ -74,6 +74,33 @@ def _q_loop(q, k_desc, v_desc, col, M, qk_scale,
 
 
 @triton.jit
+def _q_loop_pipelined(q, k_desc, v_desc, col, M, qk_scale,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``_q_loop`` with the PV product one KV tile behind QK^T (FlashAttention-3's intra-warpgroup
+    overlap): each step issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, and computes the softmax
+    of S_j while that wgmma runs, rescaling O once it has landed. The same sums in another order:
+    O holds sum_{i<j} P_i V_i at the running max m_j, and the last P V follows the loop."""
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    qk = tl.dot(q, k_desc.load([0, col]).T)
+    m_i = tl.max(qk, 1) * qk_scale
+    p = tl.math.exp2(qk * qk_scale - m_i[:, None])
+    l_i = tl.sum(p, 1)
+    for start_n in tl.range(BLOCK_N, M, BLOCK_N):
+        qk = tl.dot(q, k_desc.load([start_n, col]).T)
+        v = v_desc.load([start_n - BLOCK_N, col])
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m_i = m_ij
+    v = v_desc.load([M - BLOCK_N, col])
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc / l_i[:, None]
+
+
+@triton.jit
 def _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world,
                 H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                 REMOTE: tl.constexpr, FENCED: tl.constexpr, OUTPUT_CACHE: tl.constexpr):
@@ -105,7 +132,7 @@ def flash_attention_kernel(q_desc, k_desc, v_desc, dst, fence_flag, M, rows_per_
                            qk_scale, H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REMOTE: tl.constexpr,
                            FENCED: tl.constexpr, PERSISTENT: tl.constexpr,
-                           OUTPUT_CACHE: tl.constexpr):
+                           OUTPUT_CACHE: tl.constexpr, PIPELINED: tl.constexpr):
     """FlashAttention forward over the M/b_m x H_LOCAL output tiles of one rank.
 
     ``q_desc``/``k_desc``/``v_desc`` are TMA descriptors over [M, H_LOCAL*d]; head h is the column
@@ -130,24 +157,28 @@ def flash_attention_kernel(q_desc, k_desc, v_desc, dst, fence_flag, M, rows_per_
         for tile in tl.range(tl.program_id(0), num_m_blocks * H_LOCAL, tl.num_programs(0)):
             _output_tile(tile, num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, M,
                          rows_per_rank, rank, world, qk_scale, H_LOCAL, HEAD_DIM, BLOCK_M,
-                         BLOCK_N, REMOTE, FENCED, OUTPUT_CACHE)
+                         BLOCK_N, REMOTE, FENCED, OUTPUT_CACHE, PIPELINED)
     else:
         _output_tile(tl.program_id(0), num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, M,
                      rows_per_rank, rank, world, qk_scale, H_LOCAL, HEAD_DIM, BLOCK_M, BLOCK_N,
-                     REMOTE, FENCED, OUTPUT_CACHE)
+                     REMOTE, FENCED, OUTPUT_CACHE, PIPELINED)
 
 
 @triton.jit
 def _output_tile(tile, num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, M, rows_per_rank,
                  rank, world, qk_scale, H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REMOTE: tl.constexpr,
-                 FENCED: tl.constexpr, OUTPUT_CACHE: tl.constexpr):
+                 FENCED: tl.constexpr, OUTPUT_CACHE: tl.constexpr, PIPELINED: tl.constexpr):
     """Output tile ``tile`` of ``flash_attention_kernel``: its Q-loop, then its epilogue."""
     head = tile // num_m_blocks
     row0 = (tile % num_m_blocks) * BLOCK_M
     q = q_desc.load([row0, head * HEAD_DIM])
-    o = _q_loop(q, k_desc, v_desc, head * HEAD_DIM, M, qk_scale, BLOCK_M, BLOCK_N,
-                HEAD_DIM).to(q.dtype)
+    if PIPELINED:
+        o = _q_loop_pipelined(q, k_desc, v_desc, head * HEAD_DIM, M, qk_scale, BLOCK_M, BLOCK_N,
+                              HEAD_DIM).to(q.dtype)
+    else:
+        o = _q_loop(q, k_desc, v_desc, head * HEAD_DIM, M, qk_scale, BLOCK_M, BLOCK_N,
+                    HEAD_DIM).to(q.dtype)
     _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world, H_LOCAL, HEAD_DIM,
                 BLOCK_M, REMOTE, FENCED, OUTPUT_CACHE)
 

@@ -91,6 +91,7 @@ def _bad_calls():
                                   config=TINY), "contiguous"),
         "tile size": (lambda: fa(q, k, v, config=dict(BLOCK_M=24)), "power of two"),
         "persistent": (lambda: fa(q, k, v, config=dict(TINY, persistent=1)), "True or False"),
+        "pipelined": (lambda: fa(q, k, v, config=dict(TINY, pipelined="yes")), "True or False"),
         "config key": (lambda: fa(q, k, v, config=dict(TINY, warp_specialize=True)),
                        "unknown configuration keys"),
         "fenced table": (lambda: fused(q, k, v, table[:1], 0, 2, config=TINY, fenced=True),
@@ -181,10 +182,11 @@ def _compile_flash_attention(kernels, d, cfg, remote, h_local=6, fenced=False):
                  "world": "i32", "qk_scale": "fp32", "H_LOCAL": "constexpr",
                  "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
                  "REMOTE": "constexpr", "FENCED": "constexpr", "PERSISTENT": "constexpr",
-                 "OUTPUT_CACHE": "constexpr"}
+                 "OUTPUT_CACHE": "constexpr", "PIPELINED": "constexpr"}
     constexprs = dict(H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote,
                       FENCED=fenced, PERSISTENT=cfg["persistent"],
-                      OUTPUT_CACHE=cfg.get("output_cache", ""))
+                      OUTPUT_CACHE=cfg.get("output_cache", ""),
+                      PIPELINED=cfg.get("pipelined", False))
     aligned = {(i,): [["tt.divisibility", 16]] for i in (3, 4, 5, 6)}
     return triton.compile(ASTSource(kernels.flash_attention_kernel, signature, constexprs, aligned),
                           target=HOPPER, options=dict(num_warps=cfg["num_warps"],

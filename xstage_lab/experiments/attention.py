@@ -50,21 +50,23 @@ def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
     Keys: BLOCK_M (b_m, rows of an output tile), BLOCK_N (b_n, rows of a KV tile), num_warps,
     num_stages, ctas_per_sm (programs resident per SM: the persistent grid's size per SM),
     persistent (a grid of SMs x ctas_per_sm programs walking the tiles, or one program per tile),
-    output_cache (the output stores' cache operator, ``OUTPUT_CACHES``). Tiles must be powers of
-    two >= 16 (``tl.dot``).
+    output_cache (the output stores' cache operator, ``OUTPUT_CACHES``), pipelined (the Q-loop with
+    PV one KV tile behind QK^T, softmax overlapping the PV wgmma). Tiles must be powers of two
+    >= 16 (``tl.dot``).
     """
     _check_head_dim(head_dim)
     cfg = dict(_kernels.CONFIGS[head_dim], **(config or {}))
     unknown = set(cfg) - {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "ctas_per_sm",
-                          "persistent", "output_cache"}
+                          "persistent", "output_cache", "pipelined"}
     if unknown:
         raise ValueError(f"unknown configuration keys {sorted(unknown)}")
     for key in ("BLOCK_M", "BLOCK_N"):
         b = cfg[key]
         if b < 16 or b & (b - 1):
             raise ValueError(f"{key}={b} must be a power of two >= 16")
-    if not isinstance(cfg["persistent"], bool):
-        raise ValueError(f"persistent={cfg['persistent']!r} must be True or False")
+    for key in ("persistent", "pipelined"):
+        if not isinstance(cfg[key], bool):
+            raise ValueError(f"{key}={cfg[key]!r} must be True or False")
     if cfg["ctas_per_sm"] < 1:
         raise ValueError(f"ctas_per_sm={cfg['ctas_per_sm']} must be >= 1")
     if cfg["output_cache"] not in OUTPUT_CACHES:
@@ -366,5 +368,5 @@ def _launch_flash_attention(q, k, v, dst, *, rows_per_rank, rank, world, remote,
     _kernels.flash_attention_kernel[(min(tiles, num_programs),)](
         *descs, dst, _fence_flag(q.device), M, rows_per_rank, rank, world, LOG2E / math.sqrt(d),
         H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote, FENCED=fenced,
-        PERSISTENT=persistent, OUTPUT_CACHE=cfg["output_cache"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        PERSISTENT=persistent, OUTPUT_CACHE=cfg["output_cache"], PIPELINED=cfg["pipelined"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

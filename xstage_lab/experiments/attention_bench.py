@@ -99,22 +99,33 @@ def table3_row(seq_len: int, heads: int, head_dim: int, world: int, med: dict, i
 
 
 # ``--fa-only``: the kernel configurations timed against cuDNN on one GPU (no NCCL, no peers),
-# as (BLOCK_M, BLOCK_N, num_warps, num_stages, persistent, ctas_per_sm, output_cache), besides the
-# table's
-# CANDIDATES. ctas_per_sm is the occupancy of the sm_90 build (Triton 3.6, ptxas): the 4-warp
-# d=128 tiles fit two CTAs per SM (128 x 64 at s2: 255 registers, 96 KiB of shared memory, one
-# program per tile: its persistent build spills; 128 x 32 at s4: 212-249 registers, 96 KiB), so
-# each SM holds two independent warpgroups whose
-# softmax and MMAs can interleave; one 8-warp CTA synchronizes its two warpgroups with three
-# CTA barriers per KV tile.
+# besides the table's CANDIDATES. ctas_per_sm is the occupancy of the sm_90 build (Triton 3.6,
+# ptxas; checked by the tests). The 4-warp d=128 tiles fit two CTAs per SM (128 x 64 at s2: 255
+# registers, 96 KiB of shared memory, one program per tile: its persistent build spills; 128 x 32
+# at s4: 212-249 registers, 96 KiB), so each SM holds two independent warpgroups whose softmax and
+# MMAs can interleave; one 8-warp CTA synchronizes its two warpgroups with three CTA barriers per
+# KV tile. The pipelined Q-loop (softmax under the PV wgmma) keeps one more score tile live, so
+# its candidates give each warpgroup 64 rows (128 x 64 at 8 warps: 157 registers; 64 x 32 at 4
+# warps: 119 registers, three CTAs per SM); at 128 rows per warpgroup it spills.
+def _candidate(bm, bn, warps, stages, persistent, ctas_per_sm, **keys) -> dict:
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+                persistent=persistent, ctas_per_sm=ctas_per_sm, **keys)
+
+
 FA_ONLY_CANDIDATES = {
-    128: [(128, 128, 8, 3, True, 1, ""), (128, 128, 8, 3, False, 1, ""),
-          (256, 64, 8, 3, False, 1, ""), (256, 64, 8, 4, False, 1, ""),
-          (128, 64, 8, 3, True, 1, ""), (128, 64, 8, 4, True, 1, ""),
-          (128, 64, 4, 2, False, 2, ""), (128, 32, 4, 4, True, 2, ""),
-          (128, 32, 4, 4, False, 2, ""), (128, 32, 4, 3, True, 2, ""),
-          (128, 64, 4, 2, False, 2, ".cs"), (256, 64, 8, 4, False, 1, ".cs")],
-    64: [(128, 128, 8, 3, True, 1, ""), (128, 128, 8, 4, True, 1, "")],
+    128: [_candidate(128, 128, 8, 3, True, 1), _candidate(128, 128, 8, 3, False, 1),
+          _candidate(256, 64, 8, 3, False, 1), _candidate(256, 64, 8, 4, False, 1),
+          _candidate(128, 64, 8, 3, True, 1), _candidate(128, 64, 8, 4, True, 1),
+          _candidate(128, 64, 4, 2, False, 2), _candidate(128, 32, 4, 4, True, 2),
+          _candidate(128, 32, 4, 4, False, 2), _candidate(128, 32, 4, 3, True, 2),
+          _candidate(128, 64, 4, 2, False, 2, output_cache=".cs"),
+          _candidate(256, 64, 8, 4, False, 1, output_cache=".cs"),
+          _candidate(128, 64, 8, 2, False, 1, pipelined=True),
+          _candidate(128, 64, 8, 3, False, 1, pipelined=True),
+          _candidate(128, 128, 8, 2, False, 1, pipelined=True),
+          _candidate(64, 64, 4, 2, False, 2, pipelined=True),
+          _candidate(64, 32, 4, 3, False, 3, pipelined=True)],
+    64: [_candidate(128, 128, 8, 3, True, 1), _candidate(128, 128, 8, 4, True, 1)],
 }
 FA_ONLY_SEQ = (16384, 32768, 65536)
 FA_ONLY_HEADS = 12  # H/P local heads of the Table 3 case, H = 24 on P = 2
@@ -123,11 +134,8 @@ FA_ONLY_HEADS = 12  # H/P local heads of the Table 3 case, H = 24 on P = 2
 def fa_only_candidates(head_dim: int) -> list[dict]:
     """The configurations ``--fa-only`` times: ``FA_ONLY_CANDIDATES`` plus the table's
     ``CANDIDATES``, each once."""
-    listed = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, ctas_per_sm=ctas,
-                   persistent=pers, output_cache=cache)
-              for bm, bn, w, st, pers, ctas, cache in FA_ONLY_CANDIDATES[head_dim]]
     out = []
-    for cfg in listed + att.flash_attention_candidates(head_dim):
+    for cfg in FA_ONLY_CANDIDATES[head_dim] + att.flash_attention_candidates(head_dim):
         cfg = att.flash_attention_config(head_dim, cfg)
         if cfg not in out:
             out.append(cfg)
@@ -136,10 +144,11 @@ def fa_only_candidates(head_dim: int) -> list[dict]:
 
 def config_name(cfg: dict) -> str:
     """A short method name for a configuration, e.g. ``128x64_w8_s3_persistent1``, with ``_cs``
-    for streaming output stores."""
+    for streaming output stores and ``_pipe`` for the pipelined Q-loop."""
     return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}_w{cfg['num_warps']}_s{cfg['num_stages']}_"
             + (f"persistent{cfg['ctas_per_sm']}" if cfg["persistent"] else "grid")
-            + ("_cs" if cfg.get("output_cache") == ".cs" else ""))
+            + ("_cs" if cfg.get("output_cache") == ".cs" else "")
+            + ("_pipe" if cfg.get("pipelined") else ""))
 
 
 def fa_only_ratios(timing: dict, flops: int, baseline: str = "cudnn") -> dict:
