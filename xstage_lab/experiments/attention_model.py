@@ -317,12 +317,11 @@ def epilogue_builds(records) -> pd.DataFrame:
                 row = {"record": rec.record_id, "M": raw["M"], "config": local,
                        "local_us": float(np.median(trials[local]))}
                 for build in ("remote", "remote_fenced"):
-                    r = paired_difference(trials[f"{local}+{build}"], trials[local])
-                    row |= {f"{build}_us": float(np.median(trials[f"{local}+{build}"])),
-                            f"{build}_minus_local_us": r["median_us"],
-                            f"{build}_minus_local_p25_us": r["p25_us"],
-                            f"{build}_minus_local_p75_us": r["p75_us"],
-                            f"{build}_minus_local_pct": r["median_us"] / row["local_us"] * 100}
+                    row[f"{build}_us"] = float(np.median(trials[f"{local}+{build}"]))
+                    row |= _paired_columns(trials, f"{local}+{build}", local,
+                                           f"{build}_minus_local")
+                    row[f"{build}_minus_local_pct"] = (row[f"{build}_minus_local_us"]
+                                                       / row["local_us"] * 100)
                 rows.append(row)
     return pd.DataFrame(rows)
 
