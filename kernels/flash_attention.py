@@ -46,6 +46,19 @@ CANDIDATES = {
 }
 # Remote-store copy kernel: a [BLOCK_ROWS, d] tile per head and step, 16-byte stores.
 COPY_CONFIG = dict(BLOCK_ROWS=32, num_warps=4)
+# INSTRUMENT: per output tile, %globaltimer at tile entry, epilogue start (the Q-loop's output
+# converted, before its first store) and epilogue end (every warp has issued its stores), then
+# %smid; each stamp follows a CTA barrier.
+TRACE_FIELDS = tl.constexpr(4)
+
+
+@triton.jit
+def _stamp(rec, point: tl.constexpr):
+    """%globaltimer into ``rec[point]`` once every warp of the CTA got here."""
+    tl.debug_barrier()
+    now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                    is_pure=False, pack=1)
+    tl.store(rec + point, now)
 
 
 @triton.jit
@@ -128,11 +141,12 @@ def _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world,
 
 
 @triton.jit
-def flash_attention_kernel(q_desc, k_desc, v_desc, dst, fence_flag, M, rows_per_rank, rank, world,
-                           qk_scale, H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+def flash_attention_kernel(q_desc, k_desc, v_desc, dst, fence_flag, trace, M, rows_per_rank, rank,
+                           world, qk_scale, H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REMOTE: tl.constexpr,
                            FENCED: tl.constexpr, PERSISTENT: tl.constexpr,
-                           OUTPUT_CACHE: tl.constexpr, PIPELINED: tl.constexpr):
+                           OUTPUT_CACHE: tl.constexpr, PIPELINED: tl.constexpr,
+                           INSTRUMENT: tl.constexpr):
     """FlashAttention forward over the M/b_m x H_LOCAL output tiles of one rank.
 
     ``q_desc``/``k_desc``/``v_desc`` are TMA descriptors over [M, H_LOCAL*d]; head h is the column
@@ -151,25 +165,31 @@ def flash_attention_kernel(q_desc, k_desc, v_desc, dst, fence_flag, M, rows_per_
               ``fence_flag`` (an int32 on this GPU) waits for them to complete before the next
               tile: the completion-coupled epilogue of eq. 17.
     Every epilogue stores the same bf16 values, so Fused (fenced or not) equals Serial bitwise.
+    INSTRUMENT: ``trace`` is int64 [tiles, TRACE_FIELDS], row ``tile`` stamped as TRACE_FIELDS
+    says; the barriers before the stamps make this a separate build, compared only with itself.
     """
     num_m_blocks = M // BLOCK_M
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_m_blocks * H_LOCAL, tl.num_programs(0)):
-            _output_tile(tile, num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, M,
+            _output_tile(tile, num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, trace, M,
                          rows_per_rank, rank, world, qk_scale, H_LOCAL, HEAD_DIM, BLOCK_M,
-                         BLOCK_N, REMOTE, FENCED, OUTPUT_CACHE, PIPELINED)
+                         BLOCK_N, REMOTE, FENCED, OUTPUT_CACHE, PIPELINED, INSTRUMENT)
     else:
-        _output_tile(tl.program_id(0), num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, M,
-                     rows_per_rank, rank, world, qk_scale, H_LOCAL, HEAD_DIM, BLOCK_M, BLOCK_N,
-                     REMOTE, FENCED, OUTPUT_CACHE, PIPELINED)
+        _output_tile(tl.program_id(0), num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag,
+                     trace, M, rows_per_rank, rank, world, qk_scale, H_LOCAL, HEAD_DIM, BLOCK_M,
+                     BLOCK_N, REMOTE, FENCED, OUTPUT_CACHE, PIPELINED, INSTRUMENT)
 
 
 @triton.jit
-def _output_tile(tile, num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, M, rows_per_rank,
-                 rank, world, qk_scale, H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, REMOTE: tl.constexpr,
-                 FENCED: tl.constexpr, OUTPUT_CACHE: tl.constexpr, PIPELINED: tl.constexpr):
+def _output_tile(tile, num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, trace, M,
+                 rows_per_rank, rank, world, qk_scale, H_LOCAL: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 REMOTE: tl.constexpr, FENCED: tl.constexpr, OUTPUT_CACHE: tl.constexpr,
+                 PIPELINED: tl.constexpr, INSTRUMENT: tl.constexpr):
     """Output tile ``tile`` of ``flash_attention_kernel``: its Q-loop, then its epilogue."""
+    rec = trace + tile.to(tl.int64) * TRACE_FIELDS
+    if INSTRUMENT:
+        _stamp(rec, 0)
     head = tile // num_m_blocks
     row0 = (tile % num_m_blocks) * BLOCK_M
     q = q_desc.load([row0, head * HEAD_DIM])
@@ -179,8 +199,15 @@ def _output_tile(tile, num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, M,
     else:
         o = _q_loop(q, k_desc, v_desc, head * HEAD_DIM, M, qk_scale, BLOCK_M, BLOCK_N,
                     HEAD_DIM).to(q.dtype)
+    if INSTRUMENT:
+        _stamp(rec, 1)
     _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world, H_LOCAL, HEAD_DIM,
                 BLOCK_M, REMOTE, FENCED, OUTPUT_CACHE)
+    if INSTRUMENT:
+        _stamp(rec, 2)
+        smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+        tl.store(rec + 3, smid.to(tl.int64))
 
 
 @triton.jit

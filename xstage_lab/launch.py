@@ -17,7 +17,8 @@ MOE_MATRIX = Path(__file__).resolve().parent.parent / "data" / "moe_matrix.json"
 # The multi-process experiments: record name -> the module torchrun runs.
 BENCHMARKS = {"fa_a2a": "xstage_lab.experiments.attention_bench",
               "moe": "xstage_lab.experiments.moe_bench",
-              "moe_trace": "xstage_lab.experiments.moe_trace_bench"}
+              "moe_trace": "xstage_lab.experiments.moe_trace_bench",
+              "fa_trace": "xstage_lab.experiments.attention_trace_bench"}
 
 
 def torchrun_record(module: str, experiment: str, nproc: int, args: list[str] = (),

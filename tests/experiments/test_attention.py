@@ -174,20 +174,21 @@ def test_table3_row_follows_eq_21():
 
 # sm_90 compilation of the compiled copy: argument types as the launcher passes them (TMA
 # descriptors, 16-byte aligned pointers and sizes).
-def _compile_flash_attention(kernels, d, cfg, remote, h_local=6, fenced=False):
+def _compile_flash_attention(kernels, d, cfg, remote, h_local=6, fenced=False, instrument=False):
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     signature = {"q_desc": f"tensordesc<bf16[{bm}, {d}]>", "k_desc": f"tensordesc<bf16[{bn}, {d}]>",
                  "v_desc": f"tensordesc<bf16[{bn}, {d}]>", "dst": "*i64" if remote else "*bf16",
-                 "fence_flag": "*i32", "M": "i32", "rows_per_rank": "i32", "rank": "i32",
-                 "world": "i32", "qk_scale": "fp32", "H_LOCAL": "constexpr",
-                 "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-                 "REMOTE": "constexpr", "FENCED": "constexpr", "PERSISTENT": "constexpr",
-                 "OUTPUT_CACHE": "constexpr", "PIPELINED": "constexpr"}
+                 "fence_flag": "*i32", "trace": "*i64" if instrument else "*i32", "M": "i32",
+                 "rows_per_rank": "i32", "rank": "i32", "world": "i32", "qk_scale": "fp32",
+                 "H_LOCAL": "constexpr", "HEAD_DIM": "constexpr", "BLOCK_M": "constexpr",
+                 "BLOCK_N": "constexpr", "REMOTE": "constexpr", "FENCED": "constexpr",
+                 "PERSISTENT": "constexpr", "OUTPUT_CACHE": "constexpr",
+                 "PIPELINED": "constexpr", "INSTRUMENT": "constexpr"}
     constexprs = dict(H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote,
                       FENCED=fenced, PERSISTENT=cfg["persistent"],
                       OUTPUT_CACHE=cfg.get("output_cache", ""),
-                      PIPELINED=cfg.get("pipelined", False))
-    aligned = {(i,): [["tt.divisibility", 16]] for i in (3, 4, 5, 6)}
+                      PIPELINED=cfg.get("pipelined", False), INSTRUMENT=instrument)
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (3, 4, 5, 6, 7)}
     return triton.compile(ASTSource(kernels.flash_attention_kernel, signature, constexprs, aligned),
                           target=HOPPER, options=dict(num_warps=cfg["num_warps"],
                                                       num_stages=cfg["num_stages"]))
@@ -240,6 +241,27 @@ def test_candidate_configs_fit_hopper_at_their_occupancy(compiled_kernels, d):
             fits.append(min(65536 // (regs_per_warp * cfg["num_warps"]),
                             228 * 1024 // (k.metadata.shared + 1024), 2048 // threads))
         assert cfg["ctas_per_sm"] == min(fits), (cfg, fits)
+
+
+@pytest.mark.parametrize("d", attention.HEAD_DIMS)
+def test_instrumented_build_stamps_each_tile_and_keeps_its_occupancy(compiled_kernels, d):
+    """The traced build (``attention_trace``) reads %globaltimer three times and %smid once per
+    output tile; it builds without spills and keeps the traced
+    configuration's occupancy, so the traced launches run the schedule the untraced ones do.
+    The untraced build reads no timer."""
+    cfg = compiled_kernels.CONFIGS[d]
+    plain = _compile_flash_attention(compiled_kernels, d, cfg, True).asm["ptx"]
+    assert "%globaltimer" not in plain and "%smid" not in plain
+    k = _compile_flash_attention(compiled_kernels, d, cfg, True, instrument=True)
+    ptx = k.asm["ptx"]
+    assert len(re.findall(r"mov\.u64\s+%rd\d+,\s*%globaltimer", ptx)) == 3
+    assert len(re.findall(r"%smid", ptx)) == 1
+    ptxas = ptxas_report(ptx)
+    assert ptxas["spill_store_bytes"] + ptxas["spill_load_bytes"] == 0
+    regs_per_warp = -(-ptxas["registers"] * 32 // 256) * 256
+    ctas = min(65536 // (regs_per_warp * cfg["num_warps"]),
+               228 * 1024 // (k.metadata.shared + 1024))
+    assert ctas >= cfg["ctas_per_sm"]
 
 
 def test_remote_store_copy_compiles_for_hopper(compiled_kernels):

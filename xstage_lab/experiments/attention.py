@@ -114,7 +114,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 def fused_attention_a2a(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         peer_ptrs: torch.Tensor, rank: int, world: int, *,
                         config: dict | None = None, num_programs: int | None = None,
-                        fenced: bool = False) -> None:
+                        fenced: bool = False, trace: torch.Tensor | None = None) -> None:
     """X-Stage-Fused Ulysses attention: FlashAttention whose epilogue stores each output tile into
     the owning rank's receive buffer and resumes with the next tile (§4.3, Fig. 7).
 
@@ -127,11 +127,28 @@ def fused_attention_a2a(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     bf16 [M/P, H, d] (``ReceiveBuffer.peer_ptrs``); P = ``world`` divides M. Returns at launch:
     receivers must synchronize once (``ReceiveBuffer.barrier``) before reading. The values stored
     are bitwise those of ``nccl_a2a(flash_attention(q, k, v))`` with the same configuration.
+
+    ``trace`` (int64 [M/b_m * H/P, ``TRACE_FIELDS``] on q's device) selects the instrumented build:
+    per output tile t (m block t % (M/b_m) of local head t // (M/b_m)) row t receives %globaltimer
+    at tile entry, epilogue start and epilogue end (every store issued), then the SM id
+    (``attention_trace`` reads it). Its barriers make it a build of its own: compare it with itself.
     """
     M, cfg = _check_qkv(q, k, v, config)
     _check_peer_ptrs(peer_ptrs, q.device, rank, world, M)
+    if trace is not None:
+        _check_tensor("trace", trace, (trace_tiles(q, cfg), TRACE_FIELDS), q.device, torch.int64)
     _launch_flash_attention(q, k, v, peer_ptrs, rows_per_rank=M // world, rank=rank, world=world,
-                            remote=True, fenced=fenced, cfg=cfg, num_programs=num_programs)
+                            remote=True, fenced=fenced, cfg=cfg, num_programs=num_programs,
+                            trace=trace)
+
+
+TRACE_FIELDS = int(_kernels.TRACE_FIELDS)  # entry, epilogue start, epilogue end (ns), SM id
+
+
+def trace_tiles(q: torch.Tensor, config: dict | None = None) -> int:
+    """Output tiles of one launch on q [M, H/P, d]: the rows of a ``fused_attention_a2a`` trace."""
+    M, h_local, d = q.shape
+    return M // flash_attention_config(d, config)["BLOCK_M"] * h_local
 
 
 def remote_store_a2a(out_local: torch.Tensor, peer_ptrs: torch.Tensor, rank: int, world: int,
@@ -351,7 +368,7 @@ def _fence_flag(device: torch.device) -> torch.Tensor:
 
 
 def _launch_flash_attention(q, k, v, dst, *, rows_per_rank, rank, world, remote, fenced, cfg,
-                            num_programs):
+                            num_programs, trace=None):
     M, h_local, d = q.shape
     _check_launchable(q.device)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -366,7 +383,9 @@ def _launch_flash_attention(q, k, v, dst, *, rows_per_rank, rank, world, remote,
         num_programs = (torch.cuda.get_device_properties(q.device).multi_processor_count
                         * cfg["ctas_per_sm"] if q.device.type == "cuda" and persistent else tiles)
     _kernels.flash_attention_kernel[(min(tiles, num_programs),)](
-        *descs, dst, _fence_flag(q.device), M, rows_per_rank, rank, world, LOG2E / math.sqrt(d),
+        # without a trace the fence flag stands in for the unused pointer
+        *descs, dst, _fence_flag(q.device), _fence_flag(q.device) if trace is None else trace,
+        M, rows_per_rank, rank, world, LOG2E / math.sqrt(d),
         H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote, FENCED=fenced,
         PERSISTENT=persistent, OUTPUT_CACHE=cfg["output_cache"], PIPELINED=cfg["pipelined"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        INSTRUMENT=trace is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
