@@ -1,4 +1,5 @@
 """The fluid X-Stage simulator on hand-worked schedules, against the closed forms and records."""
+import numpy as np
 import pytest
 
 from xstage_lab import model, simulator
@@ -85,3 +86,111 @@ def test_bad_bursts_are_refused():
         Burst(-1, 1.0, 1.0)
     with pytest.raises(ValueError):
         simulator.simulate([Burst(1e6, 1.0, 0.0)], 0.0, 1e6)
+
+
+# simulate_producers: R = 1000 GB/s = 1e6 B/µs throughout unless said otherwise.
+
+@pytest.mark.parametrize("volume", [1e6, 3e6, 8e6])
+def test_one_producer_burst_is_the_single_stream_queue(volume):
+    # T0 = 0.5, Q = 2e6: V − R·T0 = 0.5e6 ≤ Q (no backpressure), 2.5e6 and 7.5e6 > Q, where eq. 7
+    # gives (V − Q)/R = 1 and 6 µs; the start (3 µs) is not part of the issue time
+    t0, R, Q = 0.5, 1000.0, 2e6
+    out = simulator.simulate_producers([3.0], [volume], [t0], R, Q)
+    single = simulator.simulate([Burst(volume, t0, 0.0)], R, Q).iloc[0]
+    assert out["t_iss_us"].iloc[0] == pytest.approx(single["t_iss_us"])
+    assert out["q_end_bytes"].iloc[0] == pytest.approx(single["q_end_bytes"])
+    assert out["t_iss_us"].iloc[0] == pytest.approx(
+        {1e6: 0.5, 3e6: 1.0, 8e6: 6.0}[volume])
+    assert out["stall_us"].iloc[0] == pytest.approx(out["t_iss_us"].iloc[0] - t0)
+
+
+@pytest.mark.parametrize("volume", [0.2e6, 1e6])
+def test_aligned_identical_bursts_are_one_aggregate_burst(volume):
+    # 4 producers from 1 µs, T0 = 0.5 each: the aggregate is 4V in T0. V = 1e6: 4e6 − R·T0 = 3.5e6
+    # > Q = 1e6, so eq. 7 gives (4e6 − 1e6)/R = 3 µs; V = 0.2e6: 0.3e6 ≤ Q, no backpressure
+    k, t0, R, Q = 4, 0.5, 1000.0, 1e6
+    out = simulator.simulate_producers([1.0] * k, [volume] * k, [t0] * k, R, Q)
+    agg = simulator.simulate([Burst(k * volume, t0, 0.0)], R, Q).iloc[0]
+    assert out["t_iss_us"].tolist() == pytest.approx([agg["t_iss_us"]] * k)
+    assert out["q_end_bytes"].tolist() == pytest.approx([agg["q_end_bytes"]] * k)
+    assert agg["t_iss_us"] == pytest.approx({0.2e6: 0.5, 1e6: 3.0}[volume])
+
+
+def test_bursts_apart_enough_to_drain_are_not_stalled():
+    # V = 1.2e6 in T0 = 0.4 (3e6 B/µs) leaves q = 1.2e6 − 0.4e6 = 0.8e6 < Q = 1e6 at 0.4 µs, which
+    # drains in 0.8 µs: empty at 1.2 µs, when the next starts. 0.6e6 in 0.3 from 5 µs leaves
+    # 0.3e6. The empty burst at 2 µs ends where it starts, half way through the second drain.
+    out = simulator.simulate_producers([5.0, 0.0, 2.0, 1.2], [0.6e6, 1.2e6, 0.0, 1.2e6],
+                                       [0.3, 0.4, 1.0, 0.4], 1000.0, 1e6)
+    assert out["t_iss_us"].tolist() == pytest.approx([0.3, 0.4, 0.0, 0.4])
+    assert out["stall_us"].tolist() == pytest.approx([0.0, 0.0, 0.0, 0.0], abs=1e-12)
+    assert out["q_end_bytes"].tolist() == pytest.approx([0.3e6, 0.8e6, 0.4e6, 0.8e6])
+    # Too close: from 0.8 µs q = 0.8e6 − 0.4e6 = 0.4e6 and grows at 2e6, so Q after 0.3 µs with
+    # 0.9e6 injected; the last 0.3e6 at R take 0.3 µs: T_iss 0.6, stall 0.2.
+    early = simulator.simulate_producers([0.0, 0.8], [1.2e6, 1.2e6], [0.4, 0.4], 1000.0, 1e6)
+    assert early["stall_us"].tolist() == pytest.approx([0.0, 0.2], abs=1e-12)
+
+
+def test_second_producer_joins_a_partly_full_queue_hand_worked():
+    # R = 1e6 B/µs, Q = 0.8e6. A: V = 3e6 in T0 = 1 from 0 (3e6 B/µs).
+    # B: V = 1.2e6 in T0 = 1.2 from 0.25 (1e6 B/µs).
+    # 0 → 0.25: A alone, q grows at 3e6 − 1e6: q = 0.5e6; A has 3e6 − 0.75e6 = 2.25e6 left.
+    # 0.25 →: D = 4e6, q grows at 3e6: Q after 0.3e6 / 3e6 = 0.1 µs → 0.35; A has 1.95e6 left,
+    #   B 1.2e6 − 0.1e6 = 1.1e6.
+    # 0.35 →: held at Q, R shared 3:1: A at 0.75e6, B at 0.25e6 B/µs. A ends after
+    #   1.95e6 / 0.75e6 = 2.6 µs → 2.95 (T_iss 2.95, stall 1.95); B has 1.1e6 − 0.65e6 = 0.45e6.
+    # 2.95 →: B alone, D = 1e6 = R: own rate, q stays at Q; ends after 0.45 µs → 3.4
+    #   (T_iss 3.4 − 0.25 = 3.15, stall 1.95).
+    out = simulator.simulate_producers([0.0, 0.25], [3e6, 1.2e6], [1.0, 1.2], 1000.0, 0.8e6)
+    assert out["t_iss_us"].tolist() == pytest.approx([2.95, 3.15])
+    assert out["stall_us"].tolist() == pytest.approx([1.95, 1.95])
+    assert out["q_end_bytes"].tolist() == pytest.approx([0.8e6, 0.8e6])
+
+
+@pytest.mark.parametrize("args, match", [
+    (([0.0, 1.0], [1e6], [1.0]), "one length"),
+    (([[0.0]], [[1e6]], [[1.0]]), "1-D"),
+    (([np.nan], [1e6], [1.0]), "start_us"),
+    (([0.0], [-1.0], [1.0]), "volume"),
+    (([0.0], [np.inf], [1.0]), "volume"),
+    (([0.0], [1e6], [0.0]), "t_iss0_us"),
+    (([0.0], [1e6], [1.0], 0.0), "drain_rate"),
+    (([0.0], [1e6], [1.0], 1000.0, -1.0), "capacity"),
+    (([0.0], [1e6], [1.0], 1000.0, np.nan), "capacity"),
+])
+def test_bad_producer_input_is_refused(args, match):
+    args = args + (1000.0, 1e6)[len(args) - 3:]
+    with pytest.raises(ValueError, match=match):
+        simulator.simulate_producers(*args)
+
+
+def _overlapping_schedule(n, us_per_burst):
+    rng = np.random.default_rng(0)
+    start = np.round(rng.uniform(0, n * us_per_burst, n), 2)  # rounded: many start together
+    volume = rng.choice([0.0, 64e3, 128e3, 256e3], n, p=[0.05, 0.35, 0.35, 0.25])
+    return start, volume, rng.uniform(0.5, 2.0, n)
+
+
+def test_row_order_does_not_matter():
+    start, volume, t0 = _overlapping_schedule(400, 0.02)
+    perm = np.random.default_rng(1).permutation(len(start))
+    out = simulator.simulate_producers(start, volume, t0, 400.0, 2e6)
+    shuffled = simulator.simulate_producers(start[perm], volume[perm], t0[perm], 400.0, 2e6)
+    assert out["stall_us"].max() > 1.0  # the schedule does backpressure
+    for col in out:
+        assert shuffled[col].to_numpy() == pytest.approx(out[col].to_numpy()[perm], rel=1e-9,
+                                                         abs=1e-9)
+
+
+def test_many_overlapping_producers_stay_within_the_fluid_bounds():
+    # from empty at the first start, all N bytes need at least (ΣV − Q)/R; nothing goes faster
+    # than its T_iss^0 and q never leaves [0, Q]. ~131 KB per 0.33 µs is 0.99 of R: about 200
+    # bursts active at once, most of them stalled.
+    start, volume, t0 = _overlapping_schedule(20000, 0.33)
+    R, Q = 400.0, 2e6
+    out = simulator.simulate_producers(start, volume, t0, R, Q)
+    last = float((out["start_us"] + out["t_iss_us"]).max())
+    assert last - start.min() >= (volume.sum() - Q) / (R * 1e3) * (1 - 1e-9)
+    assert out["stall_us"].min() > -1e-9
+    assert out["q_end_bytes"].between(0, Q).all()
+    assert (out["stall_us"] > 0.01).mean() > 0.5

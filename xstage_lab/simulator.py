@@ -12,6 +12,7 @@ Units as in ``model``: bytes, microseconds, R in GB/s.
 """
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,6 +68,78 @@ def simulate(bursts: Sequence[Burst], drain_rate: float, capacity: float,
         q = max(0.0, q - drain * b.gap)
         now += t_iss + b.gap
     return pd.DataFrame(rows)
+
+
+def simulate_producers(start_us, volume, t_iss0_us, drain_rate: float,
+                       capacity: float) -> pd.DataFrame:
+    """Bursts from many producers, overlapping in time, played through one fluid queue: the fluid
+    abstraction of §3.2 with concurrent producers sharing the outstanding capacity Q, e.g. the
+    output tiles of the attention kernel's epilogues at their measured start times.
+
+    Burst i starts at ``start_us[i]`` and injects ``volume[i]`` bytes at its backpressure-free
+    rate ``volume[i] / t_iss0_us[i]``. The queue starts empty and drains at R whenever q > 0.
+    While q < Q, or the rates of the active bursts sum to D <= R, every burst injects at its own
+    rate; at Q with D > R injection is held to R, shared in proportion to those rates. Exact
+    event by event (a start, a finish, q reaching Q or 0). One row per burst, in input order:
+    start, volume, T_iss^0, issue time (start to finish), stall (issue time beyond T_iss^0; 0
+    for an empty burst) and the outstanding volume when its issue ends."""
+    start, vol, t0 = (np.asarray(a, dtype=float) for a in (start_us, volume, t_iss0_us))
+    if start.ndim != 1 or vol.shape != start.shape or t0.shape != start.shape:
+        raise ValueError("start_us, volume and t_iss0_us must be 1-D and of one length: "
+                         f"got shapes {start.shape}, {vol.shape}, {t0.shape}")
+    if not np.isfinite(start).all():
+        raise ValueError("start_us must be finite")
+    if not (np.isfinite(vol).all() and (vol >= 0).all()):
+        raise ValueError("volume must be finite and >= 0")
+    if not (np.isfinite(t0).all() and (t0 > 0).all()):
+        raise ValueError("t_iss0_us must be finite and > 0")
+    if not (np.isfinite(drain_rate) and drain_rate > 0):
+        raise ValueError(f"drain_rate must be finite and > 0, got {drain_rate}")
+    if not capacity >= 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    drain = drain_rate * _BYTES_PER_US_PER_GBPS  # bytes per µs
+    rate, order, n = vol / t0, np.argsort(start, kind="stable"), len(start)
+    finish, q_end = np.empty(n), np.empty(n)
+    # Every active burst works through its own T_iss^0 at one common speed (1, or R/D while held
+    # at Q), so on a clock s running at that speed burst i finishes at s(its start) + T_iss^0_i.
+    active = []  # heap of (s at finish, burst)
+    nxt, now, s, q, demand = 0, float(start[order[0]]) if n else 0.0, 0.0, 0.0, 0.0
+    while nxt < n or active:
+        while nxt < n and start[order[nxt]] <= now:
+            i = order[nxt]
+            nxt += 1
+            if vol[i] == 0:  # nothing to issue: it ends where it starts
+                finish[i], q_end[i] = now, q
+            else:
+                heapq.heappush(active, (s + t0[i], i))
+                demand += rate[i]
+        if not active:
+            demand = 0.0  # drop what rounding left in the running sum
+        held = q >= capacity and demand > drain
+        speed = drain / demand if held else 1.0
+        dq = 0.0 if held or (q <= 0 and demand <= drain) else demand - drain
+        to_start = start[order[nxt]] - now if nxt < n else np.inf
+        to_finish = (active[0][0] - s) / speed if active else np.inf
+        to_full = (capacity - q) / dq if dq > 0 else np.inf
+        to_empty = q / -dq if dq < 0 else np.inf
+        dt = min(to_start, to_finish, to_full, to_empty)
+        now, s, q = now + dt, s + speed * dt, min(capacity, max(0.0, q + dq * dt))
+        # land exactly on the event so that it is taken now and not in a sliver of a step later
+        if dt == to_start:
+            now = float(start[order[nxt]])
+        if dt == to_finish:
+            s = active[0][0]
+        if dt == to_full:
+            q = capacity
+        if dt == to_empty:
+            q = 0.0
+        while active and active[0][0] <= s:
+            i = heapq.heappop(active)[1]
+            demand -= rate[i]
+            finish[i], q_end[i] = now, q
+    t_iss = finish - start
+    return pd.DataFrame(dict(start_us=start, volume=vol, t_iss0_us=t0, t_iss_us=t_iss,
+                             stall_us=np.where(vol > 0, t_iss - t0, 0.0), q_end_bytes=q_end))
 
 
 def steady_state(burst: Burst, drain_rate: float, capacity: float, bursts: int = 400) -> dict:

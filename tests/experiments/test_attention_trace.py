@@ -1,0 +1,116 @@
+"""The per-tile analysis of the fused attention epilogue (``experiments/attention_trace.py``) on
+hand-built ``fa_trace`` records."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from xstage_lab import model
+from xstage_lab.experiments import attention_trace as at
+from xstage_lab.model import PlatformModel
+from xstage_lab.records import Record
+
+# M = 1024, b_m = 128, H/P = 2 local heads, P = 2: 8 m blocks per head, 16 tiles; 4 SMs x 2
+# programs = 8 resident programs: tiles 0-7 are wave 0 (head 0), 8-15 wave 1 (head 1). Rank 0
+# owns m blocks 0-3, so its remote tiles are m blocks 4-7 of each head.
+M, BM, D, P, H = 1024, 128, 64, 2, 4
+CFG = dict(BLOCK_M=BM, BLOCK_N=64, num_warps=4, num_stages=2, ctas_per_sm=2, persistent=False)
+TILE_BYTES = BM * D * 2  # 16 KiB
+
+
+def _row(build, launch, epilogue_ns, start_ns):
+    n = len(epilogue_ns)
+    return dict(M=M, heads=H, head_dim=D, P=P, rank=0, build=build, launch=launch,
+                kernel_us=100.0, sm_clock_mhz=1980, entry_ns=json.dumps([0] * n),
+                q_loop_ns=json.dumps([int(x) for x in start_ns]),
+                epilogue_ns=json.dumps([int(x) for x in epilogue_ns]),
+                smid=json.dumps([t % 4 for t in range(n)]))
+
+
+def _record(rows) -> Record:
+    import pandas as pd
+
+    meta = dict(record_id="x", experiment="fa_trace", platform="test-x2",
+                params=dict(config=CFG), provenance=dict(gpus=[dict(sm_count=4)]))
+    return Record(path=Path("/nonexistent/fa_trace/test-x2/x.parquet"),
+                  table=pd.DataFrame(rows), meta=meta)
+
+
+def _epilogues(remote_first_wave_us, other_us=2.0):
+    """Epilogue (ns) per tile: ``remote_first_wave_us`` on rank 0's remote tiles of wave 0."""
+    out = np.full(16, other_us * 1e3)
+    out[4:8] = remote_first_wave_us * 1e3
+    return out.astype(int)
+
+
+@pytest.fixture
+def record():
+    # control: every epilogue 2 µs; Fused: wave 0's remote tiles 2 µs + a tail (one tile 40 µs)
+    starts = np.r_[np.full(8, 50_000), np.full(8, 150_000)].astype(int)  # Q-loops 50, 150 µs
+    fused = _epilogues(2.0)
+    fused[7] = 40_000
+    rows = [_row("control", 0, _epilogues(2.0), starts), _row("fused", 0, fused, starts)]
+    return _record(rows)
+
+
+def test_tile_table_assigns_owner_and_wave(record):
+    t = at.tile_table(record)
+    fused = t[t["build"] == "fused"].set_index("tile")
+    assert list(fused.index[fused["remote"]]) == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert list(fused["wave"]) == [0] * 8 + [1] * 8
+    assert fused.loc[7, "epilogue_us"] == pytest.approx(40.0)
+    assert fused.loc[12, "epilogue_start_us"] == pytest.approx(150.0)
+
+
+def test_persistent_records_are_refused(record):
+    rec = Record(record.path, record.table,
+                 {**record.meta, "params": dict(config=dict(CFG, persistent=True))})
+    with pytest.raises(ValueError, match="one-program-per-tile"):
+        at.tile_table(rec)
+
+
+def test_excess_mean_carries_the_tail_the_median_hides(record):
+    e = at.epilogue_excess(at.tile_table(record)).set_index("wave_class")
+    # remote tiles of wave 0: fused 2, 2, 2, 40 against control 2, 2, 2, 2
+    assert e.loc["first", "excess_median_us"] == pytest.approx(0.0)
+    assert e.loc["first", "excess_us"] == pytest.approx(38.0 / 4)
+    assert e.loc["first", "epilogue_fused_max_us"] == pytest.approx(40.0)
+    assert e.loc["first", "local_excess_us"] == pytest.approx(0.0)
+    assert e.loc["later", "excess_us"] == pytest.approx(0.0)
+
+
+def _platform(capacity):
+    return PlatformModel(drain_rate=10.0, t_iss0={}, capacity={4: capacity}, issue_floor={})
+
+
+def test_design_verdicts_on_the_measured_wave(record):
+    """Wave 0: 4 remote tiles of 16 KiB, aligned (spread 0), issue time 2 µs: V = 64 KiB,
+    R·T = 10 GB/s x 2 µs = 20 000 B, q_peak = 65536 − 20000 = 45536 B (eq. 6). With Q = 30 000 B
+    the capacity bound fails (reshape; eq. 7 stall (65536 − 30000)/10e3 − 2 = 1.5536 µs) and
+    agrees with the measured 9.5 µs excess; with Q = 50 000 B it holds (piggyback) and does not."""
+    t = at.tile_table(record)
+    tight = at.design_verdicts(t, _platform(30_000), BM, 8).set_index("wave_class")
+    assert tight.loc["first", "burst_volume"] == 4 * TILE_BYTES
+    assert tight.loc["first", "sms"] == 4
+    assert tight.loc["first", "peak_outstanding_bytes"] == pytest.approx(65536 - 20000)
+    assert tight.loc["first", "action"] == "reshape"
+    assert tight.loc["first", "isolated_stall_pred_us"] == pytest.approx(1.5536)
+    assert tight.loc["first", "agrees"] == "yes"
+    # wave 1 is the same aligned burst, but Fused stored it without excess
+    assert tight.loc["later", "action"] == "reshape" and tight.loc["later", "agrees"] == "no"
+    loose = at.design_verdicts(t, _platform(50_000), BM, 8).set_index("wave_class")
+    assert loose.loc["first", "action"] == "piggyback"
+    assert loose.loc["first", "agrees"] == "no"
+
+
+def test_simulated_stalls_play_the_control_schedule(record):
+    """Each aligned wave (4 x 16 KiB, 2 µs each, from an empty queue: wave 1 starts 100 µs
+    after wave 0) through the fluid queue stalls as one burst of 64 KiB does (eq. 7,
+    ``model.isolated_issue_time``): every tile by the same amount, since they share R."""
+    sim = at.simulated_stalls(at.tile_table(record), _platform(30_000), BM, 8).set_index(
+        "wave_class")
+    want = float(model.isolated_issue_time(4 * TILE_BYTES, 2.0, 30_000, 10.0)) - 2.0
+    assert sim.loc["first", "stall_pred_mean_us"] == pytest.approx(want, rel=1e-6)
+    assert sim.loc["first", "excess_mean_us"] == pytest.approx(38.0 / 4)
+    assert sim.loc["later", "stall_pred_mean_us"] == pytest.approx(want, rel=1e-6)

@@ -1,0 +1,188 @@
+"""The X-Stage-fused attention epilogue as measured per tile (``attention_trace_bench``), held
+against the design test (eq. 10) and the CPU simulator.
+
+Per output tile the trace gives the Q-loop and the epilogue span (the tile's stores issued; T_RS
+of §5.2 for this kernel) in two launches of one instrumented build: Fused, whose tiles owned by
+another rank go through NVLink, and the local control, the same code storing on this GPU (§3.1).
+Backpressure shows as Fused's epilogue outlasting the control's on the remote tiles.
+
+The burst the design test needs is the kernel's own: a wave of the grid (one tile per resident
+program) ends its Q-loops nearly together, and its remote tiles form one aggregate burst of
+V = (remote tiles of the wave)·b_m·d·2 bytes. The programs do not end exactly together; the
+measured spread of their epilogue starts is the aggregate burst's backpressure-free issue time,
+so eq. 10's capacity bound reads [V − R·max(T_epi, spread)]_+ ≤ Q, with T_epi the control's
+median epilogue. The first wave starts aligned; later waves inherit the drift of the earlier
+Q-loops. Each is tested on its own, and the simulator (``simulator.simulate_producers``) plays the
+control's measured epilogue starts through the fluid queue for the per-tile stall it predicts.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+
+from .. import model
+from ..simulator import simulate_producers
+
+LIST_COLUMNS = ("entry_ns", "q_loop_ns", "epilogue_ns", "smid")
+WAVE_CLASSES = ("first", "later")
+
+
+def _values(v):
+    return json.loads(v) if isinstance(v, str) else v
+
+
+def tile_table(record) -> pd.DataFrame:
+    """One row per traced tile of an ``fa_trace`` record: M, rank, build, launch, tile, times (µs:
+    entry, epilogue start and end from the launch's first entry, Q-loop, epilogue), SM id, whether
+    its rows belong to another rank (``remote``), and its grid wave (tile // resident programs)."""
+    cfg = record.params["config"]
+    programs = record.provenance["gpus"][0]["sm_count"] * cfg["ctas_per_sm"]
+    if cfg["persistent"]:
+        raise ValueError("waves are defined for the one-program-per-tile grid; this record "
+                         "traced a persistent one")
+    frames = []
+    for r in record.table.to_dict("records"):
+        cols = {c: np.asarray(_values(r[c]), dtype=np.int64) for c in LIST_COLUMNS}
+        M, P, rank, bm = int(r["M"]), int(r["P"]), int(r["rank"]), int(cfg["BLOCK_M"])
+        tile = np.arange(len(cols["entry_ns"]))
+        owner = (tile % (M // bm)) * bm // (M // P)
+        entry = cols["entry_ns"] / 1e3
+        q_loop, epilogue = cols["q_loop_ns"] / 1e3, cols["epilogue_ns"] / 1e3
+        frames.append(pd.DataFrame(dict(
+            M=M, P=P, head_dim=int(r["head_dim"]), rank=rank, build=r["build"],
+            launch=int(r["launch"]), tile=tile, entry_us=entry, epilogue_start_us=entry + q_loop,
+            epilogue_end_us=entry + q_loop + epilogue, q_loop_us=q_loop, epilogue_us=epilogue,
+            smid=cols["smid"], remote=owner != rank, wave=tile // programs)))
+    out = pd.concat(frames, ignore_index=True)
+    out["wave_class"] = np.where(out["wave"] == 0, "first", "later")
+    return out
+
+
+def _iqr(x) -> float:
+    lo, hi = np.percentile(x, [25, 75])
+    return float(hi - lo)
+
+
+def epilogue_excess(tiles: pd.DataFrame) -> pd.DataFrame:
+    """Per M, wave class and rank: the remote tiles' median epilogue in Fused and in the control,
+    Fused's p90 and maximum, the excess (Fused − control; positive: backpressure at issue) of
+    the means (``excess_us``) and of the medians, the control's IQR (the tile-to-
+    tile spread with nothing outstanding, the tolerance of ``model.verdict_agrees``), the same
+    excess on the local tiles (no NVLink traffic: a check of the comparison), and the median
+    Q-loop inflation of the tiles that follow (Fused − control, all tiles: local staging)."""
+    rows = []
+    for (M, wave_class, rank), g in tiles.groupby(["M", "wave_class", "rank"]):
+        fused, control = g[g["build"] == "fused"], g[g["build"] == "control"]
+        remote = {b: t.loc[t["remote"], "epilogue_us"] for b, t in (("fused", fused),
+                                                                    ("control", control))}
+        local = {b: t.loc[~t["remote"], "epilogue_us"] for b, t in (("fused", fused),
+                                                                    ("control", control))}
+        row = dict(M=M, wave_class=wave_class, rank=rank, remote_tiles=int(fused["remote"].sum()),
+                   epilogue_fused_us=float(remote["fused"].median()),
+                   epilogue_control_us=float(remote["control"].median()),
+                   tolerance_us=_iqr(remote["control"]),
+                   q_loop_fused_us=float(fused["q_loop_us"].median()),
+                   q_loop_control_us=float(control["q_loop_us"].median()))
+        row["epilogue_fused_p90_us"] = float(remote["fused"].quantile(0.9))
+        row["epilogue_fused_max_us"] = float(remote["fused"].max())
+        row["excess_median_us"] = row["epilogue_fused_us"] - row["epilogue_control_us"]
+        # the mean carries the tail of stalled tiles, which the median hides; a stalled tile
+        # holds its SM slot, so the mean is the excess the launch pays
+        row["excess_us"] = float(remote["fused"].mean() - remote["control"].mean())
+        row["local_excess_us"] = (float(local["fused"].median() - local["control"].median())
+                                  if len(local["fused"]) else np.nan)
+        row["q_loop_inflation_us"] = row["q_loop_fused_us"] - row["q_loop_control_us"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def wave_bursts(tiles: pd.DataFrame, tile_bytes) -> pd.DataFrame:
+    """Per M and wave class, from the control launches (no backpressure): each wave's remote
+    volume V (bytes), the spread of its remote tiles' epilogue starts (p5 to p95, µs; the medians
+    over waves, ranks and launches) and the gap before the programs' next epilogue (the median
+    Q-loop, which the next tile of each program runs). ``tile_bytes(M, head_dim)`` = b_m·d·2."""
+    control = tiles[(tiles["build"] == "control") & tiles["remote"]]
+    per_wave = control.groupby(["M", "head_dim", "wave_class", "rank", "launch", "wave"]).agg(
+        tiles=("tile", "size"), sms=("smid", "nunique"),
+        spread_us=("epilogue_start_us", lambda s: float(np.percentile(s, 95)
+                                                          - np.percentile(s, 5))),
+        epilogue_us=("epilogue_us", "median"),
+        q_loop_us=("q_loop_us", "median")).reset_index()
+    per_wave["burst_volume"] = [n * tile_bytes(m, d) for n, m, d in
+                                zip(per_wave["tiles"], per_wave["M"], per_wave["head_dim"])]
+    return per_wave.groupby(["M", "wave_class", "rank"]).agg(
+        waves=("wave", "nunique"), burst_volume=("burst_volume", "median"),
+        sms=("sms", "median"),
+        spread_us=("spread_us", "median"), epilogue_us=("epilogue_us", "median"),
+        gap_us=("q_loop_us", "median")).reset_index()
+
+
+def design_verdicts(tiles: pd.DataFrame, platform, block_m: int, programs: int) -> pd.DataFrame:
+    """The design test (eq. 10) per M and wave class on the measured burst (``wave_bursts``):
+    issue time max(T_epi, spread), gap the Q-loop, Q(K) at K = resident programs; the issue
+    overhead (eq. 4) and, for one burst from empty, the stall beyond the issue time (eq. 7);
+    beside the measured excess and its tolerance (``epilogue_excess``) and whether they agree
+    (``model.verdict_agrees``)."""
+    both = wave_bursts(tiles, lambda M, d: model.tile_burst_bytes(block_m, d)).merge(
+        epilogue_excess(tiles)[["M", "wave_class", "rank", "excess_us", "tolerance_us"]],
+        on=["M", "wave_class", "rank"])
+    rows = []
+    for b in both.to_dict("records"):
+        issue = max(b["epilogue_us"], b["spread_us"])
+        capacity = platform.capacity_at(programs)
+        verdict = model.design_test(b["burst_volume"], b["gap_us"], issue, platform.drain_rate,
+                                    capacity)
+        rows.append({**b, "issue_us": issue, "capacity_bytes": capacity,
+                     "V_over_R_us": float(model.drain_time(b["burst_volume"], platform.drain_rate)),
+                     "peak_outstanding_bytes": verdict.peak_outstanding_bytes,
+                     "rate_bound": verdict.rate_bound, "capacity_bound": verdict.capacity_bound,
+                     "action": verdict.action, "dT_iss_pred_us": verdict.issue_overhead_us,
+                     "isolated_stall_pred_us": verdict.isolated_issue_us - issue,
+                     "agrees": "yes" if model.verdict_agrees(verdict.action, b["excess_us"],
+                                                             b["tolerance_us"]) else "no"})
+    return pd.DataFrame(rows)
+
+
+def simulated_stalls(tiles: pd.DataFrame, platform, block_m: int, programs: int) -> pd.DataFrame:
+    """The simulator on the measured schedule: per control launch, every remote tile a burst of
+    b_m·d·2 bytes starting at its measured epilogue start, its backpressure-free issue time its
+    measured control epilogue, through one fluid queue (R, Q(K) at K = resident programs). Per M
+    and wave class: the mean predicted stall per remote tile beside the measured mean excess per
+    remote tile (Fused − control epilogue of the same tile, averaged over launches)."""
+    control = tiles[(tiles["build"] == "control") & tiles["remote"]]
+    predicted = []
+    for _, launch in control.groupby(["M", "rank", "launch"]):
+        sim = simulate_producers(launch["epilogue_start_us"].to_numpy(),
+                                 np.full(len(launch), float(model.tile_burst_bytes(
+                                     block_m, int(launch["head_dim"].iloc[0])))),
+                                 launch["epilogue_us"].to_numpy(), platform.drain_rate,
+                                 platform.capacity_at(programs))
+        predicted.append(launch[["M", "rank", "tile", "wave_class"]].assign(
+            stall_pred_us=sim["stall_us"].to_numpy()))
+    predicted = pd.concat(predicted).groupby(["M", "rank", "tile", "wave_class"])[
+        "stall_pred_us"].mean()
+    per_tile = tiles[tiles["remote"]].groupby(["M", "rank", "tile", "wave_class", "build"])[
+        "epilogue_us"].mean().unstack("build")
+    both = pd.DataFrame({"stall_pred_us": predicted,
+                         "excess_us": per_tile["fused"] - per_tile["control"]}).reset_index()
+    return both.groupby(["M", "wave_class"]).agg(
+        remote_tiles=("tile", "size"), stall_pred_mean_us=("stall_pred_us", "mean"),
+        excess_mean_us=("excess_us", "mean"),
+        stall_pred_total_us=("stall_pred_us", "sum"),
+        excess_total_us=("excess_us", "sum")).reset_index()
+
+
+def record_verdicts(record) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """``epilogue_excess``, ``design_verdicts`` and ``simulated_stalls`` of an ``fa_trace``
+    record on its platform's latest calibration."""
+    from .remote_store import latest_calibration
+
+    cfg = record.params["config"]
+    programs = record.provenance["gpus"][0]["sm_count"] * cfg["ctas_per_sm"]
+    platform = latest_calibration(record.platform, record.path.parents[2]).platform_model()
+    tiles = tile_table(record)
+    return (epilogue_excess(tiles),
+            design_verdicts(tiles, platform, cfg["BLOCK_M"], programs),
+            simulated_stalls(tiles, platform, cfg["BLOCK_M"], programs))
