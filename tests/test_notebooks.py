@@ -60,8 +60,10 @@ def test_notebook_04_publishes_verdicts_beside_measurements(reproduced):
                (reproduced / "04_simulator_and_design_test" / "manifest.jsonl").read_text().splitlines()]
     names = {e["name"] for e in entries}
     assert {"simulator_errors", "simulated_schedules"} <= names
-    # the attention and MoE verdicts each carry a yes/no "agrees" column
-    for prefix in ("attention_verdicts_", "moe_verdicts_"):
+    assert any(n.startswith("attention_epilogue_spans_") for n in names)
+    assert any(n.startswith("attention_trace_simulated_") for n in names)
+    # the attention (end to end and per tile) and MoE verdicts each carry a yes/no "agrees" column
+    for prefix in ("attention_verdicts_", "attention_trace_verdicts_", "moe_verdicts_"):
         verdict = next(e for e in entries if e["name"].startswith(prefix))
         csv = reproduced / "04_simulator_and_design_test" / verdict["files"][0]
         header, *rows = csv.read_text().splitlines()

@@ -866,3 +866,23 @@ def operations_gap_sweeps(record) -> go.Figure:
     fig.update_layout(title=f"{record.platform}: issue time against gap per remote operation, "
                             f"B = {_kb(b)}, K = {int(k)}")
     return fig
+
+
+def attention_epilogue_spans(tiles: pd.DataFrame, platform: str) -> go.Figure:
+    """The fused attention kernel's per-tile epilogue spans (``attention_trace.tile_table``) per
+    M: remote tiles of the grid's first wave and of the later waves, Fused beside its local
+    control, as boxes with every point beyond the whiskers (the stalled tiles)."""
+    fig = go.Figure()
+    series = (("first", "fused", "first wave, Fused"), ("first", "control", "first wave, control"),
+              ("later", "fused", "later waves, Fused"),
+              ("later", "control", "later waves, control"))
+    remote = tiles[tiles["remote"]]
+    for i, (wave_class, build, label) in enumerate(series):
+        sel = remote[(remote["wave_class"] == wave_class) & (remote["build"] == build)]
+        fig.add_box(x=sel["M"].astype(str), y=sel["epilogue_us"], name=label,
+                    marker_color=_COLORS[i], boxpoints="outliers", offsetgroup=str(i))
+    # log axis: a stalled tile takes up to ~50x an unstalled one
+    fig.update_layout(boxmode="group", title=f"{platform}: fused attention epilogue span per "
+                      "remote output tile", xaxis_title="M", yaxis_title="epilogue (µs)",
+                      yaxis_type="log")
+    return fig
