@@ -12,7 +12,7 @@ Per sequence length M:
    code storing into P buffers on this GPU, §3.1) with their outputs and traces poisoned, Fused
    bitwise equal to Serial, the control to FA-only, every trace row stamped and ordered.
 2. ``--settle-s`` of FA-only, then ``--launches`` rounds of the two instrumented launches, the
-   order alternating per round; each launch is eager, between CUDA events, with the SM clock read
+   order alternating per round (``--repeat-build``: each after an untraced launch of itself); each launch is eager, between CUDA events, with the SM clock read
    after it; Fused's stores are made visible (one barrier) after its timed launch.
 Rank 0 writes one JSON file: a row per (M, rank, build, launch) with the per-tile times as lists,
 in ns from the launch's first tile entry.
@@ -52,6 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--launches", type=int, default=3, help="traced launches per build and M")
     p.add_argument("--settle-s", type=float, default=SETTLE_S,
                    help="seconds of FA-only back to back before each M's launches")
+    p.add_argument("--repeat-build", action="store_true",
+                   help="launch each build once untraced right before its traced launch, so the "
+                        "traced launch follows itself instead of the other build (what the first "
+                        "wave meets: the same destination pages and cache state, or the other's)")
     p.add_argument("--tune", action="store_true",
                    help="time the candidate configurations first (as attention_bench does)")
     p.add_argument("--seed", type=int, default=0)
@@ -73,9 +77,15 @@ def check_trace(trace: np.ndarray, name: str) -> list[str]:
     return failures
 
 
-def trace_launch(build: str, q, k, v, cfg, buf, local_table, rank, world, trace) -> tuple:
-    """One instrumented launch between CUDA events: (trace on the host, µs, SM clock after)."""
+def trace_launch(build: str, q, k, v, cfg, buf, local_table, rank, world, trace,
+                 repeat_build: bool = False) -> tuple:
+    """One instrumented launch between CUDA events: (trace on the host, µs, SM clock after);
+    ``repeat_build``: after an untraced launch of the same build."""
     table = buf.peer_ptrs if build == "fused" else local_table
+    if repeat_build:
+        att.fused_attention_a2a(q, k, v, table, rank, world, config=cfg)
+        if build == "fused":
+            buf.barrier()
     trace.fill_(POISON_STAMP)
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -122,7 +132,7 @@ def trace_case(seq_len, args, cfg, buf, group) -> list[dict]:
         for build in BUILDS if launch % 2 == 0 else BUILDS[::-1]:
             dist.barrier(group)
             stamps, kernel_us, clock = trace_launch(build, q, k, v, cfg, buf, local_table, rank,
-                                                    world, trace)
+                                                    world, trace, args.repeat_build)
             t0 = int(stamps[:, 0].min())
             rows.append(dict(M=seq_len, heads=H, head_dim=d, P=world, rank=rank, build=build,
                              launch=launch, kernel_us=kernel_us, sm_clock_mhz=clock,
@@ -175,7 +185,7 @@ def write_result(args, world, cfg, tuning, rows, elapsed_s) -> None:
         created_utc=datetime.now(timezone.utc).isoformat(),
         params=dict(seq=args.seq, heads=args.heads, head_dim=args.head_dim, P=world,
                     launches=args.launches, settle_s=args.settle_s, seed=args.seed,
-                    tuned=args.tune),
+                    tuned=args.tune, repeat_build=args.repeat_build),
         config=cfg,
         tuning=tuning,
         timing=("per output tile, %globaltimer (ns) at tile entry, epilogue start and epilogue "
