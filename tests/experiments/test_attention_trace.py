@@ -32,7 +32,8 @@ def _record(rows) -> Record:
     import pandas as pd
 
     meta = dict(record_id="x", experiment="fa_trace", platform="test-x2",
-                params=dict(config=CFG), provenance=dict(gpus=[dict(sm_count=4)]))
+                params=dict(config=CFG, params=dict(repeat_build=False)),
+                provenance=dict(gpus=[dict(sm_count=4)]))
     return Record(path=Path("/nonexistent/fa_trace/test-x2/x.parquet"),
                   table=pd.DataFrame(rows), meta=meta)
 
@@ -65,7 +66,8 @@ def test_tile_table_assigns_owner_and_wave(record):
 
 def test_persistent_records_are_refused(record):
     rec = Record(record.path, record.table,
-                 {**record.meta, "params": dict(config=dict(CFG, persistent=True))})
+                 {**record.meta, "params": {**record.params,
+                                            "config": dict(CFG, persistent=True)}})
     with pytest.raises(ValueError, match="one-program-per-tile"):
         at.tile_table(rec)
 
@@ -114,3 +116,14 @@ def test_simulated_stalls_play_the_control_schedule(record):
     assert sim.loc["first", "stall_pred_mean_us"] == pytest.approx(want, rel=1e-6)
     assert sim.loc["first", "excess_mean_us"] == pytest.approx(38.0 / 4)
     assert sim.loc["later", "stall_pred_mean_us"] == pytest.approx(want, rel=1e-6)
+
+
+def test_first_wave_by_launch_order_names_what_each_trace_followed(record):
+    other = at.first_wave_by_launch_order([record])
+    assert list(other["traced_launch_follows"]) == ["the other build"]
+    assert other.loc[0, "excess_us"] == pytest.approx(38.0 / 4)
+    repeated = Record(record.path, record.table,
+                      {**record.meta, "params": {**record.params,
+                                                 "params": dict(repeat_build=True)}})
+    assert list(at.first_wave_by_launch_order([repeated])["traced_launch_follows"]) == [
+        "the same build"]

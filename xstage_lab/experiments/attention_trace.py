@@ -66,7 +66,8 @@ def _iqr(x) -> float:
 
 
 def epilogue_excess(tiles: pd.DataFrame) -> pd.DataFrame:
-    """Per M, wave class and rank: the remote tiles' median epilogue in Fused and in the control,
+    """Per M, wave class and rank (``remote_tiles``: Fused's remote tiles over all its traced
+    launches): the remote tiles' median epilogue in Fused and in the control,
     Fused's p90 and maximum, the excess (Fused − control; positive: backpressure at issue) of
     the means (``excess_us``) and of the medians, the control's IQR (the tile-to-
     tile spread with nothing outstanding, the tolerance of ``model.verdict_agrees``), the same
@@ -186,3 +187,21 @@ def record_verdicts(record) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     return (epilogue_excess(tiles),
             design_verdicts(tiles, platform, cfg["BLOCK_M"], programs),
             simulated_stalls(tiles, platform, cfg["BLOCK_M"], programs))
+
+
+def first_wave_by_launch_order(records) -> pd.DataFrame:
+    """Per ``fa_trace`` record and M, the first wave's remote tiles on the rank that sends the
+    most in it: the mean excess and Fused's maximum epilogue, with what each traced launch
+    followed (``repeat_build``: an untraced launch of the same build; else the other build)."""
+    rows = []
+    for record in records:
+        e = epilogue_excess(tile_table(record))
+        first = e[e["wave_class"] == "first"].sort_values("remote_tiles").groupby("M").tail(1)
+        after = ("the same build" if record.params["params"].get("repeat_build")
+                 else "the other build")
+        rows += [dict(record=record.record_id, traced_launch_follows=after, M=r["M"],
+                      rank=r["rank"], remote_tiles=r["remote_tiles"], excess_us=r["excess_us"],
+                      epilogue_fused_max_us=r["epilogue_fused_max_us"],
+                      local_excess_us=r["local_excess_us"])
+                 for r in first.sort_values("M").to_dict("records")]
+    return pd.DataFrame(rows)
