@@ -187,7 +187,7 @@ def _output_tile(tile, num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, tr
                  REMOTE: tl.constexpr, FENCED: tl.constexpr, OUTPUT_CACHE: tl.constexpr,
                  PIPELINED: tl.constexpr, INSTRUMENT: tl.constexpr):
     """Output tile ``tile`` of ``flash_attention_kernel``: its Q-loop, then its epilogue."""
-    rec = trace + tile.to(tl.int64) * TRACE_FIELDS
+    rec = trace + tile * TRACE_FIELDS  # tiles < 2**29: int32 suffices
     if INSTRUMENT:
         _stamp(rec, 0)
     head = tile // num_m_blocks
