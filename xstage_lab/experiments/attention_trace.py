@@ -14,6 +14,8 @@ so eq. 10's capacity bound reads [V − R·max(T_epi, spread)]_+ ≤ Q, with T_e
 median epilogue. The first wave starts aligned; later waves inherit the drift of the earlier
 Q-loops. Each is tested on its own, and the simulator (``simulator.simulate_producers``) plays the
 control's measured epilogue starts through the fluid queue for the per-tile stall it predicts.
+What the first wave meets also depends on the launch before it (the bench's ``--repeat-build``;
+``first_wave_by_launch_order``).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from .. import model
 from ..simulator import simulate_producers
 
 LIST_COLUMNS = ("entry_ns", "q_loop_ns", "epilogue_ns", "smid")
-WAVE_CLASSES = ("first", "later")
+WAVE_CLASSES = ("first", "later")  # the grid's first wave (starts aligned), every later one
 
 
 def _values(v):
@@ -56,7 +58,7 @@ def tile_table(record) -> pd.DataFrame:
             epilogue_end_us=entry + q_loop + epilogue, q_loop_us=q_loop, epilogue_us=epilogue,
             smid=cols["smid"], remote=owner != rank, wave=tile // programs)))
     out = pd.concat(frames, ignore_index=True)
-    out["wave_class"] = np.where(out["wave"] == 0, "first", "later")
+    out["wave_class"] = np.where(out["wave"] == 0, *WAVE_CLASSES)
     return out
 
 
