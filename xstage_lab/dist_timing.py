@@ -33,6 +33,18 @@ def require_safe_env() -> None:
                              "(NVLink multicast off)")
 
 
+def start_rank() -> tuple[int, int, int]:
+    """Start this torchrun rank: NVLink multicast off (``require_safe_env``), the GPU of
+    ``LOCAL_RANK`` and the NCCL process group bound to it. Returns ``(local_rank, rank, world)``;
+    the caller destroys the group."""
+    import torch.distributed as dist
+    require_safe_env()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    return local_rank, dist.get_rank(), dist.get_world_size()
+
+
 def all_gather_objects(obj, group=None) -> list:
     """Every rank's ``obj``, in rank order."""
     import torch.distributed as dist

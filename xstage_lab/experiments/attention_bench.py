@@ -44,7 +44,7 @@ import triton
 
 from ..checks import bitwise_equal, poisoned, relative_error
 from ..dist_timing import (all_gather_objects, read_sm_clock_mhz, require_safe_env, rotated_order,
-                           time_methods)
+                           start_rank, time_methods)
 from ..platform import provenance
 from . import attention as att
 from .attention_model import paired_difference
@@ -536,11 +536,8 @@ def main(argv=None) -> int:
         args.out.write_text(json.dumps(doc, indent=1))
         print(f"[attention_bench --fa-only] wrote {args.out}", file=sys.stderr, flush=True)
         return 0
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    _, rank, world = start_rank()
     group = dist.group.WORLD
-    rank, world = dist.get_rank(), dist.get_world_size()
     try:
         validate(args, world)
         started = time.time()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -33,7 +32,7 @@ import torch.distributed as dist
 import triton
 
 from ..checks import bitwise_equal
-from ..dist_timing import all_gather_objects, read_sm_clock_mhz, require_safe_env
+from ..dist_timing import all_gather_objects, read_sm_clock_mhz, start_rank
 from ..platform import provenance
 from . import attention as att
 from .attention_bench import DEFAULT_SEQ, DEVICE, SETTLE_S, check_case, settle, tune, validate
@@ -147,12 +146,8 @@ def trace_case(seq_len, args, cfg, buf, group) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    require_safe_env()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    _, rank, world = start_rank()
     group = dist.group.WORLD
-    rank, world = dist.get_rank(), dist.get_world_size()
     try:
         validate(args, world)
         if args.launches < 1:

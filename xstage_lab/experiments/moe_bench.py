@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 import time
 import zlib
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..checks import relative_error
-from ..dist_timing import (TIMING_METHOD, all_gather_objects, read_sm_clock_mhz, require_safe_env,
+from ..dist_timing import (TIMING_METHOD, all_gather_objects, read_sm_clock_mhz, start_rank,
                            time_methods)
 from . import moe
 from .moe_schedules import MoEProblem, d_knee, default_experts_per_wave, expert_wave_schedule, \
@@ -279,12 +278,7 @@ def init_expert_parallel(models: list[str]) -> tuple[int, int, int, dict[str, mo
     process group, float32 matmuls without TF32 (the reference is float32, not TF32), and every
     model's routed experts checked to split over the ranks. Returns ``(local_rank, rank, world,
     shapes)``."""
-    require_safe_env()
-    import torch.distributed as dist
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank, rank, world = start_rank()
     torch.backends.cuda.matmul.allow_tf32 = False
     shapes = moe.load_shapes()
     for m in models:
