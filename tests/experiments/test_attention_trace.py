@@ -127,3 +127,16 @@ def test_first_wave_by_launch_order_names_what_each_trace_followed(record):
                                                  "params": dict(repeat_build=True)}})
     assert list(at.first_wave_by_launch_order([repeated])["traced_launch_follows"]) == [
         "the same build"]
+
+
+def test_bench_refuses_unstamped_or_disordered_traces():
+    from xstage_lab.experiments.attention_trace_bench import POISON_STAMP, check_trace
+
+    good = np.array([[10, 20, 30, 5], [11, 21, 22, 6]])
+    assert check_trace(good, "fused") == []
+    unstamped = good.copy()
+    unstamped[1, 2] = POISON_STAMP
+    assert check_trace(unstamped, "fused") == ["fused: 1 tiles not stamped"]
+    disordered = good.copy()
+    disordered[0, 1] = 40  # epilogue starts after it ends
+    assert check_trace(disordered, "control") == ["control: stamps out of order"]

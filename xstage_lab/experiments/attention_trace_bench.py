@@ -69,8 +69,9 @@ def check_trace(trace: np.ndarray, name: str) -> list[str]:
     """Every row stamped (no poison left) and ordered: entry <= epilogue start <= epilogue end."""
     entry, start, end = trace[:, 0], trace[:, 1], trace[:, 2]
     failures = []
-    if (trace[:, :3] == POISON_STAMP).any():
-        failures.append(f"{name}: {(trace[:, 0] == POISON_STAMP).sum()} tiles not stamped")
+    unstamped = int((trace[:, :3] == POISON_STAMP).any(axis=1).sum())
+    if unstamped:
+        failures.append(f"{name}: {unstamped} tiles not stamped")
     elif not ((entry <= start) & (start <= end)).all():
         failures.append(f"{name}: stamps out of order")
     return failures
