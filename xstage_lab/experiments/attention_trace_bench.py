@@ -12,7 +12,8 @@ Per sequence length M:
    code storing into P buffers on this GPU, §3.1) with their outputs and traces poisoned, Fused
    bitwise equal to Serial, the control to FA-only, every trace row stamped and ordered.
 2. ``--settle-s`` of FA-only, then ``--launches`` rounds of the two instrumented launches, the
-   order alternating per round (``--repeat-build``: each after an untraced launch of itself); each launch is eager, between CUDA events, with the SM clock read
+   order alternating per round (``--repeat-build``: each after an untraced launch of itself;
+   ``--prime-copy``: Fused after the remote-store All-to-All to the same addresses); each launch is eager, between CUDA events, with the SM clock read
    after it; Fused's stores are made visible (one barrier) after its timed launch.
 Rank 0 writes one JSON file: a row per (M, rank, build, launch) with the per-tile times as lists,
 in ns from the launch's first tile entry.
@@ -55,6 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="launch each build once untraced right before its traced launch, so the "
                         "traced launch follows itself instead of the other build (what the first "
                         "wave meets: the same destination pages and cache state, or the other's)")
+    p.add_argument("--prime-copy", action="store_true",
+                   help="before each traced Fused launch, the remote-store All-to-All "
+                        "(``remote_store_a2a``) writes the same receive-buffer addresses: is what "
+                        "the first wave meets the destinations' state or the kernel's")
     p.add_argument("--tune", action="store_true",
                    help="time the candidate configurations first (as attention_bench does)")
     p.add_argument("--seed", type=int, default=0)
@@ -78,14 +83,18 @@ def check_trace(trace: np.ndarray, name: str) -> list[str]:
 
 
 def trace_launch(build: str, q, k, v, cfg, buf, local_table, rank, world, trace,
-                 repeat_build: bool = False) -> tuple:
+                 repeat_build: bool = False, prime: torch.Tensor | None = None) -> tuple:
     """One instrumented launch between CUDA events: (trace on the host, µs, SM clock after);
-    ``repeat_build``: after an untraced launch of the same build."""
+    ``repeat_build``: after an untraced launch of the same build; ``prime`` (an attention output
+    [M, H/P, d]): a Fused launch after the remote-store All-to-All of it."""
     table = buf.peer_ptrs if build == "fused" else local_table
     if repeat_build:
         att.fused_attention_a2a(q, k, v, table, rank, world, config=cfg)
         if build == "fused":
             buf.barrier()
+    if prime is not None and build == "fused":
+        att.remote_store_a2a(prime, buf.peer_ptrs, rank, world)
+        buf.barrier()
     trace.fill_(POISON_STAMP)
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -132,7 +141,8 @@ def trace_case(seq_len, args, cfg, buf, group) -> list[dict]:
         for build in BUILDS if launch % 2 == 0 else BUILDS[::-1]:
             dist.barrier(group)
             stamps, kernel_us, clock = trace_launch(build, q, k, v, cfg, buf, local_table, rank,
-                                                    world, trace, args.repeat_build)
+                                                    world, trace, args.repeat_build,
+                                                    out_fa if args.prime_copy else None)
             t0 = int(stamps[:, 0].min())
             rows.append(dict(M=seq_len, heads=H, head_dim=d, P=world, rank=rank, build=build,
                              launch=launch, kernel_us=kernel_us, sm_clock_mhz=clock,
@@ -181,7 +191,8 @@ def write_result(args, world, cfg, tuning, rows, elapsed_s) -> None:
         created_utc=datetime.now(timezone.utc).isoformat(),
         params=dict(seq=args.seq, heads=args.heads, head_dim=args.head_dim, P=world,
                     launches=args.launches, settle_s=args.settle_s, seed=args.seed,
-                    tuned=args.tune, repeat_build=args.repeat_build),
+                    tuned=args.tune, repeat_build=args.repeat_build,
+                    prime_copy=args.prime_copy),
         config=cfg,
         tuning=tuning,
         timing=("per output tile, %globaltimer (ns) at tile entry, epilogue start and epilogue "
