@@ -24,6 +24,7 @@ def test_trace_explains_the_moe_record_of_this_run_else_the_latest(tmp_path, mon
     assert launch._benchmark_args("moe_trace", {}, tmp_path) == [
         "--regressions", str(older / "20260102T000000Z-b.parquet")]
     assert launch._benchmark_args("fa_a2a", written, tmp_path) == []
+    assert launch._benchmark_args("fa_trace", written, tmp_path) == ["--repeat-build"]
 
 
 def test_unknown_measurements_are_refused_before_any_launch():

@@ -98,14 +98,16 @@ def measurement_names() -> list[str]:
 
 
 def _benchmark_args(name: str, written: dict[str, Path], root: Path) -> list[str]:
-    """What ``measure_all`` passes a benchmark: the declared MoE matrix, and to the trace
-    benchmark the MoE record whose regressing cells it explains (the one this run wrote, else the
+    """What ``measure_all`` passes a benchmark: the declared MoE matrix, the attention trace's
+    repeated launches, and to the MoE trace benchmark the MoE record whose regressing cells it explains (the one this run wrote, else the
     latest of this platform under ``root``)."""
     from .platform import platform_name
     from .records import list_records
 
     if name == "moe":
         return ["--matrix", str(MOE_MATRIX)]
+    if name == "fa_trace":
+        return ["--repeat-build"]  # the state the Table 3 replays run in (notebook 04)
     if name == "moe_trace":
         moe = written.get("moe") or next(reversed(list_records("moe", platform_name(), root)), None)
         return ["--regressions", str(moe)] if moe else []

@@ -140,3 +140,23 @@ def test_bench_refuses_unstamped_or_disordered_traces():
     disordered = good.copy()
     disordered[0, 1] = 40  # epilogue starts after it ends
     assert check_trace(disordered, "control") == ["control: stamps out of order"]
+
+
+def test_latest_replayed_trace_skips_traces_after_the_other_build(tmp_path, record):
+    from datetime import datetime, timezone
+
+    from xstage_lab.records import write_record
+
+    def write(repeat_build, day):
+        return write_record("fa_trace", "test-x2", record.table,
+                            {**record.params, "params": dict(repeat_build=repeat_build)}, {},
+                            tmp_path, created=datetime(2026, 1, day, tzinfo=timezone.utc))
+
+    with pytest.raises(FileNotFoundError, match="--repeat-build"):
+        at.latest_replayed_trace("test-x2", tmp_path)
+    replayed = write(True, 1)
+    write(True, 2)
+    write(False, 3)
+    latest = at.latest_replayed_trace("test-x2", tmp_path)
+    assert latest.params["params"]["repeat_build"] and latest.path != replayed
+    assert latest.meta["created_utc"].startswith("2026-01-02")

@@ -194,12 +194,15 @@ def record_verdicts(record) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
 def first_wave_by_launch_order(records) -> pd.DataFrame:
     """Per ``fa_trace`` record and M, the first wave's remote tiles on the rank that sends the
     most in it: the mean excess and Fused's maximum epilogue, with what each traced launch
-    followed (``repeat_build``: an untraced launch of the same build; else the other build)."""
+    followed (``repeat_build``: an untraced launch of the same build; ``prime_copy``: the
+    remote-store All-to-All to the same addresses; else the other build)."""
     rows = []
     for record in records:
         e = epilogue_excess(tile_table(record))
         first = e[e["wave_class"] == "first"].sort_values("remote_tiles").groupby("M").tail(1)
-        after = ("the same build" if record.params["params"].get("repeat_build")
+        params = record.params["params"]
+        after = ("the same build" if params.get("repeat_build")
+                 else "the remote-store copy to the same addresses" if params.get("prime_copy")
                  else "the other build")
         rows += [dict(record=record.record_id, traced_launch_follows=after, M=r["M"],
                       rank=r["rank"], remote_tiles=r["remote_tiles"], excess_us=r["excess_us"],
@@ -207,3 +210,15 @@ def first_wave_by_launch_order(records) -> pd.DataFrame:
                       local_excess_us=r["local_excess_us"])
                  for r in first.sort_values("M").to_dict("records")]
     return pd.DataFrame(rows)
+
+
+def latest_replayed_trace(platform: str, root=None):
+    """The platform's latest ``fa_trace`` record traced with ``--repeat-build``, each launch after
+    one of itself: the state of the Table 3 replays, which ``record_verdicts`` is read in."""
+    from ..records import RECORDS_DIR, list_records, read_record
+
+    for path in reversed(list_records("fa_trace", platform, root or RECORDS_DIR)):
+        record = read_record(path)
+        if record.params["params"].get("repeat_build"):
+            return record
+    raise FileNotFoundError(f"no fa_trace record of {platform} traced with --repeat-build")
