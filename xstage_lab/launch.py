@@ -99,8 +99,8 @@ def measurement_names() -> list[str]:
 
 def _benchmark_args(name: str, written: dict[str, Path], root: Path) -> list[str]:
     """What ``measure_all`` passes a benchmark: the declared MoE matrix, the attention trace's
-    repeated launches, and to the MoE trace benchmark the MoE record whose regressing cells it explains (the one this run wrote, else the
-    latest of this platform under ``root``)."""
+    repeated launches, and to the MoE trace benchmark the MoE record whose regressing cells it
+    explains (the one this run wrote, else the latest of this platform under ``root``)."""
     from .platform import platform_name
     from .records import list_records
 
