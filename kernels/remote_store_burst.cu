@@ -9,8 +9,10 @@
 //
 // Alignment: a grid barrier before the first burst, and before every burst when
 // align_each_burst is set, so that the K bursts form one aggregate burst of V = K·B bytes.
-// With fence_each_burst the issue interval ends only when the burst is visible at the
-// destination (the completion-coupled issuer of §2.3 and §3.4).
+// burst_gap_fenced ends each issue interval only when the burst is visible at the destination
+// (the completion-coupled issuer of §2.3 and §3.4). It is a separate instantiation because even
+// an untaken fence branch in the store loop's code adds 31 ns to each burst's issue time
+// (data/records/issue_time_probe).
 //
 // Built at run time by CuPy/NVRTC for sm_90 with kernel_sources.cuda_options, and compiled by
 // nvcc in the tests with the same options.
@@ -58,7 +60,8 @@ __device__ void write_trace(const u64* stamps, u32 n_bursts, u32 producer, u32 n
 // remote stores: it aligns, stamps and spins the gap. Stamps stay in shared memory until the
 // end, so between bursts the only memory operations are the barrier's, by the timekeeper.
 // Dynamic shared memory: at least n_bursts * 3 * 8 bytes.
-extern "C" __global__ void burst_gap(
+template <bool FENCED>
+__device__ __forceinline__ void burst_gap_body(
         uint4* __restrict__ dst,
         u64 slot_vecs,            // 16-byte vectors per rotation slot (K * B / 16)
         u32 n_slots,              // bursts rotate through this many slots (1 rewrites the same lines)
@@ -66,7 +69,6 @@ extern "C" __global__ void burst_gap(
         u32 n_bursts,
         u64 gap_cycles,           // producer-side gap G in SM cycles
         u32 align_each_burst,     // grid barrier before every burst (else before the first only)
-        u32 fence_each_burst,     // completion-coupled: every store thread waits for visibility
         u32 seed,
         u32* arrivals,            // zeroed before launch
         u32* error,               // zeroed before launch
@@ -106,7 +108,7 @@ extern "C" __global__ void burst_gap(
             }
             // The completion-coupled counterfactual (issue 8): a system-scope fence returns only
             // once this thread's stores are visible at the destination.
-            if (fence_each_burst) __threadfence_system();
+            if (FENCED) __threadfence_system();
         }
         // Issue ends when every warp of the CTA has issued its stores; completion is not awaited.
         __syncthreads();
@@ -117,6 +119,22 @@ extern "C" __global__ void burst_gap(
         }
     }
     write_trace(stamps, n_bursts, producer, n_producers, timekeeper, trace, clocks);
+}
+
+extern "C" __global__ void burst_gap(
+        uint4* __restrict__ dst, u64 slot_vecs, u32 n_slots, u32 vecs_per_producer,
+        u32 n_bursts, u64 gap_cycles, u32 align_each_burst, u32 seed, u32* arrivals, u32* error,
+        u64 timeout_ns, u64* __restrict__ trace, u64* __restrict__ clocks) {
+    burst_gap_body<false>(dst, slot_vecs, n_slots, vecs_per_producer, n_bursts, gap_cycles,
+                          align_each_burst, seed, arrivals, error, timeout_ns, trace, clocks);
+}
+
+extern "C" __global__ void burst_gap_fenced(
+        uint4* __restrict__ dst, u64 slot_vecs, u32 n_slots, u32 vecs_per_producer,
+        u32 n_bursts, u64 gap_cycles, u32 align_each_burst, u32 seed, u32* arrivals, u32* error,
+        u64 timeout_ns, u64* __restrict__ trace, u64* __restrict__ clocks) {
+    burst_gap_body<true>(dst, slot_vecs, n_slots, vecs_per_producer, n_bursts, gap_cycles,
+                         align_each_burst, seed, arrivals, error, timeout_ns, trace, clocks);
 }
 
 // Counts vectors of the destination buffer that differ from what the run must have left there:

@@ -2,6 +2,7 @@
 the Fig. 3 sweeps, and the CUDA source (compiled by nvcc for sm_90, no GPU needed)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,8 @@ from xstage_lab.platform import GPU, Inventory
 from xstage_lab.sweep import Axis, Sweep, run_sweep
 
 CU = Path(__file__).resolve().parents[2] / "kernels" / "remote_store_burst.cu"
-KERNELS = ("burst_gap", "count_burst_mismatches", "sample_sm_clock", "burst_gap_ops",
-           "count_ops_mismatches")
+KERNELS = ("burst_gap", "burst_gap_fenced", "count_burst_mismatches", "sample_sm_clock",
+           "burst_gap_ops", "count_ops_mismatches")
 
 
 def make_inv(n: int, sms: int = 132, peer: bool = True) -> Inventory:
@@ -261,3 +262,16 @@ def test_cuda_source_compiles_for_sm90_and_exports_the_kernels(tmp_path):
                         "cp.async.bulk.wait_group.read", "fence.proxy.async.shared::cta",
                         "ld.global.cv.v4.u32"):
         assert instruction in text, instruction
+
+
+@needs_nvcc
+def test_only_the_fenced_burst_kernel_fences(tmp_path):
+    """burst_gap's code holds no fence, not even an untaken branch to one (that costs issue
+    time: data/records/issue_time_probe); burst_gap_fenced fences at system scope per burst."""
+    _, _, ptx = compile_sm90(CU, tmp_path)
+    bodies = dict(re.findall(r"\.visible\s+\.entry\s+(\w+)\s*\((.*?)\n\}", ptx, re.S))
+    fences = {name: re.findall(r"\b(?:membar|fence)\.[\w.]+", bodies[name])
+              for name in ("burst_gap", "burst_gap_fenced")}
+    assert fences["burst_gap"] == []
+    assert fences["burst_gap_fenced"] and set(fences["burst_gap_fenced"]) <= {"membar.sys",
+                                                                             "fence.sc.sys"}

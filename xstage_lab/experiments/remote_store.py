@@ -244,7 +244,8 @@ class RemoteStoreBench:
         # More than half of an SM's shared memory per CTA: no two producers share an SM.
         smem = min(gpu.max_smem_per_sm // 2 + 1024, gpu.max_smem_per_block_optin)
         with cp.cuda.Device(src):
-            kernel = self._module(src).get_function("burst_gap")
+            kernel = self._module(src).get_function(
+                "burst_gap_fenced" if p["mode"] == "fenced" else "burst_gap")
             kernel.max_dynamic_shared_size_bytes = smem
             arrivals = cp.zeros(1, cp.uint32)
             error = cp.zeros(1, cp.uint32)
@@ -254,7 +255,6 @@ class RemoteStoreBench:
                    (np.uint64(buf.data.ptr), np.uint64(volume // 16), np.uint32(n_slots),
                     np.uint32(B // 16), np.uint32(n_bursts), np.uint64(round(gap_us * mhz)),
                     np.uint32(isolated or p.get("align", "each") == "each"),
-                    np.uint32(p["mode"] == "fenced"),
                     np.uint32(self.seed), arrivals, error,
                     np.uint64(s.barrier_timeout_s * 1e9), trace, clocks),
                    shared_mem=smem)
