@@ -21,11 +21,13 @@ import triton.language as tl
 # warpgroups on an SM, but its KV pipeline holds them in step with three CTA barriers per KV
 # tile, so their softmax and MMAs do not interleave; two 4-warp CTAs per SM (128 x 64 at two
 # stages: 255 registers, 96 KiB of shared memory each) run independently and do. CONFIGS holds the
-# fastest FA-only configuration measured against cuDNN on H200 by ``attention_bench --fa-only``
-# (one GPU, H = 12 local heads, M = 16K..64K); CANDIDATES are what the Table 3 benchmark times
-# once per head dim before its sweep, and the configuration it picks serves FA-only, Serial and
+# fastest FA-only configuration of this kernel measured against cuDNN on H200 by
+# ``attention_bench --fa-only`` (one GPU, H = 12 local heads, M = 16K..64K); CANDIDATES are what
+# the Table 3 benchmark times once per head dim before its sweep, beside the warp-specialized
+# kernel of ``flash_attention_ws.py``, and the configuration it picks serves FA-only, Serial and
 # Fused alike. Triton 3.6's ``tl.range(..., warp_specialize=True)`` is left out: on sm_90 it hung
-# at run time (one program per tile) or failed to compile (persistent grid).
+# at run time (one program per tile) or failed to compile (persistent grid); the warp-specialized
+# kernel is written in Gluon instead.
 CONFIGS = {
     64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, ctas_per_sm=2, persistent=True,
              output_cache="", pipelined=False),

@@ -21,7 +21,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 BF16 = torch.bfloat16
 REL_TOL = 1e-2
-TINY = dict(BLOCK_M=16, BLOCK_N=16)
+TINY = dict(kernel="triton", BLOCK_M=16, BLOCK_N=16)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -98,7 +98,8 @@ def test_one_program_per_tile_matches_float32_reference(M, h_local, d, block_m, 
     q, k, v = _qkv(M, h_local, d, seed=M + block_m, scale=3.0)
     out = torch.full_like(q, float("nan"))
     att.flash_attention(q, k, v, out=out,
-                        config=dict(BLOCK_M=block_m, BLOCK_N=block_n, persistent=False))
+                        config=dict(kernel="triton", BLOCK_M=block_m, BLOCK_N=block_n,
+                                    persistent=False))
     assert relative_error(out, att.reference_attention(q, k, v)) < REL_TOL
 
 

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import triton
 from triton.compiler import ASTSource
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from tests.experiments.triton_testing import (HOPPER_SMEM_PER_BLOCK, REPO, hopper_target,
                                               ptxas_report)
@@ -26,7 +28,7 @@ from xstage_lab.experiments import attention, attention_bench
 from xstage_lab.kernel_sources import kernel_path
 
 BF16 = torch.bfloat16
-TINY = dict(BLOCK_M=16, BLOCK_N=16)
+TINY = dict(kernel="triton", BLOCK_M=16, BLOCK_N=16)
 HOPPER = hopper_target()
 
 
@@ -40,9 +42,9 @@ def test_kernels_in_the_interpreter():
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-6000:] + run.stderr[-2000:]
 
 
-def _kernel_copy(module_name: str):
-    """A private copy of kernels/flash_attention.py, compiled (this process has no interpreter)."""
-    spec = importlib.util.spec_from_file_location(module_name, kernel_path("flash_attention.py"))
+def _kernel_copy(module_name: str, source: str = "flash_attention.py"):
+    """A private copy of kernels/``source``, compiled (this process has no interpreter)."""
+    spec = importlib.util.spec_from_file_location(module_name, kernel_path(source))
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
@@ -75,6 +77,7 @@ class _NoLaunch:
 def no_launch(monkeypatch):
     monkeypatch.setattr(attention._kernels, "flash_attention_kernel", _NoLaunch())
     monkeypatch.setattr(attention._kernels, "remote_store_a2a_kernel", _NoLaunch())
+    monkeypatch.setattr(attention._ws_kernels, "flash_attention_ws_kernel", _NoLaunch())
 
 
 def _bad_calls():
@@ -94,6 +97,13 @@ def _bad_calls():
         "pipelined": (lambda: fa(q, k, v, config=dict(TINY, pipelined="yes")), "True or False"),
         "config key": (lambda: fa(q, k, v, config=dict(TINY, warp_specialize=True)),
                        "unknown configuration keys"),
+        "kernel": (lambda: fa(q, k, v, config=dict(TINY, kernel="cuda")), "must be one of"),
+        "gluon_ws tiles": (lambda: fa(q, k, v, config=dict(TINY, kernel="gluon_ws")),
+                           r"gluon_ws kernel fixes \['BLOCK_M', 'BLOCK_N'\]"),
+        "gluon_ws on CPU": (lambda: fa(*_qkv(128, 2, 64, seed=0), config=dict(kernel="gluon_ws")),
+                            "sm_90"),
+        "gluon_ws grid": (lambda: fa(*_qkv(128, 2, 64, seed=0), config=dict(kernel="gluon_ws"),
+                                     num_programs=4), "persistent grid"),
         "fenced table": (lambda: fused(q, k, v, table[:1], 0, 2, config=TINY, fenced=True),
                          "one pointer per rank"),
         "table length": (lambda: fused(q, k, v, torch.zeros(3, dtype=torch.int64), 0, 2,
@@ -215,12 +225,12 @@ def test_streaming_output_stores_only_where_configured(compiled_kernels, remote)
     """output_cache=".cs" makes every output store st.global.cs (evict-first); the default
     leaves them write-back; anything else is refused before a launch."""
     for cache, want in (("", "st.global.v4"), (".cs", "st.global.cs.v4")):
-        cfg = attention.flash_attention_config(128, dict(output_cache=cache))
+        cfg = attention.flash_attention_config(128, dict(kernel="triton", output_cache=cache))
         ptx = _compile_flash_attention(compiled_kernels, 128, cfg, remote).asm["ptx"]
         stores = set(re.findall(r"st\.global\S*", ptx))
         assert stores and all(st.startswith(want) for st in stores), (cache, stores)
     with pytest.raises(ValueError, match="output_cache='.wt' must be one of"):
-        attention.flash_attention_config(128, dict(output_cache=".wt"))
+        attention.flash_attention_config(128, dict(kernel="triton", output_cache=".wt"))
 
 
 @pytest.mark.parametrize("d", attention.HEAD_DIMS)
@@ -229,6 +239,8 @@ def test_candidate_configs_fit_hopper_at_their_occupancy(compiled_kernels, d):
     ctas_per_sm is the occupancy its registers and shared memory allow (H100/H200: 64K registers,
     228 KB shared memory per SM, 1 KB of it reserved per CTA, 2048 threads)."""
     for cfg in attention_bench.fa_only_candidates(d):
+        if cfg["kernel"] == "gluon_ws":
+            continue  # test_warp_specialized_kernel_compiles_for_hopper
         threads = 32 * cfg["num_warps"]
         fits = []
         for remote in (False, True):
@@ -342,3 +354,49 @@ def test_receive_buffer_views_and_barrier():
         buf.view(16, 8, 64)
     with pytest.raises(ValueError):
         buf.view(7, 8, 64)  # M not divisible by P
+
+
+def _compile_flash_attention_ws(kernels, d, remote, fenced=False, h_local=6, stages=2):
+    """The gluon_ws kernel for sm_90 with the argument types its launcher passes."""
+    half, block = int(kernels.HALF_ROWS), [d, d]
+    q_layout = gl.NVMMASharedLayout.get_default_for([half, d], gl.bfloat16)
+    kv_layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    signature = {"q_desc": f"tensordesc<bf16[{half}, {d}],{q_layout!r}>",
+                 "k_desc": f"tensordesc<bf16[{d}, {d}],{kv_layout!r}>",
+                 "v_desc": f"tensordesc<bf16[{d}, {d}],{kv_layout!r}>",
+                 "dst": "*i64" if remote else "*bf16", "fence_flag": "*i32", "M": "i32",
+                 "rows_per_rank": "i32", "rank": "i32", "world": "i32", "qk_scale": "fp32",
+                 "H_LOCAL": "constexpr", "HEAD_DIM": "constexpr", "REMOTE": "constexpr",
+                 "FENCED": "constexpr", "STAGES": "constexpr"}
+    names = list(signature)
+    constexprs = {(names.index(k),): v for k, v in dict(
+        H_LOCAL=h_local, HEAD_DIM=d, REMOTE=remote, FENCED=fenced, STAGES=stages).items()}
+    aligned = {(names.index(k),): [["tt.divisibility", 16]] for k in ("dst", "fence_flag")}
+    return triton.compile(GluonASTSource(kernels.flash_attention_ws_kernel, signature, constexprs,
+                                         aligned), target=HOPPER, options=dict(num_warps=4))
+
+
+@pytest.fixture(scope="module")
+def compiled_ws_kernels():
+    return _kernel_copy("_test_flash_attention_ws_sm90", "flash_attention_ws.py")
+
+
+@pytest.mark.parametrize("d", attention.HEAD_DIMS)
+@pytest.mark.parametrize("remote,fenced", [(False, False), (True, False), (True, True)],
+                         ids=["local", "remote", "remote_fenced"])
+def test_warp_specialized_kernel_compiles_for_hopper(compiled_ws_kernels, d, remote, fenced):
+    """The gluon_ws kernel builds for sm_90 at its configuration: within a CTA's shared memory,
+    no spills, no serialized wgmma (ptxas's advisory), registers reallocated between its
+    partitions, TMA loads, 16-byte output stores, and the FENCED epilogue's system-scope release
+    only where it is asked for."""
+    stages = attention.flash_attention_config(d, dict(kernel="gluon_ws"))["num_stages"]
+    k = _compile_flash_attention_ws(compiled_ws_kernels, d, remote, fenced, stages=stages)
+    ptx = k.asm["ptx"]
+    ptxas = ptxas_report(ptx)
+    assert k.metadata.shared <= HOPPER_SMEM_PER_BLOCK
+    assert ptxas["spill_store_bytes"] + ptxas["spill_load_bytes"] == 0
+    assert not ptxas["wgmma_serialized"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+    stores = re.findall(r"st\.global\S*", ptx)
+    assert stores and all(".v4." in st for st in stores), stores
+    assert ("atom.global.sys.release" in ptx) == fenced

@@ -139,8 +139,8 @@ def hopper_target():
 
 
 def ptxas_report(ptx: str) -> dict:
-    """Registers per thread (the most of any kernel in the module) and spilled bytes of a PTX
-    module, from Triton's bundled ``ptxas -v`` for sm_90a."""
+    """Registers per thread (the most of any kernel in the module), spilled bytes and whether
+    wgmma was serialized, for a PTX module, from Triton's bundled ``ptxas -v`` for sm_90a."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,4 +151,6 @@ def ptxas_report(ptx: str) -> dict:
     log = out.stdout + out.stderr
     return {"registers": max(int(v) for v in re.findall(r"Used (\d+) registers", log)),
             "spill_store_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)),
-            "spill_load_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill loads", log))}
+            "spill_load_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill loads", log)),
+            # ptxas's advisory when it waits for each wgmma before issuing the next
+            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in log}

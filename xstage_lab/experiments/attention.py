@@ -6,7 +6,7 @@ Ulysses layout (§4.3, Fig. 5). P ranks, H heads, head dim d, M tokens:
   with head index r*H/P + h for local head h of rank r. ``ulysses_gather`` states this mapping.
 
 Paths, all producing the same [M/P, H, d] result on every rank:
-  ``flash_attention``      the Triton FlashAttention forward (FA-only), output [M, H/P, d] locally;
+  ``flash_attention``      the FlashAttention forward (FA-only), output [M, H/P, d] locally;
   ``fused_attention_a2a``  X-Stage-Fused: the same kernel, each output tile stored into its owning
                            rank's symmetric buffer at the tile boundary (Fig. 7);
   Serial                   ``flash_attention`` then ``nccl_a2a`` (NCCL ``all_to_all_single``);
@@ -15,7 +15,8 @@ Paths, all producing the same [M/P, H, d] result on every rank:
 Remote stores are not awaited by the kernels: the consumer completes them with one barrier per
 launch (``ReceiveBuffer.barrier``), as the paper's sender-side boundary assumes (§5.1).
 
-Device code: ``kernels/flash_attention.py``.
+Device code: ``kernels/flash_attention.py`` (Triton) and ``kernels/flash_attention_ws.py`` (Gluon,
+warp-specialized, sm_90); a configuration's ``kernel`` names the one that runs.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -35,6 +38,7 @@ from ..kernel_sources import load_kernel_module
 from ..platform import ALIGN_BYTES, SymmetricBuffer, symmetric_buffer
 
 _kernels = load_kernel_module("flash_attention")
+_ws_kernels = load_kernel_module("flash_attention_ws")
 
 DTYPE = torch.bfloat16
 HEAD_DIMS = (64, 128)
@@ -42,22 +46,38 @@ LOG2E = 1.4426950408889634
 # The output stores' cache operators: write-back, or streaming (PTX st.cs: lines allocated
 # evict-first, so output tiles leave the K and V tiles in L2).
 OUTPUT_CACHES = ("", ".cs")
+# What ``config["kernel"]`` selects: "triton" (any power-of-two tiles, persistent grids, the
+# pipelined Q-loop, the instrumented build; runs under TRITON_INTERPRET=1) or "gluon_ws" (warp-
+# specialized, one 128-row tile per CTA, sm_90 GPUs only).
+KERNELS = ("triton", "gluon_ws")
+# The default per head dim: the faster one against cuDNN on H200 (fa_tuning records of h200-x1:
+# gluon_ws 0.91-0.97 of cuDNN's TF/s at d = 128, where the Triton kernel reaches 0.63-0.85).
+# gluon_ws at d = 64 builds but has not been measured.
+DEFAULT_KERNEL = {64: "triton", 128: "gluon_ws"}
 
 
 def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
-    """The launch configuration for ``head_dim``: the Hopper table ``CONFIGS`` updated by ``config``.
+    """The launch configuration for ``head_dim``: ``config`` over the defaults of its kernel
+    (``config["kernel"]``, else ``DEFAULT_KERNEL[head_dim]``).
 
-    Keys: BLOCK_M (b_m, rows of an output tile), BLOCK_N (b_n, rows of a KV tile), num_warps,
-    num_stages, ctas_per_sm (programs resident per SM: the persistent grid's size per SM),
-    persistent (a grid of SMs x ctas_per_sm programs walking the tiles, or one program per tile),
-    output_cache (the output stores' cache operator, ``OUTPUT_CACHES``), pipelined (the Q-loop with
-    PV one KV tile behind QK^T, softmax overlapping the PV wgmma). Tiles must be powers of two
-    >= 16 (``tl.dot``).
+    Keys: kernel (``KERNELS``), BLOCK_M (b_m, rows of an output tile), BLOCK_N (b_n, rows of a KV
+    tile), num_warps, num_stages (the depth of the K/V pipeline), ctas_per_sm (programs resident
+    per SM: the persistent grid's size per SM), persistent (a grid of SMs x ctas_per_sm programs
+    walking the tiles, or one program per tile), output_cache (the output stores' cache operator,
+    ``OUTPUT_CACHES``), pipelined (the Q-loop with PV one KV tile behind QK^T, softmax overlapping
+    the PV wgmma). Tiles must be powers of two >= 16 (``tl.dot``). The gluon_ws kernel fixes every
+    key but num_stages (``flash_attention_ws.WS_CONFIG``, b_n = d).
     """
     _check_head_dim(head_dim)
-    cfg = dict(_kernels.CONFIGS[head_dim], **(config or {}))
-    unknown = set(cfg) - {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "ctas_per_sm",
-                          "persistent", "output_cache", "pipelined"}
+    config = config or {}
+    kernel = config.get("kernel", DEFAULT_KERNEL[head_dim])
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
+    fixed = dict(_ws_kernels.WS_CONFIG, BLOCK_N=head_dim)
+    base = fixed if kernel == "gluon_ws" else dict(_kernels.CONFIGS[head_dim], kernel="triton")
+    cfg = dict(base, **config)
+    unknown = set(cfg) - {"kernel", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
+                          "ctas_per_sm", "persistent", "output_cache", "pipelined"}
     if unknown:
         raise ValueError(f"unknown configuration keys {sorted(unknown)}")
     for key in ("BLOCK_M", "BLOCK_N"):
@@ -69,15 +89,26 @@ def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
             raise ValueError(f"{key}={cfg[key]!r} must be True or False")
     if cfg["ctas_per_sm"] < 1:
         raise ValueError(f"ctas_per_sm={cfg['ctas_per_sm']} must be >= 1")
+    if cfg["num_stages"] < 1:
+        raise ValueError(f"num_stages={cfg['num_stages']} must be >= 1")
     if cfg["output_cache"] not in OUTPUT_CACHES:
         raise ValueError(f"output_cache={cfg['output_cache']!r} must be one of {OUTPUT_CACHES}")
+    if kernel == "gluon_ws":
+        changed = sorted(k for k in fixed if k != "num_stages" and cfg[k] != fixed[k])
+        if changed:
+            raise ValueError(f"the gluon_ws kernel fixes {changed} to "
+                             f"{[fixed[k] for k in changed]} (its warp partitions); other "
+                             "tiles, grids and Q-loops are kernel='triton' configurations")
     return cfg
 
 
 def flash_attention_candidates(head_dim: int) -> list[dict]:
-    """The Hopper configurations worth timing for ``head_dim`` (the table's ``CANDIDATES``)."""
+    """The Hopper configurations worth timing for ``head_dim``: the gluon_ws kernel, then the
+    Triton kernel's ``CANDIDATES``."""
     _check_head_dim(head_dim)
-    return [flash_attention_config(head_dim, c) for c in _kernels.CANDIDATES[head_dim]]
+    return [flash_attention_config(head_dim, dict(kernel="gluon_ws"))] + [
+        flash_attention_config(head_dim, dict(c, kernel="triton"))
+        for c in _kernels.CANDIDATES[head_dim]]
 
 
 def check_ulysses_shape(seq_len: int, heads: int, world: int) -> None:
@@ -369,6 +400,11 @@ def _fence_flag(device: torch.device) -> torch.Tensor:
 
 def _launch_flash_attention(q, k, v, dst, *, rows_per_rank, rank, world, remote, fenced, cfg,
                             num_programs, trace=None):
+    if cfg["kernel"] == "gluon_ws":
+        _launch_flash_attention_ws(q, k, v, dst, rows_per_rank=rows_per_rank, rank=rank,
+                                   world=world, remote=remote, fenced=fenced, cfg=cfg,
+                                   num_programs=num_programs, trace=trace)
+        return
     M, h_local, d = q.shape
     _check_launchable(q.device)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -389,3 +425,26 @@ def _launch_flash_attention(q, k, v, dst, *, rows_per_rank, rank, world, remote,
         H_LOCAL=h_local, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, REMOTE=remote, FENCED=fenced,
         PERSISTENT=persistent, OUTPUT_CACHE=cfg["output_cache"], PIPELINED=cfg["pipelined"],
         INSTRUMENT=trace is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _launch_flash_attention_ws(q, k, v, dst, *, rows_per_rank, rank, world, remote, fenced, cfg,
+                               num_programs, trace):
+    """``flash_attention_ws_kernel``: one CTA per 128-row tile, Q in two 64-row halves (one per
+    consumer warpgroup), K and V in [d, d] tiles."""
+    if num_programs is not None or trace is not None:
+        raise ValueError("the gluon_ws kernel has neither a persistent grid nor an instrumented "
+                         "build: use a kernel='triton' configuration for num_programs or trace")
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        raise ValueError(f"the gluon_ws kernel needs an sm_90 (Hopper) GPU, not {q.device}: its "
+                         "warpgroup MMAs and register reallocation are sm_90 instructions; use "
+                         "kernel='triton' elsewhere, and under TRITON_INTERPRET=1")
+    M, h_local, d = q.shape
+    half = int(_ws_kernels.HALF_ROWS)
+    descs = [GluonTensorDescriptor(t.view(M, h_local * d), [M, h_local * d], [h_local * d, 1],
+                                   [rows, d],
+                                   gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16))
+             for t, rows in ((q, half), (k, d), (v, d))]
+    _ws_kernels.flash_attention_ws_kernel[(M // cfg["BLOCK_M"] * h_local,)](
+        *descs, dst, _fence_flag(q.device), M, rows_per_rank, rank, world, LOG2E / math.sqrt(d),
+        H_LOCAL=h_local, HEAD_DIM=d, REMOTE=remote, FENCED=fenced, STAGES=cfg["num_stages"],
+        num_warps=cfg["num_warps"])

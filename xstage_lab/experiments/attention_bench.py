@@ -108,7 +108,7 @@ def table3_row(seq_len: int, heads: int, head_dim: int, world: int, med: dict, i
 # its candidates give each warpgroup 64 rows (128 x 64 at 8 warps: 157 registers; 64 x 32 at 4
 # warps: 119 registers, three CTAs per SM); at 128 rows per warpgroup it spills.
 def _candidate(bm, bn, warps, stages, persistent, ctas_per_sm, **keys) -> dict:
-    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+    return dict(kernel="triton", BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
                 persistent=persistent, ctas_per_sm=ctas_per_sm, **keys)
 
 
@@ -144,7 +144,10 @@ def fa_only_candidates(head_dim: int) -> list[dict]:
 
 def config_name(cfg: dict) -> str:
     """A short method name for a configuration, e.g. ``128x64_w8_s3_persistent1``, with ``_cs``
-    for streaming output stores and ``_pipe`` for the pipelined Q-loop."""
+    for streaming output stores and ``_pipe`` for the pipelined Q-loop; ``gluon_ws_s2`` for the
+    warp-specialized kernel (its tiles are fixed) with a two-stage K/V ring."""
+    if cfg.get("kernel") == "gluon_ws":
+        return f"gluon_ws_s{cfg['num_stages']}"
     return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}_w{cfg['num_warps']}_s{cfg['num_stages']}_"
             + (f"persistent{cfg['ctas_per_sm']}" if cfg["persistent"] else "grid")
             + ("_cs" if cfg.get("output_cache") == ".cs" else "")
@@ -414,10 +417,10 @@ def local_destination(seq_len, heads, head_dim, world):
     return recv, table
 
 
-def tune(args, group) -> tuple[dict, list]:
-    """Time each candidate configuration's FA-only at one M and keep the fastest (max over ranks,
-    median over trials). Candidates that do not fit the hardware or miss the float32 reference
-    on any rank are skipped on every rank."""
+def tune(args, group, kernels: tuple[str, ...] = att.KERNELS) -> tuple[dict, list]:
+    """Time each candidate configuration of ``kernels`` (``attention.KERNELS``) FA-only at one M
+    and keep the fastest (max over ranks, median over trials). Candidates that do not fit the
+    hardware or miss the float32 reference on any rank are skipped on every rank."""
     d, world = args.head_dim, dist.get_world_size(group)
     fitting = [m for m in args.seq if m <= TUNE_MAX_SEQ]
     seq_len = max(fitting) if fitting else min(args.seq)
@@ -425,7 +428,7 @@ def tune(args, group) -> tuple[dict, list]:
     ref = att.reference_attention(q, k, v)
     out = torch.empty_like(q)
     results = []
-    for cfg in att.flash_attention_candidates(d):
+    for cfg in [c for c in att.flash_attention_candidates(d) if c["kernel"] in kernels]:
         # validate() made every M a multiple of every candidate's tiles
         entry = dict(config=cfg, M=seq_len)
         try:

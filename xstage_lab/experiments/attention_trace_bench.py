@@ -5,7 +5,8 @@ measured burst schedule, for the design test and the simulator; ``attention_trac
     torchrun --standalone --nproc_per_node=P -m xstage_lab.experiments.attention_trace_bench \\
         --out FILE [--seq 8192,...,65536] [--heads 24] [--head-dim 128] [--launches 3]
 
-One process per GPU, the configuration of the Table 3 benchmark (``CONFIGS``, or ``--tune``).
+One process per GPU, the Triton kernel (``kernel="triton"``: the one with an instrumented build) in
+its default configuration, or the fastest of its candidates with ``--tune``.
 Per sequence length M:
 1. ``attention_bench.check_case`` (every path against float32 and Serial, outputs poisoned), then
    the instrumented build itself: Fused into the peers' buffers and the local control (the same
@@ -166,8 +167,9 @@ def main(argv=None) -> int:
         started = time.time()
         buf = att.symmetric_receive_buffer(max(args.seq) // world * args.heads * args.head_dim,
                                            group)
-        cfg, tuning = (tune(args, group) if args.tune
-                       else (att.flash_attention_config(args.head_dim), []))
+        cfg, tuning = (tune(args, group, kernels=("triton",)) if args.tune
+                       else (att.flash_attention_config(args.head_dim, dict(kernel="triton")),
+                             []))
         rows = []
         for seq_len in args.seq:
             mine = trace_case(seq_len, args, cfg, buf, group)

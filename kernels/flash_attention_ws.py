@@ -1,0 +1,153 @@
+"""Warp-specialized FlashAttention forward for Hopper (sm_90), in Gluon, with the LOCAL and REMOTE
+epilogues of ``flash_attention.py`` (paper §4.3, Figs. 5-7; the Ulysses layout is described there).
+
+Device code only: loaded by path through ``xstage_lab.kernel_sources.load_kernel_module``; the
+launchers and their contracts are in ``xstage_lab/experiments/attention.py``.
+
+Why a second kernel: the Triton kernel cannot warp-specialize on sm_90 (Triton 3.6's
+``tl.range(warp_specialize=True)`` hangs or fails to compile there), and ncu shows cuDNN's
+kernel, which is warp-specialized, keeping the tensor pipe 75% busy against 59% for the Triton
+kernel (M = 16384, 12 heads, d = 128, one H200). Gluon, Triton's lower-level language, exposes
+the warp partitions, mbarriers, TMA and wgmma that this needs.
+
+One CTA per 128-row output tile of one head, tiles numbered as in ``flash_attention_kernel``
+(m blocks fastest). Three partitions:
+  consumer 0, consumer 1   one warpgroup each, rows [64·half, 64·half + 64) of the tile: S = Q K^T
+                           and O += P V by wgmma (P from registers), online softmax in between,
+                           then the tile half's epilogue;
+  producer                 one warp: Q once, then K and V tiles by TMA into a STAGES-deep ring that
+                           both consumers read (a stage is refilled once both have released it).
+b_n = d, so S and O share one wgmma layout and the softmax's row statistics apply to O as they are.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+# The launch configuration ``attention.flash_attention_config`` knows this kernel by
+# (``kernel="gluon_ws"``). BLOCK_M, BLOCK_N (= d), num_warps (per consumer warpgroup) and
+# persistent are fixed by the partitioning above; num_stages is the K/V ring's depth (two: the
+# ring, Q and the epilogue's layout conversion take 180 KiB of shared memory, three would
+# exceed the 227 KiB of an H100/H200 CTA). Measured on one H200 (fa_tuning records): 0.91-0.97
+# of cuDNN's TF/s at M = 8K-64K, 6 and 12 local heads.
+WS_CONFIG = dict(kernel="gluon_ws", BLOCK_M=128, num_warps=4, num_stages=2, ctas_per_sm=1,
+                 persistent=False, output_cache="", pipelined=False)
+# Registers per thread of the consumer warpgroups and of the producer (setmaxnreg).
+CONSUMER_REGS = gl.constexpr(232)
+PRODUCER_REGS = gl.constexpr(40)
+HALF_ROWS = gl.constexpr(64)  # rows per consumer warpgroup: wgmma's M per warpgroup
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+              row0, col, M, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row0, col], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [row0 + HALF_ROWS, col], q_bar, q_smem.index(1))
+    for j in range(M // BLOCK_N):
+        s = j % STAGES
+        # a fresh mbarrier passes a wait on the phase before its first: the first STAGES
+        # tiles go straight in; tile j waits for both releases of tile j - STAGES
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, col], k_ready.index(s),
+                                        k_smem.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, col], v_ready.index(s),
+                                        v_smem.index(s))
+
+
+@gluon.jit
+def _consumer(half: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, dst,
+              fence_flag, row0, head, M, rows_per_rank, rank, world, qk_scale,
+              H_LOCAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+              REMOTE: gl.constexpr, FENCED: gl.constexpr):
+    """Q-loop of rows [64·half, 64·half + 64) of the tile (Fig. 6), then their epilogue: the
+    same online softmax as ``flash_attention._q_loop`` (scores scaled by log2(e)/sqrt(d), exp2,
+    normalized after the loop) and the same stores as ``flash_attention._store_tile``."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    m_i = gl.full([HALF_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma))
+    l_i = gl.full([HALF_ROWS], 1.0, gl.float32, layout=gl.SliceLayout(1, mma))  # × alpha = 0 first
+    acc = gl.zeros([HALF_ROWS, HEAD_DIM], gl.float32, layout=mma)
+    zero = gl.zeros([HALF_ROWS, HEAD_DIM], gl.float32, layout=mma)
+    mbarrier.wait(q_bar, 0)
+    q = q_smem.index(half)
+    for j in range(M // HEAD_DIM):
+        s = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_ready.index(s), phase)
+        qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+        m_ij = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        p = gl.exp2(qk * qk_scale - m_ij[:, None])
+        alpha = gl.exp2(m_i - m_ij)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        p16 = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        mbarrier.wait(v_ready.index(s), phase)
+        # waited at once: a PV left in flight across the loop's back edge makes ptxas serialize
+        # every wgmma of the kernel
+        acc = warpgroup_mma(p16, v_smem.index(s), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(kv_empty.index(s))
+        m_i = m_ij
+    # 16-byte stores: 8 bf16 per thread along d
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    o = gl.convert_layout((acc / l_i[:, None]).to(gl.bfloat16), out_layout)
+    rows = (row0 + half * HALF_ROWS
+            + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, out_layout))).to(gl.int64)
+    d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
+    if REMOTE:
+        owner = rows // rows_per_rank
+        base = gl.multiple_of(gl.load(dst + owner).to(gl.pointer_type(gl.bfloat16)), 16)
+        dst_row = (rows - owner * rows_per_rank) * (H_LOCAL * world) + rank * H_LOCAL
+        gl.store(base[:, None] + ((dst_row + head) * HEAD_DIM)[:, None] + d_cols[None, :], o)
+        if FENCED:
+            # as in flash_attention._store_tile: the warpgroup's stores, then a cumulative
+            # release at system scope that returns once all of them are visible to every GPU
+            gl.thread_barrier()
+            gl.atomic_add(fence_flag, 0, sem="release", scope="sys")
+    else:
+        gl.store(dst + ((rows * H_LOCAL + head) * HEAD_DIM)[:, None] + d_cols[None, :], o)
+
+
+@gluon.jit
+def flash_attention_ws_kernel(q_desc, k_desc, v_desc, dst, fence_flag, M, rows_per_rank, rank,
+                              world, qk_scale, H_LOCAL: gl.constexpr, HEAD_DIM: gl.constexpr,
+                              REMOTE: gl.constexpr, FENCED: gl.constexpr, STAGES: gl.constexpr):
+    """FlashAttention forward over the M/128 x H_LOCAL output tiles of one rank, one per CTA.
+
+    ``q_desc`` is a TMA descriptor over [M, H_LOCAL*d] with [64, d] blocks (a consumer's half
+    tile), ``k_desc``/``v_desc`` the same with [d, d] blocks; head h is column block h. ``dst``,
+    ``fence_flag``, REMOTE and FENCED as in ``flash_attention.flash_attention_kernel``: the
+    epilogue stores the same bf16 values whatever it is, so Fused equals Serial bitwise.
+    """
+    num_m_blocks = M // (2 * HALF_ROWS)
+    tile = gl.program_id(0)
+    head = tile // num_m_blocks
+    row0 = (tile % num_m_blocks) * (2 * HALF_ROWS)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_ROWS, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HEAD_DIM, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HEAD_DIM, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=2)  # one release per consumer warpgroup
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, dst,
+                     fence_flag, row0, head, M, rows_per_rank, rank, world, qk_scale, H_LOCAL,
+                     HEAD_DIM, STAGES, REMOTE, FENCED)),
+        (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, dst,
+                     fence_flag, row0, head, M, rows_per_rank, rank, world, qk_scale, H_LOCAL,
+                     HEAD_DIM, STAGES, REMOTE, FENCED)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                     kv_empty, row0, head * HEAD_DIM, M, HEAD_DIM, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
