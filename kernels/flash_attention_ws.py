@@ -28,8 +28,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 # (``kernel="gluon_ws"``). BLOCK_M, BLOCK_N (= d), num_warps (per consumer warpgroup) and
 # persistent are fixed by the partitioning above; num_stages is the K/V ring's depth (two: the
 # ring, Q and the epilogue's layout conversion take 180 KiB of shared memory, three would
-# exceed the 227 KiB of an H100/H200 CTA). Measured on one H200 (fa_tuning records): 0.91-0.97
-# of cuDNN's TF/s at M = 8K-64K, 6 and 12 local heads.
+# exceed the 227 KiB of an H100/H200 CTA). Measured on one H200 (fa_tuning records of
+# h200-x1 from bf9ad5f): at d = 128 it reaches 0.87-0.98 of cuDNN's TF/s at M = 8K-64K with 12
+# and with 6 local heads, where the Triton kernel reaches 0.61-0.86. At d = 64 (b_n = 64) it
+# reaches 0.77-0.78, below the Triton kernel's 0.90-0.91.
 WS_CONFIG = dict(kernel="gluon_ws", BLOCK_M=128, num_warps=4, num_stages=2, ctas_per_sm=1,
                  persistent=False, output_cache="", pipelined=False)
 # Registers per thread of the consumer warpgroups and of the producer (setmaxnreg).

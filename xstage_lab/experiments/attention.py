@@ -50,9 +50,9 @@ OUTPUT_CACHES = ("", ".cs")
 # pipelined Q-loop, the instrumented build; runs under TRITON_INTERPRET=1) or "gluon_ws" (warp-
 # specialized, one 128-row tile per CTA, sm_90 GPUs only).
 KERNELS = ("triton", "gluon_ws")
-# The default per head dim: the faster one against cuDNN on H200 (fa_tuning records of h200-x1:
-# gluon_ws 0.91-0.97 of cuDNN's TF/s at d = 128, where the Triton kernel reaches 0.63-0.85).
-# gluon_ws at d = 64 builds but has not been measured.
+# The default per head dim: the faster one against cuDNN on H200 (fa_tuning records of h200-x1
+# from bf9ad5f: at d = 128, gluon_ws 0.87-0.98 of cuDNN's TF/s, the Triton kernel 0.61-0.86; at
+# d = 64, the Triton kernel 0.90-0.91, gluon_ws 0.77-0.78).
 DEFAULT_KERNEL = {64: "triton", 128: "gluon_ws"}
 
 
