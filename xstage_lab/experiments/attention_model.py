@@ -354,11 +354,11 @@ def tuning_table(records) -> pd.DataFrame:
 
 
 def tuning_best(table: pd.DataFrame) -> pd.DataFrame:
-    """Per record, head dim and M of ``tuning_table``: the fastest Triton configuration, its
-    TF/s over cuDNN (paired) and whether it meets the bar, in the runs' order."""
+    """Per record, head dim and M of ``tuning_table``: the fastest configuration (either kernel),
+    its TF/s over cuDNN (paired) and whether it meets the bar, in the runs' order."""
     # FA-only is the LOCAL epilogue; ``+remote`` rows time the Fused kernel's code (codegen)
-    triton = table[(table["method"] != "cudnn") & ~table["method"].str.contains("+", regex=False)]
-    best = triton.loc[triton.groupby(["record", "M"], sort=False)["over_cudnn_paired"].idxmax()]
+    ours = table[(table["method"] != "cudnn") & ~table["method"].str.contains("+", regex=False)]
+    best = ours.loc[ours.groupby(["record", "M"], sort=False)["over_cudnn_paired"].idxmax()]
     return best[["record", "head_dim", "M", "method", "tflops", "over_cudnn_paired", "meets_bar"]]
 
 
