@@ -116,6 +116,16 @@ def _q_loop_pipelined(q, k_desc, v_desc, col, M, qk_scale,
 
 
 @triton.jit
+def ulysses_destination(rows, rows_per_rank, rank, world, H_LOCAL: tl.constexpr):
+    """The REMOTE epilogue's addressing (Fig. 5), shared by every kernel that stores remotely
+    (``flash_attention_ws.py`` too): for token rows ``rows`` (int64) of this rank's output, the
+    rank that owns each, and the row of that rank's receive buffer [M/P, H, d] holding this rank's
+    local head 0 (local head h is h rows further)."""
+    owner = rows // rows_per_rank
+    return owner, (rows - owner * rows_per_rank) * (H_LOCAL * world) + rank * H_LOCAL
+
+
+@triton.jit
 def _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world,
                 H_LOCAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                 REMOTE: tl.constexpr, FENCED: tl.constexpr, OUTPUT_CACHE: tl.constexpr):
@@ -126,9 +136,8 @@ def _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world,
     d_cols = tl.arange(0, HEAD_DIM)
     rows = row0 + tl.arange(0, BLOCK_M).to(tl.int64)
     if REMOTE:
-        owner = rows // rows_per_rank
+        owner, dst_row = ulysses_destination(rows, rows_per_rank, rank, world, H_LOCAL)
         base = tl.multiple_of(tl.load(dst + owner).to(tl.pointer_type(o.dtype)), 16)
-        dst_row = (rows - owner * rows_per_rank) * (H_LOCAL * world) + rank * H_LOCAL
         tl.store(base[:, None] + ((dst_row + head) * HEAD_DIM)[:, None] + d_cols[None, :], o,
                  cache_modifier=OUTPUT_CACHE)
         if FENCED:
@@ -225,10 +234,9 @@ def remote_store_a2a_kernel(src, peer_ptrs, M, rows_per_rank, rank, world,
     """
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)
     in_range = rows < M
-    owner = rows // rows_per_rank
+    owner, dst_row = ulysses_destination(rows, rows_per_rank, rank, world, H_LOCAL)
     base = tl.multiple_of(tl.load(peer_ptrs + owner, mask=in_range, other=0)
                           .to(tl.pointer_type(src.dtype.element_ty)), 16)
-    dst_row = (rows - owner * rows_per_rank) * (H_LOCAL * world) + rank * H_LOCAL
     d_cols = tl.arange(0, HEAD_DIM)
     for head in tl.static_range(H_LOCAL):
         x = tl.load(src + ((rows * H_LOCAL + head) * HEAD_DIM)[:, None] + d_cols[None, :],

@@ -24,6 +24,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
+from xstage_lab.kernel_sources import load_kernel_module
+
+# One addressing for every remote epilogue: the Triton kernel's, which the CPU tests run in
+# Triton's interpreter (Gluon kernels do not run there).
+ulysses_destination = load_kernel_module("flash_attention").ulysses_destination
+
 # The launch configuration ``attention.flash_attention_config`` knows this kernel by
 # (``kernel="gluon_ws"``). BLOCK_M, BLOCK_N (= d), num_warps (per consumer warpgroup) and
 # persistent are fixed by the partitioning above; num_stages is the K/V ring's depth (two: the
@@ -102,9 +108,8 @@ def _consumer(half: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
             + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, out_layout))).to(gl.int64)
     d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
     if REMOTE:
-        owner = rows // rows_per_rank
+        owner, dst_row = ulysses_destination(rows, rows_per_rank, rank, world, H_LOCAL)
         base = gl.multiple_of(gl.load(dst + owner).to(gl.pointer_type(gl.bfloat16)), 16)
-        dst_row = (rows - owner * rows_per_rank) * (H_LOCAL * world) + rank * H_LOCAL
         gl.store(base[:, None] + ((dst_row + head) * HEAD_DIM)[:, None] + d_cols[None, :], o)
         if FENCED:
             # as in flash_attention._store_tile: the warpgroup's stores, then a cumulative
