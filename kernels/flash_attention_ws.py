@@ -7,8 +7,8 @@ launchers and their contracts are in ``xstage_lab/experiments/attention.py``.
 Why a second kernel: the Triton kernel cannot warp-specialize on sm_90 (Triton 3.6's
 ``tl.range(warp_specialize=True)`` hangs or fails to compile there), and ncu shows cuDNN's
 kernel, which is warp-specialized, keeping the tensor pipe 75% busy against 59% for the Triton
-kernel (M = 16384, 12 heads, d = 128, one H200: data/records/fa_ncu). Gluon, Triton's lower-level language, exposes
-the warp partitions, mbarriers, TMA and wgmma that this needs.
+kernel (M = 16384, 12 heads, d = 128, one H200: data/records/fa_ncu). Gluon, Triton's
+lower-level language, exposes the warp partitions, mbarriers, TMA and wgmma that this needs.
 
 One CTA per 128-row output tile of one head, tiles numbered as in ``flash_attention_kernel``
 (m blocks fastest). Three partitions:
@@ -33,7 +33,7 @@ ulysses_destination = load_kernel_module("flash_attention").ulysses_destination
 # The launch configuration ``attention.flash_attention_config`` knows this kernel by
 # (``kernel="gluon_ws"``). BLOCK_M, BLOCK_N (= d), num_warps (per consumer warpgroup) and
 # persistent are fixed by the partitioning above; num_stages is the K/V ring's depth (two: the
-# ring, Q and the epilogue's layout conversion take 180 KiB of shared memory, three would
+# ring, Q and the epilogue's layout conversion take 176 KiB of shared memory, three would
 # exceed the 227 KiB of an H100/H200 CTA). Measured on one H200 (fa_tuning records of
 # h200-x1 from bf9ad5f): at d = 128 it reaches 0.87-0.98 of cuDNN's TF/s at M = 8K-64K with 12
 # and with 6 local heads, where the Triton kernel reaches 0.61-0.86. At d = 64 (b_n = 64) it
@@ -49,6 +49,8 @@ HALF_ROWS = gl.constexpr(64)  # rows per consumer warpgroup: wgmma's M per warpg
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
               row0, col, M, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The TMA producer warp: the tile's two Q halves, then every K and V tile of column block
+    ``col`` into the ring, each stage once both consumers have released it."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [row0, col], q_bar, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [row0 + HALF_ROWS, col], q_bar, q_smem.index(1))
