@@ -97,8 +97,8 @@ def _consumer(half: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
         acc = acc * alpha[:, None]
         p16 = gl.convert_layout(p.to(gl.bfloat16), p_layout)
         mbarrier.wait(v_ready.index(s), phase)
-        # waited at once: a PV left in flight across the loop's back edge makes ptxas serialize
-        # every wgmma of the kernel
+        # waited at once: a PV left in flight across the loop's back edge needs more registers
+        # than a consumer has, and ptxas then serializes every wgmma of the kernel (C7512)
         acc = warpgroup_mma(p16, v_smem.index(s), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(kv_empty.index(s))
