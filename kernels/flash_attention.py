@@ -55,12 +55,21 @@ TRACE_FIELDS = tl.constexpr(4)
 
 
 @triton.jit
-def _stamp(rec, point: tl.constexpr):
-    """%globaltimer into ``rec[point]`` once every warp of the CTA got here."""
+def trace_stamp(rec, point: tl.constexpr):
+    """%globaltimer into ``rec[point]`` once every warp of the CTA (of the warp partition, in
+    ``flash_attention_ws.py``) got here."""
     tl.debug_barrier()
     now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                     is_pure=False, pack=1)
     tl.store(rec + point, now)
+
+
+@triton.jit
+def trace_sm(rec):
+    """The SM id into ``rec[3]``, the last of the TRACE_FIELDS."""
+    smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+    tl.store(rec + 3, smid.to(tl.int64))
 
 
 @triton.jit
@@ -200,7 +209,7 @@ def _output_tile(tile, num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, tr
     """Output tile ``tile`` of ``flash_attention_kernel``: its Q-loop, then its epilogue."""
     rec = trace + tile * TRACE_FIELDS  # tiles < 2**29: int32 suffices
     if INSTRUMENT:
-        _stamp(rec, 0)
+        trace_stamp(rec, 0)
     head = tile // num_m_blocks
     row0 = (tile % num_m_blocks) * BLOCK_M
     q = q_desc.load([row0, head * HEAD_DIM])
@@ -211,14 +220,12 @@ def _output_tile(tile, num_m_blocks, q_desc, k_desc, v_desc, dst, fence_flag, tr
         o = _q_loop(q, k_desc, v_desc, head * HEAD_DIM, M, qk_scale, BLOCK_M, BLOCK_N,
                     HEAD_DIM).to(q.dtype)
     if INSTRUMENT:
-        _stamp(rec, 1)
+        trace_stamp(rec, 1)
     _store_tile(o, dst, fence_flag, row0, head, rows_per_rank, rank, world, H_LOCAL, HEAD_DIM,
                 BLOCK_M, REMOTE, FENCED, OUTPUT_CACHE)
     if INSTRUMENT:
-        _stamp(rec, 2)
-        smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
-                                         is_pure=True, pack=1)
-        tl.store(rec + 3, smid.to(tl.int64))
+        trace_stamp(rec, 2)
+        trace_sm(rec)
 
 
 @triton.jit

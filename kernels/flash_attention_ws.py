@@ -26,9 +26,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from xstage_lab.kernel_sources import load_kernel_module
 
-# One addressing for every remote epilogue: the Triton kernel's, which the CPU tests run in
-# Triton's interpreter (Gluon kernels do not run there).
-ulysses_destination = load_kernel_module("flash_attention").ulysses_destination
+# One addressing for every remote epilogue, and one trace format: the Triton kernel's, which the
+# CPU tests run in Triton's interpreter (Gluon kernels do not run there).
+_triton_kernel = load_kernel_module("flash_attention")
+ulysses_destination = _triton_kernel.ulysses_destination
+trace_stamp, trace_sm = _triton_kernel.trace_stamp, _triton_kernel.trace_sm
+TRACE_FIELDS = _triton_kernel.TRACE_FIELDS
 
 # The launch configuration ``attention.flash_attention_config`` knows this kernel by
 # (``kernel="gluon_ws"``). BLOCK_M, BLOCK_N (= d), num_warps (per consumer warpgroup) and
@@ -69,12 +72,17 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_
 
 @gluon.jit
 def _consumer(half: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, dst,
-              fence_flag, row0, head, M, rows_per_rank, rank, world, qk_scale,
+              fence_flag, trace, tile, row0, head, M, rows_per_rank, rank, world, qk_scale,
               H_LOCAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              REMOTE: gl.constexpr, FENCED: gl.constexpr):
+              REMOTE: gl.constexpr, FENCED: gl.constexpr, INSTRUMENT: gl.constexpr):
     """Q-loop of rows [64·half, 64·half + 64) of the tile (Fig. 6), then their epilogue: the
     same online softmax as ``flash_attention._q_loop`` (scores scaled by log2(e)/sqrt(d), exp2,
-    normalized after the loop) and the same stores as ``flash_attention._store_tile``."""
+    normalized after the loop) and the same stores as ``flash_attention._store_tile``.
+    INSTRUMENT: trace row 2·tile + half stamped as ``flash_attention._output_tile`` stamps a
+    tile's row, each stamp after a barrier of this warpgroup."""
+    rec = trace + (2 * tile + half) * TRACE_FIELDS
+    if INSTRUMENT:
+        trace_stamp(rec, 0)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -106,6 +114,8 @@ def _consumer(half: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
     # 16-byte stores: 8 bf16 per thread along d
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     o = gl.convert_layout((acc / l_i[:, None]).to(gl.bfloat16), out_layout)
+    if INSTRUMENT:
+        trace_stamp(rec, 1)
     rows = (row0 + half * HALF_ROWS
             + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, out_layout))).to(gl.int64)
     d_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
@@ -120,18 +130,25 @@ def _consumer(half: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
             gl.atomic_add(fence_flag, 0, sem="release", scope="sys")
     else:
         gl.store(dst + ((rows * H_LOCAL + head) * HEAD_DIM)[:, None] + d_cols[None, :], o)
+    if INSTRUMENT:
+        trace_stamp(rec, 2)
+        trace_sm(rec)
 
 
 @gluon.jit
-def flash_attention_ws_kernel(q_desc, k_desc, v_desc, dst, fence_flag, M, rows_per_rank, rank,
-                              world, qk_scale, H_LOCAL: gl.constexpr, HEAD_DIM: gl.constexpr,
-                              REMOTE: gl.constexpr, FENCED: gl.constexpr, STAGES: gl.constexpr):
+def flash_attention_ws_kernel(q_desc, k_desc, v_desc, dst, fence_flag, trace, M, rows_per_rank,
+                              rank, world, qk_scale, H_LOCAL: gl.constexpr,
+                              HEAD_DIM: gl.constexpr, REMOTE: gl.constexpr,
+                              FENCED: gl.constexpr, STAGES: gl.constexpr,
+                              INSTRUMENT: gl.constexpr):
     """FlashAttention forward over the M/128 x H_LOCAL output tiles of one rank, one per CTA.
 
     ``q_desc`` is a TMA descriptor over [M, H_LOCAL*d] with [64, d] blocks (a consumer's half
     tile), ``k_desc``/``v_desc`` the same with [d, d] blocks; head h is column block h. ``dst``,
     ``fence_flag``, REMOTE and FENCED as in ``flash_attention.flash_attention_kernel``: the
     epilogue stores the same bf16 values whatever it is, so Fused equals Serial bitwise.
+    INSTRUMENT: ``trace`` is int64 [2·tiles, TRACE_FIELDS], a row per consumer warpgroup's half
+    tile (``_consumer``); a separate build, compared only with itself.
     """
     num_m_blocks = M // (2 * HALF_ROWS)
     tile = gl.program_id(0)
@@ -152,11 +169,11 @@ def flash_attention_ws_kernel(q_desc, k_desc, v_desc, dst, fence_flag, M, rows_p
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, dst,
-                     fence_flag, row0, head, M, rows_per_rank, rank, world, qk_scale, H_LOCAL,
-                     HEAD_DIM, STAGES, REMOTE, FENCED)),
+                     fence_flag, trace, tile, row0, head, M, rows_per_rank, rank, world,
+                     qk_scale, H_LOCAL, HEAD_DIM, STAGES, REMOTE, FENCED, INSTRUMENT)),
         (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, dst,
-                     fence_flag, row0, head, M, rows_per_rank, rank, world, qk_scale, H_LOCAL,
-                     HEAD_DIM, STAGES, REMOTE, FENCED)),
+                     fence_flag, trace, tile, row0, head, M, rows_per_rank, rank, world,
+                     qk_scale, H_LOCAL, HEAD_DIM, STAGES, REMOTE, FENCED, INSTRUMENT)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                      kv_empty, row0, head * HEAD_DIM, M, HEAD_DIM, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

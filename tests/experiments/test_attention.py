@@ -103,7 +103,7 @@ def _bad_calls():
         "gluon_ws on CPU": (lambda: fa(*_qkv(128, 2, 64, seed=0), config=dict(kernel="gluon_ws")),
                             "sm_90"),
         "gluon_ws grid": (lambda: fa(*_qkv(128, 2, 64, seed=0), config=dict(kernel="gluon_ws"),
-                                     num_programs=4), "persistent grid"),
+                                     num_programs=4), "no persistent grid"),
         "fenced table": (lambda: fused(q, k, v, table[:1], 0, 2, config=TINY, fenced=True),
                          "one pointer per rank"),
         "table length": (lambda: fused(q, k, v, torch.zeros(3, dtype=torch.int64), 0, 2,
@@ -356,7 +356,8 @@ def test_receive_buffer_views_and_barrier():
         buf.view(7, 8, 64)  # M not divisible by P
 
 
-def _compile_flash_attention_ws(kernels, d, remote, fenced=False, h_local=6, stages=2):
+def _compile_flash_attention_ws(kernels, d, remote, fenced=False, h_local=6, stages=2,
+                                instrument=False):
     """The gluon_ws kernel for sm_90 with the argument types its launcher passes."""
     half, block = int(kernels.HALF_ROWS), [d, d]
     q_layout = gl.NVMMASharedLayout.get_default_for([half, d], gl.bfloat16)
@@ -364,14 +365,16 @@ def _compile_flash_attention_ws(kernels, d, remote, fenced=False, h_local=6, sta
     signature = {"q_desc": f"tensordesc<bf16[{half}, {d}],{q_layout!r}>",
                  "k_desc": f"tensordesc<bf16[{d}, {d}],{kv_layout!r}>",
                  "v_desc": f"tensordesc<bf16[{d}, {d}],{kv_layout!r}>",
-                 "dst": "*i64" if remote else "*bf16", "fence_flag": "*i32", "M": "i32",
-                 "rows_per_rank": "i32", "rank": "i32", "world": "i32", "qk_scale": "fp32",
-                 "H_LOCAL": "constexpr", "HEAD_DIM": "constexpr", "REMOTE": "constexpr",
-                 "FENCED": "constexpr", "STAGES": "constexpr"}
+                 "dst": "*i64" if remote else "*bf16", "fence_flag": "*i32",
+                 "trace": "*i64" if instrument else "*i32", "M": "i32", "rows_per_rank": "i32",
+                 "rank": "i32", "world": "i32", "qk_scale": "fp32", "H_LOCAL": "constexpr",
+                 "HEAD_DIM": "constexpr", "REMOTE": "constexpr", "FENCED": "constexpr",
+                 "STAGES": "constexpr", "INSTRUMENT": "constexpr"}
     names = list(signature)
     constexprs = {(names.index(k),): v for k, v in dict(
-        H_LOCAL=h_local, HEAD_DIM=d, REMOTE=remote, FENCED=fenced, STAGES=stages).items()}
-    aligned = {(names.index(k),): [["tt.divisibility", 16]] for k in ("dst", "fence_flag")}
+        H_LOCAL=h_local, HEAD_DIM=d, REMOTE=remote, FENCED=fenced, STAGES=stages,
+        INSTRUMENT=instrument).items()}
+    aligned = {(names.index(k),): [["tt.divisibility", 16]] for k in ("dst", "fence_flag", "trace")}
     return triton.compile(GluonASTSource(kernels.flash_attention_ws_kernel, signature, constexprs,
                                          aligned), target=HOPPER, options=dict(num_warps=4))
 
@@ -400,3 +403,19 @@ def test_warp_specialized_kernel_compiles_for_hopper(compiled_ws_kernels, d, rem
     stores = re.findall(r"st\.global\S*", ptx)
     assert stores and all(".v4." in st for st in stores), stores
     assert ("atom.global.sys.release" in ptx) == fenced
+
+
+@pytest.mark.parametrize("d", attention.HEAD_DIMS)
+def test_warp_specialized_instrumented_build_stamps_each_half_tile(compiled_ws_kernels, d):
+    """The traced gluon_ws build (``attention_trace``) reads %globaltimer three times and %smid
+    once per consumer warpgroup's half tile, builds without spills or serialized wgmma; the
+    untraced build reads no timer."""
+    plain = _compile_flash_attention_ws(compiled_ws_kernels, d, True).asm["ptx"]
+    assert "%globaltimer" not in plain and "%smid" not in plain
+    ptx = _compile_flash_attention_ws(compiled_ws_kernels, d, True, instrument=True).asm["ptx"]
+    # each consumer partition is a function of its own in the PTX: two copies of the stamps
+    assert len(re.findall(r"mov\.u64\s+%rd\d+,\s*%globaltimer", ptx)) == 2 * 3
+    assert len(re.findall(r"%smid", ptx)) == 2
+    ptxas = ptxas_report(ptx)
+    assert ptxas["spill_store_bytes"] + ptxas["spill_load_bytes"] == 0
+    assert not ptxas["wgmma_serialized"]

@@ -64,6 +64,24 @@ def test_tile_table_assigns_owner_and_wave(record):
     assert fused.loc[12, "epilogue_start_us"] == pytest.approx(150.0)
 
 
+def test_half_tile_traces_map_to_rows_and_waves_as_the_gluon_kernel_stamps_them(record):
+    """gluon_ws (b_m = 128, one CTA per SM, two consumer warpgroups) traces 64-row half tiles:
+    the 16 trace rows of ``record`` then cover 512 rows (rows 64·t of head 0 for t < 16), and
+    4 SMs x 2 warpgroups = 8 resident trace rows make a wave."""
+    rec = Record(record.path, record.table,
+                 {**record.meta, "params": {"config": dict(CFG, BLOCK_M=128, ctas_per_sm=1,
+                                                           kernel="gluon_ws"),
+                                            "params": dict(repeat_build=False,
+                                                           trace_block_m=64)}})
+    assert at.trace_geometry(rec) == (64, 8)
+    assert at.trace_geometry(record) == (BM, 8)  # a record without trace_block_m: Triton's
+    t = at.tile_table(rec)
+    fused = t[t["build"] == "fused"].set_index("tile")
+    # M/64 = 16 half tiles per head: all 16 rows are head 0; rank 0 owns rows < 512 = t < 8
+    assert list(fused.index[fused["remote"]]) == list(range(8, 16))
+    assert list(fused["wave"]) == [0] * 8 + [1] * 8
+
+
 def test_persistent_records_are_refused(record):
     rec = Record(record.path, record.table,
                  {**record.meta, "params": {**record.params,

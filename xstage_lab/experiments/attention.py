@@ -47,8 +47,8 @@ LOG2E = 1.4426950408889634
 # evict-first, so output tiles leave the K and V tiles in L2).
 OUTPUT_CACHES = ("", ".cs")
 # What ``config["kernel"]`` selects: "triton" (any power-of-two tiles, persistent grids, the
-# pipelined Q-loop, the instrumented build; runs under TRITON_INTERPRET=1) or "gluon_ws" (warp-
-# specialized, one 128-row tile per CTA, sm_90 GPUs only).
+# pipelined Q-loop; runs under TRITON_INTERPRET=1) or "gluon_ws" (warp-specialized, one 128-row
+# tile per CTA, sm_90 GPUs only). Both have an instrumented build.
 KERNELS = ("triton", "gluon_ws")
 # The default per head dim: the faster one against cuDNN on H200 (fa_tuning records of h200-x1
 # from bf9ad5f: at d = 128, gluon_ws 0.87-0.98 of cuDNN's TF/s, the Triton kernel 0.61-0.86; at
@@ -159,10 +159,11 @@ def fused_attention_a2a(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     receivers must synchronize once (``ReceiveBuffer.barrier``) before reading. The values stored
     are bitwise those of ``nccl_a2a(flash_attention(q, k, v))`` with the same configuration.
 
-    ``trace`` (int64 [M/b_m * H/P, ``TRACE_FIELDS``] on q's device) selects the instrumented build:
-    per output tile t (m block t % (M/b_m) of local head t // (M/b_m)) row t receives %globaltimer
-    at tile entry, epilogue start and epilogue end (every store issued), then the SM id
-    (``attention_trace`` reads it). Its barriers make it a build of its own: compare it with itself.
+    ``trace`` (int64 [``trace_tiles``, ``TRACE_FIELDS``] on q's device) selects the instrumented
+    build: with b = ``trace_block_m`` rows per trace row, row t (rows [(t % (M/b))·b, +b) of local
+    head t // (M/b)) receives %globaltimer at entry, epilogue start and epilogue end (every store
+    issued), then the SM id (``attention_trace`` reads it). Its barriers make it a build of its
+    own: compare it with itself.
     """
     M, cfg = _check_qkv(q, k, v, config)
     _check_peer_ptrs(peer_ptrs, q.device, rank, world, M)
@@ -176,10 +177,17 @@ def fused_attention_a2a(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 TRACE_FIELDS = int(_kernels.TRACE_FIELDS)  # entry, epilogue start, epilogue end (ns), SM id
 
 
+def trace_block_m(config: dict) -> int:
+    """Output rows one trace row covers under a configuration (``flash_attention_config``): a
+    tile of the Triton kernel, one consumer warpgroup's half tile of gluon_ws."""
+    return int(_ws_kernels.HALF_ROWS) if config["kernel"] == "gluon_ws" else config["BLOCK_M"]
+
+
 def trace_tiles(q: torch.Tensor, config: dict | None = None) -> int:
-    """Output tiles of one launch on q [M, H/P, d]: the rows of a ``fused_attention_a2a`` trace."""
+    """The rows of a ``fused_attention_a2a`` trace of one launch on q [M, H/P, d]: its output
+    tiles (half tiles for gluon_ws)."""
     M, h_local, d = q.shape
-    return M // flash_attention_config(d, config)["BLOCK_M"] * h_local
+    return M // trace_block_m(flash_attention_config(d, config)) * h_local
 
 
 def remote_store_a2a(out_local: torch.Tensor, peer_ptrs: torch.Tensor, rank: int, world: int,
@@ -431,9 +439,9 @@ def _launch_flash_attention_ws(q, k, v, dst, *, rows_per_rank, rank, world, remo
                                num_programs, trace):
     """``flash_attention_ws_kernel``: one CTA per 128-row tile, Q in two 64-row halves (one per
     consumer warpgroup), K and V in [d, d] tiles."""
-    if num_programs is not None or trace is not None:
-        raise ValueError("the gluon_ws kernel has neither a persistent grid nor an instrumented "
-                         "build: use a kernel='triton' configuration for num_programs or trace")
+    if num_programs is not None:
+        raise ValueError("the gluon_ws kernel has no persistent grid: use a kernel='triton' "
+                         "configuration for num_programs")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         raise ValueError(f"the gluon_ws kernel needs an sm_90 (Hopper) GPU, not {q.device}: its "
                          "warpgroup MMAs and register reallocation are sm_90 instructions; use "
@@ -445,6 +453,8 @@ def _launch_flash_attention_ws(q, k, v, dst, *, rows_per_rank, rank, world, remo
                                    gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16))
              for t, rows in ((q, half), (k, d), (v, d))]
     _ws_kernels.flash_attention_ws_kernel[(M // cfg["BLOCK_M"] * h_local,)](
-        *descs, dst, _fence_flag(q.device), M, rows_per_rank, rank, world, LOG2E / math.sqrt(d),
-        H_LOCAL=h_local, HEAD_DIM=d, REMOTE=remote, FENCED=fenced, STAGES=cfg["num_stages"],
+        # without a trace the fence flag stands in for the unused pointer
+        *descs, dst, _fence_flag(q.device), _fence_flag(q.device) if trace is None else trace,
+        M, rows_per_rank, rank, world, LOG2E / math.sqrt(d), H_LOCAL=h_local, HEAD_DIM=d,
+        REMOTE=remote, FENCED=fenced, STAGES=cfg["num_stages"], INSTRUMENT=trace is not None,
         num_warps=cfg["num_warps"])

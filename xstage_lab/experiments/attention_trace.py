@@ -35,19 +35,30 @@ def _values(v):
     return json.loads(v) if isinstance(v, str) else v
 
 
-def tile_table(record) -> pd.DataFrame:
-    """One row per traced tile of an ``fa_trace`` record: M, rank, build, launch, tile, times (µs:
-    entry, epilogue start and end from the launch's first entry, Q-loop, epilogue), SM id, whether
-    its rows belong to another rank (``remote``), and its grid wave (tile // resident programs)."""
+def trace_geometry(record) -> tuple[int, int]:
+    """(rows per trace row, trace rows resident at once) of an ``fa_trace`` record: b_m and the
+    programs of the grid's first wave for the Triton kernel; b_m/2 and two per program (its two
+    consumer warpgroups) for gluon_ws. Records from before ``trace_block_m`` are the Triton's."""
     cfg = record.params["config"]
+    block_m = int(record.params["params"].get("trace_block_m", cfg["BLOCK_M"]))
     programs = record.provenance["gpus"][0]["sm_count"] * cfg["ctas_per_sm"]
+    return block_m, programs * cfg["BLOCK_M"] // block_m
+
+
+def tile_table(record) -> pd.DataFrame:
+    """One row per trace row (``trace_geometry``: an output tile, or a half tile) of an
+    ``fa_trace`` record: M, rank, build, launch, tile, times (µs: entry, epilogue start and end
+    from the launch's first entry, Q-loop, epilogue), SM id, whether its rows belong to another
+    rank (``remote``), and its grid wave (tile // resident trace rows)."""
+    cfg = record.params["config"]
+    bm, programs = trace_geometry(record)
     if cfg["persistent"]:
         raise ValueError("waves are defined for the one-program-per-tile grid; this record "
                          "traced a persistent one")
     frames = []
     for r in record.table.to_dict("records"):
         cols = {c: np.asarray(_values(r[c]), dtype=np.int64) for c in LIST_COLUMNS}
-        M, P, rank, bm = int(r["M"]), int(r["P"]), int(r["rank"]), int(cfg["BLOCK_M"])
+        M, P, rank = int(r["M"]), int(r["P"]), int(r["rank"])
         tile = np.arange(len(cols["entry_ns"]))
         owner = (tile % (M // bm)) * bm // (M // P)
         entry = cols["entry_ns"] / 1e3
@@ -182,13 +193,12 @@ def record_verdicts(record) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     record on its platform's latest calibration."""
     from .remote_store import latest_calibration
 
-    cfg = record.params["config"]
-    programs = record.provenance["gpus"][0]["sm_count"] * cfg["ctas_per_sm"]
+    block_m, programs = trace_geometry(record)
     platform = latest_calibration(record.platform, record.path.parents[2]).platform_model()
     tiles = tile_table(record)
     return (epilogue_excess(tiles),
-            design_verdicts(tiles, platform, cfg["BLOCK_M"], programs),
-            simulated_stalls(tiles, platform, cfg["BLOCK_M"], programs))
+            design_verdicts(tiles, platform, block_m, programs),
+            simulated_stalls(tiles, platform, block_m, programs))
 
 
 def first_wave_by_launch_order(records) -> pd.DataFrame:

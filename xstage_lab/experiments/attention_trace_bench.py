@@ -5,8 +5,9 @@ measured burst schedule, for the design test and the simulator; ``attention_trac
     torchrun --standalone --nproc_per_node=P -m xstage_lab.experiments.attention_trace_bench \\
         --out FILE [--seq 8192,...,65536] [--heads 24] [--head-dim 128] [--launches 3]
 
-One process per GPU, the Triton kernel (``kernel="triton"``: the one with an instrumented build) in
-its default configuration, or the fastest of its candidates with ``--tune``.
+One process per GPU, the configuration of the Table 3 benchmark (the default kernel, or the fastest
+candidate with ``--tune``); a trace row is an output tile (a consumer warpgroup's half tile for
+the gluon_ws kernel, ``attention.trace_block_m``).
 Per sequence length M:
 1. ``attention_bench.check_case`` (every path against float32 and Serial, outputs poisoned), then
    the instrumented build itself: Fused into the peers' buffers and the local control (the same
@@ -167,9 +168,8 @@ def main(argv=None) -> int:
         started = time.time()
         buf = att.symmetric_receive_buffer(max(args.seq) // world * args.heads * args.head_dim,
                                            group)
-        cfg, tuning = (tune(args, group, kernels=("triton",)) if args.tune
-                       else (att.flash_attention_config(args.head_dim, dict(kernel="triton")),
-                             []))
+        cfg, tuning = (tune(args, group) if args.tune
+                       else (att.flash_attention_config(args.head_dim), []))
         rows = []
         for seq_len in args.seq:
             mine = trace_case(seq_len, args, cfg, buf, group)
@@ -194,16 +194,18 @@ def write_result(args, world, cfg, tuning, rows, elapsed_s) -> None:
         params=dict(seq=args.seq, heads=args.heads, head_dim=args.head_dim, P=world,
                     launches=args.launches, settle_s=args.settle_s, seed=args.seed,
                     tuned=args.tune, repeat_build=args.repeat_build,
-                    prime_copy=args.prime_copy),
+                    prime_copy=args.prime_copy, trace_block_m=att.trace_block_m(cfg)),
         config=cfg,
         tuning=tuning,
-        timing=("per output tile, %globaltimer (ns) at tile entry, epilogue start and epilogue "
-                "end (every store issued), each after a CTA barrier, in the instrumented build; "
+        timing=("per trace row (an output tile; a consumer warpgroup's half tile for gluon_ws), "
+                "%globaltimer (ns) at entry, epilogue start and epilogue end (every store "
+                "issued), each after a barrier of the CTA (the warpgroup), in the instrumented "
+                "build; "
                 "entry_ns from the launch's first tile entry, q_loop_ns = epilogue start - entry, "
                 "epilogue_ns = epilogue end - epilogue start; kernel_us from CUDA events around "
                 "one eager launch; builds alternate in order per round"),
-        layout=("tile t: m block t % (M/b_m) of local head t // (M/b_m); its rows belong to rank "
-                "(t % (M/b_m)) * b_m // (M/P)"),
+        layout=("trace row t, b = params.trace_block_m rows: rows [(t % (M/b))·b, +b) of local "
+                "head t // (M/b); they belong to rank (t % (M/b)) * b // (M/P)"),
         versions=dict(torch=torch.__version__, triton=triton.__version__,
                       cuda=torch.version.cuda),
         gpu_name=torch.cuda.get_device_name(),
