@@ -110,7 +110,8 @@ def test_design_verdicts_on_the_measured_wave(record):
     the capacity bound fails (reshape; eq. 7 stall (65536 − 30000)/10e3 − 2 = 1.5536 µs) and
     agrees with the measured 9.5 µs excess; with Q = 50 000 B it holds (piggyback) and does not."""
     t = at.tile_table(record)
-    tight = at.design_verdicts(t, _platform(30_000), BM, 8).set_index("wave_class")
+    excess = at.epilogue_excess(t)
+    tight = at.design_verdicts(t, excess, _platform(30_000), BM, 8).set_index("wave_class")
     assert tight.loc["first", "burst_volume"] == 4 * TILE_BYTES
     assert tight.loc["first", "sms"] == 4
     assert tight.loc["first", "peak_outstanding_bytes"] == pytest.approx(65536 - 20000)
@@ -119,7 +120,7 @@ def test_design_verdicts_on_the_measured_wave(record):
     assert tight.loc["first", "agrees"] == "yes"
     # wave 1 is the same aligned burst, but Fused stored it without excess
     assert tight.loc["later", "action"] == "reshape" and tight.loc["later", "agrees"] == "no"
-    loose = at.design_verdicts(t, _platform(50_000), BM, 8).set_index("wave_class")
+    loose = at.design_verdicts(t, excess, _platform(50_000), BM, 8).set_index("wave_class")
     assert loose.loc["first", "action"] == "piggyback"
     assert loose.loc["first", "agrees"] == "no"
 

@@ -133,19 +133,20 @@ def wave_bursts(tiles: pd.DataFrame, tile_bytes) -> pd.DataFrame:
         gap_us=("q_loop_us", "median")).reset_index()
 
 
-def design_verdicts(tiles: pd.DataFrame, platform, block_m: int, programs: int) -> pd.DataFrame:
+def design_verdicts(tiles: pd.DataFrame, excess: pd.DataFrame, platform, block_m: int,
+                    programs: int) -> pd.DataFrame:
     """The design test (eq. 10) per M and wave class on the measured burst (``wave_bursts``):
     issue time max(T_epi, spread), gap the Q-loop, Q(K) at K = resident programs; the issue
     overhead (eq. 4) and, for one burst from empty, the stall beyond the issue time (eq. 7);
-    beside the measured excess and its tolerance (``epilogue_excess``) and whether they agree
-    (``model.verdict_agrees``)."""
+    beside the measured excess and its tolerance (``excess``: ``epilogue_excess(tiles)``) and
+    whether they agree (``model.verdict_agrees``)."""
     both = wave_bursts(tiles, lambda M, d: model.tile_burst_bytes(block_m, d)).merge(
-        epilogue_excess(tiles)[["M", "wave_class", "rank", "excess_us", "tolerance_us"]],
+        excess[["M", "wave_class", "rank", "excess_us", "tolerance_us"]],
         on=["M", "wave_class", "rank"])
+    capacity = platform.capacity_at(programs)
     rows = []
     for b in both.to_dict("records"):
         issue = max(b["epilogue_us"], b["spread_us"])
-        capacity = platform.capacity_at(programs)
         verdict = model.design_test(b["burst_volume"], b["gap_us"], issue, platform.drain_rate,
                                     capacity)
         rows.append({**b, "issue_us": issue, "capacity_bytes": capacity,
@@ -188,16 +189,16 @@ def simulated_stalls(tiles: pd.DataFrame, platform, block_m: int, programs: int)
         excess_total_us=("excess_us", "sum")).reset_index()
 
 
-def record_verdicts(record) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """``epilogue_excess``, ``design_verdicts`` and ``simulated_stalls`` of an ``fa_trace``
-    record on its platform's latest calibration."""
+def record_verdicts(record) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """``tile_table``, ``epilogue_excess``, ``design_verdicts`` and ``simulated_stalls`` of an
+    ``fa_trace`` record on its platform's latest calibration, each table built once."""
     from .remote_store import latest_calibration
 
     block_m, programs = trace_geometry(record)
     platform = latest_calibration(record.platform, record.path.parents[2]).platform_model()
     tiles = tile_table(record)
-    return (epilogue_excess(tiles),
-            design_verdicts(tiles, platform, block_m, programs),
+    excess = epilogue_excess(tiles)
+    return (tiles, excess, design_verdicts(tiles, excess, platform, block_m, programs),
             simulated_stalls(tiles, platform, block_m, programs))
 
 
