@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from . import model
@@ -200,6 +201,26 @@ def _t_iss0_text(c: Calibration, b: int) -> str:
     return f"{c.t_iss0_us[key]:.3f} [IQR {lo:.3f}–{hi:.3f}]"
 
 
+def _live_output(render, controls: dict):
+    """An ipywidgets Output showing the MIME bundle ``render(**values of controls)``, shown again
+    whenever a control changes. The bundle is set as the widget's state (``outputs``) instead of
+    being captured from the kernel's output (``with out: clear_output(wait=True); display``):
+    papermill runs of notebook 01 that captured the burst-gap explorer's figure that way hung
+    twice in about ten CI runs, the kernel idle and the client still waiting on the cell."""
+    import ipywidgets as w
+
+    out = w.Output()
+
+    def update(_=None):
+        bundle = render(**{name: c.value for name, c in controls.items()})
+        out.outputs = ({"output_type": "display_data", "data": bundle, "metadata": {}},)
+
+    for control in controls.values():
+        control.observe(update, names="value")
+    update()
+    return out
+
+
 def explore_burst_gap(cal: Calibration, predicted: pd.DataFrame):
     """An ipywidgets explorer: move K, B and G and see eq. 3 and eq. 7 beside the measured gap
     sweep. Under papermill it renders once at its defaults."""
@@ -214,7 +235,6 @@ def explore_burst_gap(cal: Calibration, predicted: pd.DataFrame):
                            value=measured_b[0], description="B")
     gs = w.FloatSlider(value=2.0, min=0.0, max=float(predicted["gap_us"].max()), step=0.5,
                        description="G (µs)")
-    out = w.Output()
 
     def draw(K, B, G):
         t0 = floor.t_iss0_at(K, B)
@@ -238,12 +258,9 @@ def explore_burst_gap(cal: Calibration, predicted: pd.DataFrame):
                                  f"T_iss(G)={float(model.issue_time(G, v, t0, cal.drain_rate_GBps)):.2f} µs, "
                                  f"G*={float(model.recovery_gap(v, t0, cal.drain_rate_GBps)):.2f} µs"),
                           height=380)
-        with out:
-            out.clear_output(wait=True)
-            display(fig)
+        return pio.renderers["plotly_mimetype"].to_mimebundle(fig.to_dict())
 
-    w.interactive_output(draw, {"K": ks, "B": bs, "G": gs})
-    display(w.VBox([w.HBox([ks, bs, gs]), out]))
+    display(w.VBox([w.HBox([ks, bs, gs]), _live_output(draw, {"K": ks, "B": bs, "G": gs})]))
 
 
 def design_calculator(cal: Calibration):
@@ -252,7 +269,7 @@ def design_calculator(cal: Calibration):
     calibrated platform: "piggyback" or "reshape", the issue overhead and the recovery gap.
     Under papermill it renders once at its defaults (an attention output tile, 128 × 128 bf16)."""
     import ipywidgets as w
-    from IPython.display import HTML, display
+    from IPython.display import display
 
     floor = cal.platform_model()
     ks = w.IntSlider(value=cal.sm_count, min=1, max=cal.sm_count, description="K")
@@ -260,26 +277,23 @@ def design_calculator(cal: Calibration):
     cols = w.IntText(value=128, description="tile cols")
     elem = w.Dropdown(options=[1, 2, 4], value=2, description="bytes/elem")
     gap = w.FloatText(value=10.0, description="gap G (µs)")
-    out = w.Output()
 
     def show(K, R_, C_, E_, G):
         b = R_ * C_ * E_
         t0, q = floor.t_iss0_at(K, b), floor.capacity_at(K)
         verdict = model.design_test(K * b, G, t0, cal.drain_rate_GBps, q)
-        with out:
-            out.clear_output(wait=True)
-            display(HTML(
-                f"<b>{verdict.action}</b>: V = {K * b / MIB:.2f} MiB, T_iss⁰ = {t0:.2f} µs; "
-                f"rate bound {'holds' if verdict.rate_bound else 'fails'} (V/R = "
-                f"{float(model.drain_time(K * b, cal.drain_rate_GBps)):.2f} µs vs T_iss⁰ + G); "
-                f"capacity bound {'holds' if verdict.capacity_bound else 'fails'} (q_peak = "
-                f"{verdict.peak_outstanding_bytes / MIB:.2f} MiB vs Q = {q / MIB:.2f} MiB); "
-                f"issue overhead "
-                f"{verdict.issue_overhead_us:.2f} µs, recovery gap G* = "
-                f"{verdict.recovery_gap_us:.2f} µs, isolated issue {verdict.isolated_issue_us:.2f} µs"))
+        return {"text/html": (
+            f"<b>{verdict.action}</b>: V = {K * b / MIB:.2f} MiB, T_iss⁰ = {t0:.2f} µs; "
+            f"rate bound {'holds' if verdict.rate_bound else 'fails'} (V/R = "
+            f"{float(model.drain_time(K * b, cal.drain_rate_GBps)):.2f} µs vs T_iss⁰ + G); "
+            f"capacity bound {'holds' if verdict.capacity_bound else 'fails'} (q_peak = "
+            f"{verdict.peak_outstanding_bytes / MIB:.2f} MiB vs Q = {q / MIB:.2f} MiB); "
+            f"issue overhead "
+            f"{verdict.issue_overhead_us:.2f} µs, recovery gap G* = "
+            f"{verdict.recovery_gap_us:.2f} µs, isolated issue {verdict.isolated_issue_us:.2f} µs")}
 
-    w.interactive_output(show, {"K": ks, "R_": rows, "C_": cols, "E_": elem, "G": gap})
-    display(w.VBox([w.HBox([ks, gap]), w.HBox([rows, cols, elem]), out]))
+    display(w.VBox([w.HBox([ks, gap]), w.HBox([rows, cols, elem]),
+                    _live_output(show, {"K": ks, "R_": rows, "C_": cols, "E_": elem, "G": gap})]))
 
 
 def simulated_gap_sweep(predicted: pd.DataFrame, platform: str) -> go.Figure:
