@@ -390,8 +390,9 @@ def compiled_ws_kernels():
 def test_warp_specialized_kernel_compiles_for_hopper(compiled_ws_kernels, d, remote, fenced):
     """The gluon_ws kernel builds for sm_90 at its configuration: within a CTA's shared memory,
     no spills, no serialized wgmma (ptxas's advisory), registers reallocated between its
-    partitions, TMA loads, 16-byte output stores, and the FENCED epilogue's system-scope release
-    only where it is asked for."""
+    partitions, TMA loads, 16-byte output stores, the FENCED epilogue's system-scope release
+    only where it is asked for, and the Q-loop's two wgmma groups in flight together (S_j with
+    PV_{j-1}: a wait down to one group, once in each consumer partition)."""
     stages = attention.flash_attention_config(d, dict(kernel="gluon_ws"))["num_stages"]
     k = _compile_flash_attention_ws(compiled_ws_kernels, d, remote, fenced, stages=stages)
     ptx = k.asm["ptx"]
@@ -403,6 +404,7 @@ def test_warp_specialized_kernel_compiles_for_hopper(compiled_ws_kernels, d, rem
     stores = re.findall(r"st\.global\S*", ptx)
     assert stores and all(".v4." in st for st in stores), stores
     assert ("atom.global.sys.release" in ptx) == fenced
+    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) == 2
 
 
 @pytest.mark.parametrize("d", attention.HEAD_DIMS)
