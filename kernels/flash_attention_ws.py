@@ -40,9 +40,9 @@ TRACE_FIELDS = _triton_kernel.TRACE_FIELDS
 # persistent are fixed by the partitioning above; num_stages is the K/V ring's depth (two: the
 # ring, Q and the epilogue's layout conversion take 176 KiB of shared memory, three would
 # exceed the 227 KiB of an H100/H200 CTA). Measured on one H200 (fa_tuning records of
-# h200-x1 from bf9ad5f): at d = 128 it reaches 0.87-0.98 of cuDNN's TF/s at M = 8K-64K with 12
-# and with 6 local heads, where the Triton kernel reaches 0.61-0.86. At d = 64 (b_n = 64) it
-# reaches 0.77-0.78, below the Triton kernel's 0.90-0.91.
+# h200-x1 from 2310d68): at d = 128 it reaches 0.99-1.08 of cuDNN's TF/s at M = 16K-64K with 12
+# and with 6 local heads, where the Triton kernel reaches 0.70-0.86. At d = 64 (b_n = 64) it
+# reaches 0.86-0.87, below the Triton kernel's 0.88-0.89.
 WS_CONFIG = dict(kernel="gluon_ws", BLOCK_M=128, num_warps=4, num_stages=2, ctas_per_sm=1,
                  persistent=False, output_cache="", pipelined=False)
 # Registers per thread of the consumer warpgroups and of the producer (setmaxnreg).
@@ -108,8 +108,9 @@ def _consumer(half: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
         # FlashAttention-3's intra-warpgroup overlap: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are
         # issued back to back, so the PV is queued behind the QK^T, and the softmax of S_j starts
         # once S_j alone has retired (one group left in flight). In the sm_90 SASS only its row
-        # maxima run under the PV: ptxas places the exponentials after the PV's wait. Measured
-        # 1.16-1.19x the one-wgmma-at-a-time loop on one H200 (M = 8K-32K, 12 heads, d = 128).
+        # maxima run under the PV: ptxas places the exponentials after the PV's wait. Against
+        # the loop that waited each wgmma before the next, same outputs bitwise: 1.10-1.18x at
+        # d = 128, 1.11x at d = 64 (data/records/fa_kernel_probe, one H200).
         s = j % STAGES
         s_prev = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)

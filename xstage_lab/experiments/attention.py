@@ -51,8 +51,8 @@ OUTPUT_CACHES = ("", ".cs")
 # tile per CTA, sm_90 GPUs only). Both have an instrumented build.
 KERNELS = ("triton", "gluon_ws")
 # The default per head dim: the faster one against cuDNN on H200 (fa_tuning records of h200-x1
-# from bf9ad5f: at d = 128, gluon_ws 0.87-0.98 of cuDNN's TF/s, the Triton kernel 0.61-0.86; at
-# d = 64, the Triton kernel 0.90-0.91, gluon_ws 0.77-0.78).
+# from 2310d68: at d = 128, gluon_ws 0.99-1.08 of cuDNN's TF/s, the Triton kernel 0.70-0.86; at
+# d = 64, the Triton kernel 0.88-0.89, gluon_ws 0.86-0.87).
 DEFAULT_KERNEL = {64: "triton", 128: "gluon_ws"}
 
 
