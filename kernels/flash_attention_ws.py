@@ -19,7 +19,9 @@ One CTA per 128-row output tile of one head, tiles numbered as in ``flash_attent
   producer                 one warp: Q once, then K and V tiles by TMA into STAGES-deep rings that
                            both consumers read (a K or V stage is refilled once both have
                            released it).
-b_n = d, so S and O share one wgmma layout and the softmax's row statistics apply to O as they are.
+S is [64, b_n] and O is [64, d]: two wgmma layouts whose rows sit in the same threads, so moving
+the softmax's row statistics from one to the other moves no data (no shared-memory round trip in
+the sm_90 PTX).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -35,16 +37,25 @@ ulysses_destination = _triton_kernel.ulysses_destination
 trace_stamp, trace_sm = _triton_kernel.trace_stamp, _triton_kernel.trace_sm
 TRACE_FIELDS = _triton_kernel.TRACE_FIELDS
 
-# The launch configuration ``attention.flash_attention_config`` knows this kernel by
-# (``kernel="gluon_ws"``). BLOCK_M, BLOCK_N (= d), num_warps (per consumer warpgroup) and
-# persistent are fixed by the partitioning above; num_stages is the K/V ring's depth (two: the
-# ring, Q and the epilogue's layout conversion take 176 KiB of shared memory, three would
-# exceed the 227 KiB of an H100/H200 CTA). Measured on one H200 (fa_tuning records of
-# h200-x1 from 2310d68): at d = 128 it reaches 0.99-1.08 of cuDNN's TF/s at M = 16K-64K with 12
-# and with 6 local heads, where the Triton kernel reaches 0.70-0.86. At d = 64 (b_n = 64) it
-# reaches 0.86-0.87, below the Triton kernel's 0.88-0.89.
-WS_CONFIG = dict(kernel="gluon_ws", BLOCK_M=128, num_warps=4, num_stages=2, ctas_per_sm=1,
-                 persistent=False, output_cache="", pipelined=False)
+# The launch configurations ``attention.flash_attention_config`` knows this kernel by
+# (``kernel="gluon_ws"``). The partitioning above fixes WS_FIXED: b_m, the warps per consumer
+# warpgroup, one CTA per SM and per tile. BLOCK_N (b_n, at most MAX_BLOCK_N: S takes b_n/2
+# registers per consumer thread, and at 256 ptxas spills and serializes the wgmmas) and
+# num_stages (the K and V rings' depth, within the 227 KiB of shared memory of an H100/H200 CTA)
+# are tunable. WS_CONFIGS holds the fastest against cuDNN on one H200; WS_CANDIDATES is what the
+# Table 3 benchmark times beside the Triton kernel's candidates:
+#   d = 128: b_n = 128 at two stages (176 KiB; three do not fit). fa_tuning records of h200-x1
+#            from 2310d68: 0.99-1.08 of cuDNN's TF/s at M = 16K-64K with 12 and 6 local heads,
+#            the Triton kernel 0.70-0.86.
+#   d = 64:  b_n = 128 at three stages (128 KiB): twice the QK^T and PV work per barrier of
+#            b_n = d (one-H200 probe, M = 16K/32K: 0.95 of cuDNN against 0.86-0.88 at b_n = 64).
+WS_FIXED = dict(kernel="gluon_ws", BLOCK_M=128, num_warps=4, ctas_per_sm=1, persistent=False,
+                output_cache="", pipelined=False)
+WS_CONFIGS = {64: dict(WS_FIXED, BLOCK_N=128, num_stages=3),
+              128: dict(WS_FIXED, BLOCK_N=128, num_stages=2)}
+WS_CANDIDATES = {64: [WS_CONFIGS[64], dict(WS_CONFIGS[64], num_stages=2)],
+                 128: [WS_CONFIGS[128]]}
+MAX_BLOCK_N = 128
 # Registers per thread of the consumer warpgroups and of the producer (setmaxnreg).
 CONSUMER_REGS = gl.constexpr(232)
 PRODUCER_REGS = gl.constexpr(40)
@@ -75,9 +86,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_
 
 @gluon.jit
 def _consumer(half: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-              v_empty, dst, fence_flag, trace, tile, row0, head, M, rows_per_rank, rank, world, qk_scale,
-              H_LOCAL: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-              REMOTE: gl.constexpr, FENCED: gl.constexpr, INSTRUMENT: gl.constexpr):
+              v_empty, dst, fence_flag, trace, tile, row0, head, M, rows_per_rank, rank, world,
+              qk_scale, H_LOCAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, REMOTE: gl.constexpr, FENCED: gl.constexpr,
+              INSTRUMENT: gl.constexpr):
     """Q-loop of rows [64·half, 64·half + 64) of the tile (Fig. 6), then their epilogue: the
     same online softmax as ``flash_attention._q_loop`` (scores scaled by log2(e)/sqrt(d), exp2,
     normalized after the loop) and the same stores as ``flash_attention._store_tile``.
@@ -86,14 +98,17 @@ def _consumer(half: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
     rec = trace + (2 * tile + half) * TRACE_FIELDS
     if INSTRUMENT:
         trace_stamp(rec, 0)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    acc = gl.zeros([HALF_ROWS, HEAD_DIM], gl.float32, layout=mma)
-    zero = gl.zeros([HALF_ROWS, HEAD_DIM], gl.float32, layout=mma)
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_N, 16])
+    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+    o_rows: gl.constexpr = gl.SliceLayout(1, mma_o)
+    acc = gl.zeros([HALF_ROWS, HEAD_DIM], gl.float32, layout=mma_o)
+    zero = gl.zeros([HALF_ROWS, BLOCK_N], gl.float32, layout=mma_s)
     mbarrier.wait(q_bar, 0)
     q = q_smem.index(half)
-    n_kv = M // HEAD_DIM
+    n_kv = M // BLOCK_N
     # KV tile 0: S_0 and its softmax, before the loop that pairs each S_j with PV_{j-1}
     mbarrier.wait(k_ready.index(0), 0)
     qk = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -103,7 +118,7 @@ def _consumer(half: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
     p = gl.exp2(qk * qk_scale - m_i[:, None])
     l_i = gl.sum(p, 1)
     p16 = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-    alpha = gl.full([HALF_ROWS], 1.0, gl.float32, layout=gl.SliceLayout(1, mma))
+    alpha = gl.full([HALF_ROWS], 1.0, gl.float32, layout=gl.SliceLayout(1, mma_s))
     for j in range(1, n_kv):
         # FlashAttention-3's intra-warpgroup overlap: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are
         # issued back to back, so the PV is queued behind the QK^T, and the softmax of S_j starts
@@ -115,7 +130,8 @@ def _consumer(half: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
         s_prev = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
         qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-        acc = acc * alpha[:, None]  # O's rescale for tile j-1's maximum, before PV_{j-1} adds
+        # O's rescale for tile j-1's maximum, before PV_{j-1} adds to it
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         mbarrier.wait(v_ready.index(s_prev), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(p16, v_smem.index(s_prev), acc, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
@@ -129,14 +145,15 @@ def _consumer(half: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
         mbarrier.arrive(v_empty.index(s_prev))
         p16 = gl.convert_layout(p.to(gl.bfloat16), p_layout)
     s_last = (n_kv - 1) % STAGES
-    acc = acc * alpha[:, None]
+    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
     mbarrier.wait(v_ready.index(s_last), ((n_kv - 1) // STAGES) & 1)
     acc = warpgroup_mma(p16, v_smem.index(s_last), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(s_last))
     # 16-byte stores: 8 bf16 per thread along d
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    o = gl.convert_layout((acc / l_i[:, None]).to(gl.bfloat16), out_layout)
+    o = gl.convert_layout((acc / gl.convert_layout(l_i, o_rows)[:, None]).to(gl.bfloat16),
+                          out_layout)
     if INSTRUMENT:
         trace_stamp(rec, 1)
     rows = (row0 + half * HALF_ROWS
@@ -161,14 +178,14 @@ def _consumer(half: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
 @gluon.jit
 def flash_attention_ws_kernel(q_desc, k_desc, v_desc, dst, fence_flag, trace, M, rows_per_rank,
                               rank, world, qk_scale, H_LOCAL: gl.constexpr,
-                              HEAD_DIM: gl.constexpr, REMOTE: gl.constexpr,
-                              FENCED: gl.constexpr, STAGES: gl.constexpr,
+                              HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                              REMOTE: gl.constexpr, FENCED: gl.constexpr, STAGES: gl.constexpr,
                               INSTRUMENT: gl.constexpr):
     """FlashAttention forward over the M/128 x H_LOCAL output tiles of one rank, one per CTA.
 
     ``q_desc`` is a TMA descriptor over [M, H_LOCAL*d] with [64, d] blocks (a consumer's half
-    tile), ``k_desc``/``v_desc`` the same with [d, d] blocks; head h is column block h. ``dst``,
-    ``fence_flag``, REMOTE and FENCED as in ``flash_attention.flash_attention_kernel``: the
+    tile), ``k_desc``/``v_desc`` the same with [BLOCK_N, d] blocks; head h is column block h.
+    ``dst``, ``fence_flag``, REMOTE and FENCED as in ``flash_attention.flash_attention_kernel``: the
     epilogue stores the same bf16 values whatever it is, so Fused equals Serial bitwise.
     INSTRUMENT: ``trace`` is int64 [2·tiles, TRACE_FIELDS], a row per consumer warpgroup's half
     tile (``_consumer``); a separate build, compared only with itself.
@@ -178,8 +195,8 @@ def flash_attention_ws_kernel(q_desc, k_desc, v_desc, dst, fence_flag, trace, M,
     head = tile // num_m_blocks
     row0 = (tile % num_m_blocks) * (2 * HALF_ROWS)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HALF_ROWS, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HEAD_DIM, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HEAD_DIM, HEAD_DIM], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -197,10 +214,10 @@ def flash_attention_ws_kernel(q_desc, k_desc, v_desc, dst, fence_flag, trace, M,
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, dst,
                      fence_flag, trace, tile, row0, head, M, rows_per_rank, rank, world,
-                     qk_scale, H_LOCAL, HEAD_DIM, STAGES, REMOTE, FENCED, INSTRUMENT)),
+                     qk_scale, H_LOCAL, HEAD_DIM, BLOCK_N, STAGES, REMOTE, FENCED, INSTRUMENT)),
         (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, dst,
                      fence_flag, trace, tile, row0, head, M, rows_per_rank, rank, world,
-                     qk_scale, H_LOCAL, HEAD_DIM, STAGES, REMOTE, FENCED, INSTRUMENT)),
+                     qk_scale, H_LOCAL, HEAD_DIM, BLOCK_N, STAGES, REMOTE, FENCED, INSTRUMENT)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                     k_empty, v_empty, row0, head * HEAD_DIM, M, HEAD_DIM, STAGES)),
+                     k_empty, v_empty, row0, head * HEAD_DIM, M, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -64,7 +64,7 @@ def test_flash_attention_matches_float32_reference(M, h_local, d, scale, num_pro
                                                    (8, 96, 16, 3)])
 def test_fused_epilogue_delivers_the_ulysses_layout(world, M, block, h_local):
     d = 64
-    cfg = dict(BLOCK_M=block, BLOCK_N=block)
+    cfg = dict(kernel="triton", BLOCK_M=block, BLOCK_N=block)
     inputs = [_qkv(M, h_local, d, seed=10 * world + r) for r in range(world)]
     local = [att.flash_attention(*qkv, config=cfg, num_programs=3) for qkv in inputs]
     bufs, table = _peer_buffers(world, M, h_local * world, d)
@@ -109,7 +109,7 @@ def test_one_program_per_tile_matches_float32_reference(M, h_local, d, block_m, 
                                                       (8, 128, 16, True)])
 def test_fenced_epilogue_equals_unfenced_bitwise(world, M, block, persistent):
     h_local, d = 2, 64
-    cfg = dict(BLOCK_M=block, BLOCK_N=block, persistent=persistent)
+    cfg = dict(kernel="triton", BLOCK_M=block, BLOCK_N=block, persistent=persistent)
     programs = 3 if persistent else None
     inputs = [_qkv(M, h_local, d, seed=20 * world + r) for r in range(world)]
     plain, plain_table = _peer_buffers(world, M, h_local * world, d)
@@ -131,6 +131,6 @@ def test_fenced_epilogue_equals_unfenced_bitwise(world, M, block, persistent):
 def test_pipelined_q_loop_matches_float32_reference(M, block_n, scale, persistent):
     q, k, v = _qkv(M, 2, 64, seed=M + block_n, scale=scale)
     out = torch.full_like(q, float("nan"))
-    cfg = dict(BLOCK_M=16, BLOCK_N=block_n, persistent=persistent, pipelined=True)
+    cfg = dict(kernel="triton", BLOCK_M=16, BLOCK_N=block_n, persistent=persistent, pipelined=True)
     att.flash_attention(q, k, v, out=out, config=cfg, num_programs=3 if persistent else None)
     assert relative_error(out, att.reference_attention(q, k, v)) < REL_TOL

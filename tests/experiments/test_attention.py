@@ -99,7 +99,9 @@ def _bad_calls():
                        "unknown configuration keys"),
         "kernel": (lambda: fa(q, k, v, config=dict(TINY, kernel="cuda")), "must be one of"),
         "gluon_ws tiles": (lambda: fa(q, k, v, config=dict(TINY, kernel="gluon_ws")),
-                           r"gluon_ws kernel fixes \['BLOCK_M', 'BLOCK_N'\]"),
+                           r"gluon_ws kernel fixes \['BLOCK_M'\]"),
+        "gluon_ws b_n": (lambda: fa(*_qkv(256, 2, 64, seed=0),
+                                    config=dict(kernel="gluon_ws", BLOCK_N=256)), "exceeds"),
         "gluon_ws on CPU": (lambda: fa(*_qkv(128, 2, 64, seed=0), config=dict(kernel="gluon_ws")),
                             "sm_90"),
         "gluon_ws grid": (lambda: fa(*_qkv(128, 2, 64, seed=0), config=dict(kernel="gluon_ws"),
@@ -356,24 +358,26 @@ def test_receive_buffer_views_and_barrier():
         buf.view(7, 8, 64)  # M not divisible by P
 
 
-def _compile_flash_attention_ws(kernels, d, remote, fenced=False, h_local=6, stages=2,
+def _compile_flash_attention_ws(kernels, d, remote, fenced=False, cfg=None, h_local=6,
                                 instrument=False):
-    """The gluon_ws kernel for sm_90 with the argument types its launcher passes."""
-    half, block = int(kernels.HALF_ROWS), [d, d]
+    """The gluon_ws kernel for sm_90 with the argument types its launcher passes, at ``cfg``
+    (default: the gluon_ws configuration for ``d``)."""
+    cfg = attention.flash_attention_config(d, cfg or dict(kernel="gluon_ws"))
+    half, bn = int(kernels.HALF_ROWS), cfg["BLOCK_N"]
     q_layout = gl.NVMMASharedLayout.get_default_for([half, d], gl.bfloat16)
-    kv_layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], gl.bfloat16)
     signature = {"q_desc": f"tensordesc<bf16[{half}, {d}],{q_layout!r}>",
-                 "k_desc": f"tensordesc<bf16[{d}, {d}],{kv_layout!r}>",
-                 "v_desc": f"tensordesc<bf16[{d}, {d}],{kv_layout!r}>",
+                 "k_desc": f"tensordesc<bf16[{bn}, {d}],{kv_layout!r}>",
+                 "v_desc": f"tensordesc<bf16[{bn}, {d}],{kv_layout!r}>",
                  "dst": "*i64" if remote else "*bf16", "fence_flag": "*i32",
                  "trace": "*i64" if instrument else "*i32", "M": "i32", "rows_per_rank": "i32",
                  "rank": "i32", "world": "i32", "qk_scale": "fp32", "H_LOCAL": "constexpr",
-                 "HEAD_DIM": "constexpr", "REMOTE": "constexpr", "FENCED": "constexpr",
-                 "STAGES": "constexpr", "INSTRUMENT": "constexpr"}
+                 "HEAD_DIM": "constexpr", "BLOCK_N": "constexpr", "REMOTE": "constexpr",
+                 "FENCED": "constexpr", "STAGES": "constexpr", "INSTRUMENT": "constexpr"}
     names = list(signature)
     constexprs = {(names.index(k),): v for k, v in dict(
-        H_LOCAL=h_local, HEAD_DIM=d, REMOTE=remote, FENCED=fenced, STAGES=stages,
-        INSTRUMENT=instrument).items()}
+        H_LOCAL=h_local, HEAD_DIM=d, BLOCK_N=bn, REMOTE=remote, FENCED=fenced,
+        STAGES=cfg["num_stages"], INSTRUMENT=instrument).items()}
     aligned = {(names.index(k),): [["tt.divisibility", 16]] for k in ("dst", "fence_flag", "trace")}
     return triton.compile(GluonASTSource(kernels.flash_attention_ws_kernel, signature, constexprs,
                                          aligned), target=HOPPER, options=dict(num_warps=4))
@@ -388,23 +392,38 @@ def compiled_ws_kernels():
 @pytest.mark.parametrize("remote,fenced", [(False, False), (True, False), (True, True)],
                          ids=["local", "remote", "remote_fenced"])
 def test_warp_specialized_kernel_compiles_for_hopper(compiled_ws_kernels, d, remote, fenced):
-    """The gluon_ws kernel builds for sm_90 at its configuration: within a CTA's shared memory,
-    no spills, no serialized wgmma (ptxas's advisory), registers reallocated between its
-    partitions, TMA loads, 16-byte output stores, the FENCED epilogue's system-scope release
-    only where it is asked for, and the Q-loop's two wgmma groups in flight together (S_j with
-    PV_{j-1}: a wait down to one group, once in each consumer partition)."""
-    stages = attention.flash_attention_config(d, dict(kernel="gluon_ws"))["num_stages"]
-    k = _compile_flash_attention_ws(compiled_ws_kernels, d, remote, fenced, stages=stages)
-    ptx = k.asm["ptx"]
-    ptxas = ptxas_report(ptx)
-    assert k.metadata.shared <= HOPPER_SMEM_PER_BLOCK
-    assert ptxas["spill_store_bytes"] + ptxas["spill_load_bytes"] == 0
-    assert not ptxas["wgmma_serialized"]
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
-    stores = re.findall(r"st\.global\S*", ptx)
-    assert stores and all(".v4." in st for st in stores), stores
-    assert ("atom.global.sys.release" in ptx) == fenced
-    assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) == 2
+    """Every gluon_ws configuration that is timed (``attention_bench.fa_only_candidates``) builds
+    for sm_90: within a CTA's shared memory, no spills, no serialized wgmma (ptxas's advisory),
+    registers reallocated between its partitions, TMA loads, 16-byte output stores, the FENCED
+    epilogue's system-scope release only where it is asked for, and the Q-loop's two wgmma groups
+    in flight together (S_j with PV_{j-1}: a wait down to one group, once in each consumer
+    partition)."""
+    configs = [c for c in attention_bench.fa_only_candidates(d) if c["kernel"] == "gluon_ws"]
+    assert attention.flash_attention_config(d, dict(kernel="gluon_ws")) in configs
+    for cfg in configs:
+        k = _compile_flash_attention_ws(compiled_ws_kernels, d, remote, fenced, cfg)
+        ptx = k.asm["ptx"]
+        ptxas = ptxas_report(ptx)
+        assert k.metadata.shared <= HOPPER_SMEM_PER_BLOCK, cfg
+        assert ptxas["spill_store_bytes"] + ptxas["spill_load_bytes"] == 0, cfg
+        assert not ptxas["wgmma_serialized"], cfg
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+        stores = re.findall(r"st\.global\S*", ptx)
+        assert stores and all(".v4." in st for st in stores), stores
+        assert ("atom.global.sys.release" in ptx) == fenced
+        assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) == 2, cfg
+
+
+def test_warp_specialized_row_statistics_move_no_data(compiled_ws_kernels):
+    """With b_n != d the softmax's row statistics change layout (S's wgmma layout to O's); the
+    rows sit in the same threads, so the kernel has no more shared-memory stores than with
+    b_n = d, where the two layouts are one."""
+    def shared_stores(block_n):
+        cfg = dict(kernel="gluon_ws", BLOCK_N=block_n, num_stages=3)
+        ptx = _compile_flash_attention_ws(compiled_ws_kernels, 64, False, cfg=cfg).asm["ptx"]
+        return len(re.findall(r"st\.shared", ptx))
+
+    assert shared_stores(128) == shared_stores(64) > 0
 
 
 @pytest.mark.parametrize("d", attention.HEAD_DIMS)

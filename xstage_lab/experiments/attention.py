@@ -50,10 +50,9 @@ OUTPUT_CACHES = ("", ".cs")
 # pipelined Q-loop; runs under TRITON_INTERPRET=1) or "gluon_ws" (warp-specialized, one 128-row
 # tile per CTA, sm_90 GPUs only). Both have an instrumented build.
 KERNELS = ("triton", "gluon_ws")
-# The default per head dim: the faster one against cuDNN on H200 (fa_tuning records of h200-x1
-# from 2310d68: at d = 128, gluon_ws 0.99-1.08 of cuDNN's TF/s, the Triton kernel 0.70-0.86; at
-# d = 64, the Triton kernel 0.88-0.89, gluon_ws 0.86-0.87).
-DEFAULT_KERNEL = {64: "triton", 128: "gluon_ws"}
+# The default per head dim: the faster one against cuDNN on H200 (the measurements are quoted
+# beside ``flash_attention_ws.WS_CONFIGS``).
+DEFAULT_KERNEL = {64: "gluon_ws", 128: "gluon_ws"}
 
 
 def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
@@ -66,15 +65,16 @@ def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
     walking the tiles, or one program per tile), output_cache (the output stores' cache operator,
     ``OUTPUT_CACHES``), pipelined (the Q-loop with PV one KV tile behind QK^T, softmax overlapping
     the PV wgmma). Tiles must be powers of two >= 16 (``tl.dot``). The gluon_ws kernel fixes every
-    key but num_stages (``flash_attention_ws.WS_CONFIG``, b_n = d).
+    key but BLOCK_N (at most ``flash_attention_ws.MAX_BLOCK_N``) and num_stages
+    (``flash_attention_ws.WS_FIXED``; its defaults per head dim: ``WS_CONFIGS``).
     """
     _check_head_dim(head_dim)
     config = config or {}
     kernel = config.get("kernel", DEFAULT_KERNEL[head_dim])
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
-    fixed = dict(_ws_kernels.WS_CONFIG, BLOCK_N=head_dim)
-    base = fixed if kernel == "gluon_ws" else dict(_kernels.CONFIGS[head_dim], kernel="triton")
+    base = (_ws_kernels.WS_CONFIGS[head_dim] if kernel == "gluon_ws"
+            else dict(_kernels.CONFIGS[head_dim], kernel="triton"))
     cfg = dict(base, **config)
     unknown = set(cfg) - {"kernel", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
                           "ctas_per_sm", "persistent", "output_cache", "pipelined"}
@@ -94,19 +94,23 @@ def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
     if cfg["output_cache"] not in OUTPUT_CACHES:
         raise ValueError(f"output_cache={cfg['output_cache']!r} must be one of {OUTPUT_CACHES}")
     if kernel == "gluon_ws":
-        changed = sorted(k for k in fixed if k != "num_stages" and cfg[k] != fixed[k])
+        fixed = _ws_kernels.WS_FIXED
+        changed = sorted(k for k in fixed if cfg[k] != fixed[k])
         if changed:
             raise ValueError(f"the gluon_ws kernel fixes {changed} to "
                              f"{[fixed[k] for k in changed]} (its warp partitions); other "
                              "tiles, grids and Q-loops are kernel='triton' configurations")
+        if cfg["BLOCK_N"] > _ws_kernels.MAX_BLOCK_N:
+            raise ValueError(f"BLOCK_N={cfg['BLOCK_N']} exceeds the gluon_ws kernel's "
+                             f"{_ws_kernels.MAX_BLOCK_N} (its score tile's registers)")
     return cfg
 
 
 def flash_attention_candidates(head_dim: int) -> list[dict]:
-    """The Hopper configurations worth timing for ``head_dim``: the gluon_ws kernel, then the
-    Triton kernel's ``CANDIDATES``."""
+    """The Hopper configurations worth timing for ``head_dim``: the gluon_ws kernel's
+    ``WS_CANDIDATES``, then the Triton kernel's ``CANDIDATES``."""
     _check_head_dim(head_dim)
-    return [flash_attention_config(head_dim, dict(kernel="gluon_ws"))] + [
+    return [flash_attention_config(head_dim, c) for c in _ws_kernels.WS_CANDIDATES[head_dim]] + [
         flash_attention_config(head_dim, dict(c, kernel="triton"))
         for c in _kernels.CANDIDATES[head_dim]]
 
@@ -438,7 +442,7 @@ def _launch_flash_attention(q, k, v, dst, *, rows_per_rank, rank, world, remote,
 def _launch_flash_attention_ws(q, k, v, dst, *, rows_per_rank, rank, world, remote, fenced, cfg,
                                num_programs, trace):
     """``flash_attention_ws_kernel``: one CTA per 128-row tile, Q in two 64-row halves (one per
-    consumer warpgroup), K and V in [d, d] tiles."""
+    consumer warpgroup), K and V in [b_n, d] tiles."""
     if num_programs is not None:
         raise ValueError("the gluon_ws kernel has no persistent grid: use a kernel='triton' "
                          "configuration for num_programs")
@@ -447,14 +451,15 @@ def _launch_flash_attention_ws(q, k, v, dst, *, rows_per_rank, rank, world, remo
                          "warpgroup MMAs and register reallocation are sm_90 instructions; use "
                          "kernel='triton' elsewhere, and under TRITON_INTERPRET=1")
     M, h_local, d = q.shape
-    half = int(_ws_kernels.HALF_ROWS)
+    half, bn = int(_ws_kernels.HALF_ROWS), cfg["BLOCK_N"]
     descs = [GluonTensorDescriptor(t.view(M, h_local * d), [M, h_local * d], [h_local * d, 1],
                                    [rows, d],
                                    gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16))
-             for t, rows in ((q, half), (k, d), (v, d))]
+             for t, rows in ((q, half), (k, bn), (v, bn))]
     _ws_kernels.flash_attention_ws_kernel[(M // cfg["BLOCK_M"] * h_local,)](
         # without a trace the fence flag stands in for the unused pointer
         *descs, dst, _fence_flag(q.device), _fence_flag(q.device) if trace is None else trace,
         M, rows_per_rank, rank, world, LOG2E / math.sqrt(d), H_LOCAL=h_local, HEAD_DIM=d,
-        REMOTE=remote, FENCED=fenced, STAGES=cfg["num_stages"], INSTRUMENT=trace is not None,
+        BLOCK_N=bn, REMOTE=remote, FENCED=fenced, STAGES=cfg["num_stages"],
+        INSTRUMENT=trace is not None,
         num_warps=cfg["num_warps"])

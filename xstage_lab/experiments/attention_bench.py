@@ -112,6 +112,8 @@ def _candidate(bm, bn, warps, stages, persistent, ctas_per_sm, **keys) -> dict:
                 persistent=persistent, ctas_per_sm=ctas_per_sm, **keys)
 
 
+# gluon_ws at b_n = 64 beside its b_n = 128 candidates (``flash_attention_ws.WS_CANDIDATES``).
+GLUON_WS_BN64 = dict(kernel="gluon_ws", BLOCK_N=64, num_stages=3)
 FA_ONLY_CANDIDATES = {
     128: [_candidate(128, 128, 8, 3, True, 1), _candidate(128, 128, 8, 3, False, 1),
           _candidate(256, 64, 8, 3, False, 1), _candidate(256, 64, 8, 4, False, 1),
@@ -124,8 +126,9 @@ FA_ONLY_CANDIDATES = {
           _candidate(128, 64, 8, 3, False, 1, pipelined=True),
           _candidate(128, 128, 8, 2, False, 1, pipelined=True),
           _candidate(64, 64, 4, 2, False, 2, pipelined=True),
-          _candidate(64, 32, 4, 3, False, 3, pipelined=True)],
-    64: [_candidate(128, 128, 8, 3, True, 1), _candidate(128, 128, 8, 4, True, 1)],
+          _candidate(64, 32, 4, 3, False, 3, pipelined=True), GLUON_WS_BN64],
+    64: [_candidate(128, 128, 8, 3, True, 1), _candidate(128, 128, 8, 4, True, 1),
+         GLUON_WS_BN64],
 }
 FA_ONLY_SEQ = (16384, 32768, 65536)
 FA_ONLY_HEADS = 12  # H/P local heads of the Table 3 case, H = 24 on P = 2
@@ -144,10 +147,10 @@ def fa_only_candidates(head_dim: int) -> list[dict]:
 
 def config_name(cfg: dict) -> str:
     """A short method name for a configuration, e.g. ``128x64_w8_s3_persistent1``, with ``_cs``
-    for streaming output stores and ``_pipe`` for the pipelined Q-loop; ``gluon_ws_s2`` for the
-    warp-specialized kernel (its tiles are fixed) with a two-stage K/V ring."""
+    for streaming output stores and ``_pipe`` for the pipelined Q-loop; ``gluon_ws_128x128_s2``
+    for the warp-specialized kernel with 128-row K/V tiles in two-stage rings."""
     if cfg.get("kernel") == "gluon_ws":
-        return f"gluon_ws_s{cfg['num_stages']}"
+        return f"gluon_ws_{cfg['BLOCK_M']}x{cfg['BLOCK_N']}_s{cfg['num_stages']}"
     return (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}_w{cfg['num_warps']}_s{cfg['num_stages']}_"
             + (f"persistent{cfg['ctas_per_sm']}" if cfg["persistent"] else "grid")
             + ("_cs" if cfg.get("output_cache") == ".cs" else "")
