@@ -48,7 +48,9 @@ TRACE_FIELDS = _triton_kernel.TRACE_FIELDS
 #            from 2310d68: 0.99-1.08 of cuDNN's TF/s at M = 16K-64K with 12 and 6 local heads,
 #            the Triton kernel 0.70-0.86.
 #   d = 64:  b_n = 128 at three stages (128 KiB): twice the QK^T and PV work per barrier of
-#            b_n = d (one-H200 probe, M = 16K/32K: 0.95 of cuDNN against 0.86-0.88 at b_n = 64).
+#            b_n = d. fa_tuning record 20261201T051325Z-b221c26726 (042a287, 12 heads): 0.94-0.99
+#            of cuDNN at M = 16K-64K; two stages 0.91-0.98, b_n = 64 0.87-0.92, the Triton
+#            kernel 0.88-0.93.
 WS_FIXED = dict(kernel="gluon_ws", BLOCK_M=128, num_warps=4, ctas_per_sm=1, persistent=False,
                 output_cache="", pipelined=False)
 WS_CONFIGS = {64: dict(WS_FIXED, BLOCK_N=128, num_stages=3),
