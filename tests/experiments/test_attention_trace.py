@@ -125,6 +125,36 @@ def test_design_verdicts_on_the_measured_wave(record):
     assert loose.loc["first", "agrees"] == "no"
 
 
+def test_arrival_peak_hand_worked():
+    """Tiles of 10 000 B issued over 1 µs each into R = 10 GB/s (10 000 B/µs): two at once
+    arrive at 20 000 B/µs for 1 µs, so 10 000 B are outstanding at the end (eq. 6, V − R·T);
+    two a microsecond apart each arrive at the drain rate, so none are."""
+    assert at.arrival_peak([0.0, 0.0], [1.0, 1.0], 10_000, 10.0) == pytest.approx(10_000)
+    assert at.arrival_peak([0.0, 1.0], [1.0, 1.0], 10_000, 10.0) == pytest.approx(0.0)
+    # three at once, a fourth 0.5 µs later: 30 000 B/µs for 0.5 µs (peak 10 000 B so far),
+    # then 40 000 B/µs for 0.5 µs (+15 000 B), then the fourth alone at R
+    assert at.arrival_peak([0.0, 0.0, 0.0, 0.5], [1.0] * 4, 10_000, 10.0) == pytest.approx(25_000)
+
+
+def test_design_verdicts_read_the_issue_time_from_the_arrival_curve(record):
+    """Wave 0's remote tiles (4 x 16 KiB, 2 µs each) with one starting 10 µs after the other
+    three: the p5-p95 spread of the starts is 8.5 µs, but three tiles still arrive together, so
+    the peak is 3·16384 − R·2 µs = 29 152 B (R = 10 GB/s), which the design test's issue time
+    reproduces: T_iss = (V − q_peak)/R = (65536 − 29152)/10 000 B/µs = 3.6384 µs."""
+    starts = np.r_[np.full(8, 50_000), np.full(8, 150_000)].astype(int)
+    starts[7] += 10_000
+    rec = _record([_row("control", 0, _epilogues(2.0), starts),
+                   _row("fused", 0, _epilogues(2.0), starts)])
+    t = at.tile_table(rec)
+    v = at.design_verdicts(t, at.epilogue_excess(t), _platform(20_000), BM, 8).set_index(
+        "wave_class")
+    assert v.loc["first", "spread_us"] == pytest.approx(8.5)
+    assert v.loc["first", "arrival_peak_bytes"] == pytest.approx(3 * TILE_BYTES - 20_000)
+    assert v.loc["first", "issue_us"] == pytest.approx((4 * TILE_BYTES - 29_152) / 10_000)
+    assert v.loc["first", "peak_outstanding_bytes"] == pytest.approx(29_152)
+    assert v.loc["first", "action"] == "reshape"  # 29 152 B > Q = 20 000 B
+
+
 def test_simulated_stalls_play_the_control_schedule(record):
     """Each aligned wave (4 x 16 KiB, 2 µs each, from an empty queue: wave 1 starts 100 µs
     after wave 0) through the fluid queue stalls as one burst of 64 KiB does (eq. 7,

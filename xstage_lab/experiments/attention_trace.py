@@ -8,12 +8,17 @@ Backpressure shows as Fused's epilogue outlasting the control's on the remote ti
 
 The burst the design test needs is the kernel's own: a wave of the grid (one tile per resident
 program) ends its Q-loops nearly together, and its remote tiles form one aggregate burst of
-V = (remote tiles of the wave)·b_m·d·2 bytes. The programs do not end exactly together; the
-measured spread of their epilogue starts is the aggregate burst's backpressure-free issue time,
-so eq. 10's capacity bound reads [V − R·max(T_epi, spread)]_+ ≤ Q, with T_epi the control's
-median epilogue. The first wave starts aligned; later waves inherit the drift of the earlier
-Q-loops. Each is tested on its own, and the simulator (``simulator.simulate_producers``) plays the
-control's measured epilogue starts through the fluid queue for the per-tile stall it predicts.
+V = (remote tiles of the wave)·b_m·d·2 bytes. The programs do not end exactly together: in the
+control, most of a wave's tiles start their epilogues within half a microsecond and a few start
+microseconds later. The burst's backpressure-free issue time is therefore read from its measured
+arrival curve: each remote tile issuing its bytes over its control epilogue from its control
+start, played through the fluid queue with no capacity limit, reaches a peak outstanding volume
+q_peak; the uniform burst with that peak (eq. 6) has T_iss = (V − q_peak)/R, and eq. 10's
+capacity bound reads q_peak ≤ Q. (A p5–p95 spread of the starts as T_iss reads a clustered
+wave with a few late tiles as if it were spread out.) The first wave starts aligned; later waves
+inherit the drift of the earlier Q-loops. Each is tested on its own, and the simulator
+(``simulator.simulate_producers``) plays the control's measured epilogue starts through the fluid
+queue at the calibrated Q for the per-tile stall it predicts.
 What the first wave meets also depends on the launch before it (the bench's ``--repeat-build``;
 ``first_wave_by_launch_order``).
 """
@@ -112,49 +117,67 @@ def epilogue_excess(tiles: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def wave_bursts(tiles: pd.DataFrame, tile_bytes) -> pd.DataFrame:
-    """Per M and wave class, from the control launches (no backpressure): each wave's remote
-    volume V (bytes), the spread of its remote tiles' epilogue starts (p5 to p95, µs; the medians
-    over waves, ranks and launches) and the gap before the programs' next epilogue (the median
-    Q-loop, which the next tile of each program runs). ``tile_bytes(M, head_dim)`` = b_m·d·2."""
+def arrival_peak(start_us, epilogue_us, tile_bytes: float, drain_rate: float) -> float:
+    """The peak outstanding volume (bytes) of remote tiles that each issue ``tile_bytes`` over
+    their epilogue from their start, into a queue draining at R with no capacity limit: eq. 6's
+    [V − R·T_iss]_+ for the measured arrival curve instead of a uniform burst."""
+    sim = simulate_producers(start_us, np.full(len(start_us), float(tile_bytes)), epilogue_us,
+                             drain_rate, np.inf)
+    return float(sim["q_end_bytes"].max())
+
+
+def wave_bursts(tiles: pd.DataFrame, tile_bytes, drain_rate: float) -> pd.DataFrame:
+    """Per M, wave class and rank, from the control launches (no backpressure): each wave's
+    remote volume V (bytes), the spread of its remote tiles' epilogue starts (p5 to p95, µs),
+    their arrival curve's peak outstanding volume at R (``arrival_peak``, bytes), and the gap
+    before the programs' next epilogue (the median Q-loop, which the next tile of each program
+    runs); the medians over the waves and launches. ``tile_bytes(M, head_dim)`` = b_m·d·2."""
     control = tiles[(tiles["build"] == "control") & tiles["remote"]]
-    per_wave = control.groupby(["M", "head_dim", "wave_class", "rank", "launch", "wave"]).agg(
-        tiles=("tile", "size"), sms=("smid", "nunique"),
-        spread_us=("epilogue_start_us", lambda s: float(np.percentile(s, 95)
-                                                          - np.percentile(s, 5))),
-        epilogue_us=("epilogue_us", "median"),
-        q_loop_us=("q_loop_us", "median")).reset_index()
-    per_wave["burst_volume"] = [n * tile_bytes(m, d) for n, m, d in
-                                zip(per_wave["tiles"], per_wave["M"], per_wave["head_dim"])]
-    return per_wave.groupby(["M", "wave_class", "rank"]).agg(
+    rows = []
+    for (M, d, wave_class, rank, launch, wave), g in control.groupby(
+            ["M", "head_dim", "wave_class", "rank", "launch", "wave"]):
+        start, volume = g["epilogue_start_us"].to_numpy(), len(g) * tile_bytes(M, d)
+        peak = arrival_peak(start, g["epilogue_us"].to_numpy(), tile_bytes(M, d), drain_rate)
+        rows.append(dict(
+            M=M, wave_class=wave_class, rank=rank, wave=wave, tiles=len(g), burst_volume=volume,
+            sms=g["smid"].nunique(),
+            spread_us=float(np.percentile(start, 95) - np.percentile(start, 5)),
+            arrival_peak_bytes=peak,
+            epilogue_us=float(g["epilogue_us"].median()),
+            q_loop_us=float(g["q_loop_us"].median())))
+    return pd.DataFrame(rows).groupby(["M", "wave_class", "rank"]).agg(
         waves=("wave", "nunique"), burst_volume=("burst_volume", "median"),
-        sms=("sms", "median"),
-        spread_us=("spread_us", "median"), epilogue_us=("epilogue_us", "median"),
-        gap_us=("q_loop_us", "median")).reset_index()
+        sms=("sms", "median"), spread_us=("spread_us", "median"),
+        arrival_peak_bytes=("arrival_peak_bytes", "median"),
+        epilogue_us=("epilogue_us", "median"), gap_us=("q_loop_us", "median")).reset_index()
 
 
 def design_verdicts(tiles: pd.DataFrame, excess: pd.DataFrame, platform, block_m: int,
                     programs: int) -> pd.DataFrame:
-    """The design test (eq. 10) per M and wave class on the measured burst (``wave_bursts``):
-    issue time max(T_epi, spread), gap the Q-loop, Q(K) at K = resident programs; the issue
-    overhead (eq. 4) and, for one burst from empty, the stall beyond the issue time (eq. 7);
-    beside the measured excess and its tolerance (``excess``: ``epilogue_excess(tiles)``) and
-    whether they agree (``model.verdict_agrees``)."""
-    both = wave_bursts(tiles, lambda M, d: model.tile_burst_bytes(block_m, d)).merge(
+    """The design test (eq. 10) per M, wave class and rank on the measured burst
+    (``wave_bursts``): issue time (V − q_peak)/R, the uniform burst of the median volume V with
+    the median arrival-curve peak q_peak (eq. 6; the capacity bound then tests that peak), gap
+    the Q-loop, Q(K) at K = resident programs; the issue overhead
+    (eq. 4) and, for one burst from empty, the stall beyond the issue time (eq. 7); beside the
+    measured excess and its tolerance (``excess``: ``epilogue_excess(tiles)``) and whether they
+    agree (``model.verdict_agrees``)."""
+    both = wave_bursts(tiles, lambda M, d: model.tile_burst_bytes(block_m, d),
+                       platform.drain_rate).merge(
         excess[["M", "wave_class", "rank", "excess_us", "tolerance_us"]],
         on=["M", "wave_class", "rank"])
     capacity = platform.capacity_at(programs)
     rows = []
     for b in both.to_dict("records"):
-        issue = max(b["epilogue_us"], b["spread_us"])
-        verdict = model.design_test(b["burst_volume"], b["gap_us"], issue, platform.drain_rate,
-                                    capacity)
-        rows.append({**b, "issue_us": issue, "capacity_bytes": capacity,
+        b["issue_us"] = float(model.drain_time(b["burst_volume"] - b["arrival_peak_bytes"],
+                                               platform.drain_rate))
+        verdict = model.design_test(b["burst_volume"], b["gap_us"], b["issue_us"],
+                                    platform.drain_rate, capacity)
+        rows.append({**b, "capacity_bytes": capacity,
                      "V_over_R_us": float(model.drain_time(b["burst_volume"], platform.drain_rate)),
                      "peak_outstanding_bytes": verdict.peak_outstanding_bytes,
                      "rate_bound": verdict.rate_bound, "capacity_bound": verdict.capacity_bound,
                      "action": verdict.action, "dT_iss_pred_us": verdict.issue_overhead_us,
-                     "isolated_stall_pred_us": verdict.isolated_issue_us - issue,
+                     "isolated_stall_pred_us": verdict.isolated_issue_us - b["issue_us"],
                      "agrees": "yes" if model.verdict_agrees(verdict.action, b["excess_us"],
                                                              b["tolerance_us"]) else "no"})
     return pd.DataFrame(rows)
