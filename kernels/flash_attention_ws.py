@@ -7,8 +7,9 @@ launchers and their contracts are in ``xstage_lab/experiments/attention.py``.
 Why a second kernel: the Triton kernel cannot warp-specialize on sm_90 (Triton 3.6's
 ``tl.range(warp_specialize=True)`` hangs or fails to compile there), and ncu shows cuDNN's
 kernel, which is warp-specialized, keeping the tensor pipe 75% busy against 59% for the Triton
-kernel (M = 16384, 12 heads, d = 128, one H200: data/records/fa_ncu). Gluon, Triton's
-lower-level language, exposes the warp partitions, mbarriers, TMA and wgmma that this needs.
+kernel (M = 16384, 12 heads, d = 128, one H200: data/records/fa_ncu; this kernel: 81%). Gluon,
+Triton's lower-level language, exposes the warp partitions, mbarriers, TMA and wgmma that this
+needs.
 
 One CTA per 128-row output tile of one head, tiles numbered as in ``flash_attention_kernel``
 (m blocks fastest). Three partitions:
