@@ -126,6 +126,22 @@ def test_bad_input_is_rejected_before_launch(no_launch, case):
         call()
 
 
+def test_default_kernel_is_the_one_that_runs_on_the_device(monkeypatch):
+    """gluon_ws (``DEFAULT_KERNEL``) where its sm_90 instructions run; elsewhere the default
+    falls back to the Triton kernel, while asking for gluon_ws by name stays an error."""
+    assert attention.kernel_unsupported("triton", "cpu") is None
+    assert "sm_90" in attention.kernel_unsupported("gluon_ws", "cpu")
+    for d in attention.HEAD_DIMS:
+        assert attention.flash_attention_config(d)["kernel"] == "gluon_ws"
+        on_cpu = attention.flash_attention_config(d, device="cpu")
+        assert on_cpu == attention.flash_attention_config(d, dict(kernel="triton"))
+        assert attention.flash_attention_config(d, dict(kernel="gluon_ws"),
+                                                device="cpu")["kernel"] == "gluon_ws"
+    for major, want in ((9, "gluon_ws"), (8, "triton"), (10, "triton")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, m=major: (m, 0))
+        assert attention.flash_attention_config(128, device="cuda")["kernel"] == want
+
+
 def test_heads_not_divisible_by_P_are_rejected():
     with pytest.raises(ValueError, match="heads H=6 are not divisible by P=4"):
         attention.check_ulysses_shape(1024, 6, 4)

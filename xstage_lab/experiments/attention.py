@@ -51,13 +51,27 @@ OUTPUT_CACHES = ("", ".cs")
 # tile per CTA, sm_90 GPUs only). Both have an instrumented build.
 KERNELS = ("triton", "gluon_ws")
 # The default per head dim: the faster one against cuDNN on H200 (the measurements are quoted
-# beside ``flash_attention_ws.WS_CONFIGS``).
+# beside ``flash_attention_ws.WS_CONFIGS``), where it runs (``kernel_unsupported``).
 DEFAULT_KERNEL = {64: "gluon_ws", 128: "gluon_ws"}
 
 
-def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
+def kernel_unsupported(kernel: str, device) -> str | None:
+    """Why ``kernel`` cannot run on ``device``, or None where it can: the gluon_ws kernel's
+    warpgroup MMAs and register reallocation are sm_90 instructions, so it needs a Hopper GPU;
+    the Triton kernel runs on any CUDA GPU, and on the CPU under TRITON_INTERPRET=1."""
+    device = torch.device(device)
+    if kernel == "gluon_ws" and (device.type != "cuda"
+                                 or torch.cuda.get_device_capability(device)[0] != 9):
+        return (f"the gluon_ws kernel needs an sm_90 (Hopper) GPU, not {device}: its warpgroup "
+                "MMAs and register reallocation are sm_90 instructions; use kernel='triton' "
+                "elsewhere, and under TRITON_INTERPRET=1")
+    return None
+
+
+def flash_attention_config(head_dim: int, config: dict | None = None, device=None) -> dict:
     """The launch configuration for ``head_dim``: ``config`` over the defaults of its kernel
-    (``config["kernel"]``, else ``DEFAULT_KERNEL[head_dim]``).
+    (``config["kernel"]``, else ``DEFAULT_KERNEL[head_dim]``, or the Triton kernel where that
+    does not run on ``device``, when one is given).
 
     Keys: kernel (``KERNELS``), BLOCK_M (b_m, rows of an output tile), BLOCK_N (b_n, rows of a KV
     tile), num_warps, num_stages (the depth of the K/V pipeline), ctas_per_sm (programs resident
@@ -70,12 +84,16 @@ def flash_attention_config(head_dim: int, config: dict | None = None) -> dict:
     """
     _check_head_dim(head_dim)
     config = config or {}
-    kernel = config.get("kernel", DEFAULT_KERNEL[head_dim])
+    kernel = config.get("kernel")
+    if kernel is None:
+        kernel = DEFAULT_KERNEL[head_dim]
+        if device is not None and kernel_unsupported(kernel, device):
+            kernel = "triton"
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
     base = (_ws_kernels.WS_CONFIGS[head_dim] if kernel == "gluon_ws"
             else dict(_kernels.CONFIGS[head_dim], kernel="triton"))
-    cfg = dict(base, **config)
+    cfg = {**base, **config, "kernel": kernel}
     unknown = set(cfg) - {"kernel", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
                           "ctas_per_sm", "persistent", "output_cache", "pipelined"}
     if unknown:
@@ -191,7 +209,7 @@ def trace_tiles(q: torch.Tensor, config: dict | None = None) -> int:
     """The rows of a ``fused_attention_a2a`` trace of one launch on q [M, H/P, d]: its output
     tiles (half tiles for gluon_ws)."""
     M, h_local, d = q.shape
-    return M // trace_block_m(flash_attention_config(d, config)) * h_local
+    return M // trace_block_m(flash_attention_config(d, config, q.device)) * h_local
 
 
 def remote_store_a2a(out_local: torch.Tensor, peer_ptrs: torch.Tensor, rank: int, world: int,
@@ -368,7 +386,7 @@ def _check_qkv(q, k, v, config):
     _check_head_dim(d)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, q.shape, q.device)
-    cfg = flash_attention_config(d, config)
+    cfg = flash_attention_config(d, config, q.device)
     if M % cfg["BLOCK_M"] or M % cfg["BLOCK_N"]:
         raise ValueError(f"sequence length M={M} must be a multiple of the tile sizes "
                          f"b_m={cfg['BLOCK_M']} and b_n={cfg['BLOCK_N']} (head dim {d})")
@@ -446,10 +464,9 @@ def _launch_flash_attention_ws(q, k, v, dst, *, rows_per_rank, rank, world, remo
     if num_programs is not None:
         raise ValueError("the gluon_ws kernel has no persistent grid: use a kernel='triton' "
                          "configuration for num_programs")
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        raise ValueError(f"the gluon_ws kernel needs an sm_90 (Hopper) GPU, not {q.device}: its "
-                         "warpgroup MMAs and register reallocation are sm_90 instructions; use "
-                         "kernel='triton' elsewhere, and under TRITON_INTERPRET=1")
+    reason = kernel_unsupported("gluon_ws", q.device)
+    if reason:
+        raise ValueError(reason)
     M, h_local, d = q.shape
     half, bn = int(_ws_kernels.HALF_ROWS), cfg["BLOCK_N"]
     descs = [GluonTensorDescriptor(t.view(M, h_local * d), [M, h_local * d], [h_local * d, 1],

@@ -197,9 +197,10 @@ def fa_only(args) -> dict:
 
     Per M: fresh random q, k, v; each candidate's output (poisoned with NaN first) and cuDNN's
     within ``REL_TOL`` of the float32 reference, else the candidate is skipped with the reason
-    (cuDNN failing aborts). Then one ``time_methods`` over the candidates and cuDNN: CUDA graphs of
-    ``iters`` calls, rotated order, ``trials`` trials, the SM clock read per trial. Returns the
-    JSON document (rows: one per M and method)."""
+    (cuDNN failing aborts), as is one whose kernel does not run on this GPU
+    (``attention.kernel_unsupported``). Then one ``time_methods`` over the candidates and cuDNN:
+    CUDA graphs of ``iters`` calls, rotated order, ``trials`` trials, the SM clock read per trial.
+    Returns the JSON document (rows: one per M and method)."""
     d, H = args.head_dim, args.heads
     candidates = {config_name(c): c for c in fa_only_candidates(d)}
     if args.configs:
@@ -219,6 +220,10 @@ def fa_only(args) -> dict:
             if name in skipped:
                 continue
             if seq_len % max(cfg["BLOCK_M"], cfg["BLOCK_N"]):
+                continue
+            unsupported = att.kernel_unsupported(cfg["kernel"], q.device)
+            if unsupported:
+                skipped[name] = unsupported
                 continue
             out = poisoned(q.shape, att.DTYPE, DEVICE)
             # progress first: a launch that never returns leaves its name as the last line
@@ -422,8 +427,9 @@ def local_destination(seq_len, heads, head_dim, world):
 
 def tune(args, group, kernels: tuple[str, ...] = att.KERNELS) -> tuple[dict, list]:
     """Time each candidate configuration of ``kernels`` (``attention.KERNELS``) FA-only at one M
-    and keep the fastest (max over ranks, median over trials). Candidates that do not fit the
-    hardware or miss the float32 reference on any rank are skipped on every rank."""
+    and keep the fastest (max over ranks, median over trials). Candidates whose kernel does not
+    run on this GPU (``attention.kernel_unsupported``), that do not fit the hardware or that miss
+    the float32 reference on any rank are skipped on every rank."""
     d, world = args.head_dim, dist.get_world_size(group)
     fitting = [m for m in args.seq if m <= TUNE_MAX_SEQ]
     seq_len = max(fitting) if fitting else min(args.seq)
@@ -434,11 +440,13 @@ def tune(args, group, kernels: tuple[str, ...] = att.KERNELS) -> tuple[dict, lis
     for cfg in [c for c in att.flash_attention_candidates(d) if c["kernel"] in kernels]:
         # validate() made every M a multiple of every candidate's tiles
         entry = dict(config=cfg, M=seq_len)
+        reason = att.kernel_unsupported(cfg["kernel"], q.device)
         try:
-            out.fill_(float("nan"))
-            att.flash_attention(q, k, v, out=out, config=cfg)
-            err = relative_error(out, ref)
-            reason = None if err < REL_TOL else f"relative error {err:.3g} against float32"
+            if reason is None:
+                out.fill_(float("nan"))
+                att.flash_attention(q, k, v, out=out, config=cfg)
+                err = relative_error(out, ref)
+                reason = None if err < REL_TOL else f"relative error {err:.3g} against float32"
         except triton.runtime.errors.OutOfResources as e:
             reason = f"out of resources: {e}"
         # a candidate any rank cannot run is skipped on every rank, so all stay in step
@@ -549,7 +557,7 @@ def main(argv=None) -> int:
         started = time.time()
         buf = att.symmetric_receive_buffer(max(args.seq) // world * args.heads * args.head_dim, group)
         if args.no_tune:
-            cfg, tuning = att.flash_attention_config(args.head_dim), []
+            cfg, tuning = att.flash_attention_config(args.head_dim, device=DEVICE), []
         else:
             cfg, tuning = tune(args, group)
         if rank == 0:

@@ -169,7 +169,7 @@ def main(argv=None) -> int:
         buf = att.symmetric_receive_buffer(max(args.seq) // world * args.heads * args.head_dim,
                                            group)
         cfg, tuning = (tune(args, group) if args.tune
-                       else (att.flash_attention_config(args.head_dim), []))
+                       else (att.flash_attention_config(args.head_dim, device=DEVICE), []))
         rows = []
         for seq_len in args.seq:
             mine = trace_case(seq_len, args, cfg, buf, group)
