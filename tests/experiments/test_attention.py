@@ -428,6 +428,24 @@ def test_warp_specialized_kernel_compiles_for_hopper(compiled_ws_kernels, d, rem
         assert stores and all(".v4." in st for st in stores), stores
         assert ("atom.global.sys.release" in ptx) == fenced
         assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) == 2, cfg
+        if fenced:
+            _assert_release_is_a_call_after_the_warpgroup_barrier(ptx)
+
+
+def _assert_release_is_a_call_after_the_warpgroup_barrier(ptx):
+    """The FENCED epilogue's release atomic lives in ``_release_system``, called once per
+    consumer partition right after that warpgroup's own barrier (``bar.sync id, 128``)."""
+    funcs = dict(re.findall(r"\.func\s+(\S+?)\((.*?)\n\}", ptx, re.S))
+    releasing = {name for name, body in funcs.items() if "atom.global.sys.release" in body}
+    assert releasing and all("_release_system" in name for name in releasing), sorted(funcs)
+    lines = [ln.strip() for ln in ptx.splitlines()
+             if ln.strip() and not ln.strip().startswith((".loc", "//", "$L"))]
+    calls = [i for i, ln in enumerate(lines) if ln.startswith("call.uni")
+             and ln.split()[1].rstrip(",") in releasing]
+    assert len(calls) == 2, calls
+    for i in calls:
+        before = lines[i - 5:i]
+        assert any(re.match(r"bar\.sync\s+\d+,\s*128;", ln) for ln in before), before
 
 
 def test_warp_specialized_row_statistics_move_no_data(compiled_ws_kernels):
