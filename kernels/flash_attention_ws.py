@@ -91,10 +91,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_
 def _release_system(fence_flag):
     """The FENCED epilogue's system-scope release (one thread of the calling warpgroup, after
     its barrier), as a call: inlined, the atomic changes ptxas's schedule of the Q-loop before it
-    (the loop's sm_90 SASS 0.81 similar to the LOCAL build's, against 0.99 as a call), and at
-    d = 128 the fenced build storing on its own GPU ran 8% slower than LOCAL at M = 16K and 32K,
-    against 0.6% and 2.8% as a call (one-H200 probe, 12 heads; 15.6-17.9% at 16K in the
-    fa_tuning records of 2310d68 and 042a287)."""
+    (the loop's sm_90 SASS 0.81 similar to the LOCAL build's, against 0.99 as a call). Storing
+    on its own GPU, the fenced build then ran 7.8-8.9% slower than LOCAL at d = 128 (M = 16K-64K),
+    against -0.2 to +2.4% as a call; at d = 64, 0.2% inlined and 1.9% as a call (paired, one
+    H200: data/records/fa_kernel_probe, record 20261201T054236Z-1c869b8634)."""
     gl.atomic_add(fence_flag, 0, sem="release", scope="sys")
 
 
