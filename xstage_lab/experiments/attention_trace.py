@@ -156,11 +156,11 @@ def design_verdicts(tiles: pd.DataFrame, excess: pd.DataFrame, platform, block_m
                     programs: int) -> pd.DataFrame:
     """The design test (eq. 10) per M, wave class and rank on the measured burst
     (``wave_bursts``): issue time (V − q_peak)/R, the uniform burst of the median volume V with
-    the median arrival-curve peak q_peak (eq. 6; the capacity bound then tests that peak), gap
-    the Q-loop, Q(K) at K = resident programs; the issue overhead
-    (eq. 4) and, for one burst from empty, the stall beyond the issue time (eq. 7); beside the
-    measured excess and its tolerance (``excess``: ``epilogue_excess(tiles)``) and whether they
-    agree (``model.verdict_agrees``)."""
+    the median arrival-curve peak q_peak (eq. 6; the capacity bound then tests that peak; each
+    wave's peak is below its volume, so the medians keep the issue time positive), gap the
+    Q-loop, Q(K) at K = resident programs; the issue overhead (eq. 4) and, for one burst from
+    empty, the stall beyond the issue time (eq. 7); beside the measured excess and its tolerance
+    (``excess``: ``epilogue_excess(tiles)``) and whether they agree (``model.verdict_agrees``)."""
     both = wave_bursts(tiles, lambda M, d: model.tile_burst_bytes(block_m, d),
                        platform.drain_rate).merge(
         excess[["M", "wave_class", "rank", "excess_us", "tolerance_us"]],
