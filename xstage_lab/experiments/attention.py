@@ -91,9 +91,8 @@ def flash_attention_config(head_dim: int, config: dict | None = None, device=Non
             kernel = "triton"
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
-    base = (_ws_kernels.WS_CONFIGS[head_dim] if kernel == "gluon_ws"
-            else dict(_kernels.CONFIGS[head_dim], kernel="triton"))
-    cfg = {**base, **config, "kernel": kernel}
+    base = _ws_kernels.WS_CONFIGS if kernel == "gluon_ws" else _kernels.CONFIGS
+    cfg = {**base[head_dim], **config, "kernel": kernel}
     unknown = set(cfg) - {"kernel", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
                           "ctas_per_sm", "persistent", "output_cache", "pipelined"}
     if unknown:
@@ -478,5 +477,4 @@ def _launch_flash_attention_ws(q, k, v, dst, *, rows_per_rank, rank, world, remo
         *descs, dst, _fence_flag(q.device), _fence_flag(q.device) if trace is None else trace,
         M, rows_per_rank, rank, world, LOG2E / math.sqrt(d), H_LOCAL=h_local, HEAD_DIM=d,
         BLOCK_N=bn, REMOTE=remote, FENCED=fenced, STAGES=cfg["num_stages"],
-        INSTRUMENT=trace is not None,
-        num_warps=cfg["num_warps"])
+        INSTRUMENT=trace is not None, num_warps=cfg["num_warps"])

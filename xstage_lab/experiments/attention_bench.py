@@ -425,9 +425,9 @@ def local_destination(seq_len, heads, head_dim, world):
     return recv, table
 
 
-def tune(args, group, kernels: tuple[str, ...] = att.KERNELS) -> tuple[dict, list]:
-    """Time each candidate configuration of ``kernels`` (``attention.KERNELS``) FA-only at one M
-    and keep the fastest (max over ranks, median over trials). Candidates whose kernel does not
+def tune(args, group) -> tuple[dict, list]:
+    """Time each candidate configuration (``attention.flash_attention_candidates``, both
+    kernels) FA-only at one M and keep the fastest (max over ranks, median over trials). Candidates whose kernel does not
     run on this GPU (``attention.kernel_unsupported``), that do not fit the hardware or that miss
     the float32 reference on any rank are skipped on every rank."""
     d, world = args.head_dim, dist.get_world_size(group)
@@ -437,7 +437,7 @@ def tune(args, group, kernels: tuple[str, ...] = att.KERNELS) -> tuple[dict, lis
     ref = att.reference_attention(q, k, v)
     out = torch.empty_like(q)
     results = []
-    for cfg in [c for c in att.flash_attention_candidates(d) if c["kernel"] in kernels]:
+    for cfg in att.flash_attention_candidates(d):
         # validate() made every M a multiple of every candidate's tiles
         entry = dict(config=cfg, M=seq_len)
         reason = att.kernel_unsupported(cfg["kernel"], q.device)
