@@ -82,6 +82,18 @@ def test_half_tile_traces_map_to_rows_and_waves_as_the_gluon_kernel_stamps_them(
     assert list(fused["wave"]) == [0] * 8 + [1] * 8
 
 
+def test_waves_without_remote_tiles_have_no_excess_row():
+    # one program per SM (4 resident): wave 0 is m blocks 0-3 of head 0, all rank 0's own rows;
+    # only the later waves (m blocks 4-7 of each head) send anything
+    starts = np.full(16, 50_000).astype(int)
+    rows = [_row(build, 0, _epilogues(2.0), starts) for build in ("control", "fused")]
+    record = _record(rows)
+    record.meta["params"]["config"] = dict(CFG, ctas_per_sm=1)
+    excess = at.epilogue_excess(at.tile_table(record))
+    assert excess[["wave_class", "rank", "remote_tiles"]].to_dict("records") == [
+        dict(wave_class="later", rank=0, remote_tiles=8)]
+
+
 def test_persistent_records_are_refused(record):
     rec = Record(record.path, record.table,
                  {**record.meta, "params": {**record.params,

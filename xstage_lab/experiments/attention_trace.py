@@ -90,10 +90,15 @@ def epilogue_excess(tiles: pd.DataFrame) -> pd.DataFrame:
     the means (``excess_us``) and of the medians, the control's IQR (the tile-to-
     tile spread with nothing outstanding, the tolerance of ``model.verdict_agrees``), the same
     excess on the local tiles (no NVLink traffic: a check of the comparison), and the median
-    Q-loop inflation of the tiles that follow (Fused − control, all tiles: local staging)."""
+    Q-loop inflation of the tiles that follow (Fused − control, all tiles: local staging).
+    A wave class with no remote tile on a rank has no row: nothing of it crosses NVLink (with
+    tiles numbered m blocks first, a wave of a one-tile-per-CTA grid can lie wholly inside the
+    rank's own rows)."""
     rows = []
     for (M, wave_class, rank), g in tiles.groupby(["M", "wave_class", "rank"]):
         fused, control = g[g["build"] == "fused"], g[g["build"] == "control"]
+        if not fused["remote"].any():
+            continue
         remote = {b: t.loc[t["remote"], "epilogue_us"] for b, t in (("fused", fused),
                                                                     ("control", control))}
         local = {b: t.loc[~t["remote"], "epilogue_us"] for b, t in (("fused", fused),
