@@ -114,22 +114,23 @@ def write_synthetic_beyond_records(root, n_gpus: int = 2, noise: float = 0.01):
 
 
 def write_eight_gpu_beside_committed(root) -> None:
-    """A records root with the committed h200-x2 records (the latest of each experiment) and an
-    h200-x8 platform beside them: the same measurements relabelled for eight GPUs (8 in the
+    """A records root with the committed h200-x2 records (all of each experiment: the summary
+    reads every ``fa_a2a`` record) and an h200-x8 platform beside them, made from the latest: the same measurements relabelled for eight GPUs (8 in the
     provenance, P = 8 in the attention record, world_size = 8 in the MoE records) and injection
     patterns and operations made from the model on eight GPUs."""
     import copy
     import shutil
     from datetime import datetime
 
-    from xstage_lab.records import latest_record, write_record
+    from xstage_lab.records import latest_record, list_records, write_record
 
     for experiment in ("calibration", "remote_store", "visibility", "fa_a2a", "moe", "moe_trace",
                        "remote_patterns", "remote_ops"):
+        for path in list_records(experiment, "h200-x2"):
+            copied = root / experiment / "h200-x2" / path.name
+            copied.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, copied)
         rec = latest_record(experiment, "h200-x2")
-        copied = root / experiment / "h200-x2" / rec.path.name
-        copied.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(rec.path, copied)
         if experiment in ("remote_patterns", "remote_ops"):
             continue
         table, params = rec.table.copy(), copy.deepcopy(rec.params)

@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from datetime import datetime, timezone
 
 import pytest
 
@@ -35,6 +36,26 @@ def test_fa_a2a_rows_carry_the_documented_keys():
             assert set(row) == set(FA_A2A_KEYS)
             assert row["e_res_us"] == row["fused_us"] - row["fa_us"]
             assert abs(row["speedup"] - row["serial_us"] / row["fused_us"]) < 1e-9
+
+
+def test_fa_a2a_keeps_the_latest_record_of_each_attention_shape(tmp_path):
+    import pandas as pd
+
+    from xstage_lab.records import write_record
+    from xstage_lab.summary import FA_A2A_KEYS, fa_a2a_entry
+
+    def run(head_dim, seqs, fa_us, when):
+        rows = [dict(dict.fromkeys(FA_A2A_KEYS, 1.0), M=m, heads=24, head_dim=head_dim, P=2,
+                     fa_us=fa_us) for m in seqs]
+        write_record("fa_a2a", "test-x2", pd.DataFrame(rows), {}, {"git_commit": "x"}, tmp_path,
+                     created=datetime(2026, 12, 1, when, tzinfo=timezone.utc))
+
+    run(128, [8192, 16384], 10.0, 1)
+    run(64, [8192], 20.0, 2)       # another head dim: its rows join
+    run(128, [8192], 30.0, 3)      # the same shape again: replaces that shape's rows
+    rows = fa_a2a_entry("test-x2", tmp_path)
+    assert [(r["head_dim"], r["M"], r["fa_us"]) for r in rows] == [(64, 8192, 20.0),
+                                                                   (128, 8192, 30.0)]
 
 
 def test_moe_entry_aggregates_its_per_config_speedups():

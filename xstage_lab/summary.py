@@ -1,7 +1,7 @@
 """``summary --json``: the headline numbers of the committed records, keyed by platform.
 
 Each experiment contributes one key per platform (schema in README.md); this module gathers
-them from the latest record of each platform.
+them from the latest record of each platform (for ``fa_a2a``, of each attention shape).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 from .experiments import moe_trace
 from .experiments.attention_model import summary_counterfactual as attention_counterfactual
 from .experiments.visibility import summary_entry as visibility_entry
-from .records import RECORDS_DIR, latest_record, platforms
+from .records import RECORDS_DIR, latest_record, list_records, platforms, read_record
 
 
 def calibration_entry(platform: str, root: Path) -> dict:
@@ -46,10 +46,15 @@ FA_A2A_KEYS = ("M", "heads", "head_dim", "P", "fa_us", "a2a_nccl_us", "a2a_remot
 
 
 def fa_a2a_entry(platform: str, root: Path) -> list[dict]:
-    """The ``fa_a2a`` entry: one row per (M, heads, head_dim, P) of the latest record."""
-    table = latest_record("fa_a2a", platform, root).table.astype(
-        {"M": int, "heads": int, "head_dim": int, "P": int})
-    return [{k: _plain(row[k]) for k in FA_A2A_KEYS} for row in table.to_dict("records")]
+    """The ``fa_a2a`` entry: one row per (M, heads, head_dim, P), from the latest record of each
+    (heads, head_dim, P), so that a run at another head dim or P adds its rows and hides none."""
+    latest = {}
+    for path in list_records("fa_a2a", platform, root):  # oldest first: later records win
+        table = read_record(path).table.astype({"M": int, "heads": int, "head_dim": int, "P": int})
+        for shape, rows in table.groupby(["heads", "head_dim", "P"]):
+            latest[shape] = rows
+    return [{k: _plain(row[k]) for k in FA_A2A_KEYS}
+            for shape in sorted(latest) for row in latest[shape].to_dict("records")]
 
 
 MOE_ROW_KEYS = ("model", "precision", "routing", "tokens", "wave_us", "interleaved_us",
