@@ -115,9 +115,10 @@ def write_synthetic_beyond_records(root, n_gpus: int = 2, noise: float = 0.01):
 
 def write_eight_gpu_beside_committed(root) -> None:
     """A records root with the committed h200-x2 records (all of each experiment: the summary
-    reads every ``fa_a2a`` record) and an h200-x8 platform beside them, made from the latest: the same measurements relabelled for eight GPUs (8 in the
-    provenance, P = 8 in the attention record, world_size = 8 in the MoE records) and injection
-    patterns and operations made from the model on eight GPUs."""
+    reads every ``fa_a2a`` record) and an h200-x8 platform beside them, made from the latest
+    ones: the same measurements relabelled for eight GPUs (8 in the provenance, P = 8 in the
+    attention record, world_size = 8 in the MoE records) and injection patterns and operations
+    made from the model on eight GPUs."""
     import copy
     import shutil
     from datetime import datetime
