@@ -56,7 +56,8 @@ WS_FIXED = dict(kernel="gluon_ws", BLOCK_M=128, num_warps=4, ctas_per_sm=1, pers
                 output_cache="", pipelined=False)
 WS_CONFIGS = {64: dict(WS_FIXED, BLOCK_N=128, num_stages=3),
               128: dict(WS_FIXED, BLOCK_N=128, num_stages=2)}
-WS_CANDIDATES = {64: [WS_CONFIGS[64], dict(WS_CONFIGS[64], num_stages=2)],
+WS_CANDIDATES = {64: [WS_CONFIGS[64], dict(WS_CONFIGS[64], num_stages=2),
+                      dict(WS_CONFIGS[64], num_stages=4)],
                  128: [WS_CONFIGS[128]]}
 MAX_BLOCK_N = 128
 # Registers per thread of the consumer warpgroups and of the producer (setmaxnreg).
