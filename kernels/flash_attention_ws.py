@@ -51,13 +51,13 @@ TRACE_FIELDS = _triton_kernel.TRACE_FIELDS
 #   d = 64:  b_n = 128 at three stages (128 KiB): twice the QK^T and PV work per barrier of
 #            b_n = d. fa_tuning record 20261201T051325Z-b221c26726 (042a287, 12 heads): 0.94-0.99
 #            of cuDNN at M = 16K-64K; two stages 0.91-0.98, b_n = 64 0.87-0.92, the Triton
-#            kernel 0.88-0.93.
+#            kernel 0.88-0.93. Four stages (144 KiB) are slower: 0.91-0.97 against 0.95-0.99 for
+#            three in one run (record 20261201T100119Z-bbef306559, d05d9ec).
 WS_FIXED = dict(kernel="gluon_ws", BLOCK_M=128, num_warps=4, ctas_per_sm=1, persistent=False,
                 output_cache="", pipelined=False)
 WS_CONFIGS = {64: dict(WS_FIXED, BLOCK_N=128, num_stages=3),
               128: dict(WS_FIXED, BLOCK_N=128, num_stages=2)}
-WS_CANDIDATES = {64: [WS_CONFIGS[64], dict(WS_CONFIGS[64], num_stages=2),
-                      dict(WS_CONFIGS[64], num_stages=4)],
+WS_CANDIDATES = {64: [WS_CONFIGS[64], dict(WS_CONFIGS[64], num_stages=2)],
                  128: [WS_CONFIGS[128]]}
 MAX_BLOCK_N = 128
 # Registers per thread of the consumer warpgroups and of the producer (setmaxnreg).
