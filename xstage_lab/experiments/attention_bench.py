@@ -427,9 +427,10 @@ def local_destination(seq_len, heads, head_dim, world):
 
 def tune(args, group) -> tuple[dict, list]:
     """Time each candidate configuration (``attention.flash_attention_candidates``, both
-    kernels) FA-only at one M and keep the fastest (max over ranks, median over trials). Candidates whose kernel does not
-    run on this GPU (``attention.kernel_unsupported``), that do not fit the hardware or that miss
-    the float32 reference on any rank are skipped on every rank."""
+    kernels) FA-only at one M and keep the fastest (max over ranks, median over trials).
+    Candidates whose kernel does not run on this GPU (``attention.kernel_unsupported``), that do
+    not fit the hardware or that miss the float32 reference on any rank are skipped on every
+    rank."""
     d, world = args.head_dim, dist.get_world_size(group)
     fitting = [m for m in args.seq if m <= TUNE_MAX_SEQ]
     seq_len = max(fitting) if fitting else min(args.seq)
