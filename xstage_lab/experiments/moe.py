@@ -30,6 +30,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
 from ..kernel_sources import load_kernel_module
 from ..platform import ALIGN_BYTES, symmetric_buffer
 from .moe_schedules import L1, L2, MoEProblem, Schedule, check_schedule, tile_table
@@ -76,10 +79,21 @@ def load_shapes(path: Path = SHAPES_PATH) -> dict[str, MoEShape]:
     return shapes
 
 
+KERNELS = ("gluon_ws", "triton")
+# gluon_ws (kernels/moe_fused_ws.py): what its partitioning fixes, and the shared memory of one
+# CTA on an H100/H200 that the ring and the epilogues' layout conversions share.
+WS_BLOCK_M = 128
+WS_BLOCK_N1 = 128
+WS_BLOCK_K = {"bf16": 64, "fp8": FP8_SCALE_BLOCK}
+HOPPER_SMEM_PER_CTA = 227 * 1024
+
+
 @dataclass(frozen=True)
 class TileConfig:
-    """Kernel tile sizes. An L1 tile is ``block_m`` rows x ``block_n1`` intermediate columns (gate
-    and up); an L2 tile is ``block_m`` rows x ``block_n2`` hidden columns."""
+    """Kernel and tile sizes. An L1 tile is ``block_m`` rows x ``block_n1`` intermediate columns
+    (gate and up); an L2 tile is ``block_m`` rows x ``block_n2`` hidden columns. ``num_stages``
+    is the depth of the K pipeline (gluon_ws: of its shared-memory ring); ``num_warps`` applies
+    to the Triton kernel (gluon_ws has two consumer warpgroups and a producer warp)."""
 
     block_m: int = 64
     block_n1: int = 128
@@ -88,13 +102,55 @@ class TileConfig:
     scale_block: int = FP8_SCALE_BLOCK
     num_warps: int = 8  # two 64 x 128 fp32 accumulators (gate, up) fit without spills at 8 warps
     num_stages: int = 3
+    kernel: str = "triton"
 
 
-def default_tile_config(precision: str) -> TileConfig:
-    """bf16: K blocks of 64 keep three pipeline stages of gate + up + A tiles in shared memory;
-    fp8: K blocks equal the 128-wide scale block (one scale pair per K block)."""
+def kernel_unsupported(kernel: str, device) -> str | None:
+    """Why ``kernel`` cannot run on ``device``, or None where it can: gluon_ws issues wgmma and
+    TMA (sm_90 instructions); the Triton kernel runs on any CUDA GPU and in the interpreter."""
+    if kernel not in KERNELS:
+        return f"kernel must be one of {KERNELS}, got {kernel!r}"
+    device = torch.device(device)
+    if kernel == "gluon_ws" and (device.type != "cuda"
+                                 or torch.cuda.get_device_capability(device)[0] != 9):
+        return (f"the gluon_ws MoE kernel needs an sm_90 (Hopper) GPU, not {device}: wgmma and "
+                "TMA are sm_90 instructions; use kernel='triton' elsewhere")
+    return None
+
+
+def default_tile_config(precision: str, kernel: str | None = None, *, hidden: int | None = None,
+                        device=None) -> TileConfig:
+    """The tiles of ``kernel`` (default: gluon_ws where ``device`` is a Hopper GPU, else the Triton
+    kernel). Triton, bf16: K blocks of 64 keep three pipeline stages of gate + up + A tiles in
+    shared memory; fp8: K blocks equal the 128-wide scale block (one scale pair per K block).
+    gluon_ws: 128-row tiles; Linear-2 tiles 256 columns wide in bf16 where ``hidden`` allows it
+    (the accumulator of a 64-row half takes as many registers as Linear-1's gate and up), 128 in
+    fp8 (an accumulator and a promotion temporary); the deepest ring that fits a CTA."""
     _check_precision(precision)
-    return TileConfig() if precision == "bf16" else TileConfig(block_k=FP8_SCALE_BLOCK)
+    if kernel is None:
+        kernel = "triton" if device is None or kernel_unsupported("gluon_ws", device) else "gluon_ws"
+    if kernel not in KERNELS:
+        raise MoEContractError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "triton":
+        return TileConfig() if precision == "bf16" else TileConfig(block_k=FP8_SCALE_BLOCK)
+    wide = precision == "bf16" and (hidden is None or hidden % 256 == 0)
+    block_n2 = 256 if wide else 128
+    stages = max(s for s in range(2, 5) if ws_shared_memory_bytes(
+        precision, block_n2, WS_BLOCK_K[precision], s) <= HOPPER_SMEM_PER_CTA)
+    return TileConfig(block_m=WS_BLOCK_M, block_n1=WS_BLOCK_N1, block_n2=block_n2,
+                      block_k=WS_BLOCK_K[precision], num_warps=4, num_stages=stages,
+                      kernel="gluon_ws")
+
+
+def ws_shared_memory_bytes(precision: str, block_n2: int, block_k: int, stages: int) -> int:
+    """Shared memory of a gluon_ws CTA: the ring (an A tile of 128 rows and a B tile of
+    max(2 block_n1, block_n2) rows per stage), the epilogues' layout conversion (one 64-row half
+    of the widest output tile: the compiler's scratch, shared by the partitions) and the ring's
+    mbarriers with 64 bytes of alignment slack."""
+    elem = 2 if precision == "bf16" else 1
+    ring = stages * (WS_BLOCK_M + max(2 * WS_BLOCK_N1, block_n2)) * block_k * elem
+    conversion = (WS_BLOCK_M // 2) * max(block_n2 * 2, WS_BLOCK_N1 * elem)
+    return ring + conversion + 2 * stages * 8 + 64
 
 
 def _check_precision(precision: str) -> None:
@@ -126,6 +182,30 @@ def check_tile_config(config: TileConfig, precision: str, hidden: int, intermedi
                                    " the Linear-1 epilogue quantizes h one scale block per tile")
         if sb % config.block_k:
             raise MoEContractError(f"fp8 needs block_k={config.block_k} to divide scale_block={sb}")
+    if config.kernel not in KERNELS:
+        raise MoEContractError(f"kernel must be one of {KERNELS}, got {config.kernel!r}")
+    if config.kernel == "gluon_ws":
+        _check_ws_tiles(config, precision)
+
+
+def _check_ws_tiles(config: TileConfig, precision: str) -> None:
+    """The tile contract of kernels/moe_fused_ws.py: two 64-row consumer warpgroups, gate and up
+    in one 256-row B stage, K blocks that are 128 bytes of a row (TMA's 128-byte swizzle; in
+    fp8 one scale block), Linear-2 accumulators that fit a consumer's registers, a ring that fits
+    a CTA's shared memory."""
+    fixed = dict(block_m=WS_BLOCK_M, block_n1=WS_BLOCK_N1, block_k=WS_BLOCK_K[precision],
+                 scale_block=FP8_SCALE_BLOCK)
+    wrong = {k: getattr(config, k) for k, v in fixed.items() if getattr(config, k) != v}
+    if wrong:
+        raise MoEContractError(f"the gluon_ws kernel fixes {fixed} in {precision}, got {wrong}")
+    widths = (128, 256) if precision == "bf16" else (128,)
+    if config.block_n2 not in widths:
+        raise MoEContractError(f"gluon_ws block_n2 must be one of {widths} in {precision} (its "
+                               f"accumulator's registers), got {config.block_n2}")
+    smem = ws_shared_memory_bytes(precision, config.block_n2, config.block_k, config.num_stages)
+    if config.num_stages < 2 or smem > HOPPER_SMEM_PER_CTA:
+        raise MoEContractError(f"gluon_ws needs 2 or more stages within {HOPPER_SMEM_PER_CTA} B "
+                               f"of shared memory; {config.num_stages} stages take {smem} B")
 
 
 # ---------------------------------------------------------------------------------------- routing
@@ -459,6 +539,9 @@ class SymmetricCombine:
 # ------------------------------------------------------------------------------------ fused path
 
 TRACE_FIELDS = 10  # kernels/moe_fused.py: clock64 x 4, globaltimer x 4, smid, spins per tile
+# kernel name -> (kernels/ module, entry point)
+KERNEL_ENTRIES = {"triton": ("moe_fused", "fused_moe_kernel"),
+                  "gluon_ws": ("moe_fused_ws", "moe_fused_ws_kernel")}
 
 
 @dataclass
@@ -475,12 +558,14 @@ class FusedMoECall:
     row_ready: torch.Tensor
     error: torch.Tensor
     trace: torch.Tensor | None = None
+    kernel: str = "triton"
 
     def __call__(self) -> None:
         self.row_ready.zero_()
         if self.trace is not None:
             self.trace.fill_(-1)
-        load_kernel_module("moe_fused").fused_moe_kernel[self.grid](*self.args, **self.constexprs)
+        module, entry = KERNEL_ENTRIES[self.kernel]
+        getattr(load_kernel_module(module), entry)[self.grid](*self.args, **self.constexprs)
 
     def error_count(self) -> int:
         return int(self.error.item())
@@ -568,12 +653,25 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
                                    " waiting programs could keep later ones from ever starting")
     if max_spin_iters < 1:
         raise MoEContractError("max_spin_iters must be >= 1")
+    if config.kernel == "gluon_ws":
+        reason = kernel_unsupported("gluon_ws", device)
+        if reason:
+            raise MoEContractError(reason)
+        if instrument or fence:
+            raise MoEContractError("the gluon_ws kernel has no instrumented or fenced build; "
+                                   "use kernel='triton' for those")
+        for name, t in (("x", layout.x), ("w1", weights.w1), ("w2", weights.w2)):
+            if t.data_ptr() % ALIGN_BYTES:
+                raise MoEContractError(f"{name} must start {ALIGN_BYTES}-byte aligned (TMA)")
     h = torch.empty(rows, inter, dtype=wdt, device=device)
     h_scale = (torch.empty(rows, inter // config.scale_block, dtype=torch.float32, device=device)
                if precision == "fp8" else None)
     row_ready = torch.zeros(max(1, problem.num_rows), dtype=torch.int32, device=device)
     error = torch.zeros(1, dtype=torch.int32, device=device)
     tiles = torch.from_numpy(table).to(device)
+    if config.kernel == "gluon_ws":
+        return _prepare_ws_call(layout, weights, schedule, peers, config, table, counts, tiles, h,
+                                h_scale, row_ready, error, max_spin_iters)
     # Uninstrumented, the kernel never touches the trace: one element stands in for the pointer.
     trace = torch.full((*table.shape[:2], TRACE_FIELDS) if instrument else (1,), -1,
                        dtype=torch.int64, device=device)
@@ -590,9 +688,55 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
                         trace if instrument else None)
 
 
+def _ws_descriptor(t: torch.Tensor, block: list[int]) -> GluonTensorDescriptor:
+    """A TMA descriptor over the row-major 2-D ``t`` with ``block`` tiles, 128-byte swizzled."""
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float8e4nv
+    return GluonTensorDescriptor(t, list(t.shape), [t.shape[1], 1], block,
+                                 gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+def _prepare_ws_call(layout, weights, schedule, peers, config, table, counts, tiles, h, h_scale,
+                     row_ready, error, max_spin_iters) -> FusedMoECall:
+    """The launch of kernels/moe_fused_ws.py (contract checked by ``prepare_fused_moe``)."""
+    e_loc, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
+    half, bk = config.block_m // 2, config.block_k
+    fp8 = weights.precision == "fp8"
+    unused = error  # bf16 launches read no scales: any pointer stands in
+    args = (tiles, torch.from_numpy(counts).to(tiles.device), table.shape[1],
+            _ws_descriptor(layout.x, [half, bk]),
+            _ws_descriptor(weights.w1.view(e_loc * 2 * inter, hidden), [config.block_n1, bk]),
+            _ws_descriptor(h, [half, bk]),
+            _ws_descriptor(weights.w2.view(e_loc * hidden, inter), [config.block_n2, bk]),
+            layout.x_scale if fp8 else unused, weights.w1_scale if fp8 else unused,
+            weights.w2_scale if fp8 else unused, h, h_scale if fp8 else unused, row_ready,
+            layout.row_src, layout.row_slot, peers.table, error, max_spin_iters, hidden, inter)
+    constexprs = dict(FP8=fp8, BLOCK_N1=config.block_n1, BLOCK_N2=config.block_n2, BLOCK_K=bk,
+                      STAGES=config.num_stages, num_warps=4)
+    return FusedMoECall(schedule, args, constexprs, (schedule.num_programs,), row_ready, error,
+                        None, kernel="gluon_ws")
+
+
 # ---------------------------------------------------------------------------------- unfused path
 
-_UNFUSED_IMPL: dict[tuple[str, str], str] = {}
+# The baseline is what a user runs without the fused kernel: torch's own grouped GEMMs over the
+# dispatched rows (one group per local expert), SwiGLU between them. In FP8 that is the scale
+# recipe torch._scaled_grouped_mm supports on sm_90, not the kernel's 1 x 128 / 128 x 128 blocks,
+# so the unfused path quantizes its own activations and weights (``unfused_activations``,
+# ``unfused_expert_weights``).
+UNFUSED_FP8_RECIPE = ("rowwise: activations (x, and h after SwiGLU) e4m3 with one fp32 scale per "
+                      "row (row amax / 448), scale_a [M_total]; each expert's weights e4m3 with one "
+                      "fp32 scale per output column (row amax / 448 of w1 [2I, H] and w2 [H, I]), "
+                      "scale_b [E, N]; torch._scaled_grouped_mm(A [M_total, K] row-major, "
+                      "w.transpose(1, 2) of a contiguous [E, N, K], offs, out_dtype=bf16, "
+                      "use_fast_accum=False)")
+# The op behind each precision, recorded with every result.
+UNFUSED_IMPL = {"bf16": "torch._grouped_mm", "fp8": "torch._scaled_grouped_mm rowwise"}
+_UNFUSED_CHECKED: set[tuple[str, str]] = set()
+
+
+class UnfusedPathError(RuntimeError):
+    """torch's grouped GEMM is missing or gives wrong results on this device: there is no unfused
+    baseline to compare with (a per-expert loop is not what users run, so none stands in)."""
 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -600,95 +744,144 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# Scale layouts tried for torch._scaled_mm's block-wise (1 x 128, 128 x 128) recipe: whether scale_a
-# is outer-dim-major and whether scale_b (passed as [K/128, N/128]) is made contiguous.
-_SCALE_LAYOUTS = {"scaled_mm_blockwise": (False, False), "scaled_mm_blockwise_ta": (True, False),
-                  "scaled_mm_blockwise_cb": (False, True), "scaled_mm_blockwise_ta_cb": (True, True)}
+@dataclass
+class GroupedWeights:
+    """The local experts as the unfused path's grouped GEMMs take them. Weights stay ``[E, N, K]``
+    contiguous and are passed as ``w.transpose(1, 2)``: the column-major B the grouped GEMMs want."""
+
+    precision: str
+    w1: torch.Tensor                      # [E_loc, 2I, H] bf16 or e4m3
+    w2: torch.Tensor                      # [E_loc, H, I]
+    w1_scale: torch.Tensor | None = None  # [E_loc, 2I] fp32 (fp8): one per output column
+    w2_scale: torch.Tensor | None = None  # [E_loc, H]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w1.shape[2]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w2.shape[2]
 
 
-def _scaled_mm_blockwise(a_q, a_s, b_q, b_s, impl: str) -> torch.Tensor:
-    """``a [M, K] @ b [N, K].T`` with 1 x 128 scales on a and 128 x 128 on b, bf16 out."""
-    outer_a, contiguous_b = _SCALE_LAYOUTS[impl]
-    scale_a = a_s.t().contiguous().t() if outer_a else a_s
-    scale_b = b_s.t().contiguous() if contiguous_b else b_s.t()
-    return torch._scaled_mm(a_q, b_q.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+def _quantize_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 with one fp32 scale per row of the last dimension: scales ``[..., 1]``."""
+    return quantize_rows_fp8(t, t.shape[-1])
+
+
+def unfused_activations(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """bf16 rows ``[..., H]`` as the unfused path takes them: as they are (bf16), or e4m3 with one
+    fp32 scale per row, ``[..., 1]`` (fp8, ``UNFUSED_FP8_RECIPE``). Row by row, so quantizing the
+    source tokens before Dispatch and the dispatched rows after give the same values."""
+    _check_precision(precision)
+    return (x, None) if precision == "bf16" else _quantize_rowwise(x)
+
+
+def unfused_expert_weights(shape: MoEShape, rank: int, world: int, precision: str, *, seed: int,
+                           device="cpu") -> GroupedWeights:
+    """Experts ``rank * E_loc .. (rank + 1) * E_loc - 1`` from the same bf16 master weights as the
+    fused kernel's (``expert_master_weights``); fp8 quantized per output column."""
+    _check_precision(precision)
+    per_rank = check_expert_parallel(shape.routed_experts, world)
+    parts = {"w1": [], "w2": [], "w1_scale": [], "w2_scale": []}
+    for e in range(rank * per_rank, (rank + 1) * per_rank):
+        for name, w in zip(("w1", "w2"), expert_master_weights(shape, e, seed=seed, device=device)):
+            if precision == "fp8":
+                w, s = _quantize_rowwise(w)
+                parts[f"{name}_scale"].append(s.squeeze(-1))
+            parts[name].append(w)
+    return GroupedWeights(precision, **{k: torch.stack(v) if v else None for k, v in parts.items()})
+
+
+def group_offsets(layout: DispatchLayout) -> torch.Tensor:
+    """int32 ``offs`` of the grouped GEMMs: the end of each local expert's padded rows."""
+    ends = np.cumsum(layout.blocks_per_expert, dtype=np.int64) * layout.block_m
+    return torch.tensor(ends, dtype=torch.int32, device=layout.x.device)
+
+
+def _grouped_linear(x: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor,
+                    w_scale: torch.Tensor | None, offs: torch.Tensor) -> torch.Tensor:
+    """Rows ``offs[e-1]:offs[e]`` of ``x [M, K]`` times ``w[e] [N, K]`` transposed, bf16 ``[M, N]``."""
+    if w_scale is None:
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    return torch._scaled_grouped_mm(x, w.transpose(1, 2), x_scale.view(-1), w_scale, offs=offs,
+                                    out_dtype=torch.bfloat16)
+
+
+def _probe_error(device: torch.device, precision: str) -> float:
+    """Relative error of the grouped GEMM on three groups of 64, 0 and 64 rows (an idle expert in
+    the middle) against a float32 loop over the same (quantized) operands."""
+    g = _generator(0, device)
+    a = torch.randn(128, 256, generator=g, device=device).to(torch.bfloat16)
+    w = torch.randn(3, 256, 256, generator=g, device=device).to(torch.bfloat16)
+    offs = torch.tensor([64, 64, 128], dtype=torch.int32, device=device)
+    (aq, a_s), (wq, w_s) = (unfused_activations(a, precision),
+                            unfused_activations(w, precision))
+    w_s = None if w_s is None else w_s.squeeze(-1)
+    got = _grouped_linear(aq, a_s, wq, w_s, offs).float()
+    af = aq.float() * (1 if a_s is None else a_s)
+    wf = wq.float() * (1 if w_s is None else w_s[..., None])
+    want = torch.cat([af[:64] @ wf[0].t(), af[64:] @ wf[2].t()])
+    return ((got - want).norm() / want.norm()).item()
 
 
 def unfused_impl(device: torch.device, precision: str) -> str:
-    """Pick, once per device type and precision, the fastest library path that gives correct
-    results on a small probe: grouped GEMM (bf16) or block-scaled ``_scaled_mm`` (fp8); else the
-    per-expert bf16 fallback. The choice is recorded with every result."""
+    """The op behind the unfused path (``UNFUSED_IMPL``), once checked on a small probe per device
+    type and precision; raises UnfusedPathError where it is missing or wrong."""
+    _check_precision(precision)
     key = (device.type, precision)
-    if key in _UNFUSED_IMPL:
-        return _UNFUSED_IMPL[key]
-    choice = "per_expert_mm" if precision == "bf16" else "dequant_per_expert_mm"
-    if device.type == "cuda":
-        g = _generator(0, device)
-        a = torch.randn(128, 256, generator=g, device=device).to(torch.bfloat16)
-        b = torch.randn(2, 256, 256, generator=g, device=device).to(torch.bfloat16)
-        if precision == "bf16":
-            try:
-                offs = torch.tensor([64, 128], dtype=torch.int32, device=device)
-                got = torch._grouped_mm(a, b.transpose(1, 2), offs=offs).float()
-                want = torch.cat([a[:64].float() @ b[0].float().t(), a[64:].float() @ b[1].float().t()])
-                if ((got - want).norm() / want.norm()).item() < 1e-2:
-                    choice = "grouped_mm"
-            except (RuntimeError, AttributeError, TypeError):
-                pass
-        else:
-            aq, asc = quantize_rows_fp8(a)
-            bq, bsc = quantize_blocks_fp8(b[0])
-            want = dequantize_rows_fp8(aq, asc) @ dequantize_blocks_fp8(bq, bsc).t()
-            for impl in _SCALE_LAYOUTS:
-                try:
-                    got = _scaled_mm_blockwise(aq, asc, bq, bsc, impl).float()
-                except (RuntimeError, AttributeError, TypeError):
-                    continue
-                if ((got - want).norm() / want.norm()).item() < 2e-2:
-                    choice = impl
-                    break
-    _UNFUSED_IMPL[key] = choice
-    return choice
+    if key not in _UNFUSED_CHECKED:
+        try:
+            err = _probe_error(device, precision)
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError) as e:
+            raise UnfusedPathError(f"{UNFUSED_IMPL[precision]} does not run on {device}: "
+                                   f"{type(e).__name__}: {e}") from e
+        # bf16 output rounding ~2e-3; 1e-2 (bf16) and 2e-2 (fp8: a few e4m3 flips) leave margin.
+        bound = 1e-2 if precision == "bf16" else 2e-2
+        if not err <= bound:
+            raise UnfusedPathError(f"{UNFUSED_IMPL[precision]} on {device} is wrong on a probe: "
+                                   f"relative error {err:.3g} > {bound}")
+        _UNFUSED_CHECKED.add(key)
+    return UNFUSED_IMPL[precision]
 
 
-def expert_ffn_unfused(layout: DispatchLayout, weights: ExpertWeights) -> tuple[torch.Tensor, str]:
-    """Linear-1, SwiGLU, Linear-2 of every local expert with library matmuls: bf16 ``[R, H]`` over
-    the layout's rows (padding rows included, as in the fused kernel), and the path used."""
-    impl = unfused_impl(layout.x.device, weights.precision)
-    starts = np.concatenate(([0], np.cumsum(layout.blocks_per_expert))) * layout.block_m
-    if impl == "grouped_mm":
-        offs = torch.tensor(starts[1:], dtype=torch.int32, device=layout.x.device)
-        h = _swiglu(torch._grouped_mm(layout.x, weights.w1.transpose(1, 2), offs=offs))
-        return torch._grouped_mm(h, weights.w2.transpose(1, 2), offs=offs), impl
-    y = torch.zeros(layout.num_rows, weights.hidden, dtype=torch.bfloat16, device=layout.x.device)
-    for e in range(weights.num_experts):
-        lo, hi = int(starts[e]), int(starts[e + 1])
-        if lo == hi:
-            continue
-        if impl in _SCALE_LAYOUTS:
-            h = _swiglu(_scaled_mm_blockwise(layout.x[lo:hi], layout.x_scale[lo:hi], weights.w1[e],
-                                             weights.w1_scale[e], impl))
-            hq, hs = quantize_rows_fp8(h, weights.hidden // weights.w2_scale.shape[1])
-            y[lo:hi] = _scaled_mm_blockwise(hq, hs, weights.w2[e], weights.w2_scale[e], impl)
-        elif weights.precision == "fp8":
-            # W8A8 arithmetic on dequantized operands: same quantization points as the kernel.
-            block = weights.hidden // weights.w2_scale.shape[1]
-            x = dequantize_rows_fp8(layout.x[lo:hi], layout.x_scale[lo:hi]).to(torch.bfloat16)
-            w1 = dequantize_blocks_fp8(weights.w1[e], weights.w1_scale[e]).to(torch.bfloat16)
-            w2 = dequantize_blocks_fp8(weights.w2[e], weights.w2_scale[e]).to(torch.bfloat16)
-            h = dequantize_rows_fp8(*quantize_rows_fp8(_swiglu(x @ w1.t()), block))
-            y[lo:hi] = h.to(torch.bfloat16) @ w2.t()
-        else:
-            y[lo:hi] = _swiglu(layout.x[lo:hi] @ weights.w1[e].t()) @ weights.w2[e].t()
-    return y, impl
+def grouped_expert_ffn(layout: DispatchLayout, weights: GroupedWeights,
+                       offs: torch.Tensor | None = None) -> torch.Tensor:
+    """Linear-1, SwiGLU, Linear-2 of every local expert as two grouped GEMMs: bf16 ``[R, H]`` over
+    the layout's rows (padding rows included, as in the fused kernel). ``layout`` holds the
+    unfused path's activations (``unfused_activations``: bf16, or fp8 with ``x_scale [R, 1]``).
+    ``offs`` (``group_offsets(layout)``) may be passed to keep its host-to-device copy out of a
+    timed or graph-captured region."""
+    precision = weights.precision
+    unfused_impl(layout.x.device, precision)
+    wdt = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
+    scale_shape = None if precision == "bf16" else (layout.num_rows, 1)
+    if layout.x.dtype != wdt or (None if layout.x_scale is None else
+                                 tuple(layout.x_scale.shape)) != scale_shape:
+        raise MoEContractError(f"the unfused {precision} path takes {wdt} rows"
+                               + (" with one scale per row (unfused_activations)" if scale_shape
+                                  else "") + f", got {layout.x.dtype}")
+    if len(layout.tokens_per_expert) != weights.num_experts:
+        raise MoEContractError(f"layout has {len(layout.tokens_per_expert)} experts, weights "
+                               f"{weights.num_experts}")
+    offs = group_offsets(layout) if offs is None else offs
+    h = _swiglu(_grouped_linear(layout.x, layout.x_scale, weights.w1, weights.w1_scale, offs))
+    h, h_scale = unfused_activations(h, precision)
+    return _grouped_linear(h, h_scale, weights.w2, weights.w2_scale, offs)
 
 
-def unfused_moe(layout: DispatchLayout, plan: SendPlan, weights: ExpertWeights,
+def unfused_moe(layout: DispatchLayout, plan: SendPlan, weights: GroupedWeights,
                 topk_weights: torch.Tensor, *, group=None) -> torch.Tensor:
-    """The path users run instead of the fused kernel: expert matmuls, NCCL all-to-all Combine back
-    to the source ranks, scatter into slots, weighted sum. Returns bf16 ``[T, H]``."""
+    """The path users run instead of the fused kernel: grouped expert GEMMs
+    (``grouped_expert_ffn``), NCCL all-to-all Combine back to the source ranks, scatter into slots,
+    weighted sum. ``layout`` and ``plan`` come from a Dispatch of ``unfused_activations``. Returns
+    bf16 ``[T, H]``."""
     import torch.distributed as dist
-    y, _ = expert_ffn_unfused(layout, weights)
+    y = grouped_expert_ffn(layout, weights)
     back = torch.empty(sum(plan.counts), weights.hidden, dtype=y.dtype, device=y.device)
     dist.all_to_all_single(back, y[layout.arrival_rows], output_split_sizes=list(plan.counts),
                            input_split_sizes=list(layout.recv_counts), group=group)
@@ -699,30 +892,44 @@ def unfused_moe(layout: DispatchLayout, plan: SendPlan, weights: ExpertWeights,
 
 # ------------------------------------------------------------------------------------- reference
 
-def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  shape: MoEShape, *, seed: int, precision: str,
-                  scale_block: int = FP8_SCALE_BLOCK) -> dict[str, torch.Tensor]:
-    """float32 reference of one rank's MoE output ``[T, H]``, independent of Dispatch, the kernel and
-    Combine: each expert is regenerated from its seed and applied to the tokens that picked it.
+def expert_rows_reference(x: torch.Tensor, experts: torch.Tensor, shape: MoEShape, *, seed: int,
+                          precision: str, scale_block: int = FP8_SCALE_BLOCK
+                          ) -> dict[str, torch.Tensor]:
+    """float32 output of each row's expert, before routing weights: row i is expert
+    ``experts[i]`` (global id) applied to the bf16 row ``x[i]``, with the expert regenerated from
+    its seed (``expert_master_weights``) on ``x``'s device.
 
-    ``"fp32"``: the layer on the bf16 inputs and master weights in float32. For fp8 also
-    ``"fp8_emulated"``: the same with the W8A8 quantization steps emulated (x per 1 x 128, weights
-    per 128 x 128, h re-quantized per 1 x 128), which isolates the kernel's own error."""
+    ``"fp32"``: bf16 inputs and master weights in float32. For fp8 also ``"fp8_emulated"``: the
+    same with the fused kernel's W8A8 quantization emulated (x per 1 x 128, weights per
+    128 x 128, h re-quantized per 1 x 128), which isolates the kernel's own error."""
     _check_precision(precision)
     out = {"fp32": torch.zeros(x.shape[0], shape.hidden, dtype=torch.float32, device=x.device)}
     if precision == "fp8":
         out["fp8_emulated"] = torch.zeros_like(out["fp32"])
         xq = dequantize_rows_fp8(*quantize_rows_fp8(x, scale_block))
     xf = x.float()
-    for e in torch.unique(topk_ids).tolist():
-        tok, j = (topk_ids == e).nonzero(as_tuple=True)
-        w = topk_weights[tok, j].float()[:, None]
+    for e in torch.unique(experts).tolist():
+        rows = (experts == e).nonzero(as_tuple=True)[0]
         w1, w2 = expert_master_weights(shape, e, seed=seed, device=x.device)
-        out["fp32"].index_add_(0, tok, w * (_swiglu(xf[tok] @ w1.float().t()) @ w2.float().t()))
+        out["fp32"][rows] = _swiglu(xf[rows] @ w1.float().t()) @ w2.float().t()
         if precision == "fp8":
             w1q = dequantize_blocks_fp8(*quantize_blocks_fp8(w1, scale_block))
             w2q = dequantize_blocks_fp8(*quantize_blocks_fp8(w2, scale_block))
-            h = _swiglu(xq[tok] @ w1q.t())
-            hq = dequantize_rows_fp8(*quantize_rows_fp8(h, scale_block))
-            out["fp8_emulated"].index_add_(0, tok, w * (hq @ w2q.t()))
+            h = _swiglu(xq[rows] @ w1q.t())
+            out["fp8_emulated"][rows] = dequantize_rows_fp8(*quantize_rows_fp8(h, scale_block)) @ w2q.t()
     return out
+
+
+def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  shape: MoEShape, *, seed: int, precision: str,
+                  scale_block: int = FP8_SCALE_BLOCK) -> dict[str, torch.Tensor]:
+    """float32 reference of one rank's MoE output ``[T, H]``, independent of Dispatch, the kernel and
+    Combine: every (token, k) pick's expert output (``expert_rows_reference``, same keys) weighted
+    and summed over the picks of each token."""
+    t, k = topk_ids.shape
+    tok = torch.arange(t, device=x.device).repeat_interleave(k)
+    rows = expert_rows_reference(x[tok], topk_ids.reshape(-1), shape, seed=seed,
+                                 precision=precision, scale_block=scale_block)
+    w = topk_weights.reshape(-1).float()[:, None]
+    return {kind: torch.zeros(t, shape.hidden, dtype=torch.float32, device=x.device)
+            .index_add_(0, tok, w * r) for kind, r in rows.items()}

@@ -1,0 +1,373 @@
+"""Persistent, warp-specialized fused MoE kernel for Hopper (sm_90), in Gluon (paper §2.2, §4.2).
+
+Device code only, beside the portable Triton kernel ``moe_fused.py`` (which the interpreter tests
+run): the same tile table ``(kind, expert, row_block, n_block)`` drives both, so Expert-Wave and
+Interleaved (Algorithm 1) run unchanged; the host side is ``xstage_lab/experiments/moe.py``.
+
+One CTA per SM walks its program's row of the table. Three partitions:
+  consumer 0, consumer 1   one warpgroup each, rows [64·half, 64·half + 64) of the tile's 128:
+                           wgmma on the shared-memory ring, then the tile's epilogue;
+  producer                 one warp: the A tile (routed rows ``x`` for Linear-1, the intermediate
+                           ``h`` for Linear-2) and the B tile (expert weights) of every K block by
+                           TMA into a STAGES-deep ring, a stage refilled once both consumers
+                           released it. Before the first load of a Linear-2 tile it acquire-spins
+                           (bounded) on the row block's counter until every Linear-1 slice of
+                           those rows is visible.
+
+Linear-1 (``TILE_L1``): gate and up of ``BLOCK_N1`` intermediate columns (two wgmma chains on
+one A tile), SwiGLU in the epilogue, ``h`` stored (bf16, or e4m3 with a 1 x 128 scale per row),
+then each consumer warpgroup release-adds 1 to the row block's counter: a row block is complete at
+``2 · INTER / BLOCK_N1``.
+Linear-2 (``TILE_L2``): ``BLOCK_N2`` hidden columns; the epilogue stores each result row straight
+into the Combine buffer of the row's source rank through the peer pointer table (row -> (source,
+slot); slot -1 is padding), 16-byte stores, and moves on: the remote-store burst of the paper.
+
+Memory ordering across proxies: ``h`` is written by generic stores and read by TMA (the async
+proxy) on another SM, so the writer fences ``proxy.async.global`` before its release and the
+reader after its acquire.
+
+``FP8``: W8A8 with fp32 scales, 1 x 128 for activations (``x``, ``h``: per row and K block) and
+128 x 128 for weights, as in DeepSeek-V3. Each K block of 128 is one wgmma group into a temporary
+accumulator, promoted into the fp32 accumulator with its two scales:
+  Linear-2 keeps two groups in flight: K block k+1 is issued before block k is promoted, so the
+  promotion runs under the next wgmma (accumulator, two temporaries: 3 x 64 registers at
+  ``BLOCK_N2`` = 128);
+  Linear-1 has two accumulators (gate, up), so a second temporary would need 4 x 64 registers of
+  the 232 a consumer thread has: each group is waited before its promotion and the other
+  consumer warpgroup's wgmma fills the tensor cores meanwhile (DeepGEMM's SM90 scheme).
+
+Bounded spins: a producer that polls ``max_spin`` times without the row block completing adds 1
+to ``error`` and loads anyway; the tile's output is then invalid and the call reports the error,
+so an unsatisfiable schedule ends instead of hanging. Deadlock freedom assumes every program is
+resident (at most one per SM).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+TILE_L1 = gl.constexpr(0)
+TILE_L2 = gl.constexpr(1)
+TILE_FIELDS = gl.constexpr(4)
+BLOCK_M = gl.constexpr(128)    # rows of a tile: the host layout pads every expert to it
+HALF_ROWS = gl.constexpr(64)   # rows per consumer warpgroup: wgmma's M per warpgroup
+SCALE_BLOCK = gl.constexpr(128)
+E4M3_MAX = gl.constexpr(448.0)
+# Registers per thread of the consumer warpgroups and of the producer warp (setmaxnreg).
+CONSUMER_REGS = gl.constexpr(232)
+PRODUCER_REGS = gl.constexpr(48)
+
+
+@gluon.jit
+def _fence_proxy_async_global():
+    """Order this thread's generic-proxy global accesses with its async-proxy (TMA) ones."""
+    gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _load_acquire(counter):
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [counter],
+                                     dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wait_rows_ready(counter, needed, error, max_spin):
+    """Acquire-spin until ``counter`` reaches ``needed``, at most ``max_spin`` polls (then count
+    an error and go on), then make the released ``h`` visible to this thread's TMA loads."""
+    ready = _load_acquire(counter)
+    spins = 0
+    while (ready < needed) & (spins < max_spin):
+        ready = _load_acquire(counter)
+        spins += 1
+    if ready < needed:
+        gl.atomic_add(error, 1)
+    _fence_proxy_async_global()
+
+
+@gluon.jit
+def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready, empty,
+              row_ready, error, max_spin, HIDDEN, INTER, BLOCK_N1: gl.constexpr,
+              BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """The TMA warp: every K block of every tile of this program, in table order."""
+    l1_bytes: gl.constexpr = 2 * x_desc.block_type.nbytes + 2 * w1_desc.block_type.nbytes
+    l2_bytes: gl.constexpr = 2 * h_desc.block_type.nbytes + w2_desc.block_type.nbytes
+    it = 0  # K blocks issued by this program so far: stage it % STAGES, phase (it // STAGES) & 1
+    for i in range(n_tiles):
+        kind = gl.load(tiles + i * TILE_FIELDS)
+        expert = gl.load(tiles + i * TILE_FIELDS + 1)
+        row0 = gl.load(tiles + i * TILE_FIELDS + 2) * BLOCK_M
+        n_block = gl.load(tiles + i * TILE_FIELDS + 3)
+        if kind == TILE_L1:
+            gate_row = expert * (2 * INTER) + n_block * BLOCK_N1
+            for k in range(0, HIDDEN, BLOCK_K):
+                s = it % STAGES
+                # a fresh mbarrier passes a wait on the phase before its first: the first STAGES
+                # K blocks go straight in
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), l1_bytes)
+                tma.async_copy_global_to_shared(x_desc, [row0, k], ready.index(s),
+                                                a_smem.index(2 * s))
+                tma.async_copy_global_to_shared(x_desc, [row0 + HALF_ROWS, k], ready.index(s),
+                                                a_smem.index(2 * s + 1))
+                tma.async_copy_global_to_shared(w1_desc, [gate_row, k], ready.index(s),
+                                                b_smem.index(s).slice(0, BLOCK_N1))
+                tma.async_copy_global_to_shared(w1_desc, [gate_row + INTER, k], ready.index(s),
+                                                b_smem.index(s).slice(BLOCK_N1, BLOCK_N1))
+                it += 1
+        else:
+            _wait_rows_ready(row_ready + row0 // BLOCK_M, 2 * (INTER // BLOCK_N1), error,
+                             max_spin)
+            w_row = expert * HIDDEN + n_block * BLOCK_N2
+            for k in range(0, INTER, BLOCK_K):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), l2_bytes)
+                tma.async_copy_global_to_shared(h_desc, [row0, k], ready.index(s),
+                                                a_smem.index(2 * s))
+                tma.async_copy_global_to_shared(h_desc, [row0 + HALF_ROWS, k], ready.index(s),
+                                                a_smem.index(2 * s + 1))
+                tma.async_copy_global_to_shared(w2_desc, [w_row, k], ready.index(s),
+                                                b_smem.index(s).slice(0, BLOCK_N2))
+                it += 1
+
+
+@gluon.jit
+def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, x_scale, w1_scale,
+                      rows, expert, n_block, HIDDEN, INTER, FP8: gl.constexpr,
+                      BLOCK_N1: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """Gate and up accumulators ``[64, BLOCK_N1]`` of this warpgroup's rows; the next ``it``."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N1, 32 if FP8 else 16])
+    acc_g = gl.zeros([HALF_ROWS, BLOCK_N1], gl.float32, layout=mma)
+    acc_u = gl.zeros([HALF_ROWS, BLOCK_N1], gl.float32, layout=mma)
+    n_k = HIDDEN // BLOCK_K
+    if FP8:
+        k_scales = HIDDEN // SCALE_BLOCK
+        x_scales = x_scale + gl.convert_layout(rows, gl.SliceLayout(1, mma)) * k_scales
+        # the tile's gate (up) columns lie in one 128 x 128 weight scale block (BLOCK_N1 == 128)
+        g_scales = w1_scale + (expert * (2 * INTER // SCALE_BLOCK) + n_block) * k_scales
+        u_scales = g_scales + (INTER // SCALE_BLOCK) * k_scales
+        t = gl.zeros([HALF_ROWS, BLOCK_N1], gl.float32, layout=mma)
+        for kk in range(n_k):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            a = a_smem.index(2 * s + half)
+            b = b_smem.index(s)
+            t = warpgroup_mma(a, b.slice(0, BLOCK_N1).permute((1, 0)), t, use_acc=False,
+                              is_async=True)
+            # scale loads in flight under the wgmma
+            a_s = gl.load(x_scales + kk)
+            g_s = gl.load(g_scales + kk)
+            u_s = gl.load(u_scales + kk)
+            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+            acc_g += t * (a_s * g_s)[:, None]
+            t = warpgroup_mma(a, b.slice(BLOCK_N1, BLOCK_N1).permute((1, 0)), t,
+                              use_acc=False, is_async=True)
+            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+            mbarrier.arrive(empty.index(s))
+            acc_u += t * (a_s * u_s)[:, None]
+            it += 1
+    else:
+        # one K block's gate and up groups stay in flight while the next block's are issued;
+        # a stage is released once the groups that read it have retired
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        b = b_smem.index(s)
+        acc_g = warpgroup_mma(a_smem.index(2 * s + half), b.slice(0, BLOCK_N1).permute((1, 0)),
+                              acc_g, use_acc=False, is_async=True)
+        acc_u = warpgroup_mma(a_smem.index(2 * s + half),
+                              b.slice(BLOCK_N1, BLOCK_N1).permute((1, 0)), acc_u, use_acc=False,
+                              is_async=True)
+        # waits for nothing (two groups in flight): turns the tokens into loop-carried tensors
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+        prev = s
+        it += 1
+        for kk in range(1, n_k):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            a = a_smem.index(2 * s + half)
+            b = b_smem.index(s)
+            acc_g = warpgroup_mma(a, b.slice(0, BLOCK_N1).permute((1, 0)), acc_g, is_async=True)
+            acc_u = warpgroup_mma(a, b.slice(BLOCK_N1, BLOCK_N1).permute((1, 0)), acc_u,
+                                  is_async=True)
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+            mbarrier.arrive(empty.index(prev))
+            prev = s
+            it += 1
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+        mbarrier.arrive(empty.index(prev))
+    return acc_g, acc_u, it
+
+
+@gluon.jit
+def _linear2_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, h_scale, w2_scale,
+                      rows, expert, n_block, HIDDEN, INTER, FP8: gl.constexpr,
+                      BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """The ``[64, BLOCK_N2]`` accumulator of this warpgroup's rows; the next ``it``."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N2, 32 if FP8 else 16])
+    acc = gl.zeros([HALF_ROWS, BLOCK_N2], gl.float32, layout=mma)
+    n_k = INTER // BLOCK_K
+    if FP8:
+        k_scales = INTER // SCALE_BLOCK
+        # .cg: h's scales were released by other SMs; read them at L2
+        h_scales = h_scale + gl.convert_layout(rows, gl.SliceLayout(1, mma)) * k_scales
+        w_scales = w2_scale + (expert * (HIDDEN // SCALE_BLOCK) + n_block) * k_scales
+        t = gl.zeros([HALF_ROWS, BLOCK_N2], gl.float32, layout=mma)
+        for kk in range(n_k):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            t = warpgroup_mma(a_smem.index(2 * s + half),
+                              b_smem.index(s).slice(0, BLOCK_N2).permute((1, 0)), t,
+                              use_acc=False, is_async=True)
+            scale = gl.load(h_scales + kk, cache_modifier=".cg") * gl.load(w_scales + kk)
+            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+            mbarrier.arrive(empty.index(s))
+            acc += t * scale[:, None]
+            it += 1
+    else:
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        acc = warpgroup_mma(a_smem.index(2 * s + half),
+                            b_smem.index(s).slice(0, BLOCK_N2).permute((1, 0)), acc,
+                            use_acc=False, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # waits for nothing: a tensor
+        prev = s
+        it += 1
+        for kk in range(1, n_k):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            acc = warpgroup_mma(a_smem.index(2 * s + half),
+                                b_smem.index(s).slice(0, BLOCK_N2).permute((1, 0)), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index(prev))
+            prev = s
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index(prev))
+    return acc, it
+
+
+@gluon.jit
+def _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base, n_block, INTER,
+                      FP8: gl.constexpr, BLOCK_N1: gl.constexpr):
+    """SwiGLU, ``h`` stored with 16-byte stores (re-quantized per row in FP8), then this
+    warpgroup's release of its rows to the row block's counter."""
+    hv = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u  # silu(gate) * up
+    if FP8:
+        # BLOCK_N1 == 128: the tile holds exactly one activation scale block per row
+        scale = gl.maximum(gl.max(gl.abs(hv), axis=1), 1e-12) / E4M3_MAX
+        q = (hv / scale[:, None]).to(gl.float8e4nv)
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // BLOCK_N1, BLOCK_N1 // 16],
+                                                    [4, 1], [1, 0])
+        q = gl.convert_layout(q, out_layout)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N1, 32 if FP8 else 16])
+        scale_rows = row_base + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, mma))
+        gl.store(h_scale + scale_rows.to(gl.int64) * (INTER // SCALE_BLOCK) + n_block, scale)
+    else:
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N1, BLOCK_N1 // 8],
+                                                    [4, 1], [1, 0])
+        q = gl.convert_layout(hv.to(gl.bfloat16), out_layout)
+    rows = (row_base + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, out_layout))).to(gl.int64)
+    cols = n_block * BLOCK_N1 + gl.arange(0, BLOCK_N1, layout=gl.SliceLayout(0, out_layout))
+    gl.store(h + rows[:, None] * INTER + cols[None, :], q)
+    # every thread's h stores, then (CTA barrier + release cumulativity) the counter
+    _fence_proxy_async_global()
+    gl.thread_barrier()
+    gl.atomic_add(row_ready + row_block, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base, n_block, HIDDEN,
+                              BLOCK_N2: gl.constexpr):
+    """Each result row into its source rank's Combine buffer, 16-byte stores; padding rows
+    (slot -1) are skipped. No wait for the stores: the X-Stage drains them."""
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N2, BLOCK_N2 // 8],
+                                                [4, 1], [1, 0])
+    out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
+    rows = row_base + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, out_layout))
+    slot = gl.load(row_slot + rows)
+    src = gl.load(row_src + rows)
+    # Buffers are 16-byte aligned (host contract): the stores go out as 16-byte vectors.
+    dst = gl.multiple_of(gl.load(combine_ptrs + src).to(gl.pointer_type(gl.bfloat16)), 16)
+    cols = n_block * BLOCK_N2 + gl.arange(0, BLOCK_N2, layout=gl.SliceLayout(0, out_layout))
+    gl.store(dst[:, None] + (slot.to(gl.int64) * HIDDEN)[:, None] + cols[None, :], out,
+             mask=(slot >= 0)[:, None])
+
+
+@gluon.jit
+def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, x_scale,
+              w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
+              HIDDEN, INTER, FP8: gl.constexpr, BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """Rows [64·half, 64·half + 64) of every tile of this program, in table order."""
+    row_layout: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1], [32, 1], [4, 1],
+                                                                  [1, 0]))
+    it = 0
+    for i in range(n_tiles):
+        kind = gl.load(tiles + i * TILE_FIELDS)
+        expert = gl.load(tiles + i * TILE_FIELDS + 1)
+        row_block = gl.load(tiles + i * TILE_FIELDS + 2)
+        n_block = gl.load(tiles + i * TILE_FIELDS + 3)
+        row_base = row_block * BLOCK_M + half * HALF_ROWS
+        rows = (row_base + gl.arange(0, HALF_ROWS, layout=row_layout)).to(gl.int64)
+        if kind == TILE_L1:
+            acc_g, acc_u, it = _linear1_mainloop(half, it, a_smem, b_smem, ready, empty, x_scale,
+                                                 w1_scale, rows, expert, n_block, HIDDEN, INTER,
+                                                 FP8, BLOCK_N1, BLOCK_K, STAGES)
+            _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base, n_block,
+                              INTER, FP8, BLOCK_N1)
+        else:
+            acc, it = _linear2_mainloop(half, it, a_smem, b_smem, ready, empty, h_scale,
+                                        w2_scale, rows, expert, n_block, HIDDEN, INTER, FP8,
+                                        BLOCK_N2, BLOCK_K, STAGES)
+            _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base, n_block,
+                                      HIDDEN, BLOCK_N2)
+    # A system-scope release after the warpgroup's barrier: every remote Combine store of this
+    # warpgroup is performed system-wide before the program exits, ahead of the host's
+    # symmetric-memory barrier that tells the source ranks their rows are there.
+    gl.thread_barrier()
+    gl.atomic_add(error, 0, sem="release", scope="sys")
+
+
+@gluon.jit
+def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, x_desc, w1_desc, h_desc, w2_desc, x_scale,
+                        w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
+                        combine_ptrs, error, max_spin, HIDDEN, INTER, FP8: gl.constexpr,
+                        BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
+                        STAGES: gl.constexpr):
+    """One persistent program per table row (``tiles`` int32 [programs, max_tiles, 4],
+    ``num_tiles`` int32 [programs]); the schedule is the table, not this code.
+
+    Descriptors (row-major 2-D views, [64, BLOCK_K] blocks for the A operands): ``x_desc`` over
+    ``x [R, HIDDEN]``, ``h_desc`` over ``h [R, INTER]``, ``w1_desc`` over ``w1 [E·2·INTER, HIDDEN]``
+    with [BLOCK_N1, BLOCK_K] blocks, ``w2_desc`` over ``w2 [E·HIDDEN, INTER]`` with
+    [BLOCK_N2, BLOCK_K] blocks. ``h`` and the scales as in ``moe_fused.py`` (FP8 only: bf16
+    launches pass any pointer for the scales). ``row_ready`` int32 [R / 128], zero at launch."""
+    pid = gl.program_id(0)
+    my_tiles = tiles + pid * max_tiles * TILE_FIELDS
+    n_tiles = gl.load(num_tiles + pid)
+    b_rows: gl.constexpr = 2 * BLOCK_N1 if 2 * BLOCK_N1 > BLOCK_N2 else BLOCK_N2
+    a_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES, HALF_ROWS, BLOCK_K],
+                                       x_desc.layout)
+    b_smem = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, b_rows, BLOCK_K], w1_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one release per consumer warpgroup
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer, (0, my_tiles, n_tiles, a_smem, b_smem, ready, empty, x_scale, w1_scale,
+                     w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
+                     HIDDEN, INTER, FP8, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES)),
+        (_consumer, (1, my_tiles, n_tiles, a_smem, b_smem, ready, empty, x_scale, w1_scale,
+                     w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
+                     HIDDEN, INTER, FP8, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES)),
+        (_producer, (my_tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready,
+                     empty, row_ready, error, max_spin, HIDDEN, INTER, BLOCK_N1, BLOCK_N2,
+                     BLOCK_K, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

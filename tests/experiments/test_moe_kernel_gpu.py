@@ -1,0 +1,116 @@
+"""The gluon_ws fused MoE kernel on a Hopper GPU (skipped elsewhere: CI has no GPU).
+
+Run on the device machine: ``python -m pytest -q tests/experiments/test_moe_kernel_gpu.py``.
+Each case draws fresh inputs, poisons the Combine buffers with NaN, runs both schedules and checks
+them against each other (bitwise), against the float32 layer (quantization-matched in fp8), and
+that no row outside the routed ones was written.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xstage_lab.checks import relative_error
+from xstage_lab.experiments import moe
+from xstage_lab.experiments.moe_bench import TOLERANCE
+from xstage_lab.experiments.moe_schedules import (L1, L2, MoEProblem, Schedule, Tile, d_knee,
+                                                  expert_wave_schedule, interleaved_schedule)
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="needs an sm_90 GPU")
+
+SOURCES = 8          # Combine buffers standing for the source ranks
+LOCAL_EXPERTS = 4
+
+
+def _swiglu(v: torch.Tensor) -> torch.Tensor:
+    gate, up = v.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _case(model: str, precision: str, rows: int, seed: int):
+    """A layout of ``rows`` routed rows over four local experts from eight sources, the experts'
+    weights, and the float32 reference of every routed row (quantization-matched in fp8)."""
+    shape = moe.load_shapes()[model]
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    world = shape.routed_experts // LOCAL_EXPERTS
+    weights = moe.local_expert_weights(shape, 0, world, precision, seed=seed, device=dev)
+    expert = torch.randint(0, LOCAL_EXPERTS, (rows,), generator=g, device=dev)
+    counts = torch.bincount(torch.randint(0, SOURCES, (rows,), generator=g, device=dev),
+                            minlength=SOURCES).tolist()
+    slots = max(counts)
+    slot = torch.cat([torch.randperm(slots, generator=g, device=dev)[:c] for c in counts])
+    x = torch.randn(rows, shape.hidden, generator=g, device=dev).to(torch.bfloat16)
+    xq, xs = moe.quantize_rows_fp8(x) if precision == "fp8" else (x, None)
+    cfg = moe.default_tile_config(precision, "gluon_ws", hidden=shape.hidden)
+    layout = moe.build_layout(xq, xs, slot, expert, counts, LOCAL_EXPERTS, cfg.block_m)
+    ref = torch.empty(rows, shape.hidden, device=dev)
+    for e in range(LOCAL_EXPERTS):
+        w1, w2 = moe.expert_master_weights(shape, e, seed=seed, device=dev)
+        sel = expert == e
+        if precision == "fp8":
+            a = moe.dequantize_rows_fp8(xq[sel], xs[sel])
+            w1f = moe.dequantize_blocks_fp8(weights.w1[e], weights.w1_scale[e])
+            w2f = moe.dequantize_blocks_fp8(weights.w2[e], weights.w2_scale[e])
+            h = moe.dequantize_rows_fp8(*moe.quantize_rows_fp8(_swiglu(a @ w1f.t())))
+        else:
+            h = _swiglu(x[sel].float() @ w1.float().t()).to(torch.bfloat16).float()
+            w2f = w2.float()
+        ref[sel] = h @ w2f.t()
+    src = torch.repeat_interleave(torch.arange(SOURCES, device=dev), torch.tensor(counts, device=dev))
+    return shape, weights, layout, cfg, ref, src, slot, slots
+
+
+def _run(call, buffers):
+    for b in buffers:
+        b.fill_(float("nan"))
+    call()
+    torch.cuda.synchronize()
+    return torch.stack(buffers).clone()
+
+
+@pytest.mark.parametrize("precision", moe.PRECISIONS)
+@pytest.mark.parametrize("model", ["DeepSeek-V4-Flash", "DiT-MoE"])
+def test_both_schedules_match_the_reference(model, precision):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    shape, weights, layout, cfg, ref, src, slot, slots = _case(model, precision, 1500, seed=11)
+    buffers = [torch.empty(slots, shape.hidden, dtype=torch.bfloat16, device="cuda")
+               for _ in range(SOURCES)]
+    peers = moe.local_combine_peers(buffers)
+    problem = MoEProblem(layout.blocks_per_expert, shape.intermediate // cfg.block_n1,
+                         shape.hidden // cfg.block_n2)
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    schedules = [expert_wave_schedule(problem, programs),
+                 interleaved_schedule(problem, programs, d_knee(2 * cfg.block_n1, programs,
+                                                                shape.intermediate))]
+    outs = []
+    for schedule in schedules:
+        call = moe.prepare_fused_moe(layout, weights, schedule, peers, config=cfg)
+        outs.append(_run(call, buffers))
+        assert call.error_count() == 0
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    got = outs[0][src, slot].float()
+    bound = TOLERANCE[precision]["fp8_emulated" if precision == "fp8" else "fp32"]
+    assert relative_error(got, ref) <= bound
+    written = torch.zeros(SOURCES, slots, dtype=torch.bool, device="cuda")
+    written[src, slot] = True
+    assert not outs[0][written].isnan().any() and outs[0][~written].isnan().all()
+
+
+def test_unsatisfiable_schedule_ends_with_a_spin_error():
+    """A Linear-2 tile whose Linear-1 tiles never run: the bounded spin expires, the call returns
+    and reports it instead of hanging the GPU."""
+    shape, weights, layout, cfg, *_ , slots = _case("DeepSeek-V4-Flash", "bf16", 200, seed=3)
+    buffers = [torch.empty(slots, shape.hidden, dtype=torch.bfloat16, device="cuda")
+               for _ in range(SOURCES)]
+    first_expert = next(e for e, b in enumerate(layout.blocks_per_expert) if b)
+    row = sum(layout.blocks_per_expert[:first_expert])
+    schedule = Schedule("stuck", ((Tile(L2, first_expert, row, 0),),))
+    call = moe.prepare_fused_moe(layout, weights, schedule, moe.local_combine_peers(buffers),
+                                 config=cfg, max_spin_iters=1000, verify_schedule=False)
+    call()
+    torch.cuda.synchronize()
+    assert call.error_count() == 1
+    assert L1 != L2
