@@ -54,8 +54,8 @@ HALF_ROWS = gl.constexpr(64)   # rows per consumer warpgroup: wgmma's M per warp
 SCALE_BLOCK = gl.constexpr(128)
 E4M3_MAX = gl.constexpr(448.0)
 # Registers per thread of the consumer warpgroups and of the producer warp (setmaxnreg).
-CONSUMER_REGS = gl.constexpr(232)
-PRODUCER_REGS = gl.constexpr(48)
+CONSUMER_REGS = gl.constexpr(224)
+PRODUCER_REGS = gl.constexpr(56)
 
 
 @gluon.jit
