@@ -53,6 +53,7 @@ BLOCK_M = gl.constexpr(128)    # rows of a tile: the host layout pads every expe
 HALF_ROWS = gl.constexpr(64)   # rows per consumer warpgroup: wgmma's M per warpgroup
 SCALE_BLOCK = gl.constexpr(128)
 E4M3_MAX = gl.constexpr(448.0)
+TRACE_FIELDS = gl.constexpr(10)  # clock64 x 4, globaltimer x 4, smid, spins: moe_fused.py's
 # Registers per thread of the consumer warpgroups and of the producer warp (setmaxnreg).
 CONSUMER_REGS = gl.constexpr(224)
 PRODUCER_REGS = gl.constexpr(56)
@@ -74,7 +75,8 @@ def _load_acquire(counter):
 @gluon.jit
 def _wait_rows_ready(counter, needed, error, max_spin):
     """Acquire-spin until ``counter`` reaches ``needed``, at most ``max_spin`` polls (then count
-    an error and go on), then make the released ``h`` visible to this thread's TMA loads."""
+    an error and go on), then make the released ``h`` visible to this thread's TMA loads.
+    Returns the number of polls after the first."""
     ready = _load_acquire(counter)
     spins = 0
     while (ready < needed) & (spins < max_spin):
@@ -83,13 +85,30 @@ def _wait_rows_ready(counter, needed, error, max_spin):
     if ready < needed:
         gl.atomic_add(error, 1)
     _fence_proxy_async_global()
+    return spins
+
+
+@gluon.jit
+def _stamp(rec, point: gl.constexpr):
+    """Stamp ``point`` (0..3) of a tile record as ``moe_fused._stamp`` does: ``%clock64`` at
+    ``rec[point]``, ``%globaltimer`` at ``rec[4 + point]``, once every warp of this warpgroup got
+    here (its barrier)."""
+    gl.thread_barrier()
+    clk = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64,
+                                    is_pure=False, pack=1)
+    now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                    is_pure=False, pack=1)
+    gl.store(rec + point, clk)
+    gl.store(rec + 4 + point, now)
 
 
 @gluon.jit
 def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready, empty,
-              row_ready, error, max_spin, HIDDEN, INTER, BLOCK_N1: gl.constexpr,
-              BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    """The TMA warp: every K block of every tile of this program, in table order."""
+              row_ready, error, max_spin, trace, HIDDEN, INTER, BLOCK_N1: gl.constexpr,
+              BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              INSTRUMENT: gl.constexpr):
+    """The TMA warp: every K block of every tile of this program, in table order.
+    INSTRUMENT: a Linear-2 tile's spin count into its trace record."""
     l1_bytes: gl.constexpr = 2 * x_desc.block_type.nbytes + 2 * w1_desc.block_type.nbytes
     l2_bytes: gl.constexpr = 2 * h_desc.block_type.nbytes + w2_desc.block_type.nbytes
     it = 0  # K blocks issued by this program so far: stage it % STAGES, phase (it // STAGES) & 1
@@ -116,8 +135,10 @@ def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, 
                                                 b_smem.index(s).slice(BLOCK_N1, BLOCK_N1))
                 it += 1
         else:
-            _wait_rows_ready(row_ready + row0 // BLOCK_M, 2 * (INTER // BLOCK_N1), error,
-                             max_spin)
+            spins = _wait_rows_ready(row_ready + row0 // BLOCK_M, 2 * (INTER // BLOCK_N1),
+                                     error, max_spin)
+            if INSTRUMENT:
+                gl.store(trace + i * TRACE_FIELDS + 9, spins.to(gl.int64))
             w_row = expert * HIDDEN + n_block * BLOCK_N2
             for k in range(0, INTER, BLOCK_K):
                 s = it % STAGES
@@ -301,9 +322,17 @@ def _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base, n_
 @gluon.jit
 def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, x_scale,
               w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
-              HIDDEN, INTER, FP8: gl.constexpr, BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    """Rows [64·half, 64·half + 64) of every tile of this program, in table order."""
+              trace, HIDDEN, INTER, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
+              BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              INSTRUMENT: gl.constexpr):
+    """Rows [64·half, 64·half + 64) of every tile of this program, in table order.
+
+    INSTRUMENT (consumer 0 only, each stamp after its warpgroup's barrier): entry (0); the
+    tile's first K block in shared memory (1: for Linear-2 after the producer's acquire-spin, so
+    0 -> 1 is the wait for Linear-1 inputs, as in ``moe_fused.py``, plus any TMA latency the ring
+    did not hide); mainloop end (2); every store of the epilogue issued (3: for Linear-2, the
+    sender-visible span T_RS of the tile's Combine burst); ``%smid``."""
+    stamped: gl.constexpr = INSTRUMENT and half == 0
     row_layout: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1], [32, 1], [4, 1],
                                                                   [1, 0]))
     it = 0
@@ -314,18 +343,33 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
         n_block = gl.load(tiles + i * TILE_FIELDS + 3)
         row_base = row_block * BLOCK_M + half * HALF_ROWS
         rows = (row_base + gl.arange(0, HALF_ROWS, layout=row_layout)).to(gl.int64)
+        rec = trace + i * TRACE_FIELDS
+        if stamped:
+            _stamp(rec, 0)
+            smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                             is_pure=False, pack=1)
+            gl.store(rec + 8, smid.to(gl.int64))
+            # the first stage's data (a second wait on the same phase returns at once)
+            mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+            _stamp(rec, 1)
         if kind == TILE_L1:
             acc_g, acc_u, it = _linear1_mainloop(half, it, a_smem, b_smem, ready, empty, x_scale,
                                                  w1_scale, rows, expert, n_block, HIDDEN, INTER,
                                                  FP8, BLOCK_N1, BLOCK_K, STAGES)
+            if stamped:
+                _stamp(rec, 2)
             _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base, n_block,
                               INTER, FP8, BLOCK_N1)
         else:
             acc, it = _linear2_mainloop(half, it, a_smem, b_smem, ready, empty, h_scale,
                                         w2_scale, rows, expert, n_block, HIDDEN, INTER, FP8,
                                         BLOCK_N2, BLOCK_K, STAGES)
+            if stamped:
+                _stamp(rec, 2)
             _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base, n_block,
                                       HIDDEN, BLOCK_N2)
+        if stamped:
+            _stamp(rec, 3)
     # A system-scope release after the warpgroup's barrier: every remote Combine store of this
     # warpgroup is performed system-wide before the program exits, ahead of the host's
     # symmetric-memory barrier that tells the source ranks their rows are there.
@@ -336,9 +380,9 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
 @gluon.jit
 def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, x_desc, w1_desc, h_desc, w2_desc, x_scale,
                         w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
-                        combine_ptrs, error, max_spin, HIDDEN, INTER, FP8: gl.constexpr,
+                        combine_ptrs, error, max_spin, trace, HIDDEN, INTER, FP8: gl.constexpr,
                         BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
-                        STAGES: gl.constexpr):
+                        STAGES: gl.constexpr, INSTRUMENT: gl.constexpr = False):
     """One persistent program per table row (``tiles`` int32 [programs, max_tiles, 4],
     ``num_tiles`` int32 [programs]); the schedule is the table, not this code.
 
@@ -346,9 +390,12 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, x_desc, w1_desc, h_desc, w2
     ``x [R, HIDDEN]``, ``h_desc`` over ``h [R, INTER]``, ``w1_desc`` over ``w1 [E·2·INTER, HIDDEN]``
     with [BLOCK_N1, BLOCK_K] blocks, ``w2_desc`` over ``w2 [E·HIDDEN, INTER]`` with
     [BLOCK_N2, BLOCK_K] blocks. ``h`` and the scales as in ``moe_fused.py`` (FP8 only: bf16
-    launches pass any pointer for the scales). ``row_ready`` int32 [R / 128], zero at launch."""
+    launches pass any pointer for the scales). ``row_ready`` int32 [R / 128], zero at launch.
+    INSTRUMENT: ``trace`` is int64 [programs, max_tiles, TRACE_FIELDS] (``_consumer``); a separate
+    build, compared only with itself."""
     pid = gl.program_id(0)
     my_tiles = tiles + pid * max_tiles * TILE_FIELDS
+    my_trace = trace + pid * max_tiles * TRACE_FIELDS
     n_tiles = gl.load(num_tiles + pid)
     b_rows: gl.constexpr = 2 * BLOCK_N1 if 2 * BLOCK_N1 > BLOCK_N2 else BLOCK_N2
     a_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES, HALF_ROWS, BLOCK_K],
@@ -363,11 +410,13 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, x_desc, w1_desc, h_desc, w2
     gl.warp_specialize([
         (_consumer, (0, my_tiles, n_tiles, a_smem, b_smem, ready, empty, x_scale, w1_scale,
                      w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
-                     HIDDEN, INTER, FP8, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES)),
+                     my_trace, HIDDEN, INTER, FP8, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES,
+                     INSTRUMENT)),
         (_consumer, (1, my_tiles, n_tiles, a_smem, b_smem, ready, empty, x_scale, w1_scale,
                      w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
-                     HIDDEN, INTER, FP8, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES)),
+                     my_trace, HIDDEN, INTER, FP8, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES,
+                     INSTRUMENT)),
         (_producer, (my_tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready,
-                     empty, row_ready, error, max_spin, HIDDEN, INTER, BLOCK_N1, BLOCK_N2,
-                     BLOCK_K, STAGES)),
+                     empty, row_ready, error, max_spin, my_trace, HIDDEN, INTER, BLOCK_N1,
+                     BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

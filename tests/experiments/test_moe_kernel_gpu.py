@@ -114,3 +114,26 @@ def test_unsatisfiable_schedule_ends_with_a_spin_error():
     torch.cuda.synchronize()
     assert call.error_count() == 1
     assert L1 != L2
+
+
+@pytest.mark.parametrize("precision", moe.PRECISIONS)
+def test_instrumented_build_stamps_every_tile_and_changes_no_output(precision):
+    shape, weights, layout, cfg, ref, src, slot, slots = _case("Qwen3.5", precision, 1200, seed=5)
+    buffers = [torch.empty(slots, shape.hidden, dtype=torch.bfloat16, device="cuda")
+               for _ in range(SOURCES)]
+    peers = moe.local_combine_peers(buffers)
+    problem = MoEProblem(layout.blocks_per_expert, shape.intermediate // cfg.block_n1,
+                         shape.hidden // cfg.block_n2)
+    schedule = expert_wave_schedule(problem, torch.cuda.get_device_properties(0).multi_processor_count)
+    plain = _run(moe.prepare_fused_moe(layout, weights, schedule, peers, config=cfg), buffers)
+    traced_call = moe.prepare_fused_moe(layout, weights, schedule, peers, config=cfg,
+                                        instrument=True)
+    traced = _run(traced_call, buffers)
+    assert traced_call.error_count() == 0
+    assert torch.equal(plain.view(torch.int16), traced.view(torch.int16))
+    counts = [len(p) for p in schedule.programs]
+    trace = traced_call.trace.cpu()
+    for g, c in enumerate(counts):
+        stamps = trace[g, :c, :8]
+        assert (stamps >= 0).all() and (stamps[:, 1:4] >= stamps[:, 0:3]).all()
+        assert (trace[g, c:] == -1).all()

@@ -37,7 +37,7 @@ def ws_module():
     return module
 
 
-def _compile(module, precision: str, cfg: moe.TileConfig):
+def _compile(module, precision: str, cfg: moe.TileConfig, instrument: bool = False):
     """The kernel for sm_90 with the argument types ``moe._prepare_ws_call`` passes."""
     dtype, name = (gl.float8e4nv, "fp8e4nv") if precision == "fp8" else (gl.bfloat16, "bf16")
     half, bk = cfg.block_m // 2, cfg.block_k
@@ -52,13 +52,14 @@ def _compile(module, precision: str, cfg: moe.TileConfig):
                  "w2_desc": desc(cfg.block_n2), "x_scale": scale, "w1_scale": scale,
                  "w2_scale": scale, "h": f"*{name}", "h_scale": scale, "row_ready": "*i32",
                  "row_src": "*i32", "row_slot": "*i32", "combine_ptrs": "*i64", "error": "*i32",
-                 "max_spin": "i32", "HIDDEN": "i32", "INTER": "i32", "FP8": "constexpr",
-                 "BLOCK_N1": "constexpr", "BLOCK_N2": "constexpr", "BLOCK_K": "constexpr",
-                 "STAGES": "constexpr"}
+                 "max_spin": "i32", "trace": "*i64" if instrument else "*i32", "HIDDEN": "i32",
+                 "INTER": "i32", "FP8": "constexpr", "BLOCK_N1": "constexpr",
+                 "BLOCK_N2": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr",
+                 "INSTRUMENT": "constexpr"}
     names = list(signature)
     constexprs = {(names.index(k),): v for k, v in dict(
         FP8=precision == "fp8", BLOCK_N1=cfg.block_n1, BLOCK_N2=cfg.block_n2, BLOCK_K=bk,
-        STAGES=cfg.num_stages).items()}
+        STAGES=cfg.num_stages, INSTRUMENT=instrument).items()}
     # what Triton's launcher specializes: 16-byte aligned tensors, ints divisible by 16
     aligned = {(names.index(k),): [["tt.divisibility", 16]]
                for k, v in signature.items() if v.startswith("*")}
@@ -167,5 +168,24 @@ def test_launch_arguments(monkeypatch, precision):
     assert w1_desc.shape == [2 * 2 * 2048, 4096] and w2_desc.shape == [2 * 4096, 2048]
     assert (call.args[7].dtype == torch.float32) == (precision == "fp8")
     assert call.constexprs["FP8"] == (precision == "fp8")
-    with pytest.raises(moe.MoEContractError, match="no instrumented or fenced build"):
-        _tiny_call(precision, instrument=True)
+    with pytest.raises(moe.MoEContractError, match="no fenced build"):
+        _tiny_call(precision, fence=True)
+    traced = _tiny_call(precision, instrument=True)
+    assert traced.constexprs["INSTRUMENT"] and traced.args[-3] is traced.trace
+    assert traced.trace.shape == (4, traced.args[2], moe.TRACE_FIELDS) and (traced.trace == -1).all()
+
+
+@pytest.mark.parametrize("precision", moe.PRECISIONS)
+def test_instrumented_build_stamps_each_tile_and_keeps_its_resources(ws_module, precision):
+    """The traced build reads %clock64 and %globaltimer at the four points of a tile (in one
+    consumer partition) and %smid, and stays free of spills and serialized wgmma, so the mainloops it
+    times are the timed build's."""
+    cfg = moe.default_tile_config(precision, "gluon_ws", hidden=4096)
+    plain = _compile(ws_module, precision, cfg).asm["ptx"]
+    k = _compile(ws_module, precision, cfg, instrument=True)
+    ptx, report = k.asm["ptx"], ptxas_report(k.asm["ptx"])
+    assert "%globaltimer" not in plain
+    # entry, first K block, epilogue end, and the mainloop end in each tile kind's branch
+    assert ptx.count("%globaltimer;") == ptx.count("%clock64;") == 5
+    assert ptx.count("%smid;") == 1
+    assert report["spill_store_bytes"] == 0 and not report["wgmma_serialized"]
