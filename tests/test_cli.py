@@ -2,6 +2,10 @@
 import subprocess
 import sys
 
+import pytest
+
+from xstage_lab.__main__ import build_parser, main
+
 
 def test_calibrate_needs_the_calibration_sweeps():
     out = subprocess.run([sys.executable, "-m", "xstage_lab", "characterize", "--only", "gap",
@@ -25,3 +29,131 @@ def test_measure_all_names_only_known_measurements():
     out = subprocess.run([sys.executable, "-m", "xstage_lab", "measure-all", "--only", "nonsense"],
                          capture_output=True, text=True)
     assert out.returncode != 0 and "invalid choice" in out.stderr
+
+
+# Issue 20: each user mistake is one line on stderr and exit code 2, never a traceback.
+
+def _one_line(returncode: int, stderr: str) -> str:
+    assert returncode == 2, stderr
+    assert "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr
+    return stderr
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["reproduce", "--only", "nosuch"], "no notebook named ['nosuch']"),
+    (["calibrate", "/nonexistent/record.parquet"], "no such file"),
+    (["characterize", "--src", "0", "--dst", "0"], "--src and --dst must be two GPUs"),
+    (["characterize", "--repeats", "-1"], "at least 1"),
+    (["visibility", "--src", "1", "--dst", "1"], "--src and --dst must be two GPUs"),
+    (["summary", "--root", "/nonexistent/records"], "no records folder"),
+    (["characterize", "--only", "gap", "--calibrate"], "--calibrate needs the sweeps"),
+])
+def test_a_mistake_is_one_line_and_exit_code_2(argv, says):
+    out = subprocess.run([sys.executable, "-m", "xstage_lab", *argv], capture_output=True,
+                         text=True)
+    assert says in _one_line(out.returncode, out.stderr)
+
+
+def test_summary_of_an_empty_root_is_an_error(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "xstage_lab", "summary", "--root", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert "no records under" in _one_line(out.returncode, out.stderr)
+
+
+def _run(capsys, *argv) -> tuple[int, str]:
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+@pytest.fixture
+def no_gpus(monkeypatch):
+    """This machine without GPUs, whatever it has."""
+    from xstage_lab import platform
+
+    monkeypatch.setattr(platform, "inventory", lambda: platform.Inventory(error="no GPU (test)"))
+
+
+@pytest.fixture
+def gpus_untouched(monkeypatch):
+    """Fail where the command looks at the GPUs (CuPy's import included)."""
+    from xstage_lab import platform
+
+    def touched():
+        raise AssertionError("the GPUs were looked at before the arguments were checked")
+    monkeypatch.setattr(platform, "inventory", touched)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # importing it raises ImportError
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["reproduce", "--backend", "cuda"], "needs two peer-capable GPUs"),
+    (["characterize-beyond"], "needs two peer-capable GPUs"),
+    (["characterize-beyond", "--only", "patterns"], "needs two peer-capable GPUs"),
+    (["characterize"], "needs two peer-capable GPUs"),
+    (["visibility"], "needs two peer-capable GPUs"),
+    (["measure-all"], "needs two peer-capable GPUs"),
+])
+def test_without_gpus_a_gpu_command_is_one_line(capsys, no_gpus, argv, says):
+    rc, err = _run(capsys, *argv)
+    assert says in _one_line(rc, err)
+
+
+@pytest.mark.parametrize("argv", [
+    ["characterize", "--src", "0", "--dst", "0"],
+    ["characterize", "--repeats", "-1"],
+    ["characterize", "--repeats", "0"],
+    ["characterize", "--src", "-1"],
+    ["characterize", "--only", "nosuch"],
+    ["characterize-beyond", "--src", "1", "--dst", "1"],
+    ["characterize-beyond", "--repeats", "-1"],
+    ["visibility", "--src", "0", "--dst", "0"],
+    ["visibility", "--repeats", "x"],
+    ["reproduce", "--backend", "cuda", "--only", "nosuch"],
+])
+def test_arguments_are_checked_before_the_gpus(capsys, gpus_untouched, argv):
+    _one_line(*_run(capsys, *argv))
+
+
+def test_calibrate_refuses_a_record_of_another_experiment(capsys, tmp_path):
+    import pandas as pd
+
+    from xstage_lab.records import write_record
+
+    path = write_record("moe", "test-x2", pd.DataFrame({"a": [1]}), {}, {}, root=tmp_path)
+    rc, err = _run(capsys, "calibrate", str(path), "--root", str(tmp_path))
+    assert "not a 'remote_store' one" in _one_line(rc, err)
+    plain = tmp_path / "plain.parquet"
+    plain.write_text("not parquet")
+    _one_line(*_run(capsys, "calibrate", str(plain), "--root", str(tmp_path)))
+
+
+def test_every_option_has_help_and_no_issue_number():
+    import argparse
+    import re
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    texts = [c.help for c in commands._choices_actions] + [parser.description]
+    for name, sub in commands.choices.items():
+        for action in sub._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+            texts.append(action.help)
+    for text in texts:
+        assert not re.search(r"\bissues? \d", text), text
+
+
+def test_characterize_names_every_sweep():
+    from xstage_lab.__main__ import SWEEPS
+    from xstage_lab.experiments.remote_store import characterization_sweeps
+
+    assert SWEEPS == tuple(s.name for s in characterization_sweeps(132, 2))
+
+
+def test_summary_prints_a_table_per_platform(eight_gpu_root):
+    out = subprocess.run([sys.executable, "-m", "xstage_lab", "summary", "--root",
+                          str(eight_gpu_root)], capture_output=True, text=True, check=True).stdout
+    assert "== h200-x2 ==" in out and "== h200-x8 ==" in out
+    assert "calibration.R_GBps " in out and "h200-x8: fa_a2a" in out
+    assert not out.lstrip().startswith("{")

@@ -211,6 +211,22 @@ def test_interleaving_condition_eqs_12_to_14_hand_worked():
     assert model.interleaving_sufficient(v, 0.5, 400.0, 2.0, 1.5, n1=2, n2=1)      # 2+3.0 = 5.0
 
 
+def test_eq_14_spreads_linear_1_work_over_n2_linear_2_tiles():
+    """n2 > 1: each Linear-2 gap gains (n1/n2)·T_L1^mma, not n1·T_L1^mma; n2 on either side of
+    eq. 14 matters. Same V/R = 5.24288, T_iss^0 = 0.5, T_L2 = 2, T_L1 = 1.5 as above."""
+    assert model.interleaved_gap(2.0, 1.5, n1=3, n2=2) == pytest.approx(4.25)  # 2 + 1.5·3/2
+    v = 2 * 1024 * 1024
+    # 0.5 + 2 + 1.5·3/2 = 4.75 < 5.24288 (without n2: 7.0, sufficient)
+    assert not model.interleaving_sufficient(v, 0.5, 400.0, 2.0, 1.5, n1=3, n2=2)
+    # 0.5 + 2 + 1.5·4/2 = 5.5 >= 5.24288 (n2 on the left only: 10.49 > 2.5 + 6, not sufficient)
+    assert model.interleaving_sufficient(v, 0.5, 400.0, 2.0, 1.5, n1=4, n2=2)
+    # eq. 14 holds exactly where eq. 12's gap reaches G* = V/R − T_iss^0 (eq. 5)
+    g_star = float(model.recovery_gap(v, 0.5, 400.0))
+    for n1, n2 in [(1, 2), (3, 2), (4, 2), (7, 4), (8, 4), (11, 3)]:
+        assert model.interleaving_sufficient(v, 0.5, 400.0, 2.0, 1.5, n1, n2) == \
+            (model.interleaved_gap(2.0, 1.5, n1, n2) >= g_star), (n1, n2)
+
+
 def test_verdict_agrees_with_a_measured_excess_beyond_its_tolerance():
     # piggyback: no cost predicted, so the excess must stay at or below the tolerance
     assert model.verdict_agrees("piggyback", 0.1, 0.2)

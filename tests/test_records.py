@@ -188,3 +188,88 @@ def test_committed_errata_name_committed_records():
     named = [*errata["provenance.git_commit"], *errata["invalid"]["records"]]
     for key in named:
         assert (records.RECORDS_DIR / f"{key}.parquet").is_file(), key
+
+
+def _mark_invalid(root: Path, *paths: Path) -> None:
+    (root / "errata.json").write_text(json.dumps({"invalid": {
+        "why": "measured with the wrong kernel",
+        "records": [f"{p.parents[1].name}/{p.parent.name}/{p.stem}" for p in paths]}}))
+
+
+def test_records_the_errata_mark_invalid_are_never_listed(tmp_path, monkeypatch):
+    _freeze(monkeypatch, T1)
+    good = write_record("remote_ops", "h200-x2", _table(0.0), {"n": "good"}, {}, root=tmp_path)
+    _freeze(monkeypatch, T2)
+    bad = write_record("remote_ops", "h200-x2", _table(1.0), {"n": "bad"}, {}, root=tmp_path)
+    alone = write_record("remote_ops", "h100-x8", _table(2.0), {}, {}, root=tmp_path)
+    _mark_invalid(tmp_path, bad, alone)
+
+    assert list_records("remote_ops", root=tmp_path) == [good]
+    assert platforms("remote_ops", root=tmp_path) == ["h200-x2"]
+    assert latest_record("remote_ops", "h200-x2", root=tmp_path).path == good
+    assert resolve_record("remote_ops", "h200-x2", None, root=tmp_path).path == good
+    with pytest.raises(FileNotFoundError):
+        latest_record("remote_ops", "h100-x8", root=tmp_path)
+    # the same file under a root without errata is an ordinary record
+    other = tmp_path / "other" / "remote_ops" / "h200-x2" / bad.name
+    other.parent.mkdir(parents=True)
+    other.write_bytes(bad.read_bytes())
+    assert latest_record("remote_ops", "h200-x2", root=tmp_path / "other").path == other
+
+
+def test_loading_an_invalid_record_by_name_names_the_errata_entry(tmp_path):
+    bad = write_record("remote_ops", "h200-x2", _table(), {}, {}, root=tmp_path)
+    _mark_invalid(tmp_path, bad)
+    key = f"remote_ops/h200-x2/{bad.stem}"
+    for load in (lambda: resolve_record("remote_ops", "h200-x2", bad.stem, root=tmp_path),
+                 lambda: resolve_record("remote_ops", "h200-x2", str(bad), root=tmp_path),
+                 lambda: read_record(bad)):
+        with pytest.raises(records.InvalidRecordError) as e:
+            load()
+        assert key in str(e.value) and str(tmp_path / "errata.json") in str(e.value)
+        assert "measured with the wrong kernel" in str(e.value)
+
+
+def test_errata_are_reread_when_they_change(tmp_path):
+    path = write_record("remote_ops", "h200-x2", _table(), {}, {}, root=tmp_path)
+    assert list_records("remote_ops", root=tmp_path) == [path]  # no errata yet
+    _mark_invalid(tmp_path, path)
+    assert list_records("remote_ops", root=tmp_path) == []
+
+
+def test_summary_leaves_out_invalid_records(tmp_path):
+    from xstage_lab.summary import FA_A2A_KEYS, summary
+
+    def moe(speedup):
+        return pd.DataFrame([{"model": "m", "precision": "fp8", "routing": "skewed", "tokens": 4096,
+                              "wave_us": 10.0 * speedup, "interleaved_us": 10.0,
+                              "unfused_us": 30.0, "speedup": speedup}])
+
+    def fa_a2a(fa_us):
+        return pd.DataFrame([dict(dict.fromkeys(FA_A2A_KEYS, 1.0), M=8192, heads=24, head_dim=128,
+                                  P=2, fa_us=fa_us)])
+
+    def at(hour):
+        return datetime(2026, 12, 1, hour, tzinfo=timezone.utc)
+
+    write_record("moe", "test-x2", moe(1.5), {}, {}, tmp_path, created=at(1))
+    bad_moe = write_record("moe", "test-x2", moe(0.5), {}, {}, tmp_path, created=at(2))
+    write_record("fa_a2a", "test-x2", fa_a2a(100.0), {}, {}, tmp_path, created=at(1))
+    bad_fa = write_record("fa_a2a", "test-x2", fa_a2a(999.0), {}, {}, tmp_path, created=at(2))
+    only_bad = write_record("moe", "test-x8", moe(0.5), {}, {}, tmp_path, created=at(2))
+    _mark_invalid(tmp_path, bad_moe, bad_fa, only_bad)
+
+    s = summary(root=tmp_path)["platforms"]
+    assert set(s) == {"test-x2"}
+    assert s["test-x2"]["moe"]["max_speedup"] == 1.5
+    assert [row["fa_us"] for row in s["test-x2"]["fa_a2a"]] == [100.0]
+
+
+def test_committed_invalid_records_are_out_of_replay():
+    errata = json.loads((records.RECORDS_DIR / records.ERRATA_FILE).read_text())
+    for key in errata["invalid"]["records"]:
+        experiment, platform, record_id = key.split("/")
+        assert record_id not in [p.stem for p in list_records(experiment, platform)]
+        assert latest_record(experiment, platform).record_id != record_id
+        with pytest.raises(records.InvalidRecordError, match=key):
+            resolve_record(experiment, platform, record_id)

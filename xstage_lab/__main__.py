@@ -1,5 +1,8 @@
-"""Command line: ``python -m xstage_lab {characterize,calibrate,visibility,import-bench,
-measure-all,reproduce,summary}``."""
+"""Command line: ``python -m xstage_lab {characterize,characterize-beyond,calibrate,import-bench,
+visibility,measure-all,reproduce,summary}``.
+
+A user's mistake ends in one line on stderr and exit code 2, never a traceback; the arguments are
+checked before CuPy or a GPU is touched."""
 from __future__ import annotations
 
 import argparse
@@ -10,12 +13,80 @@ from pathlib import Path
 from .launch import BENCHMARKS, measurement_names
 from .records import RECORDS_DIR
 
+# The sweeps of ``remote_store.characterization_sweeps``, by name (checked by a test).
+SWEEPS = ("drain_rate", "gap", "isolated", "fenced", "lines", "pairs")
+
+
+class UsageError(Exception):
+    """A user's mistake: ``main`` prints it as one line on stderr and returns 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line on stderr (no usage block), exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _count(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return n
+
+
+def _gpu(text: str) -> int:
+    """argparse type: a GPU index (0 or more)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be a GPU index (0, 1, ...), got {text!r}")
+    return n
+
+
+def _distinct(src: int, dst: int) -> None:
+    if src == dst:
+        raise UsageError(f"--src and --dst must be two GPUs, got {src} for both")
+
+
+def _need_gpus(*pairs: tuple[int, int], what: str = "this command") -> None:
+    """Stop unless this machine has two peer-capable GPUs and each (src, dst) of ``pairs`` is a
+    peer pair among them. Imports CuPy: call it after the arguments are checked."""
+    from .platform import inventory
+
+    inv = inventory()
+    if inv.peer_capable_gpus < 2:
+        raise UsageError(f"{what} needs two peer-capable GPUs; this machine has {len(inv.gpus)} "
+                         f"GPU(s), {inv.peer_capable_gpus} peer-capable"
+                         + (f" ({inv.error})" if inv.error else ""))
+    for src, dst in pairs:
+        if max(src, dst) >= len(inv.gpus):
+            raise UsageError(f"--src {src} --dst {dst}: this machine has GPUs "
+                             f"0..{len(inv.gpus) - 1}")
+        if not inv.can_access_peer(src, dst):
+            raise UsageError(f"GPU {src} has no peer access to GPU {dst}")
+
+
+def _existing_file(path: Path) -> Path:
+    if not path.is_file():
+        raise UsageError(f"no such file: {path}")
+    return path
+
 
 def _characterize(args) -> int:
-    from .experiments.remote_store import CALIBRATION_SWEEPS, run_characterization
+    from .experiments.remote_store import CALIBRATION_SWEEPS
 
     if args.calibrate and args.only and not set(CALIBRATION_SWEEPS) <= set(args.only):
-        raise SystemExit(f"--calibrate needs the sweeps {CALIBRATION_SWEEPS} among --only")
+        raise UsageError(f"--calibrate needs the sweeps {CALIBRATION_SWEEPS} among --only")
+    _distinct(args.src, args.dst)
+    _need_gpus((args.src, args.dst))
+    from .experiments.remote_store import run_characterization
 
     path = run_characterization(repeats=args.repeats, src=args.src, dst=args.dst,
                                 only=tuple(args.only) if args.only else None, root=args.root)
@@ -30,6 +101,9 @@ def _characterize_beyond(args) -> int:
     import time
     import traceback
 
+    if "ops" in args.only:
+        _distinct(args.src, args.dst)
+    _need_gpus(*([(args.src, args.dst)] if "ops" in args.only else []))
     from .experiments.injection_patterns import run_patterns
     from .experiments.remote_ops import run_operations
 
@@ -50,7 +124,15 @@ def _characterize_beyond(args) -> int:
 
 def _calibrate(args) -> int:
     from .experiments.remote_store import write_calibration
+    from .records import read_record
 
+    try:
+        rec = read_record(_existing_file(args.record))
+    except ValueError as e:  # not Parquet, no header, or marked invalid by the errata
+        raise UsageError(str(e)) from None
+    if rec.meta["experiment"] != "remote_store":
+        raise UsageError(f"{args.record} is a {rec.meta['experiment']!r} record, "
+                         "not a 'remote_store' one")
     print(f"wrote {write_calibration(args.record, root=args.root)}")
     return 0
 
@@ -58,11 +140,13 @@ def _calibrate(args) -> int:
 def _import_bench(args) -> int:
     from .records import import_bench_json
 
-    print(f"wrote {import_bench_json(args.file, args.experiment, root=args.root)}")
+    print(f"wrote {import_bench_json(_existing_file(args.file), args.experiment, root=args.root)}")
     return 0
 
 
 def _visibility(args) -> int:
+    _distinct(args.src, args.dst)
+    _need_gpus((args.src, args.dst))
     from .experiments.visibility import run_visibility
 
     print(f"wrote {run_visibility(src=args.src, dst=args.dst, repeats=args.repeats, root=args.root)}")
@@ -70,6 +154,7 @@ def _visibility(args) -> int:
 
 
 def _measure_all(args) -> int:
+    _need_gpus()
     from .launch import measure_all
 
     for path in measure_all(root=args.root, only=args.only):
@@ -78,91 +163,112 @@ def _measure_all(args) -> int:
 
 
 def _reproduce(args) -> int:
-    from .runner import reproduce
+    from .runner import notebooks, reproduce
 
+    try:
+        notebooks(args.only)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.backend == "cuda":
+        _need_gpus(what="--backend cuda")
     return reproduce(only=args.only, backend=args.backend, out=args.out)
 
 
 def _summary(args) -> int:
-    from .summary import summary
+    from .summary import format_summary, summary
 
+    if not args.root.is_dir():
+        raise UsageError(f"no records folder {args.root}")
     s = summary(root=args.root)
-    print(json.dumps(s, indent=2) if args.json else _format_summary(s))
+    if not s["platforms"]:
+        raise UsageError(f"no records under {args.root}")
+    print(json.dumps(s, indent=2) if args.json else format_summary(s))
     return 0
 
 
-def _format_summary(s: dict) -> str:
-    lines = []
-    for platform, entries in s["platforms"].items():
-        lines.append(platform)
-        for key, value in entries.items():
-            lines.append(f"  {key}: {json.dumps(value)}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m xstage_lab")
-    sub = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m xstage_lab",
+                     description="The X-Stage workbench: measure on this node's GPUs, keep the "
+                                 "results as records, replay them.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    root_help = "records root (default: the committed data/records)"
 
     p = sub.add_parser("characterize", help="run the remote-store sweeps (Fig. 3) on this machine")
-    p.add_argument("--repeats", type=int, default=11)
-    p.add_argument("--src", type=int, default=0)
-    p.add_argument("--dst", type=int, default=1)
-    p.add_argument("--only", nargs="*", help="sweep names (drain_rate gap isolated lines pairs)")
-    p.add_argument("--root", type=Path, default=RECORDS_DIR, help="records root")
+    p.add_argument("--repeats", type=_count, default=11, help="launches per point (default: 11)")
+    p.add_argument("--src", type=_gpu, default=0, help="GPU that stores (default: 0)")
+    p.add_argument("--dst", type=_gpu, default=1, help="GPU stored to (default: 1)")
+    p.add_argument("--only", nargs="*", choices=SWEEPS, metavar="SWEEP",
+                   help=f"these sweeps only, of {' '.join(SWEEPS)} (default: all)")
+    p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.add_argument("--calibrate", action="store_true", help="also write the calibration record")
     p.set_defaults(func=_characterize)
 
     p = sub.add_parser("characterize-beyond",
-                       help="injection patterns and remote operations (issue 6)")
-    p.add_argument("--only", nargs="+", choices=("patterns", "ops"), default=["patterns", "ops"])
-    p.add_argument("--repeats", type=int, default=None,
+                       help="injection patterns on every GPU and remote operations beyond "
+                            "16-byte stores")
+    p.add_argument("--only", nargs="+", choices=("patterns", "ops"), default=["patterns", "ops"],
+                   help="these parts only (default: both)")
+    p.add_argument("--repeats", type=_count, default=None,
                    help="per point (default: 5; the patterns on more than four GPUs: 3)")
-    p.add_argument("--src", type=int, default=0, help="source GPU of the operations")
-    p.add_argument("--dst", type=int, default=1, help="destination GPU of the operations")
-    p.add_argument("--root", type=Path, default=RECORDS_DIR, help="records root")
+    p.add_argument("--src", type=_gpu, default=0, help="source GPU of the operations (default: 0)")
+    p.add_argument("--dst", type=_gpu, default=1,
+                   help="destination GPU of the operations (default: 1)")
+    p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.set_defaults(func=_characterize_beyond)
 
     p = sub.add_parser("calibrate", help="fit M_X from a remote_store record into a calibration record")
     p.add_argument("record", type=Path, help="path of a remote_store record")
-    p.add_argument("--root", type=Path, default=RECORDS_DIR)
+    p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("import-bench", help="save a benchmark's JSON output as a record (a "
                                             "torchrun benchmark's, or fa_tuning: "
                                             "attention_bench --fa-only)")
-    p.add_argument("file", type=Path)
-    p.add_argument("--experiment", required=True, choices=sorted(BENCHMARKS) + ["fa_tuning"])
-    p.add_argument("--root", type=Path, default=RECORDS_DIR)
+    p.add_argument("file", type=Path, help="the benchmark's JSON output")
+    p.add_argument("--experiment", required=True, choices=sorted(BENCHMARKS) + ["fa_tuning"],
+                   help="the experiment the record belongs to")
+    p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.set_defaults(func=_import_bench)
 
-    p = sub.add_parser("visibility", help="receiver-side remote-visible completion latency "
-                       "(issue 8 part 2), with the two GPUs' clocks aligned by ping-pong")
-    p.add_argument("--src", type=int, default=0)
-    p.add_argument("--dst", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--root", type=Path, default=RECORDS_DIR, help="records root")
+    p = sub.add_parser("visibility", help="receiver-side remote-visible completion latency, with "
+                                          "the two GPUs' clocks aligned by ping-pong")
+    p.add_argument("--src", type=_gpu, default=0, help="GPU that stores (default: 0)")
+    p.add_argument("--dst", type=_gpu, default=1, help="GPU that observes (default: 1)")
+    p.add_argument("--repeats", type=_count, default=5, help="launches per point (default: 5)")
+    p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.set_defaults(func=_visibility)
 
     p = sub.add_parser("measure-all", help="every experiment live on this machine, as records")
-    p.add_argument("--root", type=Path, default=RECORDS_DIR)
+    p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.add_argument("--only", nargs="+", choices=measurement_names(),
                    help="these measurements only, in this order (default: all)")
     p.set_defaults(func=_measure_all)
 
     p = sub.add_parser("reproduce", help="run every notebook headlessly (papermill)")
-    p.add_argument("--only", action="append", help="notebook name (repeatable)")
-    p.add_argument("--backend", choices=("auto", "cuda", "replay"), default="auto")
-    p.add_argument("--out", type=Path, default=Path("out"))
+    p.add_argument("--only", action="append",
+                   help="notebook name, with or without its number (repeatable; default: all)")
+    p.add_argument("--backend", choices=("auto", "cuda", "replay"), default="auto",
+                   help="cuda: measure live; replay: the committed records; auto: cuda where "
+                        "two peer-capable GPUs exist (default)")
+    p.add_argument("--out", type=Path, default=Path("out"),
+                   help="folder for the executed notebooks and figures (default: out)")
     p.set_defaults(func=_reproduce)
 
-    p = sub.add_parser("summary", help="headline numbers of the committed records")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--root", type=Path, default=RECORDS_DIR)
+    p = sub.add_parser("summary", help="headline numbers of the records, a table per platform")
+    p.add_argument("--json", action="store_true", help="every number, as JSON")
+    p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.set_defaults(func=_summary)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"{parser.prog} {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ A record is one Parquet file, ``data/records/<experiment>/<platform>/<record_id>
 schema metadata carries a JSON header (experiment, platform, creation time, the parameters of the
 run and the platform's provenance). The record id is the UTC creation time plus a digest of the
 table, so a rerun adds a new file; writing never replaces an existing one. Corrections to a
-record's header go into ``errata.json`` beside the experiments (``Record.git_commit`` reads it).
+record's header go into ``errata.json`` beside the experiments (``Record.git_commit`` reads it);
+records it marks invalid are left out of every listing, and reading one raises
+``InvalidRecordError``.
 """
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ ERRATA_FILE = "errata.json"
 
 class RecordExistsError(FileExistsError):
     """Raised instead of overwriting a record: records are append-only."""
+
+
+class InvalidRecordError(ValueError):
+    """Raised on reading a record that the errata of its records root mark invalid."""
 
 
 @dataclass(frozen=True)
@@ -63,9 +69,37 @@ class Record:
         return corrected.get(key, self.provenance.get("git_commit", "unknown"))
 
 
-@lru_cache(maxsize=None)
 def _errata(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """The errata file ``path`` ({} where there is none), reread when it changes."""
+    try:
+        stamp = path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return {}
+    return _read_errata(path, stamp)
+
+
+@lru_cache(maxsize=None)
+def _read_errata(path: Path, stamp: int) -> dict:
+    return json.loads(path.read_text())
+
+
+def _invalid(root: Path) -> set[str]:
+    """Keys (``experiment/platform/record_id``) of the records that ``root``'s errata mark
+    invalid."""
+    return set(_errata(root / ERRATA_FILE).get("invalid", {}).get("records", []))
+
+
+def _check_valid(path: Path, meta: dict) -> None:
+    """Raise ``InvalidRecordError`` where the errata of ``path``'s records root list it invalid."""
+    parents = path.resolve().parents
+    if len(parents) < 3:
+        return
+    errata_path = parents[2] / ERRATA_FILE
+    key = f"{meta['experiment']}/{meta['platform']}/{meta['record_id']}"
+    invalid = _errata(errata_path).get("invalid", {})
+    if key in invalid.get("records", []):
+        raise InvalidRecordError(f"record {key} is listed under 'invalid' in {errata_path}: "
+                                 f"{invalid.get('why', 'no reason given')}")
 
 
 def write_record(experiment: str, platform: str, table: pd.DataFrame, params: dict,
@@ -101,14 +135,23 @@ def read_record(path: Path | str) -> Record:
     meta_raw = (arrow.schema.metadata or {}).get(_META_KEY)
     if meta_raw is None:
         raise ValueError(f"{path} is not an xstage_lab record (no provenance header)")
-    return Record(path=path, table=arrow.to_pandas(), meta=json.loads(meta_raw))
+    meta = json.loads(meta_raw)
+    _check_valid(path, meta)
+    return Record(path=path, table=arrow.to_pandas(), meta=meta)
+
+
+def _all_records(experiment: str, platform: str | None, root: Path) -> list[Path]:
+    pattern = f"{platform}/*.parquet" if platform else "*/*.parquet"
+    return sorted((root / experiment).glob(pattern), key=lambda p: p.name)
 
 
 def list_records(experiment: str, platform: str | None = None,
                  root: Path = RECORDS_DIR) -> list[Path]:
-    """Paths of the records of ``experiment`` (on ``platform`` if given), oldest first."""
-    pattern = f"{platform}/*.parquet" if platform else "*/*.parquet"
-    return sorted((root / experiment).glob(pattern), key=lambda p: p.name)
+    """Paths of the records of ``experiment`` (on ``platform`` if given), oldest first, less those
+    the errata of ``root`` mark invalid."""
+    invalid = _invalid(root)
+    return [p for p in _all_records(experiment, platform, root)
+            if f"{experiment}/{p.parent.name}/{p.stem}" not in invalid]
 
 
 def platforms(experiment: str, root: Path = RECORDS_DIR) -> list[str]:
@@ -124,13 +167,14 @@ def latest_record(experiment: str, platform: str, root: Path = RECORDS_DIR) -> R
 
 def resolve_record(experiment: str, platform: str, record: str | None,
                    root: Path = RECORDS_DIR) -> Record:
-    """The record named ``record`` (an id or a path), or the platform's latest when None."""
+    """The record named ``record`` (an id or a path), or the platform's latest when None; one the
+    errata mark invalid raises ``InvalidRecordError``."""
     if record is None:
         return latest_record(experiment, platform, root)
     candidate = Path(record)
     if candidate.suffix == ".parquet" and candidate.exists():
         return read_record(candidate)
-    matches = [p for p in list_records(experiment, platform, root) if p.stem == record]
+    matches = [p for p in _all_records(experiment, platform, root) if p.stem == record]
     if not matches:
         raise FileNotFoundError(f"no {experiment!r} record {record!r} for platform {platform!r}")
     return read_record(matches[0])

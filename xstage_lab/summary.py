@@ -1,7 +1,9 @@
 """``summary --json``: the headline numbers of the committed records, keyed by platform.
 
 Each experiment contributes one key per platform (schema in README.md); this module gathers
-them from the latest record of each platform (for ``fa_a2a``, of each attention shape).
+them from the latest record of each platform (for ``fa_a2a``, of each attention shape), leaving
+out the records the errata mark invalid. ``summary`` without ``--json`` prints
+``format_summary``'s tables.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+from tabulate import tabulate
 
 from .experiments import moe_trace
 from .experiments.attention_model import summary_counterfactual as attention_counterfactual
@@ -87,7 +90,7 @@ def _plain(value):
 
 
 def patterns_entry(platform: str, root: Path) -> dict:
-    """The ``patterns`` entry: injection patterns (issue 6), from the latest record."""
+    """The ``patterns`` entry: injection patterns, from the latest record."""
     from .experiments.injection_patterns import summary_entry
 
     rec = latest_record("remote_patterns", platform, root)
@@ -95,7 +98,7 @@ def patterns_entry(platform: str, root: Path) -> dict:
 
 
 def operations_entry(platform: str, root: Path) -> dict:
-    """The ``operations`` entry: remote operations beyond 16-byte stores (issue 6)."""
+    """The ``operations`` entry: remote operations beyond 16-byte stores."""
     from .experiments.remote_ops import summary_entry
 
     rec = latest_record("remote_ops", platform, root)
@@ -119,3 +122,65 @@ def summary(root: Path = RECORDS_DIR) -> dict:
             if value:
                 out.setdefault(platform, {})[key] = value
     return {"platforms": out}
+
+
+# Lists of rows (and dicts of records) up to this long get a table of their own.
+SHORT_LIST = 12
+
+
+def format_summary(s: dict) -> str:
+    """``summary``'s text: per platform, a table of its quantities by dotted name (a dict of at
+    most six numbers on one line), then a table of each short list of rows (each dict of records,
+    one column per record); their plain fields only. Longer lists and deeper fields are counted,
+    left to ``--json``."""
+    parts = []
+    for platform, entries in s["platforms"].items():
+        rows, tables = [], []
+        for key, value in entries.items():
+            _flatten(key, value, 0, rows, tables)
+        parts.append(f"== {platform} ==\n" + tabulate(rows, headers=("quantity", "value")))
+        for name, headers, body in tables:
+            parts.append(f"{platform}: {name}\n" + tabulate(body, headers=headers,
+                                                              disable_numparse=True))
+    return "\n\n".join(parts)
+
+
+def _flatten(name: str, value, depth: int, rows: list, tables: list) -> None:
+    """Append ``value``'s rows (quantity, text) to ``rows`` and its tables to ``tables``."""
+    if isinstance(value, dict) and len(value) <= 6 and all(map(_is_plain, value.values())):
+        rows.append((name, ", ".join(f"{k}: {_text(v)}" for k, v in value.items()) or "none"))
+    elif isinstance(value, dict) and len(value) <= SHORT_LIST \
+            and all(isinstance(v, dict) for v in value.values()):
+        fields = [k for k in next(iter(value.values()))
+                  if all(_is_plain(v.get(k)) for v in value.values())]
+        rows.append((name, f"{len(value)} records, below"))
+        tables.append((name, ["", *value], [[k, *(_text(v.get(k)) for v in value.values())]
+                                            for k in fields]))
+    elif isinstance(value, dict) and depth < 2:
+        for k, v in value.items():
+            _flatten(f"{name}.{k}", v, depth + 1, rows, tables)
+    elif isinstance(value, dict):
+        rows.append((name, f"{len(value)} fields (--json)"))
+    elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        if len(value) > SHORT_LIST:
+            rows.append((name, f"{len(value)} rows (--json)"))
+            return
+        columns = [k for k in value[0] if all(_is_plain(r.get(k)) for r in value)]
+        rows.append((name, f"{len(value)} rows, below"))
+        tables.append((name, columns, [[_text(r.get(k)) for k in columns] for r in value]))
+    else:
+        rows.append((name, _text(value)))
+
+
+def _is_plain(value) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool)) or (
+        isinstance(value, list) and all(isinstance(v, (int, float)) for v in value))
+
+
+def _text(value) -> str:
+    """A number to four significant digits, a list of numbers in brackets, None as a dash."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_text, value)) + "]"
+    return "–" if value is None else str(value)

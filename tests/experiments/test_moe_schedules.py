@@ -109,6 +109,22 @@ def test_expert_wave_runs_a_wave_l1_then_l2():
         assert keys == sorted(keys), "waves in order, each wave's L1 before its L2"
 
 
+def test_expert_wave_deals_its_stream_with_stride_g():
+    """Rows r0 (expert 0), r1 r2 (expert 1), r3 (expert 2), P_1 = P_2 = 2, two experts per wave.
+    The stream: wave {0, 1}'s Linear-1 tiles row-major (stream 0-5), its Linear-2 tiles (6-11),
+    then wave {2}'s (12-13, 14-15); program g takes stream items g, g + 3, g + 6, ..."""
+    problem = MoEProblem((1, 2, 1), 2, 2)
+    schedule = expert_wave_schedule(problem, 3, experts_per_wave=2)
+    assert schedule.programs == (
+        (Tile(L1, 0, 0, 0), Tile(L1, 1, 1, 1), Tile(L2, 0, 0, 0), Tile(L2, 1, 1, 1),
+         Tile(L1, 2, 3, 0), Tile(L2, 2, 3, 1)),
+        (Tile(L1, 0, 0, 1), Tile(L1, 1, 2, 0), Tile(L2, 0, 0, 1), Tile(L2, 1, 2, 0),
+         Tile(L1, 2, 3, 1)),
+        (Tile(L1, 1, 1, 0), Tile(L1, 1, 2, 1), Tile(L2, 1, 1, 0), Tile(L2, 1, 2, 1),
+         Tile(L2, 2, 3, 0)))
+    check_schedule(problem, schedule)
+
+
 def _longest_l2_run(schedule: Schedule) -> int:
     best = 0
     for tiles in schedule.programs:
@@ -188,6 +204,27 @@ def test_cross_program_deadlock_caught():
         check_schedule(problem, bad)
     rng = random.Random(0)
     assert not any(_random_interleaving_completes(problem, bad, rng) for _ in range(10))
+
+
+def test_deadlock_waiting_on_the_second_linear1_slice_caught():
+    """P_1 = 2: program 1 waits on row 0's Linear-2 tile, whose first Linear-1 slice program 0
+    has done and whose second program 0 holds behind its own wait on row 1's Linear-2 tile, whose
+    second slice program 1 holds. A check that took one finished slice for the whole row (all a
+    P_1 = 1 problem can tell apart) would let both run."""
+    problem = MoEProblem((2,), 2, 1)
+    bad = Schedule("cycle_p1", ((Tile(L1, 0, 0, 0), Tile(L1, 0, 1, 0), Tile(L2, 0, 1, 0),
+                                 Tile(L1, 0, 0, 1)),
+                                (Tile(L2, 0, 0, 0), Tile(L1, 0, 1, 1))))
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_schedule(problem, bad)
+    with pytest.raises(ScheduleError, match="2 programs stuck"):
+        execution_order(problem, bad)
+    rng = random.Random(0)
+    assert not any(_random_interleaving_completes(problem, bad, rng) for _ in range(10))
+    # the same tiles with program 0's last two swapped: row 0's slices both come first
+    good = Schedule("fixed", ((Tile(L1, 0, 0, 0), Tile(L1, 0, 1, 0), Tile(L1, 0, 0, 1),
+                               Tile(L2, 0, 1, 0)), bad.programs[1]))
+    assert len(execution_order(problem, good)) == 6
 
 
 def test_lead_violation_caught():

@@ -328,6 +328,7 @@ def test_cli_runs_each_part_and_reports_a_failing_one(monkeypatch, tmp_path, cap
     def fail(**kw):
         raise RuntimeError("no peer access")
 
+    monkeypatch.setattr(cli, "_need_gpus", lambda *pairs, **kw: None)  # two peer GPUs
     monkeypatch.setattr(injection_patterns, "run_patterns", fail)
     monkeypatch.setattr(remote_ops, "run_operations",
                         lambda **kw: calls.append(kw) or tmp_path / "ops.parquet")
