@@ -391,26 +391,10 @@ def case_interpreter_sequential_caveat() -> dict:
     return {"timed_out_tiles": errors}
 
 
-def case_unfused_matches_reference(precision: str) -> dict:
-    """The unfused expert path (CPU fallback) with the all-to-all Combine emulated."""
-    layer = simulate_layer(precision, 2, seed=3)
-    ys = [moe.expert_ffn_unfused(lay, w)[0] for lay, w in zip(layer.layouts, layer.weights)]
-    buffers = poisoned_buffers(layer)
-    for dst, lay in enumerate(layer.layouts):
-        arrived = ys[dst][lay.arrival_rows]
-        off = np.concatenate(([0], np.cumsum(lay.recv_counts)))
-        for src in range(layer.world):
-            src_off = np.concatenate(([0], np.cumsum(layer.plans[src].counts)))
-            slots = layer.plans[src].order[int(src_off[dst]):int(src_off[dst + 1])]
-            buffers[src][slots] = arrived[int(off[src]):int(off[src + 1])]
-    return _check_against_reference(layer, buffers)
-
-
 def interpreter_cases() -> dict:
     cases = {f"reference_{p}_P{w}": (case_schedules_match_reference, p, w)
              for p in moe.PRECISIONS for w in WORLDS}
     cases.update({f"program_order_grid_{p}": (case_program_order_grid, p) for p in moe.PRECISIONS})
-    cases.update({f"unfused_{p}": (case_unfused_matches_reference, p) for p in moe.PRECISIONS})
     cases["bounded_spin"] = (case_bounded_spin,)
     cases["interpreter_sequential_caveat"] = (case_interpreter_sequential_caveat,)
     return cases

@@ -657,9 +657,9 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
         reason = kernel_unsupported("gluon_ws", device)
         if reason:
             raise MoEContractError(reason)
-        if instrument or fence:
-            raise MoEContractError("the gluon_ws kernel has no instrumented or fenced build; "
-                                   "use kernel='triton' for those")
+        if fence:
+            raise MoEContractError("the gluon_ws kernel has no fenced build; use kernel='triton' "
+                                   "for the completion-coupled counterfactual")
         for name, t in (("x", layout.x), ("w1", weights.w1), ("w2", weights.w2)):
             if t.data_ptr() % ALIGN_BYTES:
                 raise MoEContractError(f"{name} must start {ALIGN_BYTES}-byte aligned (TMA)")
@@ -671,7 +671,7 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
     tiles = torch.from_numpy(table).to(device)
     if config.kernel == "gluon_ws":
         return _prepare_ws_call(layout, weights, schedule, peers, config, table, counts, tiles, h,
-                                h_scale, row_ready, error, max_spin_iters)
+                                h_scale, row_ready, error, max_spin_iters, instrument)
     # Uninstrumented, the kernel never touches the trace: one element stands in for the pointer.
     trace = torch.full((*table.shape[:2], TRACE_FIELDS) if instrument else (1,), -1,
                        dtype=torch.int64, device=device)
@@ -696,7 +696,7 @@ def _ws_descriptor(t: torch.Tensor, block: list[int]) -> GluonTensorDescriptor:
 
 
 def _prepare_ws_call(layout, weights, schedule, peers, config, table, counts, tiles, h, h_scale,
-                     row_ready, error, max_spin_iters) -> FusedMoECall:
+                     row_ready, error, max_spin_iters, instrument) -> FusedMoECall:
     """The launch of kernels/moe_fused_ws.py (contract checked by ``prepare_fused_moe``)."""
     e_loc, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
     half, bk = config.block_m // 2, config.block_k
@@ -709,11 +709,15 @@ def _prepare_ws_call(layout, weights, schedule, peers, config, table, counts, ti
             _ws_descriptor(weights.w2.view(e_loc * hidden, inter), [config.block_n2, bk]),
             layout.x_scale if fp8 else unused, weights.w1_scale if fp8 else unused,
             weights.w2_scale if fp8 else unused, h, h_scale if fp8 else unused, row_ready,
-            layout.row_src, layout.row_slot, peers.table, error, max_spin_iters, hidden, inter)
+            layout.row_src, layout.row_slot, peers.table, error, max_spin_iters)
+    # Uninstrumented, the kernel never touches the trace: one element stands in for the pointer.
+    trace = torch.full((*table.shape[:2], TRACE_FIELDS) if instrument else (1,), -1,
+                       dtype=torch.int64, device=tiles.device)
     constexprs = dict(FP8=fp8, BLOCK_N1=config.block_n1, BLOCK_N2=config.block_n2, BLOCK_K=bk,
-                      STAGES=config.num_stages, num_warps=4)
-    return FusedMoECall(schedule, args, constexprs, (schedule.num_programs,), row_ready, error,
-                        None, kernel="gluon_ws")
+                      STAGES=config.num_stages, INSTRUMENT=bool(instrument), num_warps=4)
+    return FusedMoECall(schedule, (*args, trace, hidden, inter), constexprs,
+                        (schedule.num_programs,), row_ready, error,
+                        trace if instrument else None, kernel="gluon_ws")
 
 
 # ---------------------------------------------------------------------------------- unfused path
@@ -723,12 +727,12 @@ def _prepare_ws_call(layout, weights, schedule, peers, config, table, counts, ti
 # recipe torch._scaled_grouped_mm supports on sm_90, not the kernel's 1 x 128 / 128 x 128 blocks,
 # so the unfused path quantizes its own activations and weights (``unfused_activations``,
 # ``unfused_expert_weights``).
-UNFUSED_FP8_RECIPE = ("rowwise: activations (x, and h after SwiGLU) e4m3 with one fp32 scale per "
-                      "row (row amax / 448), scale_a [M_total]; each expert's weights e4m3 with one "
-                      "fp32 scale per output column (row amax / 448 of w1 [2I, H] and w2 [H, I]), "
-                      "scale_b [E, N]; torch._scaled_grouped_mm(A [M_total, K] row-major, "
-                      "w.transpose(1, 2) of a contiguous [E, N, K], offs, out_dtype=bf16, "
-                      "use_fast_accum=False)")
+UNFUSED_FP8_RECIPE = ("rowwise: activations (x, and h after SwiGLU) e4m3 with one fp32 scale "
+                      "per row (row amax / 448), scale_a [M_total]; each expert's weights e4m3 "
+                      "with one fp32 scale per output column (row amax / 448 of w1 [2I, H] and "
+                      "w2 [H, I]), scale_b [E, N]; torch._scaled_grouped_mm(A [M_total, K] "
+                      "row-major, w.transpose(1, 2) of a contiguous [E, N, K], offs, "
+                      "out_dtype=bf16, use_fast_accum=False)")
 # The op behind each precision, recorded with every result.
 UNFUSED_IMPL = {"bf16": "torch._grouped_mm", "fp8": "torch._scaled_grouped_mm rowwise"}
 _UNFUSED_CHECKED: set[tuple[str, str]] = set()
@@ -746,8 +750,9 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class GroupedWeights:
-    """The local experts as the unfused path's grouped GEMMs take them. Weights stay ``[E, N, K]``
-    contiguous and are passed as ``w.transpose(1, 2)``: the column-major B the grouped GEMMs want."""
+    """The local experts as the unfused path's grouped GEMMs take them. Weights stay
+    ``[E, N, K]`` contiguous and are passed as ``w.transpose(1, 2)``: the column-major B the
+    grouped GEMMs want."""
 
     precision: str
     w1: torch.Tensor                      # [E_loc, 2I, H] bf16 or e4m3
@@ -773,7 +778,8 @@ def _quantize_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows_fp8(t, t.shape[-1])
 
 
-def unfused_activations(x: torch.Tensor, precision: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def unfused_activations(x: torch.Tensor,
+                        precision: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """bf16 rows ``[..., H]`` as the unfused path takes them: as they are (bf16), or e4m3 with one
     fp32 scale per row, ``[..., 1]`` (fp8, ``UNFUSED_FP8_RECIPE``). Row by row, so quantizing the
     source tokens before Dispatch and the dispatched rows after give the same values."""
@@ -805,7 +811,8 @@ def group_offsets(layout: DispatchLayout) -> torch.Tensor:
 
 def _grouped_linear(x: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor,
                     w_scale: torch.Tensor | None, offs: torch.Tensor) -> torch.Tensor:
-    """Rows ``offs[e-1]:offs[e]`` of ``x [M, K]`` times ``w[e] [N, K]`` transposed, bf16 ``[M, N]``."""
+    """Rows ``offs[e-1]:offs[e]`` of ``x [M, K]`` times ``w[e] [N, K]`` transposed: bf16
+    ``[M, N]``."""
     if w_scale is None:
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
     return torch._scaled_grouped_mm(x, w.transpose(1, 2), x_scale.view(-1), w_scale, offs=offs,
@@ -837,7 +844,7 @@ def unfused_impl(device: torch.device, precision: str) -> str:
     if key not in _UNFUSED_CHECKED:
         try:
             err = _probe_error(device, precision)
-        except (RuntimeError, NotImplementedError, AttributeError, TypeError) as e:
+        except (RuntimeError, ValueError, AttributeError, TypeError) as e:  # missing op or kernel
             raise UnfusedPathError(f"{UNFUSED_IMPL[precision]} does not run on {device}: "
                                    f"{type(e).__name__}: {e}") from e
         # bf16 output rounding ~2e-3; 1e-2 (bf16) and 2e-2 (fp8: a few e4m3 flips) leave margin.
@@ -859,12 +866,12 @@ def grouped_expert_ffn(layout: DispatchLayout, weights: GroupedWeights,
     precision = weights.precision
     unfused_impl(layout.x.device, precision)
     wdt = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
-    scale_shape = None if precision == "bf16" else (layout.num_rows, 1)
-    if layout.x.dtype != wdt or (None if layout.x_scale is None else
-                                 tuple(layout.x_scale.shape)) != scale_shape:
-        raise MoEContractError(f"the unfused {precision} path takes {wdt} rows"
-                               + (" with one scale per row (unfused_activations)" if scale_shape
-                                  else "") + f", got {layout.x.dtype}")
+    want_scale = None if precision == "bf16" else (layout.num_rows, 1)
+    got_scale = None if layout.x_scale is None else tuple(layout.x_scale.shape)
+    if layout.x.dtype != wdt or got_scale != want_scale:
+        raise MoEContractError(f"the unfused {precision} path takes {wdt} rows with x_scale "
+                               f"{want_scale} (unfused_activations), got {layout.x.dtype} rows "
+                               f"with x_scale {got_scale}")
     if len(layout.tokens_per_expert) != weights.num_experts:
         raise MoEContractError(f"layout has {len(layout.tokens_per_expert)} experts, weights "
                                f"{weights.num_experts}")
@@ -916,16 +923,17 @@ def expert_rows_reference(x: torch.Tensor, experts: torch.Tensor, shape: MoEShap
             w1q = dequantize_blocks_fp8(*quantize_blocks_fp8(w1, scale_block))
             w2q = dequantize_blocks_fp8(*quantize_blocks_fp8(w2, scale_block))
             h = _swiglu(xq[rows] @ w1q.t())
-            out["fp8_emulated"][rows] = dequantize_rows_fp8(*quantize_rows_fp8(h, scale_block)) @ w2q.t()
+            hq = dequantize_rows_fp8(*quantize_rows_fp8(h, scale_block))
+            out["fp8_emulated"][rows] = hq @ w2q.t()
     return out
 
 
 def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   shape: MoEShape, *, seed: int, precision: str,
                   scale_block: int = FP8_SCALE_BLOCK) -> dict[str, torch.Tensor]:
-    """float32 reference of one rank's MoE output ``[T, H]``, independent of Dispatch, the kernel and
-    Combine: every (token, k) pick's expert output (``expert_rows_reference``, same keys) weighted
-    and summed over the picks of each token."""
+    """float32 reference of one rank's MoE output ``[T, H]``, independent of Dispatch, the kernel
+    and Combine: every (token, k) pick's expert output (``expert_rows_reference``, same keys)
+    weighted and summed over the picks of each token."""
     t, k = topk_ids.shape
     tok = torch.arange(t, device=x.device).repeat_interleave(k)
     rows = expert_rows_reference(x[tok], topk_ids.reshape(-1), shape, seed=seed,

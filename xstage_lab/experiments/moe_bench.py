@@ -16,9 +16,10 @@ For every (model shape, precision, routing), on fresh seeded inputs:
 
 What a timed call covers, for all three methods alike: expert compute, Combine into the source
 ranks' buffers and the top-k weighted sum. Dispatch (NCCL all-to-all) runs once before, outside the
-timing: it is the same for all three. A fused call is: symmetric barrier (the previous call's
-readers are done), zero the row counters, the kernel, symmetric barrier (every peer's stores are
-visible), weighted sum.
+timing. A fused call is: symmetric barrier (the previous call's readers are done), zero the row
+counters, the kernel, symmetric barrier (every peer's stores are visible), weighted sum. The
+unfused path is torch's grouped GEMMs (``moe.grouped_expert_ffn``); in FP8 it takes rows quantized
+by its own recipe (``moe.UNFUSED_FP8_RECIPE``), so it has its own Dispatch of those rows.
 
 Rank 0 writes one JSON: ``{"metadata": {...}, "rows": [{model, precision, routing, tokens, wave_us,
 interleaved_us, unfused_us, speedup (= wave / interleaved), spreads, ...}]}``.
@@ -203,9 +204,10 @@ def abort_on_failures(failures: list[str], what: str) -> None:
 
 
 def run_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
-               weights: moe.ExpertWeights, combine: moe.SymmetricCombine, args,
-               config_seed: int) -> dict:
-    """Correctness, then timing, of one configuration; returns rank 0's result row."""
+               weights: moe.ExpertWeights, uweights: moe.GroupedWeights,
+               combine: moe.SymmetricCombine, args, config_seed: int) -> dict:
+    """Correctness, then timing, of one configuration (``uweights``: the unfused path's);
+    returns rank 0's result row."""
     import torch.distributed as dist
     world = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -223,7 +225,10 @@ def run_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
     ref = moe.reference_moe(setup.x, setup.topk_ids, topk_w, shape, seed=args.seed,
                             precision=precision)
     errors = {f"rel_err_{kind}": relative_error(out, want) for kind, want in ref.items()}
-    unfused_out = moe.unfused_moe(layout, plan, weights, topk_w)
+    uplan, ulayout = (plan, layout) if precision == "bf16" else moe.dispatch(
+        *moe.unfused_activations(setup.x, precision), setup.topk_ids,
+        num_experts=shape.routed_experts, block_m=cfg.block_m)
+    unfused_out = moe.unfused_moe(ulayout, uplan, uweights, topk_w)
     errors["rel_err_unfused_fp32"] = relative_error(unfused_out, ref["fp32"])
     tol = TOLERANCE[precision]
     failures = [f"spin errors {spin_errors}"] if any(spin_errors.values()) else []
@@ -245,7 +250,7 @@ def run_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
         return run
 
     methods = {"wave": fused(calls["wave"]), "interleaved": fused(calls["interleaved"]),
-               "unfused": lambda: moe.unfused_moe(layout, plan, weights, topk_w)}
+               "unfused": lambda: moe.unfused_moe(ulayout, uplan, uweights, topk_w)}
     timing = time_methods(methods, trials=args.trials, warmup=args.warmup,
                           graph_iters=args.graph_iters)
     late_errors = sum(call.error_count() for call in calls.values())
@@ -304,19 +309,23 @@ def main(argv=None) -> None:
                 continue
             weights = moe.local_expert_weights(shape, rank, world, precision, seed=args.seed,
                                                device=torch.device("cuda", local_rank))
+            # bf16: the grouped GEMMs take the kernel's weights as they are (same master weights).
+            uweights = (moe.GroupedWeights(precision, weights.w1, weights.w2) if precision == "bf16"
+                        else moe.unfused_expert_weights(shape, rank, world, precision,
+                                                        seed=args.seed, device=weights.w1.device))
             for routing, tokens in mine:
                 # Fresh inputs per configuration, reproducible whatever subset is run.
                 config_seed = args.seed + 1 + zlib.crc32(
                     f"{model}|{precision}|{routing}|{tokens}".encode())
-                row = run_config(shape, precision, routing, tokens, weights, combine, args,
-                                 config_seed)
+                row = run_config(shape, precision, routing, tokens, weights, uweights, combine,
+                                 args, config_seed)
                 rows.append(row)
                 if rank == 0:
                     print(f"{model:18s} {precision:4s} {routing:8s} {tokens:6d} wave "
                           f"{row['wave_us']:9.1f} us  interleaved {row['interleaved_us']:9.1f} us  "
                           f"unfused {row['unfused_us']:9.1f} us  speedup {row['speedup']:.3f}",
                           flush=True)
-            del weights
+            del weights, uweights
             torch.cuda.empty_cache()
     clocks_end = all_gather_objects(read_sm_clock_mhz())
     if rank == 0:
@@ -328,6 +337,7 @@ def main(argv=None) -> None:
             "chunk": None if args.chunk is None else f"{args.chunk[0]}/{args.chunk[1]}",
             "lead_rows": "d_knee (eq. 16)" if args.lead is None else args.lead,
             "max_spin_iters": args.max_spin, "tolerance": TOLERANCE,
+            "unfused_fp8_recipe": moe.UNFUSED_FP8_RECIPE,
             "skew": {"hot_expert_fraction": moe.HOT_EXPERT_FRACTION, "hot_logit_bias": moe.HOT_LOGIT_BIAS},
             "timed_call": "expert compute + Combine into source buffers + top-k weighted sum; "
                           "Dispatch (NCCL all_to_all_single) runs before, untimed",
