@@ -6,13 +6,17 @@ from datetime import datetime, timezone
 
 import pytest
 
+from xstage_lab.records import platforms
 from xstage_lab.summary import summary
 
 
 def test_summary_has_calibration_per_platform():
+    """Every platform with calibration records (one GPU has none: it has no peer to store to)."""
     s = summary()
     assert s["platforms"], "no platform with committed records"
-    for platform, entries in s["platforms"].items():
+    calibrated = {p: e for p, e in s["platforms"].items() if "calibration" in e}
+    assert set(calibrated) == set(platforms("calibration"))
+    for platform, entries in calibrated.items():
         cal = entries["calibration"]
         assert cal["R_GBps"] > 0
         assert all(k.startswith("K=") and ",B=" in k for k in cal["T_iss0_us"])
@@ -102,3 +106,22 @@ def test_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_root):
     assert [s["src"] for s in by[("all_to_one", "dst=3")]["sources"]] == [0, 1, 2, 4, 5, 6, 7]
     assert all(s["no_refit_from_baseline"]["share"] == pytest.approx(1 / 7, abs=1e-3)
                for s in by[("all_to_one", "dst=3")]["sources"])
+
+
+def test_moe_kernel_and_forecast_entries_follow_the_schema():
+    """``moe_kernel`` and ``moe_forecast`` of every platform with those records, as
+    docs/summary_json.md states them."""
+    s = summary()
+    kernels = [e for e in s["platforms"].values() if "moe_kernel" in e]
+    assert kernels, "no moe_kernel record"
+    for entries in kernels:
+        k = entries["moe_kernel"]
+        assert set(k) == {"rows", "geomean_ratio_to_cublas", "call_overhead_us"}
+        assert set(k["rows"][0]) == {"model", "precision", "routing", "tokens", "kernel_wave_us",
+                                     "kernel_interleaved_us", "call_wave_us", "tflops",
+                                     "cublas_dense_tflops", "grouped_mm_tflops", "unfused_us"}
+        assert set(k["geomean_ratio_to_cublas"]) == {"bf16", "fp8"}
+        f = entries["moe_forecast"]["rows"]
+        assert {r["ep"] for r in f} == {2, 4, 8}
+        assert set(f[0]) == {"model", "precision", "ep", "remote_share", "g_wave_us",
+                             "v_over_r_us", "predicted_stall_us", "predicted_speedup"}

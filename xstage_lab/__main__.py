@@ -222,10 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("import-bench", help="save a benchmark's JSON output as a record (a "
-                                            "torchrun benchmark's, or fa_tuning: "
-                                            "attention_bench --fa-only)")
+                                            "torchrun benchmark's, fa_tuning: "
+                                            "attention_bench --fa-only, or moe_kernel: "
+                                            "moe_kernel_bench on one GPU)")
     p.add_argument("file", type=Path, help="the benchmark's JSON output")
-    p.add_argument("--experiment", required=True, choices=sorted(BENCHMARKS) + ["fa_tuning"],
+    p.add_argument("--experiment", required=True,
+                   choices=sorted(BENCHMARKS) + ["fa_tuning", "moe_kernel"],
                    help="the experiment the record belongs to")
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.set_defaults(func=_import_bench)

@@ -60,3 +60,20 @@ def test_forecast_covers_every_shape_and_p():
     with pytest.raises(KeyError, match="mainloop_l2_us"):
         moe_forecast.forecast_row({k: v for k, v in KERNEL.items() if k != "mainloop_l2_us"},
                                   PLATFORM, 2)
+
+
+def test_kernel_inputs_from_a_moe_kernel_table():
+    """The basis cells (balanced, 8192 tokens) of a record's table, tile sizes read from the
+    record's JSON tile_config; a table without one is refused."""
+    cell = {k: v for k, v in KERNEL.items() if not k.startswith("block_") and k != "programs"}
+    tiles = '{"block_m": 128, "block_n1": 128, "block_n2": 256, "kernel": "gluon_ws"}'
+    table = pd.DataFrame([dict(cell, routing="balanced", tokens=8192, tile_config=tiles,
+                               num_programs=132),
+                          dict(cell, routing="skewed", tokens=8192, tile_config=tiles,
+                               num_programs=132, model="other")])
+    inputs = moe_forecast.kernel_inputs(table)
+    assert list(inputs.columns) == list(moe_forecast.INPUT_COLUMNS)
+    assert inputs["model"].tolist() == ["m"] and inputs.loc[0, "block_n2"] == 256
+    assert inputs.loc[0, "programs"] == 132
+    with pytest.raises(ValueError, match="no"):
+        moe_forecast.kernel_inputs(table[table["routing"] == "skewed"])

@@ -400,3 +400,26 @@ def test_burst_gaps_run_from_one_linear2_epilogue_to_the_next():
                           "t3_us": [12.0, 21.0, 31.0, 36.0, 6.0]})
     assert kb.burst_gaps(tiles).tolist() == [18.0, 4.0]
     assert kb.burst_gaps(tiles[tiles["kind"] == L1]).empty
+
+
+def _doc(model: str, commit: str = "abc") -> dict:
+    meta = {"kernel": "gluon_ws", "timing": "t", "tolerance": {"bf16": 1}, "wall_s": 2.0,
+            "tile_configs": {model: {"bf16": {}}}, "args": {"out": f"{model}.json",
+                                                            "models": [model], "trials": 10},
+            "call_overhead": {"tokens_per_source": 1, "rows": [{"model": model}]},
+            "provenance": {"gpu_name": "NVIDIA H200", "gpu_count": 1, "git_commit": commit,
+                           "versions": {}, "date_utc": "2026-12-01T00:00:00+00:00"}}
+    return {"metadata": meta, "rows": [{"model": model, "tokens": 1}]}
+
+
+def test_merge_joins_the_invocations_of_one_run():
+    merged = kb.merge_documents([_doc("A"), _doc("B")])
+    assert [r["model"] for r in merged["rows"]] == ["A", "B"]
+    assert [r["model"] for r in merged["metadata"]["call_overhead"]["rows"]] == ["A", "B"]
+    assert set(merged["metadata"]["tile_configs"]) == {"A", "B"}
+    assert merged["metadata"]["wall_s"] == 4.0 and len(merged["metadata"]["invocations"]) == 2
+    assert "models" not in merged["metadata"]["args"] and merged["metadata"]["args"]["trials"] == 10
+    with pytest.raises(ValueError, match="git_commit"):
+        kb.merge_documents([_doc("A"), _doc("B", commit="def")])
+    with pytest.raises(ValueError):
+        kb.merge_documents([])

@@ -23,14 +23,21 @@ Per (model, precision) and P:
 
 The calibration is the one-to-one route's (two GPUs); whether its R holds for P = 4 and 8 is part
 of what the multi-GPU run tests.
+
+    python -m xstage_lab.experiments.moe_forecast [--kernel-platform h200-x1]
+        [--calibration-platform h200-x2]
 """
 from __future__ import annotations
 
+import argparse
+import json
 import math
+from pathlib import Path
 
 import pandas as pd
 
 from .. import model, simulator
+from ..records import RECORDS_DIR
 
 EXPERT_PARALLEL = (2, 4, 8)
 # What a forecast row needs from the one-GPU kernel record (one row per model and precision).
@@ -124,3 +131,69 @@ def forecast(kernels: pd.DataFrame, platform: model.PlatformModel,
     """``forecast_row`` for every row of ``kernels`` and every P."""
     return pd.DataFrame([forecast_row(k, platform, p) for k in kernels.to_dict("records")
                          for p in expert_parallel])
+
+
+# The cells a forecast starts from: the paper's tokens per rank with balanced routing, where every
+# rank carries the same load (a skewed cell's load on this rank depends on where its hot experts
+# fall).
+BASIS = {"routing": "balanced", "tokens": 8192}
+
+
+def kernel_inputs(table: pd.DataFrame, basis: dict = BASIS) -> pd.DataFrame:
+    """``INPUT_COLUMNS`` per (model, precision) from a ``moe_kernel`` record's table (its
+    traced cells), at ``basis``."""
+    cells = table[(table["routing"] == basis["routing"]) & (table["tokens"] == basis["tokens"])]
+    if cells.empty:
+        raise ValueError(f"the moe_kernel record has no {basis} cell")
+    tiles = cells["tile_config"].map(lambda v: json.loads(v) if isinstance(v, str) else v)
+    out = cells.assign(block_m=tiles.map(lambda t: t["block_m"]),
+                       block_n1=tiles.map(lambda t: t["block_n1"]),
+                       block_n2=tiles.map(lambda t: t["block_n2"]),
+                       programs=cells["num_programs"])
+    return out[list(INPUT_COLUMNS)].reset_index(drop=True)
+
+
+def write_forecast(kernel_platform: str, calibration_platform: str,
+                   root: Path = RECORDS_DIR) -> Path:
+    """The ``moe_forecast`` record of ``kernel_platform`` (whose latest ``moe_kernel`` record gives
+    the per-tile times) on ``calibration_platform``'s latest calibration."""
+    from ..platform import provenance
+    from ..records import latest_record, write_record
+    from .remote_store import latest_calibration
+
+    kernel = latest_record("moe_kernel", kernel_platform, root)
+    cal_record = latest_record("calibration", calibration_platform, root)
+    cal = latest_calibration(calibration_platform, root)
+    table = forecast(kernel_inputs(kernel.table), cal.platform_model())
+    params = {"kernel_record": f"moe_kernel/{kernel_platform}/{kernel.record_id}",
+              "calibration_record": f"calibration/{calibration_platform}/{cal_record.record_id}",
+              "basis": BASIS, "expert_parallel": list(EXPERT_PARALLEL),
+              "method": __doc__.split("\n\n", 1)[1]}
+    return write_record("moe_forecast", kernel_platform, table, params, provenance(), root)
+
+
+def summary_entry(platform: str, root: Path = RECORDS_DIR) -> dict:
+    """The ``moe_forecast`` entry of ``summary --json``: the latest forecast's rows."""
+    from ..records import latest_record
+
+    table = latest_record("moe_forecast", platform, root).table
+    keys = ("model", "precision", "ep", "remote_share", "g_wave_us", "v_over_r_us",
+            "predicted_stall_us", "predicted_speedup")
+    return {"rows": [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()}
+                     for r in table[list(keys)].round(4).to_dict("records")]}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="Write the moe_forecast record from the latest "
+                                            "moe_kernel record and a calibration (CPU only).")
+    p.add_argument("--kernel-platform", default="h200-x1",
+                   help="platform whose moe_kernel record gives the per-tile times")
+    p.add_argument("--calibration-platform", default="h200-x2",
+                   help="platform whose calibration gives T_iss^0, R and Q")
+    p.add_argument("--root", type=Path, default=RECORDS_DIR, help="records folder")
+    a = p.parse_args(argv)
+    print(f"wrote {write_forecast(a.kernel_platform, a.calibration_platform, a.root)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -4,6 +4,7 @@ items 2-4; paper §4.2, §5.2).
     python -m xstage_lab.experiments.moe_kernel_bench --out FILE.json [--models M ...]
         [--precisions bf16 fp8] [--routing balanced skewed] [--tokens 4096 8192]
         [--kernel gluon_ws|triton] [--trials N] [--smoke]
+    python -m xstage_lab.experiments.moe_kernel_bench merge OUT.json IN.json [IN.json ...]
 
 The workload is one rank of the paper's eight-GPU setting (EP = 8) on one GPU: rank 0's E/8 local
 experts (experts 0 .. E/8 - 1) and every row that the eight source ranks route to them (T tokens
@@ -45,6 +46,7 @@ import dataclasses
 import itertools
 import json
 import math
+import sys
 import time
 import zlib
 from collections.abc import Callable
@@ -672,7 +674,40 @@ def run(args, device) -> dict:
     return {"metadata": meta, "rows": rows}
 
 
+def merge_documents(docs: list[dict]) -> dict:
+    """One document from the outputs of several invocations of one run (a device command's time
+    limit splits the matrix by model): their rows and one-token rows in order, the first's
+    header, each invocation's arguments and run time. Raises unless they ran the same kernel with
+    the same tiles on the same kind of GPU from the same commit."""
+    if not docs:
+        raise ValueError("nothing to merge")
+    same = ("kernel", "timing", "tolerance")
+    for d in docs[1:]:
+        for key in same:
+            if d["metadata"][key] != docs[0]["metadata"][key]:
+                raise ValueError(f"the outputs differ in {key!r}; they are not one run")
+        for key in ("gpu_name", "gpu_count", "git_commit", "versions"):
+            if d["metadata"]["provenance"][key] != docs[0]["metadata"]["provenance"][key]:
+                raise ValueError(f"the outputs differ in provenance {key!r}")
+    meta = json.loads(json.dumps(docs[0]["metadata"]))
+    meta["tile_configs"] = {m: c for d in docs for m, c in d["metadata"]["tile_configs"].items()}
+    meta["call_overhead"]["rows"] = [r for d in docs for r in d["metadata"]["call_overhead"]["rows"]]
+    meta["invocations"] = [{"args": d["metadata"]["args"], "wall_s": d["metadata"]["wall_s"],
+                            "date_utc": d["metadata"]["provenance"]["date_utc"]} for d in docs]
+    meta["args"] = {k: v for k, v in meta["args"].items() if k not in ("out", "models", "precisions")}
+    meta["wall_s"] = sum(d["metadata"]["wall_s"] for d in docs)
+    return {"metadata": meta, "rows": [r for d in docs for r in d["rows"]]}
+
+
 def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["merge"]:  # merge OUT IN [IN ...]: no GPU needed
+        if len(argv) < 3:
+            raise SystemExit("usage: moe_kernel_bench merge OUT.json IN.json [IN.json ...]")
+        doc = merge_documents([json.loads(Path(f).read_text()) for f in argv[2:]])
+        Path(argv[1]).write_text(json.dumps(doc, indent=1, default=str))
+        print(f"wrote {argv[1]} ({len(doc['rows'])} cells from {len(argv) - 2} outputs)")
+        return
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("moe_kernel_bench needs a CUDA GPU")
