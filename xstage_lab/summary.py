@@ -1,8 +1,8 @@
 """``summary --json``: the headline numbers of the committed records, keyed by platform.
 
-Each experiment contributes one key per platform (schema in README.md); this module gathers
-them from the latest record of each platform (for ``fa_a2a``, of each attention shape), leaving
-out the records the errata mark invalid. ``summary`` without ``--json`` prints
+Each experiment contributes one key per platform (schema in docs/summary_json.md); this module
+gathers them from the latest record of each platform (for ``fa_a2a``, of each attention shape),
+leaving out the records the errata mark invalid. ``summary`` without ``--json`` prints
 ``format_summary``'s tables.
 """
 from __future__ import annotations
@@ -105,11 +105,29 @@ def operations_entry(platform: str, root: Path) -> dict:
     return summary_entry(rec.params, rec.record_id)
 
 
+def moe_kernel_entry(platform: str, root: Path) -> dict:
+    """The ``moe_kernel`` entry: the fused kernel on one GPU against cuBLAS and torch's grouped
+    GEMMs, and the one-token call."""
+    from .experiments.moe_kernel_bench import summary_entry
+
+    return summary_entry(platform, root)
+
+
+def moe_forecast_entry(platform: str, root: Path) -> dict:
+    """The ``moe_forecast`` entry: per model, precision and P, what the Burst–Gap model predicts
+    for the Linear-2 Combine bursts from the kernel's one-GPU times."""
+    from .experiments.moe_forecast import summary_entry
+
+    return summary_entry(platform, root)
+
+
 # summary key -> (the experiment whose records it reads, the function that makes it)
 ENTRIES = {"calibration": ("calibration", calibration_entry),
            "counterfactual": ("calibration", counterfactual_entry),
            "fa_a2a": ("fa_a2a", fa_a2a_entry),
            "moe": ("moe", moe_entry),
+           "moe_kernel": ("moe_kernel", moe_kernel_entry),
+           "moe_forecast": ("moe_forecast", moe_forecast_entry),
            "patterns": ("remote_patterns", patterns_entry),
            "operations": ("remote_ops", operations_entry)}
 
