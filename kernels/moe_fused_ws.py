@@ -103,6 +103,13 @@ def _stamp(rec, point: gl.constexpr):
 
 
 @gluon.jit
+def _load_a(desc, row0, k, bar, a_smem, s):
+    """The two 64-row halves of an A tile (one per consumer warpgroup) into stage ``s``."""
+    tma.async_copy_global_to_shared(desc, [row0, k], bar, a_smem.index(2 * s))
+    tma.async_copy_global_to_shared(desc, [row0 + HALF_ROWS, k], bar, a_smem.index(2 * s + 1))
+
+
+@gluon.jit
 def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready, empty,
               row_ready, error, max_spin, trace, HIDDEN, INTER, BLOCK_N1: gl.constexpr,
               BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
@@ -125,10 +132,7 @@ def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, 
                 # K blocks go straight in
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), l1_bytes)
-                tma.async_copy_global_to_shared(x_desc, [row0, k], ready.index(s),
-                                                a_smem.index(2 * s))
-                tma.async_copy_global_to_shared(x_desc, [row0 + HALF_ROWS, k], ready.index(s),
-                                                a_smem.index(2 * s + 1))
+                _load_a(x_desc, row0, k, ready.index(s), a_smem, s)
                 tma.async_copy_global_to_shared(w1_desc, [gate_row, k], ready.index(s),
                                                 b_smem.index(s).slice(0, BLOCK_N1))
                 tma.async_copy_global_to_shared(w1_desc, [gate_row + INTER, k], ready.index(s),
@@ -144,10 +148,7 @@ def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, 
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), l2_bytes)
-                tma.async_copy_global_to_shared(h_desc, [row0, k], ready.index(s),
-                                                a_smem.index(2 * s))
-                tma.async_copy_global_to_shared(h_desc, [row0 + HALF_ROWS, k], ready.index(s),
-                                                a_smem.index(2 * s + 1))
+                _load_a(h_desc, row0, k, ready.index(s), a_smem, s)
                 tma.async_copy_global_to_shared(w2_desc, [w_row, k], ready.index(s),
                                                 b_smem.index(s).slice(0, BLOCK_N2))
                 it += 1

@@ -282,15 +282,8 @@ def expert_master_weights(shape: MoEShape, expert: int, *, seed: int,
     return w1, w2
 
 
-@dataclass
-class ExpertWeights:
-    """The local experts of one rank, in the kernel's layout (see ``kernels/moe_fused.py``)."""
-
-    precision: str
-    w1: torch.Tensor                     # [E_loc, 2I, H] bf16 or e4m3
-    w2: torch.Tensor                     # [E_loc, H, I]
-    w1_scale: torch.Tensor | None = None  # [E_loc, 2I/128, H/128] fp32 (fp8 only)
-    w2_scale: torch.Tensor | None = None  # [E_loc, H/128, I/128]
+class _ExpertShapes:
+    """E_loc, H and I of stacked expert weights ``w1 [E_loc, 2I, H]``, ``w2 [E_loc, H, I]``."""
 
     @property
     def num_experts(self) -> int:
@@ -303,6 +296,17 @@ class ExpertWeights:
     @property
     def intermediate(self) -> int:
         return self.w2.shape[2]
+
+
+@dataclass
+class ExpertWeights(_ExpertShapes):
+    """The local experts of one rank, in the kernel's layout (see ``kernels/moe_fused.py``)."""
+
+    precision: str
+    w1: torch.Tensor                     # [E_loc, 2I, H] bf16 or e4m3
+    w2: torch.Tensor                     # [E_loc, H, I]
+    w1_scale: torch.Tensor | None = None  # [E_loc, 2I/128, H/128] fp32 (fp8 only)
+    w2_scale: torch.Tensor | None = None  # [E_loc, H/128, I/128]
 
 
 def check_expert_parallel(num_experts: int, world: int) -> int:
@@ -749,7 +753,7 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class GroupedWeights:
+class GroupedWeights(_ExpertShapes):
     """The local experts as the unfused path's grouped GEMMs take them. Weights stay
     ``[E, N, K]`` contiguous and are passed as ``w.transpose(1, 2)``: the column-major B the
     grouped GEMMs want."""
@@ -759,18 +763,6 @@ class GroupedWeights:
     w2: torch.Tensor                      # [E_loc, H, I]
     w1_scale: torch.Tensor | None = None  # [E_loc, 2I] fp32 (fp8): one per output column
     w2_scale: torch.Tensor | None = None  # [E_loc, H]
-
-    @property
-    def num_experts(self) -> int:
-        return self.w1.shape[0]
-
-    @property
-    def hidden(self) -> int:
-        return self.w1.shape[2]
-
-    @property
-    def intermediate(self) -> int:
-        return self.w2.shape[2]
 
 
 def _quantize_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
