@@ -1,9 +1,9 @@
-# Both targets set themselves up on a fresh machine (Python 3.11, no GPU, no conda).
+# Every target sets itself up on a fresh machine (Python 3.11, no GPU, no conda).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: test reproduce
+.PHONY: test reproduce lab
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,3 +18,7 @@ test: $(STAMP)
 
 reproduce: $(STAMP)
 	$(VENV)/bin/python -m xstage_lab reproduce --backend auto --out out
+
+# The workbench: JupyterLab on the notebooks (run them top to bottom; `backend` picks live or replay).
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/

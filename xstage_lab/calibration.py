@@ -173,7 +173,7 @@ class Calibration:
                          for k, f in self.isolated.items()})
 
     def summary(self) -> dict:
-        """The ``calibration`` entry of ``summary --json`` (schema in README.md)."""
+        """The ``calibration`` entry of ``summary --json`` (schema in docs/summary_json.md)."""
         iso = {int(k): f for k, f in self.isolated.items()}
         return {
             "R_GBps": round(self.drain_rate_GBps, 1),

@@ -30,11 +30,13 @@ def reproduce(only: list[str] | None = None, backend: str = "auto", out: Path = 
     import papermill as pm
 
     from .platform import choose_backend
+    from .plots import ship_plotlyjs
 
     choice = choose_backend(backend)
     print(choice.banner())
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    ship_plotlyjs(out)  # once for every figure page: they load it by relative path, offline
     done = []
     for nb in tqdm(notebooks(only), desc="notebooks"):
         fig_dir = out / nb.stem
@@ -51,23 +53,59 @@ def reproduce(only: list[str] | None = None, backend: str = "auto", out: Path = 
             return 1
         done.append(nb)
     index = _write_index(out, done, choice.banner())
+    for line in _no_image_lines(out, done):
+        print(line)
     print(f"wrote {index}")
     return 0
 
 
+def _entries(out: Path, nb: Path) -> list[dict]:
+    manifest = out / nb.stem / "manifest.jsonl"
+    return [json.loads(line) for line in manifest.read_text().splitlines()] if manifest.exists() else []
+
+
+def _no_image_lines(out: Path, done: list[Path]) -> list[str]:
+    """Why figures have no PNG (``plots.image_engine_problem``'s line), each reason once."""
+    reasons = {e["no_image"]: None for nb in done for e in _entries(out, nb)
+               if e["kind"] == "figure" and e.get("no_image")}
+    return list(reasons)
+
+
+def _figure_html(nb: Path, e: dict) -> str:
+    """A figure of the index: its PNG where one was drawn, else its own HTML page in a frame (which
+    loads plotly.js from the output folder, so it shows offline too); the caption under it."""
+    caption = f"<figcaption>{html.escape(e.get('caption', ''))}</figcaption>" if e.get("caption") else ""
+    if e.get("image"):
+        picture = (f'<img src="{nb.stem}/{html.escape(e["image"])}" alt="{html.escape(e["title"])}" '
+                   f'loading="lazy">')
+    else:
+        picture = (f'<iframe src="{nb.stem}/{html.escape(e["files"][0])}" title="{html.escape(e["title"])}" '
+                   f'loading="lazy"></iframe>')
+    return f"<figure>{picture}{caption}</figure>"
+
+
 def _write_index(out: Path, done: list[Path], banner: str) -> Path:
+    """``out/index.html``: every figure as a picture with its caption, every table (the paper's
+    values beside this platform's), links to the files; nothing in it loads from the network."""
     parts = [f"<h1>xstage_lab: reproduced figures and tables</h1><p>{html.escape(banner)}</p>"]
+    for line in _no_image_lines(out, done):
+        parts.append(f'<p class="note">{html.escape(line)}. The figures below are shown as '
+                     f'interactive frames instead of pictures.</p>')
     for nb in done:
         parts.append(f'<h2>{html.escape(nb.stem)}</h2><p><a href="{nb.name}">executed notebook</a></p>')
-        manifest = out / nb.stem / "manifest.jsonl"
-        entries = [json.loads(line) for line in manifest.read_text().splitlines()] if manifest.exists() else []
-        for e in entries:
+        for e in _entries(out, nb):
             links = " · ".join(f'<a href="{nb.stem}/{f}">{f}</a>' for f in e["files"])
-            parts.append(f"<h3>{html.escape(e['title'])}</h3><p>{html.escape(e.get('caption', ''))}</p>"
-                         f"<p>{links}</p>{e.get('html', '')}")
+            if e["kind"] == "figure":
+                parts.append(f"<h3>{html.escape(e['title'])}</h3>{_figure_html(nb, e)}<p>{links}</p>")
+            else:
+                parts.append(f"<h3>{html.escape(e['title'])}</h3><p>{html.escape(e.get('caption', ''))}</p>"
+                             f"<p>{links}</p>{e.get('html', '')}")
     index = out / "index.html"
     index.write_text("<!doctype html><meta charset='utf-8'><title>xstage_lab</title>"
                      "<style>body{font-family:sans-serif;max-width:70em;margin:auto}"
                      "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}"
+                     "figure{margin:0}figure img{max-width:100%;height:auto}"
+                     "figure iframe{width:100%;height:620px;border:0}"
+                     "figcaption{color:#444;font-size:90%}.note{background:#fff3cd;padding:4px 8px}"
                      "</style>" + "\n".join(parts))
     return index
