@@ -18,7 +18,15 @@ MOE_MATRIX = Path(__file__).resolve().parent.parent / "data" / "moe_matrix.json"
 BENCHMARKS = {"fa_a2a": "xstage_lab.experiments.attention_bench",
               "moe": "xstage_lab.experiments.moe_bench",
               "moe_trace": "xstage_lab.experiments.moe_trace_bench",
-              "fa_trace": "xstage_lab.experiments.attention_trace_bench"}
+              "fa_trace": "xstage_lab.experiments.attention_trace_bench",
+              "moe_kernel": "xstage_lab.experiments.moe_kernel_bench"}
+# Benchmarks of one GPU (one rank of the paper's setting on its own): one process, not one per GPU.
+ONE_GPU = frozenset({"moe_kernel"})
+
+
+def processes(experiment: str, peer_capable_gpus: int) -> int:
+    """How many processes torchrun starts for ``experiment``."""
+    return 1 if experiment in ONE_GPU else peer_capable_gpus
 
 
 def torchrun_record(module: str, experiment: str, nproc: int, args: list[str] = (),
@@ -49,8 +57,9 @@ def load_or_run(experiment: str, backend: str = "auto", args: list[str] = (),
 
     choice = choose_backend(backend)
     if choice.name == "cuda":
-        path = torchrun_record(BENCHMARKS[experiment], experiment, inventory().peer_capable_gpus,
-                               list(args), root)
+        path = torchrun_record(BENCHMARKS[experiment], experiment,
+                               processes(experiment, inventory().peer_capable_gpus), list(args),
+                               root)
         return choice, [read_record(path)]
     names = platforms(experiment, root)
     if not names:
@@ -131,7 +140,14 @@ def measure_all(root: Path = RECORDS_DIR, only: list[str] | None = None) -> list
         if name in IN_PROCESS:
             paths.extend(IN_PROCESS[name](root))
         else:
-            written[name] = torchrun_record(BENCHMARKS[name], name, n,
+            written[name] = torchrun_record(BENCHMARKS[name], name, processes(name, n),
                                             _benchmark_args(name, written, root), root)
             paths.append(written[name])
+            if name == "moe_kernel":  # its forecast, on this platform's calibration if any
+                from .experiments.moe_forecast import write_forecast
+                from .platform import platform_name
+                from .records import platforms
+
+                if platform_name() in platforms("calibration", root):
+                    paths.append(write_forecast(platform_name(), platform_name(), root))
     return paths
