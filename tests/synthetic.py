@@ -1,5 +1,9 @@
-"""Synthetic remote-store records made from known platform parameters, for the fit tests."""
+"""Synthetic records: remote-store records made from known platform parameters, for the fit
+tests; the committed records with different values (``write_synthetic_record_set``), for the
+notebooks to run on in ``test_prose``."""
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pandas as pd
@@ -145,3 +149,169 @@ def write_eight_gpu_beside_committed(root) -> None:
         write_record(experiment, "h200-x8", table, params, {**rec.provenance, "gpu_count": 8},
                      root, created=datetime.fromisoformat(rec.meta["created_utc"]))
     write_synthetic_beyond_records(root, n_gpus=8, noise=0.0)
+
+
+# ------------------------------------------------- the committed records with different values
+
+# Float columns that are settings of a run, not measurements: kept as they are.
+SETTING_COLUMNS = {"gap_us", "gap_set_us", "d_factor", "lead_rows", "world_size", "hidden",
+                   "intermediate", "top_k", "num_programs", "rank", "tiles_l1", "tiles_l2",
+                   "programs", "bursts", "src", "dst", "n_dst", "dst_used", "recovery_rate_GBps",
+                   "spin_errors_after_timing", "d_knee"}
+# String columns that say what kind of row it is (a row's quantities change by the factor of
+# their column and kind, ``perturb_table``).
+ROW_KINDS = ("method", "build", "kernel", "variant", "kind", "schedule", "path")
+# A quantity's quantiles and spreads change by the quantity's factor; ratios (speedups,
+# TF/s over cuDNN's) are raised to it, shares to its inverse.
+_QUANTILE = re.compile(r"_(?:p\d+|iqr|median|mean|max|min|lo|hi)(?=_|$)")
+_RATIO = re.compile(r"speedup|ratio|over_|_vs_")
+_SHARE = re.compile(r"share|frac")
+# Integer stamp lists (``fa_trace``) that are measurements.
+STAMP_LISTS = {"entry_ns", "q_loop_ns", "epilogue_ns"}
+# Subtrees of a record's parameters that hold measurements, per experiment.
+MEASURED_PARAMS = {"calibration": ("calibration",), "visibility": ("clock_alignment",),
+                   "fa_a2a": ("raw",), "fa_tuning": ("raw",), "remote_ops": ("fits",),
+                   "remote_patterns": ("fits",)}
+# Parameter subtrees whose integers are measurements too (round trips, timer steps).
+INT_PARAMS = {"clock_alignment"}
+# Experiments whose latest record per platform is enough for the notebooks (large tables).
+LATEST_ONLY = {"remote_store", "visibility", "remote_ops", "remote_patterns"}
+
+
+def factor(name: str) -> float:
+    """The factor a measured quantity called ``name`` is multiplied by: 1.6 to 2.4, a different
+    one for each name, so that ratios and differences of two quantities change too, and by enough
+    that a value printed to one significant digit changes as well."""
+    import zlib
+
+    return 1.6 + 0.8 * (zlib.crc32(name.encode()) % 997) / 997
+
+
+def perturb_json(value, key: str = "", ints: bool = False):
+    """``value`` (parsed JSON) with every float multiplied by the factor of the path of keys it
+    sits under (a list's items take the list's), and ints too where ``ints``."""
+    if isinstance(value, dict):
+        return {k: perturb_json(v, f"{key}/{k}", ints) for k, v in value.items()}
+    if isinstance(value, list):
+        return [perturb_json(v, key, ints) for v in value]
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, float):
+        return value * factor(key)
+    if isinstance(value, int) and ints:
+        return int(round(value * factor(key)))
+    return value
+
+
+def perturb_table(table: pd.DataFrame, experiment: str) -> pd.DataFrame:
+    """A record's table with every measurement multiplied by its ``factor``: float columns other
+    than ``SETTING_COLUMNS``, the floats inside JSON text cells, ``STAMP_LISTS``; for
+    ``visibility`` the receiver's and release stamps, as intervals from the issue start."""
+    import json
+
+    out = table.copy()
+    # a row's kind (its method, build, schedule, ...) joins the column in naming a quantity, so
+    # that two methods' times, say, change by different factors and their ratio changes too
+    kinds = [c for c in ROW_KINDS if c in table.columns]
+    kind = pd.Series("", index=table.index)
+    for c in kinds:
+        kind = kind + "|" + table[c].astype(object).where(table[c].notna(), "").astype(str)
+    for col in out.columns:
+        s = out[col]
+        if s.dtype == float and col not in SETTING_COLUMNS:
+            base = _QUANTILE.sub("", col)  # a quantity's quartiles change with it
+            f = kind.map({k: factor(f"{base}{k}") for k in kind.unique()})
+            if _RATIO.search(col):  # stays on its side of 1 (and of 0)
+                out[col] = np.sign(s) * np.abs(s) ** f
+            elif _SHARE.search(col):  # stays in [0, 1]
+                out[col] = s ** (1 / f)
+            else:
+                out[col] = s * f
+        elif s.dtype == object or str(s.dtype) in ("str", "string"):
+            def one(v, k, col=col):
+                if not isinstance(v, str) or v[:1] not in "[{":
+                    return v
+                try:
+                    parsed = json.loads(v)
+                except ValueError:
+                    return v
+                return json.dumps(perturb_json(parsed, f"{col}{k}", ints=col in STAMP_LISTS))
+            out[col] = [one(v, k) for v, k in zip(s, kind)]
+    if {"t_iss_us", "period_us", "gap_eff_us", "burst_bytes"} <= set(out.columns):
+        # Burst–Gap tables: the issue time of each burst size changes by its own few percent
+        # (as much as a gap sweep still reaches its recovered plateau with), and the period is
+        # that issue time plus the effective gap, as measured
+        import zlib
+
+        scale = out["burst_bytes"].map(
+            lambda b: 1.04 + 0.1 * (zlib.crc32(f"t_iss {b}".encode()) % 997) / 997)
+        for col in ("t_iss_us", "t_iss_median_us", "t_iss_max_us", "t_iss_min_us"):
+            if col in out:
+                out[col] = table[col] * scale
+        out["period_us"] = out["t_iss_us"] + table["gap_eff_us"]
+        out["gap_eff_us"] = table["gap_eff_us"]
+    if experiment == "visibility":
+        start = out["t_iss_start_ns"].to_numpy(np.int64)
+        for col in ("t_iss_end_ns", "t_release_ns", "t_visible_ns", "t_visible_src_ns"):
+            if col in out:
+                span = out[col].to_numpy(np.int64) - start
+                out[col] = start + np.rint(span * factor(col)).astype(np.int64)
+    return out
+
+
+def write_synthetic_record_set(root, source=None, shift_days: int = 400) -> dict:
+    """The records the notebooks read, from ``source`` (default: the committed records) with
+    different values (``perturb_table``, ``MEASURED_PARAMS``), written under ``root`` with new
+    record ids (created ``shift_days`` later, another digest), every id they name rewritten to the
+    new ones. Records the errata mark invalid are left out. Returns {old id: new id}."""
+    import hashlib
+    import io
+    import json
+    from datetime import datetime, timedelta
+    from pathlib import Path
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from xstage_lab.records import _META_KEY, RECORDS_DIR, list_records, platforms, read_record
+
+    source = Path(source or RECORDS_DIR)
+    root = Path(root)
+    experiments = sorted(p.name for p in source.iterdir() if p.is_dir())
+    chosen = []
+    for experiment in experiments:
+        for platform in platforms(experiment, source):
+            paths = list_records(experiment, platform, source)
+            chosen += paths[-1:] if experiment in LATEST_ONLY else paths
+    new_ids = {}
+    for path in (p for e in experiments for p in (source / e).glob("*/*.parquet")):
+        stamp, digest = path.stem.split("-", 1)
+        created = datetime.strptime(stamp, "%Y%m%dT%H%M%SZ") + timedelta(days=shift_days)
+        new_ids[path.stem] = (f"{created:%Y%m%dT%H%M%SZ}-"
+                              f"{hashlib.sha256(digest.encode()).hexdigest()[:10]}")
+
+    def renamed(obj):
+        text = json.dumps(obj)
+        for old, new in new_ids.items():
+            text = text.replace(old, new)
+        return json.loads(text)
+
+    for path in chosen:
+        rec = read_record(path)
+        experiment = rec.meta["experiment"]
+        params = dict(rec.params)
+        for key in MEASURED_PARAMS.get(experiment, ()):
+            if key in params:
+                params[key] = perturb_json(params[key], key, ints=key in INT_PARAMS)
+        created = datetime.fromisoformat(rec.meta["created_utc"]) + timedelta(days=shift_days)
+        meta = renamed({**rec.meta, "record_id": rec.record_id, "params": params,
+                        "created_utc": created.isoformat()})
+        arrow = pa.Table.from_pandas(perturb_table(rec.table, experiment), preserve_index=False)
+        arrow = arrow.replace_schema_metadata({**(arrow.schema.metadata or {}),
+                                               _META_KEY: json.dumps(meta).encode()})
+        out = root / experiment / rec.platform / f"{meta['record_id']}.parquet"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        sink = io.BytesIO()
+        pq.write_table(arrow, sink)
+        out.write_bytes(sink.getvalue())
+    return new_ids

@@ -24,6 +24,36 @@ def test_notebook_publishes_its_figures_and_tables(reproduced, notebook):
             assert (reproduced / notebook / f).stat().st_size > 0
 
 
+def test_outputs_open_offline_and_the_index_shows_every_figure(reproduced):
+    """Issue 20: no figure page or the index loads anything from the network, and each figure
+    appears in the index as its picture (PNG) or, without an image engine, its offline page."""
+    from xstage_lab.offline import network_loads
+
+    assert network_loads(reproduced) == []
+    index = (reproduced / "index.html").read_text()
+    for manifest in reproduced.glob("*/manifest.jsonl"):
+        for e in map(json.loads, manifest.read_text().splitlines()):
+            if e["kind"] == "figure":
+                shown = e.get("image") or e["files"][0]
+                assert f'src="{manifest.parent.name}/{shown}"' in index, e["name"]
+
+
+def test_fa_labels_come_from_the_record():
+    """Issue 20: the kernel named in Table 3 is the record's, and records from before the kernel
+    was recorded ran the Triton kernel."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from xstage_lab import plots
+
+    table = pd.DataFrame({"P": [4], "heads": [16], "head_dim": [64]})
+    gluon = SimpleNamespace(platform="x", table=table, params={"config": {"kernel": "gluon_ws"}})
+    old = SimpleNamespace(platform="x", table=table, params={"config": {"BLOCK_M": 128}})
+    assert plots.fa_label(gluon) == "x Gluon FA (warp-specialized), P=4, H=16, d=64"
+    assert plots.fa_label(old) == "x Triton FA, P=4, H=16, d=64"
+
+
 def test_characterization_publishes_fig3_and_table1(reproduced):
     names = {json.loads(line)["name"] for line in
              (reproduced / "01_remote_store_characterization" / "manifest.jsonl").read_text().splitlines()}
@@ -134,13 +164,18 @@ def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_r
     # 02: Table 3, the times per platform, Fig. 11 with each platform's predictions
     _, fa = load_or_run("fa_a2a", "replay", root=root)
     assert [r.platform for r in fa] == both
+    # labels from the records: the kernel from the record's config (gluon_ws in the latest), P,
+    # heads and head dim from its rows
     sources = set(plots.table3_comparison(published("table3"), fa)["source"])
-    assert {"h200-x2 Triton FA, P=2", "h200-x8 Triton FA, P=8"} <= sources
-    assert [a.text for a in plots.fa_a2a_times(fa).layout.annotations] == both
+    assert {"h200-x2 Gluon FA (warp-specialized), P=2, H=24, d=128",
+            "h200-x8 Gluon FA (warp-specialized), P=8, H=24, d=128"} <= sources
+    assert [a.text for a in plots.fa_a2a_times(fa).layout.annotations] == [
+        plots.fa_label(r) for r in fa]
     predictions = {r.platform: attention_model.record_predictions(r) for r in fa}
-    names = {t.name for t in plots.fig11_residual(published("table3"), fa, predictions).data}
-    assert any(n.startswith("h200-x8, P=8") for n in names)
-    assert any(n.startswith("h200-x2, P=2") for n in names)
+    groups = {t.legendgrouptitle.text for t in
+              plots.fig11_residual(published("table3"), fa, predictions).data}
+    assert {"h200-x2 Gluon FA (warp-specialized), P=2, H=24, d=128",
+            "h200-x8 Gluon FA (warp-specialized), P=8, H=24, d=128"} <= groups
     # 03: the MoE headline, Fig. 8, Table 2, Condition 1 per platform
     _, moe = load_or_run("moe", "replay", root=root)
     _, traces = load_or_run("moe_trace", "replay", root=root)

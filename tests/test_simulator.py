@@ -1,5 +1,6 @@
 """The fluid X-Stage simulator on hand-worked schedules, against the closed forms and records."""
 import numpy as np
+import pandas as pd
 import pytest
 
 from xstage_lab import model, simulator
@@ -194,3 +195,114 @@ def test_many_overlapping_producers_stay_within_the_fluid_bounds():
     assert out["stall_us"].min() > -1e-9
     assert out["q_end_bytes"].between(0, Q).all()
     assert (out["stall_us"] > 0.01).mean() > 0.5
+
+
+# Free-running producers and their start skew (the gap sweep's drift), R = 1e6 B/µs.
+
+def test_one_free_running_producer_is_the_single_stream_queue():
+    # V = 1e6 in T0 = 0.5 (2e6 B/µs): q grows at 1e6 B/µs to 0.5e6 < Q at 0.5 µs, the gap of
+    # 1 µs drains it by 1.0: every burst takes T0 and starts 1.5 µs after the one before
+    run = simulator.simulate_free_running([2.0], 1e6, 0.5, 1.0, 3, 1000.0, 1e6)
+    single = simulator.simulate([Burst(1e6, 0.5, 1.0)] * 3, 1000.0, 1e6)
+    assert run["start_us"].tolist() == pytest.approx((single["start_us"] + 2.0).tolist())
+    assert run["t_iss_us"].tolist() == pytest.approx([0.5, 0.5, 0.5])
+    assert run["period_us"].tolist()[:2] == pytest.approx([1.5, 1.5])
+    assert np.isnan(run["period_us"].iloc[-1])
+
+
+def test_two_free_running_producers_hand_worked():
+    # Each burst 1e6 B in T0 = 0.5 (2e6 B/µs), Q = 0.6e6, gap 2 µs; B starts 0.25 µs after A.
+    # 0 → 0.25: A alone, q = 0.25e6, A has 0.5e6 left.
+    # 0.25 →: D = 4e6, q grows at 3e6: Q after 0.35e6 / 3e6 = 0.11667 µs (t = 0.36667), each has
+    #   injected 0.23333e6 more: A has 0.26667e6 left, B 0.76667e6.
+    # Held at Q, R shared 1:1: A ends after 0.26667e6 / 0.5e6 = 0.53333 µs, at 0.9 (T_iss 0.9);
+    #   B has 0.5e6 left, alone at R (still held): 0.5 µs, ends at 1.4 (T_iss 1.15).
+    # q = Q at 1.4 drains by 2.0. A's next burst at 0.9 + 2 = 2.9 from empty: alone, q reaches
+    #   0.5e6 < Q at 3.4 (T_iss 0.5). B's next at 1.4 + 2 = 3.4 finds q = 0.5e6: Q after 0.1 µs
+    #   with 0.2e6 injected, the last 0.8e6 at R: ends at 4.3 (T_iss 0.9).
+    run = simulator.simulate_free_running([0.0, 0.25], 1e6, 0.5, 2.0, 2, 1000.0, 0.6e6)
+    assert run[["producer", "burst"]].values.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert run["start_us"].tolist() == pytest.approx([0.0, 2.9, 0.25, 3.4])
+    assert run["t_iss_us"].tolist() == pytest.approx([0.9, 0.5, 1.15, 0.9])
+    assert run["stall_us"].tolist() == pytest.approx([0.4, 0.0, 0.65, 0.4], abs=1e-9)
+    assert run["period_us"].tolist()[::2] == pytest.approx([2.9, 3.15])
+    assert run["q_end_bytes"].tolist() == pytest.approx([0.6e6, 0.5e6, 0.6e6, 0.6e6])
+    # aligned, the same two bursts are one aggregate burst of 2e6 in 0.5 µs: Q after 0.2 µs with
+    # 0.8e6 injected, the other 1.2e6 at R: T_iss 1.4 (eq. 7: max(T0, (V − Q)/R))
+    aligned = simulator.simulate_free_running([0.0, 0.0], 1e6, 0.5, 2.0, 1, 1000.0, 0.6e6)
+    assert aligned["t_iss_us"].tolist() == pytest.approx([1.4, 1.4])
+
+
+@pytest.mark.parametrize("args, match", [
+    (([], 1e6, 0.5, 1.0, 2), "offsets_us"),
+    (([np.nan], 1e6, 0.5, 1.0, 2), "offsets_us"),
+    (([0.0], -1.0, 0.5, 1.0, 2), "volume"),
+    (([0.0], 1e6, 0.0, 1.0, 2), "t_iss0_us"),
+    (([0.0], 1e6, 0.5, -1.0, 2), "gap_us"),
+    (([0.0], 1e6, 0.5, 1.0, 0), "bursts"),
+    (([0.0], 1e6, 0.5, 1.0, 1.5), "bursts"),
+])
+def test_bad_free_running_input_is_refused(args, match):
+    with pytest.raises(ValueError, match=match):
+        simulator.simulate_free_running(*args, 1000.0, 1e6)
+
+
+def test_window_means_take_the_bursts_where_every_producer_runs():
+    # producer 0 starts its bursts at 0, 10, 20, 30; producer 1 at 5, 15, 25, 35. After one
+    # warm-up burst the window runs from 15 (producer 1's burst 1) to 30 (producer 0's last
+    # start): bursts starting at 15, 20 and 25 count.
+    rows = pd.DataFrame({"producer": [0] * 4 + [1] * 4, "burst": [0, 1, 2, 3] * 2,
+                         "start_us": [0, 10, 20, 30, 5, 15, 25, 35],
+                         "t_iss_us": [9, 1, 2, 9, 9, 3, 4, 9],
+                         "period_us": [10, 10, 10, np.nan, 10, 12, 14, np.nan]})
+    assert simulator.window_means(rows, warmup=1) == pytest.approx(
+        {"t_iss_us": 3.0, "period_us": 12.0})
+
+
+def test_skewed_launch_hand_worked():
+    # K = 4 producers of 0.5e6 B (V = 2e6) in T0 = 0.5 µs, gap 10 µs, Q = 0.5e6, R = 1e6 B/µs.
+    # Aligned (skew 0): one aggregate burst, eq. 7: (V − Q)/R = 1.5 µs, the gap drains it all.
+    # Spread over 3 µs (1 µs apart, under the period max(T0 + G, V/R) = 10.5): each burst alone
+    # injects at 1e6 B/µs = R, so nothing builds up: T_iss = T0. Spread over 20 µs, more than a
+    # period: the starts spread over one period (2.625 µs apart): T0 again.
+    args = dict(producers=4, burst_bytes=0.5e6, t_iss0_us=0.5, gap_us=10.0, drain_rate=1000.0,
+                capacity=0.5e6, bursts=6, warmup=1)
+    aligned = simulator.skewed_launch(skew_us=0.0, **args)
+    assert aligned["t_iss_us"] == pytest.approx(1.5)
+    assert aligned["period_us"] == pytest.approx(11.5)
+    assert aligned == pytest.approx(simulator.steady_state(Burst(2e6, 0.5, 10.0), 1000.0, 0.5e6))
+    for skew in (3.0, 20.0):
+        spread = simulator.skewed_launch(skew_us=skew, **args)
+        assert spread == pytest.approx({"t_iss_us": 0.5, "period_us": 10.5})
+
+
+def test_skew_regime_hand_worked():
+    # starts spread under one issue time: aligned; under one period: staggered; beyond: drifted
+    assert simulator.skew_regime([0.2, 3.0, 12.0], [0.5, 0.5, 0.5], [10.0, 10.0, 10.0]).tolist() == [
+        "aligned", "staggered", "drifted"]
+
+
+def test_point_start_skew_is_the_median_over_launches_in_us():
+    from tests.synthetic import synthetic_table
+
+    table = synthetic_table()
+    table.loc[table["repeat"] == 0, "start_skew_ns"] = 5000.0  # one launch in three
+    skew = simulator.point_start_skew(table)
+    assert len(skew) == table.groupby(["sweep", "point"]).ngroups
+    assert (skew["start_skew_us"] == 0.05).all()
+
+
+def test_measured_skew_explains_the_long_gap_plateau():
+    """Issue 20: the aligned simulation plateaus at (V − Q)/R for long gaps at B = 32 and 64 KiB,
+    far above the measured issue time; with the producers spread over their measured start
+    skew it stays at T_iss^0, as measured."""
+    from xstage_lab.experiments.remote_store import load_characterizations
+
+    _, (c, *_) = load_characterizations("replay", ["h200-x2"])
+    sim, errors = simulator.check_gap_sweep(c.calibration, c.predicted, c.record)
+    assert {"start_skew_us", "t_iss_skew_sim_us", "period_skew_sim_us", "regime"} <= set(sim)
+    assert errors["simulator_skewed_t_iss_err_pct"] < errors["simulator_t_iss_err_pct"]
+    longest = sim[(sim["burst_bytes"] >= 32 * 1024) & (sim["gap_us"] == sim["gap_us"].max())]
+    assert (longest["t_iss_sim_us"] > 4 * longest["t_iss_us"]).all()
+    assert np.allclose(longest["t_iss_skew_sim_us"], longest["t_iss_us"], rtol=0.05)
+    assert (longest["regime"] != "aligned").all()

@@ -1,8 +1,10 @@
 """Figures and tables, drawn only from records and fits, and their publication for ``reproduce``.
 
-``publish``/``publish_table`` display in a notebook and, when the runner passes an output folder,
-also write HTML (PNG where kaleido finds a Chromium), CSV and Markdown, and add an entry to the
-folder's ``manifest.jsonl`` from which the runner builds the index page.
+``publish``/``publish_table`` display in a notebook (a figure with a static PNG beside its plotly
+JSON, so that any notebook viewer shows it) and, when the runner passes an output folder, also
+write HTML that opens offline (plotly.js shipped once with the folder), PNG where kaleido finds a
+Chrome or Chromium, CSV and Markdown, and add an entry to the folder's ``manifest.jsonl`` from
+which the runner builds the index page.
 """
 from __future__ import annotations
 
@@ -297,14 +299,21 @@ def design_calculator(cal: Calibration):
 
 
 def simulated_gap_sweep(predicted: pd.DataFrame, platform: str) -> go.Figure:
-    """The simulator's and the closed form's issue times over the measured gap sweep."""
+    """The simulator's and the closed form's issue times over the measured gap sweep: the
+    simulator with every producer's burst aligned and, where ``predicted`` has it
+    (``simulator.check_gap_sweep`` with the record), with the producers spread over their
+    measured start skew."""
     fig = go.Figure()
     for i, (b, grp) in enumerate(predicted.groupby("burst_bytes")):
         color = _COLORS[i % len(_COLORS)]
         fig.add_scatter(x=grp["gap_us"], y=grp["t_iss_us"], mode="markers", marker=dict(color=color),
                         name=f"measured B={_kb(b)}")
         fig.add_scatter(x=grp["gap_us"], y=grp["t_iss_sim_us"], mode="lines",
-                        line=dict(color=color), name=f"simulator B={_kb(b)}")
+                        line=dict(color=color), name=f"simulator, aligned B={_kb(b)}")
+        if "t_iss_skew_sim_us" in grp:
+            fig.add_scatter(x=grp["gap_us"], y=grp["t_iss_skew_sim_us"], mode="lines",
+                            line=dict(color=color, dash="dash"),
+                            name=f"simulator, measured start skew B={_kb(b)}")
         fig.add_scatter(x=grp["gap_us"], y=grp["t_iss_pred_us"], mode="lines",
                         line=dict(color=color, dash="dot"), name=f"eq. 3 B={_kb(b)}")
     fig.update_layout(title=f"{platform}: fluid simulator against the measured gap sweep",
@@ -323,23 +332,171 @@ def simulated_schedules(traces: dict[str, pd.DataFrame]) -> go.Figure:
     return fig
 
 
+# ------------------------------------------------------------------------------- publication
+
+# plotly.js is shipped once per output folder, as ``plotly.min.js``, and each figure's HTML loads
+# it by a relative path (``../plotly.min.js`` from a notebook's folder under ``out/``). A CDN
+# reference leaves every page blank without network; inlining works offline too, but puts a copy
+# of the 4.8 MB library into every figure file (20 figures from the committed records: ~100 MB
+# per reproduce, where one shared copy costs 4.8 MB). The runner
+# writes ``out/plotly.min.js``; ``publish`` into a folder without one above it (called by hand)
+# ships a copy into that folder itself.
+PLOTLYJS = "plotly.min.js"
+
+# Static images (the index's pictures, each notebook figure's image/png) come from kaleido, which
+# drives a Chrome or Chromium: a system one on PATH, the one BROWSER_PATH names, or the one
+# `plotly_get_chrome` downloads. They are drawn with MathJax off and the plotly.js of the plotly
+# package, so that drawing one needs no network either (kaleido's defaults load MathJax from a CDN).
+NO_IMAGES_HINT = ("install Chrome or Chromium (e.g. `apt install chromium`, or `plotly_get_chrome` "
+                  "once with network access) or set BROWSER_PATH to one, then rerun")
+_IMAGE_TIMEOUT_S = 120
+_engine: dict = {}  # "problem": None or why no images; "server": kaleido's browser is running
+
+
+def ship_plotlyjs(folder: Path | str) -> Path:
+    """Write plotly.js (``PLOTLYJS``), the version plotly writes its figures for, into ``folder``
+    unless it is there already; the figures' HTML under ``folder`` loads it by relative path."""
+    from plotly.offline import get_plotlyjs
+
+    path = Path(folder) / PLOTLYJS
+    js = get_plotlyjs()
+    if not path.is_file() or path.stat().st_size != len(js.encode()):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(js, encoding="utf-8")
+    return path
+
+
+def _plotlyjs_src(out: Path) -> str:
+    """The relative path by which a figure written into ``out`` loads plotly.js."""
+    if (out.parent / PLOTLYJS).is_file():  # the runner's output folder
+        return f"../{PLOTLYJS}"
+    ship_plotlyjs(out)
+    return PLOTLYJS
+
+
+def _with_timeout(call, timeout_s: float):
+    """``call()`` on a daemon thread: its result, its exception, or TimeoutError after
+    ``timeout_s`` (a browser that hangs must not hang the notebook)."""
+    import threading
+
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = call()
+        except BaseException as e:  # noqa: BLE001 re-raised on the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer from the browser in {timeout_s:g} s")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _first_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:160]}" if text else type(e).__name__
+
+
+def image_engine_problem() -> str | None:
+    """None where kaleido can draw static images on this machine, else one line: why not and
+    what to install. Probed once per process, by drawing an empty figure."""
+    if "problem" not in _engine:
+        _engine["problem"] = _probe_image_engine()
+    return _engine["problem"]
+
+
+def _probe_image_engine() -> str | None:
+    try:
+        import kaleido
+        from choreographer.errors import ChromeNotFoundError
+    except ImportError as e:
+        return f"No static images: {e.name} is not installed (`pip install kaleido`)"
+    try:
+        _with_timeout(lambda: kaleido.calc_fig_sync(
+            {"data": [], "layout": {}}, opts=dict(format="png", width=50, height=50),
+            kopts={"mathjax": False}), _IMAGE_TIMEOUT_S)
+    except ChromeNotFoundError:
+        return "No static images: kaleido found no Chrome or Chromium; " + NO_IMAGES_HINT
+    except Exception as e:  # noqa: BLE001 any failure of the browser means no images
+        return (f"No static images: kaleido could not draw with the browser it found "
+                f"({_first_line(e)}); " + NO_IMAGES_HINT)
+    return None
+
+
+def static_image(fig: go.Figure, width: int = 1000, height: int = 600) -> bytes | None:
+    """``fig`` as PNG bytes (its layout's size, else ``width`` × ``height``), or None where no
+    image engine exists (``image_engine_problem`` says why) or this figure failed to draw."""
+    if image_engine_problem():
+        return None
+    import kaleido
+
+    if not _engine.get("server"):  # one browser for every figure of this process
+        kaleido.start_sync_server(mathjax=False, silence_warnings=True)
+        _engine["server"] = True
+    opts = dict(format="png", width=fig.layout.width or width, height=fig.layout.height or height)
+    try:
+        return _with_timeout(lambda: kaleido.calc_fig_sync(fig.to_dict(), opts=opts),
+                             _IMAGE_TIMEOUT_S)
+    except TimeoutError as e:  # the browser hangs: no more images from this process
+        _engine["problem"] = (f"No static images: kaleido's browser stopped answering "
+                              f"({_first_line(e)})")
+    except Exception as e:  # noqa: BLE001 this figure only
+        print(f"no static image of {fig.layout.title.text or 'a figure'!r}: {_first_line(e)}")
+    return None
+
+
+_DRAW = object()  # ``show``'s default: draw the static image itself
+
+
+def show(fig: go.Figure, png: bytes | None = _DRAW) -> None:
+    """Display ``fig`` with a static fallback: the plotly JSON (interactive in JupyterLab, VS Code)
+    beside an image/png of it (``png``, else drawn here), which nbconvert, repository browsers and
+    other viewers show; no text/html, which those viewers would prefer and render blank. Without
+    an image engine the figure says so, once per process."""
+    import base64
+
+    from IPython.display import display
+
+    if png is _DRAW:
+        png = static_image(fig)
+    bundle = pio.renderers["plotly_mimetype"].to_mimebundle(fig.to_dict())
+    bundle["text/plain"] = f"<figure: {fig.layout.title.text or 'untitled'}>"
+    if png is not None:
+        bundle["image/png"] = base64.b64encode(png).decode("ascii")
+    display(bundle, raw=True)
+    if png is None and image_engine_problem() and not _engine.get("said"):
+        _engine["said"] = True
+        print(f"{image_engine_problem()}. Until then the figures of this notebook show only where "
+              "plotly's own output renders (JupyterLab, VS Code), not in nbconvert or a repository "
+              "browser.")
+
+
 def publish(fig: go.Figure, name: str, out_dir: Path | str | None, caption: str = "") -> None:
-    """Show ``fig``; with ``out_dir``, also write ``name``.html (and .png where kaleido can) and
-    list it in the manifest."""
-    fig.show()
+    """Show ``fig`` (``show``); with ``out_dir``, also write ``name``.html, which loads plotly.js
+    from the output folder (``PLOTLYJS``) and so opens offline, and ``name``.png where an image
+    engine exists, and list them in the manifest (``no_image``: why there is no PNG)."""
+    png = static_image(fig)
+    show(fig, png)
     if out_dir is None:
         return
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    fig.write_html(out / f"{name}.html", include_plotlyjs="cdn")
+    fig.write_html(out / f"{name}.html", include_plotlyjs=_plotlyjs_src(out), include_mathjax=False)
     files = [f"{name}.html"]
-    try:
-        fig.write_image(out / f"{name}.png", width=1000, height=600)
+    entry = {"kind": "figure", "name": name, "title": fig.layout.title.text or name,
+             "caption": caption}
+    if png is not None:
+        (out / f"{name}.png").write_bytes(png)
         files.append(f"{name}.png")
-    except Exception as e:  # kaleido needs a Chromium; the HTML stands alone without it
-        caption = f"{caption} (no PNG: {type(e).__name__})".strip()
-    _manifest(out, {"kind": "figure", "name": name, "title": fig.layout.title.text or name,
-                    "caption": caption, "files": files})
+        entry["image"] = f"{name}.png"
+    else:
+        entry["no_image"] = image_engine_problem() or "No static image: this figure failed to draw"
+    _manifest(out, {**entry, "files": files})
 
 
 def publish_table(df: pd.DataFrame, name: str, out_dir: Path | str | None, title: str = "") -> None:
@@ -362,8 +519,28 @@ def _manifest(out: Path, entry: dict) -> None:
         f.write(json.dumps(entry) + "\n")
 
 
+# How tables and legends name an ``fa_a2a`` record's attention kernel (``attention.KERNELS``).
+FA_KERNEL_LABELS = {"triton": "Triton FA", "gluon_ws": "Gluon FA (warp-specialized)"}
+
+
+def fa_kernel(record) -> str:
+    """The attention kernel an ``fa_a2a`` record ran: its ``config["kernel"]``. Records from before
+    the Gluon kernel (bf9ad5f) have no such key; the Triton kernel was the only one then."""
+    return (record.params.get("config") or {}).get("kernel", "triton")
+
+
+def fa_label(record, row=None) -> str:
+    """``<platform> <kernel>, P=.., H=.., d=..``, every part read from the record: the kernel from
+    its config, P, heads and head dim from ``row`` (a row of its table; default its first)."""
+    r = record.table.iloc[0] if row is None else row
+    kernel = fa_kernel(record)
+    return (f"{record.platform} {FA_KERNEL_LABELS.get(kernel, kernel)}, P={int(r['P'])}, "
+            f"H={int(r['heads'])}, d={int(r['head_dim'])}")
+
+
 def table3_comparison(paper: dict, records) -> pd.DataFrame:
-    """Table 3: the paper's FA4 and FA3 rows (P = 8) beside each platform's measured rows."""
+    """Table 3: the paper's FA4 and FA3 rows (P = 8) beside each platform's measured rows, each
+    labelled from its record (``fa_label``)."""
     rows = []
     for gen in ("FA4", "FA3"):
         for i, m in enumerate(paper["M"]):
@@ -373,7 +550,7 @@ def table3_comparison(paper: dict, records) -> pd.DataFrame:
                          "speedup": p["speedup"][i], "hiding_ratio": p["hiding_ratio_pct"][i] / 100})
     for rec in records:
         for _, r in rec.table.iterrows():
-            rows.append({"source": f"{rec.platform} Triton FA, P={int(r['P'])}", "M": int(r["M"]),
+            rows.append({"source": fa_label(rec, r), "M": int(r["M"]),
                          "fa_us": r["fa_us"], "serial_us": r["serial_us"], "fused_us": r["fused_us"],
                          "speedup": r["speedup"], "hiding_ratio": r["hiding_ratio"],
                          "a2a_nccl_us": r["a2a_nccl_us"], "a2a_remote_us": r["a2a_remote_us"],
@@ -399,9 +576,10 @@ def fig11_residual(paper: dict, records, predictions: dict) -> go.Figure:
     for i, rec in enumerate(records):
         color = _COLORS[i % len(_COLORS)]
         t, pred = rec.table, predictions[rec.platform]
-        label = f"{rec.platform}, P={int(t['P'].iloc[0])}"
+        # one legend group per record, titled with its labels (``fa_label``)
+        group = dict(legendgroup=rec.platform, legendgrouptitle_text=fa_label(rec))
         fig.add_scatter(x=t["M"], y=t["e_res_us"] / t["fa_us"] * 100, mode="lines+markers",
-                        line=dict(color=color), name=f"{label}: measured vs FA-only")
+                        line=dict(color=color), name="measured vs FA-only", **group)
         for name, what, marker in (("e_res", "Fused", "circle"),
                                    ("e_res_fenced", "Fused-fenced (coupled)", "x")):
             tag = f"{name}_paired_fa_same_code"
@@ -414,25 +592,25 @@ def fig11_residual(paper: dict, records, predictions: dict) -> go.Figure:
                 error_y=dict(type="data", symmetric=False,
                              array=(pred[f"{tag}_p75_us"] - pred[f"{tag}_us"]) / base,
                              arrayminus=(pred[f"{tag}_us"] - pred[f"{tag}_p25_us"]) / base),
-                name=f"{label}: {what} vs same-code FA-only, paired trials (median, IQR)")
+                name=f"{what} vs same-code FA-only, paired trials (median, IQR)", **group)
         fig.add_scatter(x=pred["M"], y=pred["e_drain_us"] / pred["fa_us"] * 100, mode="lines",
-                        line=dict(color=color, dash="dot"), name=f"{label}: X-Stage prediction")
+                        line=dict(color=color, dash="dot"), name="X-Stage prediction", **group)
         fig.add_scatter(x=pred["M"], y=pred["e_cc_us"] / pred["fa_us"] * 100, mode="lines",
                         line=dict(color=color, dash="longdash"),
-                        name=f"{label}: completion-coupled prediction "
-                             f"(T_lat = {pred['t_lat_us'].iloc[0]:.2f} µs)")
+                        name=f"completion-coupled prediction "
+                             f"(T_lat = {pred['t_lat_us'].iloc[0]:.2f} µs)", **group)
         fig.add_vline(x=int(pred["m_star_ub"].max()), line=dict(color=color, dash="dot"),
                       annotation_text=f"M*_ub = {int(pred['m_star_ub'].max())}")
     fig.add_hrect(y0=-2, y1=2, fillcolor="lightblue", opacity=0.3, line_width=0,
                   annotation_text="±2% DVFS envelope (paper)")
     fig.update_layout(title="Fig. 11: sender-visible residual E_res/T_FA", xaxis_title="M (tokens)",
-                      yaxis_title="E_res / T_FA (%)")
+                      yaxis_title="E_res / T_FA (%)", legend=dict(groupclick="toggleitem"))
     return fig
 
 
 def fa_a2a_times(records) -> go.Figure:
     """Per-method sender-visible time against M, one panel per platform."""
-    fig = make_subplots(rows=1, cols=len(records), subplot_titles=[r.platform for r in records])
+    fig = make_subplots(rows=1, cols=len(records), subplot_titles=[fa_label(r) for r in records])
     methods = ("fa_us", "serial_us", "fused_us", "sdpa_nccl_us", "a2a_nccl_us", "a2a_remote_us")
     for col, rec in enumerate(records, start=1):
         for i, m in enumerate(methods):
@@ -736,7 +914,8 @@ def moe_condition1(trace_record, platform) -> pd.DataFrame:
 
 
 def _fit_row(fit: dict | None) -> dict:
-    """One fit of a patterns/operations summary entry (README's FIT) as table columns."""
+    """One fit of a patterns/operations summary entry (FIT in docs/summary_json.md) as table
+    columns."""
     if not fit:
         return {"fit": "not measured"}
     if "fit_error" in fit:

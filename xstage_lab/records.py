@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from datetime import datetime, timezone
@@ -23,7 +24,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-RECORDS_DIR = DATA_DIR / "records"
+# The records root every loader reads by default: the committed records, or the folder that the
+# environment variable RECORDS_ENV names (read at import), e.g. a synthetic record set for the
+# notebooks to run on.
+RECORDS_ENV = "XSTAGE_LAB_RECORDS"
+RECORDS_DIR = (Path(os.environ[RECORDS_ENV]).resolve() if os.environ.get(RECORDS_ENV)
+               else DATA_DIR / "records")
 _META_KEY = b"xstage_lab"
 ERRATA_FILE = "errata.json"
 

@@ -6,7 +6,10 @@ at Q the injection can go no faster than the drain (backpressure). A gap injects
 the fluid abstraction of §3.2 played out in time rather than solved for steady state: for periodic
 bursts it settles on eq. 3 (T_iss = max(T_iss^0, V/R − G)) and for one burst from empty on eq. 7
 (max(T_iss^0, (V − Q)/R)), and it takes schedules the closed forms do not: mixed volumes, uneven
-gaps, the tile order of a fused kernel.
+gaps, the tile order of a fused kernel. Many producers share the queue too
+(``simulate_producers``), each running its own burst–gap loop where they run free
+(``simulate_free_running``): the gap sweep's producers drift apart after an aligned first burst,
+and ``skewed_launch`` spreads them over the start skew their record measured.
 
 Units as in ``model``: bytes, microseconds, R in GB/s.
 """
@@ -97,28 +100,48 @@ def simulate_producers(start_us, volume, t_iss0_us, drain_rate: float,
         raise ValueError(f"drain_rate must be finite and > 0, got {drain_rate}")
     if not capacity >= 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
-    drain = drain_rate * _BYTES_PER_US_PER_GBPS  # bytes per µs
-    rate, order, n = vol / t0, np.argsort(start, kind="stable"), len(start)
-    finish, q_end = np.empty(n), np.empty(n)
+    begin, finish, q_end = _play(start, vol, t0, drain_rate * _BYTES_PER_US_PER_GBPS, capacity)
+    t_iss = finish - start
+    return pd.DataFrame(dict(start_us=start, volume=vol, t_iss0_us=t0, t_iss_us=t_iss,
+                             stall_us=np.where(vol > 0, t_iss - t0, 0.0), q_end_bytes=q_end))
+
+
+def _play(start, vol, t0, drain: float, capacity: float, successor=None, delay=None):
+    """The event loop of ``simulate_producers`` (``drain`` in bytes per µs). Burst i starts at
+    ``start[i]`` where that is finite; a burst named as ``successor[j]`` (>= 0) of burst j starts
+    ``delay[j]`` µs after j's issue ends instead. Returns (start, finish, q at finish) per burst."""
+    n = len(vol)
+    rate = vol / t0
+    begin, finish, q_end = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+    pending = [(float(start[i]), i) for i in range(n) if np.isfinite(start[i])]
+    heapq.heapify(pending)  # ties leave in index order, as a stable sort of the starts would
+
+    def ended(i, now, q):
+        finish[i], q_end[i] = now, q
+        if successor is not None and successor[i] >= 0:
+            heapq.heappush(pending, (now + float(delay[i]), int(successor[i])))
+
     # Every active burst works through its own T_iss^0 at one common speed (1, or R/D while held
     # at Q), so on a clock s running at that speed burst i finishes at s(its start) + T_iss^0_i.
     active = []  # heap of (s at finish, burst)
-    nxt, now, s, q, demand = 0, float(start[order[0]]) if n else 0.0, 0.0, 0.0, 0.0
-    while nxt < n or active:
-        while nxt < n and start[order[nxt]] <= now:
-            i = order[nxt]
-            nxt += 1
+    now, s, q, demand = (pending[0][0] if pending else 0.0), 0.0, 0.0, 0.0
+    while pending or active:
+        while pending and pending[0][0] <= now:
+            t, i = heapq.heappop(pending)
+            begin[i] = t
             if vol[i] == 0:  # nothing to issue: it ends where it starts
-                finish[i], q_end[i] = now, q
+                ended(i, now, q)
             else:
                 heapq.heappush(active, (s + t0[i], i))
                 demand += rate[i]
         if not active:
             demand = 0.0  # drop what rounding left in the running sum
+            if not pending:
+                break
         held = q >= capacity and demand > drain
         speed = drain / demand if held else 1.0
         dq = 0.0 if held or (q <= 0 and demand <= drain) else demand - drain
-        to_start = start[order[nxt]] - now if nxt < n else np.inf
+        to_start = pending[0][0] - now if pending else np.inf
         to_finish = (active[0][0] - s) / speed if active else np.inf
         to_full = (capacity - q) / dq if dq > 0 else np.inf
         to_empty = q / -dq if dq < 0 else np.inf
@@ -126,7 +149,7 @@ def simulate_producers(start_us, volume, t_iss0_us, drain_rate: float,
         now, s, q = now + dt, s + speed * dt, min(capacity, max(0.0, q + dq * dt))
         # land exactly on the event so that it is taken now and not in a sliver of a step later
         if dt == to_start:
-            now = float(start[order[nxt]])
+            now = pending[0][0]
         if dt == to_finish:
             s = active[0][0]
         if dt == to_full:
@@ -136,10 +159,87 @@ def simulate_producers(start_us, volume, t_iss0_us, drain_rate: float,
         while active and active[0][0] <= s:
             i = heapq.heappop(active)[1]
             demand -= rate[i]
-            finish[i], q_end[i] = now, q
-    t_iss = finish - start
-    return pd.DataFrame(dict(start_us=start, volume=vol, t_iss0_us=t0, t_iss_us=t_iss,
-                             stall_us=np.where(vol > 0, t_iss - t0, 0.0), q_end_bytes=q_end))
+            ended(i, now, q)
+    return begin, finish, q_end
+
+
+def simulate_free_running(offsets_us, volume: float, t_iss0_us: float, gap_us: float,
+                          bursts: int, drain_rate: float, capacity: float) -> pd.DataFrame:
+    """Producers that each run their own burst–gap loop through one fluid queue, with no barrier
+    between them: producer p's first burst starts at ``offsets_us[p]``, and each of its next
+    bursts ``gap_us`` after its own previous issue ends. Every burst is ``volume`` bytes at the
+    backpressure-free rate ``volume / t_iss0_us`` (the queue as in ``simulate_producers``).
+    Offsets all equal make every burst one aligned aggregate burst; offsets spread apart are the
+    drifted producers of a free-running gap sweep (the record's ``start_skew_ns``).
+
+    One row per (producer, burst), in that order: start, issue time, stall beyond T_iss^0,
+    period (to the producer's next start; NaN for its last) and the outstanding volume when the
+    issue ends."""
+    off = np.asarray(offsets_us, dtype=float)
+    if off.ndim != 1 or not len(off) or not np.isfinite(off).all():
+        raise ValueError("offsets_us must be a non-empty 1-D array of finite start times")
+    if not (np.isfinite(volume) and volume >= 0):
+        raise ValueError(f"volume must be finite and >= 0, got {volume}")
+    if not (np.isfinite(t_iss0_us) and t_iss0_us > 0):
+        raise ValueError(f"t_iss0_us must be finite and > 0, got {t_iss0_us}")
+    if not (np.isfinite(gap_us) and gap_us >= 0):
+        raise ValueError(f"gap_us must be finite and >= 0, got {gap_us}")
+    if int(bursts) != bursts or bursts < 1:
+        raise ValueError(f"bursts must be a whole number >= 1, got {bursts}")
+    if not (np.isfinite(drain_rate) and drain_rate > 0):
+        raise ValueError(f"drain_rate must be finite and > 0, got {drain_rate}")
+    if not capacity >= 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    k, n = len(off), int(bursts)
+    index = np.arange(k * n)
+    burst = index % n
+    start = np.where(burst == 0, np.repeat(off, n), np.nan)
+    successor = np.where(burst < n - 1, index + 1, -1)
+    begin, finish, q_end = _play(start, np.full(k * n, float(volume)),
+                                 np.full(k * n, float(t_iss0_us)),
+                                 drain_rate * _BYTES_PER_US_PER_GBPS, capacity, successor,
+                                 np.full(k * n, float(gap_us)))
+    period = np.where(burst < n - 1, np.append(begin[1:], np.nan) - begin, np.nan)
+    t_iss = finish - begin
+    return pd.DataFrame(dict(producer=index // n, burst=burst, start_us=begin, t_iss_us=t_iss,
+                             stall_us=np.where(volume > 0, t_iss - t_iss0_us, 0.0),
+                             period_us=period, q_end_bytes=q_end))
+
+
+def window_means(bursts: pd.DataFrame, warmup: int = 1) -> dict:
+    """Issue time and period of free-running producers as ``remote_store.burst_rows`` takes them
+    from a launch: means over the bursts that start inside the window where every producer runs
+    (from the latest start of a first burst after ``warmup`` to the earliest start of a last one);
+    over every burst after the warm-up where that window is empty."""
+    steady = bursts[bursts["burst"] >= warmup]
+    lo = steady[steady["burst"] == warmup]["start_us"].max()
+    hi = bursts[bursts["burst"] == bursts["burst"].max()]["start_us"].min()
+    inside = steady[(steady["start_us"] >= lo) & (steady["start_us"] < hi)]
+    if inside.empty:
+        inside = steady
+    return {"t_iss_us": float(inside["t_iss_us"].mean()),
+            "period_us": float(inside["period_us"].mean())}
+
+
+def skewed_launch(producers: int, burst_bytes: float, t_iss0_us: float, gap_us: float,
+                  skew_us: float, drain_rate: float, capacity: float, bursts: int = 96,
+                  warmup: int = 16) -> dict:
+    """One free-running launch of ``producers`` producers whose starts spread evenly over
+    ``skew_us`` (a gap-sweep point's measured start skew), each storing ``burst_bytes`` per burst
+    at the aggregate burst's T_iss^0 and then spinning ``gap_us``: ``bursts`` bursts from an empty
+    queue, the first ``warmup`` left out, as in the measured launch (``BenchSettings``); issue
+    time and period are the launch's ``window_means``.
+
+    A skew of at least one period puts a burst at every phase of the period; the starts then
+    spread over one period, the closed form's max(T_iss^0 + G, V/R) (eqs. 1–3). A skew of 0 is
+    the aligned aggregate burst of ``steady_state``. The fluid queue shares the drain fairly, so
+    the skew stays as given: the simulation takes the measured drift, it does not make it."""
+    k = int(producers)
+    period = max(t_iss0_us + gap_us, k * burst_bytes / (drain_rate * _BYTES_PER_US_PER_GBPS))
+    skew = max(0.0, float(skew_us))
+    offsets = np.linspace(0.0, min(skew, period), k, endpoint=skew < period)
+    return window_means(simulate_free_running(offsets, burst_bytes, t_iss0_us, gap_us, bursts,
+                                              drain_rate, capacity), warmup)
 
 
 def steady_state(burst: Burst, drain_rate: float, capacity: float, bursts: int = 400) -> dict:
@@ -149,16 +249,47 @@ def steady_state(burst: Burst, drain_rate: float, capacity: float, bursts: int =
 
 
 def predict_gap_sweep(points: pd.DataFrame, t_iss0: dict, drain_rate: float,
-                      capacity: dict, loop_gap_us: float) -> pd.DataFrame:
-    """The simulator's steady state for each measured (K, B, G) of a periodic gap sweep, with the
-    same inputs as the closed-form prediction (T_iss^0 plateau, R, Q(K), the loop's own gap)."""
+                      capacity: dict, loop_gap_us: float, bursts: int = 96,
+                      warmup: int = 16) -> pd.DataFrame:
+    """The simulator for each measured (K, B, G) of a periodic gap sweep, with the same inputs as
+    the closed-form prediction (T_iss^0 plateau, R, Q(K), the loop's own gap): the aligned
+    steady state (``t_iss_sim_us``, ``period_sim_us``: every producer's burst at once, one
+    aggregate burst) and, where ``points`` has the measured ``start_skew_us``, the launch of
+    producers spread over it (``skewed_launch``: ``t_iss_skew_sim_us``, ``period_skew_sim_us``)."""
     out = points.copy()
     sims = [steady_state(Burst(k * b, t_iss0[kb_key(k, b)], g + loop_gap_us),
                          drain_rate, capacity[int(k)])
             for k, b, g in zip(points["producers"], points["burst_bytes"], points["gap_us"])]
     out["t_iss_sim_us"] = [s["t_iss_us"] for s in sims]
     out["period_sim_us"] = [s["period_us"] for s in sims]
+    if "start_skew_us" in points:
+        skewed = [skewed_launch(k, b, t_iss0[kb_key(k, b)], g + loop_gap_us, skew, drain_rate,
+                                capacity[int(k)], bursts, warmup)
+                  for k, b, g, skew in zip(points["producers"], points["burst_bytes"],
+                                           points["gap_us"], points["start_skew_us"])]
+        out["t_iss_skew_sim_us"] = [s["t_iss_us"] for s in skewed]
+        out["period_skew_sim_us"] = [s["period_us"] for s in skewed]
     return out
+
+
+def point_start_skew(table: pd.DataFrame) -> pd.DataFrame:
+    """Each measurement point of a ``remote_store`` table with its producers' start skew
+    (``start_skew_us``): per launch the median over its steady bursts of the spread of the
+    producers' start times (``start_skew_ns``), then the median over the point's launches."""
+    from .calibration import POINT_KEYS, launch_means
+
+    launches = launch_means(table)
+    return (launches.groupby(POINT_KEYS, dropna=False)["start_skew_ns"].median() / 1e3
+            ).rename("start_skew_us").reset_index()
+
+
+def skew_regime(skew_us, t_iss_us, period_us):
+    """Where a free-running point's bursts sit against each other: ``aligned`` where the
+    producers' starts spread over less than one burst's issue time (their bursts overlap, one
+    aggregate burst), ``staggered`` where they spread over more than that but less than a
+    period, ``drifted`` where they spread over a period or more (a burst at every phase)."""
+    skew, t, p = (np.asarray(x, dtype=float) for x in (skew_us, t_iss_us, period_us))
+    return np.where(skew < t, "aligned", np.where(skew < p, "staggered", "drifted"))
 
 
 def tile_schedule_bursts(kinds: Sequence[str], mainloop_us: dict[str, float],
@@ -177,11 +308,12 @@ def tile_schedule_bursts(kinds: Sequence[str], mainloop_us: dict[str, float],
     return bursts
 
 
-def gap_sweep_error(predicted: pd.DataFrame) -> dict:
-    """Median |error| (%) of the simulator against the measured issue times and periods."""
-    rel = lambda sim, meas: float(np.median(np.abs(predicted[sim] / predicted[meas] - 1)) * 100)
-    return {"t_iss_err_pct": rel("t_iss_sim_us", "t_iss_us"),
-            "period_err_pct": rel("period_sim_us", "period_us")}
+def gap_sweep_error(predicted: pd.DataFrame, sim: str = "sim") -> dict:
+    """Median |error| (%) of the simulator against the measured issue times and periods:
+    ``sim="sim"`` the aligned simulation, ``"skew_sim"`` the skewed one."""
+    rel = lambda col, meas: float(np.median(np.abs(predicted[col] / predicted[meas] - 1)) * 100)
+    return {"t_iss_err_pct": rel(f"t_iss_{sim}_us", "t_iss_us"),
+            "period_err_pct": rel(f"period_{sim}_us", "period_us")}
 
 
 def moe_orders(l1_per_l2: int, l2_tiles: int) -> dict[str, list[str]]:
@@ -201,15 +333,32 @@ def schedule_summary(traces: dict[str, pd.DataFrame], t_iss0: float) -> pd.DataF
         for name, t in traces.items()})
 
 
-def check_gap_sweep(cal, predicted: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
+def check_gap_sweep(cal, predicted: pd.DataFrame, record=None) -> tuple[pd.DataFrame, dict]:
     """The simulator on a calibration's remote gap sweep (``calibration.calibrate``'s predicted
-    table), with its errors beside the closed form's."""
+    table), with its errors beside the closed form's. With the ``remote_store`` ``record`` the
+    sweep came from, also the launch of producers spread over each point's measured start skew
+    (``skewed_launch``, the record's bursts per launch), and each point's ``regime``
+    (``skew_regime``)."""
+    from .calibration import POINT_KEYS
+    from .experiments.remote_store import BenchSettings
+
     platform = cal.platform_model()
-    sim = predict_gap_sweep(predicted[predicted["path"] == "remote"], cal.t_iss0_us,
-                            cal.drain_rate_GBps, platform.capacity, cal.loop_gap_us)
-    errors = {**{f"simulator_{k}": v for k, v in gap_sweep_error(sim).items()},
-              "closed_form_t_iss_err_pct": cal.gap_issue_err_pct,
-              "closed_form_period_err_pct": cal.gap_period_err_pct}
+    remote = predicted[predicted["path"] == "remote"]
+    launch = {}
+    if record is not None:
+        remote = remote.merge(point_start_skew(record.table), on=POINT_KEYS, how="left")
+        settings = {**BenchSettings().__dict__, **record.params.get("settings", {})}
+        launch = {"bursts": settings["periodic_bursts"],
+                  "warmup": settings["periodic_warmup_bursts"]}
+    sim = predict_gap_sweep(remote, cal.t_iss0_us, cal.drain_rate_GBps, platform.capacity,
+                            cal.loop_gap_us, **launch)
+    errors = {f"simulator_{k}": v for k, v in gap_sweep_error(sim).items()}
+    if "t_iss_skew_sim_us" in sim:
+        sim["regime"] = skew_regime(sim["start_skew_us"], sim["t_iss_us"], sim["period_us"])
+        errors.update({f"simulator_skewed_{k}": v
+                       for k, v in gap_sweep_error(sim, "skew_sim").items()})
+    errors.update({"closed_form_t_iss_err_pct": cal.gap_issue_err_pct,
+                   "closed_form_period_err_pct": cal.gap_period_err_pct})
     return sim, errors
 
 
