@@ -36,6 +36,10 @@ accumulator, promoted into the fp32 accumulator with its two scales:
   the 232 a consumer thread has: each group is waited before its promotion and the other
   consumer warpgroup's wgmma fills the tensor cores meanwhile (DeepGEMM's SM90 scheme).
 
+``FENCE`` builds the completion-coupled counterfactual of §2.3 (each Linear-2 tile waits until
+its Combine stores are visible system-wide), ``INSTRUMENT`` the traced build (``_consumer``); both
+leave every result unchanged.
+
 Bounded spins: a producer that polls ``max_spin`` times without the row block completing adds 1
 to ``error`` and loads anyway; the tile's output is then invalid and the call reports the error,
 so an unsatisfiable schedule ends instead of hanging. Deadlock freedom assumes every program is
@@ -111,7 +115,8 @@ def _load_a(desc, row0, k, bar, a_smem, s):
 
 @gluon.jit
 def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready, empty,
-              row_ready, error, max_spin, trace, HIDDEN, INTER, BLOCK_N1: gl.constexpr,
+              row_ready, error, max_spin, trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
+              BLOCK_N1: gl.constexpr,
               BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
               INSTRUMENT: gl.constexpr):
     """The TMA warp: every K block of every tile of this program, in table order.
@@ -126,7 +131,8 @@ def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, 
         n_block = gl.load(tiles + i * TILE_FIELDS + 3)
         if kind == TILE_L1:
             gate_row = expert * (2 * INTER) + n_block * BLOCK_N1
-            for k in range(0, HIDDEN, BLOCK_K):
+            for kk in range(l1_k_blocks):
+                k = kk * BLOCK_K
                 s = it % STAGES
                 # a fresh mbarrier passes a wait on the phase before its first: the first STAGES
                 # K blocks go straight in
@@ -144,7 +150,8 @@ def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, 
             if INSTRUMENT:
                 gl.store(trace + i * TRACE_FIELDS + 9, spins.to(gl.int64))
             w_row = expert * HIDDEN + n_block * BLOCK_N2
-            for k in range(0, INTER, BLOCK_K):
+            for kk in range(l2_k_blocks):
+                k = kk * BLOCK_K
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), l2_bytes)
@@ -156,14 +163,13 @@ def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, 
 
 @gluon.jit
 def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, x_scale, w1_scale,
-                      rows, expert, n_block, HIDDEN, INTER, FP8: gl.constexpr,
+                      rows, expert, n_block, HIDDEN, INTER, n_k, FP8: gl.constexpr,
                       BLOCK_N1: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """Gate and up accumulators ``[64, BLOCK_N1]`` of this warpgroup's rows; the next ``it``."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N1, 32 if FP8 else 16])
     acc_g = gl.zeros([HALF_ROWS, BLOCK_N1], gl.float32, layout=mma)
     acc_u = gl.zeros([HALF_ROWS, BLOCK_N1], gl.float32, layout=mma)
-    n_k = HIDDEN // BLOCK_K
     if FP8:
         k_scales = HIDDEN // SCALE_BLOCK
         x_scales = x_scale + gl.convert_layout(rows, gl.SliceLayout(1, mma)) * k_scales
@@ -224,13 +230,12 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, x_sc
 
 @gluon.jit
 def _linear2_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, h_scale, w2_scale,
-                      rows, expert, n_block, HIDDEN, INTER, FP8: gl.constexpr,
+                      rows, expert, n_block, HIDDEN, INTER, n_k, FP8: gl.constexpr,
                       BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """The ``[64, BLOCK_N2]`` accumulator of this warpgroup's rows; the next ``it``."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N2, 32 if FP8 else 16])
     acc = gl.zeros([HALF_ROWS, BLOCK_N2], gl.float32, layout=mma)
-    n_k = INTER // BLOCK_K
     if FP8:
         k_scales = INTER // SCALE_BLOCK
         # .cg: h's scales were released by other SMs; read them at L2
@@ -320,12 +325,20 @@ def _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base, n_
              mask=(slot >= 0)[:, None])
 
 
+@gluon.jit(noinline=True)
+def _release_system(flag):
+    """FENCE's system-scope release (one thread of the calling warpgroup, after its barrier), as
+    a call: inlined, an atomic can reshape ptxas's schedule of the mainloop before it (seen in
+    flash_attention_ws.py's fenced epilogue)."""
+    gl.atomic_add(flag, 0, sem="release", scope="sys")
+
+
 @gluon.jit
 def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, x_scale,
               w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
-              trace, HIDDEN, INTER, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
-              BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-              INSTRUMENT: gl.constexpr):
+              trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8: gl.constexpr,
+              BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
+              STAGES: gl.constexpr, INSTRUMENT: gl.constexpr, FENCE: gl.constexpr):
     """Rows [64·half, 64·half + 64) of every tile of this program, in table order.
 
     INSTRUMENT (consumer 0 only, each stamp after its warpgroup's barrier): entry (0); the
@@ -356,19 +369,24 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
         if kind == TILE_L1:
             acc_g, acc_u, it = _linear1_mainloop(half, it, a_smem, b_smem, ready, empty, x_scale,
                                                  w1_scale, rows, expert, n_block, HIDDEN, INTER,
-                                                 FP8, BLOCK_N1, BLOCK_K, STAGES)
+                                                 l1_k_blocks, FP8, BLOCK_N1, BLOCK_K, STAGES)
             if stamped:
                 _stamp(rec, 2)
             _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base, n_block,
                               INTER, FP8, BLOCK_N1)
         else:
             acc, it = _linear2_mainloop(half, it, a_smem, b_smem, ready, empty, h_scale,
-                                        w2_scale, rows, expert, n_block, HIDDEN, INTER, FP8,
-                                        BLOCK_N2, BLOCK_K, STAGES)
+                                        w2_scale, rows, expert, n_block, HIDDEN, INTER,
+                                        l2_k_blocks, FP8, BLOCK_N2, BLOCK_K, STAGES)
             if stamped:
                 _stamp(rec, 2)
             _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base, n_block,
                                       HIDDEN, BLOCK_N2)
+            if FENCE:
+                # completion-coupled (§2.3): the warpgroup's Combine stores, then a cumulative
+                # system-scope release that returns once all of them are visible to every GPU
+                gl.thread_barrier()
+                _release_system(error)
         if stamped:
             _stamp(rec, 3)
     # A system-scope release after the warpgroup's barrier: every remote Combine store of this
@@ -381,9 +399,10 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
 @gluon.jit
 def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, x_desc, w1_desc, h_desc, w2_desc, x_scale,
                         w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
-                        combine_ptrs, error, max_spin, trace, HIDDEN, INTER, FP8: gl.constexpr,
-                        BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
-                        STAGES: gl.constexpr, INSTRUMENT: gl.constexpr = False):
+                        combine_ptrs, error, max_spin, trace, HIDDEN, INTER, l1_k_blocks,
+                        l2_k_blocks, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
+                        BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                        INSTRUMENT: gl.constexpr = False, FENCE: gl.constexpr = False):
     """One persistent program per table row (``tiles`` int32 [programs, max_tiles, 4],
     ``num_tiles`` int32 [programs]); the schedule is the table, not this code.
 
@@ -393,7 +412,13 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, x_desc, w1_desc, h_desc, w2
     [BLOCK_N2, BLOCK_K] blocks. ``h`` and the scales as in ``moe_fused.py`` (FP8 only: bf16
     launches pass any pointer for the scales). ``row_ready`` int32 [R / 128], zero at launch.
     INSTRUMENT: ``trace`` is int64 [programs, max_tiles, TRACE_FIELDS] (``_consumer``); a separate
-    build, compared only with itself."""
+    build, compared only with itself. FENCE: every Linear-2 tile waits after its Combine stores
+    until they are visible system-wide (the completion-coupled counterfactual).
+
+    ``l1_k_blocks``/``l2_k_blocks``: the K blocks each Linear-1/Linear-2 mainloop runs,
+    ``HIDDEN / BLOCK_K`` and ``INTER / BLOCK_K`` for the MoE layer. Fewer make a *synthetic*
+    kernel (the X-Stage knee sweep: shorter mainloops, every Combine store kept) that computes
+    the layer over the first K blocks only."""
     pid = gl.program_id(0)
     my_tiles = tiles + pid * max_tiles * TILE_FIELDS
     my_trace = trace + pid * max_tiles * TRACE_FIELDS
@@ -411,13 +436,13 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, x_desc, w1_desc, h_desc, w2
     gl.warp_specialize([
         (_consumer, (0, my_tiles, n_tiles, a_smem, b_smem, ready, empty, x_scale, w1_scale,
                      w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
-                     my_trace, HIDDEN, INTER, FP8, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES,
-                     INSTRUMENT)),
+                     my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8, BLOCK_N1, BLOCK_N2,
+                     BLOCK_K, STAGES, INSTRUMENT, FENCE)),
         (_consumer, (1, my_tiles, n_tiles, a_smem, b_smem, ready, empty, x_scale, w1_scale,
                      w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
-                     my_trace, HIDDEN, INTER, FP8, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES,
-                     INSTRUMENT)),
+                     my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8, BLOCK_N1, BLOCK_N2,
+                     BLOCK_K, STAGES, INSTRUMENT, FENCE)),
         (_producer, (my_tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready,
-                     empty, row_ready, error, max_spin, my_trace, HIDDEN, INTER, BLOCK_N1,
-                     BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT)),
+                     empty, row_ready, error, max_spin, my_trace, HIDDEN, INTER, l1_k_blocks,
+                     l2_k_blocks, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

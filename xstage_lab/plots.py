@@ -762,6 +762,102 @@ def moe_table2(paper: dict, trace_records) -> pd.DataFrame:
             .drop(columns="_o").round(3).reset_index(drop=True))
 
 
+MOE_KERNEL_COLUMNS = ("model", "precision", "routing", "tokens", "rows", "kernel_wave_us",
+                      "kernel_interleaved_us", "call_wave_us", "cublas_dense_us", "unfused_us",
+                      "tflops", "cublas_dense_tflops", "grouped_mm_tflops", "ratio_to_cublas",
+                      "ratio_to_cublas_interleaved", "fused_vs_unfused", "sm_clock_mhz_min")
+
+
+def moe_kernel_cells(kernel_record) -> pd.DataFrame:
+    """A ``moe_kernel`` record's cells: the kernel alone (both schedules), the whole call, cuBLAS
+    dense, the unfused path, TF/s and the ratios (``moe_kernel_bench.TIMED``)."""
+    return kernel_record.table[list(MOE_KERNEL_COLUMNS)].round(3)
+
+
+def moe_kernel_ratio(kernel_records) -> go.Figure:
+    """The fused kernel's TF/s over cuBLAS dense per cell, Expert-Wave (filled) and Interleaved
+    (open), one panel per precision, one colour per routing and tokens per rank."""
+    precisions = ["bf16", "fp8"]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=precisions, shared_yaxes=True)
+    colours = {}
+    for rec in kernel_records:
+        for (routing, tokens), g in rec.table.groupby(["routing", "tokens"], sort=True):
+            label = f"{rec.platform}, {routing}, {tokens} tokens"
+            colour = colours.setdefault(label, _COLORS[len(colours) % len(_COLORS)])
+            for j, p in enumerate(precisions):
+                cells = g[g["precision"] == p]
+                for col, symbol, name in (("ratio_to_cublas", "circle", "Expert-Wave"),
+                                          ("ratio_to_cublas_interleaved", "circle-open",
+                                           "Interleaved")):
+                    fig.add_scatter(x=cells["model"], y=cells[col], mode="markers",
+                                    marker=dict(color=colour, symbol=symbol, size=9),
+                                    name=f"{label}, {name}", legendgroup=label,
+                                    showlegend=j == 0, row=1, col=j + 1)
+    fig.update_yaxes(title_text="kernel TF/s / cuBLAS dense TF/s", row=1, col=1)
+    fig.update_layout(title="The fused kernel against cuBLAS dense GEMMs of the same rows")
+    return fig
+
+
+def moe_call_overhead(kernel_record) -> pd.DataFrame:
+    """The one-token call of a ``moe_kernel`` record and where its time goes: the kernel alone
+    and the whole call, the host's launch and per-batch schedule costs, and the traced chain of
+    one Linear-1 tile's mainloop, the Linear-2 tile's wait for it and its own mainloop."""
+    rows = pd.DataFrame(kernel_record.params["call_overhead"]["rows"])
+    cols = ["model", "precision", "rows", "kernel_wave_us", "call_wave_us", "host_launch_us",
+            "host_prepare_us", "mainloop_l1_us", "wave_wait_l2_us", "mainloop_l2_us"]
+    return rows[[c for c in cols if c in rows.columns]].round(2)
+
+
+def moe_forecast_table(forecast_records, paper: dict) -> pd.DataFrame:
+    """The forecast per model, precision and P (``moe_forecast``), with the paper's Table 2 row
+    of the model beside it (measured at EP = 8, W8A8, skewed routing, on its platform)."""
+    ref = {r["model"]: r for r in paper["rows"]}
+    cols = ["model", "precision", "ep", "remote_share", "g_wave_us", "g_int_us", "v_over_r_us",
+            "g_star_us", "action", "predicted_stall_us", "predicted_stall_int_us",
+            "predicted_span_us", "predicted_speedup"]
+    frames = []
+    for rec in forecast_records:
+        t = rec.table[cols].copy()
+        t.insert(0, "source", rec.platform)
+        for k in ("span_wave_us", "span_int_us", "stall_meas_wave_us"):
+            t[f"paper_{k}"] = t["model"].map(lambda m, k=k: ref.get(m, {}).get(k))
+        frames.append(t)
+    return pd.concat(frames, ignore_index=True).round(3)
+
+
+def moe_knee_sweep(trace_record, platform) -> go.Figure | None:
+    """The X-Stage inside the fused kernel (a SYNTHETIC kernel: a fraction of every mainloop's K
+    blocks): Expert-Wave's measured Linear-2 span with remote stores and with the local-store
+    control against the gap between bursts, the model's span (eqs. 3–4) beside them, G* marked;
+    one panel per model and precision. None where the record has no knee sweep."""
+    from .experiments.moe_trace import knee_sweep_rows
+
+    rows = pd.DataFrame(knee_sweep_rows(trace_record.table, platform))
+    if rows.empty:
+        return None
+    groups = list(rows.groupby(["model", "precision"], sort=False))
+    fig = make_subplots(rows=1, cols=len(groups),
+                        subplot_titles=[f"{m} {p}" for (m, p), _ in groups])
+    for j, ((m, p), g) in enumerate(groups):
+        g = g.sort_values("g_wave_us")
+        for col, name, style in (("span_remote_us", "measured, remote stores", {}),
+                                 ("span_local_us", "measured, local-store control",
+                                  dict(dash="dot")),
+                                 ("span_pred_us", "model (eqs. 3–4)", dict(dash="dash"))):
+            fig.add_scatter(x=g["g_wave_us"], y=g[col], mode="lines+markers", name=name,
+                            line=dict(color=_COLORS[["span_remote_us", "span_local_us",
+                                                     "span_pred_us"].index(col)], **style),
+                            legendgroup=name, showlegend=j == 0, row=1, col=j + 1)
+        fig.add_vline(x=float(g["g_star_us"].iloc[0]), line_dash="dot", row=1, col=j + 1,
+                      annotation_text="G*")
+        fig.update_xaxes(title_text="G_wave: Linear-2 mainloop (µs)", type="log", row=1,
+                         col=j + 1)
+    fig.update_yaxes(title_text="Expert-Wave Linear-2 span T_RS (µs)", row=1, col=1)
+    fig.update_layout(title=f"The X-Stage inside the fused kernel, {trace_record.platform} "
+                            "(synthetic: a fraction of every mainloop's K blocks)")
+    return fig
+
+
 def moe_span_distributions(trace_record, paper: dict | None = None) -> go.Figure:
     """Fig. 10: the sampled Linear-2 remote-store spans T_RS per model, Expert-Wave and
     Interleaved, with the local-store controls; the paper's median ranges as bands."""

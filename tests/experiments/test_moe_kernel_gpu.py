@@ -137,3 +137,48 @@ def test_instrumented_build_stamps_every_tile_and_changes_no_output(precision):
         stamps = trace[g, :c, :8]
         assert (stamps >= 0).all() and (stamps[:, 1:4] >= stamps[:, 0:3]).all()
         assert (trace[g, c:] == -1).all()
+
+
+def _run_schedule(case, **kwargs):
+    shape, weights, layout, cfg, ref, src, slot, slots = case
+    buffers = [torch.empty(slots, shape.hidden, dtype=torch.bfloat16, device="cuda")
+               for _ in range(SOURCES)]
+    problem = MoEProblem(layout.blocks_per_expert, shape.intermediate // cfg.block_n1,
+                         shape.hidden // cfg.block_n2)
+    schedule = expert_wave_schedule(problem,
+                                    torch.cuda.get_device_properties(0).multi_processor_count)
+    call = moe.prepare_fused_moe(layout, weights, schedule, moe.local_combine_peers(buffers),
+                                 config=cfg, **kwargs)
+    out = _run(call, buffers)
+    assert call.error_count() == 0
+    return out
+
+
+@pytest.mark.parametrize("precision", moe.PRECISIONS)
+def test_fenced_build_changes_no_output(precision):
+    case = _case("Hy3", precision, 1000, seed=7)
+    plain, fenced = _run_schedule(case), _run_schedule(case, fence=True)
+    assert torch.equal(plain.view(torch.int16), fenced.view(torch.int16))
+
+
+def test_synthetic_fraction_computes_the_layer_over_its_k_blocks():
+    """The knee sweep's synthetic kernel: Linear-1 over the first K1 hidden columns, Linear-2
+    over the first K2 intermediate columns (bf16), every Combine row still written."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    case = _case("DeepSeek-V4-Flash", "bf16", 1000, seed=9)
+    shape, weights, layout, cfg, _, src, slot, _ = case
+    k1, k2 = moe.synthetic_k_blocks(0.3, cfg, shape.hidden, shape.intermediate)
+    k1, k2 = k1 * cfg.block_k, k2 * cfg.block_k
+    out = _run_schedule(case, synthetic_k_fraction=0.3)
+    x = layout.x[layout.arrival_rows].float()
+    ends = torch.tensor(layout.blocks_per_expert, device="cuda").cumsum(0) * cfg.block_m
+    expert_of_row = torch.bucketize(layout.arrival_rows, ends, right=True)  # arrival order
+    ref = torch.empty(x.shape[0], shape.hidden, device="cuda")
+    for e in range(LOCAL_EXPERTS):
+        sel = expert_of_row == e
+        w1, w2 = weights.w1[e].float(), weights.w2[e].float()
+        h = _swiglu(x[sel][:, :k1] @ w1[:, :k1].t()).to(torch.bfloat16).float()
+        ref[sel] = h[:, :k2] @ w2[:, :k2].t()
+    got = out[layout.row_src[layout.arrival_rows].long(),
+              layout.row_slot[layout.arrival_rows].long()].float()
+    assert relative_error(got, ref) <= TOLERANCE["bf16"]["fp32"]

@@ -10,6 +10,7 @@ of the Linear-1 -> Linear-2 handoff (release, acquire, proxy fences).
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 
 import pytest
@@ -37,7 +38,8 @@ def ws_module():
     return module
 
 
-def _compile(module, precision: str, cfg: moe.TileConfig, instrument: bool = False):
+def _compile(module, precision: str, cfg: moe.TileConfig, instrument: bool = False,
+             fence: bool = False):
     """The kernel for sm_90 with the argument types ``moe._prepare_ws_call`` passes."""
     dtype, name = (gl.float8e4nv, "fp8e4nv") if precision == "fp8" else (gl.bfloat16, "bf16")
     half, bk = cfg.block_m // 2, cfg.block_k
@@ -53,13 +55,13 @@ def _compile(module, precision: str, cfg: moe.TileConfig, instrument: bool = Fal
                  "w2_scale": scale, "h": f"*{name}", "h_scale": scale, "row_ready": "*i32",
                  "row_src": "*i32", "row_slot": "*i32", "combine_ptrs": "*i64", "error": "*i32",
                  "max_spin": "i32", "trace": "*i64" if instrument else "*i32", "HIDDEN": "i32",
-                 "INTER": "i32", "FP8": "constexpr", "BLOCK_N1": "constexpr",
-                 "BLOCK_N2": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr",
-                 "INSTRUMENT": "constexpr"}
+                 "INTER": "i32", "l1_k_blocks": "i32", "l2_k_blocks": "i32", "FP8": "constexpr",
+                 "BLOCK_N1": "constexpr", "BLOCK_N2": "constexpr", "BLOCK_K": "constexpr",
+                 "STAGES": "constexpr", "INSTRUMENT": "constexpr", "FENCE": "constexpr"}
     names = list(signature)
     constexprs = {(names.index(k),): v for k, v in dict(
         FP8=precision == "fp8", BLOCK_N1=cfg.block_n1, BLOCK_N2=cfg.block_n2, BLOCK_K=bk,
-        STAGES=cfg.num_stages, INSTRUMENT=instrument).items()}
+        STAGES=cfg.num_stages, INSTRUMENT=instrument, FENCE=fence).items()}
     # what Triton's launcher specializes: 16-byte aligned tensors, ints divisible by 16
     aligned = {(names.index(k),): [["tt.divisibility", 16]]
                for k, v in signature.items() if v.startswith("*")}
@@ -168,10 +170,14 @@ def test_launch_arguments(monkeypatch, precision):
     assert w1_desc.shape == [2 * 2 * 2048, 4096] and w2_desc.shape == [2 * 4096, 2048]
     assert (call.args[7].dtype == torch.float32) == (precision == "fp8")
     assert call.constexprs["FP8"] == (precision == "fp8")
-    with pytest.raises(moe.MoEContractError, match="no fenced build"):
-        _tiny_call(precision, fence=True)
+    bk = call.constexprs["BLOCK_K"]
+    assert call.args[-4:] == (4096, 2048, 4096 // bk, 2048 // bk)  # every K block: the layer
+    assert _tiny_call(precision, fence=True).constexprs["FENCE"] and not call.constexprs["FENCE"]
+    synthetic = _tiny_call(precision, synthetic_k_fraction=0.3)
+    assert synthetic.args[-2:] == (math.ceil(0.3 * 4096 / bk), math.ceil(0.3 * 2048 / bk))
+    assert synthetic.synthetic_k_fraction == 0.3 and call.synthetic_k_fraction is None
     traced = _tiny_call(precision, instrument=True)
-    assert traced.constexprs["INSTRUMENT"] and traced.args[-3] is traced.trace
+    assert traced.constexprs["INSTRUMENT"] and traced.args[-5] is traced.trace
     assert traced.trace.shape == (4, traced.args[2], moe.TRACE_FIELDS) and (traced.trace == -1).all()
 
 
@@ -188,4 +194,34 @@ def test_instrumented_build_stamps_each_tile_and_keeps_its_resources(ws_module, 
     # entry, first K block, epilogue end, and the mainloop end in each tile kind's branch
     assert ptx.count("%globaltimer;") == ptx.count("%clock64;") == 5
     assert ptx.count("%smid;") == 1
+    assert report["spill_store_bytes"] == 0 and not report["wgmma_serialized"]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.5, -0.1])
+def test_synthetic_fraction_outside_0_1_is_rejected(fraction):
+    cfg = moe.default_tile_config("bf16", "gluon_ws", hidden=4096)
+    with pytest.raises(moe.MoEContractError, match="synthetic_k_fraction"):
+        moe.synthetic_k_blocks(fraction, cfg, 4096, 2048)
+
+
+def test_synthetic_fraction_needs_the_gluon_kernel_and_keeps_one_block():
+    cfg = moe.default_tile_config("bf16", "gluon_ws", hidden=4096)
+    assert moe.synthetic_k_blocks(None, cfg, 4096, 2048) == (64, 32)
+    assert moe.synthetic_k_blocks(1e-6, cfg, 4096, 2048) == (1, 1)
+    assert moe.synthetic_k_blocks(0.5, cfg, 4096, 2048) == (32, 16)
+    with pytest.raises(moe.MoEContractError, match="gluon_ws"):
+        moe.synthetic_k_blocks(0.5, moe.default_tile_config("bf16", "triton"), 4096, 2048)
+
+
+@pytest.mark.parametrize("precision", moe.PRECISIONS)
+def test_fenced_build_releases_at_system_scope_after_each_linear2_tile(ws_module, precision):
+    """FENCE adds a call to the system-scope release in each consumer partition (beside the one
+    at program exit), after the warpgroup's barrier; without FENCE there is no such call."""
+    cfg = moe.default_tile_config(precision, "gluon_ws", hidden=4096)
+    plain = _compile(ws_module, precision, cfg).asm["ptx"]
+    fenced = _compile(ws_module, precision, cfg, fence=True)
+    ptx = fenced.asm["ptx"]
+    assert "_release_system" not in plain and ptx.count("call.uni") >= 2
+    assert "_release_system" in ptx and "atom.global.sys.release" in ptx
+    report = ptxas_report(ptx)
     assert report["spill_store_bytes"] == 0 and not report["wgmma_serialized"]

@@ -521,3 +521,32 @@ def test_design_verdicts_on_the_kernels_numbers():
     assert inter["action"] == "piggyback" and inter["dT_iss_pred_us"] == 0.0
     assert wave["excess_us"] == pytest.approx(0.6) and wave["tolerance_us"] == pytest.approx(0.2)
     assert [r["agrees"] for r in v] == ["yes", "yes", "no", "yes"]  # N: reshape, excess 0.1
+
+
+def test_knee_sweep_rows_by_hand():
+    """P = 2, 132 programs, 128 x 128 bf16 Linear-2 tiles: half of each tile's 32 KiB is remote,
+    V = 132 · 16384 B = 2162688 B; R = 1000 GB/s gives V/R = 2.163 µs; T_iss^0 = 0.5 µs. With
+    G_wave = 1 µs the steady-state span is max(0.5, 2.163 − 1) = 1.163 µs, G* = 1.663 µs;
+    at G_wave = 3 µs it is T_iss^0. Q = 1 MB: the isolated burst takes (V − Q)/R = 1.163 µs."""
+    import json
+
+    import pandas as pd
+
+    from xstage_lab import model
+    from xstage_lab.experiments import moe_trace
+
+    platform = model.PlatformModel(drain_rate=1000.0, t_iss0={(132, 16384): 0.5},
+                                   capacity={132: 1e6}, issue_floor={})
+    base = dict(kind="knee_sweep", model="m", precision="bf16", routing="skewed", tokens=4096,
+                world_size=2, num_programs=132, speedup=1.1, span_l2_local_us=0.5,
+                tile_config=json.dumps({"block_m": 128, "block_n2": 128}))
+    table = pd.DataFrame([dict(base, k_fraction=0.25, mainloop_l2_us=1.0, span_l2_remote_us=1.3),
+                          dict(base, k_fraction=1.0, mainloop_l2_us=3.0, span_l2_remote_us=0.6),
+                          dict(base, kind="trace", k_fraction=None)])
+    fast, slow = moe_trace.knee_sweep_rows(table, platform)
+    assert fast["v_over_r_us"] == pytest.approx(2.1627, abs=1e-4)
+    assert fast["g_star_us"] == pytest.approx(1.6627, abs=1e-4)
+    assert fast["span_pred_us"] == pytest.approx(1.1627, abs=1e-4)
+    assert slow["span_pred_us"] == 0.5
+    assert fast["span_pred_isolated_us"] == pytest.approx(1.1627, abs=1e-4)
+    assert fast["excess_us"] == pytest.approx(0.8) and slow["excess_us"] == pytest.approx(0.1)

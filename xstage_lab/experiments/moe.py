@@ -22,6 +22,7 @@ the sources, weighted sum. ``reference_moe`` is the float32 torch reference.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -563,6 +564,7 @@ class FusedMoECall:
     error: torch.Tensor
     trace: torch.Tensor | None = None
     kernel: str = "triton"
+    synthetic_k_fraction: float | None = None  # not the MoE layer where set (knee sweep)
 
     def __call__(self) -> None:
         self.row_ready.zero_()
@@ -603,7 +605,8 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
                       peers: CombinePeers, *, config: TileConfig,
                       max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS,
                       verify_schedule: bool = True, instrument: bool = False,
-                      fence: bool = False) -> FusedMoECall:
+                      fence: bool = False,
+                      synthetic_k_fraction: float | None = None) -> FusedMoECall:
     """Check the contract of the fused kernel and build its launch; nothing runs on the device.
 
     Contract: ``weights`` in the kernel layout for ``weights.precision``; ``layout`` from the same
@@ -615,7 +618,9 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
     bounded-spin test launches a deliberately unsatisfiable schedule). ``instrument``: per-tile
     stamps into ``FusedMoECall.trace``; ``fence``: every Linear-2 tile waits until its Combine
     stores are visible system-wide (the completion-coupled variant). Both leave the results
-    unchanged."""
+    unchanged. ``synthetic_k_fraction`` (gluon_ws only; the X-Stage knee sweep, never the MoE
+    layer): every mainloop runs only that fraction of its K blocks (``synthetic_k_blocks``) while
+    every Combine store is kept; the result is the layer over those K blocks."""
     precision, device = weights.precision, weights.w1.device
     e_loc, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
     check_tile_config(config, precision, hidden, inter)
@@ -657,13 +662,11 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
                                    " waiting programs could keep later ones from ever starting")
     if max_spin_iters < 1:
         raise MoEContractError("max_spin_iters must be >= 1")
+    k_blocks = synthetic_k_blocks(synthetic_k_fraction, config, hidden, inter)
     if config.kernel == "gluon_ws":
         reason = kernel_unsupported("gluon_ws", device)
         if reason:
             raise MoEContractError(reason)
-        if fence:
-            raise MoEContractError("the gluon_ws kernel has no fenced build; use kernel='triton' "
-                                   "for the completion-coupled counterfactual")
         for name, t in (("x", layout.x), ("w1", weights.w1), ("w2", weights.w2)):
             if t.data_ptr() % ALIGN_BYTES:
                 raise MoEContractError(f"{name} must start {ALIGN_BYTES}-byte aligned (TMA)")
@@ -675,7 +678,8 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
     tiles = torch.from_numpy(table).to(device)
     if config.kernel == "gluon_ws":
         return _prepare_ws_call(layout, weights, schedule, peers, config, table, counts, tiles, h,
-                                h_scale, row_ready, error, max_spin_iters, instrument)
+                                h_scale, row_ready, error, max_spin_iters, instrument, fence,
+                                k_blocks, synthetic_k_fraction)
     # Uninstrumented, the kernel never touches the trace: one element stands in for the pointer.
     trace = torch.full((*table.shape[:2], TRACE_FIELDS) if instrument else (1,), -1,
                        dtype=torch.int64, device=device)
@@ -692,6 +696,21 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
                         trace if instrument else None)
 
 
+def synthetic_k_blocks(fraction: float | None, config: TileConfig, hidden: int,
+                       intermediate: int) -> tuple[int, int]:
+    """The K blocks a Linear-1 and a Linear-2 mainloop run: all of them for the MoE layer
+    (``fraction`` None), else ``ceil(fraction · blocks)`` of each, at least one (a synthetic
+    kernel, gluon_ws only)."""
+    full = (hidden // config.block_k, intermediate // config.block_k)
+    if fraction is None:
+        return full
+    if config.kernel != "gluon_ws":
+        raise MoEContractError("a synthetic K fraction needs the gluon_ws kernel")
+    if not 0 < fraction <= 1:
+        raise MoEContractError(f"synthetic_k_fraction must lie in (0, 1], got {fraction}")
+    return tuple(max(1, math.ceil(fraction * n)) for n in full)
+
+
 def _ws_descriptor(t: torch.Tensor, block: list[int]) -> GluonTensorDescriptor:
     """A TMA descriptor over the row-major 2-D ``t`` with ``block`` tiles, 128-byte swizzled."""
     dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float8e4nv
@@ -700,7 +719,8 @@ def _ws_descriptor(t: torch.Tensor, block: list[int]) -> GluonTensorDescriptor:
 
 
 def _prepare_ws_call(layout, weights, schedule, peers, config, table, counts, tiles, h, h_scale,
-                     row_ready, error, max_spin_iters, instrument) -> FusedMoECall:
+                     row_ready, error, max_spin_iters, instrument, fence, k_blocks,
+                     synthetic_k_fraction) -> FusedMoECall:
     """The launch of kernels/moe_fused_ws.py (contract checked by ``prepare_fused_moe``)."""
     e_loc, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
     half, bk = config.block_m // 2, config.block_k
@@ -718,10 +738,12 @@ def _prepare_ws_call(layout, weights, schedule, peers, config, table, counts, ti
     trace = torch.full((*table.shape[:2], TRACE_FIELDS) if instrument else (1,), -1,
                        dtype=torch.int64, device=tiles.device)
     constexprs = dict(FP8=fp8, BLOCK_N1=config.block_n1, BLOCK_N2=config.block_n2, BLOCK_K=bk,
-                      STAGES=config.num_stages, INSTRUMENT=bool(instrument), num_warps=4)
-    return FusedMoECall(schedule, (*args, trace, hidden, inter), constexprs,
+                      STAGES=config.num_stages, INSTRUMENT=bool(instrument), FENCE=bool(fence),
+                      num_warps=4)
+    return FusedMoECall(schedule, (*args, trace, hidden, inter, *k_blocks), constexprs,
                         (schedule.num_programs,), row_ready, error,
-                        trace if instrument else None, kernel="gluon_ws")
+                        trace if instrument else None, kernel="gluon_ws",
+                        synthetic_k_fraction=synthetic_k_fraction)
 
 
 # ---------------------------------------------------------------------------------- unfused path

@@ -88,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lead", type=int, default=None, help="lead D in rows (default: D_knee, eq. 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-spin", type=int, default=moe.DEFAULT_MAX_SPIN_ITERS)
+    p.add_argument("--kernel", default=None, choices=moe.KERNELS,
+                   help="fused kernel (default: gluon_ws on sm_90 GPUs, triton elsewhere)")
     a = p.parse_args(argv)
     if a.matrix is not None:
         matrix = json.loads(a.matrix.read_text())
@@ -155,7 +157,8 @@ def setup_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
     import torch.distributed as dist
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
-    cfg = moe.default_tile_config(precision)
+    # the kernel asked for, else the device's default (gluon_ws on sm_90, Triton elsewhere)
+    cfg = moe.default_tile_config(precision, args.kernel, hidden=shape.hidden, device=device)
     moe.check_tile_config(cfg, precision, shape.hidden, shape.intermediate)
     k, hidden, inter = shape.top_k, shape.hidden, shape.intermediate
     programs = args.programs or torch.cuda.get_device_properties(device).multi_processor_count

@@ -479,3 +479,35 @@ def summary_counterfactual(platform: str, root) -> list[dict]:
 def _round(v):
     v = v.item() if hasattr(v, "item") else v
     return round(v, 4) if isinstance(v, float) else v
+
+
+def knee_sweep_rows(table: pd.DataFrame, platform) -> list[dict]:
+    """The knee sweep of a ``moe_trace`` record (a SYNTHETIC kernel: a fraction ``k_fraction`` of
+    every mainloop's K blocks, every Combine store kept) beside the Burst–Gap model on the
+    calibrated ``platform`` (``model.PlatformModel``). Per row: the gap between Expert-Wave's
+    Linear-2 bursts, G_wave = the local control's Linear-2 mainloop; the aggregate remote burst
+    V = K_act · block_m · block_n2 · 2 B · (P − 1)/P (the rows whose source is a peer); V/R, G*
+    (eq. 5); the predicted span T_iss^0 + [V/R − G − T_iss^0]_+ (eqs. 3–4, steady state) and the
+    isolated burst's (eq. 7); the measured Expert-Wave spans with remote and local stores, their
+    difference, and Interleaved's speedup."""
+    from .. import model
+
+    out = []
+    for r in table[table["kind"] == "knee_sweep"].to_dict("records"):
+        tiles = _json(r["tile_config"])
+        world, k_act = int(r["world_size"]), int(r["num_programs"])
+        tile_bytes = tiles["block_m"] * tiles["block_n2"] * 2 * (world - 1) / world
+        volume, rate = k_act * tile_bytes, platform.drain_rate
+        t_iss0 = platform.t_iss0_at(k_act, int(np.ceil(tile_bytes)))
+        gap = float(r["mainloop_l2_us"])
+        row = {**{k: r[k] for k in KEYS}, "k_fraction": r["k_fraction"], "g_wave_us": gap,
+               "v_over_r_us": float(model.drain_time(volume, rate)),
+               "g_star_us": float(model.recovery_gap(volume, t_iss0, rate)),
+               "span_pred_us": float(model.issue_time(gap, volume, t_iss0, rate)),
+               "span_pred_isolated_us": float(model.isolated_issue_time(
+                   volume, t_iss0, platform.capacity_at(k_act), rate)),
+               "span_remote_us": r["span_l2_remote_us"], "span_local_us": r["span_l2_local_us"],
+               "excess_us": r["span_l2_remote_us"] - r["span_l2_local_us"],
+               "speedup": r["speedup"]}
+        out.append({k: _round(v) for k, v in row.items()})
+    return out

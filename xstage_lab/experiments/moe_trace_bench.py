@@ -49,6 +49,7 @@ from .moe_bench import (TOLERANCE, abort_on_failures, combine_output, init_exper
                         setup_config)
 from .moe_schedules import check_schedule, interleaved_schedule, tile_table
 
+DEFAULT_K_FRACTIONS = (1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125)
 DEFAULT_D_SWEEP = ("DiT-MoE", "Qwen3.5", "DeepSeek-V4-Flash")
 DEFAULT_D_FACTORS = (0.25, 0.5, 1, 2, 4, 8)
 TRACED_WARMUP = 2  # instrumented launches before the traced one (compile, caches, clocks up)
@@ -77,16 +78,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--programs", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-spin", type=int, default=moe.DEFAULT_MAX_SPIN_ITERS)
+    p.add_argument("--kernel", default=None, choices=moe.KERNELS,
+                   help="fused kernel (default: gluon_ws on sm_90 GPUs, triton elsewhere)")
+    p.add_argument("--knee-models", default="",
+                   help="comma list of shapes for the knee sweep: a SYNTHETIC kernel (gluon_ws) "
+                        "that runs a fraction of every mainloop's K blocks and keeps every "
+                        "Combine store, never the MoE layer")
+    p.add_argument("--k-fractions", default=",".join(str(f) for f in DEFAULT_K_FRACTIONS),
+                   help="the knee sweep's fractions of K blocks")
     a = p.parse_args(argv)
     a.models = [m for m in a.models.split(",") if m]
     a.local_models = a.models if a.local_models is None else [m for m in a.local_models.split(",") if m]
     a.d_sweep_models = [m for m in a.d_sweep_models.split(",") if m]
+    a.knee_models = [m for m in a.knee_models.split(",") if m]
     try:
         a.d_factors = [float(f) for f in a.d_factors.split(",") if f]
+        a.k_fractions = sorted({float(f) for f in a.k_fractions.split(",") if f}, reverse=True)
     except ValueError:
-        p.error(f"--d-factors must list numbers, got {a.d_factors!r}")
+        p.error(f"--d-factors and --k-fractions must list numbers, got {a.d_factors!r}, "
+                f"{a.k_fractions!r}")
+    if any(not 0 < f <= 1 for f in a.k_fractions):
+        p.error("--k-fractions must lie in (0, 1]")
+    if a.knee_models and a.kernel == "triton":
+        p.error("the knee sweep's synthetic kernel is gluon_ws's")
     for name, given in (("model", a.models), ("local model", a.local_models),
-                        ("d-sweep model", a.d_sweep_models)):
+                        ("d-sweep model", a.d_sweep_models), ("knee model", a.knee_models)):
         bad = [g for g in given if g not in shapes]
         if bad:
             p.error(f"unknown {name} {bad}; choose from {list(shapes)}")
@@ -276,9 +292,17 @@ def run_model(shape: moe.MoEShape, weights, combine, args, local_buf_elems: int)
                                      "wave": {"p25_us": t["wave"]["p25_us"],
                                               "p75_us": t["wave"]["p75_us"]}},
                          "rank": r, **per_rank[r], "stats_per_rank": per_rank})
+    # 5. the knee sweep: a SYNTHETIC kernel with shorter mainloops, every Combine store kept
+    if shape.model in args.knee_models:
+        rows += knee_sweep(setup, weights, combine, local, local_peers, base, prep, args, what)
     if rank == 0:
         for row in rows:
-            if row["kind"] == "trace":
+            if row["kind"] == "knee_sweep":
+                print(f"{shape.model:18s} synthetic s={row['k_fraction']:.3f} T_RS remote "
+                      f"{row['span_l2_remote_us']:.2f} local {row['span_l2_local_us']:.2f} us  "
+                      f"L2 mainloop {row['mainloop_l2_us']:.2f} us  speedup "
+                      f"{row['speedup']:.3f}", flush=True)
+            elif row["kind"] == "trace":
                 print(f"{shape.model:18s} {row['schedule']:11s} {row['path']:6s} T_RS "
                       f"{row['span_l2_us']:.2f} us  L2 mainloop {row['mainloop_l2_us']:.2f} us  "
                       f"L2 wait {row['wait_l2_median_us']:.2f} us", flush=True)
@@ -289,6 +313,67 @@ def run_model(shape: moe.MoEShape, weights, combine, args, local_buf_elems: int)
             else:
                 print(f"{shape.model:18s} D={row['lead_rows']:3d} speedup {row['speedup']:.3f} "
                       f"L2 wait share {row['wait_l2_share']:.3f}", flush=True)
+    return rows
+
+
+def knee_sweep(setup, weights, combine, local, local_peers, base: dict, prep: dict, args,
+               what: str) -> list[dict]:
+    """The X-Stage inside the fused kernel: per fraction s of K blocks (``moe.synthetic_k_blocks``;
+    a synthetic kernel, not the MoE layer), Expert-Wave and Interleaved checked (bitwise equal,
+    the local-store control equal to the remote run, no spin errors), timed side by side, and
+    Expert-Wave traced with remote stores and with the local-store control: its Linear-2 span
+    T_RS and mainloops (the gap between bursts) against s. Rows ``knee_sweep``."""
+    import torch.distributed as dist
+    world, slots = dist.get_world_size(), setup.rows_view.shape[0]
+    rows = []
+    for s in args.k_fractions:
+        calls = {name: moe.prepare_fused_moe(setup.layout, weights, sched, setup.peers,
+                                             synthetic_k_fraction=s, **prep)
+                 for name, sched in setup.schedules.items()}
+        sched = setup.schedules["wave"]
+        traced = {path: moe.prepare_fused_moe(setup.layout, weights, sched, peers,
+                                              synthetic_k_fraction=s, instrument=True, **prep)
+                  for path, peers in (("remote", setup.peers), ("local", local_peers))}
+        out = {n: combine_output(setup, combine, c) for n, c in calls.items()}
+        failures = [] if torch.equal(out["wave"], out["interleaved"]) else \
+            [f"s={s}: Expert-Wave and Interleaved differ"]
+        local.fill_(float("nan"))
+        traced["local"]()
+        torch.cuda.synchronize()
+        failures += check_local_control(local, out["wave"], slots, f"s={s} local")
+        if any(c.error_count() for c in (*calls.values(), *traced.values())):
+            failures.append(f"s={s}: spin errors")
+        abort_on_failures(failures, f"{what} knee sweep (synthetic)")
+
+        def fused(call):
+            def run():
+                combine.barrier()
+                call()
+                combine.barrier()
+            return run
+
+        t = time_methods({n: fused(c) for n, c in calls.items()}, trials=args.trials,
+                         warmup=args.warmup)
+        stats = {path: all_gather_objects(moe_trace.run_stats(traced_run(c, combine, sched)))
+                 for path, c in traced.items()}
+        r = max(range(world), key=lambda i: stats["remote"][i]["tiles_l2"])
+        remote, ctrl = stats["remote"][r], stats["local"][r]
+        rows.append({**base, "kind": "knee_sweep", "synthetic": True, "k_fraction": s,
+                     "k_blocks": list(calls["wave"].args[-2:]), "rank": r,
+                     "wave_us": t["wave"]["median_us"],
+                     "interleaved_us": t["interleaved"]["median_us"],
+                     "speedup": t["wave"]["median_us"] / t["interleaved"]["median_us"],
+                     "spreads": {n: {"p25_us": t[n]["p25_us"], "p75_us": t[n]["p75_us"]}
+                                 for n in t},
+                     "span_l2_remote_us": remote["span_l2_us"],
+                     "span_l2_remote_p75_us": remote["span_l2_p75_us"],
+                     "span_l2_local_us": ctrl["span_l2_us"],
+                     "span_l2_local_p25_us": ctrl["span_l2_p25_us"],
+                     "span_l2_local_p75_us": ctrl["span_l2_p75_us"],
+                     "mainloop_l1_us": ctrl["mainloop_l1_us"],
+                     "mainloop_l2_us": ctrl["mainloop_l2_us"],
+                     "mainloop_l2_remote_us": remote["mainloop_l2_us"],
+                     "stats_per_rank": stats})
     return rows
 
 
@@ -384,6 +469,9 @@ def main(argv=None) -> None:
             "traced_warmup_launches": TRACED_WARMUP, "samples": args.samples, "bins": args.bins,
             "local_models": args.local_models, "d_sweep_models": args.d_sweep_models,
             "d_factors": args.d_factors, "seed": args.seed, "max_spin_iters": args.max_spin,
+            "knee_models": args.knee_models, "k_fractions": args.k_fractions,
+            "knee_sweep": "SYNTHETIC kernel: each mainloop runs ceil(s x its K blocks), every "
+                          "Combine store kept (moe.synthetic_k_blocks); not the MoE layer",
             "regression_sources": [str(p) for p in args.regressions],
             "max_regressions": args.max_regressions,
             "tolerance": TOLERANCE,
