@@ -26,9 +26,12 @@ inputs (the same seeds as ``moe_bench`` for the same cell):
 5. Regressions (``--regressions`` moe_bench outputs): every matrix cell with speedup below 1 (the
    worst ``--max-regressions``), both schedules instrumented, with the component of SM time that
    grows under Interleaved (dependency wait, mainloops, epilogues): the measured cause.
+5. The knee sweep (``--knee-models``): a SYNTHETIC kernel (``moe.synthetic_k_blocks``: a fraction
+   of every mainloop's K blocks, every Combine store kept) per fraction, both schedules checked
+   and timed, Expert-Wave traced with remote stores and with the local-store control.
 
 Rank 0 writes one JSON ``{"metadata", "rows"}``; ``rows[i]["kind"]`` is ``trace``, ``fenced``,
-``d_sweep`` or ``regression``. Import it with ``python -m xstage_lab import-bench FILE --experiment moe_trace``.
+``d_sweep``, ``knee_sweep`` or ``regression``. Import it with ``python -m xstage_lab import-bench FILE --experiment moe_trace``.
 """
 from __future__ import annotations
 
