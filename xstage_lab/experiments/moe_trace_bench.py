@@ -26,7 +26,7 @@ inputs (the same seeds as ``moe_bench`` for the same cell):
 5. Regressions (``--regressions`` moe_bench outputs): every matrix cell with speedup below 1 (the
    worst ``--max-regressions``), both schedules instrumented, with the component of SM time that
    grows under Interleaved (dependency wait, mainloops, epilogues): the measured cause.
-5. The knee sweep (``--knee-models``): a SYNTHETIC kernel (``moe.synthetic_k_blocks``: a fraction
+6. The knee sweep (``--knee-models``): a SYNTHETIC kernel (``moe.synthetic_k_blocks``: a fraction
    of every mainloop's K blocks, every Combine store kept) per fraction, both schedules checked
    and timed, Expert-Wave traced with remote stores and with the local-store control.
 
