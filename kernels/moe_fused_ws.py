@@ -28,13 +28,12 @@ reader after its acquire.
 
 ``FP8``: W8A8 with fp32 scales, 1 x 128 for activations (``x``, ``h``: per row and K block) and
 128 x 128 for weights, as in DeepSeek-V3. Each K block of 128 is one wgmma group into a temporary
-accumulator, promoted into the fp32 accumulator with its two scales:
-  Linear-2 keeps two groups in flight: K block k+1 is issued before block k is promoted, so the
-  promotion runs under the next wgmma (accumulator, two temporaries: 3 x 64 registers at
-  ``BLOCK_N2`` = 128);
-  Linear-1 has two accumulators (gate, up), so a second temporary would need 4 x 64 registers of
-  the 232 a consumer thread has: each group is waited before its promotion and the other
-  consumer warpgroup's wgmma fills the tensor cores meanwhile (DeepGEMM's SM90 scheme).
+accumulator, waited, then promoted into the fp32 accumulator with its two scales, while the other
+consumer warpgroup's wgmma keeps the tensor cores busy (DeepGEMM's SM90 scheme). Promoting a
+block under this warpgroup's own next wgmma needs a second temporary: 4 x 64 registers with
+Linear-1's two accumulators, above the 224 a consumer thread has; at Linear-2's 3 x 64 ptxas
+spilled and serialized every wgmma of the kernel (sm_90 build of this kernel, Triton 3.6), so
+both wait.
 
 ``FENCE`` builds the completion-coupled counterfactual of §2.3 (each Linear-2 tile waits until
 its Combine stores are visible system-wide), ``INSTRUMENT`` the traced build (``_consumer``); both
