@@ -161,6 +161,45 @@ def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, 
 
 
 @gluon.jit
+def _fp8_halves_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_scales,
+                         b0_scales, b1_scales, n_k, A_SCALES_AT_L2: gl.constexpr,
+                         STAGES: gl.constexpr):
+    """FP8 accumulators of a stage's two 128-row B halves (Linear-1: gate and up; a 256-wide
+    Linear-2 tile: its two scale blocks of columns) for this warpgroup's rows, each K block's
+    wgmma group promoted with its scales: ``a_scales`` per row (this warpgroup's row pointers,
+    read at L2 where other SMs released them), ``b0_scales``/``b1_scales`` per K block."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, SCALE_BLOCK, 32])
+    a_scales = gl.convert_layout(a_scales, gl.SliceLayout(1, mma))
+    acc0 = gl.zeros([HALF_ROWS, SCALE_BLOCK], gl.float32, layout=mma)
+    acc1 = gl.zeros([HALF_ROWS, SCALE_BLOCK], gl.float32, layout=mma)
+    t = gl.zeros([HALF_ROWS, SCALE_BLOCK], gl.float32, layout=mma)
+    for kk in range(n_k):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        a = a_smem.index(2 * s + half)
+        b = b_smem.index(s)
+        t = warpgroup_mma(a, b.slice(0, SCALE_BLOCK).permute((1, 0)), t, use_acc=False,
+                          is_async=True)
+        # scale loads in flight under the wgmma
+        if A_SCALES_AT_L2:
+            a_s = gl.load(a_scales + kk, cache_modifier=".cg")
+        else:
+            a_s = gl.load(a_scales + kk)
+        s0 = gl.load(b0_scales + kk)
+        s1 = gl.load(b1_scales + kk)
+        t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+        acc0 += t * (a_s * s0)[:, None]
+        t = warpgroup_mma(a, b.slice(SCALE_BLOCK, SCALE_BLOCK).permute((1, 0)), t,
+                          use_acc=False, is_async=True)
+        t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+        mbarrier.arrive(empty.index(s))
+        acc1 += t * (a_s * s1)[:, None]
+        it += 1
+    return acc0, acc1, it
+
+
+@gluon.jit
 def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, x_scale, w1_scale,
                       rows, expert, n_block, HIDDEN, INTER, n_k, FP8: gl.constexpr,
                       BLOCK_N1: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
@@ -171,30 +210,12 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, x_sc
     acc_u = gl.zeros([HALF_ROWS, BLOCK_N1], gl.float32, layout=mma)
     if FP8:
         k_scales = HIDDEN // SCALE_BLOCK
-        x_scales = x_scale + gl.convert_layout(rows, gl.SliceLayout(1, mma)) * k_scales
         # the tile's gate (up) columns lie in one 128 x 128 weight scale block (BLOCK_N1 == 128)
         g_scales = w1_scale + (expert * (2 * INTER // SCALE_BLOCK) + n_block) * k_scales
-        u_scales = g_scales + (INTER // SCALE_BLOCK) * k_scales
-        t = gl.zeros([HALF_ROWS, BLOCK_N1], gl.float32, layout=mma)
-        for kk in range(n_k):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            a = a_smem.index(2 * s + half)
-            b = b_smem.index(s)
-            t = warpgroup_mma(a, b.slice(0, BLOCK_N1).permute((1, 0)), t, use_acc=False,
-                              is_async=True)
-            # scale loads in flight under the wgmma
-            a_s = gl.load(x_scales + kk)
-            g_s = gl.load(g_scales + kk)
-            u_s = gl.load(u_scales + kk)
-            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-            acc_g += t * (a_s * g_s)[:, None]
-            t = warpgroup_mma(a, b.slice(BLOCK_N1, BLOCK_N1).permute((1, 0)), t,
-                              use_acc=False, is_async=True)
-            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-            mbarrier.arrive(empty.index(s))
-            acc_u += t * (a_s * u_s)[:, None]
-            it += 1
+        acc_g, acc_u, it = _fp8_halves_mainloop(half, it, a_smem, b_smem, ready, empty,
+                                                x_scale + rows * k_scales, g_scales,
+                                                g_scales + (INTER // SCALE_BLOCK) * k_scales, n_k,
+                                                False, STAGES)
     else:
         # one K block's gate and up groups stay in flight while the next block's are issued;
         # a stage is released once the groups that read it have retired
@@ -374,13 +395,29 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
             _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base, n_block,
                               INTER, FP8, BLOCK_N1)
         else:
-            acc, it = _linear2_mainloop(half, it, a_smem, b_smem, ready, empty, h_scale,
-                                        w2_scale, rows, expert, n_block, HIDDEN, INTER,
-                                        l2_k_blocks, FP8, BLOCK_N2, BLOCK_K, STAGES)
-            if stamped:
-                _stamp(rec, 2)
-            _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base, n_block,
-                                      HIDDEN, BLOCK_N2)
+            if FP8 and BLOCK_N2 == 2 * SCALE_BLOCK:
+                # two 128-column halves, as Linear-1's gate and up: one temporary fits the
+                # registers
+                k_scales = INTER // SCALE_BLOCK
+                w_scales = w2_scale + (expert * (HIDDEN // SCALE_BLOCK) + 2 * n_block) * k_scales
+                acc0, acc1, it = _fp8_halves_mainloop(half, it, a_smem, b_smem, ready, empty,
+                                                      h_scale + rows * k_scales, w_scales,
+                                                      w_scales + k_scales, l2_k_blocks, True,
+                                                      STAGES)
+                if stamped:
+                    _stamp(rec, 2)
+                _linear2_combine_epilogue(acc0, row_src, row_slot, combine_ptrs, row_base,
+                                          2 * n_block, HIDDEN, SCALE_BLOCK)
+                _linear2_combine_epilogue(acc1, row_src, row_slot, combine_ptrs, row_base,
+                                          2 * n_block + 1, HIDDEN, SCALE_BLOCK)
+            else:
+                acc, it = _linear2_mainloop(half, it, a_smem, b_smem, ready, empty, h_scale,
+                                            w2_scale, rows, expert, n_block, HIDDEN, INTER,
+                                            l2_k_blocks, FP8, BLOCK_N2, BLOCK_K, STAGES)
+                if stamped:
+                    _stamp(rec, 2)
+                _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base,
+                                          n_block, HIDDEN, BLOCK_N2)
             if FENCE:
                 # completion-coupled (§2.3): the warpgroup's Combine stores, then a cumulative
                 # system-scope release that returns once all of them are visible to every GPU

