@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+from datetime import datetime
 
 import numpy as np
 import pandas as pd
@@ -423,3 +424,33 @@ def test_merge_joins_the_invocations_of_one_run():
         kb.merge_documents([_doc("A"), _doc("B", commit="def")])
     with pytest.raises(ValueError):
         kb.merge_documents([])
+
+
+def test_latest_view_takes_each_precision_from_its_newest_record(tmp_path):
+    """A newer record with fp8 cells only: the view keeps the older record's bf16 cells and
+    one-token calls beside the newer fp8 ones, and names both records."""
+    from xstage_lab.records import write_record
+
+    def record(created, precisions, value):
+        rows = pd.DataFrame([dict(model="A", precision=p, routing="balanced", tokens=1,
+                                  kernel_wave_us=value, kernel_interleaved_us=value,
+                                  call_wave_us=value, tflops=value, cublas_dense_tflops=1.0,
+                                  grouped_mm_tflops=1.0, unfused_us=value) for p in precisions])
+        overhead = {"rows": [dict(model="A", precision=p, kernel_wave_us=value,
+                                  call_wave_us=value) for p in precisions]}
+        write_record("moe_kernel", "h200-x1", rows, {"kernel": "gluon_ws",
+                                                     "call_overhead": overhead},
+                     {"git_commit": created}, tmp_path,
+                     created=datetime.fromisoformat(created))
+
+    record("2026-12-01T10:00:00+00:00", ["bf16", "fp8"], 1.0)
+    record("2026-12-01T11:00:00+00:00", ["fp8"], 2.0)
+    view = kb.latest_view("h200-x1", tmp_path)
+    assert len(view.records) == 2 and " + " in view.record_id
+    assert dict(zip(view.table["precision"], view.table["tflops"])) == {"fp8": 2.0, "bf16": 1.0}
+    assert {(o["precision"], o["kernel_wave_us"]) for o in
+            view.params["call_overhead"]["rows"]} == {("fp8", 2.0), ("bf16", 1.0)}
+    s = kb.summary_entry("h200-x1", tmp_path)
+    assert s["geomean_ratio_to_cublas"] == {"bf16": 1.0, "fp8": 2.0}
+    record("2026-12-01T12:00:00+00:00", ["bf16", "fp8"], 3.0)  # a full run supersedes both
+    assert len(kb.latest_view("h200-x1", tmp_path).records) == 1

@@ -155,17 +155,20 @@ def kernel_inputs(table: pd.DataFrame, basis: dict = BASIS) -> pd.DataFrame:
 
 def write_forecast(kernel_platform: str, calibration_platform: str,
                    root: Path = RECORDS_DIR) -> Path:
-    """The ``moe_forecast`` record of ``kernel_platform`` (whose latest ``moe_kernel`` record gives
-    the per-tile times) on ``calibration_platform``'s latest calibration."""
+    """The ``moe_forecast`` record of ``kernel_platform`` (whose latest ``moe_kernel`` record of
+    each precision gives the per-tile times: ``moe_kernel_bench.latest_view``) on
+    ``calibration_platform``'s latest calibration."""
     from ..platform import provenance
     from ..records import latest_record, write_record
+    from .moe_kernel_bench import latest_view
     from .remote_store import latest_calibration
 
-    kernel = latest_record("moe_kernel", kernel_platform, root)
+    kernel = latest_view(kernel_platform, root)
     cal_record = latest_record("calibration", calibration_platform, root)
     cal = latest_calibration(calibration_platform, root)
     table = forecast(kernel_inputs(kernel.table), cal.platform_model())
-    params = {"kernel_record": f"moe_kernel/{kernel_platform}/{kernel.record_id}",
+    params = {"kernel_records": [f"moe_kernel/{kernel_platform}/{r.record_id}"
+                                 for r in kernel.records],
               "calibration_record": f"calibration/{calibration_platform}/{cal_record.record_id}",
               "basis": BASIS, "expert_parallel": list(EXPERT_PARALLEL),
               "method": __doc__.split("\n\n", 1)[1]}

@@ -744,12 +744,77 @@ def kernel_summary(table: pd.DataFrame, call_overhead: dict) -> dict:
     return {"rows": rows, "geomean_ratio_to_cublas": geomean, "call_overhead_us": worst}
 
 
-def summary_entry(platform: str, root: Path) -> dict:
-    """``kernel_summary`` of the platform's latest ``moe_kernel`` record."""
-    from ..records import latest_record
+@dataclass(frozen=True)
+class KernelView:
+    """A platform's latest ``moe_kernel`` record of each precision, read as one (each precision's
+    rows and one-token calls come from its own record: every ratio in them was measured within
+    that record's run). ``record_id`` names the records; ``params`` holds the kernel and the
+    one-token calls as a record's would."""
 
-    rec = latest_record("moe_kernel", platform, root)
-    return kernel_summary(rec.table, rec.params["call_overhead"])
+    platform: str
+    records: tuple
+
+    @property
+    def record_id(self) -> str:
+        return " + ".join(r.record_id for r in self.records)
+
+    @property
+    def git_commit(self) -> str:
+        return " + ".join(r.git_commit for r in self.records)
+
+    def _rows(self, rec, rows):
+        return [r for r in rows if r["precision"] in self.precisions_of(rec)]
+
+    def precisions_of(self, rec) -> set[str]:
+        """The precisions this view takes from ``rec``."""
+        return {p for p, r in self._chosen().items() if r is rec}
+
+    def _chosen(self) -> dict:
+        chosen = {}
+        for rec in self.records:  # newest first
+            for p in rec.table["precision"].unique():
+                chosen.setdefault(p, rec)
+        return chosen
+
+    @property
+    def table(self) -> pd.DataFrame:
+        return pd.concat([r.table[r.table["precision"].isin(self.precisions_of(r))]
+                          for r in self.records], ignore_index=True)
+
+    @property
+    def params(self) -> dict:
+        rows = [o for r in self.records for o in self._rows(r, r.params["call_overhead"]["rows"])]
+        return {"kernel": self.records[0].params.get("kernel"),
+                "call_overhead": {**self.records[0].params["call_overhead"], "rows": rows}}
+
+
+def latest_view(platform: str, root: Path) -> KernelView:
+    """The ``KernelView`` of ``platform``'s ``moe_kernel`` records (newest first, only those a
+    precision is taken from)."""
+    from ..records import list_records, read_record
+
+    records = tuple(read_record(p) for p in reversed(list_records("moe_kernel", platform, root)))
+    view = KernelView(platform, records)
+    return KernelView(platform, tuple(r for r in records if view.precisions_of(r)))
+
+
+def load_views(backend: str = "auto", root: Path | None = None) -> list[KernelView]:
+    """What a notebook shows: with ``cuda`` the record this machine's run writes; with ``replay``
+    every platform's ``latest_view``."""
+    from ..launch import load_or_run
+    from ..records import RECORDS_DIR, platforms
+
+    root = RECORDS_DIR if root is None else root
+    choice, records = load_or_run("moe_kernel", backend, root=root)
+    if choice.name == "cuda":
+        return [KernelView(r.platform, (r,)) for r in records]
+    return [latest_view(p, root) for p in platforms("moe_kernel", root)]
+
+
+def summary_entry(platform: str, root: Path) -> dict:
+    """``kernel_summary`` of the platform's ``latest_view``."""
+    view = latest_view(platform, root)
+    return kernel_summary(view.table, view.params["call_overhead"])
 
 
 if __name__ == "__main__":
