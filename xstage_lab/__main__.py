@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "moe_kernel_bench on one GPU)")
     p.add_argument("file", type=Path, help="the benchmark's JSON output")
     p.add_argument("--experiment", required=True,
-                   choices=sorted(BENCHMARKS) + ["fa_tuning", "moe_kernel"],
+                   choices=sorted(BENCHMARKS) + ["fa_tuning", "moe_kernel", "link_probe"],
                    help="the experiment the record belongs to")
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.set_defaults(func=_import_bench)
