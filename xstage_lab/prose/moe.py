@@ -399,17 +399,22 @@ def d_sweep(traces, records) -> Prose:
     return Prose(*out)
 
 
-def regressions_scope(traces, records) -> Prose:
-    """How many of the matrix's regressing cells the trace record covers."""
+def _regression_tables(traces, records):
+    """Per trace record whose platform has a matrix record: (trace, matrix, its regressing
+    cells as ``moe_trace.regression_rows`` gives them)."""
     from ..experiments.moe_trace import regression_rows
 
     matrices = {r.platform: r for r in records}
-    out = []
     for tr in traces:
         m = matrices.get(tr.platform)
-        if m is None:
-            continue
-        rows = pd.DataFrame(regression_rows(m.table, tr.table))
+        if m is not None:
+            yield tr, m, pd.DataFrame(regression_rows(m.table, tr.table))
+
+
+def regressions_scope(traces, records) -> Prose:
+    """How many of the matrix's regressing cells the trace record covers."""
+    out = []
+    for tr, m, rows in _regression_tables(traces, records):
         if rows.empty:
             out.append(f"No cell of matrix record {rec(m)} has speedup < 1.")
             continue
@@ -425,15 +430,10 @@ def regressions_scope(traces, records) -> Prose:
 
 def regressions(traces, records) -> Prose:
     """Every regressing cell, by measured cause."""
-    from ..experiments.moe_trace import COMPONENTS, regression_rows
+    from ..experiments.moe_trace import COMPONENTS
 
-    matrices = {r.platform: r for r in records}
     out = []
-    for tr in traces:
-        m = matrices.get(tr.platform)
-        if m is None:
-            continue
-        rows = pd.DataFrame(regression_rows(m.table, tr.table))
+    for tr, m, rows in _regression_tables(traces, records):
         if rows.empty:
             continue
         traced = rows[rows["cause"] != "not traced"]
