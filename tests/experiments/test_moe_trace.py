@@ -550,3 +550,9 @@ def test_knee_sweep_rows_by_hand():
     assert slow["span_pred_us"] == 0.5
     assert fast["span_pred_isolated_us"] == pytest.approx(1.1627, abs=1e-4)
     assert fast["excess_us"] == pytest.approx(0.8) and slow["excess_us"] == pytest.approx(0.1)
+
+
+def test_regression_groups_of_a_matrix_without_regressions():
+    from xstage_lab.experiments import moe_trace
+
+    assert moe_trace.regression_groups([]) == []

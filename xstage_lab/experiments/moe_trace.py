@@ -450,6 +450,8 @@ def regression_groups(rows: list[dict]) -> list[dict]:
     number of cells, their models, the range of the matrix speedup and, for traced groups, how
     many traced launches show the loss (``traces_with_loss``: makespan ratio < 1), the range of
     their makespan ratio and of each component's Interleaved-minus-Expert-Wave SM time."""
+    if not rows:  # no regressing cell: no group (an empty frame has no "cause" column)
+        return []
     df = pd.DataFrame(rows)
     out = []
     for cause, g in df.groupby("cause", sort=False):
