@@ -10,14 +10,15 @@ Pipeline of one layer over P ranks (SPMD under torchrun, one GPU per rank):
    receiver lays rows out expert by expert, each expert padded to ``block_m`` rows, and keeps for
    every row its source rank and slot (``t * top_k + j``). FP8 activations are quantized on the
    source, so Dispatch moves e4m3 rows plus 1 x 128 scales.
-3. The fused kernel (``kernels/moe_fused.py``) runs Linear-1 + SwiGLU and Linear-2 tiles over the
-   local experts in the order of a tile table; each Linear-2 epilogue stores its rows straight into
+3. The fused kernel (``kernels/moe_fused_ws.py``, warp-specialized Gluon, on sm_90 GPUs; the
+   portable Triton ``kernels/moe_fused.py`` elsewhere: ``default_tile_config``) runs Linear-1 +
+   SwiGLU and Linear-2 tiles over the local experts in the order of a tile table; each Linear-2 epilogue stores its rows straight into
    the source ranks' symmetric Combine buffers.
 4. Combine ends on the source rank with the top-k weighted sum of its ``[T * top_k, hidden]`` buffer,
    after a symmetric-memory barrier has made every peer's stores visible.
 
-The unfused path users run instead: grouped (or per-expert) matmuls, SwiGLU, NCCL all-to-all back to
-the sources, weighted sum. ``reference_moe`` is the float32 torch reference.
+The unfused path users run instead: torch's grouped GEMMs (``torch._grouped_mm``,
+``torch._scaled_grouped_mm``), SwiGLU, NCCL all-to-all back to the sources, weighted sum. ``reference_moe`` is the float32 torch reference.
 """
 from __future__ import annotations
 
