@@ -228,3 +228,17 @@ def test_fenced_build_releases_at_system_scope_after_each_linear2_tile(ws_module
     assert "_release_system" in ptx and "atom.global.sys.release" in ptx
     report = ptxas_report(ptx)
     assert report["spill_store_bytes"] <= 16 and not report["wgmma_serialized"]
+
+
+def test_a_prepared_launch_keeps_its_local_combine_buffers_alive(monkeypatch):
+    """The peer table holds bare addresses: the launch must own the buffers they point into,
+    or a caller that drops its own reference leaves the kernel storing into freed memory."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(moe, "kernel_unsupported", lambda kernel, device: None)
+    call = _tiny_call("bf16")
+    refs = [weakref.ref(b) for b in call.owners]
+    gc.collect()
+    assert refs and all(r() is not None for r in refs)
+    assert call.args[15].tolist() == [b.data_ptr() for b in call.owners]  # the peer table

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -476,6 +476,9 @@ class CombinePeers:
     table: torch.Tensor
     slots: int
     hidden: int
+    # the buffers behind ``ptrs`` where this process allocated them: a launch prepared with these
+    # peers keeps them alive (the table holds bare addresses)
+    owners: tuple = field(default=(), repr=False, compare=False)
 
     def __post_init__(self):
         if len(self.ptrs) < 1 or any(p == 0 for p in self.ptrs):
@@ -499,7 +502,7 @@ def local_combine_peers(buffers: Sequence[torch.Tensor]) -> CombinePeers:
             raise MoEContractError("Combine buffers must be contiguous bf16 [slots, hidden], all alike")
     ptrs = tuple(b.data_ptr() for b in buffers)
     return CombinePeers(ptrs, torch.tensor(ptrs, dtype=torch.int64, device=b0.device), b0.shape[0],
-                        b0.shape[1])
+                        b0.shape[1], tuple(buffers))
 
 
 def local_store_control(peers: CombinePeers, local: torch.Tensor) -> CombinePeers:
@@ -568,6 +571,7 @@ class FusedMoECall:
     trace: torch.Tensor | None = None
     kernel: str = "triton"
     synthetic_k_fraction: float | None = None  # not the MoE layer where set (knee sweep)
+    owners: tuple = ()  # the Combine buffers its peer table points into (CombinePeers.owners)
 
     def __call__(self) -> None:
         self.row_ready.zero_()
@@ -696,7 +700,7 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
                       FENCE=bool(fence), num_warps=config.num_warps,
                       num_stages=config.num_stages)
     return FusedMoECall(schedule, args, constexprs, (schedule.num_programs,), row_ready, error,
-                        trace if instrument else None)
+                        trace if instrument else None, owners=peers.owners)
 
 
 def synthetic_k_blocks(fraction: float | None, config: TileConfig, hidden: int,
@@ -746,7 +750,7 @@ def _prepare_ws_call(layout, weights, schedule, peers, config, table, counts, ti
     return FusedMoECall(schedule, (*args, trace, hidden, inter, *k_blocks), constexprs,
                         (schedule.num_programs,), row_ready, error,
                         trace if instrument else None, kernel="gluon_ws",
-                        synthetic_k_fraction=synthetic_k_fraction)
+                        synthetic_k_fraction=synthetic_k_fraction, owners=peers.owners)
 
 
 # ---------------------------------------------------------------------------------- unfused path
