@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from scipy.stats import gmean
 
 from . import Prose, count, plural, rec, span, val, words
 
@@ -597,10 +598,6 @@ def findings(records, traces, paper: dict, table2_paper: dict) -> Prose:
     return Prose(*out)
 
 
-def _geomean(x) -> float:
-    return float(np.exp(np.log(np.asarray(x, dtype=float)).mean()))
-
-
 def kernel(kernel_records) -> Prose:
     """The fused kernel on one GPU (``moe_kernel``): its TF/s against cuBLAS dense per precision,
     the weakest cell, and the whole call against the unfused path."""
@@ -612,10 +609,10 @@ def kernel(kernel_records) -> Prose:
         for p, g in t.groupby("precision", sort=True):
             worst = g.loc[g["ratio_to_cublas"].idxmin()]
             parts.append(f"in {p} the kernel alone (Expert-Wave) reaches a geometric mean of "
-                         f"**{val(_geomean(g['ratio_to_cublas']), '.3f')}** of cuBLAS dense TF/s "
+                         f"**{val(gmean(g['ratio_to_cublas']), '.3f')}** of cuBLAS dense TF/s "
                          f"over {count(len(g))} cells ({span(g['tflops'], '.0f')} TF/s), the "
                          f"lowest {val(worst['ratio_to_cublas'], '.3f')} for {_name(worst)}, and "
-                         f"Interleaved {val(_geomean(g['ratio_to_cublas_interleaved']), '.3f')}")
+                         f"Interleaved {val(gmean(g['ratio_to_cublas_interleaved']), '.3f')}")
         faster = int((t["call_wave_us"] < t["unfused_us"]).sum())
         text = (f"On {r.platform} (record {rec(r)}, the `{kernel_name}` kernel, one rank of "
                 f"EP = {int(t['ep'].iloc[0])}): {'; '.join(parts)}. The whole fused call is "
