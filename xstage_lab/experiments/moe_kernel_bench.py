@@ -51,11 +51,13 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
+from scipy.stats import gmean
 from tqdm.auto import tqdm
 
 from ..checks import bitwise_equal, poisoned, relative_error
@@ -734,8 +736,8 @@ def kernel_summary(table: pd.DataFrame, call_overhead: dict) -> dict:
     precision, of the kernel's TF/s over cuBLAS's (None where a precision has no cell); and per
     precision the one-token kernel and call times, the worst over models."""
     rows = [{k: _plain(r[k]) for k in SUMMARY_KEYS} for r in table.to_dict("records")]
-    log_ratio = np.log(table["tflops"].astype(float) / table["cublas_dense_tflops"].astype(float))
-    geomean = {p: (round(float(np.exp(log_ratio[table["precision"] == p].mean())), 4)
+    ratio = table["tflops"].astype(float) / table["cublas_dense_tflops"].astype(float)
+    geomean = {p: (round(float(gmean(ratio[table["precision"] == p])), 4)
                    if (table["precision"] == p).any() else None) for p in moe.PRECISIONS}
     one_token = pd.DataFrame(call_overhead["rows"])
     worst = {p: {"kernel_us": float(g["kernel_wave_us"].max()),
@@ -752,7 +754,16 @@ class KernelView:
     one-token calls as a record's would."""
 
     platform: str
-    records: tuple
+    records: tuple  # newest first
+
+    @cached_property
+    def source(self) -> dict:
+        """Precision -> the newest record that has it."""
+        chosen = {}
+        for rec in self.records:
+            for p in rec.table["precision"].unique():
+                chosen.setdefault(p, rec)
+        return chosen
 
     @property
     def record_id(self) -> str:
@@ -762,40 +773,28 @@ class KernelView:
     def git_commit(self) -> str:
         return " + ".join(r.git_commit for r in self.records)
 
-    def _rows(self, rec, rows):
-        return [r for r in rows if r["precision"] in self.precisions_of(rec)]
-
-    def precisions_of(self, rec) -> set[str]:
-        """The precisions this view takes from ``rec``."""
-        return {p for p, r in self._chosen().items() if r is rec}
-
-    def _chosen(self) -> dict:
-        chosen = {}
-        for rec in self.records:  # newest first
-            for p in rec.table["precision"].unique():
-                chosen.setdefault(p, rec)
-        return chosen
-
     @property
     def table(self) -> pd.DataFrame:
-        return pd.concat([r.table[r.table["precision"].isin(self.precisions_of(r))]
-                          for r in self.records], ignore_index=True)
+        return pd.concat([rec.table[rec.table["precision"] == p]
+                          for p, rec in self.source.items()], ignore_index=True)
 
     @property
     def params(self) -> dict:
-        rows = [o for r in self.records for o in self._rows(r, r.params["call_overhead"]["rows"])]
+        rows = [o for p, rec in self.source.items()
+                for o in rec.params["call_overhead"]["rows"] if o["precision"] == p]
         return {"kernel": self.records[0].params.get("kernel"),
                 "call_overhead": {**self.records[0].params["call_overhead"], "rows": rows}}
 
 
 def latest_view(platform: str, root: Path) -> KernelView:
-    """The ``KernelView`` of ``platform``'s ``moe_kernel`` records (newest first, only those a
-    precision is taken from)."""
+    """The ``KernelView`` of ``platform``'s ``moe_kernel`` records: the newest record of each
+    precision (those no precision is taken from are left out)."""
     from ..records import list_records, read_record
 
-    records = tuple(read_record(p) for p in reversed(list_records("moe_kernel", platform, root)))
-    view = KernelView(platform, records)
-    return KernelView(platform, tuple(r for r in records if view.precisions_of(r)))
+    newest = KernelView(platform, tuple(read_record(p) for p in
+                                        reversed(list_records("moe_kernel", platform, root))))
+    used = {r.record_id for r in newest.source.values()}
+    return KernelView(platform, tuple(r for r in newest.records if r.record_id in used))
 
 
 def load_views(backend: str = "auto", root: Path | None = None) -> list[KernelView]:
