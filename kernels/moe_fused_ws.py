@@ -204,10 +204,6 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, x_sc
                       rows, expert, n_block, HIDDEN, INTER, n_k, FP8: gl.constexpr,
                       BLOCK_N1: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """Gate and up accumulators ``[64, BLOCK_N1]`` of this warpgroup's rows; the next ``it``."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N1, 32 if FP8 else 16])
-    acc_g = gl.zeros([HALF_ROWS, BLOCK_N1], gl.float32, layout=mma)
-    acc_u = gl.zeros([HALF_ROWS, BLOCK_N1], gl.float32, layout=mma)
     if FP8:
         k_scales = HIDDEN // SCALE_BLOCK
         # the tile's gate (up) columns lie in one 128 x 128 weight scale block (BLOCK_N1 == 128)
@@ -217,6 +213,10 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, x_sc
                                                 g_scales + (INTER // SCALE_BLOCK) * k_scales, n_k,
                                                 False, STAGES)
     else:
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N1, 16])
+        acc_g = gl.zeros([HALF_ROWS, BLOCK_N1], gl.float32, layout=mma)
+        acc_u = gl.zeros([HALF_ROWS, BLOCK_N1], gl.float32, layout=mma)
         # one K block's gate and up groups stay in flight while the next block's are issued;
         # a stage is released once the groups that read it have retired
         s = it % STAGES
