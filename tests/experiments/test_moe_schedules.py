@@ -10,8 +10,8 @@ import pytest
 
 from xstage_lab.experiments.moe_schedules import (
     L1, L2, MoEProblem, Schedule, ScheduleError, Tile, check_schedule, d_knee,
-    default_experts_per_wave, execution_order, expert_wave_schedule, interleaved_schedule,
-    tile_table)
+    WAVE_FILL, execution_order, expert_wave_schedule, interleaved_schedule,
+    tile_table, wave_starts)
 
 PROBLEMS = {
     "one_expert": MoEProblem((5,), 3, 2),
@@ -143,11 +143,33 @@ def test_interleaving_shortens_linear2_runs():
     assert _longest_l2_run(inter) < _longest_l2_run(wave)
 
 
-def test_default_experts_per_wave_fills_programs():
-    problem = MoEProblem((2, 2, 2, 2, 2, 2), 4, 4)  # 8 L1 tiles per expert
-    assert default_experts_per_wave(problem, 8) == 1
-    assert default_experts_per_wave(problem, 20) == 3
-    assert default_experts_per_wave(problem, 1000) == 6
+def test_default_waves_fill_every_program_twice_by_counted_rows():
+    """8 L1 tiles per expert of 2 rows, 4 per expert of 1 row: a wave closes at the first expert
+    that brings its Linear-1 tiles to WAVE_FILL x programs; the last wave takes the rest, trailing
+    idle experts too."""
+    assert WAVE_FILL == 2
+    problem = MoEProblem((2, 2, 1, 1, 1, 1, 2, 0), 4, 4)
+    assert wave_starts(problem, 4) == (0, 1, 2, 4, 6)  # 8 | 8 | 4+4 | 4+4 | 8+0
+    assert wave_starts(problem, 6) == (0, 2, 5)        # 8+8 | 4+4+4 | 4+8+0
+    assert wave_starts(problem, 1000) == (0,)
+    assert wave_starts(problem, 4, experts_per_wave=3) == (0, 3, 6)
+    with pytest.raises(ValueError, match="experts_per_wave"):
+        wave_starts(problem, 4, experts_per_wave=0)
+
+
+def test_skewed_default_waves_hold_enough_linear1_tiles():
+    """Under skew every wave of cold experts but the last holds WAVE_FILL rounds of Linear-1
+    tiles, where one expert per wave (what the mean rows per active expert suggests here) gives
+    waves of fewer Linear-1 tiles than programs."""
+    problem, programs = PROBLEMS["skewed"], 4
+
+    def l1_tiles(schedule):
+        starts = schedule.wave_starts + (len(problem.blocks_per_expert),)
+        return [sum(problem.blocks_per_expert[e0:e1]) * problem.l1_n_blocks
+                for e0, e1 in zip(starts, starts[1:])]
+
+    assert l1_tiles(expert_wave_schedule(problem, programs)) == [60, 9, 3]
+    assert min(l1_tiles(expert_wave_schedule(problem, programs, experts_per_wave=1))) < programs
 
 
 def test_tile_table_round_trip():

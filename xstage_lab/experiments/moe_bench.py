@@ -41,7 +41,7 @@ from ..checks import relative_error
 from ..dist_timing import (TIMING_METHOD, all_gather_objects, read_sm_clock_mhz, start_rank,
                            time_methods)
 from . import moe
-from .moe_schedules import MoEProblem, d_knee, default_experts_per_wave, expert_wave_schedule, \
+from .moe_schedules import MoEProblem, d_knee, expert_wave_schedule, \
     interleaved_schedule
 
 DEFAULT_TOKENS = 4096  # per rank
@@ -271,7 +271,7 @@ def run_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
         "spreads": {m: {"p25_us": t["p25_us"], "p75_us": t["p75_us"]} for m, t in timing.items()},
         "trials_us": {m: t["trials_us"] for m, t in timing.items()},
         "lead_rows": lead, "d_knee": knee, "num_programs": programs,
-        "experts_per_wave": default_experts_per_wave(problem, programs),
+        "wave_starts": list(setup.schedules["wave"].wave_starts),
         "padded_rows_per_rank": received,
         "rank_load_max_over_mean": max(received) / (sum(received) / world) if sum(received) else 1.0,
         "max_rel_err": {key: max(p["errors"][key] for p in per_rank) for key in errors},

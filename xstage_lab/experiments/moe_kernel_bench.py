@@ -64,8 +64,8 @@ from ..checks import bitwise_equal, poisoned, relative_error
 from ..dist_timing import TIMING_METHOD, read_sm_clock_mhz, time_methods
 from . import moe, moe_trace
 from .moe_bench import TOLERANCE
-from .moe_schedules import L1, L2, MoEProblem, d_knee, default_experts_per_wave, \
-    expert_wave_schedule, interleaved_schedule, tile_table
+from .moe_schedules import L1, L2, MoEProblem, d_knee, expert_wave_schedule, interleaved_schedule, \
+    tile_table, wave_starts
 
 EP = 8          # the paper's eight-GPU setting
 RANK = 0        # the rank this GPU plays: local experts 0 .. E/8 - 1
@@ -471,8 +471,7 @@ def trace_columns(cell: Cell) -> dict:
                 "g_wave_us": out["wave_gap_l2_us"],
                 "l1_tiles_per_program": float(np.mean(per_program[:n])),
                 "l2_tiles_per_program": float(np.mean(per_program[n:])),
-                "waves": math.ceil(cell.workload.experts_per_rank
-                                   / default_experts_per_wave(cell.problem, cell.programs))})
+                "waves": len(wave_starts(cell.problem, cell.programs))})
     return out
 
 
@@ -511,7 +510,7 @@ def cell_row_base(cell: Cell) -> dict:
             "tokens_per_expert": list(cell.layout.tokens_per_expert),
             "kernel": cell.cfg.kernel, "tile_config": dataclasses.asdict(cell.cfg),
             "num_programs": cell.programs, "lead_rows": cell.knee, "d_knee": cell.knee,
-            "experts_per_wave": default_experts_per_wave(cell.problem, cell.programs)}
+            "wave_starts": list(wave_starts(cell.problem, cell.programs))}
 
 
 def run_cell(shape: moe.MoEShape, precision: str, routing: str, tokens: int,

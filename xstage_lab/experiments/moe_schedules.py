@@ -12,8 +12,8 @@ change. Terms follow the paper:
 * ``G`` programs walk the tile streams with stride ``G`` (program ``g`` starts at ``g``);
 * ``D`` (``lead_rows``) is the minimum row lead of the Linear-1 stream over the Linear-2 stream.
 
-Expert-Wave (the baseline, §2.2): local experts grouped into waves; the merged stream is each wave's
-Linear-1 tiles followed by its Linear-2 tiles, dealt round-robin to the programs.
+Expert-Wave (the baseline, §2.2): consecutive local experts grouped into waves; the merged stream is
+each wave's Linear-1 tiles followed by its Linear-2 tiles, dealt round-robin to the programs.
 
 Interleaved (Algorithm 1): each program merges its strided Linear-1 and Linear-2 streams, emitting
 Linear-2 only when ``p_2 + D <= p_1`` (``p_1 = inf`` once its Linear-1 stream is done); the default
@@ -49,6 +49,7 @@ class Schedule:
     name: str
     programs: tuple[tuple[Tile, ...], ...]
     lead_rows: int | None = None   # D for an interleaved schedule; None where no lead is promised
+    wave_starts: tuple[int, ...] | None = None  # Expert-Wave: the first local expert of each wave
 
     @property
     def num_programs(self) -> int:
@@ -114,14 +115,32 @@ def d_knee(b_n: int, k_sm: int, h_inter: int) -> int:
     return math.ceil(b_n * k_sm / (2 * h_inter))
 
 
-def default_experts_per_wave(problem: MoEProblem, num_programs: int) -> int:
-    """The fewest experts whose Linear-1 tiles (at the mean rows per active expert) fill every
-    program once, as MegaMoE's wave heuristic does with the expected tokens per expert."""
-    active = [b for b in problem.blocks_per_expert if b > 0]
-    if not active:
-        return 1
-    l1_tiles_per_expert = problem.l1_n_blocks * sum(active) / len(active)
-    return max(1, min(len(problem.blocks_per_expert), math.ceil(num_programs / l1_tiles_per_expert)))
+WAVE_FILL = 2  # Linear-1 tiles per program that a default Expert-Wave wave holds at least
+
+
+def wave_starts(problem: MoEProblem, num_programs: int,
+                experts_per_wave: int | None = None) -> tuple[int, ...]:
+    """The first local expert of each Expert-Wave wave: every ``experts_per_wave`` experts where
+    given, else the fewest consecutive experts whose Linear-1 tiles fill every program
+    ``WAVE_FILL`` times (the last wave takes what is left, idle experts included).
+
+    MegaMoE sizes a wave by the expected tokens per expert. Counting the routed rows instead keeps
+    a wave of cold experts (skewed routing) from holding fewer Linear-1 tiles than there are
+    programs: then the wave's Linear-2 tiles are dealt at once and wait on its Linear-1 tiles for
+    a whole Linear-1 mainloop. Two rounds of Linear-1 per program keep that wait short."""
+    n_exp = len(problem.blocks_per_expert)
+    if experts_per_wave is not None:
+        if experts_per_wave < 1:
+            raise ValueError(f"experts_per_wave must be >= 1, got {experts_per_wave}")
+        return tuple(range(0, n_exp, experts_per_wave))
+    blocks = problem.blocks_per_expert
+    starts, filled = [0], 0
+    for e in range(n_exp - 1):
+        filled += blocks[e] * problem.l1_n_blocks
+        if filled >= WAVE_FILL * num_programs and any(blocks[e + 1:]):
+            starts.append(e + 1)
+            filled = 0
+    return tuple(starts)
 
 
 def _deal(stream: Sequence[Tile], num_programs: int) -> tuple[tuple[Tile, ...], ...]:
@@ -131,24 +150,21 @@ def _deal(stream: Sequence[Tile], num_programs: int) -> tuple[tuple[Tile, ...], 
 
 def expert_wave_schedule(problem: MoEProblem, num_programs: int,
                          experts_per_wave: int | None = None) -> Schedule:
-    """Expert-Wave: per wave, its Linear-1 tiles then its Linear-2 tiles (row-major each), the
-    concatenated stream dealt with stride G. Linear-2 bursts of a wave run back to back."""
+    """Expert-Wave: per wave (``wave_starts``), its Linear-1 tiles then its Linear-2 tiles
+    (row-major each), the concatenated stream dealt with stride G. Linear-2 bursts of a wave run
+    back to back."""
     if num_programs < 1:
         raise ValueError(f"num_programs must be >= 1, got {num_programs}")
-    if experts_per_wave is None:
-        experts_per_wave = default_experts_per_wave(problem, num_programs)
-    if experts_per_wave < 1:
-        raise ValueError(f"experts_per_wave must be >= 1, got {experts_per_wave}")
+    starts = wave_starts(problem, num_programs, experts_per_wave)
     stream: list[Tile] = []
-    first, n_exp = problem.first_row, len(problem.blocks_per_expert)
-    for e0 in range(0, n_exp, experts_per_wave):
-        e1 = min(e0 + experts_per_wave, n_exp)
+    first = problem.first_row
+    for e0, e1 in zip(starts, starts[1:] + (len(problem.blocks_per_expert),)):
         rows = range(first[e0], first[e1 - 1] + problem.blocks_per_expert[e1 - 1])
         stream += [problem.l1_tile(p * problem.l1_n_blocks + n)
                    for p in rows for n in range(problem.l1_n_blocks)]
         stream += [problem.l2_tile(p * problem.l2_n_blocks + n)
                    for p in rows for n in range(problem.l2_n_blocks)]
-    return Schedule("expert_wave", _deal(stream, num_programs))
+    return Schedule("expert_wave", _deal(stream, num_programs), wave_starts=starts)
 
 
 def interleaved_schedule(problem: MoEProblem, num_programs: int, lead_rows: int) -> Schedule:

@@ -415,7 +415,7 @@ def regression_rows(matrix: pd.DataFrame, table: pd.DataFrame) -> list[dict]:
             w, i = spread["wave"], spread["interleaved"]
             row["speedup_lo"] = w["p25_us"] / i["p75_us"]
             row["speedup_hi"] = w["p75_us"] / i["p25_us"]
-        for k in ("experts_per_wave", "lead_rows", "d_knee"):
+        for k in ("experts_per_wave", "wave_starts", "lead_rows", "d_knee"):
             if k in cell:
                 row[k] = cell[k]
         cause = exact.get(key)
