@@ -143,7 +143,7 @@ def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_r
     import functools
 
     from xstage_lab import plots
-    from xstage_lab.experiments import attention_model, injection_patterns, remote_ops, remote_store
+    from xstage_lab.experiments import attention_model, injection_patterns, remote_store
     from xstage_lab.experiments.visibility import load_visibility
     from xstage_lab.launch import load_or_run
     from xstage_lab.paper import published
@@ -186,7 +186,7 @@ def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_r
         assert len(plots.moe_condition1(r, remote_store.latest_calibration(r.platform)
                                         .platform_model()))
     # 05: injection patterns and operations per platform
-    _, beyond = remote_ops.load_beyond("replay", root)
+    _, beyond = injection_patterns.load_beyond("replay", root)
     assert list(beyond) == both
     rec = beyond["h200-x8"]["patterns"]
     entry = injection_patterns.summary_entry(rec.params, rec.record_id)
