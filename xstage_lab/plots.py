@@ -639,10 +639,11 @@ def moe_speedups(records) -> go.Figure:
 
 
 def moe_headline(paper: dict, records) -> pd.DataFrame:
-    """The MoE headline speedups: the paper's (84 configurations, EP = 8) beside each platform's."""
-    from .summary import moe_headline_numbers
+    """The MoE headline speedups: the paper's (84 configurations, EP = 8) beside each platform's
+    (``moe_trace.headline_numbers``)."""
+    from .experiments.moe_trace import headline_numbers
 
-    summaries = {r.platform: moe_headline_numbers(r.table) for r in records}
+    summaries = {r.platform: headline_numbers(r.table) for r in records}
     keys = ("configs", "geomean_speedup", "median_speedup", "max_speedup", "min_speedup")
     rows = [{"source": "paper", **{k: paper.get(k, paper.get("min_speedup_reported")) for k in keys}}]
     rows += [{"source": p, **{k: s[k] for k in keys},

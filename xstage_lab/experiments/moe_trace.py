@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from scipy.stats import gmean
 
 from ..model import critical_path_stall
 from .moe_schedules import L1, L2
@@ -386,6 +387,23 @@ def traced_causes(table: pd.DataFrame) -> list[dict]:
                                         / (r["programs"] * r["makespan_us"]))
             out.append(row)
     return out
+
+
+MATRIX_ROW_KEYS = ("model", "precision", "routing", "tokens", "wave_us", "interleaved_us",
+                   "unfused_us", "speedup")
+
+
+def headline_numbers(matrix: pd.DataFrame) -> dict:
+    """Speedup statistics of a ``moe`` record's table, with its per-configuration rows."""
+    speedup = matrix["speedup"].to_numpy(float)
+    fused = (matrix["unfused_us"] / matrix[["wave_us", "interleaved_us"]].min(axis=1)).to_numpy(float)
+    return {"configs": len(matrix),
+            "geomean_speedup": round(float(gmean(speedup)), 4),
+            "median_speedup": round(float(np.median(speedup)), 4),
+            "max_speedup": round(float(speedup.max()), 4),
+            "min_speedup": round(float(speedup.min()), 4),
+            "fused_vs_unfused_geomean": round(float(gmean(fused)), 4),
+            "per_config": matrix[list(MATRIX_ROW_KEYS)].to_dict("records")}
 
 
 def regression_rows(matrix: pd.DataFrame, table: pd.DataFrame) -> list[dict]:

@@ -42,11 +42,11 @@ def _source_matrix(trace) -> str | None:
 
 def headline(records, paper: dict) -> Prose:
     """The headline speedups of each platform's matrix record against the paper's."""
-    from ..summary import moe_headline_numbers
+    from ..experiments.moe_trace import headline_numbers
 
     out = []
     for r in records:
-        t, s = r.table, moe_headline_numbers(r.table)
+        t, s = r.table, headline_numbers(r.table)
         hi, lo = t.loc[t["speedup"].idxmax()], t.loc[t["speedup"].idxmin()]
         text = (f"On {r.platform} (EP = {_ep(r)}, matrix record {rec(r)}, "
                 f"{r.params.get('trials', '?')} trials per cell) the geomean speedup of Interleaved "
@@ -550,8 +550,7 @@ def counterfactual(traces) -> Prose:
 
 def findings(records, traces, paper: dict, table2_paper: dict) -> Prose:
     """The notebook's findings, each from the records above."""
-    from ..experiments.moe_trace import regression_rows, table2 as table2_rows
-    from ..summary import moe_headline_numbers
+    from ..experiments.moe_trace import headline_numbers, regression_rows, table2 as table2_rows
 
     matrices = {r.platform: r for r in records}
     ref = pd.DataFrame(table2_paper["rows"])
@@ -560,7 +559,7 @@ def findings(records, traces, paper: dict, table2_paper: dict) -> Prose:
         m = matrices.get(tr.platform)
         items = []
         if m is not None:
-            s = moe_headline_numbers(m.table)
+            s = headline_numbers(m.table)
             items.append(f"Interleaved over Expert-Wave: geomean {val(s['geomean_speedup'], '.3f')}, "
                          f"median {val(s['median_speedup'], '.3f')} over {s['configs']} cells "
                          f"(matrix record {rec(m)}; paper: {paper['geomean_speedup']} / "
