@@ -1121,14 +1121,12 @@ def no_refit_verdict(table: pd.DataFrame, keys: list[str], max_err_pct: float) -
     return out
 
 
-def operations_gap_sweeps(record) -> go.Figure:
+def operations_gap_sweeps(fits: dict, platform: str) -> go.Figure:
     """Each operation's remote gap sweep (larger B): measured T_iss against the gap the
-    producers saw, with eq. 3 from its own fit and from the 16-byte stores' M_X (no refit)."""
-    from .experiments.remote_ops import BASELINE_OP, fit_config
+    producers saw, with eq. 3 from its own fit and from the 16-byte stores' M_X (no refit).
+    ``fits``: a ``remote_ops`` record's fits per operation (``remote_ops.operation_fits``)."""
+    from .experiments.remote_ops import BASELINE_OP
 
-    table = record.table
-    fits = {op: fit_config(rows, op, int(rows["src"].iloc[0]), record.platform, record.record_id)
-            for op, rows in table.groupby("op", sort=False)}
     base = fits[BASELINE_OP].calibration
     ok = {op: f for op, f in fits.items() if f.calibration is not None}
     fig = make_subplots(rows=1, cols=len(ok), subplot_titles=list(ok), shared_yaxes=False)
@@ -1153,7 +1151,7 @@ def operations_gap_sweeps(record) -> go.Figure:
                             row=1, col=col)
         fig.update_xaxes(title_text="gap G (µs)", row=1, col=col)
     fig.update_yaxes(title_text="T_iss (µs)", row=1, col=1)
-    fig.update_layout(title=f"{record.platform}: issue time against gap per remote operation, "
+    fig.update_layout(title=f"{platform}: issue time against gap per remote operation, "
                             f"B = {_kb(b)}, K = {int(k)}")
     return fig
 

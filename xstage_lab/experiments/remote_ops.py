@@ -675,13 +675,18 @@ def write_operations(table: pd.DataFrame, facts: dict, src: int, dst: int, platf
     from the baseline (16-byte stores) of the same run."""
     if BASELINE_OP not in set(table["op"]):
         raise RuntimeError(f"the baseline {BASELINE_OP} was not measured: {facts['excluded']}")
-    fits = {op: fit_config(rows, op, src, platform, "this record")
-            for op, rows in table.groupby("op", sort=False)}
+    fits = operation_fits(table, platform, "this record")
     base = fits[BASELINE_OP].calibration
     params = {"experiment": "remote_ops", "ops": list(fits), "baseline": BASELINE_OP,
               "src": src, "dst": dst, **facts,
               "fits": {op: fit_entry(f, base) for op, f in fits.items()}}
     return write_record("remote_ops", platform, table, params, provenance, root)
+
+
+def operation_fits(table: pd.DataFrame, platform: str, record_id: str) -> dict[str, ConfigFit]:
+    """Each operation's fit (``fit_config``) of a ``remote_ops`` table, in run order."""
+    return {op: fit_config(rows, op, int(rows["src"].iloc[0]), platform, record_id)
+            for op, rows in table.groupby("op", sort=False)}
 
 
 def summary_entry(params: dict, record_id: str) -> dict:
