@@ -4,11 +4,10 @@ rows the experiment modules compute from them; ``publish`` is where they are wri
 re-exported here, so that notebooks call ``plots.<name>``."""
 from .attention import (FA_KERNEL_LABELS, attention_epilogue_spans, fa_a2a_times, fa_kernel,
                         fa_label, fig11_residual, table3_comparison)
-from .moe import (MOE_KERNEL_COLUMNS, moe_call_overhead, moe_condition1, moe_counterfactual,
-                  moe_d_sweep, moe_d_sweep_rows, moe_forecast_table, moe_headline,
-                  moe_kernel_cells, moe_kernel_ratio, moe_knee_sweep, moe_regression_groups,
-                  moe_regressions, moe_span_distributions, moe_speedups, moe_table2,
-                  moe_tensor_core_timeline, moe_trace_runs, moe_traced_causes)
+from .moe import (MOE_KERNEL_COLUMNS, moe_call_overhead, moe_d_sweep, moe_d_sweep_rows,
+                  moe_forecast_table, moe_headline, moe_kernel_cells, moe_kernel_ratio,
+                  moe_knee_sweep, moe_span_distributions, moe_speedups, moe_table2,
+                  moe_tensor_core_timeline, moe_trace_runs)
 from .publish import (NO_IMAGES_HINT, PLOTLYJS, image_engine_problem, publish, publish_table,
                       ship_plotlyjs, show, static_image)
 from .remote_store import (calibration_summary_table, drain_rate_heatmap, fig3a_issue_time,

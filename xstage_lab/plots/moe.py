@@ -9,7 +9,6 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..experiments import moe_trace
 from .style import COLORS, json_cell
 
 def moe_speedups(records) -> go.Figure:
@@ -28,10 +27,9 @@ def moe_speedups(records) -> go.Figure:
     return fig
 
 
-def moe_headline(paper: dict, records) -> pd.DataFrame:
+def moe_headline(paper: dict, summaries: dict[str, dict]) -> pd.DataFrame:
     """The MoE headline speedups: the paper's (84 configurations, EP = 8) beside each platform's
-    (``moe_trace.headline_numbers``)."""
-    summaries = {r.platform: moe_trace.headline_numbers(r.table) for r in records}
+    (``summaries``: platform -> ``moe_trace.headline_numbers`` of its matrix record)."""
     keys = ("configs", "geomean_speedup", "median_speedup", "max_speedup", "min_speedup")
     rows = [{"source": "paper", **{k: paper.get(k, paper.get("min_speedup_reported")) for k in keys}}]
     rows += [{"source": p, **{k: s[k] for k in keys},
@@ -39,12 +37,13 @@ def moe_headline(paper: dict, records) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def moe_table2(paper: dict, trace_records) -> pd.DataFrame:
+def moe_table2(paper: dict, table2: dict[str, list[dict]]) -> pd.DataFrame:
     """Table 2: per model, eq. 15's prediction beside the measured per-tile stall (and its error)
-    for both schedules, the paper's row first, then each platform's (``moe_trace.table2``)."""
+    for both schedules, the paper's row first, then each platform's (``table2``: platform ->
+    ``moe_trace.table2`` of its trace record)."""
     rows = [{"source": "paper", **{k: v for k, v in r.items() if k != "paper_name"}}
             for r in paper["rows"]]
-    rows += [{"source": rec.platform, **r} for rec in trace_records for r in moe_trace.table2(rec.table)]
+    rows += [{"source": platform, **r} for platform, rs in table2.items() for r in rs]
     df = pd.DataFrame(rows)
     for s in ("wave", "int"):
         df[f"err_{s}_us"] = df[f"stall_pred_{s}_us"] - df[f"stall_meas_{s}_us"]
@@ -116,12 +115,13 @@ def moe_forecast_table(forecast_records, paper: dict) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True).round(3)
 
 
-def moe_knee_sweep(trace_record, platform) -> go.Figure | None:
+def moe_knee_sweep(rows: list[dict], platform: str) -> go.Figure | None:
     """The X-Stage inside the fused kernel (a SYNTHETIC kernel: a fraction of every mainloop's K
     blocks): Expert-Wave's measured Linear-2 span with remote stores and with the local-store
     control against the gap between bursts, the model's span (eqs. 3–4) beside them, G* marked;
-    one panel per model and precision. None where the record has no knee sweep."""
-    rows = pd.DataFrame(moe_trace.knee_sweep_rows(trace_record.table, platform))
+    one panel per model and precision (``rows``: ``moe_trace.knee_sweep_rows``). None where the
+    record has no knee sweep."""
+    rows = pd.DataFrame(rows)
     if rows.empty:
         return None
     groups = list(rows.groupby(["model", "precision"], sort=False))
@@ -142,7 +142,7 @@ def moe_knee_sweep(trace_record, platform) -> go.Figure | None:
         fig.update_xaxes(title_text="G_wave: Linear-2 mainloop (µs)", type="log", row=1,
                          col=j + 1)
     fig.update_yaxes(title_text="Expert-Wave Linear-2 span T_RS (µs)", row=1, col=1)
-    fig.update_layout(title=f"The X-Stage inside the fused kernel, {trace_record.platform} "
+    fig.update_layout(title=f"The X-Stage inside the fused kernel, {platform} "
                             "(synthetic: a fraction of every mainloop's K blocks)")
     return fig
 
@@ -243,47 +243,3 @@ def moe_d_sweep(trace_record) -> go.Figure:
     fig.add_hline(y=1.0, line=dict(dash="dot"), row=1, col=1)
     fig.update_layout(title=f"{trace_record.platform}: lead D around D_knee (eq. 16)")
     return fig
-
-
-def moe_regressions(trace_record, matrix_record) -> pd.DataFrame:
-    """Each regressing matrix cell with its measured cause (``moe_trace.regression_rows``):
-    Interleaved minus Expert-Wave SM time per component (µs per SM) where the cell was traced,
-    "not traced" otherwise, with the measured proxies beside it."""
-    return pd.DataFrame(moe_trace.regression_rows(matrix_record.table, trace_record.table)).round(3)
-
-
-def moe_regression_groups(trace_record, matrix_record) -> pd.DataFrame:
-    """The regressing cells grouped by measured cause ("not traced" is a group), with counts,
-    models and the ranges of speedup and per-component SM time (``moe_trace.regression_groups``)."""
-    rows = moe_trace.regression_rows(matrix_record.table, trace_record.table)
-    return pd.DataFrame(moe_trace.regression_groups(rows)).round(3)
-
-
-def moe_traced_causes(trace_record) -> pd.DataFrame:
-    """Per traced configuration, Interleaved minus Expert-Wave SM time per component (µs per SM),
-    the makespan ratio and both schedules' Linear-2 dependency-wait shares: where the gain or the
-    loss comes from (``moe_trace.traced_causes``)."""
-    rows = [{**{k: v for k, v in r.items() if k != "delta_per_sm_us"},
-             **{f"Δ{k} (µs/SM)": v for k, v in r["delta_per_sm_us"].items()}}
-            for r in moe_trace.traced_causes(trace_record.table)]
-    return pd.DataFrame(rows).round(3)
-
-
-def moe_counterfactual(trace_record) -> pd.DataFrame:
-    """Decoupled (Expert-Wave, Interleaved) and completion-coupled (each Linear-2 tile fenced
-    until its stores are visible) times per configuration, measured in one run."""
-    df = pd.DataFrame(moe_trace.counterfactual_rows(trace_record.table))
-    df["coupled_over_decoupled_wave"] = df["wave_fenced_us"] / df["wave_us"]
-    df["coupled_over_decoupled_int"] = df["interleaved_fenced_us"] / df["interleaved_us"]
-    # the added time per Linear-2 tile of one SM of the critical rank (its traced launch)
-    per_sm = moe_trace.l2_tiles_per_sm(trace_record.table)
-    for s, sched in (("wave", "wave"), ("int", "interleaved")):
-        tiles = [per_sm.get((*(r[k] for k in moe_trace.KEYS), sched), np.nan) for r in df.to_dict("records")]
-        df[f"fence_us_per_l2_tile_{s}"] = (df[f"{sched}_fenced_us"] - df[f"{sched}_us"]) / tiles
-    return df.round(3)
-
-
-def moe_condition1(trace_record, platform) -> pd.DataFrame:
-    """Condition 1 (eqs. 12–14) per traced configuration from the calibrated platform
-    (``model.PlatformModel``) and the local-control mainloops, beside the measured spans."""
-    return pd.DataFrame(moe_trace.condition1_rows(trace_record.table, platform))
