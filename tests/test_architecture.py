@@ -74,9 +74,18 @@ def test_imports_resolve_relative_and_function_level_imports(tmp_path):
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
-    assert len(graph) > 40 and graph["xstage_lab.runner"]  # the sources were found and read
+    assert len(graph) > 30 and graph["xstage_lab.runner"]  # the sources were found and read
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_plots_draw_what_the_experiments_computed():
+    """Figures and tables take records and the fits and rows computed from them: no module of
+    plots imports an experiment (its fits would run while drawing) or summary (a level above)."""
+    for name, deps in import_graph().items():
+        if name.startswith(f"{PACKAGE}.plots"):
+            above = {d for d in deps if d.startswith((f"{PACKAGE}.experiments", f"{PACKAGE}.summary"))}
+            assert not above, (name, above)
 
 
 def test_kernels_import_nothing_of_the_package():

@@ -11,7 +11,6 @@ from plotly.subplots import make_subplots
 
 from .. import model
 from ..calibration import Calibration, IsolatedFit, kb_key
-from ..experiments.remote_ops import BASELINE_OP
 from .style import COLORS, KIB, MIB, kb_text
 
 def fig3a_issue_time(cal: Calibration, predicted: pd.DataFrame) -> go.Figure:
@@ -388,11 +387,12 @@ def no_refit_verdict(table: pd.DataFrame, keys: list[str], max_err_pct: float) -
     return out
 
 
-def operations_gap_sweeps(fits: dict, platform: str) -> go.Figure:
+def operations_gap_sweeps(fits: dict, baseline: str, platform: str) -> go.Figure:
     """Each operation's remote gap sweep (larger B): measured T_iss against the gap the
-    producers saw, with eq. 3 from its own fit and from the 16-byte stores' M_X (no refit).
-    ``fits``: a ``remote_ops`` record's fits per operation (``remote_ops.operation_fits``)."""
-    base = fits[BASELINE_OP].calibration
+    producers saw, with eq. 3 from its own fit and from the ``baseline`` operation's M_X (the
+    16-byte stores; no refit). ``fits``: a ``remote_ops`` record's fits per operation
+    (``remote_ops.operation_fits``)."""
+    base = fits[baseline].calibration
     ok = {op: f for op, f in fits.items() if f.calibration is not None}
     fig = make_subplots(rows=1, cols=len(ok), subplot_titles=list(ok), shared_yaxes=False)
     for col, (op, f) in enumerate(ok.items(), start=1):
@@ -412,7 +412,7 @@ def operations_gap_sweeps(fits: dict, platform: str) -> go.Figure:
             fig.add_scatter(x=g, y=model.issue_time(g, v, base.t_iss0_us[kb_key(k, b)],
                                                     base.drain_rate_GBps),
                             line=dict(color=COLORS[2], dash="dash"),
-                            name=f"eq. 3, {BASELINE_OP} M_X (no refit)", showlegend=first,
+                            name=f"eq. 3, {baseline} M_X (no refit)", showlegend=first,
                             row=1, col=col)
         fig.update_xaxes(title_text="gap G (µs)", row=1, col=col)
     fig.update_yaxes(title_text="T_iss (µs)", row=1, col=1)
