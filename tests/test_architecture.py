@@ -24,7 +24,8 @@ def imports(path: Path, name: str) -> set[str]:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            parts = package.split(".")
+            base = parts[:len(parts) - node.level + 1] if node.level else []
             source = ".".join([*base, *([node.module] if node.module else [])])
             out |= {source} | {f"{source}.{a.name}" for a in node.names}
     return out
@@ -84,7 +85,8 @@ def test_plots_draw_what_the_experiments_computed():
     plots imports an experiment (its fits would run while drawing) or summary (a level above)."""
     for name, deps in import_graph().items():
         if name.startswith(f"{PACKAGE}.plots"):
-            above = {d for d in deps if d.startswith((f"{PACKAGE}.experiments", f"{PACKAGE}.summary"))}
+            above = {d for d in deps
+                     if d.startswith((f"{PACKAGE}.experiments", f"{PACKAGE}.summary"))}
             assert not above, (name, above)
 
 

@@ -91,9 +91,10 @@ COPY_CONFIG = dict(BLOCK_ROWS=32, num_warps=4)
 # The warp-specialized kernel's (``kernels/flash_attention_ws.py``, ``kernel="gluon_ws"``) launch
 # configurations. Its partitioning fixes WS_FIXED: b_m, the warps per consumer warpgroup, one CTA
 # per SM and per tile. BLOCK_N (b_n, at most MAX_BLOCK_N: S takes b_n/2 registers per consumer
-# thread, and at 256 ptxas spills and serializes the wgmmas) and num_stages (the K and V rings' depth, within the 227 KiB of shared memory of an H100/H200 CTA)
-# are tunable. WS_CONFIGS holds the fastest against cuDNN on one H200; WS_CANDIDATES is what the
-# Table 3 benchmark times beside the Triton kernel's candidates:
+# thread, and at 256 ptxas spills and serializes the wgmmas) and num_stages (the K and V rings'
+# depth, within the 227 KiB of shared memory of an H100/H200 CTA) are tunable. WS_CONFIGS holds
+# the fastest against cuDNN on one H200; WS_CANDIDATES is what the Table 3 benchmark times beside
+# the Triton kernel's candidates:
 #   d = 128: b_n = 128 at two stages (176 KiB; three do not fit). fa_tuning records of h200-x1
 #            from 2310d68: 0.99-1.08 of cuDNN's TF/s at M = 16K-64K with 12 and 6 local heads,
 #            the Triton kernel 0.70-0.86.
