@@ -1,15 +1,24 @@
 """Figures and tables of the fused MoE layer (paper §5.2): Fig. 8 and the headline speedups
 (``moe`` records), the kernel against cuBLAS (``moe_kernel``), the forecast (``moe_forecast``),
-and the mechanism from the per-tile traces (``moe_trace``: Table 2, Figs. 9–10, the lead D, the
-regressions and the completion-coupled counterfactual)."""
+and the mechanism from the per-tile traces (``moe_trace``: Table 2, Figs. 9–10, the lead D and
+the knee sweep). The tables that the analysis derives from a trace (regressions, causes, the
+fenced counterfactual, Condition 1) are ``moe_trace``'s."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .style import COLORS, json_cell
+from .style import COLORS
+
+
+def _cell(v):
+    """A record cell that held a dict or list (stored as JSON text)."""
+    return json.loads(v) if isinstance(v, str) else v
+
 
 def moe_speedups(records) -> go.Figure:
     """Fig. 8: Interleaved over Expert-Wave speedup by model, precision and routing."""
@@ -160,7 +169,7 @@ def moe_span_distributions(trace_record, paper: dict | None = None) -> go.Figure
         sel = runs[(runs["schedule"] == sched) & (runs["path"] == path)]
         xs, ys = [], []
         for row in sel.to_dict("records"):
-            sample = json_cell(row["sample"])
+            sample = _cell(row["sample"])
             if isinstance(sample, dict):  # rows without a sample: nothing to draw
                 xs += [row["model"]] * len(sample["span_us"])
                 ys += sample["span_us"]
@@ -214,7 +223,7 @@ def moe_tensor_core_timeline(trace_record, model: str) -> go.Figure:
         row = runs[runs["schedule"] == sched]
         if row.empty:
             continue
-        line = json_cell(row.iloc[0]["timeline"])
+        line = _cell(row.iloc[0]["timeline"])
         for i, (key, label) in enumerate((("l1", "Linear-1 mainloop"), ("l2", "Linear-2 mainloop"))):
             fig.add_scatter(x=line["t_us"], y=np.asarray(line[key]) * 100, stackgroup=f"s{r}",
                             name=label, line=dict(color=COLORS[i + 2]), showlegend=r == 1,

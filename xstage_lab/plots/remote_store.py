@@ -13,6 +13,7 @@ from .. import model
 from ..calibration import Calibration, IsolatedFit, kb_key
 from .style import COLORS, KIB, MIB, kb_text
 
+
 def fig3a_issue_time(cal: Calibration, predicted: pd.DataFrame) -> go.Figure:
     """Fig. 3(a): sender-visible issue time against the producer-side gap, remote and local,
     with eq. 3 drawn from the calibrated (T_iss^0, R) and no refit."""

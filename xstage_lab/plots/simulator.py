@@ -7,6 +7,7 @@ import plotly.graph_objects as go
 
 from .style import COLORS, kb_text
 
+
 def simulated_gap_sweep(predicted: pd.DataFrame, platform: str) -> go.Figure:
     """The simulator's and the closed form's issue times over the measured gap sweep: the
     simulator with every producer's burst aligned and, where ``predicted`` has it

@@ -11,6 +11,7 @@ from .. import model
 from ..calibration import Calibration
 from .style import KIB, MIB
 
+
 def _live_output(render, controls: dict):
     """An ipywidgets Output showing the MIME bundle ``render(**values of controls)``, shown again
     whenever a control changes. The bundle is set as the widget's state (``outputs``) instead of
