@@ -1,7 +1,7 @@
 """FlashAttention forward fused with the Ulysses post-attention All-to-All (paper §4.3, Figs. 5-7).
 
 Device code only: loaded by path through ``xstage_lab.kernel_sources.load_kernel_module``; the
-launchers and their contracts are in ``xstage_lab/experiments/attention.py``.
+launchers, their contracts and launch configurations: ``xstage_lab/experiments/attention.py``.
 
 Ulysses layout (§4.3, Fig. 5), P ranks, H heads, head dim d, M tokens, H/P = H_LOCAL, M/P = rows per rank:
   input on rank r      q, k, v  [M, H_LOCAL, d] bf16: every token, heads [r*H_LOCAL, (r+1)*H_LOCAL)
@@ -14,40 +14,6 @@ In both layouts one token's H_LOCAL heads from one rank are H_LOCAL*d contiguous
 import triton
 import triton.language as tl
 
-# Hopper (sm_90) launch configurations keyed by head dim: b_m x b_n tiles, TMA loads pipelined
-# num_stages deep. persistent: a grid of SMs x ctas_per_sm programs walking the tiles, else one
-# program per tile; ctas_per_sm is the occupancy from the registers and shared memory of the sm_90
-# build (Triton 3.6, ptxas -v). wgmma is issued per warpgroup (4 warps). One 8-warp CTA puts two
-# warpgroups on an SM, but its KV pipeline holds them in step with three CTA barriers per KV
-# tile, so their softmax and MMAs do not interleave; two 4-warp CTAs per SM (128 x 64 at two
-# stages: 255 registers, 96 KiB of shared memory each) run independently and do. CONFIGS holds the
-# fastest FA-only configuration of this kernel measured against cuDNN on H200 by
-# ``attention_bench --fa-only`` (one GPU, H = 12 local heads, M = 16K..64K); CANDIDATES are what
-# the Table 3 benchmark times once per head dim before its sweep, beside the warp-specialized
-# kernel of ``flash_attention_ws.py``, and the configuration it picks serves FA-only, Serial and
-# Fused alike. Triton 3.6's ``tl.range(..., warp_specialize=True)`` is left out: on sm_90 it hung
-# at run time (one program per tile) or failed to compile (persistent grid); the warp-specialized
-# kernel is written in Gluon instead.
-CONFIGS = {
-    64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, ctas_per_sm=2, persistent=True,
-             output_cache="", pipelined=False),
-    128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, ctas_per_sm=2, persistent=False,
-              output_cache="", pipelined=False),
-}
-CANDIDATES = {
-    64: [CONFIGS[64],
-         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4, ctas_per_sm=2, persistent=True),
-         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1, persistent=True),
-         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1,
-              persistent=False)],
-    128: [CONFIGS[128],
-          dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=4, ctas_per_sm=1, persistent=False),
-          dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1, persistent=False),
-          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1,
-               persistent=False)],
-}
-# Remote-store copy kernel: a [BLOCK_ROWS, d] tile per head and step, 16-byte stores.
-COPY_CONFIG = dict(BLOCK_ROWS=32, num_warps=4)
 # INSTRUMENT: per output tile, %globaltimer at tile entry, epilogue start (the Q-loop's output
 # converted, before its first store) and epilogue end (every warp has issued its stores), then
 # %smid; each stamp follows a CTA barrier.

@@ -2,7 +2,7 @@
 epilogues of ``flash_attention.py`` (paper §4.3, Figs. 5-7; the Ulysses layout is described there).
 
 Device code only: loaded by path through ``xstage_lab.kernel_sources.load_kernel_module``; the
-launchers and their contracts are in ``xstage_lab/experiments/attention.py``.
+launchers, their contracts and launch configurations: ``xstage_lab/experiments/attention.py``.
 
 Why a second kernel: the Triton kernel cannot warp-specialize on sm_90 (Triton 3.6's
 ``tl.range(warp_specialize=True)`` hangs or fails to compile there), and ncu shows cuDNN's
@@ -29,37 +29,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from xstage_lab.kernel_sources import load_kernel_module
-
 # One addressing for every remote epilogue, and one trace format: the Triton kernel's, which the
 # CPU tests run in Triton's interpreter (Gluon kernels do not run there).
-_triton_kernel = load_kernel_module("flash_attention")
-ulysses_destination = _triton_kernel.ulysses_destination
-trace_stamp, trace_sm = _triton_kernel.trace_stamp, _triton_kernel.trace_sm
-TRACE_FIELDS = _triton_kernel.TRACE_FIELDS
+from .flash_attention import TRACE_FIELDS, trace_sm, trace_stamp, ulysses_destination
 
-# The launch configurations ``attention.flash_attention_config`` knows this kernel by
-# (``kernel="gluon_ws"``). The partitioning above fixes WS_FIXED: b_m, the warps per consumer
-# warpgroup, one CTA per SM and per tile. BLOCK_N (b_n, at most MAX_BLOCK_N: S takes b_n/2
-# registers per consumer thread, and at 256 ptxas spills and serializes the wgmmas) and
-# num_stages (the K and V rings' depth, within the 227 KiB of shared memory of an H100/H200 CTA)
-# are tunable. WS_CONFIGS holds the fastest against cuDNN on one H200; WS_CANDIDATES is what the
-# Table 3 benchmark times beside the Triton kernel's candidates:
-#   d = 128: b_n = 128 at two stages (176 KiB; three do not fit). fa_tuning records of h200-x1
-#            from 2310d68: 0.99-1.08 of cuDNN's TF/s at M = 16K-64K with 12 and 6 local heads,
-#            the Triton kernel 0.70-0.86.
-#   d = 64:  b_n = 128 at three stages (128 KiB): twice the QK^T and PV work per barrier of
-#            b_n = d. fa_tuning record 20261201T051325Z-b221c26726 (042a287, 12 heads): 0.94-0.99
-#            of cuDNN at M = 16K-64K; two stages 0.91-0.98, b_n = 64 0.87-0.92, the Triton
-#            kernel 0.88-0.93. Four stages (144 KiB) are slower: 0.91-0.97 against 0.95-0.99 for
-#            three in one run (record 20261201T100119Z-bbef306559, d05d9ec).
-WS_FIXED = dict(kernel="gluon_ws", BLOCK_M=128, num_warps=4, ctas_per_sm=1, persistent=False,
-                output_cache="", pipelined=False)
-WS_CONFIGS = {64: dict(WS_FIXED, BLOCK_N=128, num_stages=3),
-              128: dict(WS_FIXED, BLOCK_N=128, num_stages=2)}
-WS_CANDIDATES = {64: [WS_CONFIGS[64], dict(WS_CONFIGS[64], num_stages=2)],
-                 128: [WS_CONFIGS[128]]}
-MAX_BLOCK_N = 128
 # Registers per thread of the consumer warpgroups and of the producer (setmaxnreg).
 CONSUMER_REGS = gl.constexpr(232)
 PRODUCER_REGS = gl.constexpr(40)

@@ -143,7 +143,7 @@ def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_r
     import functools
 
     from xstage_lab import plots
-    from xstage_lab.experiments import attention_model, injection_patterns, remote_ops, remote_store
+    from xstage_lab.experiments import attention_model, injection_patterns, moe_trace, remote_store
     from xstage_lab.experiments.visibility import load_visibility
     from xstage_lab.launch import load_or_run
     from xstage_lab.paper import published
@@ -179,14 +179,16 @@ def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_r
     # 03: the MoE headline, Fig. 8, Table 2, Condition 1 per platform
     _, moe = load_or_run("moe", "replay", root=root)
     _, traces = load_or_run("moe_trace", "replay", root=root)
-    assert plots.moe_headline(published("moe_headline"), moe)["source"].tolist() == ["paper", *both]
+    headlines = {r.platform: moe_trace.headline_numbers(r.table) for r in moe}
+    assert plots.moe_headline(published("moe_headline"), headlines)["source"].tolist() == ["paper", *both]
     assert [a.text for a in plots.moe_speedups(moe).layout.annotations] == both
-    assert set(plots.moe_table2(published("table2"), traces)["source"]) == {"paper", *both}
+    table2 = {r.platform: moe_trace.table2(r.table) for r in traces}
+    assert set(plots.moe_table2(published("table2"), table2)["source"]) == {"paper", *both}
     for r in traces:
-        assert len(plots.moe_condition1(r, remote_store.latest_calibration(r.platform)
-                                        .platform_model()))
+        assert len(moe_trace.condition1_table(r.table, remote_store.latest_calibration(r.platform)
+                                              .platform_model()))
     # 05: injection patterns and operations per platform
-    _, beyond = remote_ops.load_beyond("replay", root)
+    _, beyond = injection_patterns.load_beyond("replay", root)
     assert list(beyond) == both
     rec = beyond["h200-x8"]["patterns"]
     entry = injection_patterns.summary_entry(rec.params, rec.record_id)

@@ -1,11 +1,11 @@
-"""Device code lives in ``<repo>/kernels`` (CUDA C++ and Triton sources), loaded by path: that
-folder is not an importable package (``kernels`` is a name taken on PyPI)."""
+"""Device code lives in ``<repo>/kernels`` (CUDA C++, Triton and Gluon sources) and imports nothing
+of this package: CUDA sources are compiled from their text, Python sources imported from that
+folder as the private package ``KERNELS_PACKAGE`` (``kernels`` is a name taken on PyPI)."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import importlib
 import sys
-from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 
@@ -40,13 +40,25 @@ def cuda_module(filename: str):
     return cupy.RawModule(code=cuda_source(filename), options=cuda_options())
 
 
-@lru_cache(maxsize=None)
+# The package the Triton and Gluon sources of ``kernels/`` are imported into. A source imports
+# its siblings relatively (``from .flash_attention import ...``), so that device code never
+# imports this host package.
+KERNELS_PACKAGE = "xstage_lab._kernels"
+
+
+def kernels_package() -> ModuleType:
+    """The package ``KERNELS_PACKAGE``, whose one folder is ``kernels/``, made on first use."""
+    package = sys.modules.get(KERNELS_PACKAGE)
+    if package is None:
+        package = ModuleType(KERNELS_PACKAGE)
+        package.__path__ = [str(KERNELS_DIR)]
+        sys.modules[KERNELS_PACKAGE] = package
+    return package
+
+
 def load_kernel_module(name: str) -> ModuleType:
-    """Import the Triton source ``kernels/<name>.py`` under a private module name."""
-    path = kernel_path(f"{name}.py")
-    module_name = f"xstage_lab._kernels.{name}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # Triton's JIT resolves globals through the module
-    spec.loader.exec_module(module)
-    return module
+    """Import the Triton or Gluon source ``kernels/<name>.py`` as ``KERNELS_PACKAGE.<name>``
+    (once per process: Triton's JIT resolves globals through that module)."""
+    kernel_path(f"{name}.py")
+    kernels_package()
+    return importlib.import_module(f"{KERNELS_PACKAGE}.{name}")

@@ -30,7 +30,7 @@ def reproduce(only: list[str] | None = None, backend: str = "auto", out: Path = 
     import papermill as pm
 
     from .platform import choose_backend
-    from .plots import ship_plotlyjs
+    from .plots.publish import ship_plotlyjs
 
     choice = choose_backend(backend)
     print(choice.banner())
@@ -65,7 +65,7 @@ def _entries(out: Path, nb: Path) -> list[dict]:
 
 
 def _no_image_lines(out: Path, done: list[Path]) -> list[str]:
-    """Why figures have no PNG (``plots.image_engine_problem``'s line), each reason once."""
+    """Why figures have no PNG (``plots.publish.image_engine_problem``'s line), each reason once."""
     reasons = {e["no_image"]: None for nb in done for e in _entries(out, nb)
                if e["kind"] == "figure" and e.get("no_image")}
     return list(reasons)

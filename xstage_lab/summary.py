@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-from scipy.stats import gmean
 from tabulate import tabulate
 
 from .experiments import moe_trace
@@ -61,29 +59,11 @@ def fa_a2a_entry(platform: str, root: Path) -> list[dict]:
             for shape in sorted(latest) for row in latest[shape].to_dict("records")]
 
 
-MOE_ROW_KEYS = ("model", "precision", "routing", "tokens", "wave_us", "interleaved_us",
-                "unfused_us", "speedup")
-
-
 def moe_entry(platform: str, root: Path) -> dict:
     """The ``moe`` entry: speedup of Interleaved over Expert-Wave across the configurations, and
     Table 2 (eq. 15 per model) where a ``moe_trace`` record exists."""
-    return {**moe_headline_numbers(latest_record("moe", platform, root).table),
+    return {**moe_trace.headline_numbers(latest_record("moe", platform, root).table),
             **({"table2": t} if (t := moe_trace.summary_table2(platform, root)) else {})}
-
-
-def moe_headline_numbers(table) -> dict:
-    """Speedup statistics of a ``moe`` record's table, with its per-configuration rows."""
-    speedup = table["speedup"].to_numpy(float)
-    fused = (table["unfused_us"] / table[["wave_us", "interleaved_us"]].min(axis=1)).to_numpy(float)
-    return {"configs": len(table),
-            "geomean_speedup": round(float(gmean(speedup)), 4),
-            "median_speedup": round(float(np.median(speedup)), 4),
-            "max_speedup": round(float(speedup.max()), 4),
-            "min_speedup": round(float(speedup.min()), 4),
-            "fused_vs_unfused_geomean": round(float(gmean(fused)), 4),
-            "per_config": [{k: _plain(row[k]) for k in MOE_ROW_KEYS}
-                           for row in table.to_dict("records")]}
 
 
 def _plain(value):

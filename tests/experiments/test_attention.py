@@ -25,7 +25,7 @@ from tests.experiments.triton_testing import (HOPPER_SMEM_PER_BLOCK, REPO, hoppe
                                               ptxas_report)
 from xstage_lab.checks import bitwise_equal
 from xstage_lab.experiments import attention, attention_bench
-from xstage_lab.kernel_sources import kernel_path
+from xstage_lab.kernel_sources import kernel_path, kernels_package
 
 BF16 = torch.bfloat16
 TINY = dict(kernel="triton", BLOCK_M=16, BLOCK_N=16)
@@ -43,7 +43,9 @@ def test_kernels_in_the_interpreter():
 
 
 def _kernel_copy(module_name: str, source: str = "flash_attention.py"):
-    """A private copy of kernels/``source``, compiled (this process has no interpreter)."""
+    """A private copy of kernels/``source``, compiled (this process has no interpreter), in the
+    kernels' package, where its relative imports of sibling sources resolve."""
+    module_name = f"{kernels_package().__name__}.{module_name}"
     spec = importlib.util.spec_from_file_location(module_name, kernel_path(source))
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
@@ -230,7 +232,7 @@ def compiled_kernels():
 @pytest.mark.parametrize("d", attention.HEAD_DIMS)
 @pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
 def test_flash_attention_compiles_for_hopper(compiled_kernels, d, remote):
-    k = _compile_flash_attention(compiled_kernels, d, compiled_kernels.CONFIGS[d], remote)
+    k = _compile_flash_attention(compiled_kernels, d, attention.TRITON_CONFIGS[d], remote)
     ptx = k.asm["ptx"]
     assert k.metadata.shared <= HOPPER_SMEM_PER_BLOCK
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
@@ -279,7 +281,7 @@ def test_instrumented_build_stamps_each_tile_and_keeps_its_occupancy(compiled_ke
     output tile; it builds without spills and keeps the traced
     configuration's occupancy, so the traced launches run the schedule the untraced ones do.
     The untraced build reads no timer."""
-    cfg = compiled_kernels.CONFIGS[d]
+    cfg = attention.TRITON_CONFIGS[d]
     plain = _compile_flash_attention(compiled_kernels, d, cfg, True).asm["ptx"]
     assert "%globaltimer" not in plain and "%smid" not in plain
     k = _compile_flash_attention(compiled_kernels, d, cfg, True, instrument=True)
@@ -298,11 +300,11 @@ def test_remote_store_copy_compiles_for_hopper(compiled_kernels):
     signature = {"src": "*bf16", "peer_ptrs": "*i64", "M": "i32", "rows_per_rank": "i32",
                  "rank": "i32", "world": "i32", "H_LOCAL": "constexpr", "HEAD_DIM": "constexpr",
                  "BLOCK_ROWS": "constexpr"}
-    constexprs = dict(H_LOCAL=6, HEAD_DIM=128, BLOCK_ROWS=compiled_kernels.COPY_CONFIG["BLOCK_ROWS"])
+    constexprs = dict(H_LOCAL=6, HEAD_DIM=128, BLOCK_ROWS=attention.COPY_CONFIG["BLOCK_ROWS"])
     aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3)}
     k = triton.compile(ASTSource(compiled_kernels.remote_store_a2a_kernel, signature, constexprs,
                                  aligned), target=HOPPER,
-                       options=dict(num_warps=compiled_kernels.COPY_CONFIG["num_warps"]))
+                       options=dict(num_warps=attention.COPY_CONFIG["num_warps"]))
     stores = re.findall(r"st\.global\S*", k.asm["ptx"])
     assert stores and all(".v4." in s for s in stores), f"remote stores not 16-byte: {stores}"
 
@@ -311,7 +313,7 @@ def test_remote_store_copy_compiles_for_hopper(compiled_kernels):
 def test_fenced_epilogue_releases_at_system_scope(compiled_kernels, persistent):
     """Issue 8: the fenced build waits on a system-scope release after a CTA barrier, once per
     tile; the unfenced REMOTE and LOCAL builds have neither."""
-    cfg = dict(compiled_kernels.CONFIGS[128], persistent=persistent)
+    cfg = dict(attention.TRITON_CONFIGS[128], persistent=persistent)
     fenced = _compile_flash_attention(compiled_kernels, 128, cfg, True, fenced=True).asm["ptx"]
     plain = _compile_flash_attention(compiled_kernels, 128, cfg, True).asm["ptx"]
     release = re.findall(r"atom\.global\.sys\.release\.\S+", fenced)

@@ -144,7 +144,8 @@ def test_tables_and_figures_from_records(tmp_path):
     ops = read_record(ops_path)
     op_table = plots.operations_table(remote_ops.summary_entry(ops.params, ops.record_id))
     assert op_table["operation"].tolist() == list(remote_ops.OPS)
-    fig = plots.operations_gap_sweeps(ops)
+    fits = remote_ops.operation_fits(ops.table, ops.platform, ops.record_id)
+    fig = plots.operations_gap_sweeps(fits, remote_ops.BASELINE_OP, ops.platform)
     # per op: measured, own fit, baseline
     assert len(fig.data) == 3 * len(remote_ops.OPS)
 

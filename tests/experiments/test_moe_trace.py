@@ -142,11 +142,11 @@ def test_table2_and_counterfactual_from_a_record(tmp_path):
     from xstage_lab import plots
     from xstage_lab.paper import published
     rec = SimpleNamespace(platform="h200-x2", table=table)
-    t2 = plots.moe_table2(published("table2"), [rec])
+    t2 = plots.moe_table2(published("table2"), {rec.platform: moe_trace.table2(table)})
     ours = t2[t2["source"] == "h200-x2"].iloc[0]
     assert ours["err_wave_us"] == pytest.approx(-1.0) and len(t2) == 8
     assert t2[t2["source"] == "paper"]["model"].tolist()[0] == "DiT-MoE"
-    cf = plots.moe_counterfactual(rec)
+    cf = moe_trace.counterfactual_table(table)
     assert cf["coupled_over_decoupled_wave"].iloc[0] == pytest.approx(1.4)
     # +4 µs over 2 Linear-2 tiles of the one program (wave); +3.5 µs over 1 (interleaved)
     assert cf["fence_us_per_l2_tile_wave"].iloc[0] == pytest.approx(2.0)
@@ -155,8 +155,8 @@ def test_table2_and_counterfactual_from_a_record(tmp_path):
     (c1,) = moe_trace.condition1_rows(table, NS(drain_rate=65.536, t_iss0_at=lambda k, b: 0.25))
     assert c1["T_l2_mma_us"] == pytest.approx(4.0) and c1["span_wave_us"] == pytest.approx(3.5)
     assert c1["n1"] == 2 and c1["n2"] == 4 and c1["K_act"] == 4
-    matrix = SimpleNamespace(table=pd.DataFrame([{**base, "speedup": 0.8}, {**base, "tokens": 8, "speedup": 1.2}]))
-    reg = plots.moe_regressions(rec, matrix)
+    matrix = pd.DataFrame([{**base, "speedup": 0.8}, {**base, "tokens": 8, "speedup": 1.2}])
+    reg = moe_trace.regressions_table(matrix, table)
     # the regressing cell is the traced one: Interleaved adds a 10 µs L1 mainloop, saves 7 µs of
     # L2 mainloop and 6 µs of L2 span (one program)
     assert reg["cause"].tolist() == ["mainloop_l1"] and reg["matrix_speedup"].tolist() == [0.8]

@@ -51,8 +51,65 @@ OUTPUT_CACHES = ("", ".cs")
 # tile per CTA, sm_90 GPUs only). Both have an instrumented build.
 KERNELS = ("triton", "gluon_ws")
 # The default per head dim: the faster one against cuDNN on H200 (the measurements are quoted
-# beside ``flash_attention_ws.WS_CONFIGS``), where it runs (``kernel_unsupported``).
+# beside ``WS_CONFIGS``), where it runs (``kernel_unsupported``).
 DEFAULT_KERNEL = {64: "gluon_ws", 128: "gluon_ws"}
+
+# The Triton kernel's (``kernels/flash_attention.py``) Hopper (sm_90) launch configurations keyed
+# by head dim: b_m x b_n tiles, TMA loads pipelined num_stages deep. persistent: a grid of SMs x
+# ctas_per_sm programs walking the tiles, else one program per tile; ctas_per_sm is the occupancy
+# from the registers and shared memory of the sm_90 build (Triton 3.6, ptxas -v). wgmma is issued
+# per warpgroup (4 warps). One 8-warp CTA puts two warpgroups on an SM, but its KV pipeline holds
+# them in step with three CTA barriers per KV tile, so their softmax and MMAs do not interleave;
+# two 4-warp CTAs per SM (128 x 64 at two stages: 255 registers, 96 KiB of shared memory each)
+# run independently and do. TRITON_CONFIGS holds the fastest FA-only configuration of this kernel
+# measured against cuDNN on H200 by ``attention_bench --fa-only`` (one GPU, H = 12 local heads,
+# M = 16K..64K); TRITON_CANDIDATES are what the Table 3 benchmark times once per head dim before
+# its sweep, beside the warp-specialized kernel's WS_CANDIDATES, and the configuration it picks
+# serves FA-only, Serial and Fused alike. Triton 3.6's ``tl.range(..., warp_specialize=True)`` is
+# left out: on sm_90 it hung at run time (one program per tile) or failed to compile (persistent
+# grid); the warp-specialized kernel is written in Gluon instead.
+TRITON_CONFIGS = {
+    64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, ctas_per_sm=2, persistent=True,
+             output_cache="", pipelined=False),
+    128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, ctas_per_sm=2, persistent=False,
+              output_cache="", pipelined=False),
+}
+TRITON_CANDIDATES = {
+    64: [TRITON_CONFIGS[64],
+         dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4, ctas_per_sm=2, persistent=True),
+         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1, persistent=True),
+         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1,
+              persistent=False)],
+    128: [TRITON_CONFIGS[128],
+          dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=4, ctas_per_sm=1, persistent=False),
+          dict(BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=3, ctas_per_sm=1, persistent=False),
+          dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, ctas_per_sm=1,
+               persistent=False)],
+}
+# Remote-store copy kernel: a [BLOCK_ROWS, d] tile per head and step, 16-byte stores.
+COPY_CONFIG = dict(BLOCK_ROWS=32, num_warps=4)
+# The warp-specialized kernel's (``kernels/flash_attention_ws.py``, ``kernel="gluon_ws"``) launch
+# configurations. Its partitioning fixes WS_FIXED: b_m, the warps per consumer warpgroup, one CTA
+# per SM and per tile. BLOCK_N (b_n, at most MAX_BLOCK_N: S takes b_n/2 registers per consumer
+# thread, and at 256 ptxas spills and serializes the wgmmas) and num_stages (the K and V rings'
+# depth, within the 227 KiB of shared memory of an H100/H200 CTA) are tunable. WS_CONFIGS holds
+# the fastest against cuDNN on one H200; WS_CANDIDATES is what the Table 3 benchmark times beside
+# the Triton kernel's candidates:
+#   d = 128: b_n = 128 at two stages (176 KiB; three do not fit). fa_tuning records of h200-x1
+#            from 2310d68: 0.99-1.08 of cuDNN's TF/s at M = 16K-64K with 12 and 6 local heads,
+#            the Triton kernel 0.70-0.86.
+#   d = 64:  b_n = 128 at three stages (128 KiB): twice the QK^T and PV work per barrier of
+#            b_n = d. fa_tuning record 20261201T051325Z-b221c26726 (042a287, 12 heads): 0.94-0.99
+#            of cuDNN at M = 16K-64K; two stages 0.91-0.98, b_n = 64 0.87-0.92, the Triton
+#            kernel 0.88-0.93. Four stages (144 KiB) are slower: 0.91-0.97 against 0.95-0.99 for
+#            three in one run (record 20261201T100119Z-bbef306559, d05d9ec).
+WS_FIXED = dict(kernel="gluon_ws", BLOCK_M=128, num_warps=4, ctas_per_sm=1, persistent=False,
+                output_cache="", pipelined=False)
+WS_CONFIGS = {64: dict(WS_FIXED, BLOCK_N=128, num_stages=3),
+              128: dict(WS_FIXED, BLOCK_N=128, num_stages=2)}
+WS_CANDIDATES = {64: [WS_CONFIGS[64], dict(WS_CONFIGS[64], num_stages=2)],
+                 128: [WS_CONFIGS[128]]}
+MAX_BLOCK_N = 128
 
 
 def kernel_unsupported(kernel: str, device) -> str | None:
@@ -79,8 +136,8 @@ def flash_attention_config(head_dim: int, config: dict | None = None, device=Non
     walking the tiles, or one program per tile), output_cache (the output stores' cache operator,
     ``OUTPUT_CACHES``), pipelined (the Q-loop with PV one KV tile behind QK^T, softmax overlapping
     the PV wgmma). Tiles must be powers of two >= 16 (``tl.dot``). The gluon_ws kernel fixes every
-    key but BLOCK_N (at most ``flash_attention_ws.MAX_BLOCK_N``) and num_stages
-    (``flash_attention_ws.WS_FIXED``; its defaults per head dim: ``WS_CONFIGS``).
+    key but BLOCK_N (at most ``MAX_BLOCK_N``) and num_stages (``WS_FIXED``; its defaults per
+    head dim: ``WS_CONFIGS``).
     """
     _check_head_dim(head_dim)
     config = config or {}
@@ -91,7 +148,7 @@ def flash_attention_config(head_dim: int, config: dict | None = None, device=Non
             kernel = "triton"
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} must be one of {KERNELS}")
-    base = _ws_kernels.WS_CONFIGS if kernel == "gluon_ws" else _kernels.CONFIGS
+    base = WS_CONFIGS if kernel == "gluon_ws" else TRITON_CONFIGS
     cfg = {**base[head_dim], **config, "kernel": kernel}
     unknown = set(cfg) - {"kernel", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
                           "ctas_per_sm", "persistent", "output_cache", "pipelined"}
@@ -111,25 +168,25 @@ def flash_attention_config(head_dim: int, config: dict | None = None, device=Non
     if cfg["output_cache"] not in OUTPUT_CACHES:
         raise ValueError(f"output_cache={cfg['output_cache']!r} must be one of {OUTPUT_CACHES}")
     if kernel == "gluon_ws":
-        fixed = _ws_kernels.WS_FIXED
+        fixed = WS_FIXED
         changed = sorted(k for k in fixed if cfg[k] != fixed[k])
         if changed:
             raise ValueError(f"the gluon_ws kernel fixes {changed} to "
                              f"{[fixed[k] for k in changed]} (its warp partitions); other "
                              "tiles, grids and Q-loops are kernel='triton' configurations")
-        if cfg["BLOCK_N"] > _ws_kernels.MAX_BLOCK_N:
+        if cfg["BLOCK_N"] > MAX_BLOCK_N:
             raise ValueError(f"BLOCK_N={cfg['BLOCK_N']} exceeds the gluon_ws kernel's "
-                             f"{_ws_kernels.MAX_BLOCK_N} (its score tile's registers)")
+                             f"{MAX_BLOCK_N} (its score tile's registers)")
     return cfg
 
 
 def flash_attention_candidates(head_dim: int) -> list[dict]:
     """The Hopper configurations worth timing for ``head_dim``: the gluon_ws kernel's
-    ``WS_CANDIDATES``, then the Triton kernel's ``CANDIDATES``."""
+    ``WS_CANDIDATES``, then the Triton kernel's ``TRITON_CANDIDATES``."""
     _check_head_dim(head_dim)
-    return [flash_attention_config(head_dim, c) for c in _ws_kernels.WS_CANDIDATES[head_dim]] + [
+    return [flash_attention_config(head_dim, c) for c in WS_CANDIDATES[head_dim]] + [
         flash_attention_config(head_dim, dict(c, kernel="triton"))
-        for c in _kernels.CANDIDATES[head_dim]]
+        for c in TRITON_CANDIDATES[head_dim]]
 
 
 def check_ulysses_shape(seq_len: int, heads: int, world: int) -> None:
@@ -226,14 +283,14 @@ def remote_store_a2a(out_local: torch.Tensor, peer_ptrs: torch.Tensor, rank: int
     _check_head_dim(d)
     _check_tensor("out_local", out_local, out_local.shape, out_local.device)
     _check_peer_ptrs(peer_ptrs, out_local.device, rank, world, M)
-    block_rows = block_rows or _kernels.COPY_CONFIG["BLOCK_ROWS"]
+    block_rows = block_rows or COPY_CONFIG["BLOCK_ROWS"]
     if block_rows & (block_rows - 1):
         raise ValueError(f"block_rows={block_rows} must be a power of two")
     _check_launchable(out_local.device)
     _kernels.remote_store_a2a_kernel[(triton.cdiv(M, block_rows),)](
         out_local, peer_ptrs, M, M // world, rank, world,
         H_LOCAL=h_local, HEAD_DIM=d, BLOCK_ROWS=block_rows,
-        num_warps=_kernels.COPY_CONFIG["num_warps"])
+        num_warps=COPY_CONFIG["num_warps"])
 
 
 def nccl_a2a(out_local: torch.Tensor, group: dist.ProcessGroup | None = None, *,

@@ -112,7 +112,7 @@ def _candidate(bm, bn, warps, stages, persistent, ctas_per_sm, **keys) -> dict:
                 persistent=persistent, ctas_per_sm=ctas_per_sm, **keys)
 
 
-# gluon_ws at b_n = 64 beside its b_n = 128 candidates (``flash_attention_ws.WS_CANDIDATES``).
+# gluon_ws at b_n = 64 beside its b_n = 128 candidates (``attention.WS_CANDIDATES``).
 GLUON_WS_BN64 = dict(kernel="gluon_ws", BLOCK_N=64, num_stages=3)
 FA_ONLY_CANDIDATES = {
     128: [_candidate(128, 128, 8, 3, True, 1), _candidate(128, 128, 8, 3, False, 1),

@@ -22,7 +22,7 @@ import pandas as pd
 
 from ..records import RECORDS_DIR, write_record
 from .remote_ops import (OpsSettings, RemoteOpsBench, calibrate_configs, drain_share, fit_config,
-                         fit_entry, format_routes, parse_routes)
+                         fit_entry, format_routes, parse_routes, run_operations)
 
 PATTERNS = ("one_to_one", "one_to_all", "all_to_one", "all_to_all")
 # Device time the route sets may take (measured 16.5 s on 2 GPUs; from that, ~2.2 min on 4 and
@@ -144,3 +144,26 @@ def summary_entry(params: dict, record_id: str) -> dict:
                              for i in params["instances"]],
             "gpu_start_spread_ns_median": params["gpu_start_spread_ns_median"],
             "excluded": params["excluded"], "source_record": record_id}
+
+
+def load_beyond(backend: str = "auto", root: Path | str | None = None):
+    """Notebook 05's records (here, above both experiments): measure live (``cuda``: the
+    patterns and the operations on this machine, new records) or read the latest committed
+    ``remote_patterns`` and ``remote_ops`` record of every platform (``replay``). Returns
+    (backend choice, {platform: {"patterns": record, "operations": record}}), a platform holding
+    whichever of the two it has. ``root``: the records root (None: the committed records)."""
+    from ..platform import choose_backend
+    from ..records import latest_record, platforms, read_record
+
+    root = RECORDS_DIR if root is None else Path(root)
+    choice = choose_backend(backend)
+    if choice.name == "cuda":
+        recs = [read_record(run_patterns(root=root)), read_record(run_operations(root=root))]
+        return choice, {recs[0].platform: {"patterns": recs[0], "operations": recs[1]}}
+    out: dict[str, dict] = {}
+    for key, experiment in (("patterns", "remote_patterns"), ("operations", "remote_ops")):
+        for platform in platforms(experiment, root):
+            out.setdefault(platform, {})[key] = latest_record(experiment, platform, root)
+    if not out:
+        raise FileNotFoundError(f"no remote_patterns or remote_ops records under {root}")
+    return choice, out

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from scipy.stats import gmean
 
 from ..model import critical_path_stall
 from .moe_schedules import L1, L2
@@ -388,6 +389,23 @@ def traced_causes(table: pd.DataFrame) -> list[dict]:
     return out
 
 
+MATRIX_ROW_KEYS = ("model", "precision", "routing", "tokens", "wave_us", "interleaved_us",
+                   "unfused_us", "speedup")
+
+
+def headline_numbers(matrix: pd.DataFrame) -> dict:
+    """Speedup statistics of a ``moe`` record's table, with its per-configuration rows."""
+    speedup = matrix["speedup"].to_numpy(float)
+    fused = (matrix["unfused_us"] / matrix[["wave_us", "interleaved_us"]].min(axis=1)).to_numpy(float)
+    return {"configs": len(matrix),
+            "geomean_speedup": round(float(gmean(speedup)), 4),
+            "median_speedup": round(float(np.median(speedup)), 4),
+            "max_speedup": round(float(speedup.max()), 4),
+            "min_speedup": round(float(speedup.min()), 4),
+            "fused_vs_unfused_geomean": round(float(gmean(fused)), 4),
+            "per_config": matrix[list(MATRIX_ROW_KEYS)].to_dict("records")}
+
+
 def regression_rows(matrix: pd.DataFrame, table: pd.DataFrame) -> list[dict]:
     """Every matrix cell with speedup < 1, worst first, with its measured cause where a trace of
     that very cell exists (a ``regression`` row, else a ``trace`` pair: ``traced_causes``): the
@@ -513,3 +531,49 @@ def knee_sweep_rows(table: pd.DataFrame, platform) -> list[dict]:
                "speedup": r["speedup"]}
         out.append({k: _round(v) for k, v in row.items()})
     return out
+
+
+# ------------------------------------------- tables of a ``moe_trace`` record (notebook 03, prose)
+
+def regressions_table(matrix: pd.DataFrame, table: pd.DataFrame) -> pd.DataFrame:
+    """Each regressing matrix cell with its measured cause (``regression_rows``): Interleaved
+    minus Expert-Wave SM time per component (µs per SM) where the cell was traced, "not traced"
+    otherwise, with the measured proxies beside it."""
+    return pd.DataFrame(regression_rows(matrix, table)).round(3)
+
+
+def regression_groups_table(matrix: pd.DataFrame, table: pd.DataFrame) -> pd.DataFrame:
+    """The regressing cells grouped by measured cause ("not traced" is a group), with counts,
+    models and the ranges of speedup and per-component SM time (``regression_groups``)."""
+    return pd.DataFrame(regression_groups(regression_rows(matrix, table))).round(3)
+
+
+def traced_causes_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Per traced configuration, Interleaved minus Expert-Wave SM time per component (µs per SM),
+    the makespan ratio and both schedules' Linear-2 dependency-wait shares: where the gain or the
+    loss comes from (``traced_causes``)."""
+    rows = [{**{k: v for k, v in r.items() if k != "delta_per_sm_us"},
+             **{f"Δ{k} (µs/SM)": v for k, v in r["delta_per_sm_us"].items()}}
+            for r in traced_causes(table)]
+    return pd.DataFrame(rows).round(3)
+
+
+def counterfactual_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Decoupled (Expert-Wave, Interleaved) and completion-coupled (each Linear-2 tile fenced
+    until its stores are visible) times per configuration, measured in one run."""
+    df = pd.DataFrame(counterfactual_rows(table))
+    df["coupled_over_decoupled_wave"] = df["wave_fenced_us"] / df["wave_us"]
+    df["coupled_over_decoupled_int"] = df["interleaved_fenced_us"] / df["interleaved_us"]
+    # the added time per Linear-2 tile of one SM of the critical rank (its traced launch)
+    per_sm = l2_tiles_per_sm(table)
+    for s, sched in (("wave", "wave"), ("int", "interleaved")):
+        tiles = [per_sm.get((*(r[k] for k in KEYS), sched), np.nan) for r in df.to_dict("records")]
+        df[f"fence_us_per_l2_tile_{s}"] = (df[f"{sched}_fenced_us"] - df[f"{sched}_us"]) / tiles
+    return df.round(3)
+
+
+def condition1_table(table: pd.DataFrame, platform) -> pd.DataFrame:
+    """Condition 1 (eqs. 12–14) per traced configuration from the calibrated ``platform``
+    (``model.PlatformModel``) and the local-control mainloops, beside the measured spans
+    (``condition1_rows``)."""
+    return pd.DataFrame(condition1_rows(table, platform))

@@ -675,13 +675,18 @@ def write_operations(table: pd.DataFrame, facts: dict, src: int, dst: int, platf
     from the baseline (16-byte stores) of the same run."""
     if BASELINE_OP not in set(table["op"]):
         raise RuntimeError(f"the baseline {BASELINE_OP} was not measured: {facts['excluded']}")
-    fits = {op: fit_config(rows, op, src, platform, "this record")
-            for op, rows in table.groupby("op", sort=False)}
+    fits = operation_fits(table, platform, "this record")
     base = fits[BASELINE_OP].calibration
     params = {"experiment": "remote_ops", "ops": list(fits), "baseline": BASELINE_OP,
               "src": src, "dst": dst, **facts,
               "fits": {op: fit_entry(f, base) for op, f in fits.items()}}
     return write_record("remote_ops", platform, table, params, provenance, root)
+
+
+def operation_fits(table: pd.DataFrame, platform: str, record_id: str) -> dict[str, ConfigFit]:
+    """Each operation's fit (``fit_config``) of a ``remote_ops`` table, in run order."""
+    return {op: fit_config(rows, op, int(rows["src"].iloc[0]), platform, record_id)
+            for op, rows in table.groupby("op", sort=False)}
 
 
 def summary_entry(params: dict, record_id: str) -> dict:
@@ -690,27 +695,3 @@ def summary_entry(params: dict, record_id: str) -> dict:
     return {"baseline": params["baseline"], "route": f"{params['src']}>{params['dst']}",
             "per_op": params["fits"], "excluded": params["excluded"],
             "source_record": record_id}
-
-
-def load_beyond(backend: str = "auto", root: Path | str | None = None):
-    """Measure live (``cuda``: the patterns and the operations on this machine, new records) or
-    read the latest committed ``remote_patterns`` and ``remote_ops`` record of every platform
-    (``replay``). Returns (backend choice, {platform: {"patterns": record, "operations":
-    record}}), a platform holding whichever of the two it has. ``root``: the records root
-    (None: the committed records)."""
-    from ..platform import choose_backend
-    from ..records import latest_record, platforms, read_record
-    from .injection_patterns import run_patterns
-
-    root = RECORDS_DIR if root is None else Path(root)
-    choice = choose_backend(backend)
-    if choice.name == "cuda":
-        recs = [read_record(run_patterns(root=root)), read_record(run_operations(root=root))]
-        return choice, {recs[0].platform: {"patterns": recs[0], "operations": recs[1]}}
-    out: dict[str, dict] = {}
-    for key, experiment in (("patterns", "remote_patterns"), ("operations", "remote_ops")):
-        for platform in platforms(experiment, root):
-            out.setdefault(platform, {})[key] = latest_record(experiment, platform, root)
-    if not out:
-        raise FileNotFoundError(f"no remote_patterns or remote_ops records under {root}")
-    return choice, out

@@ -42,11 +42,11 @@ def _source_matrix(trace) -> str | None:
 
 def headline(records, paper: dict) -> Prose:
     """The headline speedups of each platform's matrix record against the paper's."""
-    from ..summary import moe_headline_numbers
+    from ..experiments.moe_trace import headline_numbers
 
     out = []
     for r in records:
-        t, s = r.table, moe_headline_numbers(r.table)
+        t, s = r.table, headline_numbers(r.table)
         hi, lo = t.loc[t["speedup"].idxmax()], t.loc[t["speedup"].idxmin()]
         text = (f"On {r.platform} (EP = {_ep(r)}, matrix record {rec(r)}, "
                 f"{r.params.get('trials', '?')} trials per cell) the geomean speedup of Interleaved "
@@ -218,13 +218,14 @@ def spans(traces, paper: dict) -> Prose:
 def condition1(traces) -> Prose:
     """Condition 1 (eqs. 12–14) from each platform's latest calibration, with the measured spans."""
     from .. import plots
+    from ..experiments.moe_trace import condition1_table
     from ..experiments.remote_store import latest_calibration
     from ..records import latest_record
 
     out = []
     for tr in traces:
         cal_record = latest_record("calibration", tr.platform)
-        c = pd.DataFrame(plots.moe_condition1(tr, latest_calibration(tr.platform).platform_model()))
+        c = condition1_table(tr.table, latest_calibration(tr.platform).platform_model())
         if c.empty:
             continue
         runs = plots.moe_trace_runs(tr)
@@ -269,11 +270,11 @@ def condition1(traces) -> Prose:
 
 def timeline(traces, models) -> Prose:
     """Fig. 9: Tensor-Core occupancy and makespan ratio of the models drawn."""
-    from .. import plots
+    from ..experiments.moe_trace import traced_causes_table
 
     out = []
     for tr in traces:
-        causes = plots.moe_traced_causes(tr).set_index("model")
+        causes = traced_causes_table(tr.table).set_index("model")
         parts = [f"{m} keeps {val(causes.loc[m, 'mma_busy_wave'], '.3f')} of the SMs in a mainloop"
                  f" under Expert-Wave and {val(causes.loc[m, 'mma_busy_int'], '.3f')} under "
                  f"Interleaved (makespan ratio {val(causes.loc[m, 'makespan_ratio'], '.3f')})"
@@ -285,12 +286,11 @@ def timeline(traces, models) -> Prose:
 
 def traced_causes(traces) -> Prose:
     """Where Interleaved's SM time goes in the traced shapes, gains and losses."""
-    from .. import plots
-    from ..experiments.moe_trace import counterfactual_rows
+    from ..experiments.moe_trace import counterfactual_rows, traced_causes_table
 
     out = []
     for tr in traces:
-        c = plots.moe_traced_causes(tr)
+        c = traced_causes_table(tr.table)
         if c.empty:
             continue
         d = lambda k: f"Δ{k} (µs/SM)"  # noqa: E731
@@ -493,16 +493,16 @@ def regressions(traces, records) -> Prose:
 def counterfactual(traces) -> Prose:
     """The completion-coupled counterfactual: what fencing each Linear-2 tile costs, with the
     one-GPU fence probe (``moe_fence_probe``) for the fence's local share."""
-    from .. import plots
+    from ..experiments.moe_trace import counterfactual_table
     from ..records import list_records, platforms, read_record
 
     probes = [read_record(p) for pl in platforms("moe_fence_probe")
               for p in list_records("moe_fence_probe", pl)]
-    probe = (pd.concat([plots.moe_counterfactual(p) for p in probes], ignore_index=True)
+    probe = (pd.concat([counterfactual_table(p.table) for p in probes], ignore_index=True)
              if probes else pd.DataFrame())
     out = []
     for tr in traces:
-        c = plots.moe_counterfactual(tr)
+        c = counterfactual_table(tr.table)
         if c.empty:
             continue
         text = ("Fencing every Linear-2 tile (a system-scope fence after its Combine stores, so "
@@ -550,8 +550,7 @@ def counterfactual(traces) -> Prose:
 
 def findings(records, traces, paper: dict, table2_paper: dict) -> Prose:
     """The notebook's findings, each from the records above."""
-    from ..experiments.moe_trace import regression_rows, table2 as table2_rows
-    from ..summary import moe_headline_numbers
+    from ..experiments.moe_trace import headline_numbers, regression_rows, table2 as table2_rows
 
     matrices = {r.platform: r for r in records}
     ref = pd.DataFrame(table2_paper["rows"])
@@ -560,7 +559,7 @@ def findings(records, traces, paper: dict, table2_paper: dict) -> Prose:
         m = matrices.get(tr.platform)
         items = []
         if m is not None:
-            s = moe_headline_numbers(m.table)
+            s = headline_numbers(m.table)
             items.append(f"Interleaved over Expert-Wave: geomean {val(s['geomean_speedup'], '.3f')}, "
                          f"median {val(s['median_speedup'], '.3f')} over {s['configs']} cells "
                          f"(matrix record {rec(m)}; paper: {paper['geomean_speedup']} / "

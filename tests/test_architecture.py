@@ -1,0 +1,112 @@
+"""The layering of the package, read from the sources (parsed, never imported): no import cycle
+among the modules of xstage_lab, and the device code in kernels/ imports nothing of xstage_lab."""
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = "xstage_lab"
+KERNELS = REPO / "kernels"
+
+
+def module_name(path: Path) -> str:
+    """The dotted name of a source under the repository (a package by its ``__init__.py``)."""
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, name: str) -> set[str]:
+    """Every dotted name that the source at ``path`` (the module ``name``) imports, at any depth
+    (imports inside functions count): the modules, and for ``from m import x`` also ``m.x``,
+    which is a module where x is a submodule."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = parts[:len(parts) - node.level + 1] if node.level else []
+            source = ".".join([*base, *([node.module] if node.module else [])])
+            out |= {source} | {f"{source}.{a.name}" for a in node.names}
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of the package it imports."""
+    sources = {module_name(p): p for p in (REPO / PACKAGE).rglob("*.py")}
+    return {name: imports(path, name) & set(sources) - {name} for name, path in sources.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as a path that ends where it starts, or None."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" once fully explored
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle_and_only_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"a"}}) == ["a", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_imports_resolve_relative_and_function_level_imports(tmp_path):
+    source = tmp_path / "pkg" / "sub" / "mod.py"
+    source.parent.mkdir(parents=True)
+    source.write_text("from .. import a\nfrom .b import c\n\ndef f():\n    import pkg.d\n")
+    assert imports(source, "pkg.sub.mod") == {"pkg", "pkg.a", "pkg.sub.b", "pkg.sub.b.c", "pkg.d"}
+
+
+def test_the_package_has_no_import_cycle():
+    graph = import_graph()
+    assert len(graph) > 30 and graph["xstage_lab.runner"]  # the sources were found and read
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_plots_draw_what_the_experiments_computed():
+    """Figures and tables take records and the fits and rows computed from them: no module of
+    plots imports an experiment (its fits would run while drawing) or summary (a level above)."""
+    for name, deps in import_graph().items():
+        if name.startswith(f"{PACKAGE}.plots"):
+            above = {d for d in deps
+                     if d.startswith((f"{PACKAGE}.experiments", f"{PACKAGE}.summary"))}
+            assert not above, (name, above)
+
+
+def test_kernels_import_nothing_of_the_package():
+    """Device code imports triton, gluon and its sibling sources (relatively: they are imported as
+    one package, ``kernel_sources.KERNELS_PACKAGE``), never the host package."""
+    sources = sorted(KERNELS.glob("*.py"))
+    assert sources
+    siblings = {p.stem for p in sources}
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                # one level up from kernels/ would be xstage_lab itself
+                targets = [node.module] if node.module else [a.name for a in node.names]
+                assert node.level == 1 and set(targets) <= siblings, (path.name, node.lineno)
+                continue
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module]
+            else:
+                continue
+            assert not any(n.split(".")[0] == PACKAGE for n in names), (path.name, node.lineno)
