@@ -143,8 +143,11 @@ def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_r
     import functools
 
     from xstage_lab import plots
-    from xstage_lab.experiments import attention_model, injection_patterns, remote_ops, remote_store
-    from xstage_lab.experiments.visibility import load_visibility
+    from xstage_lab.experiments.attention import model as attention_model
+    from xstage_lab.experiments.remote_store import characterization as remote_store
+    from xstage_lab.experiments.remote_store import ops as remote_ops
+    from xstage_lab.experiments.remote_store import patterns as injection_patterns
+    from xstage_lab.experiments.remote_store.visibility import load_visibility
     from xstage_lab.launch import load_or_run
     from xstage_lab.paper import published
 

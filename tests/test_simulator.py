@@ -296,7 +296,7 @@ def test_measured_skew_explains_the_long_gap_plateau():
     """Issue 20: the aligned simulation plateaus at (V − Q)/R for long gaps at B = 32 and 64 KiB,
     far above the measured issue time; with the producers spread over their measured start
     skew it stays at T_iss^0, as measured."""
-    from xstage_lab.experiments.remote_store import load_characterizations
+    from xstage_lab.experiments.remote_store.characterization import load_characterizations
 
     _, (c, *_) = load_characterizations("replay", ["h200-x2"])
     sim, errors = simulator.check_gap_sweep(c.calibration, c.predicted, c.record)

@@ -15,11 +15,11 @@ MOE_MATRIX = Path(__file__).resolve().parent.parent / "data" / "moe_matrix.json"
 
 
 # The multi-process experiments: record name -> the module torchrun runs.
-BENCHMARKS = {"fa_a2a": "xstage_lab.experiments.attention_bench",
-              "moe": "xstage_lab.experiments.moe_bench",
-              "moe_trace": "xstage_lab.experiments.moe_trace_bench",
-              "fa_trace": "xstage_lab.experiments.attention_trace_bench",
-              "moe_kernel": "xstage_lab.experiments.moe_kernel_bench"}
+BENCHMARKS = {"fa_a2a": "xstage_lab.experiments.attention.bench",
+              "moe": "xstage_lab.experiments.moe.bench",
+              "moe_trace": "xstage_lab.experiments.moe.trace_bench",
+              "fa_trace": "xstage_lab.experiments.attention.trace_bench",
+              "moe_kernel": "xstage_lab.experiments.moe.kernel_bench"}
 # Benchmarks of one GPU (one rank of the paper's setting on its own): one process, not one per GPU.
 ONE_GPU = frozenset({"moe_kernel"})
 
@@ -69,7 +69,7 @@ def load_or_run(experiment: str, backend: str = "auto", args: list[str] = (),
 
 def _remote_store(root: Path) -> list[Path]:
     """The remote-store characterization (Fig. 3 sweeps) and the calibration fitted from it."""
-    from .experiments.remote_store import run_characterization, write_calibration
+    from .experiments.remote_store.characterization import run_characterization, write_calibration
 
     characterization = run_characterization(root=root)
     return [characterization, write_calibration(characterization, root=root)]
@@ -77,21 +77,21 @@ def _remote_store(root: Path) -> list[Path]:
 
 def _visibility(root: Path) -> list[Path]:
     """Receiver-side remote-visible completion latency (issue 8 part 2)."""
-    from .experiments.visibility import run_visibility
+    from .experiments.remote_store.visibility import run_visibility
 
     return [run_visibility(root=root)]
 
 
 def _remote_patterns(root: Path) -> list[Path]:
     """Multi-peer injection patterns on every GPU (issue 6, part 1)."""
-    from .experiments.injection_patterns import run_patterns
+    from .experiments.remote_store.patterns import run_patterns
 
     return [run_patterns(root=root)]
 
 
 def _remote_ops(root: Path) -> list[Path]:
     """Remote operations beyond 16-byte stores (issue 6, part 2)."""
-    from .experiments.remote_ops import run_operations
+    from .experiments.remote_store.ops import run_operations
 
     return [run_operations(root=root)]
 
@@ -144,7 +144,7 @@ def measure_all(root: Path = RECORDS_DIR, only: list[str] | None = None) -> list
                                             _benchmark_args(name, written, root), root)
             paths.append(written[name])
             if name == "moe_kernel":  # its forecast, on this platform's calibration if any
-                from .experiments.moe_forecast import write_forecast
+                from .experiments.moe.forecast import write_forecast
                 from .platform import platform_name
                 from .records import platforms
 

@@ -749,7 +749,7 @@ def _cell(v):
 def moe_table2(paper: dict, trace_records) -> pd.DataFrame:
     """Table 2: per model, eq. 15's prediction beside the measured per-tile stall (and its error)
     for both schedules, the paper's row first, then each platform's (``moe_trace.table2``)."""
-    from .experiments.moe_trace import table2
+    from .experiments.moe.trace import table2
 
     rows = [{"source": "paper", **{k: v for k, v in r.items() if k != "paper_name"}}
             for r in paper["rows"]]
@@ -830,7 +830,7 @@ def moe_knee_sweep(trace_record, platform) -> go.Figure | None:
     blocks): Expert-Wave's measured Linear-2 span with remote stores and with the local-store
     control against the gap between bursts, the model's span (eqs. 3–4) beside them, G* marked;
     one panel per model and precision. None where the record has no knee sweep."""
-    from .experiments.moe_trace import knee_sweep_rows
+    from .experiments.moe.trace import knee_sweep_rows
 
     rows = pd.DataFrame(knee_sweep_rows(trace_record.table, platform))
     if rows.empty:
@@ -960,7 +960,7 @@ def moe_regressions(trace_record, matrix_record) -> pd.DataFrame:
     """Each regressing matrix cell with its measured cause (``moe_trace.regression_rows``):
     Interleaved minus Expert-Wave SM time per component (µs per SM) where the cell was traced,
     "not traced" otherwise, with the measured proxies beside it."""
-    from .experiments.moe_trace import regression_rows
+    from .experiments.moe.trace import regression_rows
 
     return pd.DataFrame(regression_rows(matrix_record.table, trace_record.table)).round(3)
 
@@ -968,7 +968,7 @@ def moe_regressions(trace_record, matrix_record) -> pd.DataFrame:
 def moe_regression_groups(trace_record, matrix_record) -> pd.DataFrame:
     """The regressing cells grouped by measured cause ("not traced" is a group), with counts,
     models and the ranges of speedup and per-component SM time (``moe_trace.regression_groups``)."""
-    from .experiments.moe_trace import regression_groups, regression_rows
+    from .experiments.moe.trace import regression_groups, regression_rows
 
     return pd.DataFrame(regression_groups(regression_rows(matrix_record.table, trace_record.table))).round(3)
 
@@ -977,7 +977,7 @@ def moe_traced_causes(trace_record) -> pd.DataFrame:
     """Per traced configuration, Interleaved minus Expert-Wave SM time per component (µs per SM),
     the makespan ratio and both schedules' Linear-2 dependency-wait shares: where the gain or the
     loss comes from (``moe_trace.traced_causes``)."""
-    from .experiments.moe_trace import traced_causes
+    from .experiments.moe.trace import traced_causes
 
     rows = [{**{k: v for k, v in r.items() if k != "delta_per_sm_us"},
              **{f"Δ{k} (µs/SM)": v for k, v in r["delta_per_sm_us"].items()}}
@@ -988,7 +988,7 @@ def moe_traced_causes(trace_record) -> pd.DataFrame:
 def moe_counterfactual(trace_record) -> pd.DataFrame:
     """Decoupled (Expert-Wave, Interleaved) and completion-coupled (each Linear-2 tile fenced
     until its stores are visible) times per configuration, measured in one run."""
-    from .experiments.moe_trace import KEYS, counterfactual_rows, l2_tiles_per_sm
+    from .experiments.moe.trace import KEYS, counterfactual_rows, l2_tiles_per_sm
 
     df = pd.DataFrame(counterfactual_rows(trace_record.table))
     df["coupled_over_decoupled_wave"] = df["wave_fenced_us"] / df["wave_us"]
@@ -1004,7 +1004,7 @@ def moe_counterfactual(trace_record) -> pd.DataFrame:
 def moe_condition1(trace_record, platform) -> pd.DataFrame:
     """Condition 1 (eqs. 12–14) per traced configuration from the calibrated platform
     (``model.PlatformModel``) and the local-control mainloops, beside the measured spans."""
-    from .experiments.moe_trace import condition1_rows
+    from .experiments.moe.trace import condition1_rows
 
     return pd.DataFrame(condition1_rows(trace_record.table, platform))
 
@@ -1123,7 +1123,7 @@ def no_refit_verdict(table: pd.DataFrame, keys: list[str], max_err_pct: float) -
 def operations_gap_sweeps(record) -> go.Figure:
     """Each operation's remote gap sweep (larger B): measured T_iss against the gap the
     producers saw, with eq. 3 from its own fit and from the 16-byte stores' M_X (no refit)."""
-    from .experiments.remote_ops import BASELINE_OP, fit_config
+    from .experiments.remote_store.ops import BASELINE_OP, fit_config
 
     table = record.table
     fits = {op: fit_config(rows, op, int(rows["src"].iloc[0]), record.platform, record.record_id)

@@ -340,7 +340,7 @@ def check_gap_sweep(cal, predicted: pd.DataFrame, record=None) -> tuple[pd.DataF
     (``skewed_launch``, the record's bursts per launch), and each point's ``regime``
     (``skew_regime``)."""
     from .calibration import POINT_KEYS
-    from .experiments.remote_store import BenchSettings
+    from .experiments.remote_store.characterization import BenchSettings
 
     platform = cal.platform_model()
     remote = predicted[predicted["path"] == "remote"]

@@ -14,9 +14,9 @@ import numpy as np
 from scipy.stats import gmean
 from tabulate import tabulate
 
-from .experiments import moe_trace
-from .experiments.attention_model import summary_counterfactual as attention_counterfactual
-from .experiments.visibility import summary_entry as visibility_entry
+from .experiments.moe import trace as moe_trace
+from .experiments.attention.model import summary_counterfactual as attention_counterfactual
+from .experiments.remote_store.visibility import summary_entry as visibility_entry
 from .records import RECORDS_DIR, latest_record, list_records, platforms, read_record
 
 
@@ -92,7 +92,7 @@ def _plain(value):
 
 def patterns_entry(platform: str, root: Path) -> dict:
     """The ``patterns`` entry: injection patterns, from the latest record."""
-    from .experiments.injection_patterns import summary_entry
+    from .experiments.remote_store.patterns import summary_entry
 
     rec = latest_record("remote_patterns", platform, root)
     return summary_entry(rec.params, rec.record_id)
@@ -100,7 +100,7 @@ def patterns_entry(platform: str, root: Path) -> dict:
 
 def operations_entry(platform: str, root: Path) -> dict:
     """The ``operations`` entry: remote operations beyond 16-byte stores."""
-    from .experiments.remote_ops import summary_entry
+    from .experiments.remote_store.ops import summary_entry
 
     rec = latest_record("remote_ops", platform, root)
     return summary_entry(rec.params, rec.record_id)
@@ -109,7 +109,7 @@ def operations_entry(platform: str, root: Path) -> dict:
 def moe_kernel_entry(platform: str, root: Path) -> dict:
     """The ``moe_kernel`` entry: the fused kernel on one GPU against cuBLAS and torch's grouped
     GEMMs, and the one-token call."""
-    from .experiments.moe_kernel_bench import summary_entry
+    from .experiments.moe.kernel_bench import summary_entry
 
     return summary_entry(platform, root)
 
@@ -117,7 +117,7 @@ def moe_kernel_entry(platform: str, root: Path) -> dict:
 def moe_forecast_entry(platform: str, root: Path) -> dict:
     """The ``moe_forecast`` entry: per model, precision and P, what the Burst–Gap model predicts
     for the Linear-2 Combine bursts from the kernel's one-GPU times."""
-    from .experiments.moe_forecast import summary_entry
+    from .experiments.moe.forecast import summary_entry
 
     return summary_entry(platform, root)
 

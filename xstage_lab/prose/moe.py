@@ -126,7 +126,7 @@ def trace_scope(traces, records) -> Prose:
 
 def table2(traces, paper: dict) -> Prose:
     """Table 2 (eq. 15): spans, cover windows, predicted and measured stalls against the paper's."""
-    from ..experiments.moe_trace import table2 as rows
+    from ..experiments.moe.trace import table2 as rows
 
     ref = pd.DataFrame(paper["rows"])
     out = []
@@ -218,7 +218,7 @@ def spans(traces, paper: dict) -> Prose:
 def condition1(traces) -> Prose:
     """Condition 1 (eqs. 12–14) from each platform's latest calibration, with the measured spans."""
     from .. import plots
-    from ..experiments.remote_store import latest_calibration
+    from ..experiments.remote_store.characterization import latest_calibration
     from ..records import latest_record
 
     out = []
@@ -286,7 +286,7 @@ def timeline(traces, models) -> Prose:
 def traced_causes(traces) -> Prose:
     """Where Interleaved's SM time goes in the traced shapes, gains and losses."""
     from .. import plots
-    from ..experiments.moe_trace import counterfactual_rows
+    from ..experiments.moe.trace import counterfactual_rows
 
     out = []
     for tr in traces:
@@ -338,7 +338,7 @@ def d_sweep(traces, records) -> Prose:
     """The lead D around D_knee: starvation at small D, the best lead, and the verdict for the
     models whose every matrix cell regresses."""
     from .. import plots
-    from ..experiments.moe_trace import counterfactual_rows
+    from ..experiments.moe.trace import counterfactual_rows
 
     matrices = {r.platform: r.table for r in records}
     out = []
@@ -403,7 +403,7 @@ def d_sweep(traces, records) -> Prose:
 def _regression_tables(traces, records):
     """Per trace record whose platform has a matrix record: (trace, matrix, its regressing
     cells as ``moe_trace.regression_rows`` gives them)."""
-    from ..experiments.moe_trace import regression_rows
+    from ..experiments.moe.trace import regression_rows
 
     matrices = {r.platform: r for r in records}
     for tr in traces:
@@ -431,7 +431,7 @@ def regressions_scope(traces, records) -> Prose:
 
 def regressions(traces, records) -> Prose:
     """Every regressing cell, by measured cause."""
-    from ..experiments.moe_trace import COMPONENTS
+    from ..experiments.moe.trace import COMPONENTS
 
     out = []
     for tr, m, rows in _regression_tables(traces, records):
@@ -550,7 +550,7 @@ def counterfactual(traces) -> Prose:
 
 def findings(records, traces, paper: dict, table2_paper: dict) -> Prose:
     """The notebook's findings, each from the records above."""
-    from ..experiments.moe_trace import regression_rows, table2 as table2_rows
+    from ..experiments.moe.trace import regression_rows, table2 as table2_rows
     from ..summary import moe_headline_numbers
 
     matrices = {r.platform: r for r in records}
@@ -670,7 +670,7 @@ def forecast(forecast_records, paper: dict) -> Prose:
 def knee_sweep(traces, calibrations: dict) -> Prose:
     """The synthetic knee sweep of each ``moe_trace`` record that has one, against the model;
     ``calibrations``: platform -> ``model.PlatformModel``."""
-    from ..experiments.moe_trace import knee_sweep_rows
+    from ..experiments.moe.trace import knee_sweep_rows
 
     out = []
     for tr in traces:
