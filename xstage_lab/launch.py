@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from .platform import SAFE_ENV
@@ -47,26 +48,6 @@ def torchrun_record(module: str, experiment: str, nproc: int, args: list[str] = 
         return import_bench_json(out, experiment, root)
 
 
-def load_or_run(experiment: str, backend: str = "auto", args: list[str] = (),
-                root: Path = RECORDS_DIR):
-    """``cuda``: run the experiment's benchmark on every peer-capable GPU and return its new
-    record; ``replay``: the latest committed record of every platform. Returns (backend choice,
-    records)."""
-    from .platform import choose_backend, inventory
-    from .records import latest_record, platforms, read_record
-
-    choice = choose_backend(backend)
-    if choice.name == "cuda":
-        path = torchrun_record(BENCHMARKS[experiment], experiment,
-                               processes(experiment, inventory().peer_capable_gpus), list(args),
-                               root)
-        return choice, [read_record(path)]
-    names = platforms(experiment, root)
-    if not names:
-        raise FileNotFoundError(f"no {experiment!r} records under {root}")
-    return choice, [latest_record(experiment, p, root) for p in names]
-
-
 def _remote_store(root: Path) -> list[Path]:
     """The remote-store characterization (Fig. 3 sweeps) and the calibration fitted from it."""
     from .experiments.remote_store.characterization import run_characterization, write_calibration
@@ -99,6 +80,21 @@ def _remote_ops(root: Path) -> list[Path]:
 # The in-process (CuPy) measurements: name -> function(root) returning the records it wrote.
 IN_PROCESS = {"remote_store": _remote_store, "visibility": _visibility,
               "remote_patterns": _remote_patterns, "remote_ops": _remote_ops}
+
+
+def live_record(experiment: str) -> Callable[[Path], Path] | None:
+    """How ``loading.load`` measures ``experiment`` live: a function(root) that runs it on this
+    machine's GPUs and returns its new record (the remote-store characterization's, its
+    calibration written beside it); None where its records come from other records."""
+    if experiment in IN_PROCESS:
+        return lambda root: IN_PROCESS[experiment](root)[0]
+    if experiment in BENCHMARKS:
+        from .platform import inventory
+
+        return lambda root: torchrun_record(
+            BENCHMARKS[experiment], experiment,
+            processes(experiment, inventory().peer_capable_gpus), [], root)
+    return None
 
 
 def measurement_names() -> list[str]:

@@ -17,12 +17,18 @@ from tabulate import tabulate
 from .experiments.moe import trace as moe_trace
 from .experiments.attention.model import summary_counterfactual as attention_counterfactual
 from .experiments.remote_store.visibility import summary_entry as visibility_entry
-from .records import RECORDS_DIR, latest_record, list_records, platforms, read_record
+from .loading import load
+from .records import RECORDS_DIR, Record, list_records, platforms, read_record
+
+
+def _latest(experiment: str, platform: str, root: Path) -> Record:
+    """The platform's latest record of ``experiment``, as the notebooks replay it."""
+    return load(experiment, platform, backend="replay", root=root)[0]
 
 
 def calibration_entry(platform: str, root: Path) -> dict:
     """The ``calibration`` entry: the latest calibration record's quantities."""
-    rec = latest_record("calibration", platform, root)
+    rec = _latest("calibration", platform, root)
     return {row.quantity: json.loads(row.value) for row in rec.table.itertuples()}
 
 
@@ -30,7 +36,7 @@ def counterfactual_entry(platform: str, root: Path) -> dict:
     """The ``counterfactual`` entry: the fenced (completion-coupled) microbenchmark beside the
     decoupled one, from the latest calibration record (absent where its characterization had no
     fenced sweep)."""
-    completion = latest_record("calibration", platform, root).params["calibration"].get("completion")
+    completion = _latest("calibration", platform, root).params["calibration"].get("completion")
     if completion is None:
         return {}
     return {"T_complete_us": completion["t_complete_us"],
@@ -68,7 +74,7 @@ MOE_ROW_KEYS = ("model", "precision", "routing", "tokens", "wave_us", "interleav
 def moe_entry(platform: str, root: Path) -> dict:
     """The ``moe`` entry: speedup of Interleaved over Expert-Wave across the configurations, and
     Table 2 (eq. 15 per model) where a ``moe_trace`` record exists."""
-    return {**moe_headline_numbers(latest_record("moe", platform, root).table),
+    return {**moe_headline_numbers(_latest("moe", platform, root).table),
             **({"table2": t} if (t := moe_trace.summary_table2(platform, root)) else {})}
 
 
@@ -94,7 +100,7 @@ def patterns_entry(platform: str, root: Path) -> dict:
     """The ``patterns`` entry: injection patterns, from the latest record."""
     from .experiments.remote_store.patterns import summary_entry
 
-    rec = latest_record("remote_patterns", platform, root)
+    rec = _latest("remote_patterns", platform, root)
     return summary_entry(rec.params, rec.record_id)
 
 
@@ -102,7 +108,7 @@ def operations_entry(platform: str, root: Path) -> dict:
     """The ``operations`` entry: remote operations beyond 16-byte stores."""
     from .experiments.remote_store.ops import summary_entry
 
-    rec = latest_record("remote_ops", platform, root)
+    rec = _latest("remote_ops", platform, root)
     return summary_entry(rec.params, rec.record_id)
 
 

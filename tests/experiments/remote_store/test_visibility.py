@@ -354,10 +354,10 @@ def test_summary_counterfactual_gains_visibility(tmp_path):
 
 
 def test_figures_and_tables_from_synthetic_record(tmp_path):
-    from xstage_lab import plots
+    from xstage_lab import load, plots
 
     write_synthetic_records(tmp_path)
-    [v] = vis.load_visibility("replay", root=tmp_path)
+    [v] = load("visibility", backend="replay", root=tmp_path)
     fig = plots.fig_visibility_latency(v)
     boxes = [t for t in fig.data if t.type == "box"]
     assert len(boxes) == 3 * 5                     # one box trace per (K, G)
@@ -378,7 +378,7 @@ def test_figures_and_tables_from_synthetic_record(tmp_path):
                                                                   abs=2e-3)
     first = plots.visibility_first_burst_table(v)
     assert len(first) == 45 and not first.loc[first["G (µs)"] == 0.0, "isolated"].any()
-    assert vis.load_visibility("replay", root=tmp_path / "empty") == []
+    assert len(load("visibility", backend="replay", root=tmp_path / "empty")) == 0
 
 
 # --- the CUDA source -----------------------------------------------------------------------------

@@ -797,19 +797,6 @@ def latest_view(platform: str, root: Path) -> KernelView:
     return KernelView(platform, tuple(r for r in newest.records if r.record_id in used))
 
 
-def load_views(backend: str = "auto", root: Path | None = None) -> list[KernelView]:
-    """What a notebook shows: with ``cuda`` the record this machine's run writes; with ``replay``
-    every platform's ``latest_view``."""
-    from ...launch import load_or_run
-    from ...records import RECORDS_DIR, platforms
-
-    root = RECORDS_DIR if root is None else root
-    choice, records = load_or_run("moe_kernel", backend, root=root)
-    if choice.name == "cuda":
-        return [KernelView(r.platform, (r,)) for r in records]
-    return [latest_view(p, root) for p in platforms("moe_kernel", root)]
-
-
 def summary_entry(platform: str, root: Path) -> dict:
     """``kernel_summary`` of the platform's ``latest_view``."""
     view = latest_view(platform, root)

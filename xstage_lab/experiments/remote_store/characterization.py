@@ -23,9 +23,8 @@ import pandas as pd
 from ...calibration import (Calibration, calibrate, calibration_to_dict, launch_means,
                            point_table)
 from ...kernel_sources import cuda_module
-from ...platform import BackendChoice, Inventory, choose_backend, git_commit, inventory
-from ...records import RECORDS_DIR, Record, read_record, resolve_record, write_record
-from ...records import platforms as record_platforms
+from ...platform import Inventory, git_commit, inventory
+from ...records import RECORDS_DIR, Record, read_record, write_record
 from ...sweep import Axis, Sweep
 
 KIB = 1024
@@ -395,23 +394,6 @@ class Characterization:
     def from_record(cls, rec: Record) -> "Characterization":
         cal, predicted = calibrate(rec.table, rec.platform, rec.record_id)
         return cls(rec, cal, predicted, point_table(launch_means(rec.table)))
-
-
-def load_characterizations(backend: str = "auto", platforms: list[str] | None = None,
-                           record: str | None = None, root: Path = RECORDS_DIR
-                           ) -> tuple[BackendChoice, list[Characterization]]:
-    """Measure live (``cuda``: a new record and its calibration record) or read the committed
-    records (``replay``: the latest, or ``record``, of each platform)."""
-    choice = choose_backend(backend)
-    if choice.name == "cuda":
-        path = run_characterization(root=root)
-        write_calibration(path, root=root)
-        return choice, [Characterization.from_record(read_record(path))]
-    names = platforms or record_platforms("remote_store", root)
-    if not names:
-        raise FileNotFoundError(f"no remote_store records under {root}")
-    return choice, [Characterization.from_record(resolve_record("remote_store", p, record, root))
-                    for p in names]
 
 
 def latest_calibration(platform: str, root: Path = RECORDS_DIR) -> Calibration:

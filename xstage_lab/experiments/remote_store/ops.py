@@ -1,5 +1,5 @@
 """Remote operations beyond 16-byte stores (issue 6, part 2), and the concurrent launcher that the
-injection patterns (``injection_patterns``) share.
+injection patterns (``patterns``) share.
 
 ``burst_gap_ops`` in ``kernels/remote_store_burst.cu`` runs the Burst–Gap loop of §3.1 with one
 operation per burst: 4-, 8- or 16-byte stores, remote reductions (``red.global.add`` u32 or f32),
@@ -690,27 +690,3 @@ def summary_entry(params: dict, record_id: str) -> dict:
     return {"baseline": params["baseline"], "route": f"{params['src']}>{params['dst']}",
             "per_op": params["fits"], "excluded": params["excluded"],
             "source_record": record_id}
-
-
-def load_beyond(backend: str = "auto", root: Path | str | None = None):
-    """Measure live (``cuda``: the patterns and the operations on this machine, new records) or
-    read the latest committed ``remote_patterns`` and ``remote_ops`` record of every platform
-    (``replay``). Returns (backend choice, {platform: {"patterns": record, "operations":
-    record}}), a platform holding whichever of the two it has. ``root``: the records root
-    (None: the committed records)."""
-    from ...platform import choose_backend
-    from ...records import latest_record, platforms, read_record
-    from .patterns import run_patterns
-
-    root = RECORDS_DIR if root is None else Path(root)
-    choice = choose_backend(backend)
-    if choice.name == "cuda":
-        recs = [read_record(run_patterns(root=root)), read_record(run_operations(root=root))]
-        return choice, {recs[0].platform: {"patterns": recs[0], "operations": recs[1]}}
-    out: dict[str, dict] = {}
-    for key, experiment in (("patterns", "remote_patterns"), ("operations", "remote_ops")):
-        for platform in platforms(experiment, root):
-            out.setdefault(platform, {})[key] = latest_record(experiment, platform, root)
-    if not out:
-        raise FileNotFoundError(f"no remote_patterns or remote_ops records under {root}")
-    return choice, out

@@ -31,9 +31,7 @@ from ... import model
 from ...calibration import kb_key
 from ...kernel_sources import cuda_module
 from ...platform import Inventory, choose_backend, inventory
-from ...records import (RECORDS_DIR, Record, latest_record, list_records, read_record,
-                       resolve_record, write_record)
-from ...records import platforms as record_platforms
+from ...records import RECORDS_DIR, Record, latest_record, list_records, write_record
 from ...sweep import Axis, Sweep, median_spread
 from .characterization import check_burst_and_gap, check_gpus
 
@@ -534,17 +532,6 @@ class Visibility:
             comparison = completion_comparison(rec.table, rate, t_lat,
                                                completion.get("t_complete_us"))
         return cls(rec, latency_points(rec.table), first, comparison, t_lat)
-
-
-def load_visibility(backend: str = "auto", platforms: list[str] | None = None,
-                    record: str | None = None, root: Path = RECORDS_DIR) -> list[Visibility]:
-    """Measure live (``cuda``) or read the latest (or ``record``) ``visibility`` record of each
-    platform (``replay``); an empty list where there is none yet."""
-    if choose_backend(backend).name == "cuda":
-        return [Visibility.from_record(read_record(run_visibility(root=root)), root)]
-    names = platforms or record_platforms(EXPERIMENT, root)
-    return [Visibility.from_record(resolve_record(EXPERIMENT, p, record, root), root)
-            for p in names]
 
 
 def summary_entry(platform: str, root: Path = RECORDS_DIR) -> dict:
