@@ -18,10 +18,11 @@ One process per GPU. Per sequence length M:
    measured and paired out instead: ``--settle-s`` seconds of FA-only precede each M's trials,
    each trial records every method's SM clock, and E_res is also reported as the median of
    per-trial differences (Fused and FA-only run back to back in one rotation) and over the
-   clock-matched trials alone (``attention_model.paired_difference``).
+   clock-matched trials alone (``model.paired_difference``).
    The boundary is sender-visible: remote-store methods synchronize remote visibility once after
    the replay, outside the timed window; NCCL methods include their own completion.
-Rank 0 writes one JSON file: rows (Table 3 quantities), per-trial raw times and metadata.
+Rank 0 writes one JSON file (``output.write_output``): rows (Table 3 quantities), and metadata
+with the per-trial raw times.
 
 ``--fa-only`` (one process, one GPU): the FA-only configurations (``fa_only_candidates``) against
 torch SDPA on cuDNN, each checked first (float32 reference; REMOTE epilogue, fenced and not,
@@ -30,7 +31,6 @@ bitwise equal to LOCAL), then timed in one rotation with the SM clock per trial.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -46,6 +46,7 @@ from ...checks import bitwise_equal, poisoned, relative_error
 from ...dist_timing import (all_gather_objects, read_sm_clock_mhz, require_safe_env, rotated_order,
                            start_rank, time_methods)
 from ...platform import provenance
+from ..output import write_output
 from . import ulysses as att
 from .model import paired_difference
 
@@ -191,16 +192,16 @@ def remote_epilogue_checks(q, k, v, out_fa, cfg, world: int = 2) -> dict:
     return out
 
 
-def fa_only(args) -> dict:
+def fa_only(args) -> tuple[dict, list[dict]]:
     """FA-only (LOCAL epilogue) of every ``fa_only_candidates`` configuration against torch SDPA
     on cuDNN, on this process's GPU, H = ``args.heads`` local heads, per M in ``args.seq``.
 
     Per M: fresh random q, k, v; each candidate's output (poisoned with NaN first) and cuDNN's
     within ``REL_TOL`` of the float32 reference, else the candidate is skipped with the reason
     (cuDNN failing aborts), as is one whose kernel does not run on this GPU
-    (``attention.kernel_unsupported``). Then one ``time_methods`` over the candidates and cuDNN:
+    (``ulysses.kernel_unsupported``). Then one ``time_methods`` over the candidates and cuDNN:
     CUDA graphs of ``iters`` calls, rotated order, ``trials`` trials, the SM clock read per trial.
-    Returns the JSON document (rows: one per M and method)."""
+    Returns the output's metadata and its rows (one per M and method)."""
     d, H = args.head_dim, args.heads
     candidates = {config_name(c): c for c in fa_only_candidates(d)}
     if args.configs:
@@ -280,10 +281,10 @@ def fa_only(args) -> dict:
                 params=dict(seq=args.seq, heads=H, head_dim=d, trials=args.trials,
                             iters=args.iters, seed=args.seed, rel_tol=REL_TOL,
                             epilogues=args.epilogues),
-                candidates=candidates, skipped=skipped, checks=checks, rows=rows, raw=raw,
+                candidates=candidates, skipped=skipped, checks=checks, raw=raw,
                 versions=dict(torch=torch.__version__, triton=triton.__version__,
                               cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version()),
-                gpu_name=torch.cuda.get_device_name(), provenance=provenance())
+                gpu_name=torch.cuda.get_device_name(), provenance=provenance()), rows
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -426,9 +427,9 @@ def local_destination(seq_len, heads, head_dim, world):
 
 
 def tune(args, group) -> tuple[dict, list]:
-    """Time each candidate configuration (``attention.flash_attention_candidates``, both
+    """Time each candidate configuration (``ulysses.flash_attention_candidates``, both
     kernels) FA-only at one M and keep the fastest (max over ranks, median over trials).
-    Candidates whose kernel does not run on this GPU (``attention.kernel_unsupported``), that do
+    Candidates whose kernel does not run on this GPU (``ulysses.kernel_unsupported``), that do
     not fit the hardware or that miss the float32 reference on any rank are skipped on every
     rank."""
     d, world = args.head_dim, dist.get_world_size(group)
@@ -478,7 +479,7 @@ def settle(fn, seconds: float) -> None:
 
 
 def paired_row(trials_us: dict, clocks_mhz: dict) -> dict:
-    """The Table 3 residuals from paired trials (``attention_model.paired_difference``): E_res of
+    """The Table 3 residuals from paired trials (``model.paired_difference``): E_res of
     the decoupled (fused) and completion-coupled (fused_fenced) epilogues against FA-only and
     the same-code FA-only, each the median of per-trial differences, with the clock-matched
     median and the SM clock spread over all trials."""
@@ -546,9 +547,7 @@ def main(argv=None) -> int:
     if args.fa_only:
         validate(args, 1)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        doc = fa_only(args)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1))
+        write_output(args.out, *fa_only(args), indent=1)
         print(f"[attention_bench --fa-only] wrote {args.out}", file=sys.stderr, flush=True)
         return 0
     _, rank, world = start_rank()
@@ -607,8 +606,7 @@ def write_result(args, world, cfg, tuning, rows, raws, elapsed_s) -> None:
         elapsed_s=elapsed_s,
         provenance=provenance(),
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(meta, rows=rows, raw=raws), indent=1))
+    write_output(args.out, dict(meta, raw=raws), rows, indent=1)
     print(f"[attention_bench] wrote {args.out}", file=sys.stderr, flush=True)
 
 

@@ -1,5 +1,5 @@
 """SPMD per-tile trace of the X-Stage-fused attention epilogue (issue 6: the attention kernel's
-measured burst schedule, for the design test and the simulator; ``attention_trace`` reads it).
+measured burst schedule, for the design test and the simulator; ``trace`` reads it).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
     torchrun --standalone --nproc_per_node=P -m xstage_lab.experiments.attention.trace_bench \\
@@ -7,9 +7,9 @@ measured burst schedule, for the design test and the simulator; ``attention_trac
 
 One process per GPU, the configuration of the Table 3 benchmark (the default kernel, or the fastest
 candidate with ``--tune``); a trace row is an output tile (a consumer warpgroup's half tile for
-the gluon_ws kernel, ``attention.trace_block_m``).
+the gluon_ws kernel, ``ulysses.trace_block_m``).
 Per sequence length M:
-1. ``attention_bench.check_case`` (every path against float32 and Serial, outputs poisoned), then
+1. ``bench.check_case`` (every path against float32 and Serial, outputs poisoned), then
    the instrumented build itself: Fused into the peers' buffers and the local control (the same
    code storing into P buffers on this GPU, §3.1) with their outputs and traces poisoned, Fused
    bitwise equal to Serial, the control to FA-only, every trace row stamped and ordered.
@@ -23,7 +23,6 @@ in ns from the launch's first tile entry.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from datetime import datetime, timezone
@@ -37,6 +36,7 @@ import triton
 from ...checks import bitwise_equal
 from ...dist_timing import all_gather_objects, read_sm_clock_mhz, start_rank
 from ...platform import provenance
+from ..output import write_output
 from . import ulysses as att
 from .bench import DEFAULT_SEQ, DEVICE, SETTLE_S, check_case, settle, tune, validate
 
@@ -212,8 +212,7 @@ def write_result(args, world, cfg, tuning, rows, elapsed_s) -> None:
         elapsed_s=elapsed_s,
         provenance=provenance(),
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(meta, rows=rows)))
+    write_output(args.out, meta, rows)
     print(f"[attention_trace_bench] wrote {args.out}", file=sys.stderr, flush=True)
 
 

@@ -18,8 +18,8 @@ What a timed call covers, for all three methods alike: expert compute, Combine i
 ranks' buffers and the top-k weighted sum. Dispatch (NCCL all-to-all) runs once before, outside the
 timing. A fused call is: symmetric barrier (the previous call's readers are done), zero the row
 counters, the kernel, symmetric barrier (every peer's stores are visible), weighted sum. The
-unfused path is torch's grouped GEMMs (``moe.grouped_expert_ffn``); in FP8 it takes rows quantized
-by its own recipe (``moe.UNFUSED_FP8_RECIPE``), so it has its own Dispatch of those rows.
+unfused path is torch's grouped GEMMs (``layer.grouped_expert_ffn``); in FP8 it takes rows quantized
+by its own recipe (``layer.UNFUSED_FP8_RECIPE``), so it has its own Dispatch of those rows.
 
 Rank 0 writes one JSON: ``{"metadata": {...}, "rows": [{model, precision, routing, tokens, wave_us,
 interleaved_us, unfused_us, speedup (= wave / interleaved), spreads, ...}]}``.
@@ -40,6 +40,7 @@ import torch
 from ...checks import relative_error
 from ...dist_timing import (TIMING_METHOD, all_gather_objects, read_sm_clock_mhz, start_rank,
                            time_methods)
+from ..output import write_output
 from . import layer as moe
 from .schedules import MoEProblem, d_knee, default_experts_per_wave, expert_wave_schedule, \
     interleaved_schedule
@@ -348,8 +349,7 @@ def main(argv=None) -> None:
             "sm_clock_mhz_start": clocks_start, "sm_clock_mhz_end": clocks_end,
             "wall_s": time.time() - started, "provenance": provenance(),
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"metadata": meta, "rows": rows}, indent=1, default=str))
+        write_output(args.out, meta, rows, indent=1, default=str)
         print(f"wrote {args.out} ({len(rows)} configurations, {time.time() - started:.0f} s)")
     dist.barrier(device_ids=[local_rank])
     dist.destroy_process_group()

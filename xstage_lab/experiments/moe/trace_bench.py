@@ -5,10 +5,10 @@
         [--routing skewed] [--tokens 4096]
 
 For every model shape (default: all seven, W8A8, skewed routing, as Table 2), on fresh seeded
-inputs (the same seeds as ``moe_bench`` for the same cell):
+inputs (the same seeds as ``bench`` for the same cell):
 
 1. Correctness first, on Combine buffers poisoned with NaN: the timing kernel under both schedules
-   (spin errors zero, bitwise-equal buffers, float32 reference within ``moe_bench.TOLERANCE``); the
+   (spin errors zero, bitwise-equal buffers, float32 reference within ``bench.TOLERANCE``); the
    instrumented and the fenced variants bitwise equal to it; the local-store control (every peer
    table entry pointed at a local buffer) writing exactly the rows the peers received. Any failure
    on any rank aborts before timing, with no output file.
@@ -26,7 +26,7 @@ inputs (the same seeds as ``moe_bench`` for the same cell):
 5. Regressions (``--regressions`` moe_bench outputs): every matrix cell with speedup below 1 (the
    worst ``--max-regressions``), both schedules instrumented, with the component of SM time that
    grows under Interleaved (dependency wait, mainloops, epilogues): the measured cause.
-6. The knee sweep (``--knee-models``): a SYNTHETIC kernel (``moe.synthetic_k_blocks``: a fraction
+6. The knee sweep (``--knee-models``): a SYNTHETIC kernel (``layer.synthetic_k_blocks``: a fraction
    of every mainloop's K blocks, every Combine store kept) per fraction, both schedules checked
    and timed, Expert-Wave traced with remote stores and with the local-store control.
 
@@ -47,6 +47,7 @@ import torch
 from ...checks import relative_error
 from ...dist_timing import TIMING_METHOD, all_gather_objects, read_sm_clock_mhz, time_methods
 from ...records import read_record
+from ..output import write_output
 from . import layer as moe, trace as moe_trace
 from .bench import (TOLERANCE, abort_on_failures, combine_output, init_expert_parallel,
                         setup_config)
@@ -123,7 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def regression_cells(paths, limit: int, shapes) -> list[dict]:
-    """The cells of ``moe_bench`` outputs (its JSON, or the ``moe`` record made from it) with
+    """The cells of ``bench`` outputs (its JSON, or the ``moe`` record made from it) with
     speedup (wave / interleaved) below 1, worst first, at most ``limit``: {model, precision,
     routing, tokens, speedup}."""
     cells = []
@@ -321,11 +322,12 @@ def run_model(shape: moe.MoEShape, weights, combine, args, local_buf_elems: int)
 
 def knee_sweep(setup, weights, combine, local, local_peers, base: dict, prep: dict, args,
                what: str) -> list[dict]:
-    """The X-Stage inside the fused kernel: per fraction s of K blocks (``moe.synthetic_k_blocks``;
-    a synthetic kernel, not the MoE layer), Expert-Wave and Interleaved checked (bitwise equal,
-    the local-store control equal to the remote run, no spin errors), timed side by side, and
-    Expert-Wave traced with remote stores and with the local-store control: its Linear-2 span
-    T_RS and mainloops (the gap between bursts) against s. Rows ``knee_sweep``."""
+    """The X-Stage inside the fused kernel: per fraction s of K blocks
+    (``layer.synthetic_k_blocks``; a synthetic kernel, not the MoE layer), Expert-Wave and
+    Interleaved checked (bitwise equal, the local-store control equal to the remote run, no spin
+    errors), timed side by side, and Expert-Wave traced with remote stores and with the local-store
+    control: its Linear-2 span T_RS and mainloops (the gap between bursts) against s. Rows
+    ``knee_sweep``."""
     import torch.distributed as dist
     world, slots = dist.get_world_size(), setup.rows_view.shape[0]
     rows = []
@@ -381,7 +383,7 @@ def knee_sweep(setup, weights, combine, local, local_peers, base: dict, prep: di
 
 
 def run_regression_cell(cell: dict, shape: moe.MoEShape, weights, combine, args) -> dict:
-    """Both schedules of one regressing matrix cell (same seeds as ``moe_bench``), instrumented:
+    """Both schedules of one regressing matrix cell (same seeds as ``bench``), instrumented:
     bitwise equal to the timing kernel first, then one traced launch each; the component of SM
     time that grows under Interleaved (``moe_trace.regression_cause``) on the critical rank."""
     precision, routing, tokens = cell["precision"], cell["routing"], cell["tokens"]
@@ -485,8 +487,7 @@ def main(argv=None) -> None:
             "sm_clock_mhz_start": clocks_start, "sm_clock_mhz_end": clocks_end,
             "wall_s": time.time() - started, "provenance": provenance(),
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"metadata": meta, "rows": rows}, default=_plain))
+        write_output(args.out, meta, rows, default=_plain)
         print(f"wrote {args.out} ({len(rows)} rows, {args.out.stat().st_size / 2**20:.1f} MiB, "
               f"{time.time() - started:.0f} s)")
     dist.barrier(device_ids=[local_rank])
