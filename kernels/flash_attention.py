@@ -22,7 +22,7 @@ import triton.language as tl
 # tile, so their softmax and MMAs do not interleave; two 4-warp CTAs per SM (128 x 64 at two
 # stages: 255 registers, 96 KiB of shared memory each) run independently and do. CONFIGS holds the
 # fastest FA-only configuration of this kernel measured against cuDNN on H200 by
-# ``attention_bench --fa-only`` (one GPU, H = 12 local heads, M = 16K..64K); CANDIDATES are what
+# ``attention.bench --fa-only`` (one GPU, H = 12 local heads, M = 16K..64K); CANDIDATES are what
 # the Table 3 benchmark times once per head dim before its sweep, beside the warp-specialized
 # kernel of ``flash_attention_ws.py``, and the configuration it picks serves FA-only, Serial and
 # Fused alike. Triton 3.6's ``tl.range(..., warp_specialize=True)`` is left out: on sm_90 it hung

@@ -13,7 +13,8 @@ from pathlib import Path
 from .launch import BENCHMARKS, measurement_names
 from .records import RECORDS_DIR
 
-# The sweeps of ``remote_store.characterization_sweeps``, by name (checked by a test).
+# The sweeps of ``experiments.remote_store.characterization.characterization_sweeps``, by name
+# (checked by a test).
 SWEEPS = ("drain_rate", "gap", "isolated", "fenced", "lines", "pairs")
 
 

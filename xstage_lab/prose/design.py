@@ -130,8 +130,8 @@ def vals_us(values) -> str:
 
 
 def trace_launch_order(table: pd.DataFrame) -> Prose:
-    """``attention_trace.first_wave_by_launch_order``: the first wave by what the traced launch
-    followed."""
+    """``experiments.attention.trace.first_wave_by_launch_order``: the first wave by what the
+    traced launch followed."""
     if table.empty:
         return Prose()
     parts = []

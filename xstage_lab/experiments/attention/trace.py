@@ -1,4 +1,4 @@
-"""The X-Stage-fused attention epilogue as measured per tile (``attention_trace_bench``), held
+"""The X-Stage-fused attention epilogue as measured per tile (``trace_bench``), held
 against the design test (eq. 10) and the CPU simulator.
 
 Per output tile the trace gives the Q-loop and the epilogue span (the tile's stores issued; T_RS

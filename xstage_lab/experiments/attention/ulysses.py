@@ -183,7 +183,7 @@ def fused_attention_a2a(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``trace`` (int64 [``trace_tiles``, ``TRACE_FIELDS``] on q's device) selects the instrumented
     build: with b = ``trace_block_m`` rows per trace row, row t (rows [(t % (M/b))·b, +b) of local
     head t // (M/b)) receives %globaltimer at entry, epilogue start and epilogue end (every store
-    issued), then the SM id (``attention_trace`` reads it). Its barriers make it a build of its
+    issued), then the SM id (``trace`` reads it). Its barriers make it a build of its
     own: compare it with itself.
     """
     M, cfg = _check_qkv(q, k, v, config)

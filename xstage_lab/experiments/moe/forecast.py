@@ -156,7 +156,7 @@ def kernel_inputs(table: pd.DataFrame, basis: dict = BASIS) -> pd.DataFrame:
 def write_forecast(kernel_platform: str, calibration_platform: str,
                    root: Path = RECORDS_DIR) -> Path:
     """The ``moe_forecast`` record of ``kernel_platform`` (whose latest ``moe_kernel`` record of
-    each precision gives the per-tile times: ``moe_kernel_bench.latest_view``) on
+    each precision gives the per-tile times: ``kernel_bench.latest_view``) on
     ``calibration_platform``'s latest calibration."""
     from ...platform import provenance
     from ...records import latest_record, write_record

@@ -9,7 +9,7 @@ several destinations at once, on every GPU of the machine.
 - ``all_to_all``: every GPU sends to every other, producers split as in one_to_all.
 
 Each distinct route set is measured once (on two GPUs one_to_all and all_to_one are one_to_one
-routes: the record names them degenerate) with the calibration sweeps of ``remote_ops`` on every
+routes: the record names them degenerate) with the calibration sweeps of ``ops`` on every
 source at once; each source gets its own fitted (T_iss⁰, R, Q) and two no-refit errors of its gap
 sweep: from its own fit, and from the one-to-one fit of its route scaled by its drain share.
 """
