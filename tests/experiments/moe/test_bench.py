@@ -12,7 +12,12 @@ MATRIX = Path(__file__).resolve().parents[3] / "data" / "moe_matrix.json"
 
 def test_the_matrix_declares_84_configurations():
     args = moe_bench.parse_args(["--out", "x.json", "--matrix", str(MATRIX)])
-    cells = list(itertools.product(args.models, args.precisions, args.routing, args.tokens))
+    sweep = moe_bench.matrix_sweep(args)
+    assert [a.name for a in sweep.axes] == ["model", "precision", "routing", "tokens"]
+    cells = moe_bench.matrix_cells(args)
+    # the declared order is the product's, model outermost (the bench loads weights per model)
+    assert cells == list(itertools.product(args.models, args.precisions, args.routing,
+                                           args.tokens))
     assert len(cells) == 84
     assert set(args.models) == set(moe.load_shapes())
     assert args.tokens == [2048, 4096, 8192]

@@ -27,7 +27,6 @@ interleaved_us, unfused_us, speedup (= wave / interleaved), spreads, ...}]}``.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
@@ -40,6 +39,7 @@ import torch
 from ...checks import relative_error
 from ...dist_timing import (TIMING_METHOD, all_gather_objects, read_sm_clock_mhz, start_rank,
                            time_methods)
+from ...sweep import Axis, Sweep
 from ..output import write_output
 from . import layer as moe
 from .schedules import MoEProblem, d_knee, default_experts_per_wave, expert_wave_schedule, \
@@ -57,10 +57,19 @@ DEFAULT_TOKENS = 4096  # per rank
 TOLERANCE = {"bf16": {"fp32": 1e-2}, "fp8": {"fp32": 0.1, "fp8_emulated": 2e-2}}
 
 
+def matrix_sweep(args) -> Sweep:
+    """The configuration matrix as a declared sweep: model shape × precision × routing × tokens
+    per rank, one pass (each cell's repeats are its timing trials)."""
+    return Sweep("moe", (Axis("model", args.models), Axis("precision", args.precisions),
+                         Axis("routing", args.routing), Axis("tokens", args.tokens)),
+                 repeats=1, warmup=0)
+
+
 def matrix_cells(args) -> list[tuple[str, str, str, int]]:
-    """(model, precision, routing, tokens) of every cell, in run order; with ``--chunk I/N`` only
-    the I-th of N contiguous, near-equal pieces."""
-    cells = list(itertools.product(args.models, args.precisions, args.routing, args.tokens))
+    """(model, precision, routing, tokens) of every cell of ``matrix_sweep``, in run order; with
+    ``--chunk I/N`` only the I-th of N contiguous, near-equal pieces."""
+    cells = [(p["model"], p["precision"], p["routing"], p["tokens"])
+             for p in matrix_sweep(args).points()]
     if args.chunk is None:
         return cells
     i, n = args.chunk
