@@ -474,3 +474,12 @@ def test_warp_specialized_instrumented_build_stamps_each_half_tile(compiled_ws_k
     ptxas = ptxas_report(ptx)
     assert ptxas["spill_store_bytes"] + ptxas["spill_load_bytes"] == 0
     assert not ptxas["wgmma_serialized"]
+
+
+def test_shapes_are_a_declared_sweep_over_m():
+    args = attention_bench.parse_args(["--out", "x", "--seq", "8192,16384", "--heads", "24",
+                                       "--head-dim", "64"])
+    sweep = attention_bench.shape_sweep(args)
+    assert sweep.describe()["axes"] == {"M": [8192, 16384]} and sweep.repeats == 1
+    assert sweep.points() == [dict(heads=24, head_dim=64, M=8192),
+                              dict(heads=24, head_dim=64, M=16384)]

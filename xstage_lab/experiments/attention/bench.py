@@ -46,6 +46,7 @@ from ...checks import bitwise_equal, poisoned, relative_error
 from ...dist_timing import (all_gather_objects, read_sm_clock_mhz, require_safe_env, rotated_order,
                            start_rank, time_methods)
 from ...platform import provenance
+from ...sweep import Axis, Sweep
 from ..output import write_output
 from . import ulysses as att
 from .model import paired_difference
@@ -211,7 +212,7 @@ def fa_only(args) -> tuple[dict, list[dict]]:
                              f"known at d={d}: {sorted(candidates)}")
         candidates = {name: candidates[name] for name in args.configs}
     rows, checks, skipped, raw = [], [], {}, []
-    for seq_len in args.seq:
+    for seq_len in (p["M"] for p in shape_sweep(args, "fa_only").points()):
         q, k, v = random_qkv(seq_len, H, d, args.seed + seq_len)
         ref = att.reference_attention(q, k, v)
         if args.epilogues:
@@ -326,6 +327,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def shape_sweep(args, name: str = "fa_a2a") -> Sweep:
+    """The attention shapes as a declared sweep: sequence length M over ``--seq``, at the fixed
+    total heads H and head dim d; one pass (each point's repeats are its timing trials)."""
+    return Sweep(name, (Axis("M", args.seq),), fixed=dict(heads=args.heads, head_dim=args.head_dim),
+                 repeats=1, warmup=0)
+
+
 def validate(args, world: int) -> None:
     """Raise ValueError before any launch (the same verdict on every rank)."""
     if not args.seq or min(args.seq) <= 0:
@@ -334,8 +342,9 @@ def validate(args, world: int) -> None:
         raise ValueError(f"--heads must be >= 1, got {args.heads}")
     # Tiles are powers of two: a multiple of the largest suits every candidate configuration.
     tile = max(max(c["BLOCK_M"], c["BLOCK_N"]) for c in att.flash_attention_candidates(args.head_dim))
-    for m in args.seq:
-        att.check_ulysses_shape(m, args.heads, world)
+    for point in shape_sweep(args).points():
+        m = point["M"]
+        att.check_ulysses_shape(m, point["heads"], world)
         if m % tile:
             raise ValueError(f"sequence length M={m} must be a multiple of the {tile}-row tiles")
     if args.trials < 1 or args.iters < 1:
@@ -564,7 +573,7 @@ def main(argv=None) -> int:
             print(f"[attention_bench] P={world} H={args.heads} d={args.head_dim} config={cfg}",
                   file=sys.stderr, flush=True)
         rows, raws = [], []
-        for seq_len in args.seq:
+        for seq_len in (p["M"] for p in shape_sweep(args).points()):
             row, raw = run_case(seq_len, args, cfg, buf, group)
             rows.append(row)
             raws.append(raw)

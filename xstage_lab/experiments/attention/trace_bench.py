@@ -38,7 +38,8 @@ from ...dist_timing import all_gather_objects, read_sm_clock_mhz, start_rank
 from ...platform import provenance
 from ..output import write_output
 from . import ulysses as att
-from .bench import DEFAULT_SEQ, DEVICE, SETTLE_S, check_case, settle, tune, validate
+from .bench import (DEFAULT_SEQ, DEVICE, SETTLE_S, check_case, settle, shape_sweep, tune,
+                    validate)
 
 BUILDS = ("fused", "control")  # remote stores to the peers; the same code storing on this GPU
 POISON_STAMP = -1
@@ -171,7 +172,7 @@ def main(argv=None) -> int:
         cfg, tuning = (tune(args, group) if args.tune
                        else (att.flash_attention_config(args.head_dim, device=DEVICE), []))
         rows = []
-        for seq_len in args.seq:
+        for seq_len in (p["M"] for p in shape_sweep(args, "fa_trace").points()):
             mine = trace_case(seq_len, args, cfg, buf, group)
             rows += [r for per_rank in all_gather_objects(mine, group) for r in per_rank]
             if rank == 0:
