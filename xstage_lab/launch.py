@@ -1,5 +1,6 @@
-"""Live multi-GPU runs from a notebook: one process per GPU under torchrun, whose JSON output
-becomes a record."""
+"""Live runs on this machine's GPUs, each writing a record: in process (CuPy) or one process per
+GPU under torchrun, whose JSON output becomes a record. ``measure-all`` runs them all; ``load``'s
+``cuda`` backend runs one (``live_record``)."""
 from __future__ import annotations
 
 import os
