@@ -289,7 +289,8 @@ def fa_only(args) -> tuple[dict, list[dict]]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m xstage_lab.experiments.attention.bench",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="JSON file written by rank 0")
     p.add_argument("--fa-only", action="store_true",
                    help="one process, no torchrun: time the FA-only configurations against cuDNN "

@@ -46,7 +46,8 @@ POISON_STAMP = -1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m xstage_lab.experiments.attention.trace_bench",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="JSON file written by rank 0")
     p.add_argument("--seq", default=",".join(map(str, DEFAULT_SEQ)),
                    help="comma-separated sequence lengths M")

@@ -78,7 +78,8 @@ def matrix_cells(args) -> list[tuple[str, str, str, int]]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     shapes = moe.load_shapes()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m xstage_lab.experiments.moe.bench",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="JSON written by rank 0")
     p.add_argument("--models", default=",".join(shapes), help=f"comma list of {list(shapes)}")
     p.add_argument("--precisions", default=",".join(moe.PRECISIONS))

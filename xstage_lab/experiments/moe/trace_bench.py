@@ -61,7 +61,8 @@ TRACED_WARMUP = 2  # instrumented launches before the traced one (compile, cache
 
 def parse_args(argv=None) -> argparse.Namespace:
     shapes = moe.load_shapes()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m xstage_lab.experiments.moe.trace_bench",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="JSON written by rank 0")
     p.add_argument("--models", default=",".join(shapes))
     p.add_argument("--local-models", default=None,
