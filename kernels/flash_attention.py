@@ -1,7 +1,7 @@
 """FlashAttention forward fused with the Ulysses post-attention All-to-All (paper §4.3, Figs. 5-7).
 
 Device code only: loaded by path through ``xstage_lab.kernel_sources.load_kernel_module``; the
-launchers, their contracts and launch configurations: ``xstage_lab/experiments/attention.py``.
+launchers, their contracts and launch configurations: ``xstage_lab/experiments/attention/ulysses.py``.
 
 Ulysses layout (§4.3, Fig. 5), P ranks, H heads, head dim d, M tokens, H/P = H_LOCAL, M/P = rows per rank:
   input on rank r      q, k, v  [M, H_LOCAL, d] bf16: every token, heads [r*H_LOCAL, (r+1)*H_LOCAL)

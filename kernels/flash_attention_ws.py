@@ -2,7 +2,7 @@
 epilogues of ``flash_attention.py`` (paper §4.3, Figs. 5-7; the Ulysses layout is described there).
 
 Device code only: loaded by path through ``xstage_lab.kernel_sources.load_kernel_module``; the
-launchers, their contracts and launch configurations: ``xstage_lab/experiments/attention.py``.
+launchers, their contracts and launch configurations: ``xstage_lab/experiments/attention/ulysses.py``.
 
 Why a second kernel: the Triton kernel cannot warp-specialize on sm_90 (Triton 3.6's
 ``tl.range(warp_specialize=True)`` hangs or fails to compile there), and ncu shows cuDNN's

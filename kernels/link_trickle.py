@@ -1,7 +1,7 @@
 """Link trickle: one warp storing one 16-byte vector every ``period_ns`` into a target buffer.
 
 Device code only; the host side (launch, checks, the windows it runs beside) is
-``xstage_lab/experiments/link_probe.py``.
+``xstage_lab/experiments/probes/link.py``.
 
 The probe asks whether NVLink activity as such, whatever the bytes, costs the SMs clock under the
 GPU's power cap. The trickle's bytes are nothing (16 bytes per period, at most 8 MB/s at a 2 µs

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from xstage_lab import model
-from xstage_lab.experiments.remote_store import characterization_sweeps
+from xstage_lab.experiments.remote_store.characterization import characterization_sweeps
 
 KNOWN = dict(drain_rate=700.0, fixed_us=0.25, issue_rate_per_producer_GBps=45.0,
              capacity_per_producer=32 * 1024, loop_gap_us=1.2, sm_count=132)
@@ -62,7 +62,7 @@ def synthetic_beyond_table(sweeps, drain_rate=None, noise: float = 0.0, seed: in
     """Per-burst rows shaped like ``RemoteOpsBench.measure``'s for ``remote_ops.config_sweeps``:
     every source of a point's routes drains at ``drain_rate(point)`` (default KNOWN's) times its
     drain share, with KNOWN's issue floor, capacity and loop gap."""
-    from xstage_lab.experiments.remote_ops import drain_share, parse_routes
+    from xstage_lab.experiments.remote_store.ops import drain_share, parse_routes
 
     rng = np.random.default_rng(seed)
     bar = KNOWN["loop_gap_us"]
@@ -95,11 +95,11 @@ def write_synthetic_beyond_records(root, n_gpus: int = 2, noise: float = 0.01):
     """A ``remote_ops`` and a ``remote_patterns`` record under ``root`` from the model: 16-byte
     stores at KNOWN's rate, every other operation at its own rate (the reductions far slower),
     each all-to-one source at its drain share. Returns (ops path, patterns path)."""
-    from xstage_lab.experiments.injection_patterns import (pattern_instances, route_sets,
+    from xstage_lab.experiments.remote_store.patterns import (pattern_instances, route_sets,
                                                           write_patterns)
-    from xstage_lab.experiments.remote_ops import (OPS, config_sweeps, drain_share,
+    from xstage_lab.experiments.remote_store.ops import (OPS, config_sweeps, drain_share,
                                                    parse_routes, write_operations)
-    from xstage_lab.experiments.remote_store import BenchSettings
+    from xstage_lab.experiments.remote_store.characterization import BenchSettings
 
     rates = dict(zip(OPS, (700.0, 650.0, 400.0, 300.0, 690.0, 120.0, 110.0)))
     provenance = {"gpu_name": "NVIDIA H200", "gpu_count": n_gpus, "synthetic": True}

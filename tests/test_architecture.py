@@ -14,10 +14,11 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, name: str) -> set[str]:
+def imports(path: Path, name: str, modules: set[str] = frozenset()) -> set[str]:
     """Every dotted name that the source at ``path`` (the module ``name``) imports, at any depth
-    (imports inside functions count): the modules, and for ``from m import x`` also ``m.x``,
-    which is a module where x is a submodule."""
+    (imports inside functions count): the modules, and for ``from m import x`` also ``m.x``.
+    ``from m import x`` depends on m's own namespace (its ``__init__``) unless every x is one of
+    ``modules``: then it depends on those submodules, as ``import m.x`` does."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -27,14 +28,16 @@ def imports(path: Path, name: str) -> set[str]:
             parts = package.split(".")
             base = parts[:len(parts) - node.level + 1] if node.level else []
             source = ".".join([*base, *([node.module] if node.module else [])])
-            out |= {source} | {f"{source}.{a.name}" for a in node.names}
+            named = {f"{source}.{a.name}" for a in node.names}
+            out |= named | (set() if named <= modules else {source})
     return out
 
 
 def import_graph() -> dict[str, set[str]]:
     """Module -> the modules of the package it imports."""
     sources = {module_name(p): p for p in (REPO / PACKAGE).rglob("*.py")}
-    return {name: imports(path, name) & set(sources) - {name} for name, path in sources.items()}
+    names = set(sources)
+    return {name: imports(path, name, names) & names - {name} for name, path in sources.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -71,6 +74,9 @@ def test_imports_resolve_relative_and_function_level_imports(tmp_path):
     source.parent.mkdir(parents=True)
     source.write_text("from .. import a\nfrom .b import c\n\ndef f():\n    import pkg.d\n")
     assert imports(source, "pkg.sub.mod") == {"pkg", "pkg.a", "pkg.sub.b", "pkg.sub.b.c", "pkg.d"}
+    # ``a`` a submodule: the import names it, not pkg's namespace
+    assert imports(source, "pkg.sub.mod", {"pkg.a"}) == {"pkg.a", "pkg.sub.b", "pkg.sub.b.c",
+                                                          "pkg.d"}
 
 
 def test_the_package_has_no_import_cycle():

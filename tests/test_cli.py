@@ -146,7 +146,7 @@ def test_every_option_has_help_and_no_issue_number():
 
 def test_characterize_names_every_sweep():
     from xstage_lab.__main__ import SWEEPS
-    from xstage_lab.experiments.remote_store import characterization_sweeps
+    from xstage_lab.experiments.remote_store.characterization import characterization_sweeps
 
     assert SWEEPS == tuple(s.name for s in characterization_sweeps(132, 2))
 

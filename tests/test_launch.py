@@ -38,7 +38,7 @@ def test_measure_all_launches_every_rank_of_eight_gpus(tmp_path, monkeypatch):
     is imported under the records root, and nothing runs in process but what ``only`` names."""
     import subprocess
 
-    from tests.experiments.test_remote_store import make_inv
+    from tests.experiments.remote_store.test_characterization import make_inv
     from xstage_lab.platform import SAFE_ENV
 
     monkeypatch.setattr("xstage_lab.platform.inventory", lambda: make_inv(8))

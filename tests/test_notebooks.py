@@ -142,10 +142,11 @@ def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_r
     the per-platform ones work on the 8-GPU records (P = 8, 73 injection-pattern route sets)."""
     import functools
 
-    from xstage_lab import plots
-    from xstage_lab.experiments import attention_model, injection_patterns, moe_trace, remote_store
-    from xstage_lab.experiments.visibility import load_visibility
-    from xstage_lab.launch import load_or_run
+    from xstage_lab import load, plots
+    from xstage_lab.experiments.attention import model as attention_model
+    from xstage_lab.experiments.moe import trace as moe_trace
+    from xstage_lab.experiments.remote_store import characterization as remote_store
+    from xstage_lab.experiments.remote_store import patterns as injection_patterns
     from xstage_lab.paper import published
 
     root, both = eight_gpu_root, ["h200-x2", "h200-x8"]
@@ -154,15 +155,15 @@ def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_r
                         functools.partial(remote_store.latest_calibration, root=root))
 
     # 01: Table 1, the calibration summary, the pairs heat maps, the visibility clocks
-    _, chars = remote_store.load_characterizations("replay", root=root)
+    chars = load("remote_store", backend="replay", root=root)
     assert [c.record.platform for c in chars] == both
     cals = [c.calibration for c in chars]
     assert list(plots.table1_comparison(published("table1"), cals).columns) == [
         "quantity", "paper", *both]
     assert list(plots.calibration_summary_table(cals).columns) == ["quantity", *both]
-    assert len(load_visibility("replay", root=root)) == 2
+    assert len(load("visibility", backend="replay", root=root)) == 2
     # 02: Table 3, the times per platform, Fig. 11 with each platform's predictions
-    _, fa = load_or_run("fa_a2a", "replay", root=root)
+    fa = load("fa_a2a", backend="replay", root=root)
     assert [r.platform for r in fa] == both
     # labels from the records: the kernel from the record's config (gluon_ws in the latest), P,
     # heads and head dim from its rows
@@ -177,8 +178,8 @@ def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_r
     assert {"h200-x2 Gluon FA (warp-specialized), P=2, H=24, d=128",
             "h200-x8 Gluon FA (warp-specialized), P=8, H=24, d=128"} <= groups
     # 03: the MoE headline, Fig. 8, Table 2, Condition 1 per platform
-    _, moe = load_or_run("moe", "replay", root=root)
-    _, traces = load_or_run("moe_trace", "replay", root=root)
+    moe = load("moe", backend="replay", root=root)
+    traces = load("moe_trace", backend="replay", root=root)
     headlines = {r.platform: moe_trace.headline_numbers(r.table) for r in moe}
     assert plots.moe_headline(published("moe_headline"), headlines)["source"].tolist() == ["paper", *both]
     assert [a.text for a in plots.moe_speedups(moe).layout.annotations] == both
@@ -188,9 +189,9 @@ def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_r
         assert len(moe_trace.condition1_table(r.table, remote_store.latest_calibration(r.platform)
                                               .platform_model()))
     # 05: injection patterns and operations per platform
-    _, beyond = injection_patterns.load_beyond("replay", root)
-    assert list(beyond) == both
-    rec = beyond["h200-x8"]["patterns"]
+    patterns = load("remote_patterns", backend="replay", root=root)
+    assert [r.platform for r in patterns] == both
+    rec = patterns[1]
     entry = injection_patterns.summary_entry(rec.params, rec.record_id)
     assert len(plots.patterns_table(entry)) == 56 + 8 + 8 * 7 + 8
     assert plots.patterns_drain_heatmap(entry, "h200-x8").data[0].z.shape == (8, 8)

@@ -296,9 +296,9 @@ def test_measured_skew_explains_the_long_gap_plateau():
     """Issue 20: the aligned simulation plateaus at (V − Q)/R for long gaps at B = 32 and 64 KiB,
     far above the measured issue time; with the producers spread over their measured start
     skew it stays at T_iss^0, as measured."""
-    from xstage_lab.experiments.remote_store import load_characterizations
+    from xstage_lab import load
 
-    _, (c, *_) = load_characterizations("replay", ["h200-x2"])
+    c = load("remote_store", "h200-x2", backend="replay")[0]
     sim, errors = simulator.check_gap_sweep(c.calibration, c.predicted, c.record)
     assert {"start_skew_us", "t_iss_skew_sim_us", "period_skew_sim_us", "regime"} <= set(sim)
     assert errors["simulator_skewed_t_iss_err_pct"] < errors["simulator_t_iss_err_pct"]

@@ -13,7 +13,8 @@ from pathlib import Path
 from .launch import BENCHMARKS, measurement_names
 from .records import RECORDS_DIR
 
-# The sweeps of ``remote_store.characterization_sweeps``, by name (checked by a test).
+# The sweeps of ``experiments.remote_store.characterization.characterization_sweeps``, by name
+# (checked by a test).
 SWEEPS = ("drain_rate", "gap", "isolated", "fenced", "lines", "pairs")
 
 
@@ -80,19 +81,19 @@ def _existing_file(path: Path) -> Path:
 
 
 def _characterize(args) -> int:
-    from .experiments.remote_store import CALIBRATION_SWEEPS
+    from .experiments.remote_store.characterization import CALIBRATION_SWEEPS
 
     if args.calibrate and args.only and not set(CALIBRATION_SWEEPS) <= set(args.only):
         raise UsageError(f"--calibrate needs the sweeps {CALIBRATION_SWEEPS} among --only")
     _distinct(args.src, args.dst)
     _need_gpus((args.src, args.dst))
-    from .experiments.remote_store import run_characterization
+    from .experiments.remote_store.characterization import run_characterization
 
     path = run_characterization(repeats=args.repeats, src=args.src, dst=args.dst,
                                 only=tuple(args.only) if args.only else None, root=args.root)
     print(f"wrote {path}")
     if args.calibrate:
-        from .experiments.remote_store import write_calibration
+        from .experiments.remote_store.characterization import write_calibration
         print(f"wrote {write_calibration(path, root=args.root)}")
     return 0
 
@@ -104,8 +105,8 @@ def _characterize_beyond(args) -> int:
     if "ops" in args.only:
         _distinct(args.src, args.dst)
     _need_gpus(*([(args.src, args.dst)] if "ops" in args.only else []))
-    from .experiments.injection_patterns import run_patterns
-    from .experiments.remote_ops import run_operations
+    from .experiments.remote_store.patterns import run_patterns
+    from .experiments.remote_store.ops import run_operations
 
     repeats = {} if args.repeats is None else {"repeats": args.repeats}
     parts = {"patterns": lambda: run_patterns(root=args.root, **repeats),
@@ -123,7 +124,7 @@ def _characterize_beyond(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from .experiments.remote_store import write_calibration
+    from .experiments.remote_store.characterization import write_calibration
     from .records import read_record
 
     try:
@@ -147,7 +148,7 @@ def _import_bench(args) -> int:
 def _visibility(args) -> int:
     _distinct(args.src, args.dst)
     _need_gpus((args.src, args.dst))
-    from .experiments.visibility import run_visibility
+    from .experiments.remote_store.visibility import run_visibility
 
     print(f"wrote {run_visibility(src=args.src, dst=args.dst, repeats=args.repeats, root=args.root)}")
     return 0

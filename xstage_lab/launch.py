@@ -1,11 +1,13 @@
-"""Live multi-GPU runs from a notebook: one process per GPU under torchrun, whose JSON output
-becomes a record."""
+"""Live runs on this machine's GPUs, each writing a record: in process (CuPy) or one process per
+GPU under torchrun, whose JSON output becomes a record. ``measure-all`` runs them all; ``load``'s
+``cuda`` backend runs one (``live_record``)."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from .platform import SAFE_ENV
@@ -15,11 +17,11 @@ MOE_MATRIX = Path(__file__).resolve().parent.parent / "data" / "moe_matrix.json"
 
 
 # The multi-process experiments: record name -> the module torchrun runs.
-BENCHMARKS = {"fa_a2a": "xstage_lab.experiments.attention_bench",
-              "moe": "xstage_lab.experiments.moe_bench",
-              "moe_trace": "xstage_lab.experiments.moe_trace_bench",
-              "fa_trace": "xstage_lab.experiments.attention_trace_bench",
-              "moe_kernel": "xstage_lab.experiments.moe_kernel_bench"}
+BENCHMARKS = {"fa_a2a": "xstage_lab.experiments.attention.bench",
+              "moe": "xstage_lab.experiments.moe.bench",
+              "moe_trace": "xstage_lab.experiments.moe.trace_bench",
+              "fa_trace": "xstage_lab.experiments.attention.trace_bench",
+              "moe_kernel": "xstage_lab.experiments.moe.kernel_bench"}
 # Benchmarks of one GPU (one rank of the paper's setting on its own): one process, not one per GPU.
 ONE_GPU = frozenset({"moe_kernel"})
 
@@ -47,29 +49,9 @@ def torchrun_record(module: str, experiment: str, nproc: int, args: list[str] = 
         return import_bench_json(out, experiment, root)
 
 
-def load_or_run(experiment: str, backend: str = "auto", args: list[str] = (),
-                root: Path = RECORDS_DIR):
-    """``cuda``: run the experiment's benchmark on every peer-capable GPU and return its new
-    record; ``replay``: the latest committed record of every platform. Returns (backend choice,
-    records)."""
-    from .platform import choose_backend, inventory
-    from .records import latest_record, platforms, read_record
-
-    choice = choose_backend(backend)
-    if choice.name == "cuda":
-        path = torchrun_record(BENCHMARKS[experiment], experiment,
-                               processes(experiment, inventory().peer_capable_gpus), list(args),
-                               root)
-        return choice, [read_record(path)]
-    names = platforms(experiment, root)
-    if not names:
-        raise FileNotFoundError(f"no {experiment!r} records under {root}")
-    return choice, [latest_record(experiment, p, root) for p in names]
-
-
 def _remote_store(root: Path) -> list[Path]:
     """The remote-store characterization (Fig. 3 sweeps) and the calibration fitted from it."""
-    from .experiments.remote_store import run_characterization, write_calibration
+    from .experiments.remote_store.characterization import run_characterization, write_calibration
 
     characterization = run_characterization(root=root)
     return [characterization, write_calibration(characterization, root=root)]
@@ -77,21 +59,21 @@ def _remote_store(root: Path) -> list[Path]:
 
 def _visibility(root: Path) -> list[Path]:
     """Receiver-side remote-visible completion latency (issue 8 part 2)."""
-    from .experiments.visibility import run_visibility
+    from .experiments.remote_store.visibility import run_visibility
 
     return [run_visibility(root=root)]
 
 
 def _remote_patterns(root: Path) -> list[Path]:
     """Multi-peer injection patterns on every GPU (issue 6, part 1)."""
-    from .experiments.injection_patterns import run_patterns
+    from .experiments.remote_store.patterns import run_patterns
 
     return [run_patterns(root=root)]
 
 
 def _remote_ops(root: Path) -> list[Path]:
     """Remote operations beyond 16-byte stores (issue 6, part 2)."""
-    from .experiments.remote_ops import run_operations
+    from .experiments.remote_store.ops import run_operations
 
     return [run_operations(root=root)]
 
@@ -99,6 +81,21 @@ def _remote_ops(root: Path) -> list[Path]:
 # The in-process (CuPy) measurements: name -> function(root) returning the records it wrote.
 IN_PROCESS = {"remote_store": _remote_store, "visibility": _visibility,
               "remote_patterns": _remote_patterns, "remote_ops": _remote_ops}
+
+
+def live_record(experiment: str) -> Callable[[Path], Path] | None:
+    """How ``loading.load`` measures ``experiment`` live: a function(root) that runs it on this
+    machine's GPUs and returns its new record (the remote-store characterization's, its
+    calibration written beside it); None where its records come from other records."""
+    if experiment in IN_PROCESS:
+        return lambda root: IN_PROCESS[experiment](root)[0]
+    if experiment in BENCHMARKS:
+        from .platform import inventory
+
+        return lambda root: torchrun_record(
+            BENCHMARKS[experiment], experiment,
+            processes(experiment, inventory().peer_capable_gpus), [], root)
+    return None
 
 
 def measurement_names() -> list[str]:
@@ -144,7 +141,7 @@ def measure_all(root: Path = RECORDS_DIR, only: list[str] | None = None) -> list
                                             _benchmark_args(name, written, root), root)
             paths.append(written[name])
             if name == "moe_kernel":  # its forecast, on this platform's calibration if any
-                from .experiments.moe_forecast import write_forecast
+                from .experiments.moe.forecast import write_forecast
                 from .platform import platform_name
                 from .records import platforms
 

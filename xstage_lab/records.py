@@ -187,13 +187,13 @@ def resolve_record(experiment: str, platform: str, record: str | None,
 
 
 def import_bench_json(path: Path | str, experiment: str, root: Path = RECORDS_DIR) -> Path:
-    """Save a multi-process benchmark's JSON output (``rows`` plus a header holding
-    ``provenance``, at top level or under ``metadata``) as a record of ``experiment``."""
+    """Save a benchmark's JSON output (``experiments.output.write_output``: ``rows`` and a
+    ``metadata`` header holding ``provenance``) as a record of ``experiment``."""
     from .platform import platform_key
 
     doc = json.loads(Path(path).read_text())
     rows = doc.pop("rows")
-    header = doc.pop("metadata", doc)
+    header = doc.pop("metadata")
     provenance = header.pop("provenance")
     table = pd.DataFrame([{k: json.dumps(v) if isinstance(v, (dict, list)) else v
                            for k, v in row.items()} for row in rows])

@@ -12,15 +12,21 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from .experiments import moe_trace
-from .experiments.attention_model import summary_counterfactual as attention_counterfactual
-from .experiments.visibility import summary_entry as visibility_entry
-from .records import RECORDS_DIR, latest_record, list_records, platforms, read_record
+from .experiments.moe import trace as moe_trace
+from .experiments.attention.model import summary_counterfactual as attention_counterfactual
+from .experiments.remote_store.visibility import summary_entry as visibility_entry
+from .loading import load
+from .records import RECORDS_DIR, Record, list_records, platforms, read_record
+
+
+def _latest(experiment: str, platform: str, root: Path) -> Record:
+    """The platform's latest record of ``experiment``, as the notebooks replay it."""
+    return load(experiment, platform, backend="replay", root=root)[0]
 
 
 def calibration_entry(platform: str, root: Path) -> dict:
     """The ``calibration`` entry: the latest calibration record's quantities."""
-    rec = latest_record("calibration", platform, root)
+    rec = _latest("calibration", platform, root)
     return {row.quantity: json.loads(row.value) for row in rec.table.itertuples()}
 
 
@@ -28,7 +34,7 @@ def counterfactual_entry(platform: str, root: Path) -> dict:
     """The ``counterfactual`` entry: the fenced (completion-coupled) microbenchmark beside the
     decoupled one, from the latest calibration record (absent where its characterization had no
     fenced sweep)."""
-    completion = latest_record("calibration", platform, root).params["calibration"].get("completion")
+    completion = _latest("calibration", platform, root).params["calibration"].get("completion")
     if completion is None:
         return {}
     return {"T_complete_us": completion["t_complete_us"],
@@ -62,7 +68,7 @@ def fa_a2a_entry(platform: str, root: Path) -> list[dict]:
 def moe_entry(platform: str, root: Path) -> dict:
     """The ``moe`` entry: speedup of Interleaved over Expert-Wave across the configurations, and
     Table 2 (eq. 15 per model) where a ``moe_trace`` record exists."""
-    return {**moe_trace.headline_numbers(latest_record("moe", platform, root).table),
+    return {**moe_trace.headline_numbers(_latest("moe", platform, root).table),
             **({"table2": t} if (t := moe_trace.summary_table2(platform, root)) else {})}
 
 
@@ -72,24 +78,24 @@ def _plain(value):
 
 def patterns_entry(platform: str, root: Path) -> dict:
     """The ``patterns`` entry: injection patterns, from the latest record."""
-    from .experiments.injection_patterns import summary_entry
+    from .experiments.remote_store.patterns import summary_entry
 
-    rec = latest_record("remote_patterns", platform, root)
+    rec = _latest("remote_patterns", platform, root)
     return summary_entry(rec.params, rec.record_id)
 
 
 def operations_entry(platform: str, root: Path) -> dict:
     """The ``operations`` entry: remote operations beyond 16-byte stores."""
-    from .experiments.remote_ops import summary_entry
+    from .experiments.remote_store.ops import summary_entry
 
-    rec = latest_record("remote_ops", platform, root)
+    rec = _latest("remote_ops", platform, root)
     return summary_entry(rec.params, rec.record_id)
 
 
 def moe_kernel_entry(platform: str, root: Path) -> dict:
     """The ``moe_kernel`` entry: the fused kernel on one GPU against cuBLAS and torch's grouped
     GEMMs, and the one-token call."""
-    from .experiments.moe_kernel_bench import summary_entry
+    from .experiments.moe.kernel_bench import summary_entry
 
     return summary_entry(platform, root)
 
@@ -97,7 +103,7 @@ def moe_kernel_entry(platform: str, root: Path) -> dict:
 def moe_forecast_entry(platform: str, root: Path) -> dict:
     """The ``moe_forecast`` entry: per model, precision and P, what the Burst–Gap model predicts
     for the Linear-2 Combine bursts from the kernel's one-GPU times."""
-    from .experiments.moe_forecast import summary_entry
+    from .experiments.moe.forecast import summary_entry
 
     return summary_entry(platform, root)
 

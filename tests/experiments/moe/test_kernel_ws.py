@@ -1,0 +1,244 @@
+"""The warp-specialized Gluon MoE kernel (kernels/moe_fused_ws.py) on the CPU: its launch contract
+and its sm_90 build (Gluon kernels do not run in the interpreter; tests/experiments/
+test_moe_kernel_gpu.py runs it on a Hopper GPU against the reference).
+
+The sm_90 build is checked for what the kernel's speed rests on: no spills, wgmma not serialized,
+registers reallocated between the partitions, TMA loads, 16-byte Combine stores, a shared-memory
+footprint that ``moe.ws_shared_memory_bytes`` (the launcher's contract) bounds, and the ordering
+of the Linear-1 -> Linear-2 handoff (release, acquire, proxy fences).
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+
+import pytest
+import torch
+import triton
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from tests.experiments.triton_testing import HOPPER_SMEM_PER_BLOCK, hopper_target, ptxas_report
+from xstage_lab.experiments.moe import layer as moe
+from xstage_lab.experiments.moe.schedules import MoEProblem, expert_wave_schedule
+from xstage_lab.kernel_sources import kernel_path
+
+SHAPES = moe.load_shapes()
+
+
+@pytest.fixture(scope="module")
+def ws_module():
+    """A private copy of kernels/moe_fused_ws.py (compiled here, never launched)."""
+    spec = importlib.util.spec_from_file_location("_test_moe_fused_ws_sm90",
+                                                  kernel_path("moe_fused_ws.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile(module, precision: str, cfg: moe.TileConfig, instrument: bool = False,
+             fence: bool = False):
+    """The kernel for sm_90 with the argument types ``moe._prepare_ws_call`` passes."""
+    dtype, name = (gl.float8e4nv, "fp8e4nv") if precision == "fp8" else (gl.bfloat16, "bf16")
+    half, bk = cfg.block_m // 2, cfg.block_k
+
+    def desc(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, bk], dtype)
+        return f"tensordesc<{name}[{rows}, {bk}],{layout!r}>"
+
+    scale = "*fp32" if precision == "fp8" else "*i32"  # bf16: the error flag stands in
+    signature = {"tiles": "*i32", "num_tiles": "*i32", "max_tiles": "i32",
+                 "x_desc": desc(half), "w1_desc": desc(cfg.block_n1), "h_desc": desc(half),
+                 "w2_desc": desc(cfg.block_n2), "x_scale": scale, "w1_scale": scale,
+                 "w2_scale": scale, "h": f"*{name}", "h_scale": scale, "row_ready": "*i32",
+                 "row_src": "*i32", "row_slot": "*i32", "combine_ptrs": "*i64", "error": "*i32",
+                 "max_spin": "i32", "trace": "*i64" if instrument else "*i32", "HIDDEN": "i32",
+                 "INTER": "i32", "l1_k_blocks": "i32", "l2_k_blocks": "i32", "FP8": "constexpr",
+                 "BLOCK_N1": "constexpr", "BLOCK_N2": "constexpr", "BLOCK_K": "constexpr",
+                 "STAGES": "constexpr", "INSTRUMENT": "constexpr", "FENCE": "constexpr"}
+    names = list(signature)
+    constexprs = {(names.index(k),): v for k, v in dict(
+        FP8=precision == "fp8", BLOCK_N1=cfg.block_n1, BLOCK_N2=cfg.block_n2, BLOCK_K=bk,
+        STAGES=cfg.num_stages, INSTRUMENT=instrument, FENCE=fence).items()}
+    # what Triton's launcher specializes: 16-byte aligned tensors, ints divisible by 16
+    aligned = {(names.index(k),): [["tt.divisibility", 16]]
+               for k, v in signature.items() if v.startswith("*")}
+    aligned.update({(names.index(k),): [["tt.divisibility", 16]] for k in ("HIDDEN", "INTER")})
+    return triton.compile(GluonASTSource(module.moe_fused_ws_kernel, signature, constexprs,
+                                         aligned), target=hopper_target(),
+                          options=dict(num_warps=4))
+
+
+def _default_configs():
+    """Every default gluon_ws configuration of the model shapes (what the benchmarks run)."""
+    configs = {}
+    for precision in moe.PRECISIONS:
+        for shape in SHAPES.values():
+            cfg = moe.default_tile_config(precision, "gluon_ws", hidden=shape.hidden)
+            configs[(precision, cfg.block_n2, cfg.num_stages)] = cfg
+    return configs
+
+
+@pytest.mark.parametrize("key", list(_default_configs()), ids=lambda k: "-".join(map(str, k)))
+def test_compiles_for_hopper(ws_module, key):
+    precision, cfg = key[0], _default_configs()[key]
+    k = _compile(ws_module, precision, cfg)
+    ptx = k.asm["ptx"]
+    report = ptxas_report(ptx)
+    # the 256-wide FP8 Linear-2 build spills three loop-invariant scalars (12 bytes, whatever the
+    # partitions' register split), every other build nothing
+    allowed = 16 if (precision, cfg.block_n2) == ("fp8", 256) else 0
+    assert report["spill_store_bytes"] <= allowed and report["spill_load_bytes"] <= 2 * allowed, \
+        report
+    assert not report["wgmma_serialized"]
+    assert k.metadata.shared <= moe.ws_shared_memory_bytes(precision, cfg.block_n2, cfg.block_k,
+                                                           cfg.num_stages) <= HOPPER_SMEM_PER_BLOCK
+    kind = "e4m3.e4m3" if precision == "fp8" else "bf16.bf16"
+    assert f"wgmma.mma_async.sync.aligned.m64n{cfg.block_n1}k" in ptx and kind in ptx
+    assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
+    assert "cp.async.bulk.tensor.2d" in ptx
+    assert "st.global.v4" in ptx  # 16-byte h and Combine stores
+    # the Linear-1 -> Linear-2 handoff: release by the writers, acquire by the producer, proxy
+    # fences on both sides (h is written by generic stores and read by TMA)
+    assert "ld.acquire.gpu" in ptx and "atom.global.gpu.release.add" in ptx
+    assert ptx.count("fence.proxy.async.global") >= 3  # two consumer partitions, the producer
+    assert "atom.global.sys.release" in ptx  # every Combine store performed before the program exits
+
+
+def test_default_configs_follow_the_shapes():
+    bf16 = moe.default_tile_config("bf16", "gluon_ws", hidden=4096)
+    assert (bf16.block_m, bf16.block_n1, bf16.block_n2, bf16.block_k) == (128, 128, 256, 64)
+    assert moe.default_tile_config("bf16", "gluon_ws", hidden=1408).block_n2 == 128  # DiT-MoE
+    fp8 = moe.default_tile_config("fp8", "gluon_ws", hidden=4096)
+    assert (fp8.block_n2, fp8.block_k) == (256, 128)
+    for cfg in (bf16, fp8):
+        moe.check_tile_config(cfg, "bf16" if cfg is bf16 else "fp8", 4096, 2048)
+        assert moe.ws_shared_memory_bytes("bf16" if cfg is bf16 else "fp8", cfg.block_n2,
+                                          cfg.block_k, cfg.num_stages + 1) > moe.HOPPER_SMEM_PER_CTA
+    # no GPU here: the default is the portable kernel
+    assert moe.default_tile_config("bf16", device="cpu").kernel == "triton"
+    assert moe.default_tile_config("bf16").kernel == "triton"
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(block_m=64), "fixes"), (dict(block_k=128), "fixes"), (dict(block_n2=512), "block_n2"),
+    (dict(num_stages=6), "shared memory"), (dict(num_stages=1), "2 or more stages"),
+    (dict(kernel="cuda"), "kernel must be one of")])
+def test_bad_tiles_rejected(change, message):
+    cfg = moe.default_tile_config("bf16", "gluon_ws", hidden=4096)
+    with pytest.raises(moe.MoEContractError, match=message):
+        moe.check_tile_config(moe.TileConfig(**{**cfg.__dict__, **change}), "bf16", 4096, 2048)
+
+
+def test_linear2_tiles_are_256_wide_where_hidden_allows():
+    for precision in moe.PRECISIONS:
+        assert moe.default_tile_config(precision, "gluon_ws", hidden=4096).block_n2 == 256
+        assert moe.default_tile_config(precision, "gluon_ws", hidden=1408).block_n2 == 128
+
+
+def _tiny_call(precision: str, **kwargs):
+    shape = SHAPES["DeepSeek-V4-Flash"]
+    cfg = moe.default_tile_config(precision, "gluon_ws", hidden=shape.hidden)
+    weights = moe.local_expert_weights(shape, 0, 128, precision, seed=0)
+    rows, counts = 200, [120, 80]
+    x = torch.randn(rows, shape.hidden).to(torch.bfloat16)
+    xq, xs = moe.quantize_rows_fp8(x) if precision == "fp8" else (x, None)
+    expert = torch.arange(rows) % 2
+    slot = torch.cat([torch.arange(c) for c in counts])
+    layout = moe.build_layout(xq, xs, slot, expert, counts, 2, cfg.block_m)
+    problem = MoEProblem(layout.blocks_per_expert, shape.intermediate // cfg.block_n1,
+                         shape.hidden // cfg.block_n2)
+    buffers = [torch.empty(128, shape.hidden, dtype=torch.bfloat16) for _ in counts]
+    return moe.prepare_fused_moe(layout, weights, expert_wave_schedule(problem, 4),
+                                 moe.local_combine_peers(buffers), config=cfg, **kwargs)
+
+
+def test_needs_a_hopper_gpu():
+    with pytest.raises(moe.MoEContractError, match="sm_90"):
+        _tiny_call("bf16")
+
+
+@pytest.mark.parametrize("precision", moe.PRECISIONS)
+def test_launch_arguments(monkeypatch, precision):
+    """The launch the kernel's signature expects (as the compile test types it), built without
+    a GPU: descriptors over the 2-D views with their block shapes, the scales in fp8."""
+    monkeypatch.setattr(moe, "kernel_unsupported", lambda kernel, device: None)
+    call = _tiny_call(precision)
+    assert call.kernel == "gluon_ws" and call.trace is None
+    x_desc, w1_desc, h_desc, w2_desc = call.args[3:7]
+    assert x_desc.block_shape == [64, call.constexprs["BLOCK_K"]] == h_desc.block_shape
+    assert w1_desc.block_shape[0] == 128 and w2_desc.block_shape[0] == call.constexprs["BLOCK_N2"]
+    assert w1_desc.shape == [2 * 2 * 2048, 4096] and w2_desc.shape == [2 * 4096, 2048]
+    assert (call.args[7].dtype == torch.float32) == (precision == "fp8")
+    assert call.constexprs["FP8"] == (precision == "fp8")
+    bk = call.constexprs["BLOCK_K"]
+    assert call.args[-4:] == (4096, 2048, 4096 // bk, 2048 // bk)  # every K block: the layer
+    assert _tiny_call(precision, fence=True).constexprs["FENCE"] and not call.constexprs["FENCE"]
+    synthetic = _tiny_call(precision, synthetic_k_fraction=0.3)
+    assert synthetic.args[-2:] == (math.ceil(0.3 * 4096 / bk), math.ceil(0.3 * 2048 / bk))
+    assert synthetic.synthetic_k_fraction == 0.3 and call.synthetic_k_fraction is None
+    traced = _tiny_call(precision, instrument=True)
+    assert traced.constexprs["INSTRUMENT"] and traced.args[-5] is traced.trace
+    assert traced.trace.shape == (4, traced.args[2], moe.TRACE_FIELDS) and (traced.trace == -1).all()
+
+
+@pytest.mark.parametrize("precision", moe.PRECISIONS)
+def test_instrumented_build_stamps_each_tile_and_keeps_its_resources(ws_module, precision):
+    """The traced build reads %clock64 and %globaltimer at the four points of a tile (in one
+    consumer partition) and %smid, and stays free of spills and serialized wgmma, so the mainloops it
+    times are the timed build's."""
+    cfg = moe.default_tile_config(precision, "gluon_ws", hidden=4096)
+    plain = _compile(ws_module, precision, cfg).asm["ptx"]
+    k = _compile(ws_module, precision, cfg, instrument=True)
+    ptx, report = k.asm["ptx"], ptxas_report(k.asm["ptx"])
+    assert "%globaltimer" not in plain
+    # entry, first K block, epilogue end, and the mainloop end in each tile kind's branch
+    assert ptx.count("%globaltimer;") == ptx.count("%clock64;") == 5
+    assert ptx.count("%smid;") == 1
+    assert report["spill_store_bytes"] <= 16 and not report["wgmma_serialized"]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.5, -0.1])
+def test_synthetic_fraction_outside_0_1_is_rejected(fraction):
+    cfg = moe.default_tile_config("bf16", "gluon_ws", hidden=4096)
+    with pytest.raises(moe.MoEContractError, match="synthetic_k_fraction"):
+        moe.synthetic_k_blocks(fraction, cfg, 4096, 2048)
+
+
+def test_synthetic_fraction_needs_the_gluon_kernel_and_keeps_one_block():
+    cfg = moe.default_tile_config("bf16", "gluon_ws", hidden=4096)
+    assert moe.synthetic_k_blocks(None, cfg, 4096, 2048) == (64, 32)
+    assert moe.synthetic_k_blocks(1e-6, cfg, 4096, 2048) == (1, 1)
+    assert moe.synthetic_k_blocks(0.5, cfg, 4096, 2048) == (32, 16)
+    with pytest.raises(moe.MoEContractError, match="gluon_ws"):
+        moe.synthetic_k_blocks(0.5, moe.default_tile_config("bf16", "triton"), 4096, 2048)
+
+
+@pytest.mark.parametrize("precision", moe.PRECISIONS)
+def test_fenced_build_releases_at_system_scope_after_each_linear2_tile(ws_module, precision):
+    """FENCE adds a call to the system-scope release in each consumer partition (beside the one
+    at program exit), after the warpgroup's barrier; without FENCE there is no such call."""
+    cfg = moe.default_tile_config(precision, "gluon_ws", hidden=4096)
+    plain = _compile(ws_module, precision, cfg).asm["ptx"]
+    fenced = _compile(ws_module, precision, cfg, fence=True)
+    ptx = fenced.asm["ptx"]
+    assert "_release_system" not in plain and ptx.count("call.uni") >= 2
+    assert "_release_system" in ptx and "atom.global.sys.release" in ptx
+    report = ptxas_report(ptx)
+    assert report["spill_store_bytes"] <= 16 and not report["wgmma_serialized"]
+
+
+def test_a_prepared_launch_keeps_its_local_combine_buffers_alive(monkeypatch):
+    """The peer table holds bare addresses: the launch must own the buffers they point into,
+    or a caller that drops its own reference leaves the kernel storing into freed memory."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(moe, "kernel_unsupported", lambda kernel, device: None)
+    call = _tiny_call("bf16")
+    refs = [weakref.ref(b) for b in call.owners]
+    gc.collect()
+    assert refs and all(r() is not None for r in refs)
+    assert call.args[15].tolist() == [b.data_ptr() for b in call.owners]  # the peer table

@@ -1,0 +1,277 @@
+"""Remote-store characterization: point validation before launch, burst rows from kernel clocks,
+the Fig. 3 sweeps, and the CUDA source (compiled by nvcc for sm_90, no GPU needed)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from tests.experiments.cuda_testing import compile_sm90, needs_nvcc
+from xstage_lab.experiments.remote_store.characterization import (
+    KIB, MIB, BenchSettings, burst_rows, characterization_sweeps, isolated_recovery_us,
+    validate_point)
+from xstage_lab.platform import GPU, Inventory
+from xstage_lab.sweep import Axis, Sweep, run_sweep
+
+CU = Path(__file__).resolve().parents[3] / "kernels" / "remote_store_burst.cu"
+KERNELS = ("burst_gap", "burst_gap_fenced", "count_burst_mismatches", "sample_sm_clock",
+           "burst_gap_ops", "count_ops_mismatches")
+
+
+def make_inv(n: int, sms: int = 132, peer: bool = True) -> Inventory:
+    gpus = tuple(GPU(index=i, name="NVIDIA H200", sm_count=sms, l2_bytes=60 * MIB,
+                     max_smem_per_sm=233472, max_smem_per_block_optin=232448,
+                     compute_capability="9.0") for i in range(n))
+    return Inventory(gpus=gpus, peer=tuple(tuple(peer and i != j for j in range(n))
+                                           for i in range(n)))
+
+
+INV2 = make_inv(2)
+GOOD = dict(mode="periodic", path="remote", producers=132, burst_bytes=32 * KIB, gap_us=0.0,
+            src=0, dst=1, lines="fresh", align="each")
+
+
+# --- validate_point --------------------------------------------------------------------------
+
+def test_good_points_accepted():
+    assert validate_point(GOOD, INV2) is None
+    validate_point(dict(GOOD, mode="isolated", gap_us=3.5, producers=1, burst_bytes=16), INV2)
+    validate_point(dict(GOOD, lines="rewrite", align="first"), INV2)
+    validate_point({k: v for k, v in GOOD.items() if k not in ("lines", "align")}, INV2)
+    validate_point(dict(GOOD, burst_bytes=np.int64(64 * KIB)), INV2)
+    # the local control needs no peer: same GPU as source and destination, no peer access
+    validate_point(dict(GOOD, path="local", dst=0), make_inv(2, peer=False))
+    validate_point(dict(GOOD, path="local", src=0, dst=0), make_inv(1))
+    # exactly the buffer: 128 · 2 MiB = 256 MiB
+    validate_point(dict(GOOD, producers=128, burst_bytes=2 * MIB), INV2)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(burst_bytes=1000), r"multiple of 16"),             # 1000 = 62·16 + 8
+    (dict(burst_bytes=24), r"multiple of 16"),
+    (dict(burst_bytes=0), r"positive multiple of 16"),
+    (dict(burst_bytes=-16), r"positive multiple of 16"),
+    (dict(burst_bytes=16384.0), r"multiple of 16"),          # not an integer
+    (dict(producers=133), r"producers K=133 must be in 1\.\.132"),
+    (dict(producers=0), r"producers K=0"),
+    (dict(producers=-4), r"producers K=-4"),
+    (dict(gap_us=-0.5), r"gap_us G=-0\.5 must not be negative"),
+    (dict(dst=0), r"remote mode needs a destination other than the source"),
+    (dict(src=1, dst=1), r"destination other than the source"),
+    (dict(dst=2), r"must name GPUs 0\.\.1"),
+    (dict(src=-1), r"must name GPUs"),
+    (dict(mode="burst"), r"mode must be one of"),
+    (dict(path="peer"), r"path must be one of"),
+    (dict(lines="stale"), r"lines must be one of"),
+    (dict(align="never"), r"align must be one of"),
+    (dict(producers=132, burst_bytes=2 * MIB), r"exceeds the 268435456-byte buffer"),
+])
+def test_bad_points_rejected(change, match):
+    with pytest.raises(ValueError, match=match):
+        validate_point(dict(GOOD, **change), INV2)
+
+
+def test_no_peer_access_rejected():
+    with pytest.raises(ValueError, match="no peer access to GPU 1"):
+        validate_point(GOOD, make_inv(2, peer=False))
+    one_way = Inventory(gpus=INV2.gpus, peer=((False, True), (False, False)))
+    validate_point(GOOD, one_way)
+    with pytest.raises(ValueError, match="GPU 1 has no peer access to GPU 0"):
+        validate_point(dict(GOOD, src=1, dst=0), one_way)
+
+
+def test_settings_checked():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        validate_point(GOOD, INV2, BenchSettings(threads=500))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        validate_point(GOOD, INV2, BenchSettings(threads=1024))
+    with pytest.raises(ValueError, match="exceeds the 1048576-byte buffer"):
+        validate_point(dict(GOOD, producers=33, burst_bytes=32 * KIB), INV2,
+                       BenchSettings(buffer_bytes=1 * MIB))
+
+
+def test_bad_point_fails_the_sweep_before_any_launch():
+    launches = []
+    sw = Sweep("gap", (Axis("gap_us", [0.0, 1.0, -1.0]),),
+               fixed={k: v for k, v in GOOD.items() if k != "gap_us"}, repeats=2)
+    with pytest.raises(ValueError, match="must not be negative"):
+        run_sweep(sw, lambda p: launches.append(p) or pd.DataFrame({"x": [0]}),
+                  validate=lambda p: validate_point(p, INV2), progress=False)
+    assert launches == []
+
+
+def test_isolated_recovery_gap():
+    # 20 µs + V / (50 GB/s): 1 MiB → 20 + 1048576 / 50e3 = 20 + 20.97152 = 40.97152 µs
+    assert isolated_recovery_us(MIB, BenchSettings()) == pytest.approx(40.97152, rel=1e-12)
+
+
+# --- burst_rows ------------------------------------------------------------------------------
+
+CLK = 1980.0  # SM cycles per µs (1980 MHz)
+
+
+def _trace(starts_us, issues_us, cycles_per_us):
+    """trace [n, K, 3] and clocks [K, 5] for producers starting bursts at ``starts_us`` [n, K]
+    with issue times ``issues_us`` [n, K]; producer k's SM runs at cycles_per_us[k]."""
+    starts = np.asarray(starts_us, float)
+    issues = np.asarray(issues_us, float)
+    cpu = np.asarray(cycles_per_us, float)
+    n, K = starts.shape
+    base_clock = np.array([1_000_000 * (k + 1) for k in range(K)], float)  # arbitrary offsets
+    trace = np.zeros((n, K, 3), np.uint64)
+    trace[:, :, 0] = np.round(base_clock + starts * cpu)
+    trace[:, :, 1] = np.round(base_clock + (starts + issues) * cpu)
+    trace[:, :, 2] = np.round(5_000_000 + starts * 1e3)  # %globaltimer ns
+    clocks = np.zeros((K, 5), np.uint64)
+    clocks[:, 0] = 5_000_000 - 1_000                 # entry timer: 1 µs before the first burst
+    clocks[:, 1] = base_clock - 1.0 * cpu
+    clocks[:, 2] = 5_000_000 + 100_000               # exit timer at 100 µs
+    clocks[:, 3] = base_clock + 100.0 * cpu
+    clocks[:, 4] = np.arange(K)
+    return trace, clocks
+
+
+def test_burst_rows_hand_worked_drifting_producers():
+    # producer 0: starts 0, 10, 20, 30 µs, issue 2 µs; producer 1 (slower, drifting):
+    # starts 1, 12, 23, 34 µs, issue 3 µs. Warm-up 1 burst, B = 1024.
+    starts = [[0, 1], [10, 12], [20, 23], [30, 34]]
+    issues = [[2, 3]] * 4
+    trace, clocks = _trace(starts, issues, [CLK, CLK])
+    rows = burst_rows(trace, clocks, warmup_bursts=1, burst_bytes=1024)
+    assert len(rows) == 4
+    assert rows["burst"].tolist() == [0, 1, 2, 3]
+    assert rows["warmup"].tolist() == [True, False, False, False]
+    # window: lo = max(start[1]) = 12 µs, hi = min(start[3]) = 30 µs (18 µs long)
+    # in window (lo <= start < hi): burst 1: p1 (12); burst 2: p0 (20), p1 (23); burst 3: none
+    assert rows["producers_in_window"].tolist() == [0, 1, 2, 0]
+    assert rows["window_us"].iloc[0] == pytest.approx(18.0)
+    # burst 1: p1 alone → issue 3, period 23 − 12 = 11, gap 11 − 3 = 8
+    # burst 2: mean(2, 3) = 2.5, period mean(30 − 20, 34 − 23) = mean(10, 11) = 10.5, gap 8
+    np.testing.assert_allclose(rows["t_iss_us"], [np.nan, 3.0, 2.5, np.nan], rtol=1e-9)
+    np.testing.assert_allclose(rows["period_us"], [np.nan, 11.0, 10.5, np.nan], rtol=1e-9)
+    np.testing.assert_allclose(rows["gap_eff_us"], [np.nan, 8.0, 8.0, np.nan], rtol=1e-9)
+    np.testing.assert_allclose(rows["t_iss_max_us"], [np.nan, 3.0, 3.0, np.nan], rtol=1e-9)
+    np.testing.assert_allclose(rows["t_iss_min_us"], [np.nan, 3.0, 2.0, np.nan], rtol=1e-9)
+    np.testing.assert_allclose(rows["t_iss_median_us"], [np.nan, 3.0, 2.5, np.nan], rtol=1e-9)
+    # skew of the start %globaltimer: 1, 2, 3, 4 µs
+    assert rows["start_skew_ns"].tolist() == [1000, 2000, 3000, 4000]
+    # rate: 3 producer-bursts · 1024 B over 18 µs = 3072 B / 18000 ns = 0.170667 GB/s
+    assert rows["window_rate_GBps"].iloc[0] == pytest.approx(3072 / 18000, rel=1e-12)
+    assert rows["sm_clock_mhz"].iloc[0] == pytest.approx(CLK, rel=1e-9)
+
+
+def test_burst_rows_converts_each_producer_at_its_own_clock():
+    # same schedule, but producer 1's SM runs at 1500 MHz: its cycles must become the same µs
+    starts = [[0, 1], [10, 12], [20, 23], [30, 34]]
+    issues = [[2, 3]] * 4
+    trace, clocks = _trace(starts, issues, [CLK, 1500.0])
+    rows = burst_rows(trace, clocks, warmup_bursts=1, burst_bytes=1024)
+    np.testing.assert_allclose(rows["t_iss_us"][1:3], [3.0, 2.5], rtol=1e-6)
+    np.testing.assert_allclose(rows["period_us"][1:3], [11.0, 10.5], rtol=1e-6)
+    # median of (1980, 1500) = 1740
+    assert rows["sm_clock_mhz"].iloc[0] == pytest.approx(1740.0, rel=1e-6)
+
+
+def test_burst_rows_aligned_zero_gap_rate_is_the_drain_rate():
+    # K = 4 aligned producers, period 5 µs, issue 5 µs (zero gap), B = 1 MiB each:
+    # every producer delivers 1 MiB per 5 µs → 4·1048576 / 5000 ns = 838.8608 GB/s
+    n, K = 12, 4
+    starts = np.arange(n)[:, None] * 5.0 + np.zeros(K)
+    trace, clocks = _trace(starts, np.full((n, K), 5.0), [CLK] * K)
+    rows = burst_rows(trace, clocks, warmup_bursts=3, burst_bytes=MIB)
+    # window 15 µs .. 55 µs: bursts 3..10 (8 bursts) counted with all 4 producers
+    assert rows["producers_in_window"].tolist() == [0] * 3 + [4] * 8 + [0]
+    assert rows["window_rate_GBps"].iloc[0] == pytest.approx(4 * MIB / 5000, rel=1e-12)
+    steady = rows[rows["producers_in_window"] > 0]
+    np.testing.assert_allclose(steady["t_iss_us"], 5.0, rtol=1e-9)
+    np.testing.assert_allclose(steady["period_us"], 5.0, rtol=1e-9)
+    np.testing.assert_allclose(steady["gap_eff_us"], 0.0, atol=1e-9)
+    assert (rows["start_skew_ns"] == 0).all()
+
+
+# --- characterization sweeps -----------------------------------------------------------------
+
+@pytest.mark.parametrize("n_gpus", [4, 8])
+def test_every_characterization_point_validates(n_gpus):
+    inv = make_inv(n_gpus)
+    sweeps = characterization_sweeps(132, n_gpus, repeats=11)
+    assert [s.name for s in sweeps] == ["drain_rate", "gap", "isolated", "fenced", "lines", "pairs"]
+    for sw in sweeps:
+        pts = sw.points()
+        assert pts
+        for p in pts:
+            validate_point(p, inv)
+    by = {s.name: s for s in sweeps}
+    # P GPUs → P·(P − 1) ordered routes, each at two burst sizes
+    routes = {(p["src"], p["dst"]) for p in by["pairs"].points()}
+    assert len(routes) == n_gpus * (n_gpus - 1)
+    assert all(a != b for a, b in routes)
+    assert len(by["pairs"].points()) == 2 * n_gpus * (n_gpus - 1)
+    assert by["pairs"].repeats == 5
+    # K = 132: Ks = {132/8, 132/4, 132/2, 132} = {16, 33, 66, 132}
+    assert sorted({p["producers"] for p in by["drain_rate"].points()}) == [16, 33, 66, 132]
+    assert sorted({p["producers"] for p in by["isolated"].points()}) == [33, 66, 132]
+    assert {p["producers"] for p in by["gap"].points()} == {132}
+    assert all(p["gap_us"] == 0.0 for p in by["drain_rate"].points())
+
+
+def test_pairs_heatmap_of_eight_gpus():
+    """Notebook 01's R per ordered pair from the ``pairs`` sweep on 8 GPUs: the largest burst's
+    V/T_period of every pair at [src, dst], the diagonal empty."""
+    from xstage_lab import plots
+
+    sweep = {s.name: s for s in characterization_sweeps(132, 8)}["pairs"]
+    points = pd.DataFrame(sweep.points())
+    points["burst_volume"] = points["producers"] * points["burst_bytes"]
+    rate = 100.0 * points["src"] + points["dst"] + (points["burst_bytes"] < 256 * KIB) * 50.0
+    points["period_us"] = points["burst_volume"] / rate / 1e3
+    heat = plots.drain_rate_heatmap(points, "h200-x8").data[0]
+    z = np.asarray(heat.z, dtype=float)
+    assert z.shape == (8, 8) and list(heat.x) == [f"to GPU {d}" for d in range(8)]
+    for a in range(8):
+        for b in range(8):
+            assert np.isnan(z[a, b]) if a == b else z[a, b] == pytest.approx(100.0 * a + b)
+
+
+def test_characterization_sweeps_reject_on_a_smaller_or_peerless_machine():
+    # the sweeps for 132 SMs do not fit a GPU of 66 SMs, nor run remote without peer access
+    sweeps = characterization_sweeps(132, 2)
+    with pytest.raises(ValueError, match="producers"):
+        for sw in sweeps:
+            for p in sw.points():
+                validate_point(p, make_inv(2, sms=66))
+    with pytest.raises(ValueError, match="peer access"):
+        for p in sweeps[0].points():
+            validate_point(p, make_inv(2, peer=False))
+
+
+# --- the CUDA source -------------------------------------------------------------------------
+
+@needs_nvcc
+def test_cuda_source_compiles_for_sm90_and_exports_the_kernels(tmp_path):
+    symbols, entries, text = compile_sm90(CU, tmp_path)
+    assert set(KERNELS) <= symbols, symbols
+    assert entries == set(KERNELS)  # extern "C": unmangled names in the PTX too
+    # every operation of burst_gap_ops reaches the PTX (remote_ops.OPS)
+    for instruction in ("st.global.u32", "st.global.v2.u32", "st.global.v4.u32",
+                        "red.relaxed.gpu.global.add.u32", "red.relaxed.gpu.global.add.f32",
+                        "cp.async.bulk.global.shared::cta.bulk_group", "cp.async.bulk.commit_group",
+                        "cp.async.bulk.wait_group.read", "fence.proxy.async.shared::cta",
+                        "ld.global.cv.v4.u32"):
+        assert instruction in text, instruction
+
+
+@needs_nvcc
+def test_only_the_fenced_burst_kernel_fences(tmp_path):
+    """burst_gap's code holds no fence, not even an untaken branch to one (that costs issue
+    time: data/records/issue_time_probe); burst_gap_fenced fences at system scope per burst."""
+    _, _, ptx = compile_sm90(CU, tmp_path)
+    bodies = dict(re.findall(r"\.visible\s+\.entry\s+(\w+)\s*\((.*?)\n\}", ptx, re.S))
+    fences = {name: re.findall(r"\b(?:membar|fence)\.[\w.]+", bodies[name])
+              for name in ("burst_gap", "burst_gap_fenced")}
+    assert fences["burst_gap"] == []
+    assert fences["burst_gap_fenced"] and set(fences["burst_gap_fenced"]) <= {"membar.sys",
+                                                                             "fence.sc.sys"}

@@ -1,0 +1,806 @@
+"""Single-GPU benchmark of the fused MoE kernel against cuBLAS and the unfused path (issue 18,
+items 2-4; paper §4.2, §5.2).
+
+    python -m xstage_lab.experiments.moe.kernel_bench --out FILE.json [--models M ...]
+        [--precisions bf16 fp8] [--routing balanced skewed] [--tokens 4096 8192]
+        [--kernel gluon_ws|triton] [--trials N] [--smoke]
+    python -m xstage_lab.experiments.moe.kernel_bench merge OUT.json IN.json [IN.json ...]
+
+The workload is one rank of the paper's eight-GPU setting (EP = 8) on one GPU: rank 0's E/8 local
+experts (experts 0 .. E/8 - 1) and every row that the eight source ranks route to them (T tokens
+per source rank; source r's router is ``router_logits(..., rank=r)`` + ``router_topk``), laid out
+as Dispatch lays them out (``moe.build_layout``: source by source, expert by expert, each expert
+padded to ``block_m`` rows). The Combine destinations are eight local bf16 ``[T * top_k, hidden]``
+buffers standing for the eight source ranks (``moe.local_combine_peers``), so every Combine store
+is local: this measures the kernel's compute, not NVLink.
+
+Per cell (model, precision, routing, tokens), on fresh seeded activations:
+
+1. Correctness first. Expert-Wave and Interleaved (lead D_knee, eq. 16) each run once into Combine
+   buffers poisoned with NaN: spin errors zero, both sets of buffers bitwise identical, no slot
+   written that no routed row names, the error over all rows within ``moe_bench.TOLERANCE`` of
+   the float32 reference (every row within ``ROW_TOLERANCE_FACTOR`` times it) computed per
+   expert on the GPU from the bf16 master weights (``moe.expert_rows_reference``; in FP8 also of
+   the quantization-matched one). The unfused path
+   likewise, against the float32 reference. Any failure aborts the run with a non-zero exit
+   before timing and writes nothing.
+2. Timing (``dist_timing.time_methods`` in one process: CUDA events, warm-up, median and p25/p75
+   over trials, method order rotated per trial, the SM clock read during every trial), the
+   methods of ``TIMED`` together. Then the fixed per-call cost: a one-token call (T = 1 on every
+   source rank) per model and precision, the kernel alone and the whole call.
+
+TF/s of every method: ``moe_flops`` of the real routed rows (``*_tflops``) and of the padded rows
+the kernel computes (``*_tflops_padded``). ``ratio_to_cublas`` is cuBLAS's time over the kernel's
+(Expert-Wave) for the same padded rows: the ratio of their TF/s on either count.
+
+Output: one JSON ``{"metadata": {..., "call_overhead": {...}, "provenance": ...}, "rows": [...]}``,
+one row per cell; the one-token numbers sit in the metadata so that
+``records.import_bench_json(FILE, "moe_kernel")`` (``python -m xstage_lab import-bench FILE
+--experiment moe_kernel``) keeps them in the record's header. ``kernel_summary`` turns the rows and
+that header into the ``moe_kernel`` entry of ``summary --json``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from scipy.stats import gmean
+from tqdm.auto import tqdm
+
+from ...checks import bitwise_equal, poisoned, relative_error
+from ...dist_timing import TIMING_METHOD, read_sm_clock_mhz, time_methods
+from . import layer as moe, trace as moe_trace
+from .bench import TOLERANCE
+from .schedules import L1, L2, MoEProblem, d_knee, expert_wave_schedule, interleaved_schedule, \
+    tile_table, wave_starts
+
+EP = 8          # the paper's eight-GPU setting
+RANK = 0        # the rank this GPU plays: local experts 0 .. E/8 - 1
+DEFAULT_TOKENS = (4096, 8192)  # per source rank
+DEFAULT_TRIALS = 20
+SMOKE = {"models": ["DeepSeek-V4-Flash"], "precisions": ["bf16", "fp8"], "routing": ["balanced"],
+         "tokens": [512], "trials": 5}
+OVERHEAD_TOKENS = 1
+# Every routed row must also lie within this multiple of moe_bench.TOLERANCE (which bounds the
+# error over all rows): a dropped or misplaced row errs by ~1 (or stays NaN), while a correct
+# row's error spreads around the aggregate (fp8 against the quantization-matched reference:
+# rows up to 0.019 at an aggregate of 0.0037 over 3061 rows, one H200, smoke run).
+ROW_TOLERANCE_FACTOR = 2
+OVERHEAD_ROUTING = "balanced"
+
+# One rank's forward ends with the top-k weighted sum of its own Combine buffer; the other seven
+# buffers' sums belong to the other ranks' forwards, so a timed call sums source rank 0's buffer
+# only (summing all eight would charge this rank 8x its share).
+TIMED = {
+    "kernel_wave": "the fused kernel alone, Expert-Wave: row counters zeroed + launch; "
+                   "CUDA-graph replay",
+    "kernel_interleaved": "the fused kernel alone, Interleaved (lead D_knee); CUDA-graph replay",
+    "call_wave": "the whole fused call, eager: row counters zeroed, kernel (Combine into the "
+                 "eight buffers), top-k weighted sum of source rank 0's buffer",
+    "call_interleaved": "the same with the Interleaved schedule",
+    "cublas_dense": "the ceiling: cuBLAS dense GEMMs of the same padded rows (DENSE_CEILING); "
+                    "CUDA-graph replay",
+    "grouped_mm": "the unfused expert FFN alone: grouped GEMM, SwiGLU (fp8: h re-quantized per "
+                  "row), grouped GEMM (moe.grouped_expert_ffn); CUDA-graph replay",
+    "unfused": "the whole unfused call, eager: grouped_mm + Combine (rows scattered into the "
+               "eight buffers by row_src/row_slot) + top-k weighted sum of source rank 0's buffer",
+}
+EAGER = frozenset({"call_wave", "call_interleaved", "unfused"})
+OVERHEAD_METHODS = ("kernel_wave", "kernel_interleaved", "call_wave", "call_interleaved")
+DENSE_CEILING = {
+    "bf16": "torch.matmul: [rows, H] x [H, 2I], then [rows, I] x [I, H]; bf16 operands and output",
+    "fp8": "torch._scaled_mm, the same shapes: e4m3 operands with one fp32 scale per tensor (the "
+           "recipe torch sends to cuBLASLt; its rowwise recipe runs a CUTLASS kernel), bf16 "
+           "output, use_fast_accum=False",
+}
+FLOPS = ("2 * rows * hidden * 2 * intermediate (Linear-1, gate and up) + 2 * rows * intermediate "
+         "* hidden (Linear-2); *_tflops with the routed rows, *_tflops_padded with the rows "
+         "padded to block_m per expert")
+SUMMARY_KEYS = ("model", "precision", "routing", "tokens", "kernel_wave_us",
+                "kernel_interleaved_us", "call_wave_us", "tflops", "cublas_dense_tflops",
+                "grouped_mm_tflops", "unfused_us")
+
+
+# ------------------------------------------------------------------------------------- options
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Options, checked before any CUDA work; ``--smoke`` fixes the cells (``SMOKE``)."""
+    shapes = moe.load_shapes()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="JSON to write")
+    p.add_argument("--models", nargs="+", default=None, help=f"default: all of {list(shapes)}")
+    p.add_argument("--precisions", nargs="+", default=None, help=f"default: {list(moe.PRECISIONS)}")
+    p.add_argument("--routing", nargs="+", default=None, help=f"default: {list(moe.ROUTINGS)}")
+    p.add_argument("--tokens", nargs="+", type=int, default=None,
+                   help=f"tokens per source rank (default: {list(DEFAULT_TOKENS)})")
+    p.add_argument("--kernel", default="gluon_ws", help=f"fused kernel, one of {list(moe.KERNELS)}")
+    p.add_argument("--trials", type=int, default=None,
+                   help=f"default {DEFAULT_TRIALS} ({SMOKE['trials']} with --smoke)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--graph-iters", type=int, default=10,
+                   help="calls per CUDA-graph replay (and per eager trial)")
+    p.add_argument("--programs", type=int, default=None, help="persistent programs (default: SMs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-spin", type=int, default=moe.DEFAULT_MAX_SPIN_ITERS)
+    p.add_argument("--no-trace", dest="trace", action="store_false",
+                   help="skip the instrumented launches that give per-tile mainloop times and "
+                        "the gap between Linear-2 bursts")
+    p.add_argument("--smoke", action="store_true",
+                   help="two small cells (DeepSeek-V4-Flash, bf16 and fp8, 512 tokens per source), "
+                        "few trials: a first check on the GPU")
+    a = p.parse_args(argv)
+    if a.smoke:
+        given = [f"--{k}" for k in ("models", "precisions", "routing", "tokens")
+                 if getattr(a, k) is not None]
+        if given:
+            p.error(f"--smoke fixes the cells; drop {' '.join(given)}")
+        a.models, a.precisions = SMOKE["models"], SMOKE["precisions"]
+        a.routing, a.tokens = SMOKE["routing"], SMOKE["tokens"]
+    a.models = list(shapes) if a.models is None else a.models
+    a.precisions = list(moe.PRECISIONS) if a.precisions is None else a.precisions
+    a.routing = list(moe.ROUTINGS) if a.routing is None else a.routing
+    a.tokens = list(DEFAULT_TOKENS) if a.tokens is None else a.tokens
+    a.trials = (SMOKE["trials"] if a.smoke else DEFAULT_TRIALS) if a.trials is None else a.trials
+    for name, given, allowed in (("model", a.models, shapes),
+                                 ("precision", a.precisions, moe.PRECISIONS),
+                                 ("routing", a.routing, moe.ROUTINGS),
+                                 ("kernel", [a.kernel], moe.KERNELS)):
+        bad = [g for g in given if g not in allowed]
+        if bad:
+            p.error(f"unknown {name} {bad}; choose from {list(allowed)}")
+    if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1 or a.max_spin < 1:
+        p.error("--tokens, --trials, --graph-iters and --max-spin must be >= 1")
+    if a.warmup < 0 or (a.programs is not None and a.programs < 1):
+        p.error("--warmup must be >= 0 and --programs >= 1")
+    for m in a.models:
+        if shapes[m].routed_experts % EP:
+            p.error(f"{m}: EP = {EP} ranks must divide its {shapes[m].routed_experts} experts")
+    return a
+
+
+def cells(args) -> list[tuple[str, str, str, int]]:
+    """(model, precision, routing, tokens) of every timed cell, in run order."""
+    return list(itertools.product(args.models, args.precisions, args.routing, args.tokens))
+
+
+def cell_seed(args, *key) -> int:
+    """Fresh inputs per cell, reproducible whatever subset of cells is run."""
+    return args.seed + 1 + zlib.crc32("|".join(str(k) for k in key).encode())
+
+
+# ------------------------------------------------------------------------------------ workload
+
+@dataclass
+class Workload:
+    """What one destination rank's local experts receive from every source rank."""
+
+    shape: moe.MoEShape
+    rank: int
+    tokens: int                     # per source rank
+    x: list[torch.Tensor]           # per source: bf16 [T, H]
+    topk_ids: list[torch.Tensor]    # per source: global experts [T, top_k]
+    topk_w: list[torch.Tensor]      # per source: routing weights [T, top_k]
+    recv_x: torch.Tensor            # bf16 [N, H]: the received rows, source by source
+    recv_slot: torch.Tensor         # int64 [N]: slot t * top_k + j on its source
+    recv_expert: torch.Tensor       # int64 [N]: local expert
+    recv_counts: tuple[int, ...]    # rows from each source
+
+    @property
+    def world(self) -> int:
+        return len(self.x)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.shape.routed_experts // self.world
+
+    @property
+    def rows(self) -> int:
+        """Routed rows (unpadded)."""
+        return self.recv_x.shape[0]
+
+    @property
+    def slots(self) -> int:
+        """Rows of each source's Combine buffer."""
+        return self.tokens * self.shape.top_k
+
+    def layout(self, x: torch.Tensor, x_scale: torch.Tensor | None,
+               block_m: int) -> moe.DispatchLayout:
+        """The received rows ``x`` (``recv_x`` as some path quantizes it) laid out by expert."""
+        return moe.build_layout(x, x_scale, self.recv_slot, self.recv_expert, self.recv_counts,
+                                self.experts_per_rank, block_m)
+
+
+def build_workload(shape: moe.MoEShape, routing: str, tokens: int, *, seed: int, rank: int = RANK,
+                   world: int = EP, device="cpu") -> Workload:
+    """Every source rank's tokens and router, and the (token, k) picks that land on ``rank``'s
+    experts, in the order Dispatch delivers them: source by source, each source's picks sorted by
+    expert then slot (``moe.plan_send``)."""
+    per_rank = moe.check_expert_parallel(shape.routed_experts, world)
+    device = torch.device(device)
+    xs, ids, ws, recv_x, recv_slot, recv_expert, counts = [], [], [], [], [], [], []
+    for r in range(world):
+        g = torch.Generator(device=device).manual_seed(seed * 1009 + r)
+        xs.append(torch.randn(tokens, shape.hidden, generator=g, device=device).to(torch.bfloat16))
+        i, w = moe.router_topk(moe.router_logits(tokens, shape.routed_experts, routing, seed=seed,
+                                                 rank=r, device=device), shape.top_k)
+        ids.append(i)
+        ws.append(w)
+        plan = moe.plan_send(i, shape.routed_experts, world)
+        lo = sum(plan.counts[:rank])
+        sent = slice(lo, lo + plan.counts[rank])  # the picks source r sends to ``rank``
+        recv_x.append(xs[-1][plan.order[sent] // shape.top_k])
+        recv_slot.append(plan.order[sent])
+        recv_expert.append(plan.experts[sent] - rank * per_rank)
+        counts.append(plan.counts[rank])
+    return Workload(shape, rank, tokens, xs, ids, ws, torch.cat(recv_x), torch.cat(recv_slot),
+                    torch.cat(recv_expert), tuple(counts))
+
+
+def fused_layout(wl: Workload, precision: str, block_m: int) -> moe.DispatchLayout:
+    """The fused kernel's rows: bf16, or e4m3 with 1 x 128 scales (``moe.quantize_rows_fp8``)."""
+    x = moe.quantize_rows_fp8(wl.recv_x) if precision == "fp8" else (wl.recv_x, None)
+    return wl.layout(*x, block_m)
+
+
+def unfused_layout(wl: Workload, precision: str, block_m: int) -> moe.DispatchLayout:
+    """The unfused path's rows (``moe.unfused_activations``), padded like the fused layout so
+    that both compute the same rows."""
+    return wl.layout(*moe.unfused_activations(wl.recv_x, precision), block_m)
+
+
+def combine_index(layout: moe.DispatchLayout, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, dest)``: the padded rows that hold the received rows (arrival order) and the row of
+    the eight stacked ``[slots, H]`` Combine buffers that each one's result goes to
+    (``row_src * slots + row_slot``, as the kernel addresses it)."""
+    rows = layout.arrival_rows
+    return rows, layout.row_src[rows].long() * slots + layout.row_slot[rows].long()
+
+
+def moe_flops(rows: int, hidden: int, intermediate: int) -> int:
+    """FLOPs of ``rows`` through one expert FFN: Linear-1 (gate and up) and Linear-2."""
+    return 2 * rows * hidden * 2 * intermediate + 2 * rows * intermediate * hidden
+
+
+def tflops(flops: int, us: float) -> float:
+    return flops / (us * 1e6) if us > 0 else math.nan
+
+
+def row_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """Relative Frobenius error over all rows and the largest relative error of one row; inf
+    where ``got`` holds a NaN or an infinity (an unwritten, still poisoned row)."""
+    if got.numel() == 0:
+        return 0.0, 0.0
+    total = relative_error(got, want)
+    if not math.isfinite(total):
+        return math.inf, math.inf
+    per_row = (got.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+    return total, per_row.max().item()
+
+
+def dense_ceiling(rows: int, hidden: int, intermediate: int, precision: str, *, seed: int,
+                  device) -> Callable[[], None]:
+    """cuBLAS dense GEMMs of the FFN's shapes over ``rows`` rows (``DENSE_CEILING``), on seeded
+    random operands; B operands are ``[N, K]`` contiguous passed transposed (column-major)."""
+    g = torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+    def rand(*s):
+        return torch.randn(*s, generator=g, device=device).to(torch.bfloat16)
+
+    a, h = rand(rows, hidden), rand(rows, intermediate)
+    w1, w2 = rand(2 * intermediate, hidden), rand(hidden, intermediate)
+    if precision == "bf16":
+        return lambda: (torch.matmul(a, w1.t()), torch.matmul(h, w2.t()))
+    def quantize(t):  # one scale for the whole tensor
+        scale = t.float().abs().amax().clamp_min(1e-12) / moe.E4M3_MAX
+        return (t.float() / scale).to(torch.float8_e4m3fn), scale
+
+    (aq, sa), (hq, sh), (w1q, s1), (w2q, s2) = (quantize(t) for t in (a, h, w1, w2))
+    return lambda: (
+        torch._scaled_mm(aq, w1q.t(), scale_a=sa, scale_b=s1, out_dtype=torch.bfloat16),
+        torch._scaled_mm(hq, w2q.t(), scale_a=sh, scale_b=s2, out_dtype=torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------------- one cell
+
+@dataclass
+class Cell:
+    """One cell's workload, layouts, Combine buffers and prepared calls."""
+
+    shape: moe.MoEShape
+    precision: str
+    routing: str
+    workload: Workload
+    cfg: moe.TileConfig
+    layout: moe.DispatchLayout
+    programs: int
+    knee: int
+    problem: MoEProblem
+    calls: dict               # "wave" / "interleaved" -> moe.FusedMoECall
+    combine: torch.Tensor     # bf16 [EP, slots, H]: the eight sources' Combine buffers
+    rows: torch.Tensor        # int64: padded rows of the received rows (arrival order)
+    dest: torch.Tensor        # int64: their rows of combine.view(-1, H)
+    weights: moe.ExpertWeights
+    peers: moe.CombinePeers
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.combine.view(-1, self.shape.hidden)
+
+    def weighted_sum(self) -> torch.Tensor:
+        """End of Combine on source rank 0 (see ``TIMED``)."""
+        return moe.combine_weighted_sum(self.combine[0], self.workload.topk_w[0])
+
+    def whole_call(self, schedule: str) -> Callable[[], None]:
+        """What a forward runs each step from the dispatched layout: the fused call (row
+        counters zeroed, kernel), then the weighted sum."""
+        return lambda: (self.calls[schedule](), self.weighted_sum())
+
+
+def setup_cell(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
+               weights: moe.ExpertWeights, cfg: moe.TileConfig, args, *, seed: int,
+               programs: int, device) -> Cell:
+    """Workload, the fused layout, both schedules (built as ``moe_bench.setup_config`` builds
+    them) and their launches into eight local Combine buffers."""
+    wl = build_workload(shape, routing, tokens, seed=seed, device=device)
+    layout = fused_layout(wl, precision, cfg.block_m)
+    problem = MoEProblem(layout.blocks_per_expert, shape.intermediate // cfg.block_n1,
+                         shape.hidden // cfg.block_n2)
+    knee = d_knee(2 * cfg.block_n1, programs, shape.intermediate)
+    schedules = {"wave": expert_wave_schedule(problem, programs),
+                 "interleaved": interleaved_schedule(problem, programs, knee)}
+    combine = poisoned((EP, wl.slots, shape.hidden), torch.bfloat16, device)
+    peers = moe.local_combine_peers(list(combine.unbind(0)))
+    calls = {name: moe.prepare_fused_moe(layout, weights, s, peers, config=cfg,
+                                         max_spin_iters=args.max_spin)
+             for name, s in schedules.items()}
+    rows, dest = combine_index(layout, wl.slots)
+    return Cell(shape, precision, routing, wl, cfg, layout, programs, knee, problem, calls,
+                combine, rows, dest, weights, peers)
+
+
+def check_cell(cell: Cell, *, weight_seed: int,
+               unfused: Callable[[], None] | None) -> tuple[dict, list[str]]:
+    """Run each schedule (and ``unfused``, which stores into the Combine buffers) once on poisoned
+    buffers and compare (module docstring, step 1); ``weight_seed`` regenerates the master weights
+    for the reference. Returns the spin errors, stray rows and errors (columns of a row) and the
+    failures."""
+    wl, precision = cell.workload, cell.precision
+    first = None
+    spin = {}
+    for name, call in cell.calls.items():
+        cell.combine.fill_(float("nan"))
+        call()
+        spin[name] = call.error_count()
+        if first is None:
+            first = cell.combine.clone()
+    bitwise = bitwise_equal(first, cell.combine)
+    del first
+    expected = torch.zeros(cell.flat.shape[0], dtype=torch.bool, device=cell.combine.device)
+    expected[cell.dest] = True
+    stray = int(((~torch.isnan(cell.flat)).any(-1) & ~expected).sum())
+    got = cell.flat.index_select(0, cell.dest)
+    experts = wl.recv_expert + wl.rank * wl.experts_per_rank
+    ref = moe.expert_rows_reference(wl.recv_x, experts, cell.shape, seed=weight_seed,
+                                    precision=precision)
+    errors = {}
+    for kind, want in ref.items():
+        errors[f"rel_err_{kind}"], errors[f"max_row_rel_err_{kind}"] = row_errors(got, want)
+    tol = TOLERANCE[precision]
+    failures = [f"spin errors {spin}"] if any(spin.values()) else []
+    if not bitwise:
+        failures.append("Expert-Wave and Interleaved Combine buffers differ")
+    if stray:
+        failures.append(f"{stray} Combine rows written that no routed row names")
+    failures += [f"{kind} error {errors[f'rel_err_{kind}']:.3g} > {bound}"
+                 for kind, bound in tol.items() if not errors[f"rel_err_{kind}"] <= bound]
+    failures += [f"max row {kind} error {errors[f'max_row_rel_err_{kind}']:.3g} > "
+                 f"{ROW_TOLERANCE_FACTOR * bound}" for kind, bound in tol.items()
+                 if not errors[f"max_row_rel_err_{kind}"] <= ROW_TOLERANCE_FACTOR * bound]
+    if unfused is not None:
+        cell.combine.fill_(float("nan"))
+        unfused()
+        got = cell.flat.index_select(0, cell.dest)
+        total, worst = row_errors(got, ref["fp32"])
+        errors["rel_err_unfused_fp32"], errors["max_row_rel_err_unfused_fp32"] = total, worst
+        if not total <= tol["fp32"] or not worst <= ROW_TOLERANCE_FACTOR * tol["fp32"]:
+            failures.append(f"unfused fp32 error {total:.3g} (max row {worst:.3g}) beyond "
+                            f"{tol['fp32']} ({ROW_TOLERANCE_FACTOR * tol['fp32']} a row)")
+    return {"spin_errors": spin, "stray_rows": stray, **errors}, failures
+
+
+def traced_tiles(cell: Cell, schedule: str) -> pd.DataFrame:
+    """One launch of the instrumented build of ``schedule`` (after a warm-up launch), its
+    per-tile stamps as ``moe_trace.tile_frame`` reads them; raises on a spin error."""
+    call = cell.calls[schedule]
+    traced = moe.prepare_fused_moe(cell.layout, cell.weights, call.schedule, cell.peers,
+                                   config=cell.cfg, instrument=True)
+    for _ in range(2):
+        traced()
+    if traced.error_count():
+        raise SystemExit(f"spin errors in the traced {schedule} launch")
+    table, counts = tile_table(call.schedule)
+    return moe_trace.tile_frame(traced.trace.cpu().numpy(), table, counts)
+
+
+def burst_gaps(tiles: pd.DataFrame) -> pd.Series:
+    """The gap between consecutive Linear-2 bursts of a program: from one Linear-2 tile's
+    epilogue end (every Combine store issued) to the next Linear-2 tile's epilogue start, in
+    %globaltimer µs (G of eq. 12 as the kernel ran it)."""
+    gaps = []
+    for _, prog in tiles[tiles["kind"] == L2].groupby("program"):
+        prog = prog.sort_values("position")
+        gaps.append(prog["t2_us"].to_numpy()[1:] - prog["t3_us"].to_numpy()[:-1])
+    return pd.Series(np.concatenate(gaps) if gaps else [], dtype=float)
+
+
+def trace_columns(cell: Cell) -> dict:
+    """Per-tile times of both schedules (item 5 of the issue): the median Linear-1 and Linear-2
+    mainloops, the Linear-2 span (every Combine store local here), the median gap between
+    Linear-2 bursts, and the tiles per program that the forecast plays."""
+    out = {}
+    for schedule in cell.calls:
+        tiles = traced_tiles(cell, schedule)
+        stats = moe_trace.run_stats(tiles)
+        gaps = burst_gaps(tiles)
+        prefix = "wave" if schedule == "wave" else "int"
+        out.update({f"{prefix}_mainloop_l1_us": stats["mainloop_l1_us"],
+                    f"{prefix}_mainloop_l2_us": stats["mainloop_l2_us"],
+                    f"{prefix}_epilogue_l1_us": stats["epilogue_l1_us"],
+                    f"{prefix}_span_l2_us": stats["span_l2_us"],
+                    f"{prefix}_wait_l2_us": stats["wait_l2_median_us"],
+                    f"{prefix}_gap_l2_us": float(gaps.median()) if len(gaps) else math.nan,
+                    f"{prefix}_trace_clock_mhz": stats["clock_mhz"]})
+    per_program = [sum(t.kind == k for t in p) for k in (L1, L2)
+                   for p in cell.calls["wave"].schedule.programs]
+    n = cell.programs
+    out.update({"mainloop_l1_us": out["wave_mainloop_l1_us"],
+                "mainloop_l2_us": out["wave_mainloop_l2_us"],
+                "g_wave_us": out["wave_gap_l2_us"],
+                "l1_tiles_per_program": float(np.mean(per_program[:n])),
+                "l2_tiles_per_program": float(np.mean(per_program[n:])),
+                "waves": len(wave_starts(cell.problem, cell.programs))})
+    return out
+
+
+def abort_on_failures(failures: list[str], what: str) -> None:
+    if failures:
+        raise SystemExit(f"correctness failed for {what}: {'; '.join(failures)}; not timing, "
+                         "nothing written")
+
+
+def timing_columns(timing: dict, names, flops: int, flops_padded: int) -> dict:
+    """Median, p25/p75 and TF/s (routed and padded rows) of each method; the median SM clock of
+    its trials (None where NVML did not answer)."""
+    out = {}
+    clocks = {}
+    for m in names:
+        t = timing[m]
+        out.update({f"{m}_us": t["median_us"], f"{m}_p25_us": t["p25_us"],
+                    f"{m}_p75_us": t["p75_us"], f"{m}_tflops": tflops(flops, t["median_us"]),
+                    f"{m}_tflops_padded": tflops(flops_padded, t["median_us"])})
+        known = [c for c in t.get("sm_clock_mhz", []) if c is not None]
+        clocks[m] = float(np.median(known)) if known else None
+    known = [c for c in clocks.values() if c is not None]
+    out["sm_clock_mhz"] = clocks
+    out["sm_clock_mhz_min"] = min(known) if known else None
+    out["trials_us"] = {m: timing[m]["trials_us"] for m in names}
+    return out
+
+
+def cell_row_base(cell: Cell) -> dict:
+    shape, wl = cell.shape, cell.workload
+    return {"model": shape.model, "variant": shape.variant, "precision": cell.precision,
+            "routing": cell.routing, "tokens": wl.tokens, "ep": wl.world, "rank": wl.rank,
+            "local_experts": wl.experts_per_rank, "hidden": shape.hidden,
+            "intermediate": shape.intermediate, "routed_experts": shape.routed_experts,
+            "top_k": shape.top_k, "rows": wl.rows, "padded_rows": cell.layout.num_rows,
+            "tokens_per_expert": list(cell.layout.tokens_per_expert),
+            "kernel": cell.cfg.kernel, "tile_config": dataclasses.asdict(cell.cfg),
+            "num_programs": cell.programs, "lead_rows": cell.knee, "d_knee": cell.knee,
+            "wave_starts": list(wave_starts(cell.problem, cell.programs))}
+
+
+def run_cell(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
+             weights: moe.ExpertWeights, uweights: moe.GroupedWeights, cfg: moe.TileConfig, args,
+             *, programs: int, device) -> dict:
+    """Correctness, then timing, of one cell; its result row."""
+    seed = cell_seed(args, shape.model, precision, routing, tokens)
+    cell = setup_cell(shape, precision, routing, tokens, weights, cfg, args, seed=seed,
+                      programs=programs, device=device)
+    if cell.workload.rows == 0:
+        abort_on_failures(["no row routed to rank 0's experts"], f"{shape.model} {tokens} tokens")
+    ulayout = (cell.layout if precision == "bf16"
+               else unfused_layout(cell.workload, precision, cfg.block_m))
+    offs = moe.group_offsets(ulayout)
+
+    def expert_ffn():
+        return moe.grouped_expert_ffn(ulayout, uweights, offs)
+
+    def combine_unfused():
+        cell.flat.index_copy_(0, cell.dest, expert_ffn().index_select(0, cell.rows))
+
+    what = f"{shape.model} {precision} {routing} {tokens}"
+    checked, failures = check_cell(cell, weight_seed=args.seed, unfused=combine_unfused)
+    abort_on_failures(failures, what)
+
+    methods = {"kernel_wave": cell.calls["wave"], "kernel_interleaved": cell.calls["interleaved"],
+               "call_wave": cell.whole_call("wave"),
+               "call_interleaved": cell.whole_call("interleaved"),
+               "cublas_dense": dense_ceiling(cell.layout.num_rows, shape.hidden, shape.intermediate,
+                                             precision, seed=seed + 1, device=device),
+               "grouped_mm": expert_ffn,
+               "unfused": lambda: (combine_unfused(), cell.weighted_sum())}
+    timing = time_methods(methods, trials=args.trials, warmup=args.warmup,
+                          graph_iters=args.graph_iters, eager=EAGER, clocks=True)
+    late = sum(c.error_count() for c in cell.calls.values())
+    traces = trace_columns(cell) if args.trace else {}
+    host = host_costs(cell) if device.type == "cuda" else {}
+    flops = moe_flops(cell.workload.rows, shape.hidden, shape.intermediate)
+    padded = moe_flops(cell.layout.num_rows, shape.hidden, shape.intermediate)
+    cols = timing_columns(timing, list(TIMED), flops, padded)
+    return {**cell_row_base(cell), **cols,
+            "tflops": cols["kernel_wave_tflops"], "tflops_padded": cols["kernel_wave_tflops_padded"],
+            "ratio_to_cublas": cols["cublas_dense_us"] / cols["kernel_wave_us"],
+            "ratio_to_cublas_interleaved": cols["cublas_dense_us"] / cols["kernel_interleaved_us"],
+            "fused_vs_unfused": cols["unfused_us"] / cols["call_wave_us"],
+            "speedup": cols["kernel_wave_us"] / cols["kernel_interleaved_us"],
+            **checked, "spin_errors_after_timing": late, **traces, **host,
+            "unfused_impl": moe.unfused_impl(device, precision)}
+
+
+def host_costs(cell: Cell, calls: int = 50) -> dict:
+    """Host time of a call, where a one-token call spends it: ``host_launch_us``, the Python side
+    of one whole Expert-Wave call (counters zeroed, launch with its TMA descriptors, weighted sum)
+    over ``calls`` back-to-back calls, none waited for; ``host_prepare_us``, building this batch's
+    Expert-Wave schedule and its checked launch (``prepare_fused_moe``), which a forward repeats
+    whenever the routing changes; the median of five."""
+    call = cell.whole_call("wave")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    launch = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    prepare = []
+    for _ in range(5):
+        start = time.perf_counter()
+        moe.prepare_fused_moe(cell.layout, cell.weights,
+                              expert_wave_schedule(cell.problem, cell.programs), cell.peers,
+                              config=cell.cfg)
+        prepare.append((time.perf_counter() - start) * 1e6)
+    return {"host_launch_us": launch, "host_prepare_us": float(np.median(prepare))}
+
+
+def run_overhead_cell(shape: moe.MoEShape, precision: str, weights: moe.ExpertWeights,
+                      cfg: moe.TileConfig, args, *, programs: int, device) -> dict:
+    """The fixed per-call cost: a one-token call (``OVERHEAD_TOKENS`` on every source rank), checked
+    like a cell (without the unfused path), the kernel alone and the whole call timed; where the
+    time goes: the host's share (``host_costs``) and the tiles' (``trace_columns``: one Linear-1
+    tile's mainloop, then the Linear-2 tile that waits for it)."""
+    seed = cell_seed(args, shape.model, precision, "call_overhead")
+    cell = setup_cell(shape, precision, OVERHEAD_ROUTING, OVERHEAD_TOKENS, weights, cfg, args,
+                      seed=seed, programs=programs, device=device)
+    checked, failures = check_cell(cell, weight_seed=args.seed, unfused=None)
+    abort_on_failures(failures, f"{shape.model} {precision} one-token call")
+    methods = {"kernel_wave": cell.calls["wave"], "kernel_interleaved": cell.calls["interleaved"],
+               "call_wave": cell.whole_call("wave"),
+               "call_interleaved": cell.whole_call("interleaved")}
+    timing = time_methods(methods, trials=args.trials, warmup=args.warmup,
+                          graph_iters=args.graph_iters, eager=EAGER, clocks=True)
+    flops = moe_flops(cell.workload.rows, shape.hidden, shape.intermediate)
+    padded = moe_flops(cell.layout.num_rows, shape.hidden, shape.intermediate)
+    traces = trace_columns(cell) if args.trace else {}
+    return {**cell_row_base(cell), **timing_columns(timing, OVERHEAD_METHODS, flops, padded),
+            **checked, "spin_errors_after_timing": sum(c.error_count() for c in cell.calls.values()),
+            **(host_costs(cell) if torch.device(device).type == "cuda" else {}), **traces}
+
+
+# --------------------------------------------------------------------------------------- run
+
+def run(args, device) -> dict:
+    """Per model and precision, its cells then its one-token call, on ``device``; the output
+    document. Raises SystemExit on the first correctness failure."""
+    device = torch.device(device)
+    shapes = moe.load_shapes()
+    programs = args.programs or torch.cuda.get_device_properties(device).multi_processor_count
+    todo = cells(args)
+    started, clock_start = time.time(), read_sm_clock_mhz()
+    rows, overhead, tile_configs = [], [], {}
+    bar = tqdm(total=len(todo) + len(args.models) * len(args.precisions), desc="moe_kernel cells",
+               unit="cell")
+    for model in args.models:
+        shape = shapes[model]
+        for precision in args.precisions:
+            cfg = moe.default_tile_config(precision, args.kernel, hidden=shape.hidden)
+            tile_configs.setdefault(model, {})[precision] = dataclasses.asdict(cfg)
+            weights = moe.local_expert_weights(shape, RANK, EP, precision, seed=args.seed,
+                                               device=device)
+            # bf16: the grouped GEMMs take the kernel's weights as they are (same master weights).
+            uweights = (moe.GroupedWeights(precision, weights.w1, weights.w2) if precision == "bf16"
+                        else moe.unfused_expert_weights(shape, RANK, EP, precision, seed=args.seed,
+                                                        device=device))
+            for routing, tokens in [(r, t) for m, p, r, t in todo if (m, p) == (model, precision)]:
+                bar.set_postfix_str(f"{model} {precision} {routing} {tokens}")
+                row = run_cell(shape, precision, routing, tokens, weights, uweights, cfg, args,
+                               programs=programs, device=device)
+                rows.append(row)
+                bar.write(f"{model:18s} {precision:4s} {routing:8s} {tokens:6d}  kernel wave "
+                          f"{row['kernel_wave_us']:8.1f} us ({row['tflops']:6.1f} TF/s, "
+                          f"{row['ratio_to_cublas']:.2f} of cuBLAS)  call {row['call_wave_us']:8.1f}"
+                          f" us  unfused {row['unfused_us']:8.1f} us")
+                bar.update()
+            bar.set_postfix_str(f"{model} {precision} one-token call")
+            overhead.append(run_overhead_cell(shape, precision, weights, cfg, args,
+                                              programs=programs, device=device))
+            bar.update()
+            del weights, uweights
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    bar.close()
+    from ...platform import provenance
+    meta = {
+        "experiment": "moe_kernel", "paper": "§4.2, §5.2; issue 18 items 2-4; timing §5.1",
+        "workload": f"one rank (rank {RANK}) of EP = {EP} on one GPU: its E/{EP} local experts, the "
+                    f"rows all {EP} source ranks route to them, Combine into {EP} local buffers",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "kernel": args.kernel, "tile_configs": tile_configs,
+        "unfused_impl": {p: moe.UNFUSED_IMPL[p] for p in args.precisions},
+        "unfused_fp8_recipe": moe.UNFUSED_FP8_RECIPE,
+        "unfused_layout": "the fused kernel's Dispatch layout: offs end each expert's rows padded "
+                          "to block_m",
+        "cublas_dense": {p: DENSE_CEILING[p] for p in args.precisions},
+        "flops": FLOPS, "timed": TIMED, "tolerance": TOLERANCE,
+        "timing": f"{TIMING_METHOD}; one process; {args.graph_iters} calls per trial, graphed "
+                  f"except {sorted(EAGER)} (eager, back to back)",
+        "skew": {"hot_expert_fraction": moe.HOT_EXPERT_FRACTION,
+                 "hot_logit_bias": moe.HOT_LOGIT_BIAS},
+        "call_overhead": {"tokens_per_source": OVERHEAD_TOKENS, "routing": OVERHEAD_ROUTING,
+                          "rows": overhead},
+        "sm_clock_mhz_start": clock_start, "sm_clock_mhz_end": read_sm_clock_mhz(),
+        "wall_s": time.time() - started, "provenance": provenance(),
+    }
+    return {"metadata": meta, "rows": rows}
+
+
+def merge_documents(docs: list[dict]) -> dict:
+    """One document from the outputs of several invocations of one run (a device command's time
+    limit splits the matrix by model): their rows and one-token rows in order, the first's
+    header, each invocation's arguments and run time. Raises unless they ran the same kernel with
+    the same tiles on the same kind of GPU from the same commit."""
+    if not docs:
+        raise ValueError("nothing to merge")
+    same = ("kernel", "timing", "tolerance")
+    for d in docs[1:]:
+        for key in same:
+            if d["metadata"][key] != docs[0]["metadata"][key]:
+                raise ValueError(f"the outputs differ in {key!r}; they are not one run")
+        for key in ("gpu_name", "gpu_count", "git_commit", "versions"):
+            if d["metadata"]["provenance"][key] != docs[0]["metadata"]["provenance"][key]:
+                raise ValueError(f"the outputs differ in provenance {key!r}")
+    meta = json.loads(json.dumps(docs[0]["metadata"]))
+    meta["tile_configs"] = {m: c for d in docs for m, c in d["metadata"]["tile_configs"].items()}
+    meta["call_overhead"]["rows"] = [r for d in docs for r in d["metadata"]["call_overhead"]["rows"]]
+    meta["invocations"] = [{"args": d["metadata"]["args"], "wall_s": d["metadata"]["wall_s"],
+                            "date_utc": d["metadata"]["provenance"]["date_utc"]} for d in docs]
+    meta["args"] = {k: v for k, v in meta["args"].items() if k not in ("out", "models", "precisions")}
+    meta["wall_s"] = sum(d["metadata"]["wall_s"] for d in docs)
+    return {"metadata": meta, "rows": [r for d in docs for r in d["rows"]]}
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["merge"]:  # merge OUT IN [IN ...]: no GPU needed
+        if len(argv) < 3:
+            raise SystemExit("usage: moe_kernel_bench merge OUT.json IN.json [IN.json ...]")
+        doc = merge_documents([json.loads(Path(f).read_text()) for f in argv[2:]])
+        Path(argv[1]).write_text(json.dumps(doc, indent=1, default=str))
+        print(f"wrote {argv[1]} ({len(doc['rows'])} cells from {len(argv) - 2} outputs)")
+        return
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("moe_kernel_bench needs a CUDA GPU")
+    device = torch.device("cuda", torch.cuda.current_device())
+    why = moe.kernel_unsupported(args.kernel, device)
+    if why:
+        raise SystemExit(why)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference is float32, not TF32
+    doc = run(args, device)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1, default=str))
+    print(f"wrote {args.out} ({len(doc['rows'])} cells, {doc['metadata']['wall_s']:.0f} s)")
+
+
+# ----------------------------------------------------------------------------------- summary
+
+def _plain(value):
+    return value.item() if hasattr(value, "item") else value
+
+
+def kernel_summary(table: pd.DataFrame, call_overhead: dict) -> dict:
+    """The ``moe_kernel`` entry of ``summary --json`` from a record's table (or the JSON's rows)
+    and its ``call_overhead`` header: the per-cell rows; the geometric mean over cells, per
+    precision, of the kernel's TF/s over cuBLAS's (None where a precision has no cell); and per
+    precision the one-token kernel and call times, the worst over models."""
+    rows = [{k: _plain(r[k]) for k in SUMMARY_KEYS} for r in table.to_dict("records")]
+    ratio = table["tflops"].astype(float) / table["cublas_dense_tflops"].astype(float)
+    geomean = {p: (round(float(gmean(ratio[table["precision"] == p])), 4)
+                   if (table["precision"] == p).any() else None) for p in moe.PRECISIONS}
+    one_token = pd.DataFrame(call_overhead["rows"])
+    worst = {p: {"kernel_us": float(g["kernel_wave_us"].max()),
+                 "call_us": float(g["call_wave_us"].max())}
+             for p, g in one_token.groupby("precision")} if len(one_token) else {}
+    return {"rows": rows, "geomean_ratio_to_cublas": geomean, "call_overhead_us": worst}
+
+
+@dataclass(frozen=True)
+class KernelView:
+    """A platform's latest ``moe_kernel`` record of each precision, read as one (each precision's
+    rows and one-token calls come from its own record: every ratio in them was measured within
+    that record's run). ``record_id`` names the records; ``params`` holds the kernel and the
+    one-token calls as a record's would."""
+
+    platform: str
+    records: tuple  # newest first
+
+    @cached_property
+    def source(self) -> dict:
+        """Precision -> the newest record that has it."""
+        chosen = {}
+        for rec in self.records:
+            for p in rec.table["precision"].unique():
+                chosen.setdefault(p, rec)
+        return chosen
+
+    @property
+    def record_id(self) -> str:
+        return " + ".join(r.record_id for r in self.records)
+
+    @property
+    def git_commit(self) -> str:
+        return " + ".join(r.git_commit for r in self.records)
+
+    @property
+    def table(self) -> pd.DataFrame:
+        return pd.concat([rec.table[rec.table["precision"] == p]
+                          for p, rec in self.source.items()], ignore_index=True)
+
+    @property
+    def params(self) -> dict:
+        rows = [o for p, rec in self.source.items()
+                for o in rec.params["call_overhead"]["rows"] if o["precision"] == p]
+        return {"kernel": self.records[0].params.get("kernel"),
+                "call_overhead": {**self.records[0].params["call_overhead"], "rows": rows}}
+
+
+def latest_view(platform: str, root: Path) -> KernelView:
+    """The ``KernelView`` of ``platform``'s ``moe_kernel`` records: the newest record of each
+    precision (those no precision is taken from are left out)."""
+    from ...records import list_records, read_record
+
+    newest = KernelView(platform, tuple(read_record(p) for p in
+                                        reversed(list_records("moe_kernel", platform, root))))
+    used = {r.record_id for r in newest.source.values()}
+    return KernelView(platform, tuple(r for r in newest.records if r.record_id in used))
+
+
+def summary_entry(platform: str, root: Path) -> dict:
+    """``kernel_summary`` of the platform's ``latest_view``."""
+    view = latest_view(platform, root)
+    return kernel_summary(view.table, view.params["call_overhead"])
+
+
+if __name__ == "__main__":
+    main()

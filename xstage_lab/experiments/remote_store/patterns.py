@@ -1,0 +1,146 @@
+"""Multi-peer injection patterns (issue 6, part 1): 16-byte remote stores from several sources to
+several destinations at once, on every GPU of the machine.
+
+- ``one_to_one``: one source, one destination, for every ordered pair;
+- ``one_to_all``: one source whose producers split over the P − 1 peers (producer p to the
+  (p mod (P − 1))-th peer), for every source;
+- ``all_to_one``: every GPU but the destination sends to it (its drain is shared), for every
+  destination;
+- ``all_to_all``: every GPU sends to every other, producers split as in one_to_all.
+
+Each distinct route set is measured once (on two GPUs one_to_all and all_to_one are one_to_one
+routes: the record names them degenerate) with the calibration sweeps of ``ops`` on every
+source at once; each source gets its own fitted (T_iss⁰, R, Q) and two no-refit errors of its gap
+sweep: from its own fit, and from the one-to-one fit of its route scaled by its drain share.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from ...records import RECORDS_DIR, write_record
+from .ops import (OpsSettings, RemoteOpsBench, calibrate_configs, drain_share, fit_config,
+                  fit_entry, format_routes, parse_routes)
+
+PATTERNS = ("one_to_one", "one_to_all", "all_to_one", "all_to_all")
+# Device time the route sets may take (measured 16.5 s on 2 GPUs; from that, ~2.2 min on 4 and
+# ~6 min on 8 at ``default_repeats``), leaving the fits and the record's write (~1.5 min for the
+# 128 source fits of 8 GPUs) inside one 10-minute device call.
+PATTERNS_BUDGET_S = 420.0
+
+
+def default_repeats(n_gpus: int) -> int:
+    """Repeats per point: 5 up to four GPUs, 3 beyond. The P(P − 1) one-to-one route sets make
+    most of the work (56 of the 73 route sets on 8 GPUs, ~325 launches each at 5 repeats, ~217 at
+    3): at 5 repeats the 8-GPU patterns would need ~9 min before their fits, past one device
+    call."""
+    return 5 if n_gpus <= 4 else 3
+
+
+def pattern_instances(n_gpus: int) -> list[dict]:
+    """Every instance of every pattern on ``n_gpus`` GPUs: ``pattern``, ``instance`` (what it
+    is taken over), ``routes`` (``format_routes``) and ``degenerate_of`` (the one-to-one route
+    set it equals, or None)."""
+    if n_gpus < 2:
+        raise ValueError("injection patterns need at least two GPUs")
+    gpus = range(n_gpus)
+    out = [dict(pattern="one_to_one", instance=f"{a}>{b}", routes=format_routes(((a, (b,)),)))
+           for a in gpus for b in gpus if a != b]
+    out += [dict(pattern="one_to_all", instance=f"src={s}",
+                 routes=format_routes(((s, tuple(d for d in gpus if d != s)),))) for s in gpus]
+    out += [dict(pattern="all_to_one", instance=f"dst={d}",
+                 routes=format_routes(tuple((s, (d,)) for s in gpus if s != d))) for d in gpus]
+    out.append(dict(pattern="all_to_all", instance="all",
+                    routes=format_routes(tuple((s, tuple(d for d in gpus if d != s))
+                                               for s in gpus))))
+    one_to_one = {i["routes"] for i in out if i["pattern"] == "one_to_one"}
+    for i in out:
+        i["degenerate_of"] = (i["routes"] if i["pattern"] != "one_to_one"
+                              and i["routes"] in one_to_one else None)
+    return out
+
+
+def route_sets(instances: list[dict]) -> list[str]:
+    """The distinct route sets to measure, in first-seen order."""
+    return list(dict.fromkeys(i["routes"] for i in instances))
+
+
+def baseline_route(src: int, dsts: tuple[int, ...]) -> str:
+    """The one-to-one route whose fit predicts source ``src`` of a pattern with no refit."""
+    return format_routes(((src, (dsts[0],)),))
+
+
+def pattern_fits(table: pd.DataFrame, platform: str) -> dict[str, list[dict]]:
+    """Per route set, per source: the fitted (T_iss⁰, R, Q) and the no-refit errors (from the
+    source's own fit, and from its one-to-one route's fit times its drain share)."""
+    fits = {(routes, src): fit_config(rows, routes, int(src), platform, "this record")
+            for (routes, src), rows in table.groupby(["routes", "src"])}
+    out: dict[str, list[dict]] = {}
+    for routes in dict.fromkeys(r for r, _ in fits):
+        share = drain_share(parse_routes(routes))
+        entries = []
+        for src, dsts in parse_routes(routes):
+            base = fits.get((baseline_route(src, dsts), src))
+            entries.append(fit_entry(fits[(routes, src)],
+                                     base.calibration if base is not None else None, share[src]))
+        out[routes] = entries
+    return out
+
+
+def run_patterns(repeats: int | None = None, settings: OpsSettings = OpsSettings(),
+                 progress: bool = True, budget_s: float = PATTERNS_BUDGET_S,
+                 root: Path = RECORDS_DIR) -> Path:
+    """Measure every injection pattern on this machine's GPUs and save one ``remote_patterns``
+    record: per-burst rows of every source (``routes``, ``src``), and in its parameters the
+    pattern instances, their degeneracy on this machine, every source's fit and the route sets
+    left out (a failed check, or past ``budget_s``). ``repeats``: per point (None:
+    ``default_repeats`` for this machine's GPUs)."""
+    from ...platform import platform_name, provenance
+
+    t0 = time.monotonic()
+    bench = RemoteOpsBench(settings)
+    inv = bench.inv
+    n = inv.peer_capable_gpus
+    if n < 2:
+        raise RuntimeError("injection patterns need two peer-capable GPUs")
+    instances = pattern_instances(n)
+    repeats = default_repeats(n) if repeats is None else repeats
+    K = min(g.sm_count for g in inv.gpus[:n])
+    fixed = dict(op="store16")
+    table, facts = calibrate_configs(bench, [{"routes": r} for r in route_sets(instances)], fixed,
+                                     K, repeats, progress, budget_s)
+    facts = {**facts, "elapsed_s": round(time.monotonic() - t0, 1), "seed": int(bench.seed),
+             "settings": {**settings.bench.__dict__,
+                          "bulk_chunk_bytes": settings.bulk_chunk_bytes}}
+    print(f"remote_patterns: {len(table)} rows in {facts['elapsed_s']:.0f} s", flush=True)
+    return write_patterns(table, facts, n, platform_name(inv), provenance(inv), root)
+
+
+def write_patterns(table: pd.DataFrame, facts: dict, n_gpus: int, platform: str,
+                   provenance: dict, root: Path = RECORDS_DIR) -> Path:
+    """Fit every source of every route set of ``table`` and save the ``remote_patterns``
+    record: the per-burst rows, and in its parameters the run ``facts``, the pattern instances
+    on ``n_gpus`` GPUs with their degeneracy and the fits (``pattern_fits``)."""
+    instances = pattern_instances(n_gpus)
+    params = {"experiment": "remote_patterns", "gpus": n_gpus, "instances": instances,
+              "degenerate": sorted({i["pattern"] for i in instances if i["degenerate_of"]}),
+              **facts, "fits": pattern_fits(table, platform),
+              # %globaltimer spread of the sources' first bursts (an upper bound of their start
+              # skew only where the GPUs' timers agree; the record does not assume they do)
+              "gpu_start_spread_ns_median": {
+                  r: float(v) for r, v in table.groupby("routes")["gpu_start_spread_ns"].median()
+                  .items() if len(parse_routes(r)) > 1}}
+    return write_record("remote_patterns", platform, table, params, provenance, root)
+
+
+def summary_entry(params: dict, record_id: str) -> dict:
+    """The ``patterns`` entry of ``summary --json`` from a ``remote_patterns`` record's
+    parameters: every pattern instance with its route set, the one-to-one route set it
+    degenerates to on this machine (or null) and every source's fit (null where not measured)."""
+    return {"gpus": params["gpus"], "degenerate": params["degenerate"],
+            "per_instance": [{**i, "sources": params["fits"].get(i["routes"])}
+                             for i in params["instances"]],
+            "gpu_start_spread_ns_median": params["gpu_start_spread_ns_median"],
+            "excluded": params["excluded"], "source_record": record_id}
