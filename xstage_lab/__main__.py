@@ -224,11 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("import-bench", help="save a benchmark's JSON output as a record (a "
                                             "torchrun benchmark's, fa_tuning: "
-                                            "attention_bench --fa-only, or moe_kernel: "
-                                            "moe_kernel_bench on one GPU)")
+                                            "attention.bench --fa-only, or moe_kernel: "
+                                            "moe.kernel_bench on one GPU)")
     p.add_argument("file", type=Path, help="the benchmark's JSON output")
     p.add_argument("--experiment", required=True,
-                   choices=sorted(BENCHMARKS) + ["fa_tuning", "moe_kernel", "link_probe"],
+                   choices=sorted({*BENCHMARKS, "fa_tuning", "link_probe"}),
                    help="the experiment the record belongs to")
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.set_defaults(func=_import_bench)
