@@ -273,3 +273,18 @@ def test_committed_invalid_records_are_out_of_replay():
         assert latest_record(experiment, platform).record_id != record_id
         with pytest.raises(records.InvalidRecordError, match=key):
             resolve_record(experiment, platform, record_id)
+
+
+def test_select_records_makes_a_root_of_the_named_records_only(tmp_path, monkeypatch):
+    source = tmp_path / "source"
+    _freeze(monkeypatch, T1)
+    older = write_record("remote_store", "h200-x2", _table(), {}, {}, source)
+    _freeze(monkeypatch, T2)
+    write_record("remote_store", "h200-x2", _table(1.0), {}, {}, source)
+    (source / "errata.json").write_text("{}")
+    root = records.select_records([f"remote_store/h200-x2/{older.stem}"], tmp_path / "view", source)
+    assert latest_record("remote_store", "h200-x2", root).record_id == older.stem
+    assert (root / "errata.json").read_text() == "{}"
+    with pytest.raises(FileNotFoundError, match="no record remote_store/h200-x2/2099"):
+        records.select_records(["remote_store/h200-x2/20990101T000000Z-0123456789"],
+                               tmp_path / "other", source)

@@ -186,6 +186,23 @@ def resolve_record(experiment: str, platform: str, record: str | None,
     return read_record(matches[0])
 
 
+def select_records(keys, dest: Path, root: Path = RECORDS_DIR) -> Path:
+    """A records root at ``dest`` holding only the records ``keys`` (``experiment/platform/
+    record_id``) of ``root``, as links, beside ``root``'s errata: what a summary or a figure read
+    once, to be read again whatever records came later."""
+    dest = Path(dest)
+    for key in keys:
+        source = root / f"{key}.parquet"
+        if not source.is_file():
+            raise FileNotFoundError(f"no record {key} under {root}")
+        link = dest / f"{key}.parquet"
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(source.resolve())
+    if (root / ERRATA_FILE).is_file():
+        (dest / ERRATA_FILE).symlink_to((root / ERRATA_FILE).resolve())
+    return dest
+
+
 def import_bench_json(path: Path | str, experiment: str, root: Path = RECORDS_DIR) -> Path:
     """Save a multi-process benchmark's JSON output (``rows`` plus a header holding
     ``provenance``, at top level or under ``metadata``) as a record of ``experiment``."""
