@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -183,11 +184,11 @@ def test_git_commit_applies_the_errata_of_the_records_root(tmp_path):
     assert read_record(second).git_commit == "stale+dirty"  # no errata under its root
 
 
-def test_committed_errata_name_committed_records():
+def test_committed_errata_name_committed_or_retired_records():
     errata = json.loads((records.RECORDS_DIR / records.ERRATA_FILE).read_text())
     named = [*errata["provenance.git_commit"], *errata["invalid"]["records"]]
     for key in named:
-        assert (records.RECORDS_DIR / f"{key}.parquet").is_file(), key
+        assert (records.RECORDS_DIR / f"{key}.parquet").is_file() or key in records.retired(), key
 
 
 def _mark_invalid(root: Path, *paths: Path) -> None:
@@ -271,8 +272,62 @@ def test_committed_invalid_records_are_out_of_replay():
         experiment, platform, record_id = key.split("/")
         assert record_id not in [p.stem for p in list_records(experiment, platform)]
         assert latest_record(experiment, platform).record_id != record_id
-        with pytest.raises(records.InvalidRecordError, match=key):
+        error = (records.RetiredRecordError if key in records.retired()
+                 else records.InvalidRecordError)
+        with pytest.raises(error, match=key):
             resolve_record(experiment, platform, record_id)
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=records.DATA_DIR.parent, capture_output=True,
+                          text=True)
+
+
+def test_retired_records_are_out_of_the_tree_and_in_their_commit():
+    """Issue 21: a record leaves the tree only through retired.json, whose commit still holds it;
+    no record in the tree is listed there."""
+    gone = records.retired()
+    assert gone, "no retired.json entries"
+    for key, entry in gone.items():
+        assert entry["path"] == f"data/records/{key}.parquet" and entry["id"] == key.split("/")[2]
+        assert entry["reason"]
+        assert not (records.DATA_DIR.parent / entry["path"]).exists(), key
+        assert _git("cat-file", "-e", f"{entry['commit']}:{entry['path']}").returncode == 0, key
+    tracked = _git("ls-files", "data/records").stdout.split()
+    present = {p.removeprefix("data/records/").removesuffix(".parquet")
+               for p in tracked if p.endswith(".parquet")}
+    assert not present & set(gone)
+
+
+def test_nothing_read_or_named_is_retired():
+    """What the summary and the notebooks read (their snapshots' records) is in the tree, and no
+    tracked text file but the errata and the manifest names a retired record."""
+    gone = records.retired()
+    snapshots = Path(__file__).parent / "snapshots"
+    for read in (snapshots / "summary.json", snapshots / "tables" / "records.json"):
+        assert not set(json.loads(read.read_text())["records"]) & set(gone), read.name
+    for key, entry in gone.items():
+        named = _git("grep", "-I", "-l", "-F", entry["id"], "--", ".",
+                     f":!data/records/{records.ERRATA_FILE}",
+                     f":!data/records/{records.RETIRED_FILE}").stdout.split()
+        assert named == [], (key, named)
+
+
+def test_asking_for_a_retired_record_names_its_commit(tmp_path, monkeypatch):
+    _freeze(monkeypatch, T1)
+    path = write_record("remote_store", "h200-x2", _table(), {}, {}, tmp_path)
+    key = f"remote_store/h200-x2/{path.stem}"
+    (tmp_path / records.RETIRED_FILE).write_text(json.dumps({"records": [
+        {"id": path.stem, "path": f"data/records/{key}.parquet", "reason": "superseded",
+         "commit": "0123abcd"}]}))
+    path.unlink()
+    assert list_records("remote_store", root=tmp_path) == []
+    for ask in (lambda: resolve_record("remote_store", "h200-x2", path.stem, root=tmp_path),
+                lambda: read_record(path),
+                lambda: records.select_records([key], tmp_path / "view", tmp_path)):
+        with pytest.raises(records.RetiredRecordError,
+                           match=f"{key} left the tree \\(superseded\\).*git show 0123abcd:data/"):
+            ask()
 
 
 def test_select_records_makes_a_root_of_the_named_records_only(tmp_path, monkeypatch):
@@ -288,3 +343,4 @@ def test_select_records_makes_a_root_of_the_named_records_only(tmp_path, monkeyp
     with pytest.raises(FileNotFoundError, match="no record remote_store/h200-x2/2099"):
         records.select_records(["remote_store/h200-x2/20990101T000000Z-0123456789"],
                                tmp_path / "other", source)
+

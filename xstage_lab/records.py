@@ -6,7 +6,9 @@ run and the platform's provenance). The record id is the UTC creation time plus 
 table, so a rerun adds a new file; writing never replaces an existing one. Corrections to a
 record's header go into ``errata.json`` beside the experiments (``Record.git_commit`` reads it);
 records it marks invalid are left out of every listing, and reading one raises
-``InvalidRecordError``.
+``InvalidRecordError``. A record that nothing reads any more may leave the tree only through
+``retired.json`` beside the experiments (its id, path, reason and a commit that still holds it);
+asking for a retired record raises ``RetiredRecordError``, naming that commit.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ RECORDS_DIR = (Path(os.environ[RECORDS_ENV]).resolve() if os.environ.get(RECORDS
                else DATA_DIR / "records")
 _META_KEY = b"xstage_lab"
 ERRATA_FILE = "errata.json"
+RETIRED_FILE = "retired.json"
 
 
 class RecordExistsError(FileExistsError):
@@ -40,6 +43,10 @@ class RecordExistsError(FileExistsError):
 
 class InvalidRecordError(ValueError):
     """Raised on reading a record that the errata of its records root mark invalid."""
+
+
+class RetiredRecordError(FileNotFoundError):
+    """Raised on asking for a record that ``retired.json`` lists: it is in git history only."""
 
 
 @dataclass(frozen=True)
@@ -71,28 +78,28 @@ class Record:
         """The commit that produced the record: its provenance's, unless the errata of its
         records root correct it."""
         key = f"{self.meta['experiment']}/{self.platform}/{self.record_id}"
-        corrected = _errata(self.path.parents[2] / ERRATA_FILE).get("provenance.git_commit", {})
+        corrected = _json_file(self.path.parents[2] / ERRATA_FILE).get("provenance.git_commit", {})
         return corrected.get(key, self.provenance.get("git_commit", "unknown"))
 
 
-def _errata(path: Path) -> dict:
-    """The errata file ``path`` ({} where there is none), reread when it changes."""
+def _json_file(path: Path) -> dict:
+    """The errata or retired file ``path`` ({} where there is none), reread when it changes."""
     try:
         stamp = path.stat().st_mtime_ns
     except FileNotFoundError:
         return {}
-    return _read_errata(path, stamp)
+    return _read_json(path, stamp)
 
 
 @lru_cache(maxsize=None)
-def _read_errata(path: Path, stamp: int) -> dict:
+def _read_json(path: Path, stamp: int) -> dict:
     return json.loads(path.read_text())
 
 
 def _invalid(root: Path) -> set[str]:
     """Keys (``experiment/platform/record_id``) of the records that ``root``'s errata mark
     invalid."""
-    return set(_errata(root / ERRATA_FILE).get("invalid", {}).get("records", []))
+    return set(_json_file(root / ERRATA_FILE).get("invalid", {}).get("records", []))
 
 
 def _check_valid(path: Path, meta: dict) -> None:
@@ -102,10 +109,25 @@ def _check_valid(path: Path, meta: dict) -> None:
         return
     errata_path = parents[2] / ERRATA_FILE
     key = f"{meta['experiment']}/{meta['platform']}/{meta['record_id']}"
-    invalid = _errata(errata_path).get("invalid", {})
+    invalid = _json_file(errata_path).get("invalid", {})
     if key in invalid.get("records", []):
         raise InvalidRecordError(f"record {key} is listed under 'invalid' in {errata_path}: "
                                  f"{invalid.get('why', 'no reason given')}")
+
+
+def retired(root: Path = RECORDS_DIR) -> dict[str, dict]:
+    """The entries of ``root``'s ``retired.json`` by key (``experiment/platform/record_id``)."""
+    return {"/".join(Path(e["path"]).with_suffix("").parts[-3:]): e
+            for e in _json_file(root / RETIRED_FILE).get("records", [])}
+
+
+def _check_not_retired(root: Path, key: str) -> None:
+    """Raise ``RetiredRecordError`` where ``root``'s ``retired.json`` lists the record ``key``."""
+    entry = retired(root).get(key)
+    if entry:
+        raise RetiredRecordError(
+            f"record {key} left the tree ({entry['reason']}); it is in commit {entry['commit']}: "
+            f"git show {entry['commit']}:{entry['path']} > {Path(entry['path']).name}")
 
 
 def write_record(experiment: str, platform: str, table: pd.DataFrame, params: dict,
@@ -137,6 +159,8 @@ def write_record(experiment: str, platform: str, table: pd.DataFrame, params: di
 
 def read_record(path: Path | str) -> Record:
     path = Path(path)
+    if not path.exists() and len(path.parents) > 2:
+        _check_not_retired(path.parents[2], "/".join(path.with_suffix("").parts[-3:]))
     arrow = pq.read_table(path)
     meta_raw = (arrow.schema.metadata or {}).get(_META_KEY)
     if meta_raw is None:
@@ -182,6 +206,7 @@ def resolve_record(experiment: str, platform: str, record: str | None,
         return read_record(candidate)
     matches = [p for p in _all_records(experiment, platform, root) if p.stem == record]
     if not matches:
+        _check_not_retired(root, f"{experiment}/{platform}/{record}")
         raise FileNotFoundError(f"no {experiment!r} record {record!r} for platform {platform!r}")
     return read_record(matches[0])
 
@@ -194,6 +219,7 @@ def select_records(keys, dest: Path, root: Path = RECORDS_DIR) -> Path:
     for key in keys:
         source = root / f"{key}.parquet"
         if not source.is_file():
+            _check_not_retired(root, key)
             raise FileNotFoundError(f"no record {key} under {root}")
         link = dest / f"{key}.parquet"
         link.parent.mkdir(parents=True, exist_ok=True)
