@@ -21,6 +21,7 @@ from functools import lru_cache
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -130,28 +131,90 @@ def _check_not_retired(root: Path, key: str) -> None:
             f"git show {entry['commit']}:{entry['path']} > {Path(entry['path']).name}")
 
 
+# Lean records (issue 21). A new record's table is stored
+# - with each integer column in the smallest integer type that holds its values;
+# - with each float column the writer gives a resolution for (the finest step its values were
+#   measured in, in the column's unit) as float32 where float32's spacing at the column's largest
+#   magnitude is at most half that step, so that rounding moves no value by more than a quarter of
+#   it; float columns are byte-stream-split (no dictionary), which lets zstd pack their exponents;
+# - without the columns of DERIVED that equal their derivation from the other columns exactly;
+# - compressed with zstd at ZSTD_LEVEL.
+# The header's "stored" entry (the narrowed columns' dtypes, the columns left out, the column
+# order) lets read_record give back the table as written; records from before have none and are
+# read as they are.
+ZSTD_LEVEL = 9
+# column -> (the columns it is derived from, how)
+DERIVED = {"gap_eff_us": (("period_us", "t_iss_us"), np.subtract)}  # burst rows: period - T_iss
+
+
+def _derive(table: pd.DataFrame, column: str) -> pd.Series:
+    inputs, how = DERIVED[column]
+    return how(*(table[c] for c in inputs))
+
+
+def _lean(table: pd.DataFrame, resolution: dict[str, float]) -> tuple[pd.DataFrame, dict]:
+    """``table`` as stored and its header's "stored" entry (see above)."""
+    derived = [c for c, (inputs, _) in DERIVED.items() if {c, *inputs} <= set(table.columns)
+               and np.array_equal(_derive(table, c).to_numpy(float), table[c].to_numpy(float),
+                                  equal_nan=True)]
+    narrow = {}
+    for column in table.columns.drop(derived):
+        values = table[column].to_numpy()
+        if values.dtype.kind == "i" and len(values):
+            narrow[column] = next(t for t in (np.int8, np.int16, np.int32, np.int64)
+                                  if np.iinfo(t).min <= values.min()
+                                  and values.max() <= np.iinfo(t).max)
+        elif values.dtype == np.float64 and column in resolution:
+            largest = np.float32(np.nanmax(np.abs(values), initial=0.0))
+            if np.spacing(largest) <= resolution[column] / 2:
+                narrow[column] = np.float32
+    narrow = {c: t for c, t in narrow.items() if t != table[c].dtype}
+    stored = {"dtypes": {c: str(table[c].dtype) for c in narrow}, "derived": derived,
+              "columns": list(table.columns)}
+    return table.drop(columns=derived).astype(narrow), stored
+
+
+def _unlean(table: pd.DataFrame, stored: dict) -> pd.DataFrame:
+    """The table a lean record was written from: dtypes restored, derived columns again."""
+    table = table.astype(stored["dtypes"])
+    for column in stored["derived"]:
+        table[column] = _derive(table, column)
+    return table[stored["columns"]]
+
+
+def _parquet(arrow: pa.Table, sink) -> None:
+    floats = [f.name for f in arrow.schema if pa.types.is_floating(f.type)]
+    pq.write_table(arrow, sink, compression="zstd", compression_level=ZSTD_LEVEL,
+                   use_byte_stream_split=floats,
+                   use_dictionary=[n for n in arrow.column_names if n not in floats])
+
+
 def write_record(experiment: str, platform: str, table: pd.DataFrame, params: dict,
-                 provenance: dict, root: Path = RECORDS_DIR, created: datetime | None = None
-                 ) -> Path:
-    """Write ``table`` as a new record and return its path; never overwrites (append-only).
-    ``created`` (default: now) names the record, so records sort by when they were measured."""
+                 provenance: dict, root: Path = RECORDS_DIR, created: datetime | None = None,
+                 resolution: dict[str, float] | None = None) -> Path:
+    """Write ``table`` as a new lean record (above) and return its path; never overwrites
+    (append-only). ``created`` (default: now) names the record, so records sort by when they were
+    measured; ``resolution`` maps float columns to the finest step their values were measured in
+    (the others are kept as float64)."""
     if not experiment.isidentifier() or not platform.replace("-", "_").isidentifier():
         raise ValueError(f"experiment {experiment!r} and platform {platform!r} must be plain names")
     created = datetime.now(timezone.utc) if created is None else created.astimezone(timezone.utc)
-    arrow = pa.Table.from_pandas(table, preserve_index=False)
+    lean, stored = _lean(table, resolution or {})
+    arrow = pa.Table.from_pandas(lean, preserve_index=False)
     sink = io.BytesIO()
-    pq.write_table(arrow, sink)
+    _parquet(arrow, sink)
     digest = hashlib.sha256(sink.getvalue()).hexdigest()[:10]
     record_id = f"{created:%Y%m%dT%H%M%SZ}-{digest}"
     meta = {"record_id": record_id, "experiment": experiment, "platform": platform,
-            "created_utc": created.isoformat(), "params": params, "provenance": provenance}
+            "created_utc": created.isoformat(), "params": params, "provenance": provenance,
+            "stored": stored}
     arrow = arrow.replace_schema_metadata(
         {**(arrow.schema.metadata or {}), _META_KEY: json.dumps(meta, default=str).encode()})
     path = root / experiment / platform / f"{record_id}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with open(path, "xb") as f:
-            pq.write_table(arrow, f)
+            _parquet(arrow, f)
     except FileExistsError as e:
         raise RecordExistsError(f"record {path} exists; records are never replaced") from e
     return path
@@ -167,7 +230,9 @@ def read_record(path: Path | str) -> Record:
         raise ValueError(f"{path} is not an xstage_lab record (no provenance header)")
     meta = json.loads(meta_raw)
     _check_valid(path, meta)
-    return Record(path=path, table=arrow.to_pandas(), meta=meta)
+    table = arrow.to_pandas()
+    return Record(path=path, table=_unlean(table, meta["stored"]) if "stored" in meta else table,
+                  meta=meta)
 
 
 def _all_records(experiment: str, platform: str | None, root: Path) -> list[Path]:

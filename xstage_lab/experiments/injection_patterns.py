@@ -23,6 +23,7 @@ import pandas as pd
 from ..records import RECORDS_DIR, write_record
 from .remote_ops import (OpsSettings, RemoteOpsBench, calibrate_configs, drain_share, fit_config,
                          fit_entry, format_routes, parse_routes)
+from .remote_store import BURST_RESOLUTION
 
 PATTERNS = ("one_to_one", "one_to_all", "all_to_one", "all_to_all")
 # Device time the route sets may take (measured 16.5 s on 2 GPUs; from that, ~2.2 min on 4 and
@@ -132,7 +133,8 @@ def write_patterns(table: pd.DataFrame, facts: dict, n_gpus: int, platform: str,
               "gpu_start_spread_ns_median": {
                   r: float(v) for r, v in table.groupby("routes")["gpu_start_spread_ns"].median()
                   .items() if len(parse_routes(r)) > 1}}
-    return write_record("remote_patterns", platform, table, params, provenance, root)
+    return write_record("remote_patterns", platform, table, params, provenance, root,
+                        resolution=BURST_RESOLUTION)
 
 
 def summary_entry(params: dict, record_id: str) -> dict:

@@ -32,8 +32,8 @@ from ..platform import Inventory
 from ..kernel_sources import cuda_source
 from ..records import RECORDS_DIR, write_record
 from ..sweep import Axis, Sweep
-from .remote_store import (KIB, BenchSettings, RemoteStoreBench, burst_rows, check_burst_and_gap,
-                           check_choice, isolated_recovery_us)
+from .remote_store import (BURST_RESOLUTION, KIB, BenchSettings, RemoteStoreBench, burst_rows,
+                           check_burst_and_gap, check_choice, isolated_recovery_us)
 
 # In run order: the baseline first; bulk copies (the one path through the copy engine) and the
 # reductions (slowest: the first the time budget leaves out) last.
@@ -681,7 +681,8 @@ def write_operations(table: pd.DataFrame, facts: dict, src: int, dst: int, platf
     params = {"experiment": "remote_ops", "ops": list(fits), "baseline": BASELINE_OP,
               "src": src, "dst": dst, **facts,
               "fits": {op: fit_entry(f, base) for op, f in fits.items()}}
-    return write_record("remote_ops", platform, table, params, provenance, root)
+    return write_record("remote_ops", platform, table, params, provenance, root,
+                        resolution=BURST_RESOLUTION)
 
 
 def summary_entry(params: dict, record_id: str) -> dict:
