@@ -136,7 +136,8 @@ def _check_not_retired(root: Path, key: str) -> None:
 # - with each float column the writer gives a resolution for (the finest step its values were
 #   measured in, in the column's unit) as float32 where float32's spacing at the column's largest
 #   magnitude is at most half that step, so that rounding moves no value by more than a quarter of
-#   it; float columns are byte-stream-split (no dictionary), which lets zstd pack their exponents;
+#   it; float32 columns are byte-stream-split, which lets zstd pack their exponents (the others
+#   keep Parquet's dictionary encoding, smaller for the float64 ones' repeated values);
 # - without the columns of DERIVED that equal their derivation from the other columns exactly;
 # - compressed with zstd at ZSTD_LEVEL.
 # The header's "stored" entry (the narrowed columns' dtypes, the columns left out, the column
@@ -183,10 +184,10 @@ def _unlean(table: pd.DataFrame, stored: dict) -> pd.DataFrame:
 
 
 def _parquet(arrow: pa.Table, sink) -> None:
-    floats = [f.name for f in arrow.schema if pa.types.is_floating(f.type)]
+    split = [f.name for f in arrow.schema if f.type == pa.float32()]
     pq.write_table(arrow, sink, compression="zstd", compression_level=ZSTD_LEVEL,
-                   use_byte_stream_split=floats,
-                   use_dictionary=[n for n in arrow.column_names if n not in floats])
+                   use_byte_stream_split=split,
+                   use_dictionary=[n for n in arrow.column_names if n not in split])
 
 
 def write_record(experiment: str, platform: str, table: pd.DataFrame, params: dict,
