@@ -384,7 +384,7 @@ def test_a_derivable_column_that_differs_from_its_derivation_is_kept(tmp_path):
 
 
 def test_records_from_before_the_lean_format_are_read_as_they_are():
-    rec = latest_record("remote_store", "h200-x2")
+    rec = latest_record("remote_ops", "h200-x2")
     assert "stored" not in rec.meta
     assert pq.ParquetFile(rec.path).metadata.row_group(0).column(0).compression == "SNAPPY"
     assert rec.table["gap_eff_us"].dtype == np.float64 and rec.table["point"].dtype == np.int64
@@ -421,3 +421,198 @@ def test_a_calibration_run_fits_its_budget_and_calibrates_the_same(tmp_path):
 def test_tracked_records_fit_their_budget():
     tracked = _git("ls-files", "data/records").stdout.split()
     assert sum((records.DATA_DIR.parent / p).stat().st_size for p in tracked) <= TREE_BUDGET
+
+
+# Transcoding (issue 21): a record of the format before the lean one, rewritten once in the lean
+# format, the original's bytes kept in a commit that retired.json's "transcoded" section names.
+
+def _repo(tmp_path: Path) -> Path:
+    """A git work tree at ``tmp_path`` whose records root is ``data/records``."""
+    for args in (("init", "-q"), ("config", "user.email", "t@example.com"),
+                 ("config", "user.name", "t"), ("config", "commit.gpgsign", "false")):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True)
+    root = tmp_path / "data" / "records"
+    root.mkdir(parents=True)
+    return root
+
+
+def _commit(root: Path, message: str = "records") -> str:
+    top = root.parents[1]
+    subprocess.run(["git", "add", "-A", "."], cwd=top, check=True)
+    subprocess.run(["git", "commit", "-q", "-m", message], cwd=top, check=True)
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=top, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def _old_record(root: Path, table: pd.DataFrame, record_id: str = "20261129T120000Z-0123456789",
+                experiment: str = "remote_store") -> Path:
+    """A record as written before the lean format: pyarrow's defaults, no "stored" entry."""
+    meta = {"record_id": record_id, "experiment": experiment, "platform": "h200-x2",
+            "created_utc": "2026-11-29T12:00:00+00:00", "params": {"repeats": 3},
+            "provenance": {"git_commit": "abc"}}
+    arrow = pa.Table.from_pandas(table, preserve_index=False)
+    arrow = arrow.replace_schema_metadata({**arrow.schema.metadata,
+                                           b"xstage_lab": json.dumps(meta).encode()})
+    path = root / experiment / "h200-x2" / f"{record_id}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(arrow, path)
+    return path
+
+
+def _fat_table(n: int = 2000) -> pd.DataFrame:
+    rng = np.random.default_rng(0)
+    t_iss = rng.uniform(0.1, 120.0, n)
+    period = t_iss + rng.uniform(0.0, 5.0, n)
+    return pd.DataFrame({
+        "point": np.arange(n) % 7, "order": np.arange(n), "t_iss_us": t_iss, "period_us": period,
+        "gap_eff_us": period - t_iss, "rate_GBps": rng.uniform(1, 400, n),
+        "path": np.where(np.arange(n) % 2, "remote", "local"), "warmup": np.arange(n) < 5,
+        "entry_ns": [json.dumps((np.arange(i % 9) * 32 + i).tolist()) for i in range(n)]})
+
+
+RESOLUTION = {"t_iss_us": 5e-4, "period_us": 5e-4}
+
+
+def test_transcode_round_trip_keeps_id_header_and_measurements(tmp_path):
+    root = _repo(tmp_path)
+    table = _fat_table()
+    path = _old_record(root, table)
+    original = path.read_bytes()
+    before = read_record(path)
+    commit = _commit(root)
+    when = datetime(2026, 12, 1, 17, tzinfo=timezone.utc)
+
+    assert records.transcode("remote_store/h200-x2/" + path.stem, commit[:7], RESOLUTION, root,
+                             date=when) == path
+    rec = read_record(path)
+    assert rec.meta == {**before.meta, "stored": rec.meta["stored"], "transcoded": {
+        "from_format": records.OLD_FORMAT, "commit": commit, "date": when.isoformat()}}
+    assert rec.meta["stored"]["derived"] == ["gap_eff_us"]
+    assert rec.meta["stored"]["json_lists"] == ["entry_ns"]
+    schema = pq.read_schema(path)
+    assert str(schema.field("t_iss_us").type) == "float" and "gap_eff_us" not in schema.names
+    assert str(schema.field("entry_ns").type) == "list<element: int64>"
+    assert path.stat().st_size < len(original)
+    # the same table: exact but for the narrowed columns, within a quarter of their resolution
+    assert list(rec.table.columns) == list(table.columns)
+    assert (rec.table.dtypes == table.dtypes).all()
+    for column in ("point", "order", "rate_GBps", "path", "warmup", "entry_ns"):
+        pd.testing.assert_series_equal(rec.table[column], table[column])
+    for column, error in (("t_iss_us", 1.25e-4), ("period_us", 1.25e-4), ("gap_eff_us", 2.5e-4)):
+        assert np.allclose(rec.table[column], table[column], rtol=0, atol=error)
+    # still the record it was, for every loader
+    assert latest_record("remote_store", "h200-x2", root).record_id == path.stem
+    assert resolve_record("remote_store", "h200-x2", path.stem, root).path == path
+    # the manifest entry, and the original bytes where it says
+    key = f"remote_store/h200-x2/{path.stem}"
+    entry = records.transcoded(root)[key]
+    assert entry == {"id": path.stem, "path": f"data/records/{key}.parquet", "commit": commit,
+                     "reason": f"transcoded to the lean format; the original bytes are at {commit}",
+                     "date": when.isoformat()}
+    shown = subprocess.run(["git", "show", f"{commit}:{entry['path']}"], cwd=tmp_path,
+                           capture_output=True, check=True).stdout
+    assert shown == original
+    assert records.retired(root) == {}  # a transcoded record is not a retired one
+
+
+def test_transcode_refuses_a_lean_record_and_a_second_transcoding(tmp_path):
+    root = _repo(tmp_path)
+    lean = write_record("remote_store", "h200-x2", _fat_table(50), {}, {}, root,
+                        resolution=RESOLUTION)
+    old = _old_record(root, _fat_table(50))
+    _commit(root)
+    before = lean.read_bytes()
+    with pytest.raises(ValueError, match="lean format already"):
+        records.transcode(lean, "HEAD", RESOLUTION, root)
+    assert lean.read_bytes() == before and not (root / records.RETIRED_FILE).exists()
+    records.transcode(old, "HEAD", RESOLUTION, root)
+    _commit(root, "transcoded")
+    after = old.read_bytes()
+    with pytest.raises(ValueError, match=r"lean format already \(transcoded\)"):
+        records.transcode(old, "HEAD~1", RESOLUTION, root)
+    assert old.read_bytes() == after and len(records.transcoded(root)) == 1
+
+
+def test_transcode_needs_a_commit_holding_the_original(tmp_path):
+    root = _repo(tmp_path)
+    path = _old_record(root, _fat_table(50))
+    _commit(root)
+    other = _old_record(root, _fat_table(60), "20261129T130000Z-0123456789")  # not committed
+    for record in (other, path):
+        if record == path:
+            path.write_bytes(path.read_bytes())  # same bytes: the commit holds them
+            record = other
+        before = record.read_bytes()
+        with pytest.raises(ValueError, match="does not hold"):
+            records.transcode(record, "HEAD", RESOLUTION, root)
+        assert record.read_bytes() == before
+    with pytest.raises(ValueError, match="does not hold"):
+        records.transcode(path, "0" * 40, RESOLUTION, root)
+    assert records.transcoded(root) == {}
+
+
+def test_transcode_restores_the_original_where_the_table_read_back_differs(tmp_path, monkeypatch):
+    root = _repo(tmp_path)
+    path = _old_record(root, _fat_table(50))
+    _commit(root)
+    original = path.read_bytes()
+    unlean = records._unlean
+
+    def off_by_a_cycle(table, stored):
+        table = unlean(table, stored)
+        return table.assign(t_iss_us=table["t_iss_us"] + 5e-4)
+    monkeypatch.setattr(records, "_unlean", off_by_a_cycle)
+    with pytest.raises(ValueError, match="t_iss_us moved by more than.*original is restored"):
+        records.transcode(path, "HEAD", RESOLUTION, root)
+    assert path.read_bytes() == original
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    assert records.transcoded(root) == {}
+
+
+def test_append_only_allows_exactly_the_listed_transcodings(tmp_path):
+    root = _repo(tmp_path)
+    kept = _old_record(root, _fat_table(50), "20261129T120000Z-0123456789")
+    other = _old_record(root, _fat_table(60), "20261129T130000Z-0123456789")
+    gone = _old_record(root, _fat_table(70), "20261129T140000Z-0123456789")
+    _commit(root)
+    assert records.append_only_violations(root) == []
+
+    records.transcode(kept, "HEAD", RESOLUTION, root)
+    assert records.append_only_violations(root) == []  # in the work tree
+    _commit(root, "transcode")
+    assert records.append_only_violations(root) == []  # and committed
+
+    # a record rewritten without a manifest entry (even in the lean format)
+    other.write_bytes(kept.read_bytes())
+    assert records.append_only_violations(root) == [
+        f"remote_store/h200-x2/{other.stem}: rewritten without a transcoded entry in retired.json"]
+    _commit(root, "rewrite")
+    assert len(records.append_only_violations(root)) == 1
+    subprocess.run(["git", "reset", "-q", "--hard", "HEAD~1"], cwd=tmp_path, check=True)
+
+    # a transcoded record rewritten again
+    kept.write_bytes(kept.read_bytes() + b"\0")
+    violations = records.append_only_violations(root)
+    assert f"remote_store/h200-x2/{kept.stem}: rewritten 2 times (a transcoding happens once)" \
+        in violations and all(kept.stem in v for v in violations)
+    subprocess.run(["git", "checkout", "-q", "--", "."], cwd=tmp_path, check=True)
+
+    # a record removed without a retired entry; a transcoded entry for a record never rewritten
+    gone.unlink()
+    manifest = json.loads((root / records.RETIRED_FILE).read_text())
+    manifest["transcoded"].append({**manifest["transcoded"][0], "id": other.stem,
+                                   "path": f"data/records/remote_store/h200-x2/{other.name}"})
+    (root / records.RETIRED_FILE).write_text(json.dumps(manifest))
+    assert sorted(records.append_only_violations(root)) == sorted([
+        f"data/records/remote_store/h200-x2/{gone.name}: removed without a retired.json entry",
+        f"remote_store/h200-x2/{other.stem}: listed transcoded, but its header or history "
+        "disagrees"])
+
+
+def test_committed_records_keep_the_append_only_rule():
+    assert records.append_only_violations() == []
+
+
+def _git_bytes(spec: str) -> bytes:
+    return subprocess.run(["git", "show", spec], cwd=records.DATA_DIR.parent, capture_output=True,
+                          check=True).stdout

@@ -8,7 +8,11 @@ record's header go into ``errata.json`` beside the experiments (``Record.git_com
 records it marks invalid are left out of every listing, and reading one raises
 ``InvalidRecordError``. A record that nothing reads any more may leave the tree only through
 ``retired.json`` beside the experiments (its id, path, reason and a commit that still holds it);
-asking for a retired record raises ``RetiredRecordError``, naming that commit.
+asking for a retired record raises ``RetiredRecordError``, naming that commit. A record written
+before the lean format (below) may be rewritten once, by ``transcode``, in that format: the same id,
+header and measurements (to the resolution the lean format keeps), its header noting the
+transcoding and ``retired.json``'s "transcoded" section naming the commit that holds the original
+bytes; ``append_only_violations`` finds any other change to a committed record.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import subprocess
 from dataclasses import dataclass
 from functools import lru_cache
 from datetime import datetime, timezone
@@ -139,10 +144,13 @@ def _check_not_retired(root: Path, key: str) -> None:
 #   it; float32 columns are byte-stream-split, which lets zstd pack their exponents (the others
 #   keep Parquet's dictionary encoding, smaller for the float64 ones' repeated values);
 # - without the columns of DERIVED that equal their derivation from the other columns exactly;
+# - with each text column whose every value is a JSON list of integers (import_bench_json's lists,
+#   e.g. fa_trace's per-tile %globaltimer stamps) as a list<int64> column, where json.dumps gives
+#   every value back exactly (int64 without a dictionary packs these lists best with zstd);
 # - compressed with zstd at ZSTD_LEVEL.
-# The header's "stored" entry (the narrowed columns' dtypes, the columns left out, the column
-# order) lets read_record give back the table as written; records from before have none and are
-# read as they are.
+# The header's "stored" entry (the narrowed columns' dtypes, the columns left out, the JSON list
+# columns, the column order) lets read_record give back the table as written; records from before
+# have none and are read as they are (or transcoded: ``transcode``).
 ZSTD_LEVEL = 9
 # column -> (the columns it is derived from, how)
 DERIVED = {"gap_eff_us": (("period_us", "t_iss_us"), np.subtract)}  # burst rows: period - T_iss
@@ -153,15 +161,35 @@ def _derive(table: pd.DataFrame, column: str) -> pd.Series:
     return how(*(table[c] for c in inputs))
 
 
+def _int_lists(values) -> list[list[int]] | None:
+    """``values`` (text) parsed as JSON lists of int64 integers, or None unless every one is such
+    a list that ``json.dumps`` writes back exactly."""
+    if not len(values) or not all(isinstance(v, str) and v.startswith("[") for v in values):
+        return None
+    lists = []
+    for text in values:
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            return None
+        if (not all(type(x) is int and -2**63 <= x < 2**63 for x in parsed)
+                or json.dumps(parsed) != text):
+            return None
+        lists.append(parsed)
+    return lists
+
+
 def _lean(table: pd.DataFrame, resolution: dict[str, float]) -> tuple[pd.DataFrame, dict]:
     """``table`` as stored and its header's "stored" entry (see above)."""
     derived = [c for c, (inputs, _) in DERIVED.items() if {c, *inputs} <= set(table.columns)
                and np.array_equal(_derive(table, c).to_numpy(float), table[c].to_numpy(float),
                                   equal_nan=True)]
-    narrow = {}
+    narrow, json_lists = {}, {}
     for column in table.columns.drop(derived):
         values = table[column].to_numpy()
-        if values.dtype.kind == "i" and len(values):
+        if values.dtype == object and (lists := _int_lists(values)) is not None:
+            json_lists[column] = lists
+        elif values.dtype.kind == "i" and len(values):
             narrow[column] = next(t for t in (np.int8, np.int16, np.int32, np.int64)
                                   if np.iinfo(t).min <= values.min()
                                   and values.max() <= np.iinfo(t).max)
@@ -172,22 +200,44 @@ def _lean(table: pd.DataFrame, resolution: dict[str, float]) -> tuple[pd.DataFra
     narrow = {c: t for c, t in narrow.items() if t != table[c].dtype}
     stored = {"dtypes": {c: str(table[c].dtype) for c in narrow}, "derived": derived,
               "columns": list(table.columns)}
-    return table.drop(columns=derived).astype(narrow), stored
+    if json_lists:
+        stored["json_lists"] = list(json_lists)
+    lean = table.drop(columns=derived).astype(narrow)
+    for column, lists in json_lists.items():
+        lean[column] = pd.Series(lists, index=lean.index, dtype=object)
+    return lean, stored
+
+
+def _arrow(lean: pd.DataFrame, stored: dict) -> pa.Table:
+    arrow = pa.Table.from_pandas(lean, preserve_index=False)
+    for column in stored.get("json_lists", []):  # int64 whatever the values (empty lists too)
+        i = arrow.schema.get_field_index(column)
+        arrow = arrow.set_column(i, column, arrow.column(i).cast(pa.list_(pa.int64())))
+    return arrow
 
 
 def _unlean(table: pd.DataFrame, stored: dict) -> pd.DataFrame:
-    """The table a lean record was written from: dtypes restored, derived columns again."""
+    """The table a lean record was written from: dtypes restored, derived columns again, JSON
+    lists as text again."""
     table = table.astype(stored["dtypes"])
     for column in stored["derived"]:
         table[column] = _derive(table, column)
+    for column in stored.get("json_lists", []):
+        table[column] = [json.dumps(v.tolist()) for v in table[column]]
     return table[stored["columns"]]
 
 
 def _parquet(arrow: pa.Table, sink) -> None:
     split = [f.name for f in arrow.schema if f.type == pa.float32()]
+    lists = [f.name for f in arrow.schema if pa.types.is_list(f.type)]
     pq.write_table(arrow, sink, compression="zstd", compression_level=ZSTD_LEVEL,
                    use_byte_stream_split=split,
-                   use_dictionary=[n for n in arrow.column_names if n not in split])
+                   use_dictionary=[n for n in arrow.column_names if n not in split + lists])
+
+
+def _with_header(arrow: pa.Table, meta: dict) -> pa.Table:
+    return arrow.replace_schema_metadata(
+        {**(arrow.schema.metadata or {}), _META_KEY: json.dumps(meta, default=str).encode()})
 
 
 def write_record(experiment: str, platform: str, table: pd.DataFrame, params: dict,
@@ -201,7 +251,7 @@ def write_record(experiment: str, platform: str, table: pd.DataFrame, params: di
         raise ValueError(f"experiment {experiment!r} and platform {platform!r} must be plain names")
     created = datetime.now(timezone.utc) if created is None else created.astimezone(timezone.utc)
     lean, stored = _lean(table, resolution or {})
-    arrow = pa.Table.from_pandas(lean, preserve_index=False)
+    arrow = _arrow(lean, stored)
     sink = io.BytesIO()
     _parquet(arrow, sink)
     digest = hashlib.sha256(sink.getvalue()).hexdigest()[:10]
@@ -209,8 +259,7 @@ def write_record(experiment: str, platform: str, table: pd.DataFrame, params: di
     meta = {"record_id": record_id, "experiment": experiment, "platform": platform,
             "created_utc": created.isoformat(), "params": params, "provenance": provenance,
             "stored": stored}
-    arrow = arrow.replace_schema_metadata(
-        {**(arrow.schema.metadata or {}), _META_KEY: json.dumps(meta, default=str).encode()})
+    arrow = _with_header(arrow, meta)
     path = root / experiment / platform / f"{record_id}.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -234,6 +283,172 @@ def read_record(path: Path | str) -> Record:
     table = arrow.to_pandas()
     return Record(path=path, table=_unlean(table, meta["stored"]) if "stored" in meta else table,
                   meta=meta)
+
+
+# The format of the records written before the lean one: pyarrow's defaults (Snappy, dictionaries),
+# every column as the writer gave it. ``transcode`` rewrites such a record in the lean format.
+OLD_FORMAT = "parquet, pyarrow defaults (snappy, dictionary), every column as written"
+TRANSCODED_REASON = "transcoded to the lean format; the original bytes are at {commit}"
+
+
+def transcoded(root: Path = RECORDS_DIR) -> dict[str, dict]:
+    """The entries of the "transcoded" section of ``root``'s ``retired.json`` by key
+    (``experiment/platform/record_id``)."""
+    return {"/".join(Path(e["path"]).with_suffix("").parts[-3:]): e
+            for e in _json_file(root / RETIRED_FILE).get("transcoded", [])}
+
+
+def _git(cwd: Path, *args: str, text: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=text)
+
+
+def _record_path(record: str | Path, root: Path) -> Path:
+    """The file of ``record``: a path, a key (``experiment/platform/record_id``) or an id."""
+    candidate = Path(record)
+    if candidate.suffix == ".parquet":
+        return candidate
+    if len(candidate.parts) == 3:
+        return root / f"{record}.parquet"
+    matches = sorted(root.glob(f"*/*/{record}.parquet"))
+    if len(matches) != 1:
+        raise FileNotFoundError(f"{len(matches)} records with id {record!r} under {root}")
+    return matches[0]
+
+
+def _transcoding_error(original: pd.DataFrame, back: pd.DataFrame, stored: dict,
+                       resolution: dict[str, float]) -> str | None:
+    """Why ``back`` (a transcoded record's table) is not ``original`` to the lean format's rules:
+    a float column narrowed by its resolution within a quarter of it, a derived column within the
+    sum of its inputs', every other column exactly; None where it is."""
+    if list(back.columns) != list(original.columns) or not (back.dtypes == original.dtypes).all():
+        return "columns or dtypes differ"
+    if len(back) != len(original):
+        return "row counts differ"
+    quarter = {c: resolution[c] / 4 for c, t in stored["dtypes"].items()
+               if t == "float64" and c in resolution}
+    for column in stored["derived"]:
+        quarter[column] = sum(quarter.get(c, 0.0) for c in DERIVED[column][0])
+    for column in original.columns:
+        a, b = original[column].to_numpy(), back[column].to_numpy()
+        if column in quarter:
+            nan = np.isnan(a)
+            if not np.array_equal(nan, np.isnan(b)) or np.any(
+                    np.abs(a[~nan] - b[~nan]) > quarter[column] * (1 + 1e-9) + 1e-15 * np.abs(a[~nan])):
+                return f"{column} moved by more than {quarter[column]:g}"
+        elif not original[column].equals(back[column]):
+            return f"{column} differs"
+    return None
+
+
+def transcode(record: str | Path, commit: str, resolution: dict[str, float] | None = None,
+              root: Path = RECORDS_DIR, date: datetime | None = None) -> Path:
+    """Rewrite a record of the format before the lean one in the lean format, once, and return its
+    path: the same id, header and measurements (``resolution`` as for ``write_record``: the
+    writer's), the header noting ``transcoded`` (the format it had, ``commit``, ``date``), and an
+    entry in the "transcoded" section of ``root``'s ``retired.json``. ``commit`` must hold the
+    record's present bytes at its path (``git show <commit>:<path>`` gives the original back).
+    Refuses a lean record; restores the original and raises where the table read back is not the
+    original's to the lean format's rules."""
+    root = Path(root).resolve()
+    path = _record_path(record, root).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"no record {record} under {root}")
+    rec = read_record(path)
+    key = f"{rec.meta['experiment']}/{rec.platform}/{rec.record_id}"
+    if path != (root / f"{key}.parquet").resolve():
+        raise ValueError(f"{path} is not the record {key} of the records root {root}")
+    if "stored" in rec.meta:
+        raise ValueError(f"record {key} is in the lean format already"
+                         + (" (transcoded)" if "transcoded" in rec.meta else ""))
+    original = path.read_bytes()
+    top = _git(path.parent, "rev-parse", "--show-toplevel")
+    if top.returncode:
+        raise ValueError(f"{path} is not in a git work tree; the original bytes must stay in a "
+                         "commit")
+    rel = path.relative_to(Path(top.stdout.strip()).resolve()).as_posix()
+    full = _git(path.parent, "rev-parse", "--verify", f"{commit}^{{commit}}")
+    held = _git(path.parent, "cat-file", "blob", f"{commit}:{rel}", text=False)
+    if full.returncode or held.returncode or held.stdout != original:
+        raise ValueError(f"commit {commit} does not hold {rel} as it is now; transcoding needs a "
+                         "commit that keeps the original bytes")
+    commit = full.stdout.strip()
+
+    resolution = resolution or {}
+    lean, stored = _lean(rec.table, resolution)
+    when = datetime.now(timezone.utc) if date is None else date.astimezone(timezone.utc)
+    meta = {**rec.meta, "stored": stored,
+            "transcoded": {"from_format": OLD_FORMAT, "commit": commit,
+                           "date": when.isoformat()}}
+    sink = io.BytesIO()
+    _parquet(_with_header(_arrow(lean, stored), meta), sink)
+    scratch = path.with_name(f".{path.name}.transcoding")
+    try:
+        scratch.write_bytes(sink.getvalue())
+        os.replace(scratch, path)
+        back = read_record(path)
+        error = (_transcoding_error(rec.table, back.table, stored, resolution)
+                 or (None if back.meta == json.loads(json.dumps(meta, default=str))
+                     else "header differs"))
+        if error:
+            raise ValueError(f"transcoding {key} changed it ({error}); the original is restored")
+    except BaseException:
+        path.write_bytes(original)
+        scratch.unlink(missing_ok=True)
+        raise
+
+    manifest_path = root / RETIRED_FILE
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    manifest.setdefault("transcoded", []).append(
+        {"id": rec.record_id, "path": rel, "reason": TRANSCODED_REASON.format(commit=commit),
+         "commit": commit, "date": when.isoformat()})
+    manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+    return path
+
+
+def append_only_violations(root: Path = RECORDS_DIR) -> list[str]:
+    """Every change to a record file under ``root`` in its git history and work tree that the
+    append-only rule does not allow: a record may be added, removed where ``retired.json`` lists
+    it retired, and rewritten once where its "transcoded" section lists it (into a lean record
+    whose header names the same commit); nothing else. Empty where the rule holds."""
+    root = Path(root).resolve()
+    top = Path(_git(root, "rev-parse", "--show-toplevel").stdout.strip()).resolve()
+    prefix = root.relative_to(top).as_posix()
+    history = _git(top, "log", "--format=", "--name-status", "--no-renames", "HEAD", "--",
+                   prefix).stdout.splitlines()
+    work = _git(top, "diff", "--name-status", "--no-renames", "HEAD", "--", prefix)
+    changes = [line.split("\t") for line in history + work.stdout.splitlines() if line]
+    gone, rewritten = retired(root), transcoded(root)
+    violations, rewrites = [], {}
+    for status, path in changes:
+        if not path.endswith(".parquet"):
+            continue
+        key = "/".join(Path(path).with_suffix("").parts[-3:])
+        if status == "D" and key not in gone:
+            violations.append(f"{path}: removed without a retired.json entry")
+        elif status == "M":
+            rewrites[key] = rewrites.get(key, 0) + 1
+        elif status not in "AD":
+            violations.append(f"{path}: {status}")
+    for key, n in rewrites.items():
+        if key not in rewritten:
+            violations.append(f"{key}: rewritten without a transcoded entry in retired.json")
+        elif n > 1:
+            violations.append(f"{key}: rewritten {n} times (a transcoding happens once)")
+    for key, entry in rewritten.items():
+        path = root / f"{key}.parquet"
+        if not path.is_file():
+            violations.append(f"{key}: listed transcoded, not in the tree")
+            continue
+        try:
+            note = read_record(path).meta.get("transcoded", {})
+        except (ValueError, OSError) as e:
+            violations.append(f"{key}: listed transcoded, unreadable ({e})")
+            continue
+        if note.get("commit") != entry["commit"] or key not in rewrites:
+            violations.append(f"{key}: listed transcoded, but its header or history disagrees")
+        elif _git(top, "cat-file", "-e", f"{entry['commit']}:{entry['path']}").returncode:
+            violations.append(f"{key}: commit {entry['commit']} does not hold {entry['path']}")
+    return violations
 
 
 def _all_records(experiment: str, platform: str | None, root: Path) -> list[Path]:
