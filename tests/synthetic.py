@@ -307,7 +307,10 @@ def write_synthetic_record_set(root, source=None, shift_days: int = 400) -> dict
             if key in params:
                 params[key] = perturb_json(params[key], key, ints=key in INT_PARAMS)
         created = datetime.fromisoformat(rec.meta["created_utc"]) + timedelta(days=shift_days)
-        meta = renamed({**rec.meta, "record_id": rec.record_id, "params": params,
+        # written as records were before the lean format: no "stored" entry (the table is the
+        # one read back), nothing transcoded
+        header = {k: v for k, v in rec.meta.items() if k not in ("stored", "transcoded")}
+        meta = renamed({**header, "record_id": rec.record_id, "params": params,
                         "created_utc": created.isoformat()})
         arrow = pa.Table.from_pandas(perturb_table(rec.table, experiment), preserve_index=False)
         arrow = arrow.replace_schema_metadata({**(arrow.schema.metadata or {}),

@@ -332,8 +332,8 @@ def _transcoding_error(original: pd.DataFrame, back: pd.DataFrame, stored: dict,
         a, b = original[column].to_numpy(), back[column].to_numpy()
         if column in quarter:
             nan = np.isnan(a)
-            if not np.array_equal(nan, np.isnan(b)) or np.any(
-                    np.abs(a[~nan] - b[~nan]) > quarter[column] * (1 + 1e-9) + 1e-15 * np.abs(a[~nan])):
+            slack = quarter[column] * (1 + 1e-9) + 1e-15 * np.abs(a[~nan])
+            if not np.array_equal(nan, np.isnan(b)) or np.any(np.abs(a[~nan] - b[~nan]) > slack):
                 return f"{column} moved by more than {quarter[column]:g}"
         elif not original[column].equals(back[column]):
             return f"{column} differs"
