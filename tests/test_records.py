@@ -569,6 +569,8 @@ def test_transcode_restores_the_original_where_the_table_read_back_differs(tmp_p
 
 
 def test_append_only_allows_exactly_the_listed_transcodings(tmp_path):
+    with pytest.raises(ValueError, match="not in a git work tree"):
+        records.append_only_violations(tmp_path)
     root = _repo(tmp_path)
     kept = _old_record(root, _fat_table(50), "20261129T120000Z-0123456789")
     other = _old_record(root, _fat_table(60), "20261129T130000Z-0123456789")

@@ -411,7 +411,10 @@ def append_only_violations(root: Path = RECORDS_DIR) -> list[str]:
     it retired, and rewritten once where its "transcoded" section lists it (into a lean record
     whose header names the same commit); nothing else. Empty where the rule holds."""
     root = Path(root).resolve()
-    top = Path(_git(root, "rev-parse", "--show-toplevel").stdout.strip()).resolve()
+    found = _git(root, "rev-parse", "--show-toplevel")
+    if found.returncode:
+        raise ValueError(f"{root} is not in a git work tree: no history to check")
+    top = Path(found.stdout.strip()).resolve()
     prefix = root.relative_to(top).as_posix()
     history = _git(top, "log", "--format=", "--name-status", "--no-renames", "HEAD", "--",
                    prefix).stdout.splitlines()
