@@ -273,7 +273,8 @@ def write_synthetic_record_set(root, source=None, shift_days: int = 400) -> dict
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from xstage_lab.records import _META_KEY, RECORDS_DIR, list_records, platforms, read_record
+    from xstage_lab.records import (_META_KEY, RECORDS_DIR, list_records, platforms, read_record,
+                                    retired)
 
     source = Path(source or RECORDS_DIR)
     root = Path(root)
@@ -284,10 +285,12 @@ def write_synthetic_record_set(root, source=None, shift_days: int = 400) -> dict
             paths = list_records(experiment, platform, source)
             chosen += paths[-1:] if experiment in LATEST_ONLY else paths
     new_ids = {}
-    for path in (p for e in experiments for p in (source / e).glob("*/*.parquet")):
-        stamp, digest = path.stem.split("-", 1)
+    # the records' headers name records that left the tree too (a calibration its source)
+    for record_id in [*(p.stem for e in experiments for p in (source / e).glob("*/*.parquet")),
+                      *(e["id"] for e in retired(source).values())]:
+        stamp, digest = record_id.split("-", 1)
         created = datetime.strptime(stamp, "%Y%m%dT%H%M%SZ") + timedelta(days=shift_days)
-        new_ids[path.stem] = (f"{created:%Y%m%dT%H%M%SZ}-"
+        new_ids[record_id] = (f"{created:%Y%m%dT%H%M%SZ}-"
                               f"{hashlib.sha256(digest.encode()).hexdigest()[:10]}")
 
     def renamed(obj):
@@ -304,7 +307,10 @@ def write_synthetic_record_set(root, source=None, shift_days: int = 400) -> dict
             if key in params:
                 params[key] = perturb_json(params[key], key, ints=key in INT_PARAMS)
         created = datetime.fromisoformat(rec.meta["created_utc"]) + timedelta(days=shift_days)
-        meta = renamed({**rec.meta, "record_id": rec.record_id, "params": params,
+        # written as records were before the lean format: no "stored" entry (the table is the
+        # one read back), nothing transcoded
+        header = {k: v for k, v in rec.meta.items() if k not in ("stored", "transcoded")}
+        meta = renamed({**header, "record_id": rec.record_id, "params": params,
                         "created_utc": created.isoformat()})
         arrow = pa.Table.from_pandas(perturb_table(rec.table, experiment), preserve_index=False)
         arrow = arrow.replace_schema_metadata({**(arrow.schema.metadata or {}),

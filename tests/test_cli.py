@@ -47,6 +47,10 @@ def _one_line(returncode: int, stderr: str) -> str:
     (["visibility", "--src", "1", "--dst", "1"], "--src and --dst must be two GPUs"),
     (["summary", "--root", "/nonexistent/records"], "no records folder"),
     (["characterize", "--only", "gap", "--calibrate"], "--calibrate needs the sweeps"),
+    (["transcode", "20261201T092848Z-d67496daf8", "--commit", "HEAD"],
+     "records are named experiment/platform/record_id"),
+    (["transcode", "remote_store/h200-x2/20990101T000000Z-0123456789", "--commit", "HEAD"],
+     "no record remote_store/h200-x2/20990101T000000Z-0123456789 under"),
 ])
 def test_a_mistake_is_one_line_and_exit_code_2(argv, says):
     out = subprocess.run([sys.executable, "-m", "xstage_lab", *argv], capture_output=True,
@@ -157,3 +161,21 @@ def test_summary_prints_a_table_per_platform(eight_gpu_root):
     assert "== h200-x2 ==" in out and "== h200-x8 ==" in out
     assert "calibration.R_GBps " in out and "h200-x8: fa_a2a" in out
     assert not out.lstrip().startswith("{")
+
+
+def test_transcode_rewrites_an_old_record_once_with_its_writer_s_resolution(tmp_path):
+    from tests.test_records import _commit, _fat_table, _old_record, _repo
+    from xstage_lab.records import read_record, transcoded
+
+    root = _repo(tmp_path)
+    path = _old_record(root, _fat_table(50))
+    commit = _commit(root)
+    key = f"remote_store/h200-x2/{path.stem}"
+    argv = [sys.executable, "-m", "xstage_lab", "transcode", key, "--commit", "HEAD", "--root",
+            str(root)]
+    out = subprocess.run(argv, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout == f"transcoded {path}\n", out.stderr
+    assert read_record(path).meta["stored"]["dtypes"]["t_iss_us"] == "float64"  # BURST_RESOLUTION
+    assert transcoded(root)[key]["commit"] == commit
+    out = subprocess.run(argv, capture_output=True, text=True)
+    assert "lean format already" in _one_line(out.returncode, out.stderr)

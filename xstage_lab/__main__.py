@@ -1,5 +1,5 @@
 """Command line: ``python -m xstage_lab {characterize,characterize-beyond,calibrate,import-bench,
-visibility,measure-all,reproduce,summary}``.
+visibility,measure-all,reproduce,summary,transcode}``.
 
 A user's mistake ends in one line on stderr and exit code 2, never a traceback; the arguments are
 checked before CuPy or a GPU is touched."""
@@ -187,6 +187,30 @@ def _summary(args) -> int:
     return 0
 
 
+def writer_resolution(experiment: str) -> dict[str, float]:
+    """The ``resolution`` that ``experiment``'s writer gives ``write_record`` ({} where none)."""
+    from .experiments.remote_store import BURST_RESOLUTION
+
+    return BURST_RESOLUTION if experiment in ("remote_store", "remote_store_partial",
+                                              "remote_ops", "remote_patterns") else {}
+
+
+def _transcode(args) -> int:
+    from .records import transcode
+
+    bad = [r for r in args.records if len(Path(r).parts) != 3 or Path(r).suffix]
+    if bad:
+        raise UsageError(f"records are named experiment/platform/record_id, got {bad}")
+    for record in args.records:
+        try:
+            path = transcode(record, args.commit, root=args.root,
+                             resolution=writer_resolution(Path(record).parts[0]))
+        except (ValueError, FileNotFoundError) as e:
+            raise UsageError(f"{record}: {e}") from None
+        print(f"transcoded {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m xstage_lab",
                      description="The X-Stage workbench: measure on this node's GPUs, keep the "
@@ -261,6 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="every number, as JSON")
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.set_defaults(func=_summary)
+
+    p = sub.add_parser("transcode", help="rewrite records of the format before the lean one in the "
+                                         "lean format, once, listed in retired.json")
+    p.add_argument("records", nargs="+", metavar="RECORD",
+                   help="experiment/platform/record_id of a record")
+    p.add_argument("--commit", required=True,
+                   help="a commit that holds the records' present bytes (their original)")
+    p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
+    p.set_defaults(func=_transcode)
     return parser
 
 

@@ -148,6 +148,9 @@ def trace_case(seq_len, args, cfg, buf, group) -> list[dict]:
                                                     world, trace, args.repeat_build,
                                                     out_fa if args.prime_copy else None)
             t0 = int(stamps[:, 0].min())
+            # %globaltimer stamps: integer ns (multiples of its 32 ns step in the committed
+            # records), so there is no float resolution to declare; a lean record keeps these
+            # lists exactly, as integer lists (records._lean)
             rows.append(dict(M=seq_len, heads=H, head_dim=d, P=world, rank=rank, build=build,
                              launch=launch, kernel_us=kernel_us, sm_clock_mhz=clock,
                              entry_ns=(stamps[:, 0] - t0).tolist(),

@@ -32,8 +32,8 @@ from ...platform import Inventory
 from ...kernel_sources import cuda_source
 from ...records import RECORDS_DIR, write_record
 from ...sweep import Axis, Sweep
-from .characterization import (KIB, BenchSettings, RemoteStoreBench, burst_rows, check_burst_and_gap,
-                           check_choice, isolated_recovery_us)
+from .characterization import (BURST_RESOLUTION, KIB, BenchSettings, RemoteStoreBench, burst_rows,
+                               check_burst_and_gap, check_choice, isolated_recovery_us)
 
 # In run order: the baseline first; bulk copies (the one path through the copy engine) and the
 # reductions (slowest: the first the time budget leaves out) last.
@@ -680,7 +680,8 @@ def write_operations(table: pd.DataFrame, facts: dict, src: int, dst: int, platf
     params = {"experiment": "remote_ops", "ops": list(fits), "baseline": BASELINE_OP,
               "src": src, "dst": dst, **facts,
               "fits": {op: fit_entry(f, base) for op, f in fits.items()}}
-    return write_record("remote_ops", platform, table, params, provenance, root)
+    return write_record("remote_ops", platform, table, params, provenance, root,
+                        resolution=BURST_RESOLUTION)
 
 
 def operation_fits(table: pd.DataFrame, platform: str, record_id: str) -> dict[str, ConfigFit]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 
 from ...records import RECORDS_DIR, write_record
+from .characterization import BURST_RESOLUTION
 from .ops import (OpsSettings, RemoteOpsBench, calibrate_configs, drain_share, fit_config,
                   fit_entry, format_routes, parse_routes)
 
@@ -132,7 +133,8 @@ def write_patterns(table: pd.DataFrame, facts: dict, n_gpus: int, platform: str,
               "gpu_start_spread_ns_median": {
                   r: float(v) for r, v in table.groupby("routes")["gpu_start_spread_ns"].median()
                   .items() if len(parse_routes(r)) > 1}}
-    return write_record("remote_patterns", platform, table, params, provenance, root)
+    return write_record("remote_patterns", platform, table, params, provenance, root,
+                        resolution=BURST_RESOLUTION)
 
 
 def summary_entry(params: dict, record_id: str) -> dict:
