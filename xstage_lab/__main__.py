@@ -189,7 +189,7 @@ def _summary(args) -> int:
 
 def writer_resolution(experiment: str) -> dict[str, float]:
     """The ``resolution`` that ``experiment``'s writer gives ``write_record`` ({} where none)."""
-    from .experiments.remote_store import BURST_RESOLUTION
+    from .experiments.remote_store.characterization import BURST_RESOLUTION
 
     return BURST_RESOLUTION if experiment in ("remote_store", "remote_store_partial",
                                               "remote_ops", "remote_patterns") else {}
