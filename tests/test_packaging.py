@@ -1,4 +1,5 @@
-"""environment.yml serves conda users with the same dependencies as pyproject.toml."""
+"""pyproject.toml installs every package of xstage_lab, and environment.yml serves conda users with
+the same dependencies."""
 import re
 import tomllib
 from pathlib import Path
@@ -23,3 +24,15 @@ def test_environment_lists_the_pyproject_dependencies():
     listed = [*conda, *(p for p in pip if not p.startswith("-e"))]
     norm = lambda r: CONDA_TO_PYPI.get(_name(r), _name(r)) + r[len(_name(r)):].replace(" ", "")
     assert sorted(map(norm, listed)) == sorted(norm(r.lower()) for r in wanted)
+
+
+def test_pyproject_installs_every_package():
+    """A subpackage left out of the install works in the editable checkout and is missing from a
+    wheel: what setuptools finds from pyproject's patterns is every folder with an __init__.py."""
+    from setuptools import find_packages
+
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    installed = set(find_packages(str(ROOT), include=found["find"]["include"]))
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts)
+               for p in (ROOT / "xstage_lab").rglob("__init__.py")}
+    assert installed == on_disk
