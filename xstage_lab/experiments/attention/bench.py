@@ -182,7 +182,7 @@ def remote_epilogue_checks(q, k, v, out_fa, cfg, world: int = 2) -> dict:
     M, h, d = q.shape
     out = {}
     for fenced in (False, True):
-        print(f"[attention_bench --fa-only] remote epilogue, fenced={fenced}", file=sys.stderr,
+        print(f"[attention.bench --fa-only] remote epilogue, fenced={fenced}", file=sys.stderr,
               flush=True)
         recv, table = local_destination(M, h * world, d, world)
         recv.fill_(float("nan"))
@@ -229,7 +229,7 @@ def fa_only(args) -> tuple[dict, list[dict]]:
                 continue
             out = poisoned(q.shape, att.DTYPE, DEVICE)
             # progress first: a launch that never returns leaves its name as the last line
-            print(f"[attention_bench --fa-only] M={seq_len}: checking {name}", file=sys.stderr,
+            print(f"[attention.bench --fa-only] M={seq_len}: checking {name}", file=sys.stderr,
                   flush=True)
             try:
                 att.flash_attention(q, k, v, out=out, config=cfg)
@@ -274,7 +274,7 @@ def fa_only(args) -> tuple[dict, list[dict]]:
                         sm_clock_mhz={m: timing[m]["sm_clock_mhz"] for m in methods}))
         best = max((r for r in rows if r["M"] == seq_len and r["method"] in candidates),
                    key=lambda r: r["tflops"])
-        print(f"[attention_bench --fa-only] M={seq_len}: best {best['method']} "
+        print(f"[attention.bench --fa-only] M={seq_len}: best {best['method']} "
               f"{best['tflops']:.0f} TF/s = {best['over_cudnn']:.3f} of cuDNN "
               f"(paired {best['over_cudnn_paired']:.3f})", file=sys.stderr, flush=True)
         torch.cuda.empty_cache()
@@ -558,7 +558,7 @@ def main(argv=None) -> int:
         validate(args, 1)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         write_output(args.out, *fa_only(args), indent=1)
-        print(f"[attention_bench --fa-only] wrote {args.out}", file=sys.stderr, flush=True)
+        print(f"[attention.bench --fa-only] wrote {args.out}", file=sys.stderr, flush=True)
         return 0
     _, rank, world = start_rank()
     group = dist.group.WORLD
@@ -571,7 +571,7 @@ def main(argv=None) -> int:
         else:
             cfg, tuning = tune(args, group)
         if rank == 0:
-            print(f"[attention_bench] P={world} H={args.heads} d={args.head_dim} config={cfg}",
+            print(f"[attention.bench] P={world} H={args.heads} d={args.head_dim} config={cfg}",
                   file=sys.stderr, flush=True)
         rows, raws = [], []
         for seq_len in (p["M"] for p in shape_sweep(args).points()):
@@ -579,7 +579,7 @@ def main(argv=None) -> int:
             rows.append(row)
             raws.append(raw)
             if rank == 0:
-                print(f"[attention_bench] M={seq_len}: " + ", ".join(
+                print(f"[attention.bench] M={seq_len}: " + ", ".join(
                     f"{m}={row[m + '_us']:.1f}us" for m in METHODS)
                     + f", speedup={row['speedup']:.3f}, H={row['hiding_ratio']:.2f}, "
                     f"FA/cuDNN={row['fa_over_cudnn']:.2f}", file=sys.stderr, flush=True)
@@ -617,7 +617,7 @@ def write_result(args, world, cfg, tuning, rows, raws, elapsed_s) -> None:
         provenance=provenance(),
     )
     write_output(args.out, dict(meta, raw=raws), rows, indent=1)
-    print(f"[attention_bench] wrote {args.out}", file=sys.stderr, flush=True)
+    print(f"[attention.bench] wrote {args.out}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

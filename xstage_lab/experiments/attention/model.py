@@ -328,7 +328,7 @@ def epilogue_builds(records) -> pd.DataFrame:
 
 def tuning_records(platform: str = "h200-x1", root=None) -> list:
     """Every ``fa_tuning`` record of ``platform`` (single-GPU FA-only candidates against cuDNN,
-    ``attention_bench --fa-only``), oldest run first (by their creation time: one import can
+    ``attention.bench --fa-only``), oldest run first (by their creation time: one import can
     stamp several records with the same file time)."""
     from ...records import RECORDS_DIR, list_records, read_record
 

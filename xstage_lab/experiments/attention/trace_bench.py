@@ -65,11 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(``remote_store_a2a``) writes the same receive-buffer addresses: is what "
                         "the first wave meets the destinations' state or the kernel's")
     p.add_argument("--tune", action="store_true",
-                   help="time the candidate configurations first (as attention_bench does)")
+                   help="time the candidate configurations first (as attention.bench does)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.seq = [int(s) for s in args.seq.split(",") if s]
-    # attention_bench.validate's fields
+    # attention.bench.validate's fields
     args.trials, args.iters, args.eager = 1, 1, []
     return args
 
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
             if rank == 0:
                 us = {b: np.median([r["kernel_us"] for r in mine if r["build"] == b])
                       for b in BUILDS}
-                print(f"[attention_trace_bench] M={seq_len}: " + ", ".join(
+                print(f"[attention.trace_bench] M={seq_len}: " + ", ".join(
                     f"{b}={t:.1f}us" for b, t in us.items()), file=sys.stderr, flush=True)
         if rank == 0:
             write_result(args, world, cfg, tuning, rows, time.time() - started)
@@ -218,7 +218,7 @@ def write_result(args, world, cfg, tuning, rows, elapsed_s) -> None:
         provenance=provenance(),
     )
     write_output(args.out, meta, rows)
-    print(f"[attention_trace_bench] wrote {args.out}", file=sys.stderr, flush=True)
+    print(f"[attention.trace_bench] wrote {args.out}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -704,14 +704,15 @@ def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["merge"]:  # merge OUT IN [IN ...]: no GPU needed
         if len(argv) < 3:
-            raise SystemExit("usage: moe_kernel_bench merge OUT.json IN.json [IN.json ...]")
+            raise SystemExit("usage: python -m xstage_lab.experiments.moe.kernel_bench merge "
+                             "OUT.json IN.json [IN.json ...]")
         doc = merge_documents([json.loads(Path(f).read_text()) for f in argv[2:]])
         Path(argv[1]).write_text(json.dumps(doc, indent=1, default=str))
         print(f"wrote {argv[1]} ({len(doc['rows'])} cells from {len(argv) - 2} outputs)")
         return
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("moe_kernel_bench needs a CUDA GPU")
+        raise SystemExit("moe.kernel_bench needs a CUDA GPU")
     device = torch.device("cuda", torch.cuda.current_device())
     why = moe.kernel_unsupported(args.kernel, device)
     if why:

@@ -631,7 +631,7 @@ def main(argv=None) -> int:
                 rows.append(row)
                 if rank == 0:
                     power = row["power_w_mean"]
-                    print(f"[link_probe] round {r} {i + 1}/{len(settings)} {setting.name}: "
+                    print(f"[probes.link] round {r} {i + 1}/{len(settings)} {setting.name}: "
                           f"{row['us_per_call']:.1f} us/call, SM clock "
                           f"{row['sm_clock_mhz_median']} MHz, power "
                           f"{'unknown' if power is None else f'{power:.0f} W'}", file=sys.stderr,
@@ -645,7 +645,7 @@ def main(argv=None) -> int:
                            prov=provenance())
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(doc, indent=1))
-            print(f"[link_probe] wrote {args.out}", file=sys.stderr, flush=True)
+            print(f"[probes.link] wrote {args.out}", file=sys.stderr, flush=True)
         dist.barrier(group=gloo)
     finally:
         dist.destroy_process_group()
