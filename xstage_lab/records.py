@@ -121,10 +121,19 @@ def _check_valid(path: Path, meta: dict) -> None:
                                  f"{invalid.get('why', 'no reason given')}")
 
 
+def _record_key(path: Path | str) -> str:
+    """``experiment/platform/record_id`` of a record file's path."""
+    return "/".join(Path(path).with_suffix("").parts[-3:])
+
+
+def _manifest(root: Path, section: str) -> dict[str, dict]:
+    """A section of ``root``'s ``retired.json`` by record key."""
+    return {_record_key(e["path"]): e for e in _json_file(root / RETIRED_FILE).get(section, [])}
+
+
 def retired(root: Path = RECORDS_DIR) -> dict[str, dict]:
     """The entries of ``root``'s ``retired.json`` by key (``experiment/platform/record_id``)."""
-    return {"/".join(Path(e["path"]).with_suffix("").parts[-3:]): e
-            for e in _json_file(root / RETIRED_FILE).get("records", [])}
+    return _manifest(root, "records")
 
 
 def _check_not_retired(root: Path, key: str) -> None:
@@ -273,7 +282,7 @@ def write_record(experiment: str, platform: str, table: pd.DataFrame, params: di
 def read_record(path: Path | str) -> Record:
     path = Path(path)
     if not path.exists() and len(path.parents) > 2:
-        _check_not_retired(path.parents[2], "/".join(path.with_suffix("").parts[-3:]))
+        _check_not_retired(path.parents[2], _record_key(path))
     arrow = pq.read_table(path)
     meta_raw = (arrow.schema.metadata or {}).get(_META_KEY)
     if meta_raw is None:
@@ -294,8 +303,7 @@ TRANSCODED_REASON = "transcoded to the lean format; the original bytes are at {c
 def transcoded(root: Path = RECORDS_DIR) -> dict[str, dict]:
     """The entries of the "transcoded" section of ``root``'s ``retired.json`` by key
     (``experiment/platform/record_id``)."""
-    return {"/".join(Path(e["path"]).with_suffix("").parts[-3:]): e
-            for e in _json_file(root / RETIRED_FILE).get("transcoded", [])}
+    return _manifest(root, "transcoded")
 
 
 def _git(cwd: Path, *args: str, text: bool = True) -> subprocess.CompletedProcess:
@@ -425,7 +433,7 @@ def append_only_violations(root: Path = RECORDS_DIR) -> list[str]:
     for status, path in changes:
         if not path.endswith(".parquet"):
             continue
-        key = "/".join(Path(path).with_suffix("").parts[-3:])
+        key = _record_key(path)
         if status == "D" and key not in gone:
             violations.append(f"{path}: removed without a retired.json entry")
         elif status == "M":
