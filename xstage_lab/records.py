@@ -521,19 +521,29 @@ def select_records(keys, dest: Path, root: Path = RECORDS_DIR) -> Path:
     return dest
 
 
-def import_bench_json(path: Path | str, experiment: str, root: Path = RECORDS_DIR) -> Path:
-    """Save a benchmark's JSON output (``experiments.output.write_output``: ``rows`` and a
-    ``metadata`` header holding ``provenance``) as a record of ``experiment``."""
+def save_output(metadata: dict, table: pd.DataFrame, experiment: str,
+                root: Path = RECORDS_DIR, resolution: dict[str, float] | None = None) -> Path:
+    """Save an experiment's output (``experiments.harness``: its rows and a header holding
+    ``provenance``) as a record of ``experiment``: the header less its provenance becomes the
+    record's parameters; dict and list cells are kept as JSON text."""
     from .platform import platform_key
 
-    doc = json.loads(Path(path).read_text())
-    rows = doc.pop("rows")
-    header = doc.pop("metadata")
+    header = dict(metadata)
     provenance = header.pop("provenance")
-    table = pd.DataFrame([{k: json.dumps(v) if isinstance(v, (dict, list)) else v
-                           for k, v in row.items()} for row in rows])
+    table = table.apply(lambda col: col.map(
+        lambda v: json.dumps(v) if isinstance(v, (dict, list)) else v)
+        if col.dtype == object else col)
     platform = platform_key(provenance["gpu_name"], provenance["gpu_count"])
-    # Named by when the benchmark ran, not when it was imported: "latest" means latest measured.
+    # Named by when the experiment ran, not when it was saved: "latest" means latest measured.
     measured = provenance.get("date_utc")
     return write_record(experiment, platform, table, header, provenance, root,
-                        created=datetime.fromisoformat(measured) if measured else None)
+                        created=datetime.fromisoformat(measured) if measured else None,
+                        resolution=resolution)
+
+
+def import_bench_json(path: Path | str, experiment: str, root: Path = RECORDS_DIR,
+                      resolution: dict[str, float] | None = None) -> Path:
+    """Save a benchmark's JSON output (``experiments.output.write_output``) as a record of
+    ``experiment`` (``save_output``)."""
+    doc = json.loads(Path(path).read_text())
+    return save_output(doc["metadata"], pd.DataFrame(doc["rows"]), experiment, root, resolution)

@@ -72,30 +72,52 @@ class Sweep:
         return [(r, (i + r * step) % n) for r in range(self.repeats) for i in range(n)]
 
 
-Measure = Callable[[dict], pd.DataFrame]
+Measure = Callable[[object], "pd.DataFrame | dict | list[dict]"]
+
+
+def _frame(rows) -> pd.DataFrame:
+    """A measurement's rows as a table: a DataFrame as it is, a dict as one row, a list of dicts."""
+    if isinstance(rows, pd.DataFrame):
+        return rows
+    return pd.DataFrame([rows] if isinstance(rows, dict) else list(rows))
 
 
 def run_sweep(sweep: Sweep, measure: Measure, validate: Callable[[dict], None] | None = None,
               sm_clock_mhz: Callable[[], float] | None = None,
-              progress: bool = True) -> tuple[pd.DataFrame, dict]:
-    """Run ``measure`` at every point of ``sweep``; return its rows tagged with the point's
-    parameters, ``point``, ``repeat`` and ``order``, and a dict of run facts (clocks).
+              progress: bool = True, *, prepare: Callable[[dict], object] | None = None,
+              check: Callable[[object], None] | None = None,
+              indices: Sequence[int] | None = None) -> tuple[pd.DataFrame, dict]:
+    """Run ``measure`` at every point of ``sweep`` (or the points numbered ``indices``); return
+    its rows tagged with the point's parameters, ``point``, ``repeat`` and ``order``, and a dict of
+    run facts (clocks).
 
-    ``validate`` sees every point before the first launch, so bad input fails before any work."""
+    ``validate`` sees every point before the first launch, so bad input fails before any work.
+    ``prepare`` turns a point into what ``check`` and ``measure`` take (inputs, buffers, prepared
+    launches; default: the point itself), once per point, kept until the point's last repeat;
+    ``check`` sees it before the point's first warm-up, so a wrong result stops the sweep before
+    that point is timed. ``measure`` returns a DataFrame, a dict (one row) or a list of dicts."""
     points = sweep.points()
+    chosen = set(range(len(points)) if indices is None else indices)
     if validate is not None:
-        for p in points:
-            validate(p)
+        for i in sorted(chosen):
+            validate(points[i])
+    order = [(rep, idx) for rep, idx in sweep.order() if idx in chosen]
+    visits_left = {idx: sum(1 for _, i in order if i == idx) for idx in chosen}
     facts = {"sm_clock_mhz_before": sm_clock_mhz() if sm_clock_mhz else None}
-    warmed: set[int] = set()
+    states: dict[int, object] = {}
     frames = []
-    for seq, (rep, idx) in enumerate(tqdm(sweep.order(), desc=sweep.name, disable=not progress)):
-        if idx not in warmed:
+    for seq, (rep, idx) in enumerate(tqdm(order, desc=sweep.name, disable=not progress)):
+        if idx not in states:
+            states[idx] = points[idx] if prepare is None else prepare(points[idx])
+            if check is not None:
+                check(states[idx])
             for _ in range(sweep.warmup):
-                measure(points[idx])
-            warmed.add(idx)
-        rows = measure(points[idx])
+                measure(states[idx])
+        rows = _frame(measure(states[idx]))
         frames.append(rows.assign(point=idx, repeat=rep, order=seq, **points[idx]))
+        visits_left[idx] -= 1
+        if not visits_left[idx]:
+            states[idx] = None  # its buffers go before the next point's are made
     facts["sm_clock_mhz_after"] = sm_clock_mhz() if sm_clock_mhz else None
     return pd.concat(frames, ignore_index=True), facts
 

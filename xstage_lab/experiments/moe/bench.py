@@ -1,8 +1,10 @@
 """SPMD benchmark of the fused MoE kernel's two schedules and the unfused path (paper §5.2.1).
 
-    torchrun --nproc_per_node=4 -m xstage_lab.experiments.moe.bench --out FILE \\
+    torchrun --nproc_per_node=4 -m xstage_lab.experiments.moe.bench (--out FILE | --root DIR) \\
         [--models M1,M2] [--precisions bf16,fp8] [--routing balanced,skewed] [--tokens N1,N2]
-        [--matrix data/moe_matrix.json]
+        [--matrix data/moe_matrix.json] [--chunk I/N]
+
+An ``Experiment`` run by ``experiments.harness``: the matrix is its declared ``Sweep``.
 
 For every (model shape, precision, routing), on fresh seeded inputs:
 
@@ -21,26 +23,24 @@ counters, the kernel, symmetric barrier (every peer's stores are visible), weigh
 unfused path is torch's grouped GEMMs (``layer.grouped_expert_ffn``); in FP8 it takes rows quantized
 by its own recipe (``layer.UNFUSED_FP8_RECIPE``), so it has its own Dispatch of those rows.
 
-Rank 0 writes one JSON: ``{"metadata": {...}, "rows": [{model, precision, routing, tokens, wave_us,
-interleaved_us, unfused_us, speedup (= wave / interleaved), spreads, ...}]}``.
+Rows: ``{model, precision, routing, tokens, wave_us, interleaved_us, unfused_us, speedup (= wave /
+interleaved), spreads, ...}``, one per cell.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ...checks import relative_error
-from ...dist_timing import (TIMING_METHOD, all_gather_objects, read_sm_clock_mhz, start_rank,
-                           time_methods)
+from ...dist_timing import TIMING_METHOD, time_methods
 from ...sweep import Axis, Sweep
-from ..output import write_output
+from .. import harness
+from ..harness import Experiment, Run
 from . import layer as moe
 from .schedules import MoEProblem, d_knee, expert_wave_schedule, \
     interleaved_schedule
@@ -59,83 +59,63 @@ TOLERANCE = {"bf16": {"fp32": 1e-2}, "fp8": {"fp32": 0.1, "fp8_emulated": 2e-2}}
 
 def matrix_sweep(args) -> Sweep:
     """The configuration matrix as a declared sweep: model shape × precision × routing × tokens
-    per rank, one pass (each cell's repeats are its timing trials)."""
+    per rank, one pass (each cell's repeats are its timing trials). Model outermost: a model's
+    weights are made once for its cells."""
     return Sweep("moe", (Axis("model", args.models), Axis("precision", args.precisions),
                          Axis("routing", args.routing), Axis("tokens", args.tokens)),
                  repeats=1, warmup=0)
 
 
-def matrix_cells(args) -> list[tuple[str, str, str, int]]:
-    """(model, precision, routing, tokens) of every cell of ``matrix_sweep``, in run order; with
-    ``--chunk I/N`` only the I-th of N contiguous, near-equal pieces."""
-    cells = [(p["model"], p["precision"], p["routing"], p["tokens"])
-             for p in matrix_sweep(args).points()]
-    if args.chunk is None:
-        return cells
-    i, n = args.chunk
-    return cells[i * len(cells) // n:(i + 1) * len(cells) // n]
+def _names(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    shapes = moe.load_shapes()
-    p = argparse.ArgumentParser(prog="python -m xstage_lab.experiments.moe.bench",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="JSON written by rank 0")
-    p.add_argument("--models", default=",".join(shapes), help=f"comma list of {list(shapes)}")
-    p.add_argument("--precisions", default=",".join(moe.PRECISIONS))
-    p.add_argument("--routing", default=",".join(moe.ROUTINGS))
-    p.add_argument("--tokens", default=str(DEFAULT_TOKENS), help="comma list of tokens per rank")
-    p.add_argument("--matrix", type=Path, default=None,
-                   help="a JSON declaring models, precisions, routing and tokens_per_rank "
-                        "(e.g. data/moe_matrix.json); it replaces those four options")
-    p.add_argument("--chunk", default=None, metavar="I/N",
-                   help="run only the I-th of N contiguous chunks of the cells (0-based), so a "
-                        "long matrix can run as resumable pieces, each its own record")
+def add_layer_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every MoE layer experiment shares (this bench and ``trace_bench``)."""
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--graph-iters", type=int, default=None,
-                   help="time CUDA-graph replays of this many back-to-back calls")
     p.add_argument("--programs", type=int, default=None, help="persistent programs (default: SMs)")
     p.add_argument("--lead", type=int, default=None, help="lead D in rows (default: D_knee, eq. 16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-spin", type=int, default=moe.DEFAULT_MAX_SPIN_ITERS)
     p.add_argument("--kernel", default=None, choices=moe.KERNELS,
                    help="fused kernel (default: gluon_ws on sm_90 GPUs, triton elsewhere)")
-    a = p.parse_args(argv)
-    if a.matrix is not None:
-        matrix = json.loads(a.matrix.read_text())
-        models = matrix["models"]
-        a.models = ",".join(shapes) if models == "all" else ",".join(models)
-        a.precisions, a.routing = ",".join(matrix["precisions"]), ",".join(matrix["routing"])
-        a.tokens = ",".join(str(t) for t in matrix["tokens_per_rank"])
-    a.models = [m for m in a.models.split(",") if m]
-    a.precisions = [x for x in a.precisions.split(",") if x]
-    a.routing = [x for x in a.routing.split(",") if x]
-    try:
-        a.tokens = [int(t) for t in a.tokens.split(",") if t]
-    except ValueError:
-        p.error(f"--tokens must list integers, got {a.tokens!r}")
-    for name, given, allowed in (("model", a.models, shapes), ("precision", a.precisions, moe.PRECISIONS),
-                                 ("routing", a.routing, moe.ROUTINGS)):
-        bad = [g for g in given if g not in allowed]
+
+
+def check_layer_args(a: argparse.Namespace, *names: str) -> None:
+    """Check ``add_layer_arguments``' options and the lists ``names`` (of ``model``,
+    ``precision``, ``routing``) after parsing; ``ValueError`` names the first mistake."""
+    allowed = {"models": moe.load_shapes(), "precisions": moe.PRECISIONS, "routing": moe.ROUTINGS}
+    for name in names:
+        given = getattr(a, name)
+        bad = [g for g in given if g not in allowed[name]]
         if bad or not given:
-            p.error(f"unknown {name} {bad}; choose from {list(allowed)}")
-    if not a.tokens or min(a.tokens) < 1 or a.trials < 1 or a.max_spin < 1:
-        p.error("--tokens, --trials and --max-spin must be >= 1")
+            raise ValueError(f"unknown {name} {bad}; choose from {list(allowed[name])}")
+    if a.trials < 1 or a.max_spin < 1:
+        raise ValueError("--trials and --max-spin must be >= 1")
     if a.warmup < 0:
-        p.error("--warmup must be >= 0")
-    if a.chunk is not None:
-        try:
-            i, n = (int(v) for v in a.chunk.split("/"))
-        except ValueError:
-            p.error(f"--chunk must be I/N, got {a.chunk!r}")
-        if not 0 <= i < n:
-            p.error(f"--chunk {a.chunk}: need 0 <= I < N")
-        a.chunk = (i, n)
+        raise ValueError("--warmup must be >= 0")
     for name in ("graph_iters", "programs", "lead"):
-        if getattr(a, name) is not None and getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    return a
+        if getattr(a, name, None) is not None and getattr(a, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def start_expert_parallel(models: list[str]) -> dict[str, moe.MoEShape]:
+    """On a started rank of an expert-parallel run: float32 matmuls without TF32 (the reference is
+    float32, not TF32), and every model's routed experts checked to split over the ranks. Returns
+    the model shapes."""
+    import torch.distributed as dist
+    torch.backends.cuda.matmul.allow_tf32 = False
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    shapes = moe.load_shapes()
+    for m in models:
+        moe.check_expert_parallel(shapes[m].routed_experts, world)
+    return shapes
+
+
+def cell_seed(seed: int, model: str, precision: str, routing: str, tokens: int) -> int:
+    """Fresh inputs per cell, reproducible whatever subset is run (``trace_bench`` uses the same)."""
+    return seed + 1 + zlib.crc32(f"{model}|{precision}|{routing}|{tokens}".encode())
 
 
 @dataclass
@@ -158,6 +138,9 @@ class ConfigSetup:
     peers: moe.CombinePeers
     rows_view: torch.Tensor
     calls: dict
+    point: dict = field(default_factory=dict)
+    errors: dict = field(default_factory=dict)  # relative errors found by the check
+    unfused: tuple = ()  # the unfused path's (plan, layout)
 
 
 def setup_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
@@ -205,165 +188,172 @@ def combine_output(setup: ConfigSetup, combine: moe.SymmetricCombine, call) -> t
     return setup.rows_view.clone()
 
 
-def abort_on_failures(failures: list[str], what: str) -> None:
-    """Gather every rank's failures; any failure anywhere aborts the run (rank 0 says which)."""
-    import torch.distributed as dist
-    all_failures = all_gather_objects(failures)
-    if any(all_failures):
-        if dist.get_rank() == 0:
-            for r, f in enumerate(all_failures):
-                if f:
-                    print(f"[{what}] rank {r}: {'; '.join(f)}", file=sys.stderr)
-        raise SystemExit(f"correctness failed for {what}; not timing")
+class MoEMatrix(Experiment):
+    """The fused MoE layer's two schedules against the unfused path over the matrix (§5.2.1)."""
 
+    name = "moe"
+    paper = "§4.2, §5.2.1; timing §5.1"
 
-def run_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
-               weights: moe.ExpertWeights, uweights: moe.GroupedWeights,
-               combine: moe.SymmetricCombine, args, config_seed: int) -> dict:
-    """Correctness, then timing, of one configuration (``uweights``: the unfused path's);
-    returns rank 0's result row."""
-    import torch.distributed as dist
-    world = dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device())
-    setup = setup_config(shape, precision, routing, tokens, weights, combine, args, config_seed)
-    cfg, calls, layout, plan = setup.cfg, setup.calls, setup.layout, setup.plan
-    topk_w, rows_view = setup.topk_w, setup.rows_view
-    k, hidden, inter = shape.top_k, shape.hidden, shape.intermediate
-    programs, knee, lead, problem = setup.programs, setup.knee, setup.lead, setup.problem
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        shapes = moe.load_shapes()
+        p.add_argument("--models", default=",".join(shapes), help=f"comma list of {list(shapes)}")
+        p.add_argument("--precisions", default=",".join(moe.PRECISIONS))
+        p.add_argument("--routing", default=",".join(moe.ROUTINGS))
+        p.add_argument("--tokens", default=str(DEFAULT_TOKENS), help="comma list of tokens per rank")
+        p.add_argument("--matrix", type=Path, default=None,
+                       help="a JSON declaring models, precisions, routing and tokens_per_rank "
+                            "(e.g. data/moe_matrix.json); it replaces those four options")
+        p.add_argument("--graph-iters", type=int, default=None,
+                       help="time CUDA-graph replays of this many back-to-back calls")
+        add_layer_arguments(p)
 
-    # 1. correctness, on a poisoned Combine buffer
-    combined = {name: combine_output(setup, combine, call) for name, call in calls.items()}
-    spin_errors = {name: call.error_count() for name, call in calls.items()}
-    bitwise = torch.equal(combined["wave"], combined["interleaved"])
-    out = moe.combine_weighted_sum(combined["interleaved"], topk_w)
-    ref = moe.reference_moe(setup.x, setup.topk_ids, topk_w, shape, seed=args.seed,
-                            precision=precision)
-    errors = {f"rel_err_{kind}": relative_error(out, want) for kind, want in ref.items()}
-    uplan, ulayout = (plan, layout) if precision == "bf16" else moe.dispatch(
-        *moe.unfused_activations(setup.x, precision), setup.topk_ids,
-        num_experts=shape.routed_experts, block_m=cfg.block_m)
-    unfused_out = moe.unfused_moe(ulayout, uplan, uweights, topk_w)
-    errors["rel_err_unfused_fp32"] = relative_error(unfused_out, ref["fp32"])
-    tol = TOLERANCE[precision]
-    failures = [f"spin errors {spin_errors}"] if any(spin_errors.values()) else []
-    if not bitwise:
-        failures.append("Expert-Wave and Interleaved Combine buffers differ")
-    failures += [f"{key} = {errors[f'rel_err_{key}']:.3g} > {bound}" for key, bound in tol.items()
-                 if not errors[f"rel_err_{key}"] <= bound]
-    if not errors["rel_err_unfused_fp32"] <= tol["fp32"]:
-        failures.append(f"unfused rel_err_fp32 = {errors['rel_err_unfused_fp32']:.3g} > {tol['fp32']}")
-    abort_on_failures(failures, f"{shape.model} {precision} {routing} {tokens}")
+    def check_args(self, a: argparse.Namespace) -> None:
+        if a.matrix is not None:
+            matrix = json.loads(a.matrix.read_text())
+            models = matrix["models"]
+            a.models = ",".join(moe.load_shapes()) if models == "all" else ",".join(models)
+            a.precisions, a.routing = ",".join(matrix["precisions"]), ",".join(matrix["routing"])
+            a.tokens = ",".join(str(t) for t in matrix["tokens_per_rank"])
+        a.models, a.precisions, a.routing = _names(a.models), _names(a.precisions), _names(a.routing)
+        try:
+            a.tokens = [int(t) for t in a.tokens.split(",") if t]
+        except ValueError:
+            raise ValueError(f"--tokens must list integers, got {a.tokens!r}") from None
+        if not a.tokens or min(a.tokens) < 1:
+            raise ValueError("--tokens must be >= 1")
+        check_layer_args(a, "models", "precisions", "routing")
 
-    # 2. timing
-    def fused(call):
-        def run():
-            combine.barrier()
-            call()
-            combine.barrier()
-            moe.combine_weighted_sum(rows_view, topk_w)
-        return run
+    def sweeps(self, args) -> list[Sweep]:
+        return [matrix_sweep(args)]
 
-    methods = {"wave": fused(calls["wave"]), "interleaved": fused(calls["interleaved"]),
-               "unfused": lambda: moe.unfused_moe(ulayout, uplan, uweights, topk_w)}
-    timing = time_methods(methods, trials=args.trials, warmup=args.warmup,
-                          graph_iters=args.graph_iters)
-    late_errors = sum(call.error_count() for call in calls.values())
-    per_rank = all_gather_objects({"rows": layout.num_rows, "tokens_per_expert": layout.tokens_per_expert,
-                        "errors": errors, "spin_errors_after_timing": late_errors,
-                        "unfused_impl": moe.unfused_impl(device, precision)})
-    received = [p["rows"] for p in per_rank]
-    w, i = timing["wave"]["median_us"], timing["interleaved"]["median_us"]
-    return {
-        "model": shape.model, "variant": shape.variant, "precision": precision, "routing": routing,
-        "tokens": tokens, "world_size": world, "hidden": hidden, "intermediate": inter,
-        "routed_experts": shape.routed_experts, "top_k": k,
-        "wave_us": w, "interleaved_us": i, "unfused_us": timing["unfused"]["median_us"],
-        "speedup": w / i, "fused_vs_unfused": timing["unfused"]["median_us"] / i,
-        "spreads": {m: {"p25_us": t["p25_us"], "p75_us": t["p75_us"]} for m, t in timing.items()},
-        "trials_us": {m: t["trials_us"] for m, t in timing.items()},
-        "lead_rows": lead, "d_knee": knee, "num_programs": programs,
-        "wave_starts": list(setup.schedules["wave"].wave_starts),
-        "padded_rows_per_rank": received,
-        "rank_load_max_over_mean": max(received) / (sum(received) / world) if sum(received) else 1.0,
-        "max_rel_err": {key: max(p["errors"][key] for p in per_rank) for key in errors},
-        "spin_errors_after_timing": sum(p["spin_errors_after_timing"] for p in per_rank),
-        "unfused_impl": sorted({p["unfused_impl"] for p in per_rank}),
-        "tile_config": cfg.__dict__,
-    }
+    def start(self, run: Run) -> None:
+        args = run.args
+        self.shapes = start_expert_parallel(args.models)
+        capacity = max(args.tokens) * max(self.shapes[m].top_k * self.shapes[m].hidden
+                                          for m in args.models)
+        self.combine = moe.SymmetricCombine(capacity)
 
+    def prepare(self, point: dict, run: Run) -> ConfigSetup:
+        """The cell's fresh inputs, Dispatch, schedules and launches; its model's weights (made
+        once for the model's cells)."""
+        args, shape, precision = run.args, self.shapes[point["model"]], point["precision"]
 
-def init_expert_parallel(models: list[str]) -> tuple[int, int, int, dict[str, moe.MoEShape]]:
-    """Start this torchrun rank of an expert-parallel run: NVLink multicast off, its GPU, the NCCL
-    process group, float32 matmuls without TF32 (the reference is float32, not TF32), and every
-    model's routed experts checked to split over the ranks. Returns ``(local_rank, rank, world,
-    shapes)``."""
-    local_rank, rank, world = start_rank()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    shapes = moe.load_shapes()
-    for m in models:
-        moe.check_expert_parallel(shapes[m].routed_experts, world)
-    return local_rank, rank, world, shapes
+        def make_weights():
+            device = torch.device("cuda", torch.cuda.current_device())
+            weights = moe.local_expert_weights(shape, run.rank, run.world, precision,
+                                               seed=args.seed, device=device)
+            # bf16: the grouped GEMMs take the kernel's weights as they are (same master weights)
+            unfused = (moe.GroupedWeights(precision, weights.w1, weights.w2) if precision == "bf16"
+                       else moe.unfused_expert_weights(shape, run.rank, run.world, precision,
+                                                       seed=args.seed, device=device))
+            return weights, unfused
 
+        self.weights, self.unfused_weights = run.resource((shape.model, precision), make_weights)
+        setup = setup_config(shape, precision, point["routing"], point["tokens"], self.weights,
+                             self.combine, args, cell_seed(args.seed, **{
+                                 k: point[k] for k in ("model", "precision", "routing", "tokens")}))
+        setup.point = point
+        return setup
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    import torch.distributed as dist
-    local_rank, rank, world, shapes = init_expert_parallel(args.models)
-    capacity = max(args.tokens) * max(shapes[m].top_k * shapes[m].hidden for m in args.models)
-    combine = moe.SymmetricCombine(capacity)
-    clocks_start = all_gather_objects(read_sm_clock_mhz())
-    started = time.time()
-    rows = []
-    cells = matrix_cells(args)
-    for model in args.models:
-        shape = shapes[model]
-        for precision in args.precisions:
-            mine = [(r, t) for m, p, r, t in cells if (m, p) == (model, precision)]
-            if not mine:
-                continue
-            weights = moe.local_expert_weights(shape, rank, world, precision, seed=args.seed,
-                                               device=torch.device("cuda", local_rank))
-            # bf16: the grouped GEMMs take the kernel's weights as they are (same master weights).
-            uweights = (moe.GroupedWeights(precision, weights.w1, weights.w2) if precision == "bf16"
-                        else moe.unfused_expert_weights(shape, rank, world, precision,
-                                                        seed=args.seed, device=weights.w1.device))
-            for routing, tokens in mine:
-                # Fresh inputs per configuration, reproducible whatever subset is run.
-                config_seed = args.seed + 1 + zlib.crc32(
-                    f"{model}|{precision}|{routing}|{tokens}".encode())
-                row = run_config(shape, precision, routing, tokens, weights, uweights, combine,
-                                 args, config_seed)
-                rows.append(row)
-                if rank == 0:
-                    print(f"{model:18s} {precision:4s} {routing:8s} {tokens:6d} wave "
-                          f"{row['wave_us']:9.1f} us  interleaved {row['interleaved_us']:9.1f} us  "
-                          f"unfused {row['unfused_us']:9.1f} us  speedup {row['speedup']:.3f}",
-                          flush=True)
-            del weights, uweights
-            torch.cuda.empty_cache()
-    clocks_end = all_gather_objects(read_sm_clock_mhz())
-    if rank == 0:
-        from ...platform import provenance
-        meta = {
-            "experiment": "moe_fused_schedules", "paper": "§4.2, §5.2.1; timing §5.1",
-            "world_size": world, "tokens_per_rank": args.tokens, "trials": args.trials,
-            "warmup": args.warmup, "graph_iters": args.graph_iters, "seed": args.seed,
-            "chunk": None if args.chunk is None else f"{args.chunk[0]}/{args.chunk[1]}",
+    def check(self, setup: ConfigSetup, run: Run) -> list[str]:
+        """On a poisoned Combine buffer: spin errors zero, both schedules bitwise equal, the
+        layer and the unfused path within ``TOLERANCE`` of the references."""
+        shape, precision, args = setup.shape, setup.precision, run.args
+        combined = {name: combine_output(setup, self.combine, call)
+                    for name, call in setup.calls.items()}
+        spin_errors = {name: call.error_count() for name, call in setup.calls.items()}
+        out = moe.combine_weighted_sum(combined["interleaved"], setup.topk_w)
+        ref = moe.reference_moe(setup.x, setup.topk_ids, setup.topk_w, shape, seed=args.seed,
+                                precision=precision)
+        errors = {f"rel_err_{kind}": relative_error(out, want) for kind, want in ref.items()}
+        setup.unfused = (setup.plan, setup.layout) if precision == "bf16" else moe.dispatch(
+            *moe.unfused_activations(setup.x, precision), setup.topk_ids,
+            num_experts=shape.routed_experts, block_m=setup.cfg.block_m)
+        unfused_out = moe.unfused_moe(setup.unfused[1], setup.unfused[0], self.unfused_weights,
+                                      setup.topk_w)
+        errors["rel_err_unfused_fp32"] = relative_error(unfused_out, ref["fp32"])
+        setup.errors = errors
+        tol = TOLERANCE[precision]
+        failures = [f"spin errors {spin_errors}"] if any(spin_errors.values()) else []
+        if not torch.equal(combined["wave"], combined["interleaved"]):
+            failures.append("Expert-Wave and Interleaved Combine buffers differ")
+        failures += [f"{key} = {errors[f'rel_err_{key}']:.3g} > {bound}"
+                     for key, bound in tol.items() if not errors[f"rel_err_{key}"] <= bound]
+        if not errors["rel_err_unfused_fp32"] <= tol["fp32"]:
+            failures.append(f"unfused rel_err_fp32 = {errors['rel_err_unfused_fp32']:.3g} > "
+                            f"{tol['fp32']}")
+        return failures
+
+    def measure(self, setup: ConfigSetup, run: Run) -> dict:
+        """The three methods timed together (``dist_timing.time_methods``); rank 0's row."""
+        args, combine, shape = run.args, self.combine, setup.shape
+        rows_view, topk_w, calls = setup.rows_view, setup.topk_w, setup.calls
+        uplan, ulayout = setup.unfused
+
+        def fused(call):
+            def run_call():
+                combine.barrier()
+                call()
+                combine.barrier()
+                moe.combine_weighted_sum(rows_view, topk_w)
+            return run_call
+
+        methods = {"wave": fused(calls["wave"]), "interleaved": fused(calls["interleaved"]),
+                   "unfused": lambda: moe.unfused_moe(ulayout, uplan, self.unfused_weights, topk_w)}
+        timing = time_methods(methods, trials=args.trials, warmup=args.warmup,
+                              graph_iters=args.graph_iters)
+        late_errors = sum(call.error_count() for call in calls.values())
+        device = torch.device("cuda", torch.cuda.current_device())
+        per_rank = run.gather({"rows": setup.layout.num_rows,
+                               "tokens_per_expert": setup.layout.tokens_per_expert,
+                               "errors": setup.errors, "spin_errors_after_timing": late_errors,
+                               "unfused_impl": moe.unfused_impl(device, setup.precision)})
+        received = [p["rows"] for p in per_rank]
+        w, i = timing["wave"]["median_us"], timing["interleaved"]["median_us"]
+        return {
+            "model": shape.model, "variant": shape.variant, "precision": setup.precision,
+            "routing": setup.point["routing"], "tokens": setup.point["tokens"],
+            "world_size": run.world, "hidden": shape.hidden, "intermediate": shape.intermediate,
+            "routed_experts": shape.routed_experts, "top_k": shape.top_k,
+            "wave_us": w, "interleaved_us": i, "unfused_us": timing["unfused"]["median_us"],
+            "speedup": w / i, "fused_vs_unfused": timing["unfused"]["median_us"] / i,
+            "spreads": {m: {"p25_us": t["p25_us"], "p75_us": t["p75_us"]} for m, t in timing.items()},
+            "trials_us": {m: t["trials_us"] for m, t in timing.items()},
+            "lead_rows": setup.lead, "d_knee": setup.knee, "num_programs": setup.programs,
+            "wave_starts": list(setup.schedules["wave"].wave_starts),
+            "padded_rows_per_rank": received,
+            "rank_load_max_over_mean": (max(received) / (sum(received) / run.world)
+                                        if sum(received) else 1.0),
+            "max_rel_err": {key: max(p["errors"][key] for p in per_rank) for key in setup.errors},
+            "spin_errors_after_timing": sum(p["spin_errors_after_timing"] for p in per_rank),
+            "unfused_impl": sorted({p["unfused_impl"] for p in per_rank}),
+            "tile_config": setup.cfg.__dict__,
+        }
+
+    def progress_line(self, rows) -> str:
+        r = rows.iloc[0]
+        return (f"{r['model']:18s} {r['precision']:4s} {r['routing']:8s} {r['tokens']:6d} wave "
+                f"{r['wave_us']:9.1f} us  interleaved {r['interleaved_us']:9.1f} us  "
+                f"unfused {r['unfused_us']:9.1f} us  speedup {r['speedup']:.3f}")
+
+    def metadata(self, run: Run) -> dict:
+        args = run.args
+        return {
+            "tokens_per_rank": args.tokens, "trials": args.trials, "warmup": args.warmup,
+            "graph_iters": args.graph_iters, "seed": args.seed,
             "lead_rows": "d_knee (eq. 16)" if args.lead is None else args.lead,
             "max_spin_iters": args.max_spin, "tolerance": TOLERANCE,
             "unfused_fp8_recipe": moe.UNFUSED_FP8_RECIPE,
-            "skew": {"hot_expert_fraction": moe.HOT_EXPERT_FRACTION, "hot_logit_bias": moe.HOT_LOGIT_BIAS},
+            "skew": {"hot_expert_fraction": moe.HOT_EXPERT_FRACTION,
+                     "hot_logit_bias": moe.HOT_LOGIT_BIAS},
             "timed_call": "expert compute + Combine into source buffers + top-k weighted sum; "
                           "Dispatch (NCCL all_to_all_single) runs before, untimed",
             "timing": TIMING_METHOD,
-            "sm_clock_mhz_start": clocks_start, "sm_clock_mhz_end": clocks_end,
-            "wall_s": time.time() - started, "provenance": provenance(),
         }
-        write_output(args.out, meta, rows, indent=1, default=str)
-        print(f"wrote {args.out} ({len(rows)} configurations, {time.time() - started:.0f} s)")
-    dist.barrier(device_ids=[local_rank])
-    dist.destroy_process_group()
+
+
+EXPERIMENT = MoEMatrix()
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])
