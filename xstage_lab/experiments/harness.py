@@ -83,6 +83,11 @@ class Experiment:
         """The experiment's facts for the header (beyond what the harness writes)."""
         return {}
 
+    def record_name(self, args: argparse.Namespace) -> str:
+        """The experiment the record is saved under (default: ``name``; a run that leaves out
+        part of the experiment may be saved under another, so that readers skip it)."""
+        return self.name
+
     def finish(self, table: pd.DataFrame, run: "Run") -> pd.DataFrame:
         """The rows as the record keeps them (default: as measured)."""
         return table
@@ -264,7 +269,7 @@ def run(experiment: Experiment, args: argparse.Namespace) -> Path | None:
         written = None
         if run_.rank == 0:
             from ..platform import provenance
-            header = {"experiment": experiment.name, "paper": experiment.paper,
+            header = {"experiment": experiment.record_name(args), "paper": experiment.paper,
                       "sweeps": [s.describe() for s in sweeps],
                       "chunk": None if args.chunk is None else "/".join(map(str, args.chunk)),
                       "world_size": run_.world, **experiment.metadata(run_),
@@ -292,7 +297,7 @@ def _write(experiment: Experiment, args, header: dict, table: pd.DataFrame) -> P
         write_output(args.out, header, _records(table), default=_plain)
         return args.out
     from ..records import save_output
-    return save_output(header, table, experiment.name, args.root, experiment.resolution)
+    return save_output(header, table, header["experiment"], args.root, experiment.resolution)
 
 
 def _records(table: pd.DataFrame) -> list[dict]:
