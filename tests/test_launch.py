@@ -33,12 +33,13 @@ def test_unknown_measurements_are_refused_before_any_launch():
 
 
 def test_measure_all_launches_every_rank_of_eight_gpus(tmp_path, monkeypatch):
-    """On an 8-GPU machine every benchmark runs under torchrun with 8 processes, multicast off,
-    the MoE matrix declared, the trace benchmark given the MoE record of this run; each record
-    is imported under the records root, and nothing runs in process but what ``only`` names."""
+    """On an 8-GPU machine every multi-process experiment runs under torchrun with 8 processes,
+    multicast off, the MoE matrix declared, the trace benchmark given the MoE record of this run;
+    each record is imported under the records root with its experiment's resolution."""
     import subprocess
 
     from tests.experiments.remote_store.test_characterization import make_inv
+    from xstage_lab.experiments import harness, module_name
     from xstage_lab.platform import SAFE_ENV
 
     monkeypatch.setattr("xstage_lab.platform.inventory", lambda: make_inv(8))
@@ -48,25 +49,54 @@ def test_measure_all_launches_every_rank_of_eight_gpus(tmp_path, monkeypatch):
         ran.append((cmd, env))
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    def fake_import(out, experiment, root):
+    def fake_import(out, experiment, root, resolution):
+        assert resolution == {}
         return root / experiment / "h200-x8" / f"{Path(out).name}-{len(ran)}.parquet"
 
     monkeypatch.setattr(launch.subprocess, "run", fake_run)
     monkeypatch.setattr(launch, "import_bench_json", fake_import)
-    monkeypatch.setattr(launch, "IN_PROCESS", {name: lambda root: pytest.fail("ran in process")
-                                               for name in launch.IN_PROCESS})
+    monkeypatch.setattr(harness, "run", lambda *a: pytest.fail("ran in process"))
     paths = launch.measure_all(root=tmp_path, only=["fa_a2a", "moe", "moe_trace"])
     assert [p.parent.parent.name for p in paths] == ["fa_a2a", "moe", "moe_trace"]
     for (cmd, env), name in zip(ran, ["fa_a2a", "moe", "moe_trace"]):
         out = cmd.index("--out")
         assert cmd[1:out - 2] == ["-m", "torch.distributed.run", "--standalone",
                                   "--nproc_per_node=8"]
-        assert cmd[out - 2:out] == ["-m", launch.BENCHMARKS[name]]
+        assert cmd[out - 2:out] == ["-m", module_name(name)]
         assert all(env[k] == v for k, v in SAFE_ENV.items())
         tail = cmd[out + 2:]
+        assert tail[0] == "--no-progress"
         if name == "moe":
-            assert tail == ["--matrix", str(launch.MOE_MATRIX)]
+            assert tail[1:] == ["--matrix", str(launch.MOE_MATRIX)]
         elif name == "moe_trace":
-            assert tail == ["--regressions", str(paths[1])]
+            assert tail[1:] == ["--regressions", str(paths[1])]
         else:
-            assert tail == []
+            assert tail[1:] == []
+
+
+def test_in_process_experiments_write_their_record_and_what_derives_from_it(tmp_path,
+                                                                            monkeypatch):
+    """An in-process experiment runs in this process through the harness, writing its record
+    under the root; the records derived from it (the calibration) follow it."""
+    from xstage_lab.experiments import experiment, harness
+
+    runs = []
+
+    def fake_run(exp, args):
+        runs.append((exp.name, args.root, args.out))
+        return tmp_path / exp.name / "new.parquet"
+
+    monkeypatch.setattr(harness, "run", fake_run)
+    exp = experiment("remote_store")
+    monkeypatch.setattr(type(exp), "derived",
+                        lambda self, path, root: [root / "calibration" / f"from-{path.name}"])
+    monkeypatch.setattr("xstage_lab.platform.choose_backend", lambda requested: None)
+    paths = launch.measure_all(root=tmp_path, only=["remote_store"])
+    assert runs == [("remote_store", tmp_path, None)]
+    assert paths == [tmp_path / "remote_store" / "new.parquet",
+                     tmp_path / "calibration" / "from-new.parquet"]
+
+
+def test_one_gpu_experiments_start_one_process():
+    assert launch.processes("moe_kernel", 8) == 1
+    assert launch.processes("moe", 8) == 8

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from .launch import BENCHMARKS, measurement_names
+from .experiments import EXPERIMENTS, MEASURE_ALL
 from .records import RECORDS_DIR
 
 # The sweeps of ``experiments.remote_store.characterization.characterization_sweeps``, by name
@@ -139,9 +139,11 @@ def _calibrate(args) -> int:
 
 
 def _import_bench(args) -> int:
+    from .experiments import experiment
     from .records import import_bench_json
 
-    print(f"wrote {import_bench_json(_existing_file(args.file), args.experiment, root=args.root)}")
+    resolution = experiment(args.experiment).resolution
+    print(f"wrote {import_bench_json(_existing_file(args.file), args.experiment, args.root, resolution)}")
     return 0
 
 
@@ -187,12 +189,13 @@ def _summary(args) -> int:
     return 0
 
 
-def writer_resolution(experiment: str) -> dict[str, float]:
-    """The ``resolution`` that ``experiment``'s writer gives ``write_record`` ({} where none)."""
-    from .experiments.remote_store.characterization import BURST_RESOLUTION
+def writer_resolution(name: str) -> dict[str, float]:
+    """The ``resolution`` that experiment ``name``'s records are written with ({} where none; a
+    partial run's records as its experiment's)."""
+    from .experiments import experiment
 
-    return BURST_RESOLUTION if experiment in ("remote_store", "remote_store_partial",
-                                              "remote_ops", "remote_patterns") else {}
+    base = name.removesuffix("_partial")
+    return experiment(base).resolution if base in EXPERIMENTS else {}
 
 
 def _transcode(args) -> int:
@@ -246,13 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.set_defaults(func=_calibrate)
 
-    p = sub.add_parser("import-bench", help="save a benchmark's JSON output as a record (a "
-                                            "torchrun benchmark's, fa_tuning: "
-                                            "attention.bench --fa-only, or moe_kernel: "
-                                            "moe.kernel_bench on one GPU)")
-    p.add_argument("file", type=Path, help="the benchmark's JSON output")
-    p.add_argument("--experiment", required=True,
-                   choices=sorted({*BENCHMARKS, "fa_tuning", "link_probe"}),
+    p = sub.add_parser("import-bench", help="save an experiment's JSON output (its --out) as a "
+                                            "record")
+    p.add_argument("file", type=Path, help="the experiment's JSON output")
+    p.add_argument("--experiment", required=True, choices=sorted(EXPERIMENTS),
                    help="the experiment the record belongs to")
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.set_defaults(func=_import_bench)
@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("measure-all", help="every experiment live on this machine, as records")
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
-    p.add_argument("--only", nargs="+", choices=measurement_names(),
+    p.add_argument("--only", nargs="+", choices=MEASURE_ALL,
                    help="these measurements only, in this order (default: all)")
     p.set_defaults(func=_measure_all)
 

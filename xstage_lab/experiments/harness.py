@@ -45,6 +45,8 @@ class Experiment:
     name: ClassVar[str]  # the record's experiment
     paper: ClassVar[str]  # what of the paper (or which issue) it measures
     launch: ClassVar[str] = "per_gpu"
+    # per_gpu on one GPU whatever the machine has (one rank of the paper's setting on its own)
+    one_gpu: ClassVar[bool] = False
     # Per column, the resolution the record may round values to (``records.write_record``).
     resolution: ClassVar[dict[str, float]] = {}
 
@@ -91,6 +93,11 @@ class Experiment:
     def finish(self, table: pd.DataFrame, run: "Run") -> pd.DataFrame:
         """The rows as the record keeps them (default: as measured)."""
         return table
+
+    def derived(self, path: Path, root: Path) -> list[Path]:
+        """Records computed on the CPU from this experiment's new record at ``path`` (a
+        calibration, a forecast), written under ``root`` by ``measure-all``."""
+        return []
 
     @classmethod
     def analyse(cls, record, root: Path):

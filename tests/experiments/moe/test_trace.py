@@ -309,8 +309,10 @@ def test_trace_bench_arguments():
 
 
 def test_registered_for_measure_all_and_import():
-    from xstage_lab.launch import BENCHMARKS
-    assert BENCHMARKS["moe_trace"] == "xstage_lab.experiments.moe.trace_bench"
+    from xstage_lab.experiments import MEASURE_ALL, experiment, module_name
+    assert "moe_trace" in MEASURE_ALL
+    assert module_name("moe_trace") == "xstage_lab.experiments.moe.trace_bench"
+    assert experiment("moe_trace").name == "moe_trace"
 
 
 @pytest.mark.parametrize("world", [2, 8])
