@@ -629,7 +629,8 @@ class FaTuning(Experiment):
         q, k, v, ref = case.q, case.k, case.v, case.ref
         seq_len, H, d = case.point["M"], case.point["heads"], case.point["head_dim"]
         if args.epilogues:
-            case.epilogue = recv, table = local_destination(seq_len, 2 * H, d, 2)
+            case.epilogue = local_destination(seq_len, 2 * H, d, 2)
+            table = case.epilogue[1]
         methods = case.methods
         for name, cfg in self.candidates.items():
             if name in skipped:
