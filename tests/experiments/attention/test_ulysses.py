@@ -186,6 +186,18 @@ def test_unknown_eager_methods_exit_at_parse(capsys):
     assert args.eager == ["fa"] and args.tune is False
 
 
+def test_the_trace_takes_the_shapes_and_its_own_launches(capsys):
+    args = harness.parse(trace_bench.EXPERIMENT, ["--out", "x", "--seq", "8192"])
+    assert args.seq == [8192] and args.launches == 3 and args.tune is False
+    assert args.iters == 1 and args.eager == []  # what tune times, with --tune
+    with pytest.raises(SystemExit) as e:
+        harness.parse(trace_bench.EXPERIMENT, ["--out", "x", "--launches", "0"])
+    assert e.value.code == 2 and "--launches must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        harness.parse(trace_bench.EXPERIMENT, ["--out", "x", "--seq", "1000"])
+    assert "multiple of the 256-row tiles" in capsys.readouterr().err
+
+
 def test_fa_only_selects_the_one_gpu_experiment():
     assert attention_bench.experiment(["--out", "x", "--fa-only"]) is attention_bench.FA_TUNING
     assert attention_bench.experiment(["--out", "x"]) is attention_bench.EXPERIMENT

@@ -21,6 +21,7 @@ from xstage_lab.experiments import harness
 from xstage_lab.experiments.harness import Run
 from xstage_lab.experiments.probes import link as lp
 from xstage_lab.records import import_bench_json, read_record
+from xstage_lab.sweep import run_sweep
 
 
 # ------------------------------------------------------------------------------- arguments
@@ -97,6 +98,13 @@ def test_the_sweep_is_every_round_of_settings_in_its_seeded_order():
     assert [i for _, i in sweep.order()] == list(range(len(points)))  # run as declared
     assert len(points) == 2 * len(settings)
     assert lp.EXPERIMENT.sweeps(args)[0].points() == points  # the same on every rank
+    # tagged as the harness tags them: rows per (round, setting, rank) in the run's order
+    rows, _ = run_sweep(sweep, lambda p: [dict(round=p["round"], setting=p["setting"], rank=r)
+                                          for r in range(2)], progress=False)
+    assert rows[["round", "setting"]].values.tolist()[::2] == [
+        [p["round"], p["setting"]] for p in points]
+    assert rows["order"].tolist() == [i for i in range(len(points)) for _ in range(2)]
+    assert set(rows["M"]) == {8192} and set(rows["heads"]) == {8}
 
 
 def test_round_order_is_a_seeded_shuffle_the_same_on_every_rank():
