@@ -249,6 +249,27 @@ def test_tuning_table_orders_runs_by_creation_and_keeps_the_best(tmp_path):
     assert line.startswith("M=16384, d=128, b: 0.750")
 
 
+
+def test_tuning_table_reads_rows_tagged_by_the_harness_as_before(tmp_path):
+    """A record written through ``experiments.harness`` carries the point (heads, head_dim) and
+    its sweep tags in its rows: the table is the one its parameters alone gave."""
+    from xstage_lab.experiments.attention.model import tuning_records, tuning_table
+    from xstage_lab.records import write_record
+
+    rows = pd.DataFrame(dict(M=[16384] * 2, method=["a", "cudnn"], median_us=[1.0] * 2,
+                             p25_us=[1.0] * 2, p75_us=[1.0] * 2, tflops=[1.0] * 2,
+                             over_cudnn=[0.9, 1.0], over_cudnn_paired=[0.9, 1.0],
+                             sm_clock_mhz=[[1980.0]] * 2))
+    params = {"params": {"heads": 12, "head_dim": 128, "trials": 3}}
+    write_record("fa_tuning", "h200-x1", rows, {"created_utc": "2026-11-29T22:00:00", **params},
+                 {}, root=tmp_path)
+    tagged = rows.assign(heads=12, head_dim=128, point=0, repeat=0, order=0)
+    write_record("fa_tuning", "h200-x1", tagged, {"created_utc": "2026-11-29T23:00:00", **params},
+                 {}, root=tmp_path)
+    before, after = (tuning_table([r]) for r in tuning_records("h200-x1", tmp_path))
+    assert list(before.columns)[:4] == ["record", "heads", "head_dim", "trials"]
+    pd.testing.assert_frame_equal(before.drop(columns="record"), after.drop(columns="record"))
+
 def test_verdict_agreement_needs_a_p25_above_zero_for_reshape():
     from xstage_lab.experiments.attention.model import verdict_agreement
 

@@ -24,7 +24,10 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from tests.experiments.triton_testing import (HOPPER_SMEM_PER_BLOCK, REPO, hopper_target,
                                               ptxas_report)
 from xstage_lab.checks import bitwise_equal
+from xstage_lab.experiments import harness
 from xstage_lab.experiments.attention import ulysses as attention, bench as attention_bench
+from xstage_lab.experiments.attention import trace_bench
+from xstage_lab.experiments.harness import Run
 from xstage_lab.kernel_sources import kernel_path, kernels_package
 
 BF16 = torch.bfloat16
@@ -147,14 +150,61 @@ def test_default_kernel_is_the_one_that_runs_on_the_device(monkeypatch):
 def test_heads_not_divisible_by_P_are_rejected():
     with pytest.raises(ValueError, match="heads H=6 are not divisible by P=4"):
         attention.check_ulysses_shape(1024, 6, 4)
+    bench = attention_bench.EXPERIMENT
     with pytest.raises(ValueError, match="not divisible by P=4"):
-        attention_bench.validate(attention_bench.parse_args(["--out", "x", "--seq", "1026"]), 4)
-    with pytest.raises(ValueError, match="multiple of the 256-row tiles"):
-        attention_bench.validate(attention_bench.parse_args(["--out", "x", "--seq", "1000"]), 4)
+        bench.validate(dict(M=1026, heads=24, head_dim=128), Run(None, world=4))
     for world in (2, 4, 8):  # the default sweep on every node size
-        attention_bench.validate(attention_bench.parse_args(["--out", "x"]), world)
+        args = harness.parse(bench, ["--out", "x"])
+        for point in bench.sweeps(args)[0].points():
+            bench.validate(point, Run(args, world=world))
+    args = harness.parse(bench, ["--out", "x", "--heads", "12"])
     with pytest.raises(ValueError, match="heads H=12 are not divisible by P=8"):
-        attention_bench.validate(attention_bench.parse_args(["--out", "x", "--heads", "12"]), 8)
+        bench.validate(bench.sweeps(args)[0].points()[0], Run(args, world=8))
+
+
+@pytest.mark.parametrize("experiment", ["EXPERIMENT", "FA_TUNING"])
+@pytest.mark.parametrize("extra,says", [
+    (["--seq", "1000"], "multiple of the 256-row tiles"),
+    (["--seq", "8192,x"], "--seq must list integers"),
+    (["--seq", "0"], "--seq must list positive lengths"),
+    (["--heads", "0"], "--heads must be >= 1"),
+    (["--trials", "0"], "--trials and --iters must be >= 1"),
+    (["--iters", "0"], "--trials and --iters must be >= 1"),
+])
+def test_bad_shapes_and_timing_exit_at_parse(capsys, experiment, extra, says):
+    with pytest.raises(SystemExit) as e:
+        harness.parse(getattr(attention_bench, experiment), ["--out", "x", *extra])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+def test_unknown_eager_methods_exit_at_parse(capsys):
+    with pytest.raises(SystemExit) as e:
+        harness.parse(attention_bench.EXPERIMENT, ["--out", "x", "--eager", "fa,nonsense"])
+    assert e.value.code == 2 and "unknown methods ['nonsense']" in capsys.readouterr().err
+    args = harness.parse(attention_bench.EXPERIMENT, ["--out", "x", "--eager", "fa", "--no-tune"])
+    assert args.eager == ["fa"] and args.tune is False
+
+
+def test_the_trace_takes_the_shapes_and_its_own_launches(capsys):
+    args = harness.parse(trace_bench.EXPERIMENT, ["--out", "x", "--seq", "8192"])
+    assert args.seq == [8192] and args.launches == 3 and args.tune is False
+    assert args.iters == 1 and args.eager == []  # what tune times, with --tune
+    with pytest.raises(SystemExit) as e:
+        harness.parse(trace_bench.EXPERIMENT, ["--out", "x", "--launches", "0"])
+    assert e.value.code == 2 and "--launches must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        harness.parse(trace_bench.EXPERIMENT, ["--out", "x", "--seq", "1000"])
+    assert "multiple of the 256-row tiles" in capsys.readouterr().err
+
+
+def test_fa_only_selects_the_one_gpu_experiment():
+    assert attention_bench.experiment(["--out", "x", "--fa-only"]) is attention_bench.FA_TUNING
+    assert attention_bench.experiment(["--out", "x"]) is attention_bench.EXPERIMENT
+    assert attention_bench.FA_TUNING.name == "fa_tuning"
+    assert attention_bench.FA_TUNING.launch == "in_process"
+    table3 = attention_bench.EXPERIMENT
+    assert table3.name == "fa_a2a" and table3.launch == "per_gpu"
 
 
 def test_cpu_tensors_need_the_interpreter():
@@ -336,11 +386,18 @@ def test_fa_only_mode_names_and_ratios():
     assert r["x"]["over_cudnn_paired"] == pytest.approx(0.9)  # median of 0.8 and 1.0
 
 
-def test_fa_only_rejects_unknown_configs_before_launch(no_launch):
-    args = attention_bench.parse_args(["--out", "x", "--fa-only", "--configs", "nonsense"])
+def test_fa_only_rejects_unknown_configs_at_parse(capsys, no_launch):
+    args = harness.parse(attention_bench.FA_TUNING, ["--out", "x", "--fa-only"])
     assert args.seq == list(attention_bench.FA_ONLY_SEQ) and args.heads == 12
-    with pytest.raises(ValueError, match="unknown configurations"):
-        attention_bench.fa_only(args)
+    assert list(args.candidates) == [attention_bench.config_name(c)
+                                     for c in attention_bench.fa_only_candidates(128)]
+    with pytest.raises(SystemExit) as e:
+        harness.parse(attention_bench.FA_TUNING, ["--out", "x", "--fa-only", "--configs",
+                                                  "nonsense"])
+    assert e.value.code == 2 and "unknown configurations" in capsys.readouterr().err
+    chosen = harness.parse(attention_bench.FA_TUNING,
+                           ["--out", "x", "--fa-only", "--configs", "256x64_w8_s4_grid"])
+    assert list(chosen.candidates) == ["256x64_w8_s4_grid"]
 
 
 def test_paired_row_pairs_fused_and_fenced_with_both_baselines():
@@ -479,9 +536,13 @@ def test_warp_specialized_instrumented_build_stamps_each_half_tile(compiled_ws_k
 
 
 def test_shapes_are_a_declared_sweep_over_m():
-    args = attention_bench.parse_args(["--out", "x", "--seq", "8192,16384", "--heads", "24",
-                                       "--head-dim", "64"])
-    sweep = attention_bench.shape_sweep(args)
-    assert sweep.describe()["axes"] == {"M": [8192, 16384]} and sweep.repeats == 1
-    assert sweep.points() == [dict(heads=24, head_dim=64, M=8192),
-                              dict(heads=24, head_dim=64, M=16384)]
+    for experiment in (attention_bench.EXPERIMENT, attention_bench.FA_TUNING,
+                       trace_bench.EXPERIMENT):
+        args = harness.parse(experiment, ["--out", "x", "--seq", "8192,16384", "--heads", "24",
+                                          "--head-dim", "64"])
+        (sweep,) = experiment.sweeps(args)
+        assert sweep.name == experiment.name
+        assert sweep.describe()["axes"] == {"M": [8192, 16384]} and sweep.repeats == 1
+        assert sweep.describe()["fixed"] == dict(heads=24, head_dim=64)
+        assert sweep.points() == [dict(heads=24, head_dim=64, M=8192),
+                                  dict(heads=24, head_dim=64, M=16384)]

@@ -15,9 +15,13 @@ import triton
 from triton.compiler import ASTSource
 
 from tests.experiments.triton_testing import hopper_target, ptxas_report
+from xstage_lab import dist_timing
 from xstage_lab.__main__ import build_parser
+from xstage_lab.experiments import harness
+from xstage_lab.experiments.harness import Run
 from xstage_lab.experiments.probes import link as lp
 from xstage_lab.records import import_bench_json, read_record
+from xstage_lab.sweep import run_sweep
 
 
 # ------------------------------------------------------------------------------- arguments
@@ -27,7 +31,8 @@ def no_cuda(monkeypatch):
     """Fail where the probe starts a rank (the GPU, NCCL) before its arguments are checked."""
     def touched():
         raise AssertionError("a rank was started before the arguments were checked")
-    monkeypatch.setattr(lp, "start_rank", touched)
+    monkeypatch.setattr(dist_timing, "start_rank", touched)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # as under torchrun: only the checks stop the run
 
 
 @pytest.mark.parametrize("extra,says", [
@@ -48,19 +53,22 @@ def no_cuda(monkeypatch):
 ])
 def test_bad_arguments_exit_before_any_cuda_work(capsys, no_cuda, extra, says):
     with pytest.raises(SystemExit) as e:
-        lp.main(["--out", "x.json", *extra])
+        harness.main(lp.EXPERIMENT, ["--out", "x.json", *extra])
     err = capsys.readouterr().err
     assert e.value.code == 2 and says in err, err
     assert "Traceback" not in err
 
 
-def test_the_shape_is_checked_for_the_world_size(capsys, monkeypatch, no_cuda):
-    monkeypatch.setenv("WORLD_SIZE", "5")
-    with pytest.raises(SystemExit):
-        lp.main(["--out", "x.json"])
-    assert "not divisible by P=5" in capsys.readouterr().err
-    args = lp.parse_args(["--out", "x.json", "--M", "8192", "--periods-us", "20", "2000"], world=2)
+def test_the_shape_is_checked_for_the_world_size():
+    args = harness.parse(lp.EXPERIMENT, ["--out", "x.json"])
+    (sweep,) = lp.EXPERIMENT.sweeps(args)
+    with pytest.raises(ValueError, match="not divisible by P=5"):
+        lp.EXPERIMENT.validate(sweep.points()[0], Run(args, world=5))
+    args = harness.parse(lp.EXPERIMENT, ["--out", "x.json", "--M", "8192", "--periods-us", "20",
+                                         "2000"])
     assert args.periods_us == [20.0, 2000.0] and args.M == 8192
+    for point in lp.EXPERIMENT.sweeps(args)[0].points():
+        lp.EXPERIMENT.validate(point, Run(args, world=2))
 
 
 # -------------------------------------------------------------------------------- settings
@@ -74,6 +82,29 @@ def test_declared_settings_are_the_control_beside_the_trickle_and_the_three_meth
     assert {s.trickle for s in settings} == set(lp.TRICKLES)
     assert all((s.trickle == "none") == (s.period_us is None) for s in settings)
     assert len(lp.declared_settings(lp.DEFAULT_PERIODS_US)) == 4 + 2 * len(lp.DEFAULT_PERIODS_US)
+
+
+def test_the_sweep_is_every_round_of_settings_in_its_seeded_order():
+    args = harness.parse(lp.EXPERIMENT, ["--out", "x.json", "--M", "8192", "--heads", "8",
+                                         "--periods-us", "20", "2000", "--rounds", "2",
+                                         "--seed", "3"])
+    (sweep,) = lp.EXPERIMENT.sweeps(args)
+    assert sweep.repeats == 1 and sweep.warmup == 0
+    assert sweep.fixed == dict(M=8192, heads=8, head_dim=128)
+    points = sweep.points()
+    settings = lp.declared_settings([20.0, 2000.0])
+    assert [(p["round"], p["setting"]) for p in points] == [
+        (r, s.name) for r in range(2) for s in lp.round_order(settings, r, seed=3)]
+    assert [i for _, i in sweep.order()] == list(range(len(points)))  # run as declared
+    assert len(points) == 2 * len(settings)
+    assert lp.EXPERIMENT.sweeps(args)[0].points() == points  # the same on every rank
+    # tagged as the harness tags them: rows per (round, setting, rank) in the run's order
+    rows, _ = run_sweep(sweep, lambda p: [dict(round=p["round"], setting=p["setting"], rank=r)
+                                          for r in range(2)], progress=False)
+    assert rows[["round", "setting"]].values.tolist()[::2] == [
+        [p["round"], p["setting"]] for p in points]
+    assert rows["order"].tolist() == [i for i in range(len(points)) for _ in range(2)]
+    assert set(rows["M"]) == {8192} and set(rows["heads"]) == {8}
 
 
 def test_round_order_is_a_seeded_shuffle_the_same_on_every_rank():
@@ -280,18 +311,29 @@ def test_without_pynvml_the_readings_are_unknown(monkeypatch):
 # ------------------------------------------------------------------------ output as a record
 
 def _document(tmp_path, world):
-    args = lp.parse_args(["--out", str(tmp_path / "x.json"), "--M", "8192", "--periods-us", "20",
-                          "2000", "--rounds", "1"], world=world)
-    row = dict(round=0, order=0, setting="fa_same_code+peer@20us", workload="fa_same_code",
+    """The output as the harness writes it: its header around the probe's metadata, and rows
+    tagged with their window."""
+    args = harness.parse(lp.EXPERIMENT, ["--out", str(tmp_path / "x.json"), "--M", "8192",
+                                         "--periods-us", "20", "2000", "--rounds", "1"])
+    probe = lp.LinkProbe()
+    probe.cfg, probe.checks, probe.steps = dict(kernel="gluon_ws"), [{}], {"fused": 2}
+    probe.nvml_by_rank = ["pynvml"]
+    (sweep,) = probe.sweeps(args)
+    row = dict(round=0, setting="fa_same_code+peer@20us", workload="fa_same_code",
                trickle="peer", period_us=20.0, rank=0, calls=100, us_per_call=1000.0,
                window_s=0.1, trickle_stores=5000, trickle_span_s=0.1, trickle_period_us=20.2,
                trickle_covered=True) | lp.power_summary([], 1000.0)
+    points = {p["setting"]: (i, p) for i, p in enumerate(sweep.points())}
+    rows = [dict(r, point=points[r["setting"]][0], repeat=0, order=n, **points[r["setting"]][1])
+            for n, r in enumerate([row, dict(row, setting="fused", workload="fused",
+                                             trickle="none", period_us=None)])]
     prov = dict(date_utc="2026-12-02T10:00:00+00:00", gpu_name="NVIDIA H200", gpu_count=world,
                 git_commit="abc")
-    return lp.document(args, world, [row, dict(row, setting="fused", workload="fused",
-                                               trickle="none", period_us=None)],
-                       config=dict(kernel="gluon_ws"), checks=[{}], steps={"fused": 2},
-                       nvml=["pynvml"], elapsed_s=1.0, prov=prov)
+    header = {"experiment": probe.name, "paper": probe.paper, "sweeps": [sweep.describe()],
+              "chunk": None, "world_size": world, **probe.metadata(Run(args, world=world)),
+              "sm_clock_mhz_start": [None] * world, "sm_clock_mhz_end": [None] * world,
+              "wall_s": 1.0, "provenance": prov}
+    return dict(metadata=header, rows=rows)
 
 
 def test_the_output_imports_as_a_link_probe_record(tmp_path):
@@ -300,6 +342,7 @@ def test_the_output_imports_as_a_link_probe_record(tmp_path):
     assert meta["dry_run"] is False and meta["dry_run_note"] is None
     assert [s["name"] for s in meta["settings"]][:3] == [
         "fa_same_code", "fa_same_code+peer@20us", "fa_same_code+local@20us"]
+    assert meta["step_calls"] == {"fused": 2} and meta["nvml_by_rank"] == ["pynvml"]
     path = tmp_path / "probe.json"
     path.write_text(json.dumps(doc))
     build_parser().parse_args(["import-bench", str(path), "--experiment", "link_probe"])

@@ -1,16 +1,23 @@
 """SPMD benchmark of Ulysses attention with its post-attention All-to-All (paper §5.3, Table 3).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
-    torchrun --standalone --nproc_per_node=P -m xstage_lab.experiments.attention.bench --out FILE \\
-        [--seq 8192,16384,32768,49152,65536] [--heads 24] [--head-dim 128] [--trials 20] [--iters 10]
-    python -m xstage_lab.experiments.attention.bench --fa-only --out FILE   # one GPU, no torchrun
+    torchrun --standalone --nproc_per_node=P -m xstage_lab.experiments.attention.bench \\
+        (--out FILE | --root DIR) [--seq 8192,16384,32768,49152,65536] [--heads 24]
+        [--head-dim 128] [--trials 20] [--iters 10] [--chunk I/N]
+    python -m xstage_lab.experiments.attention.bench --fa-only (--out FILE | --root DIR)
+        # one GPU, no torchrun; the record's experiment is fa_tuning
+
+Two ``Experiment``s run by ``experiments.harness``: ``UlyssesAttention`` (``fa_a2a``, one process
+per GPU) and ``FaTuning`` (``fa_tuning``, ``--fa-only``); each declares its shapes as a ``Sweep``
+over M at the fixed heads H and head dim d (``shape_sweep``).
 
 One process per GPU. Per sequence length M:
 1. Correctness first, on fresh random inputs with every output poisoned (NaN) before its run:
    Fused and Fused-fenced (issue 8: each tile's remote stores made visible system-wide before
    the next tile) bitwise equal to Serial (the same kernel, then NCCL ``all_to_all_single``);
    FA-only, Serial, Fused and SDPA+NCCL within bf16 tolerance of a float32 reference; the
-   remote-store A2A bitwise equal to the NCCL A2A. Any failure aborts every rank before timing.
+   remote-store A2A bitwise equal to the NCCL A2A. Any failure on any rank stops every rank
+   before timing, with no output.
 2. Timing as §5.1 describes: each method is captured ``iters`` times back to back in one CUDA
    graph; a trial aligns all ranks (``dist_timing.time_methods``), replays the graph between CUDA
    events on every rank, and takes the maximum over ranks; rows report the median over trials
@@ -21,8 +28,7 @@ One process per GPU. Per sequence length M:
    clock-matched trials alone (``model.paired_difference``).
    The boundary is sender-visible: remote-store methods synchronize remote visibility once after
    the replay, outside the timed window; NCCL methods include their own completion.
-Rank 0 writes one JSON file (``output.write_output``): rows (Table 3 quantities), and metadata
-with the per-trial raw times.
+Rank 0 writes the output: rows (Table 3 quantities), and a header with the per-trial raw times.
 
 ``--fa-only`` (one process, one GPU): the FA-only configurations (``fa_only_candidates``) against
 torch SDPA on cuDNN, each checked first (float32 reference; REMOTE epilogue, fenced and not,
@@ -34,8 +40,8 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,10 +50,10 @@ import triton
 
 from ...checks import bitwise_equal, poisoned, relative_error
 from ...dist_timing import (all_gather_objects, read_sm_clock_mhz, require_safe_env, rotated_order,
-                           start_rank, time_methods)
-from ...platform import provenance
+                           time_methods)
 from ...sweep import Axis, Sweep
-from ..output import write_output
+from .. import harness
+from ..harness import Experiment, Run
 from . import ulysses as att
 from .model import paired_difference
 
@@ -193,166 +199,51 @@ def remote_epilogue_checks(q, k, v, out_fa, cfg, world: int = 2) -> dict:
     return out
 
 
-def fa_only(args) -> tuple[dict, list[dict]]:
-    """FA-only (LOCAL epilogue) of every ``fa_only_candidates`` configuration against torch SDPA
-    on cuDNN, on this process's GPU, H = ``args.heads`` local heads, per M in ``args.seq``.
-
-    Per M: fresh random q, k, v; each candidate's output (poisoned with NaN first) and cuDNN's
-    within ``REL_TOL`` of the float32 reference, else the candidate is skipped with the reason
-    (cuDNN failing aborts), as is one whose kernel does not run on this GPU
-    (``ulysses.kernel_unsupported``). Then one ``time_methods`` over the candidates and cuDNN:
-    CUDA graphs of ``iters`` calls, rotated order, ``trials`` trials, the SM clock read per trial.
-    Returns the output's metadata and its rows (one per M and method)."""
-    d, H = args.head_dim, args.heads
-    candidates = {config_name(c): c for c in fa_only_candidates(d)}
-    if args.configs:
-        unknown = set(args.configs) - set(candidates)
-        if unknown:
-            raise ValueError(f"--configs names unknown configurations {sorted(unknown)}; "
-                             f"known at d={d}: {sorted(candidates)}")
-        candidates = {name: candidates[name] for name in args.configs}
-    rows, checks, skipped, raw = [], [], {}, []
-    for seq_len in (p["M"] for p in shape_sweep(args, "fa_only").points()):
-        q, k, v = random_qkv(seq_len, H, d, args.seed + seq_len)
-        ref = att.reference_attention(q, k, v)
-        if args.epilogues:
-            recv, table = local_destination(seq_len, 2 * H, d, 2)
-        methods = {}
-        for name, cfg in candidates.items():
-            if name in skipped:
-                continue
-            if seq_len % max(cfg["BLOCK_M"], cfg["BLOCK_N"]):
-                continue
-            unsupported = att.kernel_unsupported(cfg["kernel"], q.device)
-            if unsupported:
-                skipped[name] = unsupported
-                continue
-            out = poisoned(q.shape, att.DTYPE, DEVICE)
-            # progress first: a launch that never returns leaves its name as the last line
-            print(f"[attention.bench --fa-only] M={seq_len}: checking {name}", file=sys.stderr,
-                  flush=True)
-            try:
-                att.flash_attention(q, k, v, out=out, config=cfg)
-                err = relative_error(out, ref)
-            except triton.runtime.errors.OutOfResources as e:
-                skipped[name] = f"out of resources: {e}"
-                continue
-            check = dict(M=seq_len, method=name, rel_err=err)
-            if seq_len == args.seq[0]:
-                check |= remote_epilogue_checks(q, k, v, out, cfg)
-            checks.append(check)
-            failed = [key for key, ok in check.items() if ok is False]
-            if not err < REL_TOL or failed:
-                skipped[name] = (f"M={seq_len}: relative error {err:.3g} against float32, "
-                                 f"failed {failed}")
-                continue
-            methods[name] = (lambda out=out, cfg=cfg: att.flash_attention(q, k, v, out=out,
-                                                                          config=cfg))
-            if args.epilogues:
-                # the Fused kernel's code (REMOTE epilogue, fenced or not) storing into P = 2
-                # receive buffers on this GPU: its time against LOCAL's is the codegen's share
-                # of any Fused-versus-FA difference, with no peer traffic
-                for fenced in (False, True):
-                    methods[f"{name}+remote{'_fenced' if fenced else ''}"] = (
-                        lambda cfg=cfg, fenced=fenced: att.fused_attention_a2a(
-                            q, k, v, table, 0, 2, config=cfg, fenced=fenced))
-        err = relative_error(att.sdpa_cudnn(q, k, v), ref)
-        checks.append(dict(M=seq_len, method="cudnn", rel_err=err))
-        if not err < REL_TOL:
-            raise RuntimeError(f"cuDNN SDPA misses the float32 reference at M={seq_len}: "
-                               f"relative error {err:.3g}; nothing was timed")
-        methods["cudnn"] = lambda: att.sdpa_cudnn(q, k, v)
-        del ref
-        timing = time_methods(methods, trials=args.trials, warmup=1, graph_iters=args.iters,
-                              clocks=True)
-        flops = attention_flops(seq_len, H, d, 1)
-        for name, r in fa_only_ratios(timing, flops).items():
-            rows.append(dict(M=seq_len, method=name, **r))
-        raw.append(dict(M=seq_len, order=[rotated_order(list(methods), t)
-                                          for t in range(args.trials)],
-                        trials_us={m: timing[m]["trials_us"] for m in methods},
-                        sm_clock_mhz={m: timing[m]["sm_clock_mhz"] for m in methods}))
-        best = max((r for r in rows if r["M"] == seq_len and r["method"] in candidates),
-                   key=lambda r: r["tflops"])
-        print(f"[attention.bench --fa-only] M={seq_len}: best {best['method']} "
-              f"{best['tflops']:.0f} TF/s = {best['over_cudnn']:.3f} of cuDNN "
-              f"(paired {best['over_cudnn_paired']:.3f})", file=sys.stderr, flush=True)
-        torch.cuda.empty_cache()
-    return dict(experiment="fa_only_tuning", created_utc=datetime.now(timezone.utc).isoformat(),
-                params=dict(seq=args.seq, heads=H, head_dim=d, trials=args.trials,
-                            iters=args.iters, seed=args.seed, rel_tol=REL_TOL,
-                            epilogues=args.epilogues),
-                candidates=candidates, skipped=skipped, checks=checks, raw=raw,
-                versions=dict(torch=torch.__version__, triton=triton.__version__,
-                              cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version()),
-                gpu_name=torch.cuda.get_device_name(), provenance=provenance()), rows
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m xstage_lab.experiments.attention.bench",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="JSON file written by rank 0")
-    p.add_argument("--fa-only", action="store_true",
-                   help="one process, no torchrun: time the FA-only configurations against cuDNN "
-                        f"(default --seq {','.join(map(str, FA_ONLY_SEQ))}, --heads "
-                        f"{FA_ONLY_HEADS} local heads)")
-    p.add_argument("--configs", default="",
-                   help="with --fa-only: comma-separated configuration names (``config_name``) "
-                        "to time instead of all")
-    p.add_argument("--epilogues", action="store_true",
-                   help="with --fa-only: also time each configuration's REMOTE epilogue, fenced "
-                        "and not, into P = 2 receive buffers on the same GPU (``+remote``, "
-                        "``+remote_fenced``)")
-    p.add_argument("--seq", default=None, help="comma-separated sequence lengths M")
-    p.add_argument("--heads", type=int, default=None,
-                   help="total heads H (divisible by P); with --fa-only the heads on the GPU")
+def add_shape_arguments(p: argparse.ArgumentParser, seq=DEFAULT_SEQ, heads: int = 24,
+                        heads_help: str = "total heads H (divisible by P)") -> None:
+    """The attention shape's options (the sweep's M, heads and head dim)."""
+    p.add_argument("--seq", default=",".join(map(str, seq)),
+                   help="comma-separated sequence lengths M")
+    p.add_argument("--heads", type=int, default=heads, help=heads_help)
     p.add_argument("--head-dim", type=int, default=128, choices=att.HEAD_DIMS)
-    p.add_argument("--trials", type=int, default=20)
-    p.add_argument("--iters", type=int, default=10, help="back-to-back calls per CUDA graph")
-    p.add_argument("--settle-s", type=float, default=SETTLE_S,
-                   help="seconds of FA-only back to back before each M's trials (DVFS settles)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-tune", action="store_true",
-                   help="use the configuration table as is instead of timing its candidates")
-    p.add_argument("--eager", default="",
-                   help="comma-separated methods launched back to back without a CUDA graph "
-                        "(for a method that cannot be captured); recorded in the metadata")
-    args = p.parse_args(argv)
-    if args.seq is None:
-        args.seq = ",".join(map(str, FA_ONLY_SEQ if args.fa_only else DEFAULT_SEQ))
-    if args.heads is None:
-        args.heads = FA_ONLY_HEADS if args.fa_only else 24
-    args.seq = [int(s) for s in args.seq.split(",") if s]
-    args.eager = [s for s in args.eager.split(",") if s]
-    args.configs = [s for s in args.configs.split(",") if s]
-    return args
 
 
-def shape_sweep(args, name: str = "fa_a2a") -> Sweep:
-    """The attention shapes as a declared sweep: sequence length M over ``--seq``, at the fixed
-    total heads H and head dim d; one pass (each point's repeats are its timing trials)."""
-    return Sweep(name, (Axis("M", args.seq),), fixed=dict(heads=args.heads, head_dim=args.head_dim),
-                 repeats=1, warmup=0)
-
-
-def validate(args, world: int) -> None:
-    """Raise ValueError before any launch (the same verdict on every rank)."""
-    if not args.seq or min(args.seq) <= 0:
-        raise ValueError(f"--seq must list positive lengths, got {args.seq}")
-    if args.heads < 1:
-        raise ValueError(f"--heads must be >= 1, got {args.heads}")
+def check_shape_args(a: argparse.Namespace) -> None:
+    """``--seq`` as a list of positive lengths, each a multiple of every candidate
+    configuration's tiles, and ``--heads`` >= 1; ``ValueError`` names the first mistake. Whether
+    P divides them is the ranks' ``validate``."""
+    try:
+        a.seq = [int(s) for s in a.seq.split(",") if s]
+    except ValueError:
+        raise ValueError(f"--seq must list integers, got {a.seq!r}") from None
+    if not a.seq or min(a.seq) <= 0:
+        raise ValueError(f"--seq must list positive lengths, got {a.seq}")
+    if a.heads < 1:
+        raise ValueError(f"--heads must be >= 1, got {a.heads}")
     # Tiles are powers of two: a multiple of the largest suits every candidate configuration.
-    tile = max(max(c["BLOCK_M"], c["BLOCK_N"]) for c in att.flash_attention_candidates(args.head_dim))
-    for point in shape_sweep(args).points():
-        m = point["M"]
-        att.check_ulysses_shape(m, point["heads"], world)
+    tile = max(max(c["BLOCK_M"], c["BLOCK_N"]) for c in att.flash_attention_candidates(a.head_dim))
+    for m in a.seq:
         if m % tile:
             raise ValueError(f"sequence length M={m} must be a multiple of the {tile}-row tiles")
-    if args.trials < 1 or args.iters < 1:
+
+
+def add_timing_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--iters", type=int, default=10, help="back-to-back calls per CUDA graph")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def check_timing_args(a: argparse.Namespace) -> None:
+    if a.trials < 1 or a.iters < 1:
         raise ValueError("--trials and --iters must be >= 1")
-    unknown = set(args.eager) - set(METHODS)
-    if unknown:
-        raise ValueError(f"--eager names unknown methods {sorted(unknown)}; methods: {METHODS}")
+
+
+def shape_sweep(args, name: str) -> Sweep:
+    """The attention shapes as a declared sweep: sequence length M over ``--seq``, at the fixed
+    heads H and head dim d (one configuration, tuned for them, serves every point); one pass
+    (each point's repeats are its timing trials)."""
+    return Sweep(name, (Axis("M", args.seq),), fixed=dict(heads=args.heads, head_dim=args.head_dim),
+                 repeats=1, warmup=0)
 
 
 def random_qkv(seq_len: int, h_local: int, head_dim: int, seed: int):
@@ -361,14 +252,28 @@ def random_qkv(seq_len: int, h_local: int, head_dim: int, seed: int):
                         dtype=torch.float32).to(att.DTYPE) for _ in range(3)]
 
 
-def check_case(seq_len, heads, head_dim, cfg, buf, group, seed):
-    """Correctness of every path at one M (step 1); returns (metrics, q, k, v, FA output, local
-    destination buffers and their table for the same-code FA-only control).
+@dataclass
+class Case:
+    """One attention shape on this rank: its fresh q, k, v [M, H/P, d]; after ``check_case``,
+    FA-only's output, the local destination buffers and their table of the same-code FA-only
+    control, and every rank's check metrics."""
 
-    Raises RuntimeError on every rank if any check fails on any rank.
-    """
+    point: dict
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out_fa: torch.Tensor | None = None
+    local: tuple = ()
+    checks: list = field(default_factory=list)
+
+
+def check_case(case: Case, cfg, buf, group) -> tuple[dict, list[str]]:
+    """Correctness of every path at one M (step 1), every output poisoned first; sets
+    ``case.out_fa`` and ``case.local``. Returns this rank's metrics and failures (the caller
+    stops every rank on any rank's)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    q, k, v = random_qkv(seq_len, heads // world, head_dim, seed)
+    q, k, v = case.q, case.k, case.v
+    seq_len, heads, head_dim = case.point["M"], case.point["heads"], case.point["head_dim"]
     out_fa = att.flash_attention(q, k, v, out=poisoned(q.shape, att.DTYPE, DEVICE), config=cfg)
     ref = att.reference_attention(q, k, v)
     ref_recv = att.nccl_a2a(ref, group)  # float32: what this rank must receive (§4.3 layout)
@@ -419,12 +324,8 @@ def check_case(seq_len, heads, head_dim, cfg, buf, group, seed):
     failures = [f"{name}={value:.3g} (tolerance {REL_TOL})" for name, value in metrics.items()
                 if name.endswith("_rel_err") and not value < REL_TOL]
     failures += [f"{name} is False" for name, value in metrics.items() if value is False]
-    per_rank = all_gather_objects((metrics, failures), group)
-    bad = {r: f for r, (_, f) in enumerate(per_rank) if f}
-    if bad:
-        raise RuntimeError(f"correctness check failed at M={seq_len}, H={heads}, d={head_dim}, "
-                           f"P={world}; nothing was timed. Failures by rank: {bad}")
-    return [m for m, _ in per_rank], q, k, v, out_fa, local
+    case.out_fa, case.local = out_fa, local
+    return metrics, failures
 
 
 def local_destination(seq_len, heads, head_dim, world):
@@ -508,12 +409,12 @@ def paired_row(trials_us: dict, clocks_mhz: dict) -> dict:
     return out
 
 
-def run_case(seq_len, args, cfg, buf, group) -> tuple[dict, dict]:
+def run_case(case: Case, args, cfg, buf, group) -> tuple[dict, dict]:
+    """Step 2 at one checked M: the Table 3 row and the raw trials."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    H, d = args.heads, args.head_dim
+    seq_len, H, d = case.point["M"], case.point["heads"], case.point["head_dim"]
     # local = (buffers, table): the lambda below holds the tuple, so the buffers outlive the graph
-    checks, q, k, v, out_fa, local = check_case(seq_len, H, d, cfg, buf, group,
-                                                seed=args.seed + 1000 * seq_len + rank)
+    q, k, v, out_fa, local = case.q, case.k, case.v, case.out_fa, case.local
     fns = {
         "fa": lambda: att.flash_attention(q, k, v, out=out_fa, config=cfg),
         "fa_same_code": lambda: att.fused_attention_a2a(q, k, v, local[1], rank, world,
@@ -542,7 +443,7 @@ def run_case(seq_len, args, cfg, buf, group) -> tuple[dict, dict]:
                      {m: timing[m]["p75_us"] - timing[m]["p25_us"] for m in METHODS})
     row |= paired_row({m: timing[m]["trials_us"] for m in METHODS},
                       {m: timing[m]["sm_clock_mhz"] for m in METHODS})
-    raw = dict(M=seq_len, checks_by_rank=checks,
+    raw = dict(M=seq_len, checks_by_rank=case.checks,
                order=[rotated_order(list(METHODS), t) for t in range(args.trials)],
                max_us={m: timing[m]["trials_us"] for m in METHODS},
                per_rank_us={m: timing[m]["per_rank_us"] for m in METHODS},
@@ -551,74 +452,275 @@ def run_case(seq_len, args, cfg, buf, group) -> tuple[dict, dict]:
     return row, raw
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    require_safe_env()
-    if args.fa_only:
-        validate(args, 1)
+
+TIMING = ("sender-visible steady state: per method, `iters` back-to-back calls in one CUDA graph "
+          "replayed between CUDA events on every rank after a rank alignment; per trial the "
+          "maximum over ranks; rows hold the median over trials and the IQR, in µs per call. "
+          "Remote-store methods synchronize once after the replay, outside the timed window "
+          "(§5.1); NCCL methods include their own completion. Clocks are not locked: before each "
+          "M, `settle_s` seconds of FA-only; every trial records the SM clock of every method "
+          "(lowest over ranks); E_res is also the median of per-trial differences (paired, same "
+          "rotation) and of the clock-matched trials only.")
+LAYOUT = "q, k, v [M, H/P, d] on every rank (heads rank*H/P...); receive [M/P, H, d]"
+
+
+class UlyssesAttention(Experiment):
+    """Table 3: FA-only, Fused (decoupled and fenced), Serial and their controls per M."""
+
+    name = "fa_a2a"
+    paper = "§5.3, Table 3; timing §5.1"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        add_shape_arguments(p)
+        add_timing_arguments(p)
+        p.add_argument("--settle-s", type=float, default=SETTLE_S,
+                       help="seconds of FA-only back to back before each M's trials (DVFS settles)")
+        p.add_argument("--no-tune", action="store_true",
+                       help="use the configuration table as is instead of timing its candidates")
+        p.add_argument("--eager", default="",
+                       help="comma-separated methods launched back to back without a CUDA graph "
+                            "(for a method that cannot be captured); recorded in the metadata")
+
+    def check_args(self, a: argparse.Namespace) -> None:
+        check_shape_args(a)
+        check_timing_args(a)
+        a.eager = [s for s in a.eager.split(",") if s]
+        unknown = set(a.eager) - set(METHODS)
+        if unknown:
+            raise ValueError(f"--eager names unknown methods {sorted(unknown)}; methods: {METHODS}")
+        a.tune = not a.no_tune
+
+    def sweeps(self, args) -> list[Sweep]:
+        return [shape_sweep(args, self.name)]
+
+    def start(self, run: Run) -> None:
+        a = run.args
+        self.group = dist.group.WORLD
+        self.buf = att.symmetric_receive_buffer(max(a.seq) // run.world * a.heads * a.head_dim,
+                                                self.group)
+        self.cfg, self.tuning, self.raw = None, [], []
+
+    def validate(self, point: dict, run: Run) -> None:
+        att.check_ulysses_shape(point["M"], point["heads"], run.world)
+
+    def prepare(self, point: dict, run: Run) -> Case:
+        """The run's configuration (tuned at the first point: tuning launches kernels, so every
+        point is validated first) and the point's fresh q, k, v."""
+        self.cfg, self.tuning = run.resource("config", lambda: self.configure(run))
+        M, H, d = point["M"], point["heads"], point["head_dim"]
+        q, k, v = random_qkv(M, H // run.world, d, run.args.seed + 1000 * M + run.rank)
+        return Case(point, q, k, v)
+
+    def configure(self, run: Run) -> tuple[dict, list]:
+        """The kernel configuration: the fastest candidate (``tune``) or the table's."""
+        a = run.args
+        cfg, tuning = (tune(a, self.group) if a.tune
+                       else (att.flash_attention_config(a.head_dim, device=DEVICE), []))
+        if run.rank == 0:
+            print(f"[{type(self).__module__.removeprefix('xstage_lab.experiments.')}] "
+                  f"P={run.world} H={a.heads} d={a.head_dim} config={cfg}", file=sys.stderr,
+                  flush=True)
+        return cfg, tuning
+
+    def check(self, case: Case, run: Run) -> list[str]:
+        metrics, failures = check_case(case, self.cfg, self.buf, self.group)
+        case.checks = run.gather(metrics)
+        return failures
+
+    def measure(self, case: Case, run: Run) -> dict:
+        row, raw = run_case(case, run.args, self.cfg, self.buf, self.group)
+        self.raw.append(raw)
+        return row
+
+    def progress_line(self, rows) -> str:
+        row = rows.iloc[0]
+        return (f"[attention.bench] M={row['M']}: "
+                + ", ".join(f"{m}={row[m + '_us']:.1f}us" for m in METHODS)
+                + f", speedup={row['speedup']:.3f}, H={row['hiding_ratio']:.2f}, "
+                f"FA/cuDNN={row['fa_over_cudnn']:.2f}")
+
+    def metadata(self, run: Run) -> dict:
+        a = run.args
+        return dict(
+            params=dict(seq=a.seq, heads=a.heads, head_dim=a.head_dim, P=run.world,
+                        trials=a.trials, iters=a.iters, seed=a.seed, rel_tol=REL_TOL,
+                        tuned=a.tune, eager_methods=a.eager, settle_s=a.settle_s),
+            config=self.cfg, tuning=self.tuning, timing=TIMING, layout=LAYOUT,
+            versions=dict(torch=torch.__version__, triton=triton.__version__,
+                          cuda=torch.version.cuda,
+                          nccl=".".join(map(str, torch.cuda.nccl.version())),
+                          cudnn=torch.backends.cudnn.version()),
+            raw=self.raw)
+
+
+@dataclass
+class FaOnlyCase:
+    """One M of ``--fa-only``: fresh q, k, v and their float32 reference; after ``check``, the
+    methods it times (``epilogue``: the P = 2 receive buffers on this GPU that ``+remote``
+    methods store into, kept as long as their table is used)."""
+
+    point: dict
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    ref: torch.Tensor | None
+    methods: dict = field(default_factory=dict)
+    epilogue: tuple = ()
+
+
+class FaTuning(Experiment):
+    """``--fa-only`` (one process, one GPU): FA-only (LOCAL epilogue) of every
+    ``fa_only_candidates`` configuration against torch SDPA on cuDNN, H = ``--heads`` local heads.
+
+    Per M: fresh random q, k, v; each candidate's output (poisoned with NaN first) and cuDNN's
+    within ``REL_TOL`` of the float32 reference, else the candidate is skipped with the reason
+    (cuDNN failing aborts), as is one whose kernel does not run on this GPU
+    (``ulysses.kernel_unsupported``). Then one ``time_methods`` over the candidates and cuDNN:
+    CUDA graphs of ``iters`` calls, rotated order, ``trials`` trials, the SM clock read per trial.
+    Rows: one per M and method."""
+
+    name = "fa_tuning"
+    paper = "issue 3: FA-only configurations against cuDNN on one GPU; timing §5.1"
+    launch = "in_process"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--fa-only", action="store_true",
+                       help="this mode: one process, no torchrun: time the FA-only "
+                            "configurations against cuDNN")
+        add_shape_arguments(p, FA_ONLY_SEQ, FA_ONLY_HEADS, "heads on the GPU")
+        p.add_argument("--configs", default="",
+                       help="comma-separated configuration names (``config_name``) to time "
+                            "instead of all")
+        p.add_argument("--epilogues", action="store_true",
+                       help="also time each configuration's REMOTE epilogue, fenced and not, into "
+                            "P = 2 receive buffers on the same GPU (``+remote``, "
+                            "``+remote_fenced``)")
+        add_timing_arguments(p)
+
+    def check_args(self, a: argparse.Namespace) -> None:
+        check_shape_args(a)
+        check_timing_args(a)
+        known = {config_name(c): c for c in fa_only_candidates(a.head_dim)}
+        a.configs = [s for s in a.configs.split(",") if s]
+        unknown = set(a.configs) - set(known)
+        if unknown:
+            raise ValueError(f"--configs names unknown configurations {sorted(unknown)}; "
+                             f"known at d={a.head_dim}: {sorted(known)}")
+        a.candidates = {name: known[name] for name in a.configs} if a.configs else known
+
+    def sweeps(self, args) -> list[Sweep]:
+        return [shape_sweep(args, self.name)]
+
+    def start(self, run: Run) -> None:
+        require_safe_env()
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        write_output(args.out, *fa_only(args), indent=1)
-        print(f"[attention.bench --fa-only] wrote {args.out}", file=sys.stderr, flush=True)
-        return 0
-    _, rank, world = start_rank()
-    group = dist.group.WORLD
-    try:
-        validate(args, world)
-        started = time.time()
-        buf = att.symmetric_receive_buffer(max(args.seq) // world * args.heads * args.head_dim, group)
-        if args.no_tune:
-            cfg, tuning = att.flash_attention_config(args.head_dim, device=DEVICE), []
-        else:
-            cfg, tuning = tune(args, group)
-        if rank == 0:
-            print(f"[attention.bench] P={world} H={args.heads} d={args.head_dim} config={cfg}",
-                  file=sys.stderr, flush=True)
-        rows, raws = [], []
-        for seq_len in (p["M"] for p in shape_sweep(args).points()):
-            row, raw = run_case(seq_len, args, cfg, buf, group)
-            rows.append(row)
-            raws.append(raw)
-            if rank == 0:
-                print(f"[attention.bench] M={seq_len}: " + ", ".join(
-                    f"{m}={row[m + '_us']:.1f}us" for m in METHODS)
-                    + f", speedup={row['speedup']:.3f}, H={row['hiding_ratio']:.2f}, "
-                    f"FA/cuDNN={row['fa_over_cudnn']:.2f}", file=sys.stderr, flush=True)
-        if rank == 0:
-            write_result(args, world, cfg, tuning, rows, raws, time.time() - started)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+        self.candidates = run.args.candidates
+        self.checks, self.skipped, self.raw = [], {}, []
+
+    def prepare(self, point: dict, run: Run) -> FaOnlyCase:
+        M, H, d = point["M"], point["heads"], point["head_dim"]
+        q, k, v = random_qkv(M, H, d, run.args.seed + M)
+        return FaOnlyCase(point, q, k, v, att.reference_attention(q, k, v))
+
+    def check(self, case: FaOnlyCase, run: Run) -> list[str]:
+        """Each candidate into a poisoned output against the float32 reference (at the first M,
+        its REMOTE epilogue against LOCAL too): a failing one is skipped; cuDNN failing fails."""
+        args, skipped, checks = run.args, self.skipped, self.checks
+        q, k, v, ref = case.q, case.k, case.v, case.ref
+        seq_len, H, d = case.point["M"], case.point["heads"], case.point["head_dim"]
+        if args.epilogues:
+            case.epilogue = local_destination(seq_len, 2 * H, d, 2)
+            table = case.epilogue[1]
+        methods = case.methods
+        for name, cfg in self.candidates.items():
+            if name in skipped:
+                continue
+            if seq_len % max(cfg["BLOCK_M"], cfg["BLOCK_N"]):
+                continue
+            unsupported = att.kernel_unsupported(cfg["kernel"], q.device)
+            if unsupported:
+                skipped[name] = unsupported
+                continue
+            out = poisoned(q.shape, att.DTYPE, DEVICE)
+            # progress first: a launch that never returns leaves its name as the last line
+            print(f"[attention.bench --fa-only] M={seq_len}: checking {name}", file=sys.stderr,
+                  flush=True)
+            try:
+                att.flash_attention(q, k, v, out=out, config=cfg)
+                err = relative_error(out, ref)
+            except triton.runtime.errors.OutOfResources as e:
+                skipped[name] = f"out of resources: {e}"
+                continue
+            check = dict(M=seq_len, method=name, rel_err=err)
+            if seq_len == args.seq[0]:
+                check |= remote_epilogue_checks(q, k, v, out, cfg)
+            checks.append(check)
+            failed = [key for key, ok in check.items() if ok is False]
+            if not err < REL_TOL or failed:
+                skipped[name] = (f"M={seq_len}: relative error {err:.3g} against float32, "
+                                 f"failed {failed}")
+                continue
+            methods[name] = (lambda out=out, cfg=cfg: att.flash_attention(q, k, v, out=out,
+                                                                          config=cfg))
+            if args.epilogues:
+                # the Fused kernel's code (REMOTE epilogue, fenced or not) storing into P = 2
+                # receive buffers on this GPU: its time against LOCAL's is the codegen's share
+                # of any Fused-versus-FA difference, with no peer traffic
+                for fenced in (False, True):
+                    methods[f"{name}+remote{'_fenced' if fenced else ''}"] = (
+                        lambda cfg=cfg, fenced=fenced: att.fused_attention_a2a(
+                            q, k, v, table, 0, 2, config=cfg, fenced=fenced))
+        err = relative_error(att.sdpa_cudnn(q, k, v), ref)
+        checks.append(dict(M=seq_len, method="cudnn", rel_err=err))
+        case.ref = None  # the float32 reference is not kept through the timing
+        if not err < REL_TOL:
+            return [f"cuDNN SDPA misses the float32 reference at M={seq_len}: relative error "
+                    f"{err:.3g}"]
+        methods["cudnn"] = lambda: att.sdpa_cudnn(q, k, v)
+        return []
+
+    def measure(self, case: FaOnlyCase, run: Run) -> list[dict]:
+        args, methods = run.args, case.methods
+        seq_len, H, d = case.point["M"], case.point["heads"], case.point["head_dim"]
+        timing = time_methods(methods, trials=args.trials, warmup=1, graph_iters=args.iters,
+                              clocks=True)
+        flops = attention_flops(seq_len, H, d, 1)
+        rows = [dict(M=seq_len, method=name, **r)
+                for name, r in fa_only_ratios(timing, flops).items()]
+        self.raw.append(dict(M=seq_len, order=[rotated_order(list(methods), t)
+                                               for t in range(args.trials)],
+                             trials_us={m: timing[m]["trials_us"] for m in methods},
+                             sm_clock_mhz={m: timing[m]["sm_clock_mhz"] for m in methods}))
+        torch.cuda.empty_cache()
+        return rows
+
+    def progress_line(self, rows) -> str:
+        ours = rows[rows["method"].isin(list(self.candidates))]
+        best = ours.loc[ours["tflops"].idxmax()]
+        return (f"[attention.bench --fa-only] M={best['M']}: best {best['method']} "
+                f"{best['tflops']:.0f} TF/s = {best['over_cudnn']:.3f} of cuDNN "
+                f"(paired {best['over_cudnn_paired']:.3f})")
+
+    def metadata(self, run: Run) -> dict:
+        a = run.args
+        return dict(created_utc=datetime.now(timezone.utc).isoformat(),  # tuning_records' order
+                    params=dict(seq=a.seq, heads=a.heads, head_dim=a.head_dim, trials=a.trials,
+                                iters=a.iters, seed=a.seed, rel_tol=REL_TOL,
+                                epilogues=a.epilogues),
+                    candidates=a.candidates, skipped=self.skipped, checks=self.checks,
+                    raw=self.raw,
+                    versions=dict(torch=torch.__version__, triton=triton.__version__,
+                                  cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version()))
 
 
-def write_result(args, world, cfg, tuning, rows, raws, elapsed_s) -> None:
-    meta = dict(
-        experiment="fa_a2a",
-        created_utc=datetime.now(timezone.utc).isoformat(),
-        params=dict(seq=args.seq, heads=args.heads, head_dim=args.head_dim, P=world,
-                    trials=args.trials, iters=args.iters, seed=args.seed, rel_tol=REL_TOL,
-                    tuned=not args.no_tune, eager_methods=args.eager, settle_s=args.settle_s),
-        config=cfg,
-        tuning=tuning,
-        timing=("sender-visible steady state: per method, `iters` back-to-back calls in one CUDA "
-                "graph replayed between CUDA events on every rank after a rank alignment; per "
-                "trial the maximum over ranks; rows hold the median over trials and the IQR, in "
-                "µs per call. Remote-store methods synchronize once after the replay, outside the "
-                "timed window (§5.1); NCCL methods include their own completion. Clocks are not "
-                "locked: before each M, `settle_s` seconds of FA-only; every trial records the SM "
-                "clock of every method (lowest over ranks); E_res is also the median of per-trial "
-                "differences (paired, same rotation) and of the clock-matched trials only."),
-        layout="q, k, v [M, H/P, d] on every rank (heads rank*H/P...); receive [M/P, H, d]",
-        versions=dict(torch=torch.__version__, triton=triton.__version__,
-                      cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())),
-                      cudnn=torch.backends.cudnn.version()),
-        gpu_name=torch.cuda.get_device_name(),
-        elapsed_s=elapsed_s,
-        provenance=provenance(),
-    )
-    write_output(args.out, dict(meta, raw=raws), rows, indent=1)
-    print(f"[attention.bench] wrote {args.out}", file=sys.stderr, flush=True)
+EXPERIMENT = UlyssesAttention()
+FA_TUNING = FaTuning()
+
+
+def experiment(argv: list[str]) -> Experiment:
+    """What a command line runs: ``--fa-only`` the one-GPU ``FA_TUNING``, else Table 3."""
+    return FA_TUNING if "--fa-only" in argv else EXPERIMENT
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.main(experiment(sys.argv[1:]), description=__doc__.split("\n\n")[0])

@@ -342,11 +342,13 @@ def tuning_table(records) -> pd.DataFrame:
     frames = []
     for rec in records:
         p = rec.params["params"]
-        t = rec.table.drop(columns="sm_clock_mhz")
-        t.insert(0, "record", rec.record_id)
-        t.insert(1, "heads", p["heads"])
-        t.insert(2, "head_dim", p["head_dim"])
-        t.insert(3, "trials", p["trials"])
+        first = {"record": rec.record_id, **{k: p[k] for k in ("heads", "head_dim", "trials")}}
+        # records since the harness (issue 21) carry the point's heads and head dim, and its
+        # sweep tags, in their rows
+        t = rec.table.drop(columns=["sm_clock_mhz", *first, "point", "repeat", "order"],
+                           errors="ignore")
+        for i, (key, value) in enumerate(first.items()):
+            t.insert(i, key, value)
         t["meets_bar"] = [None if m == "cudnn" else b for m, b in
                           zip(t["method"], _meets_bar(t["M"], t["over_cudnn_paired"]))]
         frames.append(t)

@@ -3,7 +3,11 @@ measured burst schedule, for the design test and the simulator; ``trace`` reads 
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
     torchrun --standalone --nproc_per_node=P -m xstage_lab.experiments.attention.trace_bench \\
-        --out FILE [--seq 8192,...,65536] [--heads 24] [--head-dim 128] [--launches 3]
+        (--out FILE | --root DIR) [--seq 8192,...,65536] [--heads 24] [--head-dim 128]
+        [--launches 3] [--chunk I/N]
+
+An ``Experiment`` run by ``experiments.harness``: ``attention.bench``'s (its ``Sweep`` over M at
+the fixed heads and head dim, its inputs and checks) with traced launches for its timing.
 
 One process per GPU, the configuration of the Table 3 benchmark (the default kernel, or the fastest
 candidate with ``--tune``); a trace row is an output tile (a consumer warpgroup's half tile for
@@ -12,21 +16,19 @@ Per sequence length M:
 1. ``bench.check_case`` (every path against float32 and Serial, outputs poisoned), then
    the instrumented build itself: Fused into the peers' buffers and the local control (the same
    code storing into P buffers on this GPU, §3.1) with their outputs and traces poisoned, Fused
-   bitwise equal to Serial, the control to FA-only, every trace row stamped and ordered.
+   bitwise equal to Serial, the control to FA-only, every trace row stamped and ordered. Any
+   failure on any rank stops every rank before anything is traced.
 2. ``--settle-s`` of FA-only, then ``--launches`` rounds of the two instrumented launches, the
    order alternating per round (``--repeat-build``: each after an untraced launch of itself;
-   ``--prime-copy``: Fused after the remote-store All-to-All to the same addresses); each launch is eager, between CUDA events, with the SM clock read
-   after it; Fused's stores are made visible (one barrier) after its timed launch.
-Rank 0 writes one JSON file: a row per (M, rank, build, launch) with the per-tile times as lists,
-in ns from the launch's first tile entry.
+   ``--prime-copy``: Fused after the remote-store All-to-All to the same addresses); each launch
+   is eager, between CUDA events, with the SM clock read after it; Fused's stores are made
+   visible (one barrier) after its timed launch.
+Rank 0 writes the output: a row per (M, rank, build, launch) with the per-tile times as lists, in
+ns from the launch's first tile entry.
 """
 from __future__ import annotations
 
 import argparse
-import sys
-import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,44 +36,15 @@ import torch.distributed as dist
 import triton
 
 from ...checks import bitwise_equal
-from ...dist_timing import all_gather_objects, read_sm_clock_mhz, start_rank
-from ...platform import provenance
-from ..output import write_output
+from ...dist_timing import read_sm_clock_mhz
+from .. import harness
+from ..harness import Run
 from . import ulysses as att
-from .bench import (DEFAULT_SEQ, DEVICE, SETTLE_S, check_case, settle, shape_sweep, tune,
-                    validate)
+from .bench import (DEVICE, SETTLE_S, UlyssesAttention, add_shape_arguments, check_shape_args,
+                    settle)
 
 BUILDS = ("fused", "control")  # remote stores to the peers; the same code storing on this GPU
 POISON_STAMP = -1
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m xstage_lab.experiments.attention.trace_bench",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="JSON file written by rank 0")
-    p.add_argument("--seq", default=",".join(map(str, DEFAULT_SEQ)),
-                   help="comma-separated sequence lengths M")
-    p.add_argument("--heads", type=int, default=24, help="total heads H (divisible by P)")
-    p.add_argument("--head-dim", type=int, default=128, choices=att.HEAD_DIMS)
-    p.add_argument("--launches", type=int, default=3, help="traced launches per build and M")
-    p.add_argument("--settle-s", type=float, default=SETTLE_S,
-                   help="seconds of FA-only back to back before each M's launches")
-    p.add_argument("--repeat-build", action="store_true",
-                   help="launch each build once untraced right before its traced launch, so the "
-                        "traced launch follows itself instead of the other build (what the first "
-                        "wave meets: the same destination pages and cache state, or the other's)")
-    p.add_argument("--prime-copy", action="store_true",
-                   help="before each traced Fused launch, the remote-store All-to-All "
-                        "(``remote_store_a2a``) writes the same receive-buffer addresses: is what "
-                        "the first wave meets the destinations' state or the kernel's")
-    p.add_argument("--tune", action="store_true",
-                   help="time the candidate configurations first (as attention.bench does)")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    args.seq = [int(s) for s in args.seq.split(",") if s]
-    # attention.bench.validate's fields
-    args.trials, args.iters, args.eager = 1, 1, []
-    return args
 
 
 def check_trace(trace: np.ndarray, name: str) -> list[str]:
@@ -111,13 +84,13 @@ def trace_launch(build: str, q, k, v, cfg, buf, local_table, rank, world, trace,
     return trace.cpu().numpy(), start.elapsed_time(stop) * 1e3, clock
 
 
-def trace_case(seq_len, args, cfg, buf, group) -> list[dict]:
-    """Step 1 (correctness, including the instrumented build) and step 2 at one M; this rank's
-    rows."""
+def check_instrumented(case, cfg, buf, group) -> list[str]:
+    """The instrumented build at one checked M (``bench.check_case`` first): Fused and the local
+    control with their outputs and traces poisoned, Fused bitwise equal to Serial, the control to
+    FA-only, every trace row stamped and ordered; sets ``case.trace``. This rank's failures."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    H, d = args.heads, args.head_dim
-    _, q, k, v, out_fa, (local_recv, local_table) = check_case(
-        seq_len, H, d, cfg, buf, group, seed=args.seed + 1000 * seq_len + rank)
+    seq_len, H, d = case.point["M"], case.point["heads"], case.point["head_dim"]
+    q, k, v, out_fa, (local_recv, local_table) = case.q, case.k, case.v, case.out_fa, case.local
     trace = torch.empty((att.trace_tiles(q, cfg), att.TRACE_FIELDS), dtype=torch.int64,
                         device=DEVICE)
     serial = att.nccl_a2a(out_fa, group)
@@ -134,11 +107,16 @@ def trace_case(seq_len, args, cfg, buf, group) -> list[dict]:
         failures.append("instrumented Fused differs from Serial")
     if not bitwise_equal(local_recv[:, :, rank * h:(rank + 1) * h].reshape(out_fa.shape), out_fa):
         failures.append("instrumented local control differs from FA-only")
-    bad = {r: f for r, f in enumerate(all_gather_objects(failures, group)) if f}
-    if bad:
-        raise RuntimeError(f"instrumented build failed its checks at M={seq_len}; nothing was "
-                           f"traced. Failures by rank: {bad}")
+    case.trace = trace
+    return failures
 
+
+def trace_case(case, args, cfg, buf, group) -> list[dict]:
+    """Step 2 at one checked M: this rank's rows."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    seq_len, H, d = case.point["M"], case.point["heads"], case.point["head_dim"]
+    q, k, v, out_fa, local_table, trace = (case.q, case.k, case.v, case.out_fa, case.local[1],
+                                           case.trace)
     settle(lambda: att.flash_attention(q, k, v, out=out_fa, config=cfg), args.settle_s)
     rows = []
     for launch in range(args.launches):
@@ -157,69 +135,80 @@ def trace_case(seq_len, args, cfg, buf, group) -> list[dict]:
                              q_loop_ns=(stamps[:, 1] - stamps[:, 0]).tolist(),
                              epilogue_ns=(stamps[:, 2] - stamps[:, 1]).tolist(),
                              smid=stamps[:, 3].tolist()))
-    del local_recv
     torch.cuda.empty_cache()
     return rows
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    _, rank, world = start_rank()
-    group = dist.group.WORLD
-    try:
-        validate(args, world)
-        if args.launches < 1:
-            raise ValueError(f"--launches must be >= 1, got {args.launches}")
-        started = time.time()
-        buf = att.symmetric_receive_buffer(max(args.seq) // world * args.heads * args.head_dim,
-                                           group)
-        cfg, tuning = (tune(args, group) if args.tune
-                       else (att.flash_attention_config(args.head_dim, device=DEVICE), []))
-        rows = []
-        for seq_len in (p["M"] for p in shape_sweep(args, "fa_trace").points()):
-            mine = trace_case(seq_len, args, cfg, buf, group)
-            rows += [r for per_rank in all_gather_objects(mine, group) for r in per_rank]
-            if rank == 0:
-                us = {b: np.median([r["kernel_us"] for r in mine if r["build"] == b])
-                      for b in BUILDS}
-                print(f"[attention.trace_bench] M={seq_len}: " + ", ".join(
-                    f"{b}={t:.1f}us" for b, t in us.items()), file=sys.stderr, flush=True)
-        if rank == 0:
-            write_result(args, world, cfg, tuning, rows, time.time() - started)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+TIMING = ("per trace row (an output tile; a consumer warpgroup's half tile for gluon_ws), "
+          "%globaltimer (ns) at entry, epilogue start and epilogue end (every store issued), each "
+          "after a barrier of the CTA (the warpgroup), in the instrumented build; entry_ns from "
+          "the launch's first tile entry, q_loop_ns = epilogue start - entry, epilogue_ns = "
+          "epilogue end - epilogue start; kernel_us from CUDA events around one eager launch; "
+          "builds alternate in order per round")
+LAYOUT = ("trace row t, b = params.trace_block_m rows: rows [(t % (M/b))·b, +b) of local head "
+          "t // (M/b); they belong to rank (t % (M/b)) * b // (M/P)")
 
 
-def write_result(args, world, cfg, tuning, rows, elapsed_s) -> None:
-    meta = dict(
-        experiment="fa_trace",
-        created_utc=datetime.now(timezone.utc).isoformat(),
-        params=dict(seq=args.seq, heads=args.heads, head_dim=args.head_dim, P=world,
-                    launches=args.launches, settle_s=args.settle_s, seed=args.seed,
-                    tuned=args.tune, repeat_build=args.repeat_build,
-                    prime_copy=args.prime_copy, trace_block_m=att.trace_block_m(cfg)),
-        config=cfg,
-        tuning=tuning,
-        timing=("per trace row (an output tile; a consumer warpgroup's half tile for gluon_ws), "
-                "%globaltimer (ns) at entry, epilogue start and epilogue end (every store "
-                "issued), each after a barrier of the CTA (the warpgroup), in the instrumented "
-                "build; "
-                "entry_ns from the launch's first tile entry, q_loop_ns = epilogue start - entry, "
-                "epilogue_ns = epilogue end - epilogue start; kernel_us from CUDA events around "
-                "one eager launch; builds alternate in order per round"),
-        layout=("trace row t, b = params.trace_block_m rows: rows [(t % (M/b))·b, +b) of local "
-                "head t // (M/b); they belong to rank (t % (M/b)) * b // (M/P)"),
-        versions=dict(torch=torch.__version__, triton=triton.__version__,
-                      cuda=torch.version.cuda),
-        gpu_name=torch.cuda.get_device_name(),
-        elapsed_s=elapsed_s,
-        provenance=provenance(),
-    )
-    write_output(args.out, meta, rows)
-    print(f"[attention.trace_bench] wrote {args.out}", file=sys.stderr, flush=True)
+class AttentionTrace(UlyssesAttention):
+    """The Table 3 run's shapes, inputs and checks; per M, traced launches of Fused and the local
+    control instead of the timed methods."""
+
+    name = "fa_trace"
+    paper = "issue 6: the attention epilogue's burst schedule (§3.1 local control)"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        add_shape_arguments(p)
+        p.add_argument("--launches", type=int, default=3, help="traced launches per build and M")
+        p.add_argument("--settle-s", type=float, default=SETTLE_S,
+                       help="seconds of FA-only back to back before each M's launches")
+        p.add_argument("--repeat-build", action="store_true",
+                       help="launch each build once untraced right before its traced launch, so "
+                            "the traced launch follows itself instead of the other build (what "
+                            "the first wave meets: the same destination pages and cache state, "
+                            "or the other's)")
+        p.add_argument("--prime-copy", action="store_true",
+                       help="before each traced Fused launch, the remote-store All-to-All "
+                            "(``remote_store_a2a``) writes the same receive-buffer addresses: is "
+                            "what the first wave meets the destinations' state or the kernel's")
+        p.add_argument("--tune", action="store_true",
+                       help="time the candidate configurations first (as attention.bench does)")
+        p.add_argument("--seed", type=int, default=0)
+
+    def check_args(self, a: argparse.Namespace) -> None:
+        check_shape_args(a)
+        if a.launches < 1:
+            raise ValueError(f"--launches must be >= 1, got {a.launches}")
+        a.iters, a.eager = 1, []  # what ``tune`` times: one call per graph, none eager
+
+    def check(self, case, run: Run) -> list[str]:
+        # every path first: the instrumented build runs only where they all pass on every rank
+        run.require(super().check(case, run), f"M={case.point['M']}")
+        return check_instrumented(case, self.cfg, self.buf, self.group)
+
+    def measure(self, case, run: Run) -> list[dict]:
+        """Every rank's rows (rank 0 writes them)."""
+        mine = trace_case(case, run.args, self.cfg, self.buf, self.group)
+        return [row for rows in run.gather(mine) for row in rows]
+
+    def progress_line(self, rows) -> str:
+        mine = rows[rows["rank"] == 0]
+        return f"[attention.trace_bench] M={mine['M'].iloc[0]}: " + ", ".join(
+            f"{b}={mine.loc[mine['build'] == b, 'kernel_us'].median():.1f}us" for b in BUILDS)
+
+    def metadata(self, run: Run) -> dict:
+        a, cfg = run.args, self.cfg
+        return dict(
+            params=dict(seq=a.seq, heads=a.heads, head_dim=a.head_dim, P=run.world,
+                        launches=a.launches, settle_s=a.settle_s, seed=a.seed, tuned=a.tune,
+                        repeat_build=a.repeat_build, prime_copy=a.prime_copy,
+                        trace_block_m=None if cfg is None else att.trace_block_m(cfg)),
+            config=cfg, tuning=self.tuning, timing=TIMING, layout=LAYOUT,
+            versions=dict(torch=torch.__version__, triton=triton.__version__,
+                          cuda=torch.version.cuda))
+
+
+EXPERIMENT = AttentionTrace()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])

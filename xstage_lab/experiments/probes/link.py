@@ -1,8 +1,9 @@
 """Link probe: does a trickle of 16-byte remote stores cost the SMs clock under the power cap?
 
-    torchrun --standalone --nproc_per_node=P -m xstage_lab.experiments.probes.link --out FILE.json \\
-        [--M 32768] [--head-dim 128] [--heads 24] [--periods-us 2 20 200 2000] [--window-s 2.5] \\
-        [--settle-s 1.0] [--rounds 3] [--seed 0]
+    torchrun --standalone --nproc_per_node=P -m xstage_lab.experiments.probes.link \\
+        (--out FILE.json | --root DIR) [--M 32768] [--head-dim 128] [--heads 24] \\
+        [--periods-us 2 20 200 2000] [--window-s 2.5] [--settle-s 1.0] [--rounds 3] [--seed 0] \\
+        [--chunk I/N]
     python -m xstage_lab import-bench FILE.json --experiment link_probe
 
 The ``fa_power_probe`` records found both GPUs of h200-x2 at the 700 W cap while FA-only, Fused
@@ -13,49 +14,51 @@ one 16-byte vector every 2-2000 µs, aimed at the peer's buffer (over NVLink) or
 at a buffer on the same GPU. Fused, Serial and the NCCL All-to-All alone run in the same windows,
 each without a trickle (``declared_settings``).
 
+An ``Experiment`` run by ``experiments.harness``: its ``Sweep`` is one axis of windows, (round,
+setting) in each round's seeded order (``window_sweep``).
+
 One process per GPU; at P = 1 it is a dry run (``dry_run`` in the output): the trickle's "peer" is
 then the rank's own symmetric buffer and no store crosses NVLink.
 
-1. Checks first, any failure on any rank aborts every rank before timing: Fused into the receive
-   buffer poisoned with NaN, bitwise equal to Serial's output; the same-code control into P
-   local buffers poisoned with NaN, bitwise equal to FA-only's rows; the trickle aimed at the peer
-   and at a local buffer, each target poisoned, run once until its store limit (wrapping round
-   the slots) and once until its deadline: each target holds exactly the words of the stores its
-   sender reports, in the slots they went to, and poison elsewhere.
+1. Checks first, before the first window; any failure on any rank stops every rank before
+   timing: Fused into the receive buffer poisoned with NaN, bitwise equal to Serial's output;
+   the same-code control into P local buffers poisoned with NaN, bitwise equal to FA-only's
+   rows; the trickle aimed at the peer and at a local buffer, each target poisoned, run once
+   until its store limit (wrapping round the slots) and once until its deadline: each target
+   holds exactly the words of the stores its sender reports, in the slots they went to, and
+   poison elsewhere.
 2. Windows. Per round, every setting once in an order shuffled with the seed. Per setting: the
    trickle (if any) is launched first on its own stream, then the workload runs back to back for
    ``--settle-s`` untimed and for ``--window-s`` between CUDA events (µs per call = elapsed /
    calls), while a thread reads NVML every 20 ms (SM clock, power, the energy counter,
    temperature, clock-event reasons). Rank 0's clock decides over a gloo group when a window ends
    (``run_window``): every rank runs the same calls, so every rank enters the same collectives.
-Rank 0 writes one JSON file: ``metadata`` (arguments, settings, the trickle's design,
-provenance) and ``rows``, one per (round, setting, rank).
+Rank 0 writes the output: a header (arguments, settings, the trickle's design, the checks,
+provenance) and rows, one per (round, setting, rank), ``order`` counting the windows of the run.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import random
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ...checks import bitwise_equal, poisoned
-from ...dist_timing import all_gather_objects, start_rank
+from ...dist_timing import all_gather_objects
 from ...kernel_sources import load_kernel_module
-from ...platform import provenance, symmetric_buffer
+from ...platform import symmetric_buffer
+from ...sweep import Axis, Sweep
+from .. import harness
 from ..attention import ulysses as att
 from ..attention.bench import local_destination, random_qkv
+from ..harness import Experiment, Run
 
 _kernels = load_kernel_module("link_trickle")
 
@@ -250,7 +253,7 @@ def check_trickle(targets: dict[str, TrickleTarget], sym, rank: int, gloo) -> di
     slots) and one stopped by its deadline: the buffer holds ``expected_slots`` of what its
     sender reports, the limit run issued exactly its limit, the deadline run stopped before its
     deadline and kept the period. Returns this rank's findings, its failures under "failures"
-    (``main`` aborts every rank on any rank's). Collective."""
+    (the harness stops every rank on any rank's). Collective."""
     result = torch.empty(RESULT_FIELDS, dtype=torch.int64, device=DEVICE)
     findings, failures = {}, []
     for name, target in targets.items():
@@ -502,107 +505,125 @@ class Probe:
         return row | power_summary(sampler.samples, us_per_call)
 
 
-def parse_args(argv=None, world: int | None = None) -> argparse.Namespace:
-    """The arguments, checked (``validate``) for P = ``world`` (default: torchrun's
-    WORLD_SIZE, else 1) before any CUDA work; a bad one exits with code 2 and one line."""
-    p = argparse.ArgumentParser(prog="link_probe", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="JSON file written by rank 0")
-    p.add_argument("--M", type=int, default=32768, help="sequence length M")
-    p.add_argument("--head-dim", type=int, default=128, choices=att.HEAD_DIMS, help="head dim d")
-    p.add_argument("--heads", type=int, default=24, help="total heads H (divisible by P)")
-    p.add_argument("--periods-us", type=float, nargs="+", default=list(DEFAULT_PERIODS_US),
-                   help="the trickle's periods in µs, one store of 16 bytes each")
-    p.add_argument("--window-s", type=float, default=2.5, help="timed seconds per window")
-    p.add_argument("--settle-s", type=float, default=1.0,
-                   help="untimed seconds of the same setting before each window (at least "
-                        "one step of calls)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of every setting")
-    p.add_argument("--seed", type=int, default=0, help="inputs and the order of each round")
-    args = p.parse_args(argv)
-    if world is None:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        validate(args, world)
-    except ValueError as e:
-        p.error(str(e))
-    return args
-
-
-def validate(args, world: int) -> None:
-    """Raise ValueError for arguments no run could use."""
-    if not 0 < args.window_s <= MAX_WINDOW_S:
-        raise ValueError(f"--window-s must be in (0, {MAX_WINDOW_S:g}], got {args.window_s:g}")
-    if not 0 <= args.settle_s <= MAX_WINDOW_S:
-        raise ValueError(f"--settle-s must be in [0, {MAX_WINDOW_S:g}], got {args.settle_s:g}")
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
-    longest = args.window_s * 1e6 / MIN_STORES_PER_WINDOW
-    for period in args.periods_us:
-        if not (math.isfinite(period) and MIN_PERIOD_US <= period <= longest):
-            raise ValueError(f"--periods-us {period:g}: each period must be in "
-                             f"[{MIN_PERIOD_US:g}, {longest:g}] µs (at least "
-                             f"{MIN_STORES_PER_WINDOW} stores per window)")
-    if len(set(args.periods_us)) != len(args.periods_us):
-        raise ValueError(f"--periods-us lists a period twice: {args.periods_us}")
-    if args.M < 1 or args.heads < 1:
-        raise ValueError(f"--M and --heads must be >= 1, got {args.M} and {args.heads}")
-    att.check_ulysses_shape(args.M, args.heads, world)
-    tile = max(max(c["BLOCK_M"], c["BLOCK_N"])
-               for c in (att.flash_attention_config(args.head_dim, {"kernel": k})
-                         for k in att.KERNELS))
-    if args.M % tile:
-        raise ValueError(f"--M {args.M} must be a multiple of the {tile}-row tiles")
-
-
-def document(args, world: int, rows: list[dict], *, config: dict, checks: list, steps: dict,
-             nvml: list, elapsed_s: float, prov: dict) -> dict:
-    """The output: ``metadata`` (what ran and how) and ``rows``, as ``import-bench`` reads it."""
+def window_sweep(args) -> Sweep:
+    """The windows as a declared sweep: one axis of (round, setting), each round's settings in
+    its seeded order (``round_order``), at the fixed attention shape; each window is measured once
+    (its settle is its warm-up)."""
     settings = declared_settings(args.periods_us)
-    return dict(metadata=dict(
-        experiment="link_probe",
-        created_utc=datetime.now(timezone.utc).isoformat(),
-        params=dict(M=args.M, heads=args.heads, head_dim=args.head_dim, P=world,
-                    periods_us=args.periods_us, window_s=args.window_s, settle_s=args.settle_s,
-                    rounds=args.rounds, seed=args.seed, step_s=STEP_S, sample_s=SAMPLE_S),
-        dry_run=world == 1,
-        dry_run_note=("P = 1: the trickle's peer is the rank's own symmetric buffer, so no store "
-                      "crosses NVLink and peer and local differ only by buffer; Fused's stores "
-                      "and the NCCL All-to-All stay on the GPU too") if world == 1 else None,
-        settings=[dict(asdict(s), name=s.name) for s in settings],
-        workloads=WORKLOADS, trickles=TRICKLES, trickle=TRICKLE_DESIGN,
-        window_control=WINDOW_CONTROL, sampling=SAMPLING,
-        timing="CUDA events around each window's calls on every rank; us_per_call = elapsed / "
-               "calls; rows per (round, setting, rank)",
-        config=config, checks_by_rank=checks, step_calls=steps, nvml_by_rank=nvml,
-        versions=dict(torch=torch.__version__, cuda=torch.version.cuda),
-        elapsed_s=elapsed_s, provenance=prov), rows=rows)
+    windows = [dict(round=r, setting=s.name) for r in range(args.rounds)
+               for s in round_order(settings, r, args.seed)]
+    return Sweep("link_probe", (Axis("window", windows),),
+                 fixed=dict(M=args.M, heads=args.heads, head_dim=args.head_dim), repeats=1,
+                 warmup=0)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    started = time.time()
-    _, rank, world = start_rank()
-    nccl = dist.group.WORLD
-    gloo = dist.new_group(backend="gloo")
-    try:
-        h = args.heads // world
-        cfg = att.flash_attention_config(args.head_dim, device=DEVICE)
-        q, k, v = random_qkv(args.M, h, args.head_dim, args.seed + rank)
-        out_fa = att.flash_attention(q, k, v, out=poisoned(q.shape, att.DTYPE, DEVICE), config=cfg)
-        buf = att.symmetric_receive_buffer(args.M // world * args.heads * args.head_dim, nccl)
-        local = local_destination(args.M, args.heads, args.head_dim, world)
-        targets, sym = trickle_targets(rank, world)
-        found = dict(workloads=check_workloads(q, k, v, out_fa, cfg, buf, local, rank, world,
-                                               nccl),
-                     trickle=check_trickle(targets, sym, rank, gloo))
-        checks = all_gather_objects(found, gloo)
-        bad = {r: c["workloads"]["failures"] + c["trickle"]["failures"]
-               for r, c in enumerate(checks)}
-        bad = {r: f for r, f in bad.items() if f}
-        if bad:
-            raise RuntimeError(f"check failed; nothing was timed. Failures by rank: {bad}")
+class LinkProbe(Experiment):
+    """Windows of the same-code control beside the trickle, and of Fused, Serial and the NCCL
+    All-to-All, each with the SM clock and power sampled."""
 
-        recv_shape = (args.M // world, args.heads, args.head_dim)
+    name = "link_probe"
+    paper = "§3.1 local control; the fa_power_probe records (Fused below fa_same_code's SM clock)"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--M", type=int, default=32768, help="sequence length M")
+        p.add_argument("--head-dim", type=int, default=128, choices=att.HEAD_DIMS,
+                       help="head dim d")
+        p.add_argument("--heads", type=int, default=24, help="total heads H (divisible by P)")
+        p.add_argument("--periods-us", type=float, nargs="+", default=list(DEFAULT_PERIODS_US),
+                       help="the trickle's periods in µs, one store of 16 bytes each")
+        p.add_argument("--window-s", type=float, default=2.5, help="timed seconds per window")
+        p.add_argument("--settle-s", type=float, default=1.0,
+                       help="untimed seconds of the same setting before each window (at least "
+                            "one step of calls)")
+        p.add_argument("--rounds", type=int, default=3, help="rounds of every setting")
+        p.add_argument("--seed", type=int, default=0, help="inputs and the order of each round")
+
+    def check_args(self, args) -> None:
+        """Raise ValueError for arguments no run could use (whether P divides the shape is the
+        ranks' ``validate``)."""
+        if not 0 < args.window_s <= MAX_WINDOW_S:
+            raise ValueError(f"--window-s must be in (0, {MAX_WINDOW_S:g}], got {args.window_s:g}")
+        if not 0 <= args.settle_s <= MAX_WINDOW_S:
+            raise ValueError(f"--settle-s must be in [0, {MAX_WINDOW_S:g}], got "
+                             f"{args.settle_s:g}")
+        if args.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+        longest = args.window_s * 1e6 / MIN_STORES_PER_WINDOW
+        for period in args.periods_us:
+            if not (math.isfinite(period) and MIN_PERIOD_US <= period <= longest):
+                raise ValueError(f"--periods-us {period:g}: each period must be in "
+                                 f"[{MIN_PERIOD_US:g}, {longest:g}] µs (at least "
+                                 f"{MIN_STORES_PER_WINDOW} stores per window)")
+        if len(set(args.periods_us)) != len(args.periods_us):
+            raise ValueError(f"--periods-us lists a period twice: {args.periods_us}")
+        if args.M < 1 or args.heads < 1:
+            raise ValueError(f"--M and --heads must be >= 1, got {args.M} and {args.heads}")
+        tile = max(max(c["BLOCK_M"], c["BLOCK_N"])
+                   for c in (att.flash_attention_config(args.head_dim, {"kernel": k})
+                             for k in att.KERNELS))
+        if args.M % tile:
+            raise ValueError(f"--M {args.M} must be a multiple of the {tile}-row tiles")
+
+    def sweeps(self, args) -> list[Sweep]:
+        return [window_sweep(args)]
+
+    def start(self, run: Run) -> None:
+        """The buffers (receive, local control, trickle targets), NVML and the gloo group that
+        carries the host's decisions; no launch yet."""
+        a, rank, world = run.args, run.rank, run.world
+        self.nccl = dist.group.WORLD
+        self.gloo = dist.new_group(backend="gloo")
+        self.settings = {s.name: s for s in declared_settings(a.periods_us)}
+        self.cfg = att.flash_attention_config(a.head_dim, device=DEVICE)
+        self.buf = att.symmetric_receive_buffer(a.M // world * a.heads * a.head_dim, self.nccl)
+        self.local = local_destination(a.M, a.heads, a.head_dim, world)
+        self.targets, self.sym = trickle_targets(rank, world)
+        self.nvml, why = Nvml.open(torch.cuda.current_device())
+        self.nvml_by_rank = all_gather_objects(why, self.gloo)
+        self.checks, self.probe, self.steps = [], None, {}
+
+    def validate(self, point: dict, run: Run) -> None:
+        att.check_ulysses_shape(point["M"], point["heads"], run.world)
+
+    def prepare(self, point: dict, run: Run) -> dict:
+        """The run's inputs (made at its first window, once every window is validated) and
+        FA-only's output of them."""
+        self.inputs = run.resource("inputs", lambda: self.make_inputs(run))
+        return point
+
+    def make_inputs(self, run: Run) -> tuple:
+        a = run.args
+        q, k, v = random_qkv(a.M, a.heads // run.world, a.head_dim, a.seed + run.rank)
+        out_fa = att.flash_attention(q, k, v, out=poisoned(q.shape, att.DTYPE, DEVICE),
+                                     config=self.cfg)
+        return q, k, v, out_fa
+
+    def check(self, point: dict, run: Run) -> list[str]:
+        """The run's checks, at its first window: every window runs the same inputs, kernels and
+        buffers."""
+        if self.checks:
+            return []
+        q, k, v, out_fa = self.inputs
+        found = dict(workloads=check_workloads(q, k, v, out_fa, self.cfg, self.buf, self.local,
+                                               run.rank, run.world, self.nccl),
+                     trickle=check_trickle(self.targets, self.sym, run.rank, self.gloo))
+        self.checks = all_gather_objects(found, self.gloo)
+        return found["workloads"]["failures"] + found["trickle"]["failures"]
+
+    def measure(self, point: dict, run: Run) -> list[dict]:
+        """One window of the point's setting: every rank's row (rank 0 writes them)."""
+        if self.probe is None:
+            self.probe = self.make_probe(run)
+        row = dict(round=point["round"]) | self.probe.run(self.settings[point["setting"]])
+        return all_gather_objects(row, self.gloo)
+
+    def make_probe(self, run: Run) -> Probe:
+        """The checked workloads and the steps of calls rank 0 chose for them (at the first
+        window, after the checks)."""
+        a, rank, world, nccl, local = run.args, run.rank, run.world, self.nccl, self.local
+        q, k, v, out_fa = self.inputs
+        cfg, buf = self.cfg, self.buf
+        recv_shape = (a.M // world, a.heads, a.head_dim)
         fa_out = torch.empty_like(out_fa)
         serial_out, a2a_out = (torch.empty(recv_shape, dtype=att.DTYPE, device=DEVICE)
                                for _ in range(2))
@@ -615,42 +636,46 @@ def main(argv=None) -> int:
                                            nccl, out=serial_out),
             "a2a_nccl": lambda: att.nccl_a2a(out_fa, nccl, out=a2a_out),
         }
-        decide = broadcaster(gloo)
-        steps, step_s = {}, {}
+        decide = broadcaster(self.gloo)
+        step_s = {}
         for name, fn in workloads.items():
             call_s = time_call_s(fn)
-            steps[name] = decide(step_calls_for(call_s))  # rank 0's measure decides
-            step_s[name] = steps[name] * call_s
-        nvml, nvml_why = Nvml.open(torch.cuda.current_device())
-        probe = Probe(args, rank, workloads, steps, step_s, targets, nvml, decide)
-        rows = []
-        settings = declared_settings(args.periods_us)
-        for r in range(args.rounds):
-            for i, setting in enumerate(round_order(settings, r, args.seed)):
-                row = dict(round=r, order=i) | probe.run(setting)
-                rows.append(row)
-                if rank == 0:
-                    power = row["power_w_mean"]
-                    print(f"[probes.link] round {r} {i + 1}/{len(settings)} {setting.name}: "
-                          f"{row['us_per_call']:.1f} us/call, SM clock "
-                          f"{row['sm_clock_mhz_median']} MHz, power "
-                          f"{'unknown' if power is None else f'{power:.0f} W'}", file=sys.stderr,
-                          flush=True)
-        every = all_gather_objects((rows, nvml_why), gloo)
-        if rank == 0:
-            all_rows = sorted((row for rank_rows, _ in every for row in rank_rows),
-                              key=lambda x: (x["round"], x["order"], x["rank"]))
-            doc = document(args, world, all_rows, config=cfg, checks=checks, steps=steps,
-                           nvml=[why for _, why in every], elapsed_s=time.time() - started,
-                           prov=provenance())
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(doc, indent=1))
-            print(f"[probes.link] wrote {args.out}", file=sys.stderr, flush=True)
-        dist.barrier(group=gloo)
-    finally:
-        dist.destroy_process_group()
-    return 0
+            self.steps[name] = decide(step_calls_for(call_s))  # rank 0's measure decides
+            step_s[name] = self.steps[name] * call_s
+        return Probe(a, rank, workloads, self.steps, step_s, self.targets, self.nvml, decide)
+
+    def progress_line(self, rows) -> str:
+        row = rows.iloc[0]
+        power = row["power_w_mean"]
+        return (f"[probes.link] round {row['round']} {row['setting']}: "
+                f"{row['us_per_call']:.1f} us/call, SM clock {row['sm_clock_mhz_median']} MHz, "
+                f"power {'unknown' if power is None or power != power else f'{power:.0f} W'}")
+
+    def metadata(self, run: Run) -> dict:
+        """What ran and how (``import-bench`` keeps it as the record's parameters)."""
+        a, world = run.args, run.world
+        return dict(
+            params=dict(M=a.M, heads=a.heads, head_dim=a.head_dim, P=world,
+                        periods_us=a.periods_us, window_s=a.window_s, settle_s=a.settle_s,
+                        rounds=a.rounds, seed=a.seed, step_s=STEP_S, sample_s=SAMPLE_S),
+            dry_run=world == 1,
+            dry_run_note=("P = 1: the trickle's peer is the rank's own symmetric buffer, so no "
+                          "store crosses NVLink and peer and local differ only by buffer; Fused's "
+                          "stores and the NCCL All-to-All stay on the GPU too")
+            if world == 1 else None,
+            settings=[dict(asdict(s), name=s.name) for s in declared_settings(a.periods_us)],
+            workloads=WORKLOADS, trickles=TRICKLES, trickle=TRICKLE_DESIGN,
+            window_control=WINDOW_CONTROL, sampling=SAMPLING,
+            timing="CUDA events around each window's calls on every rank; us_per_call = elapsed / "
+                   "calls; rows per (round, setting, rank), ``order`` the windows' order over "
+                   "the run",
+            config=self.cfg, checks_by_rank=self.checks,
+            step_calls=self.steps, nvml_by_rank=self.nvml_by_rank,
+            versions=dict(torch=torch.__version__, cuda=torch.version.cuda))
+
+
+EXPERIMENT = LinkProbe()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])
