@@ -623,10 +623,10 @@ def calibrate_isolated(cfg: dict, fixed: dict, K: int, repeats: int, progress: b
     import pickle
     import tempfile
 
-    child_ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="xstage-ops-") as tmp:
         out = Path(tmp) / "config.pkl"
-        child = child_ctx.Process(target=_child_main, args=(calibrate_op, dict(
+        child = ctx.Process(target=_child_main, args=(calibrate_op, dict(
             cfg=cfg, fixed=fixed, K=K, repeats=repeats, progress=progress, deadline=deadline,
             settings=settings), out))
         child.start()
