@@ -95,11 +95,13 @@ def write_synthetic_beyond_records(root, n_gpus: int = 2, noise: float = 0.01):
     """A ``remote_ops`` and a ``remote_patterns`` record under ``root`` from the model: 16-byte
     stores at KNOWN's rate, every other operation at its own rate (the reductions far slower),
     each all-to-one source at its drain share. Returns (ops path, patterns path)."""
-    from xstage_lab.experiments.remote_store.patterns import (pattern_instances, route_sets,
-                                                          write_patterns)
+    from xstage_lab.experiments.remote_store.patterns import (pattern_instances, patterns_params,
+                                                          route_sets)
     from xstage_lab.experiments.remote_store.ops import (OPS, config_sweeps, drain_share,
-                                                   parse_routes, write_operations)
-    from xstage_lab.experiments.remote_store.characterization import BenchSettings
+                                                   operations_params, parse_routes)
+    from xstage_lab.experiments.remote_store.characterization import (BURST_RESOLUTION,
+                                                                  BenchSettings)
+    from xstage_lab.records import write_record
 
     rates = dict(zip(OPS, (700.0, 650.0, 400.0, 300.0, 690.0, 120.0, 110.0)))
     provenance = {"gpu_name": "NVIDIA H200", "gpu_count": n_gpus, "synthetic": True}
@@ -108,13 +110,18 @@ def write_synthetic_beyond_records(root, n_gpus: int = 2, noise: float = 0.01):
     sweeps = [sw for op in OPS for sw in config_sweeps({"op": op}, 132, dict(routes="0>1"),
                                                        rates[op], BenchSettings(), repeats=3)]
     ops = synthetic_beyond_table(sweeps, drain_rate=lambda p: rates[p["op"]], noise=noise)
-    ops_path = write_operations(ops, facts, 0, 1, f"h200-x{n_gpus}", provenance, root)
+    platform = f"h200-x{n_gpus}"
+    ops_path = write_record("remote_ops", platform, ops,
+                            operations_params(ops, facts, 0, 1, platform), provenance, root,
+                            resolution=BURST_RESOLUTION)
     sweeps = [sw for r in route_sets(pattern_instances(n_gpus))
               for sw in config_sweeps({"routes": r}, 132, dict(op="store16"),
                                       KNOWN["drain_rate"] * min(drain_share(parse_routes(r)).values()),
                                       BenchSettings(), repeats=3)]
     patterns = synthetic_beyond_table(sweeps, noise=noise)
-    return ops_path, write_patterns(patterns, facts, n_gpus, f"h200-x{n_gpus}", provenance, root)
+    return ops_path, write_record("remote_patterns", platform, patterns,
+                                  patterns_params(patterns, facts, n_gpus, platform), provenance,
+                                  root, resolution=BURST_RESOLUTION)
 
 
 def write_eight_gpu_beside_committed(root) -> None:

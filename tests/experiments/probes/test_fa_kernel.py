@@ -2,17 +2,22 @@
 before any CUDA work, a kernel file of another commit loaded as a module, its digest recorded."""
 import pytest
 
+from xstage_lab.experiments import harness
 from xstage_lab.experiments.probes import fa_kernel as fk
 from xstage_lab.experiments.probes.variants import file_digests
+
+
+def parse(argv):
+    return harness.parse(fk.EXPERIMENT, ["--root", "records", *argv])
 
 
 def test_shapes_and_variants(tmp_path):
     old = tmp_path / "gluon_ws_99d33b2.py"
     old.write_text("MARK = 3\n")
-    args = fk.parse_args(["--variant", f"gluon_ws_99d33b2={old}", "--shapes", "64:12:16384"])
+    args = parse(["--variant", f"gluon_ws_99d33b2={old}", "--shapes", "64:12:16384"])
     assert args.shapes == [(64, 12, 16384)] and args.variant == {"gluon_ws_99d33b2": old}
-    kernels = fk.parse_args(["--variant", f"v={old}"])
-    builds = fk.parse_args(["--variant", f"v={old}", "--builds"])
+    kernels = parse(["--variant", f"v={old}"])
+    builds = parse(["--variant", f"v={old}", "--builds"])
     # each comparison's defaults are its record's
     assert (kernels.shapes, kernels.seed) == (fk.DEFAULT_SHAPES[False], 7)
     assert (builds.shapes, builds.seed) == ([(128, 12, 16384), (128, 12, 32768),
@@ -28,7 +33,7 @@ def test_bad_arguments_exit_with_code_2(argv, tmp_path):
     old.write_text("")
     extra = [] if argv[:1] == ["--variant"] or not argv else ["--variant", f"v={old}"]
     with pytest.raises(SystemExit) as e:
-        fk.parse_args(argv + extra)
+        parse(argv + extra)
     assert e.value.code == 2
 
 
@@ -65,7 +70,7 @@ def cpu_stand_ins(monkeypatch):
 
 
 def _args(builds):
-    return fk.parse_args(["--variant", f"old={__file__}", "--trials", "3",
+    return parse(["--variant", f"old={__file__}", "--trials", "3",
                           *(["--builds"] if builds else [])])
 
 
@@ -84,3 +89,37 @@ def test_build_rows_pair_each_build_with_its_local(cpu_stand_ins):
         (k, b) for k in ("gluon_ws", "old") for b in ("local", "remote", "fenced")]
     assert rows[0]["minus_local_paired_pct"] == 0.0 and rows[1]["minus_local_paired_pct"] == 10.0
     assert all(r["remote_bitwise_fa"] for r in rows)
+
+
+def test_a_shape_per_point_in_the_given_order():
+    [sweep] = fk.EXPERIMENT.sweeps(parse(["--variant", f"v={__file__}", "--shapes", "128:12:8192",
+                                          "64:6:1024"]))
+    assert [(p["head_dim"], p["heads"], p["M"]) for p in sweep.points()] == [(128, 12, 8192),
+                                                                          (64, 6, 1024)]
+    assert sweep.order() == [(0, 0), (0, 1)] and sweep.warmup == 0
+
+
+def test_probe_through_the_harness(cpu_stand_ins, monkeypatch, tmp_path):
+    """The stand-ins on the CPU, the inputs made on the CPU: a record with the rows of every
+    shape, tagged with the shape, and the comparison's parameters."""
+    import torch
+
+    from tests.experiments.remote_store.test_characterization import fake_machine
+    from xstage_lab.experiments.remote_store import characterization
+    from xstage_lab.records import read_record
+
+    randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *shape, device, dtype: randn(*shape).to(dtype))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    fake_machine(monkeypatch, characterization, 1)
+    path = harness.main(fk.EXPERIMENT, ["--root", str(tmp_path), "--variant", f"old={__file__}",
+                                        "--shapes", "64:2:256", "128:1:128", "--trials", "3",
+                                        "--no-progress"])
+    rec = read_record(path)
+    assert path.parent == tmp_path / "fa_kernel_probe" / "h200-x1"
+    assert rec.table["method"].tolist() == ["gluon_ws", "old", "cudnn"] * 2
+    assert rec.table["M"].tolist() == [256] * 3 + [128] * 3 and (rec.table["point"] ==
+                                                                 [0] * 3 + [1] * 3).all()
+    assert rec.table["bitwise_equal_old"].all()
+    assert rec.params["shapes"] == [[64, 2, 256], [128, 1, 128]]
+    assert rec.params["variants"] == ["gluon_ws", "old"] and not rec.params["builds"]

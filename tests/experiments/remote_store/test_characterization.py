@@ -29,6 +29,19 @@ def make_inv(n: int, sms: int = 132, peer: bool = True) -> Inventory:
                                            for i in range(n)))
 
 
+def fake_machine(monkeypatch, module, n: int = 2, **inv) -> Inventory:
+    """``module``'s ``inventory()`` answers ``n`` H200s (``make_inv``) and the harness's
+    provenance names them: an experiment run through the harness on the CPU."""
+    from xstage_lab import platform
+
+    machine = make_inv(n, **inv)
+    monkeypatch.setattr(module, "inventory", lambda: machine)
+    monkeypatch.setattr(platform, "provenance", lambda: {
+        "gpu_name": "NVIDIA H200", "gpu_count": n, "date_utc": "2026-12-01T00:00:00+00:00",
+        "git_commit": "test"})
+    return machine
+
+
 INV2 = make_inv(2)
 GOOD = dict(mode="periodic", path="remote", producers=132, burst_bytes=32 * KIB, gap_us=0.0,
             src=0, dst=1, lines="fresh", align="each")
@@ -246,6 +259,102 @@ def test_characterization_sweeps_reject_on_a_smaller_or_peerless_machine():
     with pytest.raises(ValueError, match="peer access"):
         for p in sweeps[0].points():
             validate_point(p, make_inv(2, peer=False))
+
+
+# --- the experiment, through the harness (a bench that answers from the model) ----------------
+
+class ModelStoreBench:
+    """Stands in for RemoteStoreBench: validates like it and answers every launch from the
+    Burst–Gap model (tests/synthetic.py, KNOWN's platform)."""
+
+    launches: list = []
+
+    def __init__(self, settings, inv):
+        self.settings, self.inv, self.seed = settings, inv, 5
+
+    def validate(self, p):
+        validate_point(p, self.inv, self.settings)
+
+    def sm_clock_mhz(self, dev=0):
+        return 1980.0
+
+    def measure(self, p):
+        from tests.synthetic import synthetic_beyond_table
+
+        self.launches.append(p)
+        route = f"{p['src']}>{p['dst']}"
+        rows = synthetic_beyond_table([Sweep("one", (), fixed=dict(p, routes=route), repeats=1,
+                                             warmup=0)])
+        return rows.drop(columns=["sweep", "point", "repeat", "routes", "n_dst",
+                                  "gpu_start_spread_ns"])
+
+
+@pytest.fixture
+def model_bench(monkeypatch):
+    from xstage_lab.experiments.remote_store import characterization as ch
+
+    monkeypatch.setattr(ModelStoreBench, "launches", [])
+    monkeypatch.setattr(ch, "RemoteStoreBench", ModelStoreBench)
+    return ch
+
+
+def test_characterization_record_through_the_harness_calibrates(model_bench, monkeypatch,
+                                                                 tmp_path):
+    from tests.synthetic import KNOWN
+    from xstage_lab.records import read_record
+
+    ch = model_bench
+    fake_machine(monkeypatch, ch)
+    path = ch.run_characterization(repeats=2, only=("drain_rate", "gap", "isolated"),
+                                   progress=False, root=tmp_path)
+    assert path.parent == tmp_path / "remote_store" / "h200-x2"
+    rec = read_record(path)
+    sweeps = characterization_sweeps(132, 2, repeats=2)[:3]
+    assert [s["name"] for s in rec.params["sweeps"]] == ["drain_rate", "gap", "isolated"]
+    assert (rec.params["src"], rec.params["dst"], rec.params["seed"]) == (0, 1, 5)
+    assert rec.params["settings"] == BenchSettings().__dict__
+    assert rec.params["clocks"] == {"sm_clock_mhz_before": 1980.0, "sm_clock_mhz_after": 1980.0}
+    # every point's repeats, tagged with its sweep, point and repeat; a warm-up launch each
+    assert len(rec.table) == sum(len(s.points()) * 2 for s in sweeps)
+    assert len(ModelStoreBench.launches) == sum(len(s.points()) * 3 for s in sweeps)
+    for s in sweeps:
+        rows = rec.table[rec.table["sweep"] == s.name]
+        assert sorted(set(rows["point"])) == list(range(len(s.points())))
+        assert set(rows["repeat"]) == {0, 1}
+    cal = read_record(ch.write_calibration(path, tmp_path)).params["calibration"]
+    assert cal["drain_rate_GBps"] == pytest.approx(KNOWN["drain_rate"], rel=1e-3)
+
+
+def test_a_run_without_the_calibration_sweeps_is_a_partial_record(model_bench, monkeypatch,
+                                                                  tmp_path):
+    from xstage_lab.records import read_record
+
+    ch = model_bench
+    fake_machine(monkeypatch, ch)
+    path = ch.run_characterization(repeats=1, only=("lines",), progress=False, root=tmp_path)
+    assert path.parent == tmp_path / "remote_store_partial" / "h200-x2"
+    table = read_record(path).table
+    assert set(table["sweep"]) == {"lines"} and len(table) == 4
+
+
+def test_characterization_validates_every_point_before_the_first_launch(model_bench, monkeypatch,
+                                                                        tmp_path):
+    ch = model_bench
+    fake_machine(monkeypatch, ch, peer=False)
+    with pytest.raises(ValueError, match="no peer access"):
+        ch.run_characterization(repeats=1, progress=False, root=tmp_path)
+    assert ModelStoreBench.launches == [] and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv,match", [(["--only", "gap,drain"], "unknown sweeps"),
+                                        (["--repeats", "0"], "repeats")])
+def test_characterization_arguments_checked(argv, match, capsys):
+    from xstage_lab.experiments import harness
+    from xstage_lab.experiments.remote_store import characterization as ch
+
+    with pytest.raises(SystemExit) as e:
+        harness.parse(ch.EXPERIMENT, ["--root", "r", *argv])
+    assert e.value.code == 2 and match in capsys.readouterr().err
 
 
 # --- the CUDA source -------------------------------------------------------------------------

@@ -339,12 +339,13 @@ def test_cli_runs_each_part_and_reports_a_failing_one(monkeypatch, tmp_path, cap
     assert "no peer access" in out.err
 
 
-# --- isolation: each operation in a spawned process ------------------------------------------
+# --- isolation: each operation in a spawned process, through the harness ----------------------
 
 def fake_calibrate_op(cfg, fixed, K, repeats, progress, deadline, settings):
     """Stands in for ``calibrate_op`` in the spawned children: bulk dies as a sticky CUDA fault
     would (an exception), load16 exits without a word, red_add_u32 is left out by its own
-    bench (facts only); the others return rows tagged with the budget they were given."""
+    bench (facts only); the others return their calibration sweeps' rows from the model (as
+    ``calibrate_configs`` tags them), with the budget they were given."""
     import os
     import time
 
@@ -360,39 +361,66 @@ def fake_calibrate_op(cfg, fixed, K, repeats, progress, deadline, settings):
     if op == "red_add_u32":
         return None, {**facts, "excluded": {f"op={op}": "time budget: needs ~99 s, 1 s left"},
                       "rates_GBps": {}, "sweeps": []}
-    rows = pd.DataFrame({"op": [op] * 2, "config": [f"op={op}"] * 2, "K": [K] * 2,
-                         "budget_left_s": [deadline - time.monotonic()] * 2})
-    return rows, facts
+    rate = {"store16": 700.0, "store4": 400.0}[op]
+    rows = synthetic_beyond_table(config_sweeps(cfg, K, fixed, rate, repeats=repeats),
+                                  drain_rate=lambda p: rate)
+    return rows.assign(order=np.arange(len(rows)), config=f"op={op}", K=K,
+                       budget_left_s=deadline - time.monotonic()), facts
 
 
-def test_calibrate_isolated_leaves_out_failed_children_and_merges_the_rest(monkeypatch):
+def run_ops(monkeypatch, tmp_path, ops):
     from xstage_lab.experiments.remote_store import ops as remote_ops
 
+    from .test_characterization import fake_machine
+
     monkeypatch.setattr(remote_ops, "calibrate_op", fake_calibrate_op)
+    monkeypatch.setattr(remote_ops, "OPS", ops)
+    fake_machine(monkeypatch, remote_ops)
+    return remote_ops.run_operations(repeats=2, progress=False, budget_s=100.0, root=tmp_path)
+
+
+def test_operations_leave_out_failed_children_and_fit_the_rest(monkeypatch, tmp_path):
+    from xstage_lab.experiments.remote_store import ops as remote_ops
+    from xstage_lab.records import read_record
+
     ops = ("store16", "bulk", "load16", "red_add_u32", "store4")
-    table, facts = remote_ops.calibrate_isolated([{"op": op} for op in ops], dict(routes="0>1"),
-                                                 132, repeats=2, progress=False, budget_s=100.0)
+    rec = read_record(run_ops(monkeypatch, tmp_path, ops))
+    assert rec.meta["experiment"] == "remote_ops"
+    table, params = rec.table, rec.params
     # the children after a failed one still ran and their rows were merged in order
     assert list(dict.fromkeys(table["op"])) == ["store16", "store4"]
     assert (table["K"] == 132).all()
     assert (table["budget_left_s"] <= 100.0).all() and (table["budget_left_s"] > 50.0).all()
-    ex = facts["excluded"]
+    # each row keeps its calibration sweep's point and repeat (the harness's per-config tags
+    # are not the record's)
+    for (op, name), rows in table.groupby(["op", "sweep"]):
+        sweep = {s.name: s for s in config_sweeps({"op": op}, 132, dict(routes="0>1"), 1.0)}[name]
+        assert sorted(set(rows["point"])) == list(range(len(sweep.points())))
+        assert set(rows["repeat"]) == {0, 1}
+    assert not {"sweep_point", "sweep_repeat", "sweep_order"} & set(table)
+    ex = params["excluded"]
     assert set(ex) == {"op=bulk", "op=load16", "op=red_add_u32"}
     assert ex["op=bulk"].startswith("child process exited 1: ")
     assert ex["op=bulk"].endswith("RuntimeError: cudaErrorIllegalAddress: an illegal memory "
                                   "access was encountered")
     assert ex["op=load16"] == "child process exited 3: no error text"
     assert ex["op=red_add_u32"] == "time budget: needs ~99 s, 1 s left"
-    assert facts["seeds"] == {"op=store16": 7, "op=red_add_u32": 7, "op=store4": 7}
-    assert set(facts["rates_GBps"]) == {"op=store16", "op=store4"}
-    assert [s["config"]["op"] for s in facts["sweeps"]] == ["store16", "store4"]
-    assert set(facts["clocks"]) == {f"op={op}/drain_rate" for op in ("store16", "red_add_u32",
-                                                                      "store4")}
+    assert params["seeds"] == {"op=store16": 7, "op=red_add_u32": 7, "op=store4": 7}
+    assert set(params["rates_GBps"]) == {"op=store16", "op=store4"}
+    assert [s["config"]["op"] for s in params["calibration_sweeps"]] == ["store16", "store4"]
+    assert set(params["clocks"]) == {f"op={op}/drain_rate" for op in ("store16", "red_add_u32",
+                                                                       "store4")}
+    # the declared sweep: a point per operation
+    assert params["sweeps"][0]["axes"] == {"config": [{"op": op} for op in ops]}
+    assert params["ops"] == ["store16", "store4"] and params["baseline"] == "store16"
+    assert params["fits"]["store4"]["R_GBps"] == pytest.approx(400.0, rel=1e-3)
+    entry = remote_ops.summary_entry(params, rec.record_id)
+    assert entry["route"] == "0>1" and set(entry["per_op"]) == {"store16", "store4"}
 
 
-def test_calibrate_isolated_raises_when_nothing_was_measured(monkeypatch):
+def test_operations_raise_when_nothing_was_measured(monkeypatch, tmp_path):
     from xstage_lab.experiments.remote_store import ops as remote_ops
 
-    monkeypatch.setattr(remote_ops, "calibrate_op", fake_calibrate_op)
     with pytest.raises(remote_ops.NothingMeasured, match="op=bulk"):
-        remote_ops.calibrate_isolated([{"op": "bulk"}], dict(routes="0>1"), 132, progress=False)
+        run_ops(monkeypatch, tmp_path, ("bulk",))
+    assert not any(tmp_path.iterdir())

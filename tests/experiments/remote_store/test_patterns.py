@@ -267,3 +267,40 @@ def test_drain_heatmap_of_eight_gpus():
     table = plots.patterns_table(entry)
     # 56 one-to-one + 8 one-to-all + 8 all-to-one of 7 sources + all-to-all of 8
     assert len(table) == 56 + 8 + 8 * 7 + 8
+
+
+def test_patterns_through_the_harness_fit_every_source(monkeypatch, tmp_path):
+    """Every route set of three GPUs measured on one bench that answers from the model (each
+    source at its drain share), the record's fits and rows as the summary reads them."""
+    from xstage_lab.experiments.remote_store import patterns as injection_patterns
+    from xstage_lab.records import read_record
+
+    from .test_characterization import fake_machine
+    from .test_ops import ModelBench
+
+    fake_machine(monkeypatch, injection_patterns, 3)
+
+    class PatternsBench(ModelBench):
+        def __init__(self, settings, inv):
+            super().__init__({"store16": KNOWN["drain_rate"]})
+            self.inv, self.seed = inv, 11
+
+        def validate(self, p):
+            validate_ops_point(p, self.inv)
+
+    monkeypatch.setattr(injection_patterns, "RemoteOpsBench", PatternsBench)
+    path = injection_patterns.run_patterns(repeats=1, progress=False, root=tmp_path)
+    rec = read_record(path)
+    assert path.parent == tmp_path / "remote_patterns" / "h200-x3"
+    sets = route_sets(pattern_instances(3))
+    assert list(dict.fromkeys(rec.table["routes"])) == sets
+    assert rec.params["sweeps"][0]["axes"] == {"config": [{"routes": r} for r in sets]}
+    assert rec.params["gpus"] == 3 and rec.params["seed"] == 11 and rec.params["excluded"] == {}
+    assert set(rec.params["fits"]) == set(sets)
+    # the calibration sweeps' own point and repeat, per route set (one repeat each)
+    drain = rec.table[(rec.table["routes"] == "1>0;2>0") & (rec.table["sweep"] == "drain_rate")]
+    assert sorted(set(drain["point"])) == list(range(6)) and set(drain["repeat"]) == {0}
+    for src in rec.params["fits"]["1>0;2>0"]:
+        assert src["R_GBps"] == pytest.approx(KNOWN["drain_rate"] / 2, rel=1e-3)
+    entry = injection_patterns.summary_entry(rec.params, rec.record_id)
+    assert len(entry["per_instance"]) == 6 + 3 + 3 + 1

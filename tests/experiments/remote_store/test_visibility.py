@@ -389,3 +389,78 @@ def test_cuda_source_compiles_for_sm90_and_exports_the_kernels(tmp_path):
     assert set(KERNELS) <= symbols and entries == set(KERNELS)
     # the flag protocol: a release store by the sender, an acquire on the receiver side
     assert "st.release.sys" in text and "fence.acq_rel.sys" in text
+
+
+# --- the experiment, through the harness -------------------------------------------------------
+
+class ModelVisibilityBench:
+    """Stands in for VisibilityBench: validates like it, logs its calls, aligns with θ 1500 ns
+    before and 1700 ns after, and answers every launch with ``synthetic_launch``'s stamps."""
+
+    def __init__(self, src, dst, settings, inv):
+        self.settings, self.inv, self.seed, self.calls = settings, inv, 3, []
+        self.before = (clock_offset(*pingpong_stamps(1500, seed=1, base=T_BASE - 10**9)),
+                       clock_offset(*pingpong_stamps(-1500, seed=3, base=T_BASE - 10**9)))
+        self.after = (clock_offset(*pingpong_stamps(1700, seed=2, base=T_BASE + 10**11)),
+                      clock_offset(*pingpong_stamps(-1700, seed=4, base=T_BASE + 10**11)))
+        self.t = T_BASE
+
+    def validate(self, p):
+        self.calls.append("validate")
+        validate_point(p, self.inv, self.settings)
+
+    def prepare(self):
+        self.calls.append("prepare")
+
+    def timer_steps(self, dev):
+        return np.full(8, 32)
+
+    def pingpong(self, initiator, responder):
+        self.calls.append("pingpong")
+
+    def align(self):
+        self.calls.append("align")
+        return self.after if "measure" in self.calls else self.before
+
+    def sm_clock_mhz(self):
+        return 1980.0
+
+    def measure(self, p):
+        self.calls.append("measure")
+        theta = lambda t: offset_at(t, self.before[0], self.after[0])      # noqa: E731
+        tx, rx, _ = synthetic_launch(p["producers"], p["burst_bytes"], p["gap_us"], theta,
+                                     start=self.t, n=self.settings.bursts)
+        self.t = int(rx.max()) + 1_000_000
+        return stamp_rows(tx, rx).assign(gap_set_us=float(p["gap_us"]))
+
+
+def test_visibility_through_the_harness(monkeypatch, tmp_path):
+    """Every point validated, then the timers and θ, the sweep, θ again; the record's latencies
+    are the model's (drain time + 2 µs) and its header holds the alignment."""
+    from .test_characterization import fake_machine
+
+    fake_machine(monkeypatch, vis)
+    benches = []
+    monkeypatch.setattr(vis, "VisibilityBench",
+                        lambda *a: benches.append(ModelVisibilityBench(*a)) or benches[-1])
+    path = vis.run_visibility(repeats=1, progress=False, root=tmp_path)
+    calls = benches[0].calls
+    n = len(visibility_sweep(132).points())
+    assert calls[:n + 4] == ["validate"] * n + ["prepare", "pingpong", "align", "measure"]
+    assert calls.count("measure") == 2 * n and calls[-1] == "align"  # a warm-up launch each
+    rec = read_record(path)
+    assert rec.params["clock_alignment"]["before"]["offset_ns"] == pytest.approx(1500, abs=0.5)
+    assert rec.params["clocks"] == {"sm_clock_mhz_before": 1980.0, "sm_clock_mhz_after": 1980.0}
+    assert (rec.params["src"], rec.params["dst"], rec.params["seed"]) == (0, 1, 3)
+    assert rec.params["sweeps"] == [visibility_sweep(132, repeats=1).describe()]
+    entry = summary_entry("h200-x2", tmp_path)
+    row = next(r for r in entry["latency"] if (r["K"], r["B"], r["G"]) == (132, 64 * KIB, 0.0))
+    assert row["latency_us"] == pytest.approx(132 * 64 * KIB / 400e3 + 2.0, abs=2e-3)
+
+
+def test_visibility_needs_two_peer_gpus(monkeypatch, tmp_path):
+    from .test_characterization import fake_machine
+
+    fake_machine(monkeypatch, vis, peer=False)
+    with pytest.raises(RuntimeError, match="two peer-capable GPUs"):
+        vis.run_visibility(repeats=1, progress=False, root=tmp_path)

@@ -2,7 +2,7 @@
 ``fa_kernel_probe``; ``data/records/fa_kernel_probe/README.md`` says what its records found).
 
     git show COMMIT:kernels/flash_attention_ws.py > gluon_ws_COMMIT.py
-    python -m xstage_lab.experiments.probes.fa_kernel --root DIR \\
+    python -m xstage_lab.experiments.probes.fa_kernel (--out FILE | --root DIR) \\
         --variant gluon_ws_COMMIT=gluon_ws_COMMIT.py [--builds] [--shapes 128:12:8192 ...]
         [--seed N] [--check-max-seq 16384] [--trials 10] [--graph-iters 5]
 
@@ -20,7 +20,8 @@ Per shape (head dim d, local heads h, sequence length M), on seeded random input
 - ``--builds`` (``build_rows``): each variant's REMOTE builds, unfenced and fenced, into P = 2
   receive buffers on this GPU, bitwise equal to LOCAL where they land; every variant's LOCAL,
   REMOTE and FENCED builds timed, each against its own LOCAL.
-One record, a row per (shape, method or build).
+One record, a row per (shape, method or build). An ``Experiment`` run in process by
+``experiments.harness``: its ``Sweep`` is a point per shape.
 """
 from __future__ import annotations
 
@@ -29,10 +30,11 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from ...records import RECORDS_DIR
+from ...sweep import Axis, Sweep
+from .. import harness
+from ..harness import Experiment
 from .variants import file_digests, parse_variants
 
-EXPERIMENT = "fa_kernel_probe"
 COMMITTED = ("gluon_ws",)
 CONFIG = dict(kernel="gluon_ws")
 # (head dim, local heads, M) and seed of each comparison's record: the kernels'
@@ -65,38 +67,6 @@ def load_variant(name: str, path: Path):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    """The arguments, checked before any CUDA work; a bad one exits with code 2 and one line."""
-    p = argparse.ArgumentParser(prog="fa_kernel", description=__doc__.split("\n\n")[0])
-    p.add_argument("--root", type=Path, default=RECORDS_DIR, help="records root to write into")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=FILE.py",
-                   help="another version of kernels/flash_attention_ws.py")
-    p.add_argument("--builds", action="store_true",
-                   help="compare each variant's LOCAL, REMOTE and FENCED builds, not the kernels")
-    p.add_argument("--shapes", nargs="+", metavar="D:H:M", default=None,
-                   help="head dim, local heads and sequence length of each shape (default: the "
-                        "comparison's record's)")
-    p.add_argument("--seed", type=int, default=None, help="inputs (default: the record's)")
-    p.add_argument("--check-max-seq", type=int, default=16384,
-                   help="shapes up to this M are checked against float32 before timing")
-    p.add_argument("--trials", type=int, default=10)
-    p.add_argument("--graph-iters", type=int, default=5, help="calls per CUDA graph replay")
-    args = p.parse_args(argv)
-    try:
-        args.variant = parse_variants(args.variant, COMMITTED, ".py")
-        if not args.variant:
-            raise ValueError("name at least one --variant to compare with the committed kernel")
-        args.shapes = (DEFAULT_SHAPES[args.builds] if args.shapes is None
-                       else [parse_shape(s) for s in args.shapes])
-        args.seed = DEFAULT_SEED[args.builds] if args.seed is None else args.seed
-        if args.trials < 1 or args.graph_iters < 1:
-            raise ValueError(f"--trials and --graph-iters must be >= 1, got {args.trials} and "
-                             f"{args.graph_iters}")
-    except ValueError as e:
-        p.error(str(e))
-    return args
 
 
 def kernel_rows(args, names: list[str], with_kernel, q, k, v) -> list[dict]:
@@ -190,45 +160,90 @@ def build_rows(args, names: list[str], with_kernel, q, k, v) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    import pandas as pd
-    import torch
+class KernelVersions(Experiment):
+    """Versions of the gluon_ws attention kernel against the committed one, per shape."""
 
-    from ...platform import platform_key, provenance
-    from ...records import write_record
-    from ..attention import ulysses as att
+    name = "fa_kernel_probe"
+    paper = "§5.2 attention kernel (versions compared in one run)"
+    launch = "in_process"
 
-    kernels = {"gluon_ws": att._ws_kernels}
-    kernels |= {name: load_variant(name, path) for name, path in args.variant.items()}
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--variant", action="append", default=[], metavar="NAME=FILE.py",
+                       help="another version of kernels/flash_attention_ws.py")
+        p.add_argument("--builds", action="store_true",
+                       help="compare each variant's LOCAL, REMOTE and FENCED builds, not the "
+                            "kernels")
+        p.add_argument("--shapes", nargs="+", metavar="D:H:M", default=None,
+                       help="head dim, local heads and sequence length of each shape (default: "
+                            "the comparison's record's)")
+        p.add_argument("--seed", type=int, default=None, help="inputs (default: the record's)")
+        p.add_argument("--check-max-seq", type=int, default=16384,
+                       help="shapes up to this M are checked against float32 before timing")
+        p.add_argument("--trials", type=int, default=10)
+        p.add_argument("--graph-iters", type=int, default=5, help="calls per CUDA graph replay")
 
-    def with_kernel(name, fn):
+    def check_args(self, args: argparse.Namespace) -> None:
+        args.variant = parse_variants(args.variant, COMMITTED, ".py")
+        if not args.variant:
+            raise ValueError("name at least one --variant to compare with the committed kernel")
+        args.shapes = (DEFAULT_SHAPES[args.builds] if args.shapes is None
+                       else [parse_shape(s) for s in args.shapes])
+        args.seed = DEFAULT_SEED[args.builds] if args.seed is None else args.seed
+        if args.trials < 1 or args.graph_iters < 1:
+            raise ValueError(f"--trials and --graph-iters must be >= 1, got {args.trials} and "
+                             f"{args.graph_iters}")
+
+    def sweeps(self, args) -> list[Sweep]:
+        """A point per shape, in the given order (each shape's inputs follow the previous
+        shape's from the one seed)."""
+        return [Sweep("shapes", (Axis("shape", [dict(head_dim=d, heads=h, M=M)
+                                                for d, h, M in args.shapes]),),
+                      repeats=1, warmup=0)]
+
+    def start(self, run) -> None:
+        import torch
+
+        from ..attention import ulysses as att
+
+        self.kernels = {"gluon_ws": att._ws_kernels}
+        self.kernels |= {name: load_variant(name, path) for name, path in run.args.variant.items()}
+        torch.manual_seed(run.args.seed)
+
+    def with_kernel(self, name, fn):
         """``fn()`` with kernel ``name`` in the package's launcher (its checks and grid)."""
+        from ..attention import ulysses as att
+
         committed = att._ws_kernels
-        att._ws_kernels = kernels[name]
+        att._ws_kernels = self.kernels[name]
         try:
             return fn()
         finally:
             att._ws_kernels = committed
 
-    shape_rows = build_rows if args.builds else kernel_rows
-    rows = []
-    torch.manual_seed(args.seed)
-    for d, h, M in args.shapes:
-        q, k, v = (torch.randn(M, h, d, device="cuda", dtype=att.DTYPE) for _ in range(3))
-        rows += shape_rows(args, list(kernels), with_kernel, q, k, v)
+    def prepare(self, point, run):
+        """The shape's q, k, v (the previous shape's freed first)."""
+        import torch
+
+        from ..attention import ulysses as att
+
         torch.cuda.empty_cache()
-    prov = provenance()
-    path = write_record(EXPERIMENT, platform_key(prov["gpu_name"], prov["gpu_count"]),
-                        pd.DataFrame(rows),
-                        dict(variants=list(kernels), variant_files=file_digests(args.variant),
-                             builds=args.builds, shapes=args.shapes, seed=args.seed,
-                             trials=args.trials, graph_iters=args.graph_iters,
-                             check_max_seq=args.check_max_seq),
-                        prov, root=args.root)
-    print(f"[fa_kernel] wrote {path}", file=sys.stderr)
-    return 0
+        return tuple(torch.randn(point["M"], point["heads"], point["head_dim"], device="cuda",
+                                 dtype=att.DTYPE) for _ in range(3))
+
+    def measure(self, qkv, run) -> list[dict]:
+        """The shape's rows: checks first (any failure raises before timing), then timing."""
+        shape_rows = build_rows if run.args.builds else kernel_rows
+        return shape_rows(run.args, list(self.kernels), self.with_kernel, *qkv)
+
+    def metadata(self, run) -> dict:
+        args = run.args
+        return dict(variants=list(self.kernels), variant_files=file_digests(args.variant),
+                    builds=args.builds, shapes=args.shapes, seed=args.seed, trials=args.trials,
+                    graph_iters=args.graph_iters, check_max_seq=args.check_max_seq)
+
+
+EXPERIMENT = KernelVersions()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])

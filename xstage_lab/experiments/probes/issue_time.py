@@ -1,7 +1,7 @@
 """Issue-time probe: what T_iss⁰ of the Burst–Gap kernels depends on (record ``issue_time_probe``;
 ``data/records/issue_time_probe/README.md`` says what its records found).
 
-    python -m xstage_lab.experiments.probes.issue_time --root DIR [--repeats 11]
+    python -m xstage_lab.experiments.probes.issue_time (--out FILE | --root DIR) [--repeats 11]
         [--burst-kib 4 8 16 32 64] [--variant NAME=FILE.cu ...]
 
 One GPU, the local path: at backpressure-free points the issue time is the same on the local and
@@ -13,25 +13,26 @@ bursts over fresh lines:
   burst_gap_NAME  ``burst_gap`` built from FILE.cu instead: a patched copy of the kernel source
                   (``params.patches`` names each file), compiled with the package's options.
 
+An ``Experiment`` run in process by ``experiments.harness``:
+
 1. Checks first: one point of every variant (which also compiles it and touches its buffer) and
    a fenced local point of ``burst_gap_fenced``, each through the bench's own destination check;
    every timed point is checked again by its launch.
-2. ``--repeats`` rounds; per round every burst size, the variants in an order rotated by the
-   round (``schedule``). One record, experiment ``issue_time_probe``, with provenance.
+2. Its ``Sweep``: every burst size × variant, ``--repeats`` rounds, each round's order rotated.
+   One record, experiment ``issue_time_probe``, with provenance.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import pandas as pd
 
-from ...platform import platform_key, provenance
-from ...records import RECORDS_DIR, write_record
+from ...sweep import Axis, Sweep
+from .. import harness
+from ..harness import Experiment
 from .variants import file_digests, parse_variants
 
-EXPERIMENT = "issue_time_probe"
 DEFAULT_BURST_KIB = (4, 8, 16, 32, 64)
 DEFAULT_REPEATS = 11
 
@@ -42,80 +43,100 @@ def local_point(producers: int, burst_bytes: int, mode: str = "isolated") -> dic
                 path="local", src=0, dst=0, lines="fresh", align="each")
 
 
-def schedule(variants: list[str], burst_bytes: list[int], repeats: int):
-    """(repeat, B, position, variant) in run order: per repeat every B, the variants rotated by
-    the repeat so that none always runs after the same one."""
-    for rep in range(repeats):
-        for B in burst_bytes:
-            for i in range(len(variants)):
-                yield rep, B, i, variants[(i + rep) % len(variants)]
+def variant_names(args: argparse.Namespace) -> list[str]:
+    """The committed ``burst_gap``, each ``--variant``'s ``burst_gap_NAME``, ``ops_store16``."""
+    return ["burst_gap", *(f"burst_gap_{name}" for name in args.variant), "ops_store16"]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """The arguments, checked before any CUDA work; a bad one exits with code 2 and one line."""
-    p = argparse.ArgumentParser(prog="issue_time", description=__doc__.split("\n\n")[0])
-    p.add_argument("--root", type=Path, default=RECORDS_DIR, help="records root to write into")
-    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="rounds of every point")
-    p.add_argument("--burst-kib", type=int, nargs="+", default=list(DEFAULT_BURST_KIB),
-                   help="burst sizes B per producer, KiB")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=FILE.cu",
-                   help="burst_gap built from a patched copy of kernels/remote_store_burst.cu")
-    args = p.parse_args(argv)
-    try:
+class IssueTimeProbe(Experiment):
+    """T_iss⁰ of every variant at K = all SMs of GPU 0, local isolated bursts."""
+
+    name = "issue_time_probe"
+    paper = "T_iss⁰ (§3.1): spent on the issuing SM"
+    launch = "in_process"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="rounds of every point")
+        p.add_argument("--burst-kib", type=int, nargs="+", default=list(DEFAULT_BURST_KIB),
+                       help="burst sizes B per producer, KiB")
+        p.add_argument("--variant", action="append", default=[], metavar="NAME=FILE.cu",
+                       help="burst_gap built from a patched copy of kernels/remote_store_burst.cu")
+
+    def check_args(self, args: argparse.Namespace) -> None:
         args.variant = parse_variants(args.variant, (), ".cu")
         if args.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
         if any(b < 1 for b in args.burst_kib) or len(set(args.burst_kib)) != len(args.burst_kib):
             raise ValueError(f"--burst-kib must be distinct sizes >= 1, got {args.burst_kib}")
-    except ValueError as e:
-        p.error(str(e))
-    return args
+
+    def sweeps(self, args) -> list[Sweep]:
+        """Every burst size × variant, ``--repeats`` rounds in rotated order; no warm-up launch
+        (every variant's checked launch comes first, ``prepare``)."""
+        return [Sweep("issue_time", (Axis("burst_bytes", [kib * 1024 for kib in args.burst_kib]),
+                                     Axis("variant", variant_names(args))),
+                      repeats=args.repeats, warmup=0)]
+
+    def start(self, run) -> None:
+        import cupy as cp  # the cuda backend only
+
+        from ...kernel_sources import cuda_options
+        from ..remote_store.characterization import RemoteStoreBench
+        from ..remote_store.ops import RemoteOpsBench
+
+        self.bench = RemoteStoreBench()
+        self.benches = {"burst_gap": (self.bench, {})}
+        for name, path in run.args.variant.items():
+            patched = RemoteStoreBench()
+            with cp.cuda.Device(0):  # the variant's burst_gap in place of the committed one
+                patched._modules[0] = cp.RawModule(code=path.read_text(), options=cuda_options())
+            self.benches[f"burst_gap_{name}"] = (patched, {})
+        self.benches["ops_store16"] = (RemoteOpsBench(), dict(routes="0>0", op="store16"))
+        self.K = self.bench.inv.gpus[0].sm_count
+        self.checked = False
+
+    def launch_of(self, point: dict):
+        """The bench of ``point``'s variant and the point it launches."""
+        bench, extra = self.benches[point["variant"]]
+        return bench, dict(local_point(self.K, point["burst_bytes"]), **extra)
+
+    def validate(self, point, run) -> None:
+        bench, p = self.launch_of(point)
+        bench.validate(p)
+
+    def prepare(self, point, run):
+        """Before the first timed launch (every point validated): one launch of every variant
+        (which also compiles it and touches its buffer) and a fenced local point of
+        ``burst_gap_fenced``, each through the bench's own destination check."""
+        if not self.checked:
+            for variant in self.benches:
+                bench, p = self.launch_of(dict(point, variant=variant))
+                bench.measure(p)
+            self.bench.measure(local_point(self.K, point["burst_bytes"], mode="fenced"))
+            self.checked = True
+        return point
+
+    def measure(self, point, run) -> pd.DataFrame:
+        bench, p = self.launch_of(point)
+        return bench.measure(p)
+
+    def finish(self, table, run) -> pd.DataFrame:
+        """The steady bursts; their text columns but ``variant`` left out."""
+        table = table[~table["warmup"]]
+        summary = table.groupby(["variant", "burst_bytes"])["t_iss_us"].median().unstack()
+        print(summary.round(4).to_string(), file=sys.stderr)
+        return table.drop(columns=[c for c in table.columns
+                                   if table[c].dtype == object and c != "variant"])
+
+    def metadata(self, run) -> dict:
+        args = run.args
+        return dict(variants=variant_names(args), producers=self.K,
+                    burst_bytes=[kib * 1024 for kib in args.burst_kib], repeats=args.repeats,
+                    mode="isolated", path="local", patches=file_digests(args.variant),
+                    kernels="as committed")
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    import cupy as cp  # the cuda backend only
-
-    from ...kernel_sources import cuda_options
-    from ..remote_store.characterization import RemoteStoreBench
-    from ..remote_store.ops import RemoteOpsBench
-
-    bench = RemoteStoreBench()
-    benches = {"burst_gap": bench}
-    for name, path in args.variant.items():
-        patched = benches[f"burst_gap_{name}"] = RemoteStoreBench()
-        with cp.cuda.Device(0):  # the variant's burst_gap in place of the committed one
-            patched._modules[0] = cp.RawModule(code=path.read_text(), options=cuda_options())
-    ops = RemoteOpsBench()
-    K = bench.inv.gpus[0].sm_count
-    burst_bytes = [kib * 1024 for kib in args.burst_kib]
-    variants = {name: (lambda B, b=b: b.measure(local_point(K, B)))
-                for name, b in benches.items()}
-    variants["ops_store16"] = lambda B: ops.measure(dict(local_point(K, B), routes="0>0",
-                                                         op="store16"))
-    for measure in variants.values():  # checked, compiled and first touched before any timing
-        measure(burst_bytes[0])
-    bench.measure(local_point(K, burst_bytes[0], mode="fenced"))
-
-    frames = []
-    for rep, B, i, name in schedule(list(variants), burst_bytes, args.repeats):
-        rows = variants[name](B)
-        frames.append(rows.assign(variant=name, burst_bytes=B, repeat=rep, position=i))
-    table = pd.concat(frames, ignore_index=True)
-    table = table[~table["warmup"]]
-    summary = table.groupby(["variant", "burst_bytes"])["t_iss_us"].median().unstack()
-    print(summary.round(4).to_string(), file=sys.stderr)
-    inv = bench.inv
-    params = dict(variants=list(variants), producers=K, burst_bytes=burst_bytes,
-                  repeats=args.repeats, mode="isolated", path="local",
-                  patches=file_digests(args.variant), kernels="as committed")
-    path = write_record(EXPERIMENT, platform_key(inv.gpus[0].name, len(inv.gpus)),
-                        table.drop(columns=[c for c in table.columns
-                                            if table[c].dtype == object and c != "variant"]),
-                        params, provenance(inv), root=args.root)
-    print(f"[issue_time] wrote {path}", file=sys.stderr)
-    return 0
+EXPERIMENT = IssueTimeProbe()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])

@@ -1,5 +1,8 @@
 """Remote-store characterization (paper §3, Fig. 3): the Burst–Gap microbenchmark on live GPUs.
 
+    python -m xstage_lab.experiments.remote_store.characterization (--out FILE | --root DIR) \\
+        [--repeats 11] [--src 0] [--dst 1] [--only drain_rate,gap,...]
+
 ``kernels/remote_store_burst.cu`` runs K producers (one CTA per SM) that repeatedly store B bytes
 each with 16-byte stores into a destination buffer, then spin for a gap G. This module validates
 a measurement point, launches it through CuPy, checks the destination buffer holds exactly what
@@ -9,6 +12,10 @@ Modes: ``periodic`` (burst, gap, burst, ...), ``isolated`` (each burst after a r
 enough to drain it) and ``fenced`` (periodic, but each producer waits for its burst to be visible
 at the destination before the gap: the completion-coupled counterfactual). Paths: ``remote`` (destination on a peer GPU) and ``local`` (the control: the
 same code with the destination on the issuing GPU).
+
+An ``Experiment`` run in process by ``experiments.harness``: its ``Sweep``s are
+``characterization_sweeps`` (rows tagged with ``sweep``); the record is ``remote_store``, or
+``remote_store_partial`` where ``--only`` leaves out a sweep the calibration needs.
 """
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ from ...kernel_sources import cuda_module
 from ...platform import Inventory, git_commit, inventory
 from ...records import RECORDS_DIR, Record, read_record, write_record
 from ...sweep import Axis, Sweep
+from .. import harness
+from ..harness import Experiment
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -342,6 +351,90 @@ def characterization_sweeps(sm_count: int, n_gpus: int, src: int = 0, dst: int =
     ]
 
 
+SWEEP_NAMES = tuple(s.name for s in characterization_sweeps(1, 2))
+
+
+class BurstGapCharacterization(Experiment):
+    """The Fig. 3 sweeps (``characterization_sweeps``) on this machine's GPUs, one record.
+
+    Each launch checks its destination buffer (poisoned first) and its barriers itself
+    (``RemoteStoreBench.measure``): a point's first launch, its warm-up, fails the run before any
+    of its repeats is kept."""
+
+    name = "remote_store"
+    paper = "§3, Fig. 3"
+    launch = "in_process"
+    resolution = BURST_RESOLUTION
+
+    def add_arguments(self, p) -> None:
+        p.add_argument("--repeats", type=int, default=11)
+        p.add_argument("--src", type=int, default=0)
+        p.add_argument("--dst", type=int, default=1)
+        p.add_argument("--only", default=None,
+                       help=f"comma list of the sweeps to run, of {list(SWEEP_NAMES)}")
+        p.set_defaults(settings=BenchSettings())  # run_characterization may pass others
+
+    def check_args(self, a) -> None:
+        if a.only is not None:
+            a.only = tuple(x for x in a.only.split(",") if x)
+            bad = [x for x in a.only if x not in SWEEP_NAMES]
+            if bad or not a.only:
+                raise ValueError(f"--only: unknown sweeps {bad}; choose from {list(SWEEP_NAMES)}")
+        if a.repeats < 1:
+            raise ValueError("--repeats must be >= 1")
+
+    def sweeps(self, args) -> list[Sweep]:
+        self.inv = inventory()
+        check_gpus(args.src, args.dst, self.inv)
+        return [s for s in characterization_sweeps(self.inv.gpus[args.src].sm_count,
+                                                   len(self.inv.gpus), args.src, args.dst,
+                                                   args.repeats)
+                if args.only is None or s.name in args.only]
+
+    def start(self, run) -> None:
+        self.bench = RemoteStoreBench(run.args.settings, self.inv)
+        self.clocks = {}
+
+    def validate(self, point, run) -> None:
+        self.bench.validate(point)
+
+    def prepare(self, point, run):
+        if not self.clocks:  # every point validated: the run's first launch
+            self.clocks["sm_clock_mhz_before"] = self.bench.sm_clock_mhz(run.args.src)
+        return point
+
+    def measure(self, point, run) -> pd.DataFrame:
+        return self.bench.measure(point)
+
+    def finish(self, table, run) -> pd.DataFrame:
+        self.clocks["sm_clock_mhz_after"] = self.bench.sm_clock_mhz(run.args.src)
+        # the calibration picks its sweeps by this column, also where ``--only`` names one
+        return table if "sweep" in table else table.assign(sweep=run.args.only[0])
+
+    def metadata(self, run) -> dict:
+        args = run.args
+        return {"settings": args.settings.__dict__, "src": args.src, "dst": args.dst,
+                "seed": int(self.bench.seed), "clocks": self.clocks}
+
+
+class PartialCharacterization(BurstGapCharacterization):
+    """The sweeps where ``--only`` leaves out one the calibration needs: a record that replay and
+    calibration do not pick up."""
+
+    name = "remote_store_partial"
+
+
+EXPERIMENT = BurstGapCharacterization()
+PARTIAL = PartialCharacterization()
+
+
+def experiment_for(args) -> BurstGapCharacterization:
+    """``remote_store`` where the run holds every sweep of ``CALIBRATION_SWEEPS``, else
+    ``remote_store_partial``."""
+    complete = args.only is None or set(CALIBRATION_SWEEPS) <= set(args.only)
+    return EXPERIMENT if complete else PARTIAL
+
+
 def run_characterization(repeats: int = 11, src: int = 0, dst: int = 1,
                          only: tuple[str, ...] | None = None,
                          settings: BenchSettings = BenchSettings(), progress: bool = True,
@@ -350,28 +443,12 @@ def run_characterization(repeats: int = 11, src: int = 0, dst: int = 1,
     where ``only`` leaves out a sweep the calibration needs, a ``remote_store_partial`` one (which
     replay and calibration do not pick up). Every point of every sweep is validated before the
     first launch. Returns the record's path."""
-    from ...platform import platform_name, provenance
-    from ...sweep import run_sweep
-
-    bench = RemoteStoreBench(settings)
-    inv = bench.inv
-    sweeps = [s for s in characterization_sweeps(inv.gpus[src].sm_count, len(inv.gpus), src, dst,
-                                                 repeats) if only is None or s.name in only]
-    for sw in sweeps:
-        for p in sw.points():
-            bench.validate(p)
-    frames, facts = [], {}
-    for sw in sweeps:
-        rows, facts[sw.name] = run_sweep(sw, bench.measure,
-                                         sm_clock_mhz=lambda: bench.sm_clock_mhz(src),
-                                         progress=progress)
-        frames.append(rows.assign(sweep=sw.name))
-    table = pd.concat(frames, ignore_index=True)
-    params = {"sweeps": [s.describe() for s in sweeps], "settings": settings.__dict__,
-              "src": src, "dst": dst, "seed": int(bench.seed), "clocks": facts}
-    complete = set(CALIBRATION_SWEEPS) <= {sw.name for sw in sweeps}
-    return write_record("remote_store" if complete else "remote_store_partial", platform_name(inv),
-                        table, params, provenance(inv), root, resolution=BURST_RESOLUTION)
+    args = harness.parse(EXPERIMENT, ["--root", str(root), "--repeats", str(repeats),
+                                      "--src", str(src), "--dst", str(dst),
+                                      *(["--only", ",".join(only)] if only is not None else []),
+                                      *([] if progress else ["--no-progress"])])
+    args.settings = settings
+    return harness.run(experiment_for(args), args)
 
 
 def write_calibration(record_path: Path | str, root: Path = RECORDS_DIR) -> Path:
@@ -410,3 +487,8 @@ def latest_calibration(platform: str, root: Path = RECORDS_DIR) -> Calibration:
     from ...records import latest_record
 
     return calibration_from_dict(latest_record("calibration", platform, root).params["calibration"])
+
+
+if __name__ == "__main__":
+    _args = harness.parse(EXPERIMENT, description=__doc__.split("\n\n")[0])
+    harness.run(experiment_for(_args), _args)

@@ -13,6 +13,12 @@ aligned zero-gap bursts (eq. 1), T_iss⁰ from the gap sweep's plateau, Q from i
 (eq. 7), then two no-refit predictions of its gap sweep (eqs. 1, 3): with its own fitted M_X
 (``calibrate``), and with the 16-byte-store M_X of the same run (``no_refit_error``), which says
 where the model stops describing the operation.
+
+    python -m xstage_lab.experiments.remote_store.ops (--out FILE | --root DIR) [--repeats 5] \\
+        [--src 0] [--dst 1] [--budget-s 135]
+
+An ``Experiment`` run in process by ``experiments.harness`` (``Operations``): its ``Sweep`` is a
+point per operation, each calibrated in a process of its own (``calibrate_isolated``).
 """
 from __future__ import annotations
 
@@ -28,12 +34,15 @@ import pandas as pd
 from ... import model
 from ...calibration import (Calibration, calibrate, fit_drain_rate, kb_key, launch_means,
                            point_table)
-from ...platform import Inventory
+from ...platform import Inventory, inventory, platform_name
 from ...kernel_sources import cuda_source
-from ...records import RECORDS_DIR, write_record
+from ...records import RECORDS_DIR
 from ...sweep import Axis, Sweep
+from .. import harness
+from ..harness import Experiment
 from .characterization import (BURST_RESOLUTION, KIB, BenchSettings, RemoteStoreBench, burst_rows,
-                               check_burst_and_gap, check_choice, isolated_recovery_us)
+                               check_burst_and_gap, check_choice, check_gpus,
+                               isolated_recovery_us)
 
 # In run order: the baseline first; bulk copies (the one path through the copy engine) and the
 # reductions (slowest: the first the time budget leaves out) last.
@@ -568,17 +577,23 @@ class NothingMeasured(RuntimeError):
         self.facts = facts
 
 
+def calibrate_one(bench: RemoteOpsBench, cfg: dict, fixed: dict, K: int, repeats: int,
+                  progress: bool, deadline: float) -> tuple[pd.DataFrame | None, dict]:
+    """``calibrate_configs`` of ``cfg`` alone within what is left of the run's budget at
+    ``deadline`` (``time.monotonic``, one clock for every process of the machine). Returns (rows,
+    or None where it was left out, and the facts)."""
+    try:
+        return calibrate_configs(bench, [cfg], fixed, K, repeats, progress,
+                                 deadline - time.monotonic())
+    except NothingMeasured as e:
+        return None, e.facts
+
+
 def calibrate_op(cfg: dict, fixed: dict, K: int, repeats: int, progress: bool,
                  deadline: float, settings: OpsSettings) -> tuple[pd.DataFrame | None, dict]:
-    """One operation's ``calibrate_configs`` on a bench of its own, within what is left of the
-    run's budget at ``deadline`` (``time.monotonic``, one clock for every process of the
-    machine). Returns (rows or None where it was left out, facts with the bench's seed)."""
+    """One operation's ``calibrate_one`` on a bench of its own; the facts with the bench's seed."""
     bench = RemoteOpsBench(settings)
-    try:
-        table, facts = calibrate_configs(bench, [cfg], fixed, K, repeats, progress,
-                                         deadline - time.monotonic())
-    except NothingMeasured as e:
-        table, facts = None, e.facts
+    table, facts = calibrate_one(bench, cfg, fixed, K, repeats, progress, deadline)
     return table, {**facts, "seeds": {_label(cfg): int(bench.seed)}}
 
 
@@ -596,48 +611,132 @@ def _child_main(calibrate, kwargs: dict, out: Path) -> None:
     out.write_bytes(pickle.dumps(result))
 
 
-def calibrate_isolated(configs: list[dict], fixed: dict, K: int, repeats: int = 5,
-                       progress: bool = True, budget_s: float = float("inf"),
-                       settings: OpsSettings = OpsSettings()) -> tuple[pd.DataFrame, dict]:
-    """``calibrate_op`` for each config in a process of its own (``spawn``), one at a time.
+def calibrate_isolated(cfg: dict, fixed: dict, K: int, repeats: int, progress: bool,
+                       deadline: float, settings: OpsSettings) -> tuple[pd.DataFrame | None, dict]:
+    """``calibrate_op`` of ``cfg`` in a process of its own (``spawn``).
 
     Why: a CUDA fault (an illegal address) is sticky, it ends the CUDA context of the process
     that met it, so in one process it would lose every config after it and the record of all.
-    Here a child that faults, raises or dies loses its own config only: it is left out with its
-    exit code and the last lines of its error. Every child gets what is left of ``budget_s``.
-    Returns the merged rows and facts as ``calibrate_configs`` does (``seeds``: each child's)."""
+    Here a child that faults, raises or dies loses its own config only: it is left out (None)
+    with its exit code and the last lines of its error."""
     import multiprocessing
     import pickle
     import tempfile
 
     ctx = multiprocessing.get_context("spawn")
-    deadline = time.monotonic() + budget_s
-    frames, facts = [], {"clocks": {}, "sweeps": [], "rates_GBps": {}, "excluded": {},
-                         "seeds": {}}
     with tempfile.TemporaryDirectory(prefix="xstage-ops-") as tmp:
-        for i, cfg in enumerate(configs):
-            out = Path(tmp) / f"config{i}.pkl"
-            child = ctx.Process(target=_child_main, args=(calibrate_op, dict(
-                cfg=cfg, fixed=fixed, K=K, repeats=repeats, progress=progress,
-                deadline=deadline, settings=settings), out))
-            child.start()
-            child.join()
-            if child.exitcode != 0 or not out.exists():
-                err = out.with_suffix(".err")
-                lines = err.read_text().splitlines() if err.exists() else []
-                tail = [ln.strip() for ln in lines if ln.strip(" ^~")][-3:]  # no caret rows
-                facts["excluded"][_label(cfg)] = (f"child process exited {child.exitcode}: "
-                                                  + (" | ".join(tail) or "no error text"))
-                continue
-            table, got = pickle.loads(out.read_bytes())
-            if table is not None:
-                frames.append(table)
-            for key in ("clocks", "rates_GBps", "excluded", "seeds"):
-                facts[key].update(got[key])
-            facts["sweeps"] += got["sweeps"]
-    if not frames:
-        raise NothingMeasured(facts)
-    return pd.concat(frames, ignore_index=True), facts
+        out = Path(tmp) / "config.pkl"
+        child = ctx.Process(target=_child_main, args=(calibrate_op, dict(
+            cfg=cfg, fixed=fixed, K=K, repeats=repeats, progress=progress, deadline=deadline,
+            settings=settings), out))
+        child.start()
+        child.join()
+        if child.exitcode == 0 and out.exists():
+            return pickle.loads(out.read_bytes())
+        err = out.with_suffix(".err")
+        lines = err.read_text().splitlines() if err.exists() else []
+    tail = [ln.strip() for ln in lines if ln.strip(" ^~")][-3:]  # no caret rows
+    return None, {"excluded": {_label(cfg): f"child process exited {child.exitcode}: "
+                                            + (" | ".join(tail) or "no error text")}}
+
+
+# A config's rows keep the point, repeat and order of its own calibration sweeps under these
+# names while the harness tags them with the config's point (``ConfigCalibration.finish``).
+_SWEEP_TAGS = {"point": "sweep_point", "repeat": "sweep_repeat", "order": "sweep_order"}
+
+
+class ConfigCalibration(Experiment):
+    """The calibration sweeps of every configuration (an operation, or a route set) in turn,
+    within one time budget: the declared ``Sweep`` is one point per configuration, each measured
+    once by ``calibrate_config`` (a checked probe launch, then ``config_sweeps`` scaled by the
+    rates it finds; every launch checks its destinations). A configuration that fails or would
+    overrun the budget is left out with the reason (``excluded``)."""
+
+    launch = "in_process"
+    resolution = BURST_RESOLUTION
+
+    def add_arguments(self, p) -> None:
+        p.add_argument("--budget-s", type=float, default=self.budget_s,
+                       help="device time the configurations may take, s")
+        p.set_defaults(settings=OpsSettings())  # the run_* functions may pass others
+
+    def check_args(self, a) -> None:
+        if a.repeats is not None and a.repeats < 1:
+            raise ValueError("--repeats must be >= 1")
+        if not a.budget_s > 0:
+            raise ValueError("--budget-s must be positive")
+
+    def start(self, run) -> None:
+        self.deadline = time.monotonic() + run.args.budget_s
+        self.facts = {"clocks": {}, "sweeps": [], "rates_GBps": {}, "excluded": {}}
+
+    def calibrate_config(self, point: dict, run) -> tuple[pd.DataFrame | None, dict]:
+        raise NotImplementedError
+
+    def measure(self, point, run) -> pd.DataFrame:
+        """The config's rows (none where it was left out); its facts kept for the header."""
+        table, facts = self.calibrate_config(point, run)
+        for key, value in facts.items():
+            if isinstance(value, list):
+                self.facts[key] += value
+            else:
+                self.facts.setdefault(key, {}).update(value)
+        return pd.DataFrame() if table is None else table.rename(columns=_SWEEP_TAGS)
+
+    def finish(self, table, run) -> pd.DataFrame:
+        for label, why in self.facts["excluded"].items():
+            print(f"{self.name}: left out {label}: {why}", flush=True)
+        if table.empty:
+            raise NothingMeasured(self.facts)
+        self.table = table.drop(columns=list(_SWEEP_TAGS)).rename(
+            columns={v: k for k, v in _SWEEP_TAGS.items()})
+        return self.table  # the fits of the header (``metadata``) are made from it
+
+    @staticmethod
+    def settings_fact(settings: OpsSettings) -> dict:
+        return {**settings.bench.__dict__, "bulk_chunk_bytes": settings.bulk_chunk_bytes}
+
+
+class Operations(ConfigCalibration):
+    """Every operation of ``OPS`` on the route src → dst, each in a process of its own
+    (``calibrate_isolated``), fitted against the 16-byte stores of the same run."""
+
+    name = "remote_ops"
+    paper = "issue 6 part 2 (§3's model beyond 16-byte stores)"
+    budget_s = OPS_BUDGET_S
+
+    def add_arguments(self, p) -> None:
+        p.add_argument("--repeats", type=int, default=5)
+        p.add_argument("--src", type=int, default=0)
+        p.add_argument("--dst", type=int, default=1)
+        super().add_arguments(p)
+
+    def sweeps(self, args) -> list[Sweep]:
+        return [Sweep("ops", (Axis("config", [{"op": op} for op in OPS]),),
+                      fixed=dict(routes=format_routes(((args.src, (args.dst,)),))),
+                      repeats=1, warmup=0)]
+
+    def start(self, run) -> None:
+        super().start(run)
+        self.facts["seeds"] = {}
+        self.inv = inventory()
+        check_gpus(run.args.src, run.args.dst, self.inv)
+        self.K = self.inv.gpus[run.args.src].sm_count
+
+    def calibrate_config(self, point, run):
+        args = run.args
+        return calibrate_isolated({"op": point["op"]}, {"routes": point["routes"]}, self.K,
+                                  args.repeats, not args.no_progress, self.deadline,
+                                  args.settings)
+
+    def metadata(self, run) -> dict:
+        args = run.args
+        return operations_params(self.table, {**self.facts,
+                                              "settings": self.settings_fact(args.settings)},
+                                 args.src, args.dst, platform_name(self.inv))
+
+
+EXPERIMENT = Operations()
 
 
 def run_operations(repeats: int = 5, src: int = 0, dst: int = 1,
@@ -649,39 +748,31 @@ def run_operations(repeats: int = 5, src: int = 0, dst: int = 1,
     its own (``calibrate_isolated``); those that failed their check, faulted or would overrun
     ``budget_s`` are named with the reason, in the record and printed. Returns the record's
     path."""
-    from ...platform import platform_name, provenance
-
-    from ...platform import inventory
-
-    t0 = time.monotonic()
-    inv = inventory()
-    K = inv.gpus[src].sm_count
-    fixed = dict(routes=format_routes(((src, (dst,)),)))
-    table, facts = calibrate_isolated([{"op": op} for op in OPS], fixed, K, repeats, progress,
-                                      budget_s, settings)
-    facts = {**facts, "elapsed_s": round(time.monotonic() - t0, 1),
-             "settings": {**settings.bench.__dict__,
-                          "bulk_chunk_bytes": settings.bulk_chunk_bytes}}
-    for label, why in facts["excluded"].items():
-        print(f"remote_ops: left out {label}: {why}", flush=True)
-    print(f"remote_ops: {len(table)} rows in {facts['elapsed_s']:.0f} s", flush=True)
-    return write_operations(table, facts, src, dst, platform_name(inv), provenance(inv), root)
+    args = harness.parse(EXPERIMENT, ["--root", str(root), "--repeats", str(repeats),
+                                      "--src", str(src), "--dst", str(dst),
+                                      "--budget-s", str(budget_s),
+                                      *([] if progress else ["--no-progress"])])
+    args.settings = settings
+    return harness.run(EXPERIMENT, args)
 
 
-def write_operations(table: pd.DataFrame, facts: dict, src: int, dst: int, platform: str,
-                     provenance: dict, root: Path = RECORDS_DIR) -> Path:
-    """Fit every operation of ``table`` and save the ``remote_ops`` record: the per-burst rows,
-    and in its parameters the run ``facts`` and each operation's fit with its no-refit error
-    from the baseline (16-byte stores) of the same run."""
+def operations_params(table: pd.DataFrame, facts: dict, src: int, dst: int,
+                      platform: str) -> dict:
+    """A ``remote_ops`` record's parameters: the run ``facts`` (its calibration sweeps as
+    ``calibration_sweeps``) and each operation's fit with its no-refit error from the baseline
+    (16-byte stores) of the same run."""
     if BASELINE_OP not in set(table["op"]):
         raise RuntimeError(f"the baseline {BASELINE_OP} was not measured: {facts['excluded']}")
     fits = operation_fits(table, platform, "this record")
     base = fits[BASELINE_OP].calibration
-    params = {"experiment": "remote_ops", "ops": list(fits), "baseline": BASELINE_OP,
-              "src": src, "dst": dst, **facts,
-              "fits": {op: fit_entry(f, base) for op, f in fits.items()}}
-    return write_record("remote_ops", platform, table, params, provenance, root,
-                        resolution=BURST_RESOLUTION)
+    return {"ops": list(fits), "baseline": BASELINE_OP, "src": src, "dst": dst,
+            **run_facts(facts), "fits": {op: fit_entry(f, base) for op, f in fits.items()}}
+
+
+def run_facts(facts: dict) -> dict:
+    """``facts`` for a record's header, the sweeps run per config as ``calibration_sweeps`` (the
+    harness's ``sweeps`` is the declared one, a point per config)."""
+    return {("calibration_sweeps" if k == "sweeps" else k): v for k, v in facts.items()}
 
 
 def operation_fits(table: pd.DataFrame, platform: str, record_id: str) -> dict[str, ConfigFit]:
@@ -696,3 +787,7 @@ def summary_entry(params: dict, record_id: str) -> dict:
     return {"baseline": params["baseline"], "route": f"{params['src']}>{params['dst']}",
             "per_op": params["fits"], "excluded": params["excluded"],
             "source_record": record_id}
+
+
+if __name__ == "__main__":
+    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])

@@ -12,18 +12,25 @@ Each distinct route set is measured once (on two GPUs one_to_all and all_to_one 
 routes: the record names them degenerate) with the calibration sweeps of ``ops`` on every
 source at once; each source gets its own fitted (T_iss⁰, R, Q) and two no-refit errors of its gap
 sweep: from its own fit, and from the one-to-one fit of its route scaled by its drain share.
+
+    python -m xstage_lab.experiments.remote_store.patterns (--out FILE | --root DIR) \\
+        [--repeats N] [--budget-s 420]
+
+An ``Experiment`` run in process by ``experiments.harness`` (``Patterns``): its ``Sweep`` is a
+point per route set, calibrated as ``ops.ConfigCalibration`` says.
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pandas as pd
 
-from ...records import RECORDS_DIR, write_record
-from .characterization import BURST_RESOLUTION
-from .ops import (OpsSettings, RemoteOpsBench, calibrate_configs, drain_share, fit_config,
-                  fit_entry, format_routes, parse_routes)
+from ...platform import inventory, platform_name
+from ...records import RECORDS_DIR
+from ...sweep import Axis, Sweep
+from .. import harness
+from .ops import (ConfigCalibration, OpsSettings, RemoteOpsBench, calibrate_one, drain_share,
+                  fit_config, fit_entry, format_routes, parse_routes, run_facts)
 
 PATTERNS = ("one_to_one", "one_to_all", "all_to_one", "all_to_all")
 # Device time the route sets may take (measured 16.5 s on 2 GPUs; from that, ~2.2 min on 4 and
@@ -90,6 +97,48 @@ def pattern_fits(table: pd.DataFrame, platform: str) -> dict[str, list[dict]]:
     return out
 
 
+class Patterns(ConfigCalibration):
+    """Every distinct route set of the injection patterns on this machine's peer-capable GPUs,
+    one after another on one bench; every source fitted."""
+
+    name = "remote_patterns"
+    paper = "issue 6 part 1 (§3's model under multi-peer injection)"
+    budget_s = PATTERNS_BUDGET_S
+
+    def add_arguments(self, p) -> None:
+        p.add_argument("--repeats", type=int, default=None,
+                       help="per point (default: default_repeats of this machine's GPUs)")
+        super().add_arguments(p)
+
+    def sweeps(self, args) -> list[Sweep]:
+        self.inv = inventory()
+        self.gpus = self.inv.peer_capable_gpus
+        if self.gpus < 2:
+            raise RuntimeError("injection patterns need two peer-capable GPUs")
+        return [Sweep("patterns", (Axis("config", [{"routes": r} for r in
+                                                   route_sets(pattern_instances(self.gpus))]),),
+                      fixed=dict(op="store16"), repeats=1, warmup=0)]
+
+    def start(self, run) -> None:
+        super().start(run)
+        self.bench = RemoteOpsBench(run.args.settings, self.inv)
+        self.K = min(g.sm_count for g in self.inv.gpus[:self.gpus])
+        self.repeats = (default_repeats(self.gpus) if run.args.repeats is None
+                        else run.args.repeats)
+
+    def calibrate_config(self, point, run):
+        return calibrate_one(self.bench, {"routes": point["routes"]}, {"op": point["op"]},
+                             self.K, self.repeats, not run.args.no_progress, self.deadline)
+
+    def metadata(self, run) -> dict:
+        facts = {**self.facts, "seed": int(self.bench.seed),
+                 "settings": self.settings_fact(run.args.settings)}
+        return patterns_params(self.table, facts, self.gpus, platform_name(self.inv))
+
+
+EXPERIMENT = Patterns()
+
+
 def run_patterns(repeats: int | None = None, settings: OpsSettings = OpsSettings(),
                  progress: bool = True, budget_s: float = PATTERNS_BUDGET_S,
                  root: Path = RECORDS_DIR) -> Path:
@@ -98,43 +147,26 @@ def run_patterns(repeats: int | None = None, settings: OpsSettings = OpsSettings
     pattern instances, their degeneracy on this machine, every source's fit and the route sets
     left out (a failed check, or past ``budget_s``). ``repeats``: per point (None:
     ``default_repeats`` for this machine's GPUs)."""
-    from ...platform import platform_name, provenance
-
-    t0 = time.monotonic()
-    bench = RemoteOpsBench(settings)
-    inv = bench.inv
-    n = inv.peer_capable_gpus
-    if n < 2:
-        raise RuntimeError("injection patterns need two peer-capable GPUs")
-    instances = pattern_instances(n)
-    repeats = default_repeats(n) if repeats is None else repeats
-    K = min(g.sm_count for g in inv.gpus[:n])
-    fixed = dict(op="store16")
-    table, facts = calibrate_configs(bench, [{"routes": r} for r in route_sets(instances)], fixed,
-                                     K, repeats, progress, budget_s)
-    facts = {**facts, "elapsed_s": round(time.monotonic() - t0, 1), "seed": int(bench.seed),
-             "settings": {**settings.bench.__dict__,
-                          "bulk_chunk_bytes": settings.bulk_chunk_bytes}}
-    print(f"remote_patterns: {len(table)} rows in {facts['elapsed_s']:.0f} s", flush=True)
-    return write_patterns(table, facts, n, platform_name(inv), provenance(inv), root)
+    args = harness.parse(EXPERIMENT, ["--root", str(root), "--budget-s", str(budget_s),
+                                      *([] if repeats is None else ["--repeats", str(repeats)]),
+                                      *([] if progress else ["--no-progress"])])
+    args.settings = settings
+    return harness.run(EXPERIMENT, args)
 
 
-def write_patterns(table: pd.DataFrame, facts: dict, n_gpus: int, platform: str,
-                   provenance: dict, root: Path = RECORDS_DIR) -> Path:
-    """Fit every source of every route set of ``table`` and save the ``remote_patterns``
-    record: the per-burst rows, and in its parameters the run ``facts``, the pattern instances
-    on ``n_gpus`` GPUs with their degeneracy and the fits (``pattern_fits``)."""
+def patterns_params(table: pd.DataFrame, facts: dict, n_gpus: int, platform: str) -> dict:
+    """A ``remote_patterns`` record's parameters: the run ``facts`` (``ops.run_facts``), the
+    pattern instances on ``n_gpus`` GPUs with their degeneracy and the fits of every source of
+    every route set of ``table`` (``pattern_fits``)."""
     instances = pattern_instances(n_gpus)
-    params = {"experiment": "remote_patterns", "gpus": n_gpus, "instances": instances,
-              "degenerate": sorted({i["pattern"] for i in instances if i["degenerate_of"]}),
-              **facts, "fits": pattern_fits(table, platform),
-              # %globaltimer spread of the sources' first bursts (an upper bound of their start
-              # skew only where the GPUs' timers agree; the record does not assume they do)
-              "gpu_start_spread_ns_median": {
-                  r: float(v) for r, v in table.groupby("routes")["gpu_start_spread_ns"].median()
-                  .items() if len(parse_routes(r)) > 1}}
-    return write_record("remote_patterns", platform, table, params, provenance, root,
-                        resolution=BURST_RESOLUTION)
+    return {"gpus": n_gpus, "instances": instances,
+            "degenerate": sorted({i["pattern"] for i in instances if i["degenerate_of"]}),
+            **run_facts(facts), "fits": pattern_fits(table, platform),
+            # %globaltimer spread of the sources' first bursts (an upper bound of their start
+            # skew only where the GPUs' timers agree; the record does not assume they do)
+            "gpu_start_spread_ns_median": {
+                r: float(v) for r, v in table.groupby("routes")["gpu_start_spread_ns"].median()
+                .items() if len(parse_routes(r)) > 1}}
 
 
 def summary_entry(params: dict, record_id: str) -> dict:
@@ -146,3 +178,7 @@ def summary_entry(params: dict, record_id: str) -> dict:
                              for i in params["instances"]],
             "gpu_start_spread_ns_median": params["gpu_start_spread_ns_median"],
             "excluded": params["excluded"], "source_record": record_id}
+
+
+if __name__ == "__main__":
+    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])

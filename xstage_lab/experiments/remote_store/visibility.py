@@ -16,6 +16,12 @@ timer's resolution, measured too. θ is interpolated linearly between the two me
 (the drift). The issue-to-visibility latency of a burst is
 t_visible − θ − t_iss_end (and from t_iss_start), compared with the fenced sweep's
 T_complete(K, V) = V/R + T_lat (``calibration.CompletionFit``).
+
+    python -m xstage_lab.experiments.remote_store.visibility (--out FILE | --root DIR) \\
+        [--src 0] [--dst 1] [--repeats 5]
+
+An ``Experiment`` run in process by ``experiments.harness``: its ``Sweep`` is
+``visibility_sweep``; θ before and after it, and the latency columns, are its own.
 """
 from __future__ import annotations
 
@@ -31,12 +37,13 @@ from ... import model
 from ...calibration import kb_key
 from ...kernel_sources import cuda_module
 from ...platform import Inventory, choose_backend, inventory
-from ...records import RECORDS_DIR, Record, latest_record, list_records, write_record
+from ...records import RECORDS_DIR, Record, latest_record, list_records
 from ...sweep import Axis, Sweep, median_spread
+from .. import harness
+from ..harness import Experiment
 from .characterization import check_burst_and_gap, check_gpus
 
 KIB = 1024
-EXPERIMENT = "visibility"
 KERNEL_FILE = "visibility_latency.cu"
 _POISON = 0xA5A5A5A5
 _UNWRITTEN = 0xFFFFFFFF
@@ -443,10 +450,94 @@ def visibility_sweep(sm_count: int, src: int = 0, dst: int = 1, repeats: int = 5
     """Producers K (one, a quarter and all SMs), burst volume per producer B and gap G (0 up to
     about 3·V/R of the largest burst at the H200's measured R)."""
     Ks = sorted({1, max(1, sm_count // 4), sm_count})
-    return Sweep(EXPERIMENT, (Axis("producers", Ks),
+    return Sweep("visibility", (Axis("producers", Ks),
                               Axis("burst_bytes", [4 * KIB, 16 * KIB, 64 * KIB]),
                               Axis("gap_us", [0.0, 2.0, 8.0, 24.0, 72.0])),
                  fixed=dict(src=src, dst=dst), repeats=repeats)
+
+
+class VisibilityLatency(Experiment):
+    """The visibility sweep (``visibility_sweep``) between two GPUs, with the timers' resolution
+    and θ measured before the first point and θ again after the last.
+
+    Each launch checks itself (``VisibilityBench.measure``: every burst's data once its flag is
+    visible, every wait, one CTA per SM): a point's first launch, its warm-up, fails the run
+    before any of its repeats is kept."""
+
+    name = "visibility"
+    paper = "§3 (issue 8 part 2)"
+    launch = "in_process"
+
+    def add_arguments(self, p) -> None:
+        p.add_argument("--src", type=int, default=0)
+        p.add_argument("--dst", type=int, default=1)
+        p.add_argument("--repeats", type=int, default=5)
+        p.set_defaults(settings=VisibilitySettings())  # run_visibility may pass others
+
+    def check_args(self, a) -> None:
+        if a.repeats < 1:
+            raise ValueError("--repeats must be >= 1")
+
+    def sweeps(self, args) -> list[Sweep]:
+        self.inv = inventory()
+        choose_backend("cuda", self.inv)  # raises without two peer-capable GPUs
+        check_gpus(args.src, args.dst, self.inv)
+        gpus = self.inv.gpus
+        return [visibility_sweep(min(gpus[args.src].sm_count, gpus[args.dst].sm_count),
+                                 args.src, args.dst, args.repeats)]
+
+    def start(self, run) -> None:
+        args = run.args
+        self.began = time.monotonic()
+        self.bench = VisibilityBench(args.src, args.dst, args.settings, self.inv)
+        self.before = None
+
+    def say(self, run, msg: str) -> None:
+        if not run.args.no_progress:
+            print(f"[visibility {time.monotonic() - self.began:6.1f} s] {msg}", flush=True)
+
+    def validate(self, point, run) -> None:
+        self.bench.validate(point)
+
+    def prepare(self, point, run):
+        if self.before is None:  # every point validated: the run's first launches
+            self.align_before(run)
+        return point
+
+    def align_before(self, run) -> None:
+        """Peer access and modules, the timers' resolution, a warm-up ping-pong, θ before."""
+        bench, src, dst = self.bench, run.args.src, run.args.dst
+        bench.prepare()
+        self.say(run, "compiled; measuring the timers and the clock offset")
+        self.resolution = {dev: timer_resolution(bench.timer_steps(dev)) for dev in (src, dst)}
+        bench.pingpong(src, dst)  # warm-up: first-touch of the peer mappings
+        self.before = bench.align()
+        self.clocks = {"sm_clock_mhz_before": bench.sm_clock_mhz()}
+        b = self.before[0]
+        self.say(run, f"θ before = {b['offset_ns']:.0f} ns (RTT min {b['rtt_min_ns']} ns, "
+                      f"median {b['rtt_median_ns']:.0f} ns)")
+
+    def measure(self, point, run) -> pd.DataFrame:
+        return self.bench.measure(point)
+
+    def finish(self, table, run) -> pd.DataFrame:
+        """θ after the sweep; the latency columns from the alignment."""
+        self.clocks["sm_clock_mhz_after"] = self.bench.sm_clock_mhz()
+        after, after_rev = self.bench.align()
+        self.say(run, f"θ after = {after['offset_ns']:.0f} ns; {len(table)} rows")
+        (before, before_rev), src, dst = self.before, run.args.src, run.args.dst
+        self.alignment = alignment_summary(before, after, before_rev, after_rev,
+                                           self.resolution[src], self.resolution[dst])
+        return add_latency(table, self.alignment)
+
+    def metadata(self, run) -> dict:
+        args = run.args
+        return {"settings": asdict(args.settings), "src": args.src, "dst": args.dst,
+                "seed": int(self.bench.seed), "clocks": self.clocks,
+                "clock_alignment": self.alignment}
+
+
+EXPERIMENT = VisibilityLatency()
 
 
 def run_visibility(src: int = 0, dst: int = 1, repeats: int = 5,
@@ -454,43 +545,11 @@ def run_visibility(src: int = 0, dst: int = 1, repeats: int = 5,
                    root: Path = RECORDS_DIR) -> Path:
     """Measure the timers' resolution and θ, run the latency sweep, measure θ again, and save a
     ``visibility`` record (raw stamps plus latency columns; the alignment in the header)."""
-    from ...platform import platform_name, provenance
-    from ...sweep import run_sweep
-
-    began = time.monotonic()
-
-    def say(msg: str) -> None:
-        if progress:
-            print(f"[visibility {time.monotonic() - began:6.1f} s] {msg}", flush=True)
-
-    choose_backend("cuda")  # raises without two peer-capable GPUs
-    inv = inventory()
-    if not (0 <= src < len(inv.gpus) and 0 <= dst < len(inv.gpus)):
-        raise ValueError(f"src={src} and dst={dst} must name GPUs 0..{len(inv.gpus) - 1}")
-    sweep = visibility_sweep(min(inv.gpus[src].sm_count, inv.gpus[dst].sm_count), src, dst,
-                             repeats)
-    bench = VisibilityBench(src, dst, settings, inv)
-    for p in sweep.points():
-        bench.validate(p)
-    bench.prepare()
-    say("compiled; measuring the timers and the clock offset")
-    resolution = {dev: timer_resolution(bench.timer_steps(dev)) for dev in (src, dst)}
-    bench.pingpong(src, dst)  # warm-up: first-touch of the peer mappings
-    before, before_rev = bench.align()
-    say(f"θ before = {before['offset_ns']:.0f} ns (RTT min {before['rtt_min_ns']} ns, "
-        f"median {before['rtt_median_ns']:.0f} ns)")
-    table, facts = run_sweep(sweep, bench.measure, sm_clock_mhz=bench.sm_clock_mhz,
-                             progress=progress)
-    after, after_rev = bench.align()
-    say(f"θ after = {after['offset_ns']:.0f} ns; {len(table)} rows")
-    alignment = alignment_summary(before, after, before_rev, after_rev,
-                                  resolution[src], resolution[dst])
-    table = add_latency(table, alignment)
-    params = {"sweep": sweep.describe(), "settings": asdict(settings), "src": src, "dst": dst,
-              "seed": int(bench.seed), "clocks": facts, "clock_alignment": alignment}
-    path = write_record(EXPERIMENT, platform_name(inv), table, params, provenance(inv), root)
-    say(f"wrote {path}")
-    return path
+    args = harness.parse(EXPERIMENT, ["--root", str(root), "--src", str(src), "--dst", str(dst),
+                                      "--repeats", str(repeats),
+                                      *([] if progress else ["--no-progress"])])
+    args.settings = settings
+    return harness.run(EXPERIMENT, args)
 
 
 # --- replay, figures' data, summary ----------------------------------------------------------
@@ -538,9 +597,9 @@ def summary_entry(platform: str, root: Path = RECORDS_DIR) -> dict:
     """``counterfactual.visibility`` of ``summary --json``: the clock alignment, the median
     issue-to-visibility latency per (K, B, G), and the comparison with T_complete; {} where the
     platform has no visibility record."""
-    if not list_records(EXPERIMENT, platform, root):
+    if not list_records(EXPERIMENT.name, platform, root):
         return {}
-    vis = Visibility.from_record(latest_record(EXPERIMENT, platform, root), root)
+    vis = Visibility.from_record(latest_record(EXPERIMENT.name, platform, root), root)
     a = vis.alignment
     entry = {
         "source_record": vis.record.record_id,
@@ -570,3 +629,7 @@ def summary_entry(platform: str, root: Path = RECORDS_DIR) -> dict:
              "launches": int(r.launches)}
             for r in vis.comparison.itertuples()]
     return entry
+
+
+if __name__ == "__main__":
+    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])
