@@ -7,10 +7,10 @@ from other records on the CPU (``moe_forecast``) or written by another experimen
 (``calibration``) have no live measurement: they are always read.
 
 Whichever the backend, ``load`` returns a ``Loaded``: a sequence with one view per platform, in
-platform order. A view is the experiment's analysis of its record where it has one (``VIEWS``:
-the characterization with its calibration, the visibility latencies, each precision's latest
-MoE kernel record) and the record itself elsewhere; ``Loaded.records`` are the records the views
-read, for their headers and provenance.
+platform order. A view is the experiment's analysis of its record (``Experiment.analyse``)
+where it has one (``VIEWS``: the characterization with its calibration, the visibility latencies,
+each precision's latest MoE kernel record) and the record itself elsewhere; ``Loaded.records``
+are the records the views read, for their headers and provenance.
 """
 from __future__ import annotations
 
@@ -33,22 +33,12 @@ class View:
     of_platform: Callable[[str, Path], object] | None = None
 
 
-def _characterization(rec: Record, root: Path):
-    from .experiments.remote_store.characterization import Characterization
-
-    return Characterization.from_record(rec)
-
-
-def _visibility(rec: Record, root: Path):
-    from .experiments.remote_store.visibility import Visibility
-
-    return Visibility.from_record(rec, root)
-
-
-def _kernel_view(rec: Record, root: Path):
-    from .experiments.moe.kernel_bench import KernelView
-
-    return KernelView(rec.platform, (rec,))
+def _analysis(experiment: str) -> Callable[[Record, Path], object]:
+    """The experiment's analysis of one record (``harness.Experiment.analyse``)."""
+    def of_record(rec: Record, root: Path):
+        from .experiments import experiment as registered
+        return registered(experiment).analyse(rec, root)
+    return of_record
 
 
 def _latest_kernel_view(platform: str, root: Path):
@@ -57,9 +47,10 @@ def _latest_kernel_view(platform: str, root: Path):
     return latest_view(platform, root)
 
 
-VIEWS = {"remote_store": View(_characterization, lambda c: (c.record,)),
-         "visibility": View(_visibility, lambda v: (v.record,)),
-         "moe_kernel": View(_kernel_view, lambda k: tuple(k.records), _latest_kernel_view)}
+VIEWS = {"remote_store": View(_analysis("remote_store"), lambda c: (c.record,)),
+         "visibility": View(_analysis("visibility"), lambda v: (v.record,)),
+         "moe_kernel": View(_analysis("moe_kernel"), lambda k: tuple(k.records),
+                            _latest_kernel_view)}
 RECORD = View(lambda rec, root: rec, lambda rec: (rec,))
 # Experiments a notebook shows where they exist: no record is an empty ``Loaded``, not an error.
 OPTIONAL = frozenset({"visibility", "remote_patterns", "remote_ops"})

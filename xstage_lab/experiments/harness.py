@@ -85,6 +85,11 @@ class Experiment:
         """The experiment's facts for the header (beyond what the harness writes)."""
         return {}
 
+    def sm_clock_mhz(self, run: "Run") -> float | None:
+        """This rank's SM clock now, for the header's clocks before the first point and after
+        the last (default: through torch and NVML; None where unknown)."""
+        return run.sm_clock_mhz()
+
     def record_name(self, args: argparse.Namespace) -> str:
         """The experiment the record is saved under (default: ``name``; a run that leaves out
         part of the experiment may be saved under another, so that readers skip it)."""
@@ -175,7 +180,10 @@ def _chunk(text: str) -> tuple[int, int]:
 def parser(experiment: Experiment, prog: str | None = None,
            description: str | None = None) -> argparse.ArgumentParser:
     """The command line of ``experiment``: the harness's options and the experiment's own."""
-    p = _Parser(prog=prog or f"python -m {type(experiment).__module__}", description=description)
+    module = sys.modules[type(experiment).__module__]
+    # under ``python -m`` the module is __main__; its spec keeps the name it was run by
+    name = module.__spec__.name if getattr(module, "__spec__", None) else module.__name__
+    p = _Parser(prog=prog or f"python -m {name}", description=description)
     sink = p.add_mutually_exclusive_group(required=True)
     sink.add_argument("--out", type=Path, help="JSON output written by rank 0 (for import-bench)")
     sink.add_argument("--root", type=Path, help="records root to write the record into")
@@ -248,7 +256,7 @@ def run(experiment: Experiment, args: argparse.Namespace) -> Path | None:
             points = sweep.points()
             for i in indices:
                 experiment.validate(points[i], run_)
-        clocks_start = run_.gather(run_.sm_clock_mhz())
+        clocks_start = run_.gather(experiment.sm_clock_mhz(run_))
         started = time.time()
         progress = run_.rank == 0 and not args.no_progress
         frames = []
@@ -272,7 +280,7 @@ def run(experiment: Experiment, args: argparse.Namespace) -> Path | None:
             frames.append(rows.assign(sweep=sweep.name) if len(sweeps) > 1 else rows)
         table = experiment.finish(pd.concat(frames, ignore_index=True) if frames
                                   else pd.DataFrame(), run_)
-        clocks_end = run_.gather(run_.sm_clock_mhz())
+        clocks_end = run_.gather(experiment.sm_clock_mhz(run_))
         written = None
         if run_.rank == 0:
             from ..platform import provenance

@@ -313,7 +313,7 @@ def test_characterization_record_through_the_harness_calibrates(model_bench, mon
     assert [s["name"] for s in rec.params["sweeps"]] == ["drain_rate", "gap", "isolated"]
     assert (rec.params["src"], rec.params["dst"], rec.params["seed"]) == (0, 1, 5)
     assert rec.params["settings"] == BenchSettings().__dict__
-    assert rec.params["clocks"] == {"sm_clock_mhz_before": 1980.0, "sm_clock_mhz_after": 1980.0}
+    assert rec.params["sm_clock_mhz_start"] == rec.params["sm_clock_mhz_end"] == [1980.0]
     # every point's repeats, tagged with its sweep, point and repeat; a warm-up launch each
     assert len(rec.table) == sum(len(s.points()) * 2 for s in sweeps)
     assert len(ModelStoreBench.launches) == sum(len(s.points()) * 3 for s in sweeps)

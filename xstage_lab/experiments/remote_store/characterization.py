@@ -393,46 +393,41 @@ class BurstGapCharacterization(Experiment):
 
     def start(self, run) -> None:
         self.bench = RemoteStoreBench(run.args.settings, self.inv)
-        self.clocks = {}
 
     def validate(self, point, run) -> None:
         self.bench.validate(point)
 
-    def prepare(self, point, run):
-        if not self.clocks:  # every point validated: the run's first launch
-            self.clocks["sm_clock_mhz_before"] = self.bench.sm_clock_mhz(run.args.src)
-        return point
+    def sm_clock_mhz(self, run):
+        return self.bench.sm_clock_mhz(run.args.src)
 
     def measure(self, point, run) -> pd.DataFrame:
         return self.bench.measure(point)
 
     def finish(self, table, run) -> pd.DataFrame:
-        self.clocks["sm_clock_mhz_after"] = self.bench.sm_clock_mhz(run.args.src)
         # the calibration picks its sweeps by this column, also where ``--only`` names one
         return table if "sweep" in table else table.assign(sweep=run.args.only[0])
 
     def metadata(self, run) -> dict:
         args = run.args
         return {"settings": args.settings.__dict__, "src": args.src, "dst": args.dst,
-                "seed": int(self.bench.seed), "clocks": self.clocks}
+                "seed": int(self.bench.seed)}
 
+    def record_name(self, args) -> str:
+        """``remote_store`` where the run holds every sweep of ``CALIBRATION_SWEEPS``, else
+        ``remote_store_partial``, which replay and calibration do not pick up."""
+        complete = args.only is None or set(CALIBRATION_SWEEPS) <= set(args.only)
+        return self.name if complete else "remote_store_partial"
 
-class PartialCharacterization(BurstGapCharacterization):
-    """The sweeps where ``--only`` leaves out one the calibration needs: a record that replay and
-    calibration do not pick up."""
+    def derived(self, path, root) -> list[Path]:
+        """The calibration fitted from a complete run's record."""
+        return [write_calibration(path, root)] if path.parent.parent.name == self.name else []
 
-    name = "remote_store_partial"
+    @classmethod
+    def analyse(cls, record, root):
+        return Characterization.from_record(record)
 
 
 EXPERIMENT = BurstGapCharacterization()
-PARTIAL = PartialCharacterization()
-
-
-def experiment_for(args) -> BurstGapCharacterization:
-    """``remote_store`` where the run holds every sweep of ``CALIBRATION_SWEEPS``, else
-    ``remote_store_partial``."""
-    complete = args.only is None or set(CALIBRATION_SWEEPS) <= set(args.only)
-    return EXPERIMENT if complete else PARTIAL
 
 
 def run_characterization(repeats: int = 11, src: int = 0, dst: int = 1,
@@ -448,7 +443,7 @@ def run_characterization(repeats: int = 11, src: int = 0, dst: int = 1,
                                       *(["--only", ",".join(only)] if only is not None else []),
                                       *([] if progress else ["--no-progress"])])
     args.settings = settings
-    return harness.run(experiment_for(args), args)
+    return harness.run(EXPERIMENT, args)
 
 
 def write_calibration(record_path: Path | str, root: Path = RECORDS_DIR) -> Path:
@@ -490,5 +485,4 @@ def latest_calibration(platform: str, root: Path = RECORDS_DIR) -> Calibration:
 
 
 if __name__ == "__main__":
-    _args = harness.parse(EXPERIMENT, description=__doc__.split("\n\n")[0])
-    harness.run(experiment_for(_args), _args)
+    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])

@@ -536,6 +536,10 @@ class VisibilityLatency(Experiment):
                 "seed": int(self.bench.seed), "clocks": self.clocks,
                 "clock_alignment": self.alignment}
 
+    @classmethod
+    def analyse(cls, record, root):
+        return Visibility.from_record(record, root)
+
 
 EXPERIMENT = VisibilityLatency()
 
