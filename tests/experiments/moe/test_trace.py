@@ -247,8 +247,13 @@ def test_regression_rows_cause_where_traced_proxies_elsewhere():
     assert c["mma_busy_wave"] == pytest.approx(14 / 18) and c["mma_busy_int"] == pytest.approx(13 / 28)
 
 
+def parse_args(argv):
+    from xstage_lab.experiments import harness
+    from xstage_lab.experiments.moe import trace_bench
+    return harness.parse(trace_bench.EXPERIMENT, argv)
+
+
 def test_regression_cells_from_matrix_outputs(tmp_path):
-    from xstage_lab.experiments.moe.trace_bench import parse_args
     rows = [{"model": "DiT-MoE", "precision": "bf16", "routing": "skewed", "tokens": 2048, "speedup": 0.6},
             {"model": "Hy3", "precision": "fp8", "routing": "skewed", "tokens": 4096, "speedup": 1.2},
             {"model": "Qwen3.5", "precision": "fp8", "routing": "balanced", "tokens": 8192, "speedup": 0.9},
@@ -298,14 +303,52 @@ def test_d_sweep_leads():
 
 
 def test_trace_bench_arguments():
-    from xstage_lab.experiments.moe.trace_bench import parse_args
     a = parse_args(["--out", "x.json"])
     assert a.models == list(moe.load_shapes()) and a.local_models == a.models
     assert a.precision == "fp8" and a.routing == "skewed" and a.d_factors[2] == 1
-    with pytest.raises(SystemExit):
-        parse_args(["--out", "x.json", "--d-sweep-models", "GPT-5"])
-    with pytest.raises(SystemExit):
-        parse_args(["--out", "x.json", "--d-factors", "0,1"])
+    assert a.lead is None and a.k_fractions == sorted(a.k_fractions, reverse=True)
+
+
+@pytest.mark.parametrize("bad", [["--d-sweep-models", "GPT-5"], ["--d-factors", "0,1"],
+                                 ["--d-factors", "x"], ["--k-fractions", "1.5"],
+                                 ["--knee-models", "DiT-MoE", "--kernel", "triton"],
+                                 ["--models", ""], ["--models", "GPT-5"], ["--tokens", "0"],
+                                 ["--samples", "0"], ["--max-regressions", "-1"], ["--lead", "0"],
+                                 ["--trials", "0"]])
+def test_trace_bench_refuses_bad_options(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--out", "x.json", *bad])
+    assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+def test_trace_bench_steps(tmp_path):
+    """One sweep of steps: per model trace, fenced, the D sweep and one knee step per fraction
+    where asked; then the regressing cells grouped by their weights, each with its own cell."""
+    from xstage_lab.experiments import harness
+    from xstage_lab.experiments.moe import trace_bench
+    rows = [{"model": "DiT-MoE", "precision": "bf16", "routing": "skewed", "tokens": 2048, "speedup": 0.6},
+            {"model": "Qwen3.5", "precision": "fp8", "routing": "balanced", "tokens": 8192, "speedup": 0.9},
+            {"model": "DiT-MoE", "precision": "bf16", "routing": "balanced", "tokens": 8192, "speedup": 0.5}]
+    (tmp_path / "m.json").write_text(json.dumps({"metadata": {}, "rows": rows}))
+    a = parse_args(["--out", "x", "--models", "DiT-MoE,Hy3", "--d-sweep-models", "Hy3",
+                    "--knee-models", "DiT-MoE", "--k-fractions", "0.5,1,0.5", "--tokens", "512",
+                    "--regressions", str(tmp_path / "m.json")])
+    sweep, = trace_bench.EXPERIMENT.sweeps(a)
+    assert [ax.name for ax in sweep.axes] == ["step"] and sweep.repeats == 1
+    points = sweep.points()
+    assert [(p["kind"], p["model"], p.get("k_fraction")) for p in points] == [
+        ("trace", "DiT-MoE", None), ("fenced", "DiT-MoE", None),
+        ("knee_sweep", "DiT-MoE", 1.0), ("knee_sweep", "DiT-MoE", 0.5),
+        ("trace", "Hy3", None), ("fenced", "Hy3", None), ("d_sweep", "Hy3", None),
+        ("regression", "DiT-MoE", None), ("regression", "DiT-MoE", None),
+        ("regression", "Qwen3.5", None)]
+    assert all((p["precision"], p["routing"], p["tokens"]) == ("fp8", "skewed", 512)
+               for p in points if p["kind"] != "regression")
+    assert [(p["precision"], p["routing"], p["tokens"], p["matrix_speedup"])
+            for p in points if p["kind"] == "regression"] == [
+        ("bf16", "balanced", 8192, 0.5), ("bf16", "skewed", 2048, 0.6),
+        ("fp8", "balanced", 8192, 0.9)]
+    assert harness.chunk_indices([sweep], (1, 2)) == [[5, 6, 7, 8, 9]]
 
 
 def test_registered_for_measure_all_and_import():
@@ -477,7 +520,6 @@ if __name__ == "__main__":
 
 def test_regression_cells_from_a_moe_record(tmp_path):
     """measure-all hands the trace benchmark the moe record it just wrote, not the JSON."""
-    from xstage_lab.experiments.moe.trace_bench import parse_args
     from xstage_lab.records import import_bench_json
     rows = [{"model": "DiT-MoE", "precision": "bf16", "routing": "skewed", "tokens": 2048, "speedup": 0.6},
             {"model": "Hy3", "precision": "fp8", "routing": "skewed", "tokens": 4096, "speedup": 1.2}]
