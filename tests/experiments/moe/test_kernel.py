@@ -186,7 +186,12 @@ def test_model_shapes_fit_the_kernel():
 
 
 def test_bench_arguments():
-    from xstage_lab.experiments.moe.bench import parse_args
+    from xstage_lab.experiments import harness
+    from xstage_lab.experiments.moe import bench
+
+    def parse_args(argv):
+        return harness.parse(bench.EXPERIMENT, argv)
+
     a = parse_args(["--out", "x.json"])
     assert a.models == list(moe.load_shapes()) and a.precisions == ["bf16", "fp8"]
     assert a.routing == ["balanced", "skewed"] and a.tokens == [4096]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from xstage_lab.checks import relative_error
+from xstage_lab.experiments import harness
 from xstage_lab.experiments.moe import layer as moe
 from xstage_lab.experiments.moe import kernel_bench as kb
 from xstage_lab.experiments.moe.bench import TOLERANCE
@@ -274,11 +275,22 @@ def fake_time_methods(methods, *, trials, warmup, graph_iters, eager, clocks):
     return out
 
 
+def parse(argv):
+    return harness.parse(kb.EXPERIMENT, argv)
+
+
+def cells(args) -> list[tuple]:
+    """(model, precision, routing, tokens) of every timed cell of the sweep, in run order."""
+    sweep, = kb.EXPERIMENT.sweeps(args)
+    return [(p["model"], p["precision"], p["routing"], p["tokens"]) for p in sweep.points()
+            if p["kind"] == "cell"]
+
+
 @pytest.fixture
 def cpu_bench(monkeypatch, grouped_loop, tmp_path):
-    """``run`` on CPU: the Tiny shape as the only model, the real contract check of
-    ``prepare_fused_moe`` with an EmulatedLaunch returned, the fake timing. Returns
-    ``(args, set_fault)``."""
+    """The experiment run by the harness on CPU (``MoEKernel(device="cpu")``): the Tiny shape as
+    the only model, the real contract check of ``prepare_fused_moe`` with an EmulatedLaunch
+    returned, the fake timing. Returns ``(args, set_fault)``."""
     monkeypatch.setattr(moe, "load_shapes", lambda: {"Tiny": TINY})
     real_prepare = moe.prepare_fused_moe
     fault = {"kind": None}
@@ -289,18 +301,21 @@ def cpu_bench(monkeypatch, grouped_loop, tmp_path):
 
     monkeypatch.setattr(moe, "prepare_fused_moe", prepare)
     monkeypatch.setattr(kb, "time_methods", fake_time_methods)
-    args = kb.parse_args(["--out", str(tmp_path / "bench.json"), "--models", "Tiny", "--routing",
-                          "skewed", "--tokens", str(TOKENS), "--kernel", "triton", "--programs", "4",
-                          "--trials", "3", "--seed", str(SEED), "--no-trace"])
+    args = parse(["--out", str(tmp_path / "bench.json"), "--models", "Tiny", "--routing",
+                  "skewed", "--tokens", str(TOKENS), "--kernel", "triton", "--programs", "4",
+                  "--trials", "3", "--seed", str(SEED), "--no-trace", "--no-progress"])
     return args, lambda kind: fault.update(kind=kind)
 
 
 def test_run_checks_times_and_imports_as_a_record(cpu_bench, tmp_path, monkeypatch):
     args, _ = cpu_bench
-    doc = kb.run(args, "cpu")
+    assert harness.run(kb.MoEKernel(device="cpu"), args) == args.out
+    doc = json.loads(args.out.read_text())
     rows, meta = doc["rows"], doc["metadata"]
-    assert [(r["model"], r["precision"], r["routing"], r["tokens"]) for r in rows] == \
-        [("Tiny", "bf16", "skewed", TOKENS), ("Tiny", "fp8", "skewed", TOKENS)]
+    assert [(r["model"], r["precision"], r["routing"], r["tokens"], r["kind"]) for r in rows] == \
+        [("Tiny", "bf16", "skewed", TOKENS, "cell"), ("Tiny", "fp8", "skewed", TOKENS, "cell")]
+    assert meta["experiment"] == "moe_kernel" and meta["world_size"] == 1 and \
+        meta["tile_configs"]["Tiny"].keys() == {"bf16", "fp8"}
     for r in rows:
         assert r["spin_errors"] == {"wave": 0, "interleaved": 0} and r["stray_rows"] == 0
         for kind, bound in TOLERANCE[r["precision"]].items():
@@ -319,6 +334,10 @@ def test_run_checks_times_and_imports_as_a_record(cpu_bench, tmp_path, monkeypat
     assert overhead["tokens_per_source"] == 1
     assert [(o["precision"], o["tokens"]) for o in overhead["rows"]] == [("bf16", 1), ("fp8", 1)]
     assert all(f"{m}_us" in o for o in overhead["rows"] for m in kb.OVERHEAD_METHODS)
+    # the one-token calls' rows as measured: none of a cell's columns, no sweep tags
+    assert not any("cublas_dense_us" in o or "point" in o or "call_overhead" in o
+                   for o in overhead["rows"])
+    assert "call_overhead" not in rows[0]
     assert meta["unfused_fp8_recipe"] == moe.UNFUSED_FP8_RECIPE and meta["kernel"] == "triton"
 
     # the JSON as written, with the provenance of one H200, imports as a moe_kernel record
@@ -335,14 +354,45 @@ def test_run_checks_times_and_imports_as_a_record(cpu_bench, tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("fault, message", [("skip", "error inf"), ("perturb", "differ")])
-def test_a_wrong_schedule_aborts_before_timing(cpu_bench, fault, message, monkeypatch):
+def test_a_wrong_schedule_aborts_before_timing(cpu_bench, fault, message, monkeypatch, capsys):
     args, set_fault = cpu_bench
     set_fault(fault)
     timed = []
     monkeypatch.setattr(kb, "time_methods", lambda *a, **k: timed.append(1))
-    with pytest.raises(SystemExit, match=message):
-        kb.run(args, "cpu")
+    with pytest.raises(SystemExit, match="correctness failed"):
+        harness.run(kb.MoEKernel(device="cpu"), args)
+    assert message in capsys.readouterr().err
     assert not timed and not args.out.exists()
+
+
+def test_the_sweep_puts_each_one_token_call_after_its_cells():
+    a = parse(["--out", "x.json", "--models", "Qwen3.5", "DiT-MoE", "--precisions", "fp8",
+               "--routing", "balanced", "skewed", "--tokens", "64"])
+    sweep, = kb.EXPERIMENT.sweeps(a)
+    assert [a.name for a in sweep.axes] == ["model", "precision", "cell"]
+    assert [(p["model"], p["kind"], p["routing"], p["tokens"]) for p in sweep.points()] == [
+        ("Qwen3.5", "cell", "balanced", 64), ("Qwen3.5", "cell", "skewed", 64),
+        ("Qwen3.5", "call_overhead", kb.OVERHEAD_ROUTING, kb.OVERHEAD_TOKENS),
+        ("DiT-MoE", "cell", "balanced", 64), ("DiT-MoE", "cell", "skewed", 64),
+        ("DiT-MoE", "call_overhead", kb.OVERHEAD_ROUTING, kb.OVERHEAD_TOKENS)]
+
+
+def test_one_token_calls_move_to_the_header():
+    """``finish`` keeps the cells' rows (without the one-token column) and the one-token rows
+    as measured, in run order; a chunk without one-token calls leaves them empty."""
+    exp = kb.MoEKernel()
+    table = pd.DataFrame([{"kind": "cell", "model": "A", "kernel_wave_us": 1.0},
+                          {"kind": "call_overhead", "model": "A",
+                           "call_overhead": {"model": "A", "g_wave_us": math.nan}},
+                          {"kind": "cell", "model": "B", "kernel_wave_us": 2.0},
+                          {"kind": "call_overhead", "model": "B", "call_overhead": {"model": "B"}}])
+    kept = exp.finish(table, None)
+    assert kept.to_dict("records") == [{"kind": "cell", "model": "A", "kernel_wave_us": 1.0},
+                                       {"kind": "cell", "model": "B", "kernel_wave_us": 2.0}]
+    assert [o["model"] for o in exp.call_overhead] == ["A", "B"]
+    assert math.isnan(exp.call_overhead[0]["g_wave_us"]) and "g_wave_us" not in exp.call_overhead[1]
+    only_cells = exp.finish(table.iloc[[0]].drop(columns="call_overhead"), None)
+    assert len(only_cells) == 1 and exp.call_overhead == []
 
 
 # ------------------------------------------------------------------------------------ summary
@@ -372,11 +422,11 @@ def test_summary_of_a_hand_made_table():
 # ------------------------------------------------------------------------------------ options
 
 def test_defaults_and_smoke():
-    a = kb.parse_args(["--out", "x.json"])
+    a = parse(["--out", "x.json"])
     assert a.tokens == [4096, 8192] and a.kernel == "gluon_ws" and a.trials == kb.DEFAULT_TRIALS
-    assert set(a.models) == set(moe.load_shapes()) and len(kb.cells(a)) == 7 * 2 * 2 * 2
-    s = kb.parse_args(["--out", "x.json", "--smoke"])
-    assert kb.cells(s) == [("DeepSeek-V4-Flash", "bf16", "balanced", 512),
+    assert set(a.models) == set(moe.load_shapes()) and len(cells(a)) == 7 * 2 * 2 * 2
+    s = parse(["--out", "x.json", "--smoke"])
+    assert cells(s) == [("DeepSeek-V4-Flash", "bf16", "balanced", 512),
                            ("DeepSeek-V4-Flash", "fp8", "balanced", 512)]
     assert s.trials < kb.DEFAULT_TRIALS
 
@@ -386,10 +436,11 @@ def test_defaults_and_smoke():
                                  ["--trials", "0"], ["--kernel", "cutlass"], ["--warmup", "-1"],
                                  ["--graph-iters", "0"], ["--programs", "0"],
                                  ["--smoke", "--models", "Qwen3.5"]])
-def test_bad_options_are_refused_before_any_cuda_work(bad, monkeypatch):
+def test_bad_options_are_refused_before_any_cuda_work(bad, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("CUDA touched"))
-    with pytest.raises(SystemExit):
-        kb.main(["--out", "x.json", *bad])
+    with pytest.raises(SystemExit) as e:
+        harness.main(kb.EXPERIMENT, ["--out", "x.json", *bad])
+    assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
 
 
 def test_burst_gaps_run_from_one_linear2_epilogue_to_the_next():
@@ -424,6 +475,17 @@ def test_merge_joins_the_invocations_of_one_run():
         kb.merge_documents([_doc("A"), _doc("B", commit="def")])
     with pytest.raises(ValueError):
         kb.merge_documents([])
+
+
+def test_merge_joins_chunks_that_split_a_models_precisions():
+    a, b = _doc("A"), _doc("A")
+    b["metadata"]["tile_configs"] = {"A": {"fp8": {"block_m": 64}}}
+    for doc, chunk in ((a, "0/2"), (b, "1/2")):
+        doc["metadata"]["chunk"] = doc["metadata"]["args"]["chunk"] = chunk
+    merged = kb.merge_documents([a, b])["metadata"]
+    assert merged["tile_configs"] == {"A": {"bf16": {}, "fp8": {"block_m": 64}}}
+    assert merged["chunk"] == ["0/2", "1/2"] and "chunk" not in merged["args"]
+    assert [i["args"]["chunk"] for i in merged["invocations"]] == ["0/2", "1/2"]
 
 
 def test_latest_view_takes_each_precision_from_its_newest_record(tmp_path):

@@ -247,8 +247,13 @@ def test_regression_rows_cause_where_traced_proxies_elsewhere():
     assert c["mma_busy_wave"] == pytest.approx(14 / 18) and c["mma_busy_int"] == pytest.approx(13 / 28)
 
 
+def parse_args(argv):
+    from xstage_lab.experiments import harness
+    from xstage_lab.experiments.moe import trace_bench
+    return harness.parse(trace_bench.EXPERIMENT, argv)
+
+
 def test_regression_cells_from_matrix_outputs(tmp_path):
-    from xstage_lab.experiments.moe.trace_bench import parse_args
     rows = [{"model": "DiT-MoE", "precision": "bf16", "routing": "skewed", "tokens": 2048, "speedup": 0.6},
             {"model": "Hy3", "precision": "fp8", "routing": "skewed", "tokens": 4096, "speedup": 1.2},
             {"model": "Qwen3.5", "precision": "fp8", "routing": "balanced", "tokens": 8192, "speedup": 0.9},
@@ -298,14 +303,151 @@ def test_d_sweep_leads():
 
 
 def test_trace_bench_arguments():
-    from xstage_lab.experiments.moe.trace_bench import parse_args
     a = parse_args(["--out", "x.json"])
     assert a.models == list(moe.load_shapes()) and a.local_models == a.models
     assert a.precision == "fp8" and a.routing == "skewed" and a.d_factors[2] == 1
-    with pytest.raises(SystemExit):
-        parse_args(["--out", "x.json", "--d-sweep-models", "GPT-5"])
-    with pytest.raises(SystemExit):
-        parse_args(["--out", "x.json", "--d-factors", "0,1"])
+    assert a.lead is None and a.k_fractions == sorted(a.k_fractions, reverse=True)
+
+
+@pytest.mark.parametrize("bad", [["--d-sweep-models", "GPT-5"], ["--d-factors", "0,1"],
+                                 ["--d-factors", "x"], ["--k-fractions", "1.5"],
+                                 ["--knee-models", "DiT-MoE", "--kernel", "triton"],
+                                 ["--models", ""], ["--models", "GPT-5"], ["--tokens", "0"],
+                                 ["--samples", "0"], ["--max-regressions", "-1"], ["--lead", "0"],
+                                 ["--trials", "0"]])
+def test_trace_bench_refuses_bad_options(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--out", "x.json", *bad])
+    assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+def test_trace_bench_steps(tmp_path):
+    """One sweep of steps: per model trace, fenced, the D sweep and one knee step per fraction
+    where asked; then the regressing cells grouped by their weights, each with its own cell."""
+    from xstage_lab.experiments import harness
+    from xstage_lab.experiments.moe import trace_bench
+    rows = [{"model": "DiT-MoE", "precision": "bf16", "routing": "skewed", "tokens": 2048, "speedup": 0.6},
+            {"model": "Qwen3.5", "precision": "fp8", "routing": "balanced", "tokens": 8192, "speedup": 0.9},
+            {"model": "DiT-MoE", "precision": "bf16", "routing": "balanced", "tokens": 8192, "speedup": 0.5}]
+    (tmp_path / "m.json").write_text(json.dumps({"metadata": {}, "rows": rows}))
+    a = parse_args(["--out", "x", "--models", "DiT-MoE,Hy3", "--d-sweep-models", "Hy3",
+                    "--knee-models", "DiT-MoE", "--k-fractions", "0.5,1,0.5", "--tokens", "512",
+                    "--regressions", str(tmp_path / "m.json")])
+    sweep, = trace_bench.EXPERIMENT.sweeps(a)
+    assert [ax.name for ax in sweep.axes] == ["step"] and sweep.repeats == 1
+    points = sweep.points()
+    assert [(p["kind"], p["model"], p.get("k_fraction")) for p in points] == [
+        ("trace", "DiT-MoE", None), ("fenced", "DiT-MoE", None),
+        ("knee_sweep", "DiT-MoE", 1.0), ("knee_sweep", "DiT-MoE", 0.5),
+        ("trace", "Hy3", None), ("fenced", "Hy3", None), ("d_sweep", "Hy3", None),
+        ("regression", "DiT-MoE", None), ("regression", "DiT-MoE", None),
+        ("regression", "Qwen3.5", None)]
+    assert all((p["precision"], p["routing"], p["tokens"]) == ("fp8", "skewed", 512)
+               for p in points if p["kind"] != "regression")
+    assert [(p["precision"], p["routing"], p["tokens"], p["matrix_speedup"])
+            for p in points if p["kind"] == "regression"] == [
+        ("bf16", "balanced", 8192, 0.5), ("bf16", "skewed", 2048, 0.6),
+        ("fp8", "balanced", 8192, 0.9)]
+    assert harness.chunk_indices([sweep], (1, 2)) == [[5, 6, 7, 8, 9]]
+
+
+@pytest.fixture
+def fake_steps(monkeypatch):
+    """The trace experiment in this process with every GPU part replaced by a stand-in that logs
+    what ran (``log``); ``failing``: models whose traced cell's check fails."""
+    from types import SimpleNamespace
+    from xstage_lab.experiments.moe import trace_bench as tb
+    log, failing = [], set()
+    monkeypatch.setattr(moe, "SymmetricCombine", lambda capacity: log.append(("combine", capacity)))
+    monkeypatch.setattr(moe, "local_expert_weights",
+                        lambda shape, rank, world, precision, **kw:
+                        log.append(("weights", shape.model, precision)) or "w")
+    monkeypatch.setattr(moe, "prepare_fused_moe", lambda *a, **k: "launch")
+
+    def traced_cell(shape, weights, combine, args, world, seed):
+        log.append(("cell", shape.model))
+        return tb.TracedCell(SimpleNamespace(), weights, {}, None, None, {})
+
+    def check_traced_cell(cell, combine, run):
+        model = next(e[1] for e in reversed(log) if e[0] == "cell")
+        log.append(("check cell", model))
+        cell.base = {"model": model}
+        return ["bad"] if model in failing else []
+
+    def step_check(step, combine):
+        log.append(("check", step.point["kind"], step.point["model"]))
+        return []
+
+    def rows(step_or_cell, combine, run, *rest):
+        point = getattr(step_or_cell, "point", None)
+        kind = point["kind"] if point else ("trace" if rest else "fenced")
+        log.append(("measure", kind))
+        return [{"kind": kind}] if kind in ("trace", "d_sweep") else {"kind": kind}
+
+    monkeypatch.setattr(tb, "traced_cell", traced_cell)
+    monkeypatch.setattr(tb, "check_traced_cell", check_traced_cell)
+    monkeypatch.setattr(tb, "setup_config", lambda *a: SimpleNamespace(
+        schedules={"wave": 0, "interleaved": 1}, cfg=None, layout=None, peers=None))
+    monkeypatch.setattr(tb, "prepare_d_sweep", lambda step, args: None)
+    monkeypatch.setattr(tb, "prepare_knee", lambda step: None)
+    for name in ("check_d_sweep", "check_knee", "check_regression"):
+        monkeypatch.setattr(tb, name, step_check)
+    for name in ("trace_rows", "fenced_row", "d_sweep_rows", "knee_row", "regression_row"):
+        monkeypatch.setattr(tb, name, rows)
+    monkeypatch.setattr(tb, "progress", lambda row: row["kind"])
+    experiment = tb.MoETrace()
+    experiment.launch = "in_process"
+    return experiment, log, failing
+
+
+def test_trace_steps_check_before_timing_and_make_weights_once(fake_steps, tmp_path):
+    from xstage_lab.experiments import harness
+    experiment, log, _ = fake_steps
+    (tmp_path / "m.json").write_text(json.dumps({"metadata": {}, "rows": [
+        {"model": "Hy3", "precision": "fp8", "routing": "skewed", "tokens": 64, "speedup": 0.5}]}))
+    args = harness.parse(experiment, [
+        "--out", str(tmp_path / "t.json"), "--models", "DiT-MoE,Hy3", "--tokens", "32",
+        "--d-sweep-models", "Hy3", "--knee-models", "DiT-MoE", "--k-fractions", "1,0.5",
+        "--regressions", str(tmp_path / "m.json"), "--no-progress"])
+    harness.run(experiment, args)
+    shapes = moe.load_shapes()
+    assert log[0] == ("combine", max(t * shapes[m].top_k * shapes[m].hidden
+                                     for m, t in (("DiT-MoE", 32), ("Hy3", 32), ("Hy3", 64))))
+    assert log[1:] == [
+        ("weights", "DiT-MoE", "fp8"), ("cell", "DiT-MoE"), ("check cell", "DiT-MoE"),
+        ("measure", "trace"), ("measure", "fenced"),
+        ("check", "knee_sweep", "DiT-MoE"), ("measure", "knee_sweep"),
+        ("check", "knee_sweep", "DiT-MoE"), ("measure", "knee_sweep"),
+        ("weights", "Hy3", "fp8"), ("cell", "Hy3"), ("check cell", "Hy3"),
+        ("measure", "trace"), ("measure", "fenced"),
+        ("check", "d_sweep", "Hy3"), ("measure", "d_sweep"),
+        # the regressing cell shares Hy3's fp8 weights: not made again
+        ("check", "regression", "Hy3"), ("measure", "regression")]
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert [r["kind"] for r in doc["rows"]] == ["trace", "fenced", "knee_sweep", "knee_sweep",
+                                                "trace", "fenced", "d_sweep", "regression"]
+    meta = doc["metadata"]
+    assert meta["experiment"] == "moe_trace" and meta["k_fractions"] == [1.0, 0.5]
+    assert meta["lead_rows"] == "d_knee (eq. 16)" and meta["tokens_per_rank"] == 32
+
+
+def test_a_chunk_checks_its_first_models_cell_before_timing(fake_steps, tmp_path):
+    """A chunk starting at a model's fenced step still checks the traced cell first; a failing
+    check stops the run before that model is timed, with no output."""
+    from xstage_lab.experiments import harness
+    experiment, log, failing = fake_steps
+    out = tmp_path / "t.json"
+    argv = ["--out", str(out), "--models", "DiT-MoE,Hy3", "--d-sweep-models", "",
+            "--no-progress"]
+    harness.run(experiment, harness.parse(experiment, [*argv, "--chunk", "1/4"]))
+    assert log[1:] == [("weights", "DiT-MoE", "fp8"), ("cell", "DiT-MoE"),
+                       ("check cell", "DiT-MoE"), ("measure", "fenced")]
+    out.unlink()
+    log.clear()
+    failing.add("Hy3")
+    with pytest.raises(SystemExit, match="correctness failed"):
+        harness.run(experiment, harness.parse(experiment, argv))
+    assert log[-2:] == [("cell", "Hy3"), ("check cell", "Hy3")] and not out.exists()
 
 
 def test_registered_for_measure_all_and_import():
@@ -479,7 +621,6 @@ if __name__ == "__main__":
 
 def test_regression_cells_from_a_moe_record(tmp_path):
     """measure-all hands the trace benchmark the moe record it just wrote, not the JSON."""
-    from xstage_lab.experiments.moe.trace_bench import parse_args
     from xstage_lab.records import import_bench_json
     rows = [{"model": "DiT-MoE", "precision": "bf16", "routing": "skewed", "tokens": 2048, "speedup": 0.6},
             {"model": "Hy3", "precision": "fp8", "routing": "skewed", "tokens": 4096, "speedup": 1.2}]

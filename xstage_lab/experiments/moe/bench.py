@@ -113,9 +113,10 @@ def start_expert_parallel(models: list[str]) -> dict[str, moe.MoEShape]:
     return shapes
 
 
-def cell_seed(seed: int, model: str, precision: str, routing: str, tokens: int) -> int:
-    """Fresh inputs per cell, reproducible whatever subset is run (``trace_bench`` uses the same)."""
-    return seed + 1 + zlib.crc32(f"{model}|{precision}|{routing}|{tokens}".encode())
+def cell_seed(seed: int, *key) -> int:
+    """Fresh inputs per cell (``key``: model, precision, routing, tokens), reproducible whatever
+    subset is run (``trace_bench`` and ``kernel_bench`` use the same)."""
+    return seed + 1 + zlib.crc32("|".join(str(k) for k in key).encode())
 
 
 @dataclass
@@ -250,8 +251,8 @@ class MoEMatrix(Experiment):
 
         self.weights, self.unfused_weights = run.resource((shape.model, precision), make_weights)
         setup = setup_config(shape, precision, point["routing"], point["tokens"], self.weights,
-                             self.combine, args, cell_seed(args.seed, **{
-                                 k: point[k] for k in ("model", "precision", "routing", "tokens")}))
+                             self.combine, args, cell_seed(args.seed, *(
+                                 point[k] for k in ("model", "precision", "routing", "tokens"))))
         setup.point = point
         return setup
 

@@ -1,10 +1,16 @@
 """Single-GPU benchmark of the fused MoE kernel against cuBLAS and the unfused path (issue 18,
 items 2-4; paper §4.2, §5.2).
 
-    python -m xstage_lab.experiments.moe.kernel_bench --out FILE.json [--models M ...]
-        [--precisions bf16 fp8] [--routing balanced skewed] [--tokens 4096 8192]
-        [--kernel gluon_ws|triton] [--trials N] [--smoke]
+    python -m xstage_lab.experiments.moe.kernel_bench (--out FILE.json | --root DIR)
+        [--models M ...] [--precisions bf16 fp8] [--routing balanced skewed]
+        [--tokens 4096 8192] [--kernel gluon_ws|triton] [--trials N] [--smoke] [--chunk I/N]
     python -m xstage_lab.experiments.moe.kernel_bench merge OUT.json IN.json [IN.json ...]
+
+An ``Experiment`` run by ``experiments.harness`` in this process (``launch = "in_process"``: one
+GPU, no process group, so ``dist_timing.time_methods`` times it as one process; ``launch.ONE_GPU``
+starts it under torchrun with one process, which it ignores). Its one ``Sweep``
+(``kernel_sweep``): model x precision x cell, a cell being each (routing, tokens) and then the
+one-token call; a model's weights in a precision are made once for its cells.
 
 The workload is one rank of the paper's eight-GPU setting (EP = 8) on one GPU: rank 0's E/8 local
 experts (experts 0 .. E/8 - 1) and every row that the eight source ranks route to them (T tokens
@@ -33,22 +39,19 @@ TF/s of every method: ``moe_flops`` of the real routed rows (``*_tflops``) and o
 the kernel computes (``*_tflops_padded``). ``ratio_to_cublas`` is cuBLAS's time over the kernel's
 (Expert-Wave) for the same padded rows: the ratio of their TF/s on either count.
 
-Output: one JSON ``{"metadata": {..., "call_overhead": {...}, "provenance": ...}, "rows": [...]}``,
-one row per cell; the one-token numbers sit in the metadata so that
-``records.import_bench_json(FILE, "moe_kernel")`` (``python -m xstage_lab import-bench FILE
---experiment moe_kernel``) keeps them in the record's header. ``kernel_summary`` turns the rows and
-that header into the ``moe_kernel`` entry of ``summary --json``.
+Output: one row per cell; the one-token calls' rows sit in the header (``call_overhead``), so
+that a ``--out`` JSON imported with ``python -m xstage_lab import-bench FILE --experiment
+moe_kernel``, or a ``--root`` record, keeps them in the record's header. ``kernel_summary`` turns
+the rows and that header into the ``moe_kernel`` entry of ``summary --json``.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import math
 import sys
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -58,12 +61,14 @@ import numpy as np
 import pandas as pd
 import torch
 from scipy.stats import gmean
-from tqdm.auto import tqdm
 
 from ...checks import bitwise_equal, poisoned, relative_error
-from ...dist_timing import TIMING_METHOD, read_sm_clock_mhz, time_methods
+from ...dist_timing import TIMING_METHOD, time_methods
+from ...sweep import Axis, Sweep
+from .. import harness
+from ..harness import Experiment, Run
 from . import layer as moe, trace as moe_trace
-from .bench import TOLERANCE
+from .bench import TOLERANCE, cell_seed
 from .schedules import L1, L2, MoEProblem, d_knee, expert_wave_schedule, interleaved_schedule, \
     tile_table, wave_starts
 
@@ -114,71 +119,16 @@ SUMMARY_KEYS = ("model", "precision", "routing", "tokens", "kernel_wave_us",
                 "grouped_mm_tflops", "unfused_us")
 
 
-# ------------------------------------------------------------------------------------- options
+# ---------------------------------------------------------------------------------- the sweep
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """Options, checked before any CUDA work; ``--smoke`` fixes the cells (``SMOKE``)."""
-    shapes = moe.load_shapes()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="JSON to write")
-    p.add_argument("--models", nargs="+", default=None, help=f"default: all of {list(shapes)}")
-    p.add_argument("--precisions", nargs="+", default=None, help=f"default: {list(moe.PRECISIONS)}")
-    p.add_argument("--routing", nargs="+", default=None, help=f"default: {list(moe.ROUTINGS)}")
-    p.add_argument("--tokens", nargs="+", type=int, default=None,
-                   help=f"tokens per source rank (default: {list(DEFAULT_TOKENS)})")
-    p.add_argument("--kernel", default="gluon_ws", help=f"fused kernel, one of {list(moe.KERNELS)}")
-    p.add_argument("--trials", type=int, default=None,
-                   help=f"default {DEFAULT_TRIALS} ({SMOKE['trials']} with --smoke)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--graph-iters", type=int, default=10,
-                   help="calls per CUDA-graph replay (and per eager trial)")
-    p.add_argument("--programs", type=int, default=None, help="persistent programs (default: SMs)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-spin", type=int, default=moe.DEFAULT_MAX_SPIN_ITERS)
-    p.add_argument("--no-trace", dest="trace", action="store_false",
-                   help="skip the instrumented launches that give per-tile mainloop times and "
-                        "the gap between Linear-2 bursts")
-    p.add_argument("--smoke", action="store_true",
-                   help="two small cells (DeepSeek-V4-Flash, bf16 and fp8, 512 tokens per source), "
-                        "few trials: a first check on the GPU")
-    a = p.parse_args(argv)
-    if a.smoke:
-        given = [f"--{k}" for k in ("models", "precisions", "routing", "tokens")
-                 if getattr(a, k) is not None]
-        if given:
-            p.error(f"--smoke fixes the cells; drop {' '.join(given)}")
-        a.models, a.precisions = SMOKE["models"], SMOKE["precisions"]
-        a.routing, a.tokens = SMOKE["routing"], SMOKE["tokens"]
-    a.models = list(shapes) if a.models is None else a.models
-    a.precisions = list(moe.PRECISIONS) if a.precisions is None else a.precisions
-    a.routing = list(moe.ROUTINGS) if a.routing is None else a.routing
-    a.tokens = list(DEFAULT_TOKENS) if a.tokens is None else a.tokens
-    a.trials = (SMOKE["trials"] if a.smoke else DEFAULT_TRIALS) if a.trials is None else a.trials
-    for name, given, allowed in (("model", a.models, shapes),
-                                 ("precision", a.precisions, moe.PRECISIONS),
-                                 ("routing", a.routing, moe.ROUTINGS),
-                                 ("kernel", [a.kernel], moe.KERNELS)):
-        bad = [g for g in given if g not in allowed]
-        if bad:
-            p.error(f"unknown {name} {bad}; choose from {list(allowed)}")
-    if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1 or a.max_spin < 1:
-        p.error("--tokens, --trials, --graph-iters and --max-spin must be >= 1")
-    if a.warmup < 0 or (a.programs is not None and a.programs < 1):
-        p.error("--warmup must be >= 0 and --programs >= 1")
-    for m in a.models:
-        if shapes[m].routed_experts % EP:
-            p.error(f"{m}: EP = {EP} ranks must divide its {shapes[m].routed_experts} experts")
-    return a
-
-
-def cells(args) -> list[tuple[str, str, str, int]]:
-    """(model, precision, routing, tokens) of every timed cell, in run order."""
-    return list(itertools.product(args.models, args.precisions, args.routing, args.tokens))
-
-
-def cell_seed(args, *key) -> int:
-    """Fresh inputs per cell, reproducible whatever subset of cells is run."""
-    return args.seed + 1 + zlib.crc32("|".join(str(k) for k in key).encode())
+def kernel_sweep(args) -> Sweep:
+    """Model x precision x cell: each (routing, tokens) of the options (``kind`` ``cell``), then
+    the one-token call (``call_overhead``); one pass (each cell's repeats are its timing trials).
+    Model and precision outermost: their weights are made once for their cells."""
+    cells = [{"kind": "cell", "routing": r, "tokens": t} for r in args.routing for t in args.tokens]
+    one_token = {"kind": "call_overhead", "routing": OVERHEAD_ROUTING, "tokens": OVERHEAD_TOKENS}
+    return Sweep("moe_kernel", (Axis("model", args.models), Axis("precision", args.precisions),
+                                Axis("cell", [*cells, one_token])), repeats=1, warmup=0)
 
 
 # ------------------------------------------------------------------------------------ workload
@@ -475,12 +425,6 @@ def trace_columns(cell: Cell) -> dict:
     return out
 
 
-def abort_on_failures(failures: list[str], what: str) -> None:
-    if failures:
-        raise SystemExit(f"correctness failed for {what}: {'; '.join(failures)}; not timing, "
-                         "nothing written")
-
-
 def timing_columns(timing: dict, names, flops: int, flops_padded: int) -> dict:
     """Median, p25/p75 and TF/s (routed and padded rows) of each method; the median SM clock of
     its trials (None where NVML did not answer)."""
@@ -513,54 +457,6 @@ def cell_row_base(cell: Cell) -> dict:
             "wave_starts": list(wave_starts(cell.problem, cell.programs))}
 
 
-def run_cell(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
-             weights: moe.ExpertWeights, uweights: moe.GroupedWeights, cfg: moe.TileConfig, args,
-             *, programs: int, device) -> dict:
-    """Correctness, then timing, of one cell; its result row."""
-    seed = cell_seed(args, shape.model, precision, routing, tokens)
-    cell = setup_cell(shape, precision, routing, tokens, weights, cfg, args, seed=seed,
-                      programs=programs, device=device)
-    if cell.workload.rows == 0:
-        abort_on_failures(["no row routed to rank 0's experts"], f"{shape.model} {tokens} tokens")
-    ulayout = (cell.layout if precision == "bf16"
-               else unfused_layout(cell.workload, precision, cfg.block_m))
-    offs = moe.group_offsets(ulayout)
-
-    def expert_ffn():
-        return moe.grouped_expert_ffn(ulayout, uweights, offs)
-
-    def combine_unfused():
-        cell.flat.index_copy_(0, cell.dest, expert_ffn().index_select(0, cell.rows))
-
-    what = f"{shape.model} {precision} {routing} {tokens}"
-    checked, failures = check_cell(cell, weight_seed=args.seed, unfused=combine_unfused)
-    abort_on_failures(failures, what)
-
-    methods = {"kernel_wave": cell.calls["wave"], "kernel_interleaved": cell.calls["interleaved"],
-               "call_wave": cell.whole_call("wave"),
-               "call_interleaved": cell.whole_call("interleaved"),
-               "cublas_dense": dense_ceiling(cell.layout.num_rows, shape.hidden, shape.intermediate,
-                                             precision, seed=seed + 1, device=device),
-               "grouped_mm": expert_ffn,
-               "unfused": lambda: (combine_unfused(), cell.weighted_sum())}
-    timing = time_methods(methods, trials=args.trials, warmup=args.warmup,
-                          graph_iters=args.graph_iters, eager=EAGER, clocks=True)
-    late = sum(c.error_count() for c in cell.calls.values())
-    traces = trace_columns(cell) if args.trace else {}
-    host = host_costs(cell) if device.type == "cuda" else {}
-    flops = moe_flops(cell.workload.rows, shape.hidden, shape.intermediate)
-    padded = moe_flops(cell.layout.num_rows, shape.hidden, shape.intermediate)
-    cols = timing_columns(timing, list(TIMED), flops, padded)
-    return {**cell_row_base(cell), **cols,
-            "tflops": cols["kernel_wave_tflops"], "tflops_padded": cols["kernel_wave_tflops_padded"],
-            "ratio_to_cublas": cols["cublas_dense_us"] / cols["kernel_wave_us"],
-            "ratio_to_cublas_interleaved": cols["cublas_dense_us"] / cols["kernel_interleaved_us"],
-            "fused_vs_unfused": cols["unfused_us"] / cols["call_wave_us"],
-            "speedup": cols["kernel_wave_us"] / cols["kernel_interleaved_us"],
-            **checked, "spin_errors_after_timing": late, **traces, **host,
-            "unfused_impl": moe.unfused_impl(device, precision)}
-
-
 def host_costs(cell: Cell, calls: int = 50) -> dict:
     """Host time of a call, where a one-token call spends it: ``host_launch_us``, the Python side
     of one whole Expert-Wave call (counters zeroed, launch with its TMA descriptors, weighted sum)
@@ -584,17 +480,83 @@ def host_costs(cell: Cell, calls: int = 50) -> dict:
     return {"host_launch_us": launch, "host_prepare_us": float(np.median(prepare))}
 
 
-def run_overhead_cell(shape: moe.MoEShape, precision: str, weights: moe.ExpertWeights,
-                      cfg: moe.TileConfig, args, *, programs: int, device) -> dict:
-    """The fixed per-call cost: a one-token call (``OVERHEAD_TOKENS`` on every source rank), checked
-    like a cell (without the unfused path), the kernel alone and the whole call timed; where the
-    time goes: the host's share (``host_costs``) and the tiles' (``trace_columns``: one Linear-1
-    tile's mainloop, then the Linear-2 tile that waits for it)."""
-    seed = cell_seed(args, shape.model, precision, "call_overhead")
-    cell = setup_cell(shape, precision, OVERHEAD_ROUTING, OVERHEAD_TOKENS, weights, cfg, args,
+@dataclass
+class KernelStep:
+    """One point on this GPU: its cell and, for a cell of the matrix (not the one-token call),
+    the unfused path: ``expert_ffn`` (the grouped GEMMs) and ``combine_unfused`` (them, then
+    Combine into the eight buffers); ``checked``: the check's columns of the row."""
+
+    point: dict
+    cell: Cell
+    seed: int
+    expert_ffn: Callable[[], torch.Tensor] | None = None
+    combine_unfused: Callable[[], None] | None = None
+    checked: dict = dataclasses.field(default_factory=dict)
+
+
+def prepare_step(point: dict, shape: moe.MoEShape, weights: moe.ExpertWeights,
+                 uweights: moe.GroupedWeights, cfg: moe.TileConfig, args, *, programs: int,
+                 device) -> KernelStep:
+    """The point's cell on fresh seeded activations (the one-token call: ``OVERHEAD_TOKENS`` on
+    every source rank) and, for a cell of the matrix with rows, its unfused path."""
+    one_token = point["kind"] == "call_overhead"
+    precision = point["precision"]
+    key = ("call_overhead",) if one_token else (point["routing"], point["tokens"])
+    seed = cell_seed(args.seed, shape.model, precision, *key)
+    cell = setup_cell(shape, precision, point["routing"], point["tokens"], weights, cfg, args,
                       seed=seed, programs=programs, device=device)
-    checked, failures = check_cell(cell, weight_seed=args.seed, unfused=None)
-    abort_on_failures(failures, f"{shape.model} {precision} one-token call")
+    step = KernelStep(point, cell, seed)
+    if one_token or cell.workload.rows == 0:  # no unfused path; no rows: the check refuses it
+        return step
+    ulayout = (cell.layout if precision == "bf16"
+               else unfused_layout(cell.workload, precision, cfg.block_m))
+    offs = moe.group_offsets(ulayout)
+
+    def expert_ffn():
+        return moe.grouped_expert_ffn(ulayout, uweights, offs)
+
+    def combine_unfused():
+        cell.flat.index_copy_(0, cell.dest, expert_ffn().index_select(0, cell.rows))
+
+    step.expert_ffn, step.combine_unfused = expert_ffn, combine_unfused
+    return step
+
+
+def cell_row(step: KernelStep, args, device) -> dict:
+    """Timing of one checked cell of the matrix: its result row."""
+    cell = step.cell
+    shape, precision = cell.shape, cell.precision
+    methods = {"kernel_wave": cell.calls["wave"], "kernel_interleaved": cell.calls["interleaved"],
+               "call_wave": cell.whole_call("wave"),
+               "call_interleaved": cell.whole_call("interleaved"),
+               "cublas_dense": dense_ceiling(cell.layout.num_rows, shape.hidden, shape.intermediate,
+                                             precision, seed=step.seed + 1, device=device),
+               "grouped_mm": step.expert_ffn,
+               "unfused": lambda: (step.combine_unfused(), cell.weighted_sum())}
+    timing = time_methods(methods, trials=args.trials, warmup=args.warmup,
+                          graph_iters=args.graph_iters, eager=EAGER, clocks=True)
+    late = sum(c.error_count() for c in cell.calls.values())
+    traces = trace_columns(cell) if args.trace else {}
+    host = host_costs(cell) if device.type == "cuda" else {}
+    flops = moe_flops(cell.workload.rows, shape.hidden, shape.intermediate)
+    padded = moe_flops(cell.layout.num_rows, shape.hidden, shape.intermediate)
+    cols = timing_columns(timing, list(TIMED), flops, padded)
+    return {**cell_row_base(cell), **cols,
+            "tflops": cols["kernel_wave_tflops"], "tflops_padded": cols["kernel_wave_tflops_padded"],
+            "ratio_to_cublas": cols["cublas_dense_us"] / cols["kernel_wave_us"],
+            "ratio_to_cublas_interleaved": cols["cublas_dense_us"] / cols["kernel_interleaved_us"],
+            "fused_vs_unfused": cols["unfused_us"] / cols["call_wave_us"],
+            "speedup": cols["kernel_wave_us"] / cols["kernel_interleaved_us"],
+            **step.checked, "spin_errors_after_timing": late, **traces, **host,
+            "unfused_impl": moe.unfused_impl(device, precision)}
+
+
+def overhead_row(step: KernelStep, args, device) -> dict:
+    """The fixed per-call cost: the checked one-token call, the kernel alone and the whole call
+    timed; where the time goes: the host's share (``host_costs``) and the tiles'
+    (``trace_columns``: one Linear-1 tile's mainloop, then the Linear-2 tile that waits for it)."""
+    cell = step.cell
+    shape = cell.shape
     methods = {"kernel_wave": cell.calls["wave"], "kernel_interleaved": cell.calls["interleaved"],
                "call_wave": cell.whole_call("wave"),
                "call_interleaved": cell.whole_call("interleaved")}
@@ -604,82 +566,194 @@ def run_overhead_cell(shape: moe.MoEShape, precision: str, weights: moe.ExpertWe
     padded = moe_flops(cell.layout.num_rows, shape.hidden, shape.intermediate)
     traces = trace_columns(cell) if args.trace else {}
     return {**cell_row_base(cell), **timing_columns(timing, OVERHEAD_METHODS, flops, padded),
-            **checked, "spin_errors_after_timing": sum(c.error_count() for c in cell.calls.values()),
-            **(host_costs(cell) if torch.device(device).type == "cuda" else {}), **traces}
+            **step.checked,
+            "spin_errors_after_timing": sum(c.error_count() for c in cell.calls.values()),
+            **(host_costs(cell) if device.type == "cuda" else {}), **traces}
 
 
-# --------------------------------------------------------------------------------------- run
+# ------------------------------------------------------------------------------ the experiment
 
-def run(args, device) -> dict:
-    """Per model and precision, its cells then its one-token call, on ``device``; the output
-    document. Raises SystemExit on the first correctness failure."""
-    device = torch.device(device)
-    shapes = moe.load_shapes()
-    programs = args.programs or torch.cuda.get_device_properties(device).multi_processor_count
-    todo = cells(args)
-    started, clock_start = time.time(), read_sm_clock_mhz()
-    rows, overhead, tile_configs = [], [], {}
-    bar = tqdm(total=len(todo) + len(args.models) * len(args.precisions), desc="moe_kernel cells",
-               unit="cell")
-    for model in args.models:
-        shape = shapes[model]
-        for precision in args.precisions:
-            cfg = moe.default_tile_config(precision, args.kernel, hidden=shape.hidden)
-            tile_configs.setdefault(model, {})[precision] = dataclasses.asdict(cfg)
+class MoEKernel(Experiment):
+    """The fused MoE kernel on one GPU against cuBLAS and the unfused path (issue 18)."""
+
+    name = "moe_kernel"
+    paper = "§4.2, §5.2; issue 18 items 2-4; timing §5.1"
+    launch = "in_process"
+
+    def __init__(self, device=None):
+        self.device = device  # None: this process's CUDA GPU, checked to run --kernel
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        shapes = moe.load_shapes()
+        p.add_argument("--models", nargs="+", default=None, help=f"default: all of {list(shapes)}")
+        p.add_argument("--precisions", nargs="+", default=None,
+                       help=f"default: {list(moe.PRECISIONS)}")
+        p.add_argument("--routing", nargs="+", default=None, help=f"default: {list(moe.ROUTINGS)}")
+        p.add_argument("--tokens", nargs="+", type=int, default=None,
+                       help=f"tokens per source rank (default: {list(DEFAULT_TOKENS)})")
+        p.add_argument("--kernel", default="gluon_ws",
+                       help=f"fused kernel, one of {list(moe.KERNELS)}")
+        p.add_argument("--trials", type=int, default=None,
+                       help=f"default {DEFAULT_TRIALS} ({SMOKE['trials']} with --smoke)")
+        p.add_argument("--warmup", type=int, default=3)
+        p.add_argument("--graph-iters", type=int, default=10,
+                       help="calls per CUDA-graph replay (and per eager trial)")
+        p.add_argument("--programs", type=int, default=None,
+                       help="persistent programs (default: SMs)")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--max-spin", type=int, default=moe.DEFAULT_MAX_SPIN_ITERS)
+        p.add_argument("--no-trace", dest="trace", action="store_false",
+                       help="skip the instrumented launches that give per-tile mainloop times and "
+                            "the gap between Linear-2 bursts")
+        p.add_argument("--smoke", action="store_true",
+                       help="two small cells (DeepSeek-V4-Flash, bf16 and fp8, 512 tokens per "
+                            "source), few trials: a first check on the GPU")
+
+    def check_args(self, a: argparse.Namespace) -> None:
+        """Options, checked before any CUDA work; ``--smoke`` fixes the cells (``SMOKE``)."""
+        shapes = moe.load_shapes()
+        if a.smoke:
+            given = [f"--{k}" for k in ("models", "precisions", "routing", "tokens")
+                     if getattr(a, k) is not None]
+            if given:
+                raise ValueError(f"--smoke fixes the cells; drop {' '.join(given)}")
+            a.models, a.precisions = SMOKE["models"], SMOKE["precisions"]
+            a.routing, a.tokens = SMOKE["routing"], SMOKE["tokens"]
+        a.models = list(shapes) if a.models is None else a.models
+        a.precisions = list(moe.PRECISIONS) if a.precisions is None else a.precisions
+        a.routing = list(moe.ROUTINGS) if a.routing is None else a.routing
+        a.tokens = list(DEFAULT_TOKENS) if a.tokens is None else a.tokens
+        a.trials = (SMOKE["trials"] if a.smoke else DEFAULT_TRIALS) if a.trials is None else a.trials
+        for name, given, allowed in (("model", a.models, shapes),
+                                     ("precision", a.precisions, moe.PRECISIONS),
+                                     ("routing", a.routing, moe.ROUTINGS),
+                                     ("kernel", [a.kernel], moe.KERNELS)):
+            bad = [g for g in given if g not in allowed]
+            if bad:
+                raise ValueError(f"unknown {name} {bad}; choose from {list(allowed)}")
+        if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1 or a.max_spin < 1:
+            raise ValueError("--tokens, --trials, --graph-iters and --max-spin must be >= 1")
+        if a.warmup < 0 or (a.programs is not None and a.programs < 1):
+            raise ValueError("--warmup must be >= 0 and --programs >= 1")
+        for m in a.models:
+            if shapes[m].routed_experts % EP:
+                raise ValueError(f"{m}: EP = {EP} ranks must divide its "
+                                 f"{shapes[m].routed_experts} experts")
+
+    def sweeps(self, args) -> list[Sweep]:
+        return [kernel_sweep(args)]
+
+    def start(self, run: Run) -> None:
+        """This GPU (the reference float32, not TF32), its persistent programs, the run's tile
+        configurations and one-token calls."""
+        if self.device is None:
+            if not torch.cuda.is_available():
+                raise SystemExit("moe.kernel_bench needs a CUDA GPU")
+            self.on = torch.device("cuda", torch.cuda.current_device())
+            why = moe.kernel_unsupported(run.args.kernel, self.on)
+            if why:
+                raise SystemExit(why)
+            torch.backends.cuda.matmul.allow_tf32 = False  # the reference is float32, not TF32
+        else:
+            self.on = torch.device(self.device)
+        self.programs = (run.args.programs
+                         or torch.cuda.get_device_properties(self.on).multi_processor_count)
+        self.shapes = moe.load_shapes()
+        self.tile_configs: dict = {}
+        self.call_overhead: list[dict] = []
+
+    def prepare(self, point: dict, run: Run) -> KernelStep:
+        """The point's cell; its model's weights in its precision, made once for its cells."""
+        args, shape, precision = run.args, self.shapes[point["model"]], point["precision"]
+        cfg = moe.default_tile_config(precision, args.kernel, hidden=shape.hidden)
+        self.tile_configs.setdefault(shape.model, {})[precision] = dataclasses.asdict(cfg)
+
+        def make_weights():
             weights = moe.local_expert_weights(shape, RANK, EP, precision, seed=args.seed,
-                                               device=device)
+                                               device=self.on)
             # bf16: the grouped GEMMs take the kernel's weights as they are (same master weights).
-            uweights = (moe.GroupedWeights(precision, weights.w1, weights.w2) if precision == "bf16"
-                        else moe.unfused_expert_weights(shape, RANK, EP, precision, seed=args.seed,
-                                                        device=device))
-            for routing, tokens in [(r, t) for m, p, r, t in todo if (m, p) == (model, precision)]:
-                bar.set_postfix_str(f"{model} {precision} {routing} {tokens}")
-                row = run_cell(shape, precision, routing, tokens, weights, uweights, cfg, args,
-                               programs=programs, device=device)
-                rows.append(row)
-                bar.write(f"{model:18s} {precision:4s} {routing:8s} {tokens:6d}  kernel wave "
-                          f"{row['kernel_wave_us']:8.1f} us ({row['tflops']:6.1f} TF/s, "
-                          f"{row['ratio_to_cublas']:.2f} of cuBLAS)  call {row['call_wave_us']:8.1f}"
-                          f" us  unfused {row['unfused_us']:8.1f} us")
-                bar.update()
-            bar.set_postfix_str(f"{model} {precision} one-token call")
-            overhead.append(run_overhead_cell(shape, precision, weights, cfg, args,
-                                              programs=programs, device=device))
-            bar.update()
-            del weights, uweights
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    bar.close()
-    from ...platform import provenance
-    meta = {
-        "experiment": "moe_kernel", "paper": "§4.2, §5.2; issue 18 items 2-4; timing §5.1",
-        "workload": f"one rank (rank {RANK}) of EP = {EP} on one GPU: its E/{EP} local experts, the "
-                    f"rows all {EP} source ranks route to them, Combine into {EP} local buffers",
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "kernel": args.kernel, "tile_configs": tile_configs,
-        "unfused_impl": {p: moe.UNFUSED_IMPL[p] for p in args.precisions},
-        "unfused_fp8_recipe": moe.UNFUSED_FP8_RECIPE,
-        "unfused_layout": "the fused kernel's Dispatch layout: offs end each expert's rows padded "
-                          "to block_m",
-        "cublas_dense": {p: DENSE_CEILING[p] for p in args.precisions},
-        "flops": FLOPS, "timed": TIMED, "tolerance": TOLERANCE,
-        "timing": f"{TIMING_METHOD}; one process; {args.graph_iters} calls per trial, graphed "
-                  f"except {sorted(EAGER)} (eager, back to back)",
-        "skew": {"hot_expert_fraction": moe.HOT_EXPERT_FRACTION,
-                 "hot_logit_bias": moe.HOT_LOGIT_BIAS},
-        "call_overhead": {"tokens_per_source": OVERHEAD_TOKENS, "routing": OVERHEAD_ROUTING,
-                          "rows": overhead},
-        "sm_clock_mhz_start": clock_start, "sm_clock_mhz_end": read_sm_clock_mhz(),
-        "wall_s": time.time() - started, "provenance": provenance(),
-    }
-    return {"metadata": meta, "rows": rows}
+            uweights = (moe.GroupedWeights(precision, weights.w1, weights.w2)
+                        if precision == "bf16"
+                        else moe.unfused_expert_weights(shape, RANK, EP, precision,
+                                                        seed=args.seed, device=self.on))
+            return weights, uweights
 
+        weights, uweights = run.resource((shape.model, precision), make_weights)
+        return prepare_step(point, shape, weights, uweights, cfg, args, programs=self.programs,
+                            device=self.on)
+
+    def check(self, step: KernelStep, run: Run) -> list[str]:
+        """Step 1 of the module docstring (the one-token call without the unfused path)."""
+        if step.point["kind"] == "cell" and step.cell.workload.rows == 0:
+            return ["no row routed to rank 0's experts"]
+        step.checked, failures = check_cell(step.cell, weight_seed=run.args.seed,
+                                            unfused=step.combine_unfused)
+        return failures
+
+    def measure(self, step: KernelStep, run: Run) -> dict:
+        """A cell's row; the one-token call's row as one cell (``call_overhead``) that ``finish``
+        moves to the header."""
+        if step.point["kind"] == "call_overhead":
+            return {"call_overhead": overhead_row(step, run.args, self.on)}
+        return cell_row(step, run.args, self.on)
+
+    def progress_line(self, rows) -> str | None:
+        if "call_overhead" in rows:
+            return None
+        row = rows.iloc[0]
+        return (f"{row['model']:18s} {row['precision']:4s} {row['routing']:8s} "
+                f"{row['tokens']:6d}  kernel wave {row['kernel_wave_us']:8.1f} us "
+                f"({row['tflops']:6.1f} TF/s, {row['ratio_to_cublas']:.2f} of cuBLAS)  call "
+                f"{row['call_wave_us']:8.1f} us  unfused {row['unfused_us']:8.1f} us")
+
+    def finish(self, table: pd.DataFrame, run: Run) -> pd.DataFrame:
+        """The cells' rows; the one-token calls' rows, in run order, kept for the header."""
+        if table.empty:
+            return table
+        one_token = table["kind"] == "call_overhead"
+        self.call_overhead = list(table.loc[one_token, "call_overhead"]) if one_token.any() else []
+        return table[~one_token].drop(columns="call_overhead", errors="ignore") \
+            .reset_index(drop=True)
+
+    @classmethod
+    def analyse(cls, record, root: Path) -> "KernelView":
+        """One record read as a ``KernelView`` (``latest_view``: a platform's newest record of
+        each precision)."""
+        return KernelView(record.platform, (record,))
+
+    def metadata(self, run: Run) -> dict:
+        args = run.args
+        return {
+            "workload": f"one rank (rank {RANK}) of EP = {EP} on one GPU: its E/{EP} local "
+                        f"experts, the rows all {EP} source ranks route to them, Combine into "
+                        f"{EP} local buffers",
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "kernel": args.kernel, "tile_configs": self.tile_configs,
+            "unfused_impl": {p: moe.UNFUSED_IMPL[p] for p in args.precisions},
+            "unfused_fp8_recipe": moe.UNFUSED_FP8_RECIPE,
+            "unfused_layout": "the fused kernel's Dispatch layout: offs end each expert's rows "
+                              "padded to block_m",
+            "cublas_dense": {p: DENSE_CEILING[p] for p in args.precisions},
+            "flops": FLOPS, "timed": TIMED, "tolerance": TOLERANCE,
+            "timing": f"{TIMING_METHOD}; one process; {args.graph_iters} calls per trial, graphed "
+                      f"except {sorted(EAGER)} (eager, back to back)",
+            "skew": {"hot_expert_fraction": moe.HOT_EXPERT_FRACTION,
+                     "hot_logit_bias": moe.HOT_LOGIT_BIAS},
+            "call_overhead": {"tokens_per_source": OVERHEAD_TOKENS, "routing": OVERHEAD_ROUTING,
+                              "rows": self.call_overhead},
+        }
+
+
+EXPERIMENT = MoEKernel()
+
+
+# --------------------------------------------------------------------------------------- merge
 
 def merge_documents(docs: list[dict]) -> dict:
     """One document from the outputs of several invocations of one run (a device command's time
-    limit splits the matrix by model): their rows and one-token rows in order, the first's
-    header, each invocation's arguments and run time. Raises unless they ran the same kernel with
-    the same tiles on the same kind of GPU from the same commit."""
+    limit splits the matrix by model, or into ``--chunk`` pieces): their rows and one-token rows
+    in order, the first's header, each invocation's arguments, chunk and run time. Raises unless
+    they ran the same kernel with the same tiles on the same kind of GPU from the same commit."""
     if not docs:
         raise ValueError("nothing to merge")
     same = ("kernel", "timing", "tolerance")
@@ -691,37 +765,29 @@ def merge_documents(docs: list[dict]) -> dict:
             if d["metadata"]["provenance"][key] != docs[0]["metadata"]["provenance"][key]:
                 raise ValueError(f"the outputs differ in provenance {key!r}")
     meta = json.loads(json.dumps(docs[0]["metadata"]))
-    meta["tile_configs"] = {m: c for d in docs for m, c in d["metadata"]["tile_configs"].items()}
+    meta["tile_configs"] = {}
+    for d in docs:  # a chunk may hold some of a model's precisions
+        for m, c in d["metadata"]["tile_configs"].items():
+            meta["tile_configs"].setdefault(m, {}).update(c)
     meta["call_overhead"]["rows"] = [r for d in docs for r in d["metadata"]["call_overhead"]["rows"]]
     meta["invocations"] = [{"args": d["metadata"]["args"], "wall_s": d["metadata"]["wall_s"],
                             "date_utc": d["metadata"]["provenance"]["date_utc"]} for d in docs]
-    meta["args"] = {k: v for k, v in meta["args"].items() if k not in ("out", "models", "precisions")}
+    meta["args"] = {k: v for k, v in meta["args"].items()
+                    if k not in ("out", "models", "precisions", "chunk")}
+    meta["chunk"] = [d["metadata"].get("chunk") for d in docs]
     meta["wall_s"] = sum(d["metadata"]["wall_s"] for d in docs)
     return {"metadata": meta, "rows": [r for d in docs for r in d["rows"]]}
 
 
-def main(argv=None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["merge"]:  # merge OUT IN [IN ...]: no GPU needed
-        if len(argv) < 3:
-            raise SystemExit("usage: python -m xstage_lab.experiments.moe.kernel_bench merge "
-                             "OUT.json IN.json [IN.json ...]")
-        doc = merge_documents([json.loads(Path(f).read_text()) for f in argv[2:]])
-        Path(argv[1]).write_text(json.dumps(doc, indent=1, default=str))
-        print(f"wrote {argv[1]} ({len(doc['rows'])} cells from {len(argv) - 2} outputs)")
-        return
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("moe.kernel_bench needs a CUDA GPU")
-    device = torch.device("cuda", torch.cuda.current_device())
-    why = moe.kernel_unsupported(args.kernel, device)
-    if why:
-        raise SystemExit(why)
-    torch.backends.cuda.matmul.allow_tf32 = False  # the reference is float32, not TF32
-    doc = run(args, device)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1, default=str))
-    print(f"wrote {args.out} ({len(doc['rows'])} cells, {doc['metadata']['wall_s']:.0f} s)")
+def merge(argv: list[str]) -> None:
+    """``merge OUT IN [IN ...]``: ``merge_documents`` of the ``--out`` JSONs ``IN``, written to
+    ``OUT``; no GPU needed."""
+    if len(argv) < 2:
+        raise SystemExit("usage: python -m xstage_lab.experiments.moe.kernel_bench merge "
+                         "OUT.json IN.json [IN.json ...]")
+    doc = merge_documents([json.loads(Path(f).read_text()) for f in argv[1:]])
+    Path(argv[0]).write_text(json.dumps(doc, indent=1, default=str))
+    print(f"wrote {argv[0]} ({len(doc['rows'])} cells from {len(argv) - 1} outputs)")
 
 
 # ----------------------------------------------------------------------------------- summary
@@ -804,4 +870,7 @@ def summary_entry(platform: str, root: Path) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["merge"]:
+        merge(sys.argv[2:])
+    else:
+        harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])
