@@ -95,8 +95,3 @@ def test_in_process_experiments_write_their_record_and_what_derives_from_it(tmp_
     assert runs == [("remote_store", tmp_path, None)]
     assert paths == [tmp_path / "remote_store" / "new.parquet",
                      tmp_path / "calibration" / "from-new.parquet"]
-
-
-def test_one_gpu_experiments_start_one_process():
-    assert launch.processes("moe_kernel", 8) == 1
-    assert launch.processes("moe", 8) == 8

@@ -17,11 +17,6 @@ from .records import RECORDS_DIR, import_bench_json
 MOE_MATRIX = Path(__file__).resolve().parent.parent / "data" / "moe_matrix.json"
 
 
-def processes(name: str, peer_capable_gpus: int) -> int:
-    """How many processes torchrun starts for experiment ``name``."""
-    return 1 if experiment(name).one_gpu else peer_capable_gpus
-
-
 def torchrun_record(name: str, nproc: int, args: list[str] = (),
                     root: Path = RECORDS_DIR) -> Path:
     """Run experiment ``name``'s module under ``python -m torch.distributed.run
@@ -52,7 +47,7 @@ def run_live(name: str, root: Path = RECORDS_DIR, args: list[str] = ()) -> list[
     if exp.launch == "in_process":
         path = harness.run(exp, harness.parse(exp, ["--root", str(root), *args]))
     else:
-        path = torchrun_record(name, processes(name, inventory().peer_capable_gpus), args, root)
+        path = torchrun_record(name, inventory().peer_capable_gpus, args, root)
     return [path, *exp.derived(path, root)]
 
 

@@ -521,6 +521,13 @@ def select_records(keys, dest: Path, root: Path = RECORDS_DIR) -> Path:
     return dest
 
 
+def _json_scalar(value):
+    """JSON for a numpy scalar or array inside a cell."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 def save_output(metadata: dict, table: pd.DataFrame, experiment: str,
                 root: Path = RECORDS_DIR, resolution: dict[str, float] | None = None) -> Path:
     """Save an experiment's output (``experiments.harness``: its rows and a header holding
@@ -531,7 +538,7 @@ def save_output(metadata: dict, table: pd.DataFrame, experiment: str,
     header = dict(metadata)
     provenance = header.pop("provenance")
     table = table.apply(lambda col: col.map(
-        lambda v: json.dumps(v) if isinstance(v, (dict, list)) else v)
+        lambda v: json.dumps(v, default=_json_scalar) if isinstance(v, (dict, list)) else v)
         if col.dtype == object else col)
     platform = platform_key(provenance["gpu_name"], provenance["gpu_count"])
     # Named by when the experiment ran, not when it was saved: "latest" means latest measured.

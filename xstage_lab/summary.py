@@ -95,7 +95,7 @@ def operations_entry(platform: str, root: Path) -> dict:
 def moe_kernel_entry(platform: str, root: Path) -> dict:
     """The ``moe_kernel`` entry: the fused kernel on one GPU against cuBLAS and torch's grouped
     GEMMs, and the one-token call."""
-    from .experiments.moe.kernel_bench import summary_entry
+    from .experiments.moe.kernel_view import summary_entry
 
     return summary_entry(platform, root)
 

@@ -36,8 +36,6 @@ import pandas as pd
 from ..sweep import Sweep, run_sweep
 from .output import write_output
 
-LAUNCHES = ("in_process", "per_gpu")
-
 
 class Experiment:
     """One experiment: see the module docstring for what each method declares."""
@@ -45,8 +43,6 @@ class Experiment:
     name: ClassVar[str]  # the record's experiment
     paper: ClassVar[str]  # what of the paper (or which issue) it measures
     launch: ClassVar[str] = "per_gpu"
-    # per_gpu on one GPU whatever the machine has (one rank of the paper's setting on its own)
-    one_gpu: ClassVar[bool] = False
     # Per column, the resolution the record may round values to (``records.write_record``).
     resolution: ClassVar[dict[str, float]] = {}
 

@@ -22,7 +22,7 @@ import torch
 from xstage_lab.checks import relative_error
 from xstage_lab.experiments import harness
 from xstage_lab.experiments.moe import layer as moe
-from xstage_lab.experiments.moe import kernel_bench as kb
+from xstage_lab.experiments.moe import kernel_bench as kb, kernel_view as kv
 from xstage_lab.experiments.moe.bench import TOLERANCE
 from xstage_lab.experiments.moe.schedules import L1, L2
 from xstage_lab.records import import_bench_json, read_record
@@ -347,10 +347,10 @@ def test_run_checks_times_and_imports_as_a_record(cpu_bench, tmp_path, monkeypat
     rec = read_record(import_bench_json(path, "moe_kernel", root=tmp_path / "records"))
     assert rec.platform == "h200-x1" and len(rec.table) == 2
     assert rec.params["call_overhead"] == json.loads(json.dumps(overhead, default=str))
-    from_record = kb.kernel_summary(rec.table, rec.params["call_overhead"])
-    assert from_record == kb.kernel_summary(pd.DataFrame(rows), overhead)
-    assert kb.summary_entry("h200-x1", tmp_path / "records") == from_record
-    assert set(from_record["rows"][0]) == set(kb.SUMMARY_KEYS)
+    from_record = kv.kernel_summary(rec.table, rec.params["call_overhead"])
+    assert from_record == kv.kernel_summary(pd.DataFrame(rows), overhead)
+    assert kv.summary_entry("h200-x1", tmp_path / "records") == from_record
+    assert set(from_record["rows"][0]) == set(kv.SUMMARY_KEYS)
 
 
 @pytest.mark.parametrize("fault, message", [("skip", "error inf"), ("perturb", "differ")])
@@ -407,7 +407,7 @@ def test_summary_of_a_hand_made_table():
     overhead = {"rows": [dict(model="A", precision="bf16", kernel_wave_us=20.0, call_wave_us=40.0),
                          dict(model="B", precision="bf16", kernel_wave_us=25.0, call_wave_us=35.0),
                          dict(model="A", precision="fp8", kernel_wave_us=30.0, call_wave_us=45.0)]}
-    s = kb.kernel_summary(table, overhead)
+    s = kv.kernel_summary(table, overhead)
     assert s["geomean_ratio_to_cublas"] == {"bf16": round(math.sqrt(0.8 * 0.5), 4), "fp8": 0.9}
     assert s["call_overhead_us"] == {"bf16": {"kernel_us": 25.0, "call_us": 40.0},
                                      "fp8": {"kernel_us": 30.0, "call_us": 45.0}}
@@ -415,7 +415,7 @@ def test_summary_of_a_hand_made_table():
                             "kernel_wave_us": 1.0, "kernel_interleaved_us": 1.0, "call_wave_us": 2.0,
                             "tflops": 300.0, "cublas_dense_tflops": 600.0,
                             "grouped_mm_tflops": 100.0, "unfused_us": 3.0}
-    only_bf16 = kb.kernel_summary(table[table.precision == "bf16"], overhead)
+    only_bf16 = kv.kernel_summary(table[table.precision == "bf16"], overhead)
     assert only_bf16["geomean_ratio_to_cublas"]["fp8"] is None
 
 
@@ -507,12 +507,12 @@ def test_latest_view_takes_each_precision_from_its_newest_record(tmp_path):
 
     record("2026-12-01T10:00:00+00:00", ["bf16", "fp8"], 1.0)
     record("2026-12-01T11:00:00+00:00", ["fp8"], 2.0)
-    view = kb.latest_view("h200-x1", tmp_path)
+    view = kv.latest_view("h200-x1", tmp_path)
     assert len(view.records) == 2 and " + " in view.record_id
     assert dict(zip(view.table["precision"], view.table["tflops"])) == {"fp8": 2.0, "bf16": 1.0}
     assert {(o["precision"], o["kernel_wave_us"]) for o in
             view.params["call_overhead"]["rows"]} == {("fp8", 2.0), ("bf16", 1.0)}
-    s = kb.summary_entry("h200-x1", tmp_path)
+    s = kv.summary_entry("h200-x1", tmp_path)
     assert s["geomean_ratio_to_cublas"] == {"bf16": 1.0, "fp8": 2.0}
     record("2026-12-01T12:00:00+00:00", ["bf16", "fp8"], 3.0)  # a full run supersedes both
-    assert len(kb.latest_view("h200-x1", tmp_path).records) == 1
+    assert len(kv.latest_view("h200-x1", tmp_path).records) == 1

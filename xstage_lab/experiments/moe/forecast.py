@@ -156,11 +156,11 @@ def kernel_inputs(table: pd.DataFrame, basis: dict = BASIS) -> pd.DataFrame:
 def write_forecast(kernel_platform: str, calibration_platform: str,
                    root: Path = RECORDS_DIR) -> Path:
     """The ``moe_forecast`` record of ``kernel_platform`` (whose latest ``moe_kernel`` record of
-    each precision gives the per-tile times: ``kernel_bench.latest_view``) on
+    each precision gives the per-tile times: ``kernel_view.latest_view``) on
     ``calibration_platform``'s latest calibration."""
     from ...platform import provenance
     from ...records import latest_record, write_record
-    from .kernel_bench import latest_view
+    from .kernel_view import latest_view
     from ..remote_store.characterization import latest_calibration
 
     kernel = latest_view(kernel_platform, root)

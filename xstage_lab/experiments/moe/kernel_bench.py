@@ -41,7 +41,7 @@ the kernel computes (``*_tflops_padded``). ``ratio_to_cublas`` is cuBLAS's time 
 
 Output: one row per cell; the one-token calls' rows sit in the header (``call_overhead``), so
 that a ``--out`` JSON imported with ``python -m xstage_lab import-bench FILE --experiment
-moe_kernel``, or a ``--root`` record, keeps them in the record's header. ``kernel_summary`` turns
+moe_kernel``, or a ``--root`` record, keeps them in the record's header. ``kernel_view.kernel_summary``
 the rows and that header into the ``moe_kernel`` entry of ``summary --json``.
 """
 from __future__ import annotations
@@ -54,13 +54,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
-from scipy.stats import gmean
 
 from ...checks import bitwise_equal, poisoned, relative_error
 from ...dist_timing import TIMING_METHOD, time_methods
@@ -69,6 +67,7 @@ from .. import harness
 from ..harness import Experiment, Run
 from . import layer as moe, trace as moe_trace
 from .bench import TOLERANCE, cell_seed
+from .kernel_view import KernelView
 from .schedules import L1, L2, MoEProblem, d_knee, expert_wave_schedule, interleaved_schedule, \
     tile_table, wave_starts
 
@@ -114,9 +113,6 @@ DENSE_CEILING = {
 FLOPS = ("2 * rows * hidden * 2 * intermediate (Linear-1, gate and up) + 2 * rows * intermediate "
          "* hidden (Linear-2); *_tflops with the routed rows, *_tflops_padded with the rows "
          "padded to block_m per expert")
-SUMMARY_KEYS = ("model", "precision", "routing", "tokens", "kernel_wave_us",
-                "kernel_interleaved_us", "call_wave_us", "tflops", "cublas_dense_tflops",
-                "grouped_mm_tflops", "unfused_us")
 
 
 # ---------------------------------------------------------------------------------- the sweep
@@ -715,8 +711,18 @@ class MoEKernel(Experiment):
         return table[~one_token].drop(columns="call_overhead", errors="ignore") \
             .reset_index(drop=True)
 
+    def derived(self, path: Path, root: Path) -> list[Path]:
+        """The EP = 2, 4, 8 forecast from this platform's kernel records, on its calibration
+        where it has one."""
+        from ...records import platforms
+        from .forecast import write_forecast
+
+        platform = path.parent.name
+        return ([write_forecast(platform, platform, root)]
+                if platform in platforms("calibration", root) else [])
+
     @classmethod
-    def analyse(cls, record, root: Path) -> "KernelView":
+    def analyse(cls, record, root: Path) -> KernelView:
         """One record read as a ``KernelView`` (``latest_view``: a platform's newest record of
         each precision)."""
         return KernelView(record.platform, (record,))
@@ -788,85 +794,6 @@ def merge(argv: list[str]) -> None:
     doc = merge_documents([json.loads(Path(f).read_text()) for f in argv[1:]])
     Path(argv[0]).write_text(json.dumps(doc, indent=1, default=str))
     print(f"wrote {argv[0]} ({len(doc['rows'])} cells from {len(argv) - 1} outputs)")
-
-
-# ----------------------------------------------------------------------------------- summary
-
-def _plain(value):
-    return value.item() if hasattr(value, "item") else value
-
-
-def kernel_summary(table: pd.DataFrame, call_overhead: dict) -> dict:
-    """The ``moe_kernel`` entry of ``summary --json`` from a record's table (or the JSON's rows)
-    and its ``call_overhead`` header: the per-cell rows; the geometric mean over cells, per
-    precision, of the kernel's TF/s over cuBLAS's (None where a precision has no cell); and per
-    precision the one-token kernel and call times, the worst over models."""
-    rows = [{k: _plain(r[k]) for k in SUMMARY_KEYS} for r in table.to_dict("records")]
-    ratio = table["tflops"].astype(float) / table["cublas_dense_tflops"].astype(float)
-    geomean = {p: (round(float(gmean(ratio[table["precision"] == p])), 4)
-                   if (table["precision"] == p).any() else None) for p in moe.PRECISIONS}
-    one_token = pd.DataFrame(call_overhead["rows"])
-    worst = {p: {"kernel_us": float(g["kernel_wave_us"].max()),
-                 "call_us": float(g["call_wave_us"].max())}
-             for p, g in one_token.groupby("precision")} if len(one_token) else {}
-    return {"rows": rows, "geomean_ratio_to_cublas": geomean, "call_overhead_us": worst}
-
-
-@dataclass(frozen=True)
-class KernelView:
-    """A platform's latest ``moe_kernel`` record of each precision, read as one (each precision's
-    rows and one-token calls come from its own record: every ratio in them was measured within
-    that record's run). ``record_id`` names the records; ``params`` holds the kernel and the
-    one-token calls as a record's would."""
-
-    platform: str
-    records: tuple  # newest first
-
-    @cached_property
-    def source(self) -> dict:
-        """Precision -> the newest record that has it."""
-        chosen = {}
-        for rec in self.records:
-            for p in rec.table["precision"].unique():
-                chosen.setdefault(p, rec)
-        return chosen
-
-    @property
-    def record_id(self) -> str:
-        return " + ".join(r.record_id for r in self.records)
-
-    @property
-    def git_commit(self) -> str:
-        return " + ".join(r.git_commit for r in self.records)
-
-    @property
-    def table(self) -> pd.DataFrame:
-        return pd.concat([rec.table[rec.table["precision"] == p]
-                          for p, rec in self.source.items()], ignore_index=True)
-
-    @property
-    def params(self) -> dict:
-        rows = [o for p, rec in self.source.items()
-                for o in rec.params["call_overhead"]["rows"] if o["precision"] == p]
-        return {"kernel": self.records[0].params.get("kernel"),
-                "call_overhead": {**self.records[0].params["call_overhead"], "rows": rows}}
-
-
-def latest_view(platform: str, root: Path) -> KernelView:
-    """The ``KernelView`` of ``platform``'s ``moe_kernel`` records: the newest record of each
-    precision (those no precision is taken from are left out)."""
-    from ...records import list_records, read_record
-
-    newest = KernelView(platform, tuple(read_record(p) for p in
-                                        reversed(list_records("moe_kernel", platform, root))))
-    used = {r.record_id for r in newest.source.values()}
-    return KernelView(platform, tuple(r for r in newest.records if r.record_id in used))
-
-
-def summary_entry(platform: str, root: Path) -> dict:
-    """``kernel_summary`` of the platform's ``latest_view``."""
-    view = latest_view(platform, root)
-    return kernel_summary(view.table, view.params["call_overhead"])
 
 
 if __name__ == "__main__":
