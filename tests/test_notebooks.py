@@ -5,6 +5,7 @@ import json
 import pytest
 
 from xstage_lab import runner
+from xstage_lab.experiments.remote_store import tables
 
 
 @pytest.fixture(scope="module")
@@ -193,5 +194,5 @@ def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_r
     assert [r.platform for r in patterns] == both
     rec = patterns[1]
     entry = injection_patterns.summary_entry(rec.params, rec.record_id)
-    assert len(plots.patterns_table(entry)) == 56 + 8 + 8 * 7 + 8
+    assert len(tables.patterns_table(entry)) == 56 + 8 + 8 * 7 + 8
     assert plots.patterns_drain_heatmap(entry, "h200-x8").data[0].z.shape == (8, 8)

@@ -205,6 +205,11 @@ def kb_key(k, b) -> str:
     return f"K={int(k)},B={int(b)}"
 
 
+def kb_text(b) -> str:
+    """A burst size B in bytes as labels and table columns show it: ``32 KB``."""
+    return f"{int(b) // 1024} KB"
+
+
 def calibrate(table: pd.DataFrame, platform: str, source_record: str,
               min_volume: float = R_FIT_MIN_VOLUME) -> tuple[Calibration, pd.DataFrame]:
     """Fit M_X from a ``remote_store`` record's table. Returns the calibration and the gap-sweep

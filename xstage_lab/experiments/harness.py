@@ -173,13 +173,18 @@ def _chunk(text: str) -> tuple[int, int]:
     return i, n
 
 
+def _module(experiment: Experiment) -> str:
+    """The name of the module that defines ``experiment`` (under ``python -m`` that module is
+    ``__main__``; its spec keeps the name it was run by)."""
+    module = sys.modules[type(experiment).__module__]
+    spec = getattr(module, "__spec__", None)
+    return spec.name if spec is not None else module.__name__
+
+
 def parser(experiment: Experiment, prog: str | None = None,
            description: str | None = None) -> argparse.ArgumentParser:
     """The command line of ``experiment``: the harness's options and the experiment's own."""
-    module = sys.modules[type(experiment).__module__]
-    # under ``python -m`` the module is __main__; its spec keeps the name it was run by
-    name = module.__spec__.name if getattr(module, "__spec__", None) else module.__name__
-    p = _Parser(prog=prog or f"python -m {name}", description=description)
+    p = _Parser(prog=prog or f"python -m {_module(experiment)}", description=description)
     sink = p.add_mutually_exclusive_group(required=True)
     sink.add_argument("--out", type=Path, help="JSON output written by rank 0 (for import-bench)")
     sink.add_argument("--root", type=Path, help="records root to write the record into")
@@ -225,8 +230,7 @@ def _start(experiment: Experiment, args: argparse.Namespace) -> Run:
         return Run(args)
     if "LOCAL_RANK" not in os.environ:
         raise SystemExit(f"{experiment.name} runs one process per GPU: start it with "
-                         f"torchrun --standalone --nproc_per_node=N -m "
-                         f"{type(experiment).__module__}")
+                         f"torchrun --standalone --nproc_per_node=N -m {_module(experiment)}")
     from ..dist_timing import start_rank
     local_rank, rank, world = start_rank()
     return Run(args, rank, world, local_rank, distributed=True)

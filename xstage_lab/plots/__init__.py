@@ -12,9 +12,8 @@ from .publish import (NO_IMAGES_HINT, PLOTLYJS, image_engine_problem, publish, p
                       ship_plotlyjs, show, static_image)
 from .remote_store import (calibration_summary_table, drain_rate_heatmap, fig3a_issue_time,
                            fig3b_period, fig3c_isolated, fig3d_drain_rate, fig_two_worlds,
-                           fig_visibility_latency, no_refit_verdict, operations_gap_sweeps,
-                           operations_left_out, operations_table, patterns_drain_heatmap,
-                           patterns_rates, patterns_table, table1_comparison,
+                           fig_visibility_latency, operations_gap_sweeps, patterns_drain_heatmap,
+                           patterns_rates, table1_comparison,
                            visibility_alignment_table, visibility_completion_table,
                            visibility_first_burst_table, visibility_latency_table)
 from .simulator import simulated_gap_sweep, simulated_schedules

@@ -26,6 +26,17 @@ def test_shapes_and_variants(tmp_path):
     assert file_digests(args.variant)["gluon_ws_99d33b2"].startswith("gluon_ws_99d33b2.py sha256:")
 
 
+def test_a_variant_imports_the_committed_kernels_siblings(tmp_path):
+    """A copy of today's kernel imports its siblings relatively, as the committed one does."""
+    from xstage_lab.kernel_sources import KERNELS_PACKAGE, load_kernel_module
+
+    copy = tmp_path / "gluon_ws_copy.py"
+    copy.write_text("from .flash_attention import TRACE_FIELDS\nMARK = 4\n")
+    module = fk.load_variant("gluon_ws_copy", copy)
+    assert module.MARK == 4 and module.__name__ == f"{KERNELS_PACKAGE}.gluon_ws_copy"
+    assert module.TRACE_FIELDS is load_kernel_module("flash_attention").TRACE_FIELDS
+
+
 @pytest.mark.parametrize("argv", [[], ["--variant", "gluon_ws=x.py"], ["--shapes", "96:12:1024"],
                                   ["--shapes", "128:12"], ["--trials", "0"]])
 def test_bad_arguments_exit_with_code_2(argv, tmp_path):

@@ -12,6 +12,7 @@ from xstage_lab.experiments.remote_store.patterns import (PATTERNS, baseline_rou
 from xstage_lab.experiments.remote_store.ops import (config_sweeps, drain_share, parse_routes,
                                                validate_ops_point)
 from xstage_lab.experiments.remote_store.characterization import BenchSettings
+from xstage_lab.experiments.remote_store import tables
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -131,7 +132,7 @@ def test_tables_and_figures_from_records(tmp_path):
     ops_path, patterns_path = write_synthetic_beyond_records(tmp_path, n_gpus=3, noise=0.0)
     pat = read_record(patterns_path)
     entry = injection_patterns.summary_entry(pat.params, pat.record_id)
-    table = plots.patterns_table(entry)
+    table = tables.patterns_table(entry)
     # 6 one-to-one + 3 one-to-all + 3 all-to-one (two sources each) + all-to-all (three)
     assert len(table) == 6 + 3 + 3 * 2 + 3
     assert (table["fit"] == "ok").all()
@@ -140,9 +141,9 @@ def test_tables_and_figures_from_records(tmp_path):
     heat = plots.patterns_drain_heatmap(entry, "h200-x3").data[0].z
     assert heat.shape == (3, 3)
     assert abs(heat[0][1] - KNOWN["drain_rate"]) < 0.1 and heat[0][0] != heat[0][0]  # NaN diagonal
-    assert len(plots.patterns_rates(entry, "h200-x3").data) == 2
+    assert len(plots.patterns_rates(table, "h200-x3").data) == 2
     ops = read_record(ops_path)
-    op_table = plots.operations_table(remote_ops.summary_entry(ops.params, ops.record_id))
+    op_table = tables.operations_table(remote_ops.summary_entry(ops.params, ops.record_id))
     assert op_table["operation"].tolist() == list(remote_ops.OPS)
     fits = remote_ops.operation_fits(ops.table, ops.platform, ops.record_id)
     fig = plots.operations_gap_sweeps(fits, remote_ops.BASELINE_OP, ops.platform)
@@ -155,7 +156,7 @@ def test_operations_table_names_what_was_left_out():
 
     entry = {"per_op": {"store16": {"key": "store16", "src": 0, "fit_error": "no plateau"}},
              "excluded": {"op=bulk": "illegal address"}}
-    t = plots.operations_table(entry)
+    t = tables.operations_table(entry)
     assert t["operation"].tolist() == ["store16", "bulk"]
     assert t["fit"].tolist() == ["model fit failed: no plateau", "not measured: illegal address"]
 
@@ -175,19 +176,19 @@ def test_no_refit_verdict_applies_the_threshold_to_each_sweep():
                         "bulk": fit(360.0, 9.0, 12.0),
                         "red_add_f32": {"key": "red_add_f32", "src": 0, "fit_error": "no plateau"}},
              "excluded": {"op=load16": "load check failed"}}
-    table = plots.operations_table(entry)
+    table = tables.operations_table(entry)
     assert table["knee (KB/producer)"].tolist()[:3] == [18.0] * 3
     assert "G* B=16 KB (µs)" in table and "T_iss0 B=16 KB (µs)" in table
-    v = plots.no_refit_verdict(table, ["operation"], 5.0).set_index("operation")
+    v = tables.no_refit_verdict(table, ["operation"], 5.0).set_index("operation")
     assert v["own fit holds (≤ 5%)"].tolist() == ["yes", "yes", "no", "model fit failed", "not measured"]
     assert v["holds without refit (≤ 5%)"].tolist() == ["yes", "no", "no", "model fit failed",
                                                         "not measured"]
     assert v.loc["bulk", "R / R predicted"] == 0.9
     assert v["R as predicted (≤ 5%)"].tolist() == ["yes", "yes", "no", "model fit failed",
                                                    "not measured"]
-    assert plots.operations_table(entry, left_out=False)["operation"].tolist() == [
+    assert tables.operations_table(entry, left_out=False)["operation"].tolist() == [
         "store16", "store4", "bulk", "red_add_f32"]
-    assert plots.operations_left_out(entry).to_dict("records") == [
+    assert tables.operations_left_out(entry).to_dict("records") == [
         {"operation": "load16", "reason": "load check failed"}]
 
 
@@ -264,7 +265,7 @@ def test_drain_heatmap_of_eight_gpus():
     for s in range(8):
         for d in range(8):
             assert np.isnan(z[s, d]) if s == d else z[s, d] == 100.0 * s + d
-    table = plots.patterns_table(entry)
+    table = tables.patterns_table(entry)
     # 56 one-to-one + 8 one-to-all + 8 all-to-one of 7 sources + all-to-all of 8
     assert len(table) == 56 + 8 + 8 * 7 + 8
 

@@ -60,11 +60,16 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def load_variant(name: str, path: Path):
-    """The kernel file ``path`` imported as module ``name`` (Triton's JIT resolves its globals
-    through ``sys.modules``)."""
-    spec = importlib.util.spec_from_file_location(name, path)
+    """The kernel file ``path`` imported as ``kernel_sources.KERNELS_PACKAGE.<name>`` (Triton's
+    JIT resolves its globals through ``sys.modules``), so that its relative imports of the
+    committed kernels' siblings resolve as the committed kernel's do."""
+    from ...kernel_sources import KERNELS_PACKAGE, kernels_package
+
+    kernels_package()
+    qualified = f"{KERNELS_PACKAGE}.{name}"
+    spec = importlib.util.spec_from_file_location(qualified, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
+    sys.modules[qualified] = module
     spec.loader.exec_module(module)
     return module
 
