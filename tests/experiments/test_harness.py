@@ -205,3 +205,31 @@ def test_run_require_and_resource():
     assert run.resource(("m", "bf16"), lambda: made.append(2) or "B") == a == "A"
     assert run.resource(("m", "fp8"), lambda: made.append(3) or "C") == "C"
     assert made == [1, 3]
+
+
+def test_every_experiment_module_is_a_command_named_by_its_module():
+    """``python -m <module> --help`` of a registered experiment: usage under the module's name
+    (not ``__main__``), described by its docstring, with the harness's sinks."""
+    import subprocess
+    import sys
+
+    from xstage_lab.experiments import module_name
+
+    module = module_name("moe")
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.startswith(f"usage: python -m {module} ")
+    assert "(--out OUT | --root ROOT)" in out and "--chunk I/N" in out
+    assert "SPMD benchmark of the fused MoE kernel" in out
+
+
+def test_the_registry_names_each_experiment_by_its_record():
+    from xstage_lab.experiments import EXPERIMENTS, MEASURE_ALL, experiment
+
+    assert set(MEASURE_ALL) <= set(EXPERIMENTS)
+    for name in EXPERIMENTS:
+        exp = experiment(name)
+        assert isinstance(exp, Experiment) and exp.name == name
+        assert exp.launch in ("in_process", "per_gpu")
+    with pytest.raises(ValueError, match="unknown experiment"):
+        experiment("nonsense")

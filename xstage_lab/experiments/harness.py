@@ -9,11 +9,17 @@ An experiment (a subclass of ``Experiment``) declares:
 - ``check``: the point's correctness (outputs poisoned first, against a reference), returning its
   failures; any failure on any rank stops the run before that point is timed;
 - ``measure``: the point timed, as rows;
-- ``metadata``: its own facts for the record's header;
+- ``metadata``: its own facts for the record's header; ``finish``: the rows as the record keeps
+  them; ``record_name``: the experiment the record is saved under (a partial run's apart);
+- ``derived``: the records computed from its new record (``measure-all`` writes them);
 - ``analyse``: what the notebooks and the summary read of one of its records (``loading.load``).
 
-``main`` runs an experiment from a command line, in this process (``launch = "in_process"``,
-one GPU or CuPy over several) or as one rank of a torchrun job (``launch = "per_gpu"``: one
+``start`` makes run-wide state once the rank has started; ``sm_clock_mhz`` reads the clock the
+header keeps before the first point and after the last; ``progress_line`` is what rank 0 prints
+after a point.
+
+``main`` runs an experiment from a command line, in this process (``launch = "in_process"``:
+one GPU, or CuPy driving several) or as one rank of a torchrun job (``launch = "per_gpu"``: one
 process per GPU). Whatever the launch, the output has one shape: the rows of every point (tagged
 with the point's parameters) and one header, ``{experiment, paper, sweeps, chunk, world_size,
 sm_clock_mhz_start, sm_clock_mhz_end, wall_s, ...the experiment's metadata, provenance}``,
@@ -181,10 +187,16 @@ def _module(experiment: Experiment) -> str:
     return spec.name if spec is not None else module.__name__
 
 
-def parser(experiment: Experiment, prog: str | None = None,
-           description: str | None = None) -> argparse.ArgumentParser:
-    """The command line of ``experiment``: the harness's options and the experiment's own."""
-    p = _Parser(prog=prog or f"python -m {_module(experiment)}", description=description)
+def _summary_line(experiment: Experiment) -> str | None:
+    """The first paragraph of the docstring of the module that defines ``experiment``."""
+    doc = sys.modules[type(experiment).__module__].__doc__
+    return doc.split("\n\n")[0] if doc else None
+
+
+def parser(experiment: Experiment) -> argparse.ArgumentParser:
+    """The command line of ``experiment``: the harness's options and the experiment's own,
+    described by the first paragraph of its module's docstring."""
+    p = _Parser(prog=f"python -m {_module(experiment)}", description=_summary_line(experiment))
     sink = p.add_mutually_exclusive_group(required=True)
     sink.add_argument("--out", type=Path, help="JSON output written by rank 0 (for import-bench)")
     sink.add_argument("--root", type=Path, help="records root to write the record into")
@@ -197,10 +209,9 @@ def parser(experiment: Experiment, prog: str | None = None,
     return p
 
 
-def parse(experiment: Experiment, argv: Sequence[str] | None = None,
-          **parser_options) -> argparse.Namespace:
+def parse(experiment: Experiment, argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and check ``experiment``'s command line; a mistake exits with code 2 and one line."""
-    p = parser(experiment, **parser_options)
+    p = parser(experiment)
     args = p.parse_args(argv)
     try:
         experiment.check_args(args)
@@ -328,7 +339,6 @@ def _plain(value):
     return str(value)
 
 
-def main(experiment: Experiment, argv: Sequence[str] | None = None,
-         description: str | None = None) -> Path | None:
+def main(experiment: Experiment, argv: Sequence[str] | None = None) -> Path | None:
     """The command line of ``experiment`` (``python -m <its module>``)."""
-    return run(experiment, parse(experiment, argv, description=description))
+    return run(experiment, parse(experiment, argv))

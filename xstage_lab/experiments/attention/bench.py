@@ -723,4 +723,4 @@ def experiment(argv: list[str]) -> Experiment:
 
 
 if __name__ == "__main__":
-    harness.main(experiment(sys.argv[1:]), description=__doc__.split("\n\n")[0])
+    harness.main(experiment(sys.argv[1:]))

@@ -211,4 +211,4 @@ EXPERIMENT = AttentionTrace()
 
 
 if __name__ == "__main__":
-    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])
+    harness.main(EXPERIMENT)

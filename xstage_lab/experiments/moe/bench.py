@@ -357,4 +357,4 @@ EXPERIMENT = MoEMatrix()
 
 
 if __name__ == "__main__":
-    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])
+    harness.main(EXPERIMENT)

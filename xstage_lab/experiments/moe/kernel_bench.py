@@ -800,4 +800,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["merge"]:
         merge(sys.argv[2:])
     else:
-        harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])
+        harness.main(EXPERIMENT)

@@ -639,4 +639,4 @@ EXPERIMENT = MoETrace()
 
 
 if __name__ == "__main__":
-    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])
+    harness.main(EXPERIMENT)

@@ -251,4 +251,4 @@ EXPERIMENT = KernelVersions()
 
 
 if __name__ == "__main__":
-    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])
+    harness.main(EXPERIMENT)

@@ -139,4 +139,4 @@ EXPERIMENT = IssueTimeProbe()
 
 
 if __name__ == "__main__":
-    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])
+    harness.main(EXPERIMENT)

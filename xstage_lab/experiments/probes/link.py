@@ -678,4 +678,4 @@ EXPERIMENT = LinkProbe()
 
 
 if __name__ == "__main__":
-    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])
+    harness.main(EXPERIMENT)

@@ -485,4 +485,4 @@ def latest_calibration(platform: str, root: Path = RECORDS_DIR) -> Calibration:
 
 
 if __name__ == "__main__":
-    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])
+    harness.main(EXPERIMENT)

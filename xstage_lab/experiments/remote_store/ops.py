@@ -790,4 +790,4 @@ def summary_entry(params: dict, record_id: str) -> dict:
 
 
 if __name__ == "__main__":
-    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])
+    harness.main(EXPERIMENT)

@@ -636,4 +636,4 @@ def summary_entry(platform: str, root: Path = RECORDS_DIR) -> dict:
 
 
 if __name__ == "__main__":
-    harness.main(EXPERIMENT, description=__doc__.split("\n\n")[0])
+    harness.main(EXPERIMENT)
