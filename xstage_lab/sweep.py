@@ -3,6 +3,7 @@ in rotated order, the SM clock before and after, a progress bar, and medians wit
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -75,7 +76,7 @@ class Sweep:
 Measure = Callable[[object], "pd.DataFrame | dict | list[dict]"]
 
 
-def _frame(rows) -> pd.DataFrame:
+def as_frame(rows) -> pd.DataFrame:
     """A measurement's rows as a table: a DataFrame as it is, a dict as one row, a list of dicts."""
     if isinstance(rows, pd.DataFrame):
         return rows
@@ -102,7 +103,7 @@ def run_sweep(sweep: Sweep, measure: Measure, validate: Callable[[dict], None] |
         for i in sorted(chosen):
             validate(points[i])
     order = [(rep, idx) for rep, idx in sweep.order() if idx in chosen]
-    visits_left = {idx: sum(1 for _, i in order if i == idx) for idx in chosen}
+    visits_left = Counter(idx for _, idx in order)
     facts = {"sm_clock_mhz_before": sm_clock_mhz() if sm_clock_mhz else None}
     states: dict[int, object] = {}
     frames = []
@@ -113,7 +114,7 @@ def run_sweep(sweep: Sweep, measure: Measure, validate: Callable[[dict], None] |
                 check(states[idx])
             for _ in range(sweep.warmup):
                 measure(states[idx])
-        rows = _frame(measure(states[idx]))
+        rows = as_frame(measure(states[idx]))
         frames.append(rows.assign(point=idx, repeat=rep, order=seq, **points[idx]))
         visits_left[idx] -= 1
         if not visits_left[idx]:

@@ -39,7 +39,7 @@ from typing import ClassVar
 
 import pandas as pd
 
-from ..sweep import Sweep, run_sweep
+from ..sweep import Sweep, as_frame, run_sweep
 from .output import write_output
 
 
@@ -276,9 +276,9 @@ def run(experiment: Experiment, args: argparse.Namespace) -> Path | None:
             run_.require(experiment.check(state, run_), _label(state))
 
         def measure(state):
-            rows = experiment.measure(state, run_)
+            rows = as_frame(experiment.measure(state, run_))
             if run_.rank == 0:
-                line = experiment.progress_line(_as_frame(rows))
+                line = experiment.progress_line(rows)
                 if line:
                     print(line, flush=True)
             return rows
@@ -311,11 +311,6 @@ def run(experiment: Experiment, args: argparse.Namespace) -> Path | None:
 def _label(state) -> str:
     point = state if isinstance(state, dict) else getattr(state, "point", {})
     return " ".join(f"{k}={v}" for k, v in point.items()) or "a point"
-
-
-def _as_frame(rows) -> pd.DataFrame:
-    return rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(
-        [rows] if isinstance(rows, dict) else list(rows))
 
 
 def _write(experiment: Experiment, args, header: dict, table: pd.DataFrame) -> Path:
