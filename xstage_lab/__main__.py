@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from .experiments import EXPERIMENTS, MEASURE_ALL
+from .platform import LINKS
 from .records import RECORDS_DIR
 
 # The sweeps of ``experiments.remote_store.characterization.characterization_sweeps``, by name
@@ -56,6 +57,17 @@ def _distinct(src: int, dst: int) -> None:
         raise UsageError(f"--src and --dst must be two GPUs, got {src} for both")
 
 
+def _need_gpu(index: int, what: str) -> None:
+    """Stop unless this machine has GPU ``index``. Imports CuPy: call it after the arguments are
+    checked."""
+    from .platform import inventory
+
+    inv = inventory()
+    if index >= len(inv.gpus):
+        raise UsageError(f"{what} needs GPU {index}; this machine has {len(inv.gpus)} GPU(s)"
+                         + (f" ({inv.error})" if inv.error else ""))
+
+
 def _need_gpus(*pairs: tuple[int, int], what: str = "this command") -> None:
     """Stop unless this machine has two peer-capable GPUs and each (src, dst) of ``pairs`` is a
     peer pair among them. Imports CuPy: call it after the arguments are checked."""
@@ -85,12 +97,18 @@ def _characterize(args) -> int:
 
     if args.calibrate and args.only and not set(CALIBRATION_SWEEPS) <= set(args.only):
         raise UsageError(f"--calibrate needs the sweeps {CALIBRATION_SWEEPS} among --only")
-    _distinct(args.src, args.dst)
-    _need_gpus((args.src, args.dst))
+    if args.link == "host":
+        if args.only and "pairs" in args.only:
+            raise UsageError("--only pairs: the host link has one route, no pairs sweep")
+        _need_gpu(args.src, "the host link")
+    else:
+        _distinct(args.src, args.dst)
+        _need_gpus((args.src, args.dst))
     from .experiments.remote_store.characterization import run_characterization
 
     path = run_characterization(repeats=args.repeats, src=args.src, dst=args.dst,
-                                only=tuple(args.only) if args.only else None, root=args.root)
+                                only=tuple(args.only) if args.only else None, root=args.root,
+                                link=args.link)
     print(f"wrote {path}")
     if args.calibrate:
         from .experiments.remote_store.characterization import write_calibration
@@ -222,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     root_help = "records root (default: the committed data/records)"
 
     p = sub.add_parser("characterize", help="run the remote-store sweeps (Fig. 3) on this machine")
+    p.add_argument("--link", choices=LINKS, default="nvlink",
+                   help="stores into a peer GPU (nvlink, default) or into pinned host memory "
+                        "(host: one GPU suffices; --dst is not used)")
     p.add_argument("--repeats", type=_count, default=11, help="launches per point (default: 11)")
     p.add_argument("--src", type=_gpu, default=0, help="GPU that stores (default: 0)")
     p.add_argument("--dst", type=_gpu, default=1, help="GPU stored to (default: 1)")

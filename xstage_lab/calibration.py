@@ -159,6 +159,9 @@ class Calibration:
     local_drain_rate_GBps: float  # the local control's zero-gap rate (HBM-bound)
     # The completion-coupled world, measured by the fenced sweep (None where a record has none):
     completion: dict | None = None   # CompletionFit as a dict
+    link: str = "nvlink"             # where the remote stores went (platform.LINKS)
+    # The copy engine's rate over the same link, measured in the same run (host link): R's baseline
+    copy_engine_GBps: float | None = None
 
     def platform_model(self) -> model.PlatformModel:
         def key(s):
@@ -195,6 +198,8 @@ class Calibration:
             "local_drain_rate_GBps": round(self.local_drain_rate_GBps, 1),
             **({"completion": {k: v for k, v in self.completion.items() if k != "periods"}}
                if self.completion else {}),
+            **({"link": self.link, "copy_engine_GBps": round(self.copy_engine_GBps, 1)}
+               if self.copy_engine_GBps is not None else {}),
             "sm_count": self.sm_count,
             "source_record": self.source_record,
         }
@@ -211,9 +216,11 @@ def kb_text(b) -> str:
 
 
 def calibrate(table: pd.DataFrame, platform: str, source_record: str,
-              min_volume: float = R_FIT_MIN_VOLUME) -> tuple[Calibration, pd.DataFrame]:
-    """Fit M_X from a ``remote_store`` record's table. Returns the calibration and the gap-sweep
-    points with their no-refit predictions (for Figs. 3a, 3b)."""
+              min_volume: float = R_FIT_MIN_VOLUME, *, link: str = "nvlink",
+              copy_engine_GBps: float | None = None) -> tuple[Calibration, pd.DataFrame]:
+    """Fit M_X from a ``remote_store`` record's table (its stores over ``link``; the copy
+    engine's rate over it is kept beside R). Returns the calibration and the gap-sweep points with
+    their no-refit predictions (for Figs. 3a, 3b)."""
     launches = launch_means(table)
     points = point_table(launches)
 
@@ -300,7 +307,8 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
                       gap_drain_branch_err_pct=float(np.median(issue_err[drain_branch])),
                       local_tiss_spread_pct=float(spread(local[issue_bound])),
                       local_tiss_spread_all_gaps_pct=float(spread(local)),
-                      local_drain_rate_GBps=local_rate, completion=completion)
+                      local_drain_rate_GBps=local_rate, completion=completion, link=link,
+                      copy_engine_GBps=copy_engine_GBps)
     return cal, predicted
 
 

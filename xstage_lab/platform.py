@@ -1,6 +1,10 @@
 """The platform: which GPUs this process sees, which pairs are peers, the peer memory that remote
 stores write through, and the provenance of a run.
 
+Links: a remote store leaves the SM for a peer GPU over NVLink (``nvlink``), or for pinned host
+memory mapped into the device's address space over PCIe (``host``), a path every GPU has. A
+platform's records of the host link are kept under its own name (``h200-x1-host``).
+
 The backend decides where numbers come from: ``cuda`` measures live on this machine's GPUs,
 ``replay`` reads the committed records in ``data/``; ``auto`` takes ``cuda`` where at least two
 peer-capable GPUs exist, otherwise ``replay``.
@@ -10,12 +14,14 @@ table of its address on every rank that the REMOTE epilogues and Combine stores 
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import platform as _py_platform
 import re
 import socket
 import subprocess
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -24,11 +30,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
 BACKENDS = ("auto", "cuda", "replay")
+LINKS = ("nvlink", "host")
 # NVLink multicast stays off: on shared machines a program that uses it can take the host's GPUs
 # out of service. Every multi-process run sets these and refuses other values.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -199,6 +208,94 @@ def symmetric_buffer(numel: int, dtype: torch.dtype,
                            rank, world)
 
 
+class LinkError(RuntimeError):
+    """The link a run asks for does not exist on this machine; raised before any launch."""
+
+
+# cudaHostAlloc flags (driver_types.h): the allocation is pinned for every device (portable) and
+# mapped into their address spaces.
+_HOST_ALLOC_PORTABLE = 1
+_HOST_ALLOC_MAPPED = 2
+
+
+def gpu_numa_node(device: int) -> dict:
+    """The host NUMA node GPU ``device`` hangs off, from sysfs (``numa_node`` of its PCI
+    function), and that node's CPUs; ``node`` is None where the machine does not say (one node,
+    or a VM that hides it)."""
+    import cupy
+
+    bus_id = cupy.cuda.Device(device).pci_bus_id.lower()
+    try:
+        node = int(Path(f"/sys/bus/pci/devices/{bus_id}/numa_node").read_text())
+    except (OSError, ValueError):
+        node = -1
+    if node < 0:
+        return {"pci_bus_id": bus_id, "node": None, "cpus": None}
+    cpulist = Path(f"/sys/devices/system/node/node{node}/cpulist").read_text().strip()
+    return {"pci_bus_id": bus_id, "node": node, "cpus": cpulist}
+
+
+def _cpu_set(cpulist: str) -> set[int]:
+    """``0-3,8,10-11`` as a set of CPU numbers."""
+    cpus = set()
+    for part in cpulist.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+@dataclass(frozen=True, eq=False)
+class MappedHostBuffer:
+    """Pinned host memory mapped into GPU ``device``'s address space: the destination of the host
+    link's remote stores. Under unified addressing its host pointer is also its device pointer
+    (checked at allocation); the CPU reads it through ``words``. Freed with the object."""
+
+    ptr: int
+    nbytes: int
+    device: int
+    numa: dict
+
+    def words(self) -> np.ndarray:
+        """The buffer as uint32 words, a view the CPU reads and writes in place."""
+        raw = (ctypes.c_uint32 * (self.nbytes // 4)).from_address(self.ptr)
+        return np.frombuffer(raw, dtype=np.uint32)
+
+
+def mapped_host_buffer(nbytes: int, device: int) -> MappedHostBuffer:
+    """``nbytes`` of pinned, mapped host memory for GPU ``device`` (cudaHostAlloc, portable and
+    mapped), its pages placed on the GPU's own NUMA node where the machine names one: the
+    allocating thread runs on that node's CPUs while the pages are pinned (first touch).
+
+    ``LinkError`` where the GPU cannot store into host memory directly (no unified addressing or
+    no mapped host memory) or the mapped pointer differs from the host pointer."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    props = rt.getDeviceProperties(device)
+    if not (props["unifiedAddressing"] and props["canMapHostMemory"]):
+        raise LinkError(f"GPU {device} cannot store into host memory directly (unified addressing "
+                        f"{props['unifiedAddressing']}, mapped host memory {props['canMapHostMemory']})")
+    numa = gpu_numa_node(device)
+    before = os.sched_getaffinity(0)
+    bound = numa["cpus"] is not None and bool(_cpu_set(numa["cpus"]) & before)
+    if bound:
+        os.sched_setaffinity(0, _cpu_set(numa["cpus"]) & before)
+    try:
+        with cupy.cuda.Device(device):
+            ptr = rt.hostAlloc(nbytes, _HOST_ALLOC_PORTABLE | _HOST_ALLOC_MAPPED)
+    finally:
+        if bound:
+            os.sched_setaffinity(0, before)
+    device_ptr = rt.pointerGetAttributes(ptr).devicePointer
+    if device_ptr != ptr:
+        rt.freeHost(ptr)
+        raise LinkError(f"mapped host memory at {ptr:#x} has device pointer {device_ptr:#x}: the "
+                        "host link's stores need unified addressing")
+    buf = MappedHostBuffer(ptr, nbytes, device, {**numa, "pages_bound_to_node": bound})
+    weakref.finalize(buf, rt.freeHost, ptr)
+    return buf
+
+
 @dataclass(frozen=True)
 class BackendChoice:
     name: str       # "cuda" or "replay"
@@ -233,10 +330,13 @@ def platform_name(inv: Inventory | None = None) -> str:
     return platform_key(inv.gpus[0].name, len(inv.gpus))
 
 
-def platform_key(gpu_name: str, gpu_count: int) -> str:
+def platform_key(gpu_name: str, gpu_count: int, link: str = "nvlink") -> str:
+    """``h200-x2``; the host link's records are a platform of their own, ``h200-x1-host``."""
+    if link not in LINKS:
+        raise ValueError(f"link must be one of {LINKS}, got {link!r}")
     model = re.sub(r"^nvidia\s+", "", gpu_name.strip(), flags=re.I)
     slug = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
-    return f"{slug}-x{gpu_count}"
+    return f"{slug}-x{gpu_count}" + ("" if link == "nvlink" else f"-{link}")
 
 
 def _version(dist: str) -> str | None:

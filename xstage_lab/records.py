@@ -540,7 +540,8 @@ def save_output(metadata: dict, table: pd.DataFrame, experiment: str,
     table = table.apply(lambda col: col.map(
         lambda v: json.dumps(v, default=_json_scalar) if isinstance(v, (dict, list)) else v)
         if col.dtype == object else col)
-    platform = platform_key(provenance["gpu_name"], provenance["gpu_count"])
+    platform = platform_key(provenance["gpu_name"], provenance["gpu_count"],
+                            header.get("link", "nvlink"))
     # Named by when the experiment ran, not when it was saved: "latest" means latest measured.
     measured = provenance.get("date_utc")
     return write_record(experiment, platform, table, header, provenance, root,

@@ -11,8 +11,8 @@ import pytest
 
 from tests.experiments.cuda_testing import compile_sm90, needs_nvcc
 from xstage_lab.experiments.remote_store.characterization import (
-    KIB, MIB, BenchSettings, burst_rows, characterization_sweeps, isolated_recovery_us,
-    validate_point)
+    HOST, KIB, MIB, BenchSettings, burst_rows, characterization_sweeps, check_host_destination,
+    host_link_sweeps, isolated_recovery_us, link_settings, validate_point)
 from xstage_lab.platform import GPU, Inventory
 from xstage_lab.sweep import Axis, Sweep, run_sweep
 
@@ -278,11 +278,12 @@ class ModelStoreBench:
     def sm_clock_mhz(self, dev=0):
         return 1980.0
 
-    def measure(self, p):
+    def measure(self, p, check_on_cpu=False):
         from tests.synthetic import synthetic_beyond_table
 
         self.launches.append(p)
-        route = f"{p['src']}>{p['dst']}"
+        # the model knows one link: a store into host memory drains as a peer's would
+        route = f"{p['src']}>{p['dst'] if p['dst'] != HOST else p['src'] + 1}"
         rows = synthetic_beyond_table([Sweep("one", (), fixed=dict(p, routes=route), repeats=1,
                                              warmup=0)])
         return rows.drop(columns=["sweep", "point", "repeat", "routes", "n_dst",
@@ -314,9 +315,10 @@ def test_characterization_record_through_the_harness_calibrates(model_bench, mon
     assert (rec.params["src"], rec.params["dst"], rec.params["seed"]) == (0, 1, 5)
     assert rec.params["settings"] == BenchSettings().__dict__
     assert rec.params["sm_clock_mhz_start"] == rec.params["sm_clock_mhz_end"] == [1980.0]
-    # every point's repeats, tagged with its sweep, point and repeat; a warm-up launch each
+    # every point's repeats, tagged with its sweep, point and repeat; a checked launch and a
+    # warm-up launch each before them
     assert len(rec.table) == sum(len(s.points()) * 2 for s in sweeps)
-    assert len(ModelStoreBench.launches) == sum(len(s.points()) * 3 for s in sweeps)
+    assert len(ModelStoreBench.launches) == sum(len(s.points()) * 4 for s in sweeps)
     for s in sweeps:
         rows = rec.table[rec.table["sweep"] == s.name]
         assert sorted(set(rows["point"])) == list(range(len(s.points())))
@@ -347,7 +349,8 @@ def test_characterization_validates_every_point_before_the_first_launch(model_be
 
 
 @pytest.mark.parametrize("argv,match", [(["--only", "gap,drain"], "unknown sweeps"),
-                                        (["--repeats", "0"], "repeats")])
+                                        (["--repeats", "0"], "repeats"),
+                                        (["--link", "pcie"], "--link must be one of")])
 def test_characterization_arguments_checked(argv, match, capsys):
     from xstage_lab.experiments import harness
     from xstage_lab.experiments.remote_store import characterization as ch
@@ -384,3 +387,111 @@ def test_only_the_fenced_burst_kernel_fences(tmp_path):
     assert fences["burst_gap"] == []
     assert fences["burst_gap_fenced"] and set(fences["burst_gap_fenced"]) <= {"membar.sys",
                                                                              "fence.sc.sys"}
+
+
+# --- the host link ---------------------------------------------------------------------------
+
+def _burst_pattern(seed: int, burst: int, producer: int, vec: int) -> tuple[int, ...]:
+    """kernels/xstage_device.cuh's burst_pattern, in Python integers mod 2**32."""
+    m = 0xFFFFFFFF
+    tag = seed ^ (burst * 0x9E3779B1 & m)
+    w1 = vec * 0x85EBCA77 & m
+    w2 = (producer * 0xC2B2AE3D & m) ^ w1
+    return tag ^ w1, w1, w2, (tag ^ w2) * 0x27D4EB2F & m
+
+
+def _stored(buffer_vecs, k, vecs_per_producer, n_slots, n_bursts, seed, poison):
+    """What a burst launch leaves in a poisoned buffer, store by store as the kernel issues them."""
+    words = np.full(buffer_vecs * 4, poison, dtype=np.uint32)
+    slot_vecs = k * vecs_per_producer
+    for burst in range(n_bursts):
+        for p in range(k):
+            for v in range(vecs_per_producer):
+                i = (burst % n_slots) * slot_vecs + p * vecs_per_producer + v
+                words[4 * i:4 * i + 4] = _burst_pattern(seed, burst, p, v)
+    return words
+
+
+@pytest.mark.parametrize("n_slots,n_bursts", [(3, 7), (4, 2), (1, 5)])
+def test_host_destination_check_counts_what_the_producers_did_not_leave(n_slots, n_bursts):
+    k, vpp, seed, poison = 3, 5, 0xDEADBEEF, 0xA5A5A5A5
+    buffer_vecs = n_slots * k * vpp + 4  # a tail no slot covers stays poisoned
+    args = (k * vpp, n_slots, vpp, n_bursts, seed, poison)
+    words = _stored(buffer_vecs, k, vpp, n_slots, n_bursts, seed, poison)
+    assert check_host_destination(words, *args) == 0
+    wrong = words.copy()
+    wrong[4 * (k * vpp + 2) + 3] ^= 1                       # one word of a written vector
+    wrong[-1] = 0                                           # the poisoned tail
+    assert check_host_destination(wrong, *args) == (2 if n_bursts > 1 else 1)
+    # a slot that holds an earlier burst than its last, or another seed's, is wrong throughout
+    assert check_host_destination(_stored(buffer_vecs, k, vpp, n_slots, n_bursts - 1, seed,
+                                          poison), *args) >= k * vpp
+    assert check_host_destination(words, k * vpp, n_slots, vpp, n_bursts, seed + 1,
+                                  poison) == min(n_slots, n_bursts) * k * vpp
+
+
+def test_every_host_link_point_validates_on_one_gpu():
+    inv = make_inv(1)
+    settings = link_settings("host")
+    sweeps = host_link_sweeps(132, repeats=7)
+    assert [s.name for s in sweeps] == ["drain_rate", "gap", "isolated", "fenced", "lines"]
+    for sw in sweeps:
+        for p in sw.points():
+            validate_point(p, inv, settings)
+            assert p["dst"] == HOST and p["src"] == 0
+    iso = pd.DataFrame(sweeps[2].points())
+    # the knee Q(K) at every K of the NVLink drain sweep, bursts out to half the buffer
+    assert sorted(iso["producers"].unique()) == [16, 33, 66, 132]
+    assert (iso["producers"] * iso["burst_bytes"]).max() <= settings.buffer_bytes // 2
+    assert iso.groupby("producers")["burst_bytes"].max().min() >= 768 * KIB
+    # every gap-sweep burst reaches its recovered plateau (G >= 2 V/R) even at 64 GB/s
+    gap = pd.DataFrame(sweeps[1].points())
+    assert (gap.groupby("burst_bytes")["gap_us"].max() * 64e3 >= 2 * 132 * gap.groupby(
+        "burst_bytes")["burst_bytes"].first()).all()
+    # an isolated burst recovers at a rate far below PCIe's
+    assert isolated_recovery_us(100 * MIB, settings) > 100 * MIB / 20e3
+    with pytest.raises(ValueError, match="must name GPUs"):
+        validate_point(dict(GOOD, dst=-2), inv)
+
+
+class ModelHostBench(ModelStoreBench):
+    """ModelStoreBench with the host link's copy engine and host buffer."""
+
+    class host:
+        numa = {"node": None, "cpus": None, "pages_bound_to_node": False}
+
+    def copy_engine_rate(self, src):
+        return {"bytes": 1, "repeats": 1, "rate_GBps": 55.5, "rate_GBps_iqr": [55.0, 56.0]}
+
+
+def test_host_link_record_is_a_platform_of_its_own_and_calibrates(model_bench, monkeypatch,
+                                                                   tmp_path):
+    from tests.synthetic import KNOWN
+    from xstage_lab.records import read_record
+
+    ch = model_bench
+    monkeypatch.setattr(ch, "RemoteStoreBench", ModelHostBench)
+    fake_machine(monkeypatch, ch, n=1)
+    path = ch.run_characterization(repeats=1, only=("drain_rate", "gap", "isolated"),
+                                   progress=False, root=tmp_path, link="host")
+    assert path.parent == tmp_path / "remote_store" / "h200-x1-host"
+    rec = read_record(path)
+    assert (rec.params["link"], rec.params["dst"]) == ("host", HOST)
+    assert rec.params["copy_engine_d2h"]["rate_GBps"] == 55.5
+    assert rec.params["settings"] == link_settings("host").__dict__
+    assert (rec.table["dst"] == HOST).all()
+    cal = read_record(ch.write_calibration(path, tmp_path))
+    assert cal.platform == "h200-x1-host"
+    fit = cal.params["calibration"]
+    assert fit["drain_rate_GBps"] == pytest.approx(KNOWN["drain_rate"], rel=1e-3)
+    assert (fit["link"], fit["copy_engine_GBps"]) == ("host", 55.5)
+    assert sorted(fit["isolated"], key=int) == ["16", "33", "66", "132"]
+
+
+def test_the_nvlink_link_on_one_gpu_is_refused_before_any_launch(model_bench, monkeypatch,
+                                                                 tmp_path):
+    ch = model_bench
+    fake_machine(monkeypatch, ch, n=1)
+    with pytest.raises(ValueError, match="must name GPUs 0..0"):
+        ch.run_characterization(repeats=1, progress=False, root=tmp_path)
+    assert ModelStoreBench.launches == [] and not any(tmp_path.iterdir())

@@ -1,12 +1,19 @@
 """Remote-store characterization (paper §3, Fig. 3): the Burst–Gap microbenchmark on live GPUs.
 
     python -m xstage_lab.experiments.remote_store.characterization (--out FILE | --root DIR) \\
-        [--repeats 11] [--src 0] [--dst 1] [--only drain_rate,gap,...]
+        [--link nvlink|host] [--repeats 11] [--src 0] [--dst 1] [--only drain_rate,gap,...]
 
 ``kernels/remote_store_burst.cu`` runs K producers (one CTA per SM) that repeatedly store B bytes
 each with 16-byte stores into a destination buffer, then spin for a gap G. This module validates
 a measurement point, launches it through CuPy, checks the destination buffer holds exactly what
 was written, and turns the in-kernel clocks into one row per burst.
+
+Links (``--link``): ``nvlink`` stores into a peer GPU's buffer; ``host`` into pinned host memory
+mapped for the device (``platform.mapped_host_buffer``, on the GPU's NUMA node), across PCIe, a
+path every GPU has: its records are the platform ``<gpu>-host``, its sweeps scaled to the slower
+link, and the copy engine's device-to-host rate is measured in the same run as R's baseline. What
+the producers stored into host memory is checked on the device after every launch and read back
+and checked on the CPU before each point is timed (``check_host_destination``).
 
 Modes: ``periodic`` (burst, gap, burst, ...), ``isolated`` (each burst after a recovery gap long
 enough to drain it) and ``fenced`` (periodic, but each producer waits for its burst to be visible
@@ -30,7 +37,7 @@ import pandas as pd
 from ...calibration import (Calibration, calibrate, calibration_to_dict, launch_means,
                            point_table)
 from ...kernel_sources import cuda_module
-from ...platform import Inventory, git_commit, inventory
+from ...platform import LINKS, Inventory, LinkError, git_commit, inventory, mapped_host_buffer
 from ...records import RECORDS_DIR, Record, read_record, write_record
 from ...sweep import Axis, Sweep
 from .. import harness
@@ -48,6 +55,11 @@ ALIGNS = ("each", "first")
 CALIBRATION_SWEEPS = ("drain_rate", "gap", "isolated")
 _POISON = 0xA5A5A5A5
 _ERR_BARRIER_TIMEOUT = 1
+# ``dst`` of a point whose remote stores go to pinned host memory (the host link).
+HOST = -1
+# burst_pattern's odd multipliers (kernels/xstage_device.cuh), for the CPU's check of host memory.
+_PATTERN_BURST, _PATTERN_VEC, _PATTERN_PRODUCER, _PATTERN_LAST = (
+    0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,12 @@ class BenchSettings:
     isolated_recovery_floor_us: float = 20.0
     isolated_recovery_rate_GBps: float = 50.0
     barrier_timeout_s: float = 2.0
+
+
+def link_settings(link: str) -> BenchSettings:
+    """The launch settings of a link: on the host link an isolated burst's recovery assumes a
+    rate well below PCIe's (tens of GB/s), so the X-Stage is empty when the next starts."""
+    return BenchSettings(isolated_recovery_rate_GBps=10.0) if link == "host" else BenchSettings()
 
 
 def isolated_recovery_us(burst_volume: int, settings: BenchSettings) -> float:
@@ -89,10 +107,10 @@ def check_burst_and_gap(B, G) -> None:
 
 
 def check_gpus(src: int, dst: int, inv: Inventory) -> None:
-    """ValueError unless ``src`` and ``dst`` both name GPUs of ``inv``."""
+    """ValueError unless ``src`` names a GPU of ``inv`` and ``dst`` one too, or the host."""
     n = len(inv.gpus)
-    if not (0 <= src < n and 0 <= dst < n):
-        raise ValueError(f"src={src} and dst={dst} must name GPUs 0..{n - 1}")
+    if not (0 <= src < n and (dst == HOST or 0 <= dst < n)):
+        raise ValueError(f"src={src} and dst={dst} must name GPUs 0..{n - 1} (dst {HOST}: host)")
 
 
 def validate_point(p: dict, inv: Inventory, settings: BenchSettings = BenchSettings()) -> None:
@@ -108,7 +126,7 @@ def validate_point(p: dict, inv: Inventory, settings: BenchSettings = BenchSetti
     sms = inv.gpus[src].sm_count
     if not isinstance(K, (int, np.integer)) or not 1 <= K <= sms:
         raise ValueError(f"producers K={K} must be in 1..{sms} (one CTA per SM of GPU {src})")
-    if p["path"] == "remote":
+    if p["path"] == "remote" and dst != HOST:
         if src == dst:
             raise ValueError(f"remote mode needs a destination other than the source (GPU {src})")
         if not inv.can_access_peer(src, dst):
@@ -192,6 +210,7 @@ class RemoteStoreBench:
         self.inv = inventory() if inv is None else inv
         self._modules: dict[int, object] = {}
         self._buffers: dict[int, object] = {}
+        self.host = None  # the host link's MappedHostBuffer, made by host_buffer
         self._peers_enabled: set[tuple[int, int]] = set()
         self._clock_mhz: dict[int, float] = {}
         # a fresh pattern per bench: a buffer left by an earlier run cannot pass the check
@@ -212,8 +231,41 @@ class RemoteStoreBench:
                 self._buffers[dev] = self.cp.empty(self.settings.buffer_bytes // 4, self.cp.uint32)
         return self._buffers[dev]
 
+    def host_buffer(self, src: int):
+        """The host link's destination: ``buffer_bytes`` of mapped pinned host memory for GPU
+        ``src`` (one per bench)."""
+        if self.host is None:
+            self.host = mapped_host_buffer(self.settings.buffer_bytes, src)
+        elif self.host.device != src:
+            raise LinkError(f"the host buffer is mapped for GPU {self.host.device}, not {src}")
+        return self.host
+
+    def copy_engine_rate(self, src: int, repeats: int = 21, warmup: int = 3) -> dict:
+        """The copy engine's device-to-host rate from GPU ``src`` into the host buffer
+        (cudaMemcpyAsync of the whole buffer, timed by events): the baseline the host link's
+        drain rate R is read against. Median and interquartile range over ``repeats``."""
+        cp, host = self.cp, self.host_buffer(src)
+        rt = cp.cuda.runtime
+        src_buf = self._buffer(src)
+        with cp.cuda.Device(src):
+            stream = cp.cuda.Stream(non_blocking=True)
+            times = []
+            for i in range(warmup + repeats):
+                start, end = cp.cuda.Event(), cp.cuda.Event()
+                start.record(stream)
+                rt.memcpyAsync(host.ptr, src_buf.data.ptr, host.nbytes,
+                               rt.memcpyDeviceToHost, stream.ptr)
+                end.record(stream)
+                end.synchronize()
+                if i >= warmup:
+                    times.append(cp.cuda.get_elapsed_time(start, end))
+        rates = host.nbytes / (np.asarray(times) * 1e6)  # bytes / (ms · 1e6) = GB/s
+        return {"bytes": host.nbytes, "repeats": repeats,
+                "rate_GBps": float(np.median(rates)),
+                "rate_GBps_iqr": [float(x) for x in np.percentile(rates, [25, 75])]}
+
     def _enable_peer(self, src: int, dst: int) -> None:
-        if src == dst or (src, dst) in self._peers_enabled:
+        if src == dst or dst == HOST or (src, dst) in self._peers_enabled:
             return
         with self.cp.cuda.Device(src):
             try:
@@ -235,9 +287,10 @@ class RemoteStoreBench:
         self._clock_mhz[dev] = mhz
         return mhz
 
-    def measure(self, p: dict) -> pd.DataFrame:
+    def measure(self, p: dict, check_on_cpu: bool = False) -> pd.DataFrame:
         """Run one point (one launch) and return its per-burst rows; raises if the destination
-        buffer does not hold exactly what the producers wrote or a barrier timed out."""
+        buffer does not hold exactly what the producers wrote or a barrier timed out. With
+        ``check_on_cpu`` the host link's destination is also read back and checked on the CPU."""
         self.validate(p)
         cp, s = self.cp, self.settings
         K, B = int(p["producers"]), int(p["burst_bytes"])
@@ -252,10 +305,16 @@ class RemoteStoreBench:
         self._enable_peer(src, dst)
         mhz = self._clock_mhz.get(src) or self.sm_clock_mhz(src)
 
-        buf = self._buffer(dst)
-        with cp.cuda.Device(dst):
-            buf.fill(_POISON)
-            cp.cuda.Device(dst).synchronize()
+        if dst == HOST:
+            host = self.host_buffer(src)
+            host.words().fill(_POISON)
+            buf_ptr, check_dev = host.ptr, src  # the GPU reads host memory back through UVA
+        else:
+            buf = self._buffer(dst)
+            with cp.cuda.Device(dst):
+                buf.fill(_POISON)
+                cp.cuda.Device(dst).synchronize()
+            buf_ptr, check_dev = buf.data.ptr, dst
         gpu = self.inv.gpus[src]
         # More than half of an SM's shared memory per CTA: no two producers share an SM.
         smem = min(gpu.max_smem_per_sm // 2 + 1024, gpu.max_smem_per_block_optin)
@@ -268,7 +327,7 @@ class RemoteStoreBench:
             trace = cp.zeros((n_bursts, K, 3), cp.uint64)
             clocks = cp.zeros((K, 5), cp.uint64)
             kernel((K,), (s.threads + 32,),
-                   (np.uint64(buf.data.ptr), np.uint64(volume // 16), np.uint32(n_slots),
+                   (np.uint64(buf_ptr), np.uint64(volume // 16), np.uint32(n_slots),
                     np.uint32(B // 16), np.uint32(n_bursts), np.uint64(round(gap_us * mhz)),
                     np.uint32(isolated or p.get("align", "each") == "each"),
                     np.uint32(self.seed), arrivals, error,
@@ -281,24 +340,93 @@ class RemoteStoreBench:
             raise RuntimeError(f"burst kernel error flag {err:#x} (barrier timeout) at {p}")
         if len(set(clocks_h[:, 4].tolist())) != K:
             raise RuntimeError(f"producers shared SMs at {p}: the one-CTA-per-SM premise failed")
-        self._check_destination(dst, buf, volume, n_slots, B, n_bursts)
+        self._check_destination(check_dev, buf_ptr, volume, n_slots, B, n_bursts)
+        if check_on_cpu and dst == HOST:
+            bad = check_host_destination(self.host.words(), volume // 16, n_slots, B // 16,
+                                         n_bursts, int(self.seed), _POISON)
+            if bad:
+                raise RuntimeError(f"host memory read back on the CPU: {bad} 16-byte vectors "
+                                   f"differ from what the producers wrote at {p}")
         rows = burst_rows(trace_h, clocks_h, warmup, B)
         self._clock_mhz[src] = float(rows["sm_clock_mhz"].iloc[0])
         return rows.assign(gap_set_us=gap_us, dst_used=dst, burst_volume=volume)
 
-    def _check_destination(self, dev, buf, volume, n_slots, B, n_bursts) -> None:
+    def _check_destination(self, dev, buf_ptr, volume, n_slots, B, n_bursts) -> None:
         cp = self.cp
         with cp.cuda.Device(dev):
             mismatches = cp.zeros(1, cp.uint64)
             self._module(dev).get_function("count_burst_mismatches")(
                 (1024,), (256,),
-                (buf, np.uint64(buf.nbytes // 16), np.uint64(volume // 16), np.uint32(n_slots),
+                (np.uint64(buf_ptr), np.uint64(self.settings.buffer_bytes // 16),
+                 np.uint64(volume // 16), np.uint32(n_slots),
                  np.uint32(B // 16), np.uint32(n_bursts), np.uint32(self.seed),
                  np.uint32(_POISON), mismatches))
             bad = int(mismatches.get()[0])
         if bad:
             raise RuntimeError(f"destination check failed: {bad} 16-byte vectors differ from what "
                                f"the producers wrote (or poison was overwritten)")
+
+
+def check_host_destination(words: np.ndarray, slot_vecs: int, n_slots: int,
+                           vecs_per_producer: int, n_bursts: int, seed: int, poison: int) -> int:
+    """The 16-byte vectors of host memory (``words``, uint32) that differ from what a burst
+    launch must have left there, counted on the CPU: each used rotation slot holds the
+    ``burst_pattern`` of the last burst that wrote it, every other vector still holds poison.
+    The CPU's twin of the kernel ``count_burst_mismatches``."""
+    vecs = words.reshape(-1, 4)
+    used = min(n_bursts, n_slots)
+    written = used * slot_vecs
+    bad = int(np.count_nonzero((vecs[written:] != np.uint32(poison)).any(axis=1)))
+    got = vecs[:written].reshape(used, -1, vecs_per_producer, 4)  # [slot, producer, vec, word]
+    # burst_pattern(seed, burst, producer, vec), in uint32 arithmetic that wraps as the device's
+    w1 = np.arange(vecs_per_producer, dtype=np.uint32) * np.uint32(_PATTERN_VEC)
+    w2 = (np.arange(got.shape[1], dtype=np.uint32) * np.uint32(_PATTERN_PRODUCER))[:, None] ^ w1
+    slot = np.arange(used, dtype=np.uint32)
+    last_burst = slot + (np.uint32(n_bursts - 1) - slot) // np.uint32(n_slots) * np.uint32(n_slots)
+    tag = (np.uint32(seed) ^ (last_burst * np.uint32(_PATTERN_BURST)))[:, None, None]
+    ok = ((got[..., 0] == (tag ^ w1)) & (got[..., 1] == w1) & (got[..., 2] == w2)
+          & (got[..., 3] == (tag ^ w2) * np.uint32(_PATTERN_LAST)))
+    return bad + int(np.count_nonzero(~ok))
+
+
+def KIBS(*kib: int) -> list[int]:
+    return [k * KIB for k in kib]
+
+
+def host_link_sweeps(sm_count: int, src: int = 0, repeats: int = 11,
+                     settings: BenchSettings = link_settings("host")) -> list[Sweep]:
+    """The Fig. 3 sweeps on the host link (stores into pinned host memory, ``dst = HOST``),
+    scaled to a drain some ten times slower than NVLink's: smaller bursts in the gap and fenced
+    sweeps with gaps out to several V/R, so that each burst size reaches its recovered plateau;
+    isolated bursts at every K of the NVLink sweep (K = all SMs, 1/2, 1/4, 1/8) and B out to a
+    burst volume of half the buffer, far enough to find a knee set by a capacity of tens of MiB.
+    No ``pairs`` sweep: a GPU has one host link."""
+    K = sm_count
+    Ks = sorted({max(1, K // 8), max(1, K // 4), max(1, K // 2), K})
+    fixed = dict(src=src, dst=HOST, lines="fresh")
+    gaps = [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0, 24.0, 32.0, 40.0, 48.0,
+            64.0, 96.0, 128.0]
+    largest = settings.buffer_bytes // 2
+    isolated_b = KIBS(1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
+                      3072, 4096, 6144)
+    return [
+        Sweep("drain_rate", (Axis("align", ALIGNS), Axis("producers", Ks),
+                             Axis("burst_bytes", KIBS(8, 16, 32, 64, 128, 256))),
+              fixed=dict(fixed, mode="periodic", path="remote", gap_us=0.0), repeats=repeats),
+        Sweep("gap", (Axis("path", PATHS), Axis("burst_bytes", KIBS(2, 4, 8, 16)),
+                      Axis("gap_us", gaps)),
+              fixed=dict(fixed, mode="periodic", producers=K, align="first"), repeats=repeats),
+        Sweep("isolated", (Axis("path", PATHS),
+                           Axis("shape", [{"producers": k, "burst_bytes": b} for k in Ks
+                                          for b in isolated_b if k * b <= largest])),
+              fixed=dict(fixed, mode="isolated", gap_us=0.0, align="each"), repeats=repeats),
+        Sweep("fenced", (Axis("path", PATHS), Axis("burst_bytes", KIBS(2, 4, 8, 16)),
+                         Axis("gap_us", [0.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0])),
+              fixed=dict(fixed, mode="fenced", producers=K, align="each"), repeats=repeats),
+        Sweep("lines", (Axis("lines", LINES), Axis("burst_bytes", KIBS(32, 128))),
+              fixed=dict(src=src, dst=HOST, mode="periodic", path="remote", gap_us=0.0,
+                         producers=K, align="first"), repeats=repeats),
+    ]
 
 
 def characterization_sweeps(sm_count: int, n_gpus: int, src: int = 0, dst: int = 1,
@@ -367,14 +495,21 @@ class BurstGapCharacterization(Experiment):
     resolution = BURST_RESOLUTION
 
     def add_arguments(self, p) -> None:
+        p.add_argument("--link", default="nvlink",
+                       help=f"where the remote stores go, one of {list(LINKS)}: a peer GPU, or "
+                            "pinned host memory mapped for the GPU (one GPU suffices)")
         p.add_argument("--repeats", type=int, default=11)
         p.add_argument("--src", type=int, default=0)
         p.add_argument("--dst", type=int, default=1)
         p.add_argument("--only", default=None,
                        help=f"comma list of the sweeps to run, of {list(SWEEP_NAMES)}")
-        p.set_defaults(settings=BenchSettings())  # run_characterization may pass others
+        p.set_defaults(settings=None)  # run_characterization may pass others
 
     def check_args(self, a) -> None:
+        if a.link not in LINKS:
+            raise ValueError(f"--link must be one of {list(LINKS)}, got {a.link!r}")
+        if a.settings is None:
+            a.settings = link_settings(a.link)
         if a.only is not None:
             a.only = tuple(x for x in a.only.split(",") if x)
             bad = [x for x in a.only if x not in SWEEP_NAMES]
@@ -385,20 +520,37 @@ class BurstGapCharacterization(Experiment):
 
     def sweeps(self, args) -> list[Sweep]:
         self.inv = inventory()
-        check_gpus(args.src, args.dst, self.inv)
-        return [s for s in characterization_sweeps(self.inv.gpus[args.src].sm_count,
-                                                   len(self.inv.gpus), args.src, args.dst,
-                                                   args.repeats)
-                if args.only is None or s.name in args.only]
+        host = args.link == "host"
+        if not self.inv.gpus:
+            raise LinkError(f"the {args.link} link needs a GPU; none is visible ({self.inv.error})")
+        check_gpus(args.src, HOST if host else args.dst, self.inv)
+        sms = self.inv.gpus[args.src].sm_count
+        sweeps = (host_link_sweeps(sms, args.src, args.repeats, args.settings) if host else
+                  characterization_sweeps(sms, len(self.inv.gpus), args.src, args.dst,
+                                          args.repeats))
+        if host and args.only is not None and "pairs" in args.only:
+            raise ValueError("--only pairs: the host link has one route, no pairs sweep")
+        return [s for s in sweeps if args.only is None or s.name in args.only]
 
     def start(self, run) -> None:
         self.bench = RemoteStoreBench(run.args.settings, self.inv)
+        self.copy_engine = (self.bench.copy_engine_rate(run.args.src)
+                            if run.args.link == "host" else None)
 
     def validate(self, point, run) -> None:
         self.bench.validate(point)
 
     def sm_clock_mhz(self, run):
         return self.bench.sm_clock_mhz(run.args.src)
+
+    def check(self, point, run) -> list[str]:
+        """One launch of the point, its destination poisoned first and checked after (on the
+        device, and for host memory read back on the CPU too), before any launch is timed."""
+        try:
+            self.bench.measure(point, check_on_cpu=True)
+        except RuntimeError as e:
+            return [str(e)]
+        return []
 
     def measure(self, point, run) -> pd.DataFrame:
         return self.bench.measure(point)
@@ -409,8 +561,12 @@ class BurstGapCharacterization(Experiment):
 
     def metadata(self, run) -> dict:
         args = run.args
-        return {"settings": args.settings.__dict__, "src": args.src, "dst": args.dst,
-                "seed": int(self.bench.seed)}
+        host = args.link == "host"
+        facts = {"link": args.link, "settings": args.settings.__dict__, "src": args.src,
+                 "dst": HOST if host else args.dst, "seed": int(self.bench.seed)}
+        if host:
+            facts |= {"host_memory": self.bench.host.numa, "copy_engine_d2h": self.copy_engine}
+        return facts
 
     def record_name(self, args) -> str:
         """``remote_store`` where the run holds every sweep of ``CALIBRATION_SWEEPS``, else
@@ -432,25 +588,34 @@ EXPERIMENT = BurstGapCharacterization()
 
 def run_characterization(repeats: int = 11, src: int = 0, dst: int = 1,
                          only: tuple[str, ...] | None = None,
-                         settings: BenchSettings = BenchSettings(), progress: bool = True,
-                         root: Path = RECORDS_DIR) -> Path:
+                         settings: BenchSettings | None = None, progress: bool = True,
+                         root: Path = RECORDS_DIR, link: str = "nvlink") -> Path:
     """Run the Fig. 3 sweeps on this machine and save them as one ``remote_store`` record, or,
     where ``only`` leaves out a sweep the calibration needs, a ``remote_store_partial`` one (which
     replay and calibration do not pick up). Every point of every sweep is validated before the
     first launch. Returns the record's path."""
-    args = harness.parse(EXPERIMENT, ["--root", str(root), "--repeats", str(repeats),
+    args = harness.parse(EXPERIMENT, ["--root", str(root), "--link", link,
+                                      "--repeats", str(repeats),
                                       "--src", str(src), "--dst", str(dst),
                                       *(["--only", ",".join(only)] if only is not None else []),
                                       *([] if progress else ["--no-progress"])])
-    args.settings = settings
+    args.settings = settings or link_settings(link)
     return harness.run(EXPERIMENT, args)
+
+
+def calibrate_record(rec: Record) -> tuple[Calibration, pd.DataFrame]:
+    """``calibrate`` on a ``remote_store`` record, with the link and copy-engine rate of its
+    header."""
+    copy_engine = rec.params.get("copy_engine_d2h")
+    return calibrate(rec.table, rec.platform, rec.record_id, link=rec.params.get("link", "nvlink"),
+                     copy_engine_GBps=copy_engine["rate_GBps"] if copy_engine else None)
 
 
 def write_calibration(record_path: Path | str, root: Path = RECORDS_DIR) -> Path:
     """Fit M_X from a ``remote_store`` record and save it as a ``calibration`` record (one row per
     fitted quantity; the full fit in its parameters), for the later experiments to load."""
     rec = read_record(record_path)
-    cal, _ = calibrate(rec.table, rec.platform, rec.record_id)
+    cal, _ = calibrate_record(rec)
     table = pd.DataFrame([{"quantity": k, "value": json.dumps(v)} for k, v in cal.summary().items()])
     params = {"source_record": rec.record_id, "calibrated_with_commit": git_commit(),
               "calibration": calibration_to_dict(cal)}
@@ -472,7 +637,7 @@ class Characterization:
 
     @classmethod
     def from_record(cls, rec: Record) -> "Characterization":
-        cal, predicted = calibrate(rec.table, rec.platform, rec.record_id)
+        cal, predicted = calibrate_record(rec)
         return cls(rec, cal, predicted, point_table(launch_means(rec.table)))
 
 
