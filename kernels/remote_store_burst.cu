@@ -59,6 +59,12 @@ __device__ void write_trace(const u64* stamps, u32 n_bursts, u32 producer, u32 n
 // A CTA is blockDim.x - 32 store threads plus one timekeeper warp (the last), which issues no
 // remote stores: it aligns, stamps and spins the gap. Stamps stay in shared memory until the
 // end, so between bursts the only memory operations are the barrier's, by the timekeeper.
+// A burst's issue-end stamp waits in a register and reaches shared memory only after the next
+// burst's start stamp: stores still queued in the SM when their warps pass the barrier hold up
+// the SM's next shared-memory access (the local staging of §2), and that wait must land in the
+// next burst's issue interval, not silently lengthen the gap. (Seen on the host link, where
+// bursts of a few KiB per producer pass the barrier at once and the drain then holds up the
+// timekeeper's stamp store for the rest of V/R.)
 // Dynamic shared memory: at least n_bursts * 3 * 8 bytes.
 template <bool FENCED>
 __device__ __forceinline__ void burst_gap_body(
@@ -88,6 +94,7 @@ __device__ __forceinline__ void burst_gap_body(
         clocks[producer * 5 + 4] = smid;
         abort_run = 0;
     }
+    u64 issue_end = 0;  // the timekeeper's last issue-end clock, not yet in shared memory
     for (u32 burst = 0; burst < n_bursts; ++burst) {
         if (timekeeper) {
             if ((burst == 0 || align_each_burst) &&
@@ -95,8 +102,11 @@ __device__ __forceinline__ void burst_gap_body(
                               error)) {
                 abort_run = 1;
             }
-            stamps[burst * 3 + 0] = clock64();
-            stamps[burst * 3 + 2] = global_timer_ns();
+            const u64 start = clock64();
+            const u64 start_ns = global_timer_ns();
+            if (burst > 0) stamps[(burst - 1) * 3 + 1] = issue_end;
+            stamps[burst * 3 + 0] = start;
+            stamps[burst * 3 + 2] = start_ns;
         }
         __syncthreads();
         if (abort_run) break;
@@ -113,11 +123,11 @@ __device__ __forceinline__ void burst_gap_body(
         // Issue ends when every warp of the CTA has issued its stores; completion is not awaited.
         __syncthreads();
         if (timekeeper) {
-            const u64 end = clock64();
-            stamps[burst * 3 + 1] = end;
-            while ((u64)clock64() - end < gap_cycles) { }
+            issue_end = clock64();
+            while ((u64)clock64() - issue_end < gap_cycles) { }
         }
     }
+    if (timekeeper && n_bursts > 0 && !abort_run) stamps[(n_bursts - 1) * 3 + 1] = issue_end;
     write_trace(stamps, n_bursts, producer, n_producers, timekeeper, trace, clocks);
 }
 
