@@ -261,6 +261,17 @@ class MappedHostBuffer:
         return np.frombuffer(raw, dtype=np.uint32)
 
 
+def check_mapped_host(ptr: int) -> None:
+    """``LinkError`` unless the host address ``ptr`` (pinned memory) is also its device address:
+    the host link's remote stores go to the host address as it is."""
+    import cupy
+
+    device_ptr = cupy.cuda.runtime.pointerGetAttributes(ptr).devicePointer
+    if device_ptr != ptr:
+        raise LinkError(f"pinned host memory at {ptr:#x} has device address {device_ptr:#x}: "
+                        "the host link's stores need unified addressing")
+
+
 def mapped_host_buffer(nbytes: int, device: int) -> MappedHostBuffer:
     """``nbytes`` of pinned, mapped host memory for GPU ``device`` (cudaHostAlloc, portable and
     mapped), its pages placed on the GPU's own NUMA node where the machine names one: the
@@ -286,11 +297,11 @@ def mapped_host_buffer(nbytes: int, device: int) -> MappedHostBuffer:
     finally:
         if bound:
             os.sched_setaffinity(0, before)
-    device_ptr = rt.pointerGetAttributes(ptr).devicePointer
-    if device_ptr != ptr:
+    try:
+        check_mapped_host(ptr)
+    except LinkError:
         rt.freeHost(ptr)
-        raise LinkError(f"mapped host memory at {ptr:#x} has device pointer {device_ptr:#x}: the "
-                        "host link's stores need unified addressing")
+        raise
     buf = MappedHostBuffer(ptr, nbytes, device, {**numa, "pages_bound_to_node": bound})
     weakref.finalize(buf, rt.freeHost, ptr)
     return buf

@@ -40,6 +40,8 @@ from ... import model, simulator
 from ...records import RECORDS_DIR
 
 EXPERT_PARALLEL = (2, 4, 8)
+HOST_SHARES = (1, 2, 4, 8)
+HOST_SHARE_SOURCES = 8  # the source ranks of the EP = 8 rank workload (kernel_bench.EP)
 # What a forecast row needs from the one-GPU kernel record (one row per model and precision).
 INPUT_COLUMNS = ("model", "precision", "hidden", "intermediate", "block_m", "block_n1",
                  "block_n2", "programs", "waves", "l1_tiles_per_program", "l2_tiles_per_program",
@@ -86,10 +88,36 @@ def program_stall(kinds: list[str], mainloop_us: dict[str, float], tile_volume: 
 def forecast_row(kernel: dict, platform: model.PlatformModel, expert_parallel: int) -> dict:
     """The forecast of one (model, precision) at P = ``expert_parallel``; ``kernel`` has
     ``INPUT_COLUMNS``."""
+    return {"model": kernel["model"], "precision": kernel["precision"], "ep": expert_parallel,
+            **combine_forecast(kernel, platform, remote_share(expert_parallel))}
+
+
+def host_share_fraction(host_share: int) -> float:
+    """Share of a rank's Combine rows whose buffer is pinned host memory when the buffers of
+    ``host_share`` of the EP = 8 source ranks are (the host link's dial, 1..8)."""
+    if not 1 <= host_share <= HOST_SHARE_SOURCES:
+        raise ValueError(f"host share must be 1..{HOST_SHARE_SOURCES} source ranks, got "
+                         f"{host_share}")
+    return host_share / HOST_SHARE_SOURCES
+
+
+def host_forecast_row(kernel: dict, platform: model.PlatformModel, host_share: int) -> dict:
+    """The forecast of one cell of the host-link matrix: ``kernel`` (``INPUT_COLUMNS`` and its
+    routing and tokens) with the Combine rows of ``host_share`` of the eight source ranks stored
+    into host memory over the host link's ``platform``."""
+    return {"model": kernel["model"], "precision": kernel["precision"],
+            "routing": kernel["routing"], "tokens": int(kernel["tokens"]),
+            "host_share": host_share,
+            **combine_forecast(kernel, platform, host_share_fraction(host_share))}
+
+
+def combine_forecast(kernel: dict, platform: model.PlatformModel, share: float) -> dict:
+    """What the Burst–Gap model predicts for the Linear-2 Combine bursts of ``kernel``'s cell
+    (``INPUT_COLUMNS``) when ``share`` of its Combine rows cross ``platform``'s link (module
+    docstring)."""
     missing = [c for c in INPUT_COLUMNS if c not in kernel]
     if missing:
         raise KeyError(f"forecast input lacks {missing}")
-    share = remote_share(expert_parallel)
     k_act = int(kernel["programs"])
     tile_bytes = kernel["block_m"] * kernel["block_n2"] * 2 * share
     volume = k_act * tile_bytes
@@ -101,8 +129,7 @@ def forecast_row(kernel: dict, platform: model.PlatformModel, expert_parallel: i
     capacity = platform.capacity_at(k_act)
     g_wave = model.interleaved_gap(t_l2)
     g_int = model.interleaved_gap(t_l2, t_l1, n1, n2)
-    row = {"model": kernel["model"], "precision": kernel["precision"], "ep": expert_parallel,
-           "remote_share": share, "burst_volume": volume, "t_iss0_us": t_iss0,
+    row = {"remote_share": share, "burst_volume": volume, "t_iss0_us": t_iss0,
            "g_wave_us": g_wave, "g_int_us": g_int,
            "v_over_r_us": float(model.drain_time(volume, rate))}
     verdict = model.design_test(volume, g_wave, t_iss0, rate, capacity)
@@ -139,10 +166,11 @@ def forecast(kernels: pd.DataFrame, platform: model.PlatformModel,
 BASIS = {"routing": "balanced", "tokens": 8192}
 
 
-def kernel_inputs(table: pd.DataFrame, basis: dict = BASIS) -> pd.DataFrame:
+def kernel_inputs(table: pd.DataFrame, basis: dict | None = BASIS) -> pd.DataFrame:
     """``INPUT_COLUMNS`` per (model, precision) from a ``moe_kernel`` record's table (its
-    traced cells), at ``basis``."""
-    cells = table[(table["routing"] == basis["routing"]) & (table["tokens"] == basis["tokens"])]
+    traced cells), at ``basis``; with ``basis=None`` every cell, with its routing and tokens."""
+    cells = table if basis is None else table[(table["routing"] == basis["routing"])
+                                              & (table["tokens"] == basis["tokens"])]
     if cells.empty:
         raise ValueError(f"the moe_kernel record has no {basis} cell")
     tiles = cells["tile_config"].map(lambda v: json.loads(v) if isinstance(v, str) else v)
@@ -150,7 +178,8 @@ def kernel_inputs(table: pd.DataFrame, basis: dict = BASIS) -> pd.DataFrame:
                        block_n1=tiles.map(lambda t: t["block_n1"]),
                        block_n2=tiles.map(lambda t: t["block_n2"]),
                        programs=cells["num_programs"])
-    return out[list(INPUT_COLUMNS)].reset_index(drop=True)
+    columns = list(INPUT_COLUMNS) + ([] if basis is not None else ["routing", "tokens"])
+    return out[columns].reset_index(drop=True)
 
 
 def write_forecast(kernel_platform: str, calibration_platform: str,
@@ -175,6 +204,40 @@ def write_forecast(kernel_platform: str, calibration_platform: str,
     return write_record("moe_forecast", kernel_platform, table, params, provenance(), root)
 
 
+def host_forecast(kernels: pd.DataFrame, platform: model.PlatformModel,
+                  host_shares=HOST_SHARES) -> pd.DataFrame:
+    """``host_forecast_row`` for every cell of ``kernels`` and every host share."""
+    return pd.DataFrame([host_forecast_row(k, platform, h) for k in kernels.to_dict("records")
+                         for h in host_shares])
+
+
+def write_host_forecast(kernel_platform: str, host_platform: str, tokens: int,
+                        root: Path = RECORDS_DIR) -> Path:
+    """The ``moe_host_forecast`` record of ``host_platform`` (a ``-host`` platform): every cell
+    of ``kernel_platform``'s latest ``moe_kernel`` records at ``tokens`` per source rank, both
+    routings, each host share, on the host link's latest calibration. Written before the
+    host-link matrix is measured (``moe.host_bench``), which names it."""
+    from ...platform import provenance
+    from ...records import latest_record, write_record
+    from .kernel_view import latest_view
+    from ..remote_store.characterization import latest_calibration
+
+    kernel = latest_view(kernel_platform, root)
+    cal_record = latest_record("calibration", host_platform, root)
+    cells = kernel_inputs(kernel.table, basis=None)
+    table = host_forecast(cells[cells["tokens"] == tokens].reset_index(drop=True),
+                          latest_calibration(host_platform, root).platform_model())
+    params = {"link": "host",
+              "kernel_records": [f"moe_kernel/{kernel_platform}/{r.record_id}"
+                                 for r in kernel.records],
+              "calibration_record": f"calibration/{host_platform}/{cal_record.record_id}",
+              "tokens": tokens, "host_shares": list(HOST_SHARES),
+              "method": __doc__.split("\n\n", 1)[1] + "\n\nHost link: the remote share is the "
+                        "host share h/8 (the Combine buffers of h of the eight source ranks are "
+                        "pinned host memory); the calibration is the host link's."}
+    return write_record("moe_host_forecast", host_platform, table, params, provenance(), root)
+
+
 def summary_entry(platform: str, root: Path = RECORDS_DIR) -> dict:
     """The ``moe_forecast`` entry of ``summary --json``: the latest forecast's rows."""
     from ...records import latest_record
@@ -194,8 +257,15 @@ def main(argv=None) -> None:
     p.add_argument("--calibration-platform", default="h200-x2",
                    help="platform whose calibration gives T_iss^0, R and Q")
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help="records folder")
+    p.add_argument("--host-link", metavar="PLATFORM", default=None,
+                   help="instead: the host-link forecast (moe_host_forecast) on this -host "
+                        "platform's calibration, every cell at --tokens per source rank")
+    p.add_argument("--tokens", type=int, default=4096)
     a = p.parse_args(argv)
-    print(f"wrote {write_forecast(a.kernel_platform, a.calibration_platform, a.root)}")
+    if a.host_link:
+        print(f"wrote {write_host_forecast(a.kernel_platform, a.host_link, a.tokens, a.root)}")
+    else:
+        print(f"wrote {write_forecast(a.kernel_platform, a.calibration_platform, a.root)}")
 
 
 if __name__ == "__main__":

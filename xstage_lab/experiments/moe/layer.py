@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
 from ...kernel_sources import load_kernel_module
-from ...platform import ALIGN_BYTES, symmetric_buffer
+from ...platform import ALIGN_BYTES, check_mapped_host, symmetric_buffer
 from .schedules import L1, L2, MoEProblem, Schedule, check_schedule, tile_table
 
 SHAPES_PATH = Path(__file__).resolve().parents[3] / "data" / "moe_shapes.json"
@@ -518,6 +518,29 @@ def local_store_control(peers: CombinePeers, local: torch.Tensor) -> CombinePeer
         raise MoEContractError(f"local control buffer on {local.device}, peer table on "
                                f"{peers.table.device}")
     return local_combine_peers(list(local.unbind(0)))
+
+
+def host_combine_peers(local: torch.Tensor, host: Sequence[torch.Tensor]) -> CombinePeers:
+    """The host link's Combine (issue 26): a peer table of ``local``'s layout (``[P, slots,
+    hidden]`` bf16 on the issuing GPU) whose entries for source ranks 0 .. h − 1 point at the h
+    buffers ``host`` instead, pinned host memory that the kernel stores into over PCIe (checked
+    mapped: under unified addressing a pinned buffer's host address is its device address). On a
+    CPU device (tests) the host buffers are ordinary tensors."""
+    if len(host) > local.shape[0]:
+        raise MoEContractError(f"{len(host)} host buffers for {local.shape[0]} source ranks")
+    for b in host:
+        if b.dtype != torch.bfloat16 or tuple(b.shape) != tuple(local.shape[1:]) or \
+                not b.is_contiguous() or b.device.type != "cpu":
+            raise MoEContractError(f"host Combine buffers must be contiguous bf16 CPU tensors "
+                                   f"{list(local.shape[1:])}")
+        if local.device.type == "cuda":
+            if not b.is_pinned():
+                raise MoEContractError("host Combine buffers must be pinned memory")
+            check_mapped_host(b.data_ptr())
+    buffers = (*host, *list(local.unbind(0))[len(host):])
+    ptrs = tuple(b.data_ptr() for b in buffers)
+    return CombinePeers(ptrs, torch.tensor(ptrs, dtype=torch.int64, device=local.device),
+                        local.shape[1], local.shape[2], buffers)
 
 
 class SymmetricCombine:

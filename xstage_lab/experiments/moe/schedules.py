@@ -115,6 +115,21 @@ def d_knee(b_n: int, k_sm: int, h_inter: int) -> int:
     return math.ceil(b_n * k_sm / (2 * h_inter))
 
 
+def skew_lead(knee: int, num_programs: int, l2_n_blocks: int) -> int:
+    """The Interleaved lead that also covers the Linear-2 stream's skew across programs:
+    D = D_knee + ceil(G / P_2), with D_knee of eq. 16 and G = ``num_programs``.
+
+    Eq. 16 sizes the lead by the rows the G programs' in-flight Linear-1 tiles span,
+    ceil(G / P_1). Program g's Linear-2 stream starts at tile g, so the G programs' current
+    Linear-2 tiles span another ceil(G / P_2) rows: a Linear-2 tile a program takes at its own
+    lead can belong to a row up to that many rows ahead of its neighbours', whose Linear-1 tiles
+    it then waits for. Where P_2 ≪ P_1 (DiT-MoE: P_2 = 11, P_1 = 44) this term dominates."""
+    if knee < 1 or num_programs < 1 or l2_n_blocks < 1:
+        raise ValueError(f"knee, num_programs and l2_n_blocks must be >= 1, got {knee}, "
+                         f"{num_programs}, {l2_n_blocks}")
+    return knee + math.ceil(num_programs / l2_n_blocks)
+
+
 WAVE_FILL = 2  # Linear-1 tiles per program that a default Expert-Wave wave holds at least
 
 

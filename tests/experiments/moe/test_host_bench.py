@@ -1,0 +1,143 @@
+"""The MoE kernel with Combine into host memory (issue 26 item 2) on CPU: the host-share peer
+table, the derived Interleaved lead, and a whole run through the harness with a stand-in for the
+fused launch (``test_kernel_bench.EmulatedLaunch``, which stores each row through the peer table
+as the kernel does) and for the CUDA timing: the forecast it needs first and names, the checks
+that read the host buffers back, the row it measures."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from tests.experiments.moe.test_kernel_bench import SEED, TINY, TOKENS, EmulatedLaunch
+from xstage_lab.experiments import harness
+from xstage_lab.experiments.moe import host_bench as hb, layer as moe
+from xstage_lab.experiments.moe.forecast import host_share_fraction
+from xstage_lab.experiments.moe.schedules import d_knee, skew_lead
+from xstage_lab.records import write_record
+
+
+def test_host_peers_put_the_first_sources_in_host_memory():
+    local = torch.zeros(8, 4, 16, dtype=torch.bfloat16)
+    host = [torch.zeros(4, 16, dtype=torch.bfloat16) for _ in range(3)]
+    peers = moe.host_combine_peers(local, host)
+    assert peers.ptrs == (*(b.data_ptr() for b in host),
+                          *(local[r].data_ptr() for r in range(3, 8)))
+    assert peers.table.tolist() == list(peers.ptrs) and (peers.slots, peers.hidden) == (4, 16)
+    with pytest.raises(moe.MoEContractError, match="9 host buffers"):
+        moe.host_combine_peers(local, host * 3)
+    with pytest.raises(moe.MoEContractError, match="contiguous bf16"):
+        moe.host_combine_peers(local, [torch.zeros(4, 8, dtype=torch.bfloat16)])
+
+
+def test_the_derived_lead_covers_the_linear2_streams_span():
+    # DiT-MoE on 132 SMs: P_1 = 5632 / 128 = 44, P_2 = 1408 / 128 = 11
+    knee = d_knee(2 * 128, 132, 5632)
+    assert knee == 3 and skew_lead(knee, 132, 11) == 3 + 12
+    # where P_2 >= G the Linear-2 stream spans one row: one more than eq. 16
+    assert skew_lead(2, 16, 56) == 3
+    assert hb.leads(3, 15) == [3, 15, 30, 60]
+    with pytest.raises(ValueError):
+        skew_lead(0, 132, 11)
+
+
+def test_host_share_fraction_is_h_of_eight():
+    assert host_share_fraction(1) == 1 / 8 and host_share_fraction(8) == 1.0
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="1..8"):
+            host_share_fraction(bad)
+
+
+def fake_time_methods(methods, *, trials, warmup, graph_iters, clocks):
+    """Each method called once (it must run); made-up times: Expert-Wave slowed by the host."""
+    out = {}
+    for i, (name, fn) in enumerate(methods.items()):
+        fn()
+        us = 200.0 if name == "wave" else 100.0 + i
+        out[name] = {"median_us": us, "p25_us": us - 1, "p75_us": us + 1,
+                     "trials_us": [us] * trials, "sm_clock_mhz": [1980.0] * trials}
+    return out
+
+
+def forecast_table(shares) -> pd.DataFrame:
+    rows = [{"model": "Tiny", "precision": p, "routing": "skewed", "tokens": TOKENS,
+             "host_share": h, "burst_volume": 1.0, "g_wave_us": 1.0, "v_over_r_us": 2.0,
+             "g_star_us": 2.0, "action": "reshape", "predicted_stall_us": 3.0,
+             "predicted_span_us": 3.3, "predicted_wave_us": 10.0,
+             "predicted_interleaved_us": 8.0, "predicted_speedup": 1.25}
+            for p in moe.PRECISIONS for h in shares]
+    return pd.DataFrame(rows)
+
+
+@pytest.fixture
+def host_run(monkeypatch, tmp_path):
+    """``MoEHost(device="cpu")`` through the harness: Tiny only, EmulatedLaunch behind the real
+    contract check, fake timing, the forecast in a scratch root. Returns (args, set_fault)."""
+    monkeypatch.setattr(moe, "load_shapes", lambda: {"Tiny": TINY})
+    real_prepare = moe.prepare_fused_moe
+    fault = {"kind": None}
+
+    def prepare(layout, weights, schedule, peers, **kw):
+        real_prepare(layout, weights, schedule, peers, **kw)
+        return EmulatedLaunch(layout, weights, schedule, peers, fault["kind"])
+
+    monkeypatch.setattr(moe, "prepare_fused_moe", prepare)
+    monkeypatch.setattr(hb, "time_methods", fake_time_methods)
+    monkeypatch.setattr(hb, "RECORDS_DIR", tmp_path / "records")
+    args = harness.parse(hb.EXPERIMENT, [
+        "--out", str(tmp_path / "host.json"), "--models", "Tiny", "--routing", "skewed",
+        "--tokens", str(TOKENS), "--host-shares", "1", "8", "--kernel", "triton", "--programs",
+        "4", "--trials", "2", "--seed", str(SEED), "--no-trace", "--no-progress"])
+    return args, tmp_path / "records", lambda kind: fault.update(kind=kind)
+
+
+def test_a_run_needs_its_forecast_first(host_run):
+    args, _, _ = host_run
+    with pytest.raises(SystemExit, match="write the forecast first"):
+        harness.run(hb.MoEHost(device="cpu"), args)
+    assert not args.out.exists()
+
+
+def test_run_checks_reads_back_and_names_its_forecast(host_run):
+    args, root, _ = host_run
+    fc = write_record("moe_host_forecast", "cpu-host", forecast_table([1, 8]), {}, {}, root)
+    assert harness.run(hb.MoEHost(device="cpu"), args) == args.out
+    doc = json.loads(args.out.read_text())
+    meta, rows = doc["metadata"], doc["rows"]
+    assert meta["link"] == "host" and meta["forecast_record"] == f"moe_host_forecast/cpu-host/" \
+        f"{fc.stem}"
+    assert [(r["precision"], r["host_share"]) for r in rows] == \
+        [("bf16", 1), ("bf16", 8), ("fp8", 1), ("fp8", 8)]
+    for r in rows:
+        assert set(r["host_spin_errors"]) == {"wave", "wave_local", "wave_fenced",
+                                             "interleaved_local",
+                                             *(f"interleaved_d{d}" for d in r["leads"])}
+        assert r["stray_rows"] == 0 and r["forecast_predicted_speedup"] == 1.25
+        assert r["interleaved_us"] == r[f"interleaved_d{r['lead_rows']}_us"]
+        assert r["measured_speedup"] == pytest.approx(200.0 / r["interleaved_us"])
+        assert r["measured_stall_us"] > 0 and r["lead_rows"] == skew_lead(r["d_knee"], 4, 2)
+
+
+@pytest.mark.parametrize("fault, message", [("skip", "error inf"), ("perturb", "differ")])
+def test_a_wrong_launch_into_host_memory_aborts_before_timing(host_run, fault, message,
+                                                              monkeypatch, capsys):
+    args, root, set_fault = host_run
+    write_record("moe_host_forecast", "cpu-host", forecast_table([1, 8]), {}, {}, root)
+    set_fault(fault)
+    timed = []
+    monkeypatch.setattr(hb, "time_methods", lambda *a, **k: timed.append(1))
+    with pytest.raises(SystemExit, match="correctness failed"):
+        harness.run(hb.MoEHost(device="cpu"), args)
+    assert message in capsys.readouterr().err
+    assert not timed and not args.out.exists()
+
+
+@pytest.mark.parametrize("argv, match", [(["--host-shares", "9"], "0..8"),
+                                         (["--host-shares", "-1"], "0..8"),
+                                         (["--models", "Nope"], "unknown model")])
+def test_bad_options_are_one_line_before_any_launch(argv, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        harness.parse(hb.EXPERIMENT, ["--out", "x.json", *argv])
+    assert e.value.code == 2 and match in capsys.readouterr().err

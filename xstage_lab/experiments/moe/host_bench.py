@@ -1,0 +1,310 @@
+"""The fused MoE kernel with its Combine into host memory: the X-Stage, its backpressure and the
+paper's remedy measured on one GPU over the host link (issue 26 item 2; paper §4.2, §5.2, Table 2
+and Figs. 8–10 on the host link).
+
+    python -m xstage_lab.experiments.moe.host_bench (--out FILE.json | --root DIR)
+        [--models M ...] [--precisions bf16 fp8] [--routing balanced skewed] [--tokens 4096]
+        [--host-shares 1 2 4 8] [--trials N] [--no-trace]
+
+The workload is ``kernel_bench``'s: one rank (rank 0) of EP = 8 on one GPU, every row the eight
+source ranks route to its experts. The host-share dial h: the Combine buffers of source ranks
+0 .. h − 1 are pinned host memory (torch's pinned allocator, mapped under unified addressing:
+the buffer's host address is its device address, checked), the other 8 − h stay in local HBM
+(``moe.host_combine_peers``). The kernel runs unchanged; its Combine stores to the first h
+sources cross PCIe as posted writes and drain after the consumer warpgroups move on.
+
+First the forecast: the run refuses to start without this platform's ``moe_host_forecast``
+record (``python -m xstage_lab.experiments.moe.forecast --host-link <gpu>-host``: the Burst–Gap
+model on the host link's calibration and the one-GPU kernel record's per-tile times), and its
+record names that forecast and copies its prediction into each row.
+
+Per cell (model, precision, routing, tokens) and host share h, on fresh seeded activations:
+
+1. Correctness first. ``kernel_bench.check_cell`` on the all-local launches (both schedules
+   bitwise equal, no stray rows, within tolerance of the float32 and quantization-matched
+   references, spin errors zero); then every launch this point times into host memory, its host
+   and device buffers poisoned with NaN first, runs once and its eight Combine buffers (the host
+   ones read back) must equal the all-local Expert-Wave result bitwise. Any failure aborts the
+   run before timing; nothing is written.
+2. Timing (``dist_timing.time_methods``: events, warm-up, median and p25/p75 over trials, order
+   rotated per trial, SM clock per trial) of ``methods``: Expert-Wave with the host share, the
+   local control (every store local), the fenced Expert-Wave (each Linear-2 tile waits until its
+   stores are visible system-wide: the completion-coupled world), Interleaved at each lead of
+   ``leads`` (the D sweep: eq. 16's D_knee, the lead that also covers the Linear-2 stream's
+   skew, and multiples), and Interleaved at that lead with every store local. Spin errors are
+   read after the timed replays: any aborts the run.
+3. Per-tile traces of Expert-Wave and Interleaved with the host share (``kernel_bench.
+   trace_columns``): Linear-2 spans, mainloops and G_wave.
+
+``measured_stall_us`` is Expert-Wave's time over the local control's per Linear-2 burst of a
+program; ``measured_speedup`` Expert-Wave's time over Interleaved's at the derived lead.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from ...checks import bitwise_equal
+from ...dist_timing import TIMING_METHOD, time_methods
+from ...records import RECORDS_DIR
+from ...sweep import Axis, Sweep
+from .. import harness
+from ..harness import Experiment, Run
+from . import kernel_bench as kb, layer as moe
+from .bench import cell_seed
+from .forecast import HOST_SHARE_SOURCES
+from .schedules import L2, Schedule, expert_wave_schedule, interleaved_schedule, skew_lead
+
+DEFAULT_TOKENS = (4096,)
+DEFAULT_SHARES = (1, 2, 4, 8)
+# The launches whose every Combine store is local: they leave the host buffers alone.
+LOCAL = frozenset({"wave_local", "interleaved_local"})
+# The D sweep, as multiples of the derived lead (skew_lead), beside D_knee itself.
+LEAD_MULTIPLES = (1, 2, 4)
+
+
+def leads(knee: int, lead: int) -> list[int]:
+    """The Interleaved leads a point times: D_knee (eq. 16) and multiples of the derived lead."""
+    return sorted({knee, *(m * lead for m in LEAD_MULTIPLES)})
+
+
+@dataclasses.dataclass
+class HostStep:
+    """One point: the all-local cell, the host buffers and the launches into them."""
+
+    point: dict
+    cell: kb.Cell
+    host: list                 # the first h sources' pinned host Combine buffers
+    lead: int                  # the derived lead (schedules.skew_lead)
+    wave: Schedule             # the Expert-Wave schedule
+    calls: dict                # method name -> launch (see the module docstring, step 2)
+    checked: dict              # the all-local cell's check columns
+    base_failures: list        # and its failures
+
+
+class MoEHost(Experiment):
+    """The fused MoE kernel with Combine into host memory (issue 26 item 2)."""
+
+    name = "moe_host"
+    paper = "§4.2, §5.2, Table 2, Figs. 8-10 on the host link; issue 26 item 2"
+    launch = "in_process"
+
+    def __init__(self, device=None):
+        self.device = device  # None: this process's CUDA GPU
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        shapes = moe.load_shapes()
+        p.add_argument("--models", nargs="+", default=None, help=f"default: all of {list(shapes)}")
+        p.add_argument("--precisions", nargs="+", default=list(moe.PRECISIONS))
+        p.add_argument("--routing", nargs="+", default=list(moe.ROUTINGS))
+        p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS),
+                       help="tokens per source rank")
+        p.add_argument("--host-shares", nargs="+", type=int, default=list(DEFAULT_SHARES),
+                       help=f"source ranks (of {HOST_SHARE_SOURCES}) whose Combine buffers are "
+                            "pinned host memory")
+        p.add_argument("--kernel", default="gluon_ws", help=f"one of {list(moe.KERNELS)}")
+        p.add_argument("--trials", type=int, default=5)
+        p.add_argument("--warmup", type=int, default=2)
+        p.add_argument("--graph-iters", type=int, default=5)
+        p.add_argument("--programs", type=int, default=None)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--max-spin", type=int, default=moe.DEFAULT_MAX_SPIN_ITERS)
+        p.add_argument("--no-trace", dest="trace", action="store_false")
+
+    def check_args(self, a: argparse.Namespace) -> None:
+        shapes = moe.load_shapes()
+        a.models = list(shapes) if a.models is None else a.models
+        for name, given, allowed in (("model", a.models, shapes),
+                                     ("precision", a.precisions, moe.PRECISIONS),
+                                     ("routing", a.routing, moe.ROUTINGS),
+                                     ("kernel", [a.kernel], moe.KERNELS)):
+            bad = [g for g in given if g not in allowed]
+            if bad:
+                raise ValueError(f"unknown {name} {bad}; choose from {list(allowed)}")
+        bad = [h for h in a.host_shares if not 0 <= h <= HOST_SHARE_SOURCES]
+        if bad:
+            raise ValueError(f"--host-shares {bad}: a host share is 0..{HOST_SHARE_SOURCES} "
+                             "source ranks")
+        if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1 or a.warmup < 0:
+            raise ValueError("--tokens, --trials and --graph-iters must be >= 1, --warmup >= 0")
+        for m in a.models:
+            if shapes[m].routed_experts % kb.EP:
+                raise ValueError(f"{m}: EP = {kb.EP} ranks must divide its experts")
+
+    def sweeps(self, args) -> list[Sweep]:
+        """Model and precision outermost (their weights made once), the host share innermost (a
+        cell's workload and schedules made once for its shares)."""
+        return [Sweep("moe_host", (Axis("model", args.models), Axis("precision", args.precisions),
+                                   Axis("routing", args.routing), Axis("tokens", args.tokens),
+                                   Axis("host_share", args.host_shares)), repeats=1, warmup=0)]
+
+    def start(self, run: Run) -> None:
+        """This GPU, its programs, and the forecast this run tests (refused where none exists)."""
+        from ...platform import platform_name
+        from ...records import latest_record
+
+        if self.device is None:
+            if not torch.cuda.is_available():
+                raise SystemExit("moe.host_bench needs a CUDA GPU")
+            self.on = torch.device("cuda", torch.cuda.current_device())
+            why = moe.kernel_unsupported(run.args.kernel, self.on)
+            if why:
+                raise SystemExit(why)
+            torch.backends.cuda.matmul.allow_tf32 = False  # the reference is float32, not TF32
+            self.platform = platform_name() + "-host"
+        else:
+            self.on = torch.device(self.device)
+            self.platform = "cpu-host"
+        try:
+            forecast = latest_record("moe_host_forecast", self.platform,
+                                     run.args.root or RECORDS_DIR)
+        except FileNotFoundError:
+            raise SystemExit(f"no moe_host_forecast record of {self.platform}: write the forecast "
+                             f"first (python -m xstage_lab.experiments.moe.forecast --host-link "
+                             f"{self.platform})") from None
+        self.forecast_id = f"moe_host_forecast/{self.platform}/{forecast.record_id}"
+        self.forecast = forecast.table.set_index(["model", "precision", "routing", "tokens",
+                                                  "host_share"])
+        self.programs = (run.args.programs
+                         or torch.cuda.get_device_properties(self.on).multi_processor_count)
+        self.shapes = moe.load_shapes()
+        self._cell = (None, None)
+        self.tile_configs: dict = {}
+
+    def _base_cell(self, point: dict, run: Run) -> kb.Cell:
+        """The all-local cell of the point's (model, precision, routing, tokens), checked once."""
+        key = tuple(point[k] for k in ("model", "precision", "routing", "tokens"))
+        if self._cell[0] != key:
+            args, shape, precision = run.args, self.shapes[point["model"]], point["precision"]
+            cfg = moe.default_tile_config(precision, args.kernel, hidden=shape.hidden)
+            self.tile_configs.setdefault(shape.model, {})[precision] = dataclasses.asdict(cfg)
+            weights = run.resource((shape.model, precision), lambda: moe.local_expert_weights(
+                shape, kb.RANK, kb.EP, precision, seed=args.seed, device=self.on))
+            self._cell = (None, None)
+            cell = kb.setup_cell(shape, precision, point["routing"], point["tokens"], weights, cfg,
+                                 args, seed=cell_seed(args.seed, shape.model, precision,
+                                                      point["routing"], point["tokens"]),
+                                 programs=self.programs, device=self.on)
+            checked, failures = kb.check_cell(cell, weight_seed=args.seed, unfused=None)
+            self._cell = (key, (cell, checked, failures))
+        return self._cell[1]
+
+    def prepare(self, point: dict, run: Run) -> HostStep:
+        cell, checked, failures = self._base_cell(point, run)
+        h, args = point["host_share"], run.args
+        slots, hidden = cell.workload.slots, cell.shape.hidden
+        host = [torch.empty((slots, hidden), dtype=torch.bfloat16,
+                            pin_memory=self.on.type == "cuda") for _ in range(h)]
+        peers = moe.host_combine_peers(cell.combine, host)
+        lead = skew_lead(cell.knee, self.programs, cell.problem.l2_n_blocks)
+
+        def launch(schedule, peers_=peers, fence=False):
+            return moe.prepare_fused_moe(cell.layout, cell.weights, schedule, peers_,
+                                         config=cell.cfg, max_spin_iters=args.max_spin,
+                                         fence=fence)
+
+        schedules = {d: interleaved_schedule(cell.problem, self.programs, d)
+                     for d in leads(cell.knee, lead)}
+        wave = expert_wave_schedule(cell.problem, self.programs)
+        calls = {"wave": launch(wave), "wave_local": cell.calls["wave"],
+                 "wave_fenced": launch(wave, fence=True),
+                 **{f"interleaved_d{d}": launch(s) for d, s in schedules.items()},
+                 "interleaved_local": launch(schedules[lead], cell.peers)}
+        return HostStep(point, cell, host, lead, wave, calls, dict(checked), failures)
+
+    def check(self, step: HostStep, run: Run) -> list[str]:
+        """Step 1 of the module docstring."""
+        failures = list(step.base_failures)
+        if step.cell.workload.rows == 0:
+            return ["no row routed to rank 0's experts"]
+        cell = step.cell
+        cell.combine.fill_(float("nan"))
+        cell.calls["wave"]()
+        want = cell.combine.clone()
+        spin = {}
+        for name, call in step.calls.items():
+            if cell.combine.is_cuda:  # nothing of the last launch or read-back still runs
+                torch.cuda.synchronize()
+            cell.combine.fill_(float("nan"))
+            for b in step.host:
+                b.fill_(float("nan"))
+            call()
+            spin[name] = call.error_count()
+            got = cell.combine.clone()
+            for r, b in enumerate([] if name in LOCAL else step.host):
+                got[r] = b.to(cell.combine.device)  # read back from host memory
+            if not bitwise_equal(got, want):
+                failures.append(f"{name}: Combine rows differ from the all-local Expert-Wave's")
+        if any(spin.values()):
+            failures.append(f"spin errors {spin}")
+        step.checked["host_spin_errors"] = spin
+        return failures
+
+    def measure(self, step: HostStep, run: Run) -> dict:
+        args, cell, p = run.args, step.cell, step.point
+        timing = time_methods(step.calls, trials=args.trials, warmup=args.warmup,
+                              graph_iters=args.graph_iters, clocks=True)
+        late = {name: call.error_count() for name, call in step.calls.items()}
+        if any(late.values()):
+            raise SystemExit(f"spin errors during the timed replays at {p}: {late}")
+        us = {name: t["median_us"] for name, t in timing.items()}
+        cols = {f"{name}_{q}": timing[name][k] for name in timing
+                for q, k in (("us", "median_us"), ("p25_us", "p25_us"), ("p75_us", "p75_us"))}
+        clocks = [c for t in timing.values() for c in t.get("sm_clock_mhz", []) if c is not None]
+        traced = {}
+        if args.trace:
+            traced = kb.trace_columns(dataclasses.replace(
+                cell, calls={"wave": step.calls["wave"],
+                             "interleaved": step.calls[f"interleaved_d{step.lead}"]},
+                peers=moe.host_combine_peers(cell.combine, step.host)))
+        best = min((n for n in us if n.startswith("interleaved_d")), key=us.get)
+        forecast = self.forecast.loc[(p["model"], p["precision"], p["routing"], p["tokens"],
+                                      p["host_share"])].to_dict() \
+            if p["host_share"] >= 1 else {}
+        programs = step.wave.programs
+        l2_bursts = sum(t.kind == L2 for prog in programs for t in prog) / len(programs)
+        return {**kb.cell_row_base(cell), "host_share": p["host_share"],
+                "lead_rows": step.lead, "leads": leads(cell.knee, step.lead), **cols,
+                "interleaved_us": us[f"interleaved_d{step.lead}"],
+                "interleaved_best": best, "interleaved_best_us": us[best],
+                "measured_stall_us": (us["wave"] - us["wave_local"]) / l2_bursts,
+                "measured_speedup": us["wave"] / us[f"interleaved_d{step.lead}"],
+                "local_interleaved_over_wave": us["wave_local"] / us["interleaved_local"],
+                "sm_clock_mhz_min": min(clocks) if clocks else None,
+                "trials_us": {n: t["trials_us"] for n, t in timing.items()},
+                **step.checked, "spin_errors_after_timing": late, **traced,
+                **{f"forecast_{k}": v for k, v in forecast.items()
+                   if k in FORECAST_COLUMNS}}
+
+    def progress_line(self, rows) -> str | None:
+        r = rows.iloc[0]
+        return (f"{r['model']:18s} {r['precision']:4s} {r['routing']:8s} h={r['host_share']}  "
+                f"wave {r['wave_us']:8.1f} us  local {r['wave_local_us']:8.1f}  interleaved "
+                f"{r['interleaved_us']:8.1f} (best {r['interleaved_best']} "
+                f"{r['interleaved_best_us']:.1f})  fenced {r['wave_fenced_us']:8.1f}")
+
+    def metadata(self, run: Run) -> dict:
+        args = run.args
+        return {"link": "host", "forecast_record": self.forecast_id,
+                "workload": f"one rank (rank {kb.RANK}) of EP = {kb.EP} on one GPU; the Combine "
+                            "buffers of source ranks 0..h-1 pinned host memory, the rest local",
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "kernel": args.kernel, "tile_configs": self.tile_configs,
+                "lead_multiples": list(LEAD_MULTIPLES), "tolerance": kb.TOLERANCE,
+                "timing": f"{TIMING_METHOD}; one process; {args.graph_iters} calls per trial, "
+                          "CUDA-graph replays"}
+
+
+# The forecast's columns each measured row carries (prefixed ``forecast_``).
+FORECAST_COLUMNS = ("burst_volume", "g_wave_us", "v_over_r_us", "g_star_us", "action",
+                    "predicted_stall_us", "predicted_span_us", "predicted_wave_us",
+                    "predicted_interleaved_us", "predicted_speedup")
+
+EXPERIMENT = MoEHost()
+
+if __name__ == "__main__":
+    harness.main(EXPERIMENT)
