@@ -84,3 +84,25 @@ def test_kernel_inputs_from_a_moe_kernel_table():
     for other in (table["routing"] == "skewed", table["tokens"] == 4096):
         with pytest.raises(ValueError, match="no"):
             moe_forecast.kernel_inputs(table[other])
+
+
+def test_the_command_prints_and_writes_only_with_root(tmp_path, capsys):
+    """Without ``--root`` the forecast of the committed records is printed and nothing is
+    written; with it, the record is written there and named."""
+    import shutil
+
+    from xstage_lab.records import RECORDS_DIR, list_records
+
+    before = sorted(RECORDS_DIR.rglob("*"))
+    moe_forecast.main([])
+    out = capsys.readouterr().out
+    assert "not saved" in out and "predicted_speedup" in out
+    assert sorted(RECORDS_DIR.rglob("*")) == before
+    for part in ("moe_kernel/h200-x1", "calibration/h200-x2"):
+        shutil.copytree(RECORDS_DIR / part, tmp_path / part)
+    moe_forecast.main(["--root", str(tmp_path)])
+    written, = list_records("moe_forecast", "h200-x1", tmp_path)
+    assert capsys.readouterr().out == f"wrote {written}\n"
+    with pytest.raises(SystemExit) as e:
+        moe_forecast.main(["--kernel-platform", "nowhere"])
+    assert e.value.code == 2 and "no 'moe_kernel' record" in capsys.readouterr().err

@@ -62,6 +62,7 @@ import torch
 
 from ...checks import bitwise_equal, poisoned, relative_error
 from ...dist_timing import TIMING_METHOD, time_methods
+from ...records import read_output
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
@@ -785,13 +786,25 @@ def merge_documents(docs: list[dict]) -> dict:
     return {"metadata": meta, "rows": [r for d in docs for r in d["rows"]]}
 
 
+MERGE_USAGE = "python -m xstage_lab.experiments.moe.kernel_bench merge OUT.json IN.json [IN.json ...]"
+
+
+def _existing(name: str) -> Path:
+    if not Path(name).is_file():
+        raise ValueError(f"no such file: {name}")
+    return Path(name)
+
+
 def merge(argv: list[str]) -> None:
     """``merge OUT IN [IN ...]``: ``merge_documents`` of the ``--out`` JSONs ``IN``, written to
     ``OUT``; no GPU needed."""
     if len(argv) < 2:
-        raise SystemExit("usage: python -m xstage_lab.experiments.moe.kernel_bench merge "
-                         "OUT.json IN.json [IN.json ...]")
-    doc = merge_documents([json.loads(Path(f).read_text()) for f in argv[1:]])
+        raise SystemExit(f"usage: {MERGE_USAGE}")
+    try:
+        doc = merge_documents([read_output(_existing(f)) for f in argv[1:]])
+    except ValueError as e:  # a missing or malformed output, or outputs of different runs
+        print(f"{MERGE_USAGE.split(' OUT')[0]}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     Path(argv[0]).write_text(json.dumps(doc, indent=1, default=str))
     print(f"wrote {argv[0]} ({len(doc['rows'])} cells from {len(argv) - 1} outputs)")
 
