@@ -189,7 +189,8 @@ def moe_span_distributions(trace_record, paper: dict | None = None) -> go.Figure
                                text=f"paper {key.split('_')[1]} medians", showarrow=False)
     # log axis: this platform's spans and the paper's bands differ by an order of magnitude
     fig.update_layout(boxmode="group", title=f"{trace_record.platform}: Fig. 10, Linear-2 "
-                      "remote-store span per tile", yaxis_title="T_RS (µs)", yaxis_type="log")
+                      "remote-store span per tile", xaxis_title="model",
+                      yaxis_title="T_RS (µs)", yaxis_type="log")
     return fig
 
 

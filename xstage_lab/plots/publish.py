@@ -191,9 +191,8 @@ def untitled_axes(fig: go.Figure) -> list[str]:
     used = {"x": set(), "y": set()}
     for trace in fig.data:
         for d in used:
-            anchor = getattr(trace, f"{d}axis", None) if f"{d}axis" in trace else None
-            if anchor is not None:
-                used[d].add(f"{d}axis{anchor[1:]}")
+            if f"{d}axis" in trace:  # a cartesian trace: on axis "x" ("y") unless told another
+                used[d].add(f"{d}axis{(trace[f'{d}axis'] or d)[1:]}")
     return [d for d, axes in used.items()
             if axes and not any(fig.layout[a].title.text for a in axes)]
 

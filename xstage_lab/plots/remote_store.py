@@ -313,7 +313,8 @@ def patterns_rates(table: pd.DataFrame, platform: str) -> go.Figure:
     fig.add_bar(x=label, y=table["R (GB/s)"], name="fitted R")
     fig.add_bar(x=label, y=table["R predicted (GB/s)"], name="one-to-one R × drain share")
     fig.update_layout(title=f"{platform}: drain rate per injection pattern and source",
-                      yaxis_title="GB/s", barmode="group")
+                      xaxis_title="pattern, instance and source GPU", yaxis_title="GB/s",
+                      barmode="group")
     return fig
 
 
