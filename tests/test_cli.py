@@ -1,6 +1,7 @@
 """The command line refuses bad combinations before any work."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -179,3 +180,54 @@ def test_transcode_rewrites_an_old_record_once_with_its_writer_s_resolution(tmp_
     assert transcoded(root)[key]["commit"] == commit
     out = subprocess.run(argv, capture_output=True, text=True)
     assert "lean format already" in _one_line(out.returncode, out.stderr)
+
+
+def _malformed_inputs(tmp: Path) -> dict[str, list[list[str]]]:
+    """Per subcommand of ``python -m xstage_lab``, inputs a user can get wrong: a malformed value
+    of each kind it takes (files included)."""
+    not_json, no_metadata, no_provenance, not_parquet = (
+        tmp / "not.json", tmp / "no_metadata.json", tmp / "no_provenance.json", tmp / "x.parquet")
+    not_json.write_text('{"rows": [')
+    no_metadata.write_text('{"rows": []}')
+    no_provenance.write_text('{"metadata": {}, "rows": []}')
+    not_parquet.write_text("not parquet")
+    return {
+        "characterize": [["--repeats", "x"], ["--src", "y"], ["--only", "nosuch"]],
+        "characterize-beyond": [["--only", "nosuch"], ["--repeats", "0"], ["--dst", "-2"]],
+        "calibrate": [[str(not_parquet)], [str(tmp / "missing.parquet")], []],
+        "import-bench": [[str(f), "--experiment", "moe", "--root", str(tmp)]
+                         for f in (not_json, no_metadata, no_provenance, tmp / "missing.json")]
+                        + [[str(no_metadata), "--experiment", "nosuch"]],
+        "visibility": [["--repeats", "-1"], ["--src", "a"]],
+        "measure-all": [["--only", "nosuch"], ["--only"]],
+        "reproduce": [["--backend", "nosuch"], ["--only", "nosuch"]],
+        "summary": [["--root", str(not_json)], ["--root", str(tmp / "empty")]],
+        "transcode": [["not-a-record", "--commit", "HEAD"], ["a/b/c"]],
+    }
+
+
+def test_every_subcommand_refuses_malformed_input_in_one_line(capsys, gpus_untouched, tmp_path):
+    import argparse
+
+    (tmp_path / "empty").mkdir()
+    cases = _malformed_inputs(tmp_path)
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction))
+    assert set(cases) == set(commands.choices)
+    for command, inputs in cases.items():
+        for argv in inputs:
+            rc, err = _run(capsys, command, *argv)
+            assert rc == 2 and len(err.splitlines()) == 1, (command, argv, err)
+    assert [p.name for p in tmp_path.rglob("*.parquet")] == ["x.parquet"]  # nothing written
+
+
+def test_calibrate_prints_and_writes_only_with_root(capsys, tmp_path):
+    from xstage_lab.records import RECORDS_DIR, list_records
+
+    record = list_records("remote_store", "h200-x2")[-1]
+    before = sorted(RECORDS_DIR.rglob("*"))
+    assert main(["calibrate", str(record)]) == 0
+    assert "not saved" in capsys.readouterr().out and sorted(RECORDS_DIR.rglob("*")) == before
+    assert main(["calibrate", str(record), "--root", str(tmp_path)]) == 0
+    written, = list_records("calibration", "h200-x2", tmp_path)
+    assert capsys.readouterr().out == f"wrote {written}\n"

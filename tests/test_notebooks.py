@@ -196,3 +196,50 @@ def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_r
     entry = injection_patterns.summary_entry(rec.params, rec.record_id)
     assert len(tables.patterns_table(entry)) == 56 + 8 + 8 * 7 + 8
     assert plots.patterns_drain_heatmap(entry, "h200-x8").data[0].z.shape == (8, 8)
+
+
+def test_every_figure_has_a_caption_and_axis_titles_and_the_index_no_long_table(reproduced):
+    """Issue 29: each figure of ``out/`` with a caption and a title on the axes of each direction
+    its traces use; a table longer than ``runner.INDEX_TABLE_ROWS`` rows linked from the index,
+    not shown in it; Table 1's paper column as the paper prints it."""
+    for manifest in reproduced.glob("*/manifest.jsonl"):
+        for e in map(json.loads, manifest.read_text().splitlines()):
+            if e["kind"] == "figure":
+                assert e["caption"].strip() and e["untitled_axes"] == [], e
+    index = (reproduced / "index.html").read_text()
+    for table in index.split("<table")[1:]:
+        assert table.split("</table>")[0].count("<tr") - 1 <= runner.INDEX_TABLE_ROWS  # + header
+    table1 = (reproduced / "01_remote_store_characterization" / "table1.md").read_text()
+    sm_count = next(line for line in table1.splitlines() if line.startswith("| SMs per GPU"))
+    assert sm_count.split("|")[2].strip() == "148" and "nan" not in table1.lower()
+
+
+def test_the_readme_cpu_commands_run_as_written(reproduced, tmp_path):
+    """The README's "On the CPU" block as written, line by line after its activation line, in a
+    scratch folder holding what its set-up made (``.venv``: this interpreter's environment;
+    ``out``: this module's reproduce run): every command succeeds and no file of the repository
+    changes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = runner.NOTEBOOKS_DIR.parent
+    section = (repo / "README.md").read_text().split("\n## On the CPU\n", 1)[1].split("\n## ")[0]
+    block = section.split("```\n")[1]
+    activate, *commands = [line.split("  #")[0].strip() for line in block.splitlines()]
+    assert activate == ". .venv/bin/activate" and commands
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
+    (tmp_path / "out").symlink_to(reproduced)
+
+    def status() -> str:
+        return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=repo,
+                              capture_output=True, text=True, check=True).stdout
+
+    before = status()
+    env = {**os.environ, "PYTHONPATH": str(repo)}  # this checkout's package, whatever .venv holds
+    for command in commands:
+        done = subprocess.run(["bash", "-ec", f"{activate}\n{command}"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True)
+        assert done.returncode == 0 and done.stdout, (command, done.stderr[-2000:])
+    assert status() == before

@@ -152,7 +152,15 @@ def _calibrate(args) -> int:
     if rec.meta["experiment"] != "remote_store":
         raise UsageError(f"{args.record} is a {rec.meta['experiment']!r} record, "
                          "not a 'remote_store' one")
-    print(f"wrote {write_calibration(args.record, root=args.root)}")
+    if args.root is not None:
+        print(f"wrote {write_calibration(args.record, root=args.root)}")
+        return 0
+    from .calibration import calibrate
+
+    cal, _ = calibrate(rec.table, rec.platform, rec.record_id)
+    print(f"M_X of {rec.platform} from {rec.record_id} (not saved; --root DIR writes the "
+          f"calibration record):")
+    print(json.dumps(cal.summary(), indent=2))
     return 0
 
 
@@ -161,7 +169,11 @@ def _import_bench(args) -> int:
     from .records import import_bench_json
 
     resolution = experiment(args.experiment).resolution
-    print(f"wrote {import_bench_json(_existing_file(args.file), args.experiment, args.root, resolution)}")
+    try:
+        path = import_bench_json(_existing_file(args.file), args.experiment, args.root, resolution)
+    except ValueError as e:  # not JSON, or not an experiment's output
+        raise UsageError(str(e)) from None
+    print(f"wrote {path}")
     return 0
 
 
@@ -265,9 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.set_defaults(func=_characterize_beyond)
 
-    p = sub.add_parser("calibrate", help="fit M_X from a remote_store record into a calibration record")
+    p = sub.add_parser("calibrate", help="fit M_X from a remote_store record: printed, or a "
+                                         "calibration record with --root")
     p.add_argument("record", type=Path, help="path of a remote_store record")
-    p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
+    p.add_argument("--root", type=Path, default=None,
+                   help="write the calibration record under this records root (default: print "
+                        "the fit, write nothing)")
     p.set_defaults(func=_calibrate)
 
     p = sub.add_parser("import-bench", help="save an experiment's JSON output (its --out) as a "

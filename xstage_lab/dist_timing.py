@@ -17,6 +17,7 @@ Without an initialised process group the same code times a single process (no ba
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -184,10 +185,37 @@ def _mhz(value: float) -> float | None:
     return None if value != value else value  # NaN: the clock was not known
 
 
+def _clock_errors() -> tuple[type[BaseException], ...]:
+    """What reading the clock raises where it cannot be read: pynvml missing (ImportError), the
+    driver not loaded (RuntimeError), NVML refusing (NVMLError)."""
+    try:
+        from pynvml import NVMLError
+    except ImportError:
+        return ImportError, RuntimeError
+    return ImportError, RuntimeError, NVMLError
+
+
+# Why the SM clock could not be read, the first time since the last ``take_clock_unread`` (None:
+# every read answered); the harness writes it into a run's header.
+_clock_unread: str | None = None
+
+
 def read_sm_clock_mhz(device=None) -> int | None:
     """The current SM clock of ``device`` (default: the current one) through NVML, or None where
-    pynvml is not importable or NVML does not answer."""
+    it cannot be read (the first reason is kept for ``take_clock_unread`` and said on stderr)."""
+    global _clock_unread
     try:
         return int(torch.cuda.clock_rate(device))
-    except Exception:  # no pynvml, or NVML refusing on this machine: the clock is unknown
+    except _clock_errors() as e:
+        if _clock_unread is None:
+            _clock_unread = f"{type(e).__name__}: {' '.join(str(e).split())}"
+            print(f"SM clock not read: {_clock_unread}", file=sys.stderr, flush=True)
         return None
+
+
+def take_clock_unread() -> str | None:
+    """Why the SM clock could not be read since the last call (None: it always was), and forget
+    it."""
+    global _clock_unread
+    reason, _clock_unread = _clock_unread, None
+    return reason

@@ -549,9 +549,28 @@ def save_output(metadata: dict, table: pd.DataFrame, experiment: str,
                         resolution=resolution)
 
 
+def read_output(path: Path | str) -> dict:
+    """A benchmark's output as ``experiments.output.write_output`` wrote it; ``ValueError`` (one
+    sentence) where the file is not JSON or not of that shape."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not JSON ({e})") from None
+    if not (isinstance(doc, dict) and isinstance(doc.get("metadata"), dict)
+            and isinstance(doc.get("rows"), list)):
+        raise ValueError(f'{path} is not a benchmark\'s output: it needs a "metadata" object and '
+                         f'a "rows" list')
+    provenance = doc["metadata"].get("provenance")
+    missing = [k for k in ("gpu_name", "gpu_count")
+               if not isinstance(provenance, dict) or k not in provenance]
+    if missing:
+        raise ValueError(f"{path}: its metadata's provenance lacks {missing}")
+    return doc
+
+
 def import_bench_json(path: Path | str, experiment: str, root: Path = RECORDS_DIR,
                       resolution: dict[str, float] | None = None) -> Path:
     """Save a benchmark's JSON output (``experiments.output.write_output``) as a record of
-    ``experiment`` (``save_output``)."""
-    doc = json.loads(Path(path).read_text())
+    ``experiment`` (``save_output``); ``ValueError`` where the file is not such an output."""
+    doc = read_output(path)
     return save_output(doc["metadata"], pd.DataFrame(doc["rows"]), experiment, root, resolution)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 import json
 import sys
+import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -37,8 +38,9 @@ def reproduce(only: list[str] | None = None, backend: str = "auto", out: Path = 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ship_plotlyjs(out)  # once for every figure page: they load it by relative path, offline
-    done = []
+    done, seconds = [], {}
     for nb in tqdm(notebooks(only), desc="notebooks"):
+        started = time.monotonic()
         fig_dir = out / nb.stem
         fig_dir.mkdir(exist_ok=True)
         (fig_dir / "manifest.jsonl").unlink(missing_ok=True)
@@ -49,10 +51,12 @@ def reproduce(only: list[str] | None = None, backend: str = "auto", out: Path = 
         except pm.PapermillExecutionError as e:
             print(f"\n{nb.name} failed in cell {e.exec_count}:\n{e.source}\n{e.ename}: {e.evalue}",
                   file=sys.stderr)
-            _write_index(out, done, choice.banner())
+            _write_index(out, done, choice.banner(), seconds)
             return 1
         done.append(nb)
-    index = _write_index(out, done, choice.banner())
+        seconds[nb] = time.monotonic() - started
+        print(f"{nb.name}: {seconds[nb]:.0f} s")
+    index = _write_index(out, done, choice.banner(), seconds)
     for line in _no_image_lines(out, done):
         print(line)
     print(f"wrote {index}")
@@ -84,22 +88,31 @@ def _figure_html(nb: Path, e: dict) -> str:
     return f"<figure>{picture}{caption}</figure>"
 
 
-def _write_index(out: Path, done: list[Path], banner: str) -> Path:
-    """``out/index.html``: every figure as a picture with its caption, every table (the paper's
-    values beside this platform's), links to the files; nothing in it loads from the network."""
+# A table longer than this is linked from the index, not shown in it.
+INDEX_TABLE_ROWS = 60
+
+
+def _write_index(out: Path, done: list[Path], banner: str, seconds: dict[Path, float]) -> Path:
+    """``out/index.html``: every figure as a picture with its caption, every table up to
+    ``INDEX_TABLE_ROWS`` rows (the paper's values beside this platform's), links to the files;
+    nothing in it loads from the network; how long each notebook ran (``seconds``)."""
     parts = [f"<h1>xstage_lab: reproduced figures and tables</h1><p>{html.escape(banner)}</p>"]
     for line in _no_image_lines(out, done):
         parts.append(f'<p class="note">{html.escape(line)}. The figures below are shown as '
                      f'interactive frames instead of pictures.</p>')
     for nb in done:
-        parts.append(f'<h2>{html.escape(nb.stem)}</h2><p><a href="{nb.name}">executed notebook</a></p>')
+        parts.append(f'<h2>{html.escape(nb.stem)}</h2><p><a href="{nb.name}">executed notebook</a>'
+                     f' (ran in {seconds[nb]:.0f} s)</p>')
         for e in _entries(out, nb):
             links = " · ".join(f'<a href="{nb.stem}/{f}">{f}</a>' for f in e["files"])
             if e["kind"] == "figure":
                 parts.append(f"<h3>{html.escape(e['title'])}</h3>{_figure_html(nb, e)}<p>{links}</p>")
             else:
+                long = e.get("rows", 0) > INDEX_TABLE_ROWS
+                body = (f"<p>{e['rows']} rows: in the files above, not shown here.</p>" if long
+                        else e.get("html", ""))
                 parts.append(f"<h3>{html.escape(e['title'])}</h3><p>{html.escape(e.get('caption', ''))}</p>"
-                             f"<p>{links}</p>{e.get('html', '')}")
+                             f"<p>{links}</p>{body}")
     index = out / "index.html"
     index.write_text("<!doctype html><meta charset='utf-8'><title>xstage_lab</title>"
                      "<style>body{font-family:sans-serif;max-width:70em;margin:auto}"

@@ -1,5 +1,6 @@
 """The sweep harness shared by every experiment: declared axes, their product, warm-up, repeats
-in rotated order, the SM clock before and after, a progress bar, and medians with spread."""
+in rotated order, each point checked before its first repeat and after its last, the SM clock
+before and after, a progress bar, and medians with spread."""
 from __future__ import annotations
 
 import itertools
@@ -87,6 +88,7 @@ def run_sweep(sweep: Sweep, measure: Measure, validate: Callable[[dict], None] |
               sm_clock_mhz: Callable[[], float] | None = None,
               progress: bool = True, *, prepare: Callable[[dict], object] | None = None,
               check: Callable[[object], None] | None = None,
+              recheck: Callable[[object], None] | None = None,
               indices: Sequence[int] | None = None) -> tuple[pd.DataFrame, dict]:
     """Run ``measure`` at every point of ``sweep`` (or the points numbered ``indices``); return
     its rows tagged with the point's parameters, ``point``, ``repeat`` and ``order``, and a dict of
@@ -96,7 +98,9 @@ def run_sweep(sweep: Sweep, measure: Measure, validate: Callable[[dict], None] |
     ``prepare`` turns a point into what ``check`` and ``measure`` take (inputs, buffers, prepared
     launches; default: the point itself), once per point, kept until the point's last repeat;
     ``check`` sees it before the point's first warm-up, so a wrong result stops the sweep before
-    that point is timed. ``measure`` returns a DataFrame, a dict (one row) or a list of dicts."""
+    that point is timed; ``recheck`` sees it after the point's last repeat, so a result that the
+    timed runs left wrong stops the sweep too. ``measure`` returns a DataFrame, a dict (one row)
+    or a list of dicts."""
     points = sweep.points()
     chosen = set(range(len(points)) if indices is None else indices)
     if validate is not None:
@@ -118,6 +122,8 @@ def run_sweep(sweep: Sweep, measure: Measure, validate: Callable[[dict], None] |
         frames.append(rows.assign(point=idx, repeat=rep, order=seq, **points[idx]))
         visits_left[idx] -= 1
         if not visits_left[idx]:
+            if recheck is not None:
+                recheck(states[idx])
             states[idx] = None  # its buffers go before the next point's are made
     facts["sm_clock_mhz_after"] = sm_clock_mhz() if sm_clock_mhz else None
     return pd.concat(frames, ignore_index=True), facts

@@ -26,10 +26,15 @@ def fixed_provenance(monkeypatch):
 class State:
     point: dict
     out: list
+    spin_errors: int = 0  # as a kernel's spin-timeout flag: counts every launch's, never reset
+    timed: int = 0
+    broken: bool = False
 
 
 class Toy(Experiment):
-    """Squares ``n`` into a poisoned buffer; ``--wrong-at N`` makes the result at N wrong."""
+    """Squares ``n`` into a poisoned buffer; ``--wrong-at N`` makes the result at N wrong,
+    ``--spin-error-at N`` one timed run at N report a spin error, ``--broken-at N`` the last timed
+    run at N leave the point computing wrong results."""
 
     name = "toy"
     paper = "a test"
@@ -42,6 +47,8 @@ class Toy(Experiment):
         p.add_argument("--wrong-at", type=int, default=None)
         p.add_argument("--invalid-at", type=int, default=None)
         p.add_argument("--ns", default="1,2,3")
+        p.add_argument("--spin-error-at", type=int, default=None)
+        p.add_argument("--broken-at", type=int, default=None)
 
     def check_args(self, a):
         a.ns = [int(n) for n in a.ns.split(",")]
@@ -64,16 +71,22 @@ class Toy(Experiment):
 
     def _compute(self, state, run):
         n = state.point["n"]
-        state.out[0] = n * n + (1 if n == run.args.wrong_at else 0)
+        state.out[0] = n * n + (1 if n == run.args.wrong_at or state.broken else 0)
 
     def check(self, state, run):
         self.log.append(("check", state.point["n"]))
+        state.out[0] = math.nan
         self._compute(state, run)
-        return [] if state.out[0] == state.point["n"] ** 2 else [f"got {state.out[0]}"]
+        failures = [] if state.out[0] == state.point["n"] ** 2 else [f"got {state.out[0]}"]
+        return failures + ([f"spin errors {state.spin_errors}"] if state.spin_errors else [])
 
     def measure(self, state, run):
         self.log.append(("measure", state.point["n"]))
+        n, a = state.point["n"], run.args
         self._compute(state, run)
+        state.timed += 1
+        state.spin_errors += n == a.spin_error_at and state.timed == 2
+        state.broken |= n == a.broken_at and state.timed == 1 + 2  # warm-up + repeats
         return {"value": state.out[0], "trials_us": [1.0, 2.0]}
 
     def metadata(self, run):
@@ -92,7 +105,8 @@ def test_json_output_has_the_one_header_and_tagged_rows(tmp_path):
     doc = json.loads(out.read_text())
     meta, rows = doc["metadata"], doc["rows"]
     assert list(meta) == ["experiment", "paper", "sweeps", "chunk", "world_size", "ns",
-                          "sm_clock_mhz_start", "sm_clock_mhz_end", "wall_s", "provenance"]
+                          "sm_clock_mhz_start", "sm_clock_mhz_end", "sm_clock_unread", "wall_s",
+                          "provenance"]
     assert meta["experiment"] == "toy" and meta["world_size"] == 1 and meta["chunk"] is None
     assert [s["name"] for s in meta["sweeps"]] == ["squares", "cubes"]
     assert meta["provenance"] == PROV
@@ -109,10 +123,10 @@ def test_order_of_calls_validate_all_then_prepare_check_warm_measure():
     toy, _ = run_toy(["--out", "/dev/null"])
     kinds = [k for k, _ in toy.log]
     assert kinds[:4] == ["validate"] * 4  # every point of both sweeps before any launch
-    # each point is prepared and checked once, before its warm-up and its repeats
-    for n in (1, 2, 3):
+    # each point is prepared and checked before its warm-up and its repeats, checked again after
+    for n in (1, 3):
         mine = [k for k, m in toy.log[4:] if m == n and k != "validate"]
-        assert mine[:3] == ["prepare", "check", "measure"]
+        assert mine == ["prepare", "check", "measure", "measure", "measure", "check"]
     assert sum(1 for e in toy.log if e == ("prepare", 2)) == 2  # once per sweep holding n = 2
     assert sum(1 for e in toy.log if e == ("measure", 1)) == 1 + 2  # warm-up + repeats
 
@@ -125,6 +139,45 @@ def test_a_failing_check_stops_before_timing_and_writes_nothing(tmp_path, capsys
     assert not out.exists()
     assert ("check", 2) in toy.log and ("measure", 2) not in toy.log
     assert "got 5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fault, says", [("--spin-error-at", "spin errors 1"),
+                                         ("--broken-at", "got 5")])
+def test_a_point_the_timed_runs_leave_wrong_stops_the_run_with_nothing_written(
+        tmp_path, capsys, fault, says):
+    """A spin error in a timed run, or a result the last timed run leaves wrong, is found by the
+    check after the point's last repeat (the run's fourth of six): the run stops there, nothing
+    written."""
+    out = tmp_path / "toy.json"
+    toy = Toy()
+    with pytest.raises(SystemExit, match="correctness failed for .*n=2.* after timing"):
+        run_toy(["--out", str(out), fault, "2"], toy)
+    assert not list(tmp_path.iterdir())
+    assert toy.log[-1] == ("check", 2) and toy.log.count(("measure", 1)) == 1 + 1
+    assert says in capsys.readouterr().err
+
+
+def test_a_clock_that_cannot_be_read_is_in_the_header_with_its_reason(tmp_path, monkeypatch,
+                                                                       capsys):
+    import torch
+
+    def unreadable(device=None):
+        raise ModuleNotFoundError("no pynvml here")
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", unreadable)
+    out = tmp_path / "toy.json"
+    run_toy(["--out", str(out)])
+    meta = json.loads(out.read_text())["metadata"]
+    assert meta["sm_clock_mhz_start"] == meta["sm_clock_mhz_end"] == [None]
+    assert meta["sm_clock_unread"] == ["ModuleNotFoundError: no pynvml here"]
+    assert capsys.readouterr().err.count("SM clock not read") == 1  # once per run
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda device=None: 1980)
+    run_toy(["--out", str(out)])
+    meta = json.loads(out.read_text())["metadata"]
+    assert meta["sm_clock_mhz_start"] == [1980] and meta["sm_clock_unread"] == [None]
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda device=None: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # a bug is not an unreadable clock
+        run_toy(["--out", str(out)])
 
 
 def test_an_invalid_point_stops_before_any_launch(tmp_path):

@@ -8,6 +8,9 @@ An experiment (a subclass of ``Experiment``) declares:
 - ``prepare``: a point's fresh seeded inputs and prepared launches;
 - ``check``: the point's correctness (outputs poisoned first, against a reference), returning its
   failures; any failure on any rank stops the run before that point is timed;
+- ``recheck``: the same after the point's last timed repeat (default: ``check`` again, which
+  poisons the outputs itself: a ``check`` that is not repeatable needs its own ``recheck``); a
+  failure, a spin error during the timed runs included, stops the run with nothing written;
 - ``measure``: the point timed, as rows;
 - ``metadata``: its own facts for the record's header; ``finish``: the rows as the record keeps
   them; ``record_name``: the experiment the record is saved under (a partial run's apart);
@@ -15,14 +18,16 @@ An experiment (a subclass of ``Experiment``) declares:
 - ``analyse``: what the notebooks and the summary read of one of its records (``loading.load``).
 
 ``start`` makes run-wide state once the rank has started; ``sm_clock_mhz`` reads the clock the
-header keeps before the first point and after the last; ``progress_line`` is what rank 0 prints
+header keeps before the first point and after the last (``sm_clock_unread``: per rank, why a
+clock of the run could not be read, once, or None); ``progress_line`` is what rank 0 prints
 after a point.
 
 ``main`` runs an experiment from a command line, in this process (``launch = "in_process"``:
 one GPU, or CuPy driving several) or as one rank of a torchrun job (``launch = "per_gpu"``: one
 process per GPU). Whatever the launch, the output has one shape: the rows of every point (tagged
 with the point's parameters) and one header, ``{experiment, paper, sweeps, chunk, world_size,
-sm_clock_mhz_start, sm_clock_mhz_end, wall_s, ...the experiment's metadata, provenance}``,
+sm_clock_mhz_start, sm_clock_mhz_end, sm_clock_unread, wall_s, ...the experiment's metadata,
+provenance}``,
 written by rank 0 either as JSON (``--out``, ``output.write_output``; ``import-bench`` makes it a
 record) or straight into a records root (``--root``, ``records.save_output``).
 """
@@ -75,6 +80,10 @@ class Experiment:
     def check(self, state, run: "Run") -> list[str]:
         """The point's correctness failures (none: an empty list)."""
         return []
+
+    def recheck(self, state, run: "Run") -> list[str]:
+        """The point's correctness failures after its last timed repeat (default: ``check``)."""
+        return self.check(state, run)
 
     def measure(self, state, run: "Run") -> pd.DataFrame | dict | list[dict]:
         raise NotImplementedError
@@ -132,15 +141,15 @@ class Run:
         return all_gather_objects(obj)
 
     def require(self, failures: Sequence[str], what: str) -> None:
-        """Gather every rank's failures; any failure anywhere stops the run (rank 0 says which),
-        before anything of ``what`` is timed and with no output written."""
+        """Gather every rank's failures; any failure anywhere stops the run (rank 0 says which)
+        with no output written."""
         everyone = self.gather(list(failures))
         if any(everyone):
             if self.rank == 0:
                 for r, f in enumerate(everyone):
                     if f:
                         print(f"[{what}] rank {r}: {'; '.join(f)}", file=sys.stderr)
-            raise SystemExit(f"correctness failed for {what}; not timing")
+            raise SystemExit(f"correctness failed for {what}; nothing written")
 
     def resource(self, key, make: Callable[[], object]):
         """``make()``'s result, kept while consecutive points ask for the same ``key`` (a model's
@@ -160,6 +169,14 @@ class Run:
             return None
         from ..dist_timing import read_sm_clock_mhz
         return read_sm_clock_mhz()
+
+    def take_clock_unread(self) -> str | None:
+        """Why this rank's SM clock could not be read since the last call (None: it always
+        was)."""
+        if "torch" not in sys.modules:
+            return "torch is not loaded"
+        from ..dist_timing import take_clock_unread
+        return take_clock_unread()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -267,6 +284,7 @@ def run(experiment: Experiment, args: argparse.Namespace) -> Path | None:
             points = sweep.points()
             for i in indices:
                 experiment.validate(points[i], run_)
+        run_.take_clock_unread()  # a reason from before this run is not this run's
         clocks_start = run_.gather(experiment.sm_clock_mhz(run_))
         started = time.time()
         progress = run_.rank == 0 and not args.no_progress
@@ -274,6 +292,9 @@ def run(experiment: Experiment, args: argparse.Namespace) -> Path | None:
 
         def check(state):
             run_.require(experiment.check(state, run_), _label(state))
+
+        def recheck(state):
+            run_.require(experiment.recheck(state, run_), f"{_label(state)} after timing")
 
         def measure(state):
             rows = as_frame(experiment.measure(state, run_))
@@ -287,11 +308,13 @@ def run(experiment: Experiment, args: argparse.Namespace) -> Path | None:
             if not indices:
                 continue
             rows, _ = run_sweep(sweep, measure, prepare=lambda p: experiment.prepare(p, run_),
-                                check=check, indices=indices, progress=progress)
+                                check=check, recheck=recheck, indices=indices,
+                                progress=progress)
             frames.append(rows.assign(sweep=sweep.name) if len(sweeps) > 1 else rows)
         table = experiment.finish(pd.concat(frames, ignore_index=True) if frames
                                   else pd.DataFrame(), run_)
         clocks_end = run_.gather(experiment.sm_clock_mhz(run_))
+        clock_unread = run_.gather(run_.take_clock_unread())
         written = None
         if run_.rank == 0:
             from ..platform import provenance
@@ -300,7 +323,8 @@ def run(experiment: Experiment, args: argparse.Namespace) -> Path | None:
                       "chunk": None if args.chunk is None else "/".join(map(str, args.chunk)),
                       "world_size": run_.world, **experiment.metadata(run_),
                       "sm_clock_mhz_start": clocks_start, "sm_clock_mhz_end": clocks_end,
-                      "wall_s": time.time() - started, "provenance": provenance()}
+                      "sm_clock_unread": clock_unread, "wall_s": time.time() - started,
+                      "provenance": provenance()}
             written = _write(experiment, args, header, table)
             print(f"wrote {written} ({len(table)} rows, {time.time() - started:.0f} s)", flush=True)
         return written

@@ -1,7 +1,7 @@
 """The one output shape of every benchmark (under torchrun or on one GPU): a JSON file
 ``{"metadata": {..., "provenance": {...}}, "rows": [...]}`` written by rank 0, which
 ``records.import_bench_json`` saves as a record (the table from ``rows``, the parameters from
-``metadata`` less its ``provenance``)."""
+``metadata`` less its ``provenance``; ``records.read_output`` reads it back, checked)."""
 from __future__ import annotations
 
 import json

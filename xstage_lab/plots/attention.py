@@ -108,6 +108,7 @@ def fa_a2a_times(records) -> go.Figure:
                             name=m.removesuffix("_us"), line=dict(color=COLORS[i % len(COLORS)]),
                             showlegend=col == 1, row=1, col=col)
     fig.update_yaxes(type="log", title_text="time (µs)")
+    fig.update_xaxes(title_text="M (sequence length)")
     fig.update_layout(title="FA + post-attention All-to-All: time per method")
     return fig
 

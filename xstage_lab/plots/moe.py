@@ -33,6 +33,8 @@ def moe_speedups(records) -> go.Figure:
     fig.add_hline(y=1.0, line=dict(dash="dot"))
     fig.update_layout(title="Fig. 8: MoE speedup, Interleaved over Expert-Wave", barmode="group",
                       yaxis_title="T_wave / T_interleaved")
+    fig.update_xaxes(title_text="model" if all(r.table["tokens"].nunique() == 1 for r in records)
+                     else "model · tokens per rank")
     return fig
 
 
@@ -93,6 +95,7 @@ def moe_kernel_ratio(kernel_records) -> go.Figure:
                                     name=f"{label}, {name}", legendgroup=label,
                                     showlegend=j == 0, row=1, col=j + 1)
     fig.update_yaxes(title_text="kernel TF/s / cuBLAS dense TF/s", row=1, col=1)
+    fig.update_xaxes(title_text="model")
     fig.update_layout(title="The fused kernel against cuBLAS dense GEMMs of the same rows")
     return fig
 
@@ -186,7 +189,8 @@ def moe_span_distributions(trace_record, paper: dict | None = None) -> go.Figure
                                text=f"paper {key.split('_')[1]} medians", showarrow=False)
     # log axis: this platform's spans and the paper's bands differ by an order of magnitude
     fig.update_layout(boxmode="group", title=f"{trace_record.platform}: Fig. 10, Linear-2 "
-                      "remote-store span per tile", yaxis_title="T_RS (µs)", yaxis_type="log")
+                      "remote-store span per tile", xaxis_title="model",
+                      yaxis_title="T_RS (µs)", yaxis_type="log")
     return fig
 
 
@@ -249,6 +253,8 @@ def moe_d_sweep(trace_record) -> go.Figure:
         fig.add_scatter(x=grp["d_factor"], y=grp["wait_l2_share"], mode="lines+markers", name=m,
                         line=dict(color=c), showlegend=False, row=1, col=2)
     fig.update_xaxes(type="log", title_text="D / D_knee")
+    fig.update_yaxes(title_text="T_wave / T_interleaved", row=1, col=1)
+    fig.update_yaxes(title_text="share of SM time", row=1, col=2)
     fig.add_hline(y=1.0, line=dict(dash="dot"), row=1, col=1)
     fig.update_layout(title=f"{trace_record.platform}: lead D around D_knee (eq. 16)")
     return fig

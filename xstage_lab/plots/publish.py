@@ -175,7 +175,7 @@ def publish(fig: go.Figure, name: str, out_dir: Path | str | None, caption: str 
     fig.write_html(out / f"{name}.html", include_plotlyjs=_plotlyjs_src(out), include_mathjax=False)
     files = [f"{name}.html"]
     entry = {"kind": "figure", "name": name, "title": fig.layout.title.text or name,
-             "caption": caption}
+             "caption": caption, "untitled_axes": untitled_axes(fig)}
     if png is not None:
         (out / f"{name}.png").write_bytes(png)
         files.append(f"{name}.png")
@@ -183,6 +183,18 @@ def publish(fig: go.Figure, name: str, out_dir: Path | str | None, caption: str 
     else:
         entry["no_image"] = image_engine_problem() or "No static image: this figure failed to draw"
     _manifest(out, {**entry, "files": files})
+
+
+def untitled_axes(fig: go.Figure) -> list[str]:
+    """The directions (``x``, ``y``) of the figure's traces whose axes all lack a title (a grid of
+    panels titled once along an edge counts as titled)."""
+    used = {"x": set(), "y": set()}
+    for trace in fig.data:
+        for d in used:
+            if f"{d}axis" in trace:  # a cartesian trace: on axis "x" ("y") unless told another
+                used[d].add(f"{d}axis{(trace[f'{d}axis'] or d)[1:]}")
+    return [d for d, axes in used.items()
+            if axes and not any(fig.layout[a].title.text for a in axes)]
 
 
 def publish_table(df: pd.DataFrame, name: str, out_dir: Path | str | None, title: str = "") -> None:
@@ -196,8 +208,9 @@ def publish_table(df: pd.DataFrame, name: str, out_dir: Path | str | None, title
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / f"{name}.csv", index=False)
     (out / f"{name}.md").write_text(df.to_markdown(index=False) + "\n")
-    _manifest(out, {"kind": "table", "name": name, "title": title or name,
-                    "files": [f"{name}.csv", f"{name}.md"], "html": df.to_html(index=False)})
+    _manifest(out, {"kind": "table", "name": name, "title": title or name, "rows": len(df),
+                    "files": [f"{name}.csv", f"{name}.md"],
+                    "html": df.to_html(index=False, na_rep="")})
 
 
 def _manifest(out: Path, entry: dict) -> None:

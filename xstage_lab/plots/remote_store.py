@@ -157,9 +157,14 @@ def table1_comparison(paper: dict, calibrations: list[Calibration]) -> pd.DataFr
                      lambda c, b=b: _fmt(c.recovery_gap_us.get(kb_key(c.sm_count, b)), 1)))
     rows.append(("gap sweep, no-refit median |error| of T_iss (%)", None,
                  lambda c: f"{c.gap_issue_err_pct:.2f} (drain branch {c.gap_drain_branch_err_pct:.2f})"))
-    return pd.DataFrame([{"quantity": name, "paper": paper_value,
+    return pd.DataFrame([{"quantity": name, "paper": _paper_text(paper_value),
                           **{c.platform: f(c) for c in calibrations}}
                          for name, paper_value, f in rows])
+
+
+def _paper_text(value) -> str:
+    """A value of the paper as printed: integers as integers, a blank where it gives none."""
+    return "" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _fmt(value, unit) -> str:
@@ -196,11 +201,14 @@ def drain_rate_heatmap(points: pd.DataFrame, platform: str) -> go.Figure:
     grid = pd.DataFrame({"src": largest["src"].to_numpy(), "dst": largest["dst"].to_numpy(),
                          "rate": rate}).pivot(index="src", columns="dst", values="rate")
     fig = go.Figure(go.Heatmap(z=grid.to_numpy(), x=[f"to GPU {d}" for d in grid.columns],
-                               y=[f"GPU {s}" for s in grid.index], colorbar=dict(title="GB/s"),
+                               y=[f"GPU {s}" for s in grid.index],
+                               colorbar=dict(title="GB/s (scale from 0)"),
+                               zmin=0,  # from zero: equal links must not look apart by noise
                                text=np.round(grid.to_numpy(), 1), texttemplate="%{text}"))
     fig.update_layout(title=(f"{platform}: zero-gap drain rate per ordered pair, "
                              f"B = {kb_text(largest['burst_bytes'].iloc[0])}, K = "
-                             f"{int(largest['producers'].iloc[0])}"))
+                             f"{int(largest['producers'].iloc[0])}"),
+                      xaxis_title="destination", yaxis_title="source")
     return fig
 
 
@@ -287,11 +295,12 @@ def patterns_drain_heatmap(entry: dict, platform: str) -> go.Figure:
     grid = pd.DataFrame(cells, columns=["src", "dst", "rate"]).pivot(index="src", columns="dst",
                                                                      values="rate")
     fig = go.Figure(go.Heatmap(z=grid.to_numpy(), x=[f"to GPU {d}" for d in grid.columns],
-                               y=[f"GPU {s}" for s in grid.index], colorbar=dict(title="GB/s"),
+                               y=[f"GPU {s}" for s in grid.index],
+                               colorbar=dict(title="GB/s (scale from 0)"),
                                zmin=0,  # from zero: equal links must not look apart by noise
                                text=np.round(grid.to_numpy(), 1), texttemplate="%{text}"))
     fig.update_layout(title=f"{platform}: fitted drain rate R per ordered pair (one-to-one)",
-                      yaxis=dict(autorange="reversed"))
+                      xaxis_title="destination", yaxis=dict(autorange="reversed", title="source"))
     return fig
 
 
@@ -304,7 +313,8 @@ def patterns_rates(table: pd.DataFrame, platform: str) -> go.Figure:
     fig.add_bar(x=label, y=table["R (GB/s)"], name="fitted R")
     fig.add_bar(x=label, y=table["R predicted (GB/s)"], name="one-to-one R × drain share")
     fig.update_layout(title=f"{platform}: drain rate per injection pattern and source",
-                      yaxis_title="GB/s", barmode="group")
+                      xaxis_title="pattern, instance and source GPU", yaxis_title="GB/s",
+                      barmode="group")
     return fig
 
 

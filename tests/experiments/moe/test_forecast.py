@@ -13,7 +13,7 @@ PLATFORM = model.PlatformModel(drain_rate=1000.0, t_iss0={(132, 16384): 0.5},
 KERNEL = dict(model="m", precision="bf16", hidden=4096, intermediate=2048, block_m=128,
               block_n1=128, block_n2=128, programs=132, waves=1, l1_tiles_per_program=32,
               l2_tiles_per_program=64, mainloop_l1_us=4.0, mainloop_l2_us=1.0,
-              kernel_wave_us=1000.0, kernel_interleaved_us=1000.0)
+              kernel_wave_us=1000.0, kernel_interleaved_us=900.0)
 
 
 def test_tile_orders_keep_the_tiles_and_spread_linear1():
@@ -47,8 +47,11 @@ def test_expert_wave_stalls_where_interleaving_covers_the_drain():
     assert 0.55 < row["predicted_stall_us"] <= 0.662688 + 1e-9
     assert row["predicted_stall_int_us"] == 0.0
     assert row["predicted_span_us"] == pytest.approx(0.5 + row["predicted_stall_us"])
+    # each schedule's kernel time is its own measured one plus its program's stall
+    assert row["predicted_wave_us"] == pytest.approx(1000.0 + 64 * row["predicted_stall_us"])
+    assert row["predicted_interleaved_us"] == 900.0
     assert row["predicted_speedup"] == pytest.approx(
-        (1000.0 + 64 * row["predicted_stall_us"]) / 1000.0)
+        (1000.0 + 64 * row["predicted_stall_us"]) / 900.0)
 
 
 def test_forecast_covers_every_shape_and_p():
@@ -64,16 +67,42 @@ def test_forecast_covers_every_shape_and_p():
 
 def test_kernel_inputs_from_a_moe_kernel_table():
     """The basis cells (balanced, 8192 tokens) of a record's table, tile sizes read from the
-    record's JSON tile_config; a table without one is refused."""
+    record's JSON tile_config; the other cells (skewed, 4096 tokens) left out; a table without a
+    basis cell is refused."""
     cell = {k: v for k, v in KERNEL.items() if not k.startswith("block_") and k != "programs"}
     tiles = '{"block_m": 128, "block_n1": 128, "block_n2": 256, "kernel": "gluon_ws"}'
-    table = pd.DataFrame([dict(cell, routing="balanced", tokens=8192, tile_config=tiles,
-                               num_programs=132),
-                          dict(cell, routing="skewed", tokens=8192, tile_config=tiles,
-                               num_programs=132, model="other")])
+    common = dict(tile_config=tiles, num_programs=132)
+    table = pd.DataFrame([
+        dict(cell, routing="balanced", tokens=4096, **dict(common, num_programs=66),
+             mainloop_l1_us=2.0),
+        dict(cell, routing="balanced", tokens=8192, **common),
+        dict(cell, routing="skewed", tokens=8192, **common, model="other")])
     inputs = moe_forecast.kernel_inputs(table)
     assert list(inputs.columns) == list(moe_forecast.INPUT_COLUMNS)
     assert inputs["model"].tolist() == ["m"] and inputs.loc[0, "block_n2"] == 256
-    assert inputs.loc[0, "programs"] == 132
-    with pytest.raises(ValueError, match="no"):
-        moe_forecast.kernel_inputs(table[table["routing"] == "skewed"])
+    assert inputs.loc[0, "programs"] == 132 and inputs.loc[0, "mainloop_l1_us"] == 4.0
+    for other in (table["routing"] == "skewed", table["tokens"] == 4096):
+        with pytest.raises(ValueError, match="no"):
+            moe_forecast.kernel_inputs(table[other])
+
+
+def test_the_command_prints_and_writes_only_with_root(tmp_path, capsys):
+    """Without ``--root`` the forecast of the committed records is printed and nothing is
+    written; with it, the record is written there and named."""
+    import shutil
+
+    from xstage_lab.records import RECORDS_DIR, list_records
+
+    before = sorted(RECORDS_DIR.rglob("*"))
+    moe_forecast.main([])
+    out = capsys.readouterr().out
+    assert "not saved" in out and "predicted_speedup" in out
+    assert sorted(RECORDS_DIR.rglob("*")) == before
+    for part in ("moe_kernel/h200-x1", "calibration/h200-x2"):
+        shutil.copytree(RECORDS_DIR / part, tmp_path / part)
+    moe_forecast.main(["--root", str(tmp_path)])
+    written, = list_records("moe_forecast", "h200-x1", tmp_path)
+    assert capsys.readouterr().out == f"wrote {written}\n"
+    with pytest.raises(SystemExit) as e:
+        moe_forecast.main(["--kernel-platform", "nowhere"])
+    assert e.value.code == 2 and "no 'moe_kernel' record" in capsys.readouterr().err

@@ -264,12 +264,13 @@ class EmulatedLaunch:
 
 
 def fake_time_methods(methods, *, trials, warmup, graph_iters, eager, clocks):
-    """Each method called once (they must run); made-up times, 100 + i us, no clock."""
+    """Each method called once (they must run); made-up times, 100 + i us, Interleaved's the
+    fastest (the kernel's TF/s stay Expert-Wave's), no clock."""
     assert clocks and eager <= set(kb.TIMED) and graph_iters >= 1 and warmup >= 0
     out = {}
     for i, (name, fn) in enumerate(methods.items()):
         fn()
-        us = 100.0 + i
+        us = 50.0 if name == "kernel_interleaved" else 100.0 + i
         out[name] = {"median_us": us, "p25_us": us - 1, "p75_us": us + 1, "trials_us": [us] * trials,
                      "sm_clock_mhz": [None] * trials}
     return out
@@ -396,6 +397,21 @@ def test_one_token_calls_move_to_the_header():
 
 
 # ------------------------------------------------------------------------------------ summary
+
+def test_summary_geomean_is_expert_waves_where_the_schedules_differ():
+    """Interleaved faster in one cell and slower in the other: the geomean over cells is
+    Expert-Wave's TF/s over cuBLAS's, whichever schedule is faster."""
+    cublas_us, wave_us, int_us = (100.0, 100.0), (125.0, 200.0), (100.0, 250.0)
+    table = pd.DataFrame([dict(model=m, precision="bf16", routing="balanced", tokens=4096,
+                               kernel_wave_us=w, kernel_interleaved_us=i, cublas_dense_us=c,
+                               tflops=1e4 / w, kernel_wave_tflops=1e4 / w,
+                               kernel_interleaved_tflops=1e4 / i, cublas_dense_tflops=1e4 / c,
+                               ratio_to_cublas=c / w, ratio_to_cublas_interleaved=c / i,
+                               call_wave_us=w, grouped_mm_tflops=1.0, unfused_us=1.0)
+                          for m, c, w, i in zip("AB", cublas_us, wave_us, int_us)])
+    s = kv.kernel_summary(table, {"rows": []})
+    assert s["geomean_ratio_to_cublas"]["bf16"] == round(math.sqrt(0.8 * 0.5), 4)
+
 
 def test_summary_of_a_hand_made_table():
     common = dict(routing="balanced", tokens=4096, kernel_wave_us=1.0, kernel_interleaved_us=1.0,

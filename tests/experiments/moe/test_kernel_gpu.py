@@ -197,3 +197,54 @@ def test_wide_fp8_linear2_tiles_match_the_128_wide_ones():
         outs.append(_run_schedule((shape, weights, layout, wide, ref, src, slot, slots)))
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
     del case
+
+
+@pytest.mark.parametrize("inject", [False, True])
+def test_a_spin_error_in_a_timed_replay_aborts_the_run_with_nothing_written(
+        inject, tmp_path, monkeypatch, capsys):
+    """``moe.kernel_bench`` on one small cell. Injected: each timed replay of the Interleaved
+    kernel is followed by a launch that cannot finish (a Linear-2 tile whose Linear-1 tiles never
+    run: its bounded spin expires) adding its spin error to the kernel's flag. The check after the
+    cell's timing finds it and the run aborts with nothing written; without it the run writes."""
+    from xstage_lab.experiments import harness
+    from xstage_lab.experiments.moe import kernel_bench as kb
+
+    real_prepare, real_time = moe.prepare_fused_moe, kb.time_methods
+    made = {}
+
+    def prepare(layout, weights, schedule, peers, **kw):
+        call = real_prepare(layout, weights, schedule, peers, **kw)
+        made[id(call)] = (layout, weights, peers, kw["config"])
+        return call
+
+    def time_with_a_stuck_launch(methods, **kw):
+        call = methods["kernel_interleaved"]
+        layout, weights, peers, cfg = made[id(call)]
+        expert = next(e for e, b in enumerate(layout.blocks_per_expert) if b)
+        row = sum(layout.blocks_per_expert[:expert])
+        stuck = real_prepare(layout, weights, Schedule("stuck", ((Tile(L2, expert, row, 0),),)),
+                             peers, config=cfg, max_spin_iters=1000, verify_schedule=False)
+
+        def interleaved_then_stuck():
+            call()
+            stuck()
+            call.error.add_(stuck.error)
+            stuck.error.zero_()
+
+        return real_time({**methods, "kernel_interleaved": interleaved_then_stuck}, **kw)
+
+    monkeypatch.setattr(moe, "prepare_fused_moe", prepare)
+    if inject:
+        monkeypatch.setattr(kb, "time_methods", time_with_a_stuck_launch)
+    root = tmp_path / "records"
+    args = harness.parse(kb.EXPERIMENT, [
+        "--root", str(root), "--models", "DeepSeek-V4-Flash", "--precisions", "bf16",
+        "--routing", "balanced", "--tokens", "512", "--trials", "2", "--no-trace",
+        "--no-progress"])
+    if not inject:
+        assert harness.run(kb.MoEKernel(), args).is_file()
+        return
+    with pytest.raises(SystemExit, match="correctness failed for .* after timing"):
+        harness.run(kb.MoEKernel(), args)
+    assert "spin errors" in capsys.readouterr().err
+    assert not root.exists() or not any(root.rglob("*.parquet"))

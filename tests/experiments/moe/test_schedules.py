@@ -100,6 +100,35 @@ def test_interleaved_follows_algorithm_1():
     assert schedule.lead_rows == lead
 
 
+@pytest.mark.parametrize("lead, order", [
+    (1, ["L1 0", "L2 0", "L1 1", "L2 1", "L1 2", "L2 2", "L1 3", "L2 3"]),
+    (2, ["L1 0", "L1 1", "L2 0", "L1 2", "L2 1", "L1 3", "L2 2", "L2 3"]),
+    (4, ["L1 0", "L1 1", "L1 2", "L1 3", "L2 0", "L2 1", "L2 2", "L2 3"])])
+def test_interleaved_order_on_one_program(lead, order):
+    """Four rows, P_1 = P_2 = 1, G = 1, worked by hand from Algorithm 1: Linear-2 of row p_2 goes
+    as soon as p_2 + D <= p_1 (p_1 the row of the next Linear-1 tile), so with D = 1 it follows
+    the Linear-1 tile of the next row, with D = 2 the one two rows on; p_1 = inf once Linear-1
+    is done flushes the rest."""
+    problem = MoEProblem((4,), 1, 1)
+    schedule = interleaved_schedule(problem, 1, lead)
+    assert [f"L{t.kind + 1} {t.row_block}" for t in schedule.programs[0]] == order
+
+
+def test_interleaved_order_on_strided_programs():
+    """Three rows, P_1 = 2, P_2 = 1, G = 2, D = 1, by hand: program 0 walks Linear-1 tiles 0, 2, 4
+    (rows 0, 1, 2, N tile 0) and Linear-2 tiles 0, 2 (rows 0, 2); program 1 Linear-1 tiles 1, 3,
+    5 (N tile 1) and Linear-2 tile 1 (row 1). Program 0 emits row 0's Linear-2 once its next
+    Linear-1 tile is in row 1 (0 + 1 <= 1); program 1 holds row 1's until its next Linear-1 tile
+    is in row 2."""
+    problem = MoEProblem((3,), 2, 1)
+    schedule = interleaved_schedule(problem, 2, 1)
+    assert schedule.programs == (
+        (Tile(L1, 0, 0, 0), Tile(L2, 0, 0, 0), Tile(L1, 0, 1, 0), Tile(L1, 0, 2, 0),
+         Tile(L2, 0, 2, 0)),
+        (Tile(L1, 0, 0, 1), Tile(L1, 0, 1, 1), Tile(L2, 0, 1, 0), Tile(L1, 0, 2, 1)))
+    check_schedule(problem, schedule)
+
+
 def test_expert_wave_runs_a_wave_l1_then_l2():
     problem, programs = PROBLEMS["many_experts"], 4
     per_wave = 3

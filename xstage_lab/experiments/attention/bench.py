@@ -556,8 +556,9 @@ class UlyssesAttention(Experiment):
 @dataclass
 class FaOnlyCase:
     """One M of ``--fa-only``: fresh q, k, v and their float32 reference; after ``check``, the
-    methods it times (``epilogue``: the P = 2 receive buffers on this GPU that ``+remote``
-    methods store into, kept as long as their table is used)."""
+    methods it times, the output each candidate writes (``outputs``) and ``epilogue`` (the P = 2
+    receive buffers on this GPU that ``+remote`` methods store into, kept as long as their table
+    is used)."""
 
     point: dict
     q: torch.Tensor
@@ -565,6 +566,7 @@ class FaOnlyCase:
     v: torch.Tensor
     ref: torch.Tensor | None
     methods: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
     epilogue: tuple = ()
 
 
@@ -662,6 +664,7 @@ class FaTuning(Experiment):
                 continue
             methods[name] = (lambda out=out, cfg=cfg: att.flash_attention(q, k, v, out=out,
                                                                           config=cfg))
+            case.outputs[name] = out
             if args.epilogues:
                 # the Fused kernel's code (REMOTE epilogue, fenced or not) storing into P = 2
                 # receive buffers on this GPU: its time against LOCAL's is the codegen's share
@@ -678,6 +681,22 @@ class FaTuning(Experiment):
                     f"{err:.3g}"]
         methods["cudnn"] = lambda: att.sdpa_cudnn(q, k, v)
         return []
+
+    def recheck(self, case: FaOnlyCase, run: Run) -> list[str]:
+        """After the timing: each timed candidate once more into its output, poisoned first, and
+        cuDNN, against the float32 reference (made again: ``check`` does not keep it)."""
+        ref = att.reference_attention(case.q, case.k, case.v)
+        failures = []
+        for name, out in case.outputs.items():
+            out.fill_(float("nan"))
+            case.methods[name]()
+            err = relative_error(out, ref)
+            if not err < REL_TOL:
+                failures.append(f"{name}: relative error {err:.3g} against float32 after timing")
+        err = relative_error(att.sdpa_cudnn(case.q, case.k, case.v), ref)
+        if not err < REL_TOL:
+            failures.append(f"cuDNN SDPA: relative error {err:.3g} against float32 after timing")
+        return failures
 
     def measure(self, case: FaOnlyCase, run: Run) -> list[dict]:
         args, methods = run.args, case.methods

@@ -15,6 +15,9 @@ For every (model shape, precision, routing), on fresh seeded inputs:
    run before timing, with a non-zero exit and no output file.
 2. Timing (``xstage_lab.dist_timing``, §5.1): Expert-Wave, Interleaved and unfused, barrier-aligned
    trials, the maximum over ranks per trial, median and p25/p75 over trials, order rotated.
+3. Correctness again after the timing (the harness's ``recheck``: step 1 once more). The
+   spin-error flag counts every launch since the cell was prepared, so a spin timeout in any
+   timed run fails it too: the run aborts with no output file.
 
 What a timed call covers, for all three methods alike: expert compute, Combine into the source
 ranks' buffers and the top-k weighted sum. Dispatch (NCCL all-to-all) runs once before, outside the
@@ -303,11 +306,10 @@ class MoEMatrix(Experiment):
                    "unfused": lambda: moe.unfused_moe(ulayout, uplan, self.unfused_weights, topk_w)}
         timing = time_methods(methods, trials=args.trials, warmup=args.warmup,
                               graph_iters=args.graph_iters)
-        late_errors = sum(call.error_count() for call in calls.values())
         device = torch.device("cuda", torch.cuda.current_device())
         per_rank = run.gather({"rows": setup.layout.num_rows,
                                "tokens_per_expert": setup.layout.tokens_per_expert,
-                               "errors": setup.errors, "spin_errors_after_timing": late_errors,
+                               "errors": setup.errors,
                                "unfused_impl": moe.unfused_impl(device, setup.precision)})
         received = [p["rows"] for p in per_rank]
         w, i = timing["wave"]["median_us"], timing["interleaved"]["median_us"]
@@ -326,7 +328,6 @@ class MoEMatrix(Experiment):
             "rank_load_max_over_mean": (max(received) / (sum(received) / run.world)
                                         if sum(received) else 1.0),
             "max_rel_err": {key: max(p["errors"][key] for p in per_rank) for key in setup.errors},
-            "spin_errors_after_timing": sum(p["spin_errors_after_timing"] for p in per_rank),
             "unfused_impl": sorted({p["unfused_impl"] for p in per_rank}),
             "tile_config": setup.cfg.__dict__,
         }

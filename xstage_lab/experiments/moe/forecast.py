@@ -25,7 +25,11 @@ The calibration is the one-to-one route's (two GPUs); whether its R holds for P 
 of what the multi-GPU run tests.
 
     python -m xstage_lab.experiments.moe.forecast [--kernel-platform h200-x1]
-        [--calibration-platform h200-x2]
+        [--calibration-platform h200-x2] [--records DIR] [--root DIR]
+        [--host-link h200-x1-host [--tokens 4096]]
+
+prints the forecast; only with ``--root DIR`` does it write the ``moe_forecast`` record there
+(with ``--host-link``, the ``moe_host_forecast`` of the host-link matrix).
 """
 from __future__ import annotations
 
@@ -182,17 +186,19 @@ def kernel_inputs(table: pd.DataFrame, basis: dict | None = BASIS) -> pd.DataFra
     return out[columns].reset_index(drop=True)
 
 
-def write_forecast(kernel_platform: str, calibration_platform: str,
-                   root: Path = RECORDS_DIR) -> Path:
-    """The ``moe_forecast`` record of ``kernel_platform`` (whose latest ``moe_kernel`` record of
+def compute_forecast(kernel_platform: str, calibration_platform: str,
+                     root: Path = RECORDS_DIR) -> tuple[pd.DataFrame, dict]:
+    """The ``moe_forecast`` table of ``kernel_platform`` (whose latest ``moe_kernel`` record of
     each precision gives the per-tile times: ``kernel_view.latest_view``) on
-    ``calibration_platform``'s latest calibration."""
-    from ...platform import provenance
-    from ...records import latest_record, write_record
+    ``calibration_platform``'s latest calibration, and the parameters its record keeps."""
+    from ...records import latest_record
     from .kernel_view import latest_view
     from ..remote_store.characterization import latest_calibration
 
     kernel = latest_view(kernel_platform, root)
+    if not kernel.records:
+        raise FileNotFoundError(f"no 'moe_kernel' record for platform {kernel_platform!r} "
+                                f"under {root}")
     cal_record = latest_record("calibration", calibration_platform, root)
     cal = latest_calibration(calibration_platform, root)
     table = forecast(kernel_inputs(kernel.table), cal.platform_model())
@@ -201,6 +207,17 @@ def write_forecast(kernel_platform: str, calibration_platform: str,
               "calibration_record": f"calibration/{calibration_platform}/{cal_record.record_id}",
               "basis": BASIS, "expert_parallel": list(EXPERT_PARALLEL),
               "method": __doc__.split("\n\n", 1)[1]}
+    return table, params
+
+
+def write_forecast(kernel_platform: str, calibration_platform: str,
+                   root: Path = RECORDS_DIR) -> Path:
+    """``compute_forecast`` saved as a ``moe_forecast`` record of ``kernel_platform`` under
+    ``root``."""
+    from ...platform import provenance
+    from ...records import write_record
+
+    table, params = compute_forecast(kernel_platform, calibration_platform, root)
     return write_record("moe_forecast", kernel_platform, table, params, provenance(), root)
 
 
@@ -211,14 +228,13 @@ def host_forecast(kernels: pd.DataFrame, platform: model.PlatformModel,
                          for h in host_shares])
 
 
-def write_host_forecast(kernel_platform: str, host_platform: str, tokens: int,
-                        root: Path = RECORDS_DIR) -> Path:
-    """The ``moe_host_forecast`` record of ``host_platform`` (a ``-host`` platform): every cell
+def compute_host_forecast(kernel_platform: str, host_platform: str, tokens: int,
+                          root: Path = RECORDS_DIR) -> tuple[pd.DataFrame, dict]:
+    """The ``moe_host_forecast`` table of ``host_platform`` (a ``-host`` platform): every cell
     of ``kernel_platform``'s latest ``moe_kernel`` records at ``tokens`` per source rank, both
-    routings, each host share, on the host link's latest calibration. Written before the
-    host-link matrix is measured (``moe.host_bench``), which names it."""
-    from ...platform import provenance
-    from ...records import latest_record, write_record
+    routings, each host share, on the host link's latest calibration; and its parameters.
+    Written before the host-link matrix is measured (``moe.host_bench``), which names it."""
+    from ...records import latest_record
     from .kernel_view import latest_view
     from ..remote_store.characterization import latest_calibration
 
@@ -235,7 +251,24 @@ def write_host_forecast(kernel_platform: str, host_platform: str, tokens: int,
               "method": __doc__.split("\n\n", 1)[1] + "\n\nHost link: the remote share is the "
                         "host share h/8 (the Combine buffers of h of the eight source ranks are "
                         "pinned host memory); the calibration is the host link's."}
+    return table, params
+
+
+def write_host_forecast(kernel_platform: str, host_platform: str, tokens: int,
+                        root: Path = RECORDS_DIR) -> Path:
+    """``compute_host_forecast`` saved as a ``moe_host_forecast`` record under ``root``."""
+    from ...platform import provenance
+    from ...records import write_record
+
+    table, params = compute_host_forecast(kernel_platform, host_platform, tokens, root)
     return write_record("moe_host_forecast", host_platform, table, params, provenance(), root)
+
+
+# The columns of a forecast row that ``summary --json`` keeps and the command prints.
+SUMMARY_COLUMNS = ("model", "precision", "ep", "remote_share", "g_wave_us", "v_over_r_us",
+                   "predicted_stall_us", "predicted_speedup")
+HOST_COLUMNS = ("model", "precision", "routing", "tokens", "host_share", "v_over_r_us",
+                "predicted_stall_us", "predicted_speedup")
 
 
 def summary_entry(platform: str, root: Path = RECORDS_DIR) -> dict:
@@ -243,29 +276,45 @@ def summary_entry(platform: str, root: Path = RECORDS_DIR) -> dict:
     from ...records import latest_record
 
     table = latest_record("moe_forecast", platform, root).table
-    keys = ("model", "precision", "ep", "remote_share", "g_wave_us", "v_over_r_us",
-            "predicted_stall_us", "predicted_speedup")
     return {"rows": [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()}
-                     for r in table[list(keys)].round(4).to_dict("records")]}
+                     for r in table[list(SUMMARY_COLUMNS)].round(4).to_dict("records")]}
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="Write the moe_forecast record from the latest "
-                                            "moe_kernel record and a calibration (CPU only).")
+    p = argparse.ArgumentParser(prog="python -m xstage_lab.experiments.moe.forecast",
+                                description="The moe_forecast from the latest moe_kernel records "
+                                            "and a calibration (CPU only): printed, or written as "
+                                            "a record with --root.")
     p.add_argument("--kernel-platform", default="h200-x1",
                    help="platform whose moe_kernel record gives the per-tile times")
     p.add_argument("--calibration-platform", default="h200-x2",
                    help="platform whose calibration gives T_iss^0, R and Q")
-    p.add_argument("--root", type=Path, default=RECORDS_DIR, help="records folder")
+    p.add_argument("--records", type=Path, default=RECORDS_DIR,
+                   help="records read (default: the committed data/records)")
+    p.add_argument("--root", type=Path, default=None,
+                   help="write the record under this records root, reading its records there "
+                        "(default: print the forecast, write nothing)")
     p.add_argument("--host-link", metavar="PLATFORM", default=None,
                    help="instead: the host-link forecast (moe_host_forecast) on this -host "
                         "platform's calibration, every cell at --tokens per source rank")
     p.add_argument("--tokens", type=int, default=4096)
     a = p.parse_args(argv)
-    if a.host_link:
-        print(f"wrote {write_host_forecast(a.kernel_platform, a.host_link, a.tokens, a.root)}")
-    else:
-        print(f"wrote {write_forecast(a.kernel_platform, a.calibration_platform, a.root)}")
+    host = a.host_link is not None
+    try:
+        if a.root is not None:
+            path = (write_host_forecast(a.kernel_platform, a.host_link, a.tokens, a.root) if host
+                    else write_forecast(a.kernel_platform, a.calibration_platform, a.root))
+            print(f"wrote {path}")
+            return
+        table, params = (compute_host_forecast(a.kernel_platform, a.host_link, a.tokens,
+                                               a.records) if host else
+                         compute_forecast(a.kernel_platform, a.calibration_platform, a.records))
+    except (FileNotFoundError, ValueError) as e:
+        p.exit(2, f"{p.prog}: error: {' '.join(str(e).split())}\n")
+    print(f"{'moe_host_forecast' if host else 'moe_forecast'} of "
+          f"{', '.join(params['kernel_records'])} on {params['calibration_record']} (not saved; "
+          "--root DIR writes it):")
+    print(table[list(HOST_COLUMNS if host else SUMMARY_COLUMNS)].round(4).to_string(index=False))
 
 
 if __name__ == "__main__":

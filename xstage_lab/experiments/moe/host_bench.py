@@ -14,7 +14,8 @@ the buffer's host address is its device address, checked), the other 8 − h sta
 sources cross PCIe as posted writes and drain after the consumer warpgroups move on.
 
 First the forecast: the run refuses to start without this platform's ``moe_host_forecast``
-record (``python -m xstage_lab.experiments.moe.forecast --host-link <gpu>-host``: the Burst–Gap
+record (``python -m xstage_lab.experiments.moe.forecast --host-link <gpu>-host --root
+data/records``: the Burst–Gap
 model on the host link's calibration and the one-GPU kernel record's per-tile times), and its
 record names that forecast and copies its prediction into each row.
 
@@ -165,7 +166,7 @@ class MoEHost(Experiment):
         except FileNotFoundError:
             raise SystemExit(f"no moe_host_forecast record of {self.platform}: write the forecast "
                              f"first (python -m xstage_lab.experiments.moe.forecast --host-link "
-                             f"{self.platform})") from None
+                             f"{self.platform} --root data/records)") from None
         self.forecast_id = f"moe_host_forecast/{self.platform}/{forecast.record_id}"
         self.forecast = forecast.table.set_index(["model", "precision", "routing", "tokens",
                                                   "host_share"])

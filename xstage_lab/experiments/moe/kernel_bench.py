@@ -34,6 +34,9 @@ Per cell (model, precision, routing, tokens), on fresh seeded activations:
    over trials, method order rotated per trial, the SM clock read during every trial), the
    methods of ``TIMED`` together. Then the fixed per-call cost: a one-token call (T = 1 on every
    source rank) per model and precision, the kernel alone and the whole call.
+3. After a cell's timing (and its one-token call's), step 1 again (the harness's ``recheck``): the
+   spin-error flags count every launch since the cell was prepared, so a spin timeout in any
+   timed run, or outputs the timed runs left wrong, abort the run and write nothing.
 
 TF/s of every method: ``moe_flops`` of the real routed rows (``*_tflops``) and of the padded rows
 the kernel computes (``*_tflops_padded``). ``ratio_to_cublas`` is cuBLAS's time over the kernel's
@@ -62,6 +65,7 @@ import torch
 
 from ...checks import bitwise_equal, poisoned, relative_error
 from ...dist_timing import TIMING_METHOD, time_methods
+from ...records import read_output
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
@@ -531,7 +535,6 @@ def cell_row(step: KernelStep, args, device) -> dict:
                "unfused": lambda: (step.combine_unfused(), cell.weighted_sum())}
     timing = time_methods(methods, trials=args.trials, warmup=args.warmup,
                           graph_iters=args.graph_iters, eager=EAGER, clocks=True)
-    late = sum(c.error_count() for c in cell.calls.values())
     traces = trace_columns(cell) if args.trace else {}
     host = host_costs(cell) if device.type == "cuda" else {}
     flops = moe_flops(cell.workload.rows, shape.hidden, shape.intermediate)
@@ -543,7 +546,7 @@ def cell_row(step: KernelStep, args, device) -> dict:
             "ratio_to_cublas_interleaved": cols["cublas_dense_us"] / cols["kernel_interleaved_us"],
             "fused_vs_unfused": cols["unfused_us"] / cols["call_wave_us"],
             "speedup": cols["kernel_wave_us"] / cols["kernel_interleaved_us"],
-            **step.checked, "spin_errors_after_timing": late, **traces, **host,
+            **step.checked, **traces, **host,
             "unfused_impl": moe.unfused_impl(device, precision)}
 
 
@@ -562,9 +565,7 @@ def overhead_row(step: KernelStep, args, device) -> dict:
     padded = moe_flops(cell.layout.num_rows, shape.hidden, shape.intermediate)
     traces = trace_columns(cell) if args.trace else {}
     return {**cell_row_base(cell), **timing_columns(timing, OVERHEAD_METHODS, flops, padded),
-            **step.checked,
-            "spin_errors_after_timing": sum(c.error_count() for c in cell.calls.values()),
-            **(host_costs(cell) if device.type == "cuda" else {}), **traces}
+            **step.checked, **(host_costs(cell) if device.type == "cuda" else {}), **traces}
 
 
 # ------------------------------------------------------------------------------ the experiment
@@ -785,13 +786,25 @@ def merge_documents(docs: list[dict]) -> dict:
     return {"metadata": meta, "rows": [r for d in docs for r in d["rows"]]}
 
 
+MERGE_USAGE = "python -m xstage_lab.experiments.moe.kernel_bench merge OUT.json IN.json [IN.json ...]"
+
+
+def _existing(name: str) -> Path:
+    if not Path(name).is_file():
+        raise ValueError(f"no such file: {name}")
+    return Path(name)
+
+
 def merge(argv: list[str]) -> None:
     """``merge OUT IN [IN ...]``: ``merge_documents`` of the ``--out`` JSONs ``IN``, written to
     ``OUT``; no GPU needed."""
     if len(argv) < 2:
-        raise SystemExit("usage: python -m xstage_lab.experiments.moe.kernel_bench merge "
-                         "OUT.json IN.json [IN.json ...]")
-    doc = merge_documents([json.loads(Path(f).read_text()) for f in argv[1:]])
+        raise SystemExit(f"usage: {MERGE_USAGE}")
+    try:
+        doc = merge_documents([read_output(_existing(f)) for f in argv[1:]])
+    except ValueError as e:  # a missing or malformed output, or outputs of different runs
+        print(f"{MERGE_USAGE.split(' OUT')[0]}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     Path(argv[0]).write_text(json.dumps(doc, indent=1, default=str))
     print(f"wrote {argv[0]} ({len(doc['rows'])} cells from {len(argv) - 1} outputs)")
 

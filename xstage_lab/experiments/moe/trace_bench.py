@@ -18,8 +18,9 @@ inputs (the same seeds as ``bench`` for the same cell):
    reference within ``bench.TOLERANCE``); the instrumented and the fenced variants bitwise equal to
    it; the local-store control (every peer table entry pointed at a local buffer) writing exactly
    the rows the peers received. Each D sweep, knee-sweep fraction and regression cell checks its
-   own launches likewise before it is timed. Any failure on any rank aborts before timing, with no
-   output.
+   own launches likewise before it is timed, and every step checks them all again after its runs
+   (the spin-error flags count every run since a launch was prepared). Any failure on any rank
+   aborts the run with no output.
 2. Instrumentation (``INSTRUMENT``, step ``trace``): one traced launch (after warm-up launches) per
    schedule, with remote stores and, for ``--local-models``, with the local-store control (traced
    first: its floors are the remote runs' cover windows). Per launch and rank: median T_RS,
@@ -297,9 +298,7 @@ def fenced_row(cell: TracedCell, combine: moe.SymmetricCombine, run: Run) -> dic
     return {**cell.base, "kind": "fenced", "lead_rows": setup.lead,
             **{f"{n}_us": t[n]["median_us"] for n in timed},
             "spreads": {n: {"p25_us": t[n]["p25_us"], "p75_us": t[n]["p75_us"]} for n in timed},
-            "trials_us": {n: t[n]["trials_us"] for n in timed},
-            "spin_errors_after_timing": sum(run.gather(
-                sum(variants[n].error_count() for n in timed)))}
+            "trials_us": {n: t[n]["trials_us"] for n in timed}}
 
 
 def prepare_d_sweep(step: Step, args) -> None:
@@ -587,10 +586,18 @@ class MoETrace(Experiment):
     def check(self, step: Step, run: Run) -> list[str]:
         """The traced cell's check before its model's first step is timed (step 1 of the module
         docstring), then the step's own launches'."""
+        return self._check(step, run, cell=step.cell is not None and step.cell.base is None)
+
+    def recheck(self, step: Step, run: Run) -> list[str]:
+        """After the step's runs: the traced cell's check again (each launch's spin-error flag
+        counts every run since it was prepared), then the step's own launches'."""
+        return self._check(step, run, cell=step.cell is not None)
+
+    def _check(self, step: Step, run: Run, cell: bool) -> list[str]:
         kind = step.point["kind"]
         if kind == "regression":
             return check_regression(step, self.combine)
-        failures = check_traced_cell(step.cell, self.combine, run) if step.cell.base is None else []
+        failures = check_traced_cell(step.cell, self.combine, run) if cell else []
         if kind == "d_sweep":
             failures += check_d_sweep(step, self.combine)
         elif kind == "knee_sweep":

@@ -603,12 +603,21 @@ class LinkProbe(Experiment):
         buffers."""
         if self.checks:
             return []
-        q, k, v, out_fa = self.inputs
-        found = dict(workloads=check_workloads(q, k, v, out_fa, self.cfg, self.buf, self.local,
-                                               run.rank, run.world, self.nccl),
-                     trickle=check_trickle(self.targets, self.sym, run.rank, self.gloo))
+        found = self._checks(run)
         self.checks = all_gather_objects(found, self.gloo)
         return found["workloads"]["failures"] + found["trickle"]["failures"]
+
+    def recheck(self, point: dict, run: Run) -> list[str]:
+        """The run's checks again after each setting's windows (outputs poisoned first, as at the
+        first window)."""
+        found = self._checks(run)
+        return found["workloads"]["failures"] + found["trickle"]["failures"]
+
+    def _checks(self, run: Run) -> dict:
+        q, k, v, out_fa = self.inputs
+        return dict(workloads=check_workloads(q, k, v, out_fa, self.cfg, self.buf, self.local,
+                                              run.rank, run.world, self.nccl),
+                    trickle=check_trickle(self.targets, self.sym, run.rank, self.gloo))
 
     def measure(self, point: dict, run: Run) -> list[dict]:
         """One window of the point's setting: every rank's row (rank 0 writes them)."""
