@@ -316,9 +316,9 @@ def test_characterization_record_through_the_harness_calibrates(model_bench, mon
     assert rec.params["settings"] == BenchSettings().__dict__
     assert rec.params["sm_clock_mhz_start"] == rec.params["sm_clock_mhz_end"] == [1980.0]
     # every point's repeats, tagged with its sweep, point and repeat; a checked launch and a
-    # warm-up launch each before them
+    # warm-up launch each before them, a checked launch again after them
     assert len(rec.table) == sum(len(s.points()) * 2 for s in sweeps)
-    assert len(ModelStoreBench.launches) == sum(len(s.points()) * 4 for s in sweeps)
+    assert len(ModelStoreBench.launches) == sum(len(s.points()) * 5 for s in sweeps)
     for s in sweeps:
         rows = rec.table[rec.table["sweep"] == s.name]
         assert sorted(set(rows["point"])) == list(range(len(s.points())))
