@@ -1,7 +1,7 @@
 """Persistent expert-parallel MoE kernel with remote-store Combine (paper §2.2, §4.2).
 
 Device code only; the host side (tile tables, preconditions, launch) is
-``xstage_lab/experiments/moe/layer.py`` and the schedules are ``xstage_lab/experiments/moe/schedules.py``.
+the package ``xstage_lab/ops/moe/`` (the schedules: ``schedules.py`` there).
 
 One program walks its own row of an int32 tile table, entries ``(kind, expert, row_block, n_block)``:
 

@@ -2,7 +2,7 @@
 
 Device code only, beside the portable Triton kernel ``moe_fused.py`` (which the interpreter tests
 run): the same tile table ``(kind, expert, row_block, n_block)`` drives both, so Expert-Wave and
-Interleaved (Algorithm 1) run unchanged; the host side is ``xstage_lab/experiments/moe/layer.py``.
+Interleaved (Algorithm 1) run unchanged; the host side is ``xstage_lab/ops/moe/``.
 
 One CTA per SM walks its program's row of the table. Three partitions:
   consumer 0, consumer 1   one warpgroup each, rows [64·half, 64·half + 64) of the tile's 128:
