@@ -47,7 +47,7 @@ def ws_module():
 
 def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
              fence: bool = False):
-    """The kernel for sm_90 with the argument types ``_prepare_ws_call`` passes."""
+    """The kernel for sm_90 with the argument types ``kernel_launch`` passes."""
     dtype, name = (gl.float8e4nv, "fp8e4nv") if precision == "fp8" else (gl.bfloat16, "bf16")
     half, bk = cfg.block_m // 2, cfg.block_k
 
@@ -61,8 +61,8 @@ def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
                  "w2_desc": desc(cfg.block_n2), "x_scale": scale, "w1_scale": scale,
                  "w2_scale": scale, "h": f"*{name}", "h_scale": scale, "row_ready": "*i32",
                  "row_src": "*i32", "row_slot": "*i32", "combine_ptrs": "*i64", "error": "*i32",
-                 "max_spin": "i32", "trace": "*i64" if instrument else "*i32", "HIDDEN": "i32",
-                 "INTER": "i32", "l1_k_blocks": "i32", "l2_k_blocks": "i32", "FP8": "constexpr",
+                 "max_spin": "i32", "num_experts": "i32",
+                 "trace": "*i64" if instrument else "*i32", "HIDDEN": "i32", "INTER": "i32", "l1_k_blocks": "i32", "l2_k_blocks": "i32", "FP8": "constexpr",
                  "BLOCK_N1": "constexpr", "BLOCK_N2": "constexpr", "BLOCK_K": "constexpr",
                  "STAGES": "constexpr", "INSTRUMENT": "constexpr", "FENCE": "constexpr"}
     names = list(signature)

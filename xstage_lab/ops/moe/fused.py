@@ -157,24 +157,72 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
     row_ready = torch.zeros(max(1, problem.num_rows), dtype=torch.int32, device=device)
     error = torch.zeros(1, dtype=torch.int32, device=device)
     tiles = torch.from_numpy(table).to(device)
-    if config.kernel == "gluon_ws":
-        return _prepare_ws_call(layout, weights, schedule, peers, config, table, counts, tiles, h,
-                                h_scale, row_ready, error, max_spin_iters, instrument, fence,
-                                k_blocks, synthetic_k_fraction)
     # Uninstrumented, the kernel never touches the trace: one element stands in for the pointer.
     trace = torch.full((*table.shape[:2], TRACE_FIELDS) if instrument else (1,), -1,
                        dtype=torch.int64, device=device)
-    args = (tiles, torch.from_numpy(counts).to(device), table.shape[1],
-            layout.x, layout.x_scale, weights.w1, weights.w1_scale, weights.w2, weights.w2_scale,
-            h, h_scale, row_ready, layout.row_src, layout.row_slot, peers.table,
-            error, max_spin_iters, trace, hidden, inter)
-    constexprs = dict(FP8=precision == "fp8", BLOCK_M=config.block_m, BLOCK_N1=config.block_n1,
-                      BLOCK_N2=config.block_n2, BLOCK_K=config.block_k,
-                      SCALE_BLOCK=config.scale_block, INSTRUMENT=bool(instrument),
-                      FENCE=bool(fence), num_warps=config.num_warps,
-                      num_stages=config.num_stages)
+    buffers = KernelBuffers(tiles, torch.from_numpy(counts).to(device), layout.x, layout.x_scale,
+                            h, h_scale, row_ready, layout.row_src, layout.row_slot, peers.table,
+                            error, trace)
+    args, constexprs = kernel_launch(config, weights, buffers, max_spin_iters=max_spin_iters,
+                                     instrument=instrument, fence=fence, k_blocks=k_blocks)
     return FusedMoECall(schedule, args, constexprs, (schedule.num_programs,), row_ready, error,
-                        trace if instrument else None, owners=peers.owners)
+                        trace if instrument else None, kernel=config.kernel,
+                        synthetic_k_fraction=synthetic_k_fraction, owners=peers.owners)
+
+
+@dataclass(frozen=True)
+class KernelBuffers:
+    """What one launch of a fused kernel reads and writes besides the weights: the tile table
+    (int32 ``[G, max_tiles, 4]``) and each program's tile count (int32 ``[G]``, read on the
+    device), the layout's rows ``x`` and scales, the intermediate ``h`` and its scales, the row
+    block counters (zero at launch), each row's source and slot, the peer table, the error flag
+    and the trace (int64 ``[G, max_tiles, TRACE_FIELDS]`` when instrumented, else one element)."""
+
+    tiles: torch.Tensor
+    num_tiles: torch.Tensor
+    x: torch.Tensor
+    x_scale: torch.Tensor | None
+    h: torch.Tensor
+    h_scale: torch.Tensor | None
+    row_ready: torch.Tensor
+    row_src: torch.Tensor
+    row_slot: torch.Tensor
+    peer_table: torch.Tensor
+    error: torch.Tensor
+    trace: torch.Tensor
+
+
+def kernel_launch(config: TileConfig, weights: ExpertWeights, b: KernelBuffers, *,
+                  max_spin_iters: int, instrument: bool = False, fence: bool = False,
+                  k_blocks: tuple[int, int] | None = None) -> tuple[tuple, dict]:
+    """The arguments and constexprs of ``config.kernel`` over ``b`` (contract checked by the
+    caller: ``prepare_fused_moe``, or ``op.MoEWorkspace`` for its static buffers)."""
+    e_loc, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
+    fp8 = weights.precision == "fp8"
+    k_blocks = k_blocks or synthetic_k_blocks(None, config, hidden, inter)
+    if config.kernel == "triton":
+        args = (b.tiles, b.num_tiles, b.tiles.shape[1], b.x, b.x_scale, weights.w1,
+                weights.w1_scale, weights.w2, weights.w2_scale, b.h, b.h_scale, b.row_ready,
+                b.row_src, b.row_slot, b.peer_table, b.error, max_spin_iters, e_loc, b.trace,
+                hidden, inter)
+        return args, dict(FP8=fp8, BLOCK_M=config.block_m, BLOCK_N1=config.block_n1,
+                          BLOCK_N2=config.block_n2, BLOCK_K=config.block_k,
+                          SCALE_BLOCK=config.scale_block, INSTRUMENT=bool(instrument),
+                          FENCE=bool(fence), num_warps=config.num_warps,
+                          num_stages=config.num_stages)
+    half, bk = config.block_m // 2, config.block_k
+    unused = b.error  # bf16 launches read no scales: any pointer stands in
+    args = (b.tiles, b.num_tiles, b.tiles.shape[1], _ws_descriptor(b.x, [half, bk]),
+            _ws_descriptor(weights.w1.view(e_loc * 2 * inter, hidden), [config.block_n1, bk]),
+            _ws_descriptor(b.h, [half, bk]),
+            _ws_descriptor(weights.w2.view(e_loc * hidden, inter), [config.block_n2, bk]),
+            b.x_scale if fp8 else unused, weights.w1_scale if fp8 else unused,
+            weights.w2_scale if fp8 else unused, b.h, b.h_scale if fp8 else unused, b.row_ready,
+            b.row_src, b.row_slot, b.peer_table, b.error, max_spin_iters, e_loc, b.trace, hidden,
+            inter, *k_blocks)
+    return args, dict(FP8=fp8, BLOCK_N1=config.block_n1, BLOCK_N2=config.block_n2, BLOCK_K=bk,
+                      STAGES=config.num_stages, INSTRUMENT=bool(instrument), FENCE=bool(fence),
+                      num_warps=4)
 
 
 def synthetic_k_blocks(fraction: float | None, config: TileConfig, hidden: int,
@@ -197,31 +245,3 @@ def _ws_descriptor(t: torch.Tensor, block: list[int]) -> GluonTensorDescriptor:
     dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float8e4nv
     return GluonTensorDescriptor(t, list(t.shape), [t.shape[1], 1], block,
                                  gl.NVMMASharedLayout.get_default_for(block, dtype))
-
-
-def _prepare_ws_call(layout, weights, schedule, peers, config, table, counts, tiles, h, h_scale,
-                     row_ready, error, max_spin_iters, instrument, fence, k_blocks,
-                     synthetic_k_fraction) -> FusedMoECall:
-    """The launch of kernels/moe_fused_ws.py (contract checked by ``prepare_fused_moe``)."""
-    e_loc, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
-    half, bk = config.block_m // 2, config.block_k
-    fp8 = weights.precision == "fp8"
-    unused = error  # bf16 launches read no scales: any pointer stands in
-    args = (tiles, torch.from_numpy(counts).to(tiles.device), table.shape[1],
-            _ws_descriptor(layout.x, [half, bk]),
-            _ws_descriptor(weights.w1.view(e_loc * 2 * inter, hidden), [config.block_n1, bk]),
-            _ws_descriptor(h, [half, bk]),
-            _ws_descriptor(weights.w2.view(e_loc * hidden, inter), [config.block_n2, bk]),
-            layout.x_scale if fp8 else unused, weights.w1_scale if fp8 else unused,
-            weights.w2_scale if fp8 else unused, h, h_scale if fp8 else unused, row_ready,
-            layout.row_src, layout.row_slot, peers.table, error, max_spin_iters)
-    # Uninstrumented, the kernel never touches the trace: one element stands in for the pointer.
-    trace = torch.full((*table.shape[:2], TRACE_FIELDS) if instrument else (1,), -1,
-                       dtype=torch.int64, device=tiles.device)
-    constexprs = dict(FP8=fp8, BLOCK_N1=config.block_n1, BLOCK_N2=config.block_n2, BLOCK_K=bk,
-                      STAGES=config.num_stages, INSTRUMENT=bool(instrument), FENCE=bool(fence),
-                      num_warps=4)
-    return FusedMoECall(schedule, (*args, trace, hidden, inter, *k_blocks), constexprs,
-                        (schedule.num_programs,), row_ready, error,
-                        trace if instrument else None, kernel="gluon_ws",
-                        synthetic_k_fraction=synthetic_k_fraction, owners=peers.owners)
