@@ -171,3 +171,47 @@ def unfused_moe(layout: DispatchLayout, plan: SendPlan, weights: GroupedWeights,
     combine = torch.empty(topk_weights.numel(), weights.hidden, dtype=y.dtype, device=y.device)
     combine[plan.order] = back
     return combine_weighted_sum(combine, topk_weights)
+
+
+GROUP_ALIGN = 16  # rows each group of the sync-free unfused path is padded to (grouped GEMM tiles)
+
+
+def unfused_rows(x: torch.Tensor, expert_ids: torch.Tensor, weights: GroupedWeights,
+                 capacity: int) -> torch.Tensor:
+    """The unfused path without a host sync: rows ``x [N, H]`` (bf16), row ``i`` through local
+    expert ``expert_ids[i]``, by torch ops: a stable sort by expert, counts by ``index_add_``,
+    each expert's rows padded to ``GROUP_ALIGN`` in a buffer of the static ``capacity`` rows
+    (``N + E (GROUP_ALIGN - 1)`` at least), the grouped GEMMs with SwiGLU between them
+    (``UNFUSED_FP8_RECIPE`` in fp8), the results back in row order: bf16 ``[N, H]``."""
+    n, e = expert_ids.numel(), weights.num_experts
+    ids = expert_ids.reshape(-1).long()
+    order = torch.argsort(ids, stable=True)
+    counts = torch.zeros(e, dtype=torch.int64, device=x.device).index_add_(
+        0, ids, torch.ones_like(ids))
+    padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    ends = torch.cumsum(padded, 0)
+    sorted_ids = ids[order]
+    rank = torch.arange(n, device=x.device) - (torch.cumsum(counts, 0) - counts)[sorted_ids]
+    rows = torch.empty(n, dtype=torch.int64, device=x.device)
+    rows[order] = (ends - padded)[sorted_ids] + rank
+    xa, xs = unfused_activations(x, weights.precision)
+    a = torch.zeros(capacity, x.shape[1], dtype=xa.dtype, device=x.device)
+    a.view(torch.uint8 if xa.dtype == torch.float8_e4m3fn else xa.dtype)[rows] = (
+        xa.view(torch.uint8) if xa.dtype == torch.float8_e4m3fn else xa)
+    a_s = None
+    if xs is not None:
+        a_s = torch.ones(capacity, 1, dtype=torch.float32, device=x.device)
+        a_s[rows] = xs
+    offs = ends.to(torch.int32)
+    h = swiglu(_grouped_linear(a, a_s, weights.w1, weights.w1_scale, offs))
+    h, h_s = unfused_activations(h, weights.precision)
+    return _grouped_linear(h, h_s, weights.w2, weights.w2_scale, offs)[rows]
+
+
+def unfused_layer(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  weights: GroupedWeights, capacity: int) -> torch.Tensor:
+    """The layer at EP = 1 by torch ops, from the router's output: ``unfused_rows`` of every
+    (token, k) pick, then the weighted sum. bf16 ``[T, H]``."""
+    k = topk_ids.shape[1]
+    rows = unfused_rows(x.repeat_interleave(k, dim=0), topk_ids, weights, capacity)
+    return combine_weighted_sum(rows, topk_weights)
