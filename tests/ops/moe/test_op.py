@@ -30,7 +30,8 @@ def _layer(precision: str, schedule: str = "auto", max_tokens: int = 16) -> Fuse
 
 def _inputs(tokens: int, seed: int = 0):
     x = torch.randn(tokens, TINY.hidden, generator=torch.Generator().manual_seed(seed))
-    ids, w = router_topk(router_logits(tokens, TINY.routed_experts, "skewed", seed=seed), TINY.top_k)
+    logits = router_logits(tokens, TINY.routed_experts, "skewed", seed=seed)
+    ids, w = router_topk(logits, TINY.top_k)
     return x.to(torch.bfloat16), ids, w
 
 

@@ -39,7 +39,7 @@ from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.device_tables import host_tables, table_mismatches
 from ...ops.moe.dispatch import build_layout
 from ...ops.moe.fused import prepare_fused_moe
-from ...ops.moe.op import FusedMoE, MoEWorkspace
+from ...ops.moe.op import FusedMoE, MoEWorkspace, auto_schedule
 from ...ops.moe.reference import expert_rows_reference, reference_moe
 from ...ops.moe.routing import router_logits, router_topk
 from ...ops.moe.schedules import MoEProblem, expert_wave_schedule
@@ -56,10 +56,11 @@ from .layer_view import SUMMARY_KEYS
 SETTINGS = ("ep1", "ep8_rank")
 EP = 8
 DEFAULT_TOKENS = (1, 8, 64, 512, 4096, 8192)
+DEFAULT_TRIALS = 5
 GRAPH_ROUTINGS = 5
 GRAPH_CHECK_TOKENS = 64
 TABLE_CHECK_MAX_TOKENS = 512
-HOST_SCHEDULED_TRIALS = 3
+HOST_SCHEDULED_TRIALS = 2
 HBM_PROBE_BYTES = 2 << 30
 SMOKE = dict(models=["DeepSeek-V4-Flash"], precisions=list(PRECISIONS), settings=list(SETTINGS),
              tokens=[1, 64, 4096], trials=3)
@@ -68,8 +69,8 @@ SMOKE = dict(models=["DeepSeek-V4-Flash"], precisions=list(PRECISIONS), settings
 def _routing(shape, tokens: int, seed: int, rank: int, device):
     ids, w = router_topk(router_logits(tokens, shape.routed_experts, "balanced", seed=seed,
                                        rank=rank, device=device), shape.top_k)
-    x = torch.randn(tokens, shape.hidden, generator=torch.Generator(device).manual_seed(seed + rank),
-                    device=device).to(torch.bfloat16)
+    g = torch.Generator(device).manual_seed(seed + rank)
+    x = torch.randn(tokens, shape.hidden, generator=g, device=device).to(torch.bfloat16)
     return x, ids, w
 
 
@@ -82,7 +83,7 @@ class Ep1Cell:
 
     def __init__(self, shape, precision, tokens, weights, uweights, seed, device):
         self.shape, self.precision, self.tokens, self.seed = shape, precision, tokens, seed
-        self.layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="wave")
+        self.layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="auto")
         self.uweights = uweights
         self.x, self.ids, self.w = _routing(shape, tokens, seed, 0, device)
         self.unfused_capacity = tokens * shape.top_k + shape.routed_experts * (GROUP_ALIGN - 1)
@@ -184,7 +185,7 @@ class Ep8RankCell:
                       arrival_src=self.in_src, arrival_slot=self.in_slot)
 
     def kernel(self):
-        self.ws.launch("interleaved", self.peers)
+        self.ws.launch(auto_schedule(EP), self.peers)
 
     def call(self):
         self.route()
@@ -325,7 +326,7 @@ class MoELayer(Experiment):
         p.add_argument("--settings", nargs="+", default=None)
         p.add_argument("--tokens", nargs="+", type=int, default=None)
         p.add_argument("--trials", type=int, default=None)
-        p.add_argument("--graph-iters", type=int, default=10)
+        p.add_argument("--graph-iters", type=int, default=5)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--smoke", action="store_true",
                        help=f"the cells of {SMOKE}: a first check on the GPU")
@@ -339,7 +340,7 @@ class MoELayer(Experiment):
         a.precisions = a.precisions or list(PRECISIONS)
         a.settings = a.settings or list(SETTINGS)
         a.tokens = a.tokens or list(DEFAULT_TOKENS)
-        a.trials = a.trials or 10
+        a.trials = a.trials or DEFAULT_TRIALS
         for name, given, allowed in (("model", a.models, shapes),
                                      ("precision", a.precisions, PRECISIONS),
                                      ("setting", a.settings, SETTINGS)):

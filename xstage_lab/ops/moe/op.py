@@ -114,9 +114,10 @@ class FusedMoE(torch.nn.Module):
     ``max_tokens``: the bound T every buffer is sized by (``T * top_k + E (block_m - 1)`` rows).
     ``schedule``: ``"wave"`` (Expert-Wave), ``"interleaved"`` (Algorithm 1, lead ``lead_rows``,
     default D_knee) or ``"auto"`` (``auto_schedule``). ``check_ids``: also check on the host that
-    every id lies in ``0 .. E - 1`` before launch (a device-to-host copy; ids on the CPU are always
-    checked; neither while capturing a graph or tracing for torch.compile); without it an id out of range adds to
-    ``error`` on the device and its pick gets no row (its slot of the output is not defined).
+    every id lies in ``0 .. E - 1`` before launch (a device-to-host copy; ids on the CPU are
+    always checked; neither while capturing a graph or tracing for torch.compile); without it an
+    id out of range adds to ``error`` on the device and its pick gets no row (its slot of the
+    output is not defined).
 
     ``forward(x, topk_ids, topk_weights)``: bf16 ``x [T, H]``, integer ``topk_ids [T, top_k]``,
     float ``topk_weights [T, top_k]``, ``T <= max_tokens``, all on the weights' device -> bf16
