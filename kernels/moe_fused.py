@@ -1,7 +1,7 @@
 """Persistent expert-parallel MoE kernel with remote-store Combine (paper §2.2, §4.2).
 
 Device code only; the host side (tile tables, preconditions, launch) is
-``xstage_lab/experiments/moe/layer.py`` and the schedules are ``xstage_lab/experiments/moe/schedules.py``.
+the package ``xstage_lab/ops/moe/`` (the schedules: ``schedules.py`` there).
 
 One program walks its own row of an int32 tile table, entries ``(kind, expert, row_block, n_block)``:
 
@@ -198,12 +198,15 @@ def fused_moe_kernel(tiles_ptr, num_tiles_ptr, max_tiles,
                      x_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w2_ptr, w2_scale_ptr,
                      h_ptr, h_scale_ptr, row_ready_ptr,
                      row_src_ptr, row_slot_ptr, combine_ptrs_ptr,
-                     error_ptr, max_spin, trace_ptr,
+                     error_ptr, max_spin, num_experts, trace_ptr,
                      HIDDEN, INTER,
                      FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
                      BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
                      INSTRUMENT: tl.constexpr = False, FENCE: tl.constexpr = False):
-    """One persistent program per table row; the schedule is the table, not this code."""
+    """One persistent program per table row: ``num_tiles_ptr[g]`` entries of row g, read on the
+    device, so a table sized by a static bound works; the schedule is the table, not this code.
+    A tile whose expert lies outside ``0 .. num_experts - 1`` adds 1 to ``error_ptr`` and is
+    skipped (never a load or store through it)."""
     pid = tl.program_id(0)
     my_tiles = tiles_ptr + pid * max_tiles * 4
     for i in range(0, tl.load(num_tiles_ptr + pid)):
@@ -217,7 +220,9 @@ def fused_moe_kernel(tiles_ptr, num_tiles_ptr, max_tiles,
         expert = tl.load(my_tiles + i * 4 + 1)
         row_block = tl.load(my_tiles + i * 4 + 2)
         n_block = tl.load(my_tiles + i * 4 + 3)
-        if kind == TILE_L1:
+        if (expert < 0) | (expert >= num_experts):
+            tl.atomic_add(error_ptr, 1)
+        elif kind == TILE_L1:
             _linear1_swiglu_tile(expert, row_block, n_block,
                                  x_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, h_ptr, h_scale_ptr,
                                  row_ready_ptr, rec, HIDDEN, INTER,

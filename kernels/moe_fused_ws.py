@@ -2,7 +2,7 @@
 
 Device code only, beside the portable Triton kernel ``moe_fused.py`` (which the interpreter tests
 run): the same tile table ``(kind, expert, row_block, n_block)`` drives both, so Expert-Wave and
-Interleaved (Algorithm 1) run unchanged; the host side is ``xstage_lab/experiments/moe/layer.py``.
+Interleaved (Algorithm 1) run unchanged; the host side is ``xstage_lab/ops/moe/``.
 
 One CTA per SM walks its program's row of the table. Three partitions:
   consumer 0, consumer 1   one warpgroup each, rows [64·half, 64·half + 64) of the tile's 128:
@@ -114,11 +114,11 @@ def _load_a(desc, row0, k, bar, a_smem, s):
 
 @gluon.jit
 def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready, empty,
-              row_ready, error, max_spin, trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
-              BLOCK_N1: gl.constexpr,
-              BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-              INSTRUMENT: gl.constexpr):
-    """The TMA warp: every K block of every tile of this program, in table order.
+              row_ready, error, max_spin, num_experts, trace, HIDDEN, INTER, l1_k_blocks,
+              l2_k_blocks, BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, INSTRUMENT: gl.constexpr):
+    """The TMA warp: every K block of every tile of this program, in table order (a tile whose
+    expert is not one of the ``num_experts`` is skipped, as the consumers skip it).
     INSTRUMENT: a Linear-2 tile's spin count into its trace record."""
     l1_bytes: gl.constexpr = 2 * x_desc.block_type.nbytes + 2 * w1_desc.block_type.nbytes
     l2_bytes: gl.constexpr = 2 * h_desc.block_type.nbytes + w2_desc.block_type.nbytes
@@ -128,36 +128,38 @@ def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, 
         expert = gl.load(tiles + i * TILE_FIELDS + 1)
         row0 = gl.load(tiles + i * TILE_FIELDS + 2) * BLOCK_M
         n_block = gl.load(tiles + i * TILE_FIELDS + 3)
-        if kind == TILE_L1:
-            gate_row = expert * (2 * INTER) + n_block * BLOCK_N1
-            for kk in range(l1_k_blocks):
-                k = kk * BLOCK_K
-                s = it % STAGES
-                # a fresh mbarrier passes a wait on the phase before its first: the first STAGES
-                # K blocks go straight in
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), l1_bytes)
-                _load_a(x_desc, row0, k, ready.index(s), a_smem, s)
-                tma.async_copy_global_to_shared(w1_desc, [gate_row, k], ready.index(s),
-                                                b_smem.index(s).slice(0, BLOCK_N1))
-                tma.async_copy_global_to_shared(w1_desc, [gate_row + INTER, k], ready.index(s),
-                                                b_smem.index(s).slice(BLOCK_N1, BLOCK_N1))
-                it += 1
-        else:
-            spins = _wait_rows_ready(row_ready + row0 // BLOCK_M, 2 * (INTER // BLOCK_N1),
-                                     error, max_spin)
-            if INSTRUMENT:
-                gl.store(trace + i * TRACE_FIELDS + 9, spins.to(gl.int64))
-            w_row = expert * HIDDEN + n_block * BLOCK_N2
-            for kk in range(l2_k_blocks):
-                k = kk * BLOCK_K
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), l2_bytes)
-                _load_a(h_desc, row0, k, ready.index(s), a_smem, s)
-                tma.async_copy_global_to_shared(w2_desc, [w_row, k], ready.index(s),
-                                                b_smem.index(s).slice(0, BLOCK_N2))
-                it += 1
+        if (expert >= 0) & (expert < num_experts):
+            if kind == TILE_L1:
+                gate_row = expert * (2 * INTER) + n_block * BLOCK_N1
+                for kk in range(l1_k_blocks):
+                    k = kk * BLOCK_K
+                    s = it % STAGES
+                    # a fresh mbarrier passes a wait on the phase before its first: the first
+                    # STAGES K blocks go straight in
+                    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                    mbarrier.expect(ready.index(s), l1_bytes)
+                    _load_a(x_desc, row0, k, ready.index(s), a_smem, s)
+                    tma.async_copy_global_to_shared(w1_desc, [gate_row, k], ready.index(s),
+                                                    b_smem.index(s).slice(0, BLOCK_N1))
+                    tma.async_copy_global_to_shared(w1_desc, [gate_row + INTER, k],
+                                                    ready.index(s),
+                                                    b_smem.index(s).slice(BLOCK_N1, BLOCK_N1))
+                    it += 1
+            else:
+                spins = _wait_rows_ready(row_ready + row0 // BLOCK_M, 2 * (INTER // BLOCK_N1),
+                                         error, max_spin)
+                if INSTRUMENT:
+                    gl.store(trace + i * TRACE_FIELDS + 9, spins.to(gl.int64))
+                w_row = expert * HIDDEN + n_block * BLOCK_N2
+                for kk in range(l2_k_blocks):
+                    k = kk * BLOCK_K
+                    s = it % STAGES
+                    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                    mbarrier.expect(ready.index(s), l2_bytes)
+                    _load_a(h_desc, row0, k, ready.index(s), a_smem, s)
+                    tma.async_copy_global_to_shared(w2_desc, [w_row, k], ready.index(s),
+                                                    b_smem.index(s).slice(0, BLOCK_N2))
+                    it += 1
 
 
 @gluon.jit
@@ -356,7 +358,7 @@ def _release_system(flag):
 @gluon.jit
 def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, x_scale,
               w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
-              trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8: gl.constexpr,
+              num_experts, trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8: gl.constexpr,
               BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
               STAGES: gl.constexpr, INSTRUMENT: gl.constexpr, FENCE: gl.constexpr):
     """Rows [64·half, 64·half + 64) of every tile of this program, in table order.
@@ -375,56 +377,64 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
         expert = gl.load(tiles + i * TILE_FIELDS + 1)
         row_block = gl.load(tiles + i * TILE_FIELDS + 2)
         n_block = gl.load(tiles + i * TILE_FIELDS + 3)
-        row_base = row_block * BLOCK_M + half * HALF_ROWS
-        rows = (row_base + gl.arange(0, HALF_ROWS, layout=row_layout)).to(gl.int64)
-        rec = trace + i * TRACE_FIELDS
-        if stamped:
-            _stamp(rec, 0)
-            smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
-                                             is_pure=False, pack=1)
-            gl.store(rec + 8, smid.to(gl.int64))
-            # the first stage's data (a second wait on the same phase returns at once)
-            mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
-            _stamp(rec, 1)
-        if kind == TILE_L1:
-            acc_g, acc_u, it = _linear1_mainloop(half, it, a_smem, b_smem, ready, empty, x_scale,
-                                                 w1_scale, rows, expert, n_block, HIDDEN, INTER,
-                                                 l1_k_blocks, FP8, BLOCK_N1, BLOCK_K, STAGES)
-            if stamped:
-                _stamp(rec, 2)
-            _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base, n_block,
-                              INTER, FP8, BLOCK_N1)
+        if (expert < 0) | (expert >= num_experts):
+            # an expert id out of range (a table built from bad routing): skipped by every
+            # partition, counted once, never a load or store through it
+            if half == 0:
+                gl.atomic_add(error, 1)
         else:
-            if FP8 and BLOCK_N2 == 2 * SCALE_BLOCK:
-                # two 128-column halves, as Linear-1's gate and up: one temporary fits the
-                # registers
-                k_scales = INTER // SCALE_BLOCK
-                w_scales = w2_scale + (expert * (HIDDEN // SCALE_BLOCK) + 2 * n_block) * k_scales
-                acc0, acc1, it = _fp8_halves_mainloop(half, it, a_smem, b_smem, ready, empty,
-                                                      h_scale + rows * k_scales, w_scales,
-                                                      w_scales + k_scales, l2_k_blocks, True,
-                                                      STAGES)
+            row_base = row_block * BLOCK_M + half * HALF_ROWS
+            rows = (row_base + gl.arange(0, HALF_ROWS, layout=row_layout)).to(gl.int64)
+            rec = trace + i * TRACE_FIELDS
+            if stamped:
+                _stamp(rec, 0)
+                smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                                 is_pure=False, pack=1)
+                gl.store(rec + 8, smid.to(gl.int64))
+                # the first stage's data (a second wait on the same phase returns at once)
+                mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+                _stamp(rec, 1)
+            if kind == TILE_L1:
+                acc_g, acc_u, it = _linear1_mainloop(half, it, a_smem, b_smem, ready, empty,
+                                                     x_scale, w1_scale, rows, expert, n_block,
+                                                     HIDDEN, INTER, l1_k_blocks, FP8, BLOCK_N1,
+                                                     BLOCK_K, STAGES)
                 if stamped:
                     _stamp(rec, 2)
-                _linear2_combine_epilogue(acc0, row_src, row_slot, combine_ptrs, row_base,
-                                          2 * n_block, HIDDEN, SCALE_BLOCK)
-                _linear2_combine_epilogue(acc1, row_src, row_slot, combine_ptrs, row_base,
-                                          2 * n_block + 1, HIDDEN, SCALE_BLOCK)
+                _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base,
+                                  n_block, INTER, FP8, BLOCK_N1)
             else:
-                acc, it = _linear2_mainloop(half, it, a_smem, b_smem, ready, empty, h_scale,
-                                            w2_scale, rows, expert, n_block, HIDDEN, INTER,
-                                            l2_k_blocks, FP8, BLOCK_N2, BLOCK_K, STAGES)
-                if stamped:
-                    _stamp(rec, 2)
-                _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base,
-                                          n_block, HIDDEN, BLOCK_N2)
-            if FENCE:
-                # completion-coupled (§2.3): the warpgroup's Combine stores, then a cumulative
-                # system-scope release that returns once all of them are visible to every GPU
-                gl.thread_barrier()
-                _release_system(error)
-        if stamped:
-            _stamp(rec, 3)
+                if FP8 and BLOCK_N2 == 2 * SCALE_BLOCK:
+                    # two 128-column halves, as Linear-1's gate and up: one temporary fits the
+                    # registers
+                    k_scales = INTER // SCALE_BLOCK
+                    w_scales = (w2_scale
+                                + (expert * (HIDDEN // SCALE_BLOCK) + 2 * n_block) * k_scales)
+                    acc0, acc1, it = _fp8_halves_mainloop(half, it, a_smem, b_smem, ready, empty,
+                                                          h_scale + rows * k_scales, w_scales,
+                                                          w_scales + k_scales, l2_k_blocks, True,
+                                                          STAGES)
+                    if stamped:
+                        _stamp(rec, 2)
+                    _linear2_combine_epilogue(acc0, row_src, row_slot, combine_ptrs, row_base,
+                                              2 * n_block, HIDDEN, SCALE_BLOCK)
+                    _linear2_combine_epilogue(acc1, row_src, row_slot, combine_ptrs, row_base,
+                                              2 * n_block + 1, HIDDEN, SCALE_BLOCK)
+                else:
+                    acc, it = _linear2_mainloop(half, it, a_smem, b_smem, ready, empty, h_scale,
+                                                w2_scale, rows, expert, n_block, HIDDEN, INTER,
+                                                l2_k_blocks, FP8, BLOCK_N2, BLOCK_K, STAGES)
+                    if stamped:
+                        _stamp(rec, 2)
+                    _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base,
+                                              n_block, HIDDEN, BLOCK_N2)
+                if FENCE:
+                    # completion-coupled (§2.3): the warpgroup's Combine stores, then a cumulative
+                    # system-scope release that returns once all of them are visible to every GPU
+                    gl.thread_barrier()
+                    _release_system(error)
+            if stamped:
+                _stamp(rec, 3)
     # A system-scope release after the warpgroup's barrier: every remote Combine store of this
     # warpgroup is performed system-wide before the program exits, ahead of the host's
     # symmetric-memory barrier that tells the source ranks their rows are there.
@@ -435,12 +445,14 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
 @gluon.jit
 def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, x_desc, w1_desc, h_desc, w2_desc, x_scale,
                         w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
-                        combine_ptrs, error, max_spin, trace, HIDDEN, INTER, l1_k_blocks,
-                        l2_k_blocks, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
+                        combine_ptrs, error, max_spin, num_experts, trace, HIDDEN, INTER,
+                        l1_k_blocks, l2_k_blocks, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
                         BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                         INSTRUMENT: gl.constexpr = False, FENCE: gl.constexpr = False):
     """One persistent program per table row (``tiles`` int32 [programs, max_tiles, 4],
-    ``num_tiles`` int32 [programs]); the schedule is the table, not this code.
+    ``num_tiles`` int32 [programs], read on the device: a table sized by a static bound, its
+    entries past ``num_tiles[g]`` never read); the schedule is the table, not this code. A tile
+    whose expert lies outside ``0 .. num_experts - 1`` adds 1 to ``error`` and is skipped.
 
     Descriptors (row-major 2-D views, [64, BLOCK_K] blocks for the A operands): ``x_desc`` over
     ``x [R, HIDDEN]``, ``h_desc`` over ``h [R, INTER]``, ``w1_desc`` over ``w1 [E·2·INTER, HIDDEN]``
@@ -472,13 +484,13 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, x_desc, w1_desc, h_desc, w2
     gl.warp_specialize([
         (_consumer, (0, my_tiles, n_tiles, a_smem, b_smem, ready, empty, x_scale, w1_scale,
                      w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
-                     my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8, BLOCK_N1, BLOCK_N2,
-                     BLOCK_K, STAGES, INSTRUMENT, FENCE)),
+                     num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8,
+                     BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE)),
         (_consumer, (1, my_tiles, n_tiles, a_smem, b_smem, ready, empty, x_scale, w1_scale,
                      w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
-                     my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8, BLOCK_N1, BLOCK_N2,
-                     BLOCK_K, STAGES, INSTRUMENT, FENCE)),
+                     num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8,
+                     BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE)),
         (_producer, (my_tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready,
-                     empty, row_ready, error, max_spin, my_trace, HIDDEN, INTER, l1_k_blocks,
-                     l2_k_blocks, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT)),
+                     empty, row_ready, error, max_spin, num_experts, my_trace, HIDDEN, INTER,
+                     l1_k_blocks, l2_k_blocks, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -96,6 +96,14 @@ def test_plots_draw_what_the_experiments_computed():
             assert not above, (name, above)
 
 
+def test_ops_import_no_experiment():
+    """The host side of the kernels (``ops``) stands below the experiments that measure them."""
+    for name, deps in import_graph().items():
+        if name.startswith(f"{PACKAGE}.ops"):
+            above = {d for d in deps if d.startswith(f"{PACKAGE}.experiments")}
+            assert not above, (name, above)
+
+
 def test_kernels_import_nothing_of_the_package():
     """Device code imports triton, gluon and its sibling sources (relatively: they are imported as
     one package, ``kernel_sources.KERNELS_PACKAGE``), never the host package."""

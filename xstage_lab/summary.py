@@ -100,6 +100,14 @@ def moe_kernel_entry(platform: str, root: Path) -> dict:
     return summary_entry(platform, root)
 
 
+def moe_layer_entry(platform: str, root: Path) -> dict:
+    """The ``moe_layer`` entry: the fused MoE layer per call, from the router's output to the
+    layer's output, beside the unfused path and today's host-scheduled call."""
+    from .experiments.moe.layer_view import summary_entry
+
+    return summary_entry(_latest("moe_layer", platform, root).table)
+
+
 def moe_forecast_entry(platform: str, root: Path) -> dict:
     """The ``moe_forecast`` entry: per model, precision and P, what the Burst–Gap model predicts
     for the Linear-2 Combine bursts from the kernel's one-GPU times."""
@@ -114,6 +122,7 @@ ENTRIES = {"calibration": ("calibration", calibration_entry),
            "fa_a2a": ("fa_a2a", fa_a2a_entry),
            "moe": ("moe", moe_entry),
            "moe_kernel": ("moe_kernel", moe_kernel_entry),
+           "moe_layer": ("moe_layer", moe_layer_entry),
            "moe_forecast": ("moe_forecast", moe_forecast_entry),
            "patterns": ("remote_patterns", patterns_entry),
            "operations": ("remote_ops", operations_entry)}

@@ -23,6 +23,7 @@ EXPERIMENTS = {  # record experiment -> "module:attribute" under this package
     "moe_trace": "moe.trace_bench:EXPERIMENT",
     "moe_kernel": "moe.kernel_bench:EXPERIMENT",
     "moe_host": "moe.host_bench:EXPERIMENT",
+    "moe_layer": "moe.layer_bench:EXPERIMENT",
     "link_probe": "probes.link:EXPERIMENT",
     "issue_time_probe": "probes.issue_time:EXPERIMENT",
     "fa_kernel_probe": "probes.fa_kernel:EXPERIMENT",

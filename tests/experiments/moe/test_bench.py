@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from xstage_lab.experiments import harness
-from xstage_lab.experiments.moe import layer as moe, bench as moe_bench
+from xstage_lab.experiments.moe import bench as moe_bench
+from xstage_lab.ops.moe.shapes import load_shapes
 
 MATRIX = Path(__file__).resolve().parents[3] / "data" / "moe_matrix.json"
 
@@ -33,7 +34,7 @@ def test_the_matrix_declares_84_configurations():
     assert run_cells == list(itertools.product(args.models, args.precisions, args.routing,
                                                args.tokens))
     assert len(run_cells) == 84
-    assert set(args.models) == set(moe.load_shapes())
+    assert set(args.models) == set(load_shapes())
     assert args.tokens == [2048, 4096, 8192]
 
 

@@ -13,23 +13,26 @@ import torch
 
 from tests.experiments.moe.test_kernel_bench import SEED, TINY, TOKENS, EmulatedLaunch
 from xstage_lab.experiments import harness
-from xstage_lab.experiments.moe import host_bench as hb, layer as moe
+from xstage_lab.experiments.moe import host_bench as hb, kernel_bench as kb
 from xstage_lab.experiments.moe.forecast import host_share_fraction
-from xstage_lab.experiments.moe.schedules import d_knee, skew_lead
+from xstage_lab.ops.moe.combine import host_combine_peers
+from xstage_lab.ops.moe.fused import prepare_fused_moe
+from xstage_lab.ops.moe.schedules import d_knee, skew_lead
+from xstage_lab.ops.moe.shapes import PRECISIONS, MoEContractError
 from xstage_lab.records import write_record
 
 
 def test_host_peers_put_the_first_sources_in_host_memory():
     local = torch.zeros(8, 4, 16, dtype=torch.bfloat16)
     host = [torch.zeros(4, 16, dtype=torch.bfloat16) for _ in range(3)]
-    peers = moe.host_combine_peers(local, host)
+    peers = host_combine_peers(local, host)
     assert peers.ptrs == (*(b.data_ptr() for b in host),
                           *(local[r].data_ptr() for r in range(3, 8)))
     assert peers.table.tolist() == list(peers.ptrs) and (peers.slots, peers.hidden) == (4, 16)
-    with pytest.raises(moe.MoEContractError, match="9 host buffers"):
-        moe.host_combine_peers(local, host * 3)
-    with pytest.raises(moe.MoEContractError, match="contiguous bf16"):
-        moe.host_combine_peers(local, [torch.zeros(4, 8, dtype=torch.bfloat16)])
+    with pytest.raises(MoEContractError, match="9 host buffers"):
+        host_combine_peers(local, host * 3)
+    with pytest.raises(MoEContractError, match="contiguous bf16"):
+        host_combine_peers(local, [torch.zeros(4, 8, dtype=torch.bfloat16)])
 
 
 def test_the_derived_lead_covers_the_linear2_streams_span():
@@ -67,7 +70,7 @@ def forecast_table(shares) -> pd.DataFrame:
              "g_star_us": 2.0, "action": "reshape", "predicted_stall_us": 3.0,
              "predicted_span_us": 3.3, "predicted_wave_us": 10.0,
              "predicted_interleaved_us": 8.0, "predicted_speedup": 1.25}
-            for p in moe.PRECISIONS for h in shares]
+            for p in PRECISIONS for h in shares]
     return pd.DataFrame(rows)
 
 
@@ -75,15 +78,17 @@ def forecast_table(shares) -> pd.DataFrame:
 def host_run(monkeypatch, tmp_path):
     """``MoEHost(device="cpu")`` through the harness: Tiny only, EmulatedLaunch behind the real
     contract check, fake timing, the forecast in a scratch root. Returns (args, set_fault)."""
-    monkeypatch.setattr(moe, "load_shapes", lambda: {"Tiny": TINY})
-    real_prepare = moe.prepare_fused_moe
+    for module in (hb, kb):
+        monkeypatch.setattr(module, "load_shapes", lambda: {"Tiny": TINY})
+    real_prepare = prepare_fused_moe
     fault = {"kind": None}
 
     def prepare(layout, weights, schedule, peers, **kw):
         real_prepare(layout, weights, schedule, peers, **kw)
         return EmulatedLaunch(layout, weights, schedule, peers, fault["kind"])
 
-    monkeypatch.setattr(moe, "prepare_fused_moe", prepare)
+    for module in (hb, kb):
+        monkeypatch.setattr(module, "prepare_fused_moe", prepare)
     monkeypatch.setattr(hb, "time_methods", fake_time_methods)
     monkeypatch.setattr(hb, "RECORDS_DIR", tmp_path / "records")
     args = harness.parse(hb.EXPERIMENT, [

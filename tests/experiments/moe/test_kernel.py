@@ -36,16 +36,25 @@ import torch
 from tests.experiments.triton_testing import (HOPPER_SMEM_PER_BLOCK, assert_case_ok, child_main,
                                               child_results, interpreter_case_tests)
 from xstage_lab.checks import relative_error
-from xstage_lab.experiments.moe import layer as moe
 from xstage_lab.experiments.moe.bench import TOLERANCE
-from xstage_lab.experiments.moe.schedules import (
+from xstage_lab.ops.moe.combine import (CombinePeers, SymmetricCombine, combine_weighted_sum,
+                                        local_combine_peers)
+from xstage_lab.ops.moe.dispatch import _bytes, build_layout, plan_send
+from xstage_lab.ops.moe.fused import prepare_fused_moe
+from xstage_lab.ops.moe.reference import reference_moe
+from xstage_lab.ops.moe.routing import router_logits, router_topk
+from xstage_lab.ops.moe.schedules import (
     L1, L2, MoEProblem, Schedule, ScheduleError, Tile, check_schedule, d_knee, execution_order,
     expert_wave_schedule, interleaved_schedule)
+from xstage_lab.ops.moe.shapes import (MoEContractError, MoEShape, PRECISIONS,
+                                       check_expert_parallel, load_shapes)
+from xstage_lab.ops.moe.tiles import TileConfig, check_tile_config, default_tile_config
+from xstage_lab.ops.moe.weights import ExpertWeights, local_expert_weights, quantize_rows_fp8
 
 # Tiny shapes with the kernel's structure intact: several experts per rank, P_1 = P_2 = 2 tiles,
 # two K blocks, and 32-wide fp8 scale blocks (128 on the GPU) so that each K block has its scales.
 TINY = dict(hidden=64, intermediate=64, top_k=2, tokens=8)
-TINY_TILES = moe.TileConfig(block_m=16, block_n1=32, block_n2=32, block_k=32, scale_block=32,
+TINY_TILES = TileConfig(block_m=16, block_n1=32, block_n2=32, block_k=32, scale_block=32,
                             num_warps=4, num_stages=2)
 SIM_PROGRAMS = 3
 WORLDS = (2, 4, 8)
@@ -55,7 +64,7 @@ WORLDS = (2, 4, 8)
 
 @dataclass
 class SimulatedLayer:
-    shape: moe.MoEShape
+    shape: MoEShape
     precision: str
     seed: int
     x: list            # per rank: bf16 [T, H] source tokens
@@ -71,24 +80,24 @@ class SimulatedLayer:
 
 
 def simulate_layer(precision: str, world: int, *, seed: int = 0, routing: str = "skewed",
-                   experts: int | None = None, config: moe.TileConfig = TINY_TILES) -> SimulatedLayer:
+                   experts: int | None = None, config: TileConfig = TINY_TILES) -> SimulatedLayer:
     """Router, quantization and Dispatch of ``world`` ranks; all_to_all_single emulated by
     concatenating, for each destination, the rows every source sends it, in source order."""
     experts = experts or 2 * world
-    shape = moe.MoEShape("tiny", "tiny", TINY["hidden"], TINY["intermediate"], experts,
+    shape = MoEShape("tiny", "tiny", TINY["hidden"], TINY["intermediate"], experts,
                          TINY["top_k"], "test")
     sb, per_rank = config.scale_block, experts // world
     xs, ids, ws, plans, sent = [], [], [], [], []
     for r in range(world):
         x = torch.randn(TINY["tokens"], shape.hidden,
                         generator=torch.Generator().manual_seed(1000 * seed + r)).to(torch.bfloat16)
-        i, w = moe.router_topk(moe.router_logits(TINY["tokens"], experts, routing, seed=seed, rank=r),
+        i, w = router_topk(router_logits(TINY["tokens"], experts, routing, seed=seed, rank=r),
                                shape.top_k)
         xs.append(x)
         ids.append(i)
         ws.append(w)
-        plans.append(moe.plan_send(i, experts, world))
-        sent.append(moe.quantize_rows_fp8(x, sb) if precision == "fp8" else (x, None))
+        plans.append(plan_send(i, experts, world))
+        sent.append(quantize_rows_fp8(x, sb) if precision == "fp8" else (x, None))
     layouts = []
     for dst in range(world):
         parts = {"x": [], "scale": [], "slot": [], "expert": []}
@@ -97,22 +106,22 @@ def simulate_layer(precision: str, world: int, *, seed: int = 0, routing: str = 
             off = np.concatenate(([0], np.cumsum(plans[src].counts)))
             part = slice(int(off[dst]), int(off[dst + 1]))
             tokens = plans[src].order[part] // shape.top_k
-            parts["x"].append(moe._bytes(sent[src][0])[tokens])
+            parts["x"].append(_bytes(sent[src][0])[tokens])
             if sent[src][1] is not None:
                 parts["scale"].append(sent[src][1][tokens])
             parts["slot"].append(plans[src].order[part])
             parts["expert"].append(plans[src].experts[part] % per_rank)
             counts.append(plans[src].counts[dst])
-        layouts.append(moe.build_layout(
+        layouts.append(build_layout(
             torch.cat(parts["x"]).view(sent[0][0].dtype),
             torch.cat(parts["scale"]) if parts["scale"] else None,
             torch.cat(parts["slot"]), torch.cat(parts["expert"]), counts, per_rank, config.block_m))
-    weights = [moe.local_expert_weights(shape, r, world, precision, seed=seed, scale_block=sb)
+    weights = [local_expert_weights(shape, r, world, precision, seed=seed, scale_block=sb)
                for r in range(world)]
     return SimulatedLayer(shape, precision, seed, xs, ids, ws, plans, layouts, weights)
 
 
-def problem_of(layer: SimulatedLayer, rank: int, config: moe.TileConfig = TINY_TILES) -> MoEProblem:
+def problem_of(layer: SimulatedLayer, rank: int, config: TileConfig = TINY_TILES) -> MoEProblem:
     return MoEProblem(layer.layouts[rank].blocks_per_expert,
                       layer.shape.intermediate // config.block_n1, layer.shape.hidden // config.block_n2)
 
@@ -147,8 +156,8 @@ def bf16_layer():
 
 def _prepare(layer, rank=0, schedule=None, buffers=None, config=TINY_TILES, **kw):
     schedule = schedule or rank_schedules(layer, rank)["interleaved"]
-    peers = moe.local_combine_peers(buffers or poisoned_buffers(layer))
-    return moe.prepare_fused_moe(layer.layouts[rank], layer.weights[rank], schedule, peers,
+    peers = local_combine_peers(buffers or poisoned_buffers(layer))
+    return prepare_fused_moe(layer.layouts[rank], layer.weights[rank], schedule, peers,
                                  config=config, **kw)
 
 
@@ -175,13 +184,13 @@ def test_dispatch_layout_is_consistent(world):
 def test_model_shapes_fit_the_kernel():
     """Every shape of data/moe_shapes.json divides into the GPU tiles of both precisions, splits
     over EP = 4 and 8, and has a top-k within its experts and a source."""
-    shapes = moe.load_shapes()
+    shapes = load_shapes()
     assert len(shapes) == 7
     for s in shapes.values():
-        for precision in moe.PRECISIONS:
-            moe.check_tile_config(moe.default_tile_config(precision), precision, s.hidden, s.intermediate)
-        assert moe.check_expert_parallel(s.routed_experts, 4) * 4 == s.routed_experts
-        assert moe.check_expert_parallel(s.routed_experts, 8) * 8 == s.routed_experts
+        for precision in PRECISIONS:
+            check_tile_config(default_tile_config(precision), precision, s.hidden, s.intermediate)
+        assert check_expert_parallel(s.routed_experts, 4) * 4 == s.routed_experts
+        assert check_expert_parallel(s.routed_experts, 8) * 8 == s.routed_experts
         assert 1 <= s.top_k <= s.routed_experts and s.source
 
 
@@ -193,7 +202,7 @@ def test_bench_arguments():
         return harness.parse(bench.EXPERIMENT, argv)
 
     a = parse_args(["--out", "x.json"])
-    assert a.models == list(moe.load_shapes()) and a.precisions == ["bf16", "fp8"]
+    assert a.models == list(load_shapes()) and a.precisions == ["bf16", "fp8"]
     assert a.routing == ["balanced", "skewed"] and a.tokens == [4096]
     a = parse_args(["--out", "x.json", "--models", "Hy3,DiT-MoE", "--precisions", "fp8", "--tokens", "512"])
     assert a.models == ["Hy3", "DiT-MoE"] and a.precisions == ["fp8"] and a.tokens == [512]
@@ -201,21 +210,21 @@ def test_bench_arguments():
         parse_args(["--out", "x.json", "--models", "GPT-5"])
 
 
-@pytest.mark.parametrize("model", list(moe.load_shapes()))
+@pytest.mark.parametrize("model", list(load_shapes()))
 def test_model_shapes_at_ep8_schedule_on_the_loaded_rank(model):
     """EP = 8, skewed routing, 2048 tokens per rank (the matrix's least): the rank that
     receives the most rows (hot experts) gets both schedules on 132 programs with D_knee, every
     rule of ``check_schedule`` holding, and every routed slot lands on exactly one rank."""
     world, tokens, programs = 8, 2048, 132
-    shape = moe.load_shapes()[model]
-    cfg = moe.default_tile_config("fp8")
-    plans = [moe.plan_send(moe.router_topk(moe.router_logits(tokens, shape.routed_experts,
+    shape = load_shapes()[model]
+    cfg = default_tile_config("fp8")
+    plans = [plan_send(router_topk(router_logits(tokens, shape.routed_experts,
                                                              "skewed", seed=1, rank=r),
                                            shape.top_k)[0], shape.routed_experts, world)
              for r in range(world)]
     received = np.sum([p.counts for p in plans], axis=0)
     assert received.sum() == world * tokens * shape.top_k
-    per_rank = moe.check_expert_parallel(shape.routed_experts, world)
+    per_rank = check_expert_parallel(shape.routed_experts, world)
     loaded = int(received.argmax())
     experts = torch.cat([p.experts for p in plans])
     mine = experts[experts // per_rank == loaded] % per_rank
@@ -230,56 +239,56 @@ def test_model_shapes_at_ep8_schedule_on_the_loaded_rank(model):
 
 
 def test_top_k_above_experts_rejected():
-    with pytest.raises(moe.MoEContractError, match="top_k"):
-        moe.router_topk(torch.randn(4, 8), 9)
+    with pytest.raises(MoEContractError, match="top_k"):
+        router_topk(torch.randn(4, 8), 9)
 
 
 def test_ranks_must_divide_experts():
-    with pytest.raises(moe.MoEContractError, match="divide"):
-        moe.plan_send(torch.zeros(4, 2, dtype=torch.int64), 6, 4)
-    with pytest.raises(moe.MoEContractError, match="divide"):
-        moe.local_expert_weights(moe.MoEShape("m", "m", 64, 64, 6, 2, ""), 0, 4, "bf16", seed=0)
+    with pytest.raises(MoEContractError, match="divide"):
+        plan_send(torch.zeros(4, 2, dtype=torch.int64), 6, 4)
+    with pytest.raises(MoEContractError, match="divide"):
+        local_expert_weights(MoEShape("m", "m", 64, 64, 6, 2, ""), 0, 4, "bf16", seed=0)
 
 
 def test_shapes_not_divisible_by_tile_rejected(bf16_layer):
-    with pytest.raises(moe.MoEContractError, match="hidden=4000 is not divisible"):
-        moe.check_tile_config(moe.default_tile_config("bf16"), "bf16", 4000, 2048)
-    with pytest.raises(moe.MoEContractError, match="intermediate"):
-        moe.check_tile_config(moe.default_tile_config("fp8"), "fp8", 4096, 1000)
-    with pytest.raises(moe.MoEContractError, match="power of two"):
-        moe.check_tile_config(moe.TileConfig(block_m=48), "bf16", 4096, 2048)
-    with pytest.raises(moe.MoEContractError, match="block_n1 == scale_block"):
-        moe.check_tile_config(moe.TileConfig(block_n1=64, block_k=128), "fp8", 4096, 2048)
-    with pytest.raises(moe.MoEContractError, match="not divisible"):
-        _prepare(bf16_layer, config=moe.TileConfig(block_m=16, block_n1=32, block_n2=32, block_k=128))
+    with pytest.raises(MoEContractError, match="hidden=4000 is not divisible"):
+        check_tile_config(default_tile_config("bf16"), "bf16", 4000, 2048)
+    with pytest.raises(MoEContractError, match="intermediate"):
+        check_tile_config(default_tile_config("fp8"), "fp8", 4096, 1000)
+    with pytest.raises(MoEContractError, match="power of two"):
+        check_tile_config(TileConfig(block_m=48), "bf16", 4096, 2048)
+    with pytest.raises(MoEContractError, match="block_n1 == scale_block"):
+        check_tile_config(TileConfig(block_n1=64, block_k=128), "fp8", 4096, 2048)
+    with pytest.raises(MoEContractError, match="not divisible"):
+        _prepare(bf16_layer, config=TileConfig(block_m=16, block_n1=32, block_n2=32, block_k=128))
 
 
 def test_missing_peer_rejected(bf16_layer):
     buffers = poisoned_buffers(bf16_layer)
-    with pytest.raises(moe.MoEContractError, match="mapped Combine buffer"):
-        moe.CombinePeers((buffers[0].data_ptr(), 0), torch.zeros(2, dtype=torch.int64), 16, 64)
-    with pytest.raises(moe.MoEContractError, match="peer table has 3 ranks"):
+    with pytest.raises(MoEContractError, match="mapped Combine buffer"):
+        CombinePeers((buffers[0].data_ptr(), 0), torch.zeros(2, dtype=torch.int64), 16, 64)
+    with pytest.raises(MoEContractError, match="peer table has 3 ranks"):
         _prepare(bf16_layer, buffers=buffers + poisoned_buffers(bf16_layer)[:1])
-    with pytest.raises(moe.MoEContractError, match="16-byte aligned"):
-        moe.CombinePeers((buffers[0].data_ptr() + 2, buffers[1].data_ptr()),
+    with pytest.raises(MoEContractError, match="16-byte aligned"):
+        CombinePeers((buffers[0].data_ptr() + 2, buffers[1].data_ptr()),
                          torch.zeros(2, dtype=torch.int64), 16, 64)
 
 
 def test_small_combine_buffer_rejected(bf16_layer):
     small = [torch.zeros(2, bf16_layer.shape.hidden, dtype=torch.bfloat16) for _ in range(2)]
-    with pytest.raises(moe.MoEContractError, match="cannot take slot"):
+    with pytest.raises(MoEContractError, match="cannot take slot"):
         _prepare(bf16_layer, buffers=small)
 
 
 def test_weight_dtype_and_layout_mismatch_rejected(bf16_layer):
     w = bf16_layer.weights[0]
-    wrong = moe.ExpertWeights("fp8", w.w1, w.w2)
-    peers = moe.local_combine_peers(poisoned_buffers(bf16_layer))
-    with pytest.raises(moe.MoEContractError, match="w1 must be torch.float8_e4m3fn"):
-        moe.prepare_fused_moe(bf16_layer.layouts[0], wrong, rank_schedules(bf16_layer, 0)["wave"],
+    wrong = ExpertWeights("fp8", w.w1, w.w2)
+    peers = local_combine_peers(poisoned_buffers(bf16_layer))
+    with pytest.raises(MoEContractError, match="w1 must be torch.float8_e4m3fn"):
+        prepare_fused_moe(bf16_layer.layouts[0], wrong, rank_schedules(bf16_layer, 0)["wave"],
                               peers, config=TINY_TILES)
-    with pytest.raises(moe.MoEContractError, match="block_m"):
-        _prepare(bf16_layer, config=moe.TileConfig(block_m=32, block_n1=32, block_n2=32, block_k=32))
+    with pytest.raises(MoEContractError, match="block_m"):
+        _prepare(bf16_layer, config=TileConfig(block_m=32, block_n1=32, block_n2=32, block_k=32))
 
 
 def test_bad_schedule_rejected_before_launch(bf16_layer):
@@ -295,7 +304,7 @@ def test_out_of_range_tiles_rejected_even_unverified(bf16_layer):
     for bad in (Tile(L1, 0, problem.num_rows, 0), Tile(L2, 0, 0, problem.l2_n_blocks),
                 Tile(L1, len(problem.blocks_per_expert), 0, 0),
                 Tile(L1, 1 - problem.row_expert[0], 0, 0)):
-        with pytest.raises(moe.MoEContractError, match="tile table entry"):
+        with pytest.raises(MoEContractError, match="tile table entry"):
             _prepare(bf16_layer, schedule=Schedule("bad", ((bad,),)), verify_schedule=False)
 
 
@@ -305,10 +314,10 @@ def _run(layer: SimulatedLayer, schedules: list[Schedule], max_spin: int = 1000,
          verify: bool = True):
     """One kernel call per rank into fresh poisoned buffers; returns buffers and error counts."""
     buffers = poisoned_buffers(layer)
-    peers = moe.local_combine_peers(buffers)
+    peers = local_combine_peers(buffers)
     errors = []
     for rank, schedule in enumerate(schedules):
-        call = moe.prepare_fused_moe(layer.layouts[rank], layer.weights[rank], schedule, peers,
+        call = prepare_fused_moe(layer.layouts[rank], layer.weights[rank], schedule, peers,
                                      config=TINY_TILES, max_spin_iters=max_spin,
                                      verify_schedule=verify)
         call()
@@ -319,8 +328,8 @@ def _run(layer: SimulatedLayer, schedules: list[Schedule], max_spin: int = 1000,
 def _check_against_reference(layer: SimulatedLayer, buffers) -> dict:
     worst = {}
     for rank in range(layer.world):
-        out = moe.combine_weighted_sum(buffers[rank], layer.topk_w[rank])
-        refs = moe.reference_moe(layer.x[rank], layer.topk_ids[rank], layer.topk_w[rank], layer.shape,
+        out = combine_weighted_sum(buffers[rank], layer.topk_w[rank])
+        refs = reference_moe(layer.x[rank], layer.topk_ids[rank], layer.topk_w[rank], layer.shape,
                                  seed=layer.seed, precision=layer.precision,
                                  scale_block=TINY_TILES.scale_block)
         for kind, want in refs.items():
@@ -398,8 +407,8 @@ def case_interpreter_sequential_caveat() -> dict:
 
 def interpreter_cases() -> dict:
     cases = {f"reference_{p}_P{w}": (case_schedules_match_reference, p, w)
-             for p in moe.PRECISIONS for w in WORLDS}
-    cases.update({f"program_order_grid_{p}": (case_program_order_grid, p) for p in moe.PRECISIONS})
+             for p in PRECISIONS for w in WORLDS}
+    cases.update({f"program_order_grid_{p}": (case_program_order_grid, p) for p in PRECISIONS})
     cases["bounded_spin"] = (case_bounded_spin,)
     cases["interpreter_sequential_caveat"] = (case_interpreter_sequential_caveat,)
     return cases
@@ -426,7 +435,7 @@ def _compile_sm90(precision: str, with_ptx: bool = False, **variant) -> dict:
     names = kernel.arg_names
     signature, attrs = {}, {}
     constexprs = {k: v for k, v in call.constexprs.items() if k not in ("num_warps", "num_stages")}
-    gpu = moe.default_tile_config(precision)
+    gpu = default_tile_config(precision)
     constexprs.update(BLOCK_M=gpu.block_m, BLOCK_N1=gpu.block_n1, BLOCK_N2=gpu.block_n2,
                       BLOCK_K=gpu.block_k, SCALE_BLOCK=gpu.scale_block)
     ints = {"HIDDEN": 4096, "INTER": 2048}
@@ -481,9 +490,9 @@ def test_symmetric_combine_views_its_buffer(monkeypatch):
 
     sym = fake_symmetric_buffer(16 * 64, world=2)
     seen = []
-    monkeypatch.setattr(moe, "symmetric_buffer",
+    monkeypatch.setattr("xstage_lab.ops.moe.combine.symmetric_buffer",
                         lambda numel, dtype, group: seen.append((numel, dtype, group)) or sym)
-    combine = moe.SymmetricCombine(16 * 64)
+    combine = SymmetricCombine(16 * 64)
     assert seen == [(16 * 64, torch.bfloat16, None)]
     rows = combine.rows(8, 64)
     assert rows.shape == (8, 64) and rows.data_ptr() == sym.tensor.data_ptr()
@@ -491,11 +500,11 @@ def test_symmetric_combine_views_its_buffer(monkeypatch):
     assert (peers.ptrs, peers.table, peers.world) == (sym.ptrs, sym.table, 2)
     combine.barrier()
     assert sym.handle.barriers == [0]
-    with pytest.raises(moe.MoEContractError, match="exceeds the 1024 elements"):
+    with pytest.raises(MoEContractError, match="exceeds the 1024 elements"):
         combine.peers(32, 64)
 
 
 if __name__ == "__main__":
     raise SystemExit(child_main(
         sys.argv[1:], interpreter_cases(),
-        {f"compile_sm90_{p}": (_compile_sm90, p) for p in moe.PRECISIONS}))
+        {f"compile_sm90_{p}": (_compile_sm90, p) for p in PRECISIONS}))

@@ -21,14 +21,24 @@ import torch
 
 from xstage_lab.checks import relative_error
 from xstage_lab.experiments import harness
-from xstage_lab.experiments.moe import layer as moe
 from xstage_lab.experiments.moe import kernel_bench as kb, kernel_view as kv
 from xstage_lab.experiments.moe.bench import TOLERANCE
-from xstage_lab.experiments.moe.schedules import L1, L2
+from xstage_lab.ops.moe.combine import combine_weighted_sum
+from xstage_lab.ops.moe.dispatch import DispatchLayout
+from xstage_lab.ops.moe.fused import prepare_fused_moe
+from xstage_lab.ops.moe.reference import expert_rows_reference, reference_moe, swiglu
+from xstage_lab.ops.moe.routing import router_logits, router_topk
+from xstage_lab.ops.moe.schedules import L1, L2
+from xstage_lab.ops.moe.shapes import (FP8_SCALE_BLOCK, MoEContractError, MoEShape, PRECISIONS,
+                                       load_shapes)
+from xstage_lab.ops.moe.unfused import (GroupedWeights, UNFUSED_FP8_RECIPE, UNFUSED_IMPL,
+                                        UnfusedPathError, group_offsets, grouped_expert_ffn,
+                                        unfused_activations, unfused_expert_weights, unfused_impl)
+from xstage_lab.ops.moe.weights import dequantize_blocks_fp8, dequantize_rows_fp8, quantize_rows_fp8
 from xstage_lab.records import import_bench_json, read_record
 
 # Four experts' worth of structure at EP = 8 (two local experts per rank), fp8-compatible widths.
-TINY = moe.MoEShape("Tiny", "tiny", 256, 128, 16, 2, "test")
+TINY = MoEShape("Tiny", "tiny", 256, 128, 16, 2, "test")
 TOKENS = 16
 SEED = 3
 
@@ -51,11 +61,11 @@ def grouped_loop(monkeypatch):
         return out
 
     monkeypatch.setattr(torch, "_scaled_grouped_mm", loop)
-    monkeypatch.setattr(moe, "_UNFUSED_CHECKED", set())
+    monkeypatch.setattr("xstage_lab.ops.moe.unfused._UNFUSED_CHECKED", set())
     yield loop
 
 
-def expert_of_rows(layout: moe.DispatchLayout) -> torch.Tensor:
+def expert_of_rows(layout: DispatchLayout) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(layout.blocks_per_expert)),
                                    torch.tensor(layout.blocks_per_expert) * layout.block_m)
 
@@ -69,7 +79,7 @@ def test_workload_receives_every_pick_of_its_experts_source_by_source(rank):
     assert wl.world == kb.EP and wl.experts_per_rank == per_rank and wl.slots == TOKENS * TINY.top_k
     off = np.concatenate(([0], np.cumsum(wl.recv_counts)))
     for s in range(kb.EP):
-        ids = moe.router_topk(moe.router_logits(TOKENS, TINY.routed_experts, "skewed", seed=SEED,
+        ids = router_topk(router_logits(TOKENS, TINY.routed_experts, "skewed", seed=SEED,
                                                 rank=s), TINY.top_k)[0]
         assert torch.equal(wl.topk_ids[s], ids)
         flat = ids.reshape(-1)
@@ -85,7 +95,7 @@ def test_workload_receives_every_pick_of_its_experts_source_by_source(rank):
     assert wl.rows == sum(wl.recv_counts) > 0
 
 
-@pytest.mark.parametrize("precision", moe.PRECISIONS)
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_layout_pads_each_expert_and_keeps_source_and_slot(precision):
     wl = kb.build_workload(TINY, "balanced", TOKENS, seed=SEED)
     block_m = 8
@@ -103,8 +113,8 @@ def test_layout_pads_each_expert_and_keeps_source_and_slot(precision):
     assert (layout.row_slot[padding] == -1).all()
     assert (layout.x[padding].view(torch.uint8) == 0).all()
     if precision == "fp8":
-        assert layout.x_scale.shape == (layout.num_rows, TINY.hidden // moe.FP8_SCALE_BLOCK)
-        x = moe.dequantize_rows_fp8(layout.x[arrived], layout.x_scale[arrived])
+        assert layout.x_scale.shape == (layout.num_rows, TINY.hidden // FP8_SCALE_BLOCK)
+        x = dequantize_rows_fp8(layout.x[arrived], layout.x_scale[arrived])
         assert relative_error(x, wl.recv_x) < 0.05
     else:
         assert torch.equal(layout.x[arrived], wl.recv_x)
@@ -119,14 +129,14 @@ def test_unfused_layout_has_one_scale_per_row():
     wl = kb.build_workload(TINY, "balanced", TOKENS, seed=SEED)
     layout = kb.unfused_layout(wl, "fp8", 8)
     assert layout.x.dtype == torch.float8_e4m3fn and layout.x_scale.shape == (layout.num_rows, 1)
-    assert torch.equal(moe.group_offsets(layout),
+    assert torch.equal(group_offsets(layout),
                        torch.tensor(np.cumsum(layout.blocks_per_expert) * 8, dtype=torch.int32))
     assert kb.unfused_layout(wl, "bf16", 8).x_scale is None
 
 
 # ---------------------------------------------------------------------------- unfused path
 
-def _loop_ffn(layout: moe.DispatchLayout, w: moe.GroupedWeights) -> torch.Tensor:
+def _loop_ffn(layout: DispatchLayout, w: GroupedWeights) -> torch.Tensor:
     """The unfused recipe expert by expert in float32, rounding where the grouped path rounds."""
     def deq(q, s):
         return q.float() if s is None else q.float() * s
@@ -138,26 +148,26 @@ def _loop_ffn(layout: moe.DispatchLayout, w: moe.GroupedWeights) -> torch.Tensor
         rows = experts == e
         w1 = deq(w.w1[e], None if w.w1_scale is None else w.w1_scale[e][:, None])
         w2 = deq(w.w2[e], None if w.w2_scale is None else w.w2_scale[e][:, None])
-        h = moe._swiglu((x[rows] @ w1.t()).to(torch.bfloat16))
-        h = deq(*moe.unfused_activations(h, w.precision))
+        h = swiglu((x[rows] @ w1.t()).to(torch.bfloat16))
+        h = deq(*unfused_activations(h, w.precision))
         y[rows] = (h @ w2.t()).to(torch.bfloat16)
     return y
 
 
-@pytest.mark.parametrize("precision", moe.PRECISIONS)
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_grouped_ffn_matches_a_per_expert_loop(precision, grouped_loop):
     wl = kb.build_workload(TINY, "skewed", TOKENS, seed=SEED)
     layout = kb.unfused_layout(wl, precision, 8)
-    w = moe.unfused_expert_weights(TINY, 0, kb.EP, precision, seed=SEED)
+    w = unfused_expert_weights(TINY, 0, kb.EP, precision, seed=SEED)
     if precision == "fp8":
         assert w.w1_scale.shape == (2, 2 * TINY.intermediate) and w.w2_scale.shape == (2, TINY.hidden)
-    y = moe.grouped_expert_ffn(layout, w)
+    y = grouped_expert_ffn(layout, w)
     assert y.dtype == torch.bfloat16 and y.shape == (layout.num_rows, TINY.hidden)
     assert relative_error(y, _loop_ffn(layout, w)) < 1e-2
-    assert moe.unfused_impl(torch.device("cpu"), precision) == moe.UNFUSED_IMPL[precision]
+    assert unfused_impl(torch.device("cpu"), precision) == UNFUSED_IMPL[precision]
 
 
-@pytest.mark.parametrize("precision", moe.PRECISIONS)
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_unfused_layer_matches_the_reference(precision, grouped_loop):
     """All eight ranks' grouped FFNs, Combine emulated by scattering into the eight sources'
     buffers: every source's weighted sum against ``reference_moe``."""
@@ -166,13 +176,13 @@ def test_unfused_layer_matches_the_reference(precision, grouped_loop):
     for rank in range(kb.EP):
         wl = kb.build_workload(TINY, "skewed", TOKENS, seed=SEED, rank=rank)
         layout = kb.unfused_layout(wl, precision, 8)
-        y = moe.grouped_expert_ffn(layout, moe.unfused_expert_weights(TINY, rank, kb.EP, precision,
+        y = grouped_expert_ffn(layout, unfused_expert_weights(TINY, rank, kb.EP, precision,
                                                                       seed=SEED))
         rows, dest = kb.combine_index(layout, wl.slots)
         combine.view(-1, TINY.hidden)[dest] = y[rows]
     for s in range(kb.EP):
-        out = moe.combine_weighted_sum(combine[s], wl.topk_w[s])
-        ref = moe.reference_moe(wl.x[s], wl.topk_ids[s], wl.topk_w[s], TINY, seed=SEED,
+        out = combine_weighted_sum(combine[s], wl.topk_w[s])
+        ref = reference_moe(wl.x[s], wl.topk_ids[s], wl.topk_w[s], TINY, seed=SEED,
                                 precision=precision)
         assert relative_error(out, ref["fp32"]) <= TOLERANCE[precision]["fp32"]
 
@@ -180,29 +190,29 @@ def test_unfused_layer_matches_the_reference(precision, grouped_loop):
 def test_reference_moe_is_the_weighted_sum_of_expert_rows():
     wl = kb.build_workload(TINY, "skewed", TOKENS, seed=SEED)
     x, ids, w = wl.x[1], wl.topk_ids[1], wl.topk_w[1]
-    ref = moe.reference_moe(x, ids, w, TINY, seed=SEED, precision="fp8")
+    ref = reference_moe(x, ids, w, TINY, seed=SEED, precision="fp8")
     tok = torch.arange(TOKENS).repeat_interleave(TINY.top_k)
-    rows = moe.expert_rows_reference(x[tok], ids.reshape(-1), TINY, seed=SEED, precision="fp8")
+    rows = expert_rows_reference(x[tok], ids.reshape(-1), TINY, seed=SEED, precision="fp8")
     for kind in ("fp32", "fp8_emulated"):
         want = (rows[kind].view(TOKENS, TINY.top_k, -1) * w[..., None]).sum(1)
         assert torch.allclose(ref[kind], want, rtol=1e-5, atol=1e-5)
 
 
 def test_missing_or_wrong_grouped_gemm_is_an_error(monkeypatch):
-    monkeypatch.setattr(moe, "_UNFUSED_CHECKED", set())
-    with pytest.raises(moe.UnfusedPathError, match="_scaled_grouped_mm"):
-        moe.unfused_impl(torch.device("cpu"), "fp8")  # no CPU kernel, and no loop stands in
+    monkeypatch.setattr("xstage_lab.ops.moe.unfused._UNFUSED_CHECKED", set())
+    with pytest.raises(UnfusedPathError, match="_scaled_grouped_mm"):
+        unfused_impl(torch.device("cpu"), "fp8")  # no CPU kernel, and no loop stands in
     monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: torch.zeros(a.shape[0], b.shape[2],
                                                                                dtype=a.dtype))
-    with pytest.raises(moe.UnfusedPathError, match="wrong"):
-        moe.unfused_impl(torch.device("cpu"), "bf16")
+    with pytest.raises(UnfusedPathError, match="wrong"):
+        unfused_impl(torch.device("cpu"), "bf16")
 
 
 def test_grouped_ffn_refuses_the_fused_kernels_fp8_rows(grouped_loop):
     wl = kb.build_workload(TINY, "balanced", TOKENS, seed=SEED)
-    w = moe.unfused_expert_weights(TINY, 0, kb.EP, "fp8", seed=SEED)
-    with pytest.raises(moe.MoEContractError, match="unfused_activations"):
-        moe.grouped_expert_ffn(kb.fused_layout(wl, "fp8", 8), w)
+    w = unfused_expert_weights(TINY, 0, kb.EP, "fp8", seed=SEED)
+    with pytest.raises(MoEContractError, match="unfused_activations"):
+        grouped_expert_ffn(kb.fused_layout(wl, "fp8", 8), w)
 
 
 # ------------------------------------------------------------------------------------- FLOPs
@@ -213,7 +223,7 @@ def test_flops_and_tflops():
     assert math.isnan(kb.tflops(1, 0.0))
 
 
-@pytest.mark.parametrize("precision", moe.PRECISIONS)
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_dense_ceiling_runs_the_ffn_shapes(precision):
     a, b = kb.dense_ceiling(24, TINY.hidden, TINY.intermediate, precision, seed=1, device="cpu")()
     assert a.shape == (24, 2 * TINY.intermediate) and b.shape == (24, TINY.hidden)
@@ -241,17 +251,17 @@ class EmulatedLaunch:
     def __call__(self):
         lay, w = self.layout, self.weights
         fp8 = w.precision == "fp8"
-        x = moe.dequantize_rows_fp8(lay.x, lay.x_scale) if fp8 else lay.x.float()
+        x = dequantize_rows_fp8(lay.x, lay.x_scale) if fp8 else lay.x.float()
         experts = expert_of_rows(lay)
         rows = lay.arrival_rows
         if self.fault == "skip":
             rows = rows[1:]
         for r in rows.tolist():
             e = int(experts[r])
-            w1 = moe.dequantize_blocks_fp8(w.w1[e], w.w1_scale[e]) if fp8 else w.w1[e].float()
-            w2 = moe.dequantize_blocks_fp8(w.w2[e], w.w2_scale[e]) if fp8 else w.w2[e].float()
-            h = moe._swiglu(x[r:r + 1] @ w1.t())
-            h = (moe.dequantize_rows_fp8(*moe.quantize_rows_fp8(h)) if fp8
+            w1 = dequantize_blocks_fp8(w.w1[e], w.w1_scale[e]) if fp8 else w.w1[e].float()
+            w2 = dequantize_blocks_fp8(w.w2[e], w.w2_scale[e]) if fp8 else w.w2[e].float()
+            h = swiglu(x[r:r + 1] @ w1.t())
+            h = (dequantize_rows_fp8(*quantize_rows_fp8(h)) if fp8
                  else h.to(torch.bfloat16).float())
             y = (h @ w2.t()).to(torch.bfloat16)
             if self.fault == "perturb" and r == int(rows[0]):
@@ -292,15 +302,15 @@ def cpu_bench(monkeypatch, grouped_loop, tmp_path):
     """The experiment run by the harness on CPU (``MoEKernel(device="cpu")``): the Tiny shape as
     the only model, the real contract check of ``prepare_fused_moe`` with an EmulatedLaunch
     returned, the fake timing. Returns ``(args, set_fault)``."""
-    monkeypatch.setattr(moe, "load_shapes", lambda: {"Tiny": TINY})
-    real_prepare = moe.prepare_fused_moe
+    monkeypatch.setattr(kb, "load_shapes", lambda: {"Tiny": TINY})
+    real_prepare = prepare_fused_moe
     fault = {"kind": None}
 
     def prepare(layout, weights, schedule, peers, **kw):
         real_prepare(layout, weights, schedule, peers, **kw)
         return EmulatedLaunch(layout, weights, schedule, peers, fault["kind"])
 
-    monkeypatch.setattr(moe, "prepare_fused_moe", prepare)
+    monkeypatch.setattr(kb, "prepare_fused_moe", prepare)
     monkeypatch.setattr(kb, "time_methods", fake_time_methods)
     args = parse(["--out", str(tmp_path / "bench.json"), "--models", "Tiny", "--routing",
                   "skewed", "--tokens", str(TOKENS), "--kernel", "triton", "--programs", "4",
@@ -329,7 +339,7 @@ def test_run_checks_times_and_imports_as_a_record(cpu_bench, tmp_path, monkeypat
         assert r["kernel_wave_tflops_padded"] == pytest.approx(padded / (us * 1e6))
         assert r["ratio_to_cublas"] == pytest.approx(r["tflops"] / r["cublas_dense_tflops"])
         assert r["padded_rows"] % r["tile_config"]["block_m"] == 0 and r["padded_rows"] >= r["rows"]
-        assert r["unfused_impl"] == moe.UNFUSED_IMPL[r["precision"]]
+        assert r["unfused_impl"] == UNFUSED_IMPL[r["precision"]]
         assert all(f"{m}_p25_us" in r and f"{m}_p75_us" in r for m in kb.TIMED)
     overhead = meta["call_overhead"]
     assert overhead["tokens_per_source"] == 1
@@ -339,7 +349,7 @@ def test_run_checks_times_and_imports_as_a_record(cpu_bench, tmp_path, monkeypat
     assert not any("cublas_dense_us" in o or "point" in o or "call_overhead" in o
                    for o in overhead["rows"])
     assert "call_overhead" not in rows[0]
-    assert meta["unfused_fp8_recipe"] == moe.UNFUSED_FP8_RECIPE and meta["kernel"] == "triton"
+    assert meta["unfused_fp8_recipe"] == UNFUSED_FP8_RECIPE and meta["kernel"] == "triton"
 
     # the JSON as written, with the provenance of one H200, imports as a moe_kernel record
     doc["metadata"]["provenance"].update(gpu_name="NVIDIA H200", gpu_count=1)
@@ -440,7 +450,7 @@ def test_summary_of_a_hand_made_table():
 def test_defaults_and_smoke():
     a = parse(["--out", "x.json"])
     assert a.tokens == [4096, 8192] and a.kernel == "gluon_ws" and a.trials == kb.DEFAULT_TRIALS
-    assert set(a.models) == set(moe.load_shapes()) and len(cells(a)) == 7 * 2 * 2 * 2
+    assert set(a.models) == set(load_shapes()) and len(cells(a)) == 7 * 2 * 2 * 2
     s = parse(["--out", "x.json", "--smoke"])
     assert cells(s) == [("DeepSeek-V4-Flash", "bf16", "balanced", 512),
                            ("DeepSeek-V4-Flash", "fp8", "balanced", 512)]

@@ -11,10 +11,17 @@ import pytest
 import torch
 
 from xstage_lab.checks import relative_error
-from xstage_lab.experiments.moe import layer as moe
 from xstage_lab.experiments.moe.bench import TOLERANCE
-from xstage_lab.experiments.moe.schedules import (L1, L2, MoEProblem, Schedule, Tile, d_knee,
-                                                  expert_wave_schedule, interleaved_schedule)
+from xstage_lab.ops.moe.combine import local_combine_peers
+from xstage_lab.ops.moe.dispatch import build_layout
+from xstage_lab.ops.moe.fused import prepare_fused_moe, synthetic_k_blocks
+from xstage_lab.ops.moe.schedules import (L1, L2, MoEProblem, Schedule, Tile, d_knee,
+                                          expert_wave_schedule, interleaved_schedule)
+from xstage_lab.ops.moe.shapes import PRECISIONS, load_shapes
+from xstage_lab.ops.moe.tiles import default_tile_config
+from xstage_lab.ops.moe.weights import (dequantize_blocks_fp8, dequantize_rows_fp8,
+                                        expert_master_weights, local_expert_weights,
+                                        quantize_rows_fp8)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -32,29 +39,29 @@ def _swiglu(v: torch.Tensor) -> torch.Tensor:
 def _case(model: str, precision: str, rows: int, seed: int):
     """A layout of ``rows`` routed rows over four local experts from eight sources, the experts'
     weights, and the float32 reference of every routed row (quantization-matched in fp8)."""
-    shape = moe.load_shapes()[model]
+    shape = load_shapes()[model]
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed)
     world = shape.routed_experts // LOCAL_EXPERTS
-    weights = moe.local_expert_weights(shape, 0, world, precision, seed=seed, device=dev)
+    weights = local_expert_weights(shape, 0, world, precision, seed=seed, device=dev)
     expert = torch.randint(0, LOCAL_EXPERTS, (rows,), generator=g, device=dev)
     counts = torch.bincount(torch.randint(0, SOURCES, (rows,), generator=g, device=dev),
                             minlength=SOURCES).tolist()
     slots = max(counts)
     slot = torch.cat([torch.randperm(slots, generator=g, device=dev)[:c] for c in counts])
     x = torch.randn(rows, shape.hidden, generator=g, device=dev).to(torch.bfloat16)
-    xq, xs = moe.quantize_rows_fp8(x) if precision == "fp8" else (x, None)
-    cfg = moe.default_tile_config(precision, "gluon_ws", hidden=shape.hidden)
-    layout = moe.build_layout(xq, xs, slot, expert, counts, LOCAL_EXPERTS, cfg.block_m)
+    xq, xs = quantize_rows_fp8(x) if precision == "fp8" else (x, None)
+    cfg = default_tile_config(precision, "gluon_ws", hidden=shape.hidden)
+    layout = build_layout(xq, xs, slot, expert, counts, LOCAL_EXPERTS, cfg.block_m)
     ref = torch.empty(rows, shape.hidden, device=dev)
     for e in range(LOCAL_EXPERTS):
-        w1, w2 = moe.expert_master_weights(shape, e, seed=seed, device=dev)
+        w1, w2 = expert_master_weights(shape, e, seed=seed, device=dev)
         sel = expert == e
         if precision == "fp8":
-            a = moe.dequantize_rows_fp8(xq[sel], xs[sel])
-            w1f = moe.dequantize_blocks_fp8(weights.w1[e], weights.w1_scale[e])
-            w2f = moe.dequantize_blocks_fp8(weights.w2[e], weights.w2_scale[e])
-            h = moe.dequantize_rows_fp8(*moe.quantize_rows_fp8(_swiglu(a @ w1f.t())))
+            a = dequantize_rows_fp8(xq[sel], xs[sel])
+            w1f = dequantize_blocks_fp8(weights.w1[e], weights.w1_scale[e])
+            w2f = dequantize_blocks_fp8(weights.w2[e], weights.w2_scale[e])
+            h = dequantize_rows_fp8(*quantize_rows_fp8(_swiglu(a @ w1f.t())))
         else:
             h = _swiglu(x[sel].float() @ w1.float().t()).to(torch.bfloat16).float()
             w2f = w2.float()
@@ -71,14 +78,14 @@ def _run(call, buffers):
     return torch.stack(buffers).clone()
 
 
-@pytest.mark.parametrize("precision", moe.PRECISIONS)
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("model", ["DeepSeek-V4-Flash", "DiT-MoE"])
 def test_both_schedules_match_the_reference(model, precision):
     torch.backends.cuda.matmul.allow_tf32 = False
     shape, weights, layout, cfg, ref, src, slot, slots = _case(model, precision, 1500, seed=11)
     buffers = [torch.empty(slots, shape.hidden, dtype=torch.bfloat16, device="cuda")
                for _ in range(SOURCES)]
-    peers = moe.local_combine_peers(buffers)
+    peers = local_combine_peers(buffers)
     problem = MoEProblem(layout.blocks_per_expert, shape.intermediate // cfg.block_n1,
                          shape.hidden // cfg.block_n2)
     programs = torch.cuda.get_device_properties(0).multi_processor_count
@@ -87,7 +94,7 @@ def test_both_schedules_match_the_reference(model, precision):
                                                                 shape.intermediate))]
     outs = []
     for schedule in schedules:
-        call = moe.prepare_fused_moe(layout, weights, schedule, peers, config=cfg)
+        call = prepare_fused_moe(layout, weights, schedule, peers, config=cfg)
         outs.append(_run(call, buffers))
         assert call.error_count() == 0
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
@@ -108,7 +115,7 @@ def test_unsatisfiable_schedule_ends_with_a_spin_error():
     first_expert = next(e for e, b in enumerate(layout.blocks_per_expert) if b)
     row = sum(layout.blocks_per_expert[:first_expert])
     schedule = Schedule("stuck", ((Tile(L2, first_expert, row, 0),),))
-    call = moe.prepare_fused_moe(layout, weights, schedule, moe.local_combine_peers(buffers),
+    call = prepare_fused_moe(layout, weights, schedule, local_combine_peers(buffers),
                                  config=cfg, max_spin_iters=1000, verify_schedule=False)
     call()
     torch.cuda.synchronize()
@@ -116,17 +123,17 @@ def test_unsatisfiable_schedule_ends_with_a_spin_error():
     assert L1 != L2
 
 
-@pytest.mark.parametrize("precision", moe.PRECISIONS)
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_instrumented_build_stamps_every_tile_and_changes_no_output(precision):
     shape, weights, layout, cfg, ref, src, slot, slots = _case("Qwen3.5", precision, 1200, seed=5)
     buffers = [torch.empty(slots, shape.hidden, dtype=torch.bfloat16, device="cuda")
                for _ in range(SOURCES)]
-    peers = moe.local_combine_peers(buffers)
+    peers = local_combine_peers(buffers)
     problem = MoEProblem(layout.blocks_per_expert, shape.intermediate // cfg.block_n1,
                          shape.hidden // cfg.block_n2)
     schedule = expert_wave_schedule(problem, torch.cuda.get_device_properties(0).multi_processor_count)
-    plain = _run(moe.prepare_fused_moe(layout, weights, schedule, peers, config=cfg), buffers)
-    traced_call = moe.prepare_fused_moe(layout, weights, schedule, peers, config=cfg,
+    plain = _run(prepare_fused_moe(layout, weights, schedule, peers, config=cfg), buffers)
+    traced_call = prepare_fused_moe(layout, weights, schedule, peers, config=cfg,
                                         instrument=True)
     traced = _run(traced_call, buffers)
     assert traced_call.error_count() == 0
@@ -147,14 +154,14 @@ def _run_schedule(case, **kwargs):
                          shape.hidden // cfg.block_n2)
     schedule = expert_wave_schedule(problem,
                                     torch.cuda.get_device_properties(0).multi_processor_count)
-    call = moe.prepare_fused_moe(layout, weights, schedule, moe.local_combine_peers(buffers),
+    call = prepare_fused_moe(layout, weights, schedule, local_combine_peers(buffers),
                                  config=cfg, **kwargs)
     out = _run(call, buffers)
     assert call.error_count() == 0
     return out
 
 
-@pytest.mark.parametrize("precision", moe.PRECISIONS)
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_fenced_build_changes_no_output(precision):
     case = _case("Hy3", precision, 1000, seed=7)
     plain, fenced = _run_schedule(case), _run_schedule(case, fence=True)
@@ -167,7 +174,7 @@ def test_synthetic_fraction_computes_the_layer_over_its_k_blocks():
     torch.backends.cuda.matmul.allow_tf32 = False
     case = _case("DeepSeek-V4-Flash", "bf16", 1000, seed=9)
     shape, weights, layout, cfg, _, src, slot, _ = case
-    k1, k2 = moe.synthetic_k_blocks(0.3, cfg, shape.hidden, shape.intermediate)
+    k1, k2 = synthetic_k_blocks(0.3, cfg, shape.hidden, shape.intermediate)
     k1, k2 = k1 * cfg.block_k, k2 * cfg.block_k
     out = _run_schedule(case, synthetic_k_fraction=0.3)
     x = layout.x[layout.arrival_rows].float()

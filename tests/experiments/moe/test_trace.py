@@ -17,13 +17,16 @@ import pandas as pd
 import pytest
 import torch
 
-from xstage_lab.experiments.moe import layer as moe, trace as moe_trace
-from xstage_lab.experiments.moe.schedules import L1, L2, tile_table
 from tests.experiments.moe.test_kernel import (
     SIM_PROGRAMS, TINY, TINY_TILES, in_program_order, poisoned_buffers, problem_of, rank_schedules,
     simulate_layer)
 from tests.experiments.triton_testing import (assert_case_ok, child_main, child_results,
                                               interpreter_case_tests)
+from xstage_lab.experiments.moe import trace as moe_trace
+from xstage_lab.ops.moe.combine import local_combine_peers, local_store_control
+from xstage_lab.ops.moe.fused import prepare_fused_moe
+from xstage_lab.ops.moe.schedules import L1, L2, tile_table
+from xstage_lab.ops.moe.shapes import MoEContractError, PRECISIONS, load_shapes
 
 
 # ------------------------------------------------------------------------ hand-made traces
@@ -304,7 +307,7 @@ def test_d_sweep_leads():
 
 def test_trace_bench_arguments():
     a = parse_args(["--out", "x.json"])
-    assert a.models == list(moe.load_shapes()) and a.local_models == a.models
+    assert a.models == list(load_shapes()) and a.local_models == a.models
     assert a.precision == "fp8" and a.routing == "skewed" and a.d_factors[2] == 1
     assert a.lead is None and a.k_fractions == sorted(a.k_fractions, reverse=True)
 
@@ -358,11 +361,11 @@ def fake_steps(monkeypatch):
     from types import SimpleNamespace
     from xstage_lab.experiments.moe import trace_bench as tb
     log, failing = [], set()
-    monkeypatch.setattr(moe, "SymmetricCombine", lambda capacity: log.append(("combine", capacity)))
-    monkeypatch.setattr(moe, "local_expert_weights",
+    monkeypatch.setattr(tb, "SymmetricCombine", lambda capacity: log.append(("combine", capacity)))
+    monkeypatch.setattr(tb, "local_expert_weights",
                         lambda shape, rank, world, precision, **kw:
                         log.append(("weights", shape.model, precision)) or "w")
-    monkeypatch.setattr(moe, "prepare_fused_moe", lambda *a, **k: "launch")
+    monkeypatch.setattr(tb, "prepare_fused_moe", lambda *a, **k: "launch")
 
     def traced_cell(shape, weights, combine, args, world, seed):
         log.append(("cell", shape.model))
@@ -410,7 +413,7 @@ def test_trace_steps_check_before_timing_and_make_weights_once(fake_steps, tmp_p
         "--d-sweep-models", "Hy3", "--knee-models", "DiT-MoE", "--k-fractions", "1,0.5",
         "--regressions", str(tmp_path / "m.json"), "--no-progress"])
     harness.run(experiment, args)
-    shapes = moe.load_shapes()
+    shapes = load_shapes()
     assert log[0] == ("combine", max(t * shapes[m].top_k * shapes[m].hidden
                                      for m, t in (("DiT-MoE", 32), ("Hy3", 32), ("Hy3", 64))))
     assert log[1:] == [
@@ -460,12 +463,12 @@ def test_registered_for_measure_all_and_import():
 @pytest.mark.parametrize("world", [2, 8])
 def test_local_store_control_contract(world):
     layer = simulate_layer("bf16", world)
-    peers = moe.local_combine_peers(poisoned_buffers(layer))
+    peers = local_combine_peers(poisoned_buffers(layer))
     local = torch.zeros(world, peers.slots, peers.hidden, dtype=torch.bfloat16)
-    ctrl = moe.local_store_control(peers, local)
+    ctrl = local_store_control(peers, local)
     assert ctrl.ptrs == tuple(r.data_ptr() for r in local) and ctrl.slots == peers.slots
-    with pytest.raises(moe.MoEContractError, match="local control buffer"):
-        moe.local_store_control(peers, local[:world - 1].contiguous())
+    with pytest.raises(MoEContractError, match="local control buffer"):
+        local_store_control(peers, local[:world - 1].contiguous())
 
 
 # ------------------------------------------------------------- kernel cases in the interpreter
@@ -503,10 +506,10 @@ def _linear(layer, name):
 
 def _launch(layer, schedules, **kw):
     buffers = poisoned_buffers(layer)
-    peers = moe.local_combine_peers(buffers)
+    peers = local_combine_peers(buffers)
     calls = []
     for rank, sched in enumerate(schedules):
-        call = moe.prepare_fused_moe(layer.layouts[rank], layer.weights[rank], sched, peers,
+        call = prepare_fused_moe(layer.layouts[rank], layer.weights[rank], sched, peers,
                                      config=TINY_TILES, max_spin_iters=1000, **kw)
         call()
         calls.append(call)
@@ -553,12 +556,12 @@ def case_local_store_control(world: int) -> dict:
     scheds = _linear(layer, "interleaved")
     plain, _ = _launch(layer, scheds)
     peers_bufs = poisoned_buffers(layer)
-    peers = moe.local_combine_peers(peers_bufs)
+    peers = local_combine_peers(peers_bufs)
     written = 0
     for rank, sched in enumerate(scheds):
         local = torch.full((world, peers.slots, peers.hidden), float("nan"), dtype=torch.bfloat16)
-        call = moe.prepare_fused_moe(layer.layouts[rank], layer.weights[rank], sched,
-                                     moe.local_store_control(peers, local), config=TINY_TILES,
+        call = prepare_fused_moe(layer.layouts[rank], layer.weights[rank], sched,
+                                     local_store_control(peers, local), config=TINY_TILES,
                                      instrument=True)
         call()
         assert call.error_count() == 0
@@ -572,7 +575,7 @@ def case_local_store_control(world: int) -> dict:
 
 
 def interpreter_cases() -> dict:
-    cases = {f"variants_bitwise_{p}": (case_variants_bitwise, p) for p in moe.PRECISIONS}
+    cases = {f"variants_bitwise_{p}": (case_variants_bitwise, p) for p in PRECISIONS}
     cases.update({f"local_store_control_P{w}": (case_local_store_control, w) for w in (2, 8)})
     return cases
 

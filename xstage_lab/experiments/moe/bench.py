@@ -23,8 +23,8 @@ What a timed call covers, for all three methods alike: expert compute, Combine i
 ranks' buffers and the top-k weighted sum. Dispatch (NCCL all-to-all) runs once before, outside the
 timing. A fused call is: symmetric barrier (the previous call's readers are done), zero the row
 counters, the kernel, symmetric barrier (every peer's stores are visible), weighted sum. The
-unfused path is torch's grouped GEMMs (``layer.grouped_expert_ffn``); in FP8 it takes rows quantized
-by its own recipe (``layer.UNFUSED_FP8_RECIPE``), so it has its own Dispatch of those rows.
+unfused path is torch's grouped GEMMs (``ops.moe.unfused.grouped_expert_ffn``); in FP8 it takes rows quantized
+by its own recipe (``ops.moe.unfused.UNFUSED_FP8_RECIPE``), so it has its own Dispatch of those rows.
 
 Rows: ``{model, precision, routing, tokens, wave_us, interleaved_us, unfused_us, speedup (= wave /
 interleaved), spreads, ...}``, one per cell.
@@ -41,12 +41,21 @@ import torch
 
 from ...checks import relative_error
 from ...dist_timing import TIMING_METHOD, time_methods
+from ...ops.moe.combine import CombinePeers, SymmetricCombine, combine_weighted_sum
+from ...ops.moe.dispatch import DispatchLayout, SendPlan, dispatch
+from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
+from ...ops.moe.reference import reference_moe
+from ...ops.moe.routing import HOT_EXPERT_FRACTION, HOT_LOGIT_BIAS, router_logits, router_topk
+from ...ops.moe.schedules import (MoEProblem, d_knee, expert_wave_schedule,
+                                  interleaved_schedule)
+from ...ops.moe.shapes import MoEShape, PRECISIONS, ROUTINGS, check_expert_parallel, load_shapes
+from ...ops.moe.tiles import KERNELS, TileConfig, check_tile_config, default_tile_config
+from ...ops.moe.unfused import (GroupedWeights, UNFUSED_FP8_RECIPE, unfused_activations,
+                                unfused_expert_weights, unfused_impl, unfused_moe)
+from ...ops.moe.weights import ExpertWeights, local_expert_weights, quantize_rows_fp8
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
-from . import layer as moe
-from .schedules import MoEProblem, d_knee, expert_wave_schedule, \
-    interleaved_schedule
 
 DEFAULT_TOKENS = 4096  # per rank
 # Relative Frobenius error bounds against reference_moe. bf16: inputs are exact bf16, h and the
@@ -80,15 +89,15 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--programs", type=int, default=None, help="persistent programs (default: SMs)")
     p.add_argument("--lead", type=int, default=None, help="lead D in rows (default: D_knee, eq. 16)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-spin", type=int, default=moe.DEFAULT_MAX_SPIN_ITERS)
-    p.add_argument("--kernel", default=None, choices=moe.KERNELS,
+    p.add_argument("--max-spin", type=int, default=DEFAULT_MAX_SPIN_ITERS)
+    p.add_argument("--kernel", default=None, choices=KERNELS,
                    help="fused kernel (default: gluon_ws on sm_90 GPUs, triton elsewhere)")
 
 
 def check_layer_args(a: argparse.Namespace, *names: str) -> None:
     """Check ``add_layer_arguments``' options and the lists ``names`` (of ``model``,
     ``precision``, ``routing``) after parsing; ``ValueError`` names the first mistake."""
-    allowed = {"models": moe.load_shapes(), "precisions": moe.PRECISIONS, "routing": moe.ROUTINGS}
+    allowed = {"models": load_shapes(), "precisions": PRECISIONS, "routing": ROUTINGS}
     for name in names:
         given = getattr(a, name)
         bad = [g for g in given if g not in allowed[name]]
@@ -103,16 +112,16 @@ def check_layer_args(a: argparse.Namespace, *names: str) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
 
 
-def start_expert_parallel(models: list[str]) -> dict[str, moe.MoEShape]:
+def start_expert_parallel(models: list[str]) -> dict[str, MoEShape]:
     """On a started rank of an expert-parallel run: float32 matmuls without TF32 (the reference is
     float32, not TF32), and every model's routed experts checked to split over the ranks. Returns
     the model shapes."""
     import torch.distributed as dist
     torch.backends.cuda.matmul.allow_tf32 = False
     world = dist.get_world_size() if dist.is_initialized() else 1
-    shapes = moe.load_shapes()
+    shapes = load_shapes()
     for m in models:
-        moe.check_expert_parallel(shapes[m].routed_experts, world)
+        check_expert_parallel(shapes[m].routed_experts, world)
     return shapes
 
 
@@ -126,20 +135,20 @@ def cell_seed(seed: int, *key) -> int:
 class ConfigSetup:
     """One configuration's inputs, Dispatch, schedules and prepared launches on this rank."""
 
-    shape: moe.MoEShape
+    shape: MoEShape
     precision: str
-    cfg: moe.TileConfig
+    cfg: TileConfig
     x: torch.Tensor
     topk_ids: torch.Tensor
     topk_w: torch.Tensor
-    plan: moe.SendPlan
-    layout: moe.DispatchLayout
+    plan: SendPlan
+    layout: DispatchLayout
     problem: MoEProblem
     programs: int
     knee: int
     lead: int
     schedules: dict
-    peers: moe.CombinePeers
+    peers: CombinePeers
     rows_view: torch.Tensor
     calls: dict
     point: dict = field(default_factory=dict)
@@ -147,8 +156,8 @@ class ConfigSetup:
     unfused: tuple = ()  # the unfused path's (plan, layout)
 
 
-def setup_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
-                 weights: moe.ExpertWeights, combine: moe.SymmetricCombine, args,
+def setup_config(shape: MoEShape, precision: str, routing: str, tokens: int,
+                 weights: ExpertWeights, combine: SymmetricCombine, args,
                  config_seed: int) -> ConfigSetup:
     """Fresh seeded inputs, router, Dispatch, both schedules (lead ``args.lead`` or D_knee) and
     their launches of the timing kernel (uninstrumented, unfenced)."""
@@ -156,18 +165,18 @@ def setup_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
     # the kernel asked for, else the device's default (gluon_ws on sm_90, Triton elsewhere)
-    cfg = moe.default_tile_config(precision, args.kernel, hidden=shape.hidden, device=device)
-    moe.check_tile_config(cfg, precision, shape.hidden, shape.intermediate)
+    cfg = default_tile_config(precision, args.kernel, hidden=shape.hidden, device=device)
+    check_tile_config(cfg, precision, shape.hidden, shape.intermediate)
     k, hidden, inter = shape.top_k, shape.hidden, shape.intermediate
     programs = args.programs or torch.cuda.get_device_properties(device).multi_processor_count
 
     g = torch.Generator(device=device).manual_seed(config_seed * 1009 + rank)
     x = torch.randn(tokens, hidden, generator=g, device=device).to(torch.bfloat16)
-    logits = moe.router_logits(tokens, shape.routed_experts, routing, seed=config_seed, rank=rank,
+    logits = router_logits(tokens, shape.routed_experts, routing, seed=config_seed, rank=rank,
                                device=device)
-    topk_ids, topk_w = moe.router_topk(logits, k)
-    x_q, x_scale = moe.quantize_rows_fp8(x) if precision == "fp8" else (x, None)
-    plan, layout = moe.dispatch(x_q, x_scale, topk_ids, num_experts=shape.routed_experts,
+    topk_ids, topk_w = router_topk(logits, k)
+    x_q, x_scale = quantize_rows_fp8(x) if precision == "fp8" else (x, None)
+    plan, layout = dispatch(x_q, x_scale, topk_ids, num_experts=shape.routed_experts,
                                 block_m=cfg.block_m)
     problem = MoEProblem(layout.blocks_per_expert, inter // cfg.block_n1, hidden // cfg.block_n2)
     knee = d_knee(2 * cfg.block_n1, programs, inter)
@@ -176,14 +185,14 @@ def setup_config(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
                  "interleaved": interleaved_schedule(problem, programs, lead)}
     peers = combine.peers(tokens * k, hidden)
     rows_view = combine.rows(tokens * k, hidden)
-    calls = {name: moe.prepare_fused_moe(layout, weights, s, peers, config=cfg,
+    calls = {name: prepare_fused_moe(layout, weights, s, peers, config=cfg,
                                          max_spin_iters=args.max_spin)
              for name, s in schedules.items()}
     return ConfigSetup(shape, precision, cfg, x, topk_ids, topk_w, plan, layout, problem, programs,
                        knee, lead, schedules, peers, rows_view, calls)
 
 
-def combine_output(setup: ConfigSetup, combine: moe.SymmetricCombine, call) -> torch.Tensor:
+def combine_output(setup: ConfigSetup, combine: SymmetricCombine, call) -> torch.Tensor:
     """Run ``call`` once into this rank's Combine buffer poisoned with NaN; a copy of the buffer."""
     setup.rows_view.fill_(float("nan"))
     combine.barrier()
@@ -199,10 +208,10 @@ class MoEMatrix(Experiment):
     paper = "§4.2, §5.2.1; timing §5.1"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        shapes = moe.load_shapes()
+        shapes = load_shapes()
         p.add_argument("--models", default=",".join(shapes), help=f"comma list of {list(shapes)}")
-        p.add_argument("--precisions", default=",".join(moe.PRECISIONS))
-        p.add_argument("--routing", default=",".join(moe.ROUTINGS))
+        p.add_argument("--precisions", default=",".join(PRECISIONS))
+        p.add_argument("--routing", default=",".join(ROUTINGS))
         p.add_argument("--tokens", default=str(DEFAULT_TOKENS), help="comma list of tokens per rank")
         p.add_argument("--matrix", type=Path, default=None,
                        help="a JSON declaring models, precisions, routing and tokens_per_rank "
@@ -215,7 +224,7 @@ class MoEMatrix(Experiment):
         if a.matrix is not None:
             matrix = json.loads(a.matrix.read_text())
             models = matrix["models"]
-            a.models = ",".join(moe.load_shapes()) if models == "all" else ",".join(models)
+            a.models = ",".join(load_shapes()) if models == "all" else ",".join(models)
             a.precisions, a.routing = ",".join(matrix["precisions"]), ",".join(matrix["routing"])
             a.tokens = ",".join(str(t) for t in matrix["tokens_per_rank"])
         a.models, a.precisions, a.routing = _names(a.models), _names(a.precisions), _names(a.routing)
@@ -235,7 +244,7 @@ class MoEMatrix(Experiment):
         self.shapes = start_expert_parallel(args.models)
         capacity = max(args.tokens) * max(self.shapes[m].top_k * self.shapes[m].hidden
                                           for m in args.models)
-        self.combine = moe.SymmetricCombine(capacity)
+        self.combine = SymmetricCombine(capacity)
 
     def prepare(self, point: dict, run: Run) -> ConfigSetup:
         """The cell's fresh inputs, Dispatch, schedules and launches; its model's weights (made
@@ -244,11 +253,11 @@ class MoEMatrix(Experiment):
 
         def make_weights():
             device = torch.device("cuda", torch.cuda.current_device())
-            weights = moe.local_expert_weights(shape, run.rank, run.world, precision,
+            weights = local_expert_weights(shape, run.rank, run.world, precision,
                                                seed=args.seed, device=device)
             # bf16: the grouped GEMMs take the kernel's weights as they are (same master weights)
-            unfused = (moe.GroupedWeights(precision, weights.w1, weights.w2) if precision == "bf16"
-                       else moe.unfused_expert_weights(shape, run.rank, run.world, precision,
+            unfused = (GroupedWeights(precision, weights.w1, weights.w2) if precision == "bf16"
+                       else unfused_expert_weights(shape, run.rank, run.world, precision,
                                                        seed=args.seed, device=device))
             return weights, unfused
 
@@ -266,14 +275,14 @@ class MoEMatrix(Experiment):
         combined = {name: combine_output(setup, self.combine, call)
                     for name, call in setup.calls.items()}
         spin_errors = {name: call.error_count() for name, call in setup.calls.items()}
-        out = moe.combine_weighted_sum(combined["interleaved"], setup.topk_w)
-        ref = moe.reference_moe(setup.x, setup.topk_ids, setup.topk_w, shape, seed=args.seed,
+        out = combine_weighted_sum(combined["interleaved"], setup.topk_w)
+        ref = reference_moe(setup.x, setup.topk_ids, setup.topk_w, shape, seed=args.seed,
                                 precision=precision)
         errors = {f"rel_err_{kind}": relative_error(out, want) for kind, want in ref.items()}
-        setup.unfused = (setup.plan, setup.layout) if precision == "bf16" else moe.dispatch(
-            *moe.unfused_activations(setup.x, precision), setup.topk_ids,
+        setup.unfused = (setup.plan, setup.layout) if precision == "bf16" else dispatch(
+            *unfused_activations(setup.x, precision), setup.topk_ids,
             num_experts=shape.routed_experts, block_m=setup.cfg.block_m)
-        unfused_out = moe.unfused_moe(setup.unfused[1], setup.unfused[0], self.unfused_weights,
+        unfused_out = unfused_moe(setup.unfused[1], setup.unfused[0], self.unfused_weights,
                                       setup.topk_w)
         errors["rel_err_unfused_fp32"] = relative_error(unfused_out, ref["fp32"])
         setup.errors = errors
@@ -299,18 +308,18 @@ class MoEMatrix(Experiment):
                 combine.barrier()
                 call()
                 combine.barrier()
-                moe.combine_weighted_sum(rows_view, topk_w)
+                combine_weighted_sum(rows_view, topk_w)
             return run_call
 
         methods = {"wave": fused(calls["wave"]), "interleaved": fused(calls["interleaved"]),
-                   "unfused": lambda: moe.unfused_moe(ulayout, uplan, self.unfused_weights, topk_w)}
+                   "unfused": lambda: unfused_moe(ulayout, uplan, self.unfused_weights, topk_w)}
         timing = time_methods(methods, trials=args.trials, warmup=args.warmup,
                               graph_iters=args.graph_iters)
         device = torch.device("cuda", torch.cuda.current_device())
         per_rank = run.gather({"rows": setup.layout.num_rows,
                                "tokens_per_expert": setup.layout.tokens_per_expert,
                                "errors": setup.errors,
-                               "unfused_impl": moe.unfused_impl(device, setup.precision)})
+                               "unfused_impl": unfused_impl(device, setup.precision)})
         received = [p["rows"] for p in per_rank]
         w, i = timing["wave"]["median_us"], timing["interleaved"]["median_us"]
         return {
@@ -345,9 +354,9 @@ class MoEMatrix(Experiment):
             "graph_iters": args.graph_iters, "seed": args.seed,
             "lead_rows": "d_knee (eq. 16)" if args.lead is None else args.lead,
             "max_spin_iters": args.max_spin, "tolerance": TOLERANCE,
-            "unfused_fp8_recipe": moe.UNFUSED_FP8_RECIPE,
-            "skew": {"hot_expert_fraction": moe.HOT_EXPERT_FRACTION,
-                     "hot_logit_bias": moe.HOT_LOGIT_BIAS},
+            "unfused_fp8_recipe": UNFUSED_FP8_RECIPE,
+            "skew": {"hot_expert_fraction": HOT_EXPERT_FRACTION,
+                     "hot_logit_bias": HOT_LOGIT_BIAS},
             "timed_call": "expert compute + Combine into source buffers + top-k weighted sum; "
                           "Dispatch (NCCL all_to_all_single) runs before, untimed",
             "timing": TIMING_METHOD,

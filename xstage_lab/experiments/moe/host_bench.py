@@ -10,7 +10,7 @@ The workload is ``kernel_bench``'s: one rank (rank 0) of EP = 8 on one GPU, ever
 source ranks route to its experts. The host-share dial h: the Combine buffers of source ranks
 0 .. h − 1 are pinned host memory (torch's pinned allocator, mapped under unified addressing:
 the buffer's host address is its device address, checked), the other 8 − h stay in local HBM
-(``moe.host_combine_peers``). The kernel runs unchanged; its Combine stores to the first h
+(``host_combine_peers``). The kernel runs unchanged; its Combine stores to the first h
 sources cross PCIe as posted writes and drain after the consumer warpgroups move on.
 
 First the forecast: the run refuses to start without this platform's ``moe_host_forecast``
@@ -55,10 +55,16 @@ from ...records import RECORDS_DIR
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
-from . import kernel_bench as kb, layer as moe
+from ...ops.moe.combine import host_combine_peers
+from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
+from ...ops.moe.schedules import (L2, Schedule, expert_wave_schedule, interleaved_schedule,
+                                  skew_lead)
+from ...ops.moe.shapes import PRECISIONS, ROUTINGS, load_shapes
+from ...ops.moe.tiles import KERNELS, default_tile_config, kernel_unsupported
+from ...ops.moe.weights import local_expert_weights
+from . import kernel_bench as kb
 from .bench import cell_seed
 from .forecast import HOST_SHARE_SOURCES
-from .schedules import L2, Schedule, expert_wave_schedule, interleaved_schedule, skew_lead
 
 DEFAULT_TOKENS = (4096,)
 DEFAULT_SHARES = (1, 2, 4, 8)
@@ -98,31 +104,31 @@ class MoEHost(Experiment):
         self.device = device  # None: this process's CUDA GPU
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        shapes = moe.load_shapes()
+        shapes = load_shapes()
         p.add_argument("--models", nargs="+", default=None, help=f"default: all of {list(shapes)}")
-        p.add_argument("--precisions", nargs="+", default=list(moe.PRECISIONS))
-        p.add_argument("--routing", nargs="+", default=list(moe.ROUTINGS))
+        p.add_argument("--precisions", nargs="+", default=list(PRECISIONS))
+        p.add_argument("--routing", nargs="+", default=list(ROUTINGS))
         p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS),
                        help="tokens per source rank")
         p.add_argument("--host-shares", nargs="+", type=int, default=list(DEFAULT_SHARES),
                        help=f"source ranks (of {HOST_SHARE_SOURCES}) whose Combine buffers are "
                             "pinned host memory")
-        p.add_argument("--kernel", default="gluon_ws", help=f"one of {list(moe.KERNELS)}")
+        p.add_argument("--kernel", default="gluon_ws", help=f"one of {list(KERNELS)}")
         p.add_argument("--trials", type=int, default=5)
         p.add_argument("--warmup", type=int, default=2)
         p.add_argument("--graph-iters", type=int, default=5)
         p.add_argument("--programs", type=int, default=None)
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--max-spin", type=int, default=moe.DEFAULT_MAX_SPIN_ITERS)
+        p.add_argument("--max-spin", type=int, default=DEFAULT_MAX_SPIN_ITERS)
         p.add_argument("--no-trace", dest="trace", action="store_false")
 
     def check_args(self, a: argparse.Namespace) -> None:
-        shapes = moe.load_shapes()
+        shapes = load_shapes()
         a.models = list(shapes) if a.models is None else a.models
         for name, given, allowed in (("model", a.models, shapes),
-                                     ("precision", a.precisions, moe.PRECISIONS),
-                                     ("routing", a.routing, moe.ROUTINGS),
-                                     ("kernel", [a.kernel], moe.KERNELS)):
+                                     ("precision", a.precisions, PRECISIONS),
+                                     ("routing", a.routing, ROUTINGS),
+                                     ("kernel", [a.kernel], KERNELS)):
             bad = [g for g in given if g not in allowed]
             if bad:
                 raise ValueError(f"unknown {name} {bad}; choose from {list(allowed)}")
@@ -152,7 +158,7 @@ class MoEHost(Experiment):
             if not torch.cuda.is_available():
                 raise SystemExit("moe.host_bench needs a CUDA GPU")
             self.on = torch.device("cuda", torch.cuda.current_device())
-            why = moe.kernel_unsupported(run.args.kernel, self.on)
+            why = kernel_unsupported(run.args.kernel, self.on)
             if why:
                 raise SystemExit(why)
             torch.backends.cuda.matmul.allow_tf32 = False  # the reference is float32, not TF32
@@ -172,7 +178,7 @@ class MoEHost(Experiment):
                                                   "host_share"])
         self.programs = (run.args.programs
                          or torch.cuda.get_device_properties(self.on).multi_processor_count)
-        self.shapes = moe.load_shapes()
+        self.shapes = load_shapes()
         self._cell = (None, None)
         self.tile_configs: dict = {}
 
@@ -181,9 +187,9 @@ class MoEHost(Experiment):
         key = tuple(point[k] for k in ("model", "precision", "routing", "tokens"))
         if self._cell[0] != key:
             args, shape, precision = run.args, self.shapes[point["model"]], point["precision"]
-            cfg = moe.default_tile_config(precision, args.kernel, hidden=shape.hidden)
+            cfg = default_tile_config(precision, args.kernel, hidden=shape.hidden)
             self.tile_configs.setdefault(shape.model, {})[precision] = dataclasses.asdict(cfg)
-            weights = run.resource((shape.model, precision), lambda: moe.local_expert_weights(
+            weights = run.resource((shape.model, precision), lambda: local_expert_weights(
                 shape, kb.RANK, kb.EP, precision, seed=args.seed, device=self.on))
             self._cell = (None, None)
             cell = kb.setup_cell(shape, precision, point["routing"], point["tokens"], weights, cfg,
@@ -200,11 +206,11 @@ class MoEHost(Experiment):
         slots, hidden = cell.workload.slots, cell.shape.hidden
         host = [torch.empty((slots, hidden), dtype=torch.bfloat16,
                             pin_memory=self.on.type == "cuda") for _ in range(h)]
-        peers = moe.host_combine_peers(cell.combine, host)
+        peers = host_combine_peers(cell.combine, host)
         lead = skew_lead(cell.knee, self.programs, cell.problem.l2_n_blocks)
 
         def launch(schedule, peers_=peers, fence=False):
-            return moe.prepare_fused_moe(cell.layout, cell.weights, schedule, peers_,
+            return prepare_fused_moe(cell.layout, cell.weights, schedule, peers_,
                                          config=cell.cfg, max_spin_iters=args.max_spin,
                                          fence=fence)
 
@@ -261,7 +267,7 @@ class MoEHost(Experiment):
             traced = kb.trace_columns(dataclasses.replace(
                 cell, calls={"wave": step.calls["wave"],
                              "interleaved": step.calls[f"interleaved_d{step.lead}"]},
-                peers=moe.host_combine_peers(cell.combine, step.host)))
+                peers=host_combine_peers(cell.combine, step.host)))
         best = min((n for n in us if n.startswith("interleaved_d")), key=us.get)
         forecast = self.forecast.loc[(p["model"], p["precision"], p["routing"], p["tokens"],
                                       p["host_share"])].to_dict() \

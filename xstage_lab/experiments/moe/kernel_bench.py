@@ -15,9 +15,9 @@ one-token call; a model's weights in a precision are made once for its cells.
 The workload is one rank of the paper's eight-GPU setting (EP = 8) on one GPU: rank 0's E/8 local
 experts (experts 0 .. E/8 - 1) and every row that the eight source ranks route to them (T tokens
 per source rank; source r's router is ``router_logits(..., rank=r)`` + ``router_topk``), laid out
-as Dispatch lays them out (``moe.build_layout``: source by source, expert by expert, each expert
+as Dispatch lays them out (``build_layout``: source by source, expert by expert, each expert
 padded to ``block_m`` rows). The Combine destinations are eight local bf16 ``[T * top_k, hidden]``
-buffers standing for the eight source ranks (``moe.local_combine_peers``), so every Combine store
+buffers standing for the eight source ranks (``local_combine_peers``), so every Combine store
 is local: this measures the kernel's compute, not NVLink.
 
 Per cell (model, precision, routing, tokens), on fresh seeded activations:
@@ -26,7 +26,7 @@ Per cell (model, precision, routing, tokens), on fresh seeded activations:
    buffers poisoned with NaN: spin errors zero, both sets of buffers bitwise identical, no slot
    written that no routed row names, the error over all rows within ``moe_bench.TOLERANCE`` of
    the float32 reference (every row within ``ROW_TOLERANCE_FACTOR`` times it) computed per
-   expert on the GPU from the bf16 master weights (``moe.expert_rows_reference``; in FP8 also of
+   expert on the GPU from the bf16 master weights (``expert_rows_reference``; in FP8 also of
    the quantization-matched one). The unfused path
    likewise, against the float32 reference. Any failure aborts the run with a non-zero exit
    before timing and writes nothing.
@@ -66,14 +66,26 @@ import torch
 from ...checks import bitwise_equal, poisoned, relative_error
 from ...dist_timing import TIMING_METHOD, time_methods
 from ...records import read_output
+from ...ops.moe.combine import CombinePeers, combine_weighted_sum, local_combine_peers
+from ...ops.moe.dispatch import DispatchLayout, build_layout, plan_send
+from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
+from ...ops.moe.reference import expert_rows_reference
+from ...ops.moe.routing import HOT_EXPERT_FRACTION, HOT_LOGIT_BIAS, router_logits, router_topk
+from ...ops.moe.schedules import (L1, L2, MoEProblem, d_knee, expert_wave_schedule,
+                                  interleaved_schedule, tile_table, wave_starts)
+from ...ops.moe.shapes import (E4M3_MAX, MoEShape, PRECISIONS, ROUTINGS, check_expert_parallel,
+                               load_shapes)
+from ...ops.moe.tiles import KERNELS, TileConfig, default_tile_config, kernel_unsupported
+from ...ops.moe.unfused import (GroupedWeights, UNFUSED_FP8_RECIPE, UNFUSED_IMPL, group_offsets,
+                                grouped_expert_ffn, unfused_activations, unfused_expert_weights,
+                                unfused_impl)
+from ...ops.moe.weights import ExpertWeights, local_expert_weights, quantize_rows_fp8
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
-from . import layer as moe, trace as moe_trace
+from . import trace as moe_trace
 from .bench import TOLERANCE, cell_seed
 from .kernel_view import KernelView
-from .schedules import L1, L2, MoEProblem, d_knee, expert_wave_schedule, interleaved_schedule, \
-    tile_table, wave_starts
 
 EP = 8          # the paper's eight-GPU setting
 RANK = 0        # the rank this GPU plays: local experts 0 .. E/8 - 1
@@ -102,7 +114,7 @@ TIMED = {
     "cublas_dense": "the ceiling: cuBLAS dense GEMMs of the same padded rows (DENSE_CEILING); "
                     "CUDA-graph replay",
     "grouped_mm": "the unfused expert FFN alone: grouped GEMM, SwiGLU (fp8: h re-quantized per "
-                  "row), grouped GEMM (moe.grouped_expert_ffn); CUDA-graph replay",
+                  "row), grouped GEMM (grouped_expert_ffn); CUDA-graph replay",
     "unfused": "the whole unfused call, eager: grouped_mm + Combine (rows scattered into the "
                "eight buffers by row_src/row_slot) + top-k weighted sum of source rank 0's buffer",
 }
@@ -137,7 +149,7 @@ def kernel_sweep(args) -> Sweep:
 class Workload:
     """What one destination rank's local experts receive from every source rank."""
 
-    shape: moe.MoEShape
+    shape: MoEShape
     rank: int
     tokens: int                     # per source rank
     x: list[torch.Tensor]           # per source: bf16 [T, H]
@@ -167,28 +179,28 @@ class Workload:
         return self.tokens * self.shape.top_k
 
     def layout(self, x: torch.Tensor, x_scale: torch.Tensor | None,
-               block_m: int) -> moe.DispatchLayout:
+               block_m: int) -> DispatchLayout:
         """The received rows ``x`` (``recv_x`` as some path quantizes it) laid out by expert."""
-        return moe.build_layout(x, x_scale, self.recv_slot, self.recv_expert, self.recv_counts,
+        return build_layout(x, x_scale, self.recv_slot, self.recv_expert, self.recv_counts,
                                 self.experts_per_rank, block_m)
 
 
-def build_workload(shape: moe.MoEShape, routing: str, tokens: int, *, seed: int, rank: int = RANK,
+def build_workload(shape: MoEShape, routing: str, tokens: int, *, seed: int, rank: int = RANK,
                    world: int = EP, device="cpu") -> Workload:
     """Every source rank's tokens and router, and the (token, k) picks that land on ``rank``'s
     experts, in the order Dispatch delivers them: source by source, each source's picks sorted by
-    expert then slot (``moe.plan_send``)."""
-    per_rank = moe.check_expert_parallel(shape.routed_experts, world)
+    expert then slot (``plan_send``)."""
+    per_rank = check_expert_parallel(shape.routed_experts, world)
     device = torch.device(device)
     xs, ids, ws, recv_x, recv_slot, recv_expert, counts = [], [], [], [], [], [], []
     for r in range(world):
         g = torch.Generator(device=device).manual_seed(seed * 1009 + r)
         xs.append(torch.randn(tokens, shape.hidden, generator=g, device=device).to(torch.bfloat16))
-        i, w = moe.router_topk(moe.router_logits(tokens, shape.routed_experts, routing, seed=seed,
+        i, w = router_topk(router_logits(tokens, shape.routed_experts, routing, seed=seed,
                                                  rank=r, device=device), shape.top_k)
         ids.append(i)
         ws.append(w)
-        plan = moe.plan_send(i, shape.routed_experts, world)
+        plan = plan_send(i, shape.routed_experts, world)
         lo = sum(plan.counts[:rank])
         sent = slice(lo, lo + plan.counts[rank])  # the picks source r sends to ``rank``
         recv_x.append(xs[-1][plan.order[sent] // shape.top_k])
@@ -199,19 +211,19 @@ def build_workload(shape: moe.MoEShape, routing: str, tokens: int, *, seed: int,
                     torch.cat(recv_expert), tuple(counts))
 
 
-def fused_layout(wl: Workload, precision: str, block_m: int) -> moe.DispatchLayout:
-    """The fused kernel's rows: bf16, or e4m3 with 1 x 128 scales (``moe.quantize_rows_fp8``)."""
-    x = moe.quantize_rows_fp8(wl.recv_x) if precision == "fp8" else (wl.recv_x, None)
+def fused_layout(wl: Workload, precision: str, block_m: int) -> DispatchLayout:
+    """The fused kernel's rows: bf16, or e4m3 with 1 x 128 scales (``quantize_rows_fp8``)."""
+    x = quantize_rows_fp8(wl.recv_x) if precision == "fp8" else (wl.recv_x, None)
     return wl.layout(*x, block_m)
 
 
-def unfused_layout(wl: Workload, precision: str, block_m: int) -> moe.DispatchLayout:
-    """The unfused path's rows (``moe.unfused_activations``), padded like the fused layout so
+def unfused_layout(wl: Workload, precision: str, block_m: int) -> DispatchLayout:
+    """The unfused path's rows (``unfused_activations``), padded like the fused layout so
     that both compute the same rows."""
-    return wl.layout(*moe.unfused_activations(wl.recv_x, precision), block_m)
+    return wl.layout(*unfused_activations(wl.recv_x, precision), block_m)
 
 
-def combine_index(layout: moe.DispatchLayout, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+def combine_index(layout: DispatchLayout, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows, dest)``: the padded rows that hold the received rows (arrival order) and the row of
     the eight stacked ``[slots, H]`` Combine buffers that each one's result goes to
     (``row_src * slots + row_slot``, as the kernel addresses it)."""
@@ -254,7 +266,7 @@ def dense_ceiling(rows: int, hidden: int, intermediate: int, precision: str, *, 
     if precision == "bf16":
         return lambda: (torch.matmul(a, w1.t()), torch.matmul(h, w2.t()))
     def quantize(t):  # one scale for the whole tensor
-        scale = t.float().abs().amax().clamp_min(1e-12) / moe.E4M3_MAX
+        scale = t.float().abs().amax().clamp_min(1e-12) / E4M3_MAX
         return (t.float() / scale).to(torch.float8_e4m3fn), scale
 
     (aq, sa), (hq, sh), (w1q, s1), (w2q, s2) = (quantize(t) for t in (a, h, w1, w2))
@@ -269,21 +281,21 @@ def dense_ceiling(rows: int, hidden: int, intermediate: int, precision: str, *, 
 class Cell:
     """One cell's workload, layouts, Combine buffers and prepared calls."""
 
-    shape: moe.MoEShape
+    shape: MoEShape
     precision: str
     routing: str
     workload: Workload
-    cfg: moe.TileConfig
-    layout: moe.DispatchLayout
+    cfg: TileConfig
+    layout: DispatchLayout
     programs: int
     knee: int
     problem: MoEProblem
-    calls: dict               # "wave" / "interleaved" -> moe.FusedMoECall
+    calls: dict               # "wave" / "interleaved" -> FusedMoECall
     combine: torch.Tensor     # bf16 [EP, slots, H]: the eight sources' Combine buffers
     rows: torch.Tensor        # int64: padded rows of the received rows (arrival order)
     dest: torch.Tensor        # int64: their rows of combine.view(-1, H)
-    weights: moe.ExpertWeights
-    peers: moe.CombinePeers
+    weights: ExpertWeights
+    peers: CombinePeers
 
     @property
     def flat(self) -> torch.Tensor:
@@ -291,7 +303,7 @@ class Cell:
 
     def weighted_sum(self) -> torch.Tensor:
         """End of Combine on source rank 0 (see ``TIMED``)."""
-        return moe.combine_weighted_sum(self.combine[0], self.workload.topk_w[0])
+        return combine_weighted_sum(self.combine[0], self.workload.topk_w[0])
 
     def whole_call(self, schedule: str) -> Callable[[], None]:
         """What a forward runs each step from the dispatched layout: the fused call (row
@@ -299,8 +311,8 @@ class Cell:
         return lambda: (self.calls[schedule](), self.weighted_sum())
 
 
-def setup_cell(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
-               weights: moe.ExpertWeights, cfg: moe.TileConfig, args, *, seed: int,
+def setup_cell(shape: MoEShape, precision: str, routing: str, tokens: int,
+               weights: ExpertWeights, cfg: TileConfig, args, *, seed: int,
                programs: int, device) -> Cell:
     """Workload, the fused layout, both schedules (built as ``moe_bench.setup_config`` builds
     them) and their launches into eight local Combine buffers."""
@@ -312,8 +324,8 @@ def setup_cell(shape: moe.MoEShape, precision: str, routing: str, tokens: int,
     schedules = {"wave": expert_wave_schedule(problem, programs),
                  "interleaved": interleaved_schedule(problem, programs, knee)}
     combine = poisoned((EP, wl.slots, shape.hidden), torch.bfloat16, device)
-    peers = moe.local_combine_peers(list(combine.unbind(0)))
-    calls = {name: moe.prepare_fused_moe(layout, weights, s, peers, config=cfg,
+    peers = local_combine_peers(list(combine.unbind(0)))
+    calls = {name: prepare_fused_moe(layout, weights, s, peers, config=cfg,
                                          max_spin_iters=args.max_spin)
              for name, s in schedules.items()}
     rows, dest = combine_index(layout, wl.slots)
@@ -343,7 +355,7 @@ def check_cell(cell: Cell, *, weight_seed: int,
     stray = int(((~torch.isnan(cell.flat)).any(-1) & ~expected).sum())
     got = cell.flat.index_select(0, cell.dest)
     experts = wl.recv_expert + wl.rank * wl.experts_per_rank
-    ref = moe.expert_rows_reference(wl.recv_x, experts, cell.shape, seed=weight_seed,
+    ref = expert_rows_reference(wl.recv_x, experts, cell.shape, seed=weight_seed,
                                     precision=precision)
     errors = {}
     for kind, want in ref.items():
@@ -375,7 +387,7 @@ def traced_tiles(cell: Cell, schedule: str) -> pd.DataFrame:
     """One launch of the instrumented build of ``schedule`` (after a warm-up launch), its
     per-tile stamps as ``moe_trace.tile_frame`` reads them; raises on a spin error."""
     call = cell.calls[schedule]
-    traced = moe.prepare_fused_moe(cell.layout, cell.weights, call.schedule, cell.peers,
+    traced = prepare_fused_moe(cell.layout, cell.weights, call.schedule, cell.peers,
                                    config=cell.cfg, instrument=True)
     for _ in range(2):
         traced()
@@ -473,7 +485,7 @@ def host_costs(cell: Cell, calls: int = 50) -> dict:
     prepare = []
     for _ in range(5):
         start = time.perf_counter()
-        moe.prepare_fused_moe(cell.layout, cell.weights,
+        prepare_fused_moe(cell.layout, cell.weights,
                               expert_wave_schedule(cell.problem, cell.programs), cell.peers,
                               config=cell.cfg)
         prepare.append((time.perf_counter() - start) * 1e6)
@@ -494,8 +506,8 @@ class KernelStep:
     checked: dict = dataclasses.field(default_factory=dict)
 
 
-def prepare_step(point: dict, shape: moe.MoEShape, weights: moe.ExpertWeights,
-                 uweights: moe.GroupedWeights, cfg: moe.TileConfig, args, *, programs: int,
+def prepare_step(point: dict, shape: MoEShape, weights: ExpertWeights,
+                 uweights: GroupedWeights, cfg: TileConfig, args, *, programs: int,
                  device) -> KernelStep:
     """The point's cell on fresh seeded activations (the one-token call: ``OVERHEAD_TOKENS`` on
     every source rank) and, for a cell of the matrix with rows, its unfused path."""
@@ -510,10 +522,10 @@ def prepare_step(point: dict, shape: moe.MoEShape, weights: moe.ExpertWeights,
         return step
     ulayout = (cell.layout if precision == "bf16"
                else unfused_layout(cell.workload, precision, cfg.block_m))
-    offs = moe.group_offsets(ulayout)
+    offs = group_offsets(ulayout)
 
     def expert_ffn():
-        return moe.grouped_expert_ffn(ulayout, uweights, offs)
+        return grouped_expert_ffn(ulayout, uweights, offs)
 
     def combine_unfused():
         cell.flat.index_copy_(0, cell.dest, expert_ffn().index_select(0, cell.rows))
@@ -547,7 +559,7 @@ def cell_row(step: KernelStep, args, device) -> dict:
             "fused_vs_unfused": cols["unfused_us"] / cols["call_wave_us"],
             "speedup": cols["kernel_wave_us"] / cols["kernel_interleaved_us"],
             **step.checked, **traces, **host,
-            "unfused_impl": moe.unfused_impl(device, precision)}
+            "unfused_impl": unfused_impl(device, precision)}
 
 
 def overhead_row(step: KernelStep, args, device) -> dict:
@@ -581,15 +593,15 @@ class MoEKernel(Experiment):
         self.device = device  # None: this process's CUDA GPU, checked to run --kernel
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        shapes = moe.load_shapes()
+        shapes = load_shapes()
         p.add_argument("--models", nargs="+", default=None, help=f"default: all of {list(shapes)}")
         p.add_argument("--precisions", nargs="+", default=None,
-                       help=f"default: {list(moe.PRECISIONS)}")
-        p.add_argument("--routing", nargs="+", default=None, help=f"default: {list(moe.ROUTINGS)}")
+                       help=f"default: {list(PRECISIONS)}")
+        p.add_argument("--routing", nargs="+", default=None, help=f"default: {list(ROUTINGS)}")
         p.add_argument("--tokens", nargs="+", type=int, default=None,
                        help=f"tokens per source rank (default: {list(DEFAULT_TOKENS)})")
         p.add_argument("--kernel", default="gluon_ws",
-                       help=f"fused kernel, one of {list(moe.KERNELS)}")
+                       help=f"fused kernel, one of {list(KERNELS)}")
         p.add_argument("--trials", type=int, default=None,
                        help=f"default {DEFAULT_TRIALS} ({SMOKE['trials']} with --smoke)")
         p.add_argument("--warmup", type=int, default=3)
@@ -598,7 +610,7 @@ class MoEKernel(Experiment):
         p.add_argument("--programs", type=int, default=None,
                        help="persistent programs (default: SMs)")
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--max-spin", type=int, default=moe.DEFAULT_MAX_SPIN_ITERS)
+        p.add_argument("--max-spin", type=int, default=DEFAULT_MAX_SPIN_ITERS)
         p.add_argument("--no-trace", dest="trace", action="store_false",
                        help="skip the instrumented launches that give per-tile mainloop times and "
                             "the gap between Linear-2 bursts")
@@ -608,7 +620,7 @@ class MoEKernel(Experiment):
 
     def check_args(self, a: argparse.Namespace) -> None:
         """Options, checked before any CUDA work; ``--smoke`` fixes the cells (``SMOKE``)."""
-        shapes = moe.load_shapes()
+        shapes = load_shapes()
         if a.smoke:
             given = [f"--{k}" for k in ("models", "precisions", "routing", "tokens")
                      if getattr(a, k) is not None]
@@ -617,14 +629,14 @@ class MoEKernel(Experiment):
             a.models, a.precisions = SMOKE["models"], SMOKE["precisions"]
             a.routing, a.tokens = SMOKE["routing"], SMOKE["tokens"]
         a.models = list(shapes) if a.models is None else a.models
-        a.precisions = list(moe.PRECISIONS) if a.precisions is None else a.precisions
-        a.routing = list(moe.ROUTINGS) if a.routing is None else a.routing
+        a.precisions = list(PRECISIONS) if a.precisions is None else a.precisions
+        a.routing = list(ROUTINGS) if a.routing is None else a.routing
         a.tokens = list(DEFAULT_TOKENS) if a.tokens is None else a.tokens
         a.trials = (SMOKE["trials"] if a.smoke else DEFAULT_TRIALS) if a.trials is None else a.trials
         for name, given, allowed in (("model", a.models, shapes),
-                                     ("precision", a.precisions, moe.PRECISIONS),
-                                     ("routing", a.routing, moe.ROUTINGS),
-                                     ("kernel", [a.kernel], moe.KERNELS)):
+                                     ("precision", a.precisions, PRECISIONS),
+                                     ("routing", a.routing, ROUTINGS),
+                                     ("kernel", [a.kernel], KERNELS)):
             bad = [g for g in given if g not in allowed]
             if bad:
                 raise ValueError(f"unknown {name} {bad}; choose from {list(allowed)}")
@@ -647,7 +659,7 @@ class MoEKernel(Experiment):
             if not torch.cuda.is_available():
                 raise SystemExit("moe.kernel_bench needs a CUDA GPU")
             self.on = torch.device("cuda", torch.cuda.current_device())
-            why = moe.kernel_unsupported(run.args.kernel, self.on)
+            why = kernel_unsupported(run.args.kernel, self.on)
             if why:
                 raise SystemExit(why)
             torch.backends.cuda.matmul.allow_tf32 = False  # the reference is float32, not TF32
@@ -655,23 +667,23 @@ class MoEKernel(Experiment):
             self.on = torch.device(self.device)
         self.programs = (run.args.programs
                          or torch.cuda.get_device_properties(self.on).multi_processor_count)
-        self.shapes = moe.load_shapes()
+        self.shapes = load_shapes()
         self.tile_configs: dict = {}
         self.call_overhead: list[dict] = []
 
     def prepare(self, point: dict, run: Run) -> KernelStep:
         """The point's cell; its model's weights in its precision, made once for its cells."""
         args, shape, precision = run.args, self.shapes[point["model"]], point["precision"]
-        cfg = moe.default_tile_config(precision, args.kernel, hidden=shape.hidden)
+        cfg = default_tile_config(precision, args.kernel, hidden=shape.hidden)
         self.tile_configs.setdefault(shape.model, {})[precision] = dataclasses.asdict(cfg)
 
         def make_weights():
-            weights = moe.local_expert_weights(shape, RANK, EP, precision, seed=args.seed,
+            weights = local_expert_weights(shape, RANK, EP, precision, seed=args.seed,
                                                device=self.on)
             # bf16: the grouped GEMMs take the kernel's weights as they are (same master weights).
-            uweights = (moe.GroupedWeights(precision, weights.w1, weights.w2)
+            uweights = (GroupedWeights(precision, weights.w1, weights.w2)
                         if precision == "bf16"
-                        else moe.unfused_expert_weights(shape, RANK, EP, precision,
+                        else unfused_expert_weights(shape, RANK, EP, precision,
                                                         seed=args.seed, device=self.on))
             return weights, uweights
 
@@ -736,16 +748,16 @@ class MoEKernel(Experiment):
                         f"{EP} local buffers",
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "kernel": args.kernel, "tile_configs": self.tile_configs,
-            "unfused_impl": {p: moe.UNFUSED_IMPL[p] for p in args.precisions},
-            "unfused_fp8_recipe": moe.UNFUSED_FP8_RECIPE,
+            "unfused_impl": {p: UNFUSED_IMPL[p] for p in args.precisions},
+            "unfused_fp8_recipe": UNFUSED_FP8_RECIPE,
             "unfused_layout": "the fused kernel's Dispatch layout: offs end each expert's rows "
                               "padded to block_m",
             "cublas_dense": {p: DENSE_CEILING[p] for p in args.precisions},
             "flops": FLOPS, "timed": TIMED, "tolerance": TOLERANCE,
             "timing": f"{TIMING_METHOD}; one process; {args.graph_iters} calls per trial, graphed "
                       f"except {sorted(EAGER)} (eager, back to back)",
-            "skew": {"hot_expert_fraction": moe.HOT_EXPERT_FRACTION,
-                     "hot_logit_bias": moe.HOT_LOGIT_BIAS},
+            "skew": {"hot_expert_fraction": HOT_EXPERT_FRACTION,
+                     "hot_logit_bias": HOT_LOGIT_BIAS},
             "call_overhead": {"tokens_per_source": OVERHEAD_TOKENS, "routing": OVERHEAD_ROUTING,
                               "rows": self.call_overhead},
         }

@@ -35,7 +35,7 @@ inputs (the same seeds as ``bench`` for the same cell):
 5. Regressions (``--regressions`` moe_bench outputs): every matrix cell with speedup below 1 (the
    worst ``--max-regressions``), both schedules instrumented, with the component of SM time that
    grows under Interleaved (dependency wait, mainloops, epilogues): the measured cause.
-6. The knee sweep (``--knee-models``): a SYNTHETIC kernel (``layer.synthetic_k_blocks``: a fraction
+6. The knee sweep (``--knee-models``): a SYNTHETIC kernel (``ops.moe.fused.synthetic_k_blocks``: a fraction
    of every mainloop's K blocks, every Combine store kept) per fraction, both schedules checked
    and timed, Expert-Wave traced with remote stores and with the local-store control.
 
@@ -54,14 +54,20 @@ import torch
 
 from ...checks import relative_error
 from ...dist_timing import TIMING_METHOD, time_methods
+from ...ops.moe.combine import (CombinePeers, SymmetricCombine, combine_weighted_sum,
+                                local_store_control)
+from ...ops.moe.fused import prepare_fused_moe
+from ...ops.moe.reference import reference_moe
+from ...ops.moe.schedules import check_schedule, interleaved_schedule, tile_table
+from ...ops.moe.shapes import MoEShape, PRECISIONS, ROUTINGS, load_shapes
+from ...ops.moe.weights import ExpertWeights, local_expert_weights
 from ...records import read_record
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
-from . import layer as moe, trace as moe_trace
+from . import trace as moe_trace
 from .bench import (TOLERANCE, ConfigSetup, add_layer_arguments, cell_seed, check_layer_args,
                     combine_output, setup_config, start_expert_parallel)
-from .schedules import check_schedule, interleaved_schedule, tile_table
 
 DEFAULT_K_FRACTIONS = (1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125)
 DEFAULT_D_SWEEP = ("DiT-MoE", "Qwen3.5", "DeepSeek-V4-Flash")
@@ -114,7 +120,7 @@ def sweep_leads(knee: int, factors) -> list[int]:
     return sorted({max(1, round(knee * f)) for f in factors})
 
 
-def traced_run(call, combine: moe.SymmetricCombine, schedule):
+def traced_run(call, combine: SymmetricCombine, schedule):
     """One traced launch after ``TRACED_WARMUP`` others; the tile frame and its summary."""
     for _ in range(TRACED_WARMUP + 1):
         combine.barrier()
@@ -162,13 +168,13 @@ def check_local_control(local: torch.Tensor, plain: torch.Tensor, slots: int, na
     return failures
 
 
-def timed_layer(combine: moe.SymmetricCombine, setup: ConfigSetup, call):
+def timed_layer(combine: SymmetricCombine, setup: ConfigSetup, call):
     """A timed call of the layer (``bench``'s): barrier, ``call``, barrier, weighted sum."""
     def run():
         combine.barrier()
         call()
         combine.barrier()
-        moe.combine_weighted_sum(setup.rows_view, setup.topk_w)
+        combine_weighted_sum(setup.rows_view, setup.topk_w)
     return run
 
 
@@ -180,16 +186,16 @@ class TracedCell:
     Expert-Wave Combine buffer and the columns every row of the model shares (``base``)."""
 
     setup: ConfigSetup
-    weights: moe.ExpertWeights
+    weights: ExpertWeights
     variants: dict
     local: torch.Tensor  # bf16 [P, slots, hidden]: where the local-store control stores
-    local_peers: moe.CombinePeers
+    local_peers: CombinePeers
     prep: dict  # prepare_fused_moe's options of every variant
     wave_out: torch.Tensor | None = None
     base: dict | None = None
 
 
-def traced_cell(shape: moe.MoEShape, weights: moe.ExpertWeights, combine: moe.SymmetricCombine,
+def traced_cell(shape: MoEShape, weights: ExpertWeights, combine: SymmetricCombine,
                 args, world: int, config_seed: int) -> TracedCell:
     setup = setup_config(shape, args.precision, args.routing, args.tokens, weights, combine, args,
                          config_seed)
@@ -197,20 +203,20 @@ def traced_cell(shape: moe.MoEShape, weights: moe.ExpertWeights, combine: moe.Sy
     prep = dict(config=setup.cfg, max_spin_iters=args.max_spin, verify_schedule=False)
     local = torch.empty(world, args.tokens * shape.top_k, shape.hidden, dtype=torch.bfloat16,
                         device=setup.x.device)
-    local_peers = moe.local_store_control(setup.peers, local)
+    local_peers = local_store_control(setup.peers, local)
     variants = {}
     for name, sched in setup.schedules.items():
         variants[name] = setup.calls[name]
-        variants[f"{name}_instrumented"] = moe.prepare_fused_moe(
+        variants[f"{name}_instrumented"] = prepare_fused_moe(
             setup.layout, weights, sched, setup.peers, instrument=True, **prep)
-        variants[f"{name}_fenced"] = moe.prepare_fused_moe(
+        variants[f"{name}_fenced"] = prepare_fused_moe(
             setup.layout, weights, sched, setup.peers, fence=True, **prep)
-        variants[f"{name}_local"] = moe.prepare_fused_moe(
+        variants[f"{name}_local"] = prepare_fused_moe(
             setup.layout, weights, sched, local_peers, instrument=True, **prep)
     return TracedCell(setup, weights, variants, local, local_peers, prep)
 
 
-def check_traced_cell(cell: TracedCell, combine: moe.SymmetricCombine, run: Run) -> list[str]:
+def check_traced_cell(cell: TracedCell, combine: SymmetricCombine, run: Run) -> list[str]:
     """Step 1 of the module docstring for the traced cell; keeps the Expert-Wave Combine buffer
     and sets ``cell.base``."""
     setup, variants, local, args = cell.setup, cell.variants, cell.local, run.args
@@ -224,9 +230,9 @@ def check_traced_cell(cell: TracedCell, combine: moe.SymmetricCombine, run: Run)
                 failures.append(f"{name}{v} differs from the timing kernel")
     if not torch.equal(out["wave"], out["interleaved"]):
         failures.append("Expert-Wave and Interleaved Combine buffers differ")
-    ref = moe.reference_moe(setup.x, setup.topk_ids, setup.topk_w, shape, seed=args.seed,
+    ref = reference_moe(setup.x, setup.topk_ids, setup.topk_w, shape, seed=args.seed,
                             precision=precision)
-    combined = moe.combine_weighted_sum(out["interleaved"], setup.topk_w)
+    combined = combine_weighted_sum(out["interleaved"], setup.topk_w)
     errors = {kind: relative_error(combined, want) for kind, want in ref.items()}
     failures += [f"rel_err_{k} = {errors[k]:.3g} > {b}" for k, b in TOLERANCE[precision].items()
                  if not errors[k] <= b]
@@ -263,7 +269,7 @@ class Step:
     traced: dict = field(default_factory=dict)
 
 
-def trace_rows(cell: TracedCell, combine: moe.SymmetricCombine, run: Run,
+def trace_rows(cell: TracedCell, combine: SymmetricCombine, run: Run,
                local_control: bool) -> list[dict]:
     """Step 2: per schedule, the local-store control's traced launch (``local_control``) and then
     the remote one (the control's tiles give its stalls); the critical rank's ``trace`` rows."""
@@ -289,7 +295,7 @@ def trace_rows(cell: TracedCell, combine: moe.SymmetricCombine, run: Run,
     return rows
 
 
-def fenced_row(cell: TracedCell, combine: moe.SymmetricCombine, run: Run) -> dict:
+def fenced_row(cell: TracedCell, combine: SymmetricCombine, run: Run) -> dict:
     """Step 3: the completion-coupled counterfactual, timed beside the decoupled schedules."""
     args, setup, variants = run.args, cell.setup, cell.variants
     timed = {n: timed_layer(combine, setup, variants[n])
@@ -308,13 +314,13 @@ def prepare_d_sweep(step: Step, args) -> None:
     for d in sweep_leads(setup.knee, args.d_factors):
         sched = interleaved_schedule(setup.problem, setup.programs, d)
         check_schedule(setup.problem, sched)
-        step.calls[d] = moe.prepare_fused_moe(setup.layout, cell.weights, sched, setup.peers,
+        step.calls[d] = prepare_fused_moe(setup.layout, cell.weights, sched, setup.peers,
                                               **cell.prep)
-        step.traced[d] = (moe.prepare_fused_moe(setup.layout, cell.weights, sched, setup.peers,
+        step.traced[d] = (prepare_fused_moe(setup.layout, cell.weights, sched, setup.peers,
                                                 instrument=True, **cell.prep), sched)
 
 
-def check_d_sweep(step: Step, combine: moe.SymmetricCombine) -> list[str]:
+def check_d_sweep(step: Step, combine: SymmetricCombine) -> list[str]:
     fails = []
     for d, call in step.calls.items():
         if not torch.equal(combine_output(step.cell.setup, combine, call), step.cell.wave_out):
@@ -324,7 +330,7 @@ def check_d_sweep(step: Step, combine: moe.SymmetricCombine) -> list[str]:
     return fails
 
 
-def d_sweep_rows(step: Step, combine: moe.SymmetricCombine, run: Run) -> list[dict]:
+def d_sweep_rows(step: Step, combine: SymmetricCombine, run: Run) -> list[dict]:
     """Step 4: every lead beside Expert-Wave, timed together, then one traced launch each."""
     args, cell = run.args, step.cell
     setup, leads = cell.setup, list(step.calls)
@@ -348,21 +354,21 @@ def d_sweep_rows(step: Step, combine: moe.SymmetricCombine, run: Run) -> list[di
 
 
 def prepare_knee(step: Step) -> None:
-    """Step 6's launches at the step's fraction s of K blocks (``layer.synthetic_k_blocks``; a
+    """Step 6's launches at the step's fraction s of K blocks (``ops.moe.fused.synthetic_k_blocks``; a
     synthetic kernel, not the MoE layer): both schedules, and Expert-Wave instrumented with remote
     stores and with the local-store control."""
     cell, s = step.cell, step.point["k_fraction"]
     setup, weights, prep = cell.setup, cell.weights, cell.prep
-    step.calls = {name: moe.prepare_fused_moe(setup.layout, weights, sched, setup.peers,
+    step.calls = {name: prepare_fused_moe(setup.layout, weights, sched, setup.peers,
                                               synthetic_k_fraction=s, **prep)
                   for name, sched in setup.schedules.items()}
     sched = setup.schedules["wave"]
-    step.traced = {path: moe.prepare_fused_moe(setup.layout, weights, sched, peers,
+    step.traced = {path: prepare_fused_moe(setup.layout, weights, sched, peers,
                                                synthetic_k_fraction=s, instrument=True, **prep)
                    for path, peers in (("remote", setup.peers), ("local", cell.local_peers))}
 
 
-def check_knee(step: Step, combine: moe.SymmetricCombine) -> list[str]:
+def check_knee(step: Step, combine: SymmetricCombine) -> list[str]:
     """Expert-Wave and Interleaved bitwise equal, the local-store control equal to the remote
     run, no spin errors."""
     cell, s, calls, traced = step.cell, step.point["k_fraction"], step.calls, step.traced
@@ -379,7 +385,7 @@ def check_knee(step: Step, combine: moe.SymmetricCombine) -> list[str]:
     return failures
 
 
-def knee_row(step: Step, combine: moe.SymmetricCombine, run: Run) -> dict:
+def knee_row(step: Step, combine: SymmetricCombine, run: Run) -> dict:
     """The X-Stage inside the fused kernel at fraction s: Expert-Wave and Interleaved timed side
     by side, and Expert-Wave traced with remote stores and with the local-store control: its
     Linear-2 span T_RS and mainloops (the gap between bursts) against s. A ``knee_sweep`` row."""
@@ -416,7 +422,7 @@ def knee_row(step: Step, combine: moe.SymmetricCombine, run: Run) -> dict:
             "stats_per_rank": stats}
 
 
-def check_regression(step: Step, combine: moe.SymmetricCombine) -> list[str]:
+def check_regression(step: Step, combine: SymmetricCombine) -> list[str]:
     """Both schedules of a regressing cell instrumented: bitwise equal to the timing kernel,
     which is bitwise equal under both schedules; no spin errors."""
     setup = step.setup
@@ -433,7 +439,7 @@ def check_regression(step: Step, combine: moe.SymmetricCombine) -> list[str]:
     return failures
 
 
-def regression_row(step: Step, combine: moe.SymmetricCombine, run: Run) -> dict:
+def regression_row(step: Step, combine: SymmetricCombine, run: Run) -> dict:
     """Step 5: one traced launch of each schedule of a regressing matrix cell (same seeds as
     ``bench``); the component of SM time that grows under Interleaved
     (``moe_trace.regression_cause``) on the critical rank."""
@@ -454,7 +460,7 @@ class ModelWeights:
     """A model's expert weights on this rank in one precision, and its traced cell once a step
     has asked for it."""
 
-    weights: moe.ExpertWeights
+    weights: ExpertWeights
     traced: TracedCell | None = None
 
 
@@ -489,14 +495,14 @@ class MoETrace(Experiment):
              "issue 8 part 4 (fenced)")
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        shapes = moe.load_shapes()
+        shapes = load_shapes()
         p.add_argument("--models", default=",".join(shapes))
         p.add_argument("--local-models", default=None,
                        help="shapes that also get the local-store control (default: --models)")
         p.add_argument("--d-sweep-models", default=",".join(DEFAULT_D_SWEEP))
         p.add_argument("--d-factors", default=",".join(str(f) for f in DEFAULT_D_FACTORS))
-        p.add_argument("--precision", default="fp8", choices=moe.PRECISIONS)
-        p.add_argument("--routing", default="skewed", choices=moe.ROUTINGS)
+        p.add_argument("--precision", default="fp8", choices=PRECISIONS)
+        p.add_argument("--routing", default="skewed", choices=ROUTINGS)
         p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
         p.add_argument("--regressions", type=Path, nargs="+", default=[],
                        help="moe_bench JSON outputs or moe records: trace both schedules of every "
@@ -515,7 +521,7 @@ class MoETrace(Experiment):
         add_layer_arguments(p)
 
     def check_args(self, a: argparse.Namespace) -> None:
-        shapes = moe.load_shapes()
+        shapes = load_shapes()
         a.models = _names(a.models)
         a.local_models = a.models if a.local_models is None else _names(a.local_models)
         a.d_sweep_models, a.knee_models = _names(a.d_sweep_models), _names(a.knee_models)
@@ -550,7 +556,7 @@ class MoETrace(Experiment):
         args = run.args
         cells = [{"model": m, "tokens": args.tokens} for m in args.models] + args.regression_cells
         self.shapes = start_expert_parallel(list(dict.fromkeys(c["model"] for c in cells)))
-        self.combine = moe.SymmetricCombine(max(
+        self.combine = SymmetricCombine(max(
             c["tokens"] * self.shapes[c["model"]].top_k * self.shapes[c["model"]].hidden
             for c in cells))
 
@@ -561,7 +567,7 @@ class MoETrace(Experiment):
         seed = cell_seed(args.seed, *(point[k] for k in CELL))
 
         def make_weights():
-            return ModelWeights(moe.local_expert_weights(
+            return ModelWeights(local_expert_weights(
                 shape, run.rank, run.world, precision, seed=args.seed,
                 device=torch.device("cuda", run.local_rank)))
 
@@ -571,7 +577,7 @@ class MoETrace(Experiment):
                                  model.weights, self.combine, args, seed)
             prep = dict(config=setup.cfg, max_spin_iters=args.max_spin, verify_schedule=False)
             return Step(point, setup=setup, traced={
-                name: moe.prepare_fused_moe(setup.layout, model.weights, sched, setup.peers,
+                name: prepare_fused_moe(setup.layout, model.weights, sched, setup.peers,
                                             instrument=True, **prep)
                 for name, sched in setup.schedules.items()})
         if model.traced is None:
@@ -631,7 +637,7 @@ class MoETrace(Experiment):
             "lead_rows": "d_knee (eq. 16)" if args.lead is None else args.lead,
             "knee_models": args.knee_models, "k_fractions": args.k_fractions,
             "knee_sweep": "SYNTHETIC kernel: each mainloop runs ceil(s x its K blocks), every "
-                          "Combine store kept (moe.synthetic_k_blocks); not the MoE layer",
+                          "Combine store kept (synthetic_k_blocks); not the MoE layer",
             "regression_sources": [str(p) for p in args.regressions],
             "max_regressions": args.max_regressions,
             "tolerance": TOLERANCE,

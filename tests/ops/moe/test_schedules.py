@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from xstage_lab.experiments.moe.schedules import (
+from xstage_lab.ops.moe.schedules import (
     L1, L2, MoEProblem, Schedule, ScheduleError, Tile, check_schedule, d_knee,
     WAVE_FILL, execution_order, expert_wave_schedule, interleaved_schedule,
     tile_table, wave_starts)

@@ -1,0 +1,266 @@
+"""Routing to tile tables on the device (paper §2.2, §4.2): the Dispatch layout and both schedules'
+tile tables of the fused MoE kernels, built from the router's output without a host sync.
+
+Device code only; the host side is ``xstage_lab/ops/moe/device_tables.py``, the reference the
+tables equal entry for entry is ``xstage_lab/ops/moe/dispatch.py`` (``build_layout``) and
+``schedules.py`` (``expert_wave_schedule``, ``interleaved_schedule``, ``tile_table``).
+
+Arrivals are the rows the layer computes, in the order the reference lays them out: at EP = 1
+the (token, k) picks of ``topk_ids`` (arrival ``i`` = slot ``i`` = ``t * top_k + j``, source 0,
+token ``i // top_k``); for an EP rank (``RECEIVED``) the received rows, source by source, with
+their local expert, source rank and slot, and their count on the device. Every buffer is sized by
+a static bound, every grid by the arrivals' capacity; programs past the counts return at once.
+
+Four launches, each a pass the next one needs complete:
+  ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
+                       (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is
+                       left out of the layout;
+  ``route_offsets``    one program: per expert the exclusive scan of the chunk counts (where a
+                       chunk's rows of the expert start), its count, its row blocks and padded
+                       first row (the scan over experts); the Expert-Wave waves by counted rows;
+                       the tile count of every program of both schedules and the used row blocks;
+  ``route_scatter``    per chunk: each arrival's rank among its expert's arrivals (stable: by
+                       arrival), its padded row, ``row_src``/``row_slot``, and its activation row
+                       gathered into the layout (at EP = 1 in FP8 quantized per 1 x 128 here);
+  ``route_tiles``      per row block: ``row_slot = -1`` on its padding rows, and its Linear-1 and
+                       Linear-2 tiles written into both tables at their closed-form positions.
+
+Tile positions (``G`` programs, ``P_1``/``P_2`` tiles per row block, ``n_1``/``n_2`` the streams'
+lengths). Expert-Wave: the merged stream holds, per wave of row blocks ``[lo, hi)``, its Linear-1
+tiles then its Linear-2 tiles, so Linear-1 tile ``(p, n)`` is item ``lo (P_1 + P_2) + (p - lo) P_1
++ n`` and Linear-2 tile ``(p, n)`` item ``lo (P_1 + P_2) + (hi - lo) P_1 + (p - lo) P_2 + n``; item
+``k`` goes to program ``k mod G`` at position ``k div G``. Interleaved (Algorithm 1, lead ``D``):
+program ``g`` merges its strided streams by key (a Linear-1 tile of row ``p_1`` by ``p_1``, a
+Linear-2 tile of row ``p_2`` by ``p_2 + D``, Linear-2 first on ties), so a tile's position is its
+index in its own stream plus the tiles of the other stream with a smaller key (a smaller or equal
+one for Linear-2 before Linear-1): ``#{i : g + i G < X}`` with ``X = min((p_1 - D + 1) P_2, n_2)``
+for Linear-1, ``X = min((p_2 + D) P_1, n_1)`` for Linear-2.
+"""
+import triton
+import triton.language as tl
+
+from .moe_fused import _round_to_e4m3
+
+TILE_L1 = tl.constexpr(0)
+TILE_L2 = tl.constexpr(1)
+TILE_FIELDS = tl.constexpr(4)
+META_ROW_BLOCKS = tl.constexpr(0)  # meta[0]: row blocks in use; meta[1]: tiles in use
+META_TILES = tl.constexpr(1)
+SCALE_BLOCK = tl.constexpr(128)
+E4M3_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED: tl.constexpr):
+    """The arrivals of this call: on the device for an EP rank, the capacity at EP = 1."""
+    if RECEIVED:
+        return tl.load(n_arrivals_ptr)
+    else:
+        return CAPACITY
+
+
+@triton.jit
+def route_histogram(expert_ids, n_arrivals_ptr, chunk_counts, error, CAPACITY, NUM_EXPERTS,
+                    RECEIVED: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """``chunk_counts[c, e]`` (int32 ``[chunks, NUM_EXPERTS]``): arrivals of chunk ``c`` routed to
+    local expert ``e``. ``expert_ids``: int32/int64 ``[CAPACITY]`` local expert of each arrival."""
+    c = tl.program_id(0)
+    n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
+    if c * CHUNK < n:
+        i = c * CHUNK + tl.arange(0, CHUNK)
+        live = i < n
+        e = tl.load(expert_ids + i, mask=live, other=0).to(tl.int32)
+        valid = (e >= 0) & (e < NUM_EXPERTS)
+        bad = tl.sum((live & ~valid).to(tl.int32))
+        if bad > 0:
+            tl.atomic_add(error, bad)
+        counts = tl.histogram(tl.where(valid, e, 0), E_PAD, mask=live & valid)
+        es = tl.arange(0, E_PAD)
+        tl.store(chunk_counts + c * NUM_EXPERTS + es, counts, mask=es < NUM_EXPERTS)
+
+
+@triton.jit
+def _programs_below(limit, g, G):
+    """``#{i >= 0 : g + i G < limit}`` elementwise: the items of program ``g``'s stride-``G``
+    walk that lie before stream index ``limit``."""
+    return tl.maximum(limit - g + G - 1, 0) // G
+
+
+@triton.jit
+def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, expert_offsets,
+                  wave_lo, wave_hi, meta, wave_num_tiles, inter_num_tiles, CAPACITY, NUM_EXPERTS,
+                  G, P1, P2, WAVE_MIN_L1, RECEIVED: tl.constexpr, BLOCK_M: tl.constexpr,
+                  E_PAD: tl.constexpr, G_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                  CHUNK_ROWS: tl.constexpr):
+    """One program. ``chunk_start[c, e]``: arrivals of expert ``e`` in chunks before ``c``;
+    ``expert_counts[e]``; ``expert_offsets[e]`` the padded first row of expert ``e`` (int32
+    ``[NUM_EXPERTS + 1]``, the last entry the rows in use); ``wave_lo/hi[e]``: the row blocks of
+    expert ``e``'s Expert-Wave wave (``schedules.wave_starts``: a wave closes once its Linear-1
+    tiles reach ``WAVE_MIN_L1 = WAVE_FILL * G`` and routed rows remain); ``meta``; the tile count
+    of each program of both schedules (``wave_num_tiles``, ``inter_num_tiles``: int32 ``[G]``)."""
+    n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
+    chunks = tl.cdiv(n, CHUNK)
+    es = tl.arange(0, E_PAD)
+    in_e = es < NUM_EXPERTS
+    carry = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, chunks, CHUNK_ROWS):
+        cs = c0 + tl.arange(0, CHUNK_ROWS)
+        offs = cs[:, None] * NUM_EXPERTS + es[None, :]
+        mask = (cs < chunks)[:, None] & in_e[None, :]
+        h = tl.load(chunk_counts + offs, mask=mask, other=0)
+        tl.store(chunk_start + offs, carry[None, :] + tl.cumsum(h, axis=0) - h, mask=mask)
+        carry += tl.sum(h, axis=0)
+    blocks = (carry + BLOCK_M - 1) // BLOCK_M
+    last_block = tl.cumsum(blocks, axis=0)  # inclusive: one past each expert's last row block
+    first_block = last_block - blocks
+    row_blocks = tl.sum(blocks)
+    tl.store(expert_counts + es, carry, mask=in_e)
+    tl.store(expert_offsets + es, first_block * BLOCK_M, mask=in_e)
+    tl.store(expert_offsets + NUM_EXPERTS, row_blocks * BLOCK_M)
+    # Expert-Wave: from wave start s, the wave ends after the first expert e (<= E - 2) whose
+    # blocks since s reach WAVE_MIN_L1 / P1, if row blocks remain after e; else at the last expert
+    lo_of = tl.zeros([E_PAD], dtype=tl.int32)
+    hi_of = tl.zeros([E_PAD], dtype=tl.int32)
+    s = 0
+    while s < NUM_EXPERTS:
+        lo = tl.sum(tl.where(es < s, blocks, 0))
+        short = in_e & (es >= s) & ((last_block - lo) * P1 < WAVE_MIN_L1)
+        e_fill = s + tl.sum(short.to(tl.int32))
+        fill_blocks = tl.sum(tl.where(es <= e_fill, blocks, 0))
+        nxt = tl.where((e_fill <= NUM_EXPERTS - 2) & (row_blocks > fill_blocks), e_fill + 1,
+                       NUM_EXPERTS)
+        hi = tl.sum(tl.where(es < nxt, blocks, 0))
+        member = (es >= s) & (es < nxt)
+        lo_of = tl.where(member, lo, lo_of)
+        hi_of = tl.where(member, hi, hi_of)
+        s = nxt
+    tl.store(wave_lo + es, lo_of, mask=in_e)
+    tl.store(wave_hi + es, hi_of, mask=in_e)
+    n1 = row_blocks * P1
+    n2 = row_blocks * P2
+    tl.store(meta + META_ROW_BLOCKS, row_blocks)
+    tl.store(meta + META_TILES, n1 + n2)
+    gs = tl.arange(0, G_PAD)
+    tl.store(wave_num_tiles + gs, _programs_below(n1 + n2, gs, G), mask=gs < G)
+    tl.store(inter_num_tiles + gs, _programs_below(n1, gs, G) + _programs_below(n2, gs, G),
+             mask=gs < G)
+
+
+@triton.jit
+def route_scatter(expert_ids, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start,
+                  expert_offsets, arrival_rows, row_src, row_slot, x, x_scale, x_rows,
+                  x_rows_scale, CAPACITY, NUM_EXPERTS, HIDDEN, TOP_K, RECEIVED: tl.constexpr,
+                  QUANTIZE: tl.constexpr, COPY_SCALES: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """Per chunk: ``arrival_rows[i]`` = ``expert_offsets[e] + chunk_start[c, e]`` + the arrivals
+    of ``e`` before ``i`` in its chunk; ``row_src``/``row_slot`` of that row; ``x_rows`` of that
+    row = the arrival's activations: ``x[i // TOP_K]`` at EP = 1, ``x[i]`` for an EP rank.
+    ``QUANTIZE``: bf16 ``x`` to e4m3 ``x_rows`` with one fp32 scale per 1 x 128 block
+    (``x_rows_scale``), as ``weights.quantize_rows_fp8``; ``COPY_SCALES``: ``x`` already e4m3
+    (bytes) with ``x_scale``. Out-of-range ids get no row (``route_histogram`` flagged them)."""
+    c = tl.program_id(0)
+    n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
+    if c * CHUNK < n:
+        local = tl.arange(0, CHUNK)
+        i = c * CHUNK + local
+        live = i < n
+        e = tl.load(expert_ids + i, mask=live, other=-1).to(tl.int32)
+        valid = live & (e >= 0) & (e < NUM_EXPERTS)
+        e = tl.where(valid, e, -1)
+        before = (e[:, None] == e[None, :]) & (local[None, :] < local[:, None])
+        rank = tl.sum(before.to(tl.int32), axis=1)
+        safe_e = tl.where(valid, e, 0)
+        row = (tl.load(expert_offsets + safe_e, mask=valid, other=0)
+               + tl.load(chunk_start + c * NUM_EXPERTS + safe_e, mask=valid, other=0) + rank)
+        tl.store(arrival_rows + i, tl.where(valid, row, -1), mask=live)
+        if RECEIVED:
+            src = tl.load(arrival_src + i, mask=valid, other=0).to(tl.int32)
+            slot = tl.load(arrival_slot + i, mask=valid, other=0).to(tl.int32)
+            token = i
+        else:
+            src = tl.zeros([CHUNK], dtype=tl.int32)
+            slot = i
+            token = i // TOP_K
+        tl.store(row_src + row, src, mask=valid)
+        tl.store(row_slot + row, slot, mask=valid)
+        rows64 = row.to(tl.int64)
+        token64 = token.to(tl.int64)
+        k_scales = HIDDEN // SCALE_BLOCK
+        for h0 in range(0, HIDDEN, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            v = tl.load(x + token64[:, None] * HIDDEN + cols[None, :], mask=valid[:, None])
+            if QUANTIZE:
+                # BLOCK_H == SCALE_BLOCK: one scale per row of the block
+                vf = v.to(tl.float32)
+                scale = tl.maximum(tl.max(tl.abs(vf), axis=1), 1e-12) / E4M3_MAX
+                q = _round_to_e4m3(vf / scale[:, None]).to(tl.float8e4nv)
+                tl.store(x_rows + rows64[:, None] * HIDDEN + cols[None, :], q, mask=valid[:, None])
+                tl.store(x_rows_scale + rows64 * k_scales + h0 // SCALE_BLOCK, scale, mask=valid)
+            else:
+                tl.store(x_rows + rows64[:, None] * HIDDEN + cols[None, :], v, mask=valid[:, None])
+        if COPY_SCALES:
+            ks = tl.arange(0, SCALE_BLOCK)
+            for k0 in range(0, k_scales, SCALE_BLOCK):
+                kk = k0 + ks
+                m = valid[:, None] & (kk < k_scales)[None, :]
+                s = tl.load(x_scale + token64[:, None] * k_scales + kk[None, :], mask=m)
+                tl.store(x_rows_scale + rows64[:, None] * k_scales + kk[None, :], s, mask=m)
+
+
+@triton.jit
+def _store_entries(at, kind: tl.constexpr, expert, row_block, n_block, mask):
+    """Table entries ``(kind, expert, row_block, n_block)`` at the entry pointers ``at``."""
+    tl.store(at, tl.full(n_block.shape, kind, tl.int32), mask=mask)
+    tl.store(at + 1, tl.zeros(n_block.shape, tl.int32) + expert, mask=mask)
+    tl.store(at + 2, tl.zeros(n_block.shape, tl.int32) + row_block, mask=mask)
+    tl.store(at + 3, n_block, mask=mask)
+
+
+@triton.jit
+def route_tiles(expert_counts, expert_offsets, wave_lo, wave_hi, meta, row_src, row_slot,
+                wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES,
+                BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr):
+    """Row block ``p`` (one program each, up to the row blocks' bound): its expert ``e(p)``
+    (``first_row[e] <= p * BLOCK_M < first_row[e] + blocks[e] * BLOCK_M``), ``row_slot = -1`` and
+    ``row_src = 0`` on its rows past the expert's count, and its ``P1`` Linear-1 and ``P2``
+    Linear-2 entries ``(kind, e(p), p, n)`` in the Expert-Wave table ``wave_tiles`` and the
+    Interleaved table ``inter_tiles`` (int32 ``[G, MAX_TILES, 4]``) at their positions."""
+    p = tl.program_id(0)
+    row_blocks = tl.load(meta + META_ROW_BLOCKS)
+    if p < row_blocks:
+        es = tl.arange(0, E_PAD)
+        in_e = es < NUM_EXPERTS
+        first = tl.load(expert_offsets + es, mask=in_e, other=0) // BLOCK_M
+        count = tl.load(expert_counts + es, mask=in_e, other=0)
+        last = first + (count + BLOCK_M - 1) // BLOCK_M
+        owns = in_e & (first <= p) & (p < last)
+        e = tl.sum(tl.where(owns, es, 0))
+        first_row = tl.sum(tl.where(owns, first, 0)) * BLOCK_M
+        rows_used = tl.sum(tl.where(owns, count, 0))
+        r = p * BLOCK_M + tl.arange(0, BLOCK_M)
+        pad = r - first_row >= rows_used
+        tl.store(row_slot + r, tl.full([BLOCK_M], -1, tl.int32), mask=pad)
+        tl.store(row_src + r, tl.zeros([BLOCK_M], dtype=tl.int32), mask=pad)
+        lo = tl.load(wave_lo + e)
+        hi = tl.load(wave_hi + e)
+        n1 = row_blocks * P1
+        n2 = row_blocks * P2
+        ns = tl.arange(0, P_PAD)
+        for kind in tl.static_range(2):
+            if kind == 0:
+                n_blocks = P1
+                k = p * P1 + ns  # index in the Linear-1 stream
+                wave_k = lo * (P1 + P2) + (p - lo) * P1 + ns
+                g = k % G
+                other = _programs_below(tl.minimum((p - LEAD + 1) * P2, n2), g, G)
+            else:
+                n_blocks = P2
+                k = p * P2 + ns
+                wave_k = lo * (P1 + P2) + (hi - lo) * P1 + (p - lo) * P2 + ns
+                g = k % G
+                other = _programs_below(tl.minimum((p + LEAD) * P1, n1), g, G)
+            live = ns < n_blocks
+            _store_entries(wave_tiles + ((wave_k % G) * MAX_TILES + wave_k // G) * TILE_FIELDS,
+                           kind, e, p, ns, live)
+            _store_entries(inter_tiles + (g * MAX_TILES + k // G + other) * TILE_FIELDS, kind, e,
+                           p, ns, live)

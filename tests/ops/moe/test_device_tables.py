@@ -1,0 +1,198 @@
+"""Routing to tile tables on the device (kernels/moe_routing.py) in the interpreter: the layout and
+both schedules' tables equal the host reference (``dispatch.build_layout``, the host schedules)
+entry for entry, on random routings of every model shape, zero-row experts, one token, skewed
+routing, an EP rank's received rows, and ids out of range (flagged, left out); plus the sm_90
+build of the four kernels."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from tests.experiments.triton_testing import (assert_case_ok, child_main, child_results,
+                                              interpreter_case_tests)
+from xstage_lab.ops.moe.device_tables import (TableBounds, allocate_tables, host_tables,
+                                              route_to_tables, table_mismatches)
+from xstage_lab.ops.moe.routing import router_logits, router_topk
+from xstage_lab.ops.moe.shapes import load_shapes
+from xstage_lab.ops.moe.tiles import default_tile_config
+from xstage_lab.ops.moe.weights import quantize_rows_fp8
+
+SHAPES = load_shapes()
+MODULE = "tests.ops.moe.test_device_tables"
+
+
+def _bounds(model: str, capacity: int, programs: int, lead: int, experts: int | None = None):
+    shape = SHAPES[model]
+    config = default_tile_config("bf16", "gluon_ws", hidden=shape.hidden)
+    return shape, TableBounds.of(capacity, experts or shape.routed_experts, shape.hidden,
+                                 shape.intermediate, config, programs, lead)
+
+
+def case_ep1(model: str, precision: str, tokens: int, routing: str, programs: int, lead: int,
+             seed: int = 0, topk_ids: torch.Tensor | None = None) -> dict:
+    """EP = 1 from ``topk_ids`` (the router's on ``routing`` unless given): device == host."""
+    shape = SHAPES[model]
+    if topk_ids is None:
+        logits = router_logits(tokens, shape.routed_experts, routing, seed=seed)
+        topk_ids = router_topk(logits, shape.top_k)[0]
+    _, bounds = _bounds(model, 2 * tokens * topk_ids.shape[1], programs, lead)
+    x = torch.randn(tokens, shape.hidden, generator=torch.Generator().manual_seed(seed))
+    x = x.to(torch.bfloat16)
+    tables = allocate_tables(bounds, shape.hidden, precision, "cpu")
+    route_to_tables(tables, topk_ids.reshape(-1), x, top_k=topk_ids.shape[1])
+    rows = x.repeat_interleave(topk_ids.shape[1], dim=0)
+    xq, xs = quantize_rows_fp8(rows) if precision == "fp8" else (rows, None)
+    host = host_tables(bounds, topk_ids.reshape(-1), xq, xs)
+    bad = table_mismatches(tables, host)
+    assert not bad, bad
+    assert int(tables.error) == 0
+    return {"rows": int(tables.expert_offsets[-1]), "tiles": int(tables.meta[1])}
+
+
+def case_zero_row_experts() -> dict:
+    """Every pick on experts 3 and 5 of 16: fourteen idle experts around them."""
+    ids = torch.tensor([[3, 5], [5, 3], [3, 5]])
+    return case_ep1("DiT-MoE", "bf16", 3, "balanced", 4, 1, topk_ids=ids)
+
+
+def case_ep_rank(model: str, precision: str, world: int, per_source: int, programs: int,
+                 lead: int, seed: int = 0) -> dict:
+    """An EP rank's received rows, source by source (``world`` sources, up to ``per_source``
+    each, some none), local expert ids and slots; the count on the device, a capacity above it."""
+    shape = SHAPES[model]
+    e_loc = shape.routed_experts // world
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, per_source + 1, (world,), generator=g)
+    counts[1] = 0
+    n = int(counts.sum())
+    capacity = world * per_source + 5
+    _, bounds = _bounds(model, capacity, programs, lead, experts=e_loc)
+    src = torch.repeat_interleave(torch.arange(world), counts)
+    expert = torch.randint(0, e_loc, (n,), generator=g)
+    slot = torch.cat([torch.randperm(per_source * 2, generator=g)[:int(c)] for c in counts])
+    rows = torch.randn(n, shape.hidden, generator=g).to(torch.bfloat16)
+    xq, xs = quantize_rows_fp8(rows) if precision == "fp8" else (rows, None)
+
+    def padded(t, fill):
+        out = torch.full((capacity, *t.shape[1:]), fill, dtype=t.dtype)
+        out[:n] = t
+        return out
+
+    tables = allocate_tables(bounds, shape.hidden, precision, "cpu")
+    route_to_tables(tables, padded(expert.int(), 7), padded(xq.view(torch.uint8), 0).view(xq.dtype),
+                    None if xs is None else padded(xs, 1.0),
+                    n_arrivals=torch.tensor([n], dtype=torch.int32),
+                    arrival_src=padded(src.int(), 9), arrival_slot=padded(slot.int(), 9))
+    host = host_tables(bounds, expert, xq, xs, arrival_src=src, arrival_slot=slot)
+    bad = table_mismatches(tables, host)
+    assert not bad, bad
+    assert int(tables.error) == 0
+    return {"arrivals": n, "rows": int(tables.expert_offsets[-1])}
+
+
+def case_out_of_range_ids_are_flagged() -> dict:
+    """Ids outside 0..E-1 raise the error flag and get no row; the rest are laid out as if they
+    were not there."""
+    ids = torch.tensor([[0, 16], [-1, 2], [2, 0]])
+    _, bounds = _bounds("DiT-MoE", 6, 4, 1)
+    x = torch.randn(3, 1408).to(torch.bfloat16)
+    tables = allocate_tables(bounds, 1408, "bf16", "cpu")
+    route_to_tables(tables, ids.reshape(-1), x, top_k=2)
+    assert int(tables.error) == 2
+    assert tables.arrival_rows[[1, 2]].tolist() == [-1, -1]
+    assert tables.expert_counts[[0, 2]].tolist() == [2, 2] and int(tables.expert_counts.sum()) == 4
+    return {"error": int(tables.error)}
+
+
+def case_every_shape() -> dict:
+    """Each model shape once, at few tokens, alternating precision, programs and lead."""
+    out = {}
+    for i, model in enumerate(SHAPES):
+        out[model] = case_ep1(model, ("bf16", "fp8")[i % 2], 3 + i, ("balanced", "skewed")[i % 2],
+                              (5, 16, 132)[i % 3], 1 + i % 3, seed=i)
+    return out
+
+
+def interpreter_cases() -> dict:
+    return {
+        "every_shape": (case_every_shape,),
+        "one_token": (case_ep1, "DeepSeek-V4-Flash", "fp8", 1, "balanced", 132, 2),
+        "skewed_many_rows": (case_ep1, "DiT-MoE", "bf16", 200, "skewed", 7, 3, 4),
+        "skewed_fp8": (case_ep1, "Hy3", "fp8", 12, "skewed", 16, 2, 5),
+        "zero_row_experts": (case_zero_row_experts,),
+        "ep_rank_bf16": (case_ep_rank, "MiMo-V2.5", "bf16", 8, 40, 16, 2),
+        "ep_rank_fp8": (case_ep_rank, "DiT-MoE", "fp8", 8, 150, 5, 1, 3),
+        "out_of_range_ids": (case_out_of_range_ids_are_flagged,),
+    }
+
+
+def _compile_sm90(name: str) -> dict:
+    """One routing kernel built for sm_90 (as the op launches it on an H200: fp8 quantizing)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from tests.experiments.triton_testing import hopper_target
+    from xstage_lab.kernel_sources import load_kernel_module
+
+    kernel = getattr(load_kernel_module("moe_routing"), name)
+    ptr, i = "*i32", "i32"
+    signatures = {
+        "route_histogram": ({"expert_ids": "*i64", "n_arrivals_ptr": ptr, "chunk_counts": ptr,
+                             "error": ptr, "CAPACITY": i, "NUM_EXPERTS": i},
+                            dict(RECEIVED=False, E_PAD=256, CHUNK=128)),
+        "route_offsets": ({**{k: ptr for k in ("chunk_counts", "chunk_start", "n_arrivals_ptr",
+                                               "expert_counts", "expert_offsets", "wave_lo",
+                                               "wave_hi", "meta", "wave_num_tiles",
+                                               "inter_num_tiles")},
+                           **{k: i for k in ("CAPACITY", "NUM_EXPERTS", "G", "P1", "P2",
+                                             "WAVE_MIN_L1")}},
+                          dict(RECEIVED=True, BLOCK_M=128, E_PAD=512, G_PAD=256, CHUNK=128,
+                               CHUNK_ROWS=16)),
+        "route_scatter": ({"expert_ids": "*i64", "arrival_src": "*i64", "arrival_slot": "*i64",
+                           "n_arrivals_ptr": ptr, "chunk_start": ptr, "expert_offsets": ptr,
+                           "arrival_rows": ptr, "row_src": ptr, "row_slot": ptr, "x": "*bf16",
+                           "x_scale": ptr, "x_rows": "*fp8e4nv", "x_rows_scale": "*fp32",
+                           "CAPACITY": i, "NUM_EXPERTS": i, "HIDDEN": i, "TOP_K": i},
+                          dict(RECEIVED=False, QUANTIZE=True, COPY_SCALES=False, CHUNK=128,
+                               BLOCK_H=128)),
+        "route_tiles": ({**{k: ptr for k in ("expert_counts", "expert_offsets", "wave_lo",
+                                             "wave_hi", "meta", "row_src", "row_slot",
+                                             "wave_tiles", "inter_tiles")},
+                         **{k: i for k in ("NUM_EXPERTS", "G", "P1", "P2", "LEAD",
+                                           "MAX_TILES")}},
+                        dict(BLOCK_M=128, E_PAD=256, P_PAD=16)),
+    }
+    signature, constexprs = signatures[name]
+    signature = {**signature, **{k: "constexpr" for k in constexprs}}
+    names = kernel.arg_names
+    compiled = triton.compile(ASTSource(kernel, signature,
+                                        {(names.index(k),): v for k, v in constexprs.items()}),
+                              target=hopper_target(), options={"num_warps": 4})
+    return {"has_cubin": bool(compiled.asm.get("cubin")), "shared": compiled.metadata.shared}
+
+
+COMPILE_CASES = {f"compile_sm90_{n}": (_compile_sm90, n)
+                 for n in ("route_histogram", "route_offsets", "route_scatter", "route_tiles")}
+
+interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, interpreter_cases())
+
+
+def test_routing_kernels_compile_for_sm90():
+    results = child_results(MODULE, "--compile-sm90", interpret=False, timeout=600)
+    for name in COMPILE_CASES:
+        assert_case_ok(results, name)
+        assert results[name]["detail"]["has_cubin"]
+
+
+def test_bounds_cover_every_row_a_routing_can_use():
+    """rows <= T k P + E_loc (block_m - 1), every row block's tiles in either table."""
+    b = TableBounds(capacity=100, num_experts=7, block_m=128, l1_n_blocks=3, l2_n_blocks=2,
+                    num_programs=5, lead_rows=1)
+    assert b.rows >= 100 + 7 * 127 and b.rows % 128 == 0 and b.row_blocks == 8
+    assert b.max_tiles * 5 >= b.row_blocks * 5
+    assert b.chunks == 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(child_main(sys.argv[1:], interpreter_cases(), COMPILE_CASES))

@@ -1,0 +1,430 @@
+"""The fused MoE as a layer on one GPU, from the router's output to the layer's output (issue 27;
+paper §4.2, §5.2): record ``moe_layer``.
+
+    python -m xstage_lab.experiments.moe.layer_bench (--out FILE.json | --root DIR)
+        [--models M ...] [--precisions bf16 fp8] [--settings ep1 ep8_rank]
+        [--tokens 1 8 64 512 4096 8192] [--trials N] [--smoke]
+
+Settings: ``ep1``, every routed expert of the model on this GPU, ``FusedMoE`` from ``topk_ids``
+(T tokens, balanced routing); ``ep8_rank``, rank 0 of EP = 8 (issue 18's workload): its E/8
+experts and the rows all eight source ranks (T tokens each) route to them, source by source, as
+Dispatch delivers them (in fp8 quantized on the source), ``MoEWorkspace`` from their local expert
+ids, sources and slots, storing into eight local Combine buffers (the weighted sum is the
+sources').
+
+Per cell (model, precision, setting, tokens), correctness first, on outputs poisoned with NaN:
+the fused call against the float32 reference within ``bench.TOLERANCE``, nothing flagged; the
+device tables equal the host reference (``device_tables.table_mismatches``) for T <= 512; an
+eager call under ``torch.cuda.set_sync_debug_mode("error")``; at T = 64, one CUDA graph captured
+once and replayed with ``GRAPH_ROUTINGS`` routings, each checked. Then timed (``time_methods``):
+``fused_eager``/``fused_graph`` (the whole call), ``schedule`` (the routing kernels alone),
+``kernel`` (the fused kernel alone), ``weighted_sum``, ``unfused_eager``/``unfused_graph``
+(routing by torch ops, grouped GEMMs, weighted sum: ``unfused.unfused_layer``), and
+``host_scheduled`` (today's path: layout, schedule and checked launch on the host, then the
+kernel and the weighted sum; eager, few trials). ``host_overhead_us``: host time of an eager
+call, nothing waited for. Floors from the HBM bandwidth measured at the start of the run (a
+device copy): ``weighted_sum_floor_us`` (its bytes) and ``weight_floor_us`` (the bytes of the
+experts the call touches).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import pandas as pd
+import torch
+
+from ...dist_timing import TIMING_METHOD, time_methods
+from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
+from ...ops.moe.device_tables import host_tables, table_mismatches
+from ...ops.moe.dispatch import build_layout
+from ...ops.moe.fused import prepare_fused_moe
+from ...ops.moe.op import FusedMoE, MoEWorkspace, auto_schedule
+from ...ops.moe.reference import expert_rows_reference, reference_moe
+from ...ops.moe.routing import router_logits, router_topk
+from ...ops.moe.schedules import MoEProblem, expert_wave_schedule
+from ...ops.moe.shapes import PRECISIONS, load_shapes
+from ...ops.moe.unfused import (GROUP_ALIGN, GroupedWeights, unfused_expert_weights,
+                                unfused_layer, unfused_rows)
+from ...ops.moe.weights import local_expert_weights, quantize_rows_fp8
+from ...sweep import Axis, Sweep
+from .. import harness
+from ..harness import Experiment, Run
+from .bench import TOLERANCE
+from .layer_view import SUMMARY_KEYS
+
+SETTINGS = ("ep1", "ep8_rank")
+EP = 8
+DEFAULT_TOKENS = (1, 8, 64, 512, 4096, 8192)
+DEFAULT_TRIALS = 5
+GRAPH_ROUTINGS = 5
+GRAPH_CHECK_TOKENS = 64
+TABLE_CHECK_MAX_TOKENS = 512
+HOST_SCHEDULED_TRIALS = 2
+HBM_PROBE_BYTES = 2 << 30
+SMOKE = dict(models=["DeepSeek-V4-Flash"], precisions=list(PRECISIONS), settings=list(SETTINGS),
+             tokens=[1, 64, 4096], trials=3)
+
+
+def _routing(shape, tokens: int, seed: int, rank: int, device):
+    ids, w = router_topk(router_logits(tokens, shape.routed_experts, "balanced", seed=seed,
+                                       rank=rank, device=device), shape.top_k)
+    g = torch.Generator(device).manual_seed(seed + rank)
+    x = torch.randn(tokens, shape.hidden, generator=g, device=device).to(torch.bfloat16)
+    return x, ids, w
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+class Ep1Cell:
+    """EP = 1: ``FusedMoE`` over every expert, inputs static (graph-capturable) per cell."""
+
+    def __init__(self, shape, precision, tokens, weights, uweights, seed, device):
+        self.shape, self.precision, self.tokens, self.seed = shape, precision, tokens, seed
+        self.layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="auto")
+        self.uweights = uweights
+        self.x, self.ids, self.w = _routing(shape, tokens, seed, 0, device)
+        self.unfused_capacity = tokens * shape.top_k + shape.routed_experts * (GROUP_ALIGN - 1)
+
+    def call(self):
+        return self.layer(self.x, self.ids, self.w)
+
+    def route(self):
+        ws = self.layer.workspace
+        ws.route(self.ids.reshape(-1), self.x, top_k=self.shape.top_k)
+
+    def kernel(self):
+        self.layer.workspace.launch(self.layer.schedule, self.layer.peers)
+
+    def weighted_sum(self):
+        combine_weighted_sum(self.layer.combine[:self.tokens * self.shape.top_k], self.w)
+
+    def unfused(self):
+        return unfused_layer(self.x, self.ids, self.w, self.uweights, self.unfused_capacity)
+
+    def reference(self, x, ids, w) -> dict:
+        return reference_moe(x, ids, w, self.shape, seed=self.seed, precision=self.precision)
+
+    def output_error(self, y, x, ids, w) -> dict:
+        return {k: _relative(y, r) for k, r in self.reference(x, ids, w).items()}
+
+    def host_tables(self):
+        k = self.shape.top_k
+        rows = self.x.repeat_interleave(k, dim=0)
+        xq, xs = quantize_rows_fp8(rows) if self.precision == "fp8" else (rows, None)
+        return host_tables(self.layer.workspace.bounds, self.ids.reshape(-1), xq, xs)
+
+    def host_scheduled(self):
+        """Today's path: layout on the host (syncs), Expert-Wave built and checked, launch."""
+        ws, k = self.layer.workspace, self.shape.top_k
+        rows = self.x.repeat_interleave(k, dim=0)
+        xq, xs = quantize_rows_fp8(rows) if self.precision == "fp8" else (rows, None)
+        n = rows.shape[0]
+        layout = build_layout(xq, xs, torch.arange(n, device=rows.device), self.ids.reshape(-1),
+                              [n], self.shape.routed_experts, ws.config.block_m)
+        problem = MoEProblem(layout.blocks_per_expert, ws.bounds.l1_n_blocks,
+                             ws.bounds.l2_n_blocks)
+        prepare_fused_moe(layout, ws.weights, expert_wave_schedule(problem, ws.bounds.num_programs),
+                          self.layer.peers, config=ws.config)()
+        return combine_weighted_sum(self.layer.combine[:n], self.w)
+
+    def touched_experts(self) -> int:
+        return int(torch.unique(self.ids).numel())
+
+    def weighted_sum_bytes(self) -> int:
+        return 2 * self.shape.hidden * self.tokens * (self.shape.top_k + 1)
+
+
+class Ep8RankCell:
+    """Rank 0 of EP = 8: the received rows of all eight sources into eight local buffers."""
+
+    def __init__(self, shape, precision, tokens, weights, uweights, seed, device):
+        self.shape, self.precision, self.tokens, self.seed = shape, precision, tokens, seed
+        e_loc = shape.routed_experts // EP
+        xs, srcs, slots, experts = [], [], [], []
+        for r in range(EP):
+            x, ids, _ = _routing(shape, tokens, seed, r, device)
+            flat = ids.reshape(-1)
+            picked = (flat < e_loc).nonzero(as_tuple=True)[0]
+            xs.append(x[picked // shape.top_k])
+            slots.append(picked)
+            experts.append(flat[picked])
+            srcs.append(torch.full_like(picked, r))
+        self.rows = torch.cat(xs)
+        self.src, self.slot, self.expert = torch.cat(srcs), torch.cat(slots), torch.cat(experts)
+        n = self.rows.shape[0]
+        capacity = EP * tokens * shape.top_k
+        self.ws = MoEWorkspace(weights, capacity)
+        self.buffers = [torch.empty(tokens * shape.top_k, shape.hidden, dtype=torch.bfloat16,
+                                    device=device) for _ in range(EP)]
+        self.peers = local_combine_peers(self.buffers)
+        xq, xsc = quantize_rows_fp8(self.rows) if precision == "fp8" else (self.rows, None)
+        self.xq, self.xsc = xq, xsc
+
+        def padded(t, fill=0):
+            out = torch.full((capacity, *t.shape[1:]), fill, dtype=t.dtype, device=device)
+            out[:n] = t
+            return out
+
+        self.in_x = padded(xq.view(torch.uint8)).view(xq.dtype) if precision == "fp8" \
+            else padded(xq)
+        self.in_scale = None if xsc is None else padded(xsc, 1.0)
+        self.in_expert, self.in_src = padded(self.expert.int()), padded(self.src.int())
+        self.in_slot = padded(self.slot.int())
+        self.n = torch.tensor([n], dtype=torch.int32, device=device)
+        self.uweights = uweights
+        self.unfused_capacity = capacity + e_loc * (GROUP_ALIGN - 1)
+        # each source's rows and slots, found once: a boolean mask in a call would sync
+        self.by_source = [((self.src == r).nonzero(as_tuple=True)[0], r) for r in range(EP)]
+        self.by_source = [(i, self.slot[i], r) for i, r in self.by_source]
+
+    def route(self):
+        self.ws.route(self.in_expert, self.in_x, self.in_scale, n_arrivals=self.n,
+                      arrival_src=self.in_src, arrival_slot=self.in_slot)
+
+    def kernel(self):
+        self.ws.launch(auto_schedule(EP), self.peers)
+
+    def call(self):
+        self.route()
+        self.kernel()
+
+    def weighted_sum(self):
+        """No weighted sum on an EP rank: the sources sum their Combine buffers."""
+
+    def unfused(self):
+        y = unfused_rows(self.rows, self.expert, self.uweights, self.unfused_capacity)
+        for rows, slots, r in self.by_source:
+            self.buffers[r][slots] = y[rows]
+
+    def output_error(self, *_) -> dict:
+        got = torch.stack(self.buffers)[self.src, self.slot]
+        refs = expert_rows_reference(self.rows, self.expert, self.shape, seed=self.seed,
+                                     precision=self.precision)
+        return {k: _relative(got, r) for k, r in refs.items()}
+
+    def host_tables(self):
+        return host_tables(self.ws.bounds, self.expert, self.xq, self.xsc, arrival_src=self.src,
+                           arrival_slot=self.slot)
+
+    def host_scheduled(self):
+        ws = self.ws
+        counts = torch.bincount(self.src, minlength=EP).tolist()
+        layout = build_layout(self.xq, self.xsc, self.slot, self.expert, counts,
+                              self.shape.routed_experts // EP, ws.config.block_m)
+        problem = MoEProblem(layout.blocks_per_expert, ws.bounds.l1_n_blocks,
+                             ws.bounds.l2_n_blocks)
+        prepare_fused_moe(layout, ws.weights, expert_wave_schedule(problem, ws.bounds.num_programs),
+                          self.peers, config=ws.config)()
+
+    def touched_experts(self) -> int:
+        return int(torch.unique(self.expert).numel())
+
+    def weighted_sum_bytes(self) -> int:
+        return 0
+
+
+def _expert_bytes(weights) -> int:
+    per = [weights.w1, weights.w2, weights.w1_scale, weights.w2_scale]
+    return sum(t[0].numel() * t.element_size() for t in per if t is not None)
+
+
+def hbm_bandwidth_gbps(device) -> float:
+    """Read + write bytes of a large device-to-device copy over its median time."""
+    src = torch.empty(HBM_PROBE_BYTES // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = time_methods({"copy": lambda: dst.copy_(src)}, trials=10, warmup=2)["copy"]["median_us"]
+    return HBM_PROBE_BYTES / (t * 1e-6) / 1e9
+
+
+def check_cell(cell, run: Run) -> list[str]:
+    """Correctness first (module docstring)."""
+    failures = []
+    tol = TOLERANCE[cell.precision]
+
+    def poison():
+        if isinstance(cell, Ep1Cell):
+            cell.layer.combine.fill_(float("nan"))
+        else:
+            for b in cell.buffers:
+                b.fill_(float("nan"))
+
+    poison()
+    y = cell.call()
+    torch.cuda.synchronize()
+    errs = cell.output_error(y, cell.x, cell.ids, cell.w) if isinstance(cell, Ep1Cell) \
+        else cell.output_error()
+    failures += [f"fused {k} error {e:.3g} > {tol[k]}" for k, e in errs.items() if not e <= tol[k]]
+    error = cell.layer.error if isinstance(cell, Ep1Cell) else cell.ws.error
+    if int(error):
+        failures.append(f"error flag {int(error)}")
+    if cell.tokens <= TABLE_CHECK_MAX_TOKENS:
+        tables = cell.layer.workspace.tables if isinstance(cell, Ep1Cell) else cell.ws.tables
+        bad = table_mismatches(tables, cell.host_tables())
+        failures += [f"device table {b} differs from the host reference" for b in bad]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cell.call()
+    except RuntimeError as e:
+        failures.append(f"an eager call synchronized: {e}")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    if isinstance(cell, Ep1Cell) and cell.tokens == GRAPH_CHECK_TOKENS:
+        failures += check_graph_replays(cell)
+    return failures
+
+
+def check_graph_replays(cell: Ep1Cell) -> list[str]:
+    """One graph captured once, replayed with ``GRAPH_ROUTINGS`` routings, output poisoned
+    before each replay, each against the reference."""
+    failures = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cell.call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = cell.call()
+    for i in range(GRAPH_ROUTINGS):
+        x, ids, w = _routing(cell.shape, cell.tokens, cell.seed + 101 * (i + 1), 0, cell.x.device)
+        cell.x.copy_(x)
+        cell.ids.copy_(ids)
+        cell.w.copy_(w)
+        y.fill_(float("nan"))
+        cell.layer.combine.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for k, e in cell.output_error(y, x, ids, w).items():
+            if not e <= TOLERANCE[cell.precision][k]:
+                failures.append(f"graph replay {i}: {k} error {e:.3g}")
+    return failures
+
+
+def host_overhead_us(fn, calls: int = 10) -> float:
+    """Host time per eager call, nothing waited for (the queue holds every launch)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+class MoELayer(Experiment):
+    name = "moe_layer"
+    paper = "§4.2, §5.2; issue 27"
+    launch = "in_process"
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--models", nargs="+", default=None)
+        p.add_argument("--precisions", nargs="+", default=None)
+        p.add_argument("--settings", nargs="+", default=None)
+        p.add_argument("--tokens", nargs="+", type=int, default=None)
+        p.add_argument("--trials", type=int, default=None)
+        p.add_argument("--graph-iters", type=int, default=5)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--smoke", action="store_true",
+                       help=f"the cells of {SMOKE}: a first check on the GPU")
+
+    def check_args(self, a: argparse.Namespace) -> None:
+        shapes = load_shapes()
+        for key in ("models", "precisions", "settings", "tokens", "trials"):
+            if a.smoke and getattr(a, key) is None:
+                setattr(a, key, SMOKE[key])
+        a.models = a.models or list(shapes)
+        a.precisions = a.precisions or list(PRECISIONS)
+        a.settings = a.settings or list(SETTINGS)
+        a.tokens = a.tokens or list(DEFAULT_TOKENS)
+        a.trials = a.trials or DEFAULT_TRIALS
+        for name, given, allowed in (("model", a.models, shapes),
+                                     ("precision", a.precisions, PRECISIONS),
+                                     ("setting", a.settings, SETTINGS)):
+            bad = [g for g in given if g not in allowed]
+            if bad:
+                raise ValueError(f"unknown {name} {bad}; choose from {list(allowed)}")
+        if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1:
+            raise ValueError("--tokens, --trials and --graph-iters must be >= 1")
+
+    def sweeps(self, args) -> list[Sweep]:
+        return [Sweep("moe_layer", (Axis("model", args.models), Axis("precision", args.precisions),
+                                    Axis("setting", args.settings), Axis("tokens", args.tokens)),
+                      repeats=1, warmup=0)]
+
+    def start(self, run: Run) -> None:
+        if not torch.cuda.is_available():
+            raise SystemExit("moe.layer_bench needs a CUDA GPU")
+        self.on = torch.device("cuda", torch.cuda.current_device())
+        torch.backends.cuda.matmul.allow_tf32 = False  # the reference is float32
+        self.shapes = load_shapes()
+        self.hbm_gbps = hbm_bandwidth_gbps(self.on)
+
+    def prepare(self, point: dict, run: Run):
+        args, shape, precision = run.args, self.shapes[point["model"]], point["precision"]
+        setting = point["setting"]
+        world = 1 if setting == "ep1" else EP
+
+        def make():
+            w = local_expert_weights(shape, 0, world, precision, seed=args.seed, device=self.on)
+            u = (GroupedWeights(precision, w.w1, w.w2) if precision == "bf16" else
+                 unfused_expert_weights(shape, 0, world, precision, seed=args.seed,
+                                        device=self.on))
+            return w, u
+
+        weights, uweights = run.resource((shape.model, precision, setting), make)
+        kind = Ep1Cell if setting == "ep1" else Ep8RankCell
+        return kind(shape, precision, point["tokens"], weights, uweights, args.seed, self.on)
+
+    def check(self, cell, run: Run) -> list[str]:
+        return check_cell(cell, run)
+
+    def measure(self, cell, run: Run) -> dict:
+        a = run.args
+        methods = {"fused": cell.call, "schedule": cell.route, "kernel": cell.kernel,
+                   "unfused": cell.unfused}
+        if isinstance(cell, Ep1Cell):
+            methods["weighted_sum"] = cell.weighted_sum
+        graphed = time_methods(methods, trials=a.trials, graph_iters=a.graph_iters)
+        eager = time_methods({"fused": cell.call, "unfused": cell.unfused}, trials=a.trials,
+                             eager=frozenset({"fused", "unfused"}), graph_iters=a.graph_iters)
+        host = time_methods({"host_scheduled": cell.host_scheduled},
+                            trials=HOST_SCHEDULED_TRIALS, warmup=1)
+        weights = cell.layer.workspace.weights if isinstance(cell, Ep1Cell) else cell.ws.weights
+        bw = self.hbm_gbps * 1e9
+        return {"fused_eager_us": eager["fused"]["median_us"],
+                "fused_graph_us": graphed["fused"]["median_us"],
+                "schedule_us": graphed["schedule"]["median_us"],
+                "host_overhead_us": host_overhead_us(cell.call),
+                "kernel_us": graphed["kernel"]["median_us"],
+                "weighted_sum_us": graphed.get("weighted_sum", {}).get("median_us", 0.0),
+                "weighted_sum_floor_us": cell.weighted_sum_bytes() / bw * 1e6,
+                "unfused_eager_us": eager["unfused"]["median_us"],
+                "unfused_graph_us": graphed["unfused"]["median_us"],
+                "host_scheduled_us": host["host_scheduled"]["median_us"],
+                "weight_floor_us": cell.touched_experts() * _expert_bytes(weights) / bw * 1e6,
+                "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps}
+
+    def progress_line(self, rows: pd.DataFrame) -> str | None:
+        r = rows.iloc[0]
+        return (f"{r['model']:18s} {r['precision']:4s} {r['setting']:8s} {r['tokens']:5d}  "
+                f"graph {r['fused_graph_us']:8.1f} us  eager {r['fused_eager_us']:8.1f} us  "
+                f"kernel {r['kernel_us']:8.1f} us  schedule {r['schedule_us']:6.1f} us  "
+                f"unfused {r['unfused_graph_us']:8.1f} us")
+
+    def metadata(self, run: Run) -> dict:
+        return {"settings": {"ep1": "every routed expert on this GPU, FusedMoE from topk_ids",
+                             "ep8_rank": f"rank 0 of EP = {EP}: received rows into {EP} local "
+                                         "Combine buffers, no weighted sum"},
+                "hbm_gbps": self.hbm_gbps, "tolerance": TOLERANCE,
+                "timing": f"{TIMING_METHOD}; {run.args.graph_iters} calls per trial",
+                "graph_routings": GRAPH_ROUTINGS, "summary_keys": list(SUMMARY_KEYS)}
+
+
+EXPERIMENT = MoELayer()
+
+if __name__ == "__main__":
+    harness.main(EXPERIMENT)

@@ -1,0 +1,122 @@
+"""Combine (paper §2.2): the Combine buffers the fused kernel's Linear-2 epilogues store into
+(one per source rank, reached through a peer pointer table) and the end of Combine on the source
+rank, the top-k weighted sum of its ``[T * top_k, hidden]`` rows."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ...platform import ALIGN_BYTES, check_mapped_host, symmetric_buffer
+from .shapes import MoEContractError
+
+
+def combine_weighted_sum(combine_rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The end of Combine on the source rank: ``out[t] = sum_j w[t, j] * rows[t * k + j]`` in fp32."""
+    t, k = topk_weights.shape
+    rows = combine_rows[: t * k].view(t, k, -1).float()
+    return (rows * topk_weights[..., None].float()).sum(dim=1).to(torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class CombinePeers:
+    """The pointer table of the contract: base address of every rank's bf16 ``[slots, hidden]``
+    Combine buffer, as this rank may store to it, plus the int64 device copy the kernel reads."""
+
+    ptrs: tuple[int, ...]
+    table: torch.Tensor
+    slots: int
+    hidden: int
+    # the buffers behind ``ptrs`` where this process allocated them: a launch prepared with these
+    # peers keeps them alive (the table holds bare addresses)
+    owners: tuple = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self):
+        if len(self.ptrs) < 1 or any(p == 0 for p in self.ptrs):
+            raise MoEContractError(f"every peer needs a mapped Combine buffer, got {self.ptrs}")
+        if any(p % ALIGN_BYTES for p in self.ptrs):
+            raise MoEContractError(f"Combine buffers must be {ALIGN_BYTES}-byte aligned "
+                                   f"({ALIGN_BYTES}-byte remote stores)")
+        if self.table.dtype != torch.int64 or tuple(self.table.shape) != (len(self.ptrs),):
+            raise MoEContractError("the peer table must be int64 [P]")
+
+    @property
+    def world(self) -> int:
+        return len(self.ptrs)
+
+
+def local_combine_peers(buffers: Sequence[torch.Tensor]) -> CombinePeers:
+    """Peers that are ordinary tensors of this process (one per simulated rank; CPU tests)."""
+    b0 = buffers[0]
+    for b in buffers:
+        if b.dtype != torch.bfloat16 or b.dim() != 2 or b.shape != b0.shape or not b.is_contiguous():
+            raise MoEContractError("Combine buffers must be contiguous bf16 [slots, hidden], all alike")
+    ptrs = tuple(b.data_ptr() for b in buffers)
+    return CombinePeers(ptrs, torch.tensor(ptrs, dtype=torch.int64, device=b0.device), b0.shape[0],
+                        b0.shape[1], tuple(buffers))
+
+
+def local_store_control(peers: CombinePeers, local: torch.Tensor) -> CombinePeers:
+    """The local-store control of §5.2.3: a peer table of the same layout whose entry for source
+    rank r points at ``local[r]``, a ``[P, slots, hidden]`` bf16 buffer on the issuing GPU. The
+    kernel runs unchanged; its Combine stores go to local HBM instead of over NVLink (one region
+    per source, so no two rows collide)."""
+    if local.dtype != torch.bfloat16 or not local.is_contiguous() or \
+            tuple(local.shape) != (peers.world, peers.slots, peers.hidden):
+        raise MoEContractError(f"local control buffer must be contiguous bf16 "
+                               f"[{peers.world}, {peers.slots}, {peers.hidden}]")
+    if local.device != peers.table.device:
+        raise MoEContractError(f"local control buffer on {local.device}, peer table on "
+                               f"{peers.table.device}")
+    return local_combine_peers(list(local.unbind(0)))
+
+
+def host_combine_peers(local: torch.Tensor, host: Sequence[torch.Tensor]) -> CombinePeers:
+    """The host link's Combine (issue 26): a peer table of ``local``'s layout (``[P, slots,
+    hidden]`` bf16 on the issuing GPU) whose entries for source ranks 0 .. h − 1 point at the h
+    buffers ``host`` instead, pinned host memory that the kernel stores into over PCIe (checked
+    mapped: under unified addressing a pinned buffer's host address is its device address). On a
+    CPU device (tests) the host buffers are ordinary tensors."""
+    if len(host) > local.shape[0]:
+        raise MoEContractError(f"{len(host)} host buffers for {local.shape[0]} source ranks")
+    for b in host:
+        if b.dtype != torch.bfloat16 or tuple(b.shape) != tuple(local.shape[1:]) or \
+                not b.is_contiguous() or b.device.type != "cpu":
+            raise MoEContractError(f"host Combine buffers must be contiguous bf16 CPU tensors "
+                                   f"{list(local.shape[1:])}")
+        if local.device.type == "cuda":
+            if not b.is_pinned():
+                raise MoEContractError("host Combine buffers must be pinned memory")
+            check_mapped_host(b.data_ptr())
+    buffers = (*host, *list(local.unbind(0))[len(host):])
+    ptrs = tuple(b.data_ptr() for b in buffers)
+    return CombinePeers(ptrs, torch.tensor(ptrs, dtype=torch.int64, device=local.device),
+                        local.shape[1], local.shape[2], buffers)
+
+
+class SymmetricCombine:
+    """One symmetric-memory Combine buffer per rank holding ``capacity`` bf16 elements, viewed per
+    call as ``[slots, hidden]`` (``platform.symmetric_buffer``: torch ``_symmetric_memory``; stores
+    go through the peers' base addresses; NVLink multicast is never used). Collective over
+    ``group``."""
+
+    def __init__(self, capacity: int, *, group=None):
+        self.symmetric = symmetric_buffer(capacity, torch.bfloat16, group)
+
+    def rows(self, slots: int, hidden: int) -> torch.Tensor:
+        """This rank's own buffer as ``[slots, hidden]``."""
+        buffer = self.symmetric.tensor
+        if slots * hidden > buffer.numel():
+            raise MoEContractError(f"[{slots}, {hidden}] exceeds the {buffer.numel()} elements "
+                                   "allocated")
+        return buffer[: slots * hidden].view(slots, hidden)
+
+    def peers(self, slots: int, hidden: int) -> CombinePeers:
+        self.rows(slots, hidden)
+        return CombinePeers(self.symmetric.ptrs, self.symmetric.table, slots, hidden)
+
+    def barrier(self) -> None:
+        """Stream-ordered barrier over the group (``SymmetricBuffer.barrier``): earlier stores
+        (this rank's remote ones included) are visible to every peer's later work."""
+        self.symmetric.barrier()

@@ -1,0 +1,250 @@
+"""Routing to tile tables on the device (``kernels/moe_routing.py``): the Dispatch layout and both
+schedules' tile tables built from the router's output by four small Triton launches, with no
+device-to-host copy, in buffers sized by static bounds, so a CUDA graph captures them once.
+
+``host_tables`` is the reference they equal entry for entry: ``dispatch.build_layout`` and the
+host schedules (``schedules.expert_wave_schedule``, ``interleaved_schedule``, ``tile_table``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+
+from ...kernel_sources import load_kernel_module
+from .dispatch import DispatchLayout, build_layout
+from .schedules import (WAVE_FILL, MoEProblem, expert_wave_schedule, interleaved_schedule,
+                        tile_table)
+from .shapes import FP8_SCALE_BLOCK, MoEContractError
+from .tiles import TileConfig
+
+CHUNK = 128        # arrivals per program of the histogram and scatter passes
+CHUNK_ROWS = 16    # chunks per step of route_offsets' scan
+SCHEDULES = ("wave", "interleaved")
+BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
+
+
+@dataclass(frozen=True)
+class TableBounds:
+    """The static bounds every buffer of one op is sized by (paper §4.2 terms).
+
+    ``capacity``: arrivals at most, ``T * top_k * P`` (at EP = 1, ``P = 1``); ``num_experts``:
+    E_loc; ``block_m``: rows per row block; ``l1_n_blocks``/``l2_n_blocks``: P_1, P_2;
+    ``num_programs``: G; ``lead_rows``: the Interleaved lead D. Rows in use are at most
+    ``capacity + E_loc (block_m - 1)`` (each expert's last row block padded)."""
+
+    capacity: int
+    num_experts: int
+    block_m: int
+    l1_n_blocks: int
+    l2_n_blocks: int
+    num_programs: int
+    lead_rows: int
+
+    def __post_init__(self):
+        for name in ("capacity", "num_experts", "block_m", "l1_n_blocks", "l2_n_blocks",
+                     "num_programs", "lead_rows"):
+            if getattr(self, name) < 1:
+                raise MoEContractError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def of(cls, capacity: int, num_experts: int, hidden: int, intermediate: int,
+           config: TileConfig, num_programs: int, lead_rows: int) -> TableBounds:
+        return cls(capacity, num_experts, config.block_m, intermediate // config.block_n1,
+                   hidden // config.block_n2, num_programs, lead_rows)
+
+    @property
+    def row_blocks(self) -> int:
+        return triton.cdiv(self.capacity + self.num_experts * (self.block_m - 1), self.block_m)
+
+    @property
+    def rows(self) -> int:
+        return self.row_blocks * self.block_m
+
+    @property
+    def chunks(self) -> int:
+        return triton.cdiv(self.capacity, CHUNK)
+
+    @property
+    def max_tiles(self) -> int:
+        """Entries per program of either table: the Interleaved bound (each strided stream
+        rounded up) covers Expert-Wave's ``ceil(row_blocks (P_1 + P_2) / G)``."""
+        g = self.num_programs
+        return (triton.cdiv(self.row_blocks * self.l1_n_blocks, g)
+                + triton.cdiv(self.row_blocks * self.l2_n_blocks, g))
+
+
+@dataclass
+class DeviceTables:
+    """The buffers of one op's routing, allocated once (``allocate_tables``) and rewritten by
+    every ``route_to_tables``. Entries past the counts on the device are stale and never read:
+    the fused kernel walks ``num_tiles[g]`` entries of program g's row."""
+
+    bounds: TableBounds
+    chunk_counts: torch.Tensor     # int32 [chunks, E]: arrivals of each expert per chunk
+    chunk_start: torch.Tensor      # int32 [chunks, E]: ... in the chunks before
+    expert_counts: torch.Tensor    # int32 [E]: routed rows of each local expert
+    expert_offsets: torch.Tensor   # int32 [E + 1]: padded first row of each expert; rows in use
+    wave_lo: torch.Tensor          # int32 [E]: first row block of each expert's wave
+    wave_hi: torch.Tensor          # int32 [E]: one past its last
+    meta: torch.Tensor             # int32 [2]: row blocks in use, tiles in use
+    arrival_rows: torch.Tensor     # int32 [capacity]: the padded row of each arrival (-1: none)
+    row_src: torch.Tensor          # int32 [rows]
+    row_slot: torch.Tensor         # int32 [rows]: -1 on padding rows
+    x: torch.Tensor                # [rows, H] bf16 or e4m3: the layout's activations
+    x_scale: torch.Tensor | None   # fp32 [rows, H / 128] (fp8)
+    tiles: dict                    # schedule -> int32 [G, max_tiles, 4]
+    num_tiles: dict                # schedule -> int32 [G]
+    error: torch.Tensor            # int32 [1]: ids out of range (and the kernel's spin flag)
+
+    @property
+    def row_blocks(self) -> torch.Tensor:
+        return self.meta[:1]
+
+
+def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
+                    error: torch.Tensor | None = None) -> DeviceTables:
+    """Every buffer of ``bounds`` on ``device``; ``error`` shared with the fused kernel where
+    given."""
+    dev = torch.device(device)
+    i32 = dict(dtype=torch.int32, device=dev)
+    e, g = bounds.num_experts, bounds.num_programs
+    xdt = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
+    return DeviceTables(
+        bounds, torch.zeros(bounds.chunks, e, **i32), torch.zeros(bounds.chunks, e, **i32),
+        torch.zeros(e, **i32), torch.zeros(e + 1, **i32), torch.zeros(e, **i32),
+        torch.zeros(e, **i32), torch.zeros(2, **i32), torch.full((bounds.capacity,), -1, **i32),
+        torch.zeros(bounds.rows, **i32), torch.full((bounds.rows,), -1, **i32),
+        torch.zeros(bounds.rows, hidden, dtype=xdt, device=dev),
+        (torch.zeros(bounds.rows, hidden // FP8_SCALE_BLOCK, dtype=torch.float32, device=dev)
+         if precision == "fp8" else None),
+        {s: torch.zeros(g, bounds.max_tiles, 4, **i32) for s in SCHEDULES},
+        {s: torch.zeros(g, **i32) for s in SCHEDULES},
+        torch.zeros(1, **i32) if error is None else error)
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Tensor,
+                    x_scale: torch.Tensor | None = None, *, top_k: int = 1,
+                    n_arrivals: torch.Tensor | None = None, arrival_src: torch.Tensor | None = None,
+                    arrival_slot: torch.Tensor | None = None) -> None:
+    """Rewrite ``tables`` for one call, on ``x``'s stream, without a host sync.
+
+    EP = 1 (``n_arrivals`` None): ``expert_ids`` is ``topk_ids.reshape(-1)`` (``T * top_k <=
+    capacity`` arrivals, slot ``i``, source 0) and ``x`` the bf16 tokens ``[T, H]``; in fp8 the
+    rows are quantized per 1 x 128 here. EP rank: ``expert_ids``, ``arrival_src`` and
+    ``arrival_slot`` are ``[capacity]`` (received rows source by source, local expert ids),
+    ``n_arrivals`` int32 ``[1]`` their count on the device, ``x`` the received rows ``[capacity,
+    H]`` as Dispatch moved them (bf16, or e4m3 with ``x_scale``). Ids out of range add to
+    ``tables.error`` and get no row. Shapes and dtypes are the caller's contract (``FusedMoE``
+    checks them)."""
+    b = tables.bounds
+    kernels = load_kernel_module("moe_routing")
+    received = n_arrivals is not None
+    capacity = b.capacity if received else expert_ids.numel()
+    grid = (triton.cdiv(capacity, CHUNK),)
+    n_ptr = n_arrivals if received else tables.meta  # EP = 1 reads no count: any pointer
+    hidden = x.shape[1]
+    e_pad = _pow2(b.num_experts)
+    kernels.route_histogram[grid](expert_ids, n_ptr, tables.chunk_counts, tables.error, capacity,
+                                  b.num_experts, RECEIVED=received, E_PAD=e_pad, CHUNK=CHUNK)
+    kernels.route_offsets[(1,)](
+        tables.chunk_counts, tables.chunk_start, n_ptr, tables.expert_counts,
+        tables.expert_offsets, tables.wave_lo, tables.wave_hi, tables.meta,
+        tables.num_tiles["wave"], tables.num_tiles["interleaved"], capacity, b.num_experts,
+        b.num_programs, b.l1_n_blocks, b.l2_n_blocks, WAVE_FILL * b.num_programs,
+        RECEIVED=received, BLOCK_M=b.block_m, E_PAD=e_pad, G_PAD=_pow2(b.num_programs),
+        CHUNK=CHUNK, CHUNK_ROWS=CHUNK_ROWS)
+    fp8 = tables.x.dtype == torch.float8_e4m3fn
+    quantize = fp8 and x.dtype == torch.bfloat16
+    as_bytes = (lambda t: t.view(torch.uint8)) if fp8 and not quantize else (lambda t: t)
+    kernels.route_scatter[grid](
+        expert_ids, arrival_src if received else expert_ids,
+        arrival_slot if received else expert_ids, n_ptr, tables.chunk_start,
+        tables.expert_offsets, tables.arrival_rows, tables.row_src, tables.row_slot, as_bytes(x),
+        x_scale if x_scale is not None else tables.meta, as_bytes(tables.x),
+        tables.x_scale if fp8 else tables.meta, capacity, b.num_experts, hidden, top_k,
+        RECEIVED=received, QUANTIZE=quantize, COPY_SCALES=fp8 and not quantize, CHUNK=CHUNK,
+        BLOCK_H=FP8_SCALE_BLOCK)
+    kernels.route_tiles[(b.row_blocks,)](
+        tables.expert_counts, tables.expert_offsets, tables.wave_lo, tables.wave_hi, tables.meta,
+        tables.row_src, tables.row_slot, tables.tiles["wave"], tables.tiles["interleaved"],
+        b.num_experts, b.num_programs, b.l1_n_blocks, b.l2_n_blocks, b.lead_rows, b.max_tiles,
+        BLOCK_M=b.block_m, E_PAD=e_pad, P_PAD=_pow2(max(b.l1_n_blocks, b.l2_n_blocks)))
+
+
+@dataclass(frozen=True)
+class HostTables:
+    """The reference of one routing: the Dispatch layout and each schedule's table and counts."""
+
+    layout: DispatchLayout
+    tiles: dict      # schedule -> int32 ndarray [G, max_tiles, 4]
+    num_tiles: dict  # schedule -> int32 ndarray [G]
+
+
+def host_tables(bounds: TableBounds, expert_ids: torch.Tensor, x: torch.Tensor,
+                x_scale: torch.Tensor | None = None, *, arrival_src: torch.Tensor | None = None,
+                arrival_slot: torch.Tensor | None = None) -> HostTables:
+    """The host reference of ``route_to_tables`` for the same arrivals (EP = 1 where
+    ``arrival_src`` is None: slot ``i``, source 0, token ``i // top_k`` of ``x``, which the
+    caller repeats per pick). Rows are the arrivals' own (quantize before, as the device does)."""
+    n = expert_ids.numel()
+    src = torch.zeros(n, dtype=torch.int64) if arrival_src is None else arrival_src.cpu()
+    slot = torch.arange(n) if arrival_slot is None else arrival_slot.cpu()
+    world = int(src.max()) + 1 if n else 1
+    recv_counts = torch.bincount(src, minlength=world).tolist()
+    layout = build_layout(x.cpu(), None if x_scale is None else x_scale.cpu(), slot,
+                          expert_ids.cpu().long(), recv_counts, bounds.num_experts, bounds.block_m)
+    problem = MoEProblem(layout.blocks_per_expert, bounds.l1_n_blocks, bounds.l2_n_blocks)
+    schedules = {"wave": expert_wave_schedule(problem, bounds.num_programs),
+                 "interleaved": interleaved_schedule(problem, bounds.num_programs,
+                                                     bounds.lead_rows)}
+    tables = {name: tile_table(s) for name, s in schedules.items()}
+    return HostTables(layout, {k: v[0] for k, v in tables.items()},
+                      {k: v[1] for k, v in tables.items()})
+
+
+def table_mismatches(device: DeviceTables, host: HostTables) -> list[str]:
+    """Where ``device`` differs from ``host`` (empty where they agree entry for entry): per-expert
+    counts and padded offsets, the arrival -> row map, ``row_src``/``row_slot`` over the rows in
+    use, the activations of every arrival's row, and each schedule's counts and used entries."""
+    lay = host.layout
+    out = []
+    counts = np.asarray(lay.tokens_per_expert)
+    blocks = np.asarray(lay.blocks_per_expert)
+    offsets = np.concatenate(([0], np.cumsum(blocks))) * lay.block_m
+    rows = int(offsets[-1])
+    checks = {
+        "expert_counts": (device.expert_counts.cpu().numpy(), counts),
+        "expert_offsets": (device.expert_offsets.cpu().numpy(), offsets),
+        "row_blocks": (device.meta[:1].cpu().numpy(), [rows // lay.block_m]),
+        "arrival_rows": (device.arrival_rows[:len(lay.arrival_rows)].cpu().numpy(),
+                         lay.arrival_rows.numpy()),
+        "row_src": (device.row_src[:rows].cpu().numpy(), lay.row_src.numpy()),
+        "row_slot": (device.row_slot[:rows].cpu().numpy(), lay.row_slot.numpy()),
+    }
+    arrivals = lay.arrival_rows.long()
+    xs = [("x", device.x, lay.x)] + ([("x_scale", device.x_scale, lay.x_scale)]
+                                     if lay.x_scale is not None else [])
+    for name, got, want in xs:
+        g, w = got[:rows][arrivals].cpu(), want[arrivals]
+        if g.dtype in BITS:  # bitwise
+            g, w = g.view(BITS[g.dtype]), w.view(BITS[g.dtype])
+        checks[name] = (g.numpy(), w.numpy())
+    for s in SCHEDULES:
+        want_n = host.num_tiles[s]
+        got_n = device.num_tiles[s].cpu().numpy()
+        checks[f"{s}.num_tiles"] = (got_n, want_n)
+        if np.array_equal(got_n, want_n):
+            got_t = device.tiles[s].cpu().numpy()
+            for g_, c in enumerate(want_n):
+                checks[f"{s}.tiles[{g_}]"] = (got_t[g_, :c], host.tiles[s][g_, :c])
+    for name, (got, want) in checks.items():
+        if np.shape(got) != np.shape(want) or not np.array_equal(got, want):
+            out.append(name)
+    return out

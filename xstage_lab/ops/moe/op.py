@@ -1,0 +1,209 @@
+"""The fused MoE as a layer a forward can call (paper §2.2, §4.2): ``FusedMoE``, from the router's
+output to the layer's output on the device, with no host sync, in buffers sized by static bounds,
+so that one CUDA graph captures a call and replays it with new routings, and a
+``torch.library`` custom op (``xstage::fused_moe``) with a fake implementation, so that
+``torch.compile(fullgraph=True)`` traces a block that uses it.
+
+A call: routing to tile tables (``device_tables``: four Triton launches, FP8 activations quantized
+per 1 x 128 in the scatter pass), the row counters zeroed, the fused kernel over the chosen
+schedule's table (``kernels/moe_fused_ws.py`` on sm_90, ``kernels/moe_fused.py`` elsewhere),
+whose Linear-2 epilogues store each pick's row into the Combine buffer, then the top-k weighted
+sum (``combine.combine_weighted_sum``). ``MoEWorkspace`` is the same call over received rows
+(the EP rank workload), storing into any ``CombinePeers``.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ...kernel_sources import load_kernel_module
+from .combine import CombinePeers, combine_weighted_sum, local_combine_peers
+from .device_tables import SCHEDULES, TableBounds, allocate_tables, route_to_tables
+from .fused import DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, kernel_launch
+from .schedules import d_knee
+from .shapes import FP8_SCALE_BLOCK, MoEContractError
+from .tiles import TileConfig, check_tile_config, default_tile_config
+from .weights import ExpertWeights
+
+SCHEDULE_CHOICES = (*SCHEDULES, "auto")
+# Programs of a launch off the GPU: the interpreter runs programs one after another, so a
+# Linear-2 tile would wait forever on a Linear-1 tile of a later program; one program walks the
+# whole stream, in which every schedule puts a row's Linear-1 tiles before its Linear-2 tiles.
+CPU_PROGRAMS = 1
+
+
+def auto_schedule(peers_world: int) -> str:
+    """``schedule="auto"``, for now: Expert-Wave where every Combine store stays on this GPU (one
+    Combine destination: no remote-store burst for Interleaved to spread, §4.2), Interleaved with
+    D = D_knee (eq. 16) where the Combine stores go to peers. The rule derived from the Burst–Gap
+    model (eqs. 12–16) replaces it."""
+    return "wave" if peers_world == 1 else "interleaved"
+
+
+class MoEWorkspace:
+    """The static buffers and launches of the fused MoE over ``weights`` for at most ``capacity``
+    arrivals: the device tables, ``h`` and its scales, the row counters, the error flag (shared
+    by the routing kernels and the fused kernel). ``num_programs`` defaults to the SMs (one
+    persistent program each); ``lead_rows`` to D_knee (eq. 16)."""
+
+    def __init__(self, weights: ExpertWeights, capacity: int, *, config: TileConfig | None = None,
+                 num_programs: int | None = None, lead_rows: int | None = None,
+                 max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS):
+        device = weights.w1.device
+        self.weights = weights
+        self.config = config or default_tile_config(weights.precision, hidden=weights.hidden,
+                                                    device=device)
+        check_tile_config(self.config, weights.precision, weights.hidden, weights.intermediate)
+        if num_programs is None:
+            num_programs = (torch.cuda.get_device_properties(device).multi_processor_count
+                            if device.type == "cuda" else CPU_PROGRAMS)
+        if lead_rows is None:
+            lead_rows = d_knee(2 * self.config.block_n1, num_programs, weights.intermediate)
+        if max_spin_iters < 1:
+            raise MoEContractError("max_spin_iters must be >= 1")
+        self.bounds = TableBounds.of(capacity, weights.num_experts, weights.hidden,
+                                     weights.intermediate, self.config, num_programs, lead_rows)
+        self.tables = allocate_tables(self.bounds, weights.hidden, weights.precision, device)
+        rows, inter = self.bounds.rows, weights.intermediate
+        self.h = torch.empty(rows, inter, dtype=self.tables.x.dtype, device=device)
+        self.h_scale = (torch.empty(rows, inter // FP8_SCALE_BLOCK, dtype=torch.float32,
+                                    device=device) if weights.precision == "fp8" else None)
+        self.row_ready = torch.zeros(self.bounds.row_blocks, dtype=torch.int32, device=device)
+        # never instrumented: one element stands in for the trace pointer
+        self.trace = torch.full((1,), -1, dtype=torch.int64, device=device)
+        self.max_spin_iters = max_spin_iters
+        self._launches: dict = {}
+
+    @property
+    def error(self) -> torch.Tensor:
+        """int32 [1]: ids out of range plus tiles whose spin expired (never reset by a call)."""
+        return self.tables.error
+
+    def route(self, expert_ids: torch.Tensor, x: torch.Tensor, x_scale: torch.Tensor | None = None,
+              **received) -> None:
+        """``device_tables.route_to_tables`` into this workspace's tables."""
+        route_to_tables(self.tables, expert_ids, x, x_scale, **received)
+
+    def launch(self, schedule: str, peers: CombinePeers) -> None:
+        """The fused kernel over the tables of ``schedule`` (routed first), storing each row into
+        ``peers``' buffer of its source at its slot: the counters zeroed, then one launch."""
+        key = (schedule, peers.table.data_ptr())
+        if key not in self._launches:
+            t = self.tables
+            buffers = KernelBuffers(t.tiles[schedule], t.num_tiles[schedule], t.x, t.x_scale,
+                                    self.h, self.h_scale, self.row_ready, t.row_src, t.row_slot,
+                                    peers.table, t.error, self.trace)
+            self._launches[key] = kernel_launch(self.config, self.weights, buffers,
+                                                max_spin_iters=self.max_spin_iters)
+        args, constexprs = self._launches[key]
+        self.row_ready.zero_()
+        module, entry = KERNEL_ENTRIES[self.config.kernel]
+        getattr(load_kernel_module(module), entry)[(self.bounds.num_programs,)](*args,
+                                                                                 **constexprs)
+
+
+_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+class FusedMoE(torch.nn.Module):
+    """The routed experts of an MoE layer on one GPU (EP = 1), as one fused call.
+
+    ``weights``: the experts in the kernels' layout (``weights.local_expert_weights(shape, 0, 1,
+    precision)``: bf16, or e4m3 with 128 x 128 fp32 scales); they stay on their device.
+    ``max_tokens``: the bound T every buffer is sized by (``T * top_k + E (block_m - 1)`` rows).
+    ``schedule``: ``"wave"`` (Expert-Wave), ``"interleaved"`` (Algorithm 1, lead ``lead_rows``,
+    default D_knee) or ``"auto"`` (``auto_schedule``). ``check_ids``: also check on the host that
+    every id lies in ``0 .. E - 1`` before launch (a device-to-host copy; ids on the CPU are
+    always checked; neither while capturing a graph or tracing for torch.compile); without it an
+    id out of range adds to ``error`` on the device and its pick gets no row (its slot of the
+    output is not defined).
+
+    ``forward(x, topk_ids, topk_weights)``: bf16 ``x [T, H]``, integer ``topk_ids [T, top_k]``,
+    float ``topk_weights [T, top_k]``, ``T <= max_tokens``, all on the weights' device -> bf16
+    ``y [T, H]`` = ``sum_j w[t, j] · FFN_{e_tj}(x[t])``."""
+
+    def __init__(self, weights: ExpertWeights, *, max_tokens: int, top_k: int,
+                 schedule: str = "auto", config: TileConfig | None = None,
+                 num_programs: int | None = None, lead_rows: int | None = None,
+                 check_ids: bool = False, max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS):
+        super().__init__()
+        if schedule not in SCHEDULE_CHOICES:
+            raise MoEContractError(f"schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}")
+        if max_tokens < 1 or top_k < 1 or top_k > weights.num_experts:
+            raise MoEContractError(f"max_tokens={max_tokens} must be >= 1 and top_k={top_k} in "
+                                   f"1..{weights.num_experts}")
+        self.workspace = MoEWorkspace(weights, max_tokens * top_k, config=config,
+                                      num_programs=num_programs, lead_rows=lead_rows,
+                                      max_spin_iters=max_spin_iters)
+        self.max_tokens, self.top_k, self.check_ids = max_tokens, top_k, check_ids
+        self.schedule = auto_schedule(1) if schedule == "auto" else schedule
+        self.combine = torch.empty(max_tokens * top_k, weights.hidden, dtype=torch.bfloat16,
+                                   device=weights.w1.device)
+        self.peers = local_combine_peers([self.combine])
+        self.key = id(self.workspace)
+        _LAYERS[self.key] = self
+
+    @property
+    def error(self) -> torch.Tensor:
+        return self.workspace.error
+
+    def check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor) -> None:
+        """Raise MoEContractError on inputs the call cannot take, before anything is launched."""
+        w = self.workspace.weights
+        device = w.w1.device
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != w.hidden:
+            raise MoEContractError(f"x must be bf16 [T, {w.hidden}], got {x.dtype} "
+                                   f"{list(x.shape)}")
+        t = x.shape[0]
+        if not 1 <= t <= self.max_tokens:
+            raise MoEContractError(f"T={t} tokens outside 1..{self.max_tokens}, the bound this "
+                                   "FusedMoE was built for")
+        if topk_ids.dtype not in (torch.int32, torch.int64) or \
+                tuple(topk_ids.shape) != (t, self.top_k):
+            raise MoEContractError(f"topk_ids must be int32 or int64 [{t}, {self.top_k}], got "
+                                   f"{topk_ids.dtype} {list(topk_ids.shape)}")
+        if not topk_weights.is_floating_point() or tuple(topk_weights.shape) != (t, self.top_k):
+            raise MoEContractError(f"topk_weights must be float [{t}, {self.top_k}], got "
+                                   f"{topk_weights.dtype} {list(topk_weights.shape)}")
+        for name, v in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if v.device != device:
+                raise MoEContractError(f"{name} on {v.device}, the experts on {device}")
+        capturing = torch.compiler.is_compiling() or (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        host_check = not capturing and (topk_ids.device.type == "cpu" or self.check_ids)
+        if host_check and topk_ids.numel():
+            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+            if lo < 0 or hi >= w.num_experts:
+                raise MoEContractError(f"expert ids must lie in 0..{w.num_experts - 1}, got "
+                                       f"{lo}..{hi}")
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        self.check_inputs(x, topk_ids, topk_weights)
+        return torch.ops.xstage.fused_moe(x, topk_ids, topk_weights, self.key, self.schedule)
+
+    def run(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            schedule: str) -> torch.Tensor:
+        """The call itself (what the custom op runs; inputs checked by ``forward``)."""
+        ws = self.workspace
+        t, k = topk_ids.shape
+        ws.route(topk_ids.reshape(-1), x.contiguous(), top_k=k)
+        ws.launch(schedule, self.peers)
+        return combine_weighted_sum(self.combine[:t * k], topk_weights)
+
+
+@torch.library.custom_op("xstage::fused_moe", mutates_args=())
+def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, key: int,
+              schedule: str) -> torch.Tensor:
+    """``FusedMoE`` ``key``'s call on ``(x, topk_ids, topk_weights)`` with ``schedule``."""
+    layer = _LAYERS.get(key)
+    if layer is None:
+        raise MoEContractError(f"no live FusedMoE {key}")
+    return layer.run(x, topk_ids, topk_weights, schedule)
+
+
+@fused_moe.register_fake
+def _fused_moe_fake(x, topk_ids, topk_weights, key, schedule):
+    return torch.empty_like(x)

@@ -1,0 +1,135 @@
+"""Tile configurations of the two fused MoE kernels and their contract: ``kernels/moe_fused_ws.py``
+(Gluon, warp-specialized, sm_90) and ``kernels/moe_fused.py`` (Triton, any GPU and the
+interpreter)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .shapes import FP8_SCALE_BLOCK, MoEContractError, check_precision
+
+KERNELS = ("gluon_ws", "triton")
+# gluon_ws (kernels/moe_fused_ws.py): what its partitioning fixes, and the shared memory of one
+# CTA on an H100/H200 that the ring and the epilogues' layout conversions share.
+WS_BLOCK_M = 128
+WS_BLOCK_N1 = 128
+WS_BLOCK_K = {"bf16": 64, "fp8": FP8_SCALE_BLOCK}
+HOPPER_SMEM_PER_CTA = 227 * 1024
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Kernel and tile sizes. An L1 tile is ``block_m`` rows x ``block_n1`` intermediate columns
+    (gate and up); an L2 tile is ``block_m`` rows x ``block_n2`` hidden columns. ``num_stages``
+    is the depth of the K pipeline (gluon_ws: of its shared-memory ring); ``num_warps`` applies
+    to the Triton kernel (gluon_ws has two consumer warpgroups and a producer warp)."""
+
+    block_m: int = 64
+    block_n1: int = 128
+    block_n2: int = 128
+    block_k: int = 64
+    scale_block: int = FP8_SCALE_BLOCK
+    num_warps: int = 8  # two 64 x 128 fp32 accumulators (gate, up) fit without spills at 8 warps
+    num_stages: int = 3
+    kernel: str = "triton"
+
+
+def kernel_unsupported(kernel: str, device) -> str | None:
+    """Why ``kernel`` cannot run on ``device``, or None where it can: gluon_ws issues wgmma and
+    TMA (sm_90 instructions); the Triton kernel runs on any CUDA GPU and in the interpreter."""
+    if kernel not in KERNELS:
+        return f"kernel must be one of {KERNELS}, got {kernel!r}"
+    device = torch.device(device)
+    if kernel == "gluon_ws" and (device.type != "cuda"
+                                 or torch.cuda.get_device_capability(device)[0] != 9):
+        return (f"the gluon_ws MoE kernel needs an sm_90 (Hopper) GPU, not {device}: wgmma and "
+                "TMA are sm_90 instructions; use kernel='triton' elsewhere")
+    return None
+
+
+def default_tile_config(precision: str, kernel: str | None = None, *, hidden: int | None = None,
+                        device=None) -> TileConfig:
+    """The tiles of ``kernel`` (default: gluon_ws where ``device`` is a Hopper GPU, else the Triton
+    kernel). Triton, bf16: K blocks of 64 keep three pipeline stages of gate + up + A tiles in
+    shared memory; fp8: K blocks equal the 128-wide scale block (one scale pair per K block).
+    gluon_ws: 128-row tiles; Linear-2 tiles 256 columns wide where ``hidden`` allows it (in bf16
+    one accumulator as large as Linear-1's gate and up, in fp8 two 128-column halves promoted as
+    gate and up are: faster than 128-wide fp8 tiles in each of eight cells compared in one run
+    on one H200, a development comparison kept in no record), else 128; the deepest ring that
+    fits a CTA."""
+    check_precision(precision)
+    if kernel is None:
+        kernel = "triton" if device is None or kernel_unsupported("gluon_ws", device) else "gluon_ws"
+    if kernel not in KERNELS:
+        raise MoEContractError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "triton":
+        return TileConfig() if precision == "bf16" else TileConfig(block_k=FP8_SCALE_BLOCK)
+    wide = hidden is None or hidden % 256 == 0
+    block_n2 = 256 if wide else 128
+    stages = max(s for s in range(2, 5) if ws_shared_memory_bytes(
+        precision, block_n2, WS_BLOCK_K[precision], s) <= HOPPER_SMEM_PER_CTA)
+    return TileConfig(block_m=WS_BLOCK_M, block_n1=WS_BLOCK_N1, block_n2=block_n2,
+                      block_k=WS_BLOCK_K[precision], num_warps=4, num_stages=stages,
+                      kernel="gluon_ws")
+
+
+def ws_shared_memory_bytes(precision: str, block_n2: int, block_k: int, stages: int) -> int:
+    """Shared memory of a gluon_ws CTA: the ring (an A tile of 128 rows and a B tile of
+    max(2 block_n1, block_n2) rows per stage), the epilogues' layout conversion (one 64-row half
+    of the widest output tile: the compiler's scratch, shared by the partitions) and the ring's
+    mbarriers with 64 bytes of alignment slack."""
+    elem = 2 if precision == "bf16" else 1
+    ring = stages * (WS_BLOCK_M + max(2 * WS_BLOCK_N1, block_n2)) * block_k * elem
+    conversion = (WS_BLOCK_M // 2) * max(block_n2 * 2, WS_BLOCK_N1 * elem)
+    return ring + conversion + 2 * stages * 8 + 64
+
+
+def check_tile_config(config: TileConfig, precision: str, hidden: int, intermediate: int) -> None:
+    """Raise MoEContractError unless the shapes divide into the tiles (the kernel has no masks
+    along N or K)."""
+    check_precision(precision)
+    for name in ("block_m", "block_n1", "block_n2", "block_k"):
+        v = getattr(config, name)
+        if v < 16 or v & (v - 1):
+            raise MoEContractError(f"{name}={v} must be a power of two >= 16 (tl.dot tiles)")
+    for dim, dim_name, blocks in ((hidden, "hidden", ("block_k", "block_n2")),
+                                  (intermediate, "intermediate", ("block_k", "block_n1"))):
+        for b in blocks:
+            if dim % getattr(config, b):
+                raise MoEContractError(f"{dim_name}={dim} is not divisible by {b}="
+                                       f"{getattr(config, b)}; pick another tile")
+    if precision == "fp8":
+        sb = config.scale_block
+        if hidden % sb or intermediate % sb:
+            raise MoEContractError(f"fp8 needs hidden={hidden} and intermediate={intermediate} "
+                                   f"divisible by the scale block {sb}")
+        if config.block_n1 != sb:
+            raise MoEContractError(f"fp8 needs block_n1 == scale_block ({config.block_n1} != {sb}):"
+                                   " the Linear-1 epilogue quantizes h one scale block per tile")
+        if sb % config.block_k:
+            raise MoEContractError(f"fp8 needs block_k={config.block_k} to divide scale_block={sb}")
+    if config.kernel not in KERNELS:
+        raise MoEContractError(f"kernel must be one of {KERNELS}, got {config.kernel!r}")
+    if config.kernel == "gluon_ws":
+        _check_ws_tiles(config, precision)
+
+
+def _check_ws_tiles(config: TileConfig, precision: str) -> None:
+    """The tile contract of kernels/moe_fused_ws.py: two 64-row consumer warpgroups, gate and up
+    in one 256-row B stage, K blocks that are 128 bytes of a row (TMA's 128-byte swizzle; in
+    fp8 one scale block), Linear-2 accumulators that fit a consumer's registers, a ring that fits
+    a CTA's shared memory."""
+    fixed = dict(block_m=WS_BLOCK_M, block_n1=WS_BLOCK_N1, block_k=WS_BLOCK_K[precision],
+                 scale_block=FP8_SCALE_BLOCK)
+    wrong = {k: getattr(config, k) for k, v in fixed.items() if getattr(config, k) != v}
+    if wrong:
+        raise MoEContractError(f"the gluon_ws kernel fixes {fixed} in {precision}, got {wrong}")
+    widths = (128, 256)
+    if config.block_n2 not in widths:
+        raise MoEContractError(f"gluon_ws block_n2 must be one of {widths} in {precision} (its "
+                               f"accumulator's registers), got {config.block_n2}")
+    smem = ws_shared_memory_bytes(precision, config.block_n2, config.block_k, config.num_stages)
+    if config.num_stages < 2 or smem > HOPPER_SMEM_PER_CTA:
+        raise MoEContractError(f"gluon_ws needs 2 or more stages within {HOPPER_SMEM_PER_CTA} B "
+                               f"of shared memory; {config.num_stages} stages take {smem} B")
