@@ -111,6 +111,7 @@ def test_compiled_block_matches_eager(layer):
 
     block = Block()
     x = _inputs(48, 3)[0]
-    eager = block(x)
-    compiled = torch.compile(block, fullgraph=True)(x)
+    with torch.no_grad():  # an inference forward (DiT): the op has no backward
+        eager = block(x)
+        compiled = torch.compile(block, fullgraph=True)(x)
     torch.testing.assert_close(compiled.float(), eager.float(), rtol=2e-2, atol=2e-2)
