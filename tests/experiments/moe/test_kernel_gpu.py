@@ -216,7 +216,7 @@ def test_a_spin_error_in_a_timed_replay_aborts_the_run_with_nothing_written(
     from xstage_lab.experiments import harness
     from xstage_lab.experiments.moe import kernel_bench as kb
 
-    real_prepare, real_time = moe.prepare_fused_moe, kb.time_methods
+    real_prepare, real_time = prepare_fused_moe, kb.time_methods
     made = {}
 
     def prepare(layout, weights, schedule, peers, **kw):
@@ -240,7 +240,7 @@ def test_a_spin_error_in_a_timed_replay_aborts_the_run_with_nothing_written(
 
         return real_time({**methods, "kernel_interleaved": interleaved_then_stuck}, **kw)
 
-    monkeypatch.setattr(moe, "prepare_fused_moe", prepare)
+    monkeypatch.setattr(kb, "prepare_fused_moe", prepare)
     if inject:
         monkeypatch.setattr(kb, "time_methods", time_with_a_stuck_launch)
     root = tmp_path / "records"

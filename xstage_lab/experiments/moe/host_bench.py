@@ -46,7 +46,6 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-import pandas as pd
 import torch
 
 from ...checks import bitwise_equal
