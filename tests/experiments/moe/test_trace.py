@@ -416,16 +416,24 @@ def test_trace_steps_check_before_timing_and_make_weights_once(fake_steps, tmp_p
     shapes = load_shapes()
     assert log[0] == ("combine", max(t * shapes[m].top_k * shapes[m].hidden
                                      for m, t in (("DiT-MoE", 32), ("Hy3", 32), ("Hy3", 64))))
+    # after each step's timed runs, its checks again (Experiment.recheck): the traced cell's
+    # (its launches' spin-error flags count every run) and the step's own
     assert log[1:] == [
         ("weights", "DiT-MoE", "fp8"), ("cell", "DiT-MoE"), ("check cell", "DiT-MoE"),
-        ("measure", "trace"), ("measure", "fenced"),
+        ("measure", "trace"), ("check cell", "DiT-MoE"),
+        ("measure", "fenced"), ("check cell", "DiT-MoE"),
         ("check", "knee_sweep", "DiT-MoE"), ("measure", "knee_sweep"),
+        ("check cell", "DiT-MoE"), ("check", "knee_sweep", "DiT-MoE"),
         ("check", "knee_sweep", "DiT-MoE"), ("measure", "knee_sweep"),
+        ("check cell", "DiT-MoE"), ("check", "knee_sweep", "DiT-MoE"),
         ("weights", "Hy3", "fp8"), ("cell", "Hy3"), ("check cell", "Hy3"),
-        ("measure", "trace"), ("measure", "fenced"),
+        ("measure", "trace"), ("check cell", "Hy3"),
+        ("measure", "fenced"), ("check cell", "Hy3"),
         ("check", "d_sweep", "Hy3"), ("measure", "d_sweep"),
+        ("check cell", "Hy3"), ("check", "d_sweep", "Hy3"),
         # the regressing cell shares Hy3's fp8 weights: not made again
-        ("check", "regression", "Hy3"), ("measure", "regression")]
+        ("check", "regression", "Hy3"), ("measure", "regression"),
+        ("check", "regression", "Hy3")]
     doc = json.loads((tmp_path / "t.json").read_text())
     assert [r["kind"] for r in doc["rows"]] == ["trace", "fenced", "knee_sweep", "knee_sweep",
                                                 "trace", "fenced", "d_sweep", "regression"]
