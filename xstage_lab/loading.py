@@ -47,13 +47,26 @@ def _latest_kernel_view(platform: str, root: Path):
     return latest_view(platform, root)
 
 
+def _latest_host_view(platform: str, root: Path):
+    from .experiments.moe.host_view import latest_host_view
+
+    return latest_host_view(platform, root)
+
+
+def _host_view(rec: Record, root: Path):
+    from .experiments.moe.host_view import HostView
+
+    return HostView(rec.platform, (rec,))
+
+
 VIEWS = {"remote_store": View(_analysis("remote_store"), lambda c: (c.record,)),
          "visibility": View(_analysis("visibility"), lambda v: (v.record,)),
          "moe_kernel": View(_analysis("moe_kernel"), lambda k: tuple(k.records),
-                            _latest_kernel_view)}
+                            _latest_kernel_view),
+         "moe_host": View(_host_view, lambda h: tuple(h.records), _latest_host_view)}
 RECORD = View(lambda rec, root: rec, lambda rec: (rec,))
 # Experiments a notebook shows where they exist: no record is an empty ``Loaded``, not an error.
-OPTIONAL = frozenset({"visibility", "remote_patterns", "remote_ops"})
+OPTIONAL = frozenset({"visibility", "remote_patterns", "remote_ops", "moe_host"})
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,26 @@ def calibration_entry(platform: str, root: Path) -> dict:
     return {row.quantity: json.loads(row.value) for row in rec.table.itertuples()}
 
 
+def host_link_entry(platform: str, root: Path) -> dict:
+    """The ``host_link`` entry of a host-link platform (``<gpu>-host``, issue 26): M_X^host from
+    its latest calibration, R beside the copy engine's device-to-host rate of the same run, and
+    the no-refit gap-sweep error (median |error| of T_iss, %). Empty for an NVLink platform."""
+    cal = calibration_entry(platform, root)
+    if cal.get("link") != "host":
+        return {}
+    return {"t_iss0_us": cal["T_iss0_us"], "drain_rate_gbs": cal["R_GBps"],
+            "copy_engine_gbs": cal["copy_engine_GBps"], "capacity_mib": cal["Q_MiB"],
+            "knee_kib_per_producer": cal["knee_KB_per_producer"],
+            "gap_error_median": cal["gap_prediction_median_abs_err_pct"]}
+
+
+def moe_host_link_entry(platform: str, root: Path) -> dict:
+    """The ``moe_host_link`` entry: the host-link MoE matrix, forecast beside measurement."""
+    from .experiments.moe.host_view import summary_entry
+
+    return summary_entry(platform, root)
+
+
 def counterfactual_entry(platform: str, root: Path) -> dict:
     """The ``counterfactual`` entry: the fenced (completion-coupled) microbenchmark beside the
     decoupled one, from the latest calibration record (absent where its characterization had no
@@ -119,6 +139,8 @@ def moe_forecast_entry(platform: str, root: Path) -> dict:
 # summary key -> (the experiment whose records it reads, the function that makes it)
 ENTRIES = {"calibration": ("calibration", calibration_entry),
            "counterfactual": ("calibration", counterfactual_entry),
+           "host_link": ("calibration", host_link_entry),
+           "moe_host_link": ("moe_host", moe_host_link_entry),
            "fa_a2a": ("fa_a2a", fa_a2a_entry),
            "moe": ("moe", moe_entry),
            "moe_kernel": ("moe_kernel", moe_kernel_entry),

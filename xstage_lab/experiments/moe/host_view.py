@@ -1,0 +1,113 @@
+"""The host-link MoE matrix read on the CPU (issue 26 item 2): a platform's ``moe_host`` cells,
+forecast beside measurement with the error, the cells where the forecast misses and what their
+traces say, and the ``moe_host_link`` entry of ``summary --json``.
+
+A run's matrix may be saved as several records (``--chunk``): ``latest_host_view`` joins the
+records of a platform's latest run, those that name the same forecast and ran the same commit."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ...records import RECORDS_DIR, Record, list_records, read_record
+
+CELL = ["model", "precision", "routing", "tokens", "host_share"]
+# Where the forecast's speedup misses the measured one by more than this many percentage points,
+# the notebook says from the traces why (issue 26's acceptance).
+MISS_PP = 5.0
+SUMMARY_KEYS = ("model", "precision", "routing", "tokens", "host_share", "wave_us",
+                "interleaved_us", "auto_us", "local_us", "lead_rows", "predicted_stall_us",
+                "measured_stall_us", "predicted_speedup", "measured_speedup")
+
+
+@dataclass(frozen=True)
+class HostView:
+    """One platform's host-link MoE matrix: the records of one run and their cells."""
+
+    platform: str
+    records: tuple[Record, ...]
+
+    @property
+    def table(self) -> pd.DataFrame:
+        """Every cell once (a later record's row wins), in the run's cell order."""
+        rows = pd.concat([r.table for r in self.records], ignore_index=True)
+        return rows.drop_duplicates(CELL, keep="last").sort_values(CELL, kind="stable") \
+            .reset_index(drop=True)
+
+    @property
+    def forecast_record(self) -> str:
+        return self.records[0].params["forecast_record"]
+
+
+def latest_host_view(platform: str, root: Path = RECORDS_DIR) -> HostView:
+    """The records of ``platform``'s latest ``moe_host`` run (its chunks: the same forecast and
+    commit as the newest record)."""
+    records = [read_record(p) for p in list_records("moe_host", platform, root)]
+    if not records:
+        raise FileNotFoundError(f"no 'moe_host' record for platform {platform!r} under {root}")
+
+    def run(rec: Record):
+        return rec.params["forecast_record"], rec.provenance.get("git_commit")
+    newest = run(records[-1])
+    return HostView(platform, tuple(r for r in records if run(r) == newest))
+
+
+def comparison(view: HostView) -> pd.DataFrame:
+    """Forecast beside measurement per cell: Expert-Wave's time (with the host share and all
+    local), Interleaved's at the derived lead and the best of the D sweep, the fenced variant,
+    the stall per Linear-2 burst and the Interleaved speedup, predicted and measured, with the
+    errors (``speedup_error_pp``: predicted minus measured, in percentage points)."""
+    t = view.table
+    out = t[CELL].copy()
+    out["local_us"] = t["wave_local_us"]
+    out["wave_us"] = t["wave_us"]
+    out["predicted_wave_us"] = t["forecast_predicted_wave_us"]
+    out["interleaved_us"] = t["interleaved_us"]
+    out["best_lead"] = t["interleaved_best"].str.removeprefix("interleaved_d").astype(int)
+    out["best_interleaved_us"] = t["interleaved_best_us"]
+    out["fenced_us"] = t["wave_fenced_us"]
+    out["lead_rows"] = t["lead_rows"]
+    out["predicted_stall_us"] = t["forecast_predicted_stall_us"]
+    out["measured_stall_us"] = t["measured_stall_us"]
+    out["predicted_speedup"] = t["forecast_predicted_speedup"]
+    out["measured_speedup"] = t["measured_speedup"]
+    out["speedup_error_pp"] = (out["predicted_speedup"] - out["measured_speedup"]) * 100
+    out["wave_error_pct"] = (out["predicted_wave_us"] / out["wave_us"] - 1) * 100
+    return out
+
+
+def misses(view: HostView) -> pd.DataFrame:
+    """The cells whose forecast speedup misses the measured one by more than ``MISS_PP``, with
+    what their traces measured: the Expert-Wave stall per Linear-2 burst against the forecast's
+    (a burst volume set by the average host share misses lumpy bursts: a Linear-2 tile's rows
+    come from one or two sources, so a tile crosses PCIe whole or not at all), Interleaved's
+    time over its forecast and its Linear-2 tiles' dependency wait against Expert-Wave's, and
+    the gap between Expert-Wave's Linear-2 bursts (G_wave) against the forecast's."""
+    t, c = view.table, comparison(view)
+    cause = pd.DataFrame({
+        "stall_error_us": c["predicted_stall_us"] - c["measured_stall_us"],
+        "interleaved_over_forecast": t["interleaved_us"] / t["forecast_predicted_interleaved_us"],
+        "wave_wait_l2_us": t.get("wave_wait_l2_us", np.nan),
+        "int_wait_l2_us": t.get("int_wait_l2_us", np.nan),
+        "g_wave_us": t.get("g_wave_us", np.nan),
+        "forecast_g_wave_us": t["forecast_g_wave_us"],
+    })
+    both = pd.concat([c, cause], axis=1)
+    return both[both["speedup_error_pp"].abs() > MISS_PP].reset_index(drop=True)
+
+
+def summary_entry(platform: str, root: Path = RECORDS_DIR) -> dict:
+    """The ``moe_host_link`` entry: one row per cell (``SUMMARY_KEYS``); ``auto_us`` is None until
+    a run times the ``auto`` schedule."""
+    view = latest_host_view(platform, root)
+    c = comparison(view).assign(auto_us=None)
+    return {"forecast_record": view.forecast_record,
+            "rows": [{k: _plain(r[k]) for k in SUMMARY_KEYS} for r in c.to_dict("records")]}
+
+
+def _plain(value):
+    value = value.item() if hasattr(value, "item") else value
+    return round(value, 4) if isinstance(value, float) else value
