@@ -6,6 +6,7 @@ that read the host buffers back, the row it measures."""
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 
 import pandas as pd
 import pytest
@@ -146,3 +147,64 @@ def test_bad_options_are_one_line_before_any_launch(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
         harness.parse(hb.EXPERIMENT, ["--out", "x.json", *argv])
     assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+# --- the read side: a run's chunks, forecast beside measurement, the misses ---------------------
+
+def _host_rows(shares, wave, local, interleaved, predicted_speedup, stall_pred):
+    rows = []
+    for h in shares:
+        rows.append({"model": "Tiny", "precision": "bf16", "routing": "skewed", "tokens": TOKENS,
+                     "host_share": h, "wave_local_us": local, "wave_us": wave(h),
+                     "interleaved_us": interleaved, "interleaved_best": "interleaved_d4",
+                     "interleaved_best_us": interleaved, "wave_fenced_us": wave(h) * 1.01,
+                     "lead_rows": 4, "measured_stall_us": (wave(h) - local) / 10,
+                     "measured_speedup": wave(h) / interleaved, "l2_tiles_per_program": 10.0,
+                     "forecast_predicted_wave_us": local + 10 * stall_pred,
+                     "forecast_predicted_stall_us": stall_pred,
+                     "forecast_predicted_interleaved_us": interleaved,
+                     "forecast_predicted_speedup": predicted_speedup, "forecast_g_wave_us": 3.0,
+                     "g_wave_us": 3.5, "wave_wait_l2_us": 0.5, "int_wait_l2_us": 0.6})
+    return pd.DataFrame(rows)
+
+
+def test_host_view_joins_a_runs_chunks_and_finds_the_misses(tmp_path):
+    from xstage_lab.experiments.moe import host_view as hv
+    from xstage_lab.prose import host_link as say
+    from xstage_lab.summary import summary
+
+    params = {"forecast_record": "moe_host_forecast/x-host/f", "link": "host"}
+    prov = {"git_commit": "abc"}
+    # an older run, then the two chunks of the latest one (same forecast and commit)
+    at = [datetime(2026, 12, 2, 0, m, tzinfo=timezone.utc) for m in range(3)]
+    write_record("moe_host", "x-host", _host_rows([1], lambda h: 999.0, 100.0, 100.0, 1.0, 0.0),
+                 {**params, "forecast_record": "moe_host_forecast/x-host/old"}, prov, tmp_path,
+                 created=at[0])
+    write_record("moe_host", "x-host", _host_rows([1, 2], lambda h: 100.0 + 30 * h, 100.0, 110.0,
+                                                   1.0, 2.0), params, prov, tmp_path,
+                 created=at[1])
+    write_record("moe_host", "x-host", _host_rows([8], lambda h: 300.0, 100.0, 250.0, 1.2, 20.0),
+                 params, prov, tmp_path, created=at[2])
+    view = hv.latest_host_view("x-host", tmp_path)
+    assert len(view.records) == 2 and list(view.table["host_share"]) == [1, 2, 8]
+    c = hv.comparison(view)
+    assert list(c["speedup_error_pp"].round(6)) == pytest.approx(
+        [(1.0 - 130 / 110) * 100, (1.0 - 160 / 110) * 100, 0.0])
+    assert list(c["wave_error_pct"].round(6)) == pytest.approx(
+        [(120 / 130 - 1) * 100, (120 / 160 - 1) * 100, (300 / 300 - 1) * 100])
+    m = hv.misses(view)
+    assert list(m["host_share"]) == [1, 2]  # 18.2 and 45.5 pp off; h = 8 is met
+    assert list(m["stall_error_us"]) == pytest.approx([-1.0, -4.0])
+    entry = summary(tmp_path)["platforms"]["x-host"]["moe_host_link"]
+    assert entry["forecast_record"] == params["forecast_record"]
+    assert [set(r) for r in entry["rows"]] == [set(hv.SUMMARY_KEYS)] * 3
+    text = say.forecast_misses([view])
+    assert "2 cells miss" in text and "in 1 the measured Expert-Wave stall exceeds" in text
+    assert "3 cells" in say.matrix([view])
+    fig = plots_host(c)
+    assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text and len(fig.data) == 5
+
+
+def plots_host(c):
+    from xstage_lab import plots
+    return plots.moe_host_speedups(c, "x-host", 5.0)

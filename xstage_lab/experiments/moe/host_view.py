@@ -94,6 +94,10 @@ def misses(view: HostView) -> pd.DataFrame:
         "int_wait_l2_us": t.get("int_wait_l2_us", np.nan),
         "g_wave_us": t.get("g_wave_us", np.nan),
         "forecast_g_wave_us": t["forecast_g_wave_us"],
+        # the forecast's base: the one-GPU kernel record's Expert-Wave time, an earlier run
+        "local_over_record": t["wave_local_us"] / (t["forecast_predicted_wave_us"]
+                                                    - t["forecast_predicted_stall_us"]
+                                                    * t["l2_tiles_per_program"].round()),
     })
     both = pd.concat([c, cause], axis=1)
     return both[both["speedup_error_pp"].abs() > MISS_PP].reset_index(drop=True)

@@ -1,0 +1,87 @@
+"""Passages of the host link (issue 26): the MoE matrix with its Combine into host memory, and
+what the traces say where the forecast misses."""
+from __future__ import annotations
+
+from ..experiments.moe.host_view import MISS_PP, comparison, misses
+from . import Prose, count, rec, span, val
+
+# A measured Expert-Wave stall per Linear-2 burst this far (µs) from the forecast's, or an
+# Interleaved time this far (fraction) from its forecast, is what a missed cell is put down to.
+STALL_OFF_US = 2.0
+INTERLEAVED_OFF = 0.05
+# A traced median Linear-2 dependency wait this much longer (µs) under Interleaved than under
+# Expert-Wave counts as Interleaved waiting on Linear-1.
+WAIT_LONGER_US = 1.0
+
+
+def matrix(views) -> Prose:
+    """Each platform's host-link matrix: what the host share costs Expert-Wave, what Interleaved
+    and the fence do, and how close the forecast came."""
+    out = []
+    for v in views:
+        c = comparison(v)
+        per_share = "; ".join(
+            f"{int(h)} of 8: {span(g['wave_us'] / g['local_us'], '.2f')}×"
+            for h, g in c.groupby("host_share", sort=True))
+        faster = c[c["measured_speedup"] > 1]
+        met = c[c["speedup_error_pp"].abs() <= MISS_PP]
+        out.append(
+            f"{', '.join(rec(r) for r in v.records)} (forecast `{v.forecast_record}`, written "
+            f"before the run): {count(len(c))} cells. Expert-Wave's time over the all-local "
+            f"control, by the number of source ranks whose Combine buffers are host memory: "
+            f"{per_share}. Interleaved at the derived lead beats Expert-Wave in "
+            f"{count(len(faster))} cells (measured speedup {span(c['measured_speedup'], '.2f')}); "
+            f"the fenced, completion-coupled Expert-Wave is {span(c['fenced_us'] / c['wave_us'], '.2f')}× "
+            f"the decoupled one. The forecast's Expert-Wave time is within "
+            f"{val(c['wave_error_pct'].abs().median(), '.1f')}% of the measured one (median), "
+            f"its speedup within {MISS_PP:g} percentage points in {count(len(met))} of "
+            f"{count(len(c))} cells.")
+    return Prose(*out)
+
+
+def forecast_misses(views) -> Prose:
+    """Where the forecast's speedup misses the measured one by more than ``MISS_PP``: what the
+    traces of those cells measured, cause by cause."""
+    out = []
+    for v in views:
+        m = misses(v)
+        if m.empty:
+            out.append(f"On {v.platform} the forecast meets every cell within {MISS_PP:g} "
+                       "percentage points.")
+            continue
+        under = m[m["stall_error_us"] < -STALL_OFF_US]
+        over = m[m["stall_error_us"] > STALL_OFF_US]
+        off = m[(m["interleaved_over_forecast"] - 1).abs() > INTERLEAVED_OFF]
+        waits = off[off["int_wait_l2_us"] > off["wave_wait_l2_us"] + WAIT_LONGER_US]
+        parts = [f"{count(len(m))} cells miss by more than {MISS_PP:g} percentage points "
+                 f"({span(m['speedup_error_pp'], '+.1f')})"]
+        if len(under):
+            parts.append(
+                f"in {count(len(under))} the measured Expert-Wave stall exceeds the forecast's "
+                f"by more than {STALL_OFF_US:g} µs per Linear-2 burst "
+                f"({span(-under['stall_error_us'], '.1f')} µs; forecast "
+                f"{span(under['predicted_stall_us'], '.1f')} µs): the forecast spreads the host "
+                f"share evenly over every tile, while a Linear-2 tile's rows come from one or two "
+                f"source ranks, so a tile crosses the host link whole or not at all and its "
+                f"bursts are lumpier than the average")
+        if len(over):
+            parts.append(f"in {count(len(over))} the forecast's stall exceeds the measured one "
+                         f"({span(over['stall_error_us'], '.1f')} µs per burst)")
+        if len(off):
+            parts.append(
+                f"in {count(len(off))} Interleaved ran at {span(off['interleaved_over_forecast'], '.2f')}× "
+                f"its forecast time, which starts from the one-GPU kernel record's Interleaved "
+                f"time at D_knee while this run used the derived lead; in {count(len(waits))} of "
+                f"them its Linear-2 tiles waited longer on Linear-1 than Expert-Wave's "
+                f"({span(waits['int_wait_l2_us'], '.2f')} µs against "
+                f"{span(waits['wave_wait_l2_us'], '.2f')} µs, traced medians)" if len(waits) else
+                f"in {count(len(off))} Interleaved ran at {span(off['interleaved_over_forecast'], '.2f')}× "
+                f"its forecast time, which starts from the one-GPU kernel record's Interleaved "
+                f"time at D_knee while this run used the derived lead")
+        out.append(f"On {v.platform}: " + "; ".join(parts) + ". The table above lists them "
+                   "with their traces (G_wave measured against the forecast's, the Linear-2 "
+                   "dependency waits of both schedules). The forecast's base times come from the "
+                   "one-GPU kernel record, an earlier run: the all-local control of this run "
+                   f"differs from them by {span(m['local_over_record'].sub(1).mul(100), '+.1f')}% "
+                   "in these cells.")
+    return Prose(*out)
