@@ -85,3 +85,28 @@ def forecast_misses(views) -> Prose:
                    f"differs from them by {span(m['local_over_record'].sub(1).mul(100), '+.1f')}% "
                    "in these cells.")
     return Prose(*out)
+
+
+def link_calibration(characterizations) -> Prose:
+    """Each host-link platform's M_X^host beside the copy engine's device-to-host rate of the
+    same run, and the no-refit gap-sweep error."""
+    out = []
+    for c in characterizations:
+        cal = c.calibration
+        if cal.link != "host":
+            continue
+        iso = {int(k): f for k, f in cal.isolated.items() if f["capacity_bytes"] is not None}
+        out.append(
+            f"Host link {rec(c.record)} ({c.record.platform}: the same kernels storing into "
+            f"pinned host memory over PCIe): R = {val(cal.drain_rate_GBps, '.1f')} GB/s, "
+            f"{val(cal.drain_rate_GBps / cal.copy_engine_GBps * 100, '.0f')}% of the copy "
+            f"engine's device-to-host rate measured in the same run "
+            f"({val(cal.copy_engine_GBps, '.1f')} GB/s); Q(K) = "
+            f"{span([f['capacity_bytes'] / 2**20 for f in iso.values()], '.2f')} MiB over "
+            f"K = {', '.join(str(k) for k in sorted(iso))}, the knee at "
+            f"{span([f['knee_volume_bytes'] / k / 1024 for k, f in iso.items()], '.0f')} KiB per "
+            f"producer; the gap sweep predicted with no refit to a median |error| of "
+            f"{val(cal.gap_issue_err_pct, '.2f')}% in T_iss ("
+            f"{val(cal.gap_drain_branch_err_pct, '.2f')}% on the drain branch, where each "
+            f"burst's issue grows toward V/R − G).")
+    return Prose(*out)
