@@ -306,3 +306,25 @@ def test_measured_skew_explains_the_long_gap_plateau():
     assert (longest["t_iss_sim_us"] > 4 * longest["t_iss_us"]).all()
     assert np.allclose(longest["t_iss_skew_sim_us"], longest["t_iss_us"], rtol=0.05)
     assert (longest["regime"] != "aligned").all()
+
+
+# --- the tile table (issue 26 item 3) -------------------------------------------------------------
+
+def test_tile_table_waits_for_rows_and_stalls_on_a_full_x_stage():
+    from xstage_lab.simulator import L1_TILE as A, L2_TILE as B, simulate_tile_table
+
+    # program 0: both Linear-1 tiles of row 0; program 1: row 0's Linear-2 tile, which waits
+    progs = [[(A, 0, 0.0), (A, 0, 0.0)], [(B, 0, 1e6)]]
+    out = simulate_tile_table(progs, 2, [1.0, 2.0], [0.5, 0.5], 1.0, 5e5)
+    # row 0 ends at 3.0; the Linear-2 mainloop to 5.0; 1 MB into an empty X-Stage of Q = 0.5 MB
+    # at 1 GB/s (1000 B/µs): its stores are in once 0.5 MB remain, 500 µs later
+    assert out["l2_wait_us"] == 3.0 and out["stall_us"] == pytest.approx(500.0)
+    assert out["makespan_us"] == pytest.approx(505.5)
+    # nothing remote: no stall; two bursts within Q: none either
+    assert simulate_tile_table(progs, 2, [1.0, 2.0], [0.5, 0.5], 1.0, 2e6)["stall_us"] == 0.0
+    # two programs' bursts share the X-Stage: the second, issued while the first drains, waits
+    both = [[(B, 0, 1e6)], [(B, 0, 1e6)]]
+    shared = simulate_tile_table([[(A, 0, 0.0)], *both], 1, [1.0, 1.0], [0.0, 0.0], 1.0, 1e6)
+    assert shared["stall_us"] == pytest.approx(1000.0) and shared["stall_per_l2_us"] == 500.0
+    with pytest.raises(ValueError, match="deadlocks"):
+        simulate_tile_table([[(B, 0, 0.0)]], 1, [1.0, 1.0], [0.0, 0.0], 1.0, 1.0)

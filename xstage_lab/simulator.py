@@ -380,3 +380,72 @@ def moe_schedules(cal, t_l1_mma_us: float, t_l2_mma_us: float, l2_tile_bytes: in
     return {"traces": traces, "t_iss0_us": t0,
             "sufficient": interleaving_sufficient(volume, t0, cal.drain_rate_GBps, t_l2_mma_us,
                                                   t_l1_mma_us, l1_per_l2, 1)}
+
+
+L1_TILE, L2_TILE = 0, 1
+
+
+def simulate_tile_table(programs: Sequence[Sequence[tuple[int, int, float]]],
+                        l1_tiles_per_row: int, mainloop_us: Sequence[float],
+                        epilogue_us: Sequence[float], drain_rate: float,
+                        capacity: float) -> dict:
+    """Play a fused MoE kernel's tile table on the CPU: every program walks its tiles
+    (``(kind, row block, remote bytes)``, kind ``L1_TILE`` or ``L2_TILE``) in order; a tile runs
+    its mainloop (``mainloop_us[kind]``) then its epilogue (``epilogue_us[kind]``). A Linear-2
+    tile starts only once all ``l1_tiles_per_row`` Linear-1 tiles of its row block have ended
+    (the row counter the kernel spins on). A Linear-2 epilogue's remote bytes enter one X-Stage
+    that every program shares, FIFO, drained at R: the epilogue's stores are issued once the
+    outstanding volume is back under Q, so a burst into a full X-Stage stalls its program by
+    (q + V − Q)/R (eqs. 3, 7 for bursts that are small against Q, as a tile's are).
+
+    Returns the makespan, the stall summed over programs and per Linear-2 tile, and the time
+    Linear-2 tiles waited for their rows, all in µs (``drain_rate`` in GB/s, bytes)."""
+    if drain_rate <= 0 or capacity < 0 or l1_tiles_per_row < 1:
+        raise ValueError("drain_rate must be > 0, capacity >= 0, l1_tiles_per_row >= 1")
+    drain = drain_rate * _BYTES_PER_US_PER_GBPS
+    rows = 1 + max((row for prog in programs for _, row, _ in prog), default=-1)
+    remaining = [l1_tiles_per_row] * rows
+    row_done = [np.inf] * rows
+    parked: list[list[int]] = [[] for _ in range(rows)]
+    nxt = [0] * len(programs)
+    ready = [0.0] * len(programs)  # when each program was free to start its next tile
+    events = [(0.0, g, 0) for g, prog in enumerate(programs) if prog]  # (time, program, phase)
+    heapq.heapify(events)
+    empty_at = 0.0  # when the X-Stage would be empty (q(t) = R·max(0, empty_at − t))
+    makespan = stall = wait = 0.0
+    l2_tiles = 0
+    while events:
+        t, g, phase = heapq.heappop(events)
+        kind, row, volume = programs[g][nxt[g]]
+        if phase == 0:  # the tile starts, or waits for its row's Linear-1 tiles
+            if kind == L2_TILE and remaining[row]:
+                parked[row].append(g)
+                continue
+            start = max(t, row_done[row]) if kind == L2_TILE else t
+            wait += start - ready[g]
+            heapq.heappush(events, (start + mainloop_us[kind], g, 1))
+            continue
+        issue = 0.0
+        if kind == L2_TILE:
+            l2_tiles += 1
+            if volume > 0:
+                empty_at = max(empty_at, t) + volume / drain
+                issue = max(0.0, empty_at - capacity / drain - t)
+        end = t + issue + epilogue_us[kind]
+        stall += issue
+        makespan = max(makespan, end)
+        if kind == L1_TILE:
+            remaining[row] -= 1
+            if not remaining[row]:
+                row_done[row] = end
+                for waiting in parked[row]:
+                    heapq.heappush(events, (end, waiting, 0))
+                parked[row].clear()
+        nxt[g] += 1
+        ready[g] = end
+        if nxt[g] < len(programs[g]):
+            heapq.heappush(events, (end, g, 0))
+    if any(parked):
+        raise ValueError("the tile table deadlocks: Linear-2 tiles wait on rows no tile ends")
+    return {"makespan_us": makespan, "stall_us": stall,
+            "stall_per_l2_us": stall / l2_tiles if l2_tiles else 0.0, "l2_wait_us": wait}

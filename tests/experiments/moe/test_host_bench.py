@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -42,7 +43,6 @@ def test_the_derived_lead_covers_the_linear2_streams_span():
     assert knee == 3 and skew_lead(knee, 132, 11) == 3 + 12
     # where P_2 >= G the Linear-2 stream spans one row: one more than eq. 16
     assert skew_lead(2, 16, 56) == 3
-    assert hb.leads(3, 15) == [3, 15, 30, 60]
     with pytest.raises(ValueError):
         skew_lead(0, 132, 11)
 
@@ -208,3 +208,27 @@ def test_host_view_joins_a_runs_chunks_and_finds_the_misses(tmp_path):
 def plots_host(c):
     from xstage_lab import plots
     return plots.moe_host_speedups(c, "x-host", 5.0)
+
+
+def test_the_forecasts_auto_pick_is_timed_as_its_own_method(host_run):
+    args, root, _ = host_run
+    table = forecast_table([1, 8]).assign(
+        auto_schedule=lambda t: ["wave" if h == 1 else "interleaved_d3" for h in t["host_share"]])
+    write_record("moe_host_forecast", "cpu-host", table, {}, {}, root)
+    harness.run(hb.MoEHost(device="cpu"), args)
+    rows = json.loads(args.out.read_text())["rows"]
+    assert [r["auto_lead"] for r in rows] == [0, 3, 0, 3]
+    for r in rows:
+        assert "auto" in r["host_spin_errors"] and r["auto_us"] == r["auto_us"] > 0
+
+
+def test_host_rows_per_block_count_real_rows_of_the_first_sources():
+    from xstage_lab.experiments.moe.tile_forecast import host_rows_per_block
+    from xstage_lab.ops.moe.schedules import lead_sweep
+
+    src = np.array([0, 1, 2, 0, 3, 0, 0, 1])
+    slot = np.array([5, 6, 7, -1, 1, 2, 3, -1])  # two padding rows
+    assert host_rows_per_block(src, slot, 4, 1).tolist() == [1, 2]
+    assert host_rows_per_block(src, slot, 4, 2).tolist() == [2, 2]
+    assert host_rows_per_block(src, slot, 4, 8).tolist() == [3, 3]
+    assert lead_sweep(3, 15) == [3, 15, 30, 60] and lead_sweep(9, 9) == [9, 18, 36]

@@ -235,14 +235,20 @@ def compute_host_forecast(kernel_platform: str, host_platform: str, tokens: int,
     routings, each host share, on the host link's latest calibration; and its parameters.
     Written before the host-link matrix is measured (``moe.host_bench``), which names it."""
     from ...records import latest_record
+    from . import tile_forecast as tiled
     from .kernel_view import latest_view
     from ..remote_store.characterization import latest_calibration
 
     kernel = latest_view(kernel_platform, root)
     cal_record = latest_record("calibration", host_platform, root)
     cells = kernel_inputs(kernel.table, basis=None)
-    table = host_forecast(cells[cells["tokens"] == tokens].reset_index(drop=True),
-                          latest_calibration(host_platform, root).platform_model())
+    platform = latest_calibration(host_platform, root).platform_model()
+    table = host_forecast(cells[cells["tokens"] == tokens].reset_index(drop=True), platform)
+    # the tile-by-tile forecast beside it, and the schedule it picks (auto)
+    tiles = tiled.tile_forecast(kernel.table[kernel.table["tokens"] == tokens], platform,
+                                HOST_SHARES)
+    table = table.merge(tiles, on=["model", "precision", "routing", "tokens", "host_share"],
+                        how="left", validate="one_to_one")
     params = {"link": "host",
               "kernel_records": [f"moe_kernel/{kernel_platform}/{r.record_id}"
                                  for r in kernel.records],
@@ -250,7 +256,8 @@ def compute_host_forecast(kernel_platform: str, host_platform: str, tokens: int,
               "tokens": tokens, "host_shares": list(HOST_SHARES),
               "method": __doc__.split("\n\n", 1)[1] + "\n\nHost link: the remote share is the "
                         "host share h/8 (the Combine buffers of h of the eight source ranks are "
-                        "pinned host memory); the calibration is the host link's."}
+                        "pinned host memory); the calibration is the host link's.\n\n"
+                        + tiled.__doc__}
     return table, params
 
 

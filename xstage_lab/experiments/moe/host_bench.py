@@ -57,7 +57,7 @@ from ..harness import Experiment, Run
 from ...ops.moe.combine import host_combine_peers
 from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
 from ...ops.moe.schedules import (L2, Schedule, expert_wave_schedule, interleaved_schedule,
-                                  skew_lead)
+                                  lead_sweep, skew_lead)
 from ...ops.moe.shapes import PRECISIONS, ROUTINGS, load_shapes
 from ...ops.moe.tiles import KERNELS, default_tile_config, kernel_unsupported
 from ...ops.moe.weights import local_expert_weights
@@ -69,15 +69,6 @@ DEFAULT_TOKENS = (4096,)
 DEFAULT_SHARES = (1, 2, 4, 8)
 # The launches whose every Combine store is local: they leave the host buffers alone.
 LOCAL = frozenset({"wave_local", "interleaved_local"})
-# The D sweep, as multiples of the derived lead (skew_lead), beside D_knee itself.
-LEAD_MULTIPLES = (1, 2, 4)
-
-
-def leads(knee: int, lead: int) -> list[int]:
-    """The Interleaved leads a point times: D_knee (eq. 16) and multiples of the derived lead."""
-    return sorted({knee, *(m * lead for m in LEAD_MULTIPLES)})
-
-
 @dataclasses.dataclass
 class HostStep:
     """One point: the all-local cell, the host buffers and the launches into them."""
@@ -214,13 +205,29 @@ class MoEHost(Experiment):
                                          fence=fence)
 
         schedules = {d: interleaved_schedule(cell.problem, self.programs, d)
-                     for d in leads(cell.knee, lead)}
+                     for d in lead_sweep(cell.knee, lead)}
         wave = expert_wave_schedule(cell.problem, self.programs)
+        auto = self._auto_lead(point)
+        if auto:  # a lead outside the sweep
+            schedules.setdefault(auto, interleaved_schedule(cell.problem, self.programs, auto))
         calls = {"wave": launch(wave), "wave_local": cell.calls["wave"],
                  "wave_fenced": launch(wave, fence=True),
                  **{f"interleaved_d{d}": launch(s) for d, s in schedules.items()},
                  "interleaved_local": launch(schedules[lead], cell.peers)}
+        if auto is not None:  # the schedule the forecast picks, as a method of its own
+            calls["auto"] = launch(schedules[auto] if auto else wave)
         return HostStep(point, cell, host, lead, wave, calls, dict(checked), failures)
+
+    def _auto_lead(self, point: dict) -> int | None:
+        """The schedule the forecast picks for the point (``tile_forecast``'s
+        ``auto_schedule``): 0 for Expert-Wave, else Interleaved's lead; None where the forecast
+        record picks none."""
+        if point["host_share"] < 1 or "auto_schedule" not in self.forecast:
+            return None
+        name = self.forecast.loc[tuple(point[k] for k in ("model", "precision", "routing",
+                                                          "tokens", "host_share")),
+                                 "auto_schedule"]
+        return 0 if name == "wave" else int(name.removeprefix("interleaved_d"))
 
     def check(self, step: HostStep, run: Run) -> list[str]:
         """Step 1 of the module docstring."""
@@ -274,8 +281,9 @@ class MoEHost(Experiment):
         programs = step.wave.programs
         l2_bursts = sum(t.kind == L2 for prog in programs for t in prog) / len(programs)
         return {**kb.cell_row_base(cell), "host_share": p["host_share"],
-                "lead_rows": step.lead, "leads": leads(cell.knee, step.lead), **cols,
+                "lead_rows": step.lead, "leads": lead_sweep(cell.knee, step.lead), **cols,
                 "interleaved_us": us[f"interleaved_d{step.lead}"],
+                "auto_lead": self._auto_lead(p), "auto_us": us.get("auto"),
                 "interleaved_best": best, "interleaved_best_us": us[best],
                 "measured_stall_us": (us["wave"] - us["wave_local"]) / l2_bursts,
                 "measured_speedup": us["wave"] / us[f"interleaved_d{step.lead}"],
@@ -300,7 +308,8 @@ class MoEHost(Experiment):
                             "buffers of source ranks 0..h-1 pinned host memory, the rest local",
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                 "kernel": args.kernel, "tile_configs": self.tile_configs,
-                "lead_multiples": list(LEAD_MULTIPLES), "tolerance": kb.TOLERANCE,
+                "leads": "schedules.lead_sweep: D_knee, and the derived lead times 1, 2, 4",
+                "tolerance": kb.TOLERANCE,
                 "timing": f"{TIMING_METHOD}; one process; {args.graph_iters} calls per trial, "
                           "CUDA-graph replays"}
 
@@ -308,7 +317,8 @@ class MoEHost(Experiment):
 # The forecast's columns each measured row carries (prefixed ``forecast_``).
 FORECAST_COLUMNS = ("burst_volume", "g_wave_us", "v_over_r_us", "g_star_us", "action",
                     "predicted_stall_us", "predicted_span_us", "predicted_wave_us",
-                    "predicted_interleaved_us", "predicted_speedup")
+                    "predicted_interleaved_us", "predicted_speedup", "auto_predicted_us",
+                    "tile_wave_us")
 
 EXPERIMENT = MoEHost()
 

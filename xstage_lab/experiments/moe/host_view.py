@@ -104,10 +104,11 @@ def misses(view: HostView) -> pd.DataFrame:
 
 
 def summary_entry(platform: str, root: Path = RECORDS_DIR) -> dict:
-    """The ``moe_host_link`` entry: one row per cell (``SUMMARY_KEYS``); ``auto_us`` is None until
-    a run times the ``auto`` schedule."""
+    """The ``moe_host_link`` entry: one row per cell (``SUMMARY_KEYS``); ``auto_us`` is None
+    where the run's forecast picked no schedule (records before the tile forecast)."""
     view = latest_host_view(platform, root)
-    c = comparison(view).assign(auto_us=None)
+    c = comparison(view)
+    c["auto_us"] = view.table["auto_us"] if "auto_us" in view.table else None
     return {"forecast_record": view.forecast_record,
             "rows": [{k: _plain(r[k]) for k in SUMMARY_KEYS} for r in c.to_dict("records")]}
 
