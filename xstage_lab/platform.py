@@ -333,12 +333,13 @@ def choose_backend(requested: str = "auto", inv: Inventory | None = None) -> Bac
     return BackendChoice("replay", requested, f"no two peer-capable GPUs ({seen}): committed records")
 
 
-def platform_name(inv: Inventory | None = None) -> str:
-    """A short platform key such as ``h200-x4``: GPU model and count."""
+def platform_name(inv: Inventory | None = None, link: str = "nvlink") -> str:
+    """A short platform key such as ``h200-x4``: GPU model and count (and the link, where it is
+    the host's: ``h200-x1-host``)."""
     inv = inventory() if inv is None else inv
     if not inv.gpus:
         raise RuntimeError(f"no GPU visible ({inv.error})")
-    return platform_key(inv.gpus[0].name, len(inv.gpus))
+    return platform_key(inv.gpus[0].name, len(inv.gpus), link)
 
 
 def platform_key(gpu_name: str, gpu_count: int, link: str = "nvlink") -> str:

@@ -275,6 +275,21 @@ def dense_ceiling(rows: int, hidden: int, intermediate: int, precision: str, *, 
         torch._scaled_mm(hq, w2q.t(), scale_a=sh, scale_b=s2, out_dtype=torch.bfloat16))
 
 
+def kernel_device(device, kernel: str, who: str) -> torch.device:
+    """``device`` where given (the CPU tests'), else this process's CUDA GPU, checked to run
+    ``kernel``, with float32 matrix products that are float32 (the reference), not TF32."""
+    if device is not None:
+        return torch.device(device)
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{who} needs a CUDA GPU")
+    on = torch.device("cuda", torch.cuda.current_device())
+    why = kernel_unsupported(kernel, on)
+    if why:
+        raise SystemExit(why)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return on
+
+
 # ----------------------------------------------------------------------------------- one cell
 
 @dataclass
@@ -655,16 +670,7 @@ class MoEKernel(Experiment):
     def start(self, run: Run) -> None:
         """This GPU (the reference float32, not TF32), its persistent programs, the run's tile
         configurations and one-token calls."""
-        if self.device is None:
-            if not torch.cuda.is_available():
-                raise SystemExit("moe.kernel_bench needs a CUDA GPU")
-            self.on = torch.device("cuda", torch.cuda.current_device())
-            why = kernel_unsupported(run.args.kernel, self.on)
-            if why:
-                raise SystemExit(why)
-            torch.backends.cuda.matmul.allow_tf32 = False  # the reference is float32, not TF32
-        else:
-            self.on = torch.device(self.device)
+        self.on = kernel_device(self.device, run.args.kernel, "moe.kernel_bench")
         self.programs = (run.args.programs
                          or torch.cuda.get_device_properties(self.on).multi_processor_count)
         self.shapes = load_shapes()
