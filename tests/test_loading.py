@@ -2,7 +2,7 @@
 import pytest
 
 from xstage_lab import Loaded, load, loading
-from xstage_lab.experiments.moe.kernel_view import KernelView
+from xstage_lab.analysis.moe.kernel_view import KernelView
 from xstage_lab.experiments.remote_store.characterization import Characterization
 from xstage_lab.platform import BackendChoice
 from xstage_lab.records import list_records, platforms, read_record

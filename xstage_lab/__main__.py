@@ -111,7 +111,7 @@ def _characterize(args) -> int:
                                 link=args.link)
     print(f"wrote {path}")
     if args.calibrate:
-        from .experiments.remote_store.characterization import write_calibration
+        from .analysis.remote_store.characterization import write_calibration
         print(f"wrote {write_calibration(path, root=args.root)}")
     return 0
 
@@ -142,7 +142,7 @@ def _characterize_beyond(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from .experiments.remote_store.characterization import write_calibration
+    from .analysis.remote_store.characterization import write_calibration
     from .records import read_record
 
     try:

@@ -42,7 +42,7 @@ def _analysis(experiment: str) -> Callable[[Record, Path], object]:
 
 
 def _latest_kernel_view(platform: str, root: Path):
-    from .experiments.moe.kernel_view import latest_view
+    from .analysis.moe.kernel_view import latest_view
 
     return latest_view(platform, root)
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from .experiments.moe import trace as moe_trace
-from .experiments.attention.model import summary_counterfactual as attention_counterfactual
-from .experiments.remote_store.visibility import summary_entry as visibility_entry
+from .analysis.moe import trace as moe_trace
+from .analysis.attention.model import summary_counterfactual as attention_counterfactual
+from .analysis.remote_store.visibility import summary_entry as visibility_entry
 from .loading import load
 from .records import RECORDS_DIR, Record, list_records, platforms, read_record
 
@@ -78,7 +78,7 @@ def _plain(value):
 
 def patterns_entry(platform: str, root: Path) -> dict:
     """The ``patterns`` entry: injection patterns, from the latest record."""
-    from .experiments.remote_store.patterns import summary_entry
+    from .analysis.remote_store.patterns import summary_entry
 
     rec = _latest("remote_patterns", platform, root)
     return summary_entry(rec.params, rec.record_id)
@@ -86,7 +86,7 @@ def patterns_entry(platform: str, root: Path) -> dict:
 
 def operations_entry(platform: str, root: Path) -> dict:
     """The ``operations`` entry: remote operations beyond 16-byte stores."""
-    from .experiments.remote_store.ops import summary_entry
+    from .analysis.remote_store.operations import summary_entry
 
     rec = _latest("remote_ops", platform, root)
     return summary_entry(rec.params, rec.record_id)
@@ -95,7 +95,7 @@ def operations_entry(platform: str, root: Path) -> dict:
 def moe_kernel_entry(platform: str, root: Path) -> dict:
     """The ``moe_kernel`` entry: the fused kernel on one GPU against cuBLAS and torch's grouped
     GEMMs, and the one-token call."""
-    from .experiments.moe.kernel_view import summary_entry
+    from .analysis.moe.kernel_view import summary_entry
 
     return summary_entry(platform, root)
 
@@ -103,7 +103,7 @@ def moe_kernel_entry(platform: str, root: Path) -> dict:
 def moe_layer_entry(platform: str, root: Path) -> dict:
     """The ``moe_layer`` entry: the fused MoE layer per call, from the router's output to the
     layer's output, beside the unfused path and today's host-scheduled call."""
-    from .experiments.moe.layer_view import summary_entry
+    from .analysis.moe.layer_view import summary_entry
 
     return summary_entry(_latest("moe_layer", platform, root).table)
 
@@ -111,7 +111,7 @@ def moe_layer_entry(platform: str, root: Path) -> dict:
 def moe_forecast_entry(platform: str, root: Path) -> dict:
     """The ``moe_forecast`` entry: per model, precision and P, what the Burst–Gap model predicts
     for the Linear-2 Combine bursts from the kernel's one-GPU times."""
-    from .experiments.moe.forecast import summary_entry
+    from .analysis.moe.forecast import summary_entry
 
     return summary_entry(platform, root)
 

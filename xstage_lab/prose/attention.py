@@ -124,7 +124,7 @@ def power() -> Prose:
 def tuning(table: pd.DataFrame) -> Prose:
     """The latest tuning run of each head dim and local head count: the fastest configuration
     per M and its paired ratio to cuDNN."""
-    from ..experiments.attention.model import tuning_best
+    from ..analysis.attention.model import tuning_best
 
     best = tuning_best(table)
     heads = table.groupby("record")["heads"].first()
@@ -173,7 +173,7 @@ def kernel_probes() -> Prose:
 
 def residuals(predictions: dict) -> Prose:
     """Fig. 11: the predictions against the paired residuals of the latest records."""
-    from ..experiments.attention.model import prediction_check
+    from ..analysis.attention.model import prediction_check
 
     out = []
     for platform, table in predictions.items():
@@ -206,7 +206,7 @@ def residuals(predictions: dict) -> Prose:
 def fenced(records) -> Prose:
     """The fenced Fused against the decoupled one, paired per trial: the latest record of each
     platform in detail, the others one line each."""
-    from ..experiments.attention.model import fenced_vs_decoupled
+    from ..analysis.attention.model import fenced_vs_decoupled
     from ..records import list_records, read_record
 
     out = []

@@ -121,7 +121,7 @@ def _drain_us(k, b, rate_GBps: float) -> float:
 def visibility_latency(visibilities) -> Prose:
     """Issue end to flag visible per (K, B): at the gaps at least the burst's own drain V/R, and
     at the shorter ones, where the next burst's stores are issued before the flag's release."""
-    from ..experiments.remote_store.visibility import _calibration_completion
+    from ..analysis.remote_store.visibility import calibration_completion as _calibration_completion
 
     out = []
     for v in visibilities:
@@ -153,7 +153,7 @@ def visibility_latency(visibilities) -> Prose:
 def visibility_vs_complete(visibilities) -> Prose:
     """The aligned first burst over the isolated gaps against T_complete = V/R + T_lat, per K,
     held against the clock bound; the fenced sweep's own measurement where it has the point."""
-    from ..experiments.remote_store.visibility import _calibration_completion
+    from ..analysis.remote_store.visibility import calibration_completion as _calibration_completion
     from ..records import latest_record
 
     out = []

@@ -71,8 +71,8 @@ def attention_verdicts(fa_records) -> Prose:
     """The design test for the attention kernel's aligned worst case against the measured
     paired residual, on each platform's latest ``fa_a2a`` record."""
     from .. import plots
-    from ..experiments.attention.model import record_predictions, verdict_agreement
-    from ..experiments.remote_store.characterization import latest_calibration
+    from ..analysis.attention.model import record_predictions, verdict_agreement
+    from ..analysis.remote_store.characterization import latest_calibration
     from ..records import latest_record
 
     out = []
@@ -130,7 +130,7 @@ def vals_us(values) -> str:
 
 
 def trace_launch_order(table: pd.DataFrame) -> Prose:
-    """``experiments.attention.trace.first_wave_by_launch_order``: the first wave by what the
+    """``analysis.attention.trace.first_wave_by_launch_order``: the first wave by what the
     traced launch followed."""
     if table.empty:
         return Prose()
@@ -147,7 +147,7 @@ def trace_verdicts(record, verdicts: pd.DataFrame, simulated: pd.DataFrame) -> P
     """The design test on the measured attention bursts, first wave and later waves, and the
     simulator on the measured schedule."""
     from .. import plots
-    from ..experiments.remote_store.characterization import latest_calibration
+    from ..analysis.remote_store.characterization import latest_calibration
     from ..records import latest_record
 
     cal = latest_calibration(record.platform)
@@ -199,8 +199,8 @@ def trace_verdicts(record, verdicts: pd.DataFrame, simulated: pd.DataFrame) -> P
 
 def moe_verdicts(trace_records) -> Prose:
     """The design test for the fused MoE kernel against the measured spans."""
-    from ..experiments.moe import trace as moe_trace
-    from ..experiments.remote_store.characterization import latest_calibration
+    from ..analysis.moe import trace as moe_trace
+    from ..analysis.remote_store.characterization import latest_calibration
     from ..records import latest_record
 
     out = []

@@ -14,7 +14,7 @@ import torch
 from tests.experiments.moe.test_kernel_bench import SEED, TINY, TOKENS, EmulatedLaunch
 from xstage_lab.experiments import harness
 from xstage_lab.experiments.moe import host_bench as hb, kernel_bench as kb
-from xstage_lab.experiments.moe.forecast import host_share_fraction
+from xstage_lab.analysis.moe.forecast import host_share_fraction
 from xstage_lab.ops.moe.combine import host_combine_peers
 from xstage_lab.ops.moe.fused import prepare_fused_moe
 from xstage_lab.ops.moe.schedules import d_knee, skew_lead

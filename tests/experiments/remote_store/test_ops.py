@@ -11,11 +11,13 @@ from tests.experiments.remote_store.test_characterization import make_inv
 from tests.synthetic import KNOWN, capacity, issue_floor, synthetic_beyond_table
 from xstage_lab import model
 from xstage_lab.calibration import kb_key
-from xstage_lab.experiments.remote_store.ops import (
-    _POISON, GAP_FRACTIONS, MIN_BURSTS, OP_CODES, OPS, OpsSettings, config_sweeps,
-    drain_share, expected_load_sums, fit_config, fit_entry, format_routes, kernel_op_codes,
-    no_refit_error, parse_routes, stamps_bytes, validate_ops_point)
-from xstage_lab.experiments.remote_store.characterization import KIB, MIB, BenchSettings
+from xstage_lab.ops.remote_store.burst import _POISON
+from xstage_lab.experiments.remote_store.ops import GAP_FRACTIONS, MIN_BURSTS, OPS, OpsSettings, config_sweeps, fit_entry, format_routes, parse_routes
+from xstage_lab.ops.remote_store.operations import OP_CODES, expected_load_sums, kernel_op_codes, stamps_bytes, validate_ops_point
+from xstage_lab.analysis.remote_store.routes import drain_share
+from xstage_lab.analysis.remote_store.operations import fit_config, no_refit_error
+from xstage_lab.experiments.remote_store.characterization import KIB, BenchSettings
+from xstage_lab.calibration import MIB
 
 INV2 = make_inv(2)
 GOOD = dict(op="store16", routes="0>1", mode="periodic", path="remote", producers=132,

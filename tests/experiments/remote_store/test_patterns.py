@@ -7,12 +7,13 @@ import pytest
 
 from tests.experiments.remote_store.test_characterization import make_inv
 from tests.synthetic import KNOWN, synthetic_beyond_table
-from xstage_lab.experiments.remote_store.patterns import (PATTERNS, baseline_route, pattern_fits,
-                                                      pattern_instances, route_sets)
-from xstage_lab.experiments.remote_store.ops import (config_sweeps, drain_share, parse_routes,
-                                               validate_ops_point)
+from xstage_lab.experiments.remote_store.patterns import PATTERNS, pattern_fits, pattern_instances, route_sets
+from xstage_lab.analysis.remote_store.patterns import baseline_route
+from xstage_lab.experiments.remote_store.ops import config_sweeps, parse_routes
+from xstage_lab.analysis.remote_store.routes import drain_share
+from xstage_lab.ops.remote_store.operations import validate_ops_point
 from xstage_lab.experiments.remote_store.characterization import BenchSettings
-from xstage_lab.experiments.remote_store import tables
+from xstage_lab.analysis.remote_store import tables
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])

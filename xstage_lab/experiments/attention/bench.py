@@ -54,8 +54,8 @@ from ...dist_timing import (all_gather_objects, read_sm_clock_mhz, require_safe_
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
-from . import ulysses as att
-from .model import paired_difference
+from ...ops import attention as att
+from ...analysis.attention.model import paired_difference
 
 DEFAULT_SEQ = (8192, 16384, 32768, 49152, 65536)
 # fa, fused, fused_fenced and the same-code controls are neighbours so that each trial's rotation

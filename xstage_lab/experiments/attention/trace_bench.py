@@ -39,7 +39,7 @@ from ...checks import bitwise_equal
 from ...dist_timing import read_sm_clock_mhz
 from .. import harness
 from ..harness import Run
-from . import ulysses as att
+from ...ops import attention as att
 from .bench import (DEVICE, SETTLE_S, UlyssesAttention, add_shape_arguments, check_shape_args,
                     settle)
 

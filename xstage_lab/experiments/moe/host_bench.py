@@ -14,7 +14,7 @@ the buffer's host address is its device address, checked), the other 8 − h sta
 sources cross PCIe as posted writes and drain after the consumer warpgroups move on.
 
 First the forecast: the run refuses to start without this platform's ``moe_host_forecast``
-record (``python -m xstage_lab.experiments.moe.forecast --host-link <gpu>-host --root
+record (``python -m xstage_lab.analysis.moe.forecast --host-link <gpu>-host --root
 data/records``: the Burst–Gap
 model on the host link's calibration and the one-GPU kernel record's per-tile times), and its
 record names that forecast and copies its prediction into each row.
@@ -63,7 +63,7 @@ from ...ops.moe.tiles import KERNELS, default_tile_config, kernel_unsupported
 from ...ops.moe.weights import local_expert_weights
 from . import kernel_bench as kb
 from .bench import cell_seed
-from .forecast import HOST_SHARE_SOURCES
+from ...analysis.moe.forecast import HOST_SHARE_SOURCES
 
 DEFAULT_TOKENS = (4096,)
 DEFAULT_SHARES = (1, 2, 4, 8)
@@ -170,7 +170,7 @@ class MoEHost(Experiment):
                                      run.args.root or RECORDS_DIR)
         except FileNotFoundError:
             raise SystemExit(f"no moe_host_forecast record of {self.platform}: write the forecast "
-                             f"first (python -m xstage_lab.experiments.moe.forecast --host-link "
+                             f"first (python -m xstage_lab.analysis.moe.forecast --host-link "
                              f"{self.platform} --root data/records)") from None
         self.forecast_id = f"moe_host_forecast/{self.platform}/{forecast.record_id}"
         self.forecast = forecast.table.set_index(["model", "precision", "routing", "tokens",

@@ -83,9 +83,9 @@ from ...ops.moe.weights import ExpertWeights, local_expert_weights, quantize_row
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
-from . import trace as moe_trace
+from ...analysis.moe import trace as moe_trace
 from .bench import TOLERANCE, cell_seed
-from .kernel_view import KernelView
+from ...analysis.moe.kernel_view import KernelView
 
 EP = 8          # the paper's eight-GPU setting
 RANK = 0        # the rank this GPU plays: local experts 0 .. E/8 - 1
@@ -728,7 +728,7 @@ class MoEKernel(Experiment):
         """The EP = 2, 4, 8 forecast from this platform's kernel records, on its calibration
         where it has one."""
         from ...records import platforms
-        from .forecast import write_forecast
+        from ...analysis.moe.forecast import write_forecast
 
         platform = path.parent.name
         return ([write_forecast(platform, platform, root)]

@@ -65,7 +65,7 @@ from ...records import read_record
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
-from . import trace as moe_trace
+from ...analysis.moe import trace as moe_trace
 from .bench import (TOLERANCE, ConfigSetup, add_layer_arguments, cell_seed, check_layer_args,
                     combine_output, setup_config, start_expert_parallel)
 

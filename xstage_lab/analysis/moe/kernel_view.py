@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 from scipy.stats import gmean
 
-from ...ops.moe.shapes import PRECISIONS
+from . import PRECISIONS
 from ...records import list_records, read_record
 
 SUMMARY_KEYS = ("model", "precision", "routing", "tokens", "kernel_wave_us",

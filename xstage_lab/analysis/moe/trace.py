@@ -35,7 +35,7 @@ import pandas as pd
 from scipy.stats import gmean
 
 from ...model import critical_path_stall
-from ...ops.moe.schedules import L1, L2
+from . import L1, L2
 
 TRACE_COLUMNS = ("clk0", "clk1", "clk2", "clk3", "gt0", "gt1", "gt2", "gt3", "smid", "spins")
 
