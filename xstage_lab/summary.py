@@ -16,7 +16,8 @@ from .analysis.moe import trace as moe_trace
 from .analysis.attention.model import summary_counterfactual as attention_counterfactual
 from .analysis.remote_store.visibility import summary_entry as visibility_entry
 from .loading import load
-from .records import RECORDS_DIR, Record, list_records, platforms, read_record
+from .records import RECORDS_DIR, Record
+from .loading import record_paths as list_records, platforms, read as read_record
 
 
 def _latest(experiment: str, platform: str, root: Path) -> Record:

@@ -73,7 +73,7 @@ def attention_verdicts(fa_records) -> Prose:
     from .. import plots
     from ..analysis.attention.model import record_predictions, verdict_agreement
     from ..analysis.remote_store.characterization import latest_calibration
-    from ..records import latest_record
+    from ..loading import latest as latest_record
 
     out = []
     for r in fa_records:
@@ -148,7 +148,7 @@ def trace_verdicts(record, verdicts: pd.DataFrame, simulated: pd.DataFrame) -> P
     simulator on the measured schedule."""
     from .. import plots
     from ..analysis.remote_store.characterization import latest_calibration
-    from ..records import latest_record
+    from ..loading import latest as latest_record
 
     cal = latest_calibration(record.platform)
     platform = cal.platform_model()
@@ -201,7 +201,7 @@ def moe_verdicts(trace_records) -> Prose:
     """The design test for the fused MoE kernel against the measured spans."""
     from ..analysis.moe import trace as moe_trace
     from ..analysis.remote_store.characterization import latest_calibration
-    from ..records import latest_record
+    from ..loading import latest as latest_record
 
     out = []
     for r in trace_records:

@@ -220,7 +220,7 @@ def condition1(traces) -> Prose:
     from .. import plots
     from ..analysis.moe.trace import condition1_table
     from ..analysis.remote_store.characterization import latest_calibration
-    from ..records import latest_record
+    from ..loading import latest as latest_record
 
     out = []
     for tr in traces:
@@ -494,7 +494,7 @@ def counterfactual(traces) -> Prose:
     """The completion-coupled counterfactual: what fencing each Linear-2 tile costs, with the
     one-GPU fence probe (``moe_fence_probe``) for the fence's local share."""
     from ..analysis.moe.trace import counterfactual_table
-    from ..records import list_records, platforms, read_record
+    from ..loading import record_paths as list_records, platforms, read as read_record
 
     probes = [read_record(p) for pl in platforms("moe_fence_probe")
               for p in list_records("moe_fence_probe", pl)]

@@ -462,8 +462,8 @@ def test_a_chunk_checks_its_first_models_cell_before_timing(fake_steps, tmp_path
 
 
 def test_registered_for_measure_all_and_import():
-    from xstage_lab.experiments import MEASURE_ALL, experiment, module_name
-    assert "moe_trace" in MEASURE_ALL
+    from xstage_lab.experiments import experiment, measure_all_names, module_name
+    assert "moe_trace" in measure_all_names()
     assert module_name("moe_trace") == "xstage_lab.experiments.moe.trace_bench"
     assert experiment("moe_trace").name == "moe_trace"
 

@@ -191,7 +191,7 @@ def compute_forecast(kernel_platform: str, calibration_platform: str,
     """The ``moe_forecast`` table of ``kernel_platform`` (whose latest ``moe_kernel`` record of
     each precision gives the per-tile times: ``kernel_view.latest_view``) on
     ``calibration_platform``'s latest calibration, and the parameters its record keeps."""
-    from ...records import latest_record
+    from ...loading import latest as latest_record
     from .kernel_view import latest_view
     from ..remote_store.characterization import latest_calibration
 
@@ -234,7 +234,7 @@ def compute_host_forecast(kernel_platform: str, host_platform: str, tokens: int,
     of ``kernel_platform``'s latest ``moe_kernel`` records at ``tokens`` per source rank, both
     routings, each host share, on the host link's latest calibration; and its parameters.
     Written before the host-link matrix is measured (``moe.host_bench``), which names it."""
-    from ...records import latest_record
+    from ...loading import latest as latest_record
     from .kernel_view import latest_view
     from ..remote_store.characterization import latest_calibration
 
@@ -273,7 +273,7 @@ HOST_COLUMNS = ("model", "precision", "routing", "tokens", "host_share", "v_over
 
 def summary_entry(platform: str, root: Path = RECORDS_DIR) -> dict:
     """The ``moe_forecast`` entry of ``summary --json``: the latest forecast's rows."""
-    from ...records import latest_record
+    from ...loading import latest as latest_record
 
     table = latest_record("moe_forecast", platform, root).table
     return {"rows": [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()}

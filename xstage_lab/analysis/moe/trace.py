@@ -327,7 +327,7 @@ def _json(v):
 
 def latest_trace_table(platform: str, root) -> pd.DataFrame | None:
     """The table of the platform's latest ``moe_trace`` record, or None where there is none."""
-    from ...records import latest_record
+    from ...loading import latest as latest_record
     try:
         return latest_record("moe_trace", platform, root).table
     except FileNotFoundError:

@@ -13,7 +13,8 @@ import pandas as pd
 from ...calibration import (Calibration, calibrate, calibration_from_dict, calibration_to_dict,
                             launch_means, point_table)
 from ...platform import git_commit
-from ...records import RECORDS_DIR, Record, latest_record, read_record, write_record
+from ...records import RECORDS_DIR, Record, write_record
+from ...loading import latest as latest_record, read as read_record
 
 
 def calibrate_record(rec: Record) -> tuple[Calibration, pd.DataFrame]:

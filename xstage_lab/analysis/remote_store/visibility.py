@@ -13,7 +13,8 @@ import pandas as pd
 
 from ... import model
 from ...calibration import kb_key
-from ...records import RECORDS_DIR, Record, latest_record, list_records
+from ...records import RECORDS_DIR, Record
+from ...loading import latest as latest_record, record_paths as list_records
 from ...sweep import median_spread
 
 EXPERIMENT_NAME = "visibility"

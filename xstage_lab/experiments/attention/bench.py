@@ -468,6 +468,7 @@ class UlyssesAttention(Experiment):
     """Table 3: FA-only, Fused (decoupled and fenced), Serial and their controls per M."""
 
     name = "fa_a2a"
+    in_measure_all = True
     paper = "§5.3, Table 3; timing §5.1"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:

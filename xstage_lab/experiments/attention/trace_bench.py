@@ -154,7 +154,13 @@ class AttentionTrace(UlyssesAttention):
     control instead of the timed methods."""
 
     name = "fa_trace"
+    in_measure_all = True
     paper = "issue 6: the attention epilogue's burst schedule (§3.1 local control)"
+
+    def measure_all_args(self, written, root) -> list[str]:
+        """Each build launched once untraced before its traced launch: the state the Table 3
+        replays run in (notebook 04)."""
+        return ["--repeat-build"]
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_shape_arguments(p)

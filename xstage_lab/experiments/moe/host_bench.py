@@ -151,7 +151,7 @@ class MoEHost(Experiment):
     def start(self, run: Run) -> None:
         """This GPU, its programs, and the forecast this run tests (refused where none exists)."""
         from ...platform import platform_name
-        from ...records import latest_record
+        from ...loading import latest as latest_record
 
         if self.device is None:
             if not torch.cuda.is_available():

@@ -85,7 +85,7 @@ from .. import harness
 from ..harness import Experiment, Run
 from ...analysis.moe import trace as moe_trace
 from .bench import TOLERANCE, cell_seed
-from ...analysis.moe.kernel_view import KernelView
+from ...analysis.moe.kernel_view import KernelView, latest_view
 
 EP = 8          # the paper's eight-GPU setting
 RANK = 0        # the rank this GPU plays: local experts 0 .. E/8 - 1
@@ -586,6 +586,7 @@ class MoEKernel(Experiment):
     """The fused MoE kernel on one GPU against cuBLAS and the unfused path (issue 18)."""
 
     name = "moe_kernel"
+    in_measure_all = True
     paper = "§4.2, §5.2; issue 18 items 2-4; timing §5.1"
     launch = "in_process"
 
@@ -727,8 +728,8 @@ class MoEKernel(Experiment):
     def derived(self, path: Path, root: Path) -> list[Path]:
         """The EP = 2, 4, 8 forecast from this platform's kernel records, on its calibration
         where it has one."""
-        from ...records import platforms
         from ...analysis.moe.forecast import write_forecast
+        from ...loading import platforms
 
         platform = path.parent.name
         return ([write_forecast(platform, platform, root)]
@@ -739,6 +740,11 @@ class MoEKernel(Experiment):
         """One record read as a ``KernelView`` (``latest_view``: a platform's newest record of
         each precision)."""
         return KernelView(record.platform, (record,))
+
+    @classmethod
+    def analyse_platform(cls, platform: str, root: Path) -> KernelView:
+        """A platform's newest record of each precision (``latest_view``)."""
+        return latest_view(platform, root)
 
     def metadata(self, run: Run) -> dict:
         args = run.args

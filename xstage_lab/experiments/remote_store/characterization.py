@@ -146,6 +146,7 @@ class BurstGapCharacterization(Experiment):
     of its repeats is kept."""
 
     name = "remote_store"
+    in_measure_all = True
     paper = "§3, Fig. 3"
     launch = "in_process"
     resolution = BURST_RESOLUTION

@@ -341,6 +341,8 @@ class Operations(ConfigCalibration):
     (``calibrate_isolated``), fitted against the 16-byte stores of the same run."""
 
     name = "remote_ops"
+    in_measure_all = True
+    optional = True
     paper = "issue 6 part 2 (§3's model beyond 16-byte stores)"
     budget_s = OPS_BUDGET_S
 

@@ -85,6 +85,8 @@ class Patterns(ConfigCalibration):
     one after another on one bench; every source fitted."""
 
     name = "remote_patterns"
+    in_measure_all = True
+    optional = True
     paper = "issue 6 part 1 (§3's model under multi-peer injection)"
     budget_s = PATTERNS_BUDGET_S
 

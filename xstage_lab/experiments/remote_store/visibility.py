@@ -63,6 +63,8 @@ class VisibilityLatency(Experiment):
     before any of its repeats is kept."""
 
     name = "visibility"
+    in_measure_all = True
+    optional = True
     paper = "§3 (issue 8 part 2)"
     launch = "in_process"
 
