@@ -72,7 +72,8 @@ def test_measure_all_launches_every_rank_of_eight_gpus(tmp_path, monkeypatch):
         tail = cmd[out + 2:]
         assert tail[0] == "--no-progress"
         if name == "moe":
-            assert tail[1:] == ["--matrix", str(launch.MOE_MATRIX)]
+            from xstage_lab.experiments.moe.bench import MOE_MATRIX
+            assert tail[1:] == ["--matrix", str(MOE_MATRIX)]
         elif name == "moe_trace":
             assert tail[1:] == ["--regressions", str(paths[1])]
         else:

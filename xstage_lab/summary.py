@@ -16,8 +16,8 @@ from .analysis.moe import trace as moe_trace
 from .analysis.attention.model import summary_counterfactual as attention_counterfactual
 from .analysis.remote_store.visibility import summary_entry as visibility_entry
 from .loading import load
+from .loading import platforms, read as read_record, record_paths as list_records
 from .records import RECORDS_DIR, Record
-from .loading import record_paths as list_records, platforms, read as read_record
 
 
 def _latest(experiment: str, platform: str, root: Path) -> Record:
@@ -129,6 +129,29 @@ ENTRIES = {"calibration": ("calibration", calibration_entry),
            "operations": ("remote_ops", operations_entry)}
 
 
+# Experiments whose records the entries above read (beside their sources).
+READ_BY_ENTRIES = {"remote_store", "visibility", "moe_trace", "fa_trace"}
+
+
+def registered_entries(root: Path) -> dict[str, dict[str, dict]]:
+    """Per platform, the entry of every registered experiment that ``ENTRIES`` does not cover
+    and that declares one (``Experiment.summary_entry`` of its view), keyed by its name: an
+    experiment added to the registry appears here with no line of this module."""
+    from .experiments import EXPERIMENTS, experiment
+
+    covered = {source for source, _ in ENTRIES.values()} | READ_BY_ENTRIES
+    out: dict[str, dict[str, dict]] = {}
+    for name in EXPERIMENTS:
+        if name in covered or not platforms(name, root):
+            continue
+        declared = experiment(name)
+        for view in load(name, backend="replay", root=root):
+            platform = declared.view_records(view)[0].platform
+            if (value := declared.summary_entry(view)):
+                out.setdefault(platform, {})[name] = value
+    return out
+
+
 def summary(root: Path = RECORDS_DIR) -> dict:
     out: dict[str, dict] = {}
     for key, (source, entry) in ENTRIES.items():
@@ -136,6 +159,8 @@ def summary(root: Path = RECORDS_DIR) -> dict:
             value = entry(platform, root)
             if value:
                 out.setdefault(platform, {})[key] = value
+    for platform, entries in registered_entries(root).items():
+        out.setdefault(platform, {}).update(entries)
     return {"platforms": out}
 
 

@@ -143,6 +143,13 @@ class Experiment:
         return None
 
     @classmethod
+    def summary_entry(cls, view) -> dict | None:
+        """Its entry in ``summary --json`` (under its ``name``) from a platform's view
+        (``load``'s), for an experiment that ``summary`` has no entry of its own for; None:
+        none."""
+        return None
+
+    @classmethod
     def view_records(cls, view) -> tuple:
         """The records a view (``analyse``'s or ``analyse_platform``'s result) read: its
         ``records``, its ``record``, or the view itself where it is a record."""

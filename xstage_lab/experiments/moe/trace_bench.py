@@ -498,11 +498,11 @@ class MoETrace(Experiment):
     def measure_all_args(self, written, root) -> list[str]:
         """The MoE record whose regressing cells it explains: the one this run wrote, else the
         latest of this platform under ``root`` (none: no regression traces)."""
-        from ...loading import history
+        from ...loading import record_paths
         from ...platform import platform_name
 
-        moe = written.get("moe") or next(
-            (r.path for r in reversed(history("moe", platform_name(), root))), None)
+        moe = written.get("moe") or next(reversed(record_paths("moe", platform_name(), root)),
+                                         None)
         return ["--regressions", str(moe)] if moe else []
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
