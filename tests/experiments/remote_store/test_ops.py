@@ -416,7 +416,9 @@ def test_operations_leave_out_failed_children_and_fit_the_rest(monkeypatch, tmp_
     assert params["sweeps"][0]["axes"] == {"config": [{"op": op} for op in ops]}
     assert params["ops"] == ["store16", "store4"] and params["baseline"] == "store16"
     assert params["fits"]["store4"]["R_GBps"] == pytest.approx(400.0, rel=1e-3)
-    entry = remote_ops.summary_entry(params, rec.record_id)
+    from xstage_lab.analysis.remote_store.operations import summary_entry
+
+    entry = summary_entry(params, rec.record_id)
     assert entry["route"] == "0>1" and set(entry["per_op"]) == {"store16", "store4"}
 
 
