@@ -62,7 +62,8 @@ def synthetic_beyond_table(sweeps, drain_rate=None, noise: float = 0.0, seed: in
     """Per-burst rows shaped like ``RemoteOpsBench.measure``'s for ``remote_ops.config_sweeps``:
     every source of a point's routes drains at ``drain_rate(point)`` (default KNOWN's) times its
     drain share, with KNOWN's issue floor, capacity and loop gap."""
-    from xstage_lab.experiments.remote_store.ops import drain_share, parse_routes
+    from xstage_lab.analysis.remote_store.routes import drain_share
+    from xstage_lab.experiments.remote_store.ops import parse_routes
 
     rng = np.random.default_rng(seed)
     bar = KNOWN["loop_gap_us"]
@@ -97,8 +98,8 @@ def write_synthetic_beyond_records(root, n_gpus: int = 2, noise: float = 0.01):
     each all-to-one source at its drain share. Returns (ops path, patterns path)."""
     from xstage_lab.experiments.remote_store.patterns import (pattern_instances, patterns_params,
                                                           route_sets)
-    from xstage_lab.experiments.remote_store.ops import (OPS, config_sweeps, drain_share,
-                                                   operations_params, parse_routes)
+    from xstage_lab.experiments.remote_store.ops import OPS, config_sweeps, operations_params, parse_routes
+    from xstage_lab.analysis.remote_store.routes import drain_share
     from xstage_lab.experiments.remote_store.characterization import (BURST_RESOLUTION,
                                                                   BenchSettings)
     from xstage_lab.records import write_record

@@ -124,3 +124,92 @@ def test_kernels_import_nothing_of_the_package():
             else:
                 continue
             assert not any(n.split(".")[0] == PACKAGE for n in names), (path.name, node.lineno)
+
+
+# --- the three rooms (ops: the kernels' host side; experiments: what measures; analysis: what
+# reads) ----------------------------------------------------------------------------------------
+
+GPU_LIBRARIES = ("torch", "cupy", "triton")
+# Where the read side stands: the analysis of records and the CPU model, fits and simulator.
+READ_SIDE = (f"{PACKAGE}.analysis", f"{PACKAGE}.model", f"{PACKAGE}.calibration",
+             f"{PACKAGE}.simulator")
+# What reads records: the records module's readers, reached only through ``loading``.
+RECORD_READERS = ("read_record", "list_records", "latest_record", "resolve_record", "platforms",
+                  "select_records")
+MAX_LINES = 600
+
+
+def _sources() -> dict[str, Path]:
+    return {module_name(p): p for p in (REPO / PACKAGE).rglob("*.py")}
+
+
+def _in(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _all_imports(name: str, path: Path) -> set[str]:
+    """Every dotted name the module imports, of the package or not."""
+    return imports(path, name, set(_sources()))
+
+
+def test_the_read_side_imports_no_benchmark_no_ops_and_no_gpu_library():
+    """``analysis``, ``model``, ``calibration`` and ``simulator`` run on the CPU from records: no
+    experiment (the benchmarks, the registry included), no kernel host code, no torch, CuPy or
+    Triton."""
+    checked = 0
+    for name, path in _sources().items():
+        if not _in(name, READ_SIDE):
+            continue
+        checked += 1
+        deps = _all_imports(name, path)
+        bad = {d for d in deps if _in(d, (f"{PACKAGE}.experiments", f"{PACKAGE}.ops"))
+               or d.split(".")[0] in GPU_LIBRARIES}
+        assert not bad, (name, bad)
+    assert checked >= 15
+
+
+def test_prose_and_the_simulator_read_no_benchmark_and_no_ops():
+    """The notebooks' sentences, the figures, the summary and the simulator read what the
+    analysis computed (the summary asks the registry, ``experiments``, which experiments
+    declare an entry; no benchmark module)."""
+    for name, path in _sources().items():
+        if _in(name, (f"{PACKAGE}.prose", f"{PACKAGE}.simulator", f"{PACKAGE}.summary",
+                      f"{PACKAGE}.plots")):
+            bad = {d for d in _all_imports(name, path)
+                   if (_in(d, (f"{PACKAGE}.experiments", f"{PACKAGE}.ops"))
+                       and d not in (f"{PACKAGE}.experiments", f"{PACKAGE}.experiments.EXPERIMENTS",
+                                     f"{PACKAGE}.experiments.experiment"))
+                   or d.split(".")[0] in GPU_LIBRARIES}
+            assert not bad, (name, bad)
+
+
+def test_nothing_above_the_records_module_reads_records_but_through_load():
+    """The records module's readers are called by ``loading`` alone (``load`` and the door's
+    ``history``, ``latest``, ``read``, ``record_paths``, ``platforms``): imported from it, or
+    reached as ``records.<reader>``."""
+    door = {f"{PACKAGE}.records", f"{PACKAGE}.loading"}
+    for name, path in _sources().items():
+        if name in door:
+            continue
+        readers = {d for d in _all_imports(name, path)
+                   if d in {f"{PACKAGE}.records.{r}" for r in RECORD_READERS}}
+        tree = ast.parse(path.read_text())
+        readers |= {f"records.{n.attr}" for n in ast.walk(tree)
+                    if isinstance(n, ast.Attribute) and n.attr in RECORD_READERS
+                    and isinstance(n.value, ast.Name) and n.value.id in ("records", "_records")}
+        assert not readers, (name, readers)
+
+
+# Modules over the limit, to be split by concern (a module may leave this list, never join it).
+OVER_LIMIT = {f"{PACKAGE}.experiments.moe.kernel_bench": 834,
+              f"{PACKAGE}.experiments.attention.bench": 746,
+              f"{PACKAGE}.prose.moe": 691,
+              f"{PACKAGE}.experiments.probes.link": 690,
+              f"{PACKAGE}.experiments.moe.trace_bench": 666}
+
+
+def test_no_module_of_the_package_is_longer_than_600_lines():
+    lengths = {name: len(path.read_text().splitlines()) for name, path in _sources().items()}
+    over = {name: n for name, n in lengths.items() if n > MAX_LINES}
+    assert set(over) <= set(OVER_LIMIT), {n: over[n] for n in set(over) - set(OVER_LIMIT)}
+    assert all(lengths[n] <= OVER_LIMIT[n] for n in OVER_LIMIT), "a listed module grew"

@@ -149,11 +149,11 @@ def test_every_option_has_help_and_no_issue_number():
         assert not re.search(r"\bissues? \d", text), text
 
 
-def test_characterize_names_every_sweep():
-    from xstage_lab.__main__ import SWEEPS
+def test_characterize_names_every_sweep(capsys, gpus_untouched):
     from xstage_lab.experiments.remote_store.characterization import characterization_sweeps
 
-    assert SWEEPS == tuple(s.name for s in characterization_sweeps(132, 2))
+    rc, err = _run(capsys, "characterize", "--only", "nosuch")
+    assert " ".join(s.name for s in characterization_sweeps(132, 2)) in _one_line(rc, err)
 
 
 def test_summary_prints_a_table_per_platform(eight_gpu_root):
@@ -192,6 +192,8 @@ def _malformed_inputs(tmp: Path) -> dict[str, list[list[str]]]:
     no_provenance.write_text('{"metadata": {}, "rows": []}')
     not_parquet.write_text("not parquet")
     return {
+        "run": [["nosuch"], [], ["remote_store", "--repeats", "0"],
+                ["remote_store", "--only", "nosuch"], ["remote_store", "--root", str(tmp)]],
         "characterize": [["--repeats", "x"], ["--src", "y"], ["--only", "nosuch"]],
         "characterize-beyond": [["--only", "nosuch"], ["--repeats", "0"], ["--dst", "-2"]],
         "calibrate": [[str(not_parquet)], [str(tmp / "missing.parquet")], []],

@@ -1,30 +1,35 @@
-"""What measure-all hands each benchmark, and the names it accepts."""
+"""What measure-all hands each benchmark (``Experiment.measure_all_args``), and the names it accepts."""
 from pathlib import Path
 
 import pytest
 
 from xstage_lab import launch
+from xstage_lab.experiments import experiment
+
+
+def _benchmark_args(name, written, root):
+    return experiment(name).measure_all_args(written, root)
 
 
 def test_moe_runs_the_declared_matrix():
-    (flag, matrix), = [launch._benchmark_args("moe", {}, Path("unused"))]
+    (flag, matrix), = [_benchmark_args("moe", {}, Path("unused"))]
     assert flag == "--matrix" and Path(matrix).name == "moe_matrix.json" and Path(matrix).is_file()
 
 
 def test_trace_explains_the_moe_record_of_this_run_else_the_latest(tmp_path, monkeypatch):
     monkeypatch.setattr("xstage_lab.platform.platform_name", lambda inv=None: "h200-x2")
     written = {"moe": tmp_path / "new.parquet"}
-    assert launch._benchmark_args("moe_trace", written, tmp_path) == ["--regressions",
+    assert _benchmark_args("moe_trace", written, tmp_path) == ["--regressions",
                                                                      str(tmp_path / "new.parquet")]
-    assert launch._benchmark_args("moe_trace", {}, tmp_path) == []  # none on this platform
+    assert _benchmark_args("moe_trace", {}, tmp_path) == []  # none on this platform
     older = tmp_path / "moe" / "h200-x2"
     older.mkdir(parents=True)
     for name in ("20260101T000000Z-a.parquet", "20260102T000000Z-b.parquet"):
         (older / name).touch()
-    assert launch._benchmark_args("moe_trace", {}, tmp_path) == [
+    assert _benchmark_args("moe_trace", {}, tmp_path) == [
         "--regressions", str(older / "20260102T000000Z-b.parquet")]
-    assert launch._benchmark_args("fa_a2a", written, tmp_path) == []
-    assert launch._benchmark_args("fa_trace", written, tmp_path) == ["--repeat-build"]
+    assert _benchmark_args("fa_a2a", written, tmp_path) == []
+    assert _benchmark_args("fa_trace", written, tmp_path) == ["--repeat-build"]
 
 
 def test_unknown_measurements_are_refused_before_any_launch():
@@ -67,7 +72,8 @@ def test_measure_all_launches_every_rank_of_eight_gpus(tmp_path, monkeypatch):
         tail = cmd[out + 2:]
         assert tail[0] == "--no-progress"
         if name == "moe":
-            assert tail[1:] == ["--matrix", str(launch.MOE_MATRIX)]
+            from xstage_lab.experiments.moe.bench import MOE_MATRIX
+            assert tail[1:] == ["--matrix", str(MOE_MATRIX)]
         elif name == "moe_trace":
             assert tail[1:] == ["--regressions", str(paths[1])]
         else:

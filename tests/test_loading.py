@@ -2,7 +2,7 @@
 import pytest
 
 from xstage_lab import Loaded, load, loading
-from xstage_lab.experiments.moe.kernel_view import KernelView
+from xstage_lab.analysis.moe.kernel_view import KernelView
 from xstage_lab.experiments.remote_store.characterization import Characterization
 from xstage_lab.platform import BackendChoice
 from xstage_lab.records import list_records, platforms, read_record
@@ -42,9 +42,10 @@ def test_missing_records(tmp_path):
     assert len(load("visibility", backend="replay", root=tmp_path)) == 0
 
 
-def test_cuda_measures_once_and_reads_the_new_record(monkeypatch, tmp_path):
-    """Live: the backend is chosen once, the measurement writes one record, its view comes back;
-    computed experiments are read whatever the backend."""
+def test_cuda_reads_this_machine_s_latest_record_and_never_measures(monkeypatch, tmp_path):
+    """Live: the backend is chosen once; ``load`` reads the latest record of this machine's
+    platform (what ``launch.measure`` wrote) and measures nothing; computed experiments are read
+    whatever the backend."""
     path = list_records("remote_store", "h200-x2")[-1]
     chosen = []
 
@@ -52,10 +53,28 @@ def test_cuda_measures_once_and_reads_the_new_record(monkeypatch, tmp_path):
         chosen.append(requested)
         return BackendChoice("cuda" if requested != "replay" else "replay", requested, "test")
 
+    def no_measurement(*a, **k):
+        raise AssertionError("load measured")
+
     monkeypatch.setattr(loading, "choose_backend", choose)
-    monkeypatch.setattr("xstage_lab.launch.live_record",
-                        lambda e: None if e == "moe_forecast" else (lambda root: path))
-    [c] = load("remote_store", backend="auto", root=tmp_path)
+    monkeypatch.setattr("xstage_lab.platform.platform_name", lambda inv=None: "h200-x2")
+    monkeypatch.setattr("xstage_lab.launch.run_live", no_measurement)
+    [c] = load("remote_store", backend="auto")
     assert isinstance(c, Characterization) and c.record.path == path
     assert load("moe_forecast", backend="cuda").choice.name == "replay"
     assert chosen == ["auto", "replay"]
+
+
+def test_measure_runs_live_only_under_cuda(monkeypatch, tmp_path):
+    """``launch.measure``: nothing under replay; under cuda the experiment with the options
+    measure-all passes it."""
+    from xstage_lab import launch
+
+    runs = []
+    monkeypatch.setattr(launch, "run_live", lambda name, root, args: runs.append((name, args))
+                        or [root / "new.parquet"])
+    monkeypatch.setattr("xstage_lab.platform.choose_backend",
+                        lambda requested: BackendChoice(requested, requested, "test"))
+    assert launch.measure("moe", "replay", tmp_path) == [] and runs == []
+    assert launch.measure("moe", "cuda", tmp_path) == [tmp_path / "new.parquet"]
+    assert runs[0][0] == "moe" and runs[0][1][0] == "--matrix"

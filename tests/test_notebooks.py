@@ -5,7 +5,7 @@ import json
 import pytest
 
 from xstage_lab import runner
-from xstage_lab.experiments.remote_store import tables
+from xstage_lab.analysis.remote_store import tables
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +144,10 @@ def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_r
     import functools
 
     from xstage_lab import load, plots
-    from xstage_lab.experiments.attention import model as attention_model
-    from xstage_lab.experiments.moe import trace as moe_trace
-    from xstage_lab.experiments.remote_store import characterization as remote_store
-    from xstage_lab.experiments.remote_store import patterns as injection_patterns
+    from xstage_lab.analysis.attention import model as attention_model
+    from xstage_lab.analysis.moe import trace as moe_trace
+    from xstage_lab.analysis.remote_store import characterization as remote_store
+    from xstage_lab.analysis.remote_store import patterns as injection_patterns
     from xstage_lab.paper import published
 
     root, both = eight_gpu_root, ["h200-x2", "h200-x8"]

@@ -622,7 +622,7 @@ def test_append_only_allows_exactly_the_listed_transcodings(tmp_path):
 def test_committed_records_keep_the_append_only_rule():
     """Issue 21: no committed record was ever changed but the transcodings retired.json lists;
     each of those reads back as its original (at the commit named) to the lean format's rules."""
-    from xstage_lab.__main__ import writer_resolution
+    from xstage_lab.experiments import resolution as writer_resolution
 
     assert records.append_only_violations() == []
     listed = records.transcoded()

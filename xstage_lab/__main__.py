@@ -1,5 +1,10 @@
-"""Command line: ``python -m xstage_lab {characterize,characterize-beyond,calibrate,import-bench,
-visibility,measure-all,reproduce,summary,transcode}``.
+"""Command line: ``python -m xstage_lab {run,measure-all,calibrate,import-bench,reproduce,summary,
+transcode}``; ``characterize``, ``visibility`` and ``characterize-beyond`` are the older names of
+``run remote_store``, ``run visibility`` and ``run remote_patterns`` / ``run remote_ops``.
+
+``run NAME [options]`` runs any registered experiment (``experiments.EXPERIMENTS``) live on this
+machine, its options parsed by the experiment's own parser (``experiments.harness.parser``: ``run
+NAME --help``), and writes its record and the records derived from it under ``--root``.
 
 A user's mistake ends in one line on stderr and exit code 2, never a traceback; the arguments are
 checked before CuPy or a GPU is touched."""
@@ -10,13 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-from .experiments import EXPERIMENTS, MEASURE_ALL
+from .experiments import EXPERIMENTS
 from .platform import LINKS
 from .records import RECORDS_DIR
-
-# The sweeps of ``experiments.remote_store.characterization.characterization_sweeps``, by name
-# (checked by a test).
-SWEEPS = ("drain_rate", "gap", "isolated", "fenced", "lines", "pairs")
 
 
 class UsageError(Exception):
@@ -93,8 +94,11 @@ def _existing_file(path: Path) -> Path:
 
 
 def _characterize(args) -> int:
-    from .experiments.remote_store.characterization import CALIBRATION_SWEEPS
+    from .experiments.remote_store.characterization import CALIBRATION_SWEEPS, SWEEP_NAMES
 
+    bad = sorted(set(args.only or ()) - set(SWEEP_NAMES))
+    if bad:
+        raise UsageError(f"--only: invalid choice: {bad} (choose from {' '.join(SWEEP_NAMES)})")
     if args.calibrate and args.only and not set(CALIBRATION_SWEEPS) <= set(args.only):
         raise UsageError(f"--calibrate needs the sweeps {CALIBRATION_SWEEPS} among --only")
     if args.link == "host":
@@ -111,7 +115,7 @@ def _characterize(args) -> int:
                                 link=args.link)
     print(f"wrote {path}")
     if args.calibrate:
-        from .experiments.remote_store.characterization import write_calibration
+        from .analysis.remote_store.characterization import write_calibration
         print(f"wrote {write_calibration(path, root=args.root)}")
     return 0
 
@@ -142,8 +146,8 @@ def _characterize_beyond(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from .experiments.remote_store.characterization import write_calibration
-    from .records import read_record
+    from .analysis.remote_store.characterization import write_calibration
+    from .loading import read as read_record
 
     try:
         rec = read_record(_existing_file(args.record))
@@ -187,6 +191,13 @@ def _visibility(args) -> int:
 
 
 def _measure_all(args) -> int:
+    if args.only:
+        from .experiments import measure_all_names
+
+        known = measure_all_names()
+        bad = [n for n in args.only if n not in known]
+        if bad:
+            raise UsageError(f"--only: invalid choice: {bad} (choose from {' '.join(known)})")
     _need_gpus()
     from .launch import measure_all
 
@@ -219,16 +230,31 @@ def _summary(args) -> int:
     return 0
 
 
-def writer_resolution(name: str) -> dict[str, float]:
-    """The ``resolution`` that experiment ``name``'s records are written with ({} where none; a
-    partial run's records as its experiment's)."""
-    from .experiments import experiment
+def _run(args) -> int:
+    """``run NAME [options]``: the experiment's options checked by its own parser before any GPU
+    is touched, then its record (in process, or under torchrun on every peer-capable GPU) and
+    the records derived from it."""
+    from .experiments import experiment, harness
 
-    base = name.removesuffix("_partial")
-    return experiment(base).resolution if base in EXPERIMENTS else {}
+    exp = experiment(args.name)
+    options = list(args.options)
+    if any(o in ("--out", "--root") or o.startswith(("--out=", "--root=")) for o in options):
+        raise UsageError("run writes records under --root, given before the experiment's name")
+    try:
+        harness.parse(exp, ["--root", str(args.root), *options])
+    except SystemExit as e:  # the experiment's parser said why, in one line
+        return e.code if isinstance(e.code, int) else 2
+    if exp.launch == "per_gpu":
+        _need_gpus(what=f"run {args.name}")
+    from .launch import run_live
+
+    for path in run_live(args.name, args.root, options):
+        print(f"wrote {path}")
+    return 0
 
 
 def _transcode(args) -> int:
+    from .experiments import resolution
     from .records import transcode
 
     bad = [r for r in args.records if len(Path(r).parts) != 3 or Path(r).suffix]
@@ -237,7 +263,7 @@ def _transcode(args) -> int:
     for record in args.records:
         try:
             path = transcode(record, args.commit, root=args.root,
-                             resolution=writer_resolution(Path(record).parts[0]))
+                             resolution=resolution(Path(record).parts[0]))
         except (ValueError, FileNotFoundError) as e:
             raise UsageError(f"{record}: {e}") from None
         print(f"transcoded {path}")
@@ -251,15 +277,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     root_help = "records root (default: the committed data/records)"
 
-    p = sub.add_parser("characterize", help="run the remote-store sweeps (Fig. 3) on this machine")
+    p = sub.add_parser("run", help="run one registered experiment live on this machine: its "
+                                   "record and those derived from it")
+    p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
+    p.add_argument("name", choices=list(EXPERIMENTS), metavar="NAME",
+                   help=f"the experiment, one of {' '.join(EXPERIMENTS)}")
+    p.add_argument("options", nargs=argparse.REMAINDER,
+                   help="the experiment's own options (run NAME --help lists them)")
+    p.set_defaults(func=_run)
+
+    p = sub.add_parser("characterize", help="run the remote-store sweeps (Fig. 3) on this machine "
+                                            "(the older name of run remote_store)")
     p.add_argument("--link", choices=LINKS, default="nvlink",
                    help="stores into a peer GPU (nvlink, default) or into pinned host memory "
                         "(host: one GPU suffices; --dst is not used)")
     p.add_argument("--repeats", type=_count, default=11, help="launches per point (default: 11)")
     p.add_argument("--src", type=_gpu, default=0, help="GPU that stores (default: 0)")
     p.add_argument("--dst", type=_gpu, default=1, help="GPU stored to (default: 1)")
-    p.add_argument("--only", nargs="*", choices=SWEEPS, metavar="SWEEP",
-                   help=f"these sweeps only, of {' '.join(SWEEPS)} (default: all)")
+    p.add_argument("--only", nargs="*", metavar="SWEEP",
+                   help="these sweeps only, of drain_rate gap isolated fenced lines pairs "
+                        "(default: all)")
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.add_argument("--calibrate", action="store_true", help="also write the calibration record")
     p.set_defaults(func=_characterize)
@@ -303,8 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("measure-all", help="every experiment live on this machine, as records")
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
-    p.add_argument("--only", nargs="+", choices=MEASURE_ALL,
-                   help="these measurements only, in this order (default: all)")
+    p.add_argument("--only", nargs="+", metavar="NAME",
+                   help="these measurements only, in this order (default: every experiment "
+                        "that declares in_measure_all, in the registry's order)")
     p.set_defaults(func=_measure_all)
 
     p = sub.add_parser("reproduce", help="run every notebook headlessly (papermill)")

@@ -36,6 +36,39 @@ POINT_KEYS = ["sweep", "point", "mode", "path", "producers", "burst_bytes", "gap
               "lines", "align", "burst_volume"]
 
 
+# The launch settings of a remote_store run, as its header keeps them (``settings``): the
+# launcher (``ops.remote_store.burst``) runs with them, and the simulator replays a record's
+# launches with them (a record whose header has none ran with the defaults).
+@dataclass(frozen=True)
+class BenchSettings:
+    """Launch settings shared by every point of a characterization run."""
+
+    threads: int = 512                 # store threads per producer CTA (plus one timekeeper warp)
+    periodic_bursts: int = 96          # bursts per periodic launch
+    periodic_warmup_bursts: int = 16   # first bursts of a launch, before steady state
+    isolated_bursts: int = 8
+    isolated_warmup_bursts: int = 1
+    # Rotation buffer for fresh destination lines: several times the 60 MiB L2 of an H200.
+    buffer_bytes: int = 256 * MIB
+    # An isolated burst waits this long after the previous one: a floor plus V at a rate far
+    # below any NVLink drain rate, so X-Stage is empty when it starts.
+    isolated_recovery_floor_us: float = 20.0
+    isolated_recovery_rate_GBps: float = 50.0
+    barrier_timeout_s: float = 2.0
+
+
+def link_settings(link: str) -> BenchSettings:
+    """The launch settings of a link. On the host link, whose capacity Q holds tens of small
+    bursts, a periodic launch runs longer and leaves more warm-up bursts out, so that the backlog
+    has filled Q before the steady window starts (a burst adds V − R·(T_iss^0 + G) to it); an
+    isolated burst's recovery assumes a rate well below PCIe's, so the X-Stage is empty when the
+    next starts."""
+    if link == "host":
+        return BenchSettings(periodic_bursts=256, periodic_warmup_bursts=128,
+                             isolated_recovery_rate_GBps=10.0)
+    return BenchSettings()
+
+
 def launch_means(table: pd.DataFrame) -> pd.DataFrame:
     """Steady-state value of each launch: the mean over its producers' bursts inside the window
     where all producers overlap (each burst row weighted by the producers it counts), after the

@@ -1,20 +1,18 @@
 """Live runs on this machine's GPUs, each writing a record through ``experiments.harness``: in
 process, or one process per GPU under torchrun, whose JSON output becomes a record.
-``measure-all`` runs them all; ``load``'s ``cuda`` backend runs one (``live_record``)."""
+``measure-all`` runs every experiment the registry lists for it; ``measure`` runs one, with the
+same options, where the backend is ``cuda`` (a notebook calls it, then ``load``s)."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
-from .experiments import MEASURE_ALL, experiment, module_name
+from .experiments import experiment, measure_all_names, module_name
 from .platform import SAFE_ENV
 from .records import RECORDS_DIR, import_bench_json
-
-MOE_MATRIX = Path(__file__).resolve().parent.parent / "data" / "moe_matrix.json"
 
 
 def torchrun_record(name: str, nproc: int, args: list[str] = (),
@@ -37,9 +35,10 @@ def torchrun_record(name: str, nproc: int, args: list[str] = (),
         return import_bench_json(out, name, root, experiment(name).resolution)
 
 
-def run_live(name: str, root: Path = RECORDS_DIR, args: list[str] = ()) -> list[Path]:
+def run_live(name: str, root: Path = RECORDS_DIR, args: list[str] = (),
+             derived: bool = True) -> list[Path]:
     """Experiment ``name`` on this machine's GPUs, with its command-line ``args``: its record,
-    then the records derived from it (``Experiment.derived``)."""
+    then (``derived``) the records derived from it (``Experiment.derived``)."""
     from .experiments import harness
     from .platform import inventory
 
@@ -48,54 +47,38 @@ def run_live(name: str, root: Path = RECORDS_DIR, args: list[str] = ()) -> list[
         path = harness.run(exp, harness.parse(exp, ["--root", str(root), *args]))
     else:
         path = torchrun_record(name, inventory().peer_capable_gpus, args, root)
-    return [path, *exp.derived(path, root)]
+    return [path, *(exp.derived(path, root) if derived else [])]
 
 
-def live_record(name: str) -> Callable[[Path], Path] | None:
-    """How ``loading.load`` measures experiment ``name`` live: a function(root) that runs it on
-    this machine's GPUs and returns its new record (the records derived from it written beside);
-    None where its records come from other records."""
-    if name not in MEASURE_ALL:
-        return None
-    return lambda root: run_live(name, root)[0]
+def measure(name: str, backend: str = "auto", root: Path | str | None = None) -> list[Path]:
+    """Where ``backend`` resolves to ``cuda`` (``platform.choose_backend``), experiment ``name``
+    measured live on this machine with the options ``measure-all`` passes it
+    (``Experiment.measure_all_args``): its new record and those derived from it; elsewhere
+    nothing (``[]``). A notebook calls it before ``load(name, backend=backend)``, which then
+    reads the new record."""
+    from .platform import choose_backend
 
-
-def measurement_names() -> list[str]:
-    """Every measurement ``measure_all`` runs, in its order."""
-    return list(MEASURE_ALL)
-
-
-def _benchmark_args(name: str, written: dict[str, Path], root: Path) -> list[str]:
-    """What ``measure_all`` passes an experiment: the declared MoE matrix, the attention trace's
-    repeated launches, and to the MoE trace benchmark the MoE record whose regressing cells it
-    explains (the one this run wrote, else the latest of this platform under ``root``)."""
-    from .platform import platform_name
-    from .records import list_records
-
-    if name == "moe":
-        return ["--matrix", str(MOE_MATRIX)]
-    if name == "fa_trace":
-        return ["--repeat-build"]  # the state the Table 3 replays run in (notebook 04)
-    if name == "moe_trace":
-        moe = written.get("moe") or next(reversed(list_records("moe", platform_name(), root)), None)
-        return ["--regressions", str(moe)] if moe else []
-    return []
+    if choose_backend(backend).name != "cuda":
+        return []
+    root = RECORDS_DIR if root is None else Path(root)
+    return run_live(name, root, experiment(name).measure_all_args({}, root))
 
 
 def measure_all(root: Path = RECORDS_DIR, only: list[str] | None = None) -> list[Path]:
-    """Every experiment (or those named in ``only``) live on this machine's GPUs, in one go, in
-    ``MEASURE_ALL``'s order: the in-process measurements, then each multi-process one on all
-    peer-capable GPUs. Returns the records written."""
+    """Every experiment ``measure-all`` runs (or those named in ``only``) live on this machine's
+    GPUs, in one go, in the registry's order, each with its ``measure_all_args``. Returns the
+    records written."""
     from .platform import choose_backend
 
-    names = measurement_names() if only is None else list(only)
-    unknown = sorted(set(names) - set(measurement_names()))
+    known = measure_all_names()
+    names = known if only is None else list(only)
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        raise ValueError(f"unknown measurements {unknown}; known: {measurement_names()}")
+        raise ValueError(f"unknown measurements {unknown}; known: {known}")
     choose_backend("cuda")  # raises without two peer-capable GPUs
     paths, written = [], {}
     for name in names:
-        new = run_live(name, root, _benchmark_args(name, written, root))
+        new = run_live(name, root, experiment(name).measure_all_args(written, root))
         written[name] = new[0]
         paths.extend(new)
     return paths

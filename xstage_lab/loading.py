@@ -1,77 +1,77 @@
-"""``load``: what every notebook and the summary read of an experiment, live or from the records.
+"""``load``: what every notebook, the summary and the analysis read of an experiment's records.
+This module is the one door to the records for everything above ``records``; it never measures.
 
-The backend is chosen here and nowhere else: ``cuda`` measures on this machine (a new record,
-read back), ``replay`` reads the committed records, ``auto`` picks ``cuda`` where two
-peer-capable GPUs exist (``platform.choose_backend``). Experiments whose records are computed
-from other records on the CPU (``moe_forecast``) or written by another experiment's run
-(``calibration``) have no live measurement: they are always read.
+``load(experiment, platform, backend, record)`` returns a ``Loaded``: a sequence with one view per
+platform, in platform order. A view is the experiment's analysis (``Experiment.analyse`` of a
+record, or ``Experiment.analyse_platform`` of all of a platform's records) where the experiment
+declares one (the characterization with its calibration, the visibility latencies, each
+precision's latest MoE kernel record), and the record itself elsewhere (records that no experiment
+writes, a calibration or a forecast, included); ``Loaded.records`` are the records the views
+read, for their headers and provenance.
 
-Whichever the backend, ``load`` returns a ``Loaded``: a sequence with one view per platform, in
-platform order. A view is the experiment's analysis of its record (``Experiment.analyse``)
-where it has one (``VIEWS``: the characterization with its calibration, the visibility latencies,
-each precision's latest MoE kernel record) and the record itself elsewhere; ``Loaded.records``
-are the records the views read, for their headers and provenance.
+The backend is chosen here: ``replay`` reads the committed records (every platform, or those
+named), ``cuda`` the latest record of this machine's platform, ``auto`` picks ``cuda`` where two
+peer-capable GPUs exist (``platform.choose_backend``). A live run is the launcher's
+(``launch.measure``: a notebook calls it, then loads), never ``load``'s.
+
+Beside ``load``, what the analysis reads of the records by name: ``history`` (every record of a
+platform, oldest first), ``record_paths``, ``latest``, ``read`` (a record file) and
+``platforms``.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import records as _records
 from .platform import BackendChoice, choose_backend
-from .records import RECORDS_DIR, Record, platforms, read_record, resolve_record
+from .records import RECORDS_DIR, Record
 
 
-@dataclass(frozen=True)
-class View:
-    """How ``load`` reads an experiment: ``of_record(record, root)`` -> the view of one record;
-    ``of_platform(platform, root)``, where set, the view of a platform from all its records
-    (no single ``record`` can then be named); ``records(view)`` -> the records a view read."""
-
-    of_record: Callable[[Record, Path], object]
-    records: Callable[[object], tuple[Record, ...]]
-    of_platform: Callable[[str, Path], object] | None = None
+def _root(root: Path | str | None) -> Path:
+    return RECORDS_DIR if root is None else Path(root)
 
 
-def _analysis(experiment: str) -> Callable[[Record, Path], object]:
-    """The experiment's analysis of one record (``harness.Experiment.analyse``)."""
-    def of_record(rec: Record, root: Path):
-        from .experiments import experiment as registered
-        return registered(experiment).analyse(rec, root)
-    return of_record
+def read(path: Path | str) -> Record:
+    """The record at ``path`` (a Parquet file of a records root)."""
+    return _records.read_record(path)
 
 
-def _latest_kernel_view(platform: str, root: Path):
-    from .experiments.moe.kernel_view import latest_view
-
-    return latest_view(platform, root)
-
-
-def _latest_host_view(platform: str, root: Path):
-    from .experiments.moe.host_view import latest_host_view
-
-    return latest_host_view(platform, root)
+def record_paths(experiment: str, platform: str | None = None,
+                 root: Path | str | None = None) -> list[Path]:
+    """The paths of ``experiment``'s records (of ``platform`` where given), oldest first, less
+    those the errata mark invalid."""
+    return _records.list_records(experiment, platform, _root(root))
 
 
-def _host_view(rec: Record, root: Path):
-    from .experiments.moe.host_view import HostView
+def history(experiment: str, platform: str, root: Path | str | None = None) -> list[Record]:
+    """Every record of ``experiment`` on ``platform``, oldest first."""
+    return [read(p) for p in record_paths(experiment, platform, root)]
 
-    return HostView(rec.platform, (rec,))
+
+def latest(experiment: str, platform: str, root: Path | str | None = None) -> Record:
+    """The latest record of ``experiment`` on ``platform`` (FileNotFoundError where none)."""
+    return _records.latest_record(experiment, platform, _root(root))
 
 
-VIEWS = {"remote_store": View(_analysis("remote_store"), lambda c: (c.record,)),
-         "visibility": View(_analysis("visibility"), lambda v: (v.record,)),
-         "moe_kernel": View(_analysis("moe_kernel"), lambda k: tuple(k.records),
-                            _latest_kernel_view),
-         "moe_host": View(_host_view, lambda h: tuple(h.records), _latest_host_view)}
-RECORD = View(lambda rec, root: rec, lambda rec: (rec,))
-# Experiments a notebook shows where they exist: no record is an empty ``Loaded``, not an error.
-OPTIONAL = frozenset({"visibility", "remote_patterns", "remote_ops", "moe_host"})
+def platforms(experiment: str, root: Path | str | None = None) -> list[str]:
+    """The platforms with ``experiment`` records, sorted."""
+    return _records.platforms(experiment, _root(root))
+
+
+def _declaration(experiment: str):
+    """The ``Experiment`` that writes ``experiment`` records (None for records that none
+    writes)."""
+    from .experiments import EXPERIMENTS
+    from .experiments import experiment as registered
+
+    return registered(experiment) if experiment in EXPERIMENTS else None
 
 
 @dataclass(frozen=True)
 class Loaded(Sequence):
-    """One view per platform (``VIEWS``), in platform order, and the backend that produced them."""
+    """One view per platform, in platform order, and the backend that produced them."""
 
     experiment: str
     choice: BackendChoice
@@ -86,8 +86,10 @@ class Loaded(Sequence):
     @property
     def records(self) -> list[Record]:
         """The records the views read, platform by platform."""
-        reader = VIEWS.get(self.experiment, RECORD).records
-        return [rec for view in self.views for rec in reader(view)]
+        declared = _declaration(self.experiment)
+        if declared is None:
+            return list(self.views)
+        return [rec for view in self.views for rec in declared.view_records(view)]
 
     def banner(self) -> str:
         return self.choice.banner()
@@ -95,26 +97,30 @@ class Loaded(Sequence):
 
 def load(experiment: str, platform: str | list[str] | None = None, backend: str = "auto",
          record: str | None = None, root: Path | str | None = None) -> Loaded:
-    """``experiment`` measured live (``cuda``: one new record on this machine) or read
-    (``replay``: the latest record, or ``record``, of ``platform``: a name, a list of names, or
-    None for every platform with records). ``root``: the records root (None: the committed
-    records, or what ``XSTAGE_LAB_RECORDS`` names)."""
-    from .launch import live_record
-
-    root = RECORDS_DIR if root is None else Path(root)
-    view = VIEWS.get(experiment, RECORD)
-    measure = live_record(experiment)
-    choice = choose_backend(backend if measure is not None else "replay")
+    """``experiment``'s records read: under ``replay`` the latest record, or ``record``, of
+    ``platform`` (a name, a list of names, or None for every platform with records); under
+    ``cuda`` the latest of this machine's platform (what ``launch.measure`` just wrote). ``root``:
+    the records root (None: the committed records, or what ``XSTAGE_LAB_RECORDS`` names)."""
+    root = _root(root)
+    declared = _declaration(experiment)
+    choice = choose_backend(backend if declared is not None else "replay")
     if choice.name == "cuda":
-        return Loaded(experiment, choice, (view.of_record(read_record(measure(root)), root),))
-    names = ([platform] if isinstance(platform, str) else platform) or platforms(experiment, root)
-    if not names and experiment not in OPTIONAL:
+        from .platform import platform_name
+        names = [platform_name()]
+    else:
+        names = ([platform] if isinstance(platform, str) else platform) or platforms(experiment,
+                                                                                     root)
+    if not names and not (declared is not None and declared.optional):
         raise FileNotFoundError(f"no {experiment!r} records under {root}")
-    if view.of_platform is not None:
+    if declared is None:
+        return Loaded(experiment, choice,
+                      tuple(_records.resolve_record(experiment, p, record, root) for p in names))
+    by_platform = [declared.analyse_platform(p, root) for p in names] if names else []
+    if by_platform and all(v is not None for v in by_platform):
         if record is not None:
             raise ValueError(f"{experiment!r} is read from every record of a platform; "
                              f"no single record can be named")
-        return Loaded(experiment, choice, tuple(view.of_platform(p, root) for p in names))
+        return Loaded(experiment, choice, tuple(by_platform))
     return Loaded(experiment, choice,
-                  tuple(view.of_record(resolve_record(experiment, p, record, root), root)
+                  tuple(declared.analyse(_records.resolve_record(experiment, p, record, root), root)
                         for p in names))

@@ -119,7 +119,7 @@ def critical_path_stall(issue_stall, cover):
     """Δt′ = [Δt − G_QK]_+ (eq. 19): the epilogue stall that outlasts the double-buffer cover.
     Δt itself is eq. 18, ``issue_overhead`` with the Q-loop as the gap. The same form is the MoE
     per-tile stall Δt = [T_RS − T_cover^mma]_+ (eq. 15) with the measured remote-store span T_RS
-    and the successor's mainloop as the cover (``experiments.moe.trace``)."""
+    and the successor's mainloop as the cover (``analysis.moe.trace``)."""
     return np.maximum(0.0, np.asarray(issue_stall, dtype=float) - cover)
 
 

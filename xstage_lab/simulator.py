@@ -208,7 +208,7 @@ def simulate_free_running(offsets_us, volume: float, t_iss0_us: float, gap_us: f
 
 def window_means(bursts: pd.DataFrame, warmup: int = 1) -> dict:
     """Issue time and period of free-running producers as
-    ``experiments.remote_store.characterization.burst_rows`` takes them from a launch: means over
+    ``ops.remote_store.burst.burst_rows`` takes them from a launch: means over
     the bursts that start inside the window where every producer runs (from the latest start of a
     first burst after ``warmup`` to the earliest start of a last one); over every burst after the
     warm-up where that window is empty."""
@@ -341,7 +341,7 @@ def check_gap_sweep(cal, predicted: pd.DataFrame, record=None) -> tuple[pd.DataF
     (``skewed_launch``, the record's bursts per launch), and each point's ``regime``
     (``skew_regime``)."""
     from .calibration import POINT_KEYS
-    from .experiments.remote_store.characterization import BenchSettings
+    from .calibration import BenchSettings
 
     platform = cal.platform_model()
     remote = predicted[predicted["path"] == "remote"]

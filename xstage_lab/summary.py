@@ -12,11 +12,12 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from .experiments.moe import trace as moe_trace
-from .experiments.attention.model import summary_counterfactual as attention_counterfactual
-from .experiments.remote_store.visibility import summary_entry as visibility_entry
+from .analysis.moe import trace as moe_trace
+from .analysis.attention.model import summary_counterfactual as attention_counterfactual
+from .analysis.remote_store.visibility import summary_entry as visibility_entry
 from .loading import load
-from .records import RECORDS_DIR, Record, list_records, platforms, read_record
+from .loading import platforms, read as read_record, record_paths as list_records
+from .records import RECORDS_DIR, Record
 
 
 def _latest(experiment: str, platform: str, root: Path) -> Record:
@@ -45,7 +46,7 @@ def host_link_entry(platform: str, root: Path) -> dict:
 
 def moe_host_link_entry(platform: str, root: Path) -> dict:
     """The ``moe_host_link`` entry: the host-link MoE matrix, forecast beside measurement."""
-    from .experiments.moe.host_view import summary_entry
+    from .analysis.moe.host_view import summary_entry
 
     return summary_entry(platform, root)
 
@@ -98,7 +99,7 @@ def _plain(value):
 
 def patterns_entry(platform: str, root: Path) -> dict:
     """The ``patterns`` entry: injection patterns, from the latest record."""
-    from .experiments.remote_store.patterns import summary_entry
+    from .analysis.remote_store.patterns import summary_entry
 
     rec = _latest("remote_patterns", platform, root)
     return summary_entry(rec.params, rec.record_id)
@@ -106,7 +107,7 @@ def patterns_entry(platform: str, root: Path) -> dict:
 
 def operations_entry(platform: str, root: Path) -> dict:
     """The ``operations`` entry: remote operations beyond 16-byte stores."""
-    from .experiments.remote_store.ops import summary_entry
+    from .analysis.remote_store.operations import summary_entry
 
     rec = _latest("remote_ops", platform, root)
     return summary_entry(rec.params, rec.record_id)
@@ -115,7 +116,7 @@ def operations_entry(platform: str, root: Path) -> dict:
 def moe_kernel_entry(platform: str, root: Path) -> dict:
     """The ``moe_kernel`` entry: the fused kernel on one GPU against cuBLAS and torch's grouped
     GEMMs, and the one-token call."""
-    from .experiments.moe.kernel_view import summary_entry
+    from .analysis.moe.kernel_view import summary_entry
 
     return summary_entry(platform, root)
 
@@ -123,7 +124,7 @@ def moe_kernel_entry(platform: str, root: Path) -> dict:
 def moe_layer_entry(platform: str, root: Path) -> dict:
     """The ``moe_layer`` entry: the fused MoE layer per call, from the router's output to the
     layer's output, beside the unfused path and today's host-scheduled call."""
-    from .experiments.moe.layer_view import summary_entry
+    from .analysis.moe.layer_view import summary_entry
 
     return summary_entry(_latest("moe_layer", platform, root).table)
 
@@ -131,7 +132,7 @@ def moe_layer_entry(platform: str, root: Path) -> dict:
 def moe_forecast_entry(platform: str, root: Path) -> dict:
     """The ``moe_forecast`` entry: per model, precision and P, what the Burst–Gap model predicts
     for the Linear-2 Combine bursts from the kernel's one-GPU times."""
-    from .experiments.moe.forecast import summary_entry
+    from .analysis.moe.forecast import summary_entry
 
     return summary_entry(platform, root)
 
@@ -150,6 +151,29 @@ ENTRIES = {"calibration": ("calibration", calibration_entry),
            "operations": ("remote_ops", operations_entry)}
 
 
+# Experiments whose records the entries above read (beside their sources).
+READ_BY_ENTRIES = {"remote_store", "visibility", "moe_trace", "fa_trace"}
+
+
+def registered_entries(root: Path) -> dict[str, dict[str, dict]]:
+    """Per platform, the entry of every registered experiment that ``ENTRIES`` does not cover
+    and that declares one (``Experiment.summary_entry`` of its view), keyed by its name: an
+    experiment added to the registry appears here with no line of this module."""
+    from .experiments import EXPERIMENTS, experiment
+
+    covered = {source for source, _ in ENTRIES.values()} | READ_BY_ENTRIES
+    out: dict[str, dict[str, dict]] = {}
+    for name in EXPERIMENTS:
+        if name in covered or not platforms(name, root):
+            continue
+        declared = experiment(name)
+        for view in load(name, backend="replay", root=root):
+            platform = declared.view_records(view)[0].platform
+            if (value := declared.summary_entry(view)):
+                out.setdefault(platform, {})[name] = value
+    return out
+
+
 def summary(root: Path = RECORDS_DIR) -> dict:
     out: dict[str, dict] = {}
     for key, (source, entry) in ENTRIES.items():
@@ -157,6 +181,8 @@ def summary(root: Path = RECORDS_DIR) -> dict:
             value = entry(platform, root)
             if value:
                 out.setdefault(platform, {})[key] = value
+    for platform, entries in registered_entries(root).items():
+        out.setdefault(platform, {}).update(entries)
     return {"platforms": out}
 
 

@@ -277,9 +277,9 @@ def test_every_experiment_module_is_a_command_named_by_its_module():
 
 
 def test_the_registry_names_each_experiment_by_its_record():
-    from xstage_lab.experiments import EXPERIMENTS, MEASURE_ALL, experiment
+    from xstage_lab.experiments import EXPERIMENTS, experiment, measure_all_names
 
-    assert set(MEASURE_ALL) <= set(EXPERIMENTS)
+    assert set(measure_all_names()) <= set(EXPERIMENTS)
     for name in EXPERIMENTS:
         exp = experiment(name)
         assert isinstance(exp, Experiment) and exp.name == name

@@ -15,7 +15,11 @@ An experiment (a subclass of ``Experiment``) declares:
 - ``metadata``: its own facts for the record's header; ``finish``: the rows as the record keeps
   them; ``record_name``: the experiment the record is saved under (a partial run's apart);
 - ``derived``: the records computed from its new record (``measure-all`` writes them);
-- ``analyse``: what the notebooks and the summary read of one of its records (``loading.load``).
+- ``analyse``: what the notebooks and the summary read of one of its records (``loading.load``;
+  ``analyse_platform`` where a view reads every record of a platform);
+- ``in_measure_all``, ``measure_all_args``, ``optional``: whether ``measure-all`` runs it and
+  with which options, and whether a notebook shows it only where it exists. The registry
+  (``experiments.__init__``) derives every list of experiments from these.
 
 ``start`` makes run-wide state once the rank has started; ``sm_clock_mhz`` reads the clock the
 header keeps before the first point and after the last (``sm_clock_unread``: per rank, why a
@@ -115,10 +119,43 @@ class Experiment:
         calibration, a forecast), written under ``root`` by ``measure-all``."""
         return []
 
+    # --- what the registry derives from (``experiments.__init__``) ------------------------------
+    # ``measure-all`` runs the experiment (in registry order) where this is set.
+    in_measure_all: ClassVar[bool] = False
+    # A notebook shows it where it exists: with no record ``load`` gives an empty ``Loaded``.
+    optional: ClassVar[bool] = False
+
+    def measure_all_args(self, written: dict[str, Path], root: Path) -> list[str]:
+        """The options ``measure-all`` (and a notebook's live run, ``launch.measure``) pass it:
+        ``written`` holds the records this run wrote so far, by experiment; ``root`` the records
+        root (default: none)."""
+        return []
+
     @classmethod
     def analyse(cls, record, root: Path):
         """What ``loading.load`` gives of one record (default: the record itself)."""
         return record
+
+    @classmethod
+    def analyse_platform(cls, platform: str, root: Path):
+        """Where set, what ``loading.load`` gives of a platform from all its records (no single
+        record can then be named); None: ``analyse`` of the one record."""
+        return None
+
+    @classmethod
+    def summary_entry(cls, view) -> dict | None:
+        """Its entry in ``summary --json`` (under its ``name``) from a platform's view
+        (``load``'s), for an experiment that ``summary`` has no entry of its own for; None:
+        none."""
+        return None
+
+    @classmethod
+    def view_records(cls, view) -> tuple:
+        """The records a view (``analyse``'s or ``analyse_platform``'s result) read: its
+        ``records``, its ``record``, or the view itself where it is a record."""
+        if hasattr(view, "records"):
+            return tuple(view.records)
+        return (getattr(view, "record", view),)
 
 
 @dataclass

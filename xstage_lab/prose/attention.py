@@ -62,7 +62,7 @@ def headline(records) -> Prose:
 
 def history(records) -> Prose:
     """The platform's other ``fa_a2a`` records, one line each."""
-    from ..records import list_records, read_record
+    from ..loading import record_paths as list_records, read as read_record
 
     out = []
     for latest in records:
@@ -84,7 +84,7 @@ def history(records) -> Prose:
 def power() -> Prose:
     """The ``fa_power_probe`` records: power against the limit, clock and time per call by
     method; on one GPU, how much of a near-idle phase after FA-only comes back as clock."""
-    from ..records import list_records, platforms, read_record
+    from ..loading import record_paths as list_records, platforms, read as read_record
 
     out = []
     for platform in platforms("fa_power_probe"):
@@ -124,7 +124,7 @@ def power() -> Prose:
 def tuning(table: pd.DataFrame) -> Prose:
     """The latest tuning run of each head dim and local head count: the fastest configuration
     per M and its paired ratio to cuDNN."""
-    from ..experiments.attention.model import tuning_best
+    from ..analysis.attention.model import tuning_best
 
     best = tuning_best(table)
     heads = table.groupby("record")["heads"].first()
@@ -144,7 +144,7 @@ def tuning(table: pd.DataFrame) -> Prose:
 def kernel_probes() -> Prose:
     """The one-GPU ``fa_kernel_probe`` records: each variant against cuDNN, or each build
     against its LOCAL build."""
-    from ..records import list_records, platforms, read_record
+    from ..loading import record_paths as list_records, platforms, read as read_record
 
     lines = []
     for platform in platforms("fa_kernel_probe"):
@@ -173,7 +173,7 @@ def kernel_probes() -> Prose:
 
 def residuals(predictions: dict) -> Prose:
     """Fig. 11: the predictions against the paired residuals of the latest records."""
-    from ..experiments.attention.model import prediction_check
+    from ..analysis.attention.model import prediction_check
 
     out = []
     for platform, table in predictions.items():
@@ -206,8 +206,8 @@ def residuals(predictions: dict) -> Prose:
 def fenced(records) -> Prose:
     """The fenced Fused against the decoupled one, paired per trial: the latest record of each
     platform in detail, the others one line each."""
-    from ..experiments.attention.model import fenced_vs_decoupled
-    from ..records import list_records, read_record
+    from ..analysis.attention.model import fenced_vs_decoupled
+    from ..loading import record_paths as list_records, read as read_record
 
     out = []
     for latest in records:

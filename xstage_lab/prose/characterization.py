@@ -13,7 +13,7 @@ def issue_probes(burst_bytes: int = 16 * KIB) -> Prose:
     """The one-GPU ``issue_time_probe`` records: at ``burst_bytes``, what each patch of the burst
     kernel saves against ``burst_gap`` as it was, and the kernel as committed against
     ``burst_gap_ops``' 16-byte stores."""
-    from ..records import list_records, platforms, read_record
+    from ..loading import record_paths as list_records, platforms, read as read_record
 
     out = []
     for platform in platforms("issue_time_probe"):
@@ -42,7 +42,7 @@ def issue_probes(burst_bytes: int = 16 * KIB) -> Prose:
 def _calibration_records(platform: str) -> list:
     """A platform's calibration records, one per characterization they were fitted on (the
     latest fit of each), oldest first."""
-    from ..records import list_records, read_record
+    from ..loading import record_paths as list_records, read as read_record
 
     by_source = {}
     for path in list_records("calibration", platform):
@@ -121,7 +121,7 @@ def _drain_us(k, b, rate_GBps: float) -> float:
 def visibility_latency(visibilities) -> Prose:
     """Issue end to flag visible per (K, B): at the gaps at least the burst's own drain V/R, and
     at the shorter ones, where the next burst's stores are issued before the flag's release."""
-    from ..experiments.remote_store.visibility import _calibration_completion
+    from ..analysis.remote_store.visibility import calibration_completion as _calibration_completion
 
     out = []
     for v in visibilities:
@@ -153,8 +153,8 @@ def visibility_latency(visibilities) -> Prose:
 def visibility_vs_complete(visibilities) -> Prose:
     """The aligned first burst over the isolated gaps against T_complete = V/R + T_lat, per K,
     held against the clock bound; the fenced sweep's own measurement where it has the point."""
-    from ..experiments.remote_store.visibility import _calibration_completion
-    from ..records import latest_record
+    from ..analysis.remote_store.visibility import calibration_completion as _calibration_completion
+    from ..loading import latest as latest_record
 
     out = []
     for v in visibilities:

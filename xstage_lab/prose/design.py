@@ -71,9 +71,9 @@ def attention_verdicts(fa_records) -> Prose:
     """The design test for the attention kernel's aligned worst case against the measured
     paired residual, on each platform's latest ``fa_a2a`` record."""
     from .. import plots
-    from ..experiments.attention.model import record_predictions, verdict_agreement
-    from ..experiments.remote_store.characterization import latest_calibration
-    from ..records import latest_record
+    from ..analysis.attention.model import record_predictions, verdict_agreement
+    from ..analysis.remote_store.characterization import latest_calibration
+    from ..loading import latest as latest_record
 
     out = []
     for r in fa_records:
@@ -130,7 +130,7 @@ def vals_us(values) -> str:
 
 
 def trace_launch_order(table: pd.DataFrame) -> Prose:
-    """``experiments.attention.trace.first_wave_by_launch_order``: the first wave by what the
+    """``analysis.attention.trace.first_wave_by_launch_order``: the first wave by what the
     traced launch followed."""
     if table.empty:
         return Prose()
@@ -147,8 +147,8 @@ def trace_verdicts(record, verdicts: pd.DataFrame, simulated: pd.DataFrame) -> P
     """The design test on the measured attention bursts, first wave and later waves, and the
     simulator on the measured schedule."""
     from .. import plots
-    from ..experiments.remote_store.characterization import latest_calibration
-    from ..records import latest_record
+    from ..analysis.remote_store.characterization import latest_calibration
+    from ..loading import latest as latest_record
 
     cal = latest_calibration(record.platform)
     platform = cal.platform_model()
@@ -199,9 +199,9 @@ def trace_verdicts(record, verdicts: pd.DataFrame, simulated: pd.DataFrame) -> P
 
 def moe_verdicts(trace_records) -> Prose:
     """The design test for the fused MoE kernel against the measured spans."""
-    from ..experiments.moe import trace as moe_trace
-    from ..experiments.remote_store.characterization import latest_calibration
-    from ..records import latest_record
+    from ..analysis.moe import trace as moe_trace
+    from ..analysis.remote_store.characterization import latest_calibration
+    from ..loading import latest as latest_record
 
     out = []
     for r in trace_records:

@@ -2,7 +2,7 @@
 what the traces say where the forecast misses."""
 from __future__ import annotations
 
-from ..experiments.moe.host_view import MISS_PP, comparison, misses
+from ..analysis.moe.host_view import MISS_PP, comparison, misses
 from . import Prose, count, rec, span, val
 
 # A measured Expert-Wave stall per Linear-2 burst this far (µs) from the forecast's, or an

@@ -42,7 +42,7 @@ def _source_matrix(trace) -> str | None:
 
 def headline(records, paper: dict) -> Prose:
     """The headline speedups of each platform's matrix record against the paper's."""
-    from ..experiments.moe.trace import headline_numbers
+    from ..analysis.moe.trace import headline_numbers
 
     out = []
     for r in records:
@@ -126,7 +126,7 @@ def trace_scope(traces, records) -> Prose:
 
 def table2(traces, paper: dict) -> Prose:
     """Table 2 (eq. 15): spans, cover windows, predicted and measured stalls against the paper's."""
-    from ..experiments.moe.trace import table2 as rows
+    from ..analysis.moe.trace import table2 as rows
 
     ref = pd.DataFrame(paper["rows"])
     out = []
@@ -218,9 +218,9 @@ def spans(traces, paper: dict) -> Prose:
 def condition1(traces) -> Prose:
     """Condition 1 (eqs. 12–14) from each platform's latest calibration, with the measured spans."""
     from .. import plots
-    from ..experiments.moe.trace import condition1_table
-    from ..experiments.remote_store.characterization import latest_calibration
-    from ..records import latest_record
+    from ..analysis.moe.trace import condition1_table
+    from ..analysis.remote_store.characterization import latest_calibration
+    from ..loading import latest as latest_record
 
     out = []
     for tr in traces:
@@ -270,7 +270,7 @@ def condition1(traces) -> Prose:
 
 def timeline(traces, models) -> Prose:
     """Fig. 9: Tensor-Core occupancy and makespan ratio of the models drawn."""
-    from ..experiments.moe.trace import traced_causes_table
+    from ..analysis.moe.trace import traced_causes_table
 
     out = []
     for tr in traces:
@@ -286,7 +286,7 @@ def timeline(traces, models) -> Prose:
 
 def traced_causes(traces) -> Prose:
     """Where Interleaved's SM time goes in the traced shapes, gains and losses."""
-    from ..experiments.moe.trace import counterfactual_rows, traced_causes_table
+    from ..analysis.moe.trace import counterfactual_rows, traced_causes_table
 
     out = []
     for tr in traces:
@@ -338,7 +338,7 @@ def d_sweep(traces, records) -> Prose:
     """The lead D around D_knee: starvation at small D, the best lead, and the verdict for the
     models whose every matrix cell regresses."""
     from .. import plots
-    from ..experiments.moe.trace import counterfactual_rows
+    from ..analysis.moe.trace import counterfactual_rows
 
     matrices = {r.platform: r.table for r in records}
     out = []
@@ -403,7 +403,7 @@ def d_sweep(traces, records) -> Prose:
 def _regression_tables(traces, records):
     """Per trace record whose platform has a matrix record: (trace, matrix, its regressing
     cells as ``moe_trace.regression_rows`` gives them)."""
-    from ..experiments.moe.trace import regression_rows
+    from ..analysis.moe.trace import regression_rows
 
     matrices = {r.platform: r for r in records}
     for tr in traces:
@@ -431,7 +431,7 @@ def regressions_scope(traces, records) -> Prose:
 
 def regressions(traces, records) -> Prose:
     """Every regressing cell, by measured cause."""
-    from ..experiments.moe.trace import COMPONENTS
+    from ..analysis.moe.trace import COMPONENTS
 
     out = []
     for tr, m, rows in _regression_tables(traces, records):
@@ -493,8 +493,8 @@ def regressions(traces, records) -> Prose:
 def counterfactual(traces) -> Prose:
     """The completion-coupled counterfactual: what fencing each Linear-2 tile costs, with the
     one-GPU fence probe (``moe_fence_probe``) for the fence's local share."""
-    from ..experiments.moe.trace import counterfactual_table
-    from ..records import list_records, platforms, read_record
+    from ..analysis.moe.trace import counterfactual_table
+    from ..loading import record_paths as list_records, platforms, read as read_record
 
     probes = [read_record(p) for pl in platforms("moe_fence_probe")
               for p in list_records("moe_fence_probe", pl)]
@@ -550,7 +550,7 @@ def counterfactual(traces) -> Prose:
 
 def findings(records, traces, paper: dict, table2_paper: dict) -> Prose:
     """The notebook's findings, each from the records above."""
-    from ..experiments.moe.trace import headline_numbers, regression_rows, table2 as table2_rows
+    from ..analysis.moe.trace import headline_numbers, regression_rows, table2 as table2_rows
 
     matrices = {r.platform: r for r in records}
     ref = pd.DataFrame(table2_paper["rows"])
@@ -669,7 +669,7 @@ def forecast(forecast_records, paper: dict) -> Prose:
 def knee_sweep(traces, calibrations: dict) -> Prose:
     """The synthetic knee sweep of each ``moe_trace`` record that has one, against the model;
     ``calibrations``: platform -> ``model.PlatformModel``."""
-    from ..experiments.moe.trace import knee_sweep_rows
+    from ..analysis.moe.trace import knee_sweep_rows
 
     out = []
     for tr in traces:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.experiments.triton_testing import interpreter_fixes
-from xstage_lab.experiments.attention import ulysses as att
+from xstage_lab.ops import attention as att
 from xstage_lab.checks import bitwise_equal, relative_error
 
 if os.environ.get("TRITON_INTERPRET") != "1":

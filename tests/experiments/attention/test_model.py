@@ -3,8 +3,8 @@ import pandas as pd
 import pytest
 
 from xstage_lab import model
-from xstage_lab.experiments.attention.model import residual_predictions
-from xstage_lab.experiments.remote_store.characterization import latest_calibration
+from xstage_lab.analysis.attention.model import residual_predictions
+from xstage_lab.analysis.remote_store.characterization import latest_calibration
 from xstage_lab.records import platforms
 
 
@@ -55,7 +55,7 @@ def test_short_qloop_exposes_the_drain(cal):
 def test_paired_residuals_take_the_median_of_matched_differences():
     from types import SimpleNamespace
 
-    from xstage_lab.experiments.attention.model import paired_residuals
+    from xstage_lab.analysis.attention.model import paired_residuals
 
     # the clock halves in trial 3: unpaired medians would shift, matched differences do not
     fa = [100.0, 101.0, 200.0, 99.0]
@@ -69,7 +69,7 @@ def test_paired_residuals_take_the_median_of_matched_differences():
 
 
 def test_prediction_check_names_the_nearer_prediction():
-    from xstage_lab.experiments.attention.model import prediction_check
+    from xstage_lab.analysis.attention.model import prediction_check
 
     pred = pd.DataFrame(dict(M=[8192, 65536], fa_us=[100.0, 1000.0], e_drain_us=[0.0, 0.0],
                              e_cc_us=[8.0, 20.0], e_res_paired_fa_same_code_us=[1.0, 18.0],
@@ -84,7 +84,7 @@ def test_prediction_check_names_the_nearer_prediction():
 
 
 def test_paired_difference_matches_clock_states():
-    from xstage_lab.experiments.attention.model import paired_difference
+    from xstage_lab.analysis.attention.model import paired_difference
 
     r = paired_difference([10.0, 20.0, 12.0, 11.0], [8.0, 10.0, 9.0, 9.0],
                           [1980, 1500, 1965, None], [1980, 1980, 1980, 1980])
@@ -94,7 +94,7 @@ def test_paired_difference_matches_clock_states():
 
 
 def test_prediction_check_scores_both_epilogues():
-    from xstage_lab.experiments.attention.model import prediction_check
+    from xstage_lab.analysis.attention.model import prediction_check
 
     pred = pd.DataFrame(dict(M=[8192], fa_us=[100.0], e_drain_us=[0.0], e_cc_us=[8.0],
                              e_res_paired_fa_same_code_us=[1.0],
@@ -123,7 +123,7 @@ def test_prediction_check_scores_both_epilogues():
 
 
 def test_counterfactual_attention_entry(tmp_path):
-    from xstage_lab.experiments.attention.model import summary_counterfactual
+    from xstage_lab.analysis.attention.model import summary_counterfactual
     from xstage_lab.records import write_record
 
     assert summary_counterfactual("h200-x2", tmp_path) == {}
@@ -148,7 +148,7 @@ def test_counterfactual_attention_entry(tmp_path):
 
 
 def test_prediction_failures_name_each_miss():
-    from xstage_lab.experiments.attention.model import prediction_failures
+    from xstage_lab.analysis.attention.model import prediction_failures
 
     check = pd.DataFrame(dict(M=[8192, 16384], x_stage_pct=[0.0, 0.0], x_stage_err_pct=[-1.0, -3.0],
                               x_stage_in_iqr=[True, False]))
@@ -159,7 +159,7 @@ def test_prediction_failures_name_each_miss():
 def test_headline_marks_the_bar_from_16k_on():
     from types import SimpleNamespace
 
-    from xstage_lab.experiments.attention.model import bar_failures, headline
+    from xstage_lab.analysis.attention.model import bar_failures, headline
 
     t = pd.DataFrame(dict(M=[8192, 16384, 32768], speedup=[1.1, 1.2, 1.0],
                           hiding_ratio=[0.9, 2.0, 0.5], speedup_fenced=[1.0, 1.1, 1.0],
@@ -177,7 +177,7 @@ def test_headline_marks_the_bar_from_16k_on():
 def test_fenced_vs_decoupled_pairs_trials_and_counts_wins():
     from types import SimpleNamespace
 
-    from xstage_lab.experiments.attention.model import fenced_vs_decoupled
+    from xstage_lab.analysis.attention.model import fenced_vs_decoupled
 
     fused = [100.0, 110.0, 120.0, 130.0]
     fenced = [98.0, 111.0, 115.0, 126.0]            # differences -2, +1, -5, -4
@@ -207,7 +207,7 @@ def test_fenced_vs_decoupled_pairs_trials_and_counts_wins():
 def test_epilogue_builds_pair_each_build_with_local():
     from types import SimpleNamespace
 
-    from xstage_lab.experiments.attention.model import epilogue_builds
+    from xstage_lab.analysis.attention.model import epilogue_builds
 
     trials = {"c": [100.0, 102.0, 104.0], "c+remote": [99.0, 103.0, 101.0],
               "c+remote_fenced": [95.0, 97.0, 99.0], "cudnn": [80.0, 80.0, 80.0]}
@@ -223,7 +223,7 @@ def test_epilogue_builds_pair_each_build_with_local():
 
 
 def test_tuning_table_orders_runs_by_creation_and_keeps_the_best(tmp_path):
-    from xstage_lab.experiments.attention.model import (bar_failures, tuning_best, tuning_records,
+    from xstage_lab.analysis.attention.model import (bar_failures, tuning_best, tuning_records,
                                                         tuning_table)
     from xstage_lab.records import write_record
 
@@ -253,7 +253,7 @@ def test_tuning_table_orders_runs_by_creation_and_keeps_the_best(tmp_path):
 def test_tuning_table_reads_rows_tagged_by_the_harness_as_before(tmp_path):
     """A record written through ``experiments.harness`` carries the point (heads, head_dim) and
     its sweep tags in its rows: the table is the one its parameters alone gave."""
-    from xstage_lab.experiments.attention.model import tuning_records, tuning_table
+    from xstage_lab.analysis.attention.model import tuning_records, tuning_table
     from xstage_lab.records import write_record
 
     rows = pd.DataFrame(dict(M=[16384] * 2, method=["a", "cudnn"], median_us=[1.0] * 2,
@@ -271,7 +271,7 @@ def test_tuning_table_reads_rows_tagged_by_the_harness_as_before(tmp_path):
     pd.testing.assert_frame_equal(before.drop(columns="record"), after.drop(columns="record"))
 
 def test_verdict_agreement_needs_a_p25_above_zero_for_reshape():
-    from xstage_lab.experiments.attention.model import verdict_agreement
+    from xstage_lab.analysis.attention.model import verdict_agreement
 
     tag = "e_res_paired_fa_same_code"
     p = pd.DataFrame({"M": [1, 2, 3, 4], "action": ["reshape", "reshape", "reshape", "piggyback"],

@@ -1,4 +1,4 @@
-"""The per-tile analysis of the fused attention epilogue (``experiments/attention/trace.py``) on
+"""The per-tile analysis of the fused attention epilogue (``analysis/attention/trace.py``) on
 hand-built ``fa_trace`` records."""
 import json
 from pathlib import Path
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from xstage_lab import model
-from xstage_lab.experiments.attention import trace as at
+from xstage_lab.analysis.attention import trace as at
 from xstage_lab.model import PlatformModel
 from xstage_lab.records import Record
 

@@ -25,7 +25,8 @@ from tests.experiments.triton_testing import (HOPPER_SMEM_PER_BLOCK, REPO, hoppe
                                               ptxas_report)
 from xstage_lab.checks import bitwise_equal
 from xstage_lab.experiments import harness
-from xstage_lab.experiments.attention import ulysses as attention, bench as attention_bench
+from xstage_lab.experiments.attention import bench as attention_bench
+from xstage_lab.ops import attention
 from xstage_lab.experiments.attention import trace_bench
 from xstage_lab.experiments.harness import Run
 from xstage_lab.kernel_sources import kernel_path, kernels_package

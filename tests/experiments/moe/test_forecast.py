@@ -3,7 +3,7 @@ import pandas as pd
 import pytest
 
 from xstage_lab import model
-from xstage_lab.experiments.moe import forecast as moe_forecast
+from xstage_lab.analysis.moe import forecast as moe_forecast
 
 # R = 1000 GB/s moves 1e6 bytes per µs; T_iss^0 of 132 producers of 16 KiB is 0.5 µs (measured),
 # elsewhere the affine floor; Q = 3 MB.

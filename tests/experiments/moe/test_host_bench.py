@@ -16,7 +16,7 @@ import torch
 from tests.experiments.moe.test_kernel_bench import SEED, TINY, TOKENS, EmulatedLaunch
 from xstage_lab.experiments import harness
 from xstage_lab.experiments.moe import host_bench as hb, kernel_bench as kb
-from xstage_lab.experiments.moe.forecast import host_share_fraction
+from xstage_lab.analysis.moe.forecast import host_share_fraction
 from xstage_lab.ops.moe.combine import host_combine_peers
 from xstage_lab.ops.moe.fused import prepare_fused_moe
 from xstage_lab.ops.moe.schedules import d_knee, skew_lead
@@ -169,7 +169,7 @@ def _host_rows(shares, wave, local, interleaved, predicted_speedup, stall_pred):
 
 
 def test_host_view_joins_a_runs_chunks_and_finds_the_misses(tmp_path):
-    from xstage_lab.experiments.moe import host_view as hv
+    from xstage_lab.analysis.moe import host_view as hv
     from xstage_lab.prose import host_link as say
     from xstage_lab.summary import summary
 
@@ -223,7 +223,7 @@ def test_the_forecasts_auto_pick_is_timed_as_its_own_method(host_run):
 
 
 def test_host_rows_per_block_count_real_rows_of_the_first_sources():
-    from xstage_lab.experiments.moe.tile_forecast import host_rows_per_block
+    from xstage_lab.experiments.moe.host_forecast import host_rows_per_block
     from xstage_lab.ops.moe.schedules import lead_sweep
 
     src = np.array([0, 1, 2, 0, 3, 0, 0, 1])

@@ -21,7 +21,8 @@ import torch
 
 from xstage_lab.checks import relative_error
 from xstage_lab.experiments import harness
-from xstage_lab.experiments.moe import kernel_bench as kb, kernel_view as kv
+from xstage_lab.experiments.moe import kernel_bench as kb
+from xstage_lab.analysis.moe import kernel_view as kv
 from xstage_lab.experiments.moe.bench import TOLERANCE
 from xstage_lab.ops.moe.combine import combine_weighted_sum
 from xstage_lab.ops.moe.dispatch import DispatchLayout

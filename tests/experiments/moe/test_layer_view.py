@@ -2,7 +2,7 @@
 any ``moe_layer`` record."""
 import pandas as pd
 
-from xstage_lab.experiments.moe.layer_view import SUMMARY_KEYS, summary_entry
+from xstage_lab.analysis.moe.layer_view import SUMMARY_KEYS, summary_entry
 
 
 def test_summary_rows_keep_the_issue_fields_in_plain_values():

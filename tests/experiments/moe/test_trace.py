@@ -1,5 +1,5 @@
 """Instrumentation, fenced epilogue and local-store control of the fused MoE kernel
-(``kernels/moe_fused.py`` INSTRUMENT / FENCE, ``experiments/moe/trace.py``, ``moe_trace_bench``).
+(``kernels/moe_fused.py`` INSTRUMENT / FENCE, ``analysis/moe/trace.py``, ``moe_trace_bench``).
 
 Kernel cases run in a child under ``TRITON_INTERPRET=1`` with the interpreter fixes of
 ``triton_testing`` plus one more: the interpreter has no inline assembly, so ``%clock64`` and
@@ -22,7 +22,7 @@ from tests.experiments.moe.test_kernel import (
     simulate_layer)
 from tests.experiments.triton_testing import (assert_case_ok, child_main, child_results,
                                               interpreter_case_tests)
-from xstage_lab.experiments.moe import trace as moe_trace
+from xstage_lab.analysis.moe import trace as moe_trace
 from xstage_lab.ops.moe.combine import local_combine_peers, local_store_control
 from xstage_lab.ops.moe.fused import prepare_fused_moe
 from xstage_lab.ops.moe.schedules import L1, L2, tile_table
@@ -463,8 +463,8 @@ def test_a_chunk_checks_its_first_models_cell_before_timing(fake_steps, tmp_path
 
 
 def test_registered_for_measure_all_and_import():
-    from xstage_lab.experiments import MEASURE_ALL, experiment, module_name
-    assert "moe_trace" in MEASURE_ALL
+    from xstage_lab.experiments import experiment, measure_all_names, module_name
+    assert "moe_trace" in measure_all_names()
     assert module_name("moe_trace") == "xstage_lab.experiments.moe.trace_bench"
     assert experiment("moe_trace").name == "moe_trace"
 
@@ -688,7 +688,7 @@ def test_knee_sweep_rows_by_hand():
     import pandas as pd
 
     from xstage_lab import model
-    from xstage_lab.experiments.moe import trace as moe_trace
+    from xstage_lab.analysis.moe import trace as moe_trace
 
     platform = model.PlatformModel(drain_rate=1000.0, t_iss0={(132, 16384): 0.5},
                                    capacity={132: 1e6}, issue_floor={})
@@ -708,6 +708,6 @@ def test_knee_sweep_rows_by_hand():
 
 
 def test_regression_groups_of_a_matrix_without_regressions():
-    from xstage_lab.experiments.moe import trace as moe_trace
+    from xstage_lab.analysis.moe import trace as moe_trace
 
     assert moe_trace.regression_groups([]) == []

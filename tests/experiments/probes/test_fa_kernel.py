@@ -55,7 +55,8 @@ def cpu_stand_ins(monkeypatch):
     import torch
 
     from xstage_lab import dist_timing
-    from xstage_lab.experiments.attention import bench, ulysses
+    from xstage_lab.experiments.attention import bench
+    from xstage_lab.ops import attention as ulysses
 
     def flash_attention(q, k, v, *, out=None, config=None):
         return q.clone() if out is None else out.copy_(q)

@@ -9,8 +9,8 @@ from xstage_lab.experiments.probes import issue_time as it
 
 def parse(argv):
     return harness.parse(it.EXPERIMENT, ["--root", "records", *argv])
-from xstage_lab.experiments.remote_store.characterization import validate_point
-from xstage_lab.experiments.remote_store.ops import validate_ops_point
+from xstage_lab.ops.remote_store.burst import validate_point
+from xstage_lab.ops.remote_store.operations import validate_ops_point
 
 
 def test_defaults_are_the_records_points():
@@ -66,7 +66,8 @@ def test_probe_through_the_harness_checks_every_variant_before_timing(monkeypatc
     import pandas as pd
 
     from tests.experiments.remote_store.test_characterization import fake_machine
-    from xstage_lab.experiments.remote_store import characterization, ops
+    from xstage_lab.experiments.remote_store import characterization
+    from xstage_lab.ops.remote_store import burst, operations
     from xstage_lab.records import read_record
 
     launches = []
@@ -83,8 +84,8 @@ def test_probe_through_the_harness_checks_every_variant_before_timing(monkeypatc
             return pd.DataFrame({"warmup": [True, False], "t_iss_us": [9.0, 1.0 + len(launches)]})
 
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace())
-    monkeypatch.setattr(characterization, "RemoteStoreBench", LogBench)
-    monkeypatch.setattr(ops, "RemoteOpsBench", LogBench)
+    monkeypatch.setattr(burst, "RemoteStoreBench", LogBench)
+    monkeypatch.setattr(operations, "RemoteOpsBench", LogBench)
     fake_machine(monkeypatch, characterization, 1)
     path = harness.main(it.EXPERIMENT, ["--root", str(tmp_path), "--burst-kib", "4", "8",
                                         "--repeats", "2", "--no-progress"])

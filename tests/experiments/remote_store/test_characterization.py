@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 
 from tests.experiments.cuda_testing import compile_sm90, needs_nvcc
-from xstage_lab.experiments.remote_store.characterization import (
-    HOST, KIB, MIB, BenchSettings, burst_rows, characterization_sweeps, check_host_destination,
-    host_link_sweeps, isolated_recovery_us, link_settings, validate_point)
+from xstage_lab.experiments.remote_store.characterization import HOST, KIB, BenchSettings, characterization_sweeps, host_link_sweeps, link_settings
+from xstage_lab.calibration import MIB
+from xstage_lab.ops.remote_store.burst import burst_rows, check_host_destination, isolated_recovery_us, validate_point
 from xstage_lab.platform import GPU, Inventory
 from xstage_lab.sweep import Axis, Sweep, run_sweep
 

@@ -11,11 +11,13 @@ from tests.experiments.remote_store.test_characterization import make_inv
 from tests.synthetic import KNOWN, capacity, issue_floor, synthetic_beyond_table
 from xstage_lab import model
 from xstage_lab.calibration import kb_key
-from xstage_lab.experiments.remote_store.ops import (
-    _POISON, GAP_FRACTIONS, MIN_BURSTS, OP_CODES, OPS, OpsSettings, config_sweeps,
-    drain_share, expected_load_sums, fit_config, fit_entry, format_routes, kernel_op_codes,
-    no_refit_error, parse_routes, stamps_bytes, validate_ops_point)
-from xstage_lab.experiments.remote_store.characterization import KIB, MIB, BenchSettings
+from xstage_lab.ops.remote_store.burst import _POISON
+from xstage_lab.experiments.remote_store.ops import GAP_FRACTIONS, MIN_BURSTS, OPS, OpsSettings, config_sweeps, fit_entry, format_routes, parse_routes
+from xstage_lab.ops.remote_store.operations import OP_CODES, expected_load_sums, kernel_op_codes, stamps_bytes, validate_ops_point
+from xstage_lab.analysis.remote_store.routes import drain_share
+from xstage_lab.analysis.remote_store.operations import fit_config, no_refit_error
+from xstage_lab.experiments.remote_store.characterization import KIB, BenchSettings
+from xstage_lab.calibration import MIB
 
 INV2 = make_inv(2)
 GOOD = dict(op="store16", routes="0>1", mode="periodic", path="remote", producers=132,
@@ -414,7 +416,9 @@ def test_operations_leave_out_failed_children_and_fit_the_rest(monkeypatch, tmp_
     assert params["sweeps"][0]["axes"] == {"config": [{"op": op} for op in ops]}
     assert params["ops"] == ["store16", "store4"] and params["baseline"] == "store16"
     assert params["fits"]["store4"]["R_GBps"] == pytest.approx(400.0, rel=1e-3)
-    entry = remote_ops.summary_entry(params, rec.record_id)
+    from xstage_lab.analysis.remote_store.operations import summary_entry
+
+    entry = summary_entry(params, rec.record_id)
     assert entry["route"] == "0>1" and set(entry["per_op"]) == {"store16", "store4"}
 
 

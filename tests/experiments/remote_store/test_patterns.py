@@ -7,12 +7,15 @@ import pytest
 
 from tests.experiments.remote_store.test_characterization import make_inv
 from tests.synthetic import KNOWN, synthetic_beyond_table
-from xstage_lab.experiments.remote_store.patterns import (PATTERNS, baseline_route, pattern_fits,
-                                                      pattern_instances, route_sets)
-from xstage_lab.experiments.remote_store.ops import (config_sweeps, drain_share, parse_routes,
-                                               validate_ops_point)
+from xstage_lab.analysis.remote_store import operations as operation_analysis, patterns as pattern_analysis
+from xstage_lab.analysis.remote_store.patterns import pattern_fits
+from xstage_lab.experiments.remote_store.patterns import PATTERNS, pattern_instances, route_sets
+from xstage_lab.analysis.remote_store.patterns import baseline_route
+from xstage_lab.experiments.remote_store.ops import config_sweeps, parse_routes
+from xstage_lab.analysis.remote_store.routes import drain_share
+from xstage_lab.ops.remote_store.operations import validate_ops_point
 from xstage_lab.experiments.remote_store.characterization import BenchSettings
-from xstage_lab.experiments.remote_store import tables
+from xstage_lab.analysis.remote_store import tables
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -131,7 +134,7 @@ def test_tables_and_figures_from_records(tmp_path):
 
     ops_path, patterns_path = write_synthetic_beyond_records(tmp_path, n_gpus=3, noise=0.0)
     pat = read_record(patterns_path)
-    entry = injection_patterns.summary_entry(pat.params, pat.record_id)
+    entry = pattern_analysis.summary_entry(pat.params, pat.record_id)
     table = tables.patterns_table(entry)
     # 6 one-to-one + 3 one-to-all + 3 all-to-one (two sources each) + all-to-all (three)
     assert len(table) == 6 + 3 + 3 * 2 + 3
@@ -143,9 +146,9 @@ def test_tables_and_figures_from_records(tmp_path):
     assert abs(heat[0][1] - KNOWN["drain_rate"]) < 0.1 and heat[0][0] != heat[0][0]  # NaN diagonal
     assert len(plots.patterns_rates(table, "h200-x3").data) == 2
     ops = read_record(ops_path)
-    op_table = tables.operations_table(remote_ops.summary_entry(ops.params, ops.record_id))
+    op_table = tables.operations_table(operation_analysis.summary_entry(ops.params, ops.record_id))
     assert op_table["operation"].tolist() == list(remote_ops.OPS)
-    fits = remote_ops.operation_fits(ops.table, ops.platform, ops.record_id)
+    fits = operation_analysis.operation_fits(ops.table, ops.platform, ops.record_id)
     fig = plots.operations_gap_sweeps(fits, remote_ops.BASELINE_OP, ops.platform)
     # per op: measured, own fit, baseline
     assert len(fig.data) == 3 * len(remote_ops.OPS)
@@ -303,5 +306,5 @@ def test_patterns_through_the_harness_fit_every_source(monkeypatch, tmp_path):
     assert sorted(set(drain["point"])) == list(range(6)) and set(drain["repeat"]) == {0}
     for src in rec.params["fits"]["1>0;2>0"]:
         assert src["R_GBps"] == pytest.approx(KNOWN["drain_rate"] / 2, rel=1e-3)
-    entry = injection_patterns.summary_entry(rec.params, rec.record_id)
+    entry = pattern_analysis.summary_entry(rec.params, rec.record_id)
     assert len(entry["per_instance"]) == 6 + 3 + 3 + 1

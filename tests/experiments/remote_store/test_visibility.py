@@ -12,10 +12,12 @@ import pytest
 
 from xstage_lab import model
 from xstage_lab.experiments.remote_store import visibility as vis
-from xstage_lab.experiments.remote_store.visibility import (
-    KIB, VisibilitySettings, add_latency, aggregate_bursts, alignment_summary, clock_offset,
-    completion_comparison, latency_points, offset_at, stamp_rows, summary_entry, timer_resolution,
-    validate_point, visibility_sweep)
+from xstage_lab.analysis.remote_store.visibility import (
+    add_latency, aggregate_bursts, alignment_summary, completion_comparison, first_burst_points,
+    latency_points, offset_at, summary_entry, timer_resolution)
+from xstage_lab.experiments.remote_store.visibility import visibility_sweep
+from xstage_lab.ops.remote_store.visibility import (KIB, VisibilitySettings, clock_offset,
+                                                    stamp_rows, validate_point)
 from xstage_lab.records import read_record, write_record
 
 from ..cuda_testing import compile_sm90, needs_nvcc
@@ -277,7 +279,7 @@ def test_overlapped_first_bursts_are_kept_out_of_the_comparison():
     queued = (raw["burst"] == 0) & (raw["gap_us"] * 1e3 < t_complete_ns)
     clean = add_latency(raw, align)
     delayed = add_latency(raw.assign(t_visible_ns=raw["t_visible_ns"] + 10_000 * queued), align)
-    pts = vis.first_burst_points(delayed, 400.0, 2.1)
+    pts = first_burst_points(delayed, 400.0, 2.1)
     assert len(pts) == 45
     by_gap = pts.set_index(["producers", "burst_bytes", "gap_us"])
     assert by_gap.loc[(132, 64 * KIB, 8.0), "overlapped"] == 1.0

@@ -54,8 +54,8 @@ from ...dist_timing import (all_gather_objects, read_sm_clock_mhz, require_safe_
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
-from . import ulysses as att
-from .model import paired_difference
+from ...ops import attention as att
+from ...analysis.attention.model import paired_difference
 
 DEFAULT_SEQ = (8192, 16384, 32768, 49152, 65536)
 # fa, fused, fused_fenced and the same-code controls are neighbours so that each trial's rotation
@@ -468,6 +468,7 @@ class UlyssesAttention(Experiment):
     """Table 3: FA-only, Fused (decoupled and fenced), Serial and their controls per M."""
 
     name = "fa_a2a"
+    in_measure_all = True
     paper = "§5.3, Table 3; timing §5.1"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:

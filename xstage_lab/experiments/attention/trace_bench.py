@@ -39,7 +39,7 @@ from ...checks import bitwise_equal
 from ...dist_timing import read_sm_clock_mhz
 from .. import harness
 from ..harness import Run
-from . import ulysses as att
+from ...ops import attention as att
 from .bench import (DEVICE, SETTLE_S, UlyssesAttention, add_shape_arguments, check_shape_args,
                     settle)
 
@@ -154,7 +154,13 @@ class AttentionTrace(UlyssesAttention):
     control instead of the timed methods."""
 
     name = "fa_trace"
+    in_measure_all = True
     paper = "issue 6: the attention epilogue's burst schedule (§3.1 local control)"
+
+    def measure_all_args(self, written, root) -> list[str]:
+        """Each build launched once untraced before its traced launch: the state the Table 3
+        replays run in (notebook 04)."""
+        return ["--repeat-build"]
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         add_shape_arguments(p)

@@ -57,6 +57,8 @@ from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
 
+MOE_MATRIX = Path(__file__).resolve().parents[3] / "data" / "moe_matrix.json"
+
 DEFAULT_TOKENS = 4096  # per rank
 # Relative Frobenius error bounds against reference_moe. bf16: inputs are exact bf16, h and the
 # Combine rows are rounded to bf16 once each (unit roundoff 2**-9, ~2e-3 per rounding), so a correct
@@ -205,7 +207,12 @@ class MoEMatrix(Experiment):
     """The fused MoE layer's two schedules against the unfused path over the matrix (§5.2.1)."""
 
     name = "moe"
+    in_measure_all = True
     paper = "§4.2, §5.2.1; timing §5.1"
+
+    def measure_all_args(self, written, root) -> list[str]:
+        """The declared 84-cell matrix (``data/moe_matrix.json``)."""
+        return ["--matrix", str(MOE_MATRIX)]
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         shapes = load_shapes()

@@ -14,10 +14,9 @@ the buffer's host address is its device address, checked), the other 8 − h sta
 sources cross PCIe as posted writes and drain after the consumer warpgroups move on.
 
 First the forecast: the run refuses to start without this platform's ``moe_host_forecast``
-record (``python -m xstage_lab.experiments.moe.forecast --host-link <gpu>-host --root
-data/records``: the Burst–Gap
-model on the host link's calibration and the one-GPU kernel record's per-tile times), and its
-record names that forecast and copies its prediction into each row.
+record (``python -m xstage_lab.experiments.moe.host_forecast <gpu>-host --root data/records``:
+the Burst–Gap model on the host link's calibration and the one-GPU kernel record's per-tile
+times), and its record names that forecast and copies its prediction into each row.
 
 Per cell (model, precision, routing, tokens) and host share h, on fresh seeded activations:
 
@@ -61,11 +60,12 @@ from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
 from ...ops.moe.schedules import (L2, Schedule, expert_wave_schedule, interleaved_schedule,
                                   lead_sweep, skew_lead)
 from ...ops.moe.shapes import PRECISIONS, ROUTINGS, load_shapes
-from ...ops.moe.tiles import KERNELS, default_tile_config
+from ...ops.moe.tiles import KERNELS, default_tile_config, kernel_device
 from ...ops.moe.weights import local_expert_weights
 from . import kernel_bench as kb
 from .bench import cell_seed
-from .forecast import HOST_SHARE_SOURCES
+from ...analysis.moe.forecast import HOST_SHARE_SOURCES
+from ...analysis.moe.host_view import HostView, latest_host_view
 
 DEFAULT_TOKENS = (4096,)
 DEFAULT_SHARES = (1, 2, 4, 8)
@@ -91,6 +91,16 @@ class MoEHost(Experiment):
     name = "moe_host"
     paper = "§4.2, §5.2, Table 2, Figs. 8-10 on the host link; issue 26 item 2"
     launch = "in_process"
+    optional = True  # a platform without a host-link run shows nothing of it
+
+    @classmethod
+    def analyse(cls, record, root: Path) -> HostView:
+        return HostView(record.platform, (record,))
+
+    @classmethod
+    def analyse_platform(cls, platform: str, root: Path) -> HostView:
+        """The records of the platform's latest run, its chunks joined (``latest_host_view``)."""
+        return latest_host_view(platform, root)
 
     def __init__(self, device=None):
         self.device = device  # None: this process's CUDA GPU
@@ -144,16 +154,16 @@ class MoEHost(Experiment):
     def start(self, run: Run) -> None:
         """This GPU, its programs, and the forecast this run tests (refused where none exists)."""
         from ...platform import platform_name
-        from ...records import latest_record
+        from ...loading import latest as latest_record
 
-        self.on = kb.kernel_device(self.device, run.args.kernel, "moe.host_bench")
+        self.on = kernel_device(self.device, run.args.kernel, "moe.host_bench")
         self.platform = platform_name(link="host") if self.on.type == "cuda" else "cpu-host"
         try:
             forecast = latest_record("moe_host_forecast", self.platform,
                                      run.args.root or RECORDS_DIR)
         except FileNotFoundError:
             raise SystemExit(f"no moe_host_forecast record of {self.platform}: write the forecast "
-                             f"first (python -m xstage_lab.experiments.moe.forecast --host-link "
+                             f"first (python -m xstage_lab.experiments.moe.host_forecast "
                              f"{self.platform} --root data/records)") from None
         self.forecast_id = f"moe_host_forecast/{self.platform}/{forecast.record_id}"
         self.forecast = forecast.table.set_index(["model", "precision", "routing", "tokens",
@@ -211,7 +221,7 @@ class MoEHost(Experiment):
         return HostStep(point, cell, host, lead, wave, calls, dict(checked), failures)
 
     def _auto_lead(self, point: dict) -> int | None:
-        """The schedule the forecast picks for the point (``tile_forecast``'s
+        """The schedule the forecast picks for the point (``host_forecast``'s
         ``auto_schedule``): 0 for Expert-Wave, else Interleaved's lead; None where the forecast
         record picks none."""
         if point["host_share"] < 1 or "auto_schedule" not in self.forecast:

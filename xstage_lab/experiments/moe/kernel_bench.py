@@ -75,7 +75,7 @@ from ...ops.moe.schedules import (L1, L2, MoEProblem, d_knee, expert_wave_schedu
                                   interleaved_schedule, tile_table, wave_starts)
 from ...ops.moe.shapes import (E4M3_MAX, MoEShape, PRECISIONS, ROUTINGS, check_expert_parallel,
                                load_shapes)
-from ...ops.moe.tiles import KERNELS, TileConfig, default_tile_config, kernel_unsupported
+from ...ops.moe.tiles import KERNELS, TileConfig, default_tile_config, kernel_device
 from ...ops.moe.unfused import (GroupedWeights, UNFUSED_FP8_RECIPE, UNFUSED_IMPL, group_offsets,
                                 grouped_expert_ffn, unfused_activations, unfused_expert_weights,
                                 unfused_impl)
@@ -83,9 +83,9 @@ from ...ops.moe.weights import ExpertWeights, local_expert_weights, quantize_row
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
-from . import trace as moe_trace
+from ...analysis.moe import trace as moe_trace
 from .bench import TOLERANCE, cell_seed
-from .kernel_view import KernelView
+from ...analysis.moe.kernel_view import KernelView, latest_view
 
 EP = 8          # the paper's eight-GPU setting
 RANK = 0        # the rank this GPU plays: local experts 0 .. E/8 - 1
@@ -273,21 +273,6 @@ def dense_ceiling(rows: int, hidden: int, intermediate: int, precision: str, *, 
     return lambda: (
         torch._scaled_mm(aq, w1q.t(), scale_a=sa, scale_b=s1, out_dtype=torch.bfloat16),
         torch._scaled_mm(hq, w2q.t(), scale_a=sh, scale_b=s2, out_dtype=torch.bfloat16))
-
-
-def kernel_device(device, kernel: str, who: str) -> torch.device:
-    """``device`` where given (the CPU tests'), else this process's CUDA GPU, checked to run
-    ``kernel``, with float32 matrix products that are float32 (the reference), not TF32."""
-    if device is not None:
-        return torch.device(device)
-    if not torch.cuda.is_available():
-        raise SystemExit(f"{who} needs a CUDA GPU")
-    on = torch.device("cuda", torch.cuda.current_device())
-    why = kernel_unsupported(kernel, on)
-    if why:
-        raise SystemExit(why)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    return on
 
 
 # ----------------------------------------------------------------------------------- one cell
@@ -601,6 +586,7 @@ class MoEKernel(Experiment):
     """The fused MoE kernel on one GPU against cuBLAS and the unfused path (issue 18)."""
 
     name = "moe_kernel"
+    in_measure_all = True
     paper = "§4.2, §5.2; issue 18 items 2-4; timing §5.1"
     launch = "in_process"
 
@@ -733,8 +719,8 @@ class MoEKernel(Experiment):
     def derived(self, path: Path, root: Path) -> list[Path]:
         """The EP = 2, 4, 8 forecast from this platform's kernel records, on its calibration
         where it has one."""
-        from ...records import platforms
-        from .forecast import write_forecast
+        from ...analysis.moe.forecast import write_forecast
+        from ...loading import platforms
 
         platform = path.parent.name
         return ([write_forecast(platform, platform, root)]
@@ -745,6 +731,11 @@ class MoEKernel(Experiment):
         """One record read as a ``KernelView`` (``latest_view``: a platform's newest record of
         each precision)."""
         return KernelView(record.platform, (record,))
+
+    @classmethod
+    def analyse_platform(cls, platform: str, root: Path) -> KernelView:
+        """A platform's newest record of each precision (``latest_view``)."""
+        return latest_view(platform, root)
 
     def metadata(self, run: Run) -> dict:
         args = run.args

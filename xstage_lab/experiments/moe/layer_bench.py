@@ -51,7 +51,7 @@ from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
 from .bench import TOLERANCE
-from .layer_view import SUMMARY_KEYS
+from ...analysis.moe.layer_view import SUMMARY_KEYS
 
 SETTINGS = ("ep1", "ep8_rank")
 EP = 8

@@ -61,11 +61,11 @@ from ...ops.moe.reference import reference_moe
 from ...ops.moe.schedules import check_schedule, interleaved_schedule, tile_table
 from ...ops.moe.shapes import MoEShape, PRECISIONS, ROUTINGS, load_shapes
 from ...ops.moe.weights import ExpertWeights, local_expert_weights
-from ...records import read_record
+from ...loading import read as read_record
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
-from . import trace as moe_trace
+from ...analysis.moe import trace as moe_trace
 from .bench import (TOLERANCE, ConfigSetup, add_layer_arguments, cell_seed, check_layer_args,
                     combine_output, setup_config, start_expert_parallel)
 
@@ -491,8 +491,19 @@ class MoETrace(Experiment):
     and the regressing cells' causes (§5.2.2–5.2.3, issue 8 part 4)."""
 
     name = "moe_trace"
+    in_measure_all = True
     paper = ("§5.2.2 (Fig. 9), §5.2.3 (Fig. 10, Table 2, eq. 15), §4.2 (eq. 16 D sweep); "
              "issue 8 part 4 (fenced)")
+
+    def measure_all_args(self, written, root) -> list[str]:
+        """The MoE record whose regressing cells it explains: the one this run wrote, else the
+        latest of this platform under ``root`` (none: no regression traces)."""
+        from ...loading import record_paths
+        from ...platform import platform_name
+
+        moe = written.get("moe") or next(reversed(record_paths("moe", platform_name(), root)),
+                                         None)
+        return ["--regressions", str(moe)] if moe else []
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         shapes = load_shapes()

@@ -48,7 +48,7 @@ DEFAULT_SEED = {False: 7, True: 5}
 
 def parse_shape(text: str) -> tuple[int, int, int]:
     """``d:h:M`` -> (d, h, M); ValueError for a head dim the kernels lack or a size below 1."""
-    from ..attention.ulysses import HEAD_DIMS
+    from ...ops.attention import HEAD_DIMS
 
     try:
         d, h, M = (int(x) for x in text.split(":"))
@@ -82,7 +82,7 @@ def kernel_rows(args, names: list[str], with_kernel, q, k, v) -> list[dict]:
 
     from ...checks import bitwise_equal, relative_error
     from ...dist_timing import time_methods
-    from ..attention import ulysses as att
+    from ...ops import attention as att
     from ..attention.bench import REL_TOL, attention_flops
 
     M, h, d = q.shape
@@ -128,7 +128,7 @@ def build_rows(args, names: list[str], with_kernel, q, k, v) -> list[dict]:
     import torch
 
     from ...dist_timing import time_methods
-    from ..attention import ulysses as att
+    from ...ops import attention as att
     from ..attention.bench import local_destination, remote_epilogue_checks
 
     M, h, d = q.shape
@@ -208,7 +208,7 @@ class KernelVersions(Experiment):
     def start(self, run) -> None:
         import torch
 
-        from ..attention import ulysses as att
+        from ...ops import attention as att
 
         self.kernels = {"gluon_ws": att._ws_kernels}
         self.kernels |= {name: load_variant(name, path) for name, path in run.args.variant.items()}
@@ -216,7 +216,7 @@ class KernelVersions(Experiment):
 
     def with_kernel(self, name, fn):
         """``fn()`` with kernel ``name`` in the package's launcher (its checks and grid)."""
-        from ..attention import ulysses as att
+        from ...ops import attention as att
 
         committed = att._ws_kernels
         att._ws_kernels = self.kernels[name]
@@ -229,7 +229,7 @@ class KernelVersions(Experiment):
         """The shape's q, k, v (the previous shape's freed first)."""
         import torch
 
-        from ..attention import ulysses as att
+        from ...ops import attention as att
 
         torch.cuda.empty_cache()
         return tuple(torch.randn(point["M"], point["heads"], point["head_dim"], device="cuda",

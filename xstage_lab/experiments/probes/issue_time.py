@@ -80,8 +80,8 @@ class IssueTimeProbe(Experiment):
         import cupy as cp  # the cuda backend only
 
         from ...kernel_sources import cuda_options
-        from ..remote_store.characterization import RemoteStoreBench
-        from ..remote_store.ops import RemoteOpsBench
+        from ...ops.remote_store.burst import RemoteStoreBench
+        from ...ops.remote_store.operations import RemoteOpsBench
 
         self.bench = RemoteStoreBench()
         self.benches = {"burst_gap": (self.bench, {})}

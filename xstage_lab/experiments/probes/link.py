@@ -56,7 +56,7 @@ from ...kernel_sources import load_kernel_module
 from ...platform import symmetric_buffer
 from ...sweep import Axis, Sweep
 from .. import harness
-from ..attention import ulysses as att
+from ...ops import attention as att
 from ..attention.bench import local_destination, random_qkv
 from ..harness import Experiment, Run
 

@@ -25,14 +25,19 @@ from pathlib import Path
 
 import pandas as pd
 
+from ...analysis.remote_store.patterns import pattern_fits
+from ...analysis.remote_store.routes import format_routes, parse_routes
+from ...ops.remote_store.operations import OpsSettings, RemoteOpsBench
 from ...platform import inventory, platform_name
 from ...records import RECORDS_DIR
 from ...sweep import Axis, Sweep
 from .. import harness
-from .ops import (ConfigCalibration, OpsSettings, RemoteOpsBench, calibrate_one, drain_share,
-                  fit_config, fit_entry, format_routes, parse_routes, run_facts)
+from .ops import ConfigCalibration, calibrate_one, run_facts
+
 
 PATTERNS = ("one_to_one", "one_to_all", "all_to_one", "all_to_all")
+
+
 # Device time the route sets may take (measured 16.5 s on 2 GPUs; from that, ~2.2 min on 4 and
 # ~6 min on 8 at ``default_repeats``), leaving the fits and the record's write (~1.5 min for the
 # 128 source fits of 8 GPUs) inside one 10-minute device call.
@@ -75,33 +80,13 @@ def route_sets(instances: list[dict]) -> list[str]:
     return list(dict.fromkeys(i["routes"] for i in instances))
 
 
-def baseline_route(src: int, dsts: tuple[int, ...]) -> str:
-    """The one-to-one route whose fit predicts source ``src`` of a pattern with no refit."""
-    return format_routes(((src, (dsts[0],)),))
-
-
-def pattern_fits(table: pd.DataFrame, platform: str) -> dict[str, list[dict]]:
-    """Per route set, per source: the fitted (T_iss⁰, R, Q) and the no-refit errors (from the
-    source's own fit, and from its one-to-one route's fit times its drain share)."""
-    fits = {(routes, src): fit_config(rows, routes, int(src), platform, "this record")
-            for (routes, src), rows in table.groupby(["routes", "src"])}
-    out: dict[str, list[dict]] = {}
-    for routes in dict.fromkeys(r for r, _ in fits):
-        share = drain_share(parse_routes(routes))
-        entries = []
-        for src, dsts in parse_routes(routes):
-            base = fits.get((baseline_route(src, dsts), src))
-            entries.append(fit_entry(fits[(routes, src)],
-                                     base.calibration if base is not None else None, share[src]))
-        out[routes] = entries
-    return out
-
-
 class Patterns(ConfigCalibration):
     """Every distinct route set of the injection patterns on this machine's peer-capable GPUs,
     one after another on one bench; every source fitted."""
 
     name = "remote_patterns"
+    in_measure_all = True
+    optional = True
     paper = "issue 6 part 1 (§3's model under multi-peer injection)"
     budget_s = PATTERNS_BUDGET_S
 
@@ -167,17 +152,6 @@ def patterns_params(table: pd.DataFrame, facts: dict, n_gpus: int, platform: str
             "gpu_start_spread_ns_median": {
                 r: float(v) for r, v in table.groupby("routes")["gpu_start_spread_ns"].median()
                 .items() if len(parse_routes(r)) > 1}}
-
-
-def summary_entry(params: dict, record_id: str) -> dict:
-    """The ``patterns`` entry of ``summary --json`` from a ``remote_patterns`` record's
-    parameters: every pattern instance with its route set, the one-to-one route set it
-    degenerates to on this machine (or null) and every source's fit (null where not measured)."""
-    return {"gpus": params["gpus"], "degenerate": params["degenerate"],
-            "per_instance": [{**i, "sources": params["fits"].get(i["routes"])}
-                             for i in params["instances"]],
-            "gpu_start_spread_ns_median": params["gpu_start_spread_ns_median"],
-            "excluded": params["excluded"], "source_record": record_id}
 
 
 if __name__ == "__main__":

@@ -48,6 +48,21 @@ def kernel_unsupported(kernel: str, device) -> str | None:
     return None
 
 
+def kernel_device(device, kernel: str, who: str) -> torch.device:
+    """``device`` where given (the CPU tests'), else this process's CUDA GPU, checked to run
+    ``kernel``, with float32 matrix products that are float32 (the reference), not TF32."""
+    if device is not None:
+        return torch.device(device)
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{who} needs a CUDA GPU")
+    on = torch.device("cuda", torch.cuda.current_device())
+    why = kernel_unsupported(kernel, on)
+    if why:
+        raise SystemExit(why)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return on
+
+
 def default_tile_config(precision: str, kernel: str | None = None, *, hidden: int | None = None,
                         device=None) -> TileConfig:
     """The tiles of ``kernel`` (default: gluon_ws where ``device`` is a Hopper GPU, else the Triton

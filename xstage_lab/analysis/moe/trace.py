@@ -35,7 +35,7 @@ import pandas as pd
 from scipy.stats import gmean
 
 from ...model import critical_path_stall
-from ...ops.moe.schedules import L1, L2
+from . import L1, L2
 
 TRACE_COLUMNS = ("clk0", "clk1", "clk2", "clk3", "gt0", "gt1", "gt2", "gt3", "smid", "spins")
 
@@ -327,7 +327,7 @@ def _json(v):
 
 def latest_trace_table(platform: str, root) -> pd.DataFrame | None:
     """The table of the platform's latest ``moe_trace`` record, or None where there is none."""
-    from ...records import latest_record
+    from ...loading import latest as latest_record
     try:
         return latest_record("moe_trace", platform, root).table
     except FileNotFoundError:

@@ -1,4 +1,12 @@
-"""The host-link MoE matrix forecast tile by tile, and the schedule it picks (issue 26 item 3).
+"""The host-link MoE forecast (``moe_host_forecast``): the averaged forecast
+(``analysis.moe.forecast.compute_host_forecast``) and beside it the forecast tile by tile, with
+the schedule it picks (issue 26 items 2-3). Written before the host-link matrix is measured
+(``moe.host_bench``), which refuses to run without it and names it.
+
+    python -m xstage_lab.experiments.moe.host_forecast [HOST_PLATFORM] [--kernel-platform h200-x1]
+        [--tokens 4096] [--records DIR] [--root DIR]
+
+prints the forecast; only with ``--root DIR`` does it write the record there.
 
 ``forecast.combine_forecast`` plays one program's tile order with every Linear-2 burst the
 average share of a tile; it misses two things the host-link matrix showed: a Linear-2 tile's rows
@@ -20,12 +28,16 @@ this forecast predicts fastest for the cell, the link and the host share.
 """
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from ... import model, simulator
+from ...analysis.moe.forecast import HOST_SHARES, compute_host_forecast
+from ...records import RECORDS_DIR
 from ...ops.moe.schedules import (L1, MoEProblem, d_knee, expert_wave_schedule,
                                   interleaved_schedule, lead_sweep, skew_lead)
 from ...ops.moe.shapes import load_shapes
@@ -118,3 +130,62 @@ def tile_forecast(kernels: pd.DataFrame, platform: model.PlatformModel, host_sha
     """``cell_forecast`` of every cell of ``kernels`` (``moe_kernel`` rows)."""
     return pd.DataFrame([row for k in kernels.to_dict("records")
                          for row in cell_forecast(k, platform, host_shares, seed=seed)])
+
+
+def compute(kernel_platform: str, host_platform: str, tokens: int,
+            root: Path = RECORDS_DIR) -> tuple[pd.DataFrame, dict]:
+    """The ``moe_host_forecast`` table: ``compute_host_forecast``'s rows joined with
+    ``tile_forecast``'s for the same cells, and its parameters."""
+    from ...analysis.moe.kernel_view import latest_view
+    from ...analysis.remote_store.characterization import latest_calibration
+
+    table, params = compute_host_forecast(kernel_platform, host_platform, tokens, root)
+    kernels = latest_view(kernel_platform, root).table
+    tiles = tile_forecast(kernels[kernels["tokens"] == tokens],
+                          latest_calibration(host_platform, root).platform_model(), HOST_SHARES)
+    table = table.merge(tiles, on=["model", "precision", "routing", "tokens", "host_share"],
+                        how="left", validate="one_to_one")
+    return table, {**params, "method": params["method"] + "\n\n" + __doc__}
+
+
+def write(kernel_platform: str, host_platform: str, tokens: int,
+          root: Path = RECORDS_DIR) -> Path:
+    """``compute`` saved as a ``moe_host_forecast`` record under ``root``."""
+    from ...platform import provenance
+    from ...records import write_record
+
+    table, params = compute(kernel_platform, host_platform, tokens, root)
+    return write_record("moe_host_forecast", host_platform, table, params, provenance(), root)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m xstage_lab.experiments.moe.host_forecast",
+                                description="The host-link MoE forecast (CPU only): printed, or "
+                                            "written as a moe_host_forecast record with --root.")
+    p.add_argument("host_platform", nargs="?", default="h200-x1-host",
+                   help="the -host platform whose calibration gives T_iss^0, R and Q")
+    p.add_argument("--kernel-platform", default="h200-x1",
+                   help="platform whose moe_kernel record gives the per-tile times")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per source rank")
+    p.add_argument("--records", type=Path, default=RECORDS_DIR,
+                   help="records read (default: the committed data/records)")
+    p.add_argument("--root", type=Path, default=None,
+                   help="write the record under this records root, reading its records there")
+    a = p.parse_args(argv)
+    try:
+        if a.root is not None:
+            print(f"wrote {write(a.kernel_platform, a.host_platform, a.tokens, a.root)}")
+            return
+        table, params = compute(a.kernel_platform, a.host_platform, a.tokens, a.records)
+    except (FileNotFoundError, ValueError) as e:
+        p.exit(2, f"{p.prog}: error: {' '.join(str(e).split())}\n")
+    print(f"moe_host_forecast of {', '.join(params['kernel_records'])} on "
+          f"{params['calibration_record']} (not saved; --root DIR writes it):")
+    print(table[list(PRINTED)].round(4).to_string(index=False))
+
+
+PRINTED = ("model", "precision", "routing", "host_share", "v_over_r_us", "predicted_stall_us",
+           "predicted_speedup", "auto_schedule", "auto_predicted_us")
+
+if __name__ == "__main__":
+    main()

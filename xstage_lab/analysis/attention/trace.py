@@ -254,7 +254,8 @@ def first_wave_by_launch_order(records) -> pd.DataFrame:
 def latest_replayed_trace(platform: str, root=None):
     """The platform's latest ``fa_trace`` record traced with ``--repeat-build``, each launch after
     one of itself: the state of the Table 3 replays, which ``record_verdicts`` is read in."""
-    from ...records import RECORDS_DIR, list_records, read_record
+    from ...records import RECORDS_DIR
+    from ...loading import record_paths as list_records, read as read_record
 
     for path in reversed(list_records("fa_trace", platform, root or RECORDS_DIR)):
         record = read_record(path)

@@ -34,8 +34,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ...kernel_sources import load_kernel_module
-from ...platform import ALIGN_BYTES, SymmetricBuffer, symmetric_buffer
+from ..kernel_sources import load_kernel_module
+from ..platform import ALIGN_BYTES, SymmetricBuffer, symmetric_buffer
 
 _kernels = load_kernel_module("flash_attention")
 _ws_kernels = load_kernel_module("flash_attention_ws")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 from scipy.stats import gmean
 
-from ...ops.moe.shapes import PRECISIONS
-from ...records import list_records, read_record
+from . import PRECISIONS
+from ...loading import record_paths as list_records, read as read_record
 
 SUMMARY_KEYS = ("model", "precision", "routing", "tokens", "kernel_wave_us",
                 "kernel_interleaved_us", "call_wave_us", "tflops", "cublas_dense_tflops",

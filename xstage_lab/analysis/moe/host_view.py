@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ...records import RECORDS_DIR, Record, list_records, read_record
+from ...loading import read, record_paths
+from ...records import RECORDS_DIR, Record
 
 CELL = ["model", "precision", "routing", "tokens", "host_share"]
 # Where the forecast's speedup misses the measured one by more than this many percentage points,
@@ -45,7 +46,7 @@ class HostView:
 def latest_host_view(platform: str, root: Path = RECORDS_DIR) -> HostView:
     """The records of ``platform``'s latest ``moe_host`` run (its chunks: the same forecast and
     commit as the newest record)."""
-    records = [read_record(p) for p in list_records("moe_host", platform, root)]
+    records = [read(p) for p in record_paths("moe_host", platform, root)]
     if not records:
         raise FileNotFoundError(f"no 'moe_host' record for platform {platform!r} under {root}")
 

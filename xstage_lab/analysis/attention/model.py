@@ -202,7 +202,7 @@ def summary_counterfactual(platform: str, root) -> dict:
     FA-only and, where the record has them, their residuals against the same-code FA-only
     (medians of per-trial differences, ``paired_residuals``: FA-only is another build); {} where
     there is no such record."""
-    from ...records import latest_record, platforms
+    from ...loading import latest as latest_record, platforms
 
     if platform not in platforms("fa_a2a", root):
         return {}
@@ -330,7 +330,8 @@ def tuning_records(platform: str = "h200-x1", root=None) -> list:
     """Every ``fa_tuning`` record of ``platform`` (single-GPU FA-only candidates against cuDNN,
     ``attention.bench --fa-only``), oldest run first (by their creation time: one import can
     stamp several records with the same file time)."""
-    from ...records import RECORDS_DIR, list_records, read_record
+    from ...records import RECORDS_DIR
+    from ...loading import record_paths as list_records, read as read_record
 
     recs = [read_record(p) for p in list_records("fa_tuning", platform, root or RECORDS_DIR)]
     return sorted(recs, key=lambda r: r.params["created_utc"])
