@@ -179,7 +179,8 @@ STAMP_LISTS = {"entry_ns", "q_loop_ns", "epilogue_ns"}
 # Subtrees of a record's parameters that hold measurements, per experiment.
 MEASURED_PARAMS = {"calibration": ("calibration",), "visibility": ("clock_alignment",),
                    "fa_a2a": ("raw",), "fa_tuning": ("raw",), "remote_ops": ("fits",),
-                   "remote_patterns": ("fits",), "moe_kernel": ("call_overhead",)}
+                   "remote_patterns": ("fits",), "moe_kernel": ("call_overhead",),
+                   "remote_store": ("copy_engine_d2h",)}
 # Parameter subtrees whose integers are measurements too (round trips, timer steps).
 INT_PARAMS = {"clock_alignment"}
 # Experiments whose latest record per platform is enough for the notebooks (large tables).
