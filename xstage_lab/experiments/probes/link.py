@@ -57,7 +57,7 @@ from ...platform import symmetric_buffer
 from ...sweep import Axis, Sweep
 from .. import harness
 from ...ops import attention as att
-from ..attention.bench import local_destination, random_qkv
+from ..attention.cases import local_destination, random_qkv
 from ..harness import Experiment, Run
 
 _kernels = load_kernel_module("link_trickle")
