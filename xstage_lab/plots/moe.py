@@ -71,7 +71,7 @@ MOE_KERNEL_COLUMNS = ("model", "precision", "routing", "tokens", "rows", "kernel
 
 def moe_kernel_cells(kernel_record) -> pd.DataFrame:
     """A ``moe_kernel`` record's cells: the kernel alone (both schedules), the whole call, cuBLAS
-    dense, the unfused path, TF/s and the ratios (``moe.kernel_bench.TIMED``)."""
+    dense, the unfused path, TF/s and the ratios (``moe.kernel_rows.TIMED``)."""
     return kernel_record.table[list(MOE_KERNEL_COLUMNS)].round(3)
 
 

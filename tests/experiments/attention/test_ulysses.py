@@ -25,7 +25,7 @@ from tests.experiments.triton_testing import (HOPPER_SMEM_PER_BLOCK, REPO, hoppe
                                               ptxas_report)
 from xstage_lab.checks import bitwise_equal
 from xstage_lab.experiments import harness
-from xstage_lab.experiments.attention import bench as attention_bench
+from xstage_lab.experiments.attention import bench as attention_bench, table3
 from xstage_lab.ops import attention
 from xstage_lab.experiments.attention import trace_bench
 from xstage_lab.experiments.harness import Run
@@ -236,7 +236,7 @@ def test_table3_row_follows_eq_21():
     med = dict(fa=100.0, fa_same_code=104.0, fa_same_code_fenced=125.0, sdpa=80.0, a2a_nccl=30.0, a2a_remote=20.0,
                serial=140.0, fused=110.0, fused_fenced=130.0, sdpa_nccl=120.0)
     iqr = {m: 1.0 for m in med}
-    row = attention_bench.table3_row(8192, 24, 128, 4, med, iqr)
+    row = table3.table3_row(8192, 24, 128, 4, med, iqr)
     assert row["speedup"] == pytest.approx(140 / 110)
     assert row["hiding_ratio"] == pytest.approx(1 - 10 / 40)
     assert row["e_res_us"] == pytest.approx(10.0)
@@ -408,7 +408,7 @@ def test_paired_row_pairs_fused_and_fenced_with_both_baselines():
     clocks = dict(fa=[1980.0, 990.0, 1980.0], fa_same_code=[1980.0, 990.0, 1965.0],
                   fused=[1980.0, 1500.0, 1980.0], fused_fenced=[1980.0, 990.0, None],
                   fa_same_code_fenced=[1980.0, 990.0, 1980.0])
-    row = attention_bench.paired_row(trials, clocks)
+    row = table3.paired_row(trials, clocks)
     assert row["e_res_paired_fa_us"] == 3.0                   # 3, 6, 3
     assert row["e_res_paired_fa_matched_us"] == 3.0           # trial 2's clocks differ
     assert row["e_res_paired_fa_matched_trials"] == 2

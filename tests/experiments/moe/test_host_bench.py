@@ -15,7 +15,7 @@ import torch
 
 from tests.experiments.moe.test_kernel_bench import SEED, TINY, TOKENS, EmulatedLaunch
 from xstage_lab.experiments import harness
-from xstage_lab.experiments.moe import host_bench as hb, kernel_bench as kb
+from xstage_lab.experiments.moe import host_bench as hb, kernel_cell as kc, kernel_rows as kr
 from xstage_lab.analysis.moe.forecast import host_share_fraction
 from xstage_lab.ops.moe.combine import host_combine_peers
 from xstage_lab.ops.moe.fused import prepare_fused_moe
@@ -79,8 +79,7 @@ def forecast_table(shares) -> pd.DataFrame:
 def host_run(monkeypatch, tmp_path):
     """``MoEHost(device="cpu")`` through the harness: Tiny only, EmulatedLaunch behind the real
     contract check, fake timing, the forecast in a scratch root. Returns (args, set_fault)."""
-    for module in (hb, kb):
-        monkeypatch.setattr(module, "load_shapes", lambda: {"Tiny": TINY})
+    monkeypatch.setattr(hb, "load_shapes", lambda: {"Tiny": TINY})
     real_prepare = prepare_fused_moe
     fault = {"kind": None}
 
@@ -88,7 +87,7 @@ def host_run(monkeypatch, tmp_path):
         real_prepare(layout, weights, schedule, peers, **kw)
         return EmulatedLaunch(layout, weights, schedule, peers, fault["kind"])
 
-    for module in (hb, kb):
+    for module in (hb, kc, kr):
         monkeypatch.setattr(module, "prepare_fused_moe", prepare)
     monkeypatch.setattr(hb, "time_methods", fake_time_methods)
     monkeypatch.setattr(hb, "RECORDS_DIR", tmp_path / "records")

@@ -21,7 +21,7 @@ import torch
 
 from xstage_lab.checks import relative_error
 from xstage_lab.experiments import harness
-from xstage_lab.experiments.moe import kernel_bench as kb
+from xstage_lab.experiments.moe import kernel_bench as kb, kernel_cell as kc, kernel_rows as kr
 from xstage_lab.analysis.moe import kernel_view as kv
 from xstage_lab.experiments.moe.bench import TOLERANCE
 from xstage_lab.ops.moe.combine import combine_weighted_sum
@@ -75,11 +75,11 @@ def expert_of_rows(layout: DispatchLayout) -> torch.Tensor:
 
 @pytest.mark.parametrize("rank", [0, 5])
 def test_workload_receives_every_pick_of_its_experts_source_by_source(rank):
-    wl = kb.build_workload(TINY, "skewed", TOKENS, seed=SEED, rank=rank)
-    per_rank = TINY.routed_experts // kb.EP
-    assert wl.world == kb.EP and wl.experts_per_rank == per_rank and wl.slots == TOKENS * TINY.top_k
+    wl = kc.build_workload(TINY, "skewed", TOKENS, seed=SEED, rank=rank)
+    per_rank = TINY.routed_experts // kc.EP
+    assert wl.world == kc.EP and wl.experts_per_rank == per_rank and wl.slots == TOKENS * TINY.top_k
     off = np.concatenate(([0], np.cumsum(wl.recv_counts)))
-    for s in range(kb.EP):
+    for s in range(kc.EP):
         ids = router_topk(router_logits(TOKENS, TINY.routed_experts, "skewed", seed=SEED,
                                                 rank=s), TINY.top_k)[0]
         assert torch.equal(wl.topk_ids[s], ids)
@@ -98,13 +98,13 @@ def test_workload_receives_every_pick_of_its_experts_source_by_source(rank):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_layout_pads_each_expert_and_keeps_source_and_slot(precision):
-    wl = kb.build_workload(TINY, "balanced", TOKENS, seed=SEED)
+    wl = kc.build_workload(TINY, "balanced", TOKENS, seed=SEED)
     block_m = 8
-    layout = kb.fused_layout(wl, precision, block_m)
+    layout = kc.fused_layout(wl, precision, block_m)
     counts = torch.bincount(wl.recv_expert, minlength=wl.experts_per_rank).tolist()
     assert list(layout.tokens_per_expert) == counts
     assert layout.num_rows == sum(-(-c // block_m) for c in counts) * block_m
-    src = torch.repeat_interleave(torch.arange(kb.EP), torch.tensor(wl.recv_counts))
+    src = torch.repeat_interleave(torch.arange(kc.EP), torch.tensor(wl.recv_counts))
     arrived = layout.arrival_rows
     assert torch.equal(layout.row_src[arrived].long(), src)
     assert torch.equal(layout.row_slot[arrived].long(), wl.recv_slot)
@@ -122,17 +122,17 @@ def test_layout_pads_each_expert_and_keeps_source_and_slot(precision):
     for e in range(wl.experts_per_rank):  # inside an expert, arrival order: source, then slot
         mine = arrived[wl.recv_expert == e]
         assert torch.equal(mine, mine.sort().values)
-    rows, dest = kb.combine_index(layout, wl.slots)
+    rows, dest = kc.combine_index(layout, wl.slots)
     assert torch.equal(rows, arrived) and torch.equal(dest, src * wl.slots + wl.recv_slot)
 
 
 def test_unfused_layout_has_one_scale_per_row():
-    wl = kb.build_workload(TINY, "balanced", TOKENS, seed=SEED)
-    layout = kb.unfused_layout(wl, "fp8", 8)
+    wl = kc.build_workload(TINY, "balanced", TOKENS, seed=SEED)
+    layout = kc.unfused_layout(wl, "fp8", 8)
     assert layout.x.dtype == torch.float8_e4m3fn and layout.x_scale.shape == (layout.num_rows, 1)
     assert torch.equal(group_offsets(layout),
                        torch.tensor(np.cumsum(layout.blocks_per_expert) * 8, dtype=torch.int32))
-    assert kb.unfused_layout(wl, "bf16", 8).x_scale is None
+    assert kc.unfused_layout(wl, "bf16", 8).x_scale is None
 
 
 # ---------------------------------------------------------------------------- unfused path
@@ -157,9 +157,9 @@ def _loop_ffn(layout: DispatchLayout, w: GroupedWeights) -> torch.Tensor:
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_grouped_ffn_matches_a_per_expert_loop(precision, grouped_loop):
-    wl = kb.build_workload(TINY, "skewed", TOKENS, seed=SEED)
-    layout = kb.unfused_layout(wl, precision, 8)
-    w = unfused_expert_weights(TINY, 0, kb.EP, precision, seed=SEED)
+    wl = kc.build_workload(TINY, "skewed", TOKENS, seed=SEED)
+    layout = kc.unfused_layout(wl, precision, 8)
+    w = unfused_expert_weights(TINY, 0, kc.EP, precision, seed=SEED)
     if precision == "fp8":
         assert w.w1_scale.shape == (2, 2 * TINY.intermediate) and w.w2_scale.shape == (2, TINY.hidden)
     y = grouped_expert_ffn(layout, w)
@@ -172,16 +172,16 @@ def test_grouped_ffn_matches_a_per_expert_loop(precision, grouped_loop):
 def test_unfused_layer_matches_the_reference(precision, grouped_loop):
     """All eight ranks' grouped FFNs, Combine emulated by scattering into the eight sources'
     buffers: every source's weighted sum against ``reference_moe``."""
-    combine = torch.full((kb.EP, TOKENS * TINY.top_k, TINY.hidden), float("nan"),
+    combine = torch.full((kc.EP, TOKENS * TINY.top_k, TINY.hidden), float("nan"),
                          dtype=torch.bfloat16)
-    for rank in range(kb.EP):
-        wl = kb.build_workload(TINY, "skewed", TOKENS, seed=SEED, rank=rank)
-        layout = kb.unfused_layout(wl, precision, 8)
-        y = grouped_expert_ffn(layout, unfused_expert_weights(TINY, rank, kb.EP, precision,
+    for rank in range(kc.EP):
+        wl = kc.build_workload(TINY, "skewed", TOKENS, seed=SEED, rank=rank)
+        layout = kc.unfused_layout(wl, precision, 8)
+        y = grouped_expert_ffn(layout, unfused_expert_weights(TINY, rank, kc.EP, precision,
                                                                       seed=SEED))
-        rows, dest = kb.combine_index(layout, wl.slots)
+        rows, dest = kc.combine_index(layout, wl.slots)
         combine.view(-1, TINY.hidden)[dest] = y[rows]
-    for s in range(kb.EP):
+    for s in range(kc.EP):
         out = combine_weighted_sum(combine[s], wl.topk_w[s])
         ref = reference_moe(wl.x[s], wl.topk_ids[s], wl.topk_w[s], TINY, seed=SEED,
                                 precision=precision)
@@ -189,7 +189,7 @@ def test_unfused_layer_matches_the_reference(precision, grouped_loop):
 
 
 def test_reference_moe_is_the_weighted_sum_of_expert_rows():
-    wl = kb.build_workload(TINY, "skewed", TOKENS, seed=SEED)
+    wl = kc.build_workload(TINY, "skewed", TOKENS, seed=SEED)
     x, ids, w = wl.x[1], wl.topk_ids[1], wl.topk_w[1]
     ref = reference_moe(x, ids, w, TINY, seed=SEED, precision="fp8")
     tok = torch.arange(TOKENS).repeat_interleave(TINY.top_k)
@@ -210,23 +210,23 @@ def test_missing_or_wrong_grouped_gemm_is_an_error(monkeypatch):
 
 
 def test_grouped_ffn_refuses_the_fused_kernels_fp8_rows(grouped_loop):
-    wl = kb.build_workload(TINY, "balanced", TOKENS, seed=SEED)
-    w = unfused_expert_weights(TINY, 0, kb.EP, "fp8", seed=SEED)
+    wl = kc.build_workload(TINY, "balanced", TOKENS, seed=SEED)
+    w = unfused_expert_weights(TINY, 0, kc.EP, "fp8", seed=SEED)
     with pytest.raises(MoEContractError, match="unfused_activations"):
-        grouped_expert_ffn(kb.fused_layout(wl, "fp8", 8), w)
+        grouped_expert_ffn(kc.fused_layout(wl, "fp8", 8), w)
 
 
 # ------------------------------------------------------------------------------------- FLOPs
 
 def test_flops_and_tflops():
-    assert kb.moe_flops(3, 256, 128) == 2 * 3 * 256 * 2 * 128 + 2 * 3 * 128 * 256 == 6 * 3 * 256 * 128
-    assert kb.tflops(10**12, 1e6) == pytest.approx(1.0)
-    assert math.isnan(kb.tflops(1, 0.0))
+    assert kr.moe_flops(3, 256, 128) == 2 * 3 * 256 * 2 * 128 + 2 * 3 * 128 * 256 == 6 * 3 * 256 * 128
+    assert kr.tflops(10**12, 1e6) == pytest.approx(1.0)
+    assert math.isnan(kr.tflops(1, 0.0))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_dense_ceiling_runs_the_ffn_shapes(precision):
-    a, b = kb.dense_ceiling(24, TINY.hidden, TINY.intermediate, precision, seed=1, device="cpu")()
+    a, b = kr.dense_ceiling(24, TINY.hidden, TINY.intermediate, precision, seed=1, device="cpu")()
     assert a.shape == (24, 2 * TINY.intermediate) and b.shape == (24, TINY.hidden)
     assert a.dtype == b.dtype == torch.bfloat16
 
@@ -277,7 +277,7 @@ class EmulatedLaunch:
 def fake_time_methods(methods, *, trials, warmup, graph_iters, eager, clocks):
     """Each method called once (they must run); made-up times, 100 + i us, Interleaved's the
     fastest (the kernel's TF/s stay Expert-Wave's), no clock."""
-    assert clocks and eager <= set(kb.TIMED) and graph_iters >= 1 and warmup >= 0
+    assert clocks and eager <= set(kr.TIMED) and graph_iters >= 1 and warmup >= 0
     out = {}
     for i, (name, fn) in enumerate(methods.items()):
         fn()
@@ -311,8 +311,9 @@ def cpu_bench(monkeypatch, grouped_loop, tmp_path):
         real_prepare(layout, weights, schedule, peers, **kw)
         return EmulatedLaunch(layout, weights, schedule, peers, fault["kind"])
 
-    monkeypatch.setattr(kb, "prepare_fused_moe", prepare)
-    monkeypatch.setattr(kb, "time_methods", fake_time_methods)
+    for module in (kc, kr):
+        monkeypatch.setattr(module, "prepare_fused_moe", prepare)
+    monkeypatch.setattr(kr, "time_methods", fake_time_methods)
     args = parse(["--out", str(tmp_path / "bench.json"), "--models", "Tiny", "--routing",
                   "skewed", "--tokens", str(TOKENS), "--kernel", "triton", "--programs", "4",
                   "--trials", "3", "--seed", str(SEED), "--no-trace", "--no-progress"])
@@ -333,7 +334,7 @@ def test_run_checks_times_and_imports_as_a_record(cpu_bench, tmp_path, monkeypat
         for kind, bound in TOLERANCE[r["precision"]].items():
             assert r[f"max_row_rel_err_{kind}"] <= bound
         assert r["max_row_rel_err_unfused_fp32"] <= TOLERANCE[r["precision"]]["fp32"]
-        flops, padded = (kb.moe_flops(r[k], TINY.hidden, TINY.intermediate)
+        flops, padded = (kr.moe_flops(r[k], TINY.hidden, TINY.intermediate)
                          for k in ("rows", "padded_rows"))
         us = r["kernel_wave_us"]
         assert r["tflops"] == r["kernel_wave_tflops"] == pytest.approx(flops / (us * 1e6))
@@ -341,11 +342,11 @@ def test_run_checks_times_and_imports_as_a_record(cpu_bench, tmp_path, monkeypat
         assert r["ratio_to_cublas"] == pytest.approx(r["tflops"] / r["cublas_dense_tflops"])
         assert r["padded_rows"] % r["tile_config"]["block_m"] == 0 and r["padded_rows"] >= r["rows"]
         assert r["unfused_impl"] == UNFUSED_IMPL[r["precision"]]
-        assert all(f"{m}_p25_us" in r and f"{m}_p75_us" in r for m in kb.TIMED)
+        assert all(f"{m}_p25_us" in r and f"{m}_p75_us" in r for m in kr.TIMED)
     overhead = meta["call_overhead"]
     assert overhead["tokens_per_source"] == 1
     assert [(o["precision"], o["tokens"]) for o in overhead["rows"]] == [("bf16", 1), ("fp8", 1)]
-    assert all(f"{m}_us" in o for o in overhead["rows"] for m in kb.OVERHEAD_METHODS)
+    assert all(f"{m}_us" in o for o in overhead["rows"] for m in kr.OVERHEAD_METHODS)
     # the one-token calls' rows as measured: none of a cell's columns, no sweep tags
     assert not any("cublas_dense_us" in o or "point" in o or "call_overhead" in o
                    for o in overhead["rows"])
@@ -370,7 +371,7 @@ def test_a_wrong_schedule_aborts_before_timing(cpu_bench, fault, message, monkey
     args, set_fault = cpu_bench
     set_fault(fault)
     timed = []
-    monkeypatch.setattr(kb, "time_methods", lambda *a, **k: timed.append(1))
+    monkeypatch.setattr(kr, "time_methods", lambda *a, **k: timed.append(1))
     with pytest.raises(SystemExit, match="correctness failed"):
         harness.run(kb.MoEKernel(device="cpu"), args)
     assert message in capsys.readouterr().err
@@ -477,8 +478,8 @@ def test_burst_gaps_run_from_one_linear2_epilogue_to_the_next():
                           "kind": [L2, L1, L2, L2, L2],
                           "t2_us": [10.0, 20.0, 30.0, 35.0, 5.0],
                           "t3_us": [12.0, 21.0, 31.0, 36.0, 6.0]})
-    assert kb.burst_gaps(tiles).tolist() == [18.0, 4.0]
-    assert kb.burst_gaps(tiles[tiles["kind"] == L1]).empty
+    assert kr.burst_gaps(tiles).tolist() == [18.0, 4.0]
+    assert kr.burst_gaps(tiles[tiles["kind"] == L1]).empty
 
 
 def _doc(model: str, commit: str = "abc") -> dict:

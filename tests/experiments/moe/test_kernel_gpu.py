@@ -214,9 +214,9 @@ def test_a_spin_error_in_a_timed_replay_aborts_the_run_with_nothing_written(
     run: its bounded spin expires) adding its spin error to the kernel's flag. The check after the
     cell's timing finds it and the run aborts with nothing written; without it the run writes."""
     from xstage_lab.experiments import harness
-    from xstage_lab.experiments.moe import kernel_bench as kb
+    from xstage_lab.experiments.moe import kernel_bench as kb, kernel_cell as kc, kernel_rows as kr
 
-    real_prepare, real_time = prepare_fused_moe, kb.time_methods
+    real_prepare, real_time = prepare_fused_moe, kr.time_methods
     made = {}
 
     def prepare(layout, weights, schedule, peers, **kw):
@@ -240,9 +240,10 @@ def test_a_spin_error_in_a_timed_replay_aborts_the_run_with_nothing_written(
 
         return real_time({**methods, "kernel_interleaved": interleaved_then_stuck}, **kw)
 
-    monkeypatch.setattr(kb, "prepare_fused_moe", prepare)
+    for module in (kc, kr):
+        monkeypatch.setattr(module, "prepare_fused_moe", prepare)
     if inject:
-        monkeypatch.setattr(kb, "time_methods", time_with_a_stuck_launch)
+        monkeypatch.setattr(kr, "time_methods", time_with_a_stuck_launch)
     root = tmp_path / "records"
     args = harness.parse(kb.EXPERIMENT, [
         "--root", str(root), "--models", "DeepSeek-V4-Flash", "--precisions", "bf16",

@@ -300,7 +300,8 @@ def test_sample_is_seeded_and_ordered():
 
 
 def test_d_sweep_leads():
-    from xstage_lab.experiments.moe.trace_bench import DEFAULT_D_FACTORS, sweep_leads
+    from xstage_lab.experiments.moe.trace_bench import DEFAULT_D_FACTORS
+    from xstage_lab.experiments.moe.trace_steps import sweep_leads
     assert sweep_leads(3, DEFAULT_D_FACTORS) == [1, 2, 3, 6, 12, 24]
     assert sweep_leads(1, (0.25, 0.5, 1)) == [1]
 

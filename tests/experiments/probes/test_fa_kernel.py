@@ -55,7 +55,7 @@ def cpu_stand_ins(monkeypatch):
     import torch
 
     from xstage_lab import dist_timing
-    from xstage_lab.experiments.attention import bench
+    from xstage_lab.experiments.attention import cases
     from xstage_lab.ops import attention as ulysses
 
     def flash_attention(q, k, v, *, out=None, config=None):
@@ -65,8 +65,8 @@ def cpu_stand_ins(monkeypatch):
     monkeypatch.setattr(ulysses, "reference_attention", lambda q, k, v: q.float())
     monkeypatch.setattr(ulysses, "sdpa_cudnn", lambda q, k, v: q)
     monkeypatch.setattr(ulysses, "fused_attention_a2a", lambda *a, **kw: None)
-    monkeypatch.setattr(bench, "local_destination", lambda *a: (None, None))
-    monkeypatch.setattr(bench, "remote_epilogue_checks",
+    monkeypatch.setattr(cases, "local_destination", lambda *a: (None, None))
+    monkeypatch.setattr(cases, "remote_epilogue_checks",
                         lambda *a: {"remote_bitwise_fa": True, "remote_fenced_bitwise_fa": True})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
 

@@ -19,7 +19,7 @@ from xstage_lab import dist_timing
 from xstage_lab.__main__ import build_parser
 from xstage_lab.experiments import harness
 from xstage_lab.experiments.harness import Run
-from xstage_lab.experiments.probes import link as lp
+from xstage_lab.experiments.probes import link as lp, link_checks as lc, link_windows as lw
 from xstage_lab.records import import_bench_json, read_record
 from xstage_lab.sweep import run_sweep
 
@@ -74,14 +74,14 @@ def test_the_shape_is_checked_for_the_world_size():
 # -------------------------------------------------------------------------------- settings
 
 def test_declared_settings_are_the_control_beside_the_trickle_and_the_three_methods():
-    settings = lp.declared_settings([2, 2000])
+    settings = lw.declared_settings([2, 2000])
     assert [s.name for s in settings] == [
         "fa_same_code", "fa_same_code+peer@2us", "fa_same_code+local@2us",
         "fa_same_code+peer@2000us", "fa_same_code+local@2000us", "fused", "serial", "a2a_nccl"]
-    assert {s.workload for s in settings} == set(lp.WORKLOADS)
-    assert {s.trickle for s in settings} == set(lp.TRICKLES)
+    assert {s.workload for s in settings} == set(lw.WORKLOADS)
+    assert {s.trickle for s in settings} == set(lw.TRICKLES)
     assert all((s.trickle == "none") == (s.period_us is None) for s in settings)
-    assert len(lp.declared_settings(lp.DEFAULT_PERIODS_US)) == 4 + 2 * len(lp.DEFAULT_PERIODS_US)
+    assert len(lw.declared_settings(lw.DEFAULT_PERIODS_US)) == 4 + 2 * len(lw.DEFAULT_PERIODS_US)
 
 
 def test_the_sweep_is_every_round_of_settings_in_its_seeded_order():
@@ -92,9 +92,9 @@ def test_the_sweep_is_every_round_of_settings_in_its_seeded_order():
     assert sweep.repeats == 1 and sweep.warmup == 0
     assert sweep.fixed == dict(M=8192, heads=8, head_dim=128)
     points = sweep.points()
-    settings = lp.declared_settings([20.0, 2000.0])
+    settings = lw.declared_settings([20.0, 2000.0])
     assert [(p["round"], p["setting"]) for p in points] == [
-        (r, s.name) for r in range(2) for s in lp.round_order(settings, r, seed=3)]
+        (r, s.name) for r in range(2) for s in lw.round_order(settings, r, seed=3)]
     assert [i for _, i in sweep.order()] == list(range(len(points)))  # run as declared
     assert len(points) == 2 * len(settings)
     assert lp.EXPERIMENT.sweeps(args)[0].points() == points  # the same on every rank
@@ -108,12 +108,12 @@ def test_the_sweep_is_every_round_of_settings_in_its_seeded_order():
 
 
 def test_round_order_is_a_seeded_shuffle_the_same_on_every_rank():
-    settings = lp.declared_settings(lp.DEFAULT_PERIODS_US)
-    orders = [lp.round_order(settings, r, seed=0) for r in range(3)]
+    settings = lw.declared_settings(lw.DEFAULT_PERIODS_US)
+    orders = [lw.round_order(settings, r, seed=0) for r in range(3)]
     assert all(sorted(o, key=settings.index) == settings for o in orders)
-    assert orders == [lp.round_order(settings, r, seed=0) for r in range(3)]
+    assert orders == [lw.round_order(settings, r, seed=0) for r in range(3)]
     assert len({tuple(o) for o in orders}) == 3
-    assert lp.round_order(settings, 0, seed=1) != orders[0]
+    assert lw.round_order(settings, 0, seed=1) != orders[0]
 
 
 # ---------------------------------------------------------------------- window control
@@ -139,14 +139,14 @@ def test_the_leader_runs_steps_until_its_window_is_over():
         launched.append(n)
         clock.t += 0.03
 
-    calls = lp.run_window(0.1, 5, leader=True, clock=clock, decide=decide, launch=launch)
+    calls = lw.run_window(0.1, 5, leader=True, clock=clock, decide=decide, launch=launch)
     assert launched == [5, 5, 5, 5] and calls == 20  # steps start at 0, .03, .06, .09
     assert proposals == [5, 5, 5, 5, 0]
 
 
 def test_the_first_step_runs_even_where_the_clock_is_already_past_the_window():
     clock_jump = iter([0.0, 10.0, 10.0])  # the start, then past the window at once
-    calls = lp.run_window(0.1, 3, leader=True, clock=lambda: next(clock_jump),
+    calls = lw.run_window(0.1, 3, leader=True, clock=lambda: next(clock_jump),
                           decide=lambda v: v, launch=lambda n: None)
     assert calls == 3
 
@@ -184,7 +184,7 @@ def test_every_rank_runs_the_leaders_steps_whatever_its_own_clock_says():
         def launch(n):
             launched[rank].append(n)
             clocks[rank].t += 0.03 if rank == 0 else 100.0
-        results[rank] = lp.run_window(0.1, 4, leader=rank == 0, clock=clocks[rank],
+        results[rank] = lw.run_window(0.1, 4, leader=rank == 0, clock=clocks[rank],
                                       decide=bcast.for_rank(rank), launch=launch)
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
@@ -198,34 +198,34 @@ def test_every_rank_runs_the_leaders_steps_whatever_its_own_clock_says():
 
 
 def test_steps_and_the_trickles_run_cover_the_window():
-    assert lp.step_calls_for(0.010) == 2 and lp.step_calls_for(0.0004) == 50
-    assert lp.step_calls_for(1.5) == 1 and lp.step_calls_for(0.0) == 1
-    run = lp.trickle_run_s(1.0, 2.5, 0.02)
-    assert run == pytest.approx(1.0 + 2.5 + lp.TRICKLE_TAIL_S + 0.08)
+    assert lw.step_calls_for(0.010) == 2 and lw.step_calls_for(0.0004) == 50
+    assert lw.step_calls_for(1.5) == 1 and lw.step_calls_for(0.0) == 1
+    run = lw.trickle_run_s(1.0, 2.5, 0.02)
+    assert run == pytest.approx(1.0 + 2.5 + lw.TRICKLE_TAIL_S + 0.08)
     # the window's trickle stays inside int32 stores even at the shortest period and longest run
-    longest = lp.trickle_run_s(lp.MAX_WINDOW_S, lp.MAX_WINDOW_S, 1.0)
-    assert longest * 1e9 // (lp.MIN_PERIOD_US * 1e3) + 1 < lp.MAX_STORES
+    longest = lw.trickle_run_s(lw.MAX_WINDOW_S, lw.MAX_WINDOW_S, 1.0)
+    assert longest * 1e9 // (lw.MIN_PERIOD_US * 1e3) + 1 < lc.MAX_STORES
 
 
 # -------------------------------------------------------------------- the trickle's target
 
 def test_expected_slots_before_the_stores_wrap():
-    got = lp.expected_slots(3, 8, source=1)
-    assert got.dtype == torch.int32 and got.shape == (8, lp.SLOT_WORDS)
-    assert got[:3].tolist() == [[i, 1, i, lp.MAGIC] for i in range(3)]
-    assert (got[3:] == lp.POISON).all()
+    got = lc.expected_slots(3, 8, source=1)
+    assert got.dtype == torch.int32 and got.shape == (8, lc.SLOT_WORDS)
+    assert got[:3].tolist() == [[i, 1, i, lc.MAGIC] for i in range(3)]
+    assert (got[3:] == lc.POISON).all()
 
 
 def test_expected_slots_keep_each_slots_last_store_once_they_wrap():
-    got = lp.expected_slots(11, 4, source=0)  # stores 0..10 into 4 slots
-    assert got.tolist() == [[8, 0, 0, lp.MAGIC], [9, 0, 1, lp.MAGIC], [10, 0, 2, lp.MAGIC],
-                            [7, 0, 3, lp.MAGIC]]
-    assert (lp.expected_slots(0, 4, source=0) == lp.POISON).all()
+    got = lc.expected_slots(11, 4, source=0)  # stores 0..10 into 4 slots
+    assert got.tolist() == [[8, 0, 0, lc.MAGIC], [9, 0, 1, lc.MAGIC], [10, 0, 2, lc.MAGIC],
+                            [7, 0, 3, lc.MAGIC]]
+    assert (lc.expected_slots(0, 4, source=0) == lc.POISON).all()
 
 
 def test_the_poison_is_no_word_a_store_writes():
-    assert lp.POISON not in (lp.MAGIC, 0, 1) and lp.POISON > lp.MAX_STORES // 2
-    assert math.isnan(torch.tensor([lp.POISON], dtype=torch.int32).view(torch.float32).item())
+    assert lc.POISON not in (lc.MAGIC, 0, 1) and lc.POISON > lc.MAX_STORES // 2
+    assert math.isnan(torch.tensor([lc.POISON], dtype=torch.int32).view(torch.float32).item())
 
 
 @pytest.mark.parametrize("kwargs,says", [
@@ -237,12 +237,12 @@ def test_the_poison_is_no_word_a_store_writes():
 ])
 def test_the_trickle_refuses_bad_bounds_before_launching(kwargs, says):
     args = dict(table=torch.zeros(1, dtype=torch.int64), target=0,
-                result=torch.zeros(lp.RESULT_FIELDS, dtype=torch.int64), slots=4, period_ns=1000,
+                result=torch.zeros(lc.RESULT_FIELDS, dtype=torch.int64), slots=4, period_ns=1000,
                 run_ns=10 ** 6, max_stores=10, source=0) | kwargs
     with pytest.raises(ValueError, match=says):
-        lp.launch_trickle(**args)
+        lc.launch_trickle(**args)
     with pytest.raises(ValueError, match="CUDA device"):  # good bounds: a CPU table is refused
-        lp.launch_trickle(**(args | dict(slots=4, period_ns=1000, run_ns=0, max_stores=10,
+        lc.launch_trickle(**(args | dict(slots=4, period_ns=1000, run_ns=0, max_stores=10,
                                          target=0)))
 
 
@@ -256,7 +256,7 @@ def _sample(t, clock, power, energy, reasons):
 def test_power_summary_of_a_window():
     samples = [_sample(0.0, 1500, 690.0, 1000.0, 0x4), _sample(0.5, 1530, 700.0, None, 0x4),
                _sample(1.0, None, 680.0, 1690.0, 0x0), _sample(1.5, 1560, None, 2035.0, 0x4 | 0x8)]
-    out = lp.power_summary(samples, us_per_call=2000.0)
+    out = lw.power_summary(samples, us_per_call=2000.0)
     assert out["samples"] == 4 and out["sm_clock_mhz_median"] == 1530
     assert out["power_w_mean"] == pytest.approx(690.0) and out["power_w_max"] == 700.0
     assert out["energy_w"] == pytest.approx((2035.0 - 1000.0) / 1.5)
@@ -266,10 +266,10 @@ def test_power_summary_of_a_window():
 
 
 def test_power_summary_without_nvml_is_none_not_zero():
-    out = lp.power_summary([], us_per_call=2000.0)
+    out = lw.power_summary([], us_per_call=2000.0)
     assert out["samples"] == 0
     assert all(v is None for k, v in out.items() if k != "samples")
-    with lp.PowerSampler(None) as sampler:
+    with lw.PowerSampler(None) as sampler:
         pass
     assert sampler.samples == []
 
@@ -293,18 +293,18 @@ def fake_pynvml(**overrides):
 
 
 def test_a_sample_reads_nvml_in_its_units_and_none_where_it_refuses():
-    sample = lp.Nvml(fake_pynvml(), handle=object()).sample()
+    sample = lw.Nvml(fake_pynvml(), handle=object()).sample()
     assert sample["sm_clock_mhz"] == 1545 and sample["temp_c"] == 63
     assert sample["power_w"] == pytest.approx(691.5) and sample["power_limit_w"] == 700.0
     assert sample["energy_j"] is None and sample["reasons"] == 0x4
     # newer NVML names the reasons clock events
     newer = fake_pynvml(nvmlDeviceGetCurrentClocksEventReasons=lambda h: 0x8)
-    assert lp.Nvml(newer, handle=object()).sample()["reasons"] == 0x8
+    assert lw.Nvml(newer, handle=object()).sample()["reasons"] == 0x8
 
 
 def test_without_pynvml_the_readings_are_unknown(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # importing it raises ImportError
-    nvml, why = lp.Nvml.open(0)
+    nvml, why = lw.Nvml.open(0)
     assert nvml is None and why.startswith("NVML unavailable: ModuleNotFoundError")
 
 
@@ -322,7 +322,7 @@ def _document(tmp_path, world):
     row = dict(round=0, setting="fa_same_code+peer@20us", workload="fa_same_code",
                trickle="peer", period_us=20.0, rank=0, calls=100, us_per_call=1000.0,
                window_s=0.1, trickle_stores=5000, trickle_span_s=0.1, trickle_period_us=20.2,
-               trickle_covered=True) | lp.power_summary([], 1000.0)
+               trickle_covered=True) | lw.power_summary([], 1000.0)
     points = {p["setting"]: (i, p) for i, p in enumerate(sweep.points())}
     rows = [dict(r, point=points[r["setting"]][0], repeat=0, order=n, **points[r["setting"]][1])
             for n, r in enumerate([row, dict(row, setting="fused", workload="fused",
@@ -364,7 +364,7 @@ def trickle_build():
     signature = {"table_ptr": "*i64", "target": "i32", "result_ptr": "*i64", "slots": "i32",
                  "period_ns": "i32", "run_ns": "i64", "max_stores": "i32", "source": "i32"}
     aligned = {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
-    return triton.compile(ASTSource(lp._kernels.link_trickle_kernel, signature, {}, aligned),
+    return triton.compile(ASTSource(lc._kernels.link_trickle_kernel, signature, {}, aligned),
                           target=hopper_target(), options=dict(num_warps=1))
 
 
@@ -379,7 +379,7 @@ def test_the_trickle_stores_16_byte_vectors_and_its_result(trickle_build):
     vectors = [s for s in stores if ".v4." in s]
     assert vectors and set(vectors) == {"st.global.v4.b32"}, stores
     assert sorted(set(stores) - set(vectors)) == ["st.global.b64"]
-    assert len(stores) - len(vectors) == lp.RESULT_FIELDS
+    assert len(stores) - len(vectors) == lc.RESULT_FIELDS
 
 
 def test_the_trickle_reads_globaltimer_in_a_loop_bounded_by_count_and_deadline(trickle_build):

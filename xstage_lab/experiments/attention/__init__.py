@@ -1,3 +1,4 @@
-"""Ulysses attention fused with its post-attention All-to-All (paper §4.3, §5.3): the host side
-of the kernels (``ulysses``), the torchrun benchmark (``bench``) and per-tile trace
-(``trace_bench``), and their CPU analyses (``model``: eqs. 17–20; ``trace``: the design test)."""
+"""Ulysses attention fused with its post-attention All-to-All (paper §4.3, §5.3): the torchrun
+benchmark (``bench``; its shapes and checks in ``cases``, Table 3's timing in ``table3``) and the
+per-tile trace (``trace_bench``). The kernels' host side is ``ops.attention``; the CPU analyses are
+``analysis.attention``."""

@@ -10,6 +10,7 @@
 Two ``Experiment``s run by ``experiments.harness``: ``UlyssesAttention`` (``fa_a2a``, one process
 per GPU) and ``FaTuning`` (``fa_tuning``, ``--fa-only``); each declares its shapes as a ``Sweep``
 over M at the fixed heads H and head dim d (``shape_sweep``).
+The shapes, their inputs and checks are ``cases``'s; Table 3's timing is ``table3``'s.
 
 One process per GPU. Per sequence length M:
 1. Correctness first, on fresh random inputs with every output poisoned (NaN) before its run:
@@ -39,7 +40,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -48,62 +48,26 @@ import torch
 import torch.distributed as dist
 import triton
 
-from ...checks import bitwise_equal, poisoned, relative_error
-from ...dist_timing import (all_gather_objects, read_sm_clock_mhz, require_safe_env, rotated_order,
-                           time_methods)
-from ...sweep import Axis, Sweep
+from ...checks import poisoned, relative_error
+from ...dist_timing import require_safe_env, rotated_order, time_methods
+from ...sweep import Sweep
 from .. import harness
 from ..harness import Experiment, Run
 from ...ops import attention as att
-from ...analysis.attention.model import paired_difference
+from .cases import (DEVICE, REL_TOL, Case, add_shape_arguments, add_timing_arguments,
+                    attention_flops, check_case, check_shape_args, check_timing_args,
+                    local_destination, random_qkv, remote_epilogue_checks, shape_sweep)
+from .table3 import METHODS, SETTLE_S, run_case, tune
 
-DEFAULT_SEQ = (8192, 16384, 32768, 49152, 65536)
-# fa, fused, fused_fenced and the same-code controls are neighbours so that each trial's rotation
-# runs them back to back (apart from the trials where the rotation splits them): their per-trial
-# differences, E_res, are taken within one clock state.
-METHODS = ("fa", "fused", "fused_fenced", "fa_same_code_fenced", "fa_same_code", "sdpa",
-           "a2a_nccl", "a2a_remote", "serial", "sdpa_nccl")
-REMOTE_METHODS = ("a2a_remote", "fused", "fused_fenced")
-SETTLE_S = 2.0        # FA-only back to back before each M's trials: DVFS settles under the load
-REL_TOL = 1e-2        # relative Frobenius error allowed against the float32 reference (bf16 output)
-TUNE_TRIALS = 3
-TUNE_MAX_SEQ = 16384  # configurations are timed at the largest swept M up to this
-DEVICE = "cuda"       # the current CUDA device of this rank
-
-
-def attention_flops(seq_len: int, heads: int, head_dim: int, world: int) -> int:
-    """Per-rank FLOPs of non-causal attention forward: QK^T and PV over H/P heads, 4 M^2 d H/P."""
-    return 4 * seq_len * seq_len * head_dim * heads // world
-
-
-def table3_row(seq_len: int, heads: int, head_dim: int, world: int, med: dict, iqr: dict) -> dict:
-    """One Table 3 row from per-method medians and IQRs (µs per call).
-
-    speedup = T_serial / T_fused; E_res = T_fused - T_FA (§5.3); hiding ratio
-    H = 1 - (T_fused - T_FA) / (T_serial - T_FA) (eq. 21); TF/s from ``attention_flops``.
-    ``e_res_same_code_us`` is E_res against FA-only run through the fused kernel's own code with
-    local destinations, which separates the remote stores from the two epilogues' code.
-    The ``_fenced`` quantities are the same for the completion-coupled epilogue (issue 8); its
-    same-code control is the fenced kernel storing into local destinations."""
-    flops = attention_flops(seq_len, heads, head_dim, world)
-    fa, fused, serial = med["fa"], med["fused"], med["serial"]
-    fenced = med["fused_fenced"]
-    row = dict(M=seq_len, heads=heads, head_dim=head_dim, P=world,
-               **{f"{m}_us": med[m] for m in METHODS},
-               speedup=serial / fused,
-               hiding_ratio=1 - (fused - fa) / (serial - fa),
-               e_res_us=fused - fa,
-               e_res_same_code_us=fused - med["fa_same_code"],
-               speedup_fenced=serial / fenced,
-               hiding_ratio_fenced=1 - (fenced - fa) / (serial - fa),
-               e_res_fenced_us=fenced - fa,
-               e_res_fenced_same_code_us=fenced - med["fa_same_code_fenced"],
-               fa_tflops=flops / fa / 1e6,
-               cudnn_tflops=flops / med["sdpa"] / 1e6,
-               speedup_over_sdpa_nccl=med["sdpa_nccl"] / fused,
-               **{f"{m}_iqr_us": iqr[m] for m in METHODS})
-    row["fa_over_cudnn"] = row["fa_tflops"] / row["cudnn_tflops"]
-    return row
+TIMING = ("sender-visible steady state: per method, `iters` back-to-back calls in one CUDA graph "
+          "replayed between CUDA events on every rank after a rank alignment; per trial the "
+          "maximum over ranks; rows hold the median over trials and the IQR, in µs per call. "
+          "Remote-store methods synchronize once after the replay, outside the timed window "
+          "(§5.1); NCCL methods include their own completion. Clocks are not locked: before each "
+          "M, `settle_s` seconds of FA-only; every trial records the SM clock of every method "
+          "(lowest over ranks); E_res is also the median of per-trial differences (paired, same "
+          "rotation) and of the clock-matched trials only.")
+LAYOUT = "q, k, v [M, H/P, d] on every rank (heads rank*H/P...); receive [M/P, H, d]"
 
 
 # ``--fa-only``: the kernel configurations timed against cuDNN on one GPU (no NCCL, no peers),
@@ -179,289 +143,6 @@ def fa_only_ratios(timing: dict, flops: int, baseline: str = "cudnn") -> dict:
                          over_cudnn_paired=float(np.median(base / trials)),
                          sm_clock_mhz=t.get("sm_clock_mhz"))
     return out
-
-
-def remote_epilogue_checks(q, k, v, out_fa, cfg, world: int = 2) -> dict:
-    """The REMOTE epilogue of ``cfg``, unfenced and fenced, into P = ``world`` receive buffers on
-    this GPU (rank 0's tiles; the addressing of a P-rank run): each bitwise equal to the LOCAL
-    output ``out_fa`` where it lands, so Fused and Serial share this configuration's code."""
-    M, h, d = q.shape
-    out = {}
-    for fenced in (False, True):
-        print(f"[attention.bench --fa-only] remote epilogue, fenced={fenced}", file=sys.stderr,
-              flush=True)
-        recv, table = local_destination(M, h * world, d, world)
-        recv.fill_(float("nan"))
-        att.fused_attention_a2a(q, k, v, table, 0, world, config=cfg, fenced=fenced)
-        # buffer j holds rows [j*M/P, (j+1)*M/P); rank 0's heads are its first h
-        got = recv[:, :, :h].reshape(M, h, d)
-        out[f"remote{'_fenced' if fenced else ''}_bitwise_fa"] = bitwise_equal(got, out_fa)
-    return out
-
-
-def add_shape_arguments(p: argparse.ArgumentParser, seq=DEFAULT_SEQ, heads: int = 24,
-                        heads_help: str = "total heads H (divisible by P)") -> None:
-    """The attention shape's options (the sweep's M, heads and head dim)."""
-    p.add_argument("--seq", default=",".join(map(str, seq)),
-                   help="comma-separated sequence lengths M")
-    p.add_argument("--heads", type=int, default=heads, help=heads_help)
-    p.add_argument("--head-dim", type=int, default=128, choices=att.HEAD_DIMS)
-
-
-def check_shape_args(a: argparse.Namespace) -> None:
-    """``--seq`` as a list of positive lengths, each a multiple of every candidate
-    configuration's tiles, and ``--heads`` >= 1; ``ValueError`` names the first mistake. Whether
-    P divides them is the ranks' ``validate``."""
-    try:
-        a.seq = [int(s) for s in a.seq.split(",") if s]
-    except ValueError:
-        raise ValueError(f"--seq must list integers, got {a.seq!r}") from None
-    if not a.seq or min(a.seq) <= 0:
-        raise ValueError(f"--seq must list positive lengths, got {a.seq}")
-    if a.heads < 1:
-        raise ValueError(f"--heads must be >= 1, got {a.heads}")
-    # Tiles are powers of two: a multiple of the largest suits every candidate configuration.
-    tile = max(max(c["BLOCK_M"], c["BLOCK_N"]) for c in att.flash_attention_candidates(a.head_dim))
-    for m in a.seq:
-        if m % tile:
-            raise ValueError(f"sequence length M={m} must be a multiple of the {tile}-row tiles")
-
-
-def add_timing_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trials", type=int, default=20)
-    p.add_argument("--iters", type=int, default=10, help="back-to-back calls per CUDA graph")
-    p.add_argument("--seed", type=int, default=0)
-
-
-def check_timing_args(a: argparse.Namespace) -> None:
-    if a.trials < 1 or a.iters < 1:
-        raise ValueError("--trials and --iters must be >= 1")
-
-
-def shape_sweep(args, name: str) -> Sweep:
-    """The attention shapes as a declared sweep: sequence length M over ``--seq``, at the fixed
-    heads H and head dim d (one configuration, tuned for them, serves every point); one pass
-    (each point's repeats are its timing trials)."""
-    return Sweep(name, (Axis("M", args.seq),), fixed=dict(heads=args.heads, head_dim=args.head_dim),
-                 repeats=1, warmup=0)
-
-
-def random_qkv(seq_len: int, h_local: int, head_dim: int, seed: int):
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    return [torch.randn(seq_len, h_local, head_dim, generator=g, device=DEVICE,
-                        dtype=torch.float32).to(att.DTYPE) for _ in range(3)]
-
-
-@dataclass
-class Case:
-    """One attention shape on this rank: its fresh q, k, v [M, H/P, d]; after ``check_case``,
-    FA-only's output, the local destination buffers and their table of the same-code FA-only
-    control, and every rank's check metrics."""
-
-    point: dict
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    out_fa: torch.Tensor | None = None
-    local: tuple = ()
-    checks: list = field(default_factory=list)
-
-
-def check_case(case: Case, cfg, buf, group) -> tuple[dict, list[str]]:
-    """Correctness of every path at one M (step 1), every output poisoned first; sets
-    ``case.out_fa`` and ``case.local``. Returns this rank's metrics and failures (the caller
-    stops every rank on any rank's)."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    q, k, v = case.q, case.k, case.v
-    seq_len, heads, head_dim = case.point["M"], case.point["heads"], case.point["head_dim"]
-    out_fa = att.flash_attention(q, k, v, out=poisoned(q.shape, att.DTYPE, DEVICE), config=cfg)
-    ref = att.reference_attention(q, k, v)
-    ref_recv = att.nccl_a2a(ref, group)  # float32: what this rank must receive (§4.3 layout)
-    recv_shape = (seq_len // world, heads, head_dim)
-    serial = att.nccl_a2a(out_fa, group, out=poisoned(recv_shape, att.DTYPE, DEVICE))
-
-    recv = buf.view(seq_len, heads, head_dim)
-    recv.fill_(float("nan"))
-    buf.barrier()  # every rank poisoned its buffer before any peer stores into it
-    att.fused_attention_a2a(q, k, v, buf.peer_ptrs, rank, world, config=cfg)
-    buf.barrier()
-    fused_equal, fused_err = bitwise_equal(recv, serial), relative_error(recv, ref_recv)
-
-    recv.fill_(float("nan"))
-    buf.barrier()
-    att.fused_attention_a2a(q, k, v, buf.peer_ptrs, rank, world, config=cfg, fenced=True)
-    buf.barrier()
-    fenced_equal = bitwise_equal(recv, serial)
-
-    recv.fill_(float("nan"))
-    buf.barrier()
-    att.remote_store_a2a(out_fa, buf.peer_ptrs, rank, world)
-    buf.barrier()
-    a2a_equal = bitwise_equal(recv, serial)
-
-    # FA-only through the fused kernel's own code, unfenced and fenced: its epilogue stores every
-    # tile, as Fused does, but through a table of P buffers on this GPU (the local control of
-    # §3.1); the fenced one separates the fence's effect on the compiled Q-loop from its effect on
-    # the remote stores.
-    local = local_destination(seq_len, heads, head_dim, world)
-    local_recv, local_table = local
-    h = heads // world
-    same_code_equal = {}
-    for fenced in (False, True):
-        local_recv.fill_(float("nan"))
-        att.fused_attention_a2a(q, k, v, local_table, rank, world, config=cfg, fenced=fenced)
-        same_code_equal[fenced] = bitwise_equal(
-            local_recv[:, :, rank * h:(rank + 1) * h].reshape(out_fa.shape), out_fa)
-
-    sdpa = att.sdpa_nccl(q, k, v, group, out=poisoned(recv_shape, att.DTYPE, DEVICE))
-    metrics = dict(fa_rel_err=relative_error(out_fa, ref),
-                   serial_rel_err=relative_error(serial, ref_recv),
-                   fused_rel_err=fused_err, sdpa_nccl_rel_err=relative_error(sdpa, ref_recv),
-                   fused_bitwise_serial=fused_equal, fused_fenced_bitwise_serial=fenced_equal,
-                   a2a_remote_bitwise_nccl=a2a_equal,
-                   fa_same_code_bitwise_fa=same_code_equal[False],
-                   fa_same_code_fenced_bitwise_fa=same_code_equal[True])
-    failures = [f"{name}={value:.3g} (tolerance {REL_TOL})" for name, value in metrics.items()
-                if name.endswith("_rel_err") and not value < REL_TOL]
-    failures += [f"{name} is False" for name, value in metrics.items() if value is False]
-    case.out_fa, case.local = out_fa, local
-    return metrics, failures
-
-
-def local_destination(seq_len, heads, head_dim, world):
-    """P receive buffers [M/P, H, d] on this GPU and the pointer table that names them (keep the
-    buffers referenced as long as the table is used)."""
-    recv = torch.empty((world, seq_len // world, heads, head_dim), dtype=att.DTYPE, device=DEVICE)
-    table = torch.tensor([recv[j].data_ptr() for j in range(world)], dtype=torch.int64,
-                         device=DEVICE)
-    return recv, table
-
-
-def tune(args, group) -> tuple[dict, list]:
-    """Time each candidate configuration (``ulysses.flash_attention_candidates``, both
-    kernels) FA-only at one M and keep the fastest (max over ranks, median over trials).
-    Candidates whose kernel does not run on this GPU (``ulysses.kernel_unsupported``), that do
-    not fit the hardware or that miss the float32 reference on any rank are skipped on every
-    rank."""
-    d, world = args.head_dim, dist.get_world_size(group)
-    fitting = [m for m in args.seq if m <= TUNE_MAX_SEQ]
-    seq_len = max(fitting) if fitting else min(args.seq)
-    q, k, v = random_qkv(seq_len, args.heads // world, d, args.seed + 7)
-    ref = att.reference_attention(q, k, v)
-    out = torch.empty_like(q)
-    results = []
-    for cfg in att.flash_attention_candidates(d):
-        # validate() made every M a multiple of every candidate's tiles
-        entry = dict(config=cfg, M=seq_len)
-        reason = att.kernel_unsupported(cfg["kernel"], q.device)
-        try:
-            if reason is None:
-                out.fill_(float("nan"))
-                att.flash_attention(q, k, v, out=out, config=cfg)
-                err = relative_error(out, ref)
-                reason = None if err < REL_TOL else f"relative error {err:.3g} against float32"
-        except triton.runtime.errors.OutOfResources as e:
-            reason = f"out of resources: {e}"
-        # a candidate any rank cannot run is skipped on every rank, so all stay in step
-        reasons = [r for r in all_gather_objects(reason, group) if r]
-        if reasons:
-            entry["skipped"] = reasons[0]
-        else:
-            timing = time_methods({"fa": lambda: att.flash_attention(q, k, v, out=out, config=cfg)},
-                                  trials=TUNE_TRIALS, warmup=1, graph_iters=args.iters,
-                                  group=group, eager=frozenset(args.eager))
-            entry["fa_us"] = timing["fa"]["median_us"]
-        results.append(entry)
-    timed = [e for e in results if "fa_us" in e]
-    if not timed:
-        raise RuntimeError(f"no FlashAttention configuration fits at d={d}: {results}")
-    return min(timed, key=lambda e: e["fa_us"])["config"], results
-
-
-def settle(fn, seconds: float) -> None:
-    """Run ``fn`` back to back for ``seconds`` (at least once) so the SM clock reaches the state
-    this load holds it in before any trial is timed (DVFS; clocks may not be locked)."""
-    end = time.perf_counter() + seconds
-    while True:
-        fn()
-        torch.cuda.synchronize()
-        if time.perf_counter() >= end:
-            return
-
-
-def paired_row(trials_us: dict, clocks_mhz: dict) -> dict:
-    """The Table 3 residuals from paired trials (``model.paired_difference``): E_res of
-    the decoupled (fused) and completion-coupled (fused_fenced) epilogues against FA-only and
-    the same-code FA-only, each the median of per-trial differences, with the clock-matched
-    median and the SM clock spread over all trials."""
-    out = {}
-    for method, base in (("fused", "fa"), ("fused", "fa_same_code"), ("fused_fenced", "fa"),
-                         ("fused_fenced", "fa_same_code"), ("fused_fenced", "fa_same_code_fenced")):
-        tag = f"{'e_res_fenced' if method == 'fused_fenced' else 'e_res'}_paired_{base}"
-        r = paired_difference(trials_us[method], trials_us[base], clocks_mhz[method],
-                              clocks_mhz[base])
-        out |= {f"{tag}_us": r["median_us"], f"{tag}_p25_us": r["p25_us"],
-                f"{tag}_p75_us": r["p75_us"], f"{tag}_matched_us": r["matched_median_us"],
-                f"{tag}_matched_trials": r["matched_trials"]}
-    known = [c for m in clocks_mhz for c in clocks_mhz[m] if c is not None]
-    out["sm_clock_min_mhz"] = min(known) if known else None
-    out["sm_clock_max_mhz"] = max(known) if known else None
-    return out
-
-
-def run_case(case: Case, args, cfg, buf, group) -> tuple[dict, dict]:
-    """Step 2 at one checked M: the Table 3 row and the raw trials."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    seq_len, H, d = case.point["M"], case.point["heads"], case.point["head_dim"]
-    # local = (buffers, table): the lambda below holds the tuple, so the buffers outlive the graph
-    q, k, v, out_fa, local = case.q, case.k, case.v, case.out_fa, case.local
-    fns = {
-        "fa": lambda: att.flash_attention(q, k, v, out=out_fa, config=cfg),
-        "fa_same_code": lambda: att.fused_attention_a2a(q, k, v, local[1], rank, world,
-                                                        config=cfg),
-        "fa_same_code_fenced": lambda: att.fused_attention_a2a(q, k, v, local[1], rank, world,
-                                                               config=cfg, fenced=True),
-        "sdpa": lambda: att.sdpa_cudnn(q, k, v),
-        "a2a_nccl": lambda: att.nccl_a2a(out_fa, group),
-        "a2a_remote": lambda: att.remote_store_a2a(out_fa, buf.peer_ptrs, rank, world),
-        "serial": lambda: att.nccl_a2a(att.flash_attention(q, k, v, config=cfg), group),
-        "fused": lambda: att.fused_attention_a2a(q, k, v, buf.peer_ptrs, rank, world, config=cfg),
-        "fused_fenced": lambda: att.fused_attention_a2a(q, k, v, buf.peer_ptrs, rank, world,
-                                                        config=cfg, fenced=True),
-        "sdpa_nccl": lambda: att.sdpa_nccl(q, k, v, group),
-    }
-    settle(fns["fa"], args.settle_s)
-    clocks_before = all_gather_objects(read_sm_clock_mhz(), group)
-    # Remote-store methods make their stores visible once per replay, outside the timed window.
-    timing = time_methods(fns, trials=args.trials, warmup=1, graph_iters=args.iters, group=group,
-                          eager=frozenset(args.eager),
-                          after={m: buf.barrier for m in REMOTE_METHODS}, clocks=True)
-    clocks_after = all_gather_objects(read_sm_clock_mhz(), group)
-    torch.cuda.empty_cache()
-
-    row = table3_row(seq_len, H, d, world, {m: timing[m]["median_us"] for m in METHODS},
-                     {m: timing[m]["p75_us"] - timing[m]["p25_us"] for m in METHODS})
-    row |= paired_row({m: timing[m]["trials_us"] for m in METHODS},
-                      {m: timing[m]["sm_clock_mhz"] for m in METHODS})
-    raw = dict(M=seq_len, checks_by_rank=case.checks,
-               order=[rotated_order(list(METHODS), t) for t in range(args.trials)],
-               max_us={m: timing[m]["trials_us"] for m in METHODS},
-               per_rank_us={m: timing[m]["per_rank_us"] for m in METHODS},
-               sm_clock_mhz={m: timing[m]["sm_clock_mhz"] for m in METHODS},
-               sm_clock_mhz_before=clocks_before, sm_clock_mhz_after=clocks_after)
-    return row, raw
-
-
-
-TIMING = ("sender-visible steady state: per method, `iters` back-to-back calls in one CUDA graph "
-          "replayed between CUDA events on every rank after a rank alignment; per trial the "
-          "maximum over ranks; rows hold the median over trials and the IQR, in µs per call. "
-          "Remote-store methods synchronize once after the replay, outside the timed window "
-          "(§5.1); NCCL methods include their own completion. Clocks are not locked: before each "
-          "M, `settle_s` seconds of FA-only; every trial records the SM clock of every method "
-          "(lowest over ranks); E_res is also the median of per-trial differences (paired, same "
-          "rotation) and of the clock-matched trials only.")
-LAYOUT = "q, k, v [M, H/P, d] on every rank (heads rank*H/P...); receive [M/P, H, d]"
 
 
 class UlyssesAttention(Experiment):

@@ -13,7 +13,7 @@ One process per GPU, the configuration of the Table 3 benchmark (the default ker
 candidate with ``--tune``); a trace row is an output tile (a consumer warpgroup's half tile for
 the gluon_ws kernel, ``ulysses.trace_block_m``).
 Per sequence length M:
-1. ``bench.check_case`` (every path against float32 and Serial, outputs poisoned), then
+1. ``cases.check_case`` (every path against float32 and Serial, outputs poisoned), then
    the instrumented build itself: Fused into the peers' buffers and the local control (the same
    code storing into P buffers on this GPU, §3.1) with their outputs and traces poisoned, Fused
    bitwise equal to Serial, the control to FA-only, every trace row stamped and ordered. Any
@@ -40,8 +40,9 @@ from ...dist_timing import read_sm_clock_mhz
 from .. import harness
 from ..harness import Run
 from ...ops import attention as att
-from .bench import (DEVICE, SETTLE_S, UlyssesAttention, add_shape_arguments, check_shape_args,
-                    settle)
+from .bench import UlyssesAttention
+from .cases import DEVICE, add_shape_arguments, check_shape_args
+from .table3 import SETTLE_S, settle
 
 BUILDS = ("fused", "control")  # remote stores to the peers; the same code storing on this GPU
 POISON_STAMP = -1
@@ -85,7 +86,7 @@ def trace_launch(build: str, q, k, v, cfg, buf, local_table, rank, world, trace,
 
 
 def check_instrumented(case, cfg, buf, group) -> list[str]:
-    """The instrumented build at one checked M (``bench.check_case`` first): Fused and the local
+    """The instrumented build at one checked M (``cases.check_case`` first): Fused and the local
     control with their outputs and traces poisoned, Fused bitwise equal to Serial, the control to
     FA-only, every trace row stamped and ordered; sets ``case.trace``. This rank's failures."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)

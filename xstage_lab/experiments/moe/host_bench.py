@@ -6,8 +6,8 @@ and Figs. 8–10 on the host link).
         [--models M ...] [--precisions bf16 fp8] [--routing balanced skewed] [--tokens 4096]
         [--host-shares 1 2 4 8] [--trials N] [--no-trace]
 
-The workload is ``kernel_bench``'s: one rank (rank 0) of EP = 8 on one GPU, every row the eight
-source ranks route to its experts. The host-share dial h: the Combine buffers of source ranks
+The workload is ``kernel_bench``'s (``kernel_cell``): one rank (rank 0) of EP = 8 on one GPU,
+every row the eight source ranks route to its experts. The host-share dial h: the Combine buffers of source ranks
 0 .. h − 1 are pinned host memory (torch's pinned allocator, mapped under unified addressing:
 the buffer's host address is its device address, checked), the other 8 − h stay in local HBM
 (``host_combine_peers``). The kernel runs unchanged; its Combine stores to the first h
@@ -20,7 +20,7 @@ times), and its record names that forecast and copies its prediction into each r
 
 Per cell (model, precision, routing, tokens) and host share h, on fresh seeded activations:
 
-1. Correctness first. ``kernel_bench.check_cell`` on the all-local launches (both schedules
+1. Correctness first. ``kernel_cell.check_cell`` on the all-local launches (both schedules
    bitwise equal, no stray rows, within tolerance of the float32 and quantization-matched
    references, spin errors zero); then every launch this point times into host memory, its host
    and device buffers poisoned with NaN first, runs once and its eight Combine buffers (the host
@@ -35,7 +35,7 @@ Per cell (model, precision, routing, tokens) and host share h, on fresh seeded a
    forecast picks (``auto``, where its record has one). After the last timed replay the harness
    runs step 1 again (``Experiment.recheck``): the launches' spin-error flags count every run
    since they were prepared, so an error during timing aborts the run with nothing written.
-3. Per-tile traces of Expert-Wave and Interleaved with the host share (``kernel_bench.
+3. Per-tile traces of Expert-Wave and Interleaved with the host share (``kernel_rows.
    trace_columns``): Linear-2 spans, mainloops and G_wave.
 
 ``measured_stall_us`` is Expert-Wave's time over the local control's per Linear-2 burst of a
@@ -62,8 +62,9 @@ from ...ops.moe.schedules import (L2, Schedule, expert_wave_schedule, interleave
 from ...ops.moe.shapes import PRECISIONS, ROUTINGS, load_shapes
 from ...ops.moe.tiles import KERNELS, default_tile_config, kernel_device
 from ...ops.moe.weights import local_expert_weights
-from . import kernel_bench as kb
-from .bench import cell_seed
+from . import kernel_cell as kc
+from .bench import TOLERANCE, cell_seed
+from .kernel_rows import cell_row_base, trace_columns
 from ...analysis.moe.forecast import HOST_SHARE_SOURCES
 from ...analysis.moe.host_view import HostView, latest_host_view
 
@@ -76,7 +77,7 @@ class HostStep:
     """One point: the all-local cell, the host buffers and the launches into them."""
 
     point: dict
-    cell: kb.Cell
+    cell: kc.Cell
     host: list                 # the first h sources' pinned host Combine buffers
     lead: int                  # the derived lead (schedules.skew_lead)
     wave: Schedule             # the Expert-Wave schedule
@@ -141,8 +142,8 @@ class MoEHost(Experiment):
         if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1 or a.warmup < 0:
             raise ValueError("--tokens, --trials and --graph-iters must be >= 1, --warmup >= 0")
         for m in a.models:
-            if shapes[m].routed_experts % kb.EP:
-                raise ValueError(f"{m}: EP = {kb.EP} ranks must divide its experts")
+            if shapes[m].routed_experts % kc.EP:
+                raise ValueError(f"{m}: EP = {kc.EP} ranks must divide its experts")
 
     def sweeps(self, args) -> list[Sweep]:
         """Model and precision outermost (their weights made once), the host share innermost (a
@@ -174,7 +175,7 @@ class MoEHost(Experiment):
         self._cell = (None, None)
         self.tile_configs: dict = {}
 
-    def _base_cell(self, point: dict, run: Run) -> kb.Cell:
+    def _base_cell(self, point: dict, run: Run) -> kc.Cell:
         """The all-local cell of the point's (model, precision, routing, tokens), checked once."""
         key = tuple(point[k] for k in ("model", "precision", "routing", "tokens"))
         if self._cell[0] != key:
@@ -182,13 +183,13 @@ class MoEHost(Experiment):
             cfg = default_tile_config(precision, args.kernel, hidden=shape.hidden)
             self.tile_configs.setdefault(shape.model, {})[precision] = dataclasses.asdict(cfg)
             weights = run.resource((shape.model, precision), lambda: local_expert_weights(
-                shape, kb.RANK, kb.EP, precision, seed=args.seed, device=self.on))
+                shape, kc.RANK, kc.EP, precision, seed=args.seed, device=self.on))
             self._cell = (None, None)
-            cell = kb.setup_cell(shape, precision, point["routing"], point["tokens"], weights, cfg,
+            cell = kc.setup_cell(shape, precision, point["routing"], point["tokens"], weights, cfg,
                                  args, seed=cell_seed(args.seed, shape.model, precision,
                                                       point["routing"], point["tokens"]),
                                  programs=self.programs, device=self.on)
-            checked, failures = kb.check_cell(cell, weight_seed=args.seed, unfused=None)
+            checked, failures = kc.check_cell(cell, weight_seed=args.seed, unfused=None)
             self._cell = (key, (cell, checked, failures))
         return self._cell[1]
 
@@ -269,7 +270,7 @@ class MoEHost(Experiment):
         clocks = [c for t in timing.values() for c in t.get("sm_clock_mhz", []) if c is not None]
         traced = {}
         if args.trace:
-            traced = kb.trace_columns(dataclasses.replace(
+            traced = trace_columns(dataclasses.replace(
                 cell, calls={"wave": step.calls["wave"],
                              "interleaved": step.calls[f"interleaved_d{step.lead}"]},
                 peers=host_combine_peers(cell.combine, step.host)))
@@ -279,7 +280,7 @@ class MoEHost(Experiment):
             if p["host_share"] >= 1 else {}
         programs = step.wave.programs
         l2_bursts = sum(t.kind == L2 for prog in programs for t in prog) / len(programs)
-        return {**kb.cell_row_base(cell), "host_share": p["host_share"],
+        return {**cell_row_base(cell), "host_share": p["host_share"],
                 "lead_rows": step.lead, "leads": lead_sweep(cell.knee, step.lead), **cols,
                 "interleaved_us": us[f"interleaved_d{step.lead}"],
                 "auto_lead": self._auto_lead(p), "auto_us": us.get("auto"),
@@ -303,12 +304,12 @@ class MoEHost(Experiment):
     def metadata(self, run: Run) -> dict:
         args = run.args
         return {"link": "host", "forecast_record": self.forecast_id,
-                "workload": f"one rank (rank {kb.RANK}) of EP = {kb.EP} on one GPU; the Combine "
+                "workload": f"one rank (rank {kc.RANK}) of EP = {kc.EP} on one GPU; the Combine "
                             "buffers of source ranks 0..h-1 pinned host memory, the rest local",
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                 "kernel": args.kernel, "tile_configs": self.tile_configs,
                 "leads": "schedules.lead_sweep: D_knee, and the derived lead times 1, 2, 4",
-                "tolerance": kb.TOLERANCE,
+                "tolerance": TOLERANCE,
                 "timing": f"{TIMING_METHOD}; one process; {args.graph_iters} calls per trial, "
                           "CUDA-graph replays"}
 

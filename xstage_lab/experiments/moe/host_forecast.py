@@ -18,7 +18,7 @@ traced mainloop and epilogue times, Linear-2 tiles waiting on their row blocks, 
 Linear-2 tile's own host bytes (its rows whose source rank is one of the first h) through one
 shared X-Stage of the host link's calibration.
 
-The layout is drawn on the CPU from the benchmark's seeds (``kernel_bench.build_workload``):
+The layout is drawn on the CPU from the benchmark's seeds (``kernel_cell.build_workload``):
 the CPU's random generator is not the GPU's, so it is the same routing distribution, not the
 same draw. The simulated times are scaled per cell by the ratio of the all-local Expert-Wave's
 measured time (the one-GPU kernel record) to its simulated one.
@@ -79,7 +79,7 @@ def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
     """One row per host share of ``kernel``'s cell (a row of a ``moe_kernel`` record): the
     predicted time of Expert-Wave, of Interleaved at each lead of ``lead_sweep`` and all local,
     and the schedule ``auto`` picks."""
-    from .kernel_bench import build_workload, fused_layout
+    from .kernel_cell import build_workload, fused_layout
 
     shape = load_shapes()[kernel["model"]]
     tiles = kernel["tile_config"]

@@ -15,7 +15,7 @@ Per shape (head dim d, local heads h, sequence length M), on seeded random input
 (any failure aborts before timing), then ``dist_timing.time_methods`` (CUDA graphs of
 ``--graph-iters`` calls, ``--trials`` trials, order rotated, SM clock per trial) over one rotation:
 - the kernels (``kernel_rows``): up to ``--check-max-seq``, every variant's LOCAL output
-  (poisoned with NaN first) within ``attention.bench.REL_TOL`` of the float32 reference and
+  (poisoned with NaN first) within ``attention.cases.REL_TOL`` of the float32 reference and
   bitwise equal to the committed kernel's; timed beside cuDNN (SDPA's cuDNN backend);
 - ``--builds`` (``build_rows``): each variant's REMOTE builds, unfenced and fenced, into P = 2
   receive buffers on this GPU, bitwise equal to LOCAL where they land; every variant's LOCAL,
@@ -83,7 +83,7 @@ def kernel_rows(args, names: list[str], with_kernel, q, k, v) -> list[dict]:
     from ...checks import bitwise_equal, relative_error
     from ...dist_timing import time_methods
     from ...ops import attention as att
-    from ..attention.bench import REL_TOL, attention_flops
+    from ..attention.cases import REL_TOL, attention_flops
 
     M, h, d = q.shape
     bufs = {n: torch.full_like(q, float("nan")) for n in names}
@@ -122,14 +122,14 @@ def kernel_rows(args, names: list[str], with_kernel, q, k, v) -> list[dict]:
 def build_rows(args, names: list[str], with_kernel, q, k, v) -> list[dict]:
     """One shape of the build comparison (``--builds``): per variant, its REMOTE builds (unfenced
     and fenced, into P = 2 receive buffers on this GPU: no peer traffic) checked bitwise against
-    LOCAL (``attention.bench.remote_epilogue_checks``), then every variant's LOCAL, REMOTE and
+    LOCAL (``attention.cases.remote_epilogue_checks``), then every variant's LOCAL, REMOTE and
     FENCED builds timed in one rotation; a row per build with its paired excess over its LOCAL."""
     import pandas as pd
     import torch
 
     from ...dist_timing import time_methods
     from ...ops import attention as att
-    from ..attention.bench import local_destination, remote_epilogue_checks
+    from ..attention.cases import local_destination, remote_epilogue_checks
 
     M, h, d = q.shape
     recv, table = local_destination(M, 2 * h, d, 2)
