@@ -9,17 +9,26 @@ TORCH_INDEX ?=
 # JupyterLab refuses to start as root without --allow-root: given where make runs as root.
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
+# pip installs without compiling (--no-compile): byte-compiling every file of torch, triton,
+# plotly and jupyter took as long as the rest of the install, and a run imports a fraction of
+# them. Python writes the bytecode of what it imports instead, unless PYTHONDONTWRITEBYTECODE
+# is set, so it is kept from the commands here.
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: test reproduce lab
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	# torch first, alone where TORCH_INDEX names its index; the pip that venv brings is recent
+	# enough for both.
+	$(VENV)/bin/python -m pip install -q --no-compile torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(VENV)/bin/python -m pip install -q --no-compile -e '.[test]'
 	touch $(STAMP)
 
+# In parallel (pytest-xdist, one worker per core); tests/conftest.py groups the tests that share
+# a fixture wider than one test onto one worker.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n auto --dist loadgroup
 
 reproduce: $(STAMP)
 	$(VENV)/bin/python -m xstage_lab reproduce --backend auto --out out

@@ -1,5 +1,21 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and how the tests run in parallel.
+
+``make test`` runs pytest-xdist workers (``-n auto --dist loadgroup``). A fixture wider than one
+test (session, module or class scope) is computed once per worker that uses it, so
+``pytest_collection_modifyitems`` below puts every test that uses such a fixture of this
+repository in one ``xdist_group`` with every other test using it (transitively): a notebook run,
+an interpreter child or a compiled kernel is made once per run, on one worker, and tests without
+one are spread freely. Tests marked ``early`` (long on their own) and the large groups start
+first, so that the workers finish together.
+"""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
 import pytest
+
+TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
@@ -11,3 +27,89 @@ def eight_gpu_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("records")
     write_eight_gpu_beside_committed(root)
     return root
+
+
+@pytest.fixture(scope="session")
+def reproduced(tmp_path_factory):
+    """``reproduce --backend replay`` of every notebook on the committed records, once per run
+    (tests/test_notebooks.py and tests/test_prose.py read it): the output folder; read only."""
+    from xstage_lab import runner
+
+    out = tmp_path_factory.mktemp("reproduced")
+    assert runner.reproduce(backend="replay", out=out) == 0
+    return out
+
+
+# ------------------------------------------------------------------ grouping for pytest-xdist
+
+def _ours(fixturedef) -> bool:
+    """A fixture defined in this repository's tests (not pytest's or a plugin's)."""
+    try:
+        return TESTS in Path(inspect.getfile(fixturedef.func)).resolve().parents
+    except (TypeError, OSError):
+        return False
+
+
+def _shared_keys(item) -> list[str]:
+    """The fixtures wider than one test that ``item`` uses, each named by where one value of it
+    lives: the session, or the module or class that holds the test."""
+    keys = [m.args[0] if m.args else m.kwargs.get("name", "default")
+            for m in item.iter_markers("xdist_group")]
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return keys
+    for name in info.names_closure:
+        defs = info.name2fixturedefs.get(name)
+        if not defs or not _ours(defs[-1]) or defs[-1].scope == "function":
+            continue
+        scope = defs[-1].scope
+        if scope in ("session", "package"):
+            keys.append(name)
+        elif scope == "module" or item.cls is None:
+            keys.append(f"{item.module.__name__}:{name}")
+        else:
+            keys.append(f"{item.module.__name__}.{item.cls.__name__}:{name}")
+    return keys
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    parent: dict[str, str] = {}
+
+    def find(k: str) -> str:
+        while parent.setdefault(k, k) != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    def union(a: str, b: str) -> None:
+        a, b = find(a), find(b)
+        if a != b:
+            if ":" in a and ":" not in b:  # a session fixture's name names the group
+                a, b = b, a
+            parent[b] = a
+
+    keys = {item.nodeid: _shared_keys(item) for item in items}
+    for ks in keys.values():
+        for k in ks:
+            union(ks[0], k)
+    for item in items:
+        if keys[item.nodeid]:
+            item.add_marker(pytest.mark.xdist_group(find(keys[item.nodeid][0])), append=False)
+    # Modules with a long test first (whole modules, so that no module fixture is made twice):
+    # xdist hands out the larger groups first, then single tests in this order.
+    early = {getattr(item, "module", None) for item in items if item.get_closest_marker("early")}
+    items.sort(key=lambda item: getattr(item, "module", None) not in early)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Under ``--dist loadgroup`` xdist marks each grouped test's id with ``@group``; where it does
+    not (pytest 9.2 with pytest-xdist 3.8), the groups would be silently ignored and every worker
+    would make the shared fixtures again."""
+    if getattr(session.config.option, "loadgroup", False):
+        for item in session.items:
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
+                raise pytest.UsageError(
+                    f"--dist loadgroup did not group {item.nodeid}: this pytest-xdist does not "
+                    "support this pytest (see the pin in pyproject.toml)")

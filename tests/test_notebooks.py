@@ -1,18 +1,12 @@
 """Every notebook runs headlessly through papermill in replay mode from the committed records,
-and the runner writes each figure and table and an index that lists them."""
+and the runner writes each figure and table and an index that lists them. The notebooks run once
+per session for all of these tests and tests/test_prose.py (``reproduced`` in conftest.py)."""
 import json
 
 import pytest
 
 from xstage_lab import runner
 from xstage_lab.analysis.remote_store import tables
-
-
-@pytest.fixture(scope="module")
-def reproduced(tmp_path_factory):
-    out = tmp_path_factory.mktemp("out")
-    assert runner.reproduce(backend="replay", out=out) == 0
-    return out
 
 
 @pytest.mark.parametrize("notebook", [p.stem for p in runner.notebooks()])

@@ -156,16 +156,16 @@ def committed_values_left(committed, synthetic) -> tuple[list[str], int]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every notebook executed on the committed records and on a synthetic record set made from
-    them with other values: {"committed"|"synthetic": output folder}."""
+def runs(tmp_path_factory, reproduced):
+    """Every notebook executed on the committed records (the session's ``reproduced``, which
+    tests/test_notebooks.py reads too) and on a synthetic record set made from them with other
+    values: {"committed"|"synthetic": output folder}."""
     from tests.synthetic import write_synthetic_record_set
     from xstage_lab.records import RECORDS_ENV
 
     base = tmp_path_factory.mktemp("prose")
     write_synthetic_record_set(base / "records")
-    out = {"committed": base / "committed", "synthetic": base / "synthetic"}
-    assert runner.reproduce(backend="replay", out=out["committed"]) == 0
+    out = {"committed": reproduced, "synthetic": base / "synthetic"}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(RECORDS_ENV, str(base / "records"))
         assert runner.reproduce(backend="replay", out=out["synthetic"]) == 0

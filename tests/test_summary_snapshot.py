@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from xstage_lab import runner
 from xstage_lab.records import RECORDS_ENV, select_records
@@ -55,6 +56,7 @@ def test_summary_is_unchanged(tmp_path):
     assert_close(summary(root=root), snap["summary"], "summary")
 
 
+@pytest.mark.early  # every notebook, on the snapshot's records
 def test_figure_tables_are_unchanged(tmp_path, monkeypatch):
     tables = SNAPSHOTS / "tables"
     root = select_records(json.loads((tables / "records.json").read_text())["records"],

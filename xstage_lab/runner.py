@@ -45,9 +45,12 @@ def reproduce(only: list[str] | None = None, backend: str = "auto", out: Path = 
         fig_dir.mkdir(exist_ok=True)
         (fig_dir / "manifest.jsonl").unlink(missing_ok=True)
         try:
+            # Written once, when it ends or fails (papermill's default rewrites the whole notebook,
+            # figures' JSON included, before and after every cell: most of a replay's time).
             pm.execute_notebook(str(nb), str(out / nb.name), cwd=str(NOTEBOOKS_DIR),
                                 parameters={"backend": choice.name, "out_dir": str(fig_dir.resolve())},
-                                progress_bar=False, kernel_name="python3")
+                                progress_bar=False, kernel_name="python3",
+                                request_save_on_cell_execute=False)
         except pm.PapermillExecutionError as e:
             print(f"\n{nb.name} failed in cell {e.exec_count}:\n{e.source}\n{e.ename}: {e.evalue}",
                   file=sys.stderr)

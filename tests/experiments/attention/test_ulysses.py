@@ -36,6 +36,7 @@ TINY = dict(kernel="triton", BLOCK_M=16, BLOCK_N=16)
 HOPPER = hopper_target()
 
 
+@pytest.mark.early  # a child pytest of every interpreted case
 def test_kernels_in_the_interpreter():
     """FA-only vs the float32 reference and the REMOTE epilogue / remote-store copy for P = 2, 4, 8,
     under TRITON_INTERPRET=1 (which must be set before triton is imported)."""
@@ -228,8 +229,11 @@ def _gloo_a2a_worker(rank, world, init_file, M, h_local, d):
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_all_to_all_single_permutes_into_the_ulysses_layout(tmp_path, world):
-    """``nccl_a2a``'s chunking and permute, over gloo on CPU with 4 and 8 processes."""
-    mp.spawn(_gloo_a2a_worker, args=(world, str(tmp_path / "init"), 2 * world, 3, 4), nprocs=world)
+    """``nccl_a2a``'s chunking and permute, over gloo on CPU with 4 and 8 processes. Forked, not
+    spawned: a spawned process imports torch, Triton and this module again before it starts
+    (8 of them took 45 s of the 2-core CI machine), and the ranks run the same code either way."""
+    mp.start_processes(_gloo_a2a_worker, args=(world, str(tmp_path / "init"), 2 * world, 3, 4),
+                       nprocs=world, start_method="fork")
 
 
 def test_table3_row_follows_eq_21():
