@@ -208,7 +208,7 @@ def symmetric_buffer(numel: int, dtype: torch.dtype,
                            rank, world)
 
 
-class LinkError(RuntimeError):
+class LinkError(ValueError):
     """The link a run asks for does not exist on this machine; raised before any launch."""
 
 

@@ -312,7 +312,10 @@ def _stop(run: Run) -> None:
 def run(experiment: Experiment, args: argparse.Namespace) -> Path | None:
     """Run ``experiment`` with parsed ``args``; returns what rank 0 wrote (the JSON output or the
     record), None on the other ranks."""
-    sweeps = experiment.sweeps(args)
+    try:
+        sweeps = experiment.sweeps(args)
+    except ValueError as e:  # what the options ask of this machine it cannot run: nothing launched
+        parser(experiment).error(str(e))
     chosen = chunk_indices(sweeps, args.chunk)
     run_ = _start(experiment, args)
     try:

@@ -489,9 +489,24 @@ def test_host_link_record_is_a_platform_of_its_own_and_calibrates(model_bench, m
 
 
 def test_the_nvlink_link_on_one_gpu_is_refused_before_any_launch(model_bench, monkeypatch,
-                                                                 tmp_path):
+                                                                 tmp_path, capsys):
     ch = model_bench
     fake_machine(monkeypatch, ch, n=1)
-    with pytest.raises(ValueError, match="must name GPUs 0..0"):
+    with pytest.raises(SystemExit) as e:
         ch.run_characterization(repeats=1, progress=False, root=tmp_path)
+    assert e.value.code == 2 and "must name GPUs 0..0" in capsys.readouterr().err
+    assert ModelStoreBench.launches == [] and not any(tmp_path.iterdir())
+
+
+def test_a_link_this_machine_lacks_is_one_line_before_any_launch(model_bench, monkeypatch,
+                                                                tmp_path, capsys):
+    from xstage_lab.experiments import harness
+
+    ch = model_bench
+    fake_machine(monkeypatch, ch, n=0)
+    for link in ("host", "nvlink"):
+        with pytest.raises(SystemExit) as e:
+            harness.main(ch.EXPERIMENT, ["--root", str(tmp_path), "--link", link])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and "needs a GPU" in err[0]
     assert ModelStoreBench.launches == [] and not any(tmp_path.iterdir())
