@@ -49,12 +49,10 @@ from pathlib import Path
 
 import torch
 
+from ...analysis.moe.forecast import HOST_SHARE_SOURCES
+from ...analysis.moe.host_view import HostView, latest_host_view
 from ...checks import bitwise_equal
 from ...dist_timing import TIMING_METHOD, time_methods
-from ...records import RECORDS_DIR
-from ...sweep import Axis, Sweep
-from .. import harness
-from ..harness import Experiment, Run
 from ...ops.moe.combine import host_combine_peers
 from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
 from ...ops.moe.schedules import (L2, Schedule, expert_wave_schedule, interleaved_schedule,
@@ -62,16 +60,20 @@ from ...ops.moe.schedules import (L2, Schedule, expert_wave_schedule, interleave
 from ...ops.moe.shapes import PRECISIONS, ROUTINGS, load_shapes
 from ...ops.moe.tiles import KERNELS, default_tile_config, kernel_device
 from ...ops.moe.weights import local_expert_weights
+from ...records import RECORDS_DIR
+from ...sweep import Axis, Sweep
+from .. import harness
+from ..harness import Experiment, Run
 from . import kernel_cell as kc
 from .bench import TOLERANCE, cell_seed
 from .kernel_rows import cell_row_base, trace_columns
-from ...analysis.moe.forecast import HOST_SHARE_SOURCES
-from ...analysis.moe.host_view import HostView, latest_host_view
 
 DEFAULT_TOKENS = (4096,)
 DEFAULT_SHARES = (1, 2, 4, 8)
 # The launches whose every Combine store is local: they leave the host buffers alone.
 LOCAL = frozenset({"wave_local", "interleaved_local"})
+
+
 @dataclasses.dataclass
 class HostStep:
     """One point: the all-local cell, the host buffers and the launches into them."""
@@ -184,7 +186,7 @@ class MoEHost(Experiment):
             self.tile_configs.setdefault(shape.model, {})[precision] = dataclasses.asdict(cfg)
             weights = run.resource((shape.model, precision), lambda: local_expert_weights(
                 shape, kc.RANK, kc.EP, precision, seed=args.seed, device=self.on))
-            self._cell = (None, None)
+            self._cell = (None, None)  # the last cell's buffers go before this one's are made
             cell = kc.setup_cell(shape, precision, point["routing"], point["tokens"], weights, cfg,
                                  args, seed=cell_seed(args.seed, shape.model, precision,
                                                       point["routing"], point["tokens"]),
@@ -204,8 +206,7 @@ class MoEHost(Experiment):
 
         def launch(schedule, peers_=peers, fence=False):
             return prepare_fused_moe(cell.layout, cell.weights, schedule, peers_,
-                                         config=cell.cfg, max_spin_iters=args.max_spin,
-                                         fence=fence)
+                                     config=cell.cfg, max_spin_iters=args.max_spin, fence=fence)
 
         schedules = {d: interleaved_schedule(cell.problem, self.programs, d)
                      for d in lead_sweep(cell.knee, lead)}
