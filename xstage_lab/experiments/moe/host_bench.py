@@ -130,22 +130,13 @@ class MoEHost(Experiment):
     def check_args(self, a: argparse.Namespace) -> None:
         shapes = load_shapes()
         a.models = list(shapes) if a.models is None else a.models
-        for name, given, allowed in (("model", a.models, shapes),
-                                     ("precision", a.precisions, PRECISIONS),
-                                     ("routing", a.routing, ROUTINGS),
-                                     ("kernel", [a.kernel], KERNELS)):
-            bad = [g for g in given if g not in allowed]
-            if bad:
-                raise ValueError(f"unknown {name} {bad}; choose from {list(allowed)}")
+        kc.check_cells(shapes, a.models, a.precisions, a.routing, a.kernel)
         bad = [h for h in a.host_shares if not 0 <= h <= HOST_SHARE_SOURCES]
         if bad:
             raise ValueError(f"--host-shares {bad}: a host share is 0..{HOST_SHARE_SOURCES} "
                              "source ranks")
         if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1 or a.warmup < 0:
             raise ValueError("--tokens, --trials and --graph-iters must be >= 1, --warmup >= 0")
-        for m in a.models:
-            if shapes[m].routed_experts % kc.EP:
-                raise ValueError(f"{m}: EP = {kc.EP} ranks must divide its experts")
 
     def sweeps(self, args) -> list[Sweep]:
         """Model and precision outermost (their weights made once), the host share innermost (a

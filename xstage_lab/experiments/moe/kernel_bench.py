@@ -74,7 +74,7 @@ from .. import harness
 from ..harness import Experiment, Run
 from ...analysis.moe.kernel_view import KernelView, latest_view
 from .bench import TOLERANCE
-from .kernel_cell import EP, RANK, check_cell
+from .kernel_cell import EP, RANK, check_cell, check_cells
 from .kernel_rows import (DENSE_CEILING, EAGER, FLOPS, TIMED, KernelStep, cell_row, overhead_row,
                           prepare_step)
 
@@ -152,21 +152,11 @@ class MoEKernel(Experiment):
         a.routing = list(ROUTINGS) if a.routing is None else a.routing
         a.tokens = list(DEFAULT_TOKENS) if a.tokens is None else a.tokens
         a.trials = (SMOKE["trials"] if a.smoke else DEFAULT_TRIALS) if a.trials is None else a.trials
-        for name, given, allowed in (("model", a.models, shapes),
-                                     ("precision", a.precisions, PRECISIONS),
-                                     ("routing", a.routing, ROUTINGS),
-                                     ("kernel", [a.kernel], KERNELS)):
-            bad = [g for g in given if g not in allowed]
-            if bad:
-                raise ValueError(f"unknown {name} {bad}; choose from {list(allowed)}")
+        check_cells(shapes, a.models, a.precisions, a.routing, a.kernel)
         if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1 or a.max_spin < 1:
             raise ValueError("--tokens, --trials, --graph-iters and --max-spin must be >= 1")
         if a.warmup < 0 or (a.programs is not None and a.programs < 1):
             raise ValueError("--warmup must be >= 0 and --programs >= 1")
-        for m in a.models:
-            if shapes[m].routed_experts % EP:
-                raise ValueError(f"{m}: EP = {EP} ranks must divide its "
-                                 f"{shapes[m].routed_experts} experts")
 
     def sweeps(self, args) -> list[Sweep]:
         return [kernel_sweep(args)]

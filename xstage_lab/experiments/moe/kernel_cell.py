@@ -19,14 +19,29 @@ from ...ops.moe.reference import expert_rows_reference
 from ...ops.moe.routing import router_logits, router_topk
 from ...ops.moe.schedules import (MoEProblem, d_knee, expert_wave_schedule,
                                   interleaved_schedule)
-from ...ops.moe.shapes import MoEShape, check_expert_parallel
-from ...ops.moe.tiles import TileConfig
+from ...ops.moe.shapes import PRECISIONS, ROUTINGS, MoEShape, check_expert_parallel
+from ...ops.moe.tiles import KERNELS, TileConfig
 from ...ops.moe.unfused import unfused_activations
 from ...ops.moe.weights import ExpertWeights, quantize_rows_fp8
 from .bench import TOLERANCE
 
 EP = 8          # the paper's eight-GPU setting
 RANK = 0        # the rank this GPU plays: local experts 0 .. E/8 - 1
+
+
+def check_cells(shapes: dict, models, precisions, routings, kernel: str) -> None:
+    """ValueError unless every name of the options is known (``shapes``: the model shapes;
+    ``PRECISIONS``, ``ROUTINGS``, ``KERNELS``) and EP ranks divide every model's experts: the
+    options of the benches that run this workload, checked before any CUDA work."""
+    for name, given, allowed in (("model", models, shapes), ("precision", precisions, PRECISIONS),
+                                 ("routing", routings, ROUTINGS), ("kernel", [kernel], KERNELS)):
+        bad = [g for g in given if g not in allowed]
+        if bad:
+            raise ValueError(f"unknown {name} {bad}; choose from {list(allowed)}")
+    for m in models:
+        if shapes[m].routed_experts % EP:
+            raise ValueError(f"{m}: EP = {EP} ranks must divide its "
+                             f"{shapes[m].routed_experts} experts")
 # Every routed row must also lie within this multiple of moe_bench.TOLERANCE (which bounds the
 # error over all rows): a dropped or misplaced row errs by ~1 (or stays NaN), while a correct
 # row's error spreads around the aggregate (fp8 against the quantization-matched reference:
