@@ -231,3 +231,16 @@ def test_host_rows_per_block_count_real_rows_of_the_first_sources():
     assert host_rows_per_block(src, slot, 4, 2).tolist() == [2, 2]
     assert host_rows_per_block(src, slot, 4, 8).tolist() == [3, 3]
     assert lead_sweep(3, 15) == [3, 15, 30, 60] and lead_sweep(9, 9) == [9, 18, 36]
+
+
+def test_a_forecasts_pick_is_looked_up_in_the_runs_own_timings(tmp_path):
+    from xstage_lab.analysis.moe import host_view as hv
+
+    rows = _host_rows([1, 8], lambda h: 100.0 + h, 100.0, 90.0, 1.0, 0.0).assign(
+        interleaved_d4_us=[90.0, 120.0], interleaved_d8_us=[95.0, 105.0])
+    write_record("moe_host", "x-host", rows, {"forecast_record": "f"}, {}, tmp_path)
+    forecast = rows[hv.CELL].assign(auto_schedule=["interleaved_d8", "wave"])
+    a = hv.auto_against_measured(hv.latest_host_view("x-host", tmp_path), forecast)
+    assert list(a["auto_measured_us"]) == [95.0, 108.0]
+    assert list(a["fastest"]) == ["interleaved_d4", "interleaved_d8"]
+    assert list(a["auto_over_fastest"]) == pytest.approx([95 / 90, 108 / 105])

@@ -117,3 +117,22 @@ def summary_entry(platform: str, root: Path = RECORDS_DIR) -> dict:
 def _plain(value):
     value = value.item() if hasattr(value, "item") else value
     return round(value, 4) if isinstance(value, float) else value
+
+
+def auto_against_measured(view: HostView, forecast: pd.DataFrame) -> pd.DataFrame:
+    """Per cell of ``view``, the measured time of the schedule that ``forecast`` (a
+    ``moe_host_forecast`` table with ``auto_schedule``) picks, looked up in the run's own timings
+    (Expert-Wave and every Interleaved lead of its sweep), beside the fastest of them: an offline
+    test of a forecast's pick on a run that did not time ``auto`` itself."""
+    t = view.table.merge(forecast[CELL + ["auto_schedule"]], on=CELL, how="inner")
+    timed = [c[:-3] for c in t.columns if c.startswith("interleaved_d") and c.endswith("_us")
+             and not c.endswith(("_p25_us", "_p75_us"))]
+    times = t[["wave_us"] + [f"{n}_us" for n in timed]].set_axis(["wave", *timed], axis=1)
+    picked = [times.at[i, name] if name in times else np.nan
+              for i, name in zip(t.index, t["auto_schedule"])]
+    out = t[CELL + ["auto_schedule"]].copy()
+    out["auto_measured_us"] = picked
+    out["fastest"] = times.idxmin(axis=1)
+    out["fastest_us"] = times.min(axis=1)
+    out["auto_over_fastest"] = out["auto_measured_us"] / out["fastest_us"]
+    return out
