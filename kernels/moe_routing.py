@@ -192,10 +192,11 @@ def route_scatter(expert_ids, arrival_src, arrival_slot, n_arrivals_ptr, chunk_s
             if QUANTIZE:
                 # BLOCK_H == SCALE_BLOCK: one scale per row of the block
                 vf = v.to(tl.float32)
-                # IEEE divisions (div_rn), as torch's in weights.quantize_rows_fp8: Triton's `/`
-                # is the approximate div.full.f32 on the GPU, which moved some values by one e4m3
-                # step against the host reference (one H200, fp8, 256 tokens)
-                scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(vf), axis=1), 1e-12), E4M3_MAX)
+                # as weights.quantize_rows_fp8, bitwise: the scale times the reciprocal of the
+                # e4m3 maximum (torch's CUDA division by a scalar does so), the values divided by
+                # IEEE division (div_rn; Triton's `/` is the approximate div.full.f32 on the GPU,
+                # which moved some values by one e4m3 step on one H200)
+                scale = tl.maximum(tl.max(tl.abs(vf), axis=1), 1e-12) * (1.0 / E4M3_MAX)
                 q = _round_to_e4m3(tl.math.div_rn(vf, scale[:, None])).to(tl.float8e4nv)
                 tl.store(x_rows + rows64[:, None] * HIDDEN + cols[None, :], q, mask=valid[:, None])
                 tl.store(x_rows_scale + rows64 * k_scales + h0 // SCALE_BLOCK, scale, mask=valid)

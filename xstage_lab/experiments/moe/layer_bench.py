@@ -395,7 +395,10 @@ class MoELayer(Experiment):
                             trials=HOST_SCHEDULED_TRIALS, warmup=1)
         weights = cell.layer.workspace.weights if isinstance(cell, Ep1Cell) else cell.ws.weights
         bw = self.hbm_gbps * 1e9
-        return {"fused_eager_us": eager["fused"]["median_us"],
+        # the point's columns too: the progress line reads them before the sweep adds them
+        return {"model": cell.shape.model, "precision": cell.precision,
+                "setting": "ep1" if isinstance(cell, Ep1Cell) else "ep8_rank",
+                "tokens": cell.tokens, "fused_eager_us": eager["fused"]["median_us"],
                 "fused_graph_us": graphed["fused"]["median_us"],
                 "schedule_us": graphed["schedule"]["median_us"],
                 "host_overhead_us": host_overhead_us(cell.call),

@@ -15,7 +15,9 @@ def quantize_rows_fp8(x: torch.Tensor, block: int = FP8_SCALE_BLOCK) -> tuple[to
     """1 x ``block`` e4m3 quantization of ``[..., K]``: values and fp32 scales ``[..., K / block]``."""
     *lead, k = x.shape
     xf = x.float().reshape(*lead, k // block, block)
-    scale = xf.abs().amax(-1).clamp_min(1e-12) / E4M3_MAX
+    # times the reciprocal: torch's CUDA division by a scalar multiplies by it anyway, so the
+    # reference is the same bitwise on the CPU and on the GPU (and in kernels/moe_routing.py)
+    scale = xf.abs().amax(-1).clamp_min(1e-12) * (1.0 / E4M3_MAX)
     q = (xf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.reshape(*lead, k), scale
 
@@ -28,7 +30,7 @@ def quantize_blocks_fp8(w: torch.Tensor, block: int = FP8_SCALE_BLOCK) -> tuple[
     """``block`` x ``block`` e4m3 quantization of ``[..., N, K]``: scales ``[..., N/block, K/block]``."""
     *lead, n, k = w.shape
     wf = w.float().reshape(*lead, n // block, block, k // block, block)
-    scale = wf.abs().amax(dim=(-3, -1)).clamp_min(1e-12) / E4M3_MAX
+    scale = wf.abs().amax(dim=(-3, -1)).clamp_min(1e-12) * (1.0 / E4M3_MAX)  # as above
     q = (wf / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.reshape(*lead, n, k), scale
 
