@@ -65,7 +65,10 @@ def _round_to_e4m3(x):
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 mantissa bits, RNE
     normal = bits.to(tl.float32, bitcast=True)
     subnormal = tl.floor(tl.abs(x) * 512.0 + 0.5) / 512.0
-    subnormal = tl.where(x < 0, -subnormal, subnormal)
+    # the sign by its bit: Triton's negation is 0 - s, which turned the -0 of a small negative
+    # value into +0 (torch's e4m3 keeps -0; one H200, fp8 routing tables)
+    sign = (bits >> 31) << 31
+    subnormal = (subnormal.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < E4M3_MIN_NORMAL, subnormal, normal)
 
 
