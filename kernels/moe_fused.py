@@ -64,7 +64,9 @@ def _round_to_e4m3(x):
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 mantissa bits, RNE
     normal = bits.to(tl.float32, bitcast=True)
-    subnormal = tl.floor(tl.abs(x) * 512.0 + 0.5) / 512.0
+    # onto multiples of 2**-9, ties to even: fp32 steps are 2**-9 at 2**14 (floor(v + 0.5)
+    # rounded ties up: 6.5 steps became 7 on one H200)
+    subnormal = (tl.abs(x) + 16384.0) - 16384.0
     # the sign by its bit: Triton's negation is 0 - s, which turned the -0 of a small negative
     # value into +0 (torch's e4m3 keeps -0; one H200, fp8 routing tables)
     sign = (bits >> 31) << 31
