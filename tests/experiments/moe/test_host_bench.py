@@ -174,18 +174,23 @@ def test_host_view_joins_a_runs_chunks_and_finds_the_misses(tmp_path):
 
     params = {"forecast_record": "moe_host_forecast/x-host/f", "link": "host"}
     prov = {"git_commit": "abc"}
-    # an older run, then the two chunks of the latest one (same forecast and commit)
-    at = [datetime(2026, 12, 2, 0, m, tzinfo=timezone.utc) for m in range(3)]
+    # an older run; a first try of chunk 0 of the latest; then its two chunks (the same
+    # forecast, from two sessions: the commits differ)
+    at = [datetime(2026, 12, 2, 0, m, tzinfo=timezone.utc) for m in range(4)]
     write_record("moe_host", "x-host", _host_rows([1], lambda h: 999.0, 100.0, 100.0, 1.0, 0.0),
-                 {**params, "forecast_record": "moe_host_forecast/x-host/old"}, prov, tmp_path,
-                 created=at[0])
+                 {**params, "forecast_record": "moe_host_forecast/x-host/old", "chunk": "0/1"},
+                 prov, tmp_path, created=at[0])
+    write_record("moe_host", "x-host", _host_rows([1, 2], lambda h: 777.0, 100.0, 110.0,
+                                                   1.0, 2.0), {**params, "chunk": "0/2"}, prov,
+                 tmp_path, created=at[1])
     write_record("moe_host", "x-host", _host_rows([1, 2], lambda h: 100.0 + 30 * h, 100.0, 110.0,
-                                                   1.0, 2.0), params, prov, tmp_path,
-                 created=at[1])
+                                                   1.0, 2.0), {**params, "chunk": "0/2"}, prov,
+                 tmp_path, created=at[2])
     write_record("moe_host", "x-host", _host_rows([8], lambda h: 300.0, 100.0, 250.0, 1.2, 20.0),
-                 params, prov, tmp_path, created=at[2])
+                 {**params, "chunk": "1/2"}, {"git_commit": "def"}, tmp_path, created=at[3])
     view = hv.latest_host_view("x-host", tmp_path)
     assert len(view.records) == 2 and list(view.table["host_share"]) == [1, 2, 8]
+    assert 777.0 not in set(view.table["wave_us"])  # the newer record of chunk 0 wins
     c = hv.comparison(view)
     assert list(c["speedup_error_pp"].round(6)) == pytest.approx(
         [(1.0 - 130 / 110) * 100, (1.0 - 160 / 110) * 100, 0.0])

@@ -3,7 +3,7 @@ forecast beside measurement with the error, the cells where the forecast misses 
 traces say, and the ``moe_host_link`` entry of ``summary --json``.
 
 A run's matrix may be saved as several records (``--chunk``): ``latest_host_view`` joins the
-records of a platform's latest run, those that name the same forecast and ran the same commit."""
+records of a platform's latest run, those that name the same forecast, one per chunk."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,16 +44,25 @@ class HostView:
 
 
 def latest_host_view(platform: str, root: Path = RECORDS_DIR) -> HostView:
-    """The records of ``platform``'s latest ``moe_host`` run (its chunks: the same forecast and
-    commit as the newest record)."""
+    """The records of ``platform``'s latest ``moe_host`` run: those that name the newest
+    record's forecast and split the matrix as it does (``--chunk i/n``), the newest per chunk.
+    A run's chunks may come from different device sessions, so their commits may differ (each
+    record keeps its own)."""
     records = [read(p) for p in record_paths("moe_host", platform, root)]
     if not records:
         raise FileNotFoundError(f"no 'moe_host' record for platform {platform!r} under {root}")
 
     def run(rec: Record):
-        return rec.params["forecast_record"], rec.provenance.get("git_commit")
+        return rec.params["forecast_record"], _chunks(rec)[1]
     newest = run(records[-1])
-    return HostView(platform, tuple(r for r in records if run(r) == newest))
+    by_chunk = {_chunks(r)[0]: r for r in records if run(r) == newest}  # later records win
+    return HostView(platform, tuple(by_chunk[i] for i in sorted(by_chunk)))
+
+
+def _chunks(rec: Record) -> tuple[int, int]:
+    """``(i, n)`` of a record made with ``--chunk i/n``; ``(0, 1)`` for a whole run."""
+    i, n = (rec.params.get("chunk") or "0/1").split("/")
+    return int(i), int(n)
 
 
 def comparison(view: HostView) -> pd.DataFrame:
