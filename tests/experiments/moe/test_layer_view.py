@@ -1,8 +1,21 @@
-"""The ``moe_layer`` summary entry (``layer_view``) from a record's table, and ``summary`` without
-any ``moe_layer`` record."""
-import pandas as pd
+"""The ``moe_layer`` view (``layer_view``): a platform's records joined per cell, each cell against
+issue 27's acceptance, the ``summary`` entry; and ``summary`` without any ``moe_layer`` record."""
+from datetime import datetime, timezone
 
+import pandas as pd
+import pytest
+
+from xstage_lab.analysis.moe import layer_view as lv
 from xstage_lab.analysis.moe.layer_view import SUMMARY_KEYS, summary_entry
+from xstage_lab.records import write_record
+
+
+def _row(tokens, setting="ep1", **over):
+    row = dict(model="M", precision="bf16", setting=setting, tokens=tokens, fused_eager_us=100.0,
+               fused_graph_us=90.0, schedule_us=10.0, host_overhead_us=20.0, kernel_us=80.0,
+               weighted_sum_floor_us=5.0, unfused_eager_us=150.0, unfused_graph_us=120.0,
+               host_scheduled_us=900.0, weight_floor_us=50.0)
+    return {**row, **over}
 
 
 def test_summary_rows_keep_the_issue_fields_in_plain_values():
@@ -13,6 +26,40 @@ def test_summary_rows_keep_the_issue_fields_in_plain_values():
     assert [r["setting"] for r in entry["rows"]] == ["ep1", "ep8_rank"]
     assert set(entry["rows"][0]) == set(SUMMARY_KEYS)
     assert type(entry["rows"][0]["tokens"]) is int and type(entry["rows"][0]["kernel_us"]) is float
+
+
+def test_a_platforms_records_join_per_cell_the_newest_winning(tmp_path):
+    at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(2)]
+    write_record("moe_layer", "x", pd.DataFrame([_row(1), _row(64)]), {}, {}, tmp_path,
+                 created=at[0])
+    write_record("moe_layer", "x", pd.DataFrame([_row(64, kernel_us=70.0), _row(64, "ep8_rank")]),
+                 {}, {}, tmp_path, created=at[1])
+    view = lv.layer_view("x", tmp_path)
+    t = view.table
+    assert len(view.records) == 2 and len(t) == 3
+    assert list(t.loc[(t.setting == "ep1") & (t.tokens == 64), "kernel_us"]) == [70.0]
+    with pytest.raises(FileNotFoundError):
+        lv.layer_view("y", tmp_path)
+
+
+def test_acceptance_applies_each_measure_where_the_issue_does():
+    table = pd.DataFrame([
+        # one token: 9% slower than unfused is allowed; the graphed call 96 > 1.5 * 50 + 10 = 85
+        _row(1, fused_eager_us=109.0, unfused_eager_us=100.0, fused_graph_us=96.0),
+        # 64 tokens: no slower at all; graphed 90 over kernel + floor 85: 1.0588 > 1.05
+        _row(64, fused_eager_us=101.0, unfused_eager_us=100.0),
+        # 8192 tokens: the schedule over 30 us; the host overhead over 30 us
+        _row(8192, schedule_us=31.0, host_overhead_us=31.0, fused_graph_us=89.0),
+    ])
+    a = lv.acceptance(table)
+    assert list(a["eager_speedup_ok"]) == [True, False, True]
+    assert list(a["graph_over_kernel_ok"]) == [False, False, True]
+    assert list(a["schedule_ok"]) == [True, True, False]
+    assert list(a["host_overhead_ok"]) == [True, True, False]
+    assert list(a["t1_ok"]) == [False, True, True]
+    counts = lv.acceptance_counts(table)
+    assert counts["schedule_ok"] == (0, 1) and counts["t1_ok"] == (0, 1)
+    assert counts["eager_speedup_ok"] == (2, 3)
 
 
 def test_summary_leaves_moe_layer_out_without_records(tmp_path):

@@ -1,12 +1,94 @@
-"""What ``summary`` reads of ``moe_layer`` records (``layer_bench``'s), on the CPU: the per-cell
-rows of the fused MoE layer from the router's output to the layer's output (issue 27)."""
+"""The fused MoE layer read on the CPU (issue 27): a platform's ``moe_layer`` cells (``layer_bench``'s
+records), each from the router's output to the layer's output, beside the unfused torch path,
+today's host-scheduled call and the floors; how each cell stands against the issue's acceptance;
+and the ``moe_layer`` entry of ``summary --json``.
+
+A platform's matrix may be measured in several runs (by model, precision or setting, one device
+session each): ``layer_view`` joins every record of the platform, a cell from the newest record
+that holds it."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 
+from ...loading import read, record_paths
+from ...records import RECORDS_DIR, Record
+
+CELL = ["model", "precision", "setting", "tokens"]
 SUMMARY_KEYS = ("model", "precision", "setting", "tokens", "fused_eager_us", "fused_graph_us",
                 "schedule_us", "host_overhead_us", "kernel_us", "weighted_sum_floor_us",
                 "unfused_eager_us", "unfused_graph_us", "host_scheduled_us", "weight_floor_us")
+# Issue 27's acceptance, per call: below this many tokens the fused layer may be this much slower
+# than the unfused path; the graphed call within this factor of the kernel plus the weighted
+# sum's memory time; the schedule kernels and the eager host overhead within these times (the
+# schedule at the largest T per rank); the one-token graphed call within
+# ``T1_FLOOR_FACTOR * weight_floor + T1_FLOOR_US``.
+SMALL_T = 64
+SMALL_T_SLOWDOWN = 1.10
+GRAPH_OVER_KERNEL = 1.05
+SCHEDULE_LIMIT_US = 30.0
+SCHEDULE_LIMIT_TOKENS = 8192
+HOST_OVERHEAD_LIMIT_US = 30.0
+T1_FLOOR_FACTOR, T1_FLOOR_US = 1.5, 10.0
+
+
+@dataclass(frozen=True)
+class LayerView:
+    """One platform's ``moe_layer`` records, oldest first, and their cells."""
+
+    platform: str
+    records: tuple[Record, ...]
+
+    @property
+    def table(self) -> pd.DataFrame:
+        """Every cell once (a later record's row wins), in cell order."""
+        rows = pd.concat([r.table for r in self.records], ignore_index=True)
+        return rows.drop_duplicates(CELL, keep="last").sort_values(CELL, kind="stable") \
+            .reset_index(drop=True)
+
+
+def layer_view(platform: str, root: Path = RECORDS_DIR) -> LayerView:
+    records = tuple(read(p) for p in record_paths("moe_layer", platform, root))
+    if not records:
+        raise FileNotFoundError(f"no 'moe_layer' record for platform {platform!r} under {root}")
+    return LayerView(platform, records)
+
+
+def acceptance(table: pd.DataFrame) -> pd.DataFrame:
+    """Per cell, each measure of issue 27's acceptance and whether it holds (``*_ok``):
+    ``eager_speedup``/``graph_speedup``, the unfused path's time over the fused layer's (at least
+    1 from ``SMALL_T`` tokens, at least 1/``SMALL_T_SLOWDOWN`` below); ``graph_over_kernel``,
+    the graphed call over the kernel alone plus the weighted sum's memory time; ``schedule_us``
+    at ``SCHEDULE_LIMIT_TOKENS`` tokens; ``host_overhead_us``; at one token the graphed call
+    against ``T1_FLOOR_FACTOR`` times the weight-read floor plus ``T1_FLOOR_US``."""
+    out = table[CELL].copy()
+    small = table["tokens"] < SMALL_T
+    need = small.map({True: 1 / SMALL_T_SLOWDOWN, False: 1.0})
+    for path in ("eager", "graph"):
+        out[f"{path}_speedup"] = table[f"unfused_{path}_us"] / table[f"fused_{path}_us"]
+        out[f"{path}_speedup_ok"] = out[f"{path}_speedup"] >= need
+    out["graph_over_kernel"] = table["fused_graph_us"] / (table["kernel_us"]
+                                                          + table["weighted_sum_floor_us"])
+    out["graph_over_kernel_ok"] = out["graph_over_kernel"] <= GRAPH_OVER_KERNEL
+    out["schedule_us"] = table["schedule_us"]
+    out["schedule_ok"] = (table["tokens"] != SCHEDULE_LIMIT_TOKENS) | \
+        (table["schedule_us"] <= SCHEDULE_LIMIT_US)
+    out["host_overhead_us"] = table["host_overhead_us"]
+    out["host_overhead_ok"] = table["host_overhead_us"] <= HOST_OVERHEAD_LIMIT_US
+    out["t1_limit_us"] = T1_FLOOR_FACTOR * table["weight_floor_us"] + T1_FLOOR_US
+    out["t1_ok"] = (table["tokens"] != 1) | (table["fused_graph_us"] <= out["t1_limit_us"])
+    return out
+
+
+def acceptance_counts(table: pd.DataFrame) -> dict:
+    """How many cells meet each measure of ``acceptance``, out of the cells it applies to."""
+    a = acceptance(table)
+    at_t = {"schedule_ok": a["tokens"] == SCHEDULE_LIMIT_TOKENS, "t1_ok": a["tokens"] == 1}
+    return {k: (int(a.loc[at_t.get(k, slice(None)), k].sum()),
+                int(at_t[k].sum()) if k in at_t else len(a))
+            for k in a.columns if k.endswith("_ok")}
 
 
 def summary_entry(table: pd.DataFrame) -> dict:

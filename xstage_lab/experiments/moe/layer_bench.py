@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import pandas as pd
 import torch
 
+from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, layer_view
 from ...dist_timing import TIMING_METHOD, time_methods
 from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.device_tables import host_tables, table_mismatches
@@ -51,7 +53,6 @@ from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
 from .bench import TOLERANCE
-from ...analysis.moe.layer_view import SUMMARY_KEYS
 
 SETTINGS = ("ep1", "ep8_rank")
 EP = 8
@@ -319,6 +320,15 @@ class MoELayer(Experiment):
     name = "moe_layer"
     paper = "§4.2, §5.2; issue 27"
     launch = "in_process"
+
+    @classmethod
+    def analyse(cls, record, root: Path) -> LayerView:
+        return LayerView(record.platform, (record,))
+
+    @classmethod
+    def analyse_platform(cls, platform: str, root: Path) -> LayerView:
+        """Every record of the platform, a cell from the newest that holds it (``layer_view``)."""
+        return layer_view(platform, root)
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--models", nargs="+", default=None)
