@@ -11,7 +11,7 @@ token ``i // top_k``); for an EP rank (``RECEIVED``) the received rows, source b
 their local expert, source rank and slot, and their count on the device. Every buffer is sized by
 a static bound, every grid by the arrivals' capacity; programs past the counts return at once.
 
-Four launches, each a pass the next one needs complete:
+Five launches, each a pass the next one needs complete:
   ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
                        (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is
                        left out of the layout;
@@ -20,8 +20,9 @@ Four launches, each a pass the next one needs complete:
                        first row (the scan over experts); the Expert-Wave waves by counted rows;
                        the tile count of every program of both schedules and the used row blocks;
   ``route_scatter``    per chunk: each arrival's rank among its expert's arrivals (stable: by
-                       arrival), its padded row, ``row_src``/``row_slot``, and its activation row
-                       gathered into the layout (at EP = 1 in FP8 quantized per 1 x 128 here);
+                       arrival), its padded row, ``row_src``/``row_slot``;
+  ``route_gather``     per block of arrivals and slab of columns: the arrival's activation row
+                       moved into the layout (at EP = 1 in FP8 quantized per 1 x 128 here);
   ``route_tiles``      per row block: ``row_slot = -1`` on its padding rows, and its Linear-1 and
                        Linear-2 tiles written into both tables at their closed-form positions.
 
@@ -88,16 +89,19 @@ def _programs_below(limit, g, G):
 
 @triton.jit
 def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, expert_offsets,
-                  wave_lo, wave_hi, meta, wave_num_tiles, inter_num_tiles, CAPACITY, NUM_EXPERTS,
-                  G, P1, P2, WAVE_MIN_L1, RECEIVED: tl.constexpr, BLOCK_M: tl.constexpr,
-                  E_PAD: tl.constexpr, G_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                  CHUNK_ROWS: tl.constexpr):
+                  wave_lo, wave_hi, wave_jumps, meta, wave_num_tiles, inter_num_tiles, CAPACITY,
+                  NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, RECEIVED: tl.constexpr,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, G_PAD: tl.constexpr,
+                  CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, S_BLOCK: tl.constexpr,
+                  JUMP_LEVELS: tl.constexpr, JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
     """One program. ``chunk_start[c, e]``: arrivals of expert ``e`` in chunks before ``c``;
     ``expert_counts[e]``; ``expert_offsets[e]`` the padded first row of expert ``e`` (int32
     ``[NUM_EXPERTS + 1]``, the last entry the rows in use); ``wave_lo/hi[e]``: the row blocks of
     expert ``e``'s Expert-Wave wave (``schedules.wave_starts``: a wave closes once its Linear-1
     tiles reach ``WAVE_MIN_L1 = WAVE_FILL * G`` and routed rows remain); ``meta``; the tile count
-    of each program of both schedules (``wave_num_tiles``, ``inter_num_tiles``: int32 ``[G]``)."""
+    of each program of both schedules (``wave_num_tiles``, ``inter_num_tiles``: int32 ``[G]``).
+    ``wave_jumps``: int32 scratch ``[JUMP_LEVELS, JUMP_STRIDE]`` (``JUMP_STRIDE > E``,
+    ``2**JUMP_LEVELS > E``, ``JUMP_PAD >= E + 1``)."""
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     chunks = tl.cdiv(n, CHUNK)
     es = tl.arange(0, E_PAD)
@@ -117,25 +121,36 @@ def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, expe
     tl.store(expert_counts + es, carry, mask=in_e)
     tl.store(expert_offsets + es, first_block * BLOCK_M, mask=in_e)
     tl.store(expert_offsets + NUM_EXPERTS, row_blocks * BLOCK_M)
-    # Expert-Wave: from wave start s, the wave ends after the first expert e (<= E - 2) whose
-    # blocks since s reach WAVE_MIN_L1 / P1, if row blocks remain after e; else at the last expert
-    lo_of = tl.zeros([E_PAD], dtype=tl.int32)
-    hi_of = tl.zeros([E_PAD], dtype=tl.int32)
-    s = 0
-    while s < NUM_EXPERTS:
-        lo = tl.sum(tl.where(es < s, blocks, 0))
-        short = in_e & (es >= s) & ((last_block - lo) * P1 < WAVE_MIN_L1)
-        e_fill = s + tl.sum(short.to(tl.int32))
-        fill_blocks = tl.sum(tl.where(es <= e_fill, blocks, 0))
+    # Expert-Wave: from wave start s, the wave ends after the first expert e_fill(s) (<= E - 2)
+    # whose blocks since s reach WAVE_MIN_L1 / P1, if row blocks remain after it; else at the last
+    # expert. next(s), the start after s, for every s at once; the starts are the orbit of 0
+    # under next, found by binary lifting over next's powers (log E passes, not one per wave)
+    tl.debug_barrier()  # expert_offsets above, read back by every thread below
+    for s0 in range(0, E_PAD, S_BLOCK):
+        ss = s0 + tl.arange(0, S_BLOCK)
+        lo = tl.load(expert_offsets + ss, mask=ss < NUM_EXPERTS, other=0) // BLOCK_M
+        short = (in_e[None, :] & (es[None, :] >= ss[:, None])
+                 & ((last_block[None, :] - lo[:, None]) * P1 < WAVE_MIN_L1))
+        e_fill = ss + tl.sum(short.to(tl.int32), axis=1)
+        fill_blocks = tl.sum(tl.where(es[None, :] <= e_fill[:, None], blocks[None, :], 0), axis=1)
         nxt = tl.where((e_fill <= NUM_EXPERTS - 2) & (row_blocks > fill_blocks), e_fill + 1,
                        NUM_EXPERTS)
-        hi = tl.sum(tl.where(es < nxt, blocks, 0))
-        member = (es >= s) & (es < nxt)
-        lo_of = tl.where(member, lo, lo_of)
-        hi_of = tl.where(member, hi, hi_of)
-        s = nxt
-    tl.store(wave_lo + es, lo_of, mask=in_e)
-    tl.store(wave_hi + es, hi_of, mask=in_e)
+        tl.store(wave_jumps + ss, nxt, mask=ss < NUM_EXPERTS)
+    tl.store(wave_jumps + NUM_EXPERTS, NUM_EXPERTS)  # E is its own next
+    at = tl.arange(0, JUMP_PAD)
+    for k in tl.static_range(1, JUMP_LEVELS):  # jumps[k][s] = next^(2^k)(s)
+        tl.debug_barrier()
+        half = tl.load(wave_jumps + (k - 1) * JUMP_STRIDE + at, mask=at <= NUM_EXPERTS, other=0)
+        twice = tl.load(wave_jumps + (k - 1) * JUMP_STRIDE + half, mask=at <= NUM_EXPERTS)
+        tl.store(wave_jumps + k * JUMP_STRIDE + at, twice, mask=at <= NUM_EXPERTS)
+    tl.debug_barrier()
+    start = tl.zeros([E_PAD], dtype=tl.int32)  # the last start <= e: 0 is one
+    for k in tl.static_range(JUMP_LEVELS - 1, -1, -1):
+        ahead = tl.load(wave_jumps + k * JUMP_STRIDE + start)
+        start = tl.where(ahead <= es, ahead, start)
+    end = tl.load(wave_jumps + start)
+    tl.store(wave_lo + es, tl.load(expert_offsets + start) // BLOCK_M, mask=in_e)
+    tl.store(wave_hi + es, tl.load(expert_offsets + end) // BLOCK_M, mask=in_e)
     n1 = row_blocks * P1
     n2 = row_blocks * P2
     tl.store(meta + META_ROW_BLOCKS, row_blocks)
@@ -148,16 +163,11 @@ def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, expe
 
 @triton.jit
 def route_scatter(expert_ids, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start,
-                  expert_offsets, arrival_rows, row_src, row_slot, x, x_scale, x_rows,
-                  x_rows_scale, CAPACITY, NUM_EXPERTS, HIDDEN, TOP_K, RECEIVED: tl.constexpr,
-                  QUANTIZE: tl.constexpr, COPY_SCALES: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
+                  expert_offsets, arrival_rows, row_src, row_slot, CAPACITY, NUM_EXPERTS,
+                  RECEIVED: tl.constexpr, CHUNK: tl.constexpr):
     """Per chunk: ``arrival_rows[i]`` = ``expert_offsets[e] + chunk_start[c, e]`` + the arrivals
-    of ``e`` before ``i`` in its chunk; ``row_src``/``row_slot`` of that row; ``x_rows`` of that
-    row = the arrival's activations: ``x[i // TOP_K]`` at EP = 1, ``x[i]`` for an EP rank.
-    ``QUANTIZE``: bf16 ``x`` to e4m3 ``x_rows`` with one fp32 scale per 1 x 128 block
-    (``x_rows_scale``), as ``weights.quantize_rows_fp8``; ``COPY_SCALES``: ``x`` already e4m3
-    (bytes) with ``x_scale``. Out-of-range ids get no row (``route_histogram`` flagged them)."""
+    of ``e`` before ``i`` in its chunk; ``row_src``/``row_slot`` of that row (source 0 and slot
+    ``i`` at EP = 1). Out-of-range ids get no row (``route_histogram`` flagged them)."""
     c = tl.program_id(0)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     if c * CHUNK < n:
@@ -176,39 +186,56 @@ def route_scatter(expert_ids, arrival_src, arrival_slot, n_arrivals_ptr, chunk_s
         if RECEIVED:
             src = tl.load(arrival_src + i, mask=valid, other=0).to(tl.int32)
             slot = tl.load(arrival_slot + i, mask=valid, other=0).to(tl.int32)
-            token = i
         else:
             src = tl.zeros([CHUNK], dtype=tl.int32)
             slot = i
-            token = i // TOP_K
         tl.store(row_src + row, src, mask=valid)
         tl.store(row_slot + row, slot, mask=valid)
+
+
+@triton.jit
+def route_gather(arrival_rows, n_arrivals_ptr, x, x_scale, x_rows, x_rows_scale, CAPACITY,
+                 HIDDEN, TOP_K, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
+                 COPY_SCALES: tl.constexpr, ROWS: tl.constexpr, SLAB: tl.constexpr,
+                 BLOCK_H: tl.constexpr):
+    """Program ``(r, h)``: arrivals ``r ROWS ..`` and columns ``h SLAB ..`` of the activations,
+    ``x_rows[arrival_rows[i]] = x[i // TOP_K]`` at EP = 1, ``x[i]`` for an EP rank (the Dispatch
+    layout's data movement, at the HBM rate; every program independent). ``QUANTIZE``: bf16 ``x``
+    to e4m3 with one fp32 scale per 1 x 128 block (``x_rows_scale``), as
+    ``weights.quantize_rows_fp8``; ``COPY_SCALES``: ``x`` already e4m3 (bytes) with ``x_scale``."""
+    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    h_first = tl.program_id(1) * SLAB
+    n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
+    if tl.program_id(0) * ROWS < n:
+        row = tl.load(arrival_rows + i, mask=i < n, other=-1)
+        valid = (i < n) & (row >= 0)
         rows64 = row.to(tl.int64)
-        token64 = token.to(tl.int64)
+        token64 = (i if RECEIVED else i // TOP_K).to(tl.int64)
         k_scales = HIDDEN // SCALE_BLOCK
-        for h0 in range(0, HIDDEN, BLOCK_H):
+        for h0 in range(h_first, tl.minimum(h_first + SLAB, HIDDEN), BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             v = tl.load(x + token64[:, None] * HIDDEN + cols[None, :], mask=valid[:, None])
             if QUANTIZE:
-                # BLOCK_H == SCALE_BLOCK: one scale per row of the block
+                # BLOCK_H == SCALE_BLOCK: one scale per row of the block. As
+                # weights.quantize_rows_fp8, bitwise: the scale times the reciprocal of the e4m3
+                # maximum (torch's CUDA division by a scalar does so), the values times the IEEE
+                # reciprocal of the scale (div_rn: Triton's `/` is the approximate div.full.f32)
                 vf = v.to(tl.float32)
-                # as weights.quantize_rows_fp8, bitwise: the scale times the reciprocal of the
-                # e4m3 maximum (torch's CUDA division by a scalar does so), the values divided by
-                # IEEE division (div_rn; Triton's `/` is the approximate div.full.f32 on the GPU,
-                # which moved some values by one e4m3 step on one H200)
                 scale = tl.maximum(tl.max(tl.abs(vf), axis=1), 1e-12) * (1.0 / E4M3_MAX)
-                q = _round_to_e4m3(tl.math.div_rn(vf, scale[:, None])).to(tl.float8e4nv)
+                inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), scale)
+                q = _round_to_e4m3(vf * inv[:, None]).to(tl.float8e4nv)
                 tl.store(x_rows + rows64[:, None] * HIDDEN + cols[None, :], q, mask=valid[:, None])
                 tl.store(x_rows_scale + rows64 * k_scales + h0 // SCALE_BLOCK, scale, mask=valid)
             else:
                 tl.store(x_rows + rows64[:, None] * HIDDEN + cols[None, :], v, mask=valid[:, None])
         if COPY_SCALES:
-            ks = tl.arange(0, SCALE_BLOCK)
-            for k0 in range(0, k_scales, SCALE_BLOCK):
-                kk = k0 + ks
-                m = valid[:, None] & (kk < k_scales)[None, :]
-                s = tl.load(x_scale + token64[:, None] * k_scales + kk[None, :], mask=m)
-                tl.store(x_rows_scale + rows64[:, None] * k_scales + kk[None, :], s, mask=m)
+            if tl.program_id(1) == 0:
+                ks = tl.arange(0, SCALE_BLOCK)
+                for k0 in range(0, k_scales, SCALE_BLOCK):
+                    kk = k0 + ks
+                    m = valid[:, None] & (kk < k_scales)[None, :]
+                    s = tl.load(x_scale + token64[:, None] * k_scales + kk[None, :], mask=m)
+                    tl.store(x_rows_scale + rows64[:, None] * k_scales + kk[None, :], s, mask=m)
 
 
 @triton.jit

@@ -181,6 +181,23 @@ def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, wa
     return out
 
 
+def kernel_times_us(fn: Callable[[], None], calls: int = 10) -> dict[str, float]:
+    """Device time per call of each kernel (and copy or fill) that ``fn`` launches, by name, as
+    torch.profiler's CUDA activity (CUPTI) records it over ``calls`` calls after one unprofiled
+    call: where a call's time goes, not a timing to compare (the profiler adds its own cost)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / calls for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0}
+
+
 def _mhz(value: float) -> float | None:
     return None if value != value else value  # NaN: the clock was not known
 

@@ -2,7 +2,7 @@
 both schedules' tables equal the host reference (``dispatch.build_layout``, the host schedules)
 entry for entry, on random routings of every model shape, zero-row experts, one token, skewed
 routing, an EP rank's received rows, and ids out of range (flagged, left out); plus the sm_90
-build of the four kernels."""
+build of the five kernels."""
 from __future__ import annotations
 
 import sys
@@ -143,19 +143,23 @@ def _compile_sm90(name: str) -> dict:
                             dict(RECEIVED=False, E_PAD=256, CHUNK=128)),
         "route_offsets": ({**{k: ptr for k in ("chunk_counts", "chunk_start", "n_arrivals_ptr",
                                                "expert_counts", "expert_offsets", "wave_lo",
-                                               "wave_hi", "meta", "wave_num_tiles",
+                                               "wave_hi", "wave_jumps", "meta", "wave_num_tiles",
                                                "inter_num_tiles")},
                            **{k: i for k in ("CAPACITY", "NUM_EXPERTS", "G", "P1", "P2",
                                              "WAVE_MIN_L1")}},
                           dict(RECEIVED=True, BLOCK_M=128, E_PAD=512, G_PAD=256, CHUNK=128,
-                               CHUNK_ROWS=16)),
+                               CHUNK_ROWS=16, S_BLOCK=16, JUMP_LEVELS=10, JUMP_STRIDE=513,
+                               JUMP_PAD=1024)),
         "route_scatter": ({"expert_ids": "*i64", "arrival_src": "*i64", "arrival_slot": "*i64",
                            "n_arrivals_ptr": ptr, "chunk_start": ptr, "expert_offsets": ptr,
-                           "arrival_rows": ptr, "row_src": ptr, "row_slot": ptr, "x": "*bf16",
-                           "x_scale": ptr, "x_rows": "*fp8e4nv", "x_rows_scale": "*fp32",
-                           "CAPACITY": i, "NUM_EXPERTS": i, "HIDDEN": i, "TOP_K": i},
-                          dict(RECEIVED=False, QUANTIZE=True, COPY_SCALES=False, CHUNK=128,
-                               BLOCK_H=128)),
+                           "arrival_rows": ptr, "row_src": ptr, "row_slot": ptr, "CAPACITY": i,
+                           "NUM_EXPERTS": i},
+                          dict(RECEIVED=False, CHUNK=128)),
+        "route_gather": ({"arrival_rows": ptr, "n_arrivals_ptr": ptr, "x": "*bf16",
+                          "x_scale": ptr, "x_rows": "*fp8e4nv", "x_rows_scale": "*fp32",
+                          "CAPACITY": i, "HIDDEN": i, "TOP_K": i},
+                         dict(RECEIVED=False, QUANTIZE=True, COPY_SCALES=False, ROWS=32,
+                              SLAB=1024, BLOCK_H=128)),
         "route_tiles": ({**{k: ptr for k in ("expert_counts", "expert_offsets", "wave_lo",
                                              "wave_hi", "meta", "row_src", "row_slot",
                                              "wave_tiles", "inter_tiles")},
@@ -168,12 +172,14 @@ def _compile_sm90(name: str) -> dict:
     names = kernel.arg_names
     compiled = triton.compile(ASTSource(kernel, signature,
                                         {(names.index(k),): v for k, v in constexprs.items()}),
-                              target=hopper_target(), options={"num_warps": 4})
+                              target=hopper_target(),
+                              options={"num_warps": 8 if name == "route_offsets" else 4})
     return {"has_cubin": bool(compiled.asm.get("cubin")), "shared": compiled.metadata.shared}
 
 
 COMPILE_CASES = {f"compile_sm90_{n}": (_compile_sm90, n)
-                 for n in ("route_histogram", "route_offsets", "route_scatter", "route_tiles")}
+                 for n in ("route_histogram", "route_offsets", "route_scatter", "route_gather",
+                           "route_tiles")}
 
 interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, interpreter_cases())
 

@@ -22,13 +22,17 @@ once and replayed with ``GRAPH_ROUTINGS`` routings, each checked. Then timed (``
 (routing by torch ops, grouped GEMMs, weighted sum: ``unfused.unfused_layer``), and
 ``host_scheduled`` (today's path: layout, schedule and checked launch on the host, then the
 kernel and the weighted sum; eager, few trials). ``host_overhead_us``: host time of an eager
-call, nothing waited for. Floors from the HBM bandwidth measured at the start of the run (a
+call, nothing waited for; ``host_<step>_us`` that of each step alone (``host_stages``). Where the
+schedule's device time goes (torch.profiler, ``dist_timing.kernel_times_us``): per routing kernel
+(``route_kernels_us``, JSON), the table passes (``route_tables_us``) apart from the activations'
+move into the layout (``route_gather_us``, quantizing in fp8 at EP = 1). Floors from the HBM bandwidth measured at the start of the run (a
 device copy): ``weighted_sum_floor_us`` (its bytes) and ``weight_floor_us`` (the bytes of the
 experts the call touches).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -36,7 +40,7 @@ import pandas as pd
 import torch
 
 from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, layer_view
-from ...dist_timing import TIMING_METHOD, time_methods
+from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
 from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.device_tables import host_tables, table_mismatches
 from ...ops.moe.dispatch import build_layout
@@ -131,6 +135,11 @@ class Ep1Cell:
                           self.layer.peers, config=ws.config)()
         return combine_weighted_sum(self.layer.combine[:n], self.w)
 
+    def host_stages(self) -> dict:
+        """The host side of a call's steps, each timed alone (``host_overhead_us``)."""
+        return {"check": lambda: self.layer.check_inputs(self.x, self.ids, self.w),
+                "route": self.route, "launch": self.kernel, "weighted_sum": self.weighted_sum}
+
     def touched_experts(self) -> int:
         return int(torch.unique(self.ids).numel())
 
@@ -219,6 +228,9 @@ class Ep8RankCell:
                              ws.bounds.l2_n_blocks)
         prepare_fused_moe(layout, ws.weights, expert_wave_schedule(problem, ws.bounds.num_programs),
                           self.peers, config=ws.config)()
+
+    def host_stages(self) -> dict:
+        return {"route": self.route, "launch": self.kernel}
 
     def touched_experts(self) -> int:
         return int(torch.unique(self.expert).numel())
@@ -405,6 +417,11 @@ class MoELayer(Experiment):
                             trials=HOST_SCHEDULED_TRIALS, warmup=1)
         weights = cell.layer.workspace.weights if isinstance(cell, Ep1Cell) else cell.ws.weights
         bw = self.hbm_gbps * 1e9
+        # where the schedule's time goes: the activations' move (route_gather) apart from the
+        # table passes; and the host time of each step of a call
+        route_kernels = kernel_times_us(cell.route)
+        gather_us = sum(v for k, v in route_kernels.items() if "route_gather" in k)
+        stages = {f"host_{k}_us": host_overhead_us(fn) for k, fn in cell.host_stages().items()}
         # the point's columns too: the progress line reads them before the sweep adds them
         return {"model": cell.shape.model, "precision": cell.precision,
                 "setting": "ep1" if isinstance(cell, Ep1Cell) else "ep8_rank",
@@ -419,7 +436,10 @@ class MoELayer(Experiment):
                 "unfused_graph_us": graphed["unfused"]["median_us"],
                 "host_scheduled_us": host["host_scheduled"]["median_us"],
                 "weight_floor_us": cell.touched_experts() * _expert_bytes(weights) / bw * 1e6,
-                "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps}
+                "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
+                "route_tables_us": sum(route_kernels.values()) - gather_us,
+                "route_gather_us": gather_us, "route_kernels_us": json.dumps(route_kernels),
+                **stages}
 
     def progress_line(self, rows: pd.DataFrame) -> str | None:
         r = rows.iloc[0]

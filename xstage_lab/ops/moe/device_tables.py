@@ -1,6 +1,7 @@
 """Routing to tile tables on the device (``kernels/moe_routing.py``): the Dispatch layout and both
-schedules' tile tables built from the router's output by four small Triton launches, with no
-device-to-host copy, in buffers sized by static bounds, so a CUDA graph captures them once.
+schedules' tile tables built from the router's output by five small Triton launches (one of them
+moves the activations), with no device-to-host copy, in buffers sized by static bounds, so a CUDA
+graph captures them once.
 
 ``host_tables`` is the reference they equal entry for entry: ``dispatch.build_layout`` and the
 host schedules (``schedules.expert_wave_schedule``, ``interleaved_schedule``, ``tile_table``).
@@ -22,6 +23,9 @@ from .tiles import TileConfig
 
 CHUNK = 128        # arrivals per program of the histogram and scatter passes
 CHUNK_ROWS = 16    # chunks per step of route_offsets' scan
+WAVE_S_BLOCK = 16  # wave starts per step of route_offsets' next-start pass
+GATHER_ROWS = 32   # arrivals per program of the activation gather ...
+GATHER_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of arrivals
 SCHEDULES = ("wave", "interleaved")
 BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 
@@ -89,6 +93,7 @@ class DeviceTables:
     expert_offsets: torch.Tensor   # int32 [E + 1]: padded first row of each expert; rows in use
     wave_lo: torch.Tensor          # int32 [E]: first row block of each expert's wave
     wave_hi: torch.Tensor          # int32 [E]: one past its last
+    wave_jumps: torch.Tensor       # int32 [levels, E_pad + 1]: scratch, next wave start^(2^k)
     meta: torch.Tensor             # int32 [2]: row blocks in use, tiles in use
     arrival_rows: torch.Tensor     # int32 [capacity]: the padded row of each arrival (-1: none)
     row_src: torch.Tensor          # int32 [rows]
@@ -115,7 +120,8 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
     return DeviceTables(
         bounds, torch.zeros(bounds.chunks, e, **i32), torch.zeros(bounds.chunks, e, **i32),
         torch.zeros(e, **i32), torch.zeros(e + 1, **i32), torch.zeros(e, **i32),
-        torch.zeros(e, **i32), torch.zeros(2, **i32), torch.full((bounds.capacity,), -1, **i32),
+        torch.zeros(e, **i32), torch.zeros(_jump_levels(e), _pow2(e) + 1, **i32),
+        torch.zeros(2, **i32), torch.full((bounds.capacity,), -1, **i32),
         torch.zeros(bounds.rows, **i32), torch.full((bounds.rows,), -1, **i32),
         torch.zeros(bounds.rows, hidden, dtype=xdt, device=dev),
         (torch.zeros(bounds.rows, hidden // FP8_SCALE_BLOCK, dtype=torch.float32, device=dev)
@@ -127,6 +133,11 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
+
+
+def _jump_levels(num_experts: int) -> int:
+    """Powers of the next-wave-start map that binary lifting needs: 2**levels > E + 1 starts."""
+    return (num_experts + 1).bit_length()
 
 
 def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Tensor,
@@ -155,22 +166,26 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
                                   b.num_experts, RECEIVED=received, E_PAD=e_pad, CHUNK=CHUNK)
     kernels.route_offsets[(1,)](
         tables.chunk_counts, tables.chunk_start, n_ptr, tables.expert_counts,
-        tables.expert_offsets, tables.wave_lo, tables.wave_hi, tables.meta,
+        tables.expert_offsets, tables.wave_lo, tables.wave_hi, tables.wave_jumps, tables.meta,
         tables.num_tiles["wave"], tables.num_tiles["interleaved"], capacity, b.num_experts,
         b.num_programs, b.l1_n_blocks, b.l2_n_blocks, WAVE_FILL * b.num_programs,
         RECEIVED=received, BLOCK_M=b.block_m, E_PAD=e_pad, G_PAD=_pow2(b.num_programs),
-        CHUNK=CHUNK, CHUNK_ROWS=CHUNK_ROWS)
-    fp8 = tables.x.dtype == torch.float8_e4m3fn
-    quantize = fp8 and x.dtype == torch.bfloat16
-    as_bytes = (lambda t: t.view(torch.uint8)) if fp8 and not quantize else (lambda t: t)
+        CHUNK=CHUNK, CHUNK_ROWS=CHUNK_ROWS, S_BLOCK=min(WAVE_S_BLOCK, e_pad),
+        JUMP_LEVELS=tables.wave_jumps.shape[0], JUMP_STRIDE=tables.wave_jumps.shape[1],
+        JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
     kernels.route_scatter[grid](
         expert_ids, arrival_src if received else expert_ids,
         arrival_slot if received else expert_ids, n_ptr, tables.chunk_start,
-        tables.expert_offsets, tables.arrival_rows, tables.row_src, tables.row_slot, as_bytes(x),
-        x_scale if x_scale is not None else tables.meta, as_bytes(tables.x),
-        tables.x_scale if fp8 else tables.meta, capacity, b.num_experts, hidden, top_k,
-        RECEIVED=received, QUANTIZE=quantize, COPY_SCALES=fp8 and not quantize, CHUNK=CHUNK,
-        BLOCK_H=FP8_SCALE_BLOCK)
+        tables.expert_offsets, tables.arrival_rows, tables.row_src, tables.row_slot, capacity,
+        b.num_experts, RECEIVED=received, CHUNK=CHUNK)
+    fp8 = tables.x.dtype == torch.float8_e4m3fn
+    quantize = fp8 and x.dtype == torch.bfloat16
+    as_bytes = (lambda t: t.view(torch.uint8)) if fp8 and not quantize else (lambda t: t)
+    kernels.route_gather[(triton.cdiv(capacity, GATHER_ROWS), triton.cdiv(hidden, GATHER_SLAB))](
+        tables.arrival_rows, n_ptr, as_bytes(x), x_scale if x_scale is not None else tables.meta,
+        as_bytes(tables.x), tables.x_scale if fp8 else tables.meta, capacity, hidden, top_k,
+        RECEIVED=received, QUANTIZE=quantize, COPY_SCALES=fp8 and not quantize,
+        ROWS=GATHER_ROWS, SLAB=GATHER_SLAB, BLOCK_H=FP8_SCALE_BLOCK)
     kernels.route_tiles[(b.row_blocks,)](
         tables.expert_counts, tables.expert_offsets, tables.wave_lo, tables.wave_hi, tables.meta,
         tables.row_src, tables.row_slot, tables.tiles["wave"], tables.tiles["interleaved"],

@@ -4,8 +4,8 @@ so that one CUDA graph captures a call and replays it with new routings, and a
 ``torch.library`` custom op (``xstage::fused_moe``) with a fake implementation, so that
 ``torch.compile(fullgraph=True)`` traces a block that uses it.
 
-A call: routing to tile tables (``device_tables``: four Triton launches, FP8 activations quantized
-per 1 x 128 in the scatter pass), the row counters zeroed, the fused kernel over the chosen
+A call: routing to tile tables (``device_tables``: five Triton launches, FP8 activations quantized
+per 1 x 128 in the gather pass), the row counters zeroed, the fused kernel over the chosen
 schedule's table (``kernels/moe_fused_ws.py`` on sm_90, ``kernels/moe_fused.py`` elsewhere),
 whose Linear-2 epilogues store each pick's row into the Combine buffer, then the top-k weighted
 sum (``combine.combine_weighted_sum``). ``MoEWorkspace`` is the same call over received rows

@@ -15,10 +15,11 @@ def quantize_rows_fp8(x: torch.Tensor, block: int = FP8_SCALE_BLOCK) -> tuple[to
     """1 x ``block`` e4m3 quantization of ``[..., K]``: values and fp32 scales ``[..., K / block]``."""
     *lead, k = x.shape
     xf = x.float().reshape(*lead, k // block, block)
-    # times the reciprocal: torch's CUDA division by a scalar multiplies by it anyway, so the
-    # reference is the same bitwise on the CPU and on the GPU (and in kernels/moe_routing.py)
+    # products with reciprocals, the same bitwise on the CPU and on the GPU (torch's CUDA division
+    # by a scalar multiplies by its reciprocal anyway) and in kernels/moe_routing.py, where one
+    # division per 1 x 128 block instead of one per value keeps the quantizing gather at HBM speed
     scale = xf.abs().amax(-1).clamp_min(1e-12) * (1.0 / E4M3_MAX)
-    q = (xf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = (xf * scale.reciprocal()[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.reshape(*lead, k), scale
 
 
