@@ -319,6 +319,7 @@ class MoELayer(Experiment):
     name = "moe_layer"
     paper = "§4.2, §5.2; issue 27"
     launch = "in_process"
+    links = ("local",)  # one GPU, its own memory
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--models", nargs="+", default=None)
