@@ -65,7 +65,8 @@ def test_characterization_publishes_fig3_and_table1(reproduced):
 def test_ulysses_attention_publishes_table3_fig11_tuning_and_the_fenced_pairing(reproduced):
     names = {json.loads(line)["name"] for line in
              (reproduced / "02_ulysses_attention" / "manifest.jsonl").read_text().splitlines()}
-    assert {"table3", "fig11", "fa_tuning", "fa_tuning_best"} <= names
+    assert {"table3", "fig11", "fa_tuning", "fa_tuning_best", "attention_links",
+            "attention_links_h200-x2_h200-x1-host"} <= names
     for prefix in ("fa_a2a_headline_", "fig11_predictions_", "fig11_check_",
                    "fa_fenced_vs_decoupled_"):
         assert any(n.startswith(prefix) for n in names), prefix
@@ -196,7 +197,8 @@ def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_r
 def test_every_figure_names_the_link_and_backend_that_drew_it(reproduced):
     """Issue 26: each figure's manifest entry names the platforms it was drawn from, each with its
     link and backend, and the index says them under the figure; the host link's figures (notebook
-    01's Fig. 3 of ``h200-x1-host``, notebook 03's matrix) name it."""
+    01's Fig. 3 of ``h200-x1-host``, notebook 02's attention model, notebook 03's matrix) name
+    it."""
     from xstage_lab.runner import drawn_line
 
     index = (reproduced / "index.html").read_text()
@@ -210,7 +212,7 @@ def test_every_figure_names_the_link_and_backend_that_drew_it(reproduced):
             links[e["name"]] = {d["link"] for d in e["drawn"]}
             assert f'<p class="drawn">drawn by {drawn_line(e["drawn"])}</p>' in index, e["name"]
     assert links["fig3d_h200-x1-host"] == {"host"} and links["fig3d_h200-x2"] == {"nvlink"}
-    assert links["fig11"] == {"nvlink"}
+    assert links["attention_links"] == {"nvlink", "host"} and links["fig11"] == {"nvlink"}
     assert links["moe_host_speedups_h200-x1-host"] == {"host"}
     assert links["moe_kernel_ratio"] == {"local"}
 
