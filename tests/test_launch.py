@@ -158,6 +158,10 @@ def test_one_gpu_measures_the_host_link_with_its_forecast_first(tmp_path, monkey
     monkeypatch.setattr(type(experiment("remote_store")), "derived",
                         lambda self, path, root: [root / "calibration" / "new.parquet"])
     monkeypatch.setattr(type(experiment("moe_kernel")), "derived", lambda self, path, root: [])
+    with pytest.raises(ValueError, match="no moe_kernel record of h200-x1: measure it first"):
+        launch.measure("moe_host", "auto", tmp_path)
+    (tmp_path / "moe_kernel" / "h200-x1").mkdir(parents=True)
+    (tmp_path / "moe_kernel" / "h200-x1" / "20260101T000000Z-a.parquet").touch()
     assert launch.measure("fa_a2a", "auto", tmp_path) == []
     assert launch.measure("remote_store", "auto", tmp_path) == [
         tmp_path / "remote_store" / "new.parquet", tmp_path / "calibration" / "new.parquet"]

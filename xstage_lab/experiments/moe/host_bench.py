@@ -150,10 +150,16 @@ class MoEHost(Experiment):
     def before(self, args: argparse.Namespace, root: Path) -> list[Path]:
         """The forecast this run tests, written first (``host_forecast.write``): from this GPU's
         latest one-GPU kernel record and its host link's latest calibration under ``root``."""
+        from ...loading import record_paths
         from ...platform import LOCAL, platform_name
         from .host_forecast import write
 
-        return [write(platform_name(link=LOCAL), platform_name(link="host"), args.tokens[0], root)]
+        kernel = platform_name(link=LOCAL)
+        if not record_paths("moe_kernel", kernel, root):
+            raise ValueError(f"the host-link forecast reads this GPU's one-GPU kernel record and "
+                             f"{root} has no moe_kernel record of {kernel}: measure it first "
+                             "(python -m xstage_lab run moe_kernel, or --backend cuda)")
+        return [write(kernel, platform_name(link="host"), args.tokens[0], root)]
 
     def sweeps(self, args) -> list[Sweep]:
         """Model and precision outermost (their weights made once), the host share innermost (a
