@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # or the PyTorch CPU index set in pip's configuration). From PyPI on Linux pip takes the multi-GB
 # CUDA build instead; there name the CPU index: make TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
+# reproduce's backend, per experiment and link: auto (live what this machine's links are for),
+# cuda (live what it can run) or replay.
+BACKEND ?= auto
 # JupyterLab refuses to start as root without --allow-root: given where make runs as root.
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
@@ -31,7 +34,7 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n auto --dist loadgroup
 
 reproduce: $(STAMP)
-	$(VENV)/bin/python -m xstage_lab reproduce --backend auto --out out
+	$(VENV)/bin/python -m xstage_lab reproduce --backend $(BACKEND) --out out
 
 # The workbench: JupyterLab on the notebooks (run them top to bottom; `backend` picks live or replay).
 lab: $(STAMP)

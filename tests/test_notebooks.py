@@ -58,13 +58,15 @@ def test_characterization_publishes_fig3_and_table1(reproduced):
     assert {"visibility_clocks", "visibility_h200-x2", "visibility_latency_h200-x2",
             "visibility_first_burst_h200-x2", "visibility_vs_T_complete_h200-x2"} <= names
     index = (reproduced / "index.html").read_text()
-    assert "Table 1" in index and "backend: replay" in index
+    assert "Table 1" in index
+    assert "<li>replayed: remote_store over nvlink, remote_store over host" in index
 
 
 def test_ulysses_attention_publishes_table3_fig11_tuning_and_the_fenced_pairing(reproduced):
     names = {json.loads(line)["name"] for line in
              (reproduced / "02_ulysses_attention" / "manifest.jsonl").read_text().splitlines()}
-    assert {"table3", "fig11", "fa_tuning", "fa_tuning_best"} <= names
+    assert {"table3", "fig11", "fa_tuning", "fa_tuning_best", "attention_links",
+            "attention_links_h200-x2_h200-x1-host"} <= names
     for prefix in ("fa_a2a_headline_", "fig11_predictions_", "fig11_check_",
                    "fa_fenced_vs_decoupled_"):
         assert any(n.startswith(prefix) for n in names), prefix
@@ -190,6 +192,29 @@ def test_replay_shows_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_r
     entry = injection_patterns.summary_entry(rec.params, rec.record_id)
     assert len(tables.patterns_table(entry)) == 56 + 8 + 8 * 7 + 8
     assert plots.patterns_drain_heatmap(entry, "h200-x8").data[0].z.shape == (8, 8)
+
+
+def test_every_figure_names_the_link_and_backend_that_drew_it(reproduced):
+    """Issue 26: each figure's manifest entry names the platforms it was drawn from, each with its
+    link and backend, and the index says them under the figure; the host link's figures (notebook
+    01's Fig. 3 of ``h200-x1-host``, notebook 02's attention model, notebook 03's matrix) name
+    it."""
+    from xstage_lab.runner import drawn_line
+
+    index = (reproduced / "index.html").read_text()
+    links = {}
+    for manifest in reproduced.glob("*/manifest.jsonl"):
+        for e in map(json.loads, manifest.read_text().splitlines()):
+            if e["kind"] != "figure":
+                continue
+            assert e["drawn"], e["name"]
+            assert {d["backend"] for d in e["drawn"]} == {"replay"}, e["name"]
+            links[e["name"]] = {d["link"] for d in e["drawn"]}
+            assert f'<p class="drawn">drawn by {drawn_line(e["drawn"])}</p>' in index, e["name"]
+    assert links["fig3d_h200-x1-host"] == {"host"} and links["fig3d_h200-x2"] == {"nvlink"}
+    assert links["attention_links"] == {"nvlink", "host"} and links["fig11"] == {"nvlink"}
+    assert links["moe_host_speedups_h200-x1-host"] == {"host"}
+    assert links["moe_kernel_ratio"] == {"local"}
 
 
 def test_every_figure_has_a_caption_and_axis_titles_and_the_index_no_long_table(reproduced):

@@ -6,51 +6,76 @@ import pytest
 from xstage_lab.platform import BACKENDS, GPU, BackendChoice, Inventory, choose_backend, platform_name
 
 
-def gpu(i: int, name: str = "NVIDIA H200", sms: int = 132) -> GPU:
+def gpu(i: int, name: str = "NVIDIA H200", sms: int = 132, maps_host: bool = True) -> GPU:
     return GPU(index=i, name=name, sm_count=sms, l2_bytes=60 * 2**20, max_smem_per_sm=233472,
-               max_smem_per_block_optin=232448, compute_capability="9.0")
+               max_smem_per_block_optin=232448, compute_capability="9.0",
+               maps_host_memory=maps_host)
 
 
-def inv(n: int, peer=None, name: str = "NVIDIA H200", error=None) -> Inventory:
+def inv(n: int, peer=None, name: str = "NVIDIA H200", error=None, maps_host: bool = True
+        ) -> Inventory:
     """n GPUs; ``peer`` a set of ordered (src, dst) pairs, or "all"/None (all / none)."""
     if peer == "all":
         peer = {(i, j) for i in range(n) for j in range(n) if i != j}
     peer = peer or set()
-    return Inventory(gpus=tuple(gpu(i, name) for i in range(n)),
+    return Inventory(gpus=tuple(gpu(i, name, maps_host=maps_host) for i in range(n)),
                      peer=tuple(tuple((i, j) in peer for j in range(n)) for i in range(n)),
                      error=error)
 
 
 def test_no_gpus():
     empty = Inventory(error="ImportError: No module named 'cupy'")
-    c = choose_backend("auto", empty)
-    assert isinstance(c, BackendChoice)
-    assert (c.name, c.requested) == ("replay", "auto")
-    assert "0 GPU(s)" in c.reason and "cupy" in c.reason
-    with pytest.raises(RuntimeError, match="two peer-capable"):
-        choose_backend("cuda", empty)
-    assert choose_backend("replay", empty).name == "replay"
+    for link in ("nvlink", "host", "local"):
+        c = choose_backend("auto", empty, link)
+        assert isinstance(c, BackendChoice)
+        assert (c.name, c.requested) == ("replay", "auto")
+        assert "0 GPU(s)" in c.reason and "cupy" in c.reason
+        with pytest.raises(RuntimeError, match="the cuda backend needs a GPU"):
+            choose_backend("cuda", empty, link)
+        assert choose_backend("replay", empty, link).name == "replay"
 
 
 def test_two_peer_gpus_measure_live():
     two = inv(2, "all")
-    c = choose_backend("auto", two)
-    assert (c.name, c.requested) == ("cuda", "auto")
-    assert "2 peer-capable" in c.reason
-    assert choose_backend("cuda", two).name == "cuda"
-    # replay is honoured even where cuda is possible
-    assert choose_backend("replay", two).name == "replay"
+    for link in ("nvlink", "host", "local"):
+        c = choose_backend("auto", two, link)
+        assert (c.name, c.requested) == ("cuda", "auto")
+        assert "2 peer-capable" in c.reason
+        assert choose_backend("cuda", two, link).name == "cuda"
+        # replay is honoured even where cuda is possible
+        assert choose_backend("replay", two, link).name == "replay"
 
 
-def test_two_gpus_without_peer_access_replay():
+def test_one_gpu_measures_the_host_link_live_and_replays_nvlink():
+    """``auto``: the host link live, NVLink and the one-GPU local experiments replayed; ``cuda``:
+    the host link and the local experiments live, NVLink replayed with the reason."""
+    one = inv(1)
+    assert [choose_backend("auto", one, link).name for link in ("nvlink", "host", "local")] == [
+        "replay", "cuda", "replay"]
+    assert [choose_backend("cuda", one, link).name for link in ("nvlink", "host", "local")] == [
+        "replay", "cuda", "cuda"]
+    nvlink = choose_backend("cuda", one, "nvlink")
+    assert nvlink.reason.startswith("the nvlink link needs two peer-capable GPUs; this machine "
+                                    "has 1 GPU(s)")
+    assert "cuda measures them here" in choose_backend("auto", one, "local").reason
+    # a GPU that cannot store into mapped host memory has no host link
+    bare = inv(1, maps_host=False)
+    for requested in ("auto", "cuda"):
+        c = choose_backend(requested, bare, "host")
+        assert c.name == "replay" and "maps pinned host memory" in c.reason
+    with pytest.raises(ValueError, match="link must be one of"):
+        choose_backend("auto", one, "pcie")
+
+
+def test_two_gpus_without_peer_access_replay_nvlink():
     for peer in (None, {(0, 1)}, {(1, 0)}):  # none, or one direction only
         two = inv(2, peer)
         assert two.peer_capable_gpus == 1
-        c = choose_backend("auto", two)
-        assert c.name == "replay"
-        assert "2 GPU(s), 1 peer-capable" in c.reason
-        with pytest.raises(RuntimeError):
-            choose_backend("cuda", two)
+        for requested in ("auto", "cuda"):
+            c = choose_backend(requested, two)
+            assert c.name == "replay"
+            assert "2 GPU(s), 1 peer-capable" in c.reason
+        assert choose_backend("auto", two, "host").name == "cuda"
 
 
 def test_invalid_backend_name():
@@ -62,10 +87,17 @@ def test_invalid_backend_name():
 
 def test_banner_names_the_choice():
     assert choose_backend("auto", inv(4, "all")).banner().startswith(
-        "backend: cuda (requested auto; measuring live on 4 GPU(s), 4 peer-capable")
+        "backend: cuda (requested auto; measuring live over nvlink: 4 GPU(s), 4 peer-capable")
     banner = choose_backend("auto", inv(1)).banner()
     assert banner.startswith("backend: replay (requested auto; ")
     assert "1 GPU(s)" in banner
+
+
+def test_platform_link():
+    from xstage_lab.platform import platform_key, platform_link
+
+    assert platform_link("h200-x1-host") == "host" and platform_link("h200-x2") == "nvlink"
+    assert platform_key("NVIDIA H200", 1, "local") == "h200-x1"
 
 
 def test_platform_name():

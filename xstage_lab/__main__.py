@@ -198,9 +198,12 @@ def _measure_all(args) -> int:
         bad = [n for n in args.only if n not in known]
         if bad:
             raise UsageError(f"--only: invalid choice: {bad} (choose from {' '.join(known)})")
-    _need_gpus()
-    from .launch import measure_all
+    from .launch import measure_all, measure_all_plan
 
+    try:
+        measure_all_plan(args.only)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     for path in measure_all(root=args.root, only=args.only):
         print(f"wrote {path}")
     return 0
@@ -214,7 +217,12 @@ def _reproduce(args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.backend == "cuda":
-        _need_gpus(what="--backend cuda")
+        from .platform import inventory
+
+        inv = inventory()
+        if not inv.gpus:
+            raise UsageError(f"--backend cuda needs a GPU; this machine has none"
+                             + (f" ({inv.error})" if inv.error else ""))
     return reproduce(only=args.only, backend=args.backend, out=args.out)
 
 
@@ -338,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.set_defaults(func=_visibility)
 
-    p = sub.add_parser("measure-all", help="every experiment live on this machine, as records")
+    p = sub.add_parser("measure-all", help="every experiment live on this machine, over every "
+                                           "link it has (one GPU: the host link's), as records")
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.add_argument("--only", nargs="+", metavar="NAME",
                    help="these measurements only, in this order (default: every experiment "
@@ -349,8 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", action="append",
                    help="notebook name, with or without its number (repeatable; default: all)")
     p.add_argument("--backend", choices=("auto", "cuda", "replay"), default="auto",
-                   help="cuda: measure live; replay: the committed records; auto: cuda where "
-                        "two peer-capable GPUs exist (default)")
+                   help="per experiment and link: cuda measures live what this machine can "
+                        "run; replay: the committed records; auto (default): cuda on two "
+                        "peer-capable GPUs, the host link's experiments on one GPU")
     p.add_argument("--out", type=Path, default=Path("out"),
                    help="folder for the executed notebooks and figures (default: out)")
     p.set_defaults(func=_reproduce)

@@ -5,9 +5,11 @@ Links: a remote store leaves the SM for a peer GPU over NVLink (``nvlink``), or 
 memory mapped into the device's address space over PCIe (``host``), a path every GPU has. A
 platform's records of the host link are kept under its own name (``h200-x1-host``).
 
-The backend decides where numbers come from: ``cuda`` measures live on this machine's GPUs,
-``replay`` reads the committed records in ``data/``; ``auto`` takes ``cuda`` where at least two
-peer-capable GPUs exist, otherwise ``replay``.
+The backend decides where an experiment's numbers come from, per experiment and link
+(``choose_backend``): ``cuda`` measures live on this machine's GPUs where they can run it,
+``replay`` reads the committed records in ``data/``; ``auto`` takes ``cuda`` for every experiment
+where two peer-capable GPUs exist, and for the host link's wherever a GPU maps pinned host memory,
+otherwise ``replay``.
 
 Peer memory (``symmetric_buffer``): one flat tensor of torch symmetric memory per rank, and the
 table of its address on every rank that the REMOTE epilogues and Combine stores use.
@@ -38,6 +40,9 @@ if TYPE_CHECKING:
 
 BACKENDS = ("auto", "cuda", "replay")
 LINKS = ("nvlink", "host")
+# An experiment with no link: one GPU storing into its own memory (its records are the GPU's
+# platform, ``h200-x1``).
+LOCAL = "local"
 # NVLink multicast stays off: on shared machines a program that uses it can take the host's GPUs
 # out of service. Every multi-process run sets these and refuses other values.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -56,6 +61,8 @@ class GPU:
     max_smem_per_sm: int
     max_smem_per_block_optin: int
     compute_capability: str
+    # Stores into pinned host memory (unified addressing and mapped host memory): the host link.
+    maps_host_memory: bool = True
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,8 @@ def inventory() -> Inventory:
                         sm_count=p["multiProcessorCount"], l2_bytes=p["l2CacheSize"],
                         max_smem_per_sm=p["sharedMemPerMultiprocessor"],
                         max_smem_per_block_optin=p["sharedMemPerBlockOptin"],
-                        compute_capability=f"{p['major']}.{p['minor']}"))
+                        compute_capability=f"{p['major']}.{p['minor']}",
+                        maps_host_memory=bool(p["unifiedAddressing"] and p["canMapHostMemory"])))
     peer = tuple(tuple(i != j and bool(rt.deviceCanAccessPeer(i, j)) for j in range(n))
                  for i in range(n))
     return Inventory(gpus=tuple(gpus), peer=peer,
@@ -317,20 +325,61 @@ class BackendChoice:
         return f"backend: {self.name} (requested {self.requested}; {self.reason})"
 
 
-def choose_backend(requested: str = "auto", inv: Inventory | None = None) -> BackendChoice:
-    """Resolve ``auto`` to ``cuda`` where two or more peer-capable GPUs exist, else ``replay``."""
+def _seen(inv: Inventory) -> str:
+    return (f"{len(inv.gpus)} GPU(s), {inv.peer_capable_gpus} peer-capable"
+            + (f"; {inv.error}" if inv.error else ""))
+
+
+def link_problem(link: str, inv: Inventory | None = None) -> str | None:
+    """Why this machine cannot run an experiment over ``link`` (None: it can): ``nvlink`` needs
+    two peer-capable GPUs, ``host`` a GPU that maps pinned host memory (``mapped_host_buffer``
+    then checks each buffer's address, ``check_mapped_host``), ``local`` a GPU."""
+    if link not in (*LINKS, LOCAL):
+        raise ValueError(f"link must be one of {(*LINKS, LOCAL)}, got {link!r}")
+    inv = inventory() if inv is None else inv
+    if link == "nvlink" and inv.peer_capable_gpus < 2:
+        return f"the nvlink link needs two peer-capable GPUs; this machine has {_seen(inv)}"
+    if link == "host" and not any(g.maps_host_memory for g in inv.gpus):
+        return (f"the host link needs a GPU that maps pinned host memory; this machine has "
+                f"{_seen(inv)}")
+    if link == LOCAL and not inv.gpus:
+        return f"a one-GPU experiment needs a GPU; this machine has {_seen(inv)}"
+    return None
+
+
+def choose_backend(requested: str = "auto", inv: Inventory | None = None,
+                   link: str = "nvlink") -> BackendChoice:
+    """The backend of an experiment over ``link`` (``LINKS``, or ``LOCAL``).
+
+    ``auto``: ``cuda`` where this machine can run it and has two peer-capable GPUs (an NVLink node
+    measures every experiment), or where the link is the host's and a GPU maps host memory (the
+    one remote path a lone GPU has); else ``replay``, the one-GPU local experiments included.
+    ``cuda``: ``cuda`` wherever this machine can run it; else ``replay``, the reason saying what
+    it lacks; a ``RuntimeError`` where it has no GPU at all."""
     if requested not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
     inv = inventory() if inv is None else inv
-    n_peer = inv.peer_capable_gpus
-    seen = f"{len(inv.gpus)} GPU(s), {n_peer} peer-capable" + (f"; {inv.error}" if inv.error else "")
+    problem = link_problem(link, inv)
     if requested == "replay":
-        return BackendChoice("replay", requested, f"committed records; {seen}")
-    if n_peer >= 2:
-        return BackendChoice("cuda", requested, f"measuring live on {seen}")
-    if requested == "cuda":
-        raise RuntimeError(f"the cuda backend needs two peer-capable GPUs; this machine has {seen}")
-    return BackendChoice("replay", requested, f"no two peer-capable GPUs ({seen}): committed records")
+        return BackendChoice("replay", requested, f"committed records; {_seen(inv)}")
+    if not inv.gpus:
+        if requested == "cuda":
+            raise RuntimeError(f"the cuda backend needs a GPU; this machine has {_seen(inv)}")
+        return BackendChoice("replay", requested, f"no GPU ({_seen(inv)}): committed records")
+    if problem is not None:
+        return BackendChoice("replay", requested, f"{problem}: committed records")
+    if requested == "cuda" or link == "host" or inv.peer_capable_gpus >= 2:
+        where = "on one GPU, no link" if link == LOCAL else f"over {link}"
+        return BackendChoice("cuda", requested, f"measuring live {where}: {_seen(inv)}")
+    return BackendChoice("replay", requested,
+                         f"no two peer-capable GPUs ({_seen(inv)}): auto measures the one-GPU "
+                         f"experiments on an NVLink node only (cuda measures them here): "
+                         f"committed records")
+
+
+def platform_link(platform: str) -> str:
+    """The link whose records ``platform`` holds: ``host`` for ``<gpu>-host``, else ``nvlink``."""
+    return "host" if platform.endswith("-host") else "nvlink"
 
 
 def platform_name(inv: Inventory | None = None, link: str = "nvlink") -> str:
@@ -343,12 +392,13 @@ def platform_name(inv: Inventory | None = None, link: str = "nvlink") -> str:
 
 
 def platform_key(gpu_name: str, gpu_count: int, link: str = "nvlink") -> str:
-    """``h200-x2``; the host link's records are a platform of their own, ``h200-x1-host``."""
-    if link not in LINKS:
-        raise ValueError(f"link must be one of {LINKS}, got {link!r}")
+    """``h200-x2``; the host link's records are a platform of their own, ``h200-x1-host``; a
+    local experiment's are the GPUs' (``h200-x1``)."""
+    if link not in (*LINKS, LOCAL):
+        raise ValueError(f"link must be one of {(*LINKS, LOCAL)}, got {link!r}")
     model = re.sub(r"^nvidia\s+", "", gpu_name.strip(), flags=re.I)
     slug = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
-    return f"{slug}-x{gpu_count}" + ("" if link == "nvlink" else f"-{link}")
+    return f"{slug}-x{gpu_count}" + ("-host" if link == "host" else "")
 
 
 def _version(dist: str) -> str | None:

@@ -26,15 +26,19 @@ def notebooks(only: list[str] | None = None) -> list[Path]:
 
 
 def reproduce(only: list[str] | None = None, backend: str = "auto", out: Path = Path("out")) -> int:
-    """Execute the notebooks into ``out``; returns 0, or 1 after the first failing notebook (its
-    failing cell printed)."""
+    """Execute the notebooks into ``out`` with ``backend``, which each experiment they measure
+    resolves per link (``launch.plan``, printed first and stated in the index); returns 0, or 1
+    after the first failing notebook (its failing cell printed)."""
     import papermill as pm
 
-    from .platform import choose_backend
+    from .launch import plan, plan_lines
     from .plots.publish import ship_plotlyjs
 
-    choice = choose_backend(backend)
-    print(choice.banner())
+    steps = plan(backend)
+    for line in plan_lines(steps):
+        print(line)
+    # Where no experiment is measured live the notebooks replay without asking the GPUs again.
+    given = backend if any(s.live for s in steps) else "replay"
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ship_plotlyjs(out)  # once for every figure page: they load it by relative path, offline
@@ -48,18 +52,18 @@ def reproduce(only: list[str] | None = None, backend: str = "auto", out: Path = 
             # Written once, when it ends or fails (papermill's default rewrites the whole notebook,
             # figures' JSON included, before and after every cell: most of a replay's time).
             pm.execute_notebook(str(nb), str(out / nb.name), cwd=str(NOTEBOOKS_DIR),
-                                parameters={"backend": choice.name, "out_dir": str(fig_dir.resolve())},
+                                parameters={"backend": given, "out_dir": str(fig_dir.resolve())},
                                 progress_bar=False, kernel_name="python3",
                                 request_save_on_cell_execute=False)
         except pm.PapermillExecutionError as e:
             print(f"\n{nb.name} failed in cell {e.exec_count}:\n{e.source}\n{e.ename}: {e.evalue}",
                   file=sys.stderr)
-            _write_index(out, done, choice.banner(), seconds)
+            _write_index(out, done, steps, seconds)
             return 1
         done.append(nb)
         seconds[nb] = time.monotonic() - started
         print(f"{nb.name}: {seconds[nb]:.0f} s")
-    index = _write_index(out, done, choice.banner(), seconds)
+    index = _write_index(out, done, steps, seconds)
     for line in _no_image_lines(out, done):
         print(line)
     print(f"wrote {index}")
@@ -95,11 +99,33 @@ def _figure_html(nb: Path, e: dict) -> str:
 INDEX_TABLE_ROWS = 60
 
 
-def _write_index(out: Path, done: list[Path], banner: str, seconds: dict[Path, float]) -> Path:
-    """``out/index.html``: every figure as a picture with its caption, every table up to
-    ``INDEX_TABLE_ROWS`` rows (the paper's values beside this platform's), links to the files;
-    nothing in it loads from the network; how long each notebook ran (``seconds``)."""
-    parts = [f"<h1>xstage_lab: reproduced figures and tables</h1><p>{html.escape(banner)}</p>"]
+LINK_WORDS = {"nvlink": "NVLink", "host": "host link", "local": "one GPU, no link"}
+
+
+def drawn_line(drawn: list[dict]) -> str:
+    """Which link and backend drew a figure: its sources (``Loaded.drawn``) grouped by link and
+    backend, e.g. ``host link, measured live (cuda): h200-x1-host; NVLink, replayed: h200-x2``."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for d in drawn:
+        groups.setdefault((d["link"], d["backend"]), []).append(d["platform"])
+    return "; ".join(f"{LINK_WORDS.get(link, link)}, "
+                     f"{'measured live (cuda)' if backend == 'cuda' else 'replayed'}: "
+                     f"{', '.join(dict.fromkeys(names))}" for (link, backend), names in groups.items())
+
+
+def _write_index(out: Path, done: list[Path], steps: list, seconds: dict[Path, float]) -> Path:
+    """``out/index.html``: what was measured live and what replayed (``steps``, the
+    ``launch.plan``), every figure as a picture with its caption and the link and backend that
+    drew it, every table up to ``INDEX_TABLE_ROWS`` rows (the paper's values beside this
+    platform's), links to the files; nothing in it loads from the network; how long each notebook
+    ran (``seconds``)."""
+    from .launch import plan_lines
+
+    lines = "".join(f"<li>{html.escape(line)}</li>" for line in plan_lines(steps))
+    requested = html.escape(steps[0].choice.requested) if steps else "replay"
+    parts = ["<h1>xstage_lab: reproduced figures and tables</h1>",
+             f"<p>Backend {requested}: per experiment and link, what the notebooks measure live "
+             f"on this machine and what they replay.</p><ul>{lines}</ul>"]
     for line in _no_image_lines(out, done):
         parts.append(f'<p class="note">{html.escape(line)}. The figures below are shown as '
                      f'interactive frames instead of pictures.</p>')
@@ -109,7 +135,10 @@ def _write_index(out: Path, done: list[Path], banner: str, seconds: dict[Path, f
         for e in _entries(out, nb):
             links = " · ".join(f'<a href="{nb.stem}/{f}">{f}</a>' for f in e["files"])
             if e["kind"] == "figure":
-                parts.append(f"<h3>{html.escape(e['title'])}</h3>{_figure_html(nb, e)}<p>{links}</p>")
+                drawn = drawn_line(e.get("drawn", []))
+                drawn = f"drawn by {drawn}" if drawn else "drawn from no record"
+                parts.append(f"<h3>{html.escape(e['title'])}</h3>{_figure_html(nb, e)}"
+                             f'<p class="drawn">{html.escape(drawn)}</p><p>{links}</p>')
             else:
                 long = e.get("rows", 0) > INDEX_TABLE_ROWS
                 body = (f"<p>{e['rows']} rows: in the files above, not shown here.</p>" if long
@@ -123,5 +152,6 @@ def _write_index(out: Path, done: list[Path], banner: str, seconds: dict[Path, f
                      "figure{margin:0}figure img{max-width:100%;height:auto}"
                      "figure iframe{width:100%;height:620px;border:0}"
                      "figcaption{color:#444;font-size:90%}.note{background:#fff3cd;padding:4px 8px}"
+                     ".drawn{font-size:90%;color:#225}"
                      "</style>" + "\n".join(parts))
     return index

@@ -7,7 +7,6 @@ from tests.experiments.remote_store.test_characterization import fake_machine
 from xstage_lab import launch, load
 from xstage_lab.__main__ import main
 from xstage_lab.experiments import EXPERIMENTS, is_optional, measure_all_names
-from xstage_lab.platform import BackendChoice
 
 
 @pytest.fixture
@@ -30,8 +29,9 @@ def test_a_registered_experiment_runs_is_measured_by_measure_all_loads_and_summa
 
     assert measure_all_names()[-1] == "toy" and is_optional("toy")
     assert len(load("toy", backend="replay", root=tmp_path / "none")) == 0  # optional
-    monkeypatch.setattr("xstage_lab.platform.choose_backend",
-                        lambda requested: BackendChoice("cuda", requested, "test"))
+    from tests.test_platform import inv
+
+    monkeypatch.setattr("xstage_lab.platform.inventory", lambda: inv(1))  # one GPU: its own
     root = tmp_path / "measure-all"
     [path] = launch.measure_all(root=root, only=["toy"])
     [loaded] = load("toy", backend="replay", root=root)

@@ -24,6 +24,7 @@ class Toy(harness.Experiment):
     launch = "in_process"
     in_measure_all = True
     optional = True
+    links = ("local",)  # one GPU, no link: measure-all runs it on the one GPU of the test
 
     def add_arguments(self, p) -> None:
         p.add_argument("--points", type=int, default=3, help="points to measure")

@@ -6,9 +6,10 @@ what is read of their records is ``analysis``.
 The registry: ``EXPERIMENTS`` names each experiment by the record it writes and where it is
 (``"module:attribute"``), in ``measure-all``'s order. It is the one place an experiment is
 registered; everything else is read from the ``Experiment`` itself (``in_measure_all``,
-``measure_all_args``, ``optional``, ``analyse``, ``resolution``, its options) and derived here:
-``measure_all_names``, ``is_optional``, ``resolution``. ``experiment`` imports one (its module may
-pull in torch or CuPy, so nothing here is imported before it is asked for)."""
+``measure_all_args``, ``optional``, ``links``, ``analyse``, ``resolution``, its options) and
+derived here: ``measure_all_names``, ``is_optional``, ``links``, ``resolution``. ``experiment``
+imports one (its module may pull in torch or CuPy, so nothing here is imported before it is asked
+for)."""
 from __future__ import annotations
 
 import importlib
@@ -60,6 +61,13 @@ def is_optional(name: str) -> bool:
     """Whether a notebook shows ``name`` only where it has records (``Experiment.optional``);
     records that no experiment writes (a calibration, a forecast) are not optional."""
     return name in EXPERIMENTS and experiment(name).optional
+
+
+def links(name: str) -> tuple[str, ...]:
+    """What experiment ``name`` needs of the machine: the links it measures over
+    (``Experiment.links``; ``platform.link_problem`` says what each asks). Records that no
+    experiment writes (a calibration, a forecast) have none: they are computed, never measured."""
+    return experiment(name).links if name in EXPERIMENTS else ()
 
 
 def resolution(name: str) -> dict[str, float]:

@@ -18,8 +18,12 @@ An experiment (a subclass of ``Experiment``) declares:
 - ``analyse``: what the notebooks and the summary read of one of its records (``loading.load``;
   ``analyse_platform`` where a view reads every record of a platform);
 - ``in_measure_all``, ``measure_all_args``, ``optional``: whether ``measure-all`` runs it and
-  with which options, and whether a notebook shows it only where it exists. The registry
-  (``experiments.__init__``) derives every list of experiments from these.
+  with which options, and whether a notebook shows it only where it exists; ``links``: what it
+  needs of the machine (the links its remote stores take: ``nvlink``, two peer-capable GPUs;
+  ``host``, one GPU; ``local``, none: one GPU), from which ``platform.choose_backend`` picks its
+  backend per link, and ``link_args``, the options of a live run over one; ``before``: records a
+  live run writes first (the forecast it tests). The registry (``experiments.__init__``) derives
+  every list of experiments from these.
 
 ``start`` makes run-wide state once the rank has started; ``sm_clock_mhz`` reads the clock the
 header keeps before the first point and after the last (``sm_clock_unread``: per rank, why a
@@ -119,17 +123,31 @@ class Experiment:
         calibration, a forecast), written under ``root`` by ``measure-all``."""
         return []
 
+    def before(self, args: argparse.Namespace, root: Path) -> list[Path]:
+        """Records computed on the CPU that a live run with ``args`` reads and that must exist
+        before it (the forecast it tests), written under ``root`` by ``launch`` first (for an
+        experiment run in process)."""
+        return []
+
     # --- what the registry derives from (``experiments.__init__``) ------------------------------
     # ``measure-all`` runs the experiment (in registry order) where this is set.
     in_measure_all: ClassVar[bool] = False
     # A notebook shows it where it exists: with no record ``load`` gives an empty ``Loaded``.
     optional: ClassVar[bool] = False
+    # The links it measures over (``platform.LINKS``, or ``("local",)``: one GPU, no link); one
+    # with several takes ``--link``, and ``launch`` runs it once per link the backend measures.
+    links: ClassVar[tuple[str, ...]] = ("nvlink",)
 
     def measure_all_args(self, written: dict[str, Path], root: Path) -> list[str]:
         """The options ``measure-all`` (and a notebook's live run, ``launch.measure``) pass it:
         ``written`` holds the records this run wrote so far, by experiment; ``root`` the records
         root (default: none)."""
         return []
+
+    def link_args(self, link: str) -> list[str]:
+        """The options beside ``measure_all_args`` of a live run over ``link`` (default:
+        ``--link`` where it has several links)."""
+        return ["--link", link] if len(self.links) > 1 else []
 
     @classmethod
     def analyse(cls, record, root: Path):

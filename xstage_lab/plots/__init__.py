@@ -4,7 +4,7 @@ rows the experiment modules compute from them; ``publish`` is where they are wri
 re-exported here, so that notebooks call ``plots.<name>``."""
 from .attention import (FA_KERNEL_LABELS, attention_epilogue_spans, fa_a2a_times, fa_kernel,
                         fa_label, fig11_residual, table3_comparison)
-from .host_link import moe_host_speedups
+from .host_link import attention_links, moe_host_speedups
 from .moe import (MOE_KERNEL_COLUMNS, moe_call_overhead, moe_d_sweep, moe_d_sweep_rows,
                   moe_forecast_table, moe_headline, moe_kernel_cells, moe_kernel_ratio,
                   moe_knee_sweep, moe_span_distributions, moe_speedups, moe_table2,

@@ -162,10 +162,21 @@ def show(fig: go.Figure, png: bytes | None = _DRAW) -> None:
               "browser.")
 
 
-def publish(fig: go.Figure, name: str, out_dir: Path | str | None, caption: str = "") -> None:
+def _sources(drawn) -> list[dict]:
+    """``drawn`` as a list of ``Loaded.drawn`` entries: a ``Loaded`` stands for all its views,
+    a list may mix ``Loaded``s and entries."""
+    items = [drawn] if hasattr(drawn, "drawn") else list(drawn)
+    entries = [e for item in items for e in (item.drawn() if hasattr(item, "drawn") else [item])]
+    return [dict(t) for t in dict.fromkeys(tuple(e.items()) for e in entries)]
+
+
+def publish(fig: go.Figure, name: str, out_dir: Path | str | None, caption: str = "",
+            drawn=()) -> None:
     """Show ``fig`` (``show``); with ``out_dir``, also write ``name``.html, which loads plotly.js
     from the output folder (``PLOTLYJS``) and so opens offline, and ``name``.png where an image
-    engine exists, and list them in the manifest (``no_image``: why there is no PNG)."""
+    engine exists, and list them in the manifest (``no_image``: why there is no PNG) with what
+    drew it (``drawn``: the ``Loaded`` it was drawn from, or ``Loaded.drawn`` entries: platform,
+    link and backend, which the index states)."""
     png = static_image(fig)
     show(fig, png)
     if out_dir is None:
@@ -175,7 +186,7 @@ def publish(fig: go.Figure, name: str, out_dir: Path | str | None, caption: str 
     fig.write_html(out / f"{name}.html", include_plotlyjs=_plotlyjs_src(out), include_mathjax=False)
     files = [f"{name}.html"]
     entry = {"kind": "figure", "name": name, "title": fig.layout.title.text or name,
-             "caption": caption, "untitled_axes": untitled_axes(fig)}
+             "caption": caption, "untitled_axes": untitled_axes(fig), "drawn": _sources(drawn)}
     if png is not None:
         (out / f"{name}.png").write_bytes(png)
         files.append(f"{name}.png")

@@ -249,3 +249,47 @@ def fenced(records) -> Prose:
             text += "\n\nThe earlier records of this platform:\n\n" + "\n".join(lines)
         out.append(text)
     return Prose(*out)
+
+
+def _verdicts(actions: pd.Series, ms: pd.Series) -> str:
+    """The design test's action at every M, or per action where they differ."""
+    if actions.nunique() == 1:
+        return f"{actions.iloc[0]} at every M"
+    return "; ".join(f"{a} at M = {_ms(ms[actions == a])}" for a in sorted(actions.unique()))
+
+
+def _mx(t: pd.DataFrame, link: str) -> str:
+    """A link's M_X as the model used it for the aligned wave: T_iss⁰, R and Q(K)."""
+    return (f"T_iss⁰ = {span(t[f'{link}_t_iss0_us'], '.2f')} µs, R = "
+            f"{val(t[f'{link}_drain_rate_GBps'].iloc[0], '.1f')} GB/s, Q = "
+            f"{span(t[f'{link}_capacity_bytes'] / 2**20, '.2f')} MiB")
+
+
+def host_link(records, host_links, by_link: dict) -> Prose:
+    """The attention model on the host link's M_X beside NVLink's (``by_link``:
+    ``attention_model.host_link_comparisons``), saying that no attention run stored its output
+    over the host link."""
+    if not by_link:
+        return Prose("No host-link calibration is among the records: the attention model is not "
+                     "drawn on the host link here.")
+    fa = {r.platform: r for r in records}
+    host = {c.record.platform: c.record for c in host_links}
+    out = ["No attention run has stored its output over the host link: the records hold no "
+           "host-link attention measurement, so what follows is the model alone, on the FA-only "
+           "times measured with NVLink."]
+    for (platform, host_platform), t in by_link.items():
+        pct = {f"{link}_{m}": t[f"{link}_{m}_us"] / t["fa_us"] * 100
+               for link in ("nvlink", "host") for m in ("e_drain", "e_cc")}
+        out.append(
+            f"{rec(fa[platform])} ({platform}, Q-loop gaps of {span(t['g_qloop_us'], '.0f')} µs) "
+            f"on the host link's M_X ({rec(host[host_platform])}: {_mx(t, 'host')}) against its "
+            f"NVLink M_X ({_mx(t, 'nvlink')}): the recovery gap G* is "
+            f"{span(t['host_g_star_us'], '.1f')} µs against {span(t['nvlink_g_star_us'], '.1f')} "
+            f"µs, and the design test says {_verdicts(t['host_action'], t['M'])} on the host "
+            f"link, {_verdicts(t['nvlink_action'], t['M'])} on NVLink. The predicted X-Stage "
+            f"residual (eqs. 18–19) is {span(pct['host_e_drain'], '.1f')}% of T_FA on the host "
+            f"link against {span(pct['nvlink_e_drain'], '.1f')}% on NVLink; the "
+            f"completion-coupled one (eq. 17, T_lat = {val(t['host_t_lat_us'].iloc[0], '.2f')} µs "
+            f"and {val(t['nvlink_t_lat_us'].iloc[0], '.2f')} µs) "
+            f"{span(pct['host_e_cc'], '.1f')}% against {span(pct['nvlink_e_cc'], '.1f')}%.")
+    return Prose(*out)

@@ -282,3 +282,27 @@ def test_verdict_agreement_needs_a_p25_above_zero_for_reshape():
     assert v["tolerance_us"].tolist() == pytest.approx([12.0, 215.0, 30.0, 7.0])
     assert v["agrees"].tolist() == ["yes", "no", "no", "yes"]
     assert "excess_us" not in p  # the predictions are not modified
+
+
+def test_the_model_on_another_link_keeps_the_fa_times_and_takes_that_link_s_m_x():
+    """Issue 26: ``link_comparison`` sets the host link's M_X beside NVLink's for the same FA-only
+    times: each link's columns are ``residual_predictions`` on its calibration (R and Q beside),
+    and nothing measured is carried over to the host link."""
+    from xstage_lab import load
+    from xstage_lab.analysis.attention.model import (host_link_comparisons, link_comparison,
+                                                     link_predictions)
+    from xstage_lab.prose.attention import host_link
+
+    [record] = load("fa_a2a", "h200-x2", "replay")
+    nvlink = latest_calibration("h200-x2")
+    host = latest_calibration("h200-x1-host")
+    table = link_comparison(record, {"nvlink": nvlink, "host": host})
+    assert table["fa_us"].tolist() == record.table["fa_us"].tolist()
+    assert (table["host_drain_rate_GBps"] == host.drain_rate_GBps).all()
+    assert (table["nvlink_drain_rate_GBps"] == nvlink.drain_rate_GBps).all()
+    assert (table["host_capacity_bytes"]
+            == host.platform_model().capacity_at(int(table["producers"].iloc[0]))).all()
+    alone = link_predictions(record, host)
+    assert "e_res_us" not in alone and table["host_e_cc_us"].tolist() == alone["e_cc_us"].tolist()
+    assert list(host_link_comparisons([record], [host])) == [("h200-x2", "h200-x1-host")]
+    assert str(host_link([record], [], {})).startswith("No host-link calibration is among")

@@ -58,14 +58,59 @@ def residual_predictions(table: pd.DataFrame, cal: Calibration, block_m: int, bl
 
 
 
+def _record_predictions(record, cal: Calibration) -> pd.DataFrame:
+    """``residual_predictions`` of an ``fa_a2a`` record's FA-only times with its kernel
+    configuration and SM count, on ``cal``."""
+    cfg, sm_count = record.params["config"], record.provenance["gpus"][0]["sm_count"]
+    return residual_predictions(record.table, cal, cfg["BLOCK_M"], cfg["BLOCK_N"],
+                                sm_count * cfg["ctas_per_sm"])
+
+
+def link_predictions(record, cal: Calibration) -> pd.DataFrame:
+    """The model alone for an ``fa_a2a`` record's measured FA-only times on the M_X of ``cal``,
+    any link's (the host link's, where no attention run stored its output): the predictions of
+    ``residual_predictions`` with the M_X they used, R and Q(K) beside T_iss⁰, and no measured
+    residual."""
+    out = _record_predictions(record, cal).drop(columns="e_res_us")
+    platform = cal.platform_model()
+    out.insert(5, "drain_rate_GBps", cal.drain_rate_GBps)
+    out.insert(6, "capacity_bytes", [platform.capacity_at(k) for k in out["producers"]])
+    return out
+
+
+# What ``link_comparison`` keeps of each link's ``link_predictions``.
+LINK_COLUMNS = ("t_iss0_us", "drain_rate_GBps", "capacity_bytes", "g_star_us", "rate_bound",
+                "capacity_bound", "action", "e_drain_us", "e_cc_us", "t_lat_us")
+
+
+def link_comparison(record, cals: dict) -> pd.DataFrame:
+    """Per M of an ``fa_a2a`` record: its FA-only time, Q-loop gap and aligned burst, and per
+    link (``cals``: link -> calibration) the M_X, G*, design test and predicted residuals of
+    ``link_predictions``, each column prefixed with its link."""
+    tables = {link: link_predictions(record, cal) for link, cal in cals.items()}
+    out = next(iter(tables.values()))[["M", "fa_us", "g_qloop_us", "producers", "burst_volume"]]
+    for link, table in tables.items():
+        out = out.join(table[list(LINK_COLUMNS)].add_prefix(f"{link}_"))
+    return out
+
+
+def host_link_comparisons(records, host_cals) -> dict[tuple[str, str], pd.DataFrame]:
+    """``link_comparison`` of each ``fa_a2a`` record on its own platform's M_X (``nvlink``) and
+    on each host-link calibration of ``host_cals`` (``host``), by (record's platform, host-link
+    platform)."""
+    from ..remote_store.characterization import latest_calibration
+
+    return {(r.platform, h.platform): link_comparison(r, {"nvlink": latest_calibration(r.platform),
+                                                          "host": h})
+            for r in records for h in host_cals}
+
+
 def record_predictions(record) -> pd.DataFrame:
     """``residual_predictions`` for an ``fa_a2a`` record: its kernel configuration and SM count,
     its platform's latest calibration, and the measured same-code residual beside."""
     from ..remote_store.characterization import latest_calibration
 
-    cfg, sm_count = record.params["config"], record.provenance["gpus"][0]["sm_count"]
-    out = residual_predictions(record.table, latest_calibration(record.platform), cfg["BLOCK_M"],
-                               cfg["BLOCK_N"], sm_count * cfg["ctas_per_sm"])
+    out = _record_predictions(record, latest_calibration(record.platform))
     if "e_res_same_code_us" in record.table:
         out["e_res_same_code_us"] = record.table["e_res_same_code_us"].to_numpy()
     return out.merge(paired_residuals(record), on="M")

@@ -266,6 +266,7 @@ class FaTuning(Experiment):
     name = "fa_tuning"
     paper = "issue 3: FA-only configurations against cuDNN on one GPU; timing §5.1"
     launch = "in_process"
+    links = ("local",)  # one GPU, its own memory
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--fa-only", action="store_true",

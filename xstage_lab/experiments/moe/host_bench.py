@@ -95,6 +95,8 @@ class MoEHost(Experiment):
     paper = "§4.2, §5.2, Table 2, Figs. 8-10 on the host link; issue 26 item 2"
     launch = "in_process"
     optional = True  # a platform without a host-link run shows nothing of it
+    in_measure_all = True
+    links = ("host",)
 
     @classmethod
     def analyse(cls, record, root: Path) -> HostView:
@@ -137,6 +139,27 @@ class MoEHost(Experiment):
                              "source ranks")
         if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1 or a.warmup < 0:
             raise ValueError("--tokens, --trials and --graph-iters must be >= 1, --warmup >= 0")
+        if len(a.tokens) != 1:
+            raise ValueError(f"--tokens {a.tokens}: one token count per run, the one its "
+                             "forecast (a moe_host_forecast record) covers")
+
+    def measure_all_args(self, written, root) -> list[str]:
+        """The settings of the committed run (its two chunks ran 201 s and 180 s on one H200)."""
+        return ["--warmup", "1", "--graph-iters", "3"]
+
+    def before(self, args: argparse.Namespace, root: Path) -> list[Path]:
+        """The forecast this run tests, written first (``host_forecast.write``): from this GPU's
+        latest one-GPU kernel record and its host link's latest calibration under ``root``."""
+        from ...loading import record_paths
+        from ...platform import LOCAL, platform_name
+        from .host_forecast import write
+
+        kernel = platform_name(link=LOCAL)
+        if not record_paths("moe_kernel", kernel, root):
+            raise ValueError(f"the host-link forecast reads this GPU's one-GPU kernel record and "
+                             f"{root} has no moe_kernel record of {kernel}: measure it first "
+                             "(python -m xstage_lab run moe_kernel, or --backend cuda)")
+        return [write(kernel, platform_name(link="host"), args.tokens[0], root)]
 
     def sweeps(self, args) -> list[Sweep]:
         """Model and precision outermost (their weights made once), the host share innermost (a

@@ -107,6 +107,7 @@ class MoEKernel(Experiment):
     in_measure_all = True
     paper = "§4.2, §5.2; issue 18 items 2-4; timing §5.1"
     launch = "in_process"
+    links = ("local",)  # one GPU, its own memory
 
     def __init__(self, device=None):
         self.device = device  # None: this process's CUDA GPU, checked to run --kernel

@@ -332,6 +332,7 @@ class MoELayer(Experiment):
     name = "moe_layer"
     paper = "§4.2, §5.2; issue 27"
     launch = "in_process"
+    links = ("local",)  # one GPU, its own memory
 
     @classmethod
     def analyse(cls, record, root: Path) -> LayerView:

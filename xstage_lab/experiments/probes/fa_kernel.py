@@ -171,6 +171,7 @@ class KernelVersions(Experiment):
     name = "fa_kernel_probe"
     paper = "§5.2 attention kernel (versions compared in one run)"
     launch = "in_process"
+    links = ("local",)  # one GPU, its own memory
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--variant", action="append", default=[], metavar="NAME=FILE.py",

@@ -54,6 +54,7 @@ class IssueTimeProbe(Experiment):
     name = "issue_time_probe"
     paper = "T_iss⁰ (§3.1): spent on the issuing SM"
     launch = "in_process"
+    links = ("local",)  # one GPU, its own memory
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="rounds of every point")

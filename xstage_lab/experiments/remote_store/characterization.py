@@ -150,6 +150,7 @@ class BurstGapCharacterization(Experiment):
     paper = "§3, Fig. 3"
     launch = "in_process"
     resolution = BURST_RESOLUTION
+    links = ("nvlink", "host")
 
     def add_arguments(self, p) -> None:
         p.add_argument("--link", default="nvlink",
@@ -224,6 +225,11 @@ class BurstGapCharacterization(Experiment):
         if host:
             facts |= {"host_memory": self.bench.host.numa, "copy_engine_d2h": self.copy_engine}
         return facts
+
+    def link_args(self, link: str) -> list[str]:
+        """The host link with the repeats of its committed calibration (7: its sweeps ran for
+        241 s on one H200); NVLink with the default."""
+        return ["--link", link, *(["--repeats", "7"] if link == "host" else [])]
 
     def record_name(self, args) -> str:
         """``remote_store`` where the run holds every sweep of ``CALIBRATION_SWEEPS``, else

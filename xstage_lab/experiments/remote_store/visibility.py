@@ -37,7 +37,7 @@ from ...analysis.remote_store.visibility import (Visibility, add_latency, alignm
                                                  timer_resolution)
 from ...ops.remote_store.burst import check_gpus
 from ...ops.remote_store.visibility import KIB, VisibilityBench, VisibilitySettings
-from ...platform import choose_backend, inventory
+from ...platform import inventory, link_problem
 from ...records import RECORDS_DIR
 from ...sweep import Axis, Sweep
 from .. import harness
@@ -80,7 +80,9 @@ class VisibilityLatency(Experiment):
 
     def sweeps(self, args) -> list[Sweep]:
         self.inv = inventory()
-        choose_backend("cuda", self.inv)  # raises without two peer-capable GPUs
+        problem = link_problem("nvlink", self.inv)
+        if problem is not None:
+            raise RuntimeError(problem)
         check_gpus(args.src, args.dst, self.inv)
         gpus = self.inv.gpus
         return [visibility_sweep(min(gpus[args.src].sm_count, gpus[args.dst].sm_count),
