@@ -100,6 +100,31 @@ def moe_kernel_ratio(kernel_records) -> go.Figure:
     return fig
 
 
+def moe_layer_speedups(layer_view) -> go.Figure:
+    """The fused layer's speedup over the unfused torch path per call (``moe_layer``), graphed
+    (filled) and eager (open), against tokens, one panel per setting, one colour per model and
+    precision."""
+    t = layer_view.table
+    settings = sorted(t["setting"].unique())
+    fig = make_subplots(rows=1, cols=len(settings), subplot_titles=settings, shared_yaxes=True)
+    for i, ((model, precision), g) in enumerate(t.groupby(["model", "precision"], sort=True)):
+        colour = COLORS[i % len(COLORS)]
+        for j, setting in enumerate(settings):
+            cells = g[g["setting"] == setting].sort_values("tokens")
+            for path, symbol in (("graph", "circle"), ("eager", "circle-open")):
+                fig.add_scatter(x=cells["tokens"], y=cells[f"unfused_{path}_us"]
+                                / cells[f"fused_{path}_us"], mode="lines+markers",
+                                marker=dict(color=colour, symbol=symbol), line=dict(color=colour),
+                                name=f"{model} {precision}, {path}",
+                                legendgroup=f"{model} {precision}", showlegend=j == 0,
+                                row=1, col=j + 1)
+    fig.add_hline(y=1.0, line_dash="dot")
+    fig.update_xaxes(type="log", title_text="tokens per call (per source rank for ep8_rank)")
+    fig.update_yaxes(title_text="unfused time / fused time", row=1, col=1)
+    fig.update_layout(title=f"The fused layer against the unfused torch path, {layer_view.platform}")
+    return fig
+
+
 def moe_call_overhead(kernel_record) -> pd.DataFrame:
     """The one-token call of a ``moe_kernel`` record and where its time goes: the kernel alone
     and the whole call, the host's launch and per-batch schedule costs, and the traced chain of

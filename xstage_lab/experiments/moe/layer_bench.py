@@ -332,6 +332,7 @@ class MoELayer(Experiment):
     name = "moe_layer"
     paper = "§4.2, §5.2; issue 27"
     launch = "in_process"
+    optional = True  # a platform without a layer run shows nothing of it
     links = ("local",)  # one GPU, its own memory
 
     @classmethod

@@ -1,5 +1,6 @@
-"""The one-GPU kernel passages (``moe_kernel``: TF/s, the one-token call), the forecast
-(``moe_forecast``) and the synthetic knee sweep against the model."""
+"""The one-GPU kernel passages (``moe_kernel``: TF/s, the one-token call), the layer from the
+router's output (``moe_layer``), the forecast (``moe_forecast``) and the synthetic knee sweep
+against the model."""
 from __future__ import annotations
 
 import pandas as pd
@@ -48,6 +49,44 @@ def call_overhead(kernel_records) -> Prose:
                    f"kernel, one Linear-1 tile's mainloop, the Linear-2 tile's wait for it and "
                    f"that tile's mainloop add up to {span(chain, '.0f')} µs (traced): two "
                    f"tiles' whole K loops in series.")
+    return Prose(*out)
+
+
+def layer(layer_views) -> Prose:
+    """The fused layer from the router's output (``moe_layer``, issue 27): against the unfused
+    torch path, and how many cells meet each measure of the issue's acceptance."""
+    from ...analysis.moe.layer_view import (HOST_OVERHEAD_LIMIT_US, SCHEDULE_LIMIT_TOKENS,
+                                            SCHEDULE_LIMIT_US, SMALL_T, acceptance,
+                                            acceptance_counts)
+
+    out = []
+    for v in layer_views:
+        t, a = v.table, acceptance(v.table)
+        n = acceptance_counts(t)
+        big = a[a["tokens"] >= SMALL_T]
+        at_limit = t[t["tokens"] == SCHEDULE_LIMIT_TOKENS]
+
+        def met(key):
+            return f"{count(n[key][0])} of {count(n[key][1])}"
+        schedule = (f"at {SCHEDULE_LIMIT_TOKENS} tokens the routing kernels take "
+                    f"{span(at_limit['schedule_us'], '.0f')} µs (the issue asks for at most "
+                    f"{SCHEDULE_LIMIT_US:.0f}: {met('schedule_ok')} cells)" if len(at_limit)
+                    else f"no cell at {SCHEDULE_LIMIT_TOKENS} tokens")
+        out.append(
+            f"On {v.platform} ({count(len(t))} cells of {count(t['model'].nunique())} models from "
+            f"{count(len(v.records))} records, {', '.join(rec(r) for r in v.records)}), from the "
+            f"router's output to the layer's output, the fused layer is at least as fast as the "
+            f"unfused torch path (routing by torch ops, grouped GEMMs, weighted sum; below "
+            f"{SMALL_T} tokens at most 10% slower, as the issue allows) eagerly in "
+            f"{met('eager_speedup_ok')} cells and graphed in {met('graph_speedup_ok')}; from "
+            f"{SMALL_T} tokens graphed it is {span(big['graph_speedup'], '.2f')}× faster. The graphed call stays within 5% "
+            f"of the kernel plus the weighted sum's memory time in {met('graph_over_kernel_ok')} "
+            f"cells ({span(a['graph_over_kernel'], '.2f')}×); {schedule}; an eager call's host "
+            f"time is {span(t['host_overhead_us'], '.0f')} µs (at most "
+            f"{HOST_OVERHEAD_LIMIT_US:.0f} asked: {met('host_overhead_ok')} cells); the one-token "
+            f"graphed call meets 1.5× the weight-read floor + 10 µs in {met('t1_ok')} cells. "
+            f"Today's host-scheduled call takes {span(t['host_scheduled_us'] / t['fused_eager_us'], '.1f')}× "
+            f"the fused eager call's time.")
     return Prose(*out)
 
 
