@@ -37,7 +37,13 @@ def interpreter_fixes():
        after 3.6);
     2. the interpreter stores bf16 as its uint16 bit pattern and ``tl.dot`` multiplies the bits
        (triton-lang/triton#11584). bf16 operands are widened to fp32 first: exact, as on the
-       tensor cores, whose bf16 products accumulate in fp32."""
+       tensor cores, whose bf16 products accumulate in fp32.
+
+    And one of its costs: every call of a ``@triton.jit`` helper from a kernel patches the
+    language modules its globals see again (``inspect.getmembers`` of each, a third of an
+    interpreted case's time), though the launch running it patched them already with the same
+    builder. A helper's call inside a launch whose patches (or an earlier helper's, which are never
+    undone) cover its modules skips that; any other call patches as before."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -58,9 +64,34 @@ def interpreter_fixes():
     def dot(self, a, b, d, *args):
         return create_dot(self, widen(a), widen(b), d, *args)
 
+    launch, helper_call = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
+    patched = []  # per running launch, the language modules its patches cover
+
+    def languages(fn) -> set:  # as interpreter._patch_lang finds them
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    def launched(self, *args, **kwargs):
+        patched.append(languages(self.fn))
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def helper(self, *args, **kwargs):
+        if patched and languages(self.fn) <= patched[-1]:
+            try:
+                return self.rewrite()(*args, **kwargs)
+            except Exception as e:
+                raise interpreter.InterpreterError(repr(e)) from e
+        if patched:  # a helper's patches are never undone: they stand for the rest of the launch
+            patched[-1] |= languages(self.fn)
+        return helper_call(self, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(interpreter, "_patch_lang_tensor", patched_tensor)
         mp.setattr(interpreter.InterpreterBuilder, "create_dot", dot)
+        mp.setattr(interpreter.GridExecutor, "__call__", launched)
+        mp.setattr(interpreter.InterpretedFunction, "__call__", helper)
         yield
 
 
