@@ -167,7 +167,7 @@ def test_heads_not_divisible_by_P_are_rejected():
 @pytest.mark.parametrize("experiment", ["EXPERIMENT", "FA_TUNING"])
 @pytest.mark.parametrize("extra,says", [
     (["--seq", "1000"], "multiple of the 256-row tiles"),
-    (["--seq", "8192,x"], "--seq must list integers"),
+    (["--seq", "8192,x"], "argument --seq: 'x' is not an integer"),
     (["--seq", "0"], "--seq must list positive lengths"),
     (["--heads", "0"], "--heads must be >= 1"),
     (["--trials", "0"], "--trials and --iters must be >= 1"),
@@ -183,7 +183,7 @@ def test_bad_shapes_and_timing_exit_at_parse(capsys, experiment, extra, says):
 def test_unknown_eager_methods_exit_at_parse(capsys):
     with pytest.raises(SystemExit) as e:
         harness.parse(attention_bench.EXPERIMENT, ["--out", "x", "--eager", "fa,nonsense"])
-    assert e.value.code == 2 and "unknown methods ['nonsense']" in capsys.readouterr().err
+    assert e.value.code == 2 and "invalid choice: 'nonsense'" in capsys.readouterr().err
     args = harness.parse(attention_bench.EXPERIMENT, ["--out", "x", "--eager", "fa", "--no-tune"])
     assert args.eager == ["fa"] and args.tune is False
 

@@ -34,6 +34,7 @@ import time
 import pandas as pd
 import torch
 
+from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, time_methods
 from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.device_tables import host_tables, table_mismatches
@@ -321,10 +322,10 @@ class MoELayer(Experiment):
     launch = "in_process"
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("--models", nargs="+", default=None)
-        p.add_argument("--precisions", nargs="+", default=None)
-        p.add_argument("--settings", nargs="+", default=None)
-        p.add_argument("--tokens", nargs="+", type=int, default=None)
+        p.add_argument("--models", **list_option())
+        p.add_argument("--precisions", **list_option())
+        p.add_argument("--settings", **list_option())
+        p.add_argument("--tokens", **list_option(int))
         p.add_argument("--trials", type=int, default=None)
         p.add_argument("--graph-iters", type=int, default=5)
         p.add_argument("--seed", type=int, default=0)
