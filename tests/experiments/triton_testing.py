@@ -8,6 +8,7 @@ pytest process (``test_moe_kernel``) can import this one.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -169,17 +170,42 @@ def hopper_target():
     return GPUTarget("cuda", 90, 64)
 
 
+# ptxas -v's log of each kernel ``compile_sm90`` built in this process, by its PTX: Triton runs
+# ptxas -v itself to make the cubin, so ``ptxas_report`` reads that log instead of running ptxas
+# on the same PTX again (a quarter of an sm_90 compile's time).
+_PTXAS_LOGS: dict[str, str] = {}
+
+
+def compile_sm90(src, **options):
+    """``src`` (an ``ASTSource`` or ``GluonASTSource``) compiled by Triton for sm_90
+    (``hopper_target``) with ``options``, keeping the log of Triton's own ``ptxas -v`` (none where
+    Triton's cache held the kernel) for ``ptxas_report``."""
+    import triton
+
+    log = io.StringIO()
+    with triton.knobs.nvidia.scope(), redirect_stdout(log):
+        triton.knobs.nvidia.dump_ptxas_log = True  # make_cubin prints ptxas's log
+        kernel = triton.compile(src, target=hopper_target(), options=options)
+    if "Used " in log.getvalue():
+        _PTXAS_LOGS[kernel.asm["ptx"]] = log.getvalue()
+    return kernel
+
+
 def ptxas_report(ptx: str) -> dict:
     """Registers per thread (the most of any kernel in the module), spilled bytes and whether
-    wgmma was serialized, for a PTX module, from Triton's bundled ``ptxas -v`` for sm_90a."""
+    wgmma was serialized, for a PTX module, from Triton's bundled ``ptxas -v`` for sm_90a: the
+    run that built it in ``compile_sm90``, else one of its own."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o",
-                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True, check=True)
-    log = out.stdout + out.stderr
+    log = _PTXAS_LOGS.get(ptx)
+    if log is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "k.ptx"
+            src.write_text(ptx)
+            out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o",
+                                  str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
+                                 check=True)
+        log = out.stdout + out.stderr
     return {"registers": max(int(v) for v in re.findall(r"Used (\d+) registers", log)),
             "spill_store_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)),
             "spill_load_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill loads", log)),
