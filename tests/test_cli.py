@@ -233,3 +233,58 @@ def test_calibrate_prints_and_writes_only_with_root(capsys, tmp_path):
     assert main(["calibrate", str(record), "--root", str(tmp_path)]) == 0
     written, = list_records("calibration", "h200-x2", tmp_path)
     assert capsys.readouterr().out == f"wrote {written}\n"
+
+
+# One list syntax (cli.list_option): every list option of every experiment and command takes its
+# items as words, comma-separated, both mixed, or the option repeated.
+
+LIST_OPTIONS = [  # experiment, option, its items as words, the list they parse to
+    ("moe", "--tokens", ["1", "8", "64"], [1, 8, 64]),
+    ("moe", "--models", ["DiT-MoE", "Hy3"], ["DiT-MoE", "Hy3"]),
+    ("moe_kernel", "--tokens", ["512", "4096"], [512, 4096]),
+    ("moe_host", "--host-shares", ["1", "2", "8"], [1, 2, 8]),
+    ("moe_trace", "--d-factors", ["0.5", "2"], [0.5, 2.0]),
+    ("fa_a2a", "--seq", ["8192", "16384"], [8192, 16384]),
+    ("link_probe", "--periods-us", ["20", "2000"], [20.0, 2000.0]),
+    ("remote_store", "--only", ["gap", "isolated"], ["gap", "isolated"]),
+]
+
+
+@pytest.mark.parametrize("name,option,words,value", LIST_OPTIONS)
+def test_a_list_option_takes_words_commas_both_and_repeats(name, option, words, value):
+    from xstage_lab.experiments import experiment, harness
+
+    def parsed(*argv):
+        args = harness.parse(experiment(name), ["--out", "x.json", *argv])
+        return getattr(args, option[2:].replace("-", "_"))
+
+    assert parsed(option, *words) == value
+    assert parsed(option, ",".join(words)) == value
+    assert parsed(option, ",".join(words[:-1]), words[-1]) == value
+    assert parsed(*(a for word in words for a in (option, word))) == value
+
+
+def test_the_commands_take_the_same_list_syntax():
+    parser = build_parser()
+    for command, option, words in (("characterize-beyond", "--only", ["ops", "patterns"]),
+                                   ("characterize", "--only", ["gap", "isolated"]),
+                                   ("measure-all", "--only", ["moe", "moe_trace"]),
+                                   ("reproduce", "--only", ["01", "fused_moe"])):
+        for argv in ([option, *words], [option, ",".join(words)],
+                     [a for word in words for a in (option, word)]):
+            assert parser.parse_args([command, *argv]).only == words, (command, argv)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["run", "moe", "--tokens", "1,x"], "argument --tokens: 'x' is not an integer"),
+    (["run", "fa_a2a", "--seq", "8192", "x"], "argument --seq: 'x' is not an integer"),
+    (["run", "link_probe", "--periods-us", "20,fast"],
+     "argument --periods-us: 'fast' is not a number"),
+    (["run", "remote_store", "--only", "gap,nosuch"], "argument --only: invalid choice: 'nosuch'"),
+    (["run", "fa_kernel_probe", "--shapes", "128:12"], "expected HEAD_DIM:HEADS:SEQ"),
+    (["characterize-beyond", "--only", "patterns,nosuch"], "invalid choice: 'nosuch'"),
+    (["measure-all", "--only", ","], "argument --only: expected at least one item"),
+])
+def test_a_bad_list_item_is_one_line(capsys, gpus_untouched, argv, says):
+    rc, err = _run(capsys, *argv)
+    assert says in _one_line(rc, err)

@@ -105,3 +105,16 @@ def test_with_an_image_engine_figures_carry_pictures_and_render_offline(tmp_path
     assert len(figures) == 2 and all("image/png" in o.data and "text/html" not in o.data
                                       for o in figures)
     assert "No static images" not in text
+
+
+def test_a_figure_s_bundle_is_plotly_s_mimetype_renderer_s():
+    """``publish.mime_bundle`` gives what ``pio.renderers["plotly_mimetype"]`` would, without
+    importing plotly's renderers."""
+    import plotly.graph_objects as go
+    import plotly.io as pio
+
+    from xstage_lab.plots.publish import mime_bundle
+
+    fig = go.Figure(go.Scatter(x=[1.5, 2, 3], y=[2, None, 3], name="µs"),
+                    layout=dict(title="Line", yaxis_type="log"))
+    assert mime_bundle(fig) == pio.renderers["plotly_mimetype"].to_mimebundle(fig.to_dict())

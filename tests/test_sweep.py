@@ -189,3 +189,24 @@ def test_median_spread_values():
     assert (a["v"], a["v_p25"], a["v_p75"], a["v_n"]) == (2.5, 1.75, 3.25, 4)
     b = out[out["k"] == "b"].iloc[0]
     assert (b["v"], b["v_p25"], b["v_p75"], b["v_n"]) == (10.0, 10.0, 10.0, 1)
+
+
+def test_median_spread_of_several_values_and_nan_as_np_percentile():
+    """Each value as if alone; the median and count skip NaN, the spread is np.percentile's of the
+    whole group (NaN where it holds one); rows whose keys hold NaN belong to no group."""
+    df = pd.DataFrame({"k": ["a"] * 5 + ["b"] * 3 + [None],
+                       "v": [5.0, 1.0, 4.0, 2.0, 3.0, 1.0, np.nan, 3.0, 9.0],
+                       "w": [0.5, 0.25, 8.0, 1.0, 2.0, 7.0, 6.0, 5.0, 9.0]})
+    out = median_spread(df, ["k"], "v", "w")
+    assert list(out.columns) == ["k", "v", "v_p25", "v_p75", "v_n", "w", "w_p25", "w_p75", "w_n"]
+    for value in ("v", "w"):
+        alone = median_spread(df, ["k"], value)
+        pd.testing.assert_frame_equal(out[alone.columns], alone)
+        for _, row in out.iterrows():
+            group = df.loc[df["k"] == row["k"], value].to_numpy()
+            for q in (25, 75):
+                want = np.percentile(group, q)
+                assert row[f"{value}_p{q}"] == want or (np.isnan(want) and
+                                                        np.isnan(row[f"{value}_p{q}"]))
+    b = out[out["k"] == "b"].iloc[0]
+    assert (b["v"], b["v_n"]) == (2.0, 2) and np.isnan(b["v_p25"]) and np.isnan(b["v_p75"])

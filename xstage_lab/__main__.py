@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from .cli import list_option
 from .experiments import EXPERIMENTS
 from .platform import LINKS
 from .records import RECORDS_DIR
@@ -302,9 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_count, default=11, help="launches per point (default: 11)")
     p.add_argument("--src", type=_gpu, default=0, help="GPU that stores (default: 0)")
     p.add_argument("--dst", type=_gpu, default=1, help="GPU stored to (default: 1)")
-    p.add_argument("--only", nargs="*", metavar="SWEEP",
-                   help="these sweeps only, of drain_rate gap isolated fenced lines pairs "
-                        "(default: all)")
+    # its names checked by _characterize: importing them here would slow every command
+    p.add_argument("--only", **list_option(nargs="*", metavar="SWEEP",
+                                           help="these sweeps only, of drain_rate gap isolated "
+                                                "fenced lines pairs (default: all)"))
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.add_argument("--calibrate", action="store_true", help="also write the calibration record")
     p.set_defaults(func=_characterize)
@@ -312,8 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("characterize-beyond",
                        help="injection patterns on every GPU and remote operations beyond "
                             "16-byte stores")
-    p.add_argument("--only", nargs="+", choices=("patterns", "ops"), default=["patterns", "ops"],
-                   help="these parts only (default: both)")
+    p.add_argument("--only", **list_option(choices=("patterns", "ops"), default=["patterns", "ops"],
+                                           help="these parts only (default: both)"))
     p.add_argument("--repeats", type=_count, default=None,
                    help="per point (default: 5; the patterns on more than four GPUs: 3)")
     p.add_argument("--src", type=_gpu, default=0, help="source GPU of the operations (default: 0)")
@@ -349,14 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("measure-all", help="every experiment live on this machine, over every "
                                            "link it has (one GPU: the host link's), as records")
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
-    p.add_argument("--only", nargs="+", metavar="NAME",
-                   help="these measurements only, in this order (default: every experiment "
-                        "that declares in_measure_all, in the registry's order)")
+    p.add_argument("--only", **list_option(
+        metavar="NAME", help="these measurements only, in this order (default: every experiment "
+                             "that declares in_measure_all, in the registry's order)"))
     p.set_defaults(func=_measure_all)
 
     p = sub.add_parser("reproduce", help="run every notebook headlessly (papermill)")
-    p.add_argument("--only", action="append",
-                   help="notebook name, with or without its number (repeatable; default: all)")
+    p.add_argument("--only", **list_option(
+        help="notebook names, each with or without its number (default: all)"))
     p.add_argument("--backend", choices=("auto", "cuda", "replay"), default="auto",
                    help="per experiment and link: cuda measures live what this machine can "
                         "run; replay: the committed records; auto (default): cuda on two "

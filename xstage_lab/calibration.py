@@ -88,10 +88,8 @@ def launch_means(table: pd.DataFrame) -> pd.DataFrame:
 def point_table(launches: pd.DataFrame) -> pd.DataFrame:
     """Every measurement point's medians over repeats (issue time, period, effective gap, window
     rate), each with its interquartile spread."""
-    out = median_spread(launches, POINT_KEYS, "t_iss_us")
-    for value in ("period_us", "gap_eff_us", "window_rate_GBps"):
-        out = out.merge(median_spread(launches, POINT_KEYS, value), on=POINT_KEYS)
-    return out
+    return median_spread(launches, POINT_KEYS, "t_iss_us", "period_us", "gap_eff_us",
+                         "window_rate_GBps")
 
 
 def fit_drain_rate(burst_volume, period_us) -> tuple[float, np.ndarray]:

@@ -16,6 +16,7 @@ Units as in ``model``: bytes, microseconds, R in GB/s.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -111,15 +112,17 @@ def _play(start, vol, t0, drain: float, capacity: float, successor=None, delay=N
     ``start[i]`` where that is finite; a burst named as ``successor[j]`` (>= 0) of burst j starts
     ``delay[j]`` µs after j's issue ends instead. Returns (start, finish, q at finish) per burst."""
     n = len(vol)
-    rate = vol / t0
-    begin, finish, q_end = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
-    pending = [(float(start[i]), i) for i in range(n) if np.isfinite(start[i])]
+    # Python floats and lists throughout: the loop runs once per event (a gap sweep's skewed
+    # launches take millions), where NumPy scalars cost several times as much for the same
+    # IEEE arithmetic; min and max are written out as the comparisons they make, for speed.
+    rate, vol, t0 = (vol / t0).tolist(), vol.tolist(), t0.tolist()
+    successor = [-1] * n if successor is None else successor.tolist()
+    delay = [0.0] * n if delay is None else delay.tolist()
+    drain, capacity = float(drain), float(capacity)
+    begin, finish, q_end = [math.nan] * n, [math.nan] * n, [math.nan] * n
+    pending = [(t, i) for i, t in enumerate(start.tolist()) if math.isfinite(t)]
     heapq.heapify(pending)  # ties leave in index order, as a stable sort of the starts would
-
-    def ended(i, now, q):
-        finish[i], q_end[i] = now, q
-        if successor is not None and successor[i] >= 0:
-            heapq.heappush(pending, (now + float(delay[i]), int(successor[i])))
+    push, pop, inf = heapq.heappush, heapq.heappop, math.inf
 
     # Every active burst works through its own T_iss^0 at one common speed (1, or R/D while held
     # at Q), so on a clock s running at that speed burst i finishes at s(its start) + T_iss^0_i.
@@ -127,12 +130,14 @@ def _play(start, vol, t0, drain: float, capacity: float, successor=None, delay=N
     now, s, q, demand = (pending[0][0] if pending else 0.0), 0.0, 0.0, 0.0
     while pending or active:
         while pending and pending[0][0] <= now:
-            t, i = heapq.heappop(pending)
+            t, i = pop(pending)
             begin[i] = t
             if vol[i] == 0:  # nothing to issue: it ends where it starts
-                ended(i, now, q)
+                finish[i], q_end[i] = now, q
+                if successor[i] >= 0:
+                    push(pending, (now + delay[i], successor[i]))
             else:
-                heapq.heappush(active, (s + t0[i], i))
+                push(active, (s + t0[i], i))
                 demand += rate[i]
         if not active:
             demand = 0.0  # drop what rounding left in the running sum
@@ -141,12 +146,21 @@ def _play(start, vol, t0, drain: float, capacity: float, successor=None, delay=N
         held = q >= capacity and demand > drain
         speed = drain / demand if held else 1.0
         dq = 0.0 if held or (q <= 0 and demand <= drain) else demand - drain
-        to_start = pending[0][0] - now if pending else np.inf
-        to_finish = (active[0][0] - s) / speed if active else np.inf
-        to_full = (capacity - q) / dq if dq > 0 else np.inf
-        to_empty = q / -dq if dq < 0 else np.inf
-        dt = min(to_start, to_finish, to_full, to_empty)
-        now, s, q = now + dt, s + speed * dt, min(capacity, max(0.0, q + dq * dt))
+        # dt: the nearest of the next start, finish, full queue and empty queue
+        to_start = pending[0][0] - now if pending else inf
+        to_finish = (active[0][0] - s) / speed if active else inf
+        to_full = (capacity - q) / dq if dq > 0 else inf
+        to_empty = q / -dq if dq < 0 else inf
+        dt = to_start
+        if to_finish < dt:
+            dt = to_finish
+        if to_full < dt:
+            dt = to_full
+        if to_empty < dt:
+            dt = to_empty
+        now, s, q = now + dt, s + speed * dt, q + dq * dt
+        q = q if q > 0.0 else 0.0
+        q = q if q < capacity else capacity
         # land exactly on the event so that it is taken now and not in a sliver of a step later
         if dt == to_start:
             now = pending[0][0]
@@ -157,10 +171,12 @@ def _play(start, vol, t0, drain: float, capacity: float, successor=None, delay=N
         if dt == to_empty:
             q = 0.0
         while active and active[0][0] <= s:
-            i = heapq.heappop(active)[1]
+            i = pop(active)[1]
             demand -= rate[i]
-            ended(i, now, q)
-    return begin, finish, q_end
+            finish[i], q_end[i] = now, q
+            if successor[i] >= 0:
+                push(pending, (now + delay[i], successor[i]))
+    return np.array(begin), np.array(finish), np.array(q_end)
 
 
 def simulate_free_running(offsets_us, volume: float, t_iss0_us: float, gap_us: float,

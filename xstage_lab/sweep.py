@@ -129,10 +129,41 @@ def run_sweep(sweep: Sweep, measure: Measure, validate: Callable[[dict], None] |
     return pd.concat(frames, ignore_index=True), facts
 
 
-def median_spread(df: pd.DataFrame, by: Sequence[str], value: str) -> pd.DataFrame:
-    """Median of ``value`` per group with its interquartile spread and count."""
-    g = df.groupby(list(by), sort=True)[value]
-    out = g.agg(median="median", p25=lambda s: np.percentile(s, 25),
-                p75=lambda s: np.percentile(s, 75), n="count").reset_index()
-    return out.rename(columns={"median": value, "p25": f"{value}_p25", "p75": f"{value}_p75",
-                               "n": f"{value}_n"})
+def median_spread(df: pd.DataFrame, by: Sequence[str], *values: str) -> pd.DataFrame:
+    """Per group of ``by``, the median of each of ``values`` with its interquartile spread and
+    count (columns ``v``, ``v_p25``, ``v_p75``, ``v_n`` per value ``v``), the groups made once
+    for all of them. The median and count skip NaN; the spread is ``np.percentile``'s of the
+    whole group, so NaN where the group holds one."""
+    g = df.groupby(list(by), sort=True)
+    medians, counts = g[list(values)].median(), g[list(values)].count()
+    codes = g.ngroup().fillna(-1).to_numpy(dtype=np.intp)  # -1: a row whose keys hold NaN
+    out = medians[[]]
+    for v in values:
+        out[v] = medians[v]
+        for q in (25, 75):
+            out[f"{v}_p{q}"] = _group_percentile(codes, df[v].to_numpy(), len(out), q)
+        out[f"{v}_n"] = counts[v]
+    return out.reset_index()
+
+
+def _group_percentile(codes: np.ndarray, values: np.ndarray, groups: int, q: float) -> np.ndarray:
+    """``np.percentile(values[codes == i], q)`` for every group i < ``groups`` at once, with the
+    same arithmetic (a lambda per group through pandas cost most of a calibration): linear
+    interpolation between the sorted neighbours of rank (n - 1)·q/100, NaN for a group that
+    holds NaN."""
+    keep = codes >= 0
+    codes, values = codes[keep], values[keep]
+    order = np.lexsort((values, codes))
+    codes, values = codes[order], values[order]
+    sizes = np.bincount(codes, minlength=groups)
+    first = np.cumsum(sizes) - sizes
+    rank = (sizes - 1) * (q / 100)
+    below = np.floor(rank).astype(np.intp)
+    a = values[first + below]
+    b = values[first + np.minimum(below + 1, sizes - 1)]
+    # np.percentile's weight: a Python float, which takes a float array's own precision
+    t = (rank - below).astype(values.dtype if values.dtype.kind == "f" else np.float64)
+    diff = b - a
+    out = np.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
+    holds_nan = np.bincount(codes, weights=np.isnan(values), minlength=groups) > 0
+    return np.where(holds_nan, np.nan, out)

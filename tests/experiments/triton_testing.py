@@ -8,6 +8,7 @@ pytest process (``test_moe_kernel``) can import this one.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,13 @@ def interpreter_fixes():
        after 3.6);
     2. the interpreter stores bf16 as its uint16 bit pattern and ``tl.dot`` multiplies the bits
        (triton-lang/triton#11584). bf16 operands are widened to fp32 first: exact, as on the
-       tensor cores, whose bf16 products accumulate in fp32."""
+       tensor cores, whose bf16 products accumulate in fp32.
+
+    And one of its costs: every call of a ``@triton.jit`` helper from a kernel patches the
+    language modules its globals see again (``inspect.getmembers`` of each, a third of an
+    interpreted case's time), though the launch running it patched them already with the same
+    builder. A helper's call inside a launch whose patches (or an earlier helper's, which are never
+    undone) cover its modules skips that; any other call patches as before."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -58,9 +65,34 @@ def interpreter_fixes():
     def dot(self, a, b, d, *args):
         return create_dot(self, widen(a), widen(b), d, *args)
 
+    launch, helper_call = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
+    patched = []  # per running launch, the language modules its patches cover
+
+    def languages(fn) -> set:  # as interpreter._patch_lang finds them
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    def launched(self, *args, **kwargs):
+        patched.append(languages(self.fn))
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def helper(self, *args, **kwargs):
+        if patched and languages(self.fn) <= patched[-1]:
+            try:
+                return self.rewrite()(*args, **kwargs)
+            except Exception as e:
+                raise interpreter.InterpreterError(repr(e)) from e
+        if patched:  # a helper's patches are never undone: they stand for the rest of the launch
+            patched[-1] |= languages(self.fn)
+        return helper_call(self, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(interpreter, "_patch_lang_tensor", patched_tensor)
         mp.setattr(interpreter.InterpreterBuilder, "create_dot", dot)
+        mp.setattr(interpreter.GridExecutor, "__call__", launched)
+        mp.setattr(interpreter.InterpretedFunction, "__call__", helper)
         yield
 
 
@@ -138,17 +170,42 @@ def hopper_target():
     return GPUTarget("cuda", 90, 64)
 
 
+# ptxas -v's log of each kernel ``compile_sm90`` built in this process, by its PTX: Triton runs
+# ptxas -v itself to make the cubin, so ``ptxas_report`` reads that log instead of running ptxas
+# on the same PTX again (a quarter of an sm_90 compile's time).
+_PTXAS_LOGS: dict[str, str] = {}
+
+
+def compile_sm90(src, **options):
+    """``src`` (an ``ASTSource`` or ``GluonASTSource``) compiled by Triton for sm_90
+    (``hopper_target``) with ``options``, keeping the log of Triton's own ``ptxas -v`` (none where
+    Triton's cache held the kernel) for ``ptxas_report``."""
+    import triton
+
+    log = io.StringIO()
+    with triton.knobs.nvidia.scope(), redirect_stdout(log):
+        triton.knobs.nvidia.dump_ptxas_log = True  # make_cubin prints ptxas's log
+        kernel = triton.compile(src, target=hopper_target(), options=options)
+    if "Used " in log.getvalue():
+        _PTXAS_LOGS[kernel.asm["ptx"]] = log.getvalue()
+    return kernel
+
+
 def ptxas_report(ptx: str) -> dict:
     """Registers per thread (the most of any kernel in the module), spilled bytes and whether
-    wgmma was serialized, for a PTX module, from Triton's bundled ``ptxas -v`` for sm_90a."""
+    wgmma was serialized, for a PTX module, from Triton's bundled ``ptxas -v`` for sm_90a: the
+    run that built it in ``compile_sm90``, else one of its own."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o",
-                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True, check=True)
-    log = out.stdout + out.stderr
+    log = _PTXAS_LOGS.get(ptx)
+    if log is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "k.ptx"
+            src.write_text(ptx)
+            out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o",
+                                  str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
+                                 check=True)
+        log = out.stdout + out.stderr
     return {"registers": max(int(v) for v in re.findall(r"Used (\d+) registers", log)),
             "spill_store_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)),
             "spill_load_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill loads", log)),

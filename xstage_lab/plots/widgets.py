@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from .. import model
 from ..calibration import Calibration
+from .publish import mime_bundle
 from .style import KIB, MIB
 
 
@@ -69,7 +69,7 @@ def explore_burst_gap(cal: Calibration, predicted: pd.DataFrame):
                                  f"T_iss(G)={float(model.issue_time(G, v, t0, cal.drain_rate_GBps)):.2f} µs, "
                                  f"G*={float(model.recovery_gap(v, t0, cal.drain_rate_GBps)):.2f} µs"),
                           height=380)
-        return pio.renderers["plotly_mimetype"].to_mimebundle(fig.to_dict())
+        return mime_bundle(fig)
 
     display(w.VBox([w.HBox([ks, bs, gs]), _live_output(draw, {"K": ks, "B": bs, "G": gs})]))
 

@@ -423,10 +423,9 @@ def _compile_sm90(precision: str, with_ptx: bool = False, **variant) -> dict:
     the divisibility hints Triton's JIT derives for 16-aligned pointers and multiples of 16) for an
     H100/H200 target, down to a cubin; report shared memory and ptxas spills. ``variant``:
     ``instrument`` / ``fence`` of ``prepare_fused_moe``; ``with_ptx`` adds the PTX text."""
-    import triton
     from triton.compiler import ASTSource
 
-    from tests.experiments.triton_testing import hopper_target, ptxas_report
+    from tests.experiments.triton_testing import compile_sm90, ptxas_report
     from xstage_lab.kernel_sources import load_kernel_module
 
     layer = simulate_layer(precision, 2, seed=1)
@@ -452,9 +451,8 @@ def _compile_sm90(precision: str, with_ptx: bool = False, **variant) -> dict:
                 attrs[(names.index(name),)] = [["tt.divisibility", 16]]
     for name in constexprs:
         signature.setdefault(name, "constexpr")
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
-                              target=hopper_target(),
-                              options={"num_warps": gpu.num_warps, "num_stages": gpu.num_stages})
+    compiled = compile_sm90(ASTSource(kernel, signature, constexprs, attrs),
+                            num_warps=gpu.num_warps, num_stages=gpu.num_stages)
     ptxas = ptxas_report(compiled.asm["ptx"])
     return {"shared_bytes": compiled.metadata.shared, "spill_store_bytes": ptxas["spill_store_bytes"],
             "registers": ptxas["registers"], "has_cubin": bool(compiled.asm.get("cubin")),

@@ -15,11 +15,10 @@ import sys
 
 import pytest
 import torch
-import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from tests.experiments.triton_testing import HOPPER_SMEM_PER_BLOCK, hopper_target, ptxas_report
+from tests.experiments.triton_testing import HOPPER_SMEM_PER_BLOCK, compile_sm90, ptxas_report
 from xstage_lab.kernel_sources import kernel_path
 from xstage_lab.ops.moe.combine import local_combine_peers
 from xstage_lab.ops.moe.dispatch import build_layout
@@ -73,9 +72,8 @@ def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
     aligned = {(names.index(k),): [["tt.divisibility", 16]]
                for k, v in signature.items() if v.startswith("*")}
     aligned.update({(names.index(k),): [["tt.divisibility", 16]] for k in ("HIDDEN", "INTER")})
-    return triton.compile(GluonASTSource(module.moe_fused_ws_kernel, signature, constexprs,
-                                         aligned), target=hopper_target(),
-                          options=dict(num_warps=4))
+    return compile_sm90(GluonASTSource(module.moe_fused_ws_kernel, signature, constexprs,
+                                       aligned), num_warps=4)
 
 
 def _default_configs():

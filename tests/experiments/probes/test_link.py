@@ -11,10 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import triton
 from triton.compiler import ASTSource
 
-from tests.experiments.triton_testing import hopper_target, ptxas_report
+from tests.experiments.triton_testing import compile_sm90, ptxas_report
 from xstage_lab import dist_timing
 from xstage_lab.__main__ import build_parser
 from xstage_lab.experiments import harness
@@ -364,8 +363,8 @@ def trickle_build():
     signature = {"table_ptr": "*i64", "target": "i32", "result_ptr": "*i64", "slots": "i32",
                  "period_ns": "i32", "run_ns": "i64", "max_stores": "i32", "source": "i32"}
     aligned = {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
-    return triton.compile(ASTSource(lc._kernels.link_trickle_kernel, signature, {}, aligned),
-                          target=hopper_target(), options=dict(num_warps=1))
+    return compile_sm90(ASTSource(lc._kernels.link_trickle_kernel, signature, {}, aligned),
+                        num_warps=1)
 
 
 def test_the_trickle_is_one_warp_of_few_registers(trickle_build):

@@ -102,10 +102,9 @@ def latency_points(table: pd.DataFrame) -> pd.DataFrame:
     """Median per-producer latency (issue end → visible) over every burst and repeat of each
     (K, B, G), with its interquartile spread; and the same from issue start."""
     keys = ["producers", "burst_bytes", "gap_us"]
-    a = median_spread(table, keys, "latency_us")
-    b = median_spread(table, keys, "latency_from_start_us")[keys + ["latency_from_start_us"]]
-    c = median_spread(table, keys, "release_us")[keys + ["release_us"]]
-    return a.merge(b, on=keys).merge(c, on=keys)
+    out = median_spread(table, keys, "latency_us", "latency_from_start_us", "release_us")
+    return out.drop(columns=[f"{v}_{s}" for v in ("latency_from_start_us", "release_us")
+                             for s in ("p25", "p75", "n")])
 
 
 def _against_t_complete(out: pd.DataFrame, drain_rate_GBps: float,

@@ -49,6 +49,7 @@ import torch.distributed as dist
 import triton
 
 from ...checks import poisoned, relative_error
+from ...cli import list_option
 from ...dist_timing import require_safe_env, rotated_order, time_methods
 from ...sweep import Sweep
 from .. import harness
@@ -159,17 +160,13 @@ class UlyssesAttention(Experiment):
                        help="seconds of FA-only back to back before each M's trials (DVFS settles)")
         p.add_argument("--no-tune", action="store_true",
                        help="use the configuration table as is instead of timing its candidates")
-        p.add_argument("--eager", default="",
-                       help="comma-separated methods launched back to back without a CUDA graph "
-                            "(for a method that cannot be captured); recorded in the metadata")
+        p.add_argument("--eager", **list_option(choices=METHODS, default=[], nargs="*",
+                       help="methods launched back to back without a CUDA graph (for a method "
+                            "that cannot be captured); recorded in the metadata"))
 
     def check_args(self, a: argparse.Namespace) -> None:
         check_shape_args(a)
         check_timing_args(a)
-        a.eager = [s for s in a.eager.split(",") if s]
-        unknown = set(a.eager) - set(METHODS)
-        if unknown:
-            raise ValueError(f"--eager names unknown methods {sorted(unknown)}; methods: {METHODS}")
         a.tune = not a.no_tune
 
     def sweeps(self, args) -> list[Sweep]:
@@ -273,9 +270,8 @@ class FaTuning(Experiment):
                        help="this mode: one process, no torchrun: time the FA-only "
                             "configurations against cuDNN")
         add_shape_arguments(p, FA_ONLY_SEQ, FA_ONLY_HEADS, "heads on the GPU")
-        p.add_argument("--configs", default="",
-                       help="comma-separated configuration names (``config_name``) to time "
-                            "instead of all")
+        p.add_argument("--configs", **list_option(default=[], nargs="*",
+                       help="configuration names (``config_name``) to time instead of all"))
         p.add_argument("--epilogues", action="store_true",
                        help="also time each configuration's REMOTE epilogue, fenced and not, into "
                             "P = 2 receive buffers on the same GPU (``+remote``, "
@@ -286,7 +282,6 @@ class FaTuning(Experiment):
         check_shape_args(a)
         check_timing_args(a)
         known = {config_name(c): c for c in fa_only_candidates(a.head_dim)}
-        a.configs = [s for s in a.configs.split(",") if s]
         unknown = set(a.configs) - set(known)
         if unknown:
             raise ValueError(f"--configs names unknown configurations {sorted(unknown)}; "

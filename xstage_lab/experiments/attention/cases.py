@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ...checks import bitwise_equal, poisoned, relative_error
+from ...cli import list_option
 from ...sweep import Axis, Sweep
 from ...ops import attention as att
 
@@ -28,20 +29,15 @@ def attention_flops(seq_len: int, heads: int, head_dim: int, world: int) -> int:
 def add_shape_arguments(p: argparse.ArgumentParser, seq=DEFAULT_SEQ, heads: int = 24,
                         heads_help: str = "total heads H (divisible by P)") -> None:
     """The attention shape's options (the sweep's M, heads and head dim)."""
-    p.add_argument("--seq", default=",".join(map(str, seq)),
-                   help="comma-separated sequence lengths M")
+    p.add_argument("--seq", **list_option(int, default=list(seq), help="sequence lengths M"))
     p.add_argument("--heads", type=int, default=heads, help=heads_help)
     p.add_argument("--head-dim", type=int, default=128, choices=att.HEAD_DIMS)
 
 
 def check_shape_args(a: argparse.Namespace) -> None:
-    """``--seq`` as a list of positive lengths, each a multiple of every candidate
-    configuration's tiles, and ``--heads`` >= 1; ``ValueError`` names the first mistake. Whether
-    P divides them is the ranks' ``validate``."""
-    try:
-        a.seq = [int(s) for s in a.seq.split(",") if s]
-    except ValueError:
-        raise ValueError(f"--seq must list integers, got {a.seq!r}") from None
+    """``--seq`` positive lengths, each a multiple of every candidate configuration's tiles, and
+    ``--heads`` >= 1; ``ValueError`` names the first mistake. Whether P divides them is the ranks'
+    ``validate``."""
     if not a.seq or min(a.seq) <= 0:
         raise ValueError(f"--seq must list positive lengths, got {a.seq}")
     if a.heads < 1:

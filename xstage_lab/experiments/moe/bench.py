@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ...checks import relative_error
+from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, time_methods
 from ...ops.moe.combine import CombinePeers, SymmetricCombine, combine_weighted_sum
 from ...ops.moe.dispatch import DispatchLayout, SendPlan, dispatch
@@ -78,10 +79,6 @@ def matrix_sweep(args) -> Sweep:
     return Sweep("moe", (Axis("model", args.models), Axis("precision", args.precisions),
                          Axis("routing", args.routing), Axis("tokens", args.tokens)),
                  repeats=1, warmup=0)
-
-
-def _names(text: str) -> list[str]:
-    return [x for x in text.split(",") if x]
 
 
 def add_layer_arguments(p: argparse.ArgumentParser) -> None:
@@ -216,10 +213,12 @@ class MoEMatrix(Experiment):
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         shapes = load_shapes()
-        p.add_argument("--models", default=",".join(shapes), help=f"comma list of {list(shapes)}")
-        p.add_argument("--precisions", default=",".join(PRECISIONS))
-        p.add_argument("--routing", default=",".join(ROUTINGS))
-        p.add_argument("--tokens", default=str(DEFAULT_TOKENS), help="comma list of tokens per rank")
+        p.add_argument("--models", **list_option(default=list(shapes),
+                                                 help=f"default: all of {list(shapes)}"))
+        p.add_argument("--precisions", **list_option(default=list(PRECISIONS)))
+        p.add_argument("--routing", **list_option(default=list(ROUTINGS)))
+        p.add_argument("--tokens", **list_option(int, default=[DEFAULT_TOKENS],
+                                                 help="tokens per rank"))
         p.add_argument("--matrix", type=Path, default=None,
                        help="a JSON declaring models, precisions, routing and tokens_per_rank "
                             "(e.g. data/moe_matrix.json); it replaces those four options")
@@ -231,14 +230,9 @@ class MoEMatrix(Experiment):
         if a.matrix is not None:
             matrix = json.loads(a.matrix.read_text())
             models = matrix["models"]
-            a.models = ",".join(load_shapes()) if models == "all" else ",".join(models)
-            a.precisions, a.routing = ",".join(matrix["precisions"]), ",".join(matrix["routing"])
-            a.tokens = ",".join(str(t) for t in matrix["tokens_per_rank"])
-        a.models, a.precisions, a.routing = _names(a.models), _names(a.precisions), _names(a.routing)
-        try:
-            a.tokens = [int(t) for t in a.tokens.split(",") if t]
-        except ValueError:
-            raise ValueError(f"--tokens must list integers, got {a.tokens!r}") from None
+            a.models = list(load_shapes()) if models == "all" else list(models)
+            a.precisions, a.routing = list(matrix["precisions"]), list(matrix["routing"])
+            a.tokens = [int(t) for t in matrix["tokens_per_rank"]]
         if not a.tokens or min(a.tokens) < 1:
             raise ValueError("--tokens must be >= 1")
         check_layer_args(a, "models", "precisions", "routing")

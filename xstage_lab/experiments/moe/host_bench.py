@@ -52,6 +52,7 @@ import torch
 from ...analysis.moe.forecast import HOST_SHARE_SOURCES
 from ...analysis.moe.host_view import HostView, latest_host_view
 from ...checks import bitwise_equal
+from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, time_methods
 from ...ops.moe.combine import host_combine_peers
 from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
@@ -112,14 +113,14 @@ class MoEHost(Experiment):
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         shapes = load_shapes()
-        p.add_argument("--models", nargs="+", default=None, help=f"default: all of {list(shapes)}")
-        p.add_argument("--precisions", nargs="+", default=list(PRECISIONS))
-        p.add_argument("--routing", nargs="+", default=list(ROUTINGS))
-        p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS),
-                       help="tokens per source rank")
-        p.add_argument("--host-shares", nargs="+", type=int, default=list(DEFAULT_SHARES),
-                       help=f"source ranks (of {HOST_SHARE_SOURCES}) whose Combine buffers are "
-                            "pinned host memory")
+        p.add_argument("--models", **list_option(help=f"default: all of {list(shapes)}"))
+        p.add_argument("--precisions", **list_option(default=list(PRECISIONS)))
+        p.add_argument("--routing", **list_option(default=list(ROUTINGS)))
+        p.add_argument("--tokens", **list_option(int, default=list(DEFAULT_TOKENS),
+                                                 help="tokens per source rank"))
+        p.add_argument("--host-shares", **list_option(
+            int, default=list(DEFAULT_SHARES), help=f"source ranks (of {HOST_SHARE_SOURCES}) "
+                                                    "whose Combine buffers are pinned host memory"))
         p.add_argument("--kernel", default="gluon_ws", help=f"one of {list(KERNELS)}")
         p.add_argument("--trials", type=int, default=5)
         p.add_argument("--warmup", type=int, default=2)

@@ -60,6 +60,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from ...cli import list_option
 from ...dist_timing import TIMING_METHOD
 from ...records import read_output
 from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS
@@ -114,12 +115,11 @@ class MoEKernel(Experiment):
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         shapes = load_shapes()
-        p.add_argument("--models", nargs="+", default=None, help=f"default: all of {list(shapes)}")
-        p.add_argument("--precisions", nargs="+", default=None,
-                       help=f"default: {list(PRECISIONS)}")
-        p.add_argument("--routing", nargs="+", default=None, help=f"default: {list(ROUTINGS)}")
-        p.add_argument("--tokens", nargs="+", type=int, default=None,
-                       help=f"tokens per source rank (default: {list(DEFAULT_TOKENS)})")
+        p.add_argument("--models", **list_option(help=f"default: all of {list(shapes)}"))
+        p.add_argument("--precisions", **list_option(help=f"default: {list(PRECISIONS)}"))
+        p.add_argument("--routing", **list_option(help=f"default: {list(ROUTINGS)}"))
+        p.add_argument("--tokens", **list_option(
+            int, help=f"tokens per source rank (default: {list(DEFAULT_TOKENS)})"))
         p.add_argument("--kernel", default="gluon_ws",
                        help=f"fused kernel, one of {list(KERNELS)}")
         p.add_argument("--trials", type=int, default=None,

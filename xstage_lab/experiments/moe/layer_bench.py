@@ -40,6 +40,7 @@ import pandas as pd
 import torch
 
 from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, layer_view
+from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
 from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.device_tables import host_tables, table_mismatches
@@ -345,10 +346,10 @@ class MoELayer(Experiment):
         return layer_view(platform, root)
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("--models", nargs="+", default=None)
-        p.add_argument("--precisions", nargs="+", default=None)
-        p.add_argument("--settings", nargs="+", default=None)
-        p.add_argument("--tokens", nargs="+", type=int, default=None)
+        p.add_argument("--models", **list_option())
+        p.add_argument("--precisions", **list_option())
+        p.add_argument("--settings", **list_option())
+        p.add_argument("--tokens", **list_option(int))
         p.add_argument("--trials", type=int, default=None)
         p.add_argument("--graph-iters", type=int, default=5)
         p.add_argument("--seed", type=int, default=0)

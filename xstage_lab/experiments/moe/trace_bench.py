@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from ...cli import list_option
 from ...dist_timing import TIMING_METHOD
 from ...ops.moe.combine import SymmetricCombine
 from ...ops.moe.fused import prepare_fused_moe
@@ -71,10 +72,6 @@ from .trace_steps import (CELL, TRACED_WARMUP, Step, TracedCell, check_d_sweep, 
 DEFAULT_K_FRACTIONS = (1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125)
 DEFAULT_D_SWEEP = ("DiT-MoE", "Qwen3.5", "DeepSeek-V4-Flash")
 DEFAULT_D_FACTORS = (0.25, 0.5, 1, 2, 4, 8)
-
-
-def _names(text: str) -> list[str]:
-    return [x for x in text.split(",") if x]
 
 
 def regression_cells(paths, limit: int, shapes) -> list[dict]:
@@ -164,41 +161,37 @@ class MoETrace(Experiment):
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         shapes = load_shapes()
-        p.add_argument("--models", default=",".join(shapes))
-        p.add_argument("--local-models", default=None,
-                       help="shapes that also get the local-store control (default: --models)")
-        p.add_argument("--d-sweep-models", default=",".join(DEFAULT_D_SWEEP))
-        p.add_argument("--d-factors", default=",".join(str(f) for f in DEFAULT_D_FACTORS))
+        p.add_argument("--models", **list_option(default=list(shapes)))
+        p.add_argument("--local-models", **list_option(
+            default=None, nargs="*",
+            help="shapes that also get the local-store control (default: --models)"))
+        p.add_argument("--d-sweep-models", **list_option(default=list(DEFAULT_D_SWEEP), nargs="*",
+                                                         help="none: no D sweep"))
+        p.add_argument("--d-factors", **list_option(float, default=[float(f) for f in
+                                                                    DEFAULT_D_FACTORS]))
         p.add_argument("--precision", default="fp8", choices=PRECISIONS)
         p.add_argument("--routing", default="skewed", choices=ROUTINGS)
         p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-        p.add_argument("--regressions", type=Path, nargs="+", default=[],
-                       help="moe_bench JSON outputs or moe records: trace both schedules of every "
-                            "cell whose speedup is below 1 (the worst --max-regressions), for "
-                            "measured causes")
+        p.add_argument("--regressions", **list_option(
+            Path, default=[], help="moe_bench JSON outputs or moe records: trace both schedules "
+                                   "of every cell whose speedup is below 1 (the worst "
+                                   "--max-regressions), for measured causes"))
         p.add_argument("--max-regressions", type=int, default=24)
         p.add_argument("--samples", type=int, default=2000,
                        help="Linear-2 tiles kept per traced launch")
         p.add_argument("--bins", type=int, default=200, help="time bins of the activity time line")
-        p.add_argument("--knee-models", default="",
-                       help="comma list of shapes for the knee sweep: a SYNTHETIC kernel "
-                            "(gluon_ws) that runs a fraction of every mainloop's K blocks and "
-                            "keeps every Combine store, never the MoE layer")
-        p.add_argument("--k-fractions", default=",".join(str(f) for f in DEFAULT_K_FRACTIONS),
-                       help="the knee sweep's fractions of K blocks")
+        p.add_argument("--knee-models", **list_option(
+            default=[], nargs="*",
+            help="shapes for the knee sweep: a SYNTHETIC kernel (gluon_ws) that runs a fraction of "
+                 "every mainloop's K blocks and keeps every Combine store, never the MoE layer"))
+        p.add_argument("--k-fractions", **list_option(float, default=list(DEFAULT_K_FRACTIONS),
+                                                      help="the knee sweep's fractions of K blocks"))
         add_layer_arguments(p)
 
     def check_args(self, a: argparse.Namespace) -> None:
         shapes = load_shapes()
-        a.models = _names(a.models)
-        a.local_models = a.models if a.local_models is None else _names(a.local_models)
-        a.d_sweep_models, a.knee_models = _names(a.d_sweep_models), _names(a.knee_models)
-        try:
-            a.d_factors = [float(f) for f in a.d_factors.split(",") if f]
-            a.k_fractions = sorted({float(f) for f in a.k_fractions.split(",") if f}, reverse=True)
-        except ValueError:
-            raise ValueError(f"--d-factors and --k-fractions must list numbers, got "
-                             f"{a.d_factors!r}, {a.k_fractions!r}") from None
+        a.local_models = a.models if a.local_models is None else a.local_models
+        a.k_fractions = sorted(set(a.k_fractions), reverse=True)
         if any(not 0 < f <= 1 for f in a.k_fractions):
             raise ValueError("--k-fractions must lie in (0, 1]")
         if a.knee_models and a.kernel == "triton":

@@ -30,6 +30,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from ...cli import list_option
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment
@@ -174,14 +175,15 @@ class KernelVersions(Experiment):
     links = ("local",)  # one GPU, its own memory
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("--variant", action="append", default=[], metavar="NAME=FILE.py",
-                       help="another version of kernels/flash_attention_ws.py")
+        p.add_argument("--variant", **list_option(
+            default=[], metavar="NAME=FILE.py",
+            help="other versions of kernels/flash_attention_ws.py"))
         p.add_argument("--builds", action="store_true",
                        help="compare each variant's LOCAL, REMOTE and FENCED builds, not the "
                             "kernels")
-        p.add_argument("--shapes", nargs="+", metavar="D:H:M", default=None,
-                       help="head dim, local heads and sequence length of each shape (default: "
-                            "the comparison's record's)")
+        p.add_argument("--shapes", **list_option(
+            parse_shape, metavar="D:H:M", help="head dim, local heads and sequence length of "
+                                               "each shape (default: the comparison's record's)"))
         p.add_argument("--seed", type=int, default=None, help="inputs (default: the record's)")
         p.add_argument("--check-max-seq", type=int, default=16384,
                        help="shapes up to this M are checked against float32 before timing")
@@ -192,8 +194,7 @@ class KernelVersions(Experiment):
         args.variant = parse_variants(args.variant, COMMITTED, ".py")
         if not args.variant:
             raise ValueError("name at least one --variant to compare with the committed kernel")
-        args.shapes = (DEFAULT_SHAPES[args.builds] if args.shapes is None
-                       else [parse_shape(s) for s in args.shapes])
+        args.shapes = DEFAULT_SHAPES[args.builds] if args.shapes is None else args.shapes
         args.seed = DEFAULT_SEED[args.builds] if args.seed is None else args.seed
         if args.trials < 1 or args.graph_iters < 1:
             raise ValueError(f"--trials and --graph-iters must be >= 1, got {args.trials} and "

@@ -28,6 +28,7 @@ import sys
 
 import pandas as pd
 
+from ...cli import list_option
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment
@@ -58,10 +59,11 @@ class IssueTimeProbe(Experiment):
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="rounds of every point")
-        p.add_argument("--burst-kib", type=int, nargs="+", default=list(DEFAULT_BURST_KIB),
-                       help="burst sizes B per producer, KiB")
-        p.add_argument("--variant", action="append", default=[], metavar="NAME=FILE.cu",
-                       help="burst_gap built from a patched copy of kernels/remote_store_burst.cu")
+        p.add_argument("--burst-kib", **list_option(int, default=list(DEFAULT_BURST_KIB),
+                                                    help="burst sizes B per producer, KiB"))
+        p.add_argument("--variant", **list_option(
+            default=[], metavar="NAME=FILE.cu",
+            help="burst_gap built from a patched copy of kernels/remote_store_burst.cu"))
 
     def check_args(self, args: argparse.Namespace) -> None:
         args.variant = parse_variants(args.variant, (), ".cu")

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ...checks import poisoned
+from ...cli import list_option
 from ...dist_timing import all_gather_objects
 from ...sweep import Sweep
 from .. import harness
@@ -85,8 +86,9 @@ class LinkProbe(Experiment):
         p.add_argument("--head-dim", type=int, default=128, choices=att.HEAD_DIMS,
                        help="head dim d")
         p.add_argument("--heads", type=int, default=24, help="total heads H (divisible by P)")
-        p.add_argument("--periods-us", type=float, nargs="+", default=list(DEFAULT_PERIODS_US),
-                       help="the trickle's periods in µs, one store of 16 bytes each")
+        p.add_argument("--periods-us", **list_option(
+            float, default=list(DEFAULT_PERIODS_US),
+            help="the trickle's periods in µs, one store of 16 bytes each"))
         p.add_argument("--window-s", type=float, default=2.5, help="timed seconds per window")
         p.add_argument("--settle-s", type=float, default=1.0,
                        help="untimed seconds of the same setting before each window (at least "

@@ -33,6 +33,7 @@ import pandas as pd
 
 from ...analysis.remote_store.characterization import Characterization, write_calibration
 from ...calibration import BenchSettings, link_settings
+from ...cli import list_option
 from ...ops.remote_store.burst import (ALIGNS, BURST_RESOLUTION, HOST, KIB, LINES, PATHS,
                                        RemoteStoreBench, check_gpus)
 from ...platform import LINKS, LinkError, inventory
@@ -159,8 +160,8 @@ class BurstGapCharacterization(Experiment):
         p.add_argument("--repeats", type=int, default=11)
         p.add_argument("--src", type=int, default=0)
         p.add_argument("--dst", type=int, default=1)
-        p.add_argument("--only", default=None,
-                       help=f"comma list of the sweeps to run, of {list(SWEEP_NAMES)}")
+        p.add_argument("--only", **list_option(choices=SWEEP_NAMES, default=None,
+                                               help="the sweeps to run (default: all)"))
         p.set_defaults(settings=None)  # run_characterization may pass others
 
     def check_args(self, a) -> None:
@@ -168,11 +169,6 @@ class BurstGapCharacterization(Experiment):
             raise ValueError(f"--link must be one of {list(LINKS)}, got {a.link!r}")
         if a.settings is None:
             a.settings = link_settings(a.link)
-        if a.only is not None:
-            a.only = tuple(x for x in a.only.split(",") if x)
-            bad = [x for x in a.only if x not in SWEEP_NAMES]
-            if bad or not a.only:
-                raise ValueError(f"--only: unknown sweeps {bad}; choose from {list(SWEEP_NAMES)}")
         if a.repeats < 1:
             raise ValueError("--repeats must be >= 1")
 
