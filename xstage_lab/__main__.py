@@ -222,7 +222,7 @@ def _reproduce(args) -> int:
 
         inv = inventory()
         if not inv.gpus:
-            raise UsageError(f"--backend cuda needs a GPU; this machine has none"
+            raise UsageError("--backend cuda needs a GPU; this machine has none"
                              + (f" ({inv.error})" if inv.error else ""))
     return reproduce(only=args.only, backend=args.backend, out=args.out)
 
