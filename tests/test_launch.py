@@ -123,7 +123,8 @@ def test_the_plan_per_inventory():
     host = [("remote_store", "host"), ("moe_host", "host")]
     assert _live(launch.plan("auto", inv=inv(1))) == host
     assert _live(launch.plan("cuda", inv=inv(1))) == [("remote_store", "host"),
-                                                      ("moe_kernel", "local"), ("moe_host", "host")]
+                                                      ("moe_kernel", "local"), ("moe_host", "host"),
+                                                      ("moe_layer", "local")]
     assert _live(launch.plan("auto", inv=inv(1, maps_host=False))) == []
     for backend in ("auto", "cuda"):
         assert _live(launch.plan(backend, inv=inv(2, "all"))) == every
@@ -179,7 +180,7 @@ def test_one_gpu_measures_the_host_link_with_its_forecast_first(tmp_path, monkey
     written.clear()
     launch.measure_all(root=tmp_path)
     assert [w[0] for w in written] == ["remote_store", "moe_kernel", "moe_host_forecast",
-                                       "moe_host"]
+                                       "moe_host", "moe_layer"]
     assert capsys.readouterr().out.startswith("not measured here: remote_store over nvlink, "
                                               "visibility over nvlink, ")
     with pytest.raises(ValueError, match="fa_a2a cannot run here: the nvlink link needs two "

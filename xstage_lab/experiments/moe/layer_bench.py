@@ -334,6 +334,7 @@ class MoELayer(Experiment):
     paper = "§4.2, §5.2; issue 27"
     launch = "in_process"
     optional = True  # a platform without a layer run shows nothing of it
+    in_measure_all = True  # notebook 03 draws it: reproduce measures what measure-all does
     links = ("local",)  # one GPU, its own memory
 
     @classmethod
