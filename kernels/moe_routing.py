@@ -200,7 +200,7 @@ def route_gather(arrival_rows, n_arrivals_ptr, x, x_scale, x_rows, x_rows_scale,
                  BLOCK_H: tl.constexpr):
     """Program ``(r, h)``: arrivals ``r ROWS ..`` and columns ``h SLAB ..`` of the activations,
     ``x_rows[arrival_rows[i]] = x[i // TOP_K]`` at EP = 1, ``x[i]`` for an EP rank (the Dispatch
-    layout's data movement, at the HBM rate; every program independent). ``QUANTIZE``: bf16 ``x``
+    layout's data movement; every program independent). ``QUANTIZE``: bf16 ``x``
     to e4m3 with one fp32 scale per 1 x 128 block (``x_rows_scale``), as
     ``weights.quantize_rows_fp8``; ``COPY_SCALES``: ``x`` already e4m3 (bytes) with ``x_scale``."""
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
