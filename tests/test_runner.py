@@ -42,7 +42,7 @@ def test_one_gpu_plan_measures_the_host_link_live_and_the_index_says_so(
     assert "replayed: remote_store over nvlink, visibility over nvlink, remote_patterns over " \
            "nvlink, remote_ops over nvlink, fa_a2a over nvlink, moe over nvlink, moe_trace over " \
            "nvlink, fa_trace over nvlink (the nvlink link needs two peer-capable GPUs" in out
-    assert "replayed: moe_kernel on one GPU (no two peer-capable GPUs" in out
+    assert "replayed: moe_kernel on one GPU, moe_layer on one GPU (no two peer-capable GPUs" in out
     # every notebook resolves auto itself, per experiment and link
     assert [p["backend"] for _, p in stub_notebooks] == ["auto"] * len(runner.notebooks())
     index = (tmp_path / "index.html").read_text()
@@ -64,7 +64,7 @@ def test_cuda_on_one_gpu_measures_what_one_gpu_can(stub_notebooks, monkeypatch, 
     monkeypatch.setattr("xstage_lab.platform.inventory", lambda: inv(1))
     assert runner.reproduce(backend="cuda", out=tmp_path, only=["remote_store_characterization"]) == 0
     out = capsys.readouterr().out
-    assert "measured live: moe_kernel on one GPU (measuring live on one GPU, no link" in out
+    assert "measured live: moe_kernel on one GPU, moe_layer on one GPU (measuring live on one GPU, no link" in out
     assert "replayed: remote_store over nvlink, " in out
     assert [p["backend"] for _, p in stub_notebooks] == ["cuda"]
 
