@@ -11,11 +11,20 @@ first, so that the workers finish together.
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+
+# One thread per xdist worker for torch's OpenMP and NumPy's BLAS, and for the children the tests
+# start (notebook kernels, interpreter runs), which inherit it: the workers already take a core
+# each, and threads more than cores only wait, spinning (a torch test beside another worker took
+# seven times its CPU time). Set before any test module imports torch.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
