@@ -5,5 +5,15 @@ kernel records (``kernel_view``) and layer records (``layer_view``), and the EP 
 The record vocabulary the kernels write, without importing them: a tile table entry's ``kind``
 (``L1``: Linear-1, ``L2``: Linear-2) and the precisions (``ops.moe`` holds the same values; a test
 keeps them equal)."""
+import pandas as pd
+
 L1, L2 = 0, 1
 PRECISIONS = ("bf16", "fp8")
+
+
+def newest_per_cell(records, cell: list[str]):
+    """The rows of ``records`` (oldest first) with every ``cell`` once, a later record's row
+    winning, in cell order: a matrix measured in several records (chunks, runs)."""
+    rows = pd.concat([r.table for r in records], ignore_index=True)
+    return rows.drop_duplicates(cell, keep="last").sort_values(cell, kind="stable") \
+        .reset_index(drop=True)

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from ...loading import read, record_paths
+from . import newest_per_cell
 from ...records import RECORDS_DIR, Record
 
 CELL = ["model", "precision", "routing", "tokens", "host_share"]
@@ -34,9 +35,7 @@ class HostView:
     @property
     def table(self) -> pd.DataFrame:
         """Every cell once (a later record's row wins), in the run's cell order."""
-        rows = pd.concat([r.table for r in self.records], ignore_index=True)
-        return rows.drop_duplicates(CELL, keep="last").sort_values(CELL, kind="stable") \
-            .reset_index(drop=True)
+        return newest_per_cell(self.records, CELL)
 
     @property
     def forecast_record(self) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from ...loading import read, record_paths
+from . import newest_per_cell
 from ...records import RECORDS_DIR, Record
 
 CELL = ["model", "precision", "setting", "tokens"]
@@ -44,9 +45,7 @@ class LayerView:
     @property
     def table(self) -> pd.DataFrame:
         """Every cell once (a later record's row wins), in cell order."""
-        rows = pd.concat([r.table for r in self.records], ignore_index=True)
-        return rows.drop_duplicates(CELL, keep="last").sort_values(CELL, kind="stable") \
-            .reset_index(drop=True)
+        return newest_per_cell(self.records, CELL)
 
 
 def layer_view(platform: str, root: Path = RECORDS_DIR) -> LayerView:
