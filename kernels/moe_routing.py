@@ -23,8 +23,9 @@ Five launches, each a pass the next one needs complete:
                        arrival), its padded row, ``row_src``/``row_slot``;
   ``route_gather``     per block of arrivals and slab of columns: the arrival's activation row
                        moved into the layout (at EP = 1 in FP8 quantized per 1 x 128 here);
-  ``route_tiles``      per row block: ``row_slot = -1`` on its padding rows, and its Linear-1 and
-                       Linear-2 tiles written into both tables at their closed-form positions.
+  ``route_tiles``      per row block: its fused-kernel counter zeroed, ``row_slot = -1`` on its
+                       padding rows, and its Linear-1 and Linear-2 tiles written into both tables
+                       at their closed-form positions.
 
 Tile positions (``G`` programs, ``P_1``/``P_2`` tiles per row block, ``n_1``/``n_2`` the streams'
 lengths). Expert-Wave: the merged stream holds, per wave of row blocks ``[lo, hi)``, its Linear-1
@@ -107,13 +108,20 @@ def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, expe
     es = tl.arange(0, E_PAD)
     in_e = es < NUM_EXPERTS
     carry = tl.zeros([E_PAD], dtype=tl.int32)
+    # each step loads the next rows of counts before it scans its own: the loads' latency, not
+    # the scan, sets a step's time
+    cs = tl.arange(0, CHUNK_ROWS)
+    offs = cs[:, None] * NUM_EXPERTS + es[None, :]
+    mask = (cs < chunks)[:, None] & in_e[None, :]
+    h = tl.load(chunk_counts + offs, mask=mask, other=0)
     for c0 in range(0, chunks, CHUNK_ROWS):
-        cs = c0 + tl.arange(0, CHUNK_ROWS)
-        offs = cs[:, None] * NUM_EXPERTS + es[None, :]
-        mask = (cs < chunks)[:, None] & in_e[None, :]
-        h = tl.load(chunk_counts + offs, mask=mask, other=0)
+        cs_next = c0 + CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
+        offs_next = cs_next[:, None] * NUM_EXPERTS + es[None, :]
+        mask_next = (cs_next < chunks)[:, None] & in_e[None, :]
+        h_next = tl.load(chunk_counts + offs_next, mask=mask_next, other=0)
         tl.store(chunk_start + offs, carry[None, :] + tl.cumsum(h, axis=0) - h, mask=mask)
         carry += tl.sum(h, axis=0)
+        h, offs, mask = h_next, offs_next, mask_next
     blocks = (carry + BLOCK_M - 1) // BLOCK_M
     last_block = tl.cumsum(blocks, axis=0)  # inclusive: one past each expert's last row block
     first_block = last_block - blocks
@@ -125,10 +133,10 @@ def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, expe
     # whose blocks since s reach WAVE_MIN_L1 / P1, if row blocks remain after it; else at the last
     # expert. next(s), the start after s, for every s at once; the starts are the orbit of 0
     # under next, found by binary lifting over next's powers (log E passes, not one per wave)
-    tl.debug_barrier()  # expert_offsets above, read back by every thread below
     for s0 in range(0, E_PAD, S_BLOCK):
         ss = s0 + tl.arange(0, S_BLOCK)
-        lo = tl.load(expert_offsets + ss, mask=ss < NUM_EXPERTS, other=0) // BLOCK_M
+        # first_block[ss] from registers: a load would wait on the stores above at every step
+        lo = tl.sum(tl.where(es[None, :] == ss[:, None], first_block[None, :], 0), axis=1)
         short = (in_e[None, :] & (es[None, :] >= ss[:, None])
                  & ((last_block[None, :] - lo[:, None]) * P1 < WAVE_MIN_L1))
         e_fill = ss + tl.sum(short.to(tl.int32), axis=1)
@@ -249,14 +257,16 @@ def _store_entries(at, kind: tl.constexpr, expert, row_block, n_block, mask):
 
 @triton.jit
 def route_tiles(expert_counts, expert_offsets, wave_lo, wave_hi, meta, row_src, row_slot,
-                wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES,
+                row_ready, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES,
                 BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr):
-    """Row block ``p`` (one program each, up to the row blocks' bound): its expert ``e(p)``
+    """Row block ``p`` (one program each, up to the row blocks' bound): the fused kernel's
+    counter ``row_ready[p]`` zeroed (its Linear-1 tiles count into it); its expert ``e(p)``
     (``first_row[e] <= p * BLOCK_M < first_row[e] + blocks[e] * BLOCK_M``), ``row_slot = -1`` and
     ``row_src = 0`` on its rows past the expert's count, and its ``P1`` Linear-1 and ``P2``
     Linear-2 entries ``(kind, e(p), p, n)`` in the Expert-Wave table ``wave_tiles`` and the
     Interleaved table ``inter_tiles`` (int32 ``[G, MAX_TILES, 4]``) at their positions."""
     p = tl.program_id(0)
+    tl.store(row_ready + p, 0)
     row_blocks = tl.load(meta + META_ROW_BLOCKS)
     if p < row_blocks:
         es = tl.arange(0, E_PAD)

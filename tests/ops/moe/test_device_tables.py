@@ -40,7 +40,9 @@ def case_ep1(model: str, precision: str, tokens: int, routing: str, programs: in
     x = torch.randn(tokens, shape.hidden, generator=torch.Generator().manual_seed(seed))
     x = x.to(torch.bfloat16)
     tables = allocate_tables(bounds, shape.hidden, precision, "cpu")
+    tables.row_ready.fill_(7)  # a launch's counts: the routing zeroes them for the next launch
     route_to_tables(tables, topk_ids.reshape(-1), x, top_k=topk_ids.shape[1])
+    assert not tables.row_ready.any()
     rows = x.repeat_interleave(topk_ids.shape[1], dim=0)
     xq, xs = quantize_rows_fp8(rows) if precision == "fp8" else (rows, None)
     host = host_tables(bounds, topk_ids.reshape(-1), xq, xs)
@@ -80,10 +82,12 @@ def case_ep_rank(model: str, precision: str, world: int, per_source: int, progra
         return out
 
     tables = allocate_tables(bounds, shape.hidden, precision, "cpu")
+    tables.row_ready.fill_(7)
     route_to_tables(tables, padded(expert.int(), 7), padded(xq.view(torch.uint8), 0).view(xq.dtype),
                     None if xs is None else padded(xs, 1.0),
                     n_arrivals=torch.tensor([n], dtype=torch.int32),
                     arrival_src=padded(src.int(), 9), arrival_slot=padded(slot.int(), 9))
+    assert not tables.row_ready.any()
     host = host_tables(bounds, expert, xq, xs, arrival_src=src, arrival_slot=slot)
     bad = table_mismatches(tables, host)
     assert not bad, bad
@@ -162,7 +166,7 @@ def _compile_sm90(name: str) -> dict:
                               SLAB=1024, BLOCK_H=128)),
         "route_tiles": ({**{k: ptr for k in ("expert_counts", "expert_offsets", "wave_lo",
                                              "wave_hi", "meta", "row_src", "row_slot",
-                                             "wave_tiles", "inter_tiles")},
+                                             "row_ready", "wave_tiles", "inter_tiles")},
                          **{k: i for k in ("NUM_EXPERTS", "G", "P1", "P2", "LEAD",
                                            "MAX_TILES")}},
                         dict(BLOCK_M=128, E_PAD=256, P_PAD=16)),

@@ -7,13 +7,46 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import triton
 
+from ...kernel_sources import load_kernel_module
 from ...platform import ALIGN_BYTES, check_mapped_host, symmetric_buffer
+from ..launcher import Launcher
 from .shapes import MoEContractError
 
 
+WEIGHTED_SUM_BLOCK_H = 1024  # columns per program of kernels/moe_combine.py: 16-byte accesses
+_WEIGHTED_SUM: dict[int, Launcher] = {}  # top_k -> its launcher
+
+
 def combine_weighted_sum(combine_rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """The end of Combine on the source rank: ``out[t] = sum_j w[t, j] * rows[t * k + j]`` in fp32."""
+    """The end of Combine on the source rank: ``out[t] = sum_j w[t, j] * rows[t * k + j]`` in
+    fp32, one bf16 rounding (``kernels/moe_combine.py``; on CPU tensors outside the interpreter
+    ``weighted_sum_reference``). ``combine_rows`` bf16 ``[>= T k, H]``, ``topk_weights`` float
+    ``[T, k]``, both on one device. Returns bf16 ``[T, H]``."""
+    t, k = topk_weights.shape
+    if combine_rows.dtype != torch.bfloat16 or combine_rows.dim() != 2 or \
+            combine_rows.shape[0] < t * k:
+        raise MoEContractError(f"Combine rows must be bf16 [>= {t * k}, H], got "
+                               f"{combine_rows.dtype} {list(combine_rows.shape)}")
+    if not topk_weights.is_floating_point() or combine_rows.device != topk_weights.device:
+        raise MoEContractError("topk_weights must be floating point, on the rows' device")
+    launch = _WEIGHTED_SUM.get(k)
+    if launch is None:
+        launch = _WEIGHTED_SUM[k] = Launcher(load_kernel_module("moe_combine").weighted_sum,
+                                             TOP_K=k, BLOCK_H=WEIGHTED_SUM_BLOCK_H)
+    if combine_rows.device.type != "cuda" and not launch.interpreted:
+        return weighted_sum_reference(combine_rows, topk_weights)
+    hidden = combine_rows.shape[1]
+    out = torch.empty(t, hidden, dtype=torch.bfloat16, device=combine_rows.device)
+    if t:
+        launch((t, triton.cdiv(hidden, WEIGHTED_SUM_BLOCK_H)), rows=combine_rows.contiguous(),
+               weights=topk_weights.contiguous(), out=out, HIDDEN=hidden)
+    return out
+
+
+def weighted_sum_reference(combine_rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The reference of ``combine_weighted_sum``: the same sum by torch ops in fp32."""
     t, k = topk_weights.shape
     rows = combine_rows[: t * k].view(t, k, -1).float()
     return (rows * topk_weights[..., None].float()).sum(dim=1).to(torch.bfloat16)

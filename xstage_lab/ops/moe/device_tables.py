@@ -8,13 +8,14 @@ host schedules (``schedules.expert_wave_schedule``, ``interleaved_schedule``, ``
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import triton
 
 from ...kernel_sources import load_kernel_module
+from ..launcher import Launcher
 from .dispatch import DispatchLayout, build_layout
 from .schedules import (WAVE_FILL, MoEProblem, expert_wave_schedule, interleaved_schedule,
                         tile_table)
@@ -22,7 +23,7 @@ from .shapes import FP8_SCALE_BLOCK, MoEContractError
 from .tiles import TileConfig
 
 CHUNK = 128        # arrivals per program of the histogram and scatter passes
-CHUNK_ROWS = 16    # chunks per step of route_offsets' scan
+SCAN_TILE = 8192   # counts (chunks x experts) per step of route_offsets' scan, 16 chunks at least
 WAVE_S_BLOCK = 16  # wave starts per step of route_offsets' next-start pass
 GATHER_ROWS = 32   # arrivals per program of the activation gather ...
 GATHER_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of arrivals
@@ -102,7 +103,10 @@ class DeviceTables:
     x_scale: torch.Tensor | None   # fp32 [rows, H / 128] (fp8)
     tiles: dict                    # schedule -> int32 [G, max_tiles, 4]
     num_tiles: dict                # schedule -> int32 [G]
+    row_ready: torch.Tensor        # int32 [row blocks]: the fused kernel's Linear-1 counters
     error: torch.Tensor            # int32 [1]: ids out of range (and the kernel's spin flag)
+    # (received, quantize) -> RoutingLaunches, bound on first use
+    launches: dict = field(default_factory=dict, repr=False)
 
     @property
     def row_blocks(self) -> torch.Tensor:
@@ -127,7 +131,7 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
         (torch.zeros(bounds.rows, hidden // FP8_SCALE_BLOCK, dtype=torch.float32, device=dev)
          if precision == "fp8" else None),
         {s: torch.zeros(g, bounds.max_tiles, 4, **i32) for s in SCHEDULES},
-        {s: torch.zeros(g, **i32) for s in SCHEDULES},
+        {s: torch.zeros(g, **i32) for s in SCHEDULES}, torch.zeros(bounds.row_blocks, **i32),
         torch.zeros(1, **i32) if error is None else error)
 
 
@@ -144,7 +148,8 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
                     x_scale: torch.Tensor | None = None, *, top_k: int = 1,
                     n_arrivals: torch.Tensor | None = None, arrival_src: torch.Tensor | None = None,
                     arrival_slot: torch.Tensor | None = None) -> None:
-    """Rewrite ``tables`` for one call, on ``x``'s stream, without a host sync.
+    """Rewrite ``tables`` for one call, on the current stream, without a host sync; the row
+    counters ``tables.row_ready`` zeroed for the fused kernel.
 
     EP = 1 (``n_arrivals`` None): ``expert_ids`` is ``topk_ids.reshape(-1)`` (``T * top_k <=
     capacity`` arrivals, slot ``i``, source 0) and ``x`` the bf16 tokens ``[T, H]``; in fp8 the
@@ -155,42 +160,72 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
     ``tables.error`` and get no row. Shapes and dtypes are the caller's contract (``FusedMoE``
     checks them)."""
     b = tables.bounds
-    kernels = load_kernel_module("moe_routing")
     received = n_arrivals is not None
+    quantize = tables.x.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
+    launch = tables.launches.get((received, quantize))
+    if launch is None:
+        launch = tables.launches[received, quantize] = RoutingLaunches(tables, received, quantize)
     capacity = b.capacity if received else expert_ids.numel()
-    grid = (triton.cdiv(capacity, CHUNK),)
+    chunks = (triton.cdiv(capacity, CHUNK),)
     n_ptr = n_arrivals if received else tables.meta  # EP = 1 reads no count: any pointer
-    hidden = x.shape[1]
-    e_pad = _pow2(b.num_experts)
-    kernels.route_histogram[grid](expert_ids, n_ptr, tables.chunk_counts, tables.error, capacity,
-                                  b.num_experts, RECEIVED=received, E_PAD=e_pad, CHUNK=CHUNK)
-    kernels.route_offsets[(1,)](
-        tables.chunk_counts, tables.chunk_start, n_ptr, tables.expert_counts,
-        tables.expert_offsets, tables.wave_lo, tables.wave_hi, tables.wave_jumps, tables.meta,
-        tables.num_tiles["wave"], tables.num_tiles["interleaved"], capacity, b.num_experts,
-        b.num_programs, b.l1_n_blocks, b.l2_n_blocks, WAVE_FILL * b.num_programs,
-        RECEIVED=received, BLOCK_M=b.block_m, E_PAD=e_pad, G_PAD=_pow2(b.num_programs),
-        CHUNK=CHUNK, CHUNK_ROWS=CHUNK_ROWS, S_BLOCK=min(WAVE_S_BLOCK, e_pad),
-        JUMP_LEVELS=tables.wave_jumps.shape[0], JUMP_STRIDE=tables.wave_jumps.shape[1],
-        JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
-    kernels.route_scatter[grid](
-        expert_ids, arrival_src if received else expert_ids,
-        arrival_slot if received else expert_ids, n_ptr, tables.chunk_start,
-        tables.expert_offsets, tables.arrival_rows, tables.row_src, tables.row_slot, capacity,
-        b.num_experts, RECEIVED=received, CHUNK=CHUNK)
-    fp8 = tables.x.dtype == torch.float8_e4m3fn
-    quantize = fp8 and x.dtype == torch.bfloat16
-    as_bytes = (lambda t: t.view(torch.uint8)) if fp8 and not quantize else (lambda t: t)
-    kernels.route_gather[(triton.cdiv(capacity, GATHER_ROWS), triton.cdiv(hidden, GATHER_SLAB))](
-        tables.arrival_rows, n_ptr, as_bytes(x), x_scale if x_scale is not None else tables.meta,
-        as_bytes(tables.x), tables.x_scale if fp8 else tables.meta, capacity, hidden, top_k,
-        RECEIVED=received, QUANTIZE=quantize, COPY_SCALES=fp8 and not quantize,
-        ROWS=GATHER_ROWS, SLAB=GATHER_SLAB, BLOCK_H=FP8_SCALE_BLOCK)
-    kernels.route_tiles[(b.row_blocks,)](
-        tables.expert_counts, tables.expert_offsets, tables.wave_lo, tables.wave_hi, tables.meta,
-        tables.row_src, tables.row_slot, tables.tiles["wave"], tables.tiles["interleaved"],
-        b.num_experts, b.num_programs, b.l1_n_blocks, b.l2_n_blocks, b.lead_rows, b.max_tiles,
-        BLOCK_M=b.block_m, E_PAD=e_pad, P_PAD=_pow2(max(b.l1_n_blocks, b.l2_n_blocks)))
+    launch.histogram(chunks, expert_ids=expert_ids, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
+    launch.offsets((1,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
+    launch.scatter(chunks, expert_ids=expert_ids,
+                   arrival_src=arrival_src if received else expert_ids,
+                   arrival_slot=arrival_slot if received else expert_ids, n_arrivals_ptr=n_ptr,
+                   CAPACITY=capacity)
+    copy_bytes = tables.x_scale is not None and not quantize  # e4m3 rows moved as bytes
+    launch.gather((triton.cdiv(capacity, GATHER_ROWS), launch.slabs), n_arrivals_ptr=n_ptr,
+                  x=x.view(torch.uint8) if copy_bytes else x,
+                  x_scale=x_scale if x_scale is not None else tables.meta, CAPACITY=capacity,
+                  TOP_K=top_k)
+    launch.tiles((b.row_blocks,))
+
+
+class RoutingLaunches:
+    """The five routing launches over one ``DeviceTables``, their static arguments bound once
+    (``launcher.Launcher``): per call only the router's output, the activations and the
+    arrivals' count change. ``received``: an EP rank's arrivals; ``quantize``: bf16 activations
+    to e4m3 tables."""
+
+    def __init__(self, tables: DeviceTables, received: bool, quantize: bool):
+        k = load_kernel_module("moe_routing")
+        b, t = tables.bounds, tables
+        e_pad = _pow2(b.num_experts)
+        hidden = t.x.shape[1]
+        fp8 = t.x_scale is not None
+        self.slabs = triton.cdiv(hidden, GATHER_SLAB)
+        self.histogram = Launcher(k.route_histogram, chunk_counts=t.chunk_counts, error=t.error,
+                                  NUM_EXPERTS=b.num_experts, RECEIVED=received, E_PAD=e_pad,
+                                  CHUNK=CHUNK)
+        self.offsets = Launcher(
+            k.route_offsets, chunk_counts=t.chunk_counts, chunk_start=t.chunk_start,
+            expert_counts=t.expert_counts, expert_offsets=t.expert_offsets, wave_lo=t.wave_lo,
+            wave_hi=t.wave_hi, wave_jumps=t.wave_jumps, meta=t.meta,
+            wave_num_tiles=t.num_tiles["wave"], inter_num_tiles=t.num_tiles["interleaved"],
+            NUM_EXPERTS=b.num_experts, G=b.num_programs, P1=b.l1_n_blocks, P2=b.l2_n_blocks,
+            WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received, BLOCK_M=b.block_m,
+            E_PAD=e_pad, G_PAD=_pow2(b.num_programs), CHUNK=CHUNK,
+            CHUNK_ROWS=max(16, SCAN_TILE // e_pad),
+            S_BLOCK=min(WAVE_S_BLOCK, e_pad), JUMP_LEVELS=t.wave_jumps.shape[0],
+            JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
+        self.scatter = Launcher(k.route_scatter, chunk_start=t.chunk_start,
+                                expert_offsets=t.expert_offsets, arrival_rows=t.arrival_rows,
+                                row_src=t.row_src, row_slot=t.row_slot,
+                                NUM_EXPERTS=b.num_experts, RECEIVED=received, CHUNK=CHUNK)
+        self.gather = Launcher(
+            k.route_gather, arrival_rows=t.arrival_rows,
+            x_rows=t.x.view(torch.uint8) if fp8 and not quantize else t.x,
+            x_rows_scale=t.x_scale if fp8 else t.meta, HIDDEN=hidden, RECEIVED=received,
+            QUANTIZE=quantize, COPY_SCALES=fp8 and not quantize, ROWS=GATHER_ROWS,
+            SLAB=GATHER_SLAB, BLOCK_H=FP8_SCALE_BLOCK)
+        self.tiles = Launcher(
+            k.route_tiles, expert_counts=t.expert_counts, expert_offsets=t.expert_offsets,
+            wave_lo=t.wave_lo, wave_hi=t.wave_hi, meta=t.meta, row_src=t.row_src,
+            row_slot=t.row_slot, row_ready=t.row_ready, wave_tiles=t.tiles["wave"],
+            inter_tiles=t.tiles["interleaved"], NUM_EXPERTS=b.num_experts, G=b.num_programs,
+            P1=b.l1_n_blocks, P2=b.l2_n_blocks, LEAD=b.lead_rows, MAX_TILES=b.max_tiles,
+            BLOCK_M=b.block_m, E_PAD=e_pad, P_PAD=_pow2(max(b.l1_n_blocks, b.l2_n_blocks)))
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from ...kernel_sources import load_kernel_module
+from ..launcher import Launcher
 from .combine import CombinePeers, combine_weighted_sum, local_combine_peers
 from .device_tables import SCHEDULES, TableBounds, allocate_tables, route_to_tables
 from .fused import DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, kernel_launch
@@ -69,7 +70,6 @@ class MoEWorkspace:
         self.h = torch.empty(rows, inter, dtype=self.tables.x.dtype, device=device)
         self.h_scale = (torch.empty(rows, inter // FP8_SCALE_BLOCK, dtype=torch.float32,
                                     device=device) if weights.precision == "fp8" else None)
-        self.row_ready = torch.zeros(self.bounds.row_blocks, dtype=torch.int32, device=device)
         # never instrumented: one element stands in for the trace pointer
         self.trace = torch.full((1,), -1, dtype=torch.int64, device=device)
         self.max_spin_iters = max_spin_iters
@@ -85,22 +85,26 @@ class MoEWorkspace:
         """``device_tables.route_to_tables`` into this workspace's tables."""
         route_to_tables(self.tables, expert_ids, x, x_scale, **received)
 
-    def launch(self, schedule: str, peers: CombinePeers) -> None:
+    def launch(self, schedule: str, peers: CombinePeers, *, routed: bool = False) -> None:
         """The fused kernel over the tables of ``schedule`` (routed first), storing each row into
-        ``peers``' buffer of its source at its slot: the counters zeroed, then one launch."""
+        ``peers``' buffer of its source at its slot: the row counters zeroed, then one launch.
+        ``routed``: ``route`` ran just before on this stream and zeroed the counters itself."""
         key = (schedule, peers.table.data_ptr())
-        if key not in self._launches:
+        launch = self._launches.get(key)
+        if launch is None:
             t = self.tables
             buffers = KernelBuffers(t.tiles[schedule], t.num_tiles[schedule], t.x, t.x_scale,
-                                    self.h, self.h_scale, self.row_ready, t.row_src, t.row_slot,
+                                    self.h, self.h_scale, t.row_ready, t.row_src, t.row_slot,
                                     peers.table, t.error, self.trace)
-            self._launches[key] = kernel_launch(self.config, self.weights, buffers,
-                                                max_spin_iters=self.max_spin_iters)
-        args, constexprs = self._launches[key]
-        self.row_ready.zero_()
-        module, entry = KERNEL_ENTRIES[self.config.kernel]
-        getattr(load_kernel_module(module), entry)[(self.bounds.num_programs,)](*args,
-                                                                                 **constexprs)
+            args, constexprs = kernel_launch(self.config, self.weights, buffers,
+                                             max_spin_iters=self.max_spin_iters)
+            module, entry = KERNEL_ENTRIES[self.config.kernel]
+            kernel = getattr(load_kernel_module(module), entry)
+            launch = self._launches[key] = Launcher(kernel, **dict(zip(kernel.arg_names, args)),
+                                                    **constexprs)
+        if not routed:
+            self.tables.row_ready.zero_()
+        launch((self.bounds.num_programs,))
 
 
 _LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -195,7 +199,7 @@ class FusedMoE(torch.nn.Module):
         ws = self.workspace
         t, k = topk_ids.shape
         ws.route(topk_ids.reshape(-1), x.contiguous(), top_k=k)
-        ws.launch(schedule, self.peers)
+        ws.launch(schedule, self.peers, routed=True)
         return combine_weighted_sum(self.combine[:t * k], topk_weights)
 
 
