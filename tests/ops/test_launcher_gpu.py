@@ -42,8 +42,8 @@ def test_fast_path_matches_and_rebinds_on_a_new_specialization():
         torch.testing.assert_close(_run(launch, rows, w), weighted_sum_reference(rows, w),
                                    rtol=2 ** -7, atol=1e-6)
     assert len(launch._bound) == 1
-    rows, w = _inputs(5, 1000, 9)
-    shifted = rows[1:]  # 2000 bytes in: not 16-byte aligned
+    rows, w = _inputs(5, 1004, 9)
+    shifted = rows[1:]  # 2008 bytes in: not 16-byte aligned
     assert shifted.data_ptr() % 16
     torch.testing.assert_close(_run(launch, shifted, w), weighted_sum_reference(shifted, w),
                                rtol=2 ** -7, atol=1e-6)
