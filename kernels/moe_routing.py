@@ -93,7 +93,7 @@ def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, expe
                   wave_lo, wave_hi, wave_jumps, meta, wave_num_tiles, inter_num_tiles, CAPACITY,
                   NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, RECEIVED: tl.constexpr,
                   BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, G_PAD: tl.constexpr,
-                  CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, S_BLOCK: tl.constexpr,
+                  E_LOG2: tl.constexpr, CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr,
                   JUMP_LEVELS: tl.constexpr, JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
     """One program. ``chunk_start[c, e]``: arrivals of expert ``e`` in chunks before ``c``;
     ``expert_counts[e]``; ``expert_offsets[e]`` the padded first row of expert ``e`` (int32
@@ -102,7 +102,7 @@ def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, expe
     tiles reach ``WAVE_MIN_L1 = WAVE_FILL * G`` and routed rows remain); ``meta``; the tile count
     of each program of both schedules (``wave_num_tiles``, ``inter_num_tiles``: int32 ``[G]``).
     ``wave_jumps``: int32 scratch ``[JUMP_LEVELS, JUMP_STRIDE]`` (``JUMP_STRIDE > E``,
-    ``2**JUMP_LEVELS > E``, ``JUMP_PAD >= E + 1``)."""
+    ``2**JUMP_LEVELS > E``, ``JUMP_PAD >= E + 1``); ``E_PAD = 2**E_LOG2``."""
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     chunks = tl.cdiv(n, CHUNK)
     es = tl.arange(0, E_PAD)
@@ -131,27 +131,28 @@ def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, expe
     tl.store(expert_offsets + NUM_EXPERTS, row_blocks * BLOCK_M)
     # Expert-Wave: from wave start s, the wave ends after the first expert e_fill(s) (<= E - 2)
     # whose blocks since s reach WAVE_MIN_L1 / P1, if row blocks remain after it; else at the last
-    # expert. next(s), the start after s, for every s at once; the starts are the orbit of 0
-    # under next, found by binary lifting over next's powers (log E passes, not one per wave)
-    for s0 in range(0, E_PAD, S_BLOCK):
-        ss = s0 + tl.arange(0, S_BLOCK)
-        # first_block[ss] from registers: a load would wait on the stores above at every step
-        lo = tl.sum(tl.where(es[None, :] == ss[:, None], first_block[None, :], 0), axis=1)
-        short = (in_e[None, :] & (es[None, :] >= ss[:, None])
-                 & ((last_block[None, :] - lo[:, None]) * P1 < WAVE_MIN_L1))
-        e_fill = ss + tl.sum(short.to(tl.int32), axis=1)
-        fill_blocks = tl.sum(tl.where(es[None, :] <= e_fill[:, None], blocks[None, :], 0), axis=1)
-        nxt = tl.where((e_fill <= NUM_EXPERTS - 2) & (row_blocks > fill_blocks), e_fill + 1,
-                       NUM_EXPERTS)
-        tl.store(wave_jumps + ss, nxt, mask=ss < NUM_EXPERTS)
-    tl.store(wave_jumps + NUM_EXPERTS, NUM_EXPERTS)  # E is its own next
+    # expert. last_block is sorted, so e_fill(s) = #{e : last_block[e] < first_block[s] +
+    # ceil(WAVE_MIN_L1 / P1)} (every e < s counts), a binary search per s; next(s), the start
+    # after s, for every s at once. The starts are the orbit of 0 under next, found by binary
+    # lifting over next's powers: log E gathers in registers, not one pass per wave
+    need = first_block + tl.cdiv(WAVE_MIN_L1, P1)
+    sorted_last = tl.where(in_e, last_block, 1 << 30)
+    e_fill = tl.zeros([E_PAD], dtype=tl.int32)
+    for k in tl.static_range(E_LOG2, -1, -1):  # steps E_PAD, E_PAD / 2, ..., 1
+        cand = e_fill + (1 << k)
+        probe = tl.gather(sorted_last, tl.minimum(cand, E_PAD) - 1, 0)
+        e_fill = tl.where((cand <= E_PAD) & (probe < need), cand, e_fill)
+    fill_blocks = tl.gather(last_block, tl.minimum(e_fill, E_PAD - 1), 0)
+    nxt = tl.where((e_fill <= NUM_EXPERTS - 2) & (row_blocks > fill_blocks), e_fill + 1,
+                   NUM_EXPERTS)
     at = tl.arange(0, JUMP_PAD)
+    jump = tl.where(at < NUM_EXPERTS, tl.gather(nxt, tl.minimum(at, E_PAD - 1), 0),
+                    NUM_EXPERTS)  # E is its own next
+    tl.store(wave_jumps + at, jump, mask=at <= NUM_EXPERTS)
     for k in tl.static_range(1, JUMP_LEVELS):  # jumps[k][s] = next^(2^k)(s)
-        tl.debug_barrier()
-        half = tl.load(wave_jumps + (k - 1) * JUMP_STRIDE + at, mask=at <= NUM_EXPERTS, other=0)
-        twice = tl.load(wave_jumps + (k - 1) * JUMP_STRIDE + half, mask=at <= NUM_EXPERTS)
-        tl.store(wave_jumps + k * JUMP_STRIDE + at, twice, mask=at <= NUM_EXPERTS)
-    tl.debug_barrier()
+        jump = tl.gather(jump, jump, 0)
+        tl.store(wave_jumps + k * JUMP_STRIDE + at, jump, mask=at <= NUM_EXPERTS)
+    tl.debug_barrier()  # the levels and expert_offsets, read back below
     start = tl.zeros([E_PAD], dtype=tl.int32)  # the last start <= e: 0 is one
     for k in tl.static_range(JUMP_LEVELS - 1, -1, -1):
         ahead = tl.load(wave_jumps + k * JUMP_STRIDE + start)

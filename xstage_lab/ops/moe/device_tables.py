@@ -24,7 +24,6 @@ from .tiles import TileConfig
 
 CHUNK = 128        # arrivals per program of the histogram and scatter passes
 SCAN_TILE = 8192   # counts (chunks x experts) per step of route_offsets' scan, 16 chunks at least
-WAVE_S_BLOCK = 16  # wave starts per step of route_offsets' next-start pass
 GATHER_ROWS = 32   # arrivals per program of the activation gather ...
 GATHER_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of arrivals
 SCHEDULES = ("wave", "interleaved")
@@ -206,8 +205,8 @@ class RoutingLaunches:
             NUM_EXPERTS=b.num_experts, G=b.num_programs, P1=b.l1_n_blocks, P2=b.l2_n_blocks,
             WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received, BLOCK_M=b.block_m,
             E_PAD=e_pad, G_PAD=_pow2(b.num_programs), CHUNK=CHUNK,
-            CHUNK_ROWS=max(16, SCAN_TILE // e_pad),
-            S_BLOCK=min(WAVE_S_BLOCK, e_pad), JUMP_LEVELS=t.wave_jumps.shape[0],
+            CHUNK_ROWS=max(16, SCAN_TILE // e_pad), E_LOG2=e_pad.bit_length() - 1,
+            JUMP_LEVELS=t.wave_jumps.shape[0],
             JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
         self.scatter = Launcher(k.route_scatter, chunk_start=t.chunk_start,
                                 expert_offsets=t.expert_offsets, arrival_rows=t.arrival_rows,
