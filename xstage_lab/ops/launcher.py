@@ -55,20 +55,29 @@ class Launcher:
         kernel, values, positions = bound
         values = list(values)
         for name, value in varying.items():
-            values[positions[name]] = value
+            values[positions[name]] = _address(value)
         stream = driver.active.get_current_stream(device)
         g = (*grid, 1, 1)
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
                    *_launch_hooks(kernel, grid, stream, values), *values)
 
     def _bind(self, grid: tuple[int, ...], varying: dict, device: int) -> tuple:
-        """Launch through Triton (compiling if needed) and keep the compiled kernel, its bound
-        argument list and where the varying arguments sit in it."""
+        """Launch through Triton (compiling if needed, checking every pointer with the driver)
+        and keep the compiled kernel, its bound argument list with tensors as their addresses,
+        and where the varying arguments sit in it."""
         kernel = self.fn[grid](**self.static, **varying)
         binder = self.fn.device_caches[device][-1]
         arguments = binder(**self.static, **varying)[0]
         names = list(arguments)
-        return kernel, tuple(arguments.values()), {n: names.index(n) for n in varying}
+        return (kernel, tuple(_address(v) for v in arguments.values()),
+                {n: names.index(n) for n in varying})
+
+
+def _address(value):
+    """A tensor as its device address, which the driver's launcher takes as it is (for a tensor
+    it calls ``data_ptr()`` and ``cuPointerGetAttribute`` at every launch); anything else as it
+    is."""
+    return value.data_ptr() if isinstance(value, torch.Tensor) else value
 
 
 def _launch_hooks(kernel, grid, stream, values) -> tuple:
