@@ -14,7 +14,7 @@ def _row(tokens, setting="ep1", **over):
     row = dict(model="M", precision="bf16", setting=setting, tokens=tokens, fused_eager_us=100.0,
                fused_graph_us=90.0, schedule_us=10.0, host_overhead_us=20.0, kernel_us=80.0,
                weighted_sum_floor_us=5.0, unfused_eager_us=150.0, unfused_graph_us=120.0,
-               host_scheduled_us=900.0, weight_floor_us=50.0)
+               host_scheduled_us=900.0, weight_floor_us=50.0, host_scheduled_kernel_us=80.0)
     return {**row, **over}
 
 
@@ -48,8 +48,10 @@ def test_acceptance_applies_each_measure_where_the_issue_does():
         _row(1, fused_eager_us=109.0, unfused_eager_us=100.0, fused_graph_us=96.0),
         # 64 tokens: no slower at all; graphed 90 over kernel + floor 85: 1.0588 > 1.05
         _row(64, fused_eager_us=101.0, unfused_eager_us=100.0),
-        # 8192 tokens: the schedule over 30 us; the host overhead over 30 us
-        _row(8192, schedule_us=31.0, host_overhead_us=31.0, fused_graph_us=89.0),
+        # 8192 tokens: the schedule over 30 us; the host overhead over 30 us; the kernel 80 over
+        # the host-scheduled kernel's 78: 1.0256 > 1.02
+        _row(8192, schedule_us=31.0, host_overhead_us=31.0, fused_graph_us=89.0,
+             host_scheduled_kernel_us=78.0),
     ])
     a = lv.acceptance(table)
     assert list(a["eager_speedup_ok"]) == [True, False, True]
@@ -57,8 +59,10 @@ def test_acceptance_applies_each_measure_where_the_issue_does():
     assert list(a["schedule_ok"]) == [True, True, False]
     assert list(a["host_overhead_ok"]) == [True, True, False]
     assert list(a["t1_ok"]) == [False, True, True]
+    assert list(a["kernel_parity_ok"]) == [True, True, False]
     counts = lv.acceptance_counts(table)
     assert counts["schedule_ok"] == (0, 1) and counts["t1_ok"] == (0, 1)
+    assert counts["kernel_parity_ok"] == (0, 1)
     assert counts["eager_speedup_ok"] == (2, 3)
 
 

@@ -33,6 +33,10 @@ SCHEDULE_LIMIT_US = 30.0
 SCHEDULE_LIMIT_TOKENS = 8192
 HOST_OVERHEAD_LIMIT_US = 30.0
 T1_FLOOR_FACTOR, T1_FLOOR_US = 1.5, 10.0
+# from this many tokens the kernel over the device tables within this factor of the time (the
+# TF/s) of the same kernel over the host-built layout and schedule
+KERNEL_PARITY_TOKENS = 4096
+KERNEL_PARITY = 1.02
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,9 @@ def acceptance(table: pd.DataFrame) -> pd.DataFrame:
     1 from ``SMALL_T`` tokens, at least 1/``SMALL_T_SLOWDOWN`` below); ``graph_over_kernel``,
     the graphed call over the kernel alone plus the weighted sum's memory time; ``schedule_us``
     at ``SCHEDULE_LIMIT_TOKENS`` tokens; ``host_overhead_us``; at one token the graphed call
-    against ``T1_FLOOR_FACTOR`` times the weight-read floor plus ``T1_FLOOR_US``."""
+    against ``T1_FLOOR_FACTOR`` times the weight-read floor plus ``T1_FLOOR_US``; from
+    ``KERNEL_PARITY_TOKENS`` tokens the kernel over the device tables against the same kernel
+    over the host-built schedule (``kernel_over_host_kernel``)."""
     out = table[CELL].copy()
     small = table["tokens"] < SMALL_T
     need = small.map({True: 1 / SMALL_T_SLOWDOWN, False: 1.0})
@@ -78,13 +84,19 @@ def acceptance(table: pd.DataFrame) -> pd.DataFrame:
     out["host_overhead_ok"] = table["host_overhead_us"] <= HOST_OVERHEAD_LIMIT_US
     out["t1_limit_us"] = T1_FLOOR_FACTOR * table["weight_floor_us"] + T1_FLOOR_US
     out["t1_ok"] = (table["tokens"] != 1) | (table["fused_graph_us"] <= out["t1_limit_us"])
+    # records before the host-scheduled kernel was timed alone leave it NaN: not met
+    out["kernel_over_host_kernel"] = table["kernel_us"] / table.get("host_scheduled_kernel_us",
+                                                                    float("nan"))
+    out["kernel_parity_ok"] = (table["tokens"] < KERNEL_PARITY_TOKENS) | \
+        (out["kernel_over_host_kernel"] <= KERNEL_PARITY)
     return out
 
 
 def acceptance_counts(table: pd.DataFrame) -> dict:
     """How many cells meet each measure of ``acceptance``, out of the cells it applies to."""
     a = acceptance(table)
-    at_t = {"schedule_ok": a["tokens"] == SCHEDULE_LIMIT_TOKENS, "t1_ok": a["tokens"] == 1}
+    at_t = {"schedule_ok": a["tokens"] == SCHEDULE_LIMIT_TOKENS, "t1_ok": a["tokens"] == 1,
+            "kernel_parity_ok": a["tokens"] >= KERNEL_PARITY_TOKENS}
     return {k: (int(a.loc[at_t.get(k, slice(None)), k].sum()),
                 int(at_t[k].sum()) if k in at_t else len(a))
             for k in a.columns if k.endswith("_ok")}

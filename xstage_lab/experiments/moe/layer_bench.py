@@ -14,20 +14,24 @@ sources').
 
 Per cell (model, precision, setting, tokens), correctness first, on outputs poisoned with NaN:
 the fused call against the float32 reference within ``bench.TOLERANCE``, nothing flagged; the
-device tables equal the host reference (``device_tables.table_mismatches``) for T <= 512; an
-eager call under ``torch.cuda.set_sync_debug_mode("error")``; at T = 64, one CUDA graph captured
-once and replayed with ``GRAPH_ROUTINGS`` routings, each checked. Then timed (``time_methods``):
+host-scheduled launch of the same schedule storing the same Combine rows bit for bit; the device
+tables equal the host reference (``device_tables.table_mismatches``) for T <= 512; an eager call
+under ``torch.cuda.set_sync_debug_mode("error")``; at T = 64, one CUDA graph captured once and
+replayed with ``GRAPH_ROUTINGS`` routings, each checked. Then timed (``time_methods``):
 ``fused_eager``/``fused_graph`` (the whole call), ``schedule`` (the routing kernels alone),
-``kernel`` (the fused kernel alone), ``weighted_sum``, ``unfused_eager``/``unfused_graph``
-(routing by torch ops, grouped GEMMs, the same weighted-sum kernel: ``unfused.unfused_layer``), and
-``host_scheduled`` (today's path: layout, schedule and checked launch on the host, then the
-kernel and the weighted sum; eager, few trials). ``host_overhead_us``: host time of an eager
-call, nothing waited for; ``host_<step>_us`` that of each step alone (``host_stages``). Where the
-schedule's device time goes (torch.profiler, ``dist_timing.kernel_times_us``): per routing kernel
-(``route_kernels_us``, JSON), the table passes (``route_tables_us``) apart from the activations'
-move into the layout (``route_gather_us``, quantizing in fp8 at EP = 1). Floors from the HBM bandwidth measured at the start of the run (a
-device copy): ``weighted_sum_floor_us`` (its bytes) and ``weight_floor_us`` (the bytes of the
-experts the call touches).
+``kernel`` (the fused kernel alone, over the device tables), ``host_scheduled_kernel`` (the same
+kernel over the host-built layout and schedule, prepared beforehand), ``weighted_sum``,
+``unfused_eager``/``unfused_graph`` (routing by torch ops, grouped GEMMs, the same weighted-sum
+kernel: ``unfused.unfused_layer``), and ``host_scheduled`` (today's path: layout, schedule and
+checked launch on the host, then the kernel and the weighted sum; eager, few trials).
+``host_overhead_us``: host time of an eager call, nothing waited for; ``host_<step>_us`` that of
+each step alone (``host_stages``); ``host_launch_floor_us`` that of one bare kernel launch on
+this machine. Where the schedule's device time goes (torch.profiler,
+``dist_timing.kernel_times_us``): per routing kernel (``route_kernels_us``, JSON), the table
+passes (``route_tables_us``) apart from the activations' move into the layout
+(``route_gather_us``, quantizing in fp8 at EP = 1). Floors from the HBM bandwidth measured at the
+start of the run (a device copy): ``weighted_sum_floor_us`` (its bytes) and ``weight_floor_us``
+(the bytes of the experts the call touches).
 """
 from __future__ import annotations
 
@@ -46,11 +50,11 @@ from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
 from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.device_tables import host_tables, table_mismatches
 from ...ops.moe.dispatch import build_layout
-from ...ops.moe.fused import prepare_fused_moe
+from ...ops.moe.fused import FusedMoECall, prepare_fused_moe
 from ...ops.moe.op import FusedMoE, MoEWorkspace, auto_schedule
 from ...ops.moe.reference import expert_rows_reference, reference_moe
 from ...ops.moe.routing import router_logits, router_topk
-from ...ops.moe.schedules import MoEProblem, expert_wave_schedule
+from ...ops.moe.schedules import MoEProblem, expert_wave_schedule, interleaved_schedule
 from ...ops.moe.shapes import PRECISIONS, load_shapes
 from ...ops.moe.unfused import (GROUP_ALIGN, GroupedWeights, unfused_expert_weights,
                                 unfused_layer, unfused_rows)
@@ -123,19 +127,25 @@ class Ep1Cell:
         xq, xs = quantize_rows_fp8(rows) if self.precision == "fp8" else (rows, None)
         return host_tables(self.layer.workspace.bounds, self.ids.reshape(-1), xq, xs)
 
-    def host_scheduled(self):
-        """Today's path: layout on the host (syncs), Expert-Wave built and checked, launch."""
+    def host_launch(self) -> FusedMoECall:
+        """Today's path up to the launch: the layout on the host (syncs), the call's schedule
+        built and checked there, the launch prepared."""
         ws, k = self.layer.workspace, self.shape.top_k
         rows = self.x.repeat_interleave(k, dim=0)
         xq, xs = quantize_rows_fp8(rows) if self.precision == "fp8" else (rows, None)
         n = rows.shape[0]
         layout = build_layout(xq, xs, torch.arange(n, device=rows.device), self.ids.reshape(-1),
                               [n], self.shape.routed_experts, ws.config.block_m)
-        problem = MoEProblem(layout.blocks_per_expert, ws.bounds.l1_n_blocks,
-                             ws.bounds.l2_n_blocks)
-        prepare_fused_moe(layout, ws.weights, expert_wave_schedule(problem, ws.bounds.num_programs),
-                          self.layer.peers, config=ws.config)()
-        return combine_weighted_sum(self.layer.combine[:n], self.w)
+        return _host_launch(layout, ws, self.layer.schedule, self.layer.peers)
+
+    def host_scheduled(self):
+        """Today's path: ``host_launch``, the kernel, the weighted sum."""
+        self.host_launch()()
+        return combine_weighted_sum(self.layer.combine[:self.tokens * self.shape.top_k], self.w)
+
+    def combined(self) -> torch.Tensor:
+        """The Combine rows a launch stored."""
+        return self.layer.combine[:self.tokens * self.shape.top_k]
 
     def host_stages(self) -> dict:
         """The host side of a call's steps, each timed alone (``host_overhead_us``)."""
@@ -221,15 +231,18 @@ class Ep8RankCell:
         return host_tables(self.ws.bounds, self.expert, self.xq, self.xsc, arrival_src=self.src,
                            arrival_slot=self.slot)
 
-    def host_scheduled(self):
+    def host_launch(self) -> FusedMoECall:
         ws = self.ws
         counts = torch.bincount(self.src, minlength=EP).tolist()
         layout = build_layout(self.xq, self.xsc, self.slot, self.expert, counts,
                               self.shape.routed_experts // EP, ws.config.block_m)
-        problem = MoEProblem(layout.blocks_per_expert, ws.bounds.l1_n_blocks,
-                             ws.bounds.l2_n_blocks)
-        prepare_fused_moe(layout, ws.weights, expert_wave_schedule(problem, ws.bounds.num_programs),
-                          self.peers, config=ws.config)()
+        return _host_launch(layout, ws, auto_schedule(EP), self.peers)
+
+    def host_scheduled(self):
+        self.host_launch()()
+
+    def combined(self) -> torch.Tensor:
+        return torch.stack(self.buffers)
 
     def host_stages(self) -> dict:
         return {"route": self.route, "launch": self.kernel}
@@ -244,6 +257,23 @@ class Ep8RankCell:
 def _expert_bytes(weights) -> int:
     per = [weights.w1, weights.w2, weights.w1_scale, weights.w2_scale]
     return sum(t[0].numel() * t.element_size() for t in per if t is not None)
+
+
+def _host_launch(layout, ws: MoEWorkspace, schedule: str, peers) -> FusedMoECall:
+    """``schedule`` (the one the device tables give the fused call) built and checked on the
+    host for ``layout``, and its launch prepared (``fused.prepare_fused_moe``)."""
+    problem = MoEProblem(layout.blocks_per_expert, ws.bounds.l1_n_blocks, ws.bounds.l2_n_blocks)
+    g = ws.bounds.num_programs
+    built = (expert_wave_schedule(problem, g) if schedule == "wave"
+             else interleaved_schedule(problem, g, ws.bounds.lead_rows))
+    return prepare_fused_moe(layout, ws.weights, built, peers, config=ws.config)
+
+
+def launch_floor_us(device) -> float:
+    """Host time of one bare kernel launch (a one-element ``add_``), nothing waited for: what
+    every launch of a call costs the host on this machine at least."""
+    t = torch.zeros(1, device=device)
+    return host_overhead_us(lambda: t.add_(1), calls=100)
 
 
 def hbm_bandwidth_gbps(device) -> float:
@@ -275,6 +305,16 @@ def check_cell(cell, run: Run) -> list[str]:
     error = cell.layer.error if isinstance(cell, Ep1Cell) else cell.ws.error
     if int(error):
         failures.append(f"error flag {int(error)}")
+    # today's host-scheduled launch of the same schedule: the same rows, bit for bit (poison
+    # included where no row lands)
+    device_rows = cell.combined().clone()
+    poison()
+    cell.host_call = cell.host_launch()  # timed alone by measure
+    cell.host_call()
+    if not torch.equal(cell.combined().view(torch.int16), device_rows.view(torch.int16)):
+        failures.append("the host-scheduled launch stores other Combine rows than the call")
+    if cell.host_call.error_count():
+        failures.append(f"host-scheduled launch: spin errors {cell.host_call.error_count()}")
     if cell.tokens <= TABLE_CHECK_MAX_TOKENS:
         tables = cell.layer.workspace.tables if isinstance(cell, Ep1Cell) else cell.ws.tables
         bad = table_mismatches(tables, cell.host_tables())
@@ -392,6 +432,7 @@ class MoELayer(Experiment):
         torch.backends.cuda.matmul.allow_tf32 = False  # the reference is float32
         self.shapes = load_shapes()
         self.hbm_gbps = hbm_bandwidth_gbps(self.on)
+        self.launch_floor_us = launch_floor_us(self.on)
 
     def prepare(self, point: dict, run: Run):
         args, shape, precision = run.args, self.shapes[point["model"]], point["precision"]
@@ -415,7 +456,7 @@ class MoELayer(Experiment):
     def measure(self, cell, run: Run) -> dict:
         a = run.args
         methods = {"fused": cell.call, "schedule": cell.route, "kernel": cell.kernel,
-                   "unfused": cell.unfused}
+                   "host_scheduled_kernel": cell.host_call, "unfused": cell.unfused}
         if isinstance(cell, Ep1Cell):
             methods["weighted_sum"] = cell.weighted_sum
         graphed = time_methods(methods, trials=a.trials, graph_iters=a.graph_iters)
@@ -443,6 +484,8 @@ class MoELayer(Experiment):
                 "unfused_eager_us": eager["unfused"]["median_us"],
                 "unfused_graph_us": graphed["unfused"]["median_us"],
                 "host_scheduled_us": host["host_scheduled"]["median_us"],
+                "host_scheduled_kernel_us": graphed["host_scheduled_kernel"]["median_us"],
+                "host_launch_floor_us": self.launch_floor_us,
                 "weight_floor_us": cell.touched_experts() * _expert_bytes(weights) / bw * 1e6,
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
                 "route_tables_us": sum(route_kernels.values()) - gather_us,
@@ -460,7 +503,8 @@ class MoELayer(Experiment):
         return {"settings": {"ep1": "every routed expert on this GPU, FusedMoE from topk_ids",
                              "ep8_rank": f"rank 0 of EP = {EP}: received rows into {EP} local "
                                          "Combine buffers, no weighted sum"},
-                "hbm_gbps": self.hbm_gbps, "tolerance": TOLERANCE,
+                "hbm_gbps": self.hbm_gbps, "host_launch_floor_us": self.launch_floor_us,
+                "tolerance": TOLERANCE,
                 "timing": f"{TIMING_METHOD}; {run.args.graph_iters} calls per trial",
                 "graph_routings": GRAPH_ROUTINGS, "summary_keys": list(SUMMARY_KEYS)}
 

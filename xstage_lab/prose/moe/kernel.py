@@ -54,8 +54,10 @@ def call_overhead(kernel_records) -> Prose:
 
 def layer(layer_views) -> Prose:
     """The fused layer from the router's output (``moe_layer``, issue 27): against the unfused
-    torch path, and how many cells meet each measure of the issue's acceptance."""
-    from ...analysis.moe.layer_view import (HOST_OVERHEAD_LIMIT_US, SCHEDULE_LIMIT_TOKENS,
+    torch path, and how many cells meet each measure of the issue's acceptance, with where the
+    schedule's and the host's time go."""
+    from ...analysis.moe.layer_view import (HOST_OVERHEAD_LIMIT_US, KERNEL_PARITY,
+                                            KERNEL_PARITY_TOKENS, SCHEDULE_LIMIT_TOKENS,
                                             SCHEDULE_LIMIT_US, SMALL_T, acceptance,
                                             acceptance_counts)
 
@@ -68,10 +70,30 @@ def layer(layer_views) -> Prose:
 
         def met(key):
             return f"{count(n[key][0])} of {count(n[key][1])}"
+
+        def measured(frame, column):
+            return column in frame and frame[column].notna().all() and len(frame)
         schedule = (f"at {SCHEDULE_LIMIT_TOKENS} tokens the routing kernels take "
                     f"{span(at_limit['schedule_us'], '.0f')} µs (the issue asks for at most "
                     f"{SCHEDULE_LIMIT_US:.0f}: {met('schedule_ok')} cells)" if len(at_limit)
                     else f"no cell at {SCHEDULE_LIMIT_TOKENS} tokens")
+        if measured(at_limit, "route_gather_us"):
+            schedule += (f", of which the table passes take "
+                         f"{span(at_limit['route_tables_us'], '.0f')} µs and the activations' "
+                         f"move into the layout {span(at_limit['route_gather_us'], '.0f')} µs")
+        host = (f"an eager call's host time is {span(t['host_overhead_us'], '.0f')} µs (at most "
+                f"{HOST_OVERHEAD_LIMIT_US:.0f} asked: {met('host_overhead_ok')} cells)")
+        if measured(t, "host_launch_floor_us"):
+            host += (f"; one bare kernel launch costs this machine's host "
+                     f"{span(t['host_launch_floor_us'], '.0f')} µs, measured in the same runs, "
+                     f"and a call launches seven kernels")
+        parity = a[a["tokens"] >= KERNEL_PARITY_TOKENS]
+        kernel = (f" From {KERNEL_PARITY_TOKENS} tokens the kernel over the device tables takes "
+                  f"{span(parity['kernel_over_host_kernel'], '.3f')}× the time of the same "
+                  f"kernel over the host-built schedule (within {KERNEL_PARITY - 1:.0%} in "
+                  f"{met('kernel_parity_ok')} cells)." if measured(parity,
+                                                                  "kernel_over_host_kernel")
+                  else "")
         out.append(
             f"On {v.platform} ({count(len(t))} cells of {count(t['model'].nunique())} models from "
             f"{count(len(v.records))} records, {', '.join(rec(r) for r in v.records)}), from the "
@@ -79,14 +101,13 @@ def layer(layer_views) -> Prose:
             f"unfused torch path (routing by torch ops, grouped GEMMs, weighted sum; below "
             f"{SMALL_T} tokens at most 10% slower, as the issue allows) eagerly in "
             f"{met('eager_speedup_ok')} cells and graphed in {met('graph_speedup_ok')}; from "
-            f"{SMALL_T} tokens graphed it is {span(big['graph_speedup'], '.2f')}× faster. The graphed call stays within 5% "
-            f"of the kernel plus the weighted sum's memory time in {met('graph_over_kernel_ok')} "
-            f"cells ({span(a['graph_over_kernel'], '.2f')}×); {schedule}; an eager call's host "
-            f"time is {span(t['host_overhead_us'], '.0f')} µs (at most "
-            f"{HOST_OVERHEAD_LIMIT_US:.0f} asked: {met('host_overhead_ok')} cells); the one-token "
-            f"graphed call meets 1.5× the weight-read floor + 10 µs in {met('t1_ok')} cells. "
-            f"Today's host-scheduled call takes {span(t['host_scheduled_us'] / t['fused_eager_us'], '.1f')}× "
-            f"the fused eager call's time.")
+            f"{SMALL_T} tokens graphed it is {span(big['graph_speedup'], '.2f')}× faster. The "
+            f"graphed call stays within 5% of the kernel plus the weighted sum's memory time in "
+            f"{met('graph_over_kernel_ok')} cells ({span(a['graph_over_kernel'], '.2f')}×); "
+            f"{schedule}; {host}; the one-token graphed call meets 1.5× the weight-read floor + "
+            f"10 µs in {met('t1_ok')} cells.{kernel} Today's host-scheduled call takes "
+            f"{span(t['host_scheduled_us'] / t['fused_eager_us'], '.1f')}× the fused eager "
+            f"call's time.")
     return Prose(*out)
 
 
