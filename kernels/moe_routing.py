@@ -15,10 +15,11 @@ Five launches, each a pass the next one needs complete:
   ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
                        (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is
                        left out of the layout;
-  ``route_offsets``    one program: per expert the exclusive scan of the chunk counts (where a
-                       chunk's rows of the expert start), its count, its row blocks and padded
-                       first row (the scan over experts); the Expert-Wave waves by counted rows;
-                       the tile count of every program of both schedules and the used row blocks;
+  ``route_offsets``    per block of experts the exclusive scan of their chunk counts (where a
+                       chunk's rows of the expert start) and their counts; then, in the last
+                       program to finish, every expert's row blocks and padded first row (the
+                       scan over experts), the Expert-Wave waves by counted rows, the tile count
+                       of every program of both schedules and the used row blocks;
   ``route_scatter``    per chunk: each arrival's rank among its expert's arrivals (stable: by
                        arrival), its padded row, ``row_src``/``row_slot``;
   ``route_gather``     per block of arrivals and slab of columns: the arrival's activation row
@@ -89,25 +90,22 @@ def _programs_below(limit, g, G):
 
 
 @triton.jit
-def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, expert_offsets,
-                  wave_lo, wave_hi, wave_jumps, meta, wave_num_tiles, inter_num_tiles, CAPACITY,
-                  NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, RECEIVED: tl.constexpr,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, G_PAD: tl.constexpr,
-                  E_LOG2: tl.constexpr, CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr,
-                  JUMP_LEVELS: tl.constexpr, JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
-    """One program. ``chunk_start[c, e]``: arrivals of expert ``e`` in chunks before ``c``;
-    ``expert_counts[e]``; ``expert_offsets[e]`` the padded first row of expert ``e`` (int32
-    ``[NUM_EXPERTS + 1]``, the last entry the rows in use); ``wave_lo/hi[e]``: the row blocks of
-    expert ``e``'s Expert-Wave wave (``schedules.wave_starts``: a wave closes once its Linear-1
-    tiles reach ``WAVE_MIN_L1 = WAVE_FILL * G`` and routed rows remain); ``meta``; the tile count
-    of each program of both schedules (``wave_num_tiles``, ``inter_num_tiles``: int32 ``[G]``).
-    ``wave_jumps``: int32 scratch ``[JUMP_LEVELS, JUMP_STRIDE]`` (``JUMP_STRIDE > E``,
-    ``2**JUMP_LEVELS > E``, ``JUMP_PAD >= E + 1``); ``E_PAD = 2**E_LOG2``."""
+def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, scan_done,
+                  expert_offsets, wave_lo, wave_hi, wave_jumps, meta, wave_num_tiles,
+                  inter_num_tiles, CAPACITY, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
+                  RECEIVED: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                  E_BLOCK: tl.constexpr, G_PAD: tl.constexpr, E_LOG2: tl.constexpr,
+                  CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, JUMP_LEVELS: tl.constexpr,
+                  JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
+    """``E_PAD / E_BLOCK`` programs, program ``b`` scanning the chunk counts of experts ``b E_BLOCK
+    ..``: ``chunk_start[c, e]``, the arrivals of expert ``e`` in chunks before ``c``, and
+    ``expert_counts[e]``. The last program to finish (a ticket on ``scan_done``, which it sets back
+    to 0 for the next call) then lays out every expert (``_offsets_and_waves``)."""
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     chunks = tl.cdiv(n, CHUNK)
-    es = tl.arange(0, E_PAD)
+    es = tl.program_id(0) * E_BLOCK + tl.arange(0, E_BLOCK)
     in_e = es < NUM_EXPERTS
-    carry = tl.zeros([E_PAD], dtype=tl.int32)
+    carry = tl.zeros([E_BLOCK], dtype=tl.int32)
     # each step loads the next rows of counts before it scans its own: the loads' latency, not
     # the scan, sets a step's time
     cs = tl.arange(0, CHUNK_ROWS)
@@ -122,11 +120,37 @@ def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, expe
         tl.store(chunk_start + offs, carry[None, :] + tl.cumsum(h, axis=0) - h, mask=mask)
         carry += tl.sum(h, axis=0)
         h, offs, mask = h_next, offs_next, mask_next
+    tl.store(expert_counts + es, carry, mask=in_e)
+    tl.debug_barrier()  # every thread's counts stored before the ticket releases them
+    if tl.atomic_add(scan_done, 1) == tl.num_programs(0) - 1:  # acq_rel: the others' counts
+        tl.store(scan_done, 0)
+        _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
+                           wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
+                           BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS, JUMP_STRIDE, JUMP_PAD)
+
+
+@triton.jit
+def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
+                       wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
+                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, G_PAD: tl.constexpr,
+                       E_LOG2: tl.constexpr, JUMP_LEVELS: tl.constexpr,
+                       JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
+    """One program, from every expert's count: ``expert_offsets[e]`` the padded first row of
+    expert ``e`` (int32 ``[NUM_EXPERTS + 1]``, the last entry the rows in use); ``wave_lo/hi[e]``:
+    the row blocks of expert ``e``'s Expert-Wave wave (``schedules.wave_starts``: a wave closes
+    once its Linear-1 tiles reach ``WAVE_MIN_L1 = WAVE_FILL * G`` and routed rows remain);
+    ``meta``; the tile count of each program of both schedules (``wave_num_tiles``,
+    ``inter_num_tiles``: int32 ``[G]``). ``wave_jumps``: int32 scratch ``[JUMP_LEVELS,
+    JUMP_STRIDE]`` (``JUMP_STRIDE > E``, ``2**JUMP_LEVELS > E``, ``JUMP_PAD >= E + 1``);
+    ``E_PAD = 2**E_LOG2``."""
+    es = tl.arange(0, E_PAD)
+    in_e = es < NUM_EXPERTS
+    # stored by the other programs: read past this SM's L1
+    carry = tl.load(expert_counts + es, mask=in_e, other=0, cache_modifier=".cg")
     blocks = (carry + BLOCK_M - 1) // BLOCK_M
     last_block = tl.cumsum(blocks, axis=0)  # inclusive: one past each expert's last row block
     first_block = last_block - blocks
     row_blocks = tl.sum(blocks)
-    tl.store(expert_counts + es, carry, mask=in_e)
     tl.store(expert_offsets + es, first_block * BLOCK_M, mask=in_e)
     tl.store(expert_offsets + NUM_EXPERTS, row_blocks * BLOCK_M)
     # Expert-Wave: from wave start s, the wave ends after the first expert e_fill(s) (<= E - 2)

@@ -43,6 +43,7 @@ def case_ep1(model: str, precision: str, tokens: int, routing: str, programs: in
     tables.row_ready.fill_(7)  # a launch's counts: the routing zeroes them for the next launch
     route_to_tables(tables, topk_ids.reshape(-1), x, top_k=topk_ids.shape[1])
     assert not tables.row_ready.any()
+    assert int(tables.scan_done) == 0  # route_offsets' last program took its ticket back
     rows = x.repeat_interleave(topk_ids.shape[1], dim=0)
     xq, xs = quantize_rows_fp8(rows) if precision == "fp8" else (rows, None)
     host = host_tables(bounds, topk_ids.reshape(-1), xq, xs)
@@ -147,14 +148,14 @@ def _compile_sm90(name: str) -> dict:
                              "error": ptr, "CAPACITY": i, "NUM_EXPERTS": i},
                             dict(RECEIVED=False, E_PAD=256, CHUNK=128)),
         "route_offsets": ({**{k: ptr for k in ("chunk_counts", "chunk_start", "n_arrivals_ptr",
-                                               "expert_counts", "expert_offsets", "wave_lo",
-                                               "wave_hi", "wave_jumps", "meta", "wave_num_tiles",
-                                               "inter_num_tiles")},
+                                               "expert_counts", "scan_done", "expert_offsets",
+                                               "wave_lo", "wave_hi", "wave_jumps", "meta",
+                                               "wave_num_tiles", "inter_num_tiles")},
                            **{k: i for k in ("CAPACITY", "NUM_EXPERTS", "G", "P1", "P2",
                                              "WAVE_MIN_L1")}},
-                          dict(RECEIVED=True, BLOCK_M=128, E_PAD=512, G_PAD=256, CHUNK=128,
-                               CHUNK_ROWS=16, E_LOG2=9, JUMP_LEVELS=10, JUMP_STRIDE=513,
-                               JUMP_PAD=1024)),
+                          dict(RECEIVED=True, BLOCK_M=128, E_PAD=512, E_BLOCK=32, G_PAD=256,
+                               CHUNK=128, CHUNK_ROWS=128, E_LOG2=9, JUMP_LEVELS=10,
+                               JUMP_STRIDE=513, JUMP_PAD=1024)),
         "route_scatter": ({"expert_ids": "*i64", "arrival_src": "*i64", "arrival_slot": "*i64",
                            "n_arrivals_ptr": ptr, "chunk_start": ptr, "expert_offsets": ptr,
                            "arrival_rows": ptr, "row_src": ptr, "row_slot": ptr, "CAPACITY": i,

@@ -23,7 +23,8 @@ from .shapes import FP8_SCALE_BLOCK, MoEContractError
 from .tiles import TileConfig
 
 CHUNK = 128        # arrivals per program of the histogram and scatter passes
-SCAN_TILE = 8192   # counts (chunks x experts) per step of route_offsets' scan, 16 chunks at least
+SCAN_EXPERTS = 32  # experts per program of route_offsets' scan ...
+SCAN_TILE = 4096   # ... and counts (chunks x experts) per step of it
 GATHER_ROWS = 32   # arrivals per program of the activation gather ...
 GATHER_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of arrivals
 SCHEDULES = ("wave", "interleaved")
@@ -90,6 +91,7 @@ class DeviceTables:
     chunk_counts: torch.Tensor     # int32 [chunks, E]: arrivals of each expert per chunk
     chunk_start: torch.Tensor      # int32 [chunks, E]: ... in the chunks before
     expert_counts: torch.Tensor    # int32 [E]: routed rows of each local expert
+    scan_done: torch.Tensor        # int32 [1]: route_offsets' ticket, 0 between calls
     expert_offsets: torch.Tensor   # int32 [E + 1]: padded first row of each expert; rows in use
     wave_lo: torch.Tensor          # int32 [E]: first row block of each expert's wave
     wave_hi: torch.Tensor          # int32 [E]: one past its last
@@ -122,8 +124,9 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
     xdt = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
     return DeviceTables(
         bounds, torch.zeros(bounds.chunks, e, **i32), torch.zeros(bounds.chunks, e, **i32),
-        torch.zeros(e, **i32), torch.zeros(e + 1, **i32), torch.zeros(e, **i32),
-        torch.zeros(e, **i32), torch.zeros(_jump_levels(e), _pow2(e) + 1, **i32),
+        torch.zeros(e, **i32), torch.zeros(1, **i32), torch.zeros(e + 1, **i32),
+        torch.zeros(e, **i32), torch.zeros(e, **i32),
+        torch.zeros(_jump_levels(e), _pow2(e) + 1, **i32),
         torch.zeros(2, **i32), torch.full((bounds.capacity,), -1, **i32),
         torch.zeros(bounds.rows, **i32), torch.full((bounds.rows,), -1, **i32),
         torch.zeros(bounds.rows, hidden, dtype=xdt, device=dev),
@@ -168,7 +171,7 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
     chunks = (triton.cdiv(capacity, CHUNK),)
     n_ptr = n_arrivals if received else tables.meta  # EP = 1 reads no count: any pointer
     launch.histogram(chunks, expert_ids=expert_ids, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
-    launch.offsets((1,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
+    launch.offsets((launch.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
     launch.scatter(chunks, expert_ids=expert_ids,
                    arrival_src=arrival_src if received else expert_ids,
                    arrival_slot=arrival_slot if received else expert_ids, n_arrivals_ptr=n_ptr,
@@ -194,18 +197,21 @@ class RoutingLaunches:
         hidden = t.x.shape[1]
         fp8 = t.x_scale is not None
         self.slabs = triton.cdiv(hidden, GATHER_SLAB)
+        scan_experts = min(SCAN_EXPERTS, e_pad)
+        self.scan_programs = e_pad // scan_experts
         self.histogram = Launcher(k.route_histogram, chunk_counts=t.chunk_counts, error=t.error,
                                   NUM_EXPERTS=b.num_experts, RECEIVED=received, E_PAD=e_pad,
                                   CHUNK=CHUNK)
         self.offsets = Launcher(
             k.route_offsets, chunk_counts=t.chunk_counts, chunk_start=t.chunk_start,
-            expert_counts=t.expert_counts, expert_offsets=t.expert_offsets, wave_lo=t.wave_lo,
+            expert_counts=t.expert_counts, scan_done=t.scan_done,
+            expert_offsets=t.expert_offsets, wave_lo=t.wave_lo,
             wave_hi=t.wave_hi, wave_jumps=t.wave_jumps, meta=t.meta,
             wave_num_tiles=t.num_tiles["wave"], inter_num_tiles=t.num_tiles["interleaved"],
             NUM_EXPERTS=b.num_experts, G=b.num_programs, P1=b.l1_n_blocks, P2=b.l2_n_blocks,
             WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received, BLOCK_M=b.block_m,
-            E_PAD=e_pad, G_PAD=_pow2(b.num_programs), CHUNK=CHUNK,
-            CHUNK_ROWS=max(16, SCAN_TILE // e_pad), E_LOG2=e_pad.bit_length() - 1,
+            E_PAD=e_pad, E_BLOCK=scan_experts, G_PAD=_pow2(b.num_programs), CHUNK=CHUNK,
+            CHUNK_ROWS=SCAN_TILE // scan_experts, E_LOG2=e_pad.bit_length() - 1,
             JUMP_LEVELS=t.wave_jumps.shape[0],
             JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
         self.scatter = Launcher(k.route_scatter, chunk_start=t.chunk_start,
