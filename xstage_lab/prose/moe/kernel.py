@@ -3,6 +3,8 @@ router's output (``moe_layer``), the forecast (``moe_forecast``) and the synthet
 against the model."""
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 from scipy.stats import gmean
 
@@ -84,9 +86,11 @@ def layer(layer_views) -> Prose:
         host = (f"an eager call's host time is {span(t['host_overhead_us'], '.0f')} µs (at most "
                 f"{HOST_OVERHEAD_LIMIT_US:.0f} asked: {met('host_overhead_ok')} cells)")
         if measured(t, "host_launch_floor_us"):
+            passes = t["route_kernels_us"].map(lambda k: len(json.loads(k)))
             host += (f"; one bare kernel launch costs this machine's host "
                      f"{span(t['host_launch_floor_us'], '.0f')} µs, measured in the same runs, "
-                     f"and a call launches seven kernels")
+                     f"and a call launches {span(passes, '.0f')} routing kernels, the fused "
+                     f"kernel and, at EP = 1, the weighted sum")
         parity = a[a["tokens"] >= KERNEL_PARITY_TOKENS]
         kernel = (f" From {KERNEL_PARITY_TOKENS} tokens the kernel over the device tables takes "
                   f"{span(parity['kernel_over_host_kernel'], '.3f')}× the time of the same "
