@@ -5,11 +5,13 @@ so that one CUDA graph captures a call and replays it with new routings, and a
 ``torch.compile(fullgraph=True)`` traces a block that uses it.
 
 A call: routing to tile tables (``device_tables``: five Triton launches, FP8 activations quantized
-per 1 x 128 in the gather pass), the row counters zeroed, the fused kernel over the chosen
-schedule's table (``kernels/moe_fused_ws.py`` on sm_90, ``kernels/moe_fused.py`` elsewhere),
-whose Linear-2 epilogues store each pick's row into the Combine buffer, then the top-k weighted
-sum (``combine.combine_weighted_sum``). ``MoEWorkspace`` is the same call over received rows
-(the EP rank workload), storing into any ``CombinePeers``.
+per 1 x 128 in the gather pass, the fused kernel's row counters zeroed in the last), the fused
+kernel over the chosen schedule's table (``kernels/moe_fused_ws.py`` on sm_90,
+``kernels/moe_fused.py`` elsewhere), whose Linear-2 epilogues store each pick's row into the
+Combine buffer, then the top-k weighted sum (``combine.combine_weighted_sum``, one Triton
+launch). Every launch is bound once (``launcher.Launcher``): a call pays the driver's launches,
+not Triton's Python binding. ``MoEWorkspace`` is the same call over received rows (the EP rank
+workload), storing into any ``CombinePeers``.
 """
 from __future__ import annotations
 
@@ -44,8 +46,8 @@ def auto_schedule(peers_world: int) -> str:
 
 class MoEWorkspace:
     """The static buffers and launches of the fused MoE over ``weights`` for at most ``capacity``
-    arrivals: the device tables, ``h`` and its scales, the row counters, the error flag (shared
-    by the routing kernels and the fused kernel). ``num_programs`` defaults to the SMs (one
+    arrivals: the device tables (the row counters included), ``h`` and its scales, the error
+    flag (shared by the routing kernels and the fused kernel). ``num_programs`` defaults to the SMs (one
     persistent program each); ``lead_rows`` to D_knee (eq. 16)."""
 
     def __init__(self, weights: ExpertWeights, capacity: int, *, config: TileConfig | None = None,
