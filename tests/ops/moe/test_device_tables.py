@@ -125,7 +125,6 @@ def interpreter_cases() -> dict:
         "one_token": (case_ep1, "DeepSeek-V4-Flash", "fp8", 1, "balanced", 132, 2),
         "skewed_many_rows": (case_ep1, "DiT-MoE", "bf16", 200, "skewed", 7, 3, 4),
         "skewed_fp8": (case_ep1, "Hy3", "fp8", 12, "skewed", 16, 2, 5),
-        "many_waves_512_experts": (case_ep1, "Qwen3.5", "bf16", 100, "balanced", 16, 2, 6),
         "zero_row_experts": (case_zero_row_experts,),
         "ep_rank_bf16": (case_ep_rank, "MiMo-V2.5", "bf16", 8, 40, 16, 2),
         "ep_rank_fp8": (case_ep_rank, "DiT-MoE", "fp8", 8, 150, 5, 1, 3),
