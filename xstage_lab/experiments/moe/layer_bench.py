@@ -110,7 +110,7 @@ class Ep1Cell:
         self.layer.workspace.launch(self.layer.schedule, self.layer.peers)
 
     def weighted_sum(self):
-        combine_weighted_sum(self.layer.combine[:self.tokens * self.shape.top_k], self.w)
+        combine_weighted_sum(self.combined(), self.w)
 
     def unfused(self):
         return unfused_layer(self.x, self.ids, self.w, self.uweights, self.unfused_capacity)
@@ -141,7 +141,7 @@ class Ep1Cell:
     def host_scheduled(self):
         """Today's path: ``host_launch``, the kernel, the weighted sum."""
         self.host_launch()()
-        return combine_weighted_sum(self.layer.combine[:self.tokens * self.shape.top_k], self.w)
+        return combine_weighted_sum(self.combined(), self.w)
 
     def combined(self) -> torch.Tensor:
         """The Combine rows a launch stored."""

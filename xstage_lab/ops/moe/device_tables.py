@@ -176,9 +176,8 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
                    arrival_src=arrival_src if received else expert_ids,
                    arrival_slot=arrival_slot if received else expert_ids, n_arrivals_ptr=n_ptr,
                    CAPACITY=capacity)
-    copy_bytes = tables.x_scale is not None and not quantize  # e4m3 rows moved as bytes
     launch.gather((triton.cdiv(capacity, GATHER_ROWS), launch.slabs), n_arrivals_ptr=n_ptr,
-                  x=x.view(torch.uint8) if copy_bytes else x,
+                  x=x.view(torch.uint8) if launch.copy_bytes else x,
                   x_scale=x_scale if x_scale is not None else tables.meta, CAPACITY=capacity,
                   TOP_K=top_k)
     launch.tiles((b.row_blocks,))
@@ -196,6 +195,7 @@ class RoutingLaunches:
         e_pad = _pow2(b.num_experts)
         hidden = t.x.shape[1]
         fp8 = t.x_scale is not None
+        self.copy_bytes = fp8 and not quantize  # e4m3 rows in: moved as bytes, scales copied
         self.slabs = triton.cdiv(hidden, GATHER_SLAB)
         scan_experts = min(SCAN_EXPERTS, e_pad)
         self.scan_programs = e_pad // scan_experts
@@ -220,9 +220,9 @@ class RoutingLaunches:
                                 NUM_EXPERTS=b.num_experts, RECEIVED=received, CHUNK=CHUNK)
         self.gather = Launcher(
             k.route_gather, arrival_rows=t.arrival_rows,
-            x_rows=t.x.view(torch.uint8) if fp8 and not quantize else t.x,
+            x_rows=t.x.view(torch.uint8) if self.copy_bytes else t.x,
             x_rows_scale=t.x_scale if fp8 else t.meta, HIDDEN=hidden, RECEIVED=received,
-            QUANTIZE=quantize, COPY_SCALES=fp8 and not quantize, ROWS=GATHER_ROWS,
+            QUANTIZE=quantize, COPY_SCALES=self.copy_bytes, ROWS=GATHER_ROWS,
             SLAB=GATHER_SLAB, BLOCK_H=FP8_SCALE_BLOCK)
         self.tiles = Launcher(
             k.route_tiles, expert_counts=t.expert_counts, expert_offsets=t.expert_offsets,

@@ -47,8 +47,8 @@ def auto_schedule(peers_world: int) -> str:
 class MoEWorkspace:
     """The static buffers and launches of the fused MoE over ``weights`` for at most ``capacity``
     arrivals: the device tables (the row counters included), ``h`` and its scales, the error
-    flag (shared by the routing kernels and the fused kernel). ``num_programs`` defaults to the SMs (one
-    persistent program each); ``lead_rows`` to D_knee (eq. 16)."""
+    flag (shared by the routing kernels and the fused kernel). ``num_programs`` defaults to the
+    SMs (one persistent program each); ``lead_rows`` to D_knee (eq. 16)."""
 
     def __init__(self, weights: ExpertWeights, capacity: int, *, config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
