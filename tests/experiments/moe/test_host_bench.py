@@ -125,6 +125,20 @@ def test_run_checks_reads_back_and_names_its_forecast(host_run):
         assert r["measured_stall_us"] > 0 and r["lead_rows"] == skew_lead(r["d_knee"], 4, 2)
 
 
+def test_a_local_sweep_times_every_lead_with_every_store_local(host_run):
+    args, root, _ = host_run
+    write_record("moe_host_forecast", "cpu-host", forecast_table([1, 8]), {}, {}, root)
+    args.host_shares, args.lead_multiples = [0], [1, 8]
+    assert harness.run(hb.MoEHost(device="cpu"), args) == args.out
+    rows = json.loads(args.out.read_text())["rows"]
+    for r in rows:
+        lead = skew_lead(r["d_knee"], 4, 2)
+        assert r["host_share"] == 0 and r["leads"] == sorted({r["d_knee"], lead, 8 * lead})
+        assert r["auto_us"] is None and "forecast_predicted_speedup" not in r
+        assert r["local_interleaved_over_wave"] == pytest.approx(
+            r["wave_local_us"] / r["interleaved_local_us"])
+
+
 @pytest.mark.parametrize("fault, message", [("skip", "error inf"), ("perturb", "differ")])
 def test_a_wrong_launch_into_host_memory_aborts_before_timing(host_run, fault, message,
                                                               monkeypatch, capsys):
@@ -176,7 +190,7 @@ def test_host_view_joins_a_runs_chunks_and_finds_the_misses(tmp_path):
     prov = {"git_commit": "abc"}
     # an older run; a first try of chunk 0 of the latest; then its two chunks (the same
     # forecast, from two sessions: the commits differ)
-    at = [datetime(2026, 12, 2, 0, m, tzinfo=timezone.utc) for m in range(4)]
+    at = [datetime(2026, 12, 2, 0, m, tzinfo=timezone.utc) for m in range(5)]
     write_record("moe_host", "x-host", _host_rows([1], lambda h: 999.0, 100.0, 100.0, 1.0, 0.0),
                  {**params, "forecast_record": "moe_host_forecast/x-host/old", "chunk": "0/1"},
                  prov, tmp_path, created=at[0])
@@ -188,6 +202,11 @@ def test_host_view_joins_a_runs_chunks_and_finds_the_misses(tmp_path):
                  tmp_path, created=at[2])
     write_record("moe_host", "x-host", _host_rows([8], lambda h: 300.0, 100.0, 250.0, 1.2, 20.0),
                  {**params, "chunk": "1/2"}, {"git_commit": "def"}, tmp_path, created=at[3])
+    # a local sweep after the run (--host-shares 0, another forecast): not part of its matrix
+    write_record("moe_host", "x-host", _host_rows([0], lambda h: 101.0, 101.0, 102.0, 1.0, 0.0),
+                 {**params, "forecast_record": "moe_host_forecast/x-host/g"}, prov, tmp_path,
+                 created=at[4])
+    assert list(hv.local_sweep_view("x-host", tmp_path).table["wave_us"]) == [101.0]
     view = hv.latest_host_view("x-host", tmp_path)
     assert len(view.records) == 2 and list(view.table["host_share"]) == [1, 2, 8]
     assert 777.0 not in set(view.table["wave_us"])  # the newer record of chunk 0 wins

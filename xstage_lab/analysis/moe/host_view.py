@@ -46,16 +46,36 @@ def latest_host_view(platform: str, root: Path = RECORDS_DIR) -> HostView:
     """The records of ``platform``'s latest ``moe_host`` run: those that name the newest
     record's forecast and split the matrix as it does (``--chunk i/n``), the newest per chunk.
     A run's chunks may come from different device sessions, so their commits may differ (each
-    record keeps its own)."""
-    records = [read(p) for p in record_paths("moe_host", platform, root)]
+    record keeps its own). Local sweeps (``local_sweep_view``) are not part of a matrix."""
+    records = [r for r in _records(platform, root) if not _local_only(r)]
     if not records:
-        raise FileNotFoundError(f"no 'moe_host' record for platform {platform!r} under {root}")
+        raise FileNotFoundError(f"no 'moe_host' record with a host share >= 1 for platform "
+                                f"{platform!r} under {root}")
 
     def run(rec: Record):
         return rec.params["forecast_record"], _chunks(rec)[1]
     newest = run(records[-1])
     by_chunk = {_chunks(r)[0]: r for r in records if run(r) == newest}  # later records win
     return HostView(platform, tuple(by_chunk[i] for i in sorted(by_chunk)))
+
+
+def local_sweep_view(platform: str, root: Path = RECORDS_DIR) -> HostView:
+    """``platform``'s ``moe_host`` records whose every cell has host share 0 (``--host-shares
+    0``): Expert-Wave beside Interleaved at each lead of the D sweep with every Combine store
+    local, and both traced; the newest record's cell wins."""
+    records = tuple(r for r in _records(platform, root) if _local_only(r))
+    if not records:
+        raise FileNotFoundError(f"no local-only 'moe_host' record (--host-shares 0) for "
+                                f"platform {platform!r} under {root}")
+    return HostView(platform, records)
+
+
+def _records(platform: str, root: Path) -> list[Record]:
+    return [read(p) for p in record_paths("moe_host", platform, root)]
+
+
+def _local_only(rec: Record) -> bool:
+    return bool((rec.table["host_share"] == 0).all())
 
 
 def _chunks(rec: Record) -> tuple[int, int]:

@@ -57,7 +57,7 @@ from ...dist_timing import TIMING_METHOD, time_methods
 from ...ops.moe.combine import host_combine_peers
 from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
 from ...ops.moe.schedules import (L2, Schedule, expert_wave_schedule, interleaved_schedule,
-                                  lead_sweep, skew_lead)
+                                  LEAD_MULTIPLES, lead_sweep, skew_lead)
 from ...ops.moe.shapes import PRECISIONS, ROUTINGS, load_shapes
 from ...ops.moe.tiles import KERNELS, default_tile_config, kernel_device
 from ...ops.moe.weights import local_expert_weights
@@ -121,6 +121,9 @@ class MoEHost(Experiment):
         p.add_argument("--host-shares", **list_option(
             int, default=list(DEFAULT_SHARES), help=f"source ranks (of {HOST_SHARE_SOURCES}) "
                                                     "whose Combine buffers are pinned host memory"))
+        p.add_argument("--lead-multiples", **list_option(
+            int, default=list(LEAD_MULTIPLES), help="the D sweep: D_knee and the derived lead "
+                                                    "times each of these"))
         p.add_argument("--kernel", default="gluon_ws", help=f"one of {list(KERNELS)}")
         p.add_argument("--trials", type=int, default=5)
         p.add_argument("--warmup", type=int, default=2)
@@ -138,6 +141,8 @@ class MoEHost(Experiment):
         if bad:
             raise ValueError(f"--host-shares {bad}: a host share is 0..{HOST_SHARE_SOURCES} "
                              "source ranks")
+        if min(a.lead_multiples) < 1:
+            raise ValueError(f"--lead-multiples {a.lead_multiples}: each must be >= 1")
         if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1 or a.warmup < 0:
             raise ValueError("--tokens, --trials and --graph-iters must be >= 1, --warmup >= 0")
         if len(a.tokens) != 1:
@@ -224,7 +229,7 @@ class MoEHost(Experiment):
                                      config=cell.cfg, max_spin_iters=args.max_spin, fence=fence)
 
         schedules = {d: interleaved_schedule(cell.problem, self.programs, d)
-                     for d in lead_sweep(cell.knee, lead)}
+                     for d in lead_sweep(cell.knee, lead, args.lead_multiples)}
         wave = expert_wave_schedule(cell.problem, self.programs)
         auto = self._auto_lead(point)
         if auto:  # a lead outside the sweep
@@ -297,7 +302,8 @@ class MoEHost(Experiment):
         programs = step.wave.programs
         l2_bursts = sum(t.kind == L2 for prog in programs for t in prog) / len(programs)
         return {**cell_row_base(cell), "host_share": p["host_share"],
-                "lead_rows": step.lead, "leads": lead_sweep(cell.knee, step.lead), **cols,
+                "lead_rows": step.lead,
+                "leads": lead_sweep(cell.knee, step.lead, args.lead_multiples), **cols,
                 "interleaved_us": us[f"interleaved_d{step.lead}"],
                 "auto_lead": self._auto_lead(p), "auto_us": us.get("auto"),
                 "interleaved_best": best, "interleaved_best_us": us[best],
@@ -324,7 +330,8 @@ class MoEHost(Experiment):
                             "buffers of source ranks 0..h-1 pinned host memory, the rest local",
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                 "kernel": args.kernel, "tile_configs": self.tile_configs,
-                "leads": "schedules.lead_sweep: D_knee, and the derived lead times 1, 2, 4",
+                "leads": "schedules.lead_sweep: D_knee, and the derived lead times "
+                         f"{args.lead_multiples}",
                 "tolerance": TOLERANCE,
                 "timing": f"{TIMING_METHOD}; one process; {args.graph_iters} calls per trial, "
                           "CUDA-graph replays"}

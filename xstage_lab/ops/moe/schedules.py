@@ -130,10 +130,15 @@ def skew_lead(knee: int, num_programs: int, l2_n_blocks: int) -> int:
     return knee + math.ceil(num_programs / l2_n_blocks)
 
 
-def lead_sweep(knee: int, lead: int) -> list[int]:
+LEAD_MULTIPLES = (1, 2, 4)
+
+
+def lead_sweep(knee: int, lead: int, multiples=LEAD_MULTIPLES) -> list[int]:
     """The Interleaved leads the host-link matrix times and its ``auto`` chooses among: D_knee
-    (eq. 16) and the derived lead (``skew_lead``) times 1, 2 and 4."""
-    return sorted({knee, lead, 2 * lead, 4 * lead})
+    (eq. 16) and the derived lead (``skew_lead``) times each of ``multiples``."""
+    if any(m < 1 for m in multiples):
+        raise ValueError(f"lead multiples must be >= 1, got {list(multiples)}")
+    return sorted({knee, *(m * lead for m in multiples)})
 
 
 WAVE_FILL = 2  # Linear-1 tiles per program that a default Expert-Wave wave holds at least
