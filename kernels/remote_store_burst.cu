@@ -14,6 +14,12 @@
 // an untaken fence branch in the store loop's code adds 31 ns to each burst's issue time
 // (data/records/issue_time_probe).
 //
+// burst_gap_rows stores each producer's burst as row chunks, the pattern of the fused MoE's
+// Combine epilogue: C-byte chunks (2^chunk_shift vectors) one per S-byte row, the S / C producers
+// of a group side by side in the same rows (as the Linear-2 tiles of one row block, one per
+// N-block, fill the same Combine rows). It is its own instantiation, so the contiguous kernels'
+// store loop stays as measured.
+//
 // Built at run time by CuPy/NVRTC for sm_90 with kernel_sources.cuda_options, and compiled by
 // nvcc in the tests with the same options.
 
@@ -66,12 +72,14 @@ __device__ void write_trace(const u64* stamps, u32 n_bursts, u32 producer, u32 n
 // bursts of a few KiB per producer pass the barrier at once and the drain then holds up the
 // timekeeper's stamp store for the rest of V/R.)
 // Dynamic shared memory: at least n_bursts * 3 * 8 bytes.
-template <bool FENCED>
+template <bool FENCED, bool ROWS>
 __device__ __forceinline__ void burst_gap_body(
         uint4* __restrict__ dst,
-        u64 slot_vecs,            // 16-byte vectors per rotation slot (K * B / 16)
+        u64 slot_vecs,            // 16-byte vectors per rotation slot (K * B / 16 contiguous)
         u32 n_slots,              // bursts rotate through this many slots (1 rewrites the same lines)
         u32 vecs_per_producer,    // B / 16
+        u32 chunk_shift,          // ROWS: log2 of the 16-byte vectors per chunk (C / 16)
+        u32 row_vecs,             // ROWS: 16-byte vectors per row (S / 16)
         u32 n_bursts,
         u64 gap_cycles,           // producer-side gap G in SM cycles
         u32 align_each_burst,     // grid barrier before every burst (else before the first only)
@@ -111,10 +119,18 @@ __device__ __forceinline__ void burst_gap_body(
         __syncthreads();
         if (abort_run) break;
         if (threadIdx.x < store_threads) {
-            uint4* out = dst + (u64)(burst % n_slots) * slot_vecs
-                             + (u64)producer * vecs_per_producer;
+            uint4* out = dst + (u64)(burst % n_slots) * slot_vecs;
+            if (ROWS) {
+                const u32 per_row = row_vecs >> chunk_shift;  // producers side by side
+                out += (u64)(producer / per_row) * (vecs_per_producer >> chunk_shift) * row_vecs
+                       + ((u64)(producer % per_row) << chunk_shift);
+            } else {
+                out += (u64)producer * vecs_per_producer;
+            }
+            const u32 chunk_mask = (1u << chunk_shift) - 1u;
             for (u32 v = threadIdx.x; v < vecs_per_producer; v += store_threads) {
-                out[v] = burst_pattern(seed, burst, producer, v);
+                const u64 at = ROWS ? (u64)(v >> chunk_shift) * row_vecs + (v & chunk_mask) : v;
+                out[at] = burst_pattern(seed, burst, producer, v);
             }
             // The completion-coupled counterfactual (issue 8): a system-scope fence returns only
             // once this thread's stores are visible at the destination.
@@ -135,45 +151,66 @@ extern "C" __global__ void burst_gap(
         uint4* __restrict__ dst, u64 slot_vecs, u32 n_slots, u32 vecs_per_producer,
         u32 n_bursts, u64 gap_cycles, u32 align_each_burst, u32 seed, u32* arrivals, u32* error,
         u64 timeout_ns, u64* __restrict__ trace, u64* __restrict__ clocks) {
-    burst_gap_body<false>(dst, slot_vecs, n_slots, vecs_per_producer, n_bursts, gap_cycles,
-                          align_each_burst, seed, arrivals, error, timeout_ns, trace, clocks);
+    burst_gap_body<false, false>(dst, slot_vecs, n_slots, vecs_per_producer, 0u, 0u, n_bursts,
+                                 gap_cycles, align_each_burst, seed, arrivals, error, timeout_ns,
+                                 trace, clocks);
 }
 
 extern "C" __global__ void burst_gap_fenced(
         uint4* __restrict__ dst, u64 slot_vecs, u32 n_slots, u32 vecs_per_producer,
         u32 n_bursts, u64 gap_cycles, u32 align_each_burst, u32 seed, u32* arrivals, u32* error,
         u64 timeout_ns, u64* __restrict__ trace, u64* __restrict__ clocks) {
-    burst_gap_body<true>(dst, slot_vecs, n_slots, vecs_per_producer, n_bursts, gap_cycles,
-                         align_each_burst, seed, arrivals, error, timeout_ns, trace, clocks);
+    burst_gap_body<true, false>(dst, slot_vecs, n_slots, vecs_per_producer, 0u, 0u, n_bursts,
+                                gap_cycles, align_each_burst, seed, arrivals, error, timeout_ns,
+                                trace, clocks);
+}
+
+extern "C" __global__ void burst_gap_rows(
+        uint4* __restrict__ dst, u64 slot_vecs, u32 n_slots, u32 vecs_per_producer,
+        u32 chunk_shift, u32 row_vecs, u32 n_bursts, u64 gap_cycles, u32 align_each_burst,
+        u32 seed, u32* arrivals, u32* error, u64 timeout_ns, u64* __restrict__ trace,
+        u64* __restrict__ clocks) {
+    burst_gap_body<false, true>(dst, slot_vecs, n_slots, vecs_per_producer, chunk_shift, row_vecs,
+                                n_bursts, gap_cycles, align_each_burst, seed, arrivals, error,
+                                timeout_ns, trace, clocks);
 }
 
 // Counts vectors of the destination buffer that differ from what the run must have left there:
 // each used slot holds the pattern of the last burst that wrote it, the rest still holds poison.
+// A slot is rows of row_vecs vectors; a group of row_vecs / chunk_vecs producers fills
+// vecs_per_producer / chunk_vecs rows side by side (contiguous bursts: one row per producer,
+// chunk_vecs = row_vecs = vecs_per_producer); positions of producers >= n_producers hold poison.
 extern "C" __global__ void count_burst_mismatches(
         const uint4* __restrict__ buf,
         u64 buffer_vecs,
         u64 slot_vecs,
         u32 n_slots,
+        u32 n_producers,
         u32 vecs_per_producer,
+        u32 chunk_vecs,
+        u32 row_vecs,
         u32 n_bursts,
         u32 seed,
         u32 poison,
         unsigned long long* mismatches) {
     const u32 used_slots = n_bursts < n_slots ? n_bursts : n_slots;
     const u64 written = (u64)used_slots * slot_vecs;
+    const u32 rows_per_group = vecs_per_producer / chunk_vecs;
+    const u32 per_row = row_vecs / chunk_vecs;
     u64 local = 0;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < buffer_vecs;
          i += (u64)gridDim.x * blockDim.x) {
         const uint4 got = buf[i];
-        uint4 want;
+        uint4 want = make_uint4(poison, poison, poison, poison);
         if (i < written) {
             const u32 slot = (u32)(i / slot_vecs);
             const u64 within = i % slot_vecs;
+            const u64 row = within / row_vecs;
+            const u32 col = (u32)(within % row_vecs);
+            const u32 producer = (u32)(row / rows_per_group) * per_row + col / chunk_vecs;
+            const u32 vec = (u32)(row % rows_per_group) * chunk_vecs + col % chunk_vecs;
             const u32 last_burst = slot + ((n_bursts - 1u - slot) / n_slots) * n_slots;
-            want = burst_pattern(seed, last_burst, (u32)(within / vecs_per_producer),
-                                 (u32)(within % vecs_per_producer));
-        } else {
-            want = make_uint4(poison, poison, poison, poison);
+            if (producer < n_producers) want = burst_pattern(seed, last_burst, producer, vec);
         }
         local += (got.x != want.x) | (got.y != want.y) | (got.z != want.z) | (got.w != want.w);
     }

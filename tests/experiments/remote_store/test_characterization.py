@@ -12,13 +12,14 @@ import pytest
 from tests.experiments.cuda_testing import compile_sm90, needs_nvcc
 from xstage_lab.experiments.remote_store.characterization import HOST, KIB, BenchSettings, characterization_sweeps, host_link_sweeps, link_settings
 from xstage_lab.calibration import MIB
-from xstage_lab.ops.remote_store.burst import burst_rows, check_host_destination, isolated_recovery_us, validate_point
+from xstage_lab.ops.remote_store.burst import (burst_rows, check_host_destination,
+                                               isolated_recovery_us, row_layout, validate_point)
 from xstage_lab.platform import GPU, Inventory
 from xstage_lab.sweep import Axis, Sweep, run_sweep
 
 CU = Path(__file__).resolve().parents[3] / "kernels" / "remote_store_burst.cu"
-KERNELS = ("burst_gap", "burst_gap_fenced", "count_burst_mismatches", "sample_sm_clock",
-           "burst_gap_ops", "count_ops_mismatches")
+KERNELS = ("burst_gap", "burst_gap_fenced", "burst_gap_rows", "count_burst_mismatches",
+           "sample_sm_clock", "burst_gap_ops", "count_ops_mismatches")
 
 
 def make_inv(n: int, sms: int = 132, peer: bool = True) -> Inventory:
@@ -378,13 +379,13 @@ def test_cuda_source_compiles_for_sm90_and_exports_the_kernels(tmp_path):
 
 @needs_nvcc
 def test_only_the_fenced_burst_kernel_fences(tmp_path):
-    """burst_gap's code holds no fence, not even an untaken branch to one (that costs issue
+    """burst_gap's and burst_gap_rows' code holds no fence, not even an untaken branch to one (that costs issue
     time: data/records/issue_time_probe); burst_gap_fenced fences at system scope per burst."""
     _, _, ptx = compile_sm90(CU, tmp_path)
     bodies = dict(re.findall(r"\.visible\s+\.entry\s+(\w+)\s*\((.*?)\n\}", ptx, re.S))
     fences = {name: re.findall(r"\b(?:membar|fence)\.[\w.]+", bodies[name])
-              for name in ("burst_gap", "burst_gap_fenced")}
-    assert fences["burst_gap"] == []
+              for name in ("burst_gap", "burst_gap_rows", "burst_gap_fenced")}
+    assert fences["burst_gap"] == fences["burst_gap_rows"] == []
     assert fences["burst_gap_fenced"] and set(fences["burst_gap_fenced"]) <= {"membar.sys",
                                                                              "fence.sc.sys"}
 
@@ -400,41 +401,71 @@ def _burst_pattern(seed: int, burst: int, producer: int, vec: int) -> tuple[int,
     return tag ^ w1, w1, w2, (tag ^ w2) * 0x27D4EB2F & m
 
 
-def _stored(buffer_vecs, k, vecs_per_producer, n_slots, n_bursts, seed, poison):
-    """What a burst launch leaves in a poisoned buffer, store by store as the kernel issues them."""
+def _stored(buffer_vecs, k, vecs_per_producer, n_slots, n_bursts, seed, poison, chunk=None,
+            row=None):
+    """What a burst launch leaves in a poisoned buffer, store by store as the kernel issues them:
+    contiguous, or ``chunk``-vector pieces one per ``row``-vector row, ``row // chunk`` producers
+    side by side (burst_gap_rows)."""
+    slot_vecs = row_layout(k, 16 * vecs_per_producer, 16 * (chunk or 0), 16 * (row or 0))[2]
+    chunk = chunk or vecs_per_producer
+    row = row or vecs_per_producer
     words = np.full(buffer_vecs * 4, poison, dtype=np.uint32)
-    slot_vecs = k * vecs_per_producer
+    per_row = row // chunk
     for burst in range(n_bursts):
         for p in range(k):
+            base = (p // per_row) * (vecs_per_producer // chunk) * row + (p % per_row) * chunk
             for v in range(vecs_per_producer):
-                i = (burst % n_slots) * slot_vecs + p * vecs_per_producer + v
+                i = (burst % n_slots) * slot_vecs + base + (v // chunk) * row + v % chunk
                 words[4 * i:4 * i + 4] = _burst_pattern(seed, burst, p, v)
-    return words
+    return words, slot_vecs
 
 
 @pytest.mark.parametrize("n_slots,n_bursts", [(3, 7), (4, 2), (1, 5)])
-def test_host_destination_check_counts_what_the_producers_did_not_leave(n_slots, n_bursts):
-    k, vpp, seed, poison = 3, 5, 0xDEADBEEF, 0xA5A5A5A5
-    buffer_vecs = n_slots * k * vpp + 4  # a tail no slot covers stays poisoned
-    args = (k * vpp, n_slots, vpp, n_bursts, seed, poison)
-    words = _stored(buffer_vecs, k, vpp, n_slots, n_bursts, seed, poison)
+@pytest.mark.parametrize("chunk,row", [(None, None), (2, 6)])
+def test_host_destination_check_counts_what_the_producers_did_not_leave(n_slots, n_bursts, chunk,
+                                                                         row):
+    """Contiguous bursts, and row chunks (2-vector chunks, 3 producers a row: the 4th producer
+    starts a second group, whose other two places stay poisoned)."""
+    k, vpp, seed, poison = 4, 6, 0xDEADBEEF, 0xA5A5A5A5
+    layout = (k, vpp, chunk or vpp, row or vpp)
+    words, slot_vecs = _stored(1, k, vpp, 1, 0, seed, poison, chunk, row)
+    buffer_vecs = n_slots * slot_vecs + 4  # a tail no slot covers stays poisoned
+    words, _ = _stored(buffer_vecs, k, vpp, n_slots, n_bursts, seed, poison, chunk, row)
+    args = (slot_vecs, n_slots, layout, n_bursts, seed, poison)
     assert check_host_destination(words, *args) == 0
     wrong = words.copy()
-    wrong[4 * (k * vpp + 2) + 3] ^= 1                       # one word of a written vector
+    wrong[4 * (slot_vecs + 2) + 3] ^= 1                     # one word of a written vector
     wrong[-1] = 0                                           # the poisoned tail
     assert check_host_destination(wrong, *args) == (2 if n_bursts > 1 else 1)
+    if chunk:  # a store where no producer stores (the second group's empty places)
+        hole = 4 * (slot_vecs - 1)
+        assert words[hole] == poison
+        wrong = words.copy()
+        wrong[hole] = 0
+        assert check_host_destination(wrong, *args) == 1
     # a slot that holds an earlier burst than its last, or another seed's, is wrong throughout
     assert check_host_destination(_stored(buffer_vecs, k, vpp, n_slots, n_bursts - 1, seed,
-                                          poison), *args) >= k * vpp
-    assert check_host_destination(words, k * vpp, n_slots, vpp, n_bursts, seed + 1,
+                                          poison, chunk, row)[0], *args) >= k * vpp
+    assert check_host_destination(words, slot_vecs, n_slots, layout, n_bursts, seed + 1,
                                   poison) == min(n_slots, n_bursts) * k * vpp
+
+
+def test_row_layout_puts_producers_side_by_side_in_rows():
+    assert row_layout(132, 64 * KIB) == (4096, 4096, 132 * 4096)
+    # DiT-MoE's Combine: 256-byte chunks of 2816-byte rows, 11 producers a row, 12 groups
+    assert row_layout(132, 32 * KIB, 256, 2816) == (16, 176, 12 * 128 * 176)
+    assert row_layout(20, 32 * KIB, 512, 8192)[2] == 2 * 64 * 512  # 16 a row: 2 groups
+    for bad in [(48, 4096), (512, 1000), (0, 4096)]:
+        with pytest.raises(ValueError):
+            row_layout(132, 32 * KIB, *bad)
 
 
 def test_every_host_link_point_validates_on_one_gpu():
     inv = make_inv(1)
     settings = link_settings("host")
     sweeps = host_link_sweeps(132, repeats=7)
-    assert [s.name for s in sweeps] == ["drain_rate", "gap", "isolated", "fenced", "lines"]
+    assert [s.name for s in sweeps] == ["drain_rate", "gap", "isolated", "fenced", "lines",
+                                        "row_chunks"]
     for sw in sweeps:
         for p in sw.points():
             validate_point(p, inv, settings)
@@ -448,6 +479,13 @@ def test_every_host_link_point_validates_on_one_gpu():
     gap = pd.DataFrame(sweeps[1].points())
     assert (gap.groupby("burst_bytes")["gap_us"].max() * 64e3 >= 2 * 132 * gap.groupby(
         "burst_bytes")["burst_bytes"].first()).all()
+    # the Combine's row patterns of every model shape beside the contiguous burst, each past
+    # the contiguous knee (35 KiB a producer at K = 132) to a Linear-2 tile's 64 KiB and beyond
+    rows = pd.DataFrame(sweeps[-1].points())
+    assert {(c, r) for c, r in zip(rows["chunk_bytes"], rows["row_bytes"])} == {
+        (0, 0), (256, 2816), (512, 8192), (512, 12288), (512, 14336)}
+    assert set(rows["producers"]) == {132}
+    assert rows.groupby(["chunk_bytes", "row_bytes", "mode"])["burst_bytes"].max().min() >= 64 * KIB
     # an isolated burst recovers at a rate far below PCIe's
     assert isolated_recovery_us(100 * MIB, settings) > 100 * MIB / 20e3
     with pytest.raises(ValueError, match="must name GPUs"):

@@ -56,8 +56,9 @@ def host_link_sweeps(sm_count: int, src: int = 0, repeats: int = 11,
     scaled to a drain some ten times slower than NVLink's: smaller bursts in the gap and fenced
     sweeps with gaps out to several V/R, so that each burst size reaches its recovered plateau;
     isolated bursts at every K of the NVLink sweep (K = all SMs, 1/2, 1/4, 1/8) and B out to a
-    burst volume of half the buffer, far enough to find a knee set by a capacity of tens of MiB.
-    No ``pairs`` sweep: a GPU has one host link."""
+    burst volume of half the buffer, far enough to find a knee set by a capacity of tens of MiB;
+    and ``row_chunks``, R and Q of the fused MoE's Combine row patterns (the host-link MoE
+    forecast's M_X). No ``pairs`` sweep: a GPU has one host link."""
     K = sm_count
     Ks = sorted({max(1, K // 8), max(1, K // 4), max(1, K // 2), K})
     fixed = dict(src=src, dst=HOST, lines="fresh")
@@ -83,7 +84,36 @@ def host_link_sweeps(sm_count: int, src: int = 0, repeats: int = 11,
         Sweep("lines", (Axis("lines", LINES), Axis("burst_bytes", KIBS(32, 128))),
               fixed=dict(src=src, dst=HOST, mode="periodic", path="remote", gap_us=0.0,
                          producers=K, align="first"), repeats=repeats),
+        row_chunk_sweep(K, src, HOST, repeats),
     ]
+
+
+def combine_row_patterns() -> list[dict]:
+    """The Combine epilogue's store patterns of the model shapes (``ops.moe``): per Linear-2 tile,
+    ``block_m`` rows of one ``block_n2``-column chunk of bf16 each, at the row pitch of a
+    ``hidden``-column Combine row; the contiguous burst first, as the reference."""
+    from ...ops.moe.shapes import PRECISIONS, load_shapes
+    from ...ops.moe.tiles import default_tile_config
+
+    patterns = [(0, 0)]
+    for shape in load_shapes().values():
+        for precision in PRECISIONS:
+            cfg = default_tile_config(precision, "gluon_ws", hidden=shape.hidden)
+            if (2 * cfg.block_n2, 2 * shape.hidden) not in patterns:
+                patterns.append((2 * cfg.block_n2, 2 * shape.hidden))
+    return [{"chunk_bytes": c, "row_bytes": r} for c, r in patterns]
+
+
+def row_chunk_sweep(sm_count: int, src: int, dst: int, repeats: int) -> Sweep:
+    """``row_chunks``: R and Q at K = all SMs for each Combine row pattern
+    (``combine_row_patterns``): zero-gap periodic bursts up to a Linear-2 tile's 64 KiB per
+    producer (R) and isolated bursts over B past the contiguous knee (Q, eq. 7)."""
+    shapes = ([{"mode": "periodic", "burst_bytes": b, "align": "first"} for b in KIBS(16, 32, 64)]
+              + [{"mode": "isolated", "burst_bytes": b, "align": "each"}
+                 for b in KIBS(4, 8, 16, 24, 32, 48, 64, 96, 128)])
+    return Sweep("row_chunks", (Axis("pattern", combine_row_patterns()), Axis("shape", shapes)),
+                 fixed=dict(src=src, dst=dst, path="remote", lines="fresh", gap_us=0.0,
+                            producers=sm_count), repeats=repeats)
 
 
 def characterization_sweeps(sm_count: int, n_gpus: int, src: int = 0, dst: int = 1,
@@ -136,7 +166,7 @@ def characterization_sweeps(sm_count: int, n_gpus: int, src: int = 0, dst: int =
     ]
 
 
-SWEEP_NAMES = tuple(s.name for s in characterization_sweeps(1, 2))
+SWEEP_NAMES = (*(s.name for s in characterization_sweeps(1, 2)), "row_chunks")
 
 
 class BurstGapCharacterization(Experiment):
@@ -184,6 +214,8 @@ class BurstGapCharacterization(Experiment):
                                           args.repeats))
         if host and args.only is not None and "pairs" in args.only:
             raise ValueError("--only pairs: the host link has one route, no pairs sweep")
+        if not host and args.only is not None and "row_chunks" in args.only:
+            raise ValueError("--only row_chunks: the Combine row patterns are a host-link sweep")
         return [s for s in sweeps if args.only is None or s.name in args.only]
 
     def start(self, run) -> None:

@@ -66,6 +66,27 @@ def check_gpus(src: int, dst: int, inv: Inventory) -> None:
         raise ValueError(f"src={src} and dst={dst} must name GPUs 0..{n - 1} (dst {HOST}: host)")
 
 
+def row_layout(producers: int, burst_bytes: int, chunk_bytes: int = 0,
+               row_bytes: int = 0) -> tuple[int, int, int]:
+    """Where a burst's 16-byte vectors land in a rotation slot: ``(chunk_vecs, row_vecs,
+    slot_vecs)``. Row chunks (``chunk_bytes`` C and ``row_bytes`` S both set, the Combine
+    epilogue's pattern: one C-byte chunk per S-byte row): the S / C producers of a group fill the
+    same B / C rows side by side, ``ceil(K / (S / C))`` groups a slot. Contiguous (both 0): each
+    producer's B bytes in one piece, ``K · B / 16`` vectors a slot."""
+    vecs = burst_bytes // 16
+    if not chunk_bytes and not row_bytes:
+        return vecs, vecs, producers * vecs
+    chunk, row = chunk_bytes // 16, row_bytes // 16
+    if chunk_bytes % 16 or chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunk_bytes={chunk_bytes} must be 16 bytes times a power of two")
+    if row_bytes % chunk_bytes or row_bytes < chunk_bytes or burst_bytes % chunk_bytes:
+        raise ValueError(f"row_bytes={row_bytes} and burst_bytes={burst_bytes} must be whole "
+                         f"multiples of chunk_bytes={chunk_bytes}")
+    per_row = row // chunk
+    groups = -(-producers // per_row)
+    return chunk, row, groups * (vecs // chunk) * row
+
+
 def validate_point(p: dict, inv: Inventory, settings: BenchSettings = BenchSettings()) -> None:
     """Raise ValueError for a point that must not be launched; called before any launch."""
     K, B, G = p["producers"], p["burst_bytes"], p["gap_us"]
@@ -84,8 +105,13 @@ def validate_point(p: dict, inv: Inventory, settings: BenchSettings = BenchSetti
             raise ValueError(f"remote mode needs a destination other than the source (GPU {src})")
         if not inv.can_access_peer(src, dst):
             raise ValueError(f"GPU {src} has no peer access to GPU {dst}")
-    if K * B > settings.buffer_bytes:
-        raise ValueError(f"burst volume K*B={K * B} exceeds the {settings.buffer_bytes}-byte buffer")
+    chunk, row = p.get("chunk_bytes", 0), p.get("row_bytes", 0)
+    slot_bytes = 16 * row_layout(K, B, chunk, row)[2]
+    if (chunk or row) and p["mode"] == "fenced":
+        raise ValueError("row chunks are stored by burst_gap_rows, which has no fenced variant")
+    if slot_bytes > settings.buffer_bytes:
+        raise ValueError(f"burst volume K*B={K * B} (a slot of {slot_bytes} bytes) exceeds the "
+                         f"{settings.buffer_bytes}-byte buffer")
     if settings.threads % 32 or not 32 <= settings.threads <= 992:
         raise ValueError("store threads per producer must be a multiple of 32 in 32..992")
 
@@ -250,11 +276,15 @@ class RemoteStoreBench:
         src = int(p["src"])
         dst = src if p["path"] == "local" else int(p["dst"])
         volume = K * B
+        chunk_bytes, row_bytes = p.get("chunk_bytes", 0), p.get("row_bytes", 0)
+        chunk_vecs, row_vecs, slot_vecs = row_layout(K, B, chunk_bytes, row_bytes)
+        layout = (K, B // 16, chunk_vecs, row_vecs)
         isolated = p["mode"] == "isolated"
         n_bursts = s.isolated_bursts if isolated else s.periodic_bursts
         warmup = s.isolated_warmup_bursts if isolated else s.periodic_warmup_bursts
         gap_us = isolated_recovery_us(volume, s) if isolated else float(p["gap_us"])
-        n_slots = 1 if p.get("lines", "fresh") == "rewrite" else s.buffer_bytes // volume
+        n_slots = (1 if p.get("lines", "fresh") == "rewrite"
+                   else s.buffer_bytes // (16 * slot_vecs))
         self._enable_peer(src, dst)
         mhz = self._clock_mhz.get(src) or self.sm_clock_mhz(src)
 
@@ -272,16 +302,21 @@ class RemoteStoreBench:
         # More than half of an SM's shared memory per CTA: no two producers share an SM.
         smem = min(gpu.max_smem_per_sm // 2 + 1024, gpu.max_smem_per_block_optin)
         with cp.cuda.Device(src):
+            rows = bool(chunk_bytes or row_bytes)
             kernel = self._module(src).get_function(
+                "burst_gap_rows" if rows else
                 "burst_gap_fenced" if p["mode"] == "fenced" else "burst_gap")
             kernel.max_dynamic_shared_size_bytes = smem
             arrivals = cp.zeros(1, cp.uint32)
             error = cp.zeros(1, cp.uint32)
             trace = cp.zeros((n_bursts, K, 3), cp.uint64)
             clocks = cp.zeros((K, 5), cp.uint64)
+            pattern = ((np.uint32(chunk_vecs.bit_length() - 1), np.uint32(row_vecs)) if rows
+                       else ())
             kernel((K,), (s.threads + 32,),
-                   (np.uint64(buf_ptr), np.uint64(volume // 16), np.uint32(n_slots),
-                    np.uint32(B // 16), np.uint32(n_bursts), np.uint64(round(gap_us * mhz)),
+                   (np.uint64(buf_ptr), np.uint64(slot_vecs), np.uint32(n_slots),
+                    np.uint32(B // 16), *pattern, np.uint32(n_bursts),
+                    np.uint64(round(gap_us * mhz)),
                     np.uint32(isolated or p.get("align", "each") == "each"),
                     np.uint32(self.seed), arrivals, error,
                     np.uint64(s.barrier_timeout_s * 1e9), trace, clocks),
@@ -293,9 +328,9 @@ class RemoteStoreBench:
             raise RuntimeError(f"burst kernel error flag {err:#x} (barrier timeout) at {p}")
         if len(set(clocks_h[:, 4].tolist())) != K:
             raise RuntimeError(f"producers shared SMs at {p}: the one-CTA-per-SM premise failed")
-        self._check_destination(check_dev, buf_ptr, volume, n_slots, B, n_bursts)
+        self._check_destination(check_dev, buf_ptr, slot_vecs, n_slots, layout, n_bursts)
         if check_on_cpu and dst == HOST:
-            bad = check_host_destination(self.host.words(), volume // 16, n_slots, B // 16,
+            bad = check_host_destination(self.host.words(), slot_vecs, n_slots, layout,
                                          n_bursts, int(self.seed), _POISON)
             if bad:
                 raise RuntimeError(f"host memory read back on the CPU: {bad} 16-byte vectors "
@@ -304,39 +339,51 @@ class RemoteStoreBench:
         self._clock_mhz[src] = float(rows["sm_clock_mhz"].iloc[0])
         return rows.assign(gap_set_us=gap_us, dst_used=dst, burst_volume=volume)
 
-    def _check_destination(self, dev, buf_ptr, volume, n_slots, B, n_bursts) -> None:
+    def _check_destination(self, dev, buf_ptr, slot_vecs, n_slots, layout, n_bursts) -> None:
         cp = self.cp
+        producers, vecs_per_producer, chunk_vecs, row_vecs = layout
         with cp.cuda.Device(dev):
             mismatches = cp.zeros(1, cp.uint64)
             self._module(dev).get_function("count_burst_mismatches")(
                 (1024,), (256,),
                 (np.uint64(buf_ptr), np.uint64(self.settings.buffer_bytes // 16),
-                 np.uint64(volume // 16), np.uint32(n_slots),
-                 np.uint32(B // 16), np.uint32(n_bursts), np.uint32(self.seed),
-                 np.uint32(_POISON), mismatches))
+                 np.uint64(slot_vecs), np.uint32(n_slots), np.uint32(producers),
+                 np.uint32(vecs_per_producer), np.uint32(chunk_vecs), np.uint32(row_vecs),
+                 np.uint32(n_bursts), np.uint32(self.seed), np.uint32(_POISON), mismatches))
             bad = int(mismatches.get()[0])
         if bad:
             raise RuntimeError(f"destination check failed: {bad} 16-byte vectors differ from what "
                                f"the producers wrote (or poison was overwritten)")
 
 
-def check_host_destination(words: np.ndarray, slot_vecs: int, n_slots: int,
-                           vecs_per_producer: int, n_bursts: int, seed: int, poison: int) -> int:
+def check_host_destination(words: np.ndarray, slot_vecs: int, n_slots: int, layout: tuple,
+                           n_bursts: int, seed: int, poison: int) -> int:
     """The 16-byte vectors of host memory (``words``, uint32) that differ from what a burst
     launch must have left there, counted on the CPU: each used rotation slot holds the
-    ``burst_pattern`` of the last burst that wrote it, every other vector still holds poison.
-    The CPU's twin of the kernel ``count_burst_mismatches``."""
+    ``burst_pattern`` of the last burst that wrote it where ``layout`` = ``(producers,
+    vecs_per_producer, chunk_vecs, row_vecs)`` puts a store (``row_layout``), every other vector
+    still holds poison. The CPU's twin of the kernel ``count_burst_mismatches``."""
+    producers, vpp, chunk, row = layout
     vecs = words.reshape(-1, 4)
     used = min(n_bursts, n_slots)
     written = used * slot_vecs
     bad = int(np.count_nonzero((vecs[written:] != np.uint32(poison)).any(axis=1)))
-    got = vecs[:written].reshape(used, -1, vecs_per_producer, 4)  # [slot, producer, vec, word]
+    # where producer p's vector v lands in a slot (burst_gap_body's addressing)
+    p = np.arange(producers)[:, None]
+    v = np.arange(vpp)[None, :]
+    at = ((p // (row // chunk)) * (vpp // chunk) * row + (p % (row // chunk)) * chunk
+          + (v // chunk) * row + v % chunk)
     # burst_pattern(seed, burst, producer, vec), in uint32 arithmetic that wraps as the device's
-    w1 = np.arange(vecs_per_producer, dtype=np.uint32) * np.uint32(_PATTERN_VEC)
-    w2 = (np.arange(got.shape[1], dtype=np.uint32) * np.uint32(_PATTERN_PRODUCER))[:, None] ^ w1
+    w1 = np.arange(vpp, dtype=np.uint32) * np.uint32(_PATTERN_VEC)
+    w2 = (np.arange(producers, dtype=np.uint32) * np.uint32(_PATTERN_PRODUCER))[:, None] ^ w1
     slot = np.arange(used, dtype=np.uint32)
     last_burst = slot + (np.uint32(n_bursts - 1) - slot) // np.uint32(n_slots) * np.uint32(n_slots)
     tag = (np.uint32(seed) ^ (last_burst * np.uint32(_PATTERN_BURST)))[:, None, None]
-    ok = ((got[..., 0] == (tag ^ w1)) & (got[..., 1] == w1) & (got[..., 2] == w2)
-          & (got[..., 3] == (tag ^ w2) * np.uint32(_PATTERN_LAST)))
+    got = vecs[:written].reshape(used, slot_vecs, 4)
+    stored = got[:, at]                                    # [slot, producer, vec, word]
+    ok = ((stored[..., 0] == (tag ^ w1)) & (stored[..., 1] == w1) & (stored[..., 2] == w2)
+          & (stored[..., 3] == (tag ^ w2) * np.uint32(_PATTERN_LAST)))
+    untouched = np.ones(slot_vecs, dtype=bool)
+    untouched[at.ravel()] = False
+    bad += int(np.count_nonzero((got[:, untouched] != np.uint32(poison)).any(axis=-1)))
     return bad + int(np.count_nonzero(~ok))
