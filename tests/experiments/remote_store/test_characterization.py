@@ -526,6 +526,35 @@ def test_host_link_record_is_a_platform_of_its_own_and_calibrates(model_bench, m
     assert sorted(fit["isolated"], key=int) == ["16", "33", "66", "132"]
 
 
+def test_row_chunk_sweep_fits_r_and_q_per_combine_pattern(model_bench, monkeypatch, tmp_path):
+    from tests.synthetic import KNOWN, capacity
+    from xstage_lab.analysis.remote_store import row_chunks as rc
+    from xstage_lab.records import read_record
+
+    ch = model_bench
+    monkeypatch.setattr(ch, "RemoteStoreBench", ModelHostBench)
+    fake_machine(monkeypatch, ch, n=1)
+    assert rc.latest_row_chunk_record("h200-x1-host", tmp_path) is None
+    path = ch.run_characterization(repeats=1, only=("row_chunks",), progress=False,
+                                   root=tmp_path, link="host")
+    assert path.parent == tmp_path / "remote_store_partial" / "h200-x1-host"
+    rec = rc.latest_row_chunk_record("h200-x1-host", tmp_path)
+    assert rec.record_id == read_record(path).record_id
+    fits = rc.row_chunk_fits(rec.table)
+    assert list(zip(fits["chunk_bytes"], fits["row_bytes"])) == [
+        (p["chunk_bytes"], p["row_bytes"]) for p in ch.combine_row_patterns()]
+    # the model drains every pattern alike: each fit finds its R and Q(132)
+    assert fits["drain_rate_GBps"].to_numpy() == pytest.approx(KNOWN["drain_rate"], rel=1e-3)
+    assert fits["capacity_bytes"].to_numpy() == pytest.approx(capacity(132), rel=0.05)
+    m = rc.pattern_model(fits.iloc[1].to_dict())
+    assert m.drain_rate == fits["drain_rate_GBps"].iloc[1]
+    assert m.capacity_at(132) == fits["capacity_bytes"].iloc[1]
+    no_knee = dict(fits.iloc[0].to_dict(), capacity_bytes=float("nan"))
+    assert rc.pattern_model(no_knee).capacity_at(132) == fits["largest_volume_bytes"].iloc[0]
+    with pytest.raises(ValueError, match="no 'row_chunks' sweep"):
+        rc.row_chunk_fits(rec.table.assign(sweep="gap"))
+
+
 def test_the_nvlink_link_on_one_gpu_is_refused_before_any_launch(model_bench, monkeypatch,
                                                                  tmp_path, capsys):
     ch = model_bench
