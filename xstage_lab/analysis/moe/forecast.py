@@ -41,6 +41,7 @@ import pandas as pd
 
 from ... import model, simulator
 from ...records import RECORDS_DIR
+from ..remote_store.row_chunks import combine_models, combine_pattern
 
 EXPERT_PARALLEL = (2, 4, 8)
 HOST_SHARES = (1, 2, 4, 8)
@@ -220,11 +221,28 @@ def write_forecast(kernel_platform: str, calibration_platform: str,
     return write_record("moe_forecast", kernel_platform, table, params, provenance(), root)
 
 
+def combine_platform(platform: model.PlatformModel, patterns: dict, block_n2: int,
+                     hidden: int) -> tuple[model.PlatformModel, str]:
+    """The model a cell's Combine stores drain by over the host link, and its name: its row
+    pattern's (``analysis.remote_store.row_chunks``: C = 2·block_n2 bytes of each 2·hidden-byte
+    row) where ``patterns`` holds it, else the calibration's ``platform`` (contiguous bursts)."""
+    key = combine_pattern(block_n2, hidden)
+    if key in patterns:
+        return patterns[key], f"rows {key[0]}/{key[1]}"
+    return platform, "contiguous"
+
+
 def host_forecast(kernels: pd.DataFrame, platform: model.PlatformModel,
-                  host_shares=HOST_SHARES) -> pd.DataFrame:
-    """``host_forecast_row`` for every cell of ``kernels`` and every host share."""
-    return pd.DataFrame([host_forecast_row(k, platform, h) for k in kernels.to_dict("records")
-                         for h in host_shares])
+                  host_shares=HOST_SHARES, patterns: dict | None = None) -> pd.DataFrame:
+    """``host_forecast_row`` for every cell of ``kernels`` and every host share, each cell on its
+    Combine pattern's model (``combine_platform``)."""
+    rows = []
+    for k in kernels.to_dict("records"):
+        cell_platform, drain = combine_platform(platform, patterns or {}, k["block_n2"],
+                                                k["hidden"])
+        rows += [{**host_forecast_row(k, cell_platform, h), "drain_model": drain}
+                 for h in host_shares]
+    return pd.DataFrame(rows)
 
 
 def compute_host_forecast(kernel_platform: str, host_platform: str, tokens: int,
@@ -240,17 +258,22 @@ def compute_host_forecast(kernel_platform: str, host_platform: str, tokens: int,
 
     kernel = latest_view(kernel_platform, root)
     cal_record = latest_record("calibration", host_platform, root)
+    patterns, pattern_record = combine_models(host_platform, root)
     cells = kernel_inputs(kernel.table, basis=None)
     table = host_forecast(cells[cells["tokens"] == tokens].reset_index(drop=True),
-                          latest_calibration(host_platform, root).platform_model())
+                          latest_calibration(host_platform, root).platform_model(),
+                          patterns=patterns)
     params = {"link": "host",
               "kernel_records": [f"moe_kernel/{kernel_platform}/{r.record_id}"
                                  for r in kernel.records],
               "calibration_record": f"calibration/{host_platform}/{cal_record.record_id}",
+              "row_chunk_record": pattern_record,
               "tokens": tokens, "host_shares": list(HOST_SHARES),
               "method": __doc__.split("\n\n", 1)[1] + "\n\nHost link: the remote share is the "
                         "host share h/8 (the Combine buffers of h of the eight source ranks are "
-                        "pinned host memory); the calibration is the host link's."}
+                        "pinned host memory); the calibration is the host link's, and where its "
+                        "row_chunks sweep measured a cell's Combine row pattern, R, Q and the "
+                        "issue floor are that pattern's (column drain_model)."}
     return table, params
 
 

@@ -79,3 +79,22 @@ def pattern_model(fit: dict) -> model.PlatformModel:
         capacity={k: float(fit["largest_volume_bytes"] if pd.isna(capacity) else capacity)},
         issue_floor={k: model.IssueFloor(k, float(fit["fixed_us"]),
                                          float(fit["issue_rate_GBps"]))})
+
+
+def combine_models(platform: str, root: Path = RECORDS_DIR) -> tuple[dict, str | None]:
+    """``{(chunk_bytes, row_bytes): PlatformModel}`` of every Combine row pattern of
+    ``platform``'s latest ``row_chunks`` sweep (``pattern_model``), and that record's name
+    (``experiment/platform/id``); ``({}, None)`` where the platform has none."""
+    rec = latest_row_chunk_record(platform, root)
+    if rec is None:
+        return {}, None
+    fits = row_chunk_fits(rec.table)
+    models = {(int(f["chunk_bytes"]), int(f["row_bytes"])): pattern_model(f)
+              for f in fits.to_dict("records") if f["chunk_bytes"]}
+    return models, f"{rec.meta['experiment']}/{platform}/{rec.record_id}"
+
+
+def combine_pattern(block_n2: int, hidden: int) -> tuple[int, int]:
+    """A model shape's Combine row pattern: ``block_n2`` bf16 columns of a ``hidden``-column
+    row."""
+    return 2 * int(block_n2), 2 * int(hidden)

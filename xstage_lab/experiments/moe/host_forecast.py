@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 
 from ... import model, simulator
-from ...analysis.moe.forecast import HOST_SHARES, compute_host_forecast
+from ...analysis.moe.forecast import HOST_SHARES, combine_platform, compute_host_forecast
 from ...records import RECORDS_DIR
 from ...ops.moe.schedules import (L1, MoEProblem, d_knee, expert_wave_schedule,
                                   interleaved_schedule, lead_sweep, skew_lead)
@@ -75,15 +75,17 @@ def simulated_us(problem: MoEProblem, schedule, block_bytes: np.ndarray, times: 
 
 
 def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
-                  seed: int = 0) -> list[dict]:
+                  seed: int = 0, patterns: dict | None = None) -> list[dict]:
     """One row per host share of ``kernel``'s cell (a row of a ``moe_kernel`` record): the
     predicted time of Expert-Wave, of Interleaved at each lead of ``lead_sweep`` and all local,
-    and the schedule ``auto`` picks."""
+    and the schedule ``auto`` picks; the Combine drains by its row pattern's model where
+    ``patterns`` holds it (``forecast.combine_platform``)."""
     from .kernel_cell import build_workload, fused_layout
 
     shape = load_shapes()[kernel["model"]]
     tiles = kernel["tile_config"]
     tiles = json.loads(tiles) if isinstance(tiles, str) else tiles
+    platform, _ = combine_platform(platform, patterns or {}, tiles["block_n2"], shape.hidden)
     programs = int(kernel["num_programs"])
     wl = build_workload(shape, kernel["routing"], int(kernel["tokens"]),
                         seed=cell_seed(seed, shape.model, kernel["precision"], kernel["routing"],
@@ -126,10 +128,11 @@ def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
 
 
 def tile_forecast(kernels: pd.DataFrame, platform: model.PlatformModel, host_shares,
-                  seed: int = 0) -> pd.DataFrame:
+                  seed: int = 0, patterns: dict | None = None) -> pd.DataFrame:
     """``cell_forecast`` of every cell of ``kernels`` (``moe_kernel`` rows)."""
     return pd.DataFrame([row for k in kernels.to_dict("records")
-                         for row in cell_forecast(k, platform, host_shares, seed=seed)])
+                         for row in cell_forecast(k, platform, host_shares, seed=seed,
+                                                  patterns=patterns)])
 
 
 def compute(kernel_platform: str, host_platform: str, tokens: int,
@@ -138,11 +141,13 @@ def compute(kernel_platform: str, host_platform: str, tokens: int,
     ``tile_forecast``'s for the same cells, and its parameters."""
     from ...analysis.moe.kernel_view import latest_view
     from ...analysis.remote_store.characterization import latest_calibration
+    from ...analysis.remote_store.row_chunks import combine_models
 
     table, params = compute_host_forecast(kernel_platform, host_platform, tokens, root)
     kernels = latest_view(kernel_platform, root).table
     tiles = tile_forecast(kernels[kernels["tokens"] == tokens],
-                          latest_calibration(host_platform, root).platform_model(), HOST_SHARES)
+                          latest_calibration(host_platform, root).platform_model(), HOST_SHARES,
+                          patterns=combine_models(host_platform, root)[0])
     table = table.merge(tiles, on=["model", "precision", "routing", "tokens", "host_share"],
                         how="left", validate="one_to_one")
     return table, {**params, "method": params["method"] + "\n\n" + __doc__}
