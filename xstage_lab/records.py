@@ -571,6 +571,11 @@ def read_output(path: Path | str) -> dict:
 def import_bench_json(path: Path | str, experiment: str, root: Path = RECORDS_DIR,
                       resolution: dict[str, float] | None = None) -> Path:
     """Save a benchmark's JSON output (``experiments.output.write_output``) as a record of
-    ``experiment`` (``save_output``); ``ValueError`` where the file is not such an output."""
+    ``experiment`` (``save_output``), or of the name its header gives where the run saved itself
+    apart (``Experiment.record_name``: ``remote_store_partial`` of a ``remote_store`` run);
+    ``ValueError`` where the file is not such an output, or another experiment's."""
     doc = read_output(path)
-    return save_output(doc["metadata"], pd.DataFrame(doc["rows"]), experiment, root, resolution)
+    named = doc["metadata"].get("experiment", experiment)
+    if named != experiment and not named.startswith(f"{experiment}_"):
+        raise ValueError(f"{path} is an output of {named!r}, not of {experiment!r}")
+    return save_output(doc["metadata"], pd.DataFrame(doc["rows"]), named, root, resolution)
