@@ -11,6 +11,10 @@ token ``i // top_k``); for an EP rank (``RECEIVED``) the received rows, source b
 their local expert, source rank and slot, and their count on the device. Every buffer is sized by
 a static bound, every grid by the arrivals' capacity; programs past the counts return at once.
 
+The router's output and the activations are read through the call's argument block
+(``moe_args.py``: their addresses, written before the first launch), so that one captured CUDA
+graph replays the five launches on new tensors of the same shape.
+
 Five launches, each a pass the next one needs complete:
   ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
                        (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is

@@ -3,19 +3,18 @@ output to the layer's output on the device, with no host sync, in buffers sized 
 and a ``torch.library`` custom op (``xstage::fused_moe``) with a fake implementation, so that
 ``torch.compile(fullgraph=True)`` traces a block that uses it.
 
-A call: the call's argument block written (``call_args.write_args``: the addresses of
-``topk_ids``, ``x``, the Combine rows, ``topk_weights`` and ``y``, one launch), then six launches
-that read their varying tensors from it: routing to tile tables (``device_tables``: five Triton
-launches, FP8 activations quantized per 1 x 128 in the gather pass, the fused kernel's row
-counters zeroed in the last), the fused kernel over the chosen schedule's table
-(``kernels/moe_fused_ws.py`` on sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-2
-epilogues store each pick's row into the Combine buffer, then the top-k weighted sum
-(``combine``, one Triton launch). Eagerly on CUDA the six replay as one CUDA graph, captured once
-per token count at that count's first call (``FusedMoE``), so a call costs the host one launch
-and one replay; while the stream is capturing (a user's graph) or off CUDA they launch directly,
-each bound once (``launcher.Launcher``): a call pays the driver's launches, not Triton's Python
-binding. ``MoEWorkspace`` is the same call over received rows (the EP rank workload), storing
-into any ``CombinePeers``, launched directly.
+A call: its argument block written (``call_args.write_args``, one launch: the addresses of
+``topk_ids``, ``x``, the Combine rows, ``topk_weights`` and ``y``), then seven launches that read
+their varying tensors from it: routing to tile tables (``device_tables``: five Triton launches,
+FP8 activations quantized per 1 x 128 in the gather pass, the fused kernel's row counters zeroed
+in the last), the fused kernel over the chosen schedule's table (``kernels/moe_fused_ws.py`` on
+sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-2 epilogues store each pick's row into
+the Combine buffer, then the top-k weighted sum (``combine``, one Triton launch). Eagerly on CUDA
+the seven replay as one CUDA graph, captured once per token count at that count's first call
+(``FusedMoE``): a call costs the host one launch and one replay. While the stream is capturing (a
+user's graph) or off CUDA they launch directly, each bound once (``launcher.Launcher``: a call
+pays the driver's launches, not Triton's Python binding). ``MoEWorkspace`` is the same call over
+received rows (the EP rank workload), storing into any ``CombinePeers``, launched directly.
 """
 from __future__ import annotations
 
@@ -216,7 +215,7 @@ class FusedMoE(torch.nn.Module):
     def run(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             schedule: str) -> torch.Tensor:
         """The call itself (what the custom op runs; inputs checked by ``forward``): the argument
-        block written, then the six launches, replayed from the graph of this call's shape where
+        block written, then the seven launches, replayed from the graph of this call's shape where
         the device is CUDA and the stream is not capturing, else launched directly."""
         t = x.shape[0]
         ids, w = topk_ids.reshape(-1), topk_weights.contiguous()
@@ -240,7 +239,7 @@ class FusedMoE(torch.nn.Module):
 
     def launches(self, tokens: int, schedule: str, id_dtype: torch.dtype,
                weights_dtype: torch.dtype) -> None:
-        """The six launches after the argument block, on the current stream: routing, the fused
+        """The seven launches after the argument block, on the current stream: routing, the fused
         kernel, the weighted sum; their arguments fixed by the shape (what a graph captures)."""
         ws, k = self.workspace, self.top_k
         ws.tables.routing(False, ws.weights.precision == "fp8", id_dtype)(tokens * k, k)
