@@ -41,8 +41,9 @@ def combine_weighted_sum(combine_rows: torch.Tensor, topk_weights: torch.Tensor)
     if t:
         # an argument block per call: a call on another stream never sees this one's addresses
         args = allocate_args(out.device)
-        write_args(args, combine_rows=combine_rows.contiguous(),
-                   topk_weights=topk_weights.contiguous(), out=out)
+        # held until the launches are queued: the kernel reads them through their addresses
+        rows, weights = combine_rows.contiguous(), topk_weights.contiguous()
+        write_args(args, combine_rows=rows, topk_weights=weights, out=out)
         launch(weighted_sum_grid(t, hidden), args=args, HIDDEN=hidden)
     return out
 

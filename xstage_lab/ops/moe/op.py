@@ -25,7 +25,7 @@ import torch
 
 from ...kernel_sources import load_kernel_module
 from ..launcher import Launcher
-from .call_args import write_args
+from .call_args import TRITON_DTYPES, write_args
 from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weighted_sum_launch
 from .device_tables import SCHEDULES, TableBounds, allocate_tables, route_to_tables
 from .fused import DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, kernel_launch
@@ -43,6 +43,7 @@ CPU_PROGRAMS = 1
 # device memory of its own (a call allocates only its output, outside the graph), but each is a
 # driver object of seven kernel nodes, and a server's token counts are unbounded.
 GRAPHS_PER_LAYER = 16
+WEIGHT_DTYPES = tuple(d for d in TRITON_DTYPES if d.is_floating_point)  # the weighted sum reads
 
 
 def auto_schedule(peers_world: int) -> str:
@@ -139,10 +140,10 @@ class FusedMoE(torch.nn.Module):
     weights' device -> bf16 ``y [T, H]`` = ``sum_j w[t, j] · FFN_{e_tj}(x[t])``.
 
     Eagerly on CUDA (the stream not capturing) a call writes its argument block and replays the
-    graph of its T (and dtypes and schedule): ``graphs``, at most ``GRAPHS_PER_LAYER``, the least
-    recently replayed dropped first. The first call at a T launches directly, then captures that
-    T's graph (``capture``) without synchronizing. Calls share the layer's buffers: one call at a
-    time per layer, in stream order."""
+    graph of its T: ``graphs``, keyed by T, schedule and the ids' and weights' dtypes, at most
+    ``GRAPHS_PER_LAYER``, the least recently replayed dropped first. The first call at a T
+    launches directly, then captures that T's graph (``capture``) without synchronizing. Calls
+    share the layer's buffers: one call at a time per layer, in stream order."""
 
     def __init__(self, weights: ExpertWeights, *, max_tokens: int, top_k: int,
                  schedule: str = "auto", config: TileConfig | None = None,
@@ -187,7 +188,7 @@ class FusedMoE(torch.nn.Module):
                 tuple(topk_ids.shape) != (t, self.top_k):
             raise MoEContractError(f"topk_ids must be int32 or int64 [{t}, {self.top_k}], got "
                                    f"{topk_ids.dtype} {list(topk_ids.shape)}")
-        if not topk_weights.is_floating_point() or tuple(topk_weights.shape) != (t, self.top_k):
+        if topk_weights.dtype not in WEIGHT_DTYPES or tuple(topk_weights.shape) != (t, self.top_k):
             raise MoEContractError(f"topk_weights must be float [{t}, {self.top_k}], got "
                                    f"{topk_weights.dtype} {list(topk_weights.shape)}")
         for name, v in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
@@ -217,30 +218,30 @@ class FusedMoE(torch.nn.Module):
         """The call itself (what the custom op runs; inputs checked by ``forward``): the argument
         block written, then the seven launches, replayed from the graph of this call's shape where
         the device is CUDA and the stream is not capturing, else launched directly."""
-        t = x.shape[0]
-        ids, w = topk_ids.reshape(-1), topk_weights.contiguous()
-        y = torch.empty(t, self.workspace.weights.hidden, dtype=torch.bfloat16, device=x.device)
-        write_args(self.workspace.tables.args, expert_ids=ids, x=x.contiguous(),
-                   combine_rows=self.combine, topk_weights=w, out=y)
-        shape = (t, schedule, ids.dtype, w.dtype)
+        # held until the call returns: the kernels read them through their addresses
+        x, ids, w = x.contiguous(), topk_ids.reshape(-1), topk_weights.contiguous()
+        y = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
+        write_args(self.workspace.tables.args, expert_ids=ids, x=x, combine_rows=self.combine,
+                   topk_weights=w, out=y)
+        key = (x.shape[0], schedule, ids.dtype, w.dtype)
         if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-            self.launches(*shape)
+            self.launches(*key)
             return y
-        graph = self.graphs.get(shape)
+        graph = self.graphs.get(key)
         if graph is None:
-            self.launches(*shape)  # this call's output; binds every launch new at this shape
-            self.graphs[shape] = self.capture(shape)
+            self.launches(*key)  # this call's output; binds every launch new at this key
+            self.graphs[key] = self.capture(key)
             if len(self.graphs) > GRAPHS_PER_LAYER:
                 self.graphs.popitem(last=False)
         else:
-            self.graphs.move_to_end(shape)
+            self.graphs.move_to_end(key)
             graph.replay()
         return y
 
     def launches(self, tokens: int, schedule: str, id_dtype: torch.dtype,
-               weights_dtype: torch.dtype) -> None:
+                 weights_dtype: torch.dtype) -> None:
         """The seven launches after the argument block, on the current stream: routing, the fused
-        kernel, the weighted sum; their arguments fixed by the shape (what a graph captures)."""
+        kernel, the weighted sum; their arguments fixed by the graph's key (what it captures)."""
         ws, k = self.workspace, self.top_k
         ws.tables.routing(False, ws.weights.precision == "fp8", id_dtype)(tokens * k, k)
         ws.launch(schedule, self.peers, routed=True)
@@ -248,12 +249,12 @@ class FusedMoE(torch.nn.Module):
         weighted_sum_launch(k, weights_dtype)(weighted_sum_grid(tokens, hidden),
                                               args=ws.tables.args, HIDDEN=hidden)
 
-    def capture(self, shape: tuple) -> torch.cuda.CUDAGraph:
-        """``launches(*shape)`` captured into a new graph, nothing run and nothing synchronized
+    def capture(self, key: tuple) -> torch.cuda.CUDAGraph:
+        """``launches(*key)`` captured into a new graph, nothing run and nothing synchronized
         (``torch.cuda.graph`` would synchronize the device first): on a side stream joined to
         the current one both ways (capture needs a stream other than the default), in
         ``thread_local`` mode (other threads' CUDA calls cannot break it; this thread makes
-        none: every launch of the shape was bound by the direct call before)."""
+        none: every launch of the key was bound by the direct call before)."""
         if self.capture_stream is None:
             self.capture_stream = torch.cuda.Stream(self.combine.device)
         here, side = torch.cuda.current_stream(), self.capture_stream
@@ -262,7 +263,7 @@ class FusedMoE(torch.nn.Module):
         with torch.cuda.stream(side):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
-                self.launches(*shape)
+                self.launches(*key)
             finally:
                 graph.capture_end()
         here.wait_stream(side)
