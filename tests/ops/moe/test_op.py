@@ -113,6 +113,7 @@ interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, inte
     (lambda x, ids, w: (x, ids.float(), w), "topk_ids must be int32 or int64"),
     (lambda x, ids, w: (x, ids[:, :1], w), "topk_ids must be"),
     (lambda x, ids, w: (x, ids, w[:2]), "topk_weights must be"),
+    (lambda x, ids, w: (x, ids, w.to(torch.float8_e4m3fn)), "topk_weights must be"),
     (lambda x, ids, w: (x, ids.clamp(max=TINY.routed_experts - 1) + 1, w), "expert ids must lie"),
     (lambda x, ids, w: (x, ids - 1, w), "expert ids must lie"),
     (lambda x, ids, w: (torch.cat([x] * 5), torch.cat([ids] * 5), torch.cat([w] * 5)),
