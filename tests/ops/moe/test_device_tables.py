@@ -133,7 +133,8 @@ def interpreter_cases() -> dict:
 
 
 def _compile_sm90(name: str) -> dict:
-    """One routing kernel built for sm_90 (as the op launches it on an H200: fp8 quantizing)."""
+    """One routing kernel built for sm_90 (as the op launches it on an H200: fp8 quantizing;
+    ``route_gather_bf16``: the gather reading ``x`` as its bf16 rows' type)."""
     import triton
     import triton.language as tl
     from triton.compiler import ASTSource
@@ -141,7 +142,7 @@ def _compile_sm90(name: str) -> dict:
     from tests.experiments.triton_testing import hopper_target
     from xstage_lab.kernel_sources import load_kernel_module
 
-    kernel = getattr(load_kernel_module("moe_routing"), name)
+    kernel = getattr(load_kernel_module("moe_routing"), name.removesuffix("_bf16"))
     ptr, i = "*i32", "i32"
     signatures = {
         "route_histogram": ({"args": "*i64", "n_arrivals_ptr": ptr, "chunk_counts": ptr,
@@ -166,6 +167,11 @@ def _compile_sm90(name: str) -> dict:
                           "CAPACITY": i, "HIDDEN": i, "TOP_K": i},
                          dict(RECEIVED=False, QUANTIZE=True, COPY_SCALES=False, ROWS=32,
                               SLAB=1024, BLOCK_H=128)),
+        "route_gather_bf16": ({"args": "*i64", "arrival_rows": ptr, "n_arrivals_ptr": ptr,
+                               "x_scale": ptr, "x_rows": "*bf16", "x_rows_scale": ptr,
+                               "CAPACITY": i, "HIDDEN": i, "TOP_K": i},
+                              dict(RECEIVED=False, QUANTIZE=False, COPY_SCALES=False, ROWS=32,
+                                   SLAB=1024, BLOCK_H=128)),
         "route_tiles": ({**{k: ptr for k in ("expert_counts", "expert_offsets", "wave_lo",
                                              "wave_hi", "meta", "row_src", "row_slot",
                                              "row_ready", "wave_tiles", "inter_tiles")},
@@ -185,7 +191,7 @@ def _compile_sm90(name: str) -> dict:
 
 COMPILE_CASES = {f"compile_sm90_{n}": (_compile_sm90, n)
                  for n in ("route_histogram", "route_offsets", "route_scatter", "route_gather",
-                           "route_tiles")}
+                           "route_gather_bf16", "route_tiles")}
 
 interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, interpreter_cases())
 

@@ -39,9 +39,10 @@ SCHEDULE_CHOICES = (*SCHEDULES, "auto")
 # Linear-2 tile would wait forever on a Linear-1 tile of a later program; one program walks the
 # whole stream, in which every schedule puts a row's Linear-1 tiles before its Linear-2 tiles.
 CPU_PROGRAMS = 1
-# Captured graphs a FusedMoE keeps, least recently replayed dropped first: a graph holds no
-# device memory of its own (a call allocates only its output, outside the graph), but each is a
-# driver object of seven kernel nodes, and a server's token counts are unbounded.
+# Captured graphs a FusedMoE keeps, least recently replayed dropped first (one still in flight is
+# freed by the driver when it completes): a graph holds no device memory of its own (a call
+# allocates only its output, outside the graph), but each is a driver object of seven kernel
+# nodes, and a server's token counts are unbounded.
 GRAPHS_PER_LAYER = 16
 WEIGHT_DTYPES = tuple(d for d in TRITON_DTYPES if d.is_floating_point)  # the weighted sum reads
 
