@@ -219,9 +219,10 @@ class FusedMoE(torch.nn.Module):
         """The call itself (what the custom op runs; inputs checked by ``forward``): the argument
         block written, then the seven launches, replayed from the graph of this call's shape where
         the device is CUDA and the stream is not capturing, else launched directly."""
-        # held until the call returns: the kernels read them through their addresses
-        x, ids, w = x.contiguous(), topk_ids.reshape(-1), topk_weights.contiguous()
-        y = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16, device=x.device)
+        # held until the call returns: the kernels read them through their addresses (a
+        # contiguous [T, k] is the arrivals' [T k])
+        x, ids, w = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
+        y = torch.empty_like(x)
         write_args(self.workspace.tables.args, expert_ids=ids, x=x, combine_rows=self.combine,
                    topk_weights=w, out=y)
         key = (x.shape[0], schedule, ids.dtype, w.dtype)
