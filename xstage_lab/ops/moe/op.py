@@ -217,7 +217,7 @@ class FusedMoE(torch.nn.Module):
     def run(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             schedule: str) -> torch.Tensor:
         """The call itself (what the custom op runs; inputs checked by ``forward``): the argument
-        block written, then the seven launches, replayed from the graph of this call's shape where
+        block written, then the seven launches, replayed from the graph of this call's key where
         the device is CUDA and the stream is not capturing, else launched directly."""
         # held until the call returns: the kernels read them through their addresses (a
         # contiguous [T, k] is the arrivals' [T k])
