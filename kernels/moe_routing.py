@@ -11,6 +11,10 @@ token ``i // top_k``); for an EP rank (``RECEIVED``) the received rows, source b
 their local expert, source rank and slot, and their count on the device. Every buffer is sized by
 a static bound, every grid by the arrivals' capacity; programs past the counts return at once.
 
+The router's output and the activations are read through the call's argument block
+(``moe_args.py``: their addresses, written before the first launch), so that one captured CUDA
+graph replays the five launches on new tensors of the same shape.
+
 Five launches, each a pass the next one needs complete:
   ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
                        (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is
@@ -42,6 +46,7 @@ for Linear-1, ``X = min((p_2 + D) P_1, n_1)`` for Linear-2.
 import triton
 import triton.language as tl
 
+from .moe_args import ARG_EXPERT_IDS, ARG_X, arg_pointer
 from .moe_fused import _round_to_e4m3
 
 TILE_L1 = tl.constexpr(0)
@@ -63,10 +68,13 @@ def _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED: tl.constexpr):
 
 
 @triton.jit
-def route_histogram(expert_ids, n_arrivals_ptr, chunk_counts, error, CAPACITY, NUM_EXPERTS,
-                    RECEIVED: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+def route_histogram(args, n_arrivals_ptr, chunk_counts, error, CAPACITY, NUM_EXPERTS,
+                    RECEIVED: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                    ID_DTYPE: tl.constexpr):
     """``chunk_counts[c, e]`` (int32 ``[chunks, NUM_EXPERTS]``): arrivals of chunk ``c`` routed to
-    local expert ``e``. ``expert_ids``: int32/int64 ``[CAPACITY]`` local expert of each arrival."""
+    local expert ``e``. ``args``' expert ids: ``ID_DTYPE`` (int32/int64) ``[CAPACITY]``, the
+    local expert of each arrival."""
+    expert_ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
     c = tl.program_id(0)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     if c * CHUNK < n:
@@ -195,12 +203,13 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jum
 
 
 @triton.jit
-def route_scatter(expert_ids, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start,
+def route_scatter(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start,
                   expert_offsets, arrival_rows, row_src, row_slot, CAPACITY, NUM_EXPERTS,
-                  RECEIVED: tl.constexpr, CHUNK: tl.constexpr):
+                  RECEIVED: tl.constexpr, CHUNK: tl.constexpr, ID_DTYPE: tl.constexpr):
     """Per chunk: ``arrival_rows[i]`` = ``expert_offsets[e] + chunk_start[c, e]`` + the arrivals
     of ``e`` before ``i`` in its chunk; ``row_src``/``row_slot`` of that row (source 0 and slot
     ``i`` at EP = 1). Out-of-range ids get no row (``route_histogram`` flagged them)."""
+    expert_ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
     c = tl.program_id(0)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     if c * CHUNK < n:
@@ -227,15 +236,20 @@ def route_scatter(expert_ids, arrival_src, arrival_slot, n_arrivals_ptr, chunk_s
 
 
 @triton.jit
-def route_gather(arrival_rows, n_arrivals_ptr, x, x_scale, x_rows, x_rows_scale, CAPACITY,
+def route_gather(args, arrival_rows, n_arrivals_ptr, x_scale, x_rows, x_rows_scale, CAPACITY,
                  HIDDEN, TOP_K, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
                  COPY_SCALES: tl.constexpr, ROWS: tl.constexpr, SLAB: tl.constexpr,
                  BLOCK_H: tl.constexpr):
-    """Program ``(r, h)``: arrivals ``r ROWS ..`` and columns ``h SLAB ..`` of the activations,
-    ``x_rows[arrival_rows[i]] = x[i // TOP_K]`` at EP = 1, ``x[i]`` for an EP rank (the Dispatch
-    layout's data movement; every program independent). ``QUANTIZE``: bf16 ``x``
-    to e4m3 with one fp32 scale per 1 x 128 block (``x_rows_scale``), as
-    ``weights.quantize_rows_fp8``; ``COPY_SCALES``: ``x`` already e4m3 (bytes) with ``x_scale``."""
+    """Program ``(r, h)``: arrivals ``r ROWS ..`` and columns ``h SLAB ..`` of the activations
+    ``x`` (``args``'), ``x_rows[arrival_rows[i]] = x[i // TOP_K]`` at EP = 1, ``x[i]`` for an EP
+    rank (the Dispatch layout's data movement; every program independent). ``QUANTIZE``: bf16
+    ``x`` to e4m3 with one fp32 scale per 1 x 128 block (``x_rows_scale``), as
+    ``weights.quantize_rows_fp8``; else ``x`` holds ``x_rows``' type (bf16, or e4m3 as bytes with
+    ``x_scale``: ``COPY_SCALES``)."""
+    if QUANTIZE:
+        x = arg_pointer(args, ARG_X, tl.bfloat16, True)
+    else:
+        x = arg_pointer(args, ARG_X, x_rows.dtype.element_ty, True)
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     h_first = tl.program_id(1) * SLAB
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)

@@ -39,6 +39,7 @@ def interpreter_cases() -> dict:
 
 def _compile_sm90() -> dict:
     import triton
+    import triton.language as tl
     from triton.compiler import ASTSource
 
     from tests.experiments.triton_testing import hopper_target
@@ -47,9 +48,8 @@ def _compile_sm90() -> dict:
 
     kernel = load_kernel_module("moe_combine").weighted_sum
     names = kernel.arg_names
-    constexprs = {"TOP_K": 8, "BLOCK_H": WEIGHTED_SUM_BLOCK_H}
-    signature = {"rows": "*bf16", "weights": "*fp32", "out": "*bf16", "HIDDEN": "i32",
-                 **{k: "constexpr" for k in constexprs}}
+    constexprs = {"TOP_K": 8, "BLOCK_H": WEIGHTED_SUM_BLOCK_H, "WEIGHT_DTYPE": tl.float32}
+    signature = {"args": "*i64", "HIDDEN": "i32", **{k: "constexpr" for k in constexprs}}
     compiled = triton.compile(ASTSource(kernel, signature,
                                         {(names.index(k),): v for k, v in constexprs.items()}),
                               target=hopper_target())

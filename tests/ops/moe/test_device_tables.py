@@ -133,19 +133,21 @@ def interpreter_cases() -> dict:
 
 
 def _compile_sm90(name: str) -> dict:
-    """One routing kernel built for sm_90 (as the op launches it on an H200: fp8 quantizing)."""
+    """One routing kernel built for sm_90 (as the op launches it on an H200: fp8 quantizing;
+    ``route_gather_bf16``: the gather reading ``x`` as its bf16 rows' type)."""
     import triton
+    import triton.language as tl
     from triton.compiler import ASTSource
 
     from tests.experiments.triton_testing import hopper_target
     from xstage_lab.kernel_sources import load_kernel_module
 
-    kernel = getattr(load_kernel_module("moe_routing"), name)
+    kernel = getattr(load_kernel_module("moe_routing"), name.removesuffix("_bf16"))
     ptr, i = "*i32", "i32"
     signatures = {
-        "route_histogram": ({"expert_ids": "*i64", "n_arrivals_ptr": ptr, "chunk_counts": ptr,
+        "route_histogram": ({"args": "*i64", "n_arrivals_ptr": ptr, "chunk_counts": ptr,
                              "error": ptr, "CAPACITY": i, "NUM_EXPERTS": i},
-                            dict(RECEIVED=False, E_PAD=256, CHUNK=128)),
+                            dict(RECEIVED=False, E_PAD=256, CHUNK=128, ID_DTYPE=tl.int64)),
         "route_offsets": ({**{k: ptr for k in ("chunk_counts", "chunk_start", "n_arrivals_ptr",
                                                "expert_counts", "scan_done", "expert_offsets",
                                                "wave_lo", "wave_hi", "wave_jumps", "meta",
@@ -155,16 +157,21 @@ def _compile_sm90(name: str) -> dict:
                           dict(RECEIVED=True, BLOCK_M=128, E_PAD=512, E_BLOCK=32, G_PAD=256,
                                CHUNK=128, CHUNK_ROWS=128, E_LOG2=9, JUMP_LEVELS=10,
                                JUMP_STRIDE=513, JUMP_PAD=1024)),
-        "route_scatter": ({"expert_ids": "*i64", "arrival_src": "*i64", "arrival_slot": "*i64",
+        "route_scatter": ({"args": "*i64", "arrival_src": ptr, "arrival_slot": ptr,
                            "n_arrivals_ptr": ptr, "chunk_start": ptr, "expert_offsets": ptr,
                            "arrival_rows": ptr, "row_src": ptr, "row_slot": ptr, "CAPACITY": i,
                            "NUM_EXPERTS": i},
-                          dict(RECEIVED=False, CHUNK=128)),
-        "route_gather": ({"arrival_rows": ptr, "n_arrivals_ptr": ptr, "x": "*bf16",
+                          dict(RECEIVED=False, CHUNK=128, ID_DTYPE=tl.int64)),
+        "route_gather": ({"args": "*i64", "arrival_rows": ptr, "n_arrivals_ptr": ptr,
                           "x_scale": ptr, "x_rows": "*fp8e4nv", "x_rows_scale": "*fp32",
                           "CAPACITY": i, "HIDDEN": i, "TOP_K": i},
                          dict(RECEIVED=False, QUANTIZE=True, COPY_SCALES=False, ROWS=32,
                               SLAB=1024, BLOCK_H=128)),
+        "route_gather_bf16": ({"args": "*i64", "arrival_rows": ptr, "n_arrivals_ptr": ptr,
+                               "x_scale": ptr, "x_rows": "*bf16", "x_rows_scale": ptr,
+                               "CAPACITY": i, "HIDDEN": i, "TOP_K": i},
+                              dict(RECEIVED=False, QUANTIZE=False, COPY_SCALES=False, ROWS=32,
+                                   SLAB=1024, BLOCK_H=128)),
         "route_tiles": ({**{k: ptr for k in ("expert_counts", "expert_offsets", "wave_lo",
                                              "wave_hi", "meta", "row_src", "row_slot",
                                              "row_ready", "wave_tiles", "inter_tiles")},
@@ -184,7 +191,7 @@ def _compile_sm90(name: str) -> dict:
 
 COMPILE_CASES = {f"compile_sm90_{n}": (_compile_sm90, n)
                  for n in ("route_histogram", "route_offsets", "route_scatter", "route_gather",
-                           "route_tiles")}
+                           "route_gather_bf16", "route_tiles")}
 
 interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, interpreter_cases())
 

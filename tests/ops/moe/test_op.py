@@ -1,6 +1,7 @@
 """``FusedMoE`` on the CPU: the whole call (device tables, the Triton kernel, the weighted sum) in
-the interpreter against the float32 reference in both precisions and schedules, an id out of
-range raising the error flag instead of writing; input errors raised before launch; the custom
+the interpreter against the float32 reference in both precisions and schedules, successive calls
+on new tensors (int32 ids and bf16 weights among them) each against its own reference, an id out
+of range raising the error flag instead of writing; input errors raised before launch; the custom
 op's fake implementation traced by ``torch.compile(fullgraph=True)`` in a block (router,
 FusedMoE, residual) on FakeTensors."""
 from __future__ import annotations
@@ -52,6 +53,32 @@ def case_matches_reference(precision: str, schedule: str) -> dict:
     return {"max_error": max(errors)}
 
 
+def case_successive_calls_read_their_own_tensors() -> dict:
+    """Three calls at one T on tensors at new addresses (int64 ids with fp32 weights twice, then
+    int32 ids with bf16 weights), the Combine buffer poisoned with NaN before each: each output
+    within tolerance of the reference of its own inputs, and left alone by the later calls (the
+    kernels read this call's tensors from the argument block)."""
+    layer = _layer("bf16", "interleaved")
+    outputs, errors = [], []
+    for seed, id_dtype, weight_dtype in ((0, torch.int64, torch.float32),
+                                         (1, torch.int64, torch.float32),
+                                         (2, torch.int32, torch.bfloat16)):
+        x, ids, w = _inputs(6, seed)
+        ids, w = ids.to(id_dtype), w.to(weight_dtype)
+        layer.combine.fill_(float("nan"))
+        y = layer(x, ids, w)
+        for kind, ref in reference_moe(x, ids, w, TINY, seed=3, precision="bf16").items():
+            err = float((y.float() - ref).norm() / ref.norm())
+            assert err <= TOLERANCE["bf16"][kind], (seed, kind, err)
+            errors.append(err)
+        outputs.append((y, y.clone()))
+    assert len({y.data_ptr() for y, _ in outputs}) == len(outputs)
+    for y, kept in outputs:
+        assert torch.equal(y.view(torch.int16), kept.view(torch.int16))
+    assert int(layer.error) == 0
+    return {"max_error": max(errors)}
+
+
 def case_out_of_range_id_flags_and_writes_nothing_outside() -> dict:
     """Called past ``forward``'s host check: the bad pick is counted on the device and gets no row;
     the other tokens' outputs stay right."""
@@ -72,6 +99,7 @@ def interpreter_cases() -> dict:
     # with the host reference entry for entry in test_device_tables)
     cases = {f"{p}_{s}": (case_matches_reference, p, s)
              for p, s in (("bf16", "wave"), ("fp8", "interleaved"))}
+    cases["successive_calls"] = (case_successive_calls_read_their_own_tensors,)
     cases["out_of_range_id"] = (case_out_of_range_id_flags_and_writes_nothing_outside,)
     return cases
 
@@ -85,10 +113,13 @@ interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, inte
     (lambda x, ids, w: (x, ids.float(), w), "topk_ids must be int32 or int64"),
     (lambda x, ids, w: (x, ids[:, :1], w), "topk_ids must be"),
     (lambda x, ids, w: (x, ids, w[:2]), "topk_weights must be"),
+    (lambda x, ids, w: (x, ids, w.to(torch.float8_e4m3fn)), "topk_weights must be"),
     (lambda x, ids, w: (x, ids.clamp(max=TINY.routed_experts - 1) + 1, w), "expert ids must lie"),
     (lambda x, ids, w: (x, ids - 1, w), "expert ids must lie"),
     (lambda x, ids, w: (torch.cat([x] * 5), torch.cat([ids] * 5), torch.cat([w] * 5)),
      "outside 1..16"),
+    (lambda x, ids, w: (torch.cat([x.reshape(-1)[:1], x.reshape(-1)])[1:].view(x.shape), ids, w),
+     "x must start 16-byte aligned"),
 ])
 def test_bad_input_is_refused_before_launch(change, message):
     layer = _layer("bf16")

@@ -1,7 +1,11 @@
 """``FusedMoE`` and the device tables on a Hopper GPU (skipped elsewhere: CI has no GPU): the
 tables equal the host reference, an eager call runs under ``set_sync_debug_mode("error")``, one
 CUDA graph replayed with five routings matches the reference each time, and
-``torch.compile(fullgraph=True)`` of a block (router, FusedMoE, residual) matches eager."""
+``torch.compile(fullgraph=True)`` of a block (router, FusedMoE, residual) matches eager. The
+eager call's own graphs (issue 27): calls at interleaved token counts on fresh tensors each match
+the reference and leave earlier outputs alone, one graph captured per token count; eager calls
+around a user's graph capture, and the user's graph replayed after them; the first calls at
+token counts never seen under ``set_sync_debug_mode("error")``."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +13,7 @@ import torch
 
 from xstage_lab.experiments.moe.bench import TOLERANCE
 from xstage_lab.ops.moe.device_tables import host_tables, table_mismatches
-from xstage_lab.ops.moe.op import FusedMoE
+from xstage_lab.ops.moe.op import GRAPHS_PER_LAYER, FusedMoE
 from xstage_lab.ops.moe.reference import reference_moe
 from xstage_lab.ops.moe.routing import router_logits, router_topk
 from xstage_lab.ops.moe.shapes import PRECISIONS, load_shapes
@@ -115,3 +119,111 @@ def test_compiled_block_matches_eager(layer):
         eager = block(x)
         compiled = torch.compile(block, fullgraph=True)(x)
     torch.testing.assert_close(compiled.float(), eager.float(), rtol=2e-2, atol=2e-2)
+
+
+def _fresh_layer(layer: FusedMoE, max_tokens: int = 512) -> FusedMoE:
+    """A layer of no graphs yet over the fixture's experts."""
+    return FusedMoE(layer.workspace.weights, max_tokens=max_tokens, top_k=SHAPES[MODEL].top_k,
+                    schedule="wave")
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    """The graphs captured while the test runs: a list the capture of each appends to."""
+    done = []
+    end = torch.cuda.CUDAGraph.capture_end
+
+    def counted(graph):
+        end(graph)
+        done.append(graph)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", counted)
+    return done
+
+
+def test_eager_calls_at_interleaved_token_counts_replay_one_graph_each(layer, captures):
+    """T = 1, 64, 1, 512, 64, each call on fresh tensors at new addresses (the earlier ones kept
+    alive), the Combine buffer poisoned before each: every output within the reference's
+    tolerance, every earlier output unchanged by the later calls, one capture per T."""
+    moe = _fresh_layer(layer)
+    calls = []
+    for i, tokens in enumerate((1, 64, 1, 512, 64)):
+        x, ids, w = _inputs(tokens, 100 + i, ("balanced", "skewed")[i % 2])
+        moe.combine.fill_(float("nan"))
+        y = moe(x, ids, w)
+        torch.cuda.synchronize()
+        _check(moe, y, x, ids, w)
+        calls.append((y, y.clone(), x, ids, w))
+    assert len({c[2].data_ptr() for c in calls}) == len(calls)  # new addresses each call
+    for y, kept, *_ in calls:
+        assert torch.equal(y.view(torch.int16), kept.view(torch.int16))
+    assert len(captures) == 3 and sorted(shape[0] for shape in moe.graphs) == [1, 64, 512]
+    assert int(moe.error) == 0
+
+
+def test_graphs_per_layer_are_bounded(layer, captures):
+    """Past ``GRAPHS_PER_LAYER`` token counts the least recently replayed graph goes; a call at
+    its token count captures again and stays right."""
+    moe = _fresh_layer(layer, max_tokens=GRAPHS_PER_LAYER + 2)
+    for tokens in range(1, GRAPHS_PER_LAYER + 2):
+        moe(*_inputs(tokens, tokens))
+    assert len(moe.graphs) == GRAPHS_PER_LAYER and 1 not in {s[0] for s in moe.graphs}
+    x, ids, w = _inputs(1, 7)
+    y = moe(x, ids, w)
+    torch.cuda.synchronize()
+    _check(moe, y, x, ids, w)
+    assert len(captures) == GRAPHS_PER_LAYER + 2 and len(moe.graphs) == GRAPHS_PER_LAYER
+
+
+def test_eager_calls_around_a_users_graph(layer, captures):
+    """A user's graph captured around a call (its launches direct: no graph of the layer's
+    captured inside), eager calls after it at the captured T and at a new one, then the user's
+    graph replayed on new routings: each output right (the argument block is rewritten before
+    every reader, by the eager call or by the user's graph)."""
+    moe = _fresh_layer(layer)
+    x, ids, w = _inputs(64, 20)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe(x, ids, w)  # the user's warm-up: eager, so the layer's graph for T = 64 too
+    torch.cuda.current_stream().wait_stream(stream)
+    assert len(captures) == 1
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_user = moe(x, ids, w)
+    assert len(captures) == 2 and len(moe.graphs) == 1  # the user's own, nothing of the layer's
+    for i, tokens in enumerate((64, 8, 64)):
+        nx, nids, nw = _inputs(tokens, 30 + i)
+        moe.combine.fill_(float("nan"))
+        y = moe(nx, nids, nw)
+        torch.cuda.synchronize()
+        _check(moe, y, nx, nids, nw)
+        ux, uids, uw = _inputs(64, 40 + i, "skewed")
+        x.copy_(ux)
+        ids.copy_(uids)
+        w.copy_(uw)
+        y_user.fill_(float("nan"))
+        moe.combine.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(moe, y_user, ux, uids, uw)
+    assert len(captures) == 3  # T = 8's
+    assert int(moe.error) == 0
+
+
+def test_first_calls_at_new_token_counts_never_synchronize(layer, captures):
+    """Under ``set_sync_debug_mode("error")``: a call at a T never seen (its direct launches,
+    then its graph captured), the same T again (replayed), another new T; all right after."""
+    moe = _fresh_layer(layer)
+    moe(*_inputs(3, 50))  # the kernels compiled and the layer's launches bound
+    torch.cuda.synchronize()
+    calls = [_inputs(t, 60 + t) for t in (16, 16, 200)]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ys = [moe(*inputs) for inputs in calls]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert len(captures) == 3  # T = 3, 16, 200
+    for y, inputs in zip(ys, calls):
+        _check(moe, y, *inputs)

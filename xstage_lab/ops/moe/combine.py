@@ -12,18 +12,20 @@ import triton
 from ...kernel_sources import load_kernel_module
 from ...platform import ALIGN_BYTES, check_mapped_host, symmetric_buffer
 from ..launcher import Launcher
+from .call_args import allocate_args, triton_dtype, write_args
 from .shapes import MoEContractError
 
 
 WEIGHTED_SUM_BLOCK_H = 1024  # columns per program of kernels/moe_combine.py: 16-byte accesses
-_WEIGHTED_SUM: dict[int, Launcher] = {}  # top_k -> its launcher
+_WEIGHTED_SUM: dict[tuple, Launcher] = {}  # (top_k, weights' dtype) -> its launcher
 
 
 def combine_weighted_sum(combine_rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """The end of Combine on the source rank: ``out[t] = sum_j w[t, j] * rows[t * k + j]`` in
-    fp32, one bf16 rounding (``kernels/moe_combine.py``; on CPU tensors outside the interpreter
-    ``weighted_sum_reference``). ``combine_rows`` bf16 ``[>= T k, H]``, ``topk_weights`` float
-    ``[T, k]``, both on one device. Returns bf16 ``[T, H]``."""
+    fp32, one bf16 rounding (``kernels/moe_combine.py``, its tensors' addresses written into an
+    argument block of its own first: two launches; on CPU tensors outside the interpreter
+    ``weighted_sum_reference``). ``combine_rows`` bf16 ``[>= T k, H]``, 16-byte aligned,
+    ``topk_weights`` float ``[T, k]``, both on one device. Returns bf16 ``[T, H]``."""
     t, k = topk_weights.shape
     if combine_rows.dtype != torch.bfloat16 or combine_rows.dim() != 2 or \
             combine_rows.shape[0] < t * k:
@@ -31,18 +33,37 @@ def combine_weighted_sum(combine_rows: torch.Tensor, topk_weights: torch.Tensor)
                                f"{combine_rows.dtype} {list(combine_rows.shape)}")
     if not topk_weights.is_floating_point() or combine_rows.device != topk_weights.device:
         raise MoEContractError("topk_weights must be floating point, on the rows' device")
-    launch = _WEIGHTED_SUM.get(k)
-    if launch is None:
-        launch = _WEIGHTED_SUM[k] = Launcher(load_kernel_module("moe_combine").weighted_sum,
-                                             TOP_K=k, BLOCK_H=WEIGHTED_SUM_BLOCK_H)
+    launch = weighted_sum_launch(k, topk_weights.dtype)
     if combine_rows.device.type != "cuda" and not launch.interpreted:
         return weighted_sum_reference(combine_rows, topk_weights)
     hidden = combine_rows.shape[1]
     out = torch.empty(t, hidden, dtype=torch.bfloat16, device=combine_rows.device)
     if t:
-        launch((t, triton.cdiv(hidden, WEIGHTED_SUM_BLOCK_H)), rows=combine_rows.contiguous(),
-               weights=topk_weights.contiguous(), out=out, HIDDEN=hidden)
+        # an argument block per call: a call on another stream never sees this one's addresses
+        args = allocate_args(out.device)
+        # held until the launches are queued: the kernel reads them through their addresses
+        rows, weights = combine_rows.contiguous(), topk_weights.contiguous()
+        write_args(args, combine_rows=rows, topk_weights=weights, out=out)
+        launch(weighted_sum_grid(t, hidden), args=args, HIDDEN=hidden)
     return out
+
+
+def weighted_sum_launch(top_k: int, weights_dtype: torch.dtype) -> Launcher:
+    """The weighted sum's launch for ``top_k`` picks weighted in ``weights_dtype`` (bound once):
+    ``launch(weighted_sum_grid(T, H), args=args, HIDDEN=H)`` over the Combine rows, top-k
+    weights and output whose addresses ``args`` holds (``call_args.write_args``)."""
+    key = (top_k, weights_dtype)
+    launch = _WEIGHTED_SUM.get(key)
+    if launch is None:
+        launch = _WEIGHTED_SUM[key] = Launcher(
+            load_kernel_module("moe_combine").weighted_sum, TOP_K=top_k,
+            BLOCK_H=WEIGHTED_SUM_BLOCK_H, WEIGHT_DTYPE=triton_dtype(weights_dtype))
+    return launch
+
+
+def weighted_sum_grid(tokens: int, hidden: int) -> tuple[int, int]:
+    """One program per token and slab of ``WEIGHTED_SUM_BLOCK_H`` columns."""
+    return tokens, triton.cdiv(hidden, WEIGHTED_SUM_BLOCK_H)
 
 
 def weighted_sum_reference(combine_rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

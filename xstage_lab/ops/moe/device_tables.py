@@ -1,7 +1,8 @@
 """Routing to tile tables on the device (``kernels/moe_routing.py``): the Dispatch layout and both
 schedules' tile tables built from the router's output by five small Triton launches (one of them
-moves the activations), with no device-to-host copy, in buffers sized by static bounds, so a CUDA
-graph captures them once.
+moves the activations), with no device-to-host copy, in buffers sized by static bounds. The
+router's output and the activations reach the kernels through the call's argument block
+(``call_args``), so a CUDA graph captured once replays them on new tensors.
 
 ``host_tables`` is the reference they equal entry for entry: ``dispatch.build_layout`` and the
 host schedules (``schedules.expert_wave_schedule``, ``interleaved_schedule``, ``tile_table``).
@@ -16,6 +17,7 @@ import triton
 
 from ...kernel_sources import load_kernel_module
 from ..launcher import Launcher
+from .call_args import allocate_args, triton_dtype, write_args
 from .dispatch import DispatchLayout, build_layout
 from .schedules import (WAVE_FILL, MoEProblem, expert_wave_schedule, interleaved_schedule,
                         tile_table)
@@ -106,12 +108,21 @@ class DeviceTables:
     num_tiles: dict                # schedule -> int32 [G]
     row_ready: torch.Tensor        # int32 [row blocks]: the fused kernel's Linear-1 counters
     error: torch.Tensor            # int32 [1]: ids out of range (and the kernel's spin flag)
-    # (received, quantize) -> RoutingLaunches, bound on first use
+    args: torch.Tensor             # int64 [ARGS]: the call's argument block (call_args)
+    # (received, quantize, id dtype) -> RoutingLaunches, bound on first use
     launches: dict = field(default_factory=dict, repr=False)
 
     @property
     def row_blocks(self) -> torch.Tensor:
         return self.meta[:1]
+
+    def routing(self, received: bool, quantize: bool, id_dtype: torch.dtype) -> RoutingLaunches:
+        """The five routing launches over these tables for arrivals of this kind (bound once)."""
+        key = (received, quantize, id_dtype)
+        launch = self.launches.get(key)
+        if launch is None:
+            launch = self.launches[key] = RoutingLaunches(self, received, quantize, id_dtype)
+        return launch
 
 
 def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
@@ -134,7 +145,7 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
          if precision == "fp8" else None),
         {s: torch.zeros(g, bounds.max_tiles, 4, **i32) for s in SCHEDULES},
         {s: torch.zeros(g, **i32) for s in SCHEDULES}, torch.zeros(bounds.row_blocks, **i32),
-        torch.zeros(1, **i32) if error is None else error)
+        torch.zeros(1, **i32) if error is None else error, allocate_args(dev))
 
 
 def _pow2(n: int) -> int:
@@ -151,7 +162,8 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
                     n_arrivals: torch.Tensor | None = None, arrival_src: torch.Tensor | None = None,
                     arrival_slot: torch.Tensor | None = None) -> None:
     """Rewrite ``tables`` for one call, on the current stream, without a host sync; the row
-    counters ``tables.row_ready`` zeroed for the fused kernel.
+    counters ``tables.row_ready`` zeroed for the fused kernel: the argument block written
+    (``call_args.write_args``), then the five routing launches (``RoutingLaunches``).
 
     EP = 1 (``n_arrivals`` None): ``expert_ids`` is ``topk_ids.reshape(-1)`` (``T * top_k <=
     capacity`` arrivals, slot ``i``, source 0) and ``x`` the bf16 tokens ``[T, H]``; in fp8 the
@@ -160,48 +172,39 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
     ``n_arrivals`` int32 ``[1]`` their count on the device, ``x`` the received rows ``[capacity,
     H]`` as Dispatch moved them (bf16, or e4m3 with ``x_scale``). Ids out of range add to
     ``tables.error`` and get no row. Shapes and dtypes are the caller's contract (``FusedMoE``
-    checks them)."""
-    b = tables.bounds
+    checks them); ``x`` starts 16-byte aligned (MoEContractError before any launch)."""
+    write_args(tables.args, expert_ids=expert_ids, x=x)
     received = n_arrivals is not None
     quantize = tables.x.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
-    launch = tables.launches.get((received, quantize))
-    if launch is None:
-        launch = tables.launches[received, quantize] = RoutingLaunches(tables, received, quantize)
-    capacity = b.capacity if received else expert_ids.numel()
-    chunks = (triton.cdiv(capacity, CHUNK),)
-    n_ptr = n_arrivals if received else tables.meta  # EP = 1 reads no count: any pointer
-    launch.histogram(chunks, expert_ids=expert_ids, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
-    launch.offsets((launch.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
-    launch.scatter(chunks, expert_ids=expert_ids,
-                   arrival_src=arrival_src if received else expert_ids,
-                   arrival_slot=arrival_slot if received else expert_ids, n_arrivals_ptr=n_ptr,
-                   CAPACITY=capacity)
-    launch.gather((triton.cdiv(capacity, GATHER_ROWS), launch.slabs), n_arrivals_ptr=n_ptr,
-                  x=x.view(torch.uint8) if launch.copy_bytes else x,
-                  x_scale=x_scale if x_scale is not None else tables.meta, CAPACITY=capacity,
-                  TOP_K=top_k)
-    launch.tiles((b.row_blocks,))
+    tables.routing(received, quantize, expert_ids.dtype)(
+        tables.bounds.capacity if received else expert_ids.numel(), top_k, x_scale=x_scale,
+        n_arrivals=n_arrivals, arrival_src=arrival_src, arrival_slot=arrival_slot)
 
 
 class RoutingLaunches:
     """The five routing launches over one ``DeviceTables``, their static arguments bound once
-    (``launcher.Launcher``): per call only the router's output, the activations and the
-    arrivals' count change. ``received``: an EP rank's arrivals; ``quantize``: bf16 activations
-    to e4m3 tables."""
+    (``launcher.Launcher``): the router's output and the activations are read from the tables'
+    argument block (``tables.args``, written before), so per call only the arrivals' count and,
+    on an EP rank, their sources, slots and scales are launch arguments. ``received``: an EP
+    rank's arrivals; ``quantize``: bf16 activations to e4m3 tables; ``id_dtype``: the expert
+    ids' (int32 or int64)."""
 
-    def __init__(self, tables: DeviceTables, received: bool, quantize: bool):
+    def __init__(self, tables: DeviceTables, received: bool, quantize: bool,
+                 id_dtype: torch.dtype):
         k = load_kernel_module("moe_routing")
         b, t = tables.bounds, tables
         e_pad = _pow2(b.num_experts)
         hidden = t.x.shape[1]
         fp8 = t.x_scale is not None
-        self.copy_bytes = fp8 and not quantize  # e4m3 rows in: moved as bytes, scales copied
+        self.tables, self.received = tables, received
+        copy_bytes = fp8 and not quantize  # e4m3 rows in: moved as bytes, scales copied
         self.slabs = triton.cdiv(hidden, GATHER_SLAB)
         scan_experts = min(SCAN_EXPERTS, e_pad)
         self.scan_programs = e_pad // scan_experts
-        self.histogram = Launcher(k.route_histogram, chunk_counts=t.chunk_counts, error=t.error,
-                                  NUM_EXPERTS=b.num_experts, RECEIVED=received, E_PAD=e_pad,
-                                  CHUNK=CHUNK)
+        ids = triton_dtype(id_dtype)
+        self.histogram = Launcher(k.route_histogram, args=t.args, chunk_counts=t.chunk_counts,
+                                  error=t.error, NUM_EXPERTS=b.num_experts, RECEIVED=received,
+                                  E_PAD=e_pad, CHUNK=CHUNK, ID_DTYPE=ids)
         self.offsets = Launcher(
             k.route_offsets, chunk_counts=t.chunk_counts, chunk_start=t.chunk_start,
             expert_counts=t.expert_counts, scan_done=t.scan_done,
@@ -214,15 +217,16 @@ class RoutingLaunches:
             CHUNK_ROWS=SCAN_TILE // scan_experts, E_LOG2=e_pad.bit_length() - 1,
             JUMP_LEVELS=t.wave_jumps.shape[0],
             JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
-        self.scatter = Launcher(k.route_scatter, chunk_start=t.chunk_start,
+        self.scatter = Launcher(k.route_scatter, args=t.args, chunk_start=t.chunk_start,
                                 expert_offsets=t.expert_offsets, arrival_rows=t.arrival_rows,
                                 row_src=t.row_src, row_slot=t.row_slot,
-                                NUM_EXPERTS=b.num_experts, RECEIVED=received, CHUNK=CHUNK)
+                                NUM_EXPERTS=b.num_experts, RECEIVED=received, CHUNK=CHUNK,
+                                ID_DTYPE=ids)
         self.gather = Launcher(
-            k.route_gather, arrival_rows=t.arrival_rows,
-            x_rows=t.x.view(torch.uint8) if self.copy_bytes else t.x,
+            k.route_gather, args=t.args, arrival_rows=t.arrival_rows,
+            x_rows=t.x.view(torch.uint8) if copy_bytes else t.x,
             x_rows_scale=t.x_scale if fp8 else t.meta, HIDDEN=hidden, RECEIVED=received,
-            QUANTIZE=quantize, COPY_SCALES=self.copy_bytes, ROWS=GATHER_ROWS,
+            QUANTIZE=quantize, COPY_SCALES=copy_bytes, ROWS=GATHER_ROWS,
             SLAB=GATHER_SLAB, BLOCK_H=FP8_SCALE_BLOCK)
         self.tiles = Launcher(
             k.route_tiles, expert_counts=t.expert_counts, expert_offsets=t.expert_offsets,
@@ -231,6 +235,25 @@ class RoutingLaunches:
             inter_tiles=t.tiles["interleaved"], NUM_EXPERTS=b.num_experts, G=b.num_programs,
             P1=b.l1_n_blocks, P2=b.l2_n_blocks, LEAD=b.lead_rows, MAX_TILES=b.max_tiles,
             BLOCK_M=b.block_m, E_PAD=e_pad, P_PAD=_pow2(max(b.l1_n_blocks, b.l2_n_blocks)))
+
+    def __call__(self, capacity: int, top_k: int, *, x_scale: torch.Tensor | None = None,
+                 n_arrivals: torch.Tensor | None = None, arrival_src: torch.Tensor | None = None,
+                 arrival_slot: torch.Tensor | None = None) -> None:
+        """The five launches on the current stream over ``capacity`` arrivals (at EP = 1 ``T *
+        top_k``, each launch's arguments then fixed by ``T``: what a graph captures)."""
+        t = self.tables
+        chunks = (triton.cdiv(capacity, CHUNK),)
+        # EP = 1 reads no count, sources, slots or scales: any pointer stands in
+        n_ptr = n_arrivals if self.received else t.meta
+        self.histogram(chunks, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
+        self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
+        self.scatter(chunks, arrival_src=arrival_src if self.received else t.meta,
+                     arrival_slot=arrival_slot if self.received else t.meta,
+                     n_arrivals_ptr=n_ptr, CAPACITY=capacity)
+        self.gather((triton.cdiv(capacity, GATHER_ROWS), self.slabs), n_arrivals_ptr=n_ptr,
+                    x_scale=x_scale if x_scale is not None else t.meta, CAPACITY=capacity,
+                    TOP_K=top_k)
+        self.tiles((t.bounds.row_blocks,))
 
 
 @dataclass(frozen=True)

@@ -1,27 +1,32 @@
 """The fused MoE as a layer a forward can call (paper §2.2, §4.2): ``FusedMoE``, from the router's
 output to the layer's output on the device, with no host sync, in buffers sized by static bounds,
-so that one CUDA graph captures a call and replays it with new routings, and a
-``torch.library`` custom op (``xstage::fused_moe``) with a fake implementation, so that
+and a ``torch.library`` custom op (``xstage::fused_moe``) with a fake implementation, so that
 ``torch.compile(fullgraph=True)`` traces a block that uses it.
 
-A call: routing to tile tables (``device_tables``: five Triton launches, FP8 activations quantized
-per 1 x 128 in the gather pass, the fused kernel's row counters zeroed in the last), the fused
-kernel over the chosen schedule's table (``kernels/moe_fused_ws.py`` on sm_90,
-``kernels/moe_fused.py`` elsewhere), whose Linear-2 epilogues store each pick's row into the
-Combine buffer, then the top-k weighted sum (``combine.combine_weighted_sum``, one Triton
-launch). Every launch is bound once (``launcher.Launcher``): a call pays the driver's launches,
-not Triton's Python binding. ``MoEWorkspace`` is the same call over received rows (the EP rank
-workload), storing into any ``CombinePeers``.
+A call: its argument block written (``call_args.write_args``, one launch: the addresses of
+``topk_ids``, ``x``, the Combine rows, ``topk_weights`` and ``y``), then seven launches that read
+their varying tensors from it: routing to tile tables (``device_tables``: five Triton launches,
+FP8 activations quantized per 1 x 128 in the gather pass, the fused kernel's row counters zeroed
+in the last), the fused kernel over the chosen schedule's table (``kernels/moe_fused_ws.py`` on
+sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-2 epilogues store each pick's row into
+the Combine buffer, then the top-k weighted sum (``combine``, one Triton launch). Eagerly on CUDA
+the seven replay as one CUDA graph, captured once per token count at that count's first call
+(``FusedMoE``): a call costs the host one launch and one replay. While the stream is capturing (a
+user's graph) or off CUDA they launch directly, each bound once (``launcher.Launcher``: a call
+pays the driver's launches, not Triton's Python binding). ``MoEWorkspace`` is the same call over
+received rows (the EP rank workload), storing into any ``CombinePeers``, launched directly.
 """
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 
 import torch
 
 from ...kernel_sources import load_kernel_module
 from ..launcher import Launcher
-from .combine import CombinePeers, combine_weighted_sum, local_combine_peers
+from .call_args import TRITON_DTYPES, write_args
+from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weighted_sum_launch
 from .device_tables import SCHEDULES, TableBounds, allocate_tables, route_to_tables
 from .fused import DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, kernel_launch
 from .schedules import d_knee
@@ -34,6 +39,12 @@ SCHEDULE_CHOICES = (*SCHEDULES, "auto")
 # Linear-2 tile would wait forever on a Linear-1 tile of a later program; one program walks the
 # whole stream, in which every schedule puts a row's Linear-1 tiles before its Linear-2 tiles.
 CPU_PROGRAMS = 1
+# Captured graphs a FusedMoE keeps, least recently replayed dropped first (one still in flight is
+# freed by the driver when it completes): a graph holds no device memory of its own (a call
+# allocates only its output, outside the graph), but each is a driver object of seven kernel
+# nodes, and a server's token counts are unbounded.
+GRAPHS_PER_LAYER = 16
+WEIGHT_DTYPES = tuple(d for d in TRITON_DTYPES if d.is_floating_point)  # the weighted sum reads
 
 
 def auto_schedule(peers_world: int) -> str:
@@ -125,9 +136,15 @@ class FusedMoE(torch.nn.Module):
     id out of range adds to ``error`` on the device and its pick gets no row (its slot of the
     output is not defined).
 
-    ``forward(x, topk_ids, topk_weights)``: bf16 ``x [T, H]``, integer ``topk_ids [T, top_k]``,
-    float ``topk_weights [T, top_k]``, ``T <= max_tokens``, all on the weights' device -> bf16
-    ``y [T, H]`` = ``sum_j w[t, j] · FFN_{e_tj}(x[t])``."""
+    ``forward(x, topk_ids, topk_weights)``: bf16 ``x [T, H]`` (16-byte aligned), integer
+    ``topk_ids [T, top_k]``, float ``topk_weights [T, top_k]``, ``T <= max_tokens``, all on the
+    weights' device -> bf16 ``y [T, H]`` = ``sum_j w[t, j] · FFN_{e_tj}(x[t])``.
+
+    Eagerly on CUDA (the stream not capturing) a call writes its argument block and replays the
+    graph of its T: ``graphs``, keyed by T, schedule and the ids' and weights' dtypes, at most
+    ``GRAPHS_PER_LAYER``, the least recently replayed dropped first. The first call at a T
+    launches directly, then captures that T's graph (``capture``) without synchronizing. Calls
+    share the layer's buffers: one call at a time per layer, in stream order."""
 
     def __init__(self, weights: ExpertWeights, *, max_tokens: int, top_k: int,
                  schedule: str = "auto", config: TileConfig | None = None,
@@ -147,6 +164,8 @@ class FusedMoE(torch.nn.Module):
         self.combine = torch.empty(max_tokens * top_k, weights.hidden, dtype=torch.bfloat16,
                                    device=weights.w1.device)
         self.peers = local_combine_peers([self.combine])
+        self.graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
+        self.capture_stream: torch.cuda.Stream | None = None  # made at the first capture
         self.key = id(self.workspace)
         _LAYERS[self.key] = self
 
@@ -170,7 +189,7 @@ class FusedMoE(torch.nn.Module):
                 tuple(topk_ids.shape) != (t, self.top_k):
             raise MoEContractError(f"topk_ids must be int32 or int64 [{t}, {self.top_k}], got "
                                    f"{topk_ids.dtype} {list(topk_ids.shape)}")
-        if not topk_weights.is_floating_point() or tuple(topk_weights.shape) != (t, self.top_k):
+        if topk_weights.dtype not in WEIGHT_DTYPES or tuple(topk_weights.shape) != (t, self.top_k):
             raise MoEContractError(f"topk_weights must be float [{t}, {self.top_k}], got "
                                    f"{topk_weights.dtype} {list(topk_weights.shape)}")
         for name, v in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
@@ -197,12 +216,60 @@ class FusedMoE(torch.nn.Module):
 
     def run(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             schedule: str) -> torch.Tensor:
-        """The call itself (what the custom op runs; inputs checked by ``forward``)."""
-        ws = self.workspace
-        t, k = topk_ids.shape
-        ws.route(topk_ids.reshape(-1), x.contiguous(), top_k=k)
+        """The call itself (what the custom op runs; inputs checked by ``forward``): the argument
+        block written, then the seven launches, replayed from the graph of this call's key where
+        the device is CUDA and the stream is not capturing, else launched directly."""
+        # held until the call returns: the kernels read them through their addresses (a
+        # contiguous [T, k] is the arrivals' [T k])
+        x, ids, w = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
+        y = torch.empty_like(x)
+        write_args(self.workspace.tables.args, expert_ids=ids, x=x, combine_rows=self.combine,
+                   topk_weights=w, out=y)
+        key = (x.shape[0], schedule, ids.dtype, w.dtype)
+        if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            self.launches(*key)
+            return y
+        graph = self.graphs.get(key)
+        if graph is None:
+            self.launches(*key)  # this call's output; binds every launch new at this key
+            self.graphs[key] = self.capture(key)
+            if len(self.graphs) > GRAPHS_PER_LAYER:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+            graph.replay()
+        return y
+
+    def launches(self, tokens: int, schedule: str, id_dtype: torch.dtype,
+                 weights_dtype: torch.dtype) -> None:
+        """The seven launches after the argument block, on the current stream: routing, the fused
+        kernel, the weighted sum; their arguments fixed by the graph's key (what it captures)."""
+        ws, k = self.workspace, self.top_k
+        ws.tables.routing(False, ws.weights.precision == "fp8", id_dtype)(tokens * k, k)
         ws.launch(schedule, self.peers, routed=True)
-        return combine_weighted_sum(self.combine[:t * k], topk_weights)
+        hidden = ws.weights.hidden
+        weighted_sum_launch(k, weights_dtype)(weighted_sum_grid(tokens, hidden),
+                                              args=ws.tables.args, HIDDEN=hidden)
+
+    def capture(self, key: tuple) -> torch.cuda.CUDAGraph:
+        """``launches(*key)`` captured into a new graph, nothing run and nothing synchronized
+        (``torch.cuda.graph`` would synchronize the device first): on a side stream joined to
+        the current one both ways (capture needs a stream other than the default), in
+        ``thread_local`` mode (other threads' CUDA calls cannot break it; this thread makes
+        none: every launch of the key was bound by the direct call before)."""
+        if self.capture_stream is None:
+            self.capture_stream = torch.cuda.Stream(self.combine.device)
+        here, side = torch.cuda.current_stream(), self.capture_stream
+        side.wait_stream(here)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.launches(*key)
+            finally:
+                graph.capture_end()
+        here.wait_stream(side)
+        return graph
 
 
 @torch.library.custom_op("xstage::fused_moe", mutates_args=())
