@@ -71,3 +71,29 @@ def test_summary_leaves_moe_layer_out_without_records(tmp_path):
 
     assert "moe_layer" in ENTRIES
     assert summary(tmp_path) == {"platforms": {}}
+
+
+@pytest.mark.parametrize("writer", [True, False])
+def test_layer_prose_says_how_an_eager_call_launches(tmp_path, writer):
+    """Records of the argument block (its writer in the per-kernel profile) say that an eager
+    call at EP = 1 replays one graph; older records that a call launches each kernel."""
+    import json
+
+    from xstage_lab.prose.moe.kernel import layer
+
+    kernels = {name: 1.0 for name in ("route_histogram", "route_offsets", "route_scatter",
+                                      "route_gather", "route_tiles")}
+    if writer:
+        kernels[lv.ARGS_WRITER] = 0.5
+    rows = [_row(t, s, host_launch_floor_us=7.0, route_kernels_us=json.dumps(kernels),
+                 host_overhead_us=40.0 if s == "ep1" else 90.0)
+            for s in ("ep1", "ep8_rank") for t in (1, 8192)]
+    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    if writer:
+        assert "replays one CUDA graph of its 5 routing kernels, the fused kernel and the " \
+               "weighted sum (40 µs)" in text
+        assert "launches the writer, the routing kernels and the fused kernel one by one " \
+               "(90 µs)" in text
+    else:
+        assert "a call launches 5 routing kernels" in text and "CUDA graph" not in text

@@ -17,6 +17,9 @@ from ...loading import read, record_paths
 from . import newest_per_cell
 from ...records import RECORDS_DIR, Record
 
+# The writer of a call's argument block (kernels/moe_args.py) as a record's per-kernel profile
+# (route_kernels_us) names it: launched with the routing kernels, not one of them.
+ARGS_WRITER = "write_args"
 CELL = ["model", "precision", "setting", "tokens"]
 SUMMARY_KEYS = ("model", "precision", "setting", "tokens", "fused_eager_us", "fused_graph_us",
                 "schedule_us", "host_overhead_us", "kernel_us", "weighted_sum_floor_us",

@@ -58,7 +58,7 @@ def layer(layer_views) -> Prose:
     """The fused layer from the router's output (``moe_layer``, issue 27): against the unfused
     torch path, and how many cells meet each measure of the issue's acceptance, with where the
     schedule's and the host's time go."""
-    from ...analysis.moe.layer_view import (HOST_OVERHEAD_LIMIT_US, KERNEL_PARITY,
+    from ...analysis.moe.layer_view import (ARGS_WRITER, HOST_OVERHEAD_LIMIT_US, KERNEL_PARITY,
                                             KERNEL_PARITY_TOKENS, SCHEDULE_LIMIT_TOKENS,
                                             SCHEDULE_LIMIT_US, SMALL_T, acceptance,
                                             acceptance_counts)
@@ -86,11 +86,22 @@ def layer(layer_views) -> Prose:
         host = (f"an eager call's host time is {span(t['host_overhead_us'], '.0f')} µs (at most "
                 f"{HOST_OVERHEAD_LIMIT_US:.0f} asked: {met('host_overhead_ok')} cells)")
         if measured(t, "host_launch_floor_us"):
-            passes = t["route_kernels_us"].map(lambda k: len(json.loads(k)))
             host += (f"; one bare kernel launch costs this machine's host "
-                     f"{span(t['host_launch_floor_us'], '.0f')} µs, measured in the same runs, "
-                     f"and a call launches {span(passes, '.0f')} routing kernels, the fused "
-                     f"kernel and, at EP = 1, the weighted sum")
+                     f"{span(t['host_launch_floor_us'], '.0f')} µs, measured in the same runs")
+            kernels = t["route_kernels_us"].map(json.loads)
+            passes = kernels.map(lambda k: len(set(k) - {ARGS_WRITER}))
+            if kernels.map(lambda k: ARGS_WRITER in k).all():
+                ep1, ep8 = (t[t["setting"] == s]["host_overhead_us"] for s in ("ep1", "ep8_rank"))
+                host += (f". At EP = 1 an eager call launches the writer of its argument block, "
+                         f"then replays one CUDA graph of its {span(passes, '.0f')} routing "
+                         f"kernels, the fused kernel and the weighted sum"
+                         + (f" ({span(ep1, '.0f')} µs)" if len(ep1) else "")
+                         + "; the EP = 8 rank workload launches the writer, the routing kernels "
+                         "and the fused kernel one by one"
+                         + (f" ({span(ep8, '.0f')} µs)" if len(ep8) else ""))
+            else:
+                host += (f", and a call launches {span(passes, '.0f')} routing kernels, the fused "
+                         f"kernel and, at EP = 1, the weighted sum")
         parity = a[a["tokens"] >= KERNEL_PARITY_TOKENS]
         kernel = (f" From {KERNEL_PARITY_TOKENS} tokens the kernel over the device tables takes "
                   f"{span(parity['kernel_over_host_kernel'], '.3f')}× the time of the same "
