@@ -268,3 +268,26 @@ def test_a_forecasts_pick_is_looked_up_in_the_runs_own_timings(tmp_path):
     assert list(a["auto_measured_us"]) == [95.0, 108.0]
     assert list(a["fastest"]) == ["interleaved_d4", "interleaved_d8"]
     assert list(a["auto_over_fastest"]) == pytest.approx([95 / 90, 108 / 105])
+
+
+def test_local_sweep_table_and_prose_find_the_cells_no_lead_brings_to_the_bound(tmp_path):
+    from xstage_lab.analysis.moe import host_view as hv
+    from xstage_lab.prose import host_link as say
+
+    def cell(model, knee_us, lead_us, far_us):
+        return {"model": model, "precision": "bf16", "routing": "skewed", "tokens": TOKENS,
+                "host_share": 0, "d_knee": 2, "lead_rows": 4, "wave_us": 100.0,
+                "wave_local_us": 100.0, "interleaved_d2_us": knee_us,
+                "interleaved_d4_us": lead_us, "interleaved_d16_us": far_us,
+                "int_mainloop_l2_us": 12.0, "wave_mainloop_l2_us": 10.0,
+                "int_wait_l2_us": 0.1, "wave_wait_l2_us": 0.1}
+    write_record("moe_host", "x-host", pd.DataFrame([cell("Fast", 150.0, 99.0, 101.0),
+                                                     cell("Slow", 160.0, 104.0, 103.0)]),
+                 {"forecast_record": "f", "link": "host"}, {}, tmp_path)
+    assert hv.has_local_sweep("x-host", tmp_path) and not hv.has_local_sweep("y-host", tmp_path)
+    s = hv.local_sweep_table(hv.local_sweep_view("x-host", tmp_path))
+    assert list(s["at_knee"]) == pytest.approx([100 / 150, 100 / 160])
+    assert list(s["at_lead"]) == pytest.approx([100 / 99, 100 / 104])
+    assert list(s["best_lead"]) == [4, 16] and list(s["mainloop_l2_ratio"]) == [1.2, 1.2]
+    text = str(say.local_sweep([hv.local_sweep_view("x-host", tmp_path)]))
+    assert "at least 0.98 in 1 cells" in text and "Below 0.98 at every lead: Slow bf16" in text

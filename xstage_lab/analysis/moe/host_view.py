@@ -70,6 +70,32 @@ def local_sweep_view(platform: str, root: Path = RECORDS_DIR) -> HostView:
     return HostView(platform, records)
 
 
+def local_sweep_table(view: HostView) -> pd.DataFrame:
+    """Per cell of a local sweep (``local_sweep_view``): Interleaved's speed over Expert-Wave's
+    (``wave_us`` over each lead's time) at D_knee (``at_knee``), at the derived lead
+    (``at_lead``) and at the sweep's best lead (``best_lead``, ``at_best``), with the traces'
+    Linear-2 mainloop under Interleaved over Expert-Wave's and both schedules' Linear-2
+    dependency waits (at the derived lead)."""
+    t = view.table
+    out = t[["model", "precision", "routing", "tokens", "d_knee", "lead_rows"]].copy()
+    leads = {int(c.removeprefix("interleaved_d").removesuffix("_us")): c for c in t.columns
+             if c.startswith("interleaved_d") and c.endswith("_us")
+             and not c.endswith(("_p25_us", "_p75_us"))}
+    speed = pd.DataFrame({d: t["wave_us"] / t[c] for d, c in sorted(leads.items())})
+    out["at_knee"] = [speed.at[i, d] for i, d in zip(t.index, t["d_knee"])]
+    out["at_lead"] = [speed.at[i, d] for i, d in zip(t.index, t["lead_rows"])]
+    out["best_lead"] = speed.idxmax(axis=1)
+    out["at_best"] = speed.max(axis=1)
+    out["mainloop_l2_ratio"] = t["int_mainloop_l2_us"] / t["wave_mainloop_l2_us"]
+    out["int_wait_l2_us"], out["wave_wait_l2_us"] = t["int_wait_l2_us"], t["wave_wait_l2_us"]
+    return out
+
+
+def has_local_sweep(platform: str, root: Path = RECORDS_DIR) -> bool:
+    """Whether ``platform`` has a local sweep (``local_sweep_view``)."""
+    return any(_local_only(r) for r in _records(platform, root))
+
+
 def _records(platform: str, root: Path) -> list[Record]:
     return [read(p) for p in record_paths("moe_host", platform, root)]
 
