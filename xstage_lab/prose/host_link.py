@@ -3,6 +3,7 @@ what the traces say where the forecast misses."""
 from __future__ import annotations
 
 from ..analysis.moe.host_view import MISS_PP, comparison, local_sweep_table, misses
+from ..analysis.remote_store.row_chunks import row_chunk_fits
 from . import Prose, count, rec, span, val
 
 # A measured Expert-Wave stall per Linear-2 burst this far (µs) from the forecast's, or an
@@ -139,4 +140,28 @@ def link_calibration(characterizations) -> Prose:
             f"{val(cal.gap_issue_err_pct, '.2f')}% in T_iss ("
             f"{val(cal.gap_drain_branch_err_pct, '.2f')}% on the drain branch, where each "
             f"burst's issue grows toward V/R − G).")
+    return Prose(*out)
+
+
+def row_patterns(records) -> Prose:
+    """Each host-link record's ``row_chunks`` sweep: R and Q of the Combine's row patterns
+    beside the contiguous burst's of the same run."""
+    out = []
+    for r in records:
+        fits = row_chunk_fits(r.table)
+        base = fits[(fits["chunk_bytes"] == 0) & (fits["row_bytes"] == 0)].iloc[0]
+        rows = fits[fits["chunk_bytes"] > 0]
+        q_mib = rows["capacity_bytes"] / 2**20
+        off = max((rows["drain_rate_GBps"] / base["drain_rate_GBps"] - 1).abs().max(),
+                  (rows["capacity_bytes"] / base["capacity_bytes"] - 1).abs().max())
+        patterns = ", ".join(f"{int(c)} B of each {int(w)}-byte row"
+                             for c, w in zip(rows["chunk_bytes"], rows["row_bytes"]))
+        out.append(
+            f"{rec(r)} ({r.platform}): the fused MoE's Combine stores each Linear-2 tile as one "
+            f"chunk per row ({patterns}). At K = {count(int(base['producers']))} producers those "
+            f"patterns drain at R = {span(rows['drain_rate_GBps'], '.1f')} GB/s with "
+            f"Q = {span(q_mib, '.2f')} MiB, the contiguous burst of the same run at "
+            f"{val(base['drain_rate_GBps'], '.1f')} GB/s and "
+            f"{val(base['capacity_bytes'] / 2**20, '.2f')} MiB: within "
+            f"{val(off * 100, '.1f')}% of it.")
     return Prose(*out)

@@ -577,3 +577,19 @@ def test_a_link_this_machine_lacks_is_one_line_before_any_launch(model_bench, mo
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and "needs a GPU" in err[0]
     assert ModelStoreBench.launches == [] and not any(tmp_path.iterdir())
+
+
+def test_row_pattern_prose_quotes_each_pattern_against_the_contiguous_burst(model_bench,
+                                                                             monkeypatch,
+                                                                             tmp_path):
+    from xstage_lab.analysis.remote_store import row_chunks as rc
+    from xstage_lab.prose import host_link as say
+
+    ch = model_bench
+    monkeypatch.setattr(ch, "RemoteStoreBench", ModelHostBench)
+    fake_machine(monkeypatch, ch, n=1)
+    ch.run_characterization(repeats=1, only=("row_chunks",), progress=False, root=tmp_path,
+                            link="host")
+    text = str(say.row_patterns([rc.latest_row_chunk_record("h200-x1-host", tmp_path)]))
+    assert "256 B of each 2816-byte row" in text and "At K = 132 producers" in text
+    assert "within 0.0% of it" in text  # the model drains every pattern alike
