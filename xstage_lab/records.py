@@ -572,10 +572,10 @@ def import_bench_json(path: Path | str, experiment: str, root: Path = RECORDS_DI
                       resolution: dict[str, float] | None = None) -> Path:
     """Save a benchmark's JSON output (``experiments.output.write_output``) as a record of
     ``experiment`` (``save_output``), or of the name its header gives where the run saved itself
-    apart (``Experiment.record_name``: ``remote_store_partial`` of a ``remote_store`` run);
-    ``ValueError`` where the file is not such an output, or another experiment's."""
+    apart under ``experiment``'s name (``Experiment.record_name``: ``remote_store_partial`` of a
+    ``remote_store`` run); ``ValueError`` where the file is not such an output."""
     doc = read_output(path)
-    named = doc["metadata"].get("experiment", experiment)
-    if named != experiment and not named.startswith(f"{experiment}_"):
-        raise ValueError(f"{path} is an output of {named!r}, not of {experiment!r}")
-    return save_output(doc["metadata"], pd.DataFrame(doc["rows"]), named, root, resolution)
+    named = str(doc["metadata"].get("experiment", ""))
+    if named.startswith(f"{experiment}_"):
+        experiment = named
+    return save_output(doc["metadata"], pd.DataFrame(doc["rows"]), experiment, root, resolution)
