@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,12 @@ TESTS = Path(__file__).resolve().parent
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# jsonschema (under nbformat and papermill) imports rfc3987_syntax where it is installed (the IRI
+# formats of jupyter-events' extra), which compiles 39 lark grammars at import: 1.5 to 4 s of
+# every worker's collection (more beside torch's heap). nbformat validates notebooks without
+# format checks, so nothing here reads an IRI format; jsonschema goes without that checker.
+sys.modules.setdefault("rfc3987_syntax", None)
 
 
 @pytest.fixture(scope="session")
