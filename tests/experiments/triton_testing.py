@@ -129,17 +129,69 @@ def child_main(argv: list[str], interpreter_cases: dict, compile_cases: dict,
     return 0
 
 
-def child_results(module: str, flag: str, interpret: bool, timeout: int) -> dict:
-    """Run ``python -m module flag`` from the repository root, with ``TRITON_INTERPRET=1`` from
-    its start or without it; the JSON object its last output line holds (``child_main``'s)."""
+# The test modules whose children run together: per flag, one child runs the cases of every one
+# of them that this session collected (``batched``, set by tests/conftest.py, which keeps their
+# tests on one xdist worker), each as ``python -m module flag`` would, in this order. A child
+# starts in 3 to 4 s (Python, torch, Triton, the module), ten of them once a run. test_trace,
+# whose interpreter patch (``_patch_inline_asm``) stays for the rest of its process, runs last.
+BATCHED = ("tests.ops.moe.test_combine", "tests.ops.moe.test_device_tables",
+           "tests.ops.moe.test_op", "tests.experiments.moe.test_kernel",
+           "tests.experiments.moe.test_trace")
+batched: list[str] = []  # those of BATCHED that this session runs tests of
+_batch_results: dict[str, dict] = {}  # flag -> {module: its child_main JSON, or its failure}
+
+
+def _child(argv: list[str], interpret: bool, timeout: int) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-m", module, flag],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", *argv], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def child_results(module: str, flag: str, interpret: bool, timeout: int) -> dict:
+    """Run ``python -m module flag`` from the repository root, with ``TRITON_INTERPRET=1`` from
+    its start or without it; the JSON object its last output line holds (``child_main``'s). A
+    module of ``batched`` is run with the others in one child (``batch_main``), once per flag."""
+    if module in batched and module in BATCHED:
+        if flag not in _batch_results:
+            proc = _child([__name__, "--batch", flag, *batched], interpret,
+                          timeout * len(batched))
+            if proc.returncode:
+                raise AssertionError(f"child {flag} of {batched} failed:\n{proc.stdout}\n"
+                                     f"{proc.stderr}")
+            _batch_results[flag] = json.loads(proc.stdout.strip().splitlines()[-1])
+        result = _batch_results[flag][module]
+        if "failed" in result:
+            raise AssertionError(f"child {flag} of {module} failed:\n{result['failed']}")
+        return result["results"]
+    proc = _child([module, flag], interpret, timeout)
     if proc.returncode:
         raise AssertionError(f"child {flag} failed:\n{proc.stdout}\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def batch_main(flag: str, modules: list[str]) -> int:
+    """Entry of a batched child: each module run as ``python -m module flag`` (its ``__main__``,
+    ``child_main``) in turn; prints {module: {"results": its JSON} or {"failed": why}}."""
+    import runpy
+
+    out = {}
+    for module in modules:
+        sys.argv = [module, flag]
+        printed = io.StringIO()
+        try:
+            with redirect_stdout(printed):
+                try:
+                    runpy.run_module(module, run_name="__main__", alter_sys=True)
+                except SystemExit as e:
+                    if e.code not in (0, None):
+                        raise
+            out[module] = {"results": json.loads(printed.getvalue().strip().splitlines()[-1])}
+        except BaseException:  # noqa: BLE001 (reported to the parent's tests of this module)
+            out[module] = {"failed": printed.getvalue()[-4000:] + traceback.format_exc()}
+    print(json.dumps(out))
+    return 0
 
 
 def assert_case_ok(results: dict, case: str) -> None:
@@ -211,3 +263,9 @@ def ptxas_report(ptx: str) -> dict:
             "spill_load_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill loads", log)),
             # ptxas's advisory when it waits for each wgmma before issuing the next
             "wgmma_serialized": "wgmma.mma_async instructions are serialized" in log}
+
+
+if __name__ == "__main__":  # a batched child: --batch FLAG MODULE...
+    if sys.argv[1:2] != ["--batch"] or len(sys.argv) < 4:
+        raise SystemExit(f"unknown arguments {sys.argv[1:]}")
+    raise SystemExit(batch_main(sys.argv[2], sys.argv[3:]))
