@@ -228,6 +228,33 @@ def hopper_target():
 _PTXAS_LOGS: dict[str, str] = {}
 
 
+def _ptxas_log_file(ptx: str) -> Path:
+    """Where ptxas -v's log of ``ptx`` is kept beside Triton's cache, which holds the kernel
+    itself (so a later run's compile does not run ptxas and leaves no log): named by the PTX and
+    the ptxas binary (its path, size and time), so another PTX or ptxas is another file."""
+    import hashlib
+
+    import triton
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    binary = Path(get_ptxas(90).path)
+    stat = binary.stat()
+    key = hashlib.sha256(f"{binary}|{stat.st_size}|{stat.st_mtime_ns}|-arch=sm_90a|{ptx}".encode())
+    return Path(triton.knobs.cache.dir) / "ptxas_v_logs" / f"{key.hexdigest()}.log"
+
+
+def _keep_ptxas_log(ptx: str, log: str) -> None:
+    _PTXAS_LOGS[ptx] = log
+    try:
+        path = _ptxas_log_file(ptx)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(log)
+        os.replace(tmp, path)  # whole, where two workers write the same log
+    except OSError:
+        pass  # a read-only cache: ptxas runs again next time
+
+
 def compile_sm90(src, **options):
     """``src`` (an ``ASTSource`` or ``GluonASTSource``) compiled by Triton for sm_90
     (``hopper_target``) with ``options``, keeping the log of Triton's own ``ptxas -v`` (none where
@@ -239,18 +266,24 @@ def compile_sm90(src, **options):
         triton.knobs.nvidia.dump_ptxas_log = True  # make_cubin prints ptxas's log
         kernel = triton.compile(src, target=hopper_target(), options=options)
     if "Used " in log.getvalue():
-        _PTXAS_LOGS[kernel.asm["ptx"]] = log.getvalue()
+        _keep_ptxas_log(kernel.asm["ptx"], log.getvalue())
     return kernel
 
 
 def ptxas_report(ptx: str) -> dict:
     """Registers per thread (the most of any kernel in the module), spilled bytes and whether
     wgmma was serialized, for a PTX module, from Triton's bundled ``ptxas -v`` for sm_90a: the
-    run that built it in ``compile_sm90``, else one of its own."""
+    run that built it in ``compile_sm90``, else the log kept from an earlier run of the same ptxas
+    on the same PTX (``_ptxas_log_file``), else one of its own."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     log = _PTXAS_LOGS.get(ptx)
     if log is None:
+        try:
+            log = _ptxas_log_file(ptx).read_text()
+        except OSError:
+            pass
+    if log is None or "Used " not in log:
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / "k.ptx"
             src.write_text(ptx)
@@ -258,6 +291,7 @@ def ptxas_report(ptx: str) -> dict:
                                   str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
                                  check=True)
         log = out.stdout + out.stderr
+        _keep_ptxas_log(ptx, log)
     return {"registers": max(int(v) for v in re.findall(r"Used (\d+) registers", log)),
             "spill_store_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)),
             "spill_load_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill loads", log)),
