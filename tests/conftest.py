@@ -5,8 +5,8 @@ test (session, module or class scope) is computed once per worker that uses it, 
 ``pytest_collection_modifyitems`` below puts every test that uses such a fixture of this
 repository in one ``xdist_group`` with every other test using it (transitively): a notebook run,
 an interpreter child or a compiled kernel is made once per run, on one worker, and tests without
-one are spread freely. The modules of ``triton_testing.BATCHED`` are one group too: one child
-process per flag runs the kernel cases of all of them. Tests marked ``early`` (long on their own)
+one are spread freely. The modules that run kernel cases in children of
+``triton_testing.child_main`` are one group too: one child process per flag runs all their cases. Tests marked ``early`` (long on their own)
 and the large groups start first, so that the workers finish together.
 """
 from __future__ import annotations
@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from tests.experiments import triton_testing
-from tests.experiments.triton_testing import BATCHED
 
 TESTS = Path(__file__).resolve().parent
 
@@ -75,8 +74,8 @@ def _shared_keys(item) -> list[str]:
     lives: the session, or the module or class that holds the test."""
     keys = [m.args[0] if m.args else m.kwargs.get("name", "default")
             for m in item.iter_markers("xdist_group")]
-    if getattr(item, "module", None) is not None and item.module.__name__ in BATCHED:
-        keys.append("triton_children")  # one child per flag runs all their cases (BATCHED)
+    if triton_testing.is_batched(getattr(item, "module", None)):
+        keys.append("triton_children")  # one child per flag runs all their cases
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return keys
@@ -126,12 +125,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
-    """The modules of ``triton_testing.BATCHED`` that this session runs tests of share one child
-    per flag (``triton_testing.batched``). Under ``--dist loadgroup`` xdist marks each grouped
+    """The modules that run kernel cases in children (``triton_testing.is_batched``) share one
+    child per flag (``triton_testing.batched``). Under ``--dist loadgroup`` xdist marks each grouped
     test's id with ``@group``; where it does not (pytest 9.2 with pytest-xdist 3.8), the groups
     would be silently ignored and every worker would make the shared fixtures again."""
-    modules = {getattr(getattr(item, "module", None), "__name__", None) for item in session.items}
-    triton_testing.batched[:] = [m for m in BATCHED if m in modules]
+    triton_testing.batched[:] = triton_testing.batch_order(
+        item.module.__name__ for item in session.items
+        if triton_testing.is_batched(getattr(item, "module", None)))
     if getattr(session.config.option, "loadgroup", False):
         for item in session.items:
             if item.get_closest_marker("xdist_group") and "@" not in item.nodeid:

@@ -129,15 +129,23 @@ def child_main(argv: list[str], interpreter_cases: dict, compile_cases: dict,
     return 0
 
 
-# The test modules whose children run together: per flag, one child runs the cases of every one
-# of them that this session collected (``batched``, set by tests/conftest.py, which keeps their
-# tests on one xdist worker), each as ``python -m module flag`` would, in this order. A child
-# starts in 3 to 4 s (Python, torch, Triton, the module), ten of them once a run. test_trace,
-# whose interpreter patch (``_patch_inline_asm``) stays for the rest of its process, runs last.
-BATCHED = ("tests.ops.moe.test_combine", "tests.ops.moe.test_device_tables",
-           "tests.ops.moe.test_op", "tests.experiments.moe.test_kernel",
-           "tests.experiments.moe.test_trace")
-batched: list[str] = []  # those of BATCHED that this session runs tests of
+# The test modules whose children run together: per flag, one child runs the cases of every
+# module that this session runs tests of and that runs its cases through ``child_main``
+# (``batched``, set by tests/conftest.py, which keeps their tests on one xdist worker), each as
+# ``python -m module flag`` would, in ``batch_order``. A child starts in 3 to 4 s (Python, torch,
+# Triton, the module), ten of them once a run. Modules of ``BATCH_LAST`` run after the others:
+# test_trace's interpreter patch (``_patch_inline_asm``) stays for the rest of its process.
+BATCH_LAST = ("tests.experiments.moe.test_trace",)
+batched: list[str] = []
+
+
+def is_batched(module) -> bool:
+    """Whether test ``module`` (a module object) runs its cases in children of ``child_main``."""
+    return getattr(module, "child_main", None) is child_main
+
+
+def batch_order(modules) -> list[str]:
+    return sorted(set(modules), key=lambda m: (m in BATCH_LAST, m))
 _batch_results: dict[str, dict] = {}  # flag -> {module: its child_main JSON, or its failure}
 
 
@@ -153,7 +161,7 @@ def child_results(module: str, flag: str, interpret: bool, timeout: int) -> dict
     """Run ``python -m module flag`` from the repository root, with ``TRITON_INTERPRET=1`` from
     its start or without it; the JSON object its last output line holds (``child_main``'s). A
     module of ``batched`` is run with the others in one child (``batch_main``), once per flag."""
-    if module in batched and module in BATCHED:
+    if module in batched:
         if flag not in _batch_results:
             proc = _child([__name__, "--batch", flag, *batched], interpret,
                           timeout * len(batched))
