@@ -5,16 +5,20 @@ test (session, module or class scope) is computed once per worker that uses it, 
 ``pytest_collection_modifyitems`` below puts every test that uses such a fixture of this
 repository in one ``xdist_group`` with every other test using it (transitively): a notebook run,
 an interpreter child or a compiled kernel is made once per run, on one worker, and tests without
-one are spread freely. Tests marked ``early`` (long on their own) and the large groups start
-first, so that the workers finish together.
+one are spread freely. The modules that run kernel cases in children of
+``triton_testing.child_main`` are one group too: one child process per flag runs all their cases. Tests marked ``early`` (long on their own)
+and the large groups start first, so that the workers finish together.
 """
 from __future__ import annotations
 
 import inspect
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+from tests.experiments import triton_testing
 
 TESTS = Path(__file__).resolve().parent
 
@@ -25,6 +29,12 @@ TESTS = Path(__file__).resolve().parent
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# jsonschema (under nbformat and papermill) imports rfc3987_syntax where it is installed (the IRI
+# formats of jupyter-events' extra), which compiles 39 lark grammars at import: 1.5 to 4 s of
+# every worker's collection (more beside torch's heap). nbformat validates notebooks without
+# format checks, so nothing here reads an IRI format; jsonschema goes without that checker.
+sys.modules.setdefault("rfc3987_syntax", None)
 
 
 @pytest.fixture(scope="session")
@@ -64,6 +74,8 @@ def _shared_keys(item) -> list[str]:
     lives: the session, or the module or class that holds the test."""
     keys = [m.args[0] if m.args else m.kwargs.get("name", "default")
             for m in item.iter_markers("xdist_group")]
+    if triton_testing.is_batched(getattr(item, "module", None)):
+        keys.append("triton_children")  # one child per flag runs all their cases
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return keys
@@ -113,9 +125,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
-    """Under ``--dist loadgroup`` xdist marks each grouped test's id with ``@group``; where it does
-    not (pytest 9.2 with pytest-xdist 3.8), the groups would be silently ignored and every worker
-    would make the shared fixtures again."""
+    """The modules that run kernel cases in children (``triton_testing.is_batched``) share one
+    child per flag (``triton_testing.batched``). Under ``--dist loadgroup`` xdist marks each grouped
+    test's id with ``@group``; where it does not (pytest 9.2 with pytest-xdist 3.8), the groups
+    would be silently ignored and every worker would make the shared fixtures again."""
+    triton_testing.batched[:] = triton_testing.batch_order(
+        item.module.__name__ for item in session.items
+        if triton_testing.is_batched(getattr(item, "module", None)))
     if getattr(session.config.option, "loadgroup", False):
         for item in session.items:
             if item.get_closest_marker("xdist_group") and "@" not in item.nodeid:

@@ -247,6 +247,50 @@ def test_bad_free_running_input_is_refused(args, match):
         simulator.simulate_free_running(*args, 1000.0, 1e6)
 
 
+def _free_running_by_play(offsets, volume, t0, gap, bursts, drain, capacity):
+    """``simulate_free_running``'s launch through the general event loop (``_play``): the
+    reference that its own loop for bursts alike must match."""
+    k, n = len(offsets), bursts
+    index = np.arange(k * n)
+    burst = index % n
+    start = np.where(burst == 0, np.repeat(np.asarray(offsets, dtype=float), n), np.nan)
+    return simulator._play(start, np.full(k * n, volume), np.full(k * n, t0), drain, capacity,
+                           np.where(burst < n - 1, index + 1, -1), np.full(k * n, gap))
+
+
+def test_free_running_bursts_alike_play_as_the_general_loop_to_the_bit():
+    """``simulate_free_running`` plays its bursts, all alike, through FIFO queues
+    (``_play_alike``): the same begin, finish and q at finish, bit for bit, as the general
+    loop with heaps, over random launches held at Q and free, with ties (equal offsets, a zero
+    gap, demand equal to the drain) and offsets in any order."""
+    rng = np.random.default_rng(28)
+    cases = [([0.0, 0.25], 1e6, 0.5, 2.0, 3, 1e6, 0.6e6), ([0.0] * 4, 0.5e6, 0.5, 10.0, 4, 1e6, 0.5e6),
+             ([0.0, 1.0, 1.0, 0.5], 1e6, 1.0, 0.0, 5, 1e6, 0.0),  # D = R for one burst, Q = 0
+             ([3.0, -1.0, 2.0, 2.0], 2e6, 1.0, 0.5, 6, 2e6, 1e6),
+             # a gap-sweep point's launch, shorter: 132 producers over one period, held at Q
+             (np.linspace(0.0, 5.14, 132, endpoint=False).tolist(), 2048.0, 0.263, 0.0869, 24,
+              52.6e3, 0.3e6)]
+    for _ in range(120):
+        k, n = int(rng.integers(1, 40)), int(rng.integers(1, 30))
+        t0 = float(rng.choice([0.25, 0.5, rng.uniform(0.05, 2.0)]))
+        volume = float(rng.choice([1e6, rng.uniform(1e3, 4e6)]))
+        drain = float(rng.choice([1e6, volume / t0, rng.uniform(1e4, 5e6)]))
+        spread = float(rng.choice([0.0, rng.uniform(0.0, 50.0)]))
+        offsets = (rng.integers(0, 4, k) * spread / 4 if rng.random() < 0.3
+                   else rng.uniform(0.0, spread, k))
+        gap = float(rng.choice([0.0, 0.5, rng.uniform(0.0, 20.0)]))
+        capacity = float(rng.choice([0.0, rng.uniform(0.0, 3.0) * k * volume]))
+        cases.append((offsets.tolist(), volume, t0, gap, n, drain, capacity))
+    for offsets, volume, t0, gap, n, drain, capacity in cases:
+        want = _free_running_by_play(offsets, volume, t0, gap, n, drain, capacity)
+        got = simulator._play_alike(offsets, n, volume, t0, gap, drain, capacity)
+        for g, w in zip(got, want):
+            assert np.array_equal(g, w, equal_nan=True), (offsets, volume, t0, gap, n, drain)
+    run = simulator.simulate_free_running(*cases[0][:5], cases[0][5] / 1e3, cases[0][6])
+    want = _free_running_by_play(*cases[0])
+    assert np.array_equal(run["start_us"], want[0]) and np.array_equal(run["q_end_bytes"], want[2])
+
+
 def test_window_means_take_the_bursts_where_every_producer_runs():
     # producer 0 starts its bursts at 0, 10, 20, 30; producer 1 at 5, 15, 25, 35. After one
     # warm-up burst the window runs from 15 (producer 1's burst 1) to 30 (producer 0's last

@@ -147,7 +147,6 @@ def _characterize_beyond(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from .analysis.remote_store.characterization import write_calibration
     from .loading import read as read_record
 
     try:
@@ -158,6 +157,8 @@ def _calibrate(args) -> int:
         raise UsageError(f"{args.record} is a {rec.meta['experiment']!r} record, "
                          "not a 'remote_store' one")
     if args.root is not None:
+        from .analysis.remote_store.characterization import write_calibration
+
         print(f"wrote {write_calibration(args.record, root=args.root)}")
         return 0
     from .calibration import calibrate
@@ -228,10 +229,10 @@ def _reproduce(args) -> int:
 
 
 def _summary(args) -> int:
-    from .summary import format_summary, summary
-
     if not args.root.is_dir():
         raise UsageError(f"no records folder {args.root}")
+    from .summary import format_summary, summary
+
     s = summary(root=args.root)
     if not s["platforms"]:
         raise UsageError(f"no records under {args.root}")

@@ -131,14 +131,17 @@ def measure_all_plan(only: list[str] | None = None) -> list[Step]:
     an experiment ``only`` names."""
     from .platform import inventory
 
+    inv = inventory()
+    no_gpu = f"measure-all needs a GPU; this machine has none ({inv.error})"
+    if only is None and not inv.gpus:  # said before every experiment is imported to be named
+        raise ValueError(no_gpu)
     known = measure_all_names()
     names = known if only is None else list(only)
     unknown = sorted(set(names) - set(known))
     if unknown:
         raise ValueError(f"unknown measurements {unknown}; known: {known}")
-    inv = inventory()
     if not inv.gpus:
-        raise ValueError(f"measure-all needs a GPU; this machine has none ({inv.error})")
+        raise ValueError(no_gpu)
     steps = plan("cuda", names, inv)
     for name in only or ():
         lacking = [s.choice.reason for s in steps if s.name == name and not s.live]

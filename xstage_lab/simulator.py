@@ -179,6 +179,102 @@ def _play(start, vol, t0, drain: float, capacity: float, successor=None, delay=N
     return np.array(begin), np.array(finish), np.array(q_end)
 
 
+def _play_alike(offsets: list, n: int, volume: float, t0: float, delay: float, drain: float,
+                capacity: float):
+    """``_play`` for ``simulate_free_running``'s bursts, all alike (``volume`` > 0 in ``t0``
+    µs, ``delay`` after each): producer p's bursts are p·n … p·n + n − 1, the first at
+    ``offsets[p]``. The same events and the same arithmetic, so the same results to the bit
+    (tests/test_simulator.py compares them), twice as fast: bursts alike finish in the order
+    they start, so the active bursts and the starts to come are FIFO lists read from a head,
+    not heaps, and the order among bursts due at one instant changes nothing (they start,
+    progress and finish together, and ``demand`` adds and takes the same rate)."""
+    inf = math.inf
+    rate = volume / t0
+    order = sorted(range(len(offsets)), key=lambda p: (offsets[p], p))
+    first_t = [float(offsets[p]) for p in order] + [inf]  # the first bursts, in start order
+    first_i = [p * n for p in order]
+    nf, next_first = 0, first_t[0]
+    # the bursts in start order: index, start, s at finish; the j-th to finish is the j-th
+    # started; then when each finished and q then
+    seq_i, seq_t, fin_s, fin_t, fin_q = [], [], [], [], []
+    started = done = 0
+    succ_t, succ_i, sh, ns = [], [], 0, 0  # the next bursts (FIFO from head sh of ns)
+    last = n - 1
+    now, s, q, demand = next_first, 0.0, 0.0, 0.0
+    while True:
+        while True:  # every start due by now
+            if sh < ns and (succ_t[sh] < next_first
+                            or (succ_t[sh] == next_first and succ_i[sh] < first_i[nf])):
+                t = succ_t[sh]
+                if t > now:
+                    break
+                i = succ_i[sh]
+                sh += 1
+            else:
+                t = next_first
+                if t > now:
+                    break
+                i = first_i[nf]
+                nf += 1
+                next_first = first_t[nf]
+            seq_i.append(i)
+            seq_t.append(t)
+            fin_s.append(s + t0)
+            started += 1
+            demand += rate
+        if done == started:
+            demand = 0.0
+            if sh == ns and next_first == inf:
+                break
+        nstart = succ_t[sh] if sh < ns and succ_t[sh] < next_first else next_first
+        to_start = nstart - now
+        if q >= capacity and demand > drain:  # held at Q: q stays, the clock runs at R/D
+            speed = drain / demand
+            to_finish = (fin_s[done] - s) / speed if done < started else inf
+            if to_start <= to_finish:
+                s = fin_s[done] if to_start == to_finish else s + speed * to_start
+                now = nstart
+            else:
+                now, s = now + to_finish, fin_s[done]
+        else:
+            dq = 0.0 if q <= 0 and demand <= drain else demand - drain
+            to_finish = fin_s[done] - s if done < started else inf
+            to_full = (capacity - q) / dq if dq > 0 else inf
+            to_empty = q / -dq if dq < 0 else inf
+            dt = to_start
+            if to_finish < dt:
+                dt = to_finish
+            if to_full < dt:
+                dt = to_full
+            if to_empty < dt:
+                dt = to_empty
+            now, s, q = now + dt, s + dt, q + dq * dt
+            q = q if q > 0.0 else 0.0
+            q = q if q < capacity else capacity
+            if dt == to_start:
+                now = nstart
+            if dt == to_finish:
+                s = fin_s[done]
+            if dt == to_full:
+                q = capacity
+            if dt == to_empty:
+                q = 0.0
+        while done < started and fin_s[done] <= s:
+            i = seq_i[done]
+            done += 1
+            demand -= rate
+            fin_t.append(now)
+            fin_q.append(q)
+            if i % n != last:
+                succ_t.append(now + delay)
+                succ_i.append(i + 1)
+                ns += 1
+    begin, finish, q_end = (np.full(len(offsets) * n, np.nan) for _ in range(3))
+    idx = np.array(seq_i, dtype=np.int64)
+    begin[idx], finish[idx[:done]], q_end[idx[:done]] = seq_t, fin_t, fin_q
+    return begin, finish, q_end
+
+
 def simulate_free_running(offsets_us, volume: float, t_iss0_us: float, gap_us: float,
                           bursts: int, drain_rate: float, capacity: float) -> pd.DataFrame:
     """Producers that each run their own burst–gap loop through one fluid queue, with no barrier
@@ -211,10 +307,15 @@ def simulate_free_running(offsets_us, volume: float, t_iss0_us: float, gap_us: f
     burst = index % n
     start = np.where(burst == 0, np.repeat(off, n), np.nan)
     successor = np.where(burst < n - 1, index + 1, -1)
-    begin, finish, q_end = _play(start, np.full(k * n, float(volume)),
-                                 np.full(k * n, float(t_iss0_us)),
-                                 drain_rate * _BYTES_PER_US_PER_GBPS, capacity, successor,
-                                 np.full(k * n, float(gap_us)))
+    if volume > 0:  # every burst alike: the event loop of _play on FIFO queues
+        begin, finish, q_end = _play_alike(off.tolist(), n, float(volume), float(t_iss0_us),
+                                           float(gap_us), drain_rate * _BYTES_PER_US_PER_GBPS,
+                                           float(capacity))
+    else:
+        begin, finish, q_end = _play(start, np.full(k * n, float(volume)),
+                                     np.full(k * n, float(t_iss0_us)),
+                                     drain_rate * _BYTES_PER_US_PER_GBPS, capacity, successor,
+                                     np.full(k * n, float(gap_us)))
     period = np.where(burst < n - 1, np.append(begin[1:], np.nan) - begin, np.nan)
     t_iss = finish - begin
     return pd.DataFrame(dict(producer=index // n, burst=burst, start_us=begin, t_iss_us=t_iss,

@@ -129,17 +129,77 @@ def child_main(argv: list[str], interpreter_cases: dict, compile_cases: dict,
     return 0
 
 
-def child_results(module: str, flag: str, interpret: bool, timeout: int) -> dict:
-    """Run ``python -m module flag`` from the repository root, with ``TRITON_INTERPRET=1`` from
-    its start or without it; the JSON object its last output line holds (``child_main``'s)."""
+# The test modules whose children run together: per flag, one child runs the cases of every
+# module that this session runs tests of and that runs its cases through ``child_main``
+# (``batched``, set by tests/conftest.py, which keeps their tests on one xdist worker), each as
+# ``python -m module flag`` would, in ``batch_order``. A child starts in 3 to 4 s (Python, torch,
+# Triton, the module), ten of them once a run. Modules of ``BATCH_LAST`` run after the others:
+# test_trace's interpreter patch (``_patch_inline_asm``) stays for the rest of its process.
+BATCH_LAST = ("tests.experiments.moe.test_trace",)
+batched: list[str] = []
+
+
+def is_batched(module) -> bool:
+    """Whether test ``module`` (a module object) runs its cases in children of ``child_main``."""
+    return getattr(module, "child_main", None) is child_main
+
+
+def batch_order(modules) -> list[str]:
+    return sorted(set(modules), key=lambda m: (m in BATCH_LAST, m))
+_batch_results: dict[str, dict] = {}  # flag -> {module: its child_main JSON, or its failure}
+
+
+def _child(argv: list[str], interpret: bool, timeout: int) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-m", module, flag],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", *argv], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def child_results(module: str, flag: str, interpret: bool, timeout: int) -> dict:
+    """Run ``python -m module flag`` from the repository root, with ``TRITON_INTERPRET=1`` from
+    its start or without it; the JSON object its last output line holds (``child_main``'s). A
+    module of ``batched`` is run with the others in one child (``batch_main``), once per flag."""
+    if module in batched:
+        if flag not in _batch_results:
+            proc = _child([__name__, "--batch", flag, *batched], interpret,
+                          timeout * len(batched))
+            if proc.returncode:
+                raise AssertionError(f"child {flag} of {batched} failed:\n{proc.stdout}\n"
+                                     f"{proc.stderr}")
+            _batch_results[flag] = json.loads(proc.stdout.strip().splitlines()[-1])
+        result = _batch_results[flag][module]
+        if "failed" in result:
+            raise AssertionError(f"child {flag} of {module} failed:\n{result['failed']}")
+        return result["results"]
+    proc = _child([module, flag], interpret, timeout)
     if proc.returncode:
         raise AssertionError(f"child {flag} failed:\n{proc.stdout}\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def batch_main(flag: str, modules: list[str]) -> int:
+    """Entry of a batched child: each module run as ``python -m module flag`` (its ``__main__``,
+    ``child_main``) in turn; prints {module: {"results": its JSON} or {"failed": why}}."""
+    import runpy
+
+    out = {}
+    for module in modules:
+        sys.argv = [module, flag]
+        printed = io.StringIO()
+        try:
+            with redirect_stdout(printed):
+                try:
+                    runpy.run_module(module, run_name="__main__", alter_sys=True)
+                except SystemExit as e:
+                    if e.code not in (0, None):
+                        raise
+            out[module] = {"results": json.loads(printed.getvalue().strip().splitlines()[-1])}
+        except BaseException:  # noqa: BLE001 (reported to the parent's tests of this module)
+            out[module] = {"failed": printed.getvalue()[-4000:] + traceback.format_exc()}
+    print(json.dumps(out))
+    return 0
 
 
 def assert_case_ok(results: dict, case: str) -> None:
@@ -176,6 +236,33 @@ def hopper_target():
 _PTXAS_LOGS: dict[str, str] = {}
 
 
+def _ptxas_log_file(ptx: str) -> Path:
+    """Where ptxas -v's log of ``ptx`` is kept beside Triton's cache, which holds the kernel
+    itself (so a later run's compile does not run ptxas and leaves no log): named by the PTX and
+    the ptxas binary (its path, size and time), so another PTX or ptxas is another file."""
+    import hashlib
+
+    import triton
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    binary = Path(get_ptxas(90).path)
+    stat = binary.stat()
+    key = hashlib.sha256(f"{binary}|{stat.st_size}|{stat.st_mtime_ns}|-arch=sm_90a|{ptx}".encode())
+    return Path(triton.knobs.cache.dir) / "ptxas_v_logs" / f"{key.hexdigest()}.log"
+
+
+def _keep_ptxas_log(ptx: str, log: str) -> None:
+    _PTXAS_LOGS[ptx] = log
+    try:
+        path = _ptxas_log_file(ptx)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(log)
+        os.replace(tmp, path)  # whole, where two workers write the same log
+    except OSError:
+        pass  # a read-only cache: ptxas runs again next time
+
+
 def compile_sm90(src, **options):
     """``src`` (an ``ASTSource`` or ``GluonASTSource``) compiled by Triton for sm_90
     (``hopper_target``) with ``options``, keeping the log of Triton's own ``ptxas -v`` (none where
@@ -187,18 +274,24 @@ def compile_sm90(src, **options):
         triton.knobs.nvidia.dump_ptxas_log = True  # make_cubin prints ptxas's log
         kernel = triton.compile(src, target=hopper_target(), options=options)
     if "Used " in log.getvalue():
-        _PTXAS_LOGS[kernel.asm["ptx"]] = log.getvalue()
+        _keep_ptxas_log(kernel.asm["ptx"], log.getvalue())
     return kernel
 
 
 def ptxas_report(ptx: str) -> dict:
     """Registers per thread (the most of any kernel in the module), spilled bytes and whether
     wgmma was serialized, for a PTX module, from Triton's bundled ``ptxas -v`` for sm_90a: the
-    run that built it in ``compile_sm90``, else one of its own."""
+    run that built it in ``compile_sm90``, else the log kept from an earlier run of the same ptxas
+    on the same PTX (``_ptxas_log_file``), else one of its own."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     log = _PTXAS_LOGS.get(ptx)
     if log is None:
+        try:
+            log = _ptxas_log_file(ptx).read_text()
+        except OSError:
+            pass
+    if log is None or "Used " not in log:
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / "k.ptx"
             src.write_text(ptx)
@@ -206,8 +299,15 @@ def ptxas_report(ptx: str) -> dict:
                                   str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
                                  check=True)
         log = out.stdout + out.stderr
+        _keep_ptxas_log(ptx, log)
     return {"registers": max(int(v) for v in re.findall(r"Used (\d+) registers", log)),
             "spill_store_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)),
             "spill_load_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill loads", log)),
             # ptxas's advisory when it waits for each wgmma before issuing the next
             "wgmma_serialized": "wgmma.mma_async instructions are serialized" in log}
+
+
+if __name__ == "__main__":  # a batched child: --batch FLAG MODULE...
+    if sys.argv[1:2] != ["--batch"] or len(sys.argv) < 4:
+        raise SystemExit(f"unknown arguments {sys.argv[1:]}")
+    raise SystemExit(batch_main(sys.argv[2], sys.argv[3:]))
