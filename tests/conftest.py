@@ -6,8 +6,9 @@ test (session, module or class scope) is computed once per worker that uses it, 
 repository in one ``xdist_group`` with every other test using it (transitively): a notebook run,
 an interpreter child or a compiled kernel is made once per run, on one worker, and tests without
 one are spread freely. The modules that run kernel cases in children of
-``triton_testing.child_main`` are one group too: one child process per flag runs all their cases. Tests marked ``early`` (long on their own)
-and the large groups start first, so that the workers finish together.
+``triton_testing.child_main`` are one group too: one child process per flag runs all their
+cases. Tests marked ``early`` (long on their own) and the large groups start first, so that the
+workers finish together.
 """
 from __future__ import annotations
 
