@@ -106,3 +106,14 @@ def test_the_command_prints_and_writes_only_with_root(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         moe_forecast.main(["--kernel-platform", "nowhere"])
     assert e.value.code == 2 and "no 'moe_kernel' record" in capsys.readouterr().err
+
+
+def test_a_cell_drains_by_its_combine_row_patterns_model_where_measured():
+    from xstage_lab import model
+    from xstage_lab.analysis.moe.forecast import combine_platform
+
+    base = model.PlatformModel(50.0, {}, {132: 4e6}, {})
+    rows = model.PlatformModel(25.0, {}, {132: 1e6}, {})
+    patterns = {(512, 8192): rows}  # block_n2 = 256 bf16 columns of a 4096-column row
+    assert combine_platform(base, patterns, 256, 4096) == (rows, "rows 512/8192")
+    assert combine_platform(base, patterns, 128, 1408) == (base, "contiguous")
