@@ -368,22 +368,26 @@ def check_host_destination(words: np.ndarray, slot_vecs: int, n_slots: int, layo
     used = min(n_bursts, n_slots)
     written = used * slot_vecs
     bad = int(np.count_nonzero((vecs[written:] != np.uint32(poison)).any(axis=1)))
-    # where producer p's vector v lands in a slot (burst_gap_body's addressing)
-    p = np.arange(producers)[:, None]
-    v = np.arange(vpp)[None, :]
-    at = ((p // (row // chunk)) * (vpp // chunk) * row + (p % (row // chunk)) * chunk
-          + (v // chunk) * row + v % chunk)
+    got = vecs[:written].reshape(used, slot_vecs, 4)
+    if chunk == row == vpp:  # contiguous: a slot is [producer, vec] in order, each one stored
+        stored = got.reshape(used, producers, vpp, 4)  # a view: no gather, no unstored place
+    else:
+        # where producer p's vector v lands in a slot (burst_gap_body's addressing)
+        p = np.arange(producers)[:, None]
+        v = np.arange(vpp)[None, :]
+        at = ((p // (row // chunk)) * (vpp // chunk) * row + (p % (row // chunk)) * chunk
+              + (v // chunk) * row + v % chunk)
+        stored = got[:, at]
+        untouched = np.ones(slot_vecs, dtype=bool)
+        untouched[at.ravel()] = False
+        bad += int(np.count_nonzero((got[:, untouched] != np.uint32(poison)).any(axis=-1)))
     # burst_pattern(seed, burst, producer, vec), in uint32 arithmetic that wraps as the device's
     w1 = np.arange(vpp, dtype=np.uint32) * np.uint32(_PATTERN_VEC)
     w2 = (np.arange(producers, dtype=np.uint32) * np.uint32(_PATTERN_PRODUCER))[:, None] ^ w1
     slot = np.arange(used, dtype=np.uint32)
     last_burst = slot + (np.uint32(n_bursts - 1) - slot) // np.uint32(n_slots) * np.uint32(n_slots)
     tag = (np.uint32(seed) ^ (last_burst * np.uint32(_PATTERN_BURST)))[:, None, None]
-    got = vecs[:written].reshape(used, slot_vecs, 4)
-    stored = got[:, at]                                    # [slot, producer, vec, word]
+    # stored: [slot, producer, vec, word]
     ok = ((stored[..., 0] == (tag ^ w1)) & (stored[..., 1] == w1) & (stored[..., 2] == w2)
           & (stored[..., 3] == (tag ^ w2) * np.uint32(_PATTERN_LAST)))
-    untouched = np.ones(slot_vecs, dtype=bool)
-    untouched[at.ravel()] = False
-    bad += int(np.count_nonzero((got[:, untouched] != np.uint32(poison)).any(axis=-1)))
     return bad + int(np.count_nonzero(~ok))
