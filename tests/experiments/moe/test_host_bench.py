@@ -284,7 +284,7 @@ def test_local_sweep_table_and_prose_find_the_cells_no_lead_brings_to_the_bound(
     write_record("moe_host", "x-host", pd.DataFrame([cell("Fast", 150.0, 99.0, 101.0),
                                                      cell("Slow", 160.0, 104.0, 103.0)]),
                  {"forecast_record": "f", "link": "host"}, {}, tmp_path)
-    assert hv.has_local_sweep("x-host", tmp_path) and not hv.has_local_sweep("y-host", tmp_path)
+    assert hv.local_sweep_view("y-host", tmp_path) is None
     s = hv.local_sweep_table(hv.local_sweep_view("x-host", tmp_path))
     assert list(s["at_knee"]) == pytest.approx([100 / 150, 100 / 160])
     assert list(s["at_lead"]) == pytest.approx([100 / 99, 100 / 104])

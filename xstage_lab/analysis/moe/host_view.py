@@ -59,15 +59,12 @@ def latest_host_view(platform: str, root: Path = RECORDS_DIR) -> HostView:
     return HostView(platform, tuple(by_chunk[i] for i in sorted(by_chunk)))
 
 
-def local_sweep_view(platform: str, root: Path = RECORDS_DIR) -> HostView:
+def local_sweep_view(platform: str, root: Path = RECORDS_DIR) -> HostView | None:
     """``platform``'s ``moe_host`` records whose every cell has host share 0 (``--host-shares
     0``): Expert-Wave beside Interleaved at each lead of the D sweep with every Combine store
-    local, and both traced; the newest record's cell wins."""
+    local, and both traced; the newest record's cell wins. None where the platform has none."""
     records = tuple(r for r in _records(platform, root) if _local_only(r))
-    if not records:
-        raise FileNotFoundError(f"no local-only 'moe_host' record (--host-shares 0) for "
-                                f"platform {platform!r} under {root}")
-    return HostView(platform, records)
+    return HostView(platform, records) if records else None
 
 
 def local_sweep_table(view: HostView) -> pd.DataFrame:
@@ -89,11 +86,6 @@ def local_sweep_table(view: HostView) -> pd.DataFrame:
     out["mainloop_l2_ratio"] = t["int_mainloop_l2_us"] / t["wave_mainloop_l2_us"]
     out["int_wait_l2_us"], out["wave_wait_l2_us"] = t["int_wait_l2_us"], t["wave_wait_l2_us"]
     return out
-
-
-def has_local_sweep(platform: str, root: Path = RECORDS_DIR) -> bool:
-    """Whether ``platform`` has a local sweep (``local_sweep_view``)."""
-    return any(_local_only(r) for r in _records(platform, root))
 
 
 def _records(platform: str, root: Path) -> list[Record]:
