@@ -71,23 +71,14 @@ LIVE = {
                                       "--shapes", "128:12:1024", *TIMING)),
 }
 
-# The command that refuses each NVLink-only experiment on one GPU: ``run`` refuses a per_gpu
-# experiment; an in-process one it does not check, ``measure-all --only`` does.
-REFUSED = {
-    "visibility": "measure-all",
-    "remote_patterns": "measure-all",
-    "remote_ops": "measure-all",
-    "fa_a2a": "run",
-    "moe": "run",
-    "moe_trace": "run",
-    "fa_trace": "run",
-    "link_probe": "run",
-}
+# The NVLink-only experiments: ``run`` refuses each on one GPU, per_gpu or in process.
+REFUSED = ("visibility", "remote_patterns", "remote_ops", "fa_a2a", "moe", "moe_trace", "fa_trace",
+           "link_probe")
 
 
 def test_every_registered_experiment_is_run_or_refused():
-    assert not LIVE.keys() & REFUSED.keys()
-    assert LIVE.keys() | REFUSED.keys() == EXPERIMENTS.keys()
+    assert not LIVE.keys() & set(REFUSED)
+    assert LIVE.keys() | set(REFUSED) == EXPERIMENTS.keys()
 
 
 def _xstage(*argv: str) -> list[str]:
@@ -95,9 +86,7 @@ def _xstage(*argv: str) -> list[str]:
 
 
 def _refusal(name: str, root: Path) -> list[str]:
-    command = REFUSED[name]
-    return _xstage(command, "--root", str(root),
-                   *(["--only", name] if command == "measure-all" else [name]))
+    return _xstage("run", "--root", str(root), name)
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +108,10 @@ def refusals(tmp_path_factory) -> dict:
 @one_gpu
 @pytest.mark.parametrize("name", REFUSED)
 def test_needs_two_peer_gpus_and_says_so_before_any_launch(name, refusals):
-    exp, command = experiment(name), REFUSED[name]
-    assert exp.links == ("nvlink",)
-    assert (exp.launch == "per_gpu") if command == "run" else exp.in_measure_all
+    assert experiment(name).links == ("nvlink",)
     root, rc, out, err = refusals[name]
     assert rc == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
-    assert err.startswith(f"python -m xstage_lab {command}: error: ") and name in err, err
+    assert err.startswith("python -m xstage_lab run: error: ") and name in err, err
     assert "needs two peer-capable GPUs" in err, err
     assert out == "" and not any(root.iterdir())
 

@@ -254,7 +254,7 @@ def _run(args) -> int:
         harness.parse(exp, ["--root", str(args.root), *options])
     except SystemExit as e:  # the experiment's parser said why, in one line
         return e.code if isinstance(e.code, int) else 2
-    if exp.launch == "per_gpu":
+    if exp.launch == "per_gpu" or exp.links == ("nvlink",):  # one GPU has no NVLink to measure
         _need_gpus(what=f"run {args.name}")
     from .launch import run_live
 
