@@ -66,6 +66,23 @@ def test_acceptance_applies_each_measure_where_the_issue_does():
     assert counts["eager_speedup_ok"] == (2, 3)
 
 
+def test_the_schedule_bound_holds_the_table_passes_where_a_record_profiled_them():
+    """Profiled cells: the table passes against the bound, the activations' move apart (here
+    the whole routing, 300 us, is over it, the tables' 25 us not); unprofiled ones: the whole."""
+    profiled = pd.DataFrame([_row(8192, schedule_us=300.0, route_tables_us=25.0,
+                                  route_gather_us=270.0),
+                             _row(8192, schedule_us=300.0, route_tables_us=31.0,
+                                  route_gather_us=260.0)])
+    a = lv.acceptance(profiled)
+    assert list(a["schedule_tables_us"]) == [25.0, 31.0]
+    assert list(a["schedule_ok"]) == [True, False]
+    assert list(lv.acceptance(pd.DataFrame([_row(8192, schedule_us=29.0)]))["schedule_ok"]) == \
+        [True]
+    mixed = pd.concat([profiled, pd.DataFrame([_row(8192, schedule_us=40.0)])],
+                      ignore_index=True)
+    assert list(lv.schedule_tables_us(mixed)) == [25.0, 31.0, 40.0]
+
+
 def test_summary_leaves_moe_layer_out_without_records(tmp_path):
     from xstage_lab.summary import ENTRIES, summary
 

@@ -25,11 +25,13 @@ kernel over the host-built layout and schedule, prepared beforehand), ``weighted
 kernel: ``unfused.unfused_layer``), and ``host_scheduled`` (today's path: layout, schedule and
 checked launch on the host, then the kernel and the weighted sum; eager, few trials).
 ``host_overhead_us``: host time of an eager call, nothing waited for; ``host_<step>_us`` that of
-each step alone (``host_stages``); ``host_launch_floor_us`` that of one bare kernel launch on
-this machine. Where the schedule's device time goes (torch.profiler,
-``dist_timing.kernel_times_us``): per routing kernel (``route_kernels_us``, JSON), the table
-passes (``route_tables_us``) apart from the activations' move into the layout
-(``route_gather_us``, quantizing in fp8 at EP = 1). Floors from the HBM bandwidth measured at the
+each step alone (``host_stages``: at EP = 1 the eager call's own, its inputs' check, its argument
+block's write and its graph's replay, and the direct launches the graph captures);
+``host_launch_floor_us`` that of one bare kernel launch on this machine. Where the schedule's
+device time goes (torch.profiler, ``dist_timing.kernel_times_us``): per routing kernel
+(``route_kernels_us``, JSON), the table passes (``route_tables_us``: the schedule kernels of
+issue 27's bound) apart from the activations' move into the layout (``route_gather_us``,
+quantizing in fp8 at EP = 1). Floors from the HBM bandwidth measured at the
 start of the run (a device copy): ``weighted_sum_floor_us`` (its bytes) and ``weight_floor_us``
 (the bytes of the experts the call touches).
 """
@@ -47,6 +49,7 @@ import torch
 from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, layer_view
 from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
+from ...ops.moe.call_args import write_args
 from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.device_tables import host_tables, table_mismatches
 from ...ops.moe.dispatch import build_layout
@@ -148,9 +151,18 @@ class Ep1Cell:
         return self.layer.combine[:self.tokens * self.shape.top_k]
 
     def host_stages(self) -> dict:
-        """The host side of a call's steps, each timed alone (``host_overhead_us``)."""
-        return {"check": lambda: self.layer.check_inputs(self.x, self.ids, self.w),
-                "route": self.route, "launch": self.kernel, "weighted_sum": self.weighted_sum}
+        """The host side of a call's steps, each timed alone (``host_overhead_us``): those of an
+        eager call (``check``, ``args``: its argument block's write, ``replay``: its graph's
+        replay, captured by the checks' calls), and those of the direct launches a graph
+        captures (``route``, ``launch``, ``weighted_sum``)."""
+        layer, y = self.layer, torch.empty_like(self.x)
+        graph = layer.graphs[(self.tokens, layer.schedule, self.ids.dtype, self.w.dtype)]
+        return {"check": lambda: layer.check_inputs(self.x, self.ids, self.w),
+                "args": lambda: write_args(layer.workspace.tables.args, expert_ids=self.ids,
+                                           x=self.x, combine_rows=layer.combine,
+                                           topk_weights=self.w, out=y),
+                "replay": graph.replay, "route": self.route, "launch": self.kernel,
+                "weighted_sum": self.weighted_sum}
 
     def touched_experts(self) -> int:
         return int(torch.unique(self.ids).numel())
