@@ -110,6 +110,21 @@ def case_out_of_range_ids_are_flagged() -> dict:
     return {"error": int(tables.error)}
 
 
+def case_scan_in_steps() -> dict:
+    """``route_offsets`` scanning the chunk counts in several steps, its carry from step to step:
+    two chunks a step (a small ``SCAN_TILE``) over the 7 chunks of 400 skewed picks, at EP = 1
+    and on an EP rank (the arrivals' count read on the device)."""
+    from xstage_lab.ops.moe import device_tables
+
+    tile = device_tables.SCAN_TILE
+    device_tables.SCAN_TILE = 2 * device_tables.SCAN_EXPERTS  # read as each call's tables bind
+    try:
+        return {"ep1": case_ep1("DiT-MoE", "bf16", 200, "skewed", 7, 3, 4),
+                "ep_rank": case_ep_rank("DiT-MoE", "bf16", 8, 120, 5, 1, 3)}
+    finally:
+        device_tables.SCAN_TILE = tile
+
+
 def case_every_shape() -> dict:
     """Each model shape once, at few tokens, alternating precision, programs and lead."""
     out = {}
@@ -126,6 +141,7 @@ def interpreter_cases() -> dict:
         "skewed_many_rows": (case_ep1, "DiT-MoE", "bf16", 200, "skewed", 7, 3, 4),
         "skewed_fp8": (case_ep1, "Hy3", "fp8", 12, "skewed", 16, 2, 5),
         "zero_row_experts": (case_zero_row_experts,),
+        "scan_in_steps": (case_scan_in_steps,),
         "ep_rank_bf16": (case_ep_rank, "MiMo-V2.5", "bf16", 8, 40, 16, 2),
         "ep_rank_fp8": (case_ep_rank, "DiT-MoE", "fp8", 8, 150, 5, 1, 3),
         "out_of_range_ids": (case_out_of_range_ids_are_flagged,),
@@ -154,8 +170,8 @@ def _compile_sm90(name: str) -> dict:
                                                "wave_num_tiles", "inter_num_tiles")},
                            **{k: i for k in ("CAPACITY", "NUM_EXPERTS", "G", "P1", "P2",
                                              "WAVE_MIN_L1")}},
-                          dict(RECEIVED=True, BLOCK_M=128, E_PAD=512, E_BLOCK=32, G_PAD=256,
-                               CHUNK=128, CHUNK_ROWS=128, E_LOG2=9, JUMP_LEVELS=10,
+                          dict(RECEIVED=True, BLOCK_M=128, E_PAD=512, E_BLOCK=4, G_PAD=256,
+                               CHUNK=128, CHUNK_ROWS=1024, E_LOG2=9, JUMP_LEVELS=10,
                                JUMP_STRIDE=513, JUMP_PAD=1024)),
         "route_scatter": ({"args": "*i64", "arrival_src": ptr, "arrival_slot": ptr,
                            "n_arrivals_ptr": ptr, "chunk_start": ptr, "expert_offsets": ptr,
