@@ -26,6 +26,17 @@ def test_tile_orders_keep_the_tiles_and_spread_linear1():
         moe_forecast.tile_orders(2, 0, 1)
 
 
+def test_a_batch_with_fewer_linear2_tiles_than_programs_plays_a_program_that_holds_one():
+    """A small batch (DiT-MoE at 256 tokens: 1.33 Linear-1 and 0.33 Linear-2 tiles per program,
+    as the one-GPU entry-point run met it) is forecast, its program holding one Linear-2 tile."""
+    assert moe_forecast.tile_orders(4 / 3, 1 / 3, 1) == {"wave": ["L1", "L2"],
+                                                         "interleaved": ["L1", "L2"]}
+    small = {**KERNEL, "l1_tiles_per_program": 4 / 3, "l2_tiles_per_program": 1 / 3}
+    row = moe_forecast.host_forecast_row({**small, "routing": "balanced", "tokens": 256},
+                                         PLATFORM, 1)
+    assert row["predicted_wave_us"] >= KERNEL["kernel_wave_us"]
+
+
 def test_remote_share():
     assert [moe_forecast.remote_share(p) for p in (2, 4, 8)] == [0.5, 0.75, 0.875]
     with pytest.raises(ValueError):

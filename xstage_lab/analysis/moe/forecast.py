@@ -63,11 +63,12 @@ def tile_orders(l1_tiles: float, l2_tiles: float, waves: int) -> dict[str, list[
     """One program's tile kinds in the two schedules. Expert-Wave: per wave, its share of the
     Linear-1 tiles, then its Linear-2 tiles back to back. Interleaved: the Linear-1 tiles spread
     evenly between the Linear-2 tiles (Algorithm 1's steady state, n1/n2 Linear-1 per Linear-2,
-    which need not be an integer)."""
-    n1, n2 = round(l1_tiles), round(l2_tiles)
-    if n1 < 0 or n2 < 1 or waves < 1:
-        raise ValueError(f"need Linear-1 tiles >= 0, Linear-2 tiles >= 1, waves >= 1; got "
+    which need not be an integer). Fewer Linear-2 tiles than programs (a small batch: an average
+    below one) leave most programs none; the program played is one that holds one."""
+    if l1_tiles < 0 or l2_tiles <= 0 or waves < 1:
+        raise ValueError(f"need Linear-1 tiles >= 0, Linear-2 tiles > 0, waves >= 1; got "
                          f"{l1_tiles}, {l2_tiles}, {waves}")
+    n1, n2 = round(l1_tiles), max(round(l2_tiles), 1)
     wave = []
     for w in range(waves):
         wave += ["L1"] * (n1 * (w + 1) // waves - n1 * w // waves)
