@@ -114,3 +114,19 @@ def test_layer_prose_says_how_an_eager_call_launches(tmp_path, writer):
                "(90 µs)" in text
     else:
         assert "a call launches 5 routing kernels" in text and "CUDA graph" not in text
+
+
+def test_layer_prose_gives_the_eager_calls_steps_where_a_record_timed_them(tmp_path):
+    """The steps of an EP = 1 eager call from the cells that timed them; an older record's cells
+    (no step columns) are left out of the count."""
+    from xstage_lab.prose.moe.kernel import layer
+
+    at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(2)]
+    write_record("moe_layer", "x", pd.DataFrame([_row(1), _row(64)]), {}, {}, tmp_path,
+                 created=at[0])
+    steps = dict(host_check_us=4.0, host_args_us=15.0, host_replay_us=8.0)
+    write_record("moe_layer", "x", pd.DataFrame([_row(64, **steps), _row(64, "ep8_rank")]), {},
+                 {}, tmp_path, created=at[1])
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    assert ("the inputs' check 4 µs, the argument block's write 15 µs, the graph's replay 8 µs "
+            "(1 cell") in text

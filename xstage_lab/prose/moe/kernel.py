@@ -106,6 +106,14 @@ def layer(layer_views) -> Prose:
             else:
                 host += (f", and a call launches {span(passes, '.0f')} routing kernels, the fused "
                          f"kernel and, at EP = 1, the weighted sum")
+        # records before the eager call's steps were timed alone lack them
+        timed = t["host_replay_us"].notna() if "host_replay_us" in t else False
+        steps = t[(t["setting"] == "ep1") & timed]
+        if len(steps):
+            host += (f"; each step of an EP = 1 eager call timed alone: the inputs' check "
+                     f"{span(steps['host_check_us'], '.0f')} µs, the argument block's write "
+                     f"{span(steps['host_args_us'], '.0f')} µs, the graph's replay "
+                     f"{span(steps['host_replay_us'], '.0f')} µs ({count(len(steps))} cells)")
         parity = a[a["tokens"] >= KERNEL_PARITY_TOKENS]
         kernel = (f" From {KERNEL_PARITY_TOKENS} tokens the kernel over the device tables takes "
                   f"{span(parity['kernel_over_host_kernel'], '.3f')}× the time of the same "
