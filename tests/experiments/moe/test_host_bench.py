@@ -291,3 +291,37 @@ def test_local_sweep_table_and_prose_find_the_cells_no_lead_brings_to_the_bound(
     assert list(s["best_lead"]) == [4, 16] and list(s["mainloop_l2_ratio"]) == [1.2, 1.2]
     text = str(say.local_sweep([hv.local_sweep_view("x-host", tmp_path)]))
     assert "at least 0.98 in 1 cells" in text and "Below 0.98 at every lead: Slow bf16" in text
+
+
+def test_misses_set_the_traced_mainloops_beside_the_all_local_ones_the_forecast_plays(tmp_path):
+    """The kernel record the forecast names is the base: a host-link cell whose traced
+    Expert-Wave Linear-2 mainloop is 3× the all-local one there is put down to backpressure
+    reaching the Tensor Cores; without that record the ratios are NaN and nothing is said."""
+    from xstage_lab.analysis.moe import host_view as hv
+    from xstage_lab.prose import host_link as say
+
+    local = {"wave_mainloop_l1_us": 10.0, "wave_mainloop_l2_us": 4.0,
+             "int_mainloop_l1_us": 10.0, "int_mainloop_l2_us": 4.0}
+    kernel = write_record("moe_kernel", "x", pd.DataFrame([{
+        "model": "Tiny", "precision": "bf16", "routing": "skewed", "tokens": TOKENS, **local}]),
+        {}, {}, tmp_path)
+    key = kernel.relative_to(tmp_path).with_suffix("").as_posix()
+    forecast = write_record("moe_host_forecast", "x-host", pd.DataFrame([{"host_share": 2}]),
+                            {"kernel_records": [key]}, {}, tmp_path)
+    rows = _host_rows([2], lambda h: 200.0, 100.0, 110.0, 1.0, 2.0).assign(
+        wave_mainloop_l1_us=10.0, wave_mainloop_l2_us=12.0, int_mainloop_l1_us=15.0,
+        int_mainloop_l2_us=4.0)
+    params = {"forecast_record": forecast.relative_to(tmp_path).with_suffix("").as_posix()}
+    write_record("moe_host", "x-host", rows, params, {}, tmp_path)
+    view = hv.latest_host_view("x-host", tmp_path)
+    m = hv.misses(view)
+    assert list(m["wave_mainloop_l2_over_local"]) == [3.0]
+    assert list(m["int_mainloop_l1_over_local"]) == [1.5]
+    assert list(m["wave_mainloop_l1_over_local"]) == [1.0]
+    text = str(say.forecast_misses([view]))
+    assert "Expert-Wave's Linear-2 3.00×, Interleaved's Linear-1 1.50×" in text
+    forecast.unlink()
+    gone = hv.misses(hv.latest_host_view("x-host", tmp_path))
+    assert gone["wave_mainloop_l2_over_local"].isna().all()
+    assert "Tensor Cores" not in str(say.forecast_misses([hv.latest_host_view("x-host",
+                                                                              tmp_path)]))

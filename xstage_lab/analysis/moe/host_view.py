@@ -20,6 +20,10 @@ CELL = ["model", "precision", "routing", "tokens", "host_share"]
 # Where the forecast's speedup misses the measured one by more than this many percentage points,
 # the notebook says from the traces why (issue 26's acceptance).
 MISS_PP = 5.0
+# A one-GPU kernel cell, and the traced mainloops a host-link cell compares with its own
+KERNEL_CELL = ["model", "precision", "routing", "tokens"]
+MAINLOOPS = ("wave_mainloop_l1_us", "wave_mainloop_l2_us", "int_mainloop_l1_us",
+             "int_mainloop_l2_us")
 SUMMARY_KEYS = ("model", "precision", "routing", "tokens", "host_share", "wave_us",
                 "interleaved_us", "auto_us", "local_us", "lead_rows", "predicted_stall_us",
                 "measured_stall_us", "predicted_speedup", "measured_speedup")
@@ -126,13 +130,45 @@ def comparison(view: HostView) -> pd.DataFrame:
     return out
 
 
+def forecast_base(view: HostView) -> pd.DataFrame | None:
+    """The one-GPU kernel cells (``moe_kernel``) that the run's forecast was built on, as its
+    record names them (``kernel_records``): each schedule's per-tile times traced with every
+    store local. None where those records are not under the view's records root."""
+    root = view.records[0].path.parents[2]
+    forecast = root / f"{view.forecast_record}.parquet"
+    if not forecast.exists():
+        return None
+    paths = [root / f"{k}.parquet" for k in read(forecast).params.get("kernel_records", [])]
+    if not paths or not all(p.exists() for p in paths):
+        return None
+    return newest_per_cell([read(p) for p in paths], KERNEL_CELL)
+
+
+def mainloop_over_local(view: HostView) -> pd.DataFrame:
+    """Per cell of ``view``, the traced mainloop of each tile kind under each schedule over the
+    same one in the all-local kernel record its forecast was built on (``forecast_base``;
+    ``{wave,int}_mainloop_{l1,l2}_over_local``, NaN where either is missing). The forecast plays
+    the all-local per-tile times; a ratio above one is time the host stores added to the tiles'
+    mainloops."""
+    t, base = view.table, forecast_base(view)
+    out = pd.DataFrame(index=t.index)
+    local = (t[KERNEL_CELL].merge(base, on=KERNEL_CELL, how="left", suffixes=("", "_base"))
+             if base is not None else pd.DataFrame(index=t.index))
+    for col in MAINLOOPS:
+        here = t[col] if col in t else np.nan
+        there = local[col].to_numpy() if col in local else np.nan
+        out[col.removesuffix("_us") + "_over_local"] = here / there
+    return out
+
+
 def misses(view: HostView) -> pd.DataFrame:
     """The cells whose forecast speedup misses the measured one by more than ``MISS_PP``, with
     what their traces measured: the Expert-Wave stall per Linear-2 burst against the forecast's
     (a burst volume set by the average host share misses lumpy bursts: a Linear-2 tile's rows
     come from one or two sources, so a tile crosses PCIe whole or not at all), Interleaved's
-    time over its forecast and its Linear-2 tiles' dependency wait against Expert-Wave's, and
-    the gap between Expert-Wave's Linear-2 bursts (G_wave) against the forecast's."""
+    time over its forecast and its Linear-2 tiles' dependency wait against Expert-Wave's, the
+    gap between Expert-Wave's Linear-2 bursts (G_wave) against the forecast's, and the traced
+    mainloops over the all-local ones the forecast plays (``mainloop_over_local``)."""
     t, c = view.table, comparison(view)
     cause = pd.DataFrame({
         "stall_error_us": c["predicted_stall_us"] - c["measured_stall_us"],
@@ -146,7 +182,7 @@ def misses(view: HostView) -> pd.DataFrame:
                                                     - t["forecast_predicted_stall_us"]
                                                     * t["l2_tiles_per_program"].round()),
     })
-    both = pd.concat([c, cause], axis=1)
+    both = pd.concat([c, cause, mainloop_over_local(view)], axis=1)
     return both[both["speedup_error_pp"].abs() > MISS_PP].reset_index(drop=True)
 
 
