@@ -28,7 +28,7 @@ CHUNK = 128        # arrivals per program of the histogram and scatter passes
 # route_offsets' scan: experts per program, and counts (chunks x experts) per step of it. Its
 # steps run one after another, about 1.8 µs each on an H200 (moe_layer's per-kernel profile:
 # 32 experts a program took 5 steps over Qwen3.5's 640 chunks at 8192 tokens, 14 µs); four
-# experts a program scan 1024 chunks a step, so every shape at 8192 tokens per rank takes one
+# experts a program scan 1024 chunks a step: every shape at 8192 tokens per rank in one step
 SCAN_EXPERTS = 4
 SCAN_TILE = 4096
 GATHER_ROWS = 32   # arrivals per program of the activation gather ...
