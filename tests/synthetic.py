@@ -277,8 +277,10 @@ def perturb_table(table: pd.DataFrame, experiment: str) -> pd.DataFrame:
     import json
 
     out = table.copy()
-    # a row's kind (its method, build, schedule, ...) joins the column in naming a quantity, so
-    # that two methods' times, say, change by different factors and their ratio changes too
+    # a row's kind (its method, build, schedule, ...) and the record's experiment join the column
+    # in naming a quantity, so that two methods' times, say, or the same column measured by two
+    # experiments (a host-link cell's traced mainloop and the kernel record's), change by
+    # different factors and their ratio changes too
     kinds = [c for c in ROW_KINDS if c in table.columns]
     kind = pd.Series("", index=table.index)
     for c in kinds:
@@ -288,7 +290,8 @@ def perturb_table(table: pd.DataFrame, experiment: str) -> pd.DataFrame:
         s = out[col]
         if s.dtype == float and col not in SETTING_COLUMNS:
             base = _QUANTILE.sub("", col)  # a quantity's quartiles change with it
-            f = pd.Series(np.array([factor(f"{base}{k}") for k in kinds_found])[codes],
+            f = pd.Series(np.array([factor(f"{base}{k}@{experiment}")
+                                    for k in kinds_found])[codes],
                           index=kind.index)
             if _RATIO.search(col):  # stays on its side of 1 (and of 0)
                 out[col] = np.sign(s) * np.abs(s) ** f
