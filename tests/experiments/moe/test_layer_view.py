@@ -107,6 +107,9 @@ def test_layer_prose_says_how_an_eager_call_launches(tmp_path, writer):
             for s in ("ep1", "ep8_rank") for t in (1, 8192)]
     write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
+    # one token: the kernel 80 µs over the 50 µs floor, the profiled routing kernels summed
+    assert (f"the kernel takes 1.6× the weight-read floor (80 µs against 50 µs), the routing "
+            f"kernels {5.5 if writer else 5.0:.0f} µs (profiled)") in text
     if writer:
         assert "replays one CUDA graph of its 5 routing kernels, the fused kernel and the " \
                "weighted sum (40 µs)" in text

@@ -114,6 +114,18 @@ def layer(layer_views) -> Prose:
                      f"{span(steps['host_check_us'], '.0f')} µs, the argument block's write "
                      f"{span(steps['host_args_us'], '.0f')} µs, the graph's replay "
                      f"{span(steps['host_replay_us'], '.0f')} µs ({count(len(steps))} cells)")
+        one = t[t["tokens"] == 1]
+        t1 = ""
+        if measured(one, "route_kernels_us"):
+            routing = one["route_kernels_us"].map(lambda k: sum(json.loads(k).values()))
+            ep1 = one[one["setting"] == "ep1"]
+            t1 = (f" Where a one-token call's time goes: the kernel takes "
+                  f"{span(one['kernel_us'] / one['weight_floor_us'], '.1f')}× the weight-read "
+                  f"floor ({span(one['kernel_us'], '.0f')} µs against "
+                  f"{span(one['weight_floor_us'], '.0f')} µs), the routing kernels "
+                  f"{span(routing, '.0f')} µs (profiled)"
+                  + (f", the weighted sum {span(ep1['weighted_sum_us'], '.0f')} µs at EP = 1"
+                     if measured(ep1, "weighted_sum_us") else "") + ".")
         parity = a[a["tokens"] >= KERNEL_PARITY_TOKENS]
         kernel = (f" From {KERNEL_PARITY_TOKENS} tokens the kernel over the device tables takes "
                   f"{span(parity['kernel_over_host_kernel'], '.3f')}× the time of the same "
@@ -132,7 +144,7 @@ def layer(layer_views) -> Prose:
             f"graphed call stays within 5% of the kernel plus the weighted sum's memory time in "
             f"{met('graph_over_kernel_ok')} cells ({span(a['graph_over_kernel'], '.2f')}×); "
             f"{schedule}; {host}; the one-token graphed call meets 1.5× the weight-read floor + "
-            f"10 µs in {met('t1_ok')} cells.{kernel} Today's host-scheduled call takes "
+            f"10 µs in {met('t1_ok')} cells.{t1}{kernel} Today's host-scheduled call takes "
             f"{span(t['host_scheduled_us'] / t['fused_eager_us'], '.1f')}× the fused eager "
             f"call's time.")
     return Prose(*out)
