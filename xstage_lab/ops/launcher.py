@@ -61,6 +61,15 @@ class Launcher:
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
                    *_launch_hooks(kernel, grid, stream, values), *values)
 
+    def function(self) -> int:
+        """The ``CUfunction`` this launcher launches (one kernel for every specialization seen
+        so far; a CUDA graph's node of it is found by it). Raises ValueError before a launch or
+        where specializations compiled to different kernels."""
+        functions = {bound[0].function for bound in self._bound.values()}
+        if len(functions) != 1:
+            raise ValueError(f"{len(functions)} compiled kernels behind this launcher, not one")
+        return functions.pop()
+
     def _bind(self, grid: tuple[int, ...], varying: dict, device: int) -> tuple:
         """Launch through Triton (compiling if needed, checking every pointer with the driver)
         and keep the compiled kernel, its bound argument list with tensors as their addresses,

@@ -15,9 +15,10 @@ sources').
 Per cell (model, precision, setting, tokens), correctness first, on outputs poisoned with NaN:
 the fused call against the float32 reference within ``bench.TOLERANCE``, nothing flagged; the
 host-scheduled launch of the same schedule storing the same Combine rows bit for bit; the device
-tables equal the host reference (``device_tables.table_mismatches``) for T <= 512; an eager call
-under ``torch.cuda.set_sync_debug_mode("error")``; at T = 64, one CUDA graph captured once and
-replayed with ``GRAPH_ROUTINGS`` routings, each checked. Then timed (``time_methods``):
+tables equal the host reference (``device_tables.table_mismatches``) for T <= 512; the second
+eager call (its graph launched) under ``torch.cuda.set_sync_debug_mode("error")``, checked the
+same; at T = 64, one CUDA graph captured once and replayed with ``GRAPH_ROUTINGS`` routings, each
+checked. Then timed (``time_methods``):
 ``fused_eager``/``fused_graph`` (the whole call), ``schedule`` (the routing kernels alone),
 ``kernel`` (the fused kernel alone, over the device tables), ``host_scheduled_kernel`` (the same
 kernel over the host-built layout and schedule, prepared beforehand), ``weighted_sum``,
@@ -26,7 +27,8 @@ kernel: ``unfused.unfused_layer``), and ``host_scheduled`` (today's path: layout
 checked launch on the host, then the kernel and the weighted sum; eager, few trials).
 ``host_overhead_us``: host time of an eager call, nothing waited for; ``host_<step>_us`` that of
 each step alone (``host_stages``: at EP = 1 the eager call's own, its inputs' check, its argument
-block's write and its graph's replay, and the direct launches the graph captures);
+block's addresses and its graph's launch with them, and the direct launches the graph captures;
+an EP rank's call launches the graph of its receive buffers: ``MoEWorkspace.received_call``);
 ``host_launch_floor_us`` that of one bare kernel launch on this machine. Where the schedule's
 device time goes (torch.profiler, ``dist_timing.kernel_times_us``): per routing kernel
 (``route_kernels_us``, JSON), the table passes (``route_tables_us``: the schedule kernels of
@@ -49,7 +51,7 @@ import torch
 from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, layer_view
 from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
-from ...ops.moe.call_args import write_args
+from ...ops.moe.call_args import slot_addresses
 from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.device_tables import host_tables, table_mismatches
 from ...ops.moe.dispatch import build_layout
@@ -152,17 +154,20 @@ class Ep1Cell:
 
     def host_stages(self) -> dict:
         """The host side of a call's steps, each timed alone (``host_overhead_us``): those of an
-        eager call (``check``, ``args``: its argument block's write, ``replay``: its graph's
-        replay, captured by the checks' calls), and those of the direct launches a graph
-        captures (``route``, ``launch``, ``weighted_sum``)."""
+        eager call (``check``, ``args``: its argument block's addresses gathered and checked,
+        ``replay``: its graph launched with them, captured by the checks' calls), and those of
+        the direct launches a graph captures (``route``, ``launch``, ``weighted_sum``)."""
         layer, y = self.layer, torch.empty_like(self.x)
-        graph = layer.graphs[(self.tokens, layer.schedule, self.ids.dtype, self.w.dtype)]
+        graph = layer.graphs.get((self.tokens, layer.schedule, self.ids.dtype, self.w.dtype))
+
+        def addresses():
+            return slot_addresses(layer.workspace.tables.args, expert_ids=self.ids, x=self.x,
+                                  combine_rows=layer.combine, topk_weights=self.w, out=y)
+
+        stream, launched = torch.cuda.current_stream().cuda_stream, addresses()
         return {"check": lambda: layer.check_inputs(self.x, self.ids, self.w),
-                "args": lambda: write_args(layer.workspace.tables.args, expert_ids=self.ids,
-                                           x=self.x, combine_rows=layer.combine,
-                                           topk_weights=self.w, out=y),
-                "replay": graph.replay, "route": self.route, "launch": self.kernel,
-                "weighted_sum": self.weighted_sum}
+                "args": addresses, "replay": lambda: graph(stream, launched),
+                "route": self.route, "launch": self.kernel, "weighted_sum": self.weighted_sum}
 
     def touched_experts(self) -> int:
         return int(torch.unique(self.ids).numel())
@@ -222,8 +227,8 @@ class Ep8RankCell:
         self.ws.launch(auto_schedule(EP), self.peers)
 
     def call(self):
-        self.route()
-        self.ws.launch(auto_schedule(EP), self.peers, routed=True)
+        self.ws.received_call(auto_schedule(EP), self.peers, self.in_expert, self.in_x,
+                              self.in_scale, self.n, self.in_src, self.in_slot)
 
     def weighted_sum(self):
         """No weighted sum on an EP rank: the sources sum their Combine buffers."""
@@ -331,11 +336,21 @@ def check_cell(cell, run: Run) -> list[str]:
         tables = cell.layer.workspace.tables if isinstance(cell, Ep1Cell) else cell.ws.tables
         bad = table_mismatches(tables, cell.host_tables())
         failures += [f"device table {b} differs from the host reference" for b in bad]
+    # the second eager call launches the graph its first call captured: checked under the sync
+    # check, its Combine rows poisoned; the first call's output is still held, so the second's
+    # new one cannot be a block that already holds the right answer
+    poison()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        cell.call()
+        y_graph = cell.call()
     except RuntimeError as e:
         failures.append(f"an eager call synchronized: {e}")
+    else:
+        torch.cuda.synchronize()
+        errs = cell.output_error(y_graph, cell.x, cell.ids, cell.w) \
+            if isinstance(cell, Ep1Cell) else cell.output_error()
+        failures += [f"graph-launched call {k} error {e:.3g} > {tol[k]}"
+                     for k, e in errs.items() if not e <= tol[k]]
     finally:
         torch.cuda.set_sync_debug_mode("default")
     if isinstance(cell, Ep1Cell) and cell.tokens == GRAPH_CHECK_TOKENS:

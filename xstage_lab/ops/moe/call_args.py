@@ -3,7 +3,8 @@ the addresses of the tensors that change between calls of one shape (the router'
 activations, the Combine rows, the top-k weights, the output), which the routing kernels and the
 weighted sum read instead of taking them as launch arguments. ``write_args`` rewrites it with one
 launch on the current stream, so every later kernel of the call, launched directly or replayed
-from a CUDA graph captured once, reads this call's tensors."""
+from a CUDA graph captured once, reads this call's tensors; a graph that captured the writer too
+takes the addresses as new arguments of that node instead (``graph_launch.GraphLauncher``)."""
 from __future__ import annotations
 
 import functools
@@ -19,6 +20,7 @@ from .shapes import MoEContractError
 # the slots whose readers assume 16-byte aligned addresses (vectorized rows)
 ALIGNED = ("x", "combine_rows", "out")
 # what a reader casts an address to, by the tensor's dtype
+WRITER_FIRST_SLOT = 1  # the writer's arguments: the block, then one address per slot
 TRITON_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64, torch.float16: tl.float16,
                  torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
                  torch.float64: tl.float64}
@@ -38,24 +40,44 @@ def triton_dtype(dtype: torch.dtype):
     return TRITON_DTYPES[dtype]
 
 
-def write_args(args: torch.Tensor, **tensors: torch.Tensor) -> None:
-    """One launch on the current stream (``moe_args.write_args``): the address of each tensor,
-    named by its slot, into ``args``; a slot not named holds ``args``' own address (read by no
-    kernel of the call). Raises MoEContractError, before the launch, where a tensor of an aligned
-    slot (``ALIGNED``) does not start 16-byte aligned."""
-    launch, slots = _writer()
+def slot_addresses(args: torch.Tensor, **tensors: torch.Tensor) -> tuple[int, ...]:
+    """The address each slot of ``args`` takes, in the block's order: that of the tensor named by
+    the slot, else ``args``' own (read by no kernel of the call). Raises MoEContractError where
+    a slot is unknown or a tensor of an aligned slot (``ALIGNED``) does not start 16-byte
+    aligned."""
+    slots = _writer()[1]
     unknown = tensors.keys() - slots
     if unknown:
         raise MoEContractError(f"no argument slot named {sorted(unknown)}")
     for name in ALIGNED:
         if name in tensors and tensors[name].data_ptr() % ALIGN_BYTES:
             raise MoEContractError(f"{name} must start {ALIGN_BYTES}-byte aligned")
+    return tuple(tensors[s].data_ptr() if s in tensors else args.data_ptr() for s in slots)
+
+
+def write_addresses(args: torch.Tensor, addresses: tuple[int, ...]) -> None:
+    """One launch on the current stream (``moe_args.write_args``): ``addresses``
+    (``slot_addresses``) into ``args``."""
+    launch, slots = _writer()
     # every slot at every call, in the kernel's order: the launcher keys on the same names
-    launch((1,), args=args, **{s: tensors.get(s, args).data_ptr() for s in slots})
+    launch((1,), args=args, **dict(zip(slots, addresses)))
+
+
+def write_args(args: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """``write_addresses`` of ``slot_addresses``: each tensor's address, named by its slot, into
+    ``args``, checked before the launch."""
+    write_addresses(args, slot_addresses(args, **tensors))
+
+
+def writer_function() -> int:
+    """The ``CUfunction`` of the writer, launched at least once before: a captured graph's
+    writer node is found by it (``graph_launch.GraphLauncher``), its addresses being its
+    arguments from ``WRITER_FIRST_SLOT`` on."""
+    return _writer()[0].function()
 
 
 @functools.cache
 def _writer() -> tuple[Launcher, tuple[str, ...]]:
     """The writer's launcher (bound once) and its slot names, in its parameters' order."""
     kernel = load_kernel_module("moe_args").write_args
-    return Launcher(kernel), tuple(kernel.arg_names[1:])
+    return Launcher(kernel), tuple(kernel.arg_names[WRITER_FIRST_SLOT:])

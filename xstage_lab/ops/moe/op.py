@@ -3,18 +3,20 @@ output to the layer's output on the device, with no host sync, in buffers sized 
 and a ``torch.library`` custom op (``xstage::fused_moe``) with a fake implementation, so that
 ``torch.compile(fullgraph=True)`` traces a block that uses it.
 
-A call: its argument block written (``call_args.write_args``, one launch: the addresses of
-``topk_ids``, ``x``, the Combine rows, ``topk_weights`` and ``y``), then seven launches that read
-their varying tensors from it: routing to tile tables (``device_tables``: five Triton launches,
+A call is eight launches: its argument block written (``call_args.write_addresses``: the
+addresses of ``topk_ids``, ``x``, the Combine rows, ``topk_weights`` and ``y``), routing to tile
+tables (``device_tables``: five Triton launches that read their varying tensors from the block,
 FP8 activations quantized per 1 x 128 in the gather pass, the fused kernel's row counters zeroed
 in the last), the fused kernel over the chosen schedule's table (``kernels/moe_fused_ws.py`` on
 sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-2 epilogues store each pick's row into
-the Combine buffer, then the top-k weighted sum (``combine``, one Triton launch). Eagerly on CUDA
-the seven replay as one CUDA graph, captured once per token count at that count's first call
-(``FusedMoE``): a call costs the host one launch and one replay. While the stream is capturing (a
-user's graph) or off CUDA they launch directly, each bound once (``launcher.Launcher``: a call
-pays the driver's launches, not Triton's Python binding). ``MoEWorkspace`` is the same call over
-received rows (the EP rank workload), storing into any ``CombinePeers``, launched directly.
+the Combine buffer, then the top-k weighted sum (``combine``, one Triton launch, reading the
+block). Eagerly on CUDA the eight replay as one CUDA graph (``GraphCache``), captured once per
+token count at that count's first call, its writer node taking each call's addresses as new
+arguments (``graph_launch.GraphLauncher``): a call costs the host two driver calls. While the
+stream is capturing (a user's graph) or off CUDA they launch directly, each bound once
+(``launcher.Launcher``: a call pays the driver's launches, not Triton's Python binding).
+``MoEWorkspace`` is the same call over received rows (the EP rank workload), storing into any
+``CombinePeers``, replayed from a graph per set of buffers.
 """
 from __future__ import annotations
 
@@ -22,10 +24,14 @@ import weakref
 from collections import OrderedDict
 
 import torch
+from triton.runtime import driver
 
 from ...kernel_sources import load_kernel_module
+
+from ..graph_launch import GraphLauncher
 from ..launcher import Launcher
-from .call_args import TRITON_DTYPES, write_args
+from .call_args import (TRITON_DTYPES, WRITER_FIRST_SLOT, slot_addresses, write_addresses,
+                        writer_function)
 from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weighted_sum_launch
 from .device_tables import SCHEDULES, TableBounds, allocate_tables, route_to_tables
 from .fused import DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, kernel_launch
@@ -39,10 +45,10 @@ SCHEDULE_CHOICES = (*SCHEDULES, "auto")
 # Linear-2 tile would wait forever on a Linear-1 tile of a later program; one program walks the
 # whole stream, in which every schedule puts a row's Linear-1 tiles before its Linear-2 tiles.
 CPU_PROGRAMS = 1
-# Captured graphs a FusedMoE keeps, least recently replayed dropped first (one still in flight is
-# freed by the driver when it completes): a graph holds no device memory of its own (a call
-# allocates only its output, outside the graph), but each is a driver object of seven kernel
-# nodes, and a server's token counts are unbounded.
+# Captured graphs a FusedMoE or MoEWorkspace keeps, least recently launched dropped first (one
+# still in flight is freed by the driver when it completes): a graph holds no device memory of
+# its own (a call allocates only its output, outside the graph), but each is a driver object of
+# eight kernel nodes, and a server's token counts are unbounded.
 GRAPHS_PER_LAYER = 16
 WEIGHT_DTYPES = tuple(d for d in TRITON_DTYPES if d.is_floating_point)  # the weighted sum reads
 
@@ -53,6 +59,58 @@ def auto_schedule(peers_world: int) -> str:
     D = D_knee (eq. 16) where the Combine stores go to peers. The rule derived from the Burst–Gap
     model (eqs. 12–16) replaces it."""
     return "wave" if peers_world == 1 else "interleaved"
+
+
+class GraphCache:
+    """The CUDA graphs of one op's calls, keyed by what fixes their launches, at most
+    ``GRAPHS_PER_LAYER``, the least recently launched dropped first. ``capture`` records a
+    call's launches into a new graph, nothing run and nothing synchronized
+    (``torch.cuda.graph`` would synchronize the device first): on a side stream joined to the
+    current one both ways (capture needs a stream other than the default), in ``thread_local``
+    mode (other threads' CUDA calls cannot break it; this thread makes none: every launch of
+    the key was bound by a direct call before)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.graphs: OrderedDict[tuple, GraphLauncher] = OrderedDict()
+        self.stream: torch.cuda.Stream | None = None  # made at the first capture
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def __iter__(self):
+        return iter(self.graphs)
+
+    def get(self, key: tuple) -> GraphLauncher | None:
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+        return graph
+
+    def capture(self, key: tuple, launches, rewrite=None) -> GraphLauncher:
+        """``launches()`` captured as ``key``'s graph; ``rewrite`` as ``GraphLauncher`` takes it."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        here, side = torch.cuda.current_stream(self.device), self.stream
+        side.wait_stream(here)
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                launches()
+            finally:
+                graph.capture_end()
+        here.wait_stream(side)
+        launcher = self.graphs[key] = GraphLauncher(graph, rewrite)
+        if len(self.graphs) > GRAPHS_PER_LAYER:
+            self.graphs.popitem(last=False)
+        return launcher
+
+
+def launching_graphs(device: torch.device) -> bool:
+    """Whether a call on ``device`` launches its graph (eagerly on CUDA), else launches directly
+    (off CUDA, or while the current stream is being captured: into the user's graph)."""
+    return device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
 
 
 class MoEWorkspace:
@@ -87,6 +145,7 @@ class MoEWorkspace:
         self.trace = torch.full((1,), -1, dtype=torch.int64, device=device)
         self.max_spin_iters = max_spin_iters
         self._launches: dict = {}
+        self.graphs = GraphCache(device)
 
     @property
     def error(self) -> torch.Tensor:
@@ -119,6 +178,32 @@ class MoEWorkspace:
             self.tables.row_ready.zero_()
         launch((self.bounds.num_programs,))
 
+    def received_call(self, schedule: str, peers: CombinePeers, expert_ids: torch.Tensor,
+                      x: torch.Tensor, x_scale: torch.Tensor | None, n_arrivals: torch.Tensor,
+                      arrival_src: torch.Tensor, arrival_slot: torch.Tensor) -> None:
+        """An EP rank's call: ``route`` over received rows (``device_tables.route_to_tables``
+        takes the arguments), then ``launch``. Eagerly on CUDA replayed from the graph of these
+        buffers, captured at their first call (an EP rank's receive buffers stay where they are
+        from call to call: one graph per schedule serves them all); else launched directly."""
+        def launches():
+            self.route(expert_ids, x, x_scale, n_arrivals=n_arrivals, arrival_src=arrival_src,
+                       arrival_slot=arrival_slot)
+            self.launch(schedule, peers, routed=True)
+
+        device = self.tables.args.device
+        if not launching_graphs(device):
+            launches()
+            return
+        key = (schedule, peers.table.data_ptr(), expert_ids.data_ptr(), x.data_ptr(),
+               0 if x_scale is None else x_scale.data_ptr(), n_arrivals.data_ptr(),
+               arrival_src.data_ptr(), arrival_slot.data_ptr())
+        graph = self.graphs.get(key)
+        if graph is None:
+            launches()  # binds every launch new at this key
+            self.graphs.capture(key, launches)
+        else:
+            graph(driver.active.get_current_stream(device.index))
+
 
 _LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -140,11 +225,11 @@ class FusedMoE(torch.nn.Module):
     ``topk_ids [T, top_k]``, float ``topk_weights [T, top_k]``, ``T <= max_tokens``, all on the
     weights' device -> bf16 ``y [T, H]`` = ``sum_j w[t, j] · FFN_{e_tj}(x[t])``.
 
-    Eagerly on CUDA (the stream not capturing) a call writes its argument block and replays the
-    graph of its T: ``graphs``, keyed by T, schedule and the ids' and weights' dtypes, at most
-    ``GRAPHS_PER_LAYER``, the least recently replayed dropped first. The first call at a T
-    launches directly, then captures that T's graph (``capture``) without synchronizing. Calls
-    share the layer's buffers: one call at a time per layer, in stream order."""
+    Eagerly on CUDA (the stream not capturing) a call launches the graph of its T with its
+    tensors' addresses: ``graphs``, keyed by T, schedule and the ids' and weights' dtypes (a
+    ``GraphCache``). The first call at a T launches directly, then captures that T's graph
+    without synchronizing. Calls share the layer's buffers: one call at a time per layer, in
+    stream order."""
 
     def __init__(self, weights: ExpertWeights, *, max_tokens: int, top_k: int,
                  schedule: str = "auto", config: TileConfig | None = None,
@@ -164,8 +249,8 @@ class FusedMoE(torch.nn.Module):
         self.combine = torch.empty(max_tokens * top_k, weights.hidden, dtype=torch.bfloat16,
                                    device=weights.w1.device)
         self.peers = local_combine_peers([self.combine])
-        self.graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
-        self.capture_stream: torch.cuda.Stream | None = None  # made at the first capture
+        self.device = weights.w1.device
+        self.graphs = GraphCache(self.device)
         self.key = id(self.workspace)
         _LAYERS[self.key] = self
 
@@ -176,8 +261,7 @@ class FusedMoE(torch.nn.Module):
     def check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor,
                      topk_weights: torch.Tensor) -> None:
         """Raise MoEContractError on inputs the call cannot take, before anything is launched."""
-        w = self.workspace.weights
-        device = w.w1.device
+        w, device = self.workspace.weights, self.device
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != w.hidden:
             raise MoEContractError(f"x must be bf16 [T, {w.hidden}], got {x.dtype} "
                                    f"{list(x.shape)}")
@@ -195,9 +279,9 @@ class FusedMoE(torch.nn.Module):
         for name, v in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
             if v.device != device:
                 raise MoEContractError(f"{name} on {v.device}, the experts on {device}")
-        capturing = torch.compiler.is_compiling() or (
-            device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-        host_check = not capturing and (topk_ids.device.type == "cpu" or self.check_ids)
+        host_check = (topk_ids.device.type == "cpu" or self.check_ids) and not (
+            torch.compiler.is_compiling()
+            or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
         if host_check and topk_ids.numel():
             lo, hi = int(topk_ids.min()), int(topk_ids.max())
             if lo < 0 or hi >= w.num_experts:
@@ -216,60 +300,40 @@ class FusedMoE(torch.nn.Module):
 
     def run(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             schedule: str) -> torch.Tensor:
-        """The call itself (what the custom op runs; inputs checked by ``forward``): the argument
-        block written, then the seven launches, replayed from the graph of this call's key where
+        """The call itself (what the custom op runs; inputs checked by ``forward``): the eight
+        launches, launched from the graph of this call's key with this call's addresses where
         the device is CUDA and the stream is not capturing, else launched directly."""
         # held until the call returns: the kernels read them through their addresses (a
         # contiguous [T, k] is the arrivals' [T k])
         x, ids, w = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
         y = torch.empty_like(x)
-        write_args(self.workspace.tables.args, expert_ids=ids, x=x, combine_rows=self.combine,
-                   topk_weights=w, out=y)
+        addresses = slot_addresses(self.workspace.tables.args, expert_ids=ids, x=x,
+                                   combine_rows=self.combine, topk_weights=w, out=y)
         key = (x.shape[0], schedule, ids.dtype, w.dtype)
-        if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-            self.launches(*key)
+        if not launching_graphs(self.device):
+            self.launches(addresses, *key)
             return y
         graph = self.graphs.get(key)
         if graph is None:
-            self.launches(*key)  # this call's output; binds every launch new at this key
-            self.graphs[key] = self.capture(key)
-            if len(self.graphs) > GRAPHS_PER_LAYER:
-                self.graphs.popitem(last=False)
+            self.launches(addresses, *key)  # this call's output; binds every launch new at key
+            self.graphs.capture(key, lambda: self.launches(addresses, *key),
+                                (writer_function(), WRITER_FIRST_SLOT, addresses))
         else:
-            self.graphs.move_to_end(key)
-            graph.replay()
+            graph(driver.active.get_current_stream(self.device.index), addresses)
         return y
 
-    def launches(self, tokens: int, schedule: str, id_dtype: torch.dtype,
-                 weights_dtype: torch.dtype) -> None:
-        """The seven launches after the argument block, on the current stream: routing, the fused
-        kernel, the weighted sum; their arguments fixed by the graph's key (what it captures)."""
+    def launches(self, addresses: tuple[int, ...], tokens: int, schedule: str,
+                 id_dtype: torch.dtype, weights_dtype: torch.dtype) -> None:
+        """The eight launches on the current stream: ``addresses`` into the argument block,
+        routing, the fused kernel, the weighted sum; their other arguments fixed by the graph's
+        key (what it captures)."""
         ws, k = self.workspace, self.top_k
+        write_addresses(ws.tables.args, addresses)
         ws.tables.routing(False, ws.weights.precision == "fp8", id_dtype)(tokens * k, k)
         ws.launch(schedule, self.peers, routed=True)
         hidden = ws.weights.hidden
         weighted_sum_launch(k, weights_dtype)(weighted_sum_grid(tokens, hidden),
                                               args=ws.tables.args, HIDDEN=hidden)
-
-    def capture(self, key: tuple) -> torch.cuda.CUDAGraph:
-        """``launches(*key)`` captured into a new graph, nothing run and nothing synchronized
-        (``torch.cuda.graph`` would synchronize the device first): on a side stream joined to
-        the current one both ways (capture needs a stream other than the default), in
-        ``thread_local`` mode (other threads' CUDA calls cannot break it; this thread makes
-        none: every launch of the key was bound by the direct call before)."""
-        if self.capture_stream is None:
-            self.capture_stream = torch.cuda.Stream(self.combine.device)
-        here, side = torch.cuda.current_stream(), self.capture_stream
-        side.wait_stream(here)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self.launches(*key)
-            finally:
-                graph.capture_end()
-        here.wait_stream(side)
-        return graph
 
 
 @torch.library.custom_op("xstage::fused_moe", mutates_args=())

@@ -1,0 +1,41 @@
+"""``graph_launch``'s view of the CUDA driver's ABI against ``cuda.h`` (no GPU needed): the kernel
+node parameter struct's size and field offsets and the two enum values it reads, as a host
+program compiled by nvcc against the toolkit's own header prints them."""
+from __future__ import annotations
+
+import ctypes
+import subprocess
+
+from tests.experiments.cuda_testing import needs_nvcc
+from xstage_lab.ops import graph_launch
+from xstage_lab.ops.graph_launch import _KernelNodeParams
+
+PROGRAM = """
+#include <cstddef>
+#include <cstdio>
+#include <cuda.h>
+int main() {
+  printf("size %zu\\n", sizeof(CUDA_KERNEL_NODE_PARAMS_v2));
+FIELDS
+  printf("CU_GRAPH_NODE_TYPE_KERNEL %d\\n", (int)CU_GRAPH_NODE_TYPE_KERNEL);
+  printf("CUDA_ERROR_INVALID_VALUE %d\\n", (int)CUDA_ERROR_INVALID_VALUE);
+}
+"""
+
+
+@needs_nvcc
+def test_kernel_node_params_match_cuda_h(tmp_path):
+    fields = "\n".join(f'  printf("{name} %zu\\n", offsetof(CUDA_KERNEL_NODE_PARAMS_v2, {name}));'
+                       for name, _ in _KernelNodeParams._fields_)
+    source, exe = tmp_path / "abi.cpp", tmp_path / "abi"
+    source.write_text(PROGRAM.replace("FIELDS", fields))
+    r = subprocess.run(["nvcc", "-o", str(exe), str(source)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    printed = dict(line.split() for line in subprocess.run(
+        [str(exe)], capture_output=True, text=True, check=True).stdout.splitlines())
+    ours = {name: getattr(_KernelNodeParams, name).offset for name, _ in _KernelNodeParams._fields_}
+    ours["size"] = ctypes.sizeof(_KernelNodeParams)
+    ours["CU_GRAPH_NODE_TYPE_KERNEL"] = graph_launch.CU_GRAPH_NODE_TYPE_KERNEL
+    ours["CUDA_ERROR_INVALID_VALUE"] = graph_launch.CUDA_ERROR_INVALID_VALUE
+    assert {k: int(v) for k, v in printed.items()} == ours
