@@ -46,13 +46,15 @@ def slot_addresses(args: torch.Tensor, **tensors: torch.Tensor) -> tuple[int, ..
     a slot is unknown or a tensor of an aligned slot (``ALIGNED``) does not start 16-byte
     aligned."""
     slots = _writer()[1]
-    unknown = tensors.keys() - slots
+    addresses = {name: t.data_ptr() for name, t in tensors.items()}
+    unknown = addresses.keys() - set(slots)
     if unknown:
         raise MoEContractError(f"no argument slot named {sorted(unknown)}")
     for name in ALIGNED:
-        if name in tensors and tensors[name].data_ptr() % ALIGN_BYTES:
+        if addresses.get(name, 0) % ALIGN_BYTES:
             raise MoEContractError(f"{name} must start {ALIGN_BYTES}-byte aligned")
-    return tuple(tensors[s].data_ptr() if s in tensors else args.data_ptr() for s in slots)
+    own = args.data_ptr()
+    return tuple(addresses.get(s, own) for s in slots)
 
 
 def write_addresses(args: torch.Tensor, addresses: tuple[int, ...]) -> None:
