@@ -90,27 +90,37 @@ def test_summary_leaves_moe_layer_out_without_records(tmp_path):
     assert summary(tmp_path) == {"platforms": {}}
 
 
-@pytest.mark.parametrize("writer", [True, False])
-def test_layer_prose_says_how_an_eager_call_launches(tmp_path, writer):
-    """Records of the argument block (its writer in the per-kernel profile) say that an eager
-    call at EP = 1 replays one graph; older records that a call launches each kernel."""
+@pytest.mark.parametrize("era", ["graph_launch", "writer", "direct"])
+def test_layer_prose_says_how_an_eager_call_launches(tmp_path, era):
+    """Records whose eager calls launched their graph with the writer inside say so (two driver
+    calls, the EP rank's graph of its receive buffers); records of the argument block's writer
+    launched first (its writer in the per-kernel profile) that an eager call at EP = 1 replays
+    one graph; older records that a call launches each kernel."""
     import json
 
     from xstage_lab.prose.moe.kernel import layer
 
     kernels = {name: 1.0 for name in ("route_histogram", "route_offsets", "route_scatter",
                                       "route_gather", "route_tiles")}
-    if writer:
+    if era != "direct":
         kernels[lv.ARGS_WRITER] = 0.5
+    path = {"eager_path": "graph_launch"} if era == "graph_launch" else {}
     rows = [_row(t, s, host_launch_floor_us=7.0, route_kernels_us=json.dumps(kernels),
-                 host_overhead_us=40.0 if s == "ep1" else 90.0)
+                 host_overhead_us=40.0 if s == "ep1" else 90.0, **path)
             for s in ("ep1", "ep8_rank") for t in (1, 8192)]
     write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
     # one token: the kernel 80 µs over the 50 µs floor, the profiled routing kernels summed
     assert (f"the kernel takes 1.6× the weight-read floor (80 µs against 50 µs), the routing "
-            f"kernels {5.5 if writer else 5.0:.0f} µs (profiled)") in text
-    if writer:
+            f"kernels {5.0 if era == 'direct' else 5.5:.0f} µs (profiled)") in text
+    if era == "graph_launch":
+        assert ("launches one CUDA graph of the writer of its argument block, its 5 routing "
+                "kernels, the fused kernel and, at EP = 1, the weighted sum, in two driver "
+                "calls: the writer's node given the call's addresses, then the graph's launch "
+                "(EP = 1: 40 µs; the EP = 8 rank workload, the graph of its receive buffers: "
+                "90 µs)") in text
+        assert "one by one" not in text
+    elif era == "writer":
         assert "replays one CUDA graph of its 5 routing kernels, the fused kernel and the " \
                "weighted sum (40 µs)" in text
         assert "launches the writer, the routing kernels and the fused kernel one by one " \
@@ -133,3 +143,9 @@ def test_layer_prose_gives_the_eager_calls_steps_where_a_record_timed_them(tmp_p
     text = str(layer([lv.layer_view("x", tmp_path)]))
     assert ("the inputs' check 4 µs, the argument block's write 15 µs, the graph's replay 8 µs "
             "(1 cell") in text
+    # a later record's cells launched their graph with the writer inside: its steps' names
+    write_record("moe_layer", "x", pd.DataFrame([_row(64, eager_path="graph_launch", **steps)]),
+                 {}, {}, tmp_path, created=at[1].replace(minute=5))
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    assert ("the inputs' check 4 µs, the addresses gathered 15 µs, the graph launched with them "
+            "8 µs (1 cell") in text

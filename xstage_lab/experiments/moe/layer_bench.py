@@ -286,6 +286,13 @@ def _host_launch(layout, ws: MoEWorkspace, schedule: str, peers) -> FusedMoECall
     return prepare_fused_moe(layout, ws.weights, built, peers, config=ws.config)
 
 
+# How an eager call reaches the device (column ``eager_path``): one graph with the argument
+# writer inside, launched by two driver calls (``graph_launch.GraphLauncher``). Records without
+# the column launched the writer through Triton, then replayed the graph (EP = 1) or launched
+# one by one (the EP rank).
+EAGER_PATH = "graph_launch"
+
+
 def launch_floor_us(device) -> float:
     """Host time of one bare kernel launch (a one-element ``add_``), nothing waited for: what
     every launch of a call costs the host on this machine at least."""
@@ -517,7 +524,7 @@ class MoELayer(Experiment):
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
                 "route_tables_us": sum(route_kernels.values()) - gather_us,
                 "route_gather_us": gather_us, "route_kernels_us": json.dumps(route_kernels),
-                **stages}
+                "eager_path": EAGER_PATH, **stages}
 
     def progress_line(self, rows: pd.DataFrame) -> str | None:
         r = rows.iloc[0]

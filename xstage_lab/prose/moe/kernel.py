@@ -94,7 +94,17 @@ def layer(layer_views) -> Prose:
                      f"{span(t['host_launch_floor_us'], '.0f')} µs, measured in the same runs")
             kernels = t["route_kernels_us"].map(json.loads)
             passes = kernels.map(lambda k: len(set(k) - {ARGS_WRITER}))
-            if kernels.map(lambda k: ARGS_WRITER in k).all():
+            if kernels.map(lambda k: ARGS_WRITER in k).all() and _graph_launched(t):
+                ep1, ep8 = (t[t["setting"] == s]["host_overhead_us"] for s in ("ep1", "ep8_rank"))
+                parts = ([f"EP = 1: {span(ep1, '.0f')} µs"] if len(ep1) else []) + (
+                    [f"the EP = 8 rank workload, the graph of its receive buffers: "
+                     f"{span(ep8, '.0f')} µs"] if len(ep8) else [])
+                host += (f". An eager call launches one CUDA graph of the writer of its argument "
+                         f"block, its {span(passes, '.0f')} routing kernels, the fused kernel "
+                         f"and, at EP = 1, the weighted sum, in two driver calls: the writer's "
+                         f"node given the call's addresses, then the graph's launch"
+                         + (f" ({'; '.join(parts)})" if parts else ""))
+            elif kernels.map(lambda k: ARGS_WRITER in k).all():
                 ep1, ep8 = (t[t["setting"] == s]["host_overhead_us"] for s in ("ep1", "ep8_rank"))
                 host += (f". At EP = 1 an eager call launches the writer of its argument block, "
                          f"then replays one CUDA graph of its {span(passes, '.0f')} routing "
@@ -110,9 +120,12 @@ def layer(layer_views) -> Prose:
         timed = t["host_replay_us"].notna() if "host_replay_us" in t else False
         steps = t[(t["setting"] == "ep1") & timed]
         if len(steps):
+            args, replay = (("the addresses gathered", "the graph launched with them")
+                            if _graph_launched(steps) else
+                            ("the argument block's write", "the graph's replay"))
             host += (f"; each step of an EP = 1 eager call timed alone: the inputs' check "
-                     f"{span(steps['host_check_us'], '.0f')} µs, the argument block's write "
-                     f"{span(steps['host_args_us'], '.0f')} µs, the graph's replay "
+                     f"{span(steps['host_check_us'], '.0f')} µs, {args} "
+                     f"{span(steps['host_args_us'], '.0f')} µs, {replay} "
                      f"{span(steps['host_replay_us'], '.0f')} µs ({count(len(steps))} cells)")
         one = t[t["tokens"] == 1]
         t1 = ""
@@ -200,3 +213,9 @@ def knee_sweep(traces, calibrations: dict) -> Prose:
                    + f"; the model's span error is at most "
                    f"{val((rows['span_pred_us'] - rows['span_remote_us']).abs().max(), '.2f')} µs.")
     return Prose(*out)
+
+
+def _graph_launched(table) -> bool:
+    """Whether every cell's eager call launched its graph with the writer inside (``layer_bench``
+    ``eager_path``; records before it launched the writer through Triton first)."""
+    return "eager_path" in table and bool((table["eager_path"] == "graph_launch").all())
