@@ -352,14 +352,15 @@ def check_cell(cell, run: Run) -> list[str]:
         y_graph = cell.call()
     except RuntimeError as e:
         failures.append(f"an eager call synchronized: {e}")
-    else:
+        y_graph = None
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    if not failures or y_graph is not None:
         torch.cuda.synchronize()
         errs = cell.output_error(y_graph, cell.x, cell.ids, cell.w) \
             if isinstance(cell, Ep1Cell) else cell.output_error()
         failures += [f"graph-launched call {k} error {e:.3g} > {tol[k]}"
                      for k, e in errs.items() if not e <= tol[k]]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     if isinstance(cell, Ep1Cell) and cell.tokens == GRAPH_CHECK_TOKENS:
         failures += check_graph_replays(cell)
     return failures
