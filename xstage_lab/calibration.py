@@ -378,8 +378,9 @@ def under_load_fits(table: pd.DataFrame) -> pd.DataFrame:
     rows = table[table["mode"] == UNDER_LOAD] if "mode" in table else table.iloc[:0]
     if rows.empty:
         raise ValueError(f"the record has no {UNDER_LOAD!r} probe")
-    med = rows.astype({"load": int}).groupby(["layout", "producers", "stores", "load"])[
-        ["store_rate_GBps", "load_rate_GBps"]].median()
+    med = rows.astype({"load": int}).groupby(["layout", "producers", "stores", "load"],
+                                             sort=False)[["store_rate_GBps",
+                                                          "load_rate_GBps"]].median()
     out = []
     for (layout, k), grp in med.groupby(level=["layout", "producers"], sort=False):
         grp = grp.droplevel(["layout", "producers"])

@@ -131,7 +131,7 @@ def check_store_regions(words: np.ndarray, n_iters: np.ndarray, region: int, see
         last = j + passes * ((n - 1 - j) // passes)
         pass_ = np.where(written, last // passes, 0).astype(np.uint32)
         w1 = p.astype(np.uint32) * np.uint32(_PATTERN_VEC)
-        w2 = np.uint32(w) * np.uint32(_PATTERN_PRODUCER) ^ w1
+        w2 = np.uint32(w * _PATTERN_PRODUCER & 0xFFFFFFFF) ^ w1
         tag = np.uint32(seed) ^ (pass_ * np.uint32(_PATTERN_BURST))
         want = np.stack([tag ^ w1, w1, w2, (tag ^ w2) * np.uint32(_PATTERN_LAST)], axis=1)
         want[~written] = np.uint32(poison)
@@ -157,6 +157,21 @@ def load_rows(stamps: np.ndarray, store_warps: np.ndarray, load_warps: np.ndarra
             "load_rate_GBps": rate(load_warps, LOAD_ITER_BYTES),
             "window_us": float(np.median(window_ns[working])) / 1e3,
             "store_warps": int(store_warps.sum()), "load_warps": int(load_warps.sum())}
+
+
+@dataclass(frozen=True)
+class ProbeLaunch:
+    """What one launch left: its point, the kernel's error flag, the stamps and load sums
+    ([warps, 4], [warps, 32]), which warps stored and loaded, and their regions (vectors)."""
+
+    point: dict
+    error: int
+    stamps: np.ndarray
+    sums: np.ndarray
+    store_warps: np.ndarray
+    load_warps: np.ndarray
+    store_region: int
+    load_region: int
 
 
 class HostLoadProbe:
@@ -192,10 +207,13 @@ class HostLoadProbe:
         return self._module
 
     def measure(self, p: dict, check_stores: bool = False) -> dict:
-        """One launch of the point; its rates. Raises where the kernel's error flag is set, a
-        working warp left no stamps or an idle one did, a load sum differs from the reference,
-        or (``check_stores``) the store destination, poisoned first, does not hold exactly what
-        the store warps wrote (host memory read back on the CPU; the local control copied)."""
+        """One launch of the point (``launch``), checked (``check``); its rates (``load_rows``)."""
+        run = self.launch(p)
+        self.check(run, check_stores)
+        return load_rows(run.stamps, run.store_warps, run.load_warps)
+
+    def launch(self, p: dict) -> "ProbeLaunch":
+        """One launch of the point, the store destination poisoned first; what it left."""
         self.validate(p)
         cp, s = self.cp, self.settings
         src = int(p["src"])
@@ -212,12 +230,12 @@ class HostLoadProbe:
         store_region = region_vecs(s.store_buffer_bytes, n_store, STORE_UNROLL)
         load_region = region_vecs(s.load_buffer_bytes, n_load, LOAD_UNROLL)
         if p["stores"] == "host":
-            words, ptr = self._host.words(), self._host.ptr
-            words.fill(_POISON)
+            self._host.words().fill(_POISON)
+            ptr = self._host.ptr
         else:
             with cp.cuda.Device(src):
                 self._local.fill(_POISON)
-            words, ptr = None, self._local.data.ptr
+            ptr = self._local.data.ptr
         total_ns = (s.warm_us + s.window_us) * 1e3
         max_iters = int(total_ns * _WARP_RATE_BOUND_GBPS / min(STORE_ITER_BYTES, LOAD_ITER_BYTES))
         smem = min(gpu.max_smem_per_sm // 2 + 1024, gpu.max_smem_per_block_optin)
@@ -238,25 +256,36 @@ class HostLoadProbe:
             cp.cuda.Device(src).synchronize()
             err = int(error.get()[0])
             stamps_h, sums_h = stamps.get(), sums.get()
-        if err:
-            raise RuntimeError(f"probe error flag {err:#x} (1: start barrier timeout, 4: iteration "
-                               f"bound reached) at {p}")
         cta, warp = np.divmod(np.arange(sms * WARPS), WARPS)
         store_w = (cta < r["store_ctas"]) & (warp < r["store_warps"])
         first = np.where(cta < r["store_ctas"], r["store_warps"], 0)
         load_w = (cta >= r["load_from_cta"]) & (warp >= first) & (warp < first + r["load_warps"])
-        self._check_stamps(stamps_h, store_w | load_w, p)
-        want = expected_load_sums(stamps_h[load_w, 3], np.arange(n_load) * load_region,
-                                  load_region)
-        if not (np.array_equal(sums_h[load_w], want) and (sums_h[store_w] == 0).all()):
+        return ProbeLaunch(p, err, stamps_h, sums_h, store_w, load_w, store_region, load_region)
+
+    def check(self, run: "ProbeLaunch", check_stores: bool) -> None:
+        """Raise where the kernel's error flag is set, a working warp left no stamps or an idle
+        one did, a load sum differs from the reference (``expected_load_sums``), or
+        (``check_stores``) the store destination does not hold exactly what the store warps
+        wrote (``check_store_regions``: host memory read back on the CPU, the local control
+        copied to it)."""
+        p = run.point
+        if run.error:
+            raise RuntimeError(f"probe error flag {run.error:#x} (1: start barrier timeout, 4: "
+                               f"iteration bound reached) at {p}")
+        self._check_stamps(run.stamps, run.store_warps | run.load_warps, p)
+        want = expected_load_sums(run.stamps[run.load_warps, 3],
+                                  np.arange(run.load_warps.sum()) * run.load_region,
+                                  run.load_region)
+        if not (np.array_equal(run.sums[run.load_warps], want)
+                and (run.sums[run.store_warps] == 0).all()):
             raise RuntimeError(f"load sums differ from the reference at {p}")
-        if check_stores and n_store:
-            got = words if words is not None else self._local.get()
-            bad = check_store_regions(got, stamps_h[store_w, 3], store_region, self.seed)
+        if check_stores and run.store_warps.any():
+            got = self._host.words() if p["stores"] == "host" else self._local.get()
+            bad = check_store_regions(got, run.stamps[run.store_warps, 3], run.store_region,
+                                      self.seed)
             if bad:
                 raise RuntimeError(f"store destination ({p['stores']}) read back on the CPU: "
                                    f"{bad} 16-byte vectors differ from what the warps wrote at {p}")
-        return load_rows(stamps_h, store_w, load_w)
 
     @staticmethod
     def _check_stamps(stamps: np.ndarray, working: np.ndarray, p: dict) -> None:
