@@ -44,7 +44,9 @@ def point(layout: str, stores: str, load: int) -> dict:
 @pytest.mark.parametrize("stores,load", CASES)
 def test_every_case_passes_its_checks_and_measures_in_range(probe, layout, stores, load):
     rows = probe.measure(point(layout, stores, load), check_stores=True)
-    assert rows["window_us"] == pytest.approx(1000.0, rel=0.05)
+    # a window ends at the first iteration past it: under backpressure a store warp's iteration
+    # takes tens of µs
+    assert rows["window_us"] == pytest.approx(1000.0, rel=0.1)
     if stores == "host":
         assert 5.0 < rows["store_rate_GBps"] < 200.0      # PCIe: tens of GB/s
     if stores == "local":
