@@ -25,24 +25,6 @@
 
 #include "xstage_device.cuh"
 
-#define XSTAGE_ERR_BARRIER_TIMEOUT 1u
-
-// Grid barrier among the K co-resident CTAs (thread 0 calls it). The arrival counter only grows:
-// round r completes when it reaches (r + 1) * K, so no reset races the next round. The wait is
-// bounded by timeout_ns of %globaltimer; on expiry it raises the error flag and returns false.
-__device__ bool grid_barrier(u32* arrivals, u32 round, u32 n_ctas, u64 timeout_ns, u32* error) {
-    add_relaxed_gpu(arrivals, 1u);
-    const u32 target = (round + 1u) * n_ctas;
-    const u64 deadline = global_timer_ns() + timeout_ns;
-    while (load_relaxed_gpu(arrivals) < target) {
-        if (global_timer_ns() > deadline || load_relaxed_gpu(error) != 0u) {
-            atomicOr(error, XSTAGE_ERR_BARRIER_TIMEOUT);
-            return false;
-        }
-    }
-    return true;
-}
-
 // Kernel exit of both burst kernels: every thread copies the CTA's per-burst stamps (issue start
 // cycle, issue end cycle, start %globaltimer) into trace[burst][producer][3], and the timekeeper
 // closes the clock pair that converts cycles into time.

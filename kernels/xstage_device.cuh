@@ -1,7 +1,7 @@
-// Device helpers shared by the Burst–Gap producers of remote_store_burst.cu and
-// visibility_latency.cu. NVRTC finds this header through the -I of kernel_sources.cuda_options,
-// which also puts its hash into the options: CuPy's cache key is the source text plus the
-// options, so an edit here recompiles both.
+// Device helpers shared by the Burst–Gap producers of remote_store_burst.cu,
+// visibility_latency.cu and host_store_load.cu. NVRTC finds this header through the -I of
+// kernel_sources.cuda_options, which also puts its hash into the options: CuPy's cache key is
+// the source text plus the options, so an edit here recompiles them all.
 #pragma once
 
 typedef unsigned int u32;
@@ -42,4 +42,22 @@ __device__ __forceinline__ uint4 burst_pattern(u32 seed, u32 burst, u32 producer
     const u32 w1 = vec * 0x85EBCA77u;
     const u32 w2 = (producer * 0xC2B2AE3Du) ^ w1;
     return make_uint4(tag ^ w1, w1, w2, (tag ^ w2) * 0x27D4EB2Fu);
+}
+
+#define XSTAGE_ERR_BARRIER_TIMEOUT 1u
+
+// Grid barrier among the K co-resident CTAs (thread 0 of each calls it). The arrival counter only grows:
+// round r completes when it reaches (r + 1) * K, so no reset races the next round. The wait is
+// bounded by timeout_ns of %globaltimer; on expiry it raises the error flag and returns false.
+__device__ bool grid_barrier(u32* arrivals, u32 round, u32 n_ctas, u64 timeout_ns, u32* error) {
+    add_relaxed_gpu(arrivals, 1u);
+    const u32 target = (round + 1u) * n_ctas;
+    const u64 deadline = global_timer_ns() + timeout_ns;
+    while (load_relaxed_gpu(arrivals) < target) {
+        if (global_timer_ns() > deadline || load_relaxed_gpu(error) != 0u) {
+            atomicOr(error, XSTAGE_ERR_BARRIER_TIMEOUT);
+            return false;
+        }
+    }
+    return true;
 }

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from xstage_lab import kernel_sources
 from xstage_lab.kernel_sources import DEVICE_HEADER, KERNELS_DIR, cuda_module, cuda_options
 
-CUDA_FILES = ("remote_store_burst.cu", "visibility_latency.cu")
+CUDA_FILES = ("remote_store_burst.cu", "visibility_latency.cu", "host_store_load.cu")
 
 
 def test_the_options_change_with_the_header_and_nothing_else(tmp_path, monkeypatch):

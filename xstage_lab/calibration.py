@@ -3,7 +3,10 @@
 - R from zero-gap steady-state periods across K/B decompositions, T_period^ss = V/R (eq. 1, Fig. 3d);
 - T_iss^0 from the recovered plateau of the gap sweep (§3.4);
 - Q(K) and the knee from isolated bursts, T_iss^iso = max(T_iss^0(K, V), (V − Q)/R) (eq. 7, Fig. 3c);
-- then the gap sweep predicted with no refit (eqs. 1, 3; Figs. 3a, 3b) and its error.
+- then the gap sweep predicted with no refit (eqs. 1, 3; Figs. 3a, 3b) and its error;
+- on the host link, where the record holds the ``under_load`` probe, R under a concurrent
+  memory-bound load over R alone and the load's slowdown beside a full X-Stage
+  (``under_load_fits``).
 """
 from __future__ import annotations
 
@@ -24,6 +27,10 @@ R_FIT_MIN_VOLUME = 4 * MIB
 # Gap-sweep points whose gap is at least this multiple of V/R are on the recovered plateau.
 PLATEAU_GAP_MULTIPLE = 2.0
 
+
+# The mode of the under-load probe's rows (ops.remote_store.under_load): one row per launch, no
+# bursts, so the burst fits leave them out.
+UNDER_LOAD = "under_load"
 
 # A zero-gap point whose period exceeds V/R by more than this is issue-limited, not drain-limited.
 ISSUE_LIMITED_EXCESS = 0.10
@@ -72,8 +79,12 @@ def link_settings(link: str) -> BenchSettings:
 def launch_means(table: pd.DataFrame) -> pd.DataFrame:
     """Steady-state value of each launch: the mean over its producers' bursts inside the window
     where all producers overlap (each burst row weighted by the producers it counts), after the
-    warm-up bursts. A time average, as the fluid model's quantities are."""
-    steady = table[~table["warmup"] & (table["producers_in_window"] > 0)]
+    warm-up bursts. A time average, as the fluid model's quantities are. The under-load probe's
+    launches, which have no bursts, are left out."""
+    if "mode" in table:
+        table = table[table["mode"] != UNDER_LOAD]
+    # a table that held probe rows too has the warm-up flag as objects: NaN where no burst was
+    steady = table[~table["warmup"].astype(bool) & (table["producers_in_window"] > 0)]
     keys = POINT_KEYS + ["repeat"]
     values = ["t_iss_us", "period_us", "gap_eff_us"]
     w = steady["producers_in_window"]
@@ -193,6 +204,13 @@ class Calibration:
     link: str = "nvlink"             # where the remote stores went (platform.LINKS)
     # The copy engine's rate over the same link, measured in the same run (host link): R's baseline
     copy_engine_GBps: float | None = None
+    # The under-load probe (host link; None where the record has none): its fits per layout and
+    # K (under_load_fits), and the two numbers the host-link MoE forecast takes from them
+    # (under_load_terms): R under the load over R alone, and the load's throughput beside local
+    # stores over beside host stores that fill the X-Stage
+    under_load: list | None = None
+    drain_under_load_ratio: float | None = None
+    load_slowdown_full: float | None = None
 
     def platform_model(self) -> model.PlatformModel:
         def key(s):
@@ -231,6 +249,9 @@ class Calibration:
                if self.completion else {}),
             **({"link": self.link, "copy_engine_GBps": round(self.copy_engine_GBps, 1)}
                if self.copy_engine_GBps is not None else {}),
+            **({"drain_under_load_ratio": round(self.drain_under_load_ratio, 4),
+                "load_slowdown_full": round(self.load_slowdown_full, 4)}
+               if self.under_load is not None else {}),
             "sm_count": self.sm_count,
             "source_record": self.source_record,
         }
@@ -325,6 +346,10 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
         per_repeat = [q for q in per_repeat if q is not None]
         if per_repeat:
             capacity_spread[str(int(k))] = [float(x) for x in np.percentile(per_repeat, [25, 75])]
+    probe = {}
+    if "mode" in table and (table["mode"] == UNDER_LOAD).any():
+        fits = under_load_fits(table)
+        probe = {"under_load": fits.to_dict("records"), **under_load_terms(fits)}
     fenced = points[(points["sweep"] == "fenced") & (points["path"] == "remote")]
     completion = (asdict(fit_completion(fenced, gap_pts[gap_pts["path"] == "remote"], R, t_iss0,
                                         loop_gap_us)) if len(fenced) else None)
@@ -339,8 +364,50 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
                       local_tiss_spread_pct=float(spread(local[issue_bound])),
                       local_tiss_spread_all_gaps_pct=float(spread(local)),
                       local_drain_rate_GBps=local_rate, completion=completion, link=link,
-                      copy_engine_GBps=copy_engine_GBps)
+                      copy_engine_GBps=copy_engine_GBps, **probe)
     return cal, predicted
+
+
+def under_load_fits(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per (layout, K) of a record's ``under_load`` probe, medians over its launches:
+    the host stores' aggregate rate alone (``drain_alone_GBps``, R as this probe measures it) and
+    beside the load (``drain_under_load_GBps``) and their ratio; the load's rate alone, beside
+    local stores and beside host stores, and ``load_slowdown``, beside local over beside host
+    stores: how much a backpressured host link (X-Stage full) slows memory-bound work, against
+    stores that take the same instructions to local memory. NaN where a case is missing."""
+    rows = table[table["mode"] == UNDER_LOAD] if "mode" in table else table.iloc[:0]
+    if rows.empty:
+        raise ValueError(f"the record has no {UNDER_LOAD!r} probe")
+    med = rows.astype({"load": int}).groupby(["layout", "producers", "stores", "load"],
+                                             sort=False)[["store_rate_GBps",
+                                                          "load_rate_GBps"]].median()
+    out = []
+    for (layout, k), grp in med.groupby(level=["layout", "producers"], sort=False):
+        grp = grp.droplevel(["layout", "producers"])
+
+        def at(stores, load, col):
+            return float(grp.at[(stores, load), col]) if (stores, load) in grp.index else np.nan
+        alone, loaded = at("host", 0, "store_rate_GBps"), at("host", 1, "store_rate_GBps")
+        beside_local, beside_host = at("local", 1, "load_rate_GBps"), at("host", 1,
+                                                                          "load_rate_GBps")
+        out.append({"layout": layout, "producers": int(k), "drain_alone_GBps": alone,
+                    "drain_under_load_GBps": loaded, "drain_under_load_ratio": loaded / alone,
+                    "load_alone_GBps": at("none", 1, "load_rate_GBps"),
+                    "load_beside_local_stores_GBps": beside_local,
+                    "load_beside_host_stores_GBps": beside_host,
+                    "load_slowdown": beside_local / beside_host})
+    return pd.DataFrame(out)
+
+
+def under_load_terms(fits: pd.DataFrame) -> dict:
+    """What the host-link MoE forecast takes from ``under_load_fits``: ``drain_under_load_ratio``
+    (R scaled by it) and ``load_slowdown_full`` (a mainloop's slowdown at a full X-Stage), from
+    the shared layout, where every SM stores and loads as the fused kernel's do, else from the
+    split layout with the most producers."""
+    shared = fits[fits["layout"] == "shared"]
+    row = (shared if len(shared) else fits.sort_values("producers")).iloc[-1]
+    return {"drain_under_load_ratio": float(row["drain_under_load_ratio"]),
+            "load_slowdown_full": float(row["load_slowdown"])}
 
 
 @dataclass(frozen=True)

@@ -56,16 +56,21 @@ def row_chunk_fits(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out).astype({"capacity_bytes": float, "knee_volume_bytes": float})
 
 
-def latest_row_chunk_record(platform: str, root: Path = RECORDS_DIR) -> Record | None:
-    """``platform``'s newest ``remote_store`` or ``remote_store_partial`` record that holds a
-    ``row_chunks`` sweep; None where none does."""
+def latest_with_sweep(platform: str, sweep: str, root: Path = RECORDS_DIR) -> Record | None:
+    """``platform``'s newest ``remote_store`` or ``remote_store_partial`` record that holds the
+    sweep ``sweep``; None where none does."""
     paths = sorted((p for name in RECORDS for p in record_paths(name, platform, root)),
                    key=lambda p: p.stem)
     for path in reversed(paths):
         rec = read(path)
-        if "sweep" in rec.table and (rec.table["sweep"] == SWEEP).any():
+        if "sweep" in rec.table and (rec.table["sweep"] == sweep).any():
             return rec
     return None
+
+
+def latest_row_chunk_record(platform: str, root: Path = RECORDS_DIR) -> Record | None:
+    """``platform``'s newest record that holds a ``row_chunks`` sweep (``latest_with_sweep``)."""
+    return latest_with_sweep(platform, SWEEP, root)
 
 
 def pattern_model(fit: dict) -> model.PlatformModel:

@@ -23,12 +23,19 @@ the CPU's random generator is not the GPU's, so it is the same routing distribut
 same draw. The simulated times are scaled per cell by the ratio of the all-local Expert-Wave's
 measured time (the one-GPU kernel record) to its simulated one.
 
+Where the host platform has the ``under_load`` probe (``analysis.remote_store.under_load``), the
+tile forecast plays R scaled by the probe's R under a concurrent load over R alone, and a
+mainloop that starts with host bytes outstanding slowed by the probe's load slowdown in
+proportion to the X-Stage's occupancy (``simulate_tile_table``'s ``load_slowdown``); where it
+has none, R as calibrated and the mainloops as traced all local.
+
 ``auto_schedule``: of Expert-Wave and Interleaved at each lead of ``schedules.lead_sweep``, the one
 this forecast predicts fastest for the cell, the link and the host share.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -62,30 +69,38 @@ def tile_programs(schedule, block_bytes: np.ndarray) -> list[list[tuple[int, int
 
 
 def simulated_us(problem: MoEProblem, schedule, block_bytes: np.ndarray, times: dict,
-                 platform: model.PlatformModel, programs: int) -> float:
+                 platform: model.PlatformModel, programs: int, load_slowdown: float = 1.0) -> float:
     """The simulated makespan of ``schedule`` with ``block_bytes`` per Linear-2 tile of a row
-    block; ``times``: mainloop and epilogue µs of Linear-1 and Linear-2 tiles."""
+    block; ``times``: mainloop and epilogue µs of Linear-1 and Linear-2 tiles; ``load_slowdown``
+    as ``simulate_tile_table`` takes it."""
     capacity = platform.capacity_at(programs)
     out = simulator.simulate_tile_table(
         tile_programs(schedule, block_bytes), problem.l1_n_blocks,
         (times["mainloop_l1_us"], times["mainloop_l2_us"]),
         (times["epilogue_l1_us"], times["epilogue_l2_us"]),
-        platform.drain_rate, capacity if capacity is not None else 0.0)
+        platform.drain_rate, capacity if capacity is not None else 0.0, load_slowdown)
     return out["makespan_us"]
 
 
 def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
-                  seed: int = 0, patterns: dict | None = None) -> list[dict]:
+                  seed: int = 0, patterns: dict | None = None,
+                  under_load: dict | None = None) -> list[dict]:
     """One row per host share of ``kernel``'s cell (a row of a ``moe_kernel`` record): the
     predicted time of Expert-Wave, of Interleaved at each lead of ``lead_sweep`` and all local,
     and the schedule ``auto`` picks; the Combine drains by its row pattern's model where
-    ``patterns`` holds it (``forecast.combine_platform``)."""
+    ``patterns`` holds it (``forecast.combine_platform``), at R scaled by ``under_load``'s
+    ``drain_under_load_ratio`` with mainloops slowed by its ``load_slowdown_full`` where given
+    (``calibration.under_load_terms``)."""
     from .kernel_cell import build_workload, fused_layout
 
     shape = load_shapes()[kernel["model"]]
     tiles = kernel["tile_config"]
     tiles = json.loads(tiles) if isinstance(tiles, str) else tiles
     platform, _ = combine_platform(platform, patterns or {}, tiles["block_n2"], shape.hidden)
+    under_load = under_load or {}
+    platform = dataclasses.replace(
+        platform, drain_rate=platform.drain_rate * under_load.get("drain_under_load_ratio", 1.0))
+    slowdown = under_load.get("load_slowdown_full", 1.0)
     programs = int(kernel["num_programs"])
     wl = build_workload(shape, kernel["routing"], int(kernel["tokens"]),
                         seed=cell_seed(seed, shape.model, kernel["precision"], kernel["routing"],
@@ -109,7 +124,8 @@ def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
         block_bytes = host_rows_per_block(row_src, row_slot, tiles["block_m"], share) \
             * tiles["block_n2"] * BF16_BYTES
         t = times["wave" if name == "wave" else "interleaved"]
-        return simulated_us(problem, schedules[name], block_bytes, t, platform, programs)
+        return simulated_us(problem, schedules[name], block_bytes, t, platform, programs,
+                            slowdown)
 
     scale = kernel["kernel_wave_us"] / simulate("wave", 0)
     local = {name: simulate(name, 0) * scale for name in schedules}
@@ -128,29 +144,35 @@ def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
 
 
 def tile_forecast(kernels: pd.DataFrame, platform: model.PlatformModel, host_shares,
-                  seed: int = 0, patterns: dict | None = None) -> pd.DataFrame:
+                  seed: int = 0, patterns: dict | None = None,
+                  under_load: dict | None = None) -> pd.DataFrame:
     """``cell_forecast`` of every cell of ``kernels`` (``moe_kernel`` rows)."""
     return pd.DataFrame([row for k in kernels.to_dict("records")
                          for row in cell_forecast(k, platform, host_shares, seed=seed,
-                                                  patterns=patterns)])
+                                                  patterns=patterns, under_load=under_load)])
 
 
 def compute(kernel_platform: str, host_platform: str, tokens: int,
             root: Path = RECORDS_DIR) -> tuple[pd.DataFrame, dict]:
     """The ``moe_host_forecast`` table: ``compute_host_forecast``'s rows joined with
-    ``tile_forecast``'s for the same cells, and its parameters."""
+    ``tile_forecast``'s for the same cells, and its parameters (with the ``under_load`` probe's
+    record and terms where the platform has one)."""
     from ...analysis.moe.kernel_view import latest_view
     from ...analysis.remote_store.characterization import latest_calibration
     from ...analysis.remote_store.row_chunks import combine_models
+    from ...analysis.remote_store.under_load import forecast_terms
 
     table, params = compute_host_forecast(kernel_platform, host_platform, tokens, root)
     kernels = latest_view(kernel_platform, root).table
+    under_load, under_load_record = forecast_terms(host_platform, root)
     tiles = tile_forecast(kernels[kernels["tokens"] == tokens],
                           latest_calibration(host_platform, root).platform_model(), HOST_SHARES,
-                          patterns=combine_models(host_platform, root)[0])
+                          patterns=combine_models(host_platform, root)[0], under_load=under_load)
     table = table.merge(tiles, on=["model", "precision", "routing", "tokens", "host_share"],
                         how="left", validate="one_to_one")
-    return table, {**params, "method": params["method"] + "\n\n" + __doc__}
+    probe = ({"under_load_record": under_load_record, **under_load} if under_load_record
+             else {})
+    return table, {**params, **probe, "method": params["method"] + "\n\n" + __doc__}
 
 
 def write(kernel_platform: str, host_platform: str, tokens: int,

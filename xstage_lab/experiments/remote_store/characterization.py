@@ -18,7 +18,10 @@ and checked on the CPU before each point is timed (``check_host_destination``).
 
 Modes: ``periodic`` (burst, gap, burst, ...), ``isolated`` (each burst after a recovery gap long
 enough to drain it) and ``fenced`` (periodic, but each producer waits for its burst to be visible
-at the destination before the gap: the completion-coupled counterfactual). Paths: ``remote`` (destination on a peer GPU) and ``local`` (the control: the
+at the destination before the gap: the completion-coupled counterfactual); on the host link also
+``under_load`` (``kernels/host_store_load.cu``, host side ``ops.remote_store.under_load``):
+sustained host stores beside a concurrent memory-bound load in one launch, for R under load and
+how much the backpressured link slows the load. Paths: ``remote`` (destination on a peer GPU) and ``local`` (the control: the
 same code with the destination on the issuing GPU).
 
 An ``Experiment`` run in process by ``experiments.harness``: its ``Sweep``s are
@@ -36,6 +39,8 @@ from ...calibration import BenchSettings, link_settings
 from ...cli import list_option
 from ...ops.remote_store.burst import (ALIGNS, BURST_RESOLUTION, HOST, KIB, LINES, PATHS,
                                        RemoteStoreBench, check_gpus)
+from ...ops.remote_store.under_load import MODE as UNDER_LOAD
+from ...ops.remote_store.under_load import HostLoadProbe, LoadSettings, validate_load_point
 from ...platform import LINKS, LinkError, inventory
 from ...records import RECORDS_DIR
 from ...sweep import Axis, Sweep
@@ -58,7 +63,8 @@ def host_link_sweeps(sm_count: int, src: int = 0, repeats: int = 11,
     isolated bursts at every K of the NVLink sweep (K = all SMs, 1/2, 1/4, 1/8) and B out to a
     burst volume of half the buffer, far enough to find a knee set by a capacity of tens of MiB;
     and ``row_chunks``, R and Q of the fused MoE's Combine row patterns (the host-link MoE
-    forecast's M_X). No ``pairs`` sweep: a GPU has one host link."""
+    forecast's M_X); and ``under_load`` (``under_load_sweep``). No ``pairs`` sweep: a GPU has one
+    host link."""
     K = sm_count
     Ks = sorted({max(1, K // 8), max(1, K // 4), max(1, K // 2), K})
     fixed = dict(src=src, dst=HOST, lines="fresh")
@@ -85,6 +91,7 @@ def host_link_sweeps(sm_count: int, src: int = 0, repeats: int = 11,
               fixed=dict(src=src, dst=HOST, mode="periodic", path="remote", gap_us=0.0,
                          producers=K, align="first"), repeats=repeats),
         row_chunk_sweep(K, src, HOST, repeats),
+        under_load_sweep(K, src, repeats),
     ]
 
 
@@ -114,6 +121,22 @@ def row_chunk_sweep(sm_count: int, src: int, dst: int, repeats: int) -> Sweep:
     return Sweep("row_chunks", (Axis("pattern", combine_row_patterns()), Axis("shape", shapes)),
                  fixed=dict(src=src, dst=dst, path="remote", lines="fresh", gap_us=0.0,
                             producers=sm_count), repeats=repeats)
+
+
+def under_load_sweep(sm_count: int, src: int, repeats: int) -> Sweep:
+    """``under_load`` (issue 26): sustained 16-byte stores into host memory beside a concurrent
+    memory-bound load, in one launch (``ops.remote_store.under_load``), with the controls: the
+    stores local, no stores (the load alone) and no load (the stores alone: R of this probe).
+    Split layouts at K = 1/8, 1/4, 1/2 of the SMs storing (the others load: does the
+    backpressured link slow other SMs?) and the shared layout, every SM storing and loading as
+    the fused MoE kernel's SMs do, whose numbers the host-link MoE forecast takes."""
+    ks = sorted({max(1, sm_count // 8), max(1, sm_count // 4), max(1, sm_count // 2)})
+    shapes = ([{"layout": "split", "producers": k} for k in ks]
+              + [{"layout": "shared", "producers": sm_count}])
+    cases = [{"stores": "host", "load": 1}, {"stores": "host", "load": 0},
+             {"stores": "local", "load": 1}, {"stores": "none", "load": 1}]
+    return Sweep(UNDER_LOAD, (Axis("shape", shapes), Axis("case", cases)),
+                 fixed=dict(src=src, dst=HOST, mode=UNDER_LOAD, gap_us=0.0), repeats=repeats)
 
 
 def characterization_sweeps(sm_count: int, n_gpus: int, src: int = 0, dst: int = 1,
@@ -166,7 +189,7 @@ def characterization_sweeps(sm_count: int, n_gpus: int, src: int = 0, dst: int =
     ]
 
 
-SWEEP_NAMES = (*(s.name for s in characterization_sweeps(1, 2)), "row_chunks")
+SWEEP_NAMES = (*(s.name for s in characterization_sweeps(1, 2)), "row_chunks", UNDER_LOAD)
 
 
 class BurstGapCharacterization(Experiment):
@@ -216,15 +239,27 @@ class BurstGapCharacterization(Experiment):
             raise ValueError("--only pairs: the host link has one route, no pairs sweep")
         if not host and args.only is not None and "row_chunks" in args.only:
             raise ValueError("--only row_chunks: the Combine row patterns are a host-link sweep")
+        if not host and args.only is not None and UNDER_LOAD in args.only:
+            raise ValueError("--only under_load: the probe stores into host memory, a host-link "
+                             "sweep")
         return [s for s in sweeps if args.only is None or s.name in args.only]
 
     def start(self, run) -> None:
         self.bench = RemoteStoreBench(run.args.settings, self.inv)
+        self.probe = None  # the under-load probe, made at its first point
         self.copy_engine = (self.bench.copy_engine_rate(run.args.src)
                             if run.args.link == "host" else None)
 
     def validate(self, point, run) -> None:
-        self.bench.validate(point)
+        if point["mode"] == UNDER_LOAD:
+            validate_load_point(point, self.inv)
+        else:
+            self.bench.validate(point)
+
+    def _probe(self) -> HostLoadProbe:
+        if self.probe is None:
+            self.probe = HostLoadProbe(LoadSettings(), self.inv)
+        return self.probe
 
     def sm_clock_mhz(self, run):
         return self.bench.sm_clock_mhz(run.args.src)
@@ -233,12 +268,17 @@ class BurstGapCharacterization(Experiment):
         """One launch of the point, its destination poisoned first and checked after (on the
         device, and for host memory read back on the CPU too), before any launch is timed."""
         try:
-            self.bench.measure(point, check_on_cpu=True)
+            if point["mode"] == UNDER_LOAD:
+                self._probe().measure(point, check_stores=True)
+            else:
+                self.bench.measure(point, check_on_cpu=True)
         except RuntimeError as e:
             return [str(e)]
         return []
 
-    def measure(self, point, run) -> pd.DataFrame:
+    def measure(self, point, run) -> pd.DataFrame | dict:
+        if point["mode"] == UNDER_LOAD:
+            return self._probe().measure(point)
         return self.bench.measure(point)
 
     def finish(self, table, run) -> pd.DataFrame:
@@ -252,6 +292,9 @@ class BurstGapCharacterization(Experiment):
                  "dst": HOST if host else args.dst, "seed": int(self.bench.seed)}
         if host:
             facts |= {"host_memory": self.bench.host.numa, "copy_engine_d2h": self.copy_engine}
+        if self.probe is not None:
+            facts |= {"under_load_settings": self.probe.settings.__dict__,
+                      "under_load_seed": self.probe.seed}
         return facts
 
     def link_args(self, link: str) -> list[str]:

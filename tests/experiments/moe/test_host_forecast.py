@@ -1,0 +1,38 @@
+"""The host-link tile forecast (``moe.host_forecast``) with the under-load probe's terms, on one
+committed one-GPU kernel cell and the committed host-link calibration."""
+import pytest
+
+from xstage_lab.analysis.moe.kernel_view import latest_view
+from xstage_lab.analysis.remote_store.characterization import latest_calibration
+from xstage_lab.experiments.moe.host_forecast import cell_forecast
+from xstage_lab.records import RECORDS_DIR
+
+
+@pytest.fixture(scope="module")
+def cell():
+    kernels = latest_view("h200-x1", RECORDS_DIR).table
+    row = kernels[(kernels["model"] == "DiT-MoE") & (kernels["precision"] == "bf16")
+                  & (kernels["routing"] == "balanced") & (kernels["tokens"] == 4096)]
+    return row.iloc[0].to_dict(), latest_calibration("h200-x1-host").platform_model()
+
+
+def test_no_probe_and_a_probe_that_measured_no_effect_forecast_alike(cell):
+    kernel, platform = cell
+    plain, = cell_forecast(kernel, platform, [8])
+    unit, = cell_forecast(kernel, platform, [8], under_load={"drain_under_load_ratio": 1.0,
+                                                            "load_slowdown_full": 1.0})
+    assert plain == unit
+
+
+@pytest.mark.parametrize("terms", [{"drain_under_load_ratio": 0.5},
+                                   {"load_slowdown_full": 2.0}])
+def test_a_slower_drain_or_slowed_mainloops_lengthen_the_host_cells_only(cell, terms):
+    kernel, platform = cell
+    plain, = cell_forecast(kernel, platform, [8])
+    loaded, = cell_forecast(kernel, platform, [8], under_load=terms)
+    local = [k for k in plain if k.endswith("_local_us")]
+    assert local and all(loaded[k] == plain[k] for k in local)
+    assert loaded["simulated_scale"] == plain["simulated_scale"]
+    # with the Combine of all eight sources in host memory, Expert-Wave drains the X-Stage
+    # full: both terms lengthen it
+    assert loaded["tile_wave_us"] > 1.05 * plain["tile_wave_us"]
