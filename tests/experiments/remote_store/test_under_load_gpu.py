@@ -51,7 +51,11 @@ def test_every_case_passes_its_checks_and_measures_in_range(probe, layout, store
         assert 5.0 < rows["store_rate_GBps"] < 200.0      # PCIe: tens of GB/s
     if stores == "local":
         assert rows["store_rate_GBps"] > 200.0             # HBM
-    if load:
+    if load and stores == "host":
+        # backpressured host stores slow the loads by up to 36x where they share the SMs (one
+        # H200, 2026-12-02: 21 GB/s beside host stores, 766 beside local ones): progress only
+        assert rows["load_rate_GBps"] > 1.0
+    elif load:
         assert rows["load_rate_GBps"] > 300.0
     else:
         assert np.isnan(rows["load_rate_GBps"]) and rows["load_warps"] == 0
