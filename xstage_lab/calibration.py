@@ -401,7 +401,7 @@ def under_load_fits(table: pd.DataFrame) -> pd.DataFrame:
 
 def under_load_terms(fits: pd.DataFrame) -> dict:
     """What the host-link MoE forecast takes from ``under_load_fits``: ``drain_under_load_ratio``
-    (R scaled by it) and ``load_slowdown_full`` (a mainloop's slowdown at a full X-Stage), from
+    (R scaled by it) and ``load_slowdown_full`` (a streaming load's slowdown at a full X-Stage), from
     the shared layout, where every SM stores and loads as the fused kernel's do, else from the
     split layout with the most producers."""
     shared = fits[fits["layout"] == "shared"]

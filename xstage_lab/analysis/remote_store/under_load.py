@@ -1,10 +1,9 @@
 """The X-Stage under load (issue 26): the ``under_load`` probe of a host-link ``remote_store``
 record (or of a ``remote_store_partial`` one, run with ``--only under_load``), fitted by
-``calibration.under_load_fits``, and the two numbers the host-link MoE forecast plays with
-(``calibration.under_load_terms``): R under a concurrent memory-bound load over R alone, and
-that load's slowdown beside a full X-Stage (``simulator.simulate_tile_table``'s
-``load_slowdown``). A platform without the probe has neither: the forecast plays R as calibrated
-and the mainloops as measured all local."""
+``calibration.under_load_fits``, and its two numbers (``calibration.under_load_terms``): R under
+a concurrent memory-bound load over R alone, which the host-link MoE forecast plays, and that
+load's slowdown beside a full X-Stage, which it does not (``moe.host_forecast`` says why). A
+platform without the probe plays R as calibrated."""
 from __future__ import annotations
 
 from pathlib import Path

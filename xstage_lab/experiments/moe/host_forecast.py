@@ -24,10 +24,13 @@ same draw. The simulated times are scaled per cell by the ratio of the all-local
 measured time (the one-GPU kernel record) to its simulated one.
 
 Where the host platform has the ``under_load`` probe (``analysis.remote_store.under_load``), the
-tile forecast plays R scaled by the probe's R under a concurrent load over R alone, and a
-mainloop that starts with host bytes outstanding slowed by the probe's load slowdown in
-proportion to the X-Stage's occupancy (``simulate_tile_table``'s ``load_slowdown``); where it
-has none, R as calibrated and the mainloops as traced all local.
+tile forecast plays R scaled by the probe's R under a concurrent load over R alone; where it has
+none, R as calibrated. The mainloops stay as traced all local: the probe's slowdown of a streaming
+load beside a full X-Stage (36x on one H200, ``remote_store_partial/h200-x1-host/
+20261202T124212Z-777eb0edc1``), played as a mainloop stretched by 1 + (s − 1)·min(1, q/Q) at its
+start, made ``auto``'s picks worse on that platform's matrix (``moe_host/h200-x1-host/
+20261202T104749Z-fa8e61f692``: 39 of 112 cells within 3% of the fastest, against 81 without), so a GEMM mainloop's sensitivity to the
+backpressure is not that of a streaming load and needs its own measurement.
 
 ``auto_schedule``: of Expert-Wave and Interleaved at each lead of ``schedules.lead_sweep``, the one
 this forecast predicts fastest for the cell, the link and the host share.
@@ -69,16 +72,15 @@ def tile_programs(schedule, block_bytes: np.ndarray) -> list[list[tuple[int, int
 
 
 def simulated_us(problem: MoEProblem, schedule, block_bytes: np.ndarray, times: dict,
-                 platform: model.PlatformModel, programs: int, load_slowdown: float = 1.0) -> float:
+                 platform: model.PlatformModel, programs: int) -> float:
     """The simulated makespan of ``schedule`` with ``block_bytes`` per Linear-2 tile of a row
-    block; ``times``: mainloop and epilogue µs of Linear-1 and Linear-2 tiles; ``load_slowdown``
-    as ``simulate_tile_table`` takes it."""
+    block; ``times``: mainloop and epilogue µs of Linear-1 and Linear-2 tiles."""
     capacity = platform.capacity_at(programs)
     out = simulator.simulate_tile_table(
         tile_programs(schedule, block_bytes), problem.l1_n_blocks,
         (times["mainloop_l1_us"], times["mainloop_l2_us"]),
         (times["epilogue_l1_us"], times["epilogue_l2_us"]),
-        platform.drain_rate, capacity if capacity is not None else 0.0, load_slowdown)
+        platform.drain_rate, capacity if capacity is not None else 0.0)
     return out["makespan_us"]
 
 
@@ -89,8 +91,7 @@ def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
     predicted time of Expert-Wave, of Interleaved at each lead of ``lead_sweep`` and all local,
     and the schedule ``auto`` picks; the Combine drains by its row pattern's model where
     ``patterns`` holds it (``forecast.combine_platform``), at R scaled by ``under_load``'s
-    ``drain_under_load_ratio`` with mainloops slowed by its ``load_slowdown_full`` where given
-    (``calibration.under_load_terms``)."""
+    ``drain_under_load_ratio`` where given (``calibration.under_load_terms``)."""
     from .kernel_cell import build_workload, fused_layout
 
     shape = load_shapes()[kernel["model"]]
@@ -100,7 +101,6 @@ def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
     under_load = under_load or {}
     platform = dataclasses.replace(
         platform, drain_rate=platform.drain_rate * under_load.get("drain_under_load_ratio", 1.0))
-    slowdown = under_load.get("load_slowdown_full", 1.0)
     programs = int(kernel["num_programs"])
     wl = build_workload(shape, kernel["routing"], int(kernel["tokens"]),
                         seed=cell_seed(seed, shape.model, kernel["precision"], kernel["routing"],
@@ -124,8 +124,7 @@ def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
         block_bytes = host_rows_per_block(row_src, row_slot, tiles["block_m"], share) \
             * tiles["block_n2"] * BF16_BYTES
         t = times["wave" if name == "wave" else "interleaved"]
-        return simulated_us(problem, schedules[name], block_bytes, t, platform, programs,
-                            slowdown)
+        return simulated_us(problem, schedules[name], block_bytes, t, platform, programs)
 
     scale = kernel["kernel_wave_us"] / simulate("wave", 0)
     local = {name: simulate(name, 0) * scale for name in schedules}
