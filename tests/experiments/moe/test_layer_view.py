@@ -144,8 +144,10 @@ def test_layer_prose_gives_the_eager_calls_steps_where_a_record_timed_them(tmp_p
     assert ("the inputs' check 4 µs, the argument block's write 15 µs, the graph's replay 8 µs "
             "(1 cell") in text
     # a later record's cells launched their graph with the writer inside: its steps' names
-    write_record("moe_layer", "x", pd.DataFrame([_row(64, eager_path="graph_launch", **steps)]),
+    write_record("moe_layer", "x", pd.DataFrame([_row(64, eager_path="graph_launch",
+                                                      host_output_us=3.0,
+                                                      host_capturing_us=1.0, **steps)]),
                  {}, {}, tmp_path, created=at[1].replace(minute=5))
     text = str(layer([lv.layer_view("x", tmp_path)]))
-    assert ("the inputs' check 4 µs, the addresses gathered 15 µs, the graph launched with them "
-            "8 µs (1 cell") in text
+    assert ("the inputs' check 4 µs, the output's allocation 3 µs, the stream's capture state "
+            "1 µs, the addresses gathered 15 µs, the graph launched with them 8 µs (1 cell") in text

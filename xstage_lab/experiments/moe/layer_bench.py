@@ -56,7 +56,7 @@ from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.device_tables import host_tables, table_mismatches
 from ...ops.moe.dispatch import build_layout
 from ...ops.moe.fused import FusedMoECall, prepare_fused_moe
-from ...ops.moe.op import FusedMoE, MoEWorkspace, auto_schedule
+from ...ops.moe.op import FusedMoE, MoEWorkspace, auto_schedule, launching_graphs
 from ...ops.moe.reference import expert_rows_reference, reference_moe
 from ...ops.moe.routing import router_logits, router_topk
 from ...ops.moe.schedules import MoEProblem, expert_wave_schedule, interleaved_schedule
@@ -154,7 +154,8 @@ class Ep1Cell:
 
     def host_stages(self) -> dict:
         """The host side of a call's steps, each timed alone (``host_overhead_us``): those of an
-        eager call (``check``, ``args``: its argument block's addresses gathered and checked,
+        eager call (``check``, ``output``: its output's allocation, ``capturing``: whether the
+        stream is capturing, ``args``: its argument block's addresses gathered and checked,
         ``replay``: its graph launched with them, captured by the checks' calls), and those of
         the direct launches a graph captures (``route``, ``launch``, ``weighted_sum``)."""
         layer, y = self.layer, torch.empty_like(self.x)
@@ -166,6 +167,8 @@ class Ep1Cell:
 
         stream, launched = torch.cuda.current_stream().cuda_stream, addresses()
         return {"check": lambda: layer.check_inputs(self.x, self.ids, self.w),
+                "output": lambda: torch.empty_like(self.x),
+                "capturing": lambda: launching_graphs(layer.device),
                 "args": addresses, "replay": lambda: graph(stream, launched),
                 "route": self.route, "launch": self.kernel, "weighted_sum": self.weighted_sum}
 

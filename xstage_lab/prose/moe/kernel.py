@@ -123,8 +123,12 @@ def layer(layer_views) -> Prose:
             args, replay = (("the addresses gathered", "the graph launched with them")
                             if _graph_launched(steps) else
                             ("the argument block's write", "the graph's replay"))
+            more = "".join(f", {name} {span(steps[col], '.0f')} µs" for col, name in
+                           (("host_output_us", "the output's allocation"),
+                            ("host_capturing_us", "the stream's capture state"))
+                           if col in steps and steps[col].notna().all())
             host += (f"; each step of an EP = 1 eager call timed alone: the inputs' check "
-                     f"{span(steps['host_check_us'], '.0f')} µs, {args} "
+                     f"{span(steps['host_check_us'], '.0f')} µs{more}, {args} "
                      f"{span(steps['host_args_us'], '.0f')} µs, {replay} "
                      f"{span(steps['host_replay_us'], '.0f')} µs ({count(len(steps))} cells)")
         one = t[t["tokens"] == 1]
