@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..analysis.moe.host_view import MISS_PP, comparison, local_sweep_table, misses
 from ..analysis.remote_store.row_chunks import row_chunk_fits
+from ..calibration import under_load_fits
 from . import Prose, count, rec, span, val
 
 # A measured Expert-Wave stall per Linear-2 burst this far (µs) from the forecast's, or an
@@ -177,4 +178,33 @@ def row_patterns(records) -> Prose:
             f"{val(base['drain_rate_GBps'], '.1f')} GB/s and "
             f"{val(base['capacity_bytes'] / 2**20, '.2f')} MiB: within "
             f"{val(off * 100, '.1f')}% of it.")
+    return Prose(*out)
+
+
+def under_load(records) -> Prose:
+    """Each host platform's ``under_load`` probe: the host stores' drain beside a streaming load
+    against alone, and the load's rate beside host stores against beside the same stores kept
+    local, per layout and K: whether a backpressured host link slows work that never uses it."""
+    out = []
+    for r in records:
+        fits = under_load_fits(r.table)
+        split = fits[fits["layout"] == "split"].sort_values("producers")
+        shared = fits[fits["layout"] == "shared"]
+        per_k = "; ".join(f"K = {count(k)}: {val(s, '.1f')}×"
+                          for k, s in zip(split["producers"], split["load_slowdown"]))
+        text = (f"{rec(r)} ({r.platform}): beside the load the host stores drain at "
+                f"{span(fits['drain_under_load_GBps'], '.1f')} GB/s, "
+                f"{span(fits['drain_under_load_ratio'], '.3f')}× their rate alone. The load "
+                f"slows beside host stores against beside the same stores kept local")
+        if len(split):
+            text += (f", where K SMs store and the others only load (it never touches the "
+                     f"link): {per_k}")
+        if len(shared):
+            text += (f"; where every SM stores and loads, "
+                     f"{val(shared['load_slowdown'].iloc[0], '.1f')}× "
+                     f"({val(shared['load_beside_host_stores_GBps'].iloc[0], '.0f')} GB/s against "
+                     f"{val(shared['load_beside_local_stores_GBps'].iloc[0], '.0f')})")
+        out.append(text + ". The MoE forecast plays R under the load; the load's slowdown is a "
+                   "streaming load's, not a GEMM mainloop's, and the forecast leaves it out "
+                   "(`moe.host_forecast`).")
     return Prose(*out)

@@ -248,3 +248,17 @@ def test_a_complete_record_calibrates_as_before_with_the_probes_numbers_beside(m
     entry = host_link_entry("h200-x1-host", tmp_path)
     assert entry["drain_under_load_ratio"] == pytest.approx(0.9)
     assert entry["load_slowdown_full"] == pytest.approx(2.9)
+
+
+def test_the_notebooks_passage_says_each_layouts_slowdown_from_the_record():
+    """``prose.host_link.under_load`` on the model platform's probe: the drain beside the load
+    against alone, each split K's slowdown and the shared layout's, from the record's rows."""
+    from types import SimpleNamespace
+
+    from xstage_lab.prose.host_link import under_load
+
+    record = SimpleNamespace(record_id="rid", platform="x-host", table=probe_table())
+    text = str(under_load([record]))
+    assert "drain at 45.0 GB/s, 0.900× their rate alone" in text
+    assert "K = 16: 1.4×; K = 33: 1.4×; K = 66: 1.4×" in text
+    assert "every SM stores and loads, 2.9× (1000 GB/s against 2900)" in text
