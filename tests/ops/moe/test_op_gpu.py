@@ -227,3 +227,34 @@ def test_first_calls_at_new_token_counts_never_synchronize(layer, captures):
     assert len(captures) == 3  # T = 3, 16, 200
     for y, inputs in zip(ys, calls):
         _check(moe, y, *inputs)
+
+
+def test_an_ep_ranks_graph_follows_new_rows_in_its_receive_buffers(captures):
+    """``MoEWorkspace.received_call`` over one set of receive buffers, refilled between calls
+    with two routings' received rows (A, B, A): the first call launches directly and captures,
+    the next two launch that graph; each time every source's Combine rows (poisoned first) are
+    the reference's for the rows the buffers then held."""
+    from xstage_lab.experiments.moe.layer_bench import EP, Ep8RankCell
+    from xstage_lab.ops.moe.reference import expert_rows_reference
+    from xstage_lab.ops.moe.unfused import GroupedWeights
+
+    shape = SHAPES[MODEL]
+    weights = local_expert_weights(shape, 0, EP, "bf16", seed=SEED, device="cuda")
+    grouped = GroupedWeights("bf16", weights.w1, weights.w2)
+    cell, other = (Ep8RankCell(shape, "bf16", 64, weights, grouped, seed, "cuda")
+                   for seed in (SEED, SEED + 1))
+    inputs = ("in_expert", "in_x", "in_src", "in_slot", "n")
+    held = {name: getattr(cell, name).clone() for name in inputs}
+    for source, fill in ((cell, held), (other, None), (cell, held)):
+        for name in inputs:
+            getattr(cell, name).copy_(fill[name] if fill else getattr(other, name))
+        for buffer in cell.buffers:
+            buffer.fill_(float("nan"))
+        cell.call()
+        torch.cuda.synchronize()
+        got = torch.stack(cell.buffers)[source.src, source.slot]
+        ref = expert_rows_reference(source.rows, source.expert, shape, seed=SEED,
+                                    precision="bf16")["fp32"]
+        err = float((got.float() - ref).norm() / ref.norm())
+        assert err <= TOLERANCE["bf16"]["fp32"], err
+    assert len(captures) == 1 and int(cell.ws.error) == 0
