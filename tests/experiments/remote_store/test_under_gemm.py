@@ -51,17 +51,17 @@ def test_rows_count_only_the_matmuls_inside_the_store_window():
     # middle three whole, the first starts before it and the last ends after it
     stamps = np.array([[0, 1000], [1100, 2100], [2200, 3200], [3300, 4300], [4400, 5400]])
     ms = np.array([9.0, 1.0, 2.0, 3.0, 9.0])
-    rows = gemm_rows(ms, stamps, (1000.0, 4400.0), 2e12, 3)
+    rows = gemm_rows(ms, stamps, (1000, 4400), 2e12, 3)
     assert rows == {"gemm_us": 2000.0, "gemm_tflops": pytest.approx(1000.0),
                     "gemms_inside": 3, "gemms": 5}
     # the GEMM alone: every matmul counts
     assert gemm_rows(ms, stamps, None, 2e12, 3)["gemms_inside"] == 5
     with pytest.raises(RuntimeError, match="3 of 5 matmuls ran inside the store window"):
-        gemm_rows(ms, stamps, (1000.0, 4400.0), 2e12, 4)
+        gemm_rows(ms, stamps, (1000, 4400), 2e12, 4)
     unwritten = stamps.copy()
     unwritten[2, 1] = -1  # the poison left
     with pytest.raises(RuntimeError, match="not written"):
-        gemm_rows(ms, unwritten, (1000.0, 4400.0), 2e12, 3)
+        gemm_rows(ms, unwritten, (1000, 4400), 2e12, 3)
 
 
 # --- fits and the forecast's term ----------------------------------------------------------------

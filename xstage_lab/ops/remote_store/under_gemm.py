@@ -68,7 +68,7 @@ def gemm_flops(gemm: str) -> float:
     return 2.0 * m * k * n
 
 
-def gemm_rows(gemm_ms: np.ndarray, stamps: np.ndarray, window: tuple[float, float] | None,
+def gemm_rows(gemm_ms: np.ndarray, stamps: np.ndarray, window: tuple[int, int] | None,
               flops: float, min_inside: int) -> dict:
     """One launch's GEMM rate: ``gemm_ms`` (event times) and ``stamps`` ([gemms, 2]:
     %globaltimer before and after each) of its matmuls; those inside ``window`` (the store
@@ -106,13 +106,18 @@ class GemmBesideStores:
         self.seed = self.stores.seed
         self._operands = {}
         self._flag = None
+        self._stream = None
 
     def validate(self, p: dict) -> None:
         validate_gemm_point(p, self.inv)
 
     def _gemm(self, gemm: str, src: int):
-        """The point's operands (bf16, seeded), its output and the float32 reference, made once."""
+        """The point's operands (bf16, seeded), its output and the float32 reference, made once,
+        with one matmul on the GEMM's stream: cuBLAS takes its handle and workspace for the
+        stream there, not inside a store window."""
         torch = self.torch
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=src)
         if gemm not in self._operands:
             m, k, n = GEMMS[gemm]
             dev = torch.device("cuda", src)
@@ -120,8 +125,10 @@ class GemmBesideStores:
             a = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
             b = torch.randn(k, n, generator=g, device=dev).to(torch.bfloat16)
             ref = a.float() @ b.float()
-            self._operands[gemm] = (a, b, torch.empty(m, n, device=dev, dtype=torch.bfloat16),
-                                    ref, float(ref.abs().max()))
+            c = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            with torch.cuda.stream(self._stream):
+                torch.matmul(a, b, out=c)
+            self._operands[gemm] = (a, b, c, ref, float(ref.abs().max()))
         return self._operands[gemm]
 
     def measure(self, p: dict, check_stores: bool = False) -> dict:
@@ -132,10 +139,12 @@ class GemmBesideStores:
         src = int(p["src"])
         a, b, c, ref, scale = self._gemm(p["gemm"], src)
         module = self.stores._buffers(src)
+        stamp = module.get_function("stamp_timer")
         if self._flag is None:
             self._flag = mapped_host_buffer(4096, src)
         sms = self.inv.gpus[src].sm_count
-        stream = torch.cuda.Stream(device=src)
+        stream = self._stream
+        ext = cp.cuda.ExternalStream(stream.cuda_stream, src)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(s.gemms)]
         stamps = torch.full((s.gemms, 2), -1, dtype=torch.int64, device=a.device)
@@ -157,14 +166,13 @@ class GemmBesideStores:
                 self.stores.check(self.stores.finish(pending), False)  # names the kernel's error
                 raise RuntimeError(f"the store kernel's barrier flag did not arrive within "
                                    f"{s.barrier_timeout_s} s at {p}")
-        stamp = module.get_function("stamp_timer")
-        with torch.cuda.stream(stream), cp.cuda.ExternalStream(stream.cuda_stream, src):
+        with torch.cuda.stream(stream):
             for i, (start, end) in enumerate(events):
-                stamp((1,), (1,), (np.uint64(stamps[i].data_ptr()),))
+                stamp((1,), (1,), (np.uint64(stamps[i].data_ptr()),), stream=ext)
                 start.record()
                 torch.matmul(a, b, out=c)
                 end.record()
-                stamp((1,), (1,), (np.uint64(stamps[i].data_ptr() + 8),))
+                stamp((1,), (1,), (np.uint64(stamps[i].data_ptr() + 8),), stream=ext)
         stream.synchronize()
         window = None
         row = {"gemm_sms": sms, "store_rate_GBps": np.nan, "window_us": np.nan}
@@ -172,7 +180,7 @@ class GemmBesideStores:
             run = self.stores.finish(pending)
             self.stores.check(run, check_stores)
             st = run.stamps[run.store_warps].astype(np.int64)
-            window = (float(st[:, 0].max()), float(st[:, 2].min()))
+            window = (int(st[:, 0].max()), int(st[:, 2].min()))  # ns: exact as integers
             row = {"gemm_sms": sms - int(p["producers"]),
                    "store_rate_GBps": load_rows(run.stamps, run.store_warps,
                                                 run.load_warps)["store_rate_GBps"],
