@@ -81,10 +81,10 @@ def link_settings(link: str) -> BenchSettings:
 def launch_means(table: pd.DataFrame) -> pd.DataFrame:
     """Steady-state value of each launch: the mean over its producers' bursts inside the window
     where all producers overlap (each burst row weighted by the producers it counts), after the
-    warm-up bursts. A time average, as the fluid model's quantities are. The under-load probe's
-    launches, which have no bursts, are left out."""
+    warm-up bursts. A time average, as the fluid model's quantities are. The under-load and
+    under-GEMM probes' launches, which have no bursts, are left out."""
     if "mode" in table:
-        table = table[table["mode"] != UNDER_LOAD]
+        table = table[~table["mode"].isin((UNDER_LOAD, UNDER_GEMM))]
     # a table that held probe rows too has the warm-up flag as objects: NaN where no burst was
     steady = table[~table["warmup"].astype(bool) & (table["producers_in_window"] > 0)]
     keys = POINT_KEYS + ["repeat"]
