@@ -231,15 +231,14 @@ class HostLoadProbe:
         """One launch of the point, the store destination poisoned first; what it left."""
         return self.finish(self.start(p))
 
-    def start(self, p: dict, settings: LoadSettings | None = None, started: int = 0,
-              exclusive: bool = False, stream=None) -> "_Pending":
+    def start(self, p: dict, started: int = 0, exclusive: bool = False,
+              stream=None) -> "_Pending":
         """Enqueue one launch of the point (its store destination poisoned first) on ``stream``
-        (CuPy's current one where None) with ``settings`` (the probe's where None); ``started``:
-        a mapped host word the kernel sets once its grid barrier passed (0: none); ``exclusive``:
-        each CTA takes all of its SM's shared memory, so no CTA of another kernel can share the
-        SM. ``finish`` waits for it."""
+        (CuPy's current one where None); ``started``: a mapped host word the kernel sets once
+        its grid barrier passed (0: none); ``exclusive``: each CTA takes all of its SM's shared
+        memory, so no CTA of another kernel can share the SM. ``finish`` waits for it."""
         self.validate(p)
-        cp, s = self.cp, settings or self.settings
+        cp, s = self.cp, self.settings
         src = int(p["src"])
         module = self._buffers(src)
         gpu = self.inv.gpus[src]
@@ -262,13 +261,14 @@ class HostLoadProbe:
             ptr = self._local.data.ptr
         total_ns = (s.warm_us + s.window_us) * 1e3
         max_iters = int(total_ns * _WARP_RATE_BOUND_GBPS / min(STORE_ITER_BYTES, LOAD_ITER_BYTES))
-        # one CTA per SM: more than half an SM's shared memory; exclusive: all of it, less the
-        # 1 KiB the hardware reserves per CTA
-        smem = min(gpu.max_smem_per_sm - 1024 if exclusive else gpu.max_smem_per_sm // 2 + 1024,
-                   gpu.max_smem_per_block_optin)
         with cp.cuda.Device(src):
-            stream = stream or cp.cuda.get_current_stream()
+            stream = stream if stream is not None else cp.cuda.get_current_stream()
             kernel = module.get_function("store_under_load")
+            # one CTA per SM: more than half an SM's shared memory; exclusive: the most a CTA
+            # may take, which with the 1 KiB reserved per CTA is all of the SM's (232448 + 1024
+            # on the H200), so no CTA of another kernel fits beside it
+            smem = (gpu.max_smem_per_block_optin - kernel.shared_size_bytes if exclusive else
+                    min(gpu.max_smem_per_sm // 2 + 1024, gpu.max_smem_per_block_optin))
             kernel.max_dynamic_shared_size_bytes = smem
             arrivals, error = cp.zeros(1, cp.uint32), cp.zeros(1, cp.uint32)
             stamps = cp.full((sms * WARPS, 4), _STAMP_POISON, cp.uint64)
