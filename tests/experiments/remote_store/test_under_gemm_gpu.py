@@ -27,8 +27,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def probe():
-    # a shorter window than a sweep's (20 matmuls): the checks are the same
-    return GemmBesideStores(GemmSettings(window_us=60_000.0, gemms=20), INV)
+    # a shorter window than a sweep's (20 matmuls, 3 inside it): the checks are the same
+    return GemmBesideStores(GemmSettings(window_us=100_000.0, gemms=20, min_inside=3), INV)
 
 
 def point(stores: str, producers: int, gemm: str = "linear1") -> dict:
@@ -45,8 +45,8 @@ def test_the_gemm_alone_and_beside_stores_passes_its_checks_and_measures_in_rang
     assert alone["gemm_sms"] == sms and alone["gemms_inside"] == 20
     assert alone["gemm_tflops"] > 300.0                  # bf16 cuBLAS on an H200: ~600-800
     for rows in (local, host):
-        assert rows["gemm_sms"] == sms - k and rows["gemms_inside"] >= 5
-        assert rows["window_us"] == pytest.approx(60_000.0, rel=0.1)
+        assert rows["gemm_sms"] == sms - k and rows["gemms_inside"] >= 3
+        assert rows["window_us"] == pytest.approx(100_000.0, rel=0.1)
     # the store CTAs hold their SMs: the GEMM on half of them is slower than on all
     assert local["gemm_tflops"] < 0.85 * alone["gemm_tflops"]
     assert host["gemm_tflops"] > 1.0                     # progress, whatever the slowdown
