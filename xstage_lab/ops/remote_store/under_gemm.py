@@ -6,9 +6,11 @@ left; ``"none"`` (K = 0): the matmul alone on every SM. What a GEMM's mainloop l
 backpressured host link, which the streaming load of ``under_load`` overstates (36x there).
 
 Co-residency: the store kernel's CTAs take all of their SMs' shared memory (``exclusive``), so no
-GEMM CTA can share an SM with one; the host launches the GEMMs only once the store kernel's grid
-barrier has passed (a mapped host flag, polled with a bound), so the K SMs are taken first and
-the GEMM gets the other ``sms - K`` (``gemm_sms``). Each matmul is timed by CUDA events and
+GEMM CTA can share an SM with one; its grid holds every SM until its grid barrier has passed,
+then the CTAs past the K that store leave. The host launches the GEMMs only once that barrier
+has passed (a mapped host flag, polled with a bound), so the K SMs are taken first and the GEMM
+gets the other ``sms - K`` (``gemm_sms``), with the kernel and grid cuBLAS picks for the whole
+GPU. Each matmul is timed by CUDA events and
 bracketed by ``%globaltimer`` stamps on its stream (``stamp_timer``); only the matmuls whose
 stamps lie inside the store warps' window (after the X-Stage filled, before the first store warp
 stopped) count. Every launch poisons the GEMM's output first and checks the last matmul's result
