@@ -16,6 +16,10 @@
 // the window sees the steady state. Lane 0 reads the timer and the warp follows its word, so the
 // warp's lanes leave together. The loop is also bounded by max_iters, whose reach is an error.
 //
+// started (null: not asked): thread 0 of CTA 0 writes 1 there once the grid barrier passed, so
+// the host knows every CTA holds its SM before it launches the concurrent work of the
+// ``under_gemm`` probe (a volatile store, no fence: only the flag's arrival is waited for).
+//
 // stamps[warp][4]: %globaltimer at the first iteration inside the window, the iterations issued
 // before it, %globaltimer at the end, the iterations issued in all; written by lane 0 of every
 // working warp (idle warps leave their poison). sums[warp][32]: each lane's sum of loaded words.
@@ -49,7 +53,8 @@ extern "C" __global__ void store_under_load(
         u32* error,                          // zeroed before launch
         u64 timeout_ns,
         u64* __restrict__ stamps,            // [gridDim.x * warps][4], poisoned before launch
-        u32* __restrict__ sums) {            // [gridDim.x * warps][32], poisoned before launch
+        u32* __restrict__ sums,              // [gridDim.x * warps][32], poisoned before launch
+        volatile u32* started) {             // mapped host word, zeroed before launch, or null
     __shared__ int abort_run;
     const u32 warps = blockDim.x / 32u;
     const u32 warp = threadIdx.x / 32u;
@@ -63,6 +68,7 @@ extern "C" __global__ void store_under_load(
         abort_run = !grid_barrier(arrivals, 0u, gridDim.x, timeout_ns, error);
     }
     __syncthreads();
+    if (threadIdx.x == 0 && blockIdx.x == 0 && !abort_run && started != nullptr) *started = 1u;
     if (abort_run || !(stores || loads)) return;
 
     // A warp's index among the warps of its role: its region.
@@ -113,4 +119,10 @@ extern "C" __global__ void store_under_load(
         s[2] = now;
         s[3] = it;
     }
+}
+
+// The under_gemm probe's clock on the GEMM's stream: one thread writes %globaltimer to *slot,
+// before and after each GEMM, so the host can tell which GEMMs ran inside the store window.
+extern "C" __global__ void stamp_timer(u64* slot) {
+    *slot = global_timer_ns();
 }

@@ -28,6 +28,8 @@ R_FIT_MIN_VOLUME = 4 * MIB
 PLATEAU_GAP_MULTIPLE = 2.0
 
 
+# The mode of the under-GEMM probe's rows (ops.remote_store.under_gemm): one row per launch.
+UNDER_GEMM = "under_gemm"
 # The mode of the under-load probe's rows (ops.remote_store.under_load): one row per launch, no
 # bursts, so the burst fits leave them out.
 UNDER_LOAD = "under_load"
@@ -79,10 +81,10 @@ def link_settings(link: str) -> BenchSettings:
 def launch_means(table: pd.DataFrame) -> pd.DataFrame:
     """Steady-state value of each launch: the mean over its producers' bursts inside the window
     where all producers overlap (each burst row weighted by the producers it counts), after the
-    warm-up bursts. A time average, as the fluid model's quantities are. The under-load probe's
-    launches, which have no bursts, are left out."""
+    warm-up bursts. A time average, as the fluid model's quantities are. The under-load and
+    under-GEMM probes' launches, which have no bursts, are left out."""
     if "mode" in table:
-        table = table[table["mode"] != UNDER_LOAD]
+        table = table[~table["mode"].isin((UNDER_LOAD, UNDER_GEMM))]
     # a table that held probe rows too has the warm-up flag as objects: NaN where no burst was
     steady = table[~table["warmup"].astype(bool) & (table["producers_in_window"] > 0)]
     keys = POINT_KEYS + ["repeat"]
@@ -211,6 +213,11 @@ class Calibration:
     under_load: list | None = None
     drain_under_load_ratio: float | None = None
     load_slowdown_full: float | None = None
+    # The under-GEMM probe (host link; None where the record has none): its fits per GEMM and K
+    # (under_gemm_fits) and the mainloop slowdown the host-link MoE forecast plays
+    # (under_gemm_terms)
+    under_gemm: list | None = None
+    gemm_slowdown_full: float | None = None
 
     def platform_model(self) -> model.PlatformModel:
         def key(s):
@@ -252,6 +259,8 @@ class Calibration:
             **({"drain_under_load_ratio": round(self.drain_under_load_ratio, 4),
                 "load_slowdown_full": round(self.load_slowdown_full, 4)}
                if self.under_load is not None else {}),
+            **({"gemm_slowdown_full": round(self.gemm_slowdown_full, 4)}
+               if self.under_gemm is not None else {}),
             "sm_count": self.sm_count,
             "source_record": self.source_record,
         }
@@ -350,6 +359,9 @@ def calibrate(table: pd.DataFrame, platform: str, source_record: str,
     if "mode" in table and (table["mode"] == UNDER_LOAD).any():
         fits = under_load_fits(table)
         probe = {"under_load": fits.to_dict("records"), **under_load_terms(fits)}
+    if "mode" in table and (table["mode"] == UNDER_GEMM).any():
+        fits = under_gemm_fits(table)
+        probe |= {"under_gemm": fits.to_dict("records"), **under_gemm_terms(fits)}
     fenced = points[(points["sweep"] == "fenced") & (points["path"] == "remote")]
     completion = (asdict(fit_completion(fenced, gap_pts[gap_pts["path"] == "remote"], R, t_iss0,
                                         loop_gap_us)) if len(fenced) else None)
@@ -408,6 +420,39 @@ def under_load_terms(fits: pd.DataFrame) -> dict:
     row = (shared if len(shared) else fits.sort_values("producers")).iloc[-1]
     return {"drain_under_load_ratio": float(row["drain_under_load_ratio"]),
             "load_slowdown_full": float(row["load_slowdown"])}
+
+
+def under_gemm_fits(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per (GEMM, K) of a record's ``under_gemm`` probe, medians over its launches: the
+    GEMM's TF/s alone on every SM, beside K SMs storing locally and beside K SMs storing into
+    host memory (the X-Stage full), the SMs it had beside them, and ``gemm_slowdown``, beside
+    local over beside host stores: what a backpressured host link costs a GEMM on the SMs left,
+    against stores that take the same SMs and instructions to local memory."""
+    rows = table[table["mode"] == UNDER_GEMM] if "mode" in table else table.iloc[:0]
+    if rows.empty:
+        raise ValueError(f"the record has no {UNDER_GEMM!r} probe")
+    med = rows.groupby(["gemm", "producers", "stores"], sort=False)[["gemm_tflops",
+                                                                     "gemm_sms"]].median()
+    out = []
+    for gemm, grp in med.groupby(level="gemm", sort=False):
+        grp = grp.droplevel("gemm")
+        alone = float(grp.at[(0, "none"), "gemm_tflops"]) if (0, "none") in grp.index else np.nan
+        for k in sorted(set(grp.index.get_level_values("producers")) - {0}):
+            def at(stores, col):
+                return float(grp.at[(k, stores), col]) if (k, stores) in grp.index else np.nan
+            local, host = at("local", "gemm_tflops"), at("host", "gemm_tflops")
+            out.append({"gemm": gemm, "producers": int(k), "gemm_sms": at("host", "gemm_sms"),
+                        "gemm_alone_tflops": alone, "gemm_beside_local_stores_tflops": local,
+                        "gemm_beside_host_stores_tflops": host, "gemm_slowdown": local / host})
+    return pd.DataFrame(out)
+
+
+def under_gemm_terms(fits: pd.DataFrame) -> dict:
+    """What the host-link MoE forecast takes from ``under_gemm_fits``: ``gemm_slowdown_full``,
+    the median over the GEMMs of their slowdown at the largest K (the X-Stage full from the
+    most SMs, the nearest to the fused kernel's, whose every SM stores)."""
+    largest = fits[fits["producers"] == fits["producers"].max()]
+    return {"gemm_slowdown_full": float(largest["gemm_slowdown"].median())}
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ def host_link_entry(platform: str, root: Path) -> dict:
     cal = calibration_entry(platform, root)
     if cal.get("link") != "host":
         return {}
-    probe = ("drain_under_load_ratio", "load_slowdown_full")  # where the record had the probe
+    probe = ("drain_under_load_ratio", "load_slowdown_full",  # where the record had the probes
+             "gemm_slowdown_full")
     return {"t_iss0_us": cal["T_iss0_us"], "drain_rate_gbs": cal["R_GBps"],
             "copy_engine_gbs": cal["copy_engine_GBps"], "capacity_mib": cal["Q_MiB"],
             "knee_kib_per_producer": cal["knee_KB_per_producer"],

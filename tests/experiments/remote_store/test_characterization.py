@@ -465,8 +465,8 @@ def test_every_host_link_point_validates_on_one_gpu():
     settings = link_settings("host")
     sweeps = host_link_sweeps(132, repeats=7)
     assert [s.name for s in sweeps] == ["drain_rate", "gap", "isolated", "fenced", "lines",
-                                        "row_chunks", "under_load"]
-    for sw in sweeps[:-1]:
+                                        "row_chunks", "under_load", "under_gemm"]
+    for sw in sweeps[:-2]:
         for p in sw.points():
             validate_point(p, inv, settings)
             assert p["dst"] == HOST and p["src"] == 0
@@ -481,7 +481,7 @@ def test_every_host_link_point_validates_on_one_gpu():
         "burst_bytes")["burst_bytes"].first()).all()
     # the Combine's row patterns of every model shape beside the contiguous burst, each past
     # the contiguous knee (35 KiB a producer at K = 132) to a Linear-2 tile's 64 KiB and beyond
-    rows = pd.DataFrame(sweeps[-2].points())
+    rows = pd.DataFrame(sweeps[-3].points())
     assert {(c, r) for c, r in zip(rows["chunk_bytes"], rows["row_bytes"])} == {
         (0, 0), (256, 2816), (512, 8192), (512, 12288), (512, 14336)}
     assert set(rows["producers"]) == {132}

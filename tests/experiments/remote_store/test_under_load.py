@@ -28,9 +28,11 @@ M32 = 0xFFFFFFFF
 @needs_nvcc
 def test_cuda_source_compiles_for_sm90_and_exports_the_probe(tmp_path):
     symbols, entries, ptx = compile_sm90(CU, tmp_path)
-    assert entries == symbols == {"store_under_load"}
-    # 16-byte stores, 16-byte loads, the clock that bounds the loop, no fence in it
+    assert entries == symbols == {"store_under_load", "stamp_timer"}
+    # 16-byte stores, 16-byte loads, the clock that bounds the loop, no fence in it; the barrier
+    # flag for under_gemm a plain volatile store
     assert "st.global.v4.u32" in ptx and "ld.global.nc.v4.u32" in ptx
+    assert "st.volatile.global.u32" in ptx
     assert "%globaltimer" in ptx and "membar" not in ptx and "fence" not in ptx
 
 

@@ -21,7 +21,9 @@ enough to drain it) and ``fenced`` (periodic, but each producer waits for its bu
 at the destination before the gap: the completion-coupled counterfactual); on the host link also
 ``under_load`` (``kernels/host_store_load.cu``, host side ``ops.remote_store.under_load``):
 sustained host stores beside a concurrent memory-bound load in one launch, for R under load and
-how much the backpressured link slows the load. Paths: ``remote`` (destination on a peer GPU) and ``local`` (the control: the
+how much the backpressured link slows the load, and ``under_gemm`` (host side
+``ops.remote_store.under_gemm``): the same stores on K SMs beside torch's bf16 matmul on the
+others, for how much it slows a GEMM. Paths: ``remote`` (destination on a peer GPU) and ``local`` (the control: the
 same code with the destination on the issuing GPU).
 
 An ``Experiment`` run in process by ``experiments.harness``: its ``Sweep``s are
@@ -39,6 +41,9 @@ from ...calibration import BenchSettings, link_settings
 from ...cli import list_option
 from ...ops.remote_store.burst import (ALIGNS, BURST_RESOLUTION, HOST, KIB, LINES, PATHS,
                                        RemoteStoreBench, check_gpus)
+from ...ops.remote_store.under_gemm import GEMMS, GemmBesideStores, GemmSettings
+from ...ops.remote_store.under_gemm import MODE as UNDER_GEMM
+from ...ops.remote_store.under_gemm import validate_gemm_point
 from ...ops.remote_store.under_load import MODE as UNDER_LOAD
 from ...ops.remote_store.under_load import HostLoadProbe, LoadSettings, validate_load_point
 from ...platform import LINKS, LinkError, inventory
@@ -63,7 +68,8 @@ def host_link_sweeps(sm_count: int, src: int = 0, repeats: int = 11,
     isolated bursts at every K of the NVLink sweep (K = all SMs, 1/2, 1/4, 1/8) and B out to a
     burst volume of half the buffer, far enough to find a knee set by a capacity of tens of MiB;
     and ``row_chunks``, R and Q of the fused MoE's Combine row patterns (the host-link MoE
-    forecast's M_X); and ``under_load`` (``under_load_sweep``). No ``pairs`` sweep: a GPU has one
+    forecast's M_X); ``under_load`` (``under_load_sweep``) and ``under_gemm``
+    (``under_gemm_sweep``). No ``pairs`` sweep: a GPU has one
     host link."""
     K = sm_count
     Ks = sorted({max(1, K // 8), max(1, K // 4), max(1, K // 2), K})
@@ -92,6 +98,7 @@ def host_link_sweeps(sm_count: int, src: int = 0, repeats: int = 11,
                          producers=K, align="first"), repeats=repeats),
         row_chunk_sweep(K, src, HOST, repeats),
         under_load_sweep(K, src, repeats),
+        under_gemm_sweep(K, src, repeats),
     ]
 
 
@@ -137,6 +144,18 @@ def under_load_sweep(sm_count: int, src: int, repeats: int) -> Sweep:
              {"stores": "local", "load": 1}, {"stores": "none", "load": 1}]
     return Sweep(UNDER_LOAD, (Axis("shape", shapes), Axis("case", cases)),
                  fixed=dict(src=src, dst=HOST, mode=UNDER_LOAD, gap_us=0.0), repeats=repeats)
+
+
+def under_gemm_sweep(sm_count: int, src: int, repeats: int) -> Sweep:
+    """``under_gemm`` (issue 26): torch's bf16 matmul of the MoE's per-expert GEMM shapes alone
+    on every SM, and on the SMs left beside sustained 16-byte stores from K = 1/8, 1/4, 1/2 of
+    the SMs into host memory (the X-Stage full) or, the control, into local memory
+    (``ops.remote_store.under_gemm``)."""
+    ks = sorted({max(1, sm_count // 8), max(1, sm_count // 4), max(1, sm_count // 2)})
+    cases = ([{"stores": "none", "producers": 0}]
+             + [{"stores": s, "producers": k} for k in ks for s in ("local", "host")])
+    return Sweep(UNDER_GEMM, (Axis("gemm", list(GEMMS)), Axis("case", cases)),
+                 fixed=dict(src=src, dst=HOST, mode=UNDER_GEMM, gap_us=0.0), repeats=repeats)
 
 
 def characterization_sweeps(sm_count: int, n_gpus: int, src: int = 0, dst: int = 1,
@@ -189,7 +208,8 @@ def characterization_sweeps(sm_count: int, n_gpus: int, src: int = 0, dst: int =
     ]
 
 
-SWEEP_NAMES = (*(s.name for s in characterization_sweeps(1, 2)), "row_chunks", UNDER_LOAD)
+SWEEP_NAMES = (*(s.name for s in characterization_sweeps(1, 2)), "row_chunks", UNDER_LOAD,
+               UNDER_GEMM)
 
 
 class BurstGapCharacterization(Experiment):
@@ -239,20 +259,24 @@ class BurstGapCharacterization(Experiment):
             raise ValueError("--only pairs: the host link has one route, no pairs sweep")
         if not host and args.only is not None and "row_chunks" in args.only:
             raise ValueError("--only row_chunks: the Combine row patterns are a host-link sweep")
-        if not host and args.only is not None and UNDER_LOAD in args.only:
-            raise ValueError("--only under_load: the probe stores into host memory, a host-link "
-                             "sweep")
+        for probe in (UNDER_LOAD, UNDER_GEMM):
+            if not host and args.only is not None and probe in args.only:
+                raise ValueError(f"--only {probe}: the probe stores into host memory, a "
+                                 f"host-link sweep")
         return [s for s in sweeps if args.only is None or s.name in args.only]
 
     def start(self, run) -> None:
         self.bench = RemoteStoreBench(run.args.settings, self.inv)
         self.probe = None  # the under-load probe, made at its first point
+        self.gemm_probe = None  # the under-GEMM probe, likewise
         self.copy_engine = (self.bench.copy_engine_rate(run.args.src)
                             if run.args.link == "host" else None)
 
     def validate(self, point, run) -> None:
         if point["mode"] == UNDER_LOAD:
             validate_load_point(point, self.inv)
+        elif point["mode"] == UNDER_GEMM:
+            validate_gemm_point(point, self.inv)
         else:
             self.bench.validate(point)
 
@@ -260,6 +284,11 @@ class BurstGapCharacterization(Experiment):
         if self.probe is None:
             self.probe = HostLoadProbe(LoadSettings(), self.inv)
         return self.probe
+
+    def _gemm_probe(self) -> GemmBesideStores:
+        if self.gemm_probe is None:
+            self.gemm_probe = GemmBesideStores(GemmSettings(), self.inv)
+        return self.gemm_probe
 
     def sm_clock_mhz(self, run):
         return self.bench.sm_clock_mhz(run.args.src)
@@ -270,6 +299,8 @@ class BurstGapCharacterization(Experiment):
         try:
             if point["mode"] == UNDER_LOAD:
                 self._probe().measure(point, check_stores=True)
+            elif point["mode"] == UNDER_GEMM:
+                self._gemm_probe().measure(point, check_stores=True)
             else:
                 self.bench.measure(point, check_on_cpu=True)
         except RuntimeError as e:
@@ -279,6 +310,8 @@ class BurstGapCharacterization(Experiment):
     def measure(self, point, run) -> pd.DataFrame | dict:
         if point["mode"] == UNDER_LOAD:
             return self._probe().measure(point)
+        if point["mode"] == UNDER_GEMM:
+            return self._gemm_probe().measure(point)
         return self.bench.measure(point)
 
     def finish(self, table, run) -> pd.DataFrame:
@@ -295,6 +328,9 @@ class BurstGapCharacterization(Experiment):
         if self.probe is not None:
             facts |= {"under_load_settings": self.probe.settings.__dict__,
                       "under_load_seed": self.probe.seed}
+        if self.gemm_probe is not None:
+            facts |= {"under_gemm_settings": self.gemm_probe.settings.__dict__,
+                      "under_gemm_seed": self.gemm_probe.seed}
         return facts
 
     def link_args(self, link: str) -> list[str]:

@@ -174,6 +174,21 @@ class ProbeLaunch:
     load_region: int
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A launch ``HostLoadProbe.start`` enqueued: what ``finish`` reads back."""
+
+    point: dict
+    src: int
+    roles: dict
+    store_region: int
+    load_region: int
+    error: object   # the device buffers (CuPy)
+    stamps: object
+    sums: object
+    stream: object
+
+
 class HostLoadProbe:
     """Launches probe points on this machine's GPU (CuPy RawModule, NVRTC for the device)."""
 
@@ -214,6 +229,14 @@ class HostLoadProbe:
 
     def launch(self, p: dict) -> "ProbeLaunch":
         """One launch of the point, the store destination poisoned first; what it left."""
+        return self.finish(self.start(p))
+
+    def start(self, p: dict, started: int = 0, exclusive: bool = False,
+              stream=None) -> "_Pending":
+        """Enqueue one launch of the point (its store destination poisoned first) on ``stream``
+        (CuPy's current one where None); ``started``: a mapped host word the kernel sets once
+        its grid barrier passed (0: none); ``exclusive``: each CTA takes all of its SM's shared
+        memory, so no CTA of another kernel can share the SM. ``finish`` waits for it."""
         self.validate(p)
         cp, s = self.cp, self.settings
         src = int(p["src"])
@@ -238,29 +261,44 @@ class HostLoadProbe:
             ptr = self._local.data.ptr
         total_ns = (s.warm_us + s.window_us) * 1e3
         max_iters = int(total_ns * _WARP_RATE_BOUND_GBPS / min(STORE_ITER_BYTES, LOAD_ITER_BYTES))
-        smem = min(gpu.max_smem_per_sm // 2 + 1024, gpu.max_smem_per_block_optin)
         with cp.cuda.Device(src):
+            stream = stream if stream is not None else cp.cuda.get_current_stream()
             kernel = module.get_function("store_under_load")
+            # one CTA per SM: more than half an SM's shared memory; exclusive: the most a CTA
+            # may take, which with the 1 KiB reserved per CTA is all of the SM's (232448 + 1024
+            # on the H200), so no CTA of another kernel fits beside it
+            smem = (gpu.max_smem_per_block_optin - kernel.shared_size_bytes if exclusive else
+                    min(gpu.max_smem_per_sm // 2 + 1024, gpu.max_smem_per_block_optin))
             kernel.max_dynamic_shared_size_bytes = smem
             arrivals, error = cp.zeros(1, cp.uint32), cp.zeros(1, cp.uint32)
             stamps = cp.full((sms * WARPS, 4), _STAMP_POISON, cp.uint64)
             sums = cp.full((sms * WARPS, 32), _POISON, cp.uint32)
+            cp.cuda.Device(src).synchronize()  # the poison and zeros before the launch
             kernel((sms,), (WARPS * 32,),
                    (np.uint64(ptr), np.uint64(store_region), np.uint64(self._load.data.ptr),
                     np.uint64(load_region), np.uint32(r["store_ctas"]),
                     np.uint32(r["store_warps"]), np.uint32(r["load_from_cta"]),
                     np.uint32(r["load_warps"]), np.uint64(s.warm_us * 1e3),
                     np.uint64(s.window_us * 1e3), np.uint64(max_iters), np.uint32(self.seed),
-                    arrivals, error, np.uint64(s.barrier_timeout_s * 1e9), stamps, sums),
-                   shared_mem=smem)
-            cp.cuda.Device(src).synchronize()
-            err = int(error.get()[0])
-            stamps_h, sums_h = stamps.get(), sums.get()
+                    arrivals, error, np.uint64(s.barrier_timeout_s * 1e9), stamps, sums,
+                    np.uint64(started)),
+                   shared_mem=smem, stream=stream)
+        return _Pending(p, src, r, store_region, load_region, error, stamps, sums, stream)
+
+    def finish(self, pending: "_Pending") -> "ProbeLaunch":
+        """Wait for a launch of ``start``; what it left."""
+        cp, r = self.cp, pending.roles
+        with cp.cuda.Device(pending.src):
+            pending.stream.synchronize()
+            err = int(pending.error.get()[0])
+            stamps_h, sums_h = pending.stamps.get(), pending.sums.get()
+        sms = self.inv.gpus[pending.src].sm_count
         cta, warp = np.divmod(np.arange(sms * WARPS), WARPS)
         store_w = (cta < r["store_ctas"]) & (warp < r["store_warps"])
         first = np.where(cta < r["store_ctas"], r["store_warps"], 0)
         load_w = (cta >= r["load_from_cta"]) & (warp >= first) & (warp < first + r["load_warps"])
-        return ProbeLaunch(p, err, stamps_h, sums_h, store_w, load_w, store_region, load_region)
+        return ProbeLaunch(pending.point, err, stamps_h, sums_h, store_w, load_w,
+                           pending.store_region, pending.load_region)
 
     def check(self, run: "ProbeLaunch", check_stores: bool) -> None:
         """Raise where the kernel's error flag is set, a working warp left no stamps or an idle
