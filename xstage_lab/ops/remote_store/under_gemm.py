@@ -129,6 +129,8 @@ class GemmBesideStores:
             b = torch.randn(k, n, generator=g, device=dev).to(torch.bfloat16)
             ref = a.float() @ b.float()
             c = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            # the operands are made on the current stream: the GEMM's waits for them
+            self._stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(self._stream):
                 torch.matmul(a, b, out=c)
             self._operands[gemm] = (a, b, c, ref, float(ref.abs().max()))
