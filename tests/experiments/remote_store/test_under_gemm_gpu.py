@@ -36,12 +36,15 @@ def point(stores: str, producers: int, gemm: str = "linear1") -> dict:
                 dst=HOST, gap_us=0.0)
 
 
-def test_the_gemm_alone_and_beside_stores_passes_its_checks_and_measures_in_range(probe):
+@pytest.mark.parametrize("gemm", ["linear1", "linear2"])
+def test_the_gemm_alone_and_beside_stores_passes_its_checks_and_measures_in_range(probe, gemm):
+    """Both shapes: the sweep's first run on an H200 passed this test with ``linear1`` alone and
+    failed the GEMM check at its first ``linear2`` point."""
     sms = INV.gpus[0].sm_count
     k = sms // 2
-    alone = probe.measure(point("none", 0), check_stores=True)
-    local = probe.measure(point("local", k), check_stores=True)
-    host = probe.measure(point("host", k), check_stores=True)
+    alone = probe.measure(point("none", 0, gemm), check_stores=True)
+    local = probe.measure(point("local", k, gemm), check_stores=True)
+    host = probe.measure(point("host", k, gemm), check_stores=True)
     assert alone["gemm_sms"] == sms and alone["gemms_inside"] == 20
     assert alone["gemm_tflops"] > 300.0                  # bf16 cuBLAS on an H200: ~600-800
     for rows in (local, host):
