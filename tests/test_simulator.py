@@ -373,35 +373,3 @@ def test_tile_table_waits_for_rows_and_stalls_on_a_full_x_stage():
     with pytest.raises(ValueError, match="deadlocks"):
         simulate_tile_table([[(B, 0, 0.0)]], 1, [1.0, 1.0], [0.0, 0.0], 1.0, 1.0)
 
-
-def test_a_mainloop_started_on_a_filling_x_stage_slows_by_its_occupancy():
-    from xstage_lab.simulator import L1_TILE as A, L2_TILE as B, simulate_tile_table
-
-    # mainloops 10 µs, epilogues 1 µs; R = 1 GB/s (1000 B/µs), Q = 10 kB. Row 0's Linear-1 tile
-    # ends at 11; its Linear-2 tile's mainloop to 21, where 10 kB enter the empty X-Stage (no
-    # stall: they fit under Q), its epilogue to 22. Row 1's Linear-1 mainloop starts at 22 with
-    # 9 kB still outstanding (occupancy 0.9): with s = 3 it takes 10·(1 + 2·0.9) = 28 µs.
-    progs = [[(A, 0, 0.0), (B, 0, 1e4), (A, 1, 0.0)]]
-    args = (progs, 1, [10.0, 10.0], [1.0, 1.0], 1.0, 1e4)
-    assert simulate_tile_table(*args)["makespan_us"] == pytest.approx(33.0)
-    slowed = simulate_tile_table(*args, load_slowdown=3.0)
-    assert slowed["makespan_us"] == pytest.approx(22.0 + 28.0 + 1.0)
-    assert slowed["stall_us"] == 0.0
-    # the first two mainloops start on an empty X-Stage: as given
-    assert simulate_tile_table(*args, load_slowdown=1.0) == simulate_tile_table(*args)
-
-
-def test_a_mainloop_started_beyond_q_slows_by_the_full_factor():
-    from xstage_lab.simulator import L1_TILE as A, L2_TILE as B, simulate_tile_table
-
-    # program 0's Linear-2 epilogue at 21 puts 30 kB into the X-Stage (Q = 10 kB): it waits 20 µs
-    # and ends at 42. Program 1's Linear-2 tile (no host bytes) ends at 22, where its next
-    # Linear-1 mainloop starts with 29 kB outstanding, past Q: 10·3 = 30 µs, to 53 with its
-    # epilogue (not 10·(1 + 2·2.9)).
-    progs = [[(A, 0, 0.0), (B, 0, 3e4)], [(A, 1, 0.0), (B, 1, 0.0), (A, 2, 0.0)]]
-    out = simulate_tile_table(progs, 1, [10.0, 10.0], [1.0, 1.0], 1.0, 1e4, load_slowdown=3.0)
-    assert out["stall_us"] == pytest.approx(20.0)
-    assert out["makespan_us"] == pytest.approx(53.0)
-    for bad in (0.0, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="load_slowdown"):
-            simulate_tile_table(progs, 1, [10.0, 10.0], [1.0, 1.0], 1.0, 1e4, load_slowdown=bad)

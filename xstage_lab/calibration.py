@@ -448,9 +448,10 @@ def under_gemm_fits(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def under_gemm_terms(fits: pd.DataFrame) -> dict:
-    """What the host-link MoE forecast takes from ``under_gemm_fits``: ``gemm_slowdown_full``,
-    the median over the GEMMs of their slowdown at the largest K (the X-Stage full from the
-    most SMs, the nearest to the fused kernel's, whose every SM stores)."""
+    """The calibration's number from ``under_gemm_fits``: ``gemm_slowdown_full``, the median over
+    the GEMMs of their slowdown at the largest K (the X-Stage full from the most SMs, the nearest
+    to the fused kernel's, whose every SM stores); the MoE forecast does not play it
+    (``moe.host_forecast`` says why)."""
     largest = fits[fits["producers"] == fits["producers"].max()]
     return {"gemm_slowdown_full": float(largest["gemm_slowdown"].median())}
 

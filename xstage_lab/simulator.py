@@ -505,7 +505,7 @@ L1_TILE, L2_TILE = 0, 1
 def simulate_tile_table(programs: Sequence[Sequence[tuple[int, int, float]]],
                         l1_tiles_per_row: int, mainloop_us: Sequence[float],
                         epilogue_us: Sequence[float], drain_rate: float,
-                        capacity: float, load_slowdown: float = 1.0) -> dict:
+                        capacity: float) -> dict:
     """Play a fused MoE kernel's tile table on the CPU: every program walks its tiles
     (``(kind, row block, remote bytes)``, kind ``L1_TILE`` or ``L2_TILE``) in order; a tile runs
     its mainloop (``mainloop_us[kind]``) then its epilogue (``epilogue_us[kind]``). A Linear-2
@@ -515,20 +515,11 @@ def simulate_tile_table(programs: Sequence[Sequence[tuple[int, int, float]]],
     outstanding volume is back under Q, so a burst into a full X-Stage stalls its program by
     (q + V − Q)/R (eqs. 3, 7 for bursts that are small against Q, as a tile's are).
 
-    ``load_slowdown`` s: outstanding host stores slow the GPU's other work (the ``under_gemm``
-    probe measures s with the X-Stage full: a GEMM's throughput beside local stores over beside
-    host stores), so a tile that starts its mainloop with q
-    outstanding runs it 1 + (s − 1)·min(1, q/Q) times as long as all local: not at all on an
-    empty X-Stage, s times at Q. s = 1 (the default) leaves the mainloops as given.
-
     Returns the makespan, the stall summed over programs and per Linear-2 tile, and the time
     Linear-2 tiles waited for their rows, all in µs (``drain_rate`` in GB/s, bytes)."""
     if drain_rate <= 0 or capacity < 0 or l1_tiles_per_row < 1:
         raise ValueError("drain_rate must be > 0, capacity >= 0, l1_tiles_per_row >= 1")
-    if not (math.isfinite(load_slowdown) and load_slowdown > 0):
-        raise ValueError(f"load_slowdown must be finite and > 0, got {load_slowdown}")
     drain = drain_rate * _BYTES_PER_US_PER_GBPS
-    full_us = capacity / drain  # empty_at − t at which the X-Stage holds Q
     rows = 1 + max((row for prog in programs for _, row, _ in prog), default=-1)
     remaining = [l1_tiles_per_row] * rows
     row_done = [np.inf] * rows
@@ -549,11 +540,7 @@ def simulate_tile_table(programs: Sequence[Sequence[tuple[int, int, float]]],
                 continue
             start = max(t, row_done[row]) if kind == L2_TILE else t
             wait += start - ready[g]
-            mainloop = mainloop_us[kind]
-            if load_slowdown != 1.0 and empty_at > start:
-                full = min(1.0, (empty_at - start) / full_us) if full_us > 0 else 1.0
-                mainloop *= 1.0 + (load_slowdown - 1.0) * full
-            heapq.heappush(events, (start + mainloop, g, 1))
+            heapq.heappush(events, (start + mainloop_us[kind], g, 1))
             continue
         issue = 0.0
         if kind == L2_TILE:

@@ -1,6 +1,6 @@
 """A GEMM beside a full host X-Stage (issue 26): the ``under_gemm`` probe's points, the rows of a
-launch from its event times and stamps, its fits in the calibration and the term the host-link
-MoE forecast plays, through the harness with a probe that answers from a model."""
+launch from its event times and stamps, its fits and term in the calibration and the summary,
+through the harness with a probe that answers from a model."""
 from __future__ import annotations
 
 import numpy as np
@@ -64,7 +64,7 @@ def test_rows_count_only_the_matmuls_inside_the_store_window():
         gemm_rows(ms, unwritten, (1000, 4400), 2e12, 3)
 
 
-# --- fits and the forecast's term ----------------------------------------------------------------
+# --- fits and the calibration's term -------------------------------------------------------------
 
 def gemm_rates(gemm: str, producers: int, stores: str) -> dict:
     """What a model platform answers: 700 TF/s alone; on the SMs left, in proportion to them
@@ -128,12 +128,13 @@ def model_probe(monkeypatch):
     return ch
 
 
-def test_the_probe_alone_is_a_partial_record_the_forecast_reads(model_probe, tmp_path):
-    from xstage_lab.analysis.remote_store.under_load import forecast_terms, gemm_terms
+def test_the_probe_alone_is_a_partial_record_the_calibration_reads(model_probe, tmp_path):
+    from xstage_lab.analysis.remote_store.row_chunks import latest_with_sweep
+    from xstage_lab.analysis.remote_store.under_load import forecast_terms
     from xstage_lab.records import read_record
 
     ch = model_probe
-    assert gemm_terms("h200-x1-host", tmp_path) == ({}, None)
+    assert latest_with_sweep("h200-x1-host", "under_gemm", tmp_path) is None
     path = ch.run_characterization(repeats=1, only=("under_gemm",), progress=False,
                                    root=tmp_path, link="host")
     assert path.parent == tmp_path / "remote_store_partial" / "h200-x1-host"
@@ -142,9 +143,9 @@ def test_the_probe_alone_is_a_partial_record_the_forecast_reads(model_probe, tmp
     # each point checked (stores read back) before its warm-up and again after its repeat
     checked = [c for _, c in ModelGemmProbe.launches]
     assert len(checked) == 14 * 4 and checked.count(True) == 28
-    terms, name = gemm_terms("h200-x1-host", tmp_path)
-    assert name == f"remote_store_partial/h200-x1-host/{rec.record_id}"
-    assert terms == {"gemm_slowdown_full": pytest.approx(1.4)}
+    assert latest_with_sweep("h200-x1-host", "under_gemm", tmp_path).record_id == rec.record_id
+    assert under_gemm_terms(under_gemm_fits(rec.table)) == {"gemm_slowdown_full":
+                                                            pytest.approx(1.4)}
     # the under-load probe's terms stay apart: this record has none
     assert forecast_terms("h200-x1-host", tmp_path) == ({}, None)
 

@@ -39,7 +39,8 @@ def point(stores: str, producers: int, gemm: str = "linear1") -> dict:
 @pytest.mark.parametrize("gemm", ["linear1", "linear2"])
 def test_the_gemm_alone_and_beside_stores_passes_its_checks_and_measures_in_range(probe, gemm):
     """Both shapes: the sweep's first run on an H200 passed this test with ``linear1`` alone and
-    failed the GEMM check at its first ``linear2`` point."""
+    failed the GEMM check at its first ``linear2`` point; with the GEMM's stream made to wait for
+    its operands, both passed there."""
     sms = INV.gpus[0].sm_count
     k = sms // 2
     alone = probe.measure(point("none", 0, gemm), check_stores=True)

@@ -2,16 +2,14 @@
 record (or of a ``remote_store_partial`` one, run with ``--only under_load``), fitted by
 ``calibration.under_load_fits``, and its two numbers (``calibration.under_load_terms``): R under
 a concurrent memory-bound load over R alone, which the host-link MoE forecast plays, and that
-load's slowdown beside a full X-Stage, which it does not (``moe.host_forecast`` says why). A
-platform without the probe plays R as calibrated. The ``under_gemm`` probe's term
-(``calibration.under_gemm_terms``), a GEMM's slowdown beside a full X-Stage, is what the forecast
-plays on the mainloops instead, where a record holds it."""
+load's slowdown beside a full X-Stage, which it does not, nor the ``under_gemm`` probe's matmul
+slowdown (``moe.host_forecast`` says why). A platform without the probe plays R as
+calibrated."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from ...calibration import (UNDER_GEMM, UNDER_LOAD, under_gemm_fits, under_gemm_terms,
-                            under_load_fits, under_load_terms)
+from ...calibration import UNDER_LOAD, under_load_fits, under_load_terms
 from ...records import RECORDS_DIR, Record
 from .row_chunks import latest_with_sweep
 
@@ -28,15 +26,4 @@ def forecast_terms(platform: str, root: Path = RECORDS_DIR) -> tuple[dict, str |
     if rec is None:
         return {}, None
     return (under_load_terms(under_load_fits(rec.table)),
-            f"{rec.meta['experiment']}/{platform}/{rec.record_id}")
-
-
-
-def gemm_terms(platform: str, root: Path = RECORDS_DIR) -> tuple[dict, str | None]:
-    """``under_gemm_terms`` of ``platform``'s latest ``under_gemm`` probe and that record's name;
-    ``({}, None)`` where the platform has none."""
-    rec = latest_with_sweep(platform, UNDER_GEMM, root)
-    if rec is None:
-        return {}, None
-    return (under_gemm_terms(under_gemm_fits(rec.table)),
             f"{rec.meta['experiment']}/{platform}/{rec.record_id}")

@@ -25,15 +25,16 @@ measured time (the one-GPU kernel record) to its simulated one.
 
 Where the host platform has the ``under_load`` probe (``analysis.remote_store.under_load``), the
 tile forecast plays R scaled by the probe's R under a concurrent load over R alone; where it has
-none, R as calibrated. The probe's slowdown of a streaming load beside a full X-Stage (36x on one
-H200, ``remote_store_partial/h200-x1-host/20261202T124212Z-777eb0edc1``), played as a mainloop
-stretched by 1 + (s − 1)·min(1, q/Q) at its start, made ``auto``'s picks worse on that
-platform's matrix (``moe_host/h200-x1-host/20261202T104749Z-fa8e61f692``: 39 of 112 cells within
-3% of the fastest, against 81 without): a GEMM mainloop is far less sensitive than a streaming
-load. So the mainloops are stretched that way (``simulate_tile_table``'s ``load_slowdown``) only
-by a GEMM's own slowdown, where the platform has the ``under_gemm`` probe
-(``gemm_slowdown_full``: cuBLAS's bf16 matmul beside K SMs storing into host memory over
-beside them storing locally, at the largest K); where it has none, as traced all local.
+none, R as calibrated. The mainloops stay as traced all local, although a full host X-Stage slows
+the GPU's other work: on one H200 a streaming load by up to 36x
+(``remote_store_partial/h200-x1-host/20261202T124212Z-777eb0edc1``) and cuBLAS's bf16 matmul by
+9-38x beside K = 16-66 SMs storing into host memory (``…/20261202T131555Z-44b85f84b5``, the
+``under_gemm`` probe). Played on the mainloops, that slowdown made ``auto``'s picks worse on the
+platform's matrix (``moe_host/h200-x1-host/20261202T104749Z-fa8e61f692``: 81 of 112 cells within
+3% of the fastest as traced; 39 with the streaming load's 36x and 41 with the matmul's 37x, each
+stretching a mainloop that starts with q outstanding by 1 + (s − 1)·min(1, q/Q); 59 with the
+matmul's 37x on mainloops that start with the X-Stage full, only): the fused kernel's mainloops
+do not meet the sustained backpressure the probes hold, and how they do meet it is not modelled.
 
 ``auto_schedule``: of Expert-Wave and Interleaved at each lead of ``schedules.lead_sweep``, the one
 this forecast predicts fastest for the cell, the link and the host share.
@@ -75,16 +76,15 @@ def tile_programs(schedule, block_bytes: np.ndarray) -> list[list[tuple[int, int
 
 
 def simulated_us(problem: MoEProblem, schedule, block_bytes: np.ndarray, times: dict,
-                 platform: model.PlatformModel, programs: int, load_slowdown: float = 1.0) -> float:
+                 platform: model.PlatformModel, programs: int) -> float:
     """The simulated makespan of ``schedule`` with ``block_bytes`` per Linear-2 tile of a row
-    block; ``times``: mainloop and epilogue µs of Linear-1 and Linear-2 tiles; ``load_slowdown``
-    as ``simulate_tile_table`` takes it."""
+    block; ``times``: mainloop and epilogue µs of Linear-1 and Linear-2 tiles."""
     capacity = platform.capacity_at(programs)
     out = simulator.simulate_tile_table(
         tile_programs(schedule, block_bytes), problem.l1_n_blocks,
         (times["mainloop_l1_us"], times["mainloop_l2_us"]),
         (times["epilogue_l1_us"], times["epilogue_l2_us"]),
-        platform.drain_rate, capacity if capacity is not None else 0.0, load_slowdown)
+        platform.drain_rate, capacity if capacity is not None else 0.0)
     return out["makespan_us"]
 
 
@@ -95,8 +95,7 @@ def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
     predicted time of Expert-Wave, of Interleaved at each lead of ``lead_sweep`` and all local,
     and the schedule ``auto`` picks; the Combine drains by its row pattern's model where
     ``patterns`` holds it (``forecast.combine_platform``), at R scaled by ``under_load``'s
-    ``drain_under_load_ratio`` (``calibration.under_load_terms``), with mainloops slowed by its
-    ``gemm_slowdown_full`` (``calibration.under_gemm_terms``) where given."""
+    ``drain_under_load_ratio`` where given (``calibration.under_load_terms``)."""
     from .kernel_cell import build_workload, fused_layout
 
     shape = load_shapes()[kernel["model"]]
@@ -106,7 +105,6 @@ def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
     under_load = under_load or {}
     platform = dataclasses.replace(
         platform, drain_rate=platform.drain_rate * under_load.get("drain_under_load_ratio", 1.0))
-    slowdown = under_load.get("gemm_slowdown_full", 1.0)
     programs = int(kernel["num_programs"])
     wl = build_workload(shape, kernel["routing"], int(kernel["tokens"]),
                         seed=cell_seed(seed, shape.model, kernel["precision"], kernel["routing"],
@@ -130,8 +128,7 @@ def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
         block_bytes = host_rows_per_block(row_src, row_slot, tiles["block_m"], share) \
             * tiles["block_n2"] * BF16_BYTES
         t = times["wave" if name == "wave" else "interleaved"]
-        return simulated_us(problem, schedules[name], block_bytes, t, platform, programs,
-                            slowdown)
+        return simulated_us(problem, schedules[name], block_bytes, t, platform, programs)
 
     scale = kernel["kernel_wave_us"] / simulate("wave", 0)
     local = {name: simulate(name, 0) * scale for name in schedules}
@@ -161,25 +158,23 @@ def tile_forecast(kernels: pd.DataFrame, platform: model.PlatformModel, host_sha
 def compute(kernel_platform: str, host_platform: str, tokens: int,
             root: Path = RECORDS_DIR) -> tuple[pd.DataFrame, dict]:
     """The ``moe_host_forecast`` table: ``compute_host_forecast``'s rows joined with
-    ``tile_forecast``'s for the same cells, and its parameters (with the ``under_load`` and
-    ``under_gemm`` probes' records and terms where the platform has them)."""
+    ``tile_forecast``'s for the same cells, and its parameters (with the ``under_load`` probe's
+    record and terms where the platform has one)."""
     from ...analysis.moe.kernel_view import latest_view
     from ...analysis.remote_store.characterization import latest_calibration
     from ...analysis.remote_store.row_chunks import combine_models
-    from ...analysis.remote_store.under_load import forecast_terms, gemm_terms
+    from ...analysis.remote_store.under_load import forecast_terms
 
     table, params = compute_host_forecast(kernel_platform, host_platform, tokens, root)
     kernels = latest_view(kernel_platform, root).table
     under_load, under_load_record = forecast_terms(host_platform, root)
-    gemm, gemm_record = gemm_terms(host_platform, root)
-    under_load = {**under_load, **gemm}
     tiles = tile_forecast(kernels[kernels["tokens"] == tokens],
                           latest_calibration(host_platform, root).platform_model(), HOST_SHARES,
                           patterns=combine_models(host_platform, root)[0], under_load=under_load)
     table = table.merge(tiles, on=["model", "precision", "routing", "tokens", "host_share"],
                         how="left", validate="one_to_one")
-    probe = {**({"under_load_record": under_load_record} if under_load_record else {}),
-             **({"under_gemm_record": gemm_record} if gemm_record else {}), **under_load}
+    probe = ({"under_load_record": under_load_record, **under_load} if under_load_record
+             else {})
     return table, {**params, **probe, "method": params["method"] + "\n\n" + __doc__}
 
 

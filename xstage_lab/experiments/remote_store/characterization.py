@@ -60,18 +60,6 @@ def KIBS(*kib: int) -> list[int]:
     return [k * KIB for k in kib]
 
 
-# Sweeps a run measures only where ``--only`` names them: ``under_gemm`` failed its GEMM check
-# at its first point of the second shape (``linear2``) on its first run on one H200
-# (2026-12-02), so a full run leaves it out until it passes there.
-OPT_IN_SWEEPS = (UNDER_GEMM,)
-
-
-def selected_sweeps(sweeps: list[Sweep], only) -> list[Sweep]:
-    """The sweeps a run measures: those ``only`` names, else all but ``OPT_IN_SWEEPS``."""
-    return [s for s in sweeps
-            if (s.name in only if only is not None else s.name not in OPT_IN_SWEEPS)]
-
-
 def host_link_sweeps(sm_count: int, src: int = 0, repeats: int = 11,
                      settings: BenchSettings = link_settings("host")) -> list[Sweep]:
     """The Fig. 3 sweeps on the host link (stores into pinned host memory, ``dst = HOST``),
@@ -81,8 +69,7 @@ def host_link_sweeps(sm_count: int, src: int = 0, repeats: int = 11,
     burst volume of half the buffer, far enough to find a knee set by a capacity of tens of MiB;
     and ``row_chunks``, R and Q of the fused MoE's Combine row patterns (the host-link MoE
     forecast's M_X); ``under_load`` (``under_load_sweep``) and ``under_gemm``
-    (``under_gemm_sweep``, run where ``--only`` names it: ``OPT_IN_SWEEPS``). No ``pairs``
-    sweep: a GPU has one host link."""
+    (``under_gemm_sweep``). No ``pairs`` sweep: a GPU has one host link."""
     K = sm_count
     Ks = sorted({max(1, K // 8), max(1, K // 4), max(1, K // 2), K})
     fixed = dict(src=src, dst=HOST, lines="fresh")
@@ -275,7 +262,7 @@ class BurstGapCharacterization(Experiment):
             if not host and args.only is not None and probe in args.only:
                 raise ValueError(f"--only {probe}: the probe stores into host memory, a "
                                  f"host-link sweep")
-        return selected_sweeps(sweeps, args.only)
+        return [s for s in sweeps if args.only is None or s.name in args.only]
 
     def start(self, run) -> None:
         self.bench = RemoteStoreBench(run.args.settings, self.inv)
