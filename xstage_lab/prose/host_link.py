@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..analysis.moe.host_view import MISS_PP, comparison, local_sweep_table, misses
 from ..analysis.remote_store.row_chunks import row_chunk_fits
-from ..calibration import under_load_fits
+from ..calibration import under_gemm_fits, under_load_fits
 from . import Prose, count, rec, span, val
 
 # A measured Expert-Wave stall per Linear-2 burst this far (µs) from the forecast's, or an
@@ -207,4 +207,23 @@ def under_load(records) -> Prose:
         out.append(text + ". The MoE forecast plays R under the load; the load's slowdown is a "
                    "streaming load's, not a GEMM mainloop's, and the forecast leaves it out "
                    "(`moe.host_forecast`).")
+    return Prose(*out)
+
+
+def under_gemm(records) -> Prose:
+    """Each host platform's ``under_gemm`` probe: cuBLAS's bf16 matmul on the SMs that K store
+    warps' CTAs leave, beside host stores against beside the same stores kept local."""
+    out = []
+    for r in records:
+        fits = under_gemm_fits(r.table)
+        per_k = "; ".join(
+            f"K = {count(k)}: {span(g['gemm_slowdown'], '.1f')}× "
+            f"({span(g['gemm_beside_host_stores_tflops'], '.0f')} TF/s against "
+            f"{span(g['gemm_beside_local_stores_tflops'], '.0f')})"
+            for k, g in fits.groupby("producers", sort=True))
+        out.append(f"{rec(r)} ({r.platform}): the matmul ({', '.join(sorted(fits['gemm'].unique()))}"
+                   f"; {span(fits['gemm_alone_tflops'], '.0f')} TF/s alone on every SM) slows "
+                   f"beside K SMs storing into host memory against beside the same stores kept "
+                   f"local, by {per_k}. The MoE forecast does not play this slowdown either "
+                   f"(`moe.host_forecast`).")
     return Prose(*out)

@@ -169,3 +169,16 @@ def test_a_complete_record_calibrates_as_before_with_the_gemm_term_beside(model_
     cal = read_record(ch.write_calibration(path, tmp_path)).params["calibration"]
     assert len(cal["under_gemm"]) == 6
     assert host_link_entry("h200-x1-host", tmp_path)["gemm_slowdown_full"] == pytest.approx(1.4)
+
+
+def test_the_notebooks_passage_says_each_ks_slowdown_from_the_record():
+    """``prose.host_link.under_gemm`` on the model probe's rows: each K's slowdown and rates."""
+    from types import SimpleNamespace
+
+    from xstage_lab.prose.host_link import under_gemm
+
+    text = str(under_gemm([SimpleNamespace(record_id="rid", platform="x-host",
+                                           table=gemm_table())]))
+    assert "`rid` (x-host): the matmul (linear1, linear2;" in text
+    assert "K = 16: 1.1–1.3× (473–559 TF/s against 615)" in text
+    assert "K = 66: 1.2–1.6× (219–292 TF/s against 350)" in text
