@@ -211,9 +211,10 @@ SETTING_COLUMNS = {"gap_us", "gap_set_us", "d_factor", "lead_rows", "world_size"
                    "intermediate", "top_k", "num_programs", "rank", "tiles_l1", "tiles_l2",
                    "programs", "bursts", "src", "dst", "n_dst", "dst_used", "recovery_rate_GBps",
                    "spin_errors_after_timing", "d_knee"}
-# String columns that say what kind of row it is (a row's quantities change by the factor of
-# their column and kind, ``perturb_table``).
-ROW_KINDS = ("method", "build", "kernel", "variant", "kind", "schedule", "path")
+# Columns that say what kind of row it is (a row's quantities change by the factor of their
+# column and kind, ``perturb_table``): the host-link probes' store destination and load among
+# them, whose rows' rates the probes' ratios divide.
+ROW_KINDS = ("method", "build", "kernel", "variant", "kind", "schedule", "path", "stores", "load")
 # A quantity's quantiles and spreads change by the quantity's factor; ratios (speedups,
 # TF/s over cuDNN's) are raised to it, shares to its inverse.
 _QUANTILE = re.compile(r"_(?:p\d+|iqr|median|mean|max|min|lo|hi)(?=_|$)")
