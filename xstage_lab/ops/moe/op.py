@@ -10,7 +10,7 @@ FP8 activations quantized per 1 x 128 in the gather pass, the fused kernel's row
 in the last), the fused kernel over the chosen schedule's table (``kernels/moe_fused_ws.py`` on
 sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-2 epilogues store each pick's row into
 the Combine buffer, then the top-k weighted sum (``combine``, one Triton launch, reading the
-block). Eagerly on CUDA the eight replay as one CUDA graph (``GraphCache``), captured once per
+block). Eagerly on CUDA the eight run as one CUDA graph (``GraphCache``), captured once per
 token count at that count's first call, its writer node taking each call's addresses as new
 arguments (``graph_launch.GraphLauncher``): a call costs the host two driver calls. While the
 stream is capturing (a user's graph) or off CUDA they launch directly, each bound once
@@ -27,7 +27,6 @@ import torch
 from triton.runtime import driver
 
 from ...kernel_sources import load_kernel_module
-
 from ..graph_launch import GraphLauncher
 from ..launcher import Launcher
 from .call_args import (TRITON_DTYPES, WRITER_FIRST_SLOT, slot_addresses, write_addresses,
