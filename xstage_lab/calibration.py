@@ -207,15 +207,14 @@ class Calibration:
     # The copy engine's rate over the same link, measured in the same run (host link): R's baseline
     copy_engine_GBps: float | None = None
     # The under-load probe (host link; None where the record has none): its fits per layout and
-    # K (under_load_fits), and the two numbers the host-link MoE forecast takes from them
-    # (under_load_terms): R under the load over R alone, and the load's throughput beside local
-    # stores over beside host stores that fill the X-Stage
+    # K (under_load_fits), and its two numbers (under_load_terms): R under the load over R alone
+    # (the host-link MoE forecast scales R by it), and the load's throughput beside local stores
+    # over beside host stores that fill the X-Stage
     under_load: list | None = None
     drain_under_load_ratio: float | None = None
     load_slowdown_full: float | None = None
     # The under-GEMM probe (host link; None where the record has none): its fits per GEMM and K
-    # (under_gemm_fits) and the mainloop slowdown the host-link MoE forecast plays
-    # (under_gemm_terms)
+    # (under_gemm_fits) and a GEMM's slowdown beside a full X-Stage (under_gemm_terms)
     under_gemm: list | None = None
     gemm_slowdown_full: float | None = None
 
@@ -412,10 +411,10 @@ def under_load_fits(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def under_load_terms(fits: pd.DataFrame) -> dict:
-    """What the host-link MoE forecast takes from ``under_load_fits``: ``drain_under_load_ratio``
-    (R scaled by it) and ``load_slowdown_full`` (a streaming load's slowdown at a full X-Stage), from
-    the shared layout, where every SM stores and loads as the fused kernel's do, else from the
-    split layout with the most producers."""
+    """The calibration's numbers from ``under_load_fits``: ``drain_under_load_ratio`` (the
+    host-link MoE forecast scales R by it) and ``load_slowdown_full`` (a streaming load's slowdown
+    at a full X-Stage), from the shared layout, where every SM stores and loads as the fused
+    kernel's do, else from the split layout with the most producers."""
     shared = fits[fits["layout"] == "shared"]
     row = (shared if len(shared) else fits.sort_values("producers")).iloc[-1]
     return {"drain_under_load_ratio": float(row["drain_under_load_ratio"]),

@@ -19,8 +19,8 @@ from .shapes import MoEContractError
 
 # the slots whose readers assume 16-byte aligned addresses (vectorized rows)
 ALIGNED = ("x", "combine_rows", "out")
-# what a reader casts an address to, by the tensor's dtype
 WRITER_FIRST_SLOT = 1  # the writer's arguments: the block, then one address per slot
+# what a reader casts an address to, by the tensor's dtype
 TRITON_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64, torch.float16: tl.float16,
                  torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
                  torch.float64: tl.float64}
