@@ -86,6 +86,21 @@ class GraphCache:
             self.graphs.move_to_end(key)
         return graph
 
+    def call(self, key: tuple, launches, addresses: tuple[int, ...] = (), rewrite=None) -> None:
+        """One call of ``launches()``: directly where no graph launches (``launching_graphs``);
+        else ``key``'s graph launched with ``addresses``, captured after a direct call at the
+        key's first call (which binds every launch new at the key). ``rewrite()``, evaluated at
+        a capture only, gives what ``GraphLauncher`` takes as ``rewrite``."""
+        if not launching_graphs(self.device):
+            launches()
+            return
+        graph = self.get(key)
+        if graph is None:
+            launches()
+            self.capture(key, launches, rewrite() if rewrite is not None else None)
+        else:
+            graph(driver.active.get_current_stream(self.device.index), addresses)
+
     def capture(self, key: tuple, launches, rewrite=None) -> GraphLauncher:
         """``launches()`` captured as ``key``'s graph; ``rewrite`` as ``GraphLauncher`` takes it."""
         if self.stream is None:
@@ -189,19 +204,9 @@ class MoEWorkspace:
                        arrival_slot=arrival_slot)
             self.launch(schedule, peers, routed=True)
 
-        device = self.tables.args.device
-        if not launching_graphs(device):
-            launches()
-            return
-        key = (schedule, peers.table.data_ptr(), expert_ids.data_ptr(), x.data_ptr(),
-               0 if x_scale is None else x_scale.data_ptr(), n_arrivals.data_ptr(),
-               arrival_src.data_ptr(), arrival_slot.data_ptr())
-        graph = self.graphs.get(key)
-        if graph is None:
-            launches()  # binds every launch new at this key
-            self.graphs.capture(key, launches)
-        else:
-            graph(driver.active.get_current_stream(device.index))
+        self.graphs.call((schedule, peers.table.data_ptr(), expert_ids.data_ptr(), x.data_ptr(),
+                          0 if x_scale is None else x_scale.data_ptr(), n_arrivals.data_ptr(),
+                          arrival_src.data_ptr(), arrival_slot.data_ptr()), launches)
 
 
 _LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -309,16 +314,8 @@ class FusedMoE(torch.nn.Module):
         addresses = slot_addresses(self.workspace.tables.args, expert_ids=ids, x=x,
                                    combine_rows=self.combine, topk_weights=w, out=y)
         key = (x.shape[0], schedule, ids.dtype, w.dtype)
-        if not launching_graphs(self.device):
-            self.launches(addresses, *key)
-            return y
-        graph = self.graphs.get(key)
-        if graph is None:
-            self.launches(addresses, *key)  # this call's output; binds every launch new at key
-            self.graphs.capture(key, lambda: self.launches(addresses, *key),
-                                (writer_function(), WRITER_FIRST_SLOT, addresses))
-        else:
-            graph(driver.active.get_current_stream(self.device.index), addresses)
+        self.graphs.call(key, lambda: self.launches(addresses, *key), addresses,
+                         lambda: (writer_function(), WRITER_FIRST_SLOT, addresses))
         return y
 
     def launches(self, addresses: tuple[int, ...], tokens: int, schedule: str,
