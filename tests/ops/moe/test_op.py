@@ -116,6 +116,7 @@ interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, inte
     (lambda x, ids, w: (x, ids, w.to(torch.float8_e4m3fn)), "topk_weights must be"),
     (lambda x, ids, w: (x, ids.clamp(max=TINY.routed_experts - 1) + 1, w), "expert ids must lie"),
     (lambda x, ids, w: (x, ids - 1, w), "expert ids must lie"),
+    (lambda x, ids, w: (x, ids, w.to("meta")), "topk_weights on meta"),
     (lambda x, ids, w: (torch.cat([x] * 5), torch.cat([ids] * 5), torch.cat([w] * 5)),
      "outside 1..16"),
     (lambda x, ids, w: (torch.cat([x.reshape(-1)[:1], x.reshape(-1)])[1:].view(x.shape), ids, w),

@@ -51,12 +51,13 @@ import torch
 from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, layer_view
 from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
-from ...ops.moe.call_args import slot_addresses
+from ...ops.graph_launch import GraphLauncher
 from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.device_tables import host_tables, table_mismatches
 from ...ops.moe.dispatch import build_layout
 from ...ops.moe.fused import FusedMoECall, prepare_fused_moe
-from ...ops.moe.op import FusedMoE, MoEWorkspace, auto_schedule, launching_graphs
+from ...ops.moe.op import (GRAPH_COPIES, FusedMoE, MoEWorkspace, auto_schedule,
+                           launching_graphs)
 from ...ops.moe.reference import expert_rows_reference, reference_moe
 from ...ops.moe.routing import router_logits, router_topk
 from ...ops.moe.schedules import MoEProblem, expert_wave_schedule, interleaved_schedule
@@ -156,20 +157,26 @@ class Ep1Cell:
         """The host side of a call's steps, each timed alone (``host_overhead_us``): those of an
         eager call (``check``, ``output``: its output's allocation, ``capturing``: whether the
         stream is capturing, ``args``: its argument block's addresses gathered and checked,
-        ``replay``: its graph launched with them, captured by the checks' calls), and those of
+        ``replay``: its graph launched with them, captured by the checks' calls, in turn over the
+        graph's ``GRAPH_COPIES`` executables), the launch split (one executable:
+        ``replay_one``, its two driver calls ``set_addresses`` and ``graph_launch`` alone), and
         the direct launches a graph captures (``route``, ``launch``, ``weighted_sum``)."""
         layer, y = self.layer, torch.empty_like(self.x)
         graph = layer.graphs.get((self.tokens, layer.schedule, self.ids.dtype, self.w.dtype))
+        one = GraphLauncher(graph.graph, graph.rewrite, copies=1)
+        one_exec = one.executables[0]
 
         def addresses():
-            return slot_addresses(layer.workspace.tables.args, expert_ids=self.ids, x=self.x,
-                                  combine_rows=layer.combine, topk_weights=self.w, out=y)
+            return layer.pack_addresses(self.ids, self.x, layer.combine, self.w, y)
 
         stream, launched = torch.cuda.current_stream().cuda_stream, addresses()
         return {"check": lambda: layer.check_inputs(self.x, self.ids, self.w),
                 "output": lambda: torch.empty_like(self.x),
                 "capturing": lambda: launching_graphs(layer.device),
                 "args": addresses, "replay": lambda: graph(stream, launched),
+                "replay_one": lambda: one(stream, launched),
+                "set_addresses": lambda: one.set_addresses(one_exec, launched),
+                "graph_launch": lambda: one.launch(one_exec, stream),
                 "route": self.route, "launch": self.kernel, "weighted_sum": self.weighted_sum}
 
     def touched_experts(self) -> int:
@@ -290,9 +297,10 @@ def _host_launch(layout, ws: MoEWorkspace, schedule: str, peers) -> FusedMoECall
 
 
 # How an eager call reaches the device (column ``eager_path``): one graph with the argument
-# writer inside, launched by two driver calls (``graph_launch.GraphLauncher``). Records without
-# the column launched the writer through Triton, then replayed the graph (EP = 1) or launched
-# one by one (the EP rank).
+# writer inside, launched by two driver calls (``graph_launch.GraphLauncher``, over
+# ``graph_copies`` executables in turn; records without that column had one). Records without
+# ``eager_path`` launched the writer through Triton, then replayed the graph (EP = 1) or
+# launched one by one (the EP rank).
 EAGER_PATH = "graph_launch"
 
 
@@ -529,7 +537,7 @@ class MoELayer(Experiment):
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
                 "route_tables_us": sum(route_kernels.values()) - gather_us,
                 "route_gather_us": gather_us, "route_kernels_us": json.dumps(route_kernels),
-                "eager_path": EAGER_PATH, **stages}
+                "eager_path": EAGER_PATH, "graph_copies": GRAPH_COPIES, **stages}
 
     def progress_line(self, rows: pd.DataFrame) -> str | None:
         r = rows.iloc[0]

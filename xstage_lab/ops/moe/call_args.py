@@ -40,21 +40,32 @@ def triton_dtype(dtype: torch.dtype):
     return TRITON_DTYPES[dtype]
 
 
-def slot_addresses(args: torch.Tensor, **tensors: torch.Tensor) -> tuple[int, ...]:
-    """The address each slot of ``args`` takes, in the block's order: that of the tensor named by
-    the slot, else ``args``' own (read by no kernel of the call). Raises MoEContractError where
-    a slot is unknown or a tensor of an aligned slot (``ALIGNED``) does not start 16-byte
-    aligned."""
+def slot_packer(args: torch.Tensor, *names: str):
+    """``pack(*tensors)``: the address each slot of ``args`` takes, in the block's order, given
+    the tensors ``names`` name, in that order: that of the tensor named by the slot, else
+    ``args``' own (read by no kernel of the call). The slots are placed once, here: a call
+    only reads its tensors' addresses. Raises MoEContractError where a name is no slot (here) or
+    a tensor of an aligned slot (``ALIGNED``) does not start 16-byte aligned (at ``pack``)."""
     slots = _writer()[1]
-    addresses = {name: t.data_ptr() for name, t in tensors.items()}
-    unknown = addresses.keys() - set(slots)
+    unknown = set(names) - set(slots)
     if unknown:
         raise MoEContractError(f"no argument slot named {sorted(unknown)}")
-    for name in ALIGNED:
-        if addresses.get(name, 0) % ALIGN_BYTES:
-            raise MoEContractError(f"{name} must start {ALIGN_BYTES}-byte aligned")
     own = args.data_ptr()
-    return tuple(addresses.get(s, own) for s in slots)
+    order = tuple(names.index(s) if s in names else None for s in slots)
+    aligned = tuple(i for i, n in enumerate(names) if n in ALIGNED)
+
+    def pack(*tensors: torch.Tensor) -> tuple[int, ...]:
+        addresses = [t.data_ptr() for t in tensors]
+        for i in aligned:
+            if addresses[i] % ALIGN_BYTES:
+                raise MoEContractError(f"{names[i]} must start {ALIGN_BYTES}-byte aligned")
+        return tuple(own if i is None else addresses[i] for i in order)
+    return pack
+
+
+def slot_addresses(args: torch.Tensor, **tensors: torch.Tensor) -> tuple[int, ...]:
+    """``slot_packer`` of ``args`` for the slots ``tensors`` name, applied to them."""
+    return slot_packer(args, *tensors)(*tensors.values())
 
 
 def write_addresses(args: torch.Tensor, addresses: tuple[int, ...]) -> None:

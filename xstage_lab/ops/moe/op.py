@@ -29,7 +29,7 @@ from triton.runtime import driver
 from ...kernel_sources import load_kernel_module
 from ..graph_launch import GraphLauncher
 from ..launcher import Launcher
-from .call_args import (TRITON_DTYPES, WRITER_FIRST_SLOT, slot_addresses, write_addresses,
+from .call_args import (TRITON_DTYPES, WRITER_FIRST_SLOT, slot_packer, write_addresses,
                         writer_function)
 from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weighted_sum_launch
 from .device_tables import SCHEDULES, TableBounds, allocate_tables, route_to_tables
@@ -49,7 +49,11 @@ CPU_PROGRAMS = 1
 # its own (a call allocates only its output, outside the graph), but each is a driver object of
 # eight kernel nodes, and a server's token counts are unbounded.
 GRAPHS_PER_LAYER = 16
+# Executables of each captured graph, launched in turn (``GraphLauncher``): back-to-back calls of
+# one token count relaunch an executable only every this many calls.
+GRAPH_COPIES = 4
 WEIGHT_DTYPES = tuple(d for d in TRITON_DTYPES if d.is_floating_point)  # the weighted sum reads
+ID_DTYPES = (torch.int32, torch.int64)
 
 
 def auto_schedule(peers_world: int) -> str:
@@ -115,7 +119,7 @@ class GraphCache:
             finally:
                 graph.capture_end()
         here.wait_stream(side)
-        launcher = self.graphs[key] = GraphLauncher(graph, rewrite)
+        launcher = self.graphs[key] = GraphLauncher(graph, rewrite, copies=GRAPH_COPIES)
         if len(self.graphs) > GRAPHS_PER_LAYER:
             self.graphs.popitem(last=False)
         return launcher
@@ -255,6 +259,8 @@ class FusedMoE(torch.nn.Module):
         self.peers = local_combine_peers([self.combine])
         self.device = weights.w1.device
         self.graphs = GraphCache(self.device)
+        self.pack_addresses = slot_packer(self.workspace.tables.args, "expert_ids", "x", "combine_rows",
+                                 "topk_weights", "out")
         self.key = id(self.workspace)
         _LAYERS[self.key] = self
 
@@ -264,32 +270,34 @@ class FusedMoE(torch.nn.Module):
 
     def check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor,
                      topk_weights: torch.Tensor) -> None:
-        """Raise MoEContractError on inputs the call cannot take, before anything is launched."""
-        w, device = self.workspace.weights, self.device
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != w.hidden:
-            raise MoEContractError(f"x must be bf16 [T, {w.hidden}], got {x.dtype} "
-                                   f"{list(x.shape)}")
-        t = x.shape[0]
+        """Raise MoEContractError on inputs the call cannot take, before anything is launched.
+        Every eager call pays it: each attribute is read once."""
+        hidden, k, device = self.workspace.weights.hidden, self.top_k, self.device
+        shape = x.shape
+        if x.dtype != torch.bfloat16 or len(shape) != 2 or shape[1] != hidden:
+            raise MoEContractError(f"x must be bf16 [T, {hidden}], got {x.dtype} {list(shape)}")
+        t = shape[0]
         if not 1 <= t <= self.max_tokens:
             raise MoEContractError(f"T={t} tokens outside 1..{self.max_tokens}, the bound this "
                                    "FusedMoE was built for")
-        if topk_ids.dtype not in (torch.int32, torch.int64) or \
-                tuple(topk_ids.shape) != (t, self.top_k):
-            raise MoEContractError(f"topk_ids must be int32 or int64 [{t}, {self.top_k}], got "
+        if topk_ids.dtype not in ID_DTYPES or topk_ids.shape != (t, k):
+            raise MoEContractError(f"topk_ids must be int32 or int64 [{t}, {k}], got "
                                    f"{topk_ids.dtype} {list(topk_ids.shape)}")
-        if topk_weights.dtype not in WEIGHT_DTYPES or tuple(topk_weights.shape) != (t, self.top_k):
-            raise MoEContractError(f"topk_weights must be float [{t}, {self.top_k}], got "
+        if topk_weights.dtype not in WEIGHT_DTYPES or topk_weights.shape != (t, k):
+            raise MoEContractError(f"topk_weights must be float [{t}, {k}], got "
                                    f"{topk_weights.dtype} {list(topk_weights.shape)}")
-        for name, v in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-            if v.device != device:
-                raise MoEContractError(f"{name} on {v.device}, the experts on {device}")
-        host_check = (topk_ids.device.type == "cpu" or self.check_ids) and not (
-            torch.compiler.is_compiling()
-            or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
-        if host_check and topk_ids.numel():
+        ids_device = topk_ids.device
+        if x.device != device or ids_device != device or topk_weights.device != device:
+            where = ", ".join(f"{n} on {v.device}" for n, v in
+                              (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)))
+            raise MoEContractError(f"{where}: all must be on the experts' device {device}")
+        if (ids_device.type == "cpu" or self.check_ids) and not (
+                torch.compiler.is_compiling()
+                or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             lo, hi = int(topk_ids.min()), int(topk_ids.max())
-            if lo < 0 or hi >= w.num_experts:
-                raise MoEContractError(f"expert ids must lie in 0..{w.num_experts - 1}, got "
+            if lo < 0 or hi >= self.workspace.weights.num_experts:
+                raise MoEContractError(f"expert ids must lie in "
+                                       f"0..{self.workspace.weights.num_experts - 1}, got "
                                        f"{lo}..{hi}")
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -311,8 +319,7 @@ class FusedMoE(torch.nn.Module):
         # contiguous [T, k] is the arrivals' [T k])
         x, ids, w = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
         y = torch.empty_like(x)
-        addresses = slot_addresses(self.workspace.tables.args, expert_ids=ids, x=x,
-                                   combine_rows=self.combine, topk_weights=w, out=y)
+        addresses = self.pack_addresses(ids, x, self.combine, w, y)
         key = (x.shape[0], schedule, ids.dtype, w.dtype)
         self.graphs.call(key, lambda: self.launches(addresses, *key), addresses,
                          lambda: (writer_function(), WRITER_FIRST_SLOT, addresses))
