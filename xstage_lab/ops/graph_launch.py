@@ -138,6 +138,9 @@ class GraphLauncher:
                    "cuGraphInstantiateWithFlags")
             self._execs.append(e)
         self._next = 0
+        # the two driver functions of a call, looked up once: a call's host time is counted
+        self._set_params = _driver().cuGraphExecKernelNodeSetParams_v2
+        self._graph_launch = _driver().cuGraphLaunch
         self.rewrite = rewrite  # another launcher of ``graph`` takes it as is
         self._node = self._params = self._words = None
         if rewrite is not None:
@@ -146,6 +149,7 @@ class GraphLauncher:
     @property
     def copies(self) -> int:
         return len(self._execs)
+
     def _bind(self, graph: torch.cuda.CUDAGraph, function: int, first: int,
               captured: tuple[int, ...]) -> None:
         nodes = [(n, p) for n, p in _kernel_nodes(graph.raw_cuda_graph()) if p.func == function]
@@ -171,7 +175,8 @@ class GraphLauncher:
             *(ctypes.addressof(block) + o for o, _ in layout))
         params.kernelParams = ctypes.cast(self._pointers, ctypes.POINTER(ctypes.c_void_p))
         params.extra = None
-        self._node, self._params = ctypes.c_void_p(node), params
+        self._node, self._params = ctypes.c_void_p(node), ctypes.byref(params)
+        self._params_struct = params  # what the reference above points to
 
     def __call__(self, stream: int, addresses: tuple[int, ...] = ()) -> None:
         """Launch the next executable on ``stream`` (a ``CUstream``), the rewritten node taking
@@ -185,13 +190,15 @@ class GraphLauncher:
     def set_addresses(self, e: ctypes.c_void_p, addresses: tuple[int, ...]) -> None:
         """``addresses`` into the rewritten node of the executable ``e`` (one driver call)."""
         self._words[:] = addresses
-        _check(_driver().cuGraphExecKernelNodeSetParams_v2(e, self._node,
-                                                           ctypes.byref(self._params)),
-               "cuGraphExecKernelNodeSetParams")
+        result = self._set_params(e, self._node, self._params)
+        if result:
+            _check(result, "cuGraphExecKernelNodeSetParams")
 
     def launch(self, e: ctypes.c_void_p, stream: int) -> None:
         """The executable ``e`` launched on ``stream`` (one driver call)."""
-        _check(_driver().cuGraphLaunch(e, stream), "cuGraphLaunch")
+        result = self._graph_launch(e, stream)
+        if result:
+            _check(result, "cuGraphLaunch")
 
     @property
     def executables(self) -> tuple[ctypes.c_void_p, ...]:

@@ -77,6 +77,10 @@ class GraphCache:
         self.device = device
         self.graphs: OrderedDict[tuple, GraphLauncher] = OrderedDict()
         self.stream: torch.cuda.Stream | None = None  # made at the first capture
+        # the current CUstream's getter, looked up once (Triton's driver resolves attributes at
+        # every access); off CUDA nothing launches a graph
+        self._current_stream = (driver.active.get_current_stream if device.type == "cuda"
+                                else None)
 
     def __len__(self) -> int:
         return len(self.graphs)
@@ -103,7 +107,7 @@ class GraphCache:
             launches()
             self.capture(key, launches, rewrite() if rewrite is not None else None)
         else:
-            graph(driver.active.get_current_stream(self.device.index), addresses)
+            graph(self._current_stream(self.device.index), addresses)
 
     def capture(self, key: tuple, launches, rewrite=None) -> GraphLauncher:
         """``launches()`` captured as ``key``'s graph; ``rewrite`` as ``GraphLauncher`` takes it."""
