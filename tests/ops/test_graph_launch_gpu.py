@@ -2,8 +2,7 @@
 ``moe_args.write_args`` and a copy of its block, launched back to back with new addresses while a
 long kernel holds the stream, so every launch is queued before any runs: each launch's copy holds
 the addresses it was launched with (the driver copied the node's parameters at its launch), the
-blocks poisoned with -1 first, with one executable and with several launched in turn (each
-relaunched while its last launch is queued). A graph whose writer node was captured with other values than the
+blocks poisoned with -1 first. A graph whose writer node was captured with other values than the
 launcher is told, or with no such node, is refused before any launch."""
 from __future__ import annotations
 
@@ -41,16 +40,14 @@ def _captured(launch: Launcher, block: torch.Tensor, copy: torch.Tensor, values)
     return graph
 
 
-@pytest.mark.parametrize("copies", [1, 4])
-def test_queued_launches_keep_their_addresses(copies):
+def test_queued_launches_keep_their_addresses():
     launch = Launcher(load_kernel_module("moe_args").write_args)
     block = torch.full((len(SLOTS),), -1, dtype=torch.int64, device="cuda")
     launch((1,), args=block, **dict(zip(SLOTS, _values(0))))  # bind
     copy = torch.full_like(block, -1)
     captured = _values(1)
     graph = GraphLauncher(_captured(launch, block, copy, captured),
-                          (launch.function(), 1, captured), copies=copies)
-    assert len({e.value for e in graph.executables}) == copies
+                          (launch.function(), 1, captured))
     snapshots = torch.full((LAUNCHES, len(SLOTS)), -1, dtype=torch.int64, device="cuda")
     torch.cuda.synchronize()
     torch.cuda._sleep(HOLD_CYCLES)

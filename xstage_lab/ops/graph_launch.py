@@ -12,15 +12,12 @@ queued keeps the addresses it was launched with (CUDA Driver API, Graph Manageme
 
 The driver is called through ``ctypes`` with the parameter block built once: per call only the
 address words change, where a binding that marshals the parameter array would rebuild it at
-every call. A launcher may hold several executables of its graph (``copies``) and launch them in
-turn, so that a call rarely relaunches an executable whose last launch is still queued
-(``layer_bench`` times both: ``host_replay_us`` against ``host_replay_one_us``).
+every call.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import weakref
 
 import torch
 
@@ -59,8 +56,6 @@ def _driver() -> ctypes.CDLL:
         "cuGraphKernelNodeGetParams_v2": (p, ctypes.POINTER(_KernelNodeParams)),
         "cuFuncGetParamInfo": (p, size, ctypes.POINTER(size), ctypes.POINTER(size)),
         "cuGraphExecKernelNodeSetParams_v2": (p, p, ctypes.POINTER(_KernelNodeParams)),
-        "cuGraphInstantiateWithFlags": (ctypes.POINTER(p), p, ctypes.c_ulonglong),
-        "cuGraphExecDestroy": (p,),
         "cuGraphLaunch": (p, p),
     }
     for name, argtypes in signatures.items():
@@ -107,48 +102,25 @@ def _param_layout(function: int) -> list[tuple[int, int]]:
     raise DriverError(f"more than {MAX_KERNEL_PARAMS} kernel parameters")
 
 
-def _destroy(execs: list[ctypes.c_void_p]) -> None:
-    """Free ``execs``; one still in flight is freed by the driver when it completes."""
-    for e in execs:
-        _driver().cuGraphExecDestroy(e)
-
-
 class GraphLauncher:
-    """``graph`` (a ``torch.cuda.CUDAGraph`` captured with ``keep_graph=True``) instantiated
-    ``copies`` times here and launched by ``launcher(stream, addresses)``, one executable after
-    another. ``rewrite``: ``(function, first, captured)``, the ``CUfunction`` of the graph's one
-    kernel node whose arguments ``first ..`` are addresses that change between launches, and the
-    values they had at capture (checked: a kernel whose parameters lie otherwise raises
-    DriverError here, not at a launch). Without ``rewrite`` a launch takes no addresses. The
-    launcher holds ``graph`` (its node handles name the node to rewrite) and frees its
-    executables when it is collected."""
+    """``graph`` (a ``torch.cuda.CUDAGraph`` captured with ``keep_graph=True``, instantiated here)
+    launched by ``launcher(stream, addresses)``. ``rewrite``: ``(function, first, captured)``,
+    the ``CUfunction`` of the graph's one kernel node whose arguments ``first ..`` are addresses
+    that change between launches, and the values they had at capture (checked: a kernel whose
+    parameters lie otherwise raises DriverError here, not at a launch). Without ``rewrite`` a
+    launch takes no addresses. The launcher holds ``graph``: its executable lives as long."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph,
-                 rewrite: tuple[int, int, tuple[int, ...]] | None = None, copies: int = 1):
-        if copies < 1:
-            raise ValueError(f"copies must be >= 1, got {copies}")
+                 rewrite: tuple[int, int, tuple[int, ...]] | None = None):
+        graph.instantiate()
         self.graph = graph
-        self._execs: list[ctypes.c_void_p] = []
-        finalizer = weakref.finalize(self, _destroy, self._execs)
-        finalizer.atexit = False  # the driver may be gone by then; the process frees them
-        for _ in range(copies):
-            e = ctypes.c_void_p()
-            _check(_driver().cuGraphInstantiateWithFlags(ctypes.byref(e),
-                                                         graph.raw_cuda_graph(), 0),
-                   "cuGraphInstantiateWithFlags")
-            self._execs.append(e)
-        self._next = 0
+        self._exec = ctypes.c_void_p(graph.raw_cuda_graph_exec())
         # the two driver functions of a call, looked up once: a call's host time is counted
         self._set_params = _driver().cuGraphExecKernelNodeSetParams_v2
         self._graph_launch = _driver().cuGraphLaunch
-        self.rewrite = rewrite  # another launcher of ``graph`` takes it as is
         self._node = self._params = self._words = None
         if rewrite is not None:
             self._bind(graph, *rewrite)
-
-    @property
-    def copies(self) -> int:
-        return len(self._execs)
 
     def _bind(self, graph: torch.cuda.CUDAGraph, function: int, first: int,
               captured: tuple[int, ...]) -> None:
@@ -179,27 +151,20 @@ class GraphLauncher:
         self._params_struct = params  # what the reference above points to
 
     def __call__(self, stream: int, addresses: tuple[int, ...] = ()) -> None:
-        """Launch the next executable on ``stream`` (a ``CUstream``), the rewritten node taking
-        ``addresses``."""
-        e = self._execs[self._next]
-        self._next = (self._next + 1) % len(self._execs)
+        """Launch on ``stream`` (a ``CUstream``), the rewritten node taking ``addresses``."""
         if self._words is not None:
-            self.set_addresses(e, addresses)
-        self.launch(e, stream)
+            self.set_addresses(addresses)
+        self.launch(stream)
 
-    def set_addresses(self, e: ctypes.c_void_p, addresses: tuple[int, ...]) -> None:
-        """``addresses`` into the rewritten node of the executable ``e`` (one driver call)."""
+    def set_addresses(self, addresses: tuple[int, ...]) -> None:
+        """``addresses`` into the rewritten node (one driver call)."""
         self._words[:] = addresses
-        result = self._set_params(e, self._node, self._params)
+        result = self._set_params(self._exec, self._node, self._params)
         if result:
             _check(result, "cuGraphExecKernelNodeSetParams")
 
-    def launch(self, e: ctypes.c_void_p, stream: int) -> None:
-        """The executable ``e`` launched on ``stream`` (one driver call)."""
-        result = self._graph_launch(e, stream)
+    def launch(self, stream: int) -> None:
+        """The executable graph launched on ``stream`` (one driver call)."""
+        result = self._graph_launch(self._exec, stream)
         if result:
             _check(result, "cuGraphLaunch")
-
-    @property
-    def executables(self) -> tuple[ctypes.c_void_p, ...]:
-        return tuple(self._execs)

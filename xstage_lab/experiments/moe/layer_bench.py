@@ -29,7 +29,8 @@ checked launch on the host, then the kernel and the weighted sum; eager, few tri
 each step alone (``host_stages``: at EP = 1 the eager call's own, its inputs' check, its argument
 block's addresses and its graph's launch with them, and the direct launches the graph captures;
 an EP rank's call launches the graph of its receive buffers: ``MoEWorkspace.received_call``);
-``host_launch_floor_us`` that of one bare kernel launch on this machine. Where the schedule's
+``host_launch_floor_us`` that of one bare kernel launch on this machine, and ``host_floor_*_us``
+those of a graph launch and of a launch behind a queue (``launch_floors_us``). Where the schedule's
 device time goes (torch.profiler, ``dist_timing.kernel_times_us``): per routing kernel
 (``route_kernels_us``, JSON), the table passes (``route_tables_us``: the schedule kernels of
 issue 27's bound) apart from the activations' move into the layout (``route_gather_us``,
@@ -51,13 +52,11 @@ import torch
 from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, layer_view
 from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
-from ...ops.graph_launch import GraphLauncher
 from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.device_tables import host_tables, table_mismatches
 from ...ops.moe.dispatch import build_layout
 from ...ops.moe.fused import FusedMoECall, prepare_fused_moe
-from ...ops.moe.op import (GRAPH_COPIES, FusedMoE, MoEWorkspace, auto_schedule,
-                           launching_graphs)
+from ...ops.moe.op import FusedMoE, GraphCache, MoEWorkspace, auto_schedule, launching_graphs
 from ...ops.moe.reference import expert_rows_reference, reference_moe
 from ...ops.moe.routing import router_logits, router_topk
 from ...ops.moe.schedules import MoEProblem, expert_wave_schedule, interleaved_schedule
@@ -79,6 +78,8 @@ GRAPH_CHECK_TOKENS = 64
 TABLE_CHECK_MAX_TOKENS = 512
 HOST_SCHEDULED_TRIALS = 2
 HBM_PROBE_BYTES = 2 << 30
+FLOOR_GRAPH_NODES = (1, 8)  # a graph of one kernel, and of as many as a FusedMoE call's
+FLOOR_HOLD_CYCLES = 100_000_000  # about 50 ms at H200 clocks: a round of calls queues behind it
 SMOKE = dict(models=["DeepSeek-V4-Flash"], precisions=list(PRECISIONS), settings=list(SETTINGS),
              tokens=[1, 64, 4096], trials=3)
 
@@ -157,14 +158,11 @@ class Ep1Cell:
         """The host side of a call's steps, each timed alone (``host_overhead_us``): those of an
         eager call (``check``, ``output``: its output's allocation, ``capturing``: whether the
         stream is capturing, ``args``: its argument block's addresses gathered and checked,
-        ``replay``: its graph launched with them, captured by the checks' calls, in turn over the
-        graph's ``GRAPH_COPIES`` executables), the launch split (one executable:
-        ``replay_one``, its two driver calls ``set_addresses`` and ``graph_launch`` alone), and
-        the direct launches a graph captures (``route``, ``launch``, ``weighted_sum``)."""
+        ``replay``: its graph launched with them, captured by the checks' calls), the replay's
+        two driver calls (``set_addresses``, ``graph_launch``), and the direct launches a graph
+        captures (``route``, ``launch``, ``weighted_sum``)."""
         layer, y = self.layer, torch.empty_like(self.x)
         graph = layer.graphs.get((self.tokens, layer.schedule, self.ids.dtype, self.w.dtype))
-        one = GraphLauncher(graph.graph, graph.rewrite, copies=1)
-        one_exec = one.executables[0]
 
         def addresses():
             return layer.pack_addresses(self.ids, self.x, layer.combine, self.w, y)
@@ -174,9 +172,8 @@ class Ep1Cell:
                 "output": lambda: torch.empty_like(self.x),
                 "capturing": lambda: launching_graphs(layer.device),
                 "args": addresses, "replay": lambda: graph(stream, launched),
-                "replay_one": lambda: one(stream, launched),
-                "set_addresses": lambda: one.set_addresses(one_exec, launched),
-                "graph_launch": lambda: one.launch(one_exec, stream),
+                "set_addresses": lambda: graph.set_addresses(launched),
+                "graph_launch": lambda: graph.launch(stream),
                 "route": self.route, "launch": self.kernel, "weighted_sum": self.weighted_sum}
 
     def touched_experts(self) -> int:
@@ -297,10 +294,9 @@ def _host_launch(layout, ws: MoEWorkspace, schedule: str, peers) -> FusedMoECall
 
 
 # How an eager call reaches the device (column ``eager_path``): one graph with the argument
-# writer inside, launched by two driver calls (``graph_launch.GraphLauncher``, over
-# ``graph_copies`` executables in turn; records without that column had one). Records without
-# ``eager_path`` launched the writer through Triton, then replayed the graph (EP = 1) or
-# launched one by one (the EP rank).
+# writer inside, launched by two driver calls (``graph_launch.GraphLauncher``). Records without
+# the column launched the writer through Triton, then replayed the graph (EP = 1) or launched
+# one by one (the EP rank).
 EAGER_PATH = "graph_launch"
 
 
@@ -309,6 +305,25 @@ def launch_floor_us(device) -> float:
     every launch of a call costs the host on this machine at least."""
     t = torch.zeros(1, device=device)
     return host_overhead_us(lambda: t.add_(1), calls=100)
+
+
+def launch_floors_us(device) -> dict:
+    """The host's own launch costs, beside which a call's are read (columns
+    ``host_floor_<what>_us``): a captured graph of n one-element ``add_`` kernels launched as a
+    call launches its graph (``GraphCache``, ``graph_launch.GraphLauncher``), n one and as many
+    as a call's graph holds (``FLOOR_GRAPH_NODES``), with the GPU idle (``graph<n>_idle``) and
+    with every round of calls queued behind a long kernel (``graph<n>_queued``); and one bare
+    ``add_`` queued so (``kernel_queued``; idle: ``host_launch_floor_us``)."""
+    t = torch.zeros(1, device=device)
+    stream, graphs = torch.cuda.current_stream(device).cuda_stream, GraphCache(device)
+    floors = {"host_floor_kernel_queued_us": host_overhead_us(lambda: t.add_(1),
+                                                              hold_cycles=FLOOR_HOLD_CYCLES)}
+    for n in FLOOR_GRAPH_NODES:
+        graph = graphs.capture(n, lambda: [t.add_(1) for _ in range(n)])
+        for state, hold in (("idle", 0), ("queued", FLOOR_HOLD_CYCLES)):
+            floors[f"host_floor_graph{n}_{state}_us"] = host_overhead_us(
+                lambda: graph(stream), hold_cycles=hold)
+    return floors
 
 
 def hbm_bandwidth_gbps(device) -> float:
@@ -405,13 +420,16 @@ def check_graph_replays(cell: Ep1Cell) -> list[str]:
     return failures
 
 
-def host_overhead_us(fn, calls: int = 10, repeats: int = 5) -> float:
+def host_overhead_us(fn, calls: int = 10, repeats: int = 5, hold_cycles: int = 0) -> float:
     """Host time per eager call, nothing waited for (the queue holds every launch): the median
-    over ``repeats`` runs of ``calls`` calls each."""
+    over ``repeats`` runs of ``calls`` calls each, each run queued behind a kernel of
+    ``hold_cycles`` GPU cycles where given (``torch.cuda._sleep``)."""
     fn()
     torch.cuda.synchronize()
     per_call = []
     for _ in range(repeats):
+        if hold_cycles:
+            torch.cuda._sleep(hold_cycles)
         start = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -480,6 +498,7 @@ class MoELayer(Experiment):
         self.shapes = load_shapes()
         self.hbm_gbps = hbm_bandwidth_gbps(self.on)
         self.launch_floor_us = launch_floor_us(self.on)
+        self.launch_floors = launch_floors_us(self.on)
 
     def prepare(self, point: dict, run: Run):
         args, shape, precision = run.args, self.shapes[point["model"]], point["precision"]
@@ -537,7 +556,7 @@ class MoELayer(Experiment):
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
                 "route_tables_us": sum(route_kernels.values()) - gather_us,
                 "route_gather_us": gather_us, "route_kernels_us": json.dumps(route_kernels),
-                "eager_path": EAGER_PATH, "graph_copies": GRAPH_COPIES, **stages}
+                "eager_path": EAGER_PATH, **self.launch_floors, **stages}
 
     def progress_line(self, rows: pd.DataFrame) -> str | None:
         r = rows.iloc[0]
@@ -551,6 +570,7 @@ class MoELayer(Experiment):
                              "ep8_rank": f"rank 0 of EP = {EP}: received rows into {EP} local "
                                          "Combine buffers, no weighted sum"},
                 "hbm_gbps": self.hbm_gbps, "host_launch_floor_us": self.launch_floor_us,
+                "host_launch_floors_us": self.launch_floors,
                 "tolerance": TOLERANCE,
                 "timing": f"{TIMING_METHOD}; {run.args.graph_iters} calls per trial",
                 "graph_routings": GRAPH_ROUTINGS, "summary_keys": list(SUMMARY_KEYS)}

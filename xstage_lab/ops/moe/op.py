@@ -49,9 +49,6 @@ CPU_PROGRAMS = 1
 # its own (a call allocates only its output, outside the graph), but each is a driver object of
 # eight kernel nodes, and a server's token counts are unbounded.
 GRAPHS_PER_LAYER = 16
-# Executables of each captured graph, launched in turn (``GraphLauncher``): back-to-back calls of
-# one token count relaunch an executable only every this many calls.
-GRAPH_COPIES = 4
 WEIGHT_DTYPES = tuple(d for d in TRITON_DTYPES if d.is_floating_point)  # the weighted sum reads
 ID_DTYPES = (torch.int32, torch.int64)
 
@@ -123,7 +120,7 @@ class GraphCache:
             finally:
                 graph.capture_end()
         here.wait_stream(side)
-        launcher = self.graphs[key] = GraphLauncher(graph, rewrite, copies=GRAPH_COPIES)
+        launcher = self.graphs[key] = GraphLauncher(graph, rewrite)
         if len(self.graphs) > GRAPHS_PER_LAYER:
             self.graphs.popitem(last=False)
         return launcher
