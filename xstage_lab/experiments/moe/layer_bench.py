@@ -80,6 +80,7 @@ HOST_SCHEDULED_TRIALS = 2
 HBM_PROBE_BYTES = 2 << 30
 FLOOR_GRAPH_NODES = (1, 8)  # a graph of one kernel, and of as many as a FusedMoE call's
 FLOOR_HOLD_CYCLES = 100_000_000  # about 50 ms at H200 clocks: a round of calls queues behind it
+FLOOR_BUSY_COPIES = 100  # 1 GiB device copies, about 50 ms on an H200
 SMOKE = dict(models=["DeepSeek-V4-Flash"], precisions=list(PRECISIONS), settings=list(SETTINGS),
              tokens=[1, 64, 4096], trials=3)
 
@@ -311,18 +312,28 @@ def launch_floors_us(device) -> dict:
     """The host's own launch costs, beside which a call's are read (columns
     ``host_floor_<what>_us``): a captured graph of n one-element ``add_`` kernels launched as a
     call launches its graph (``GraphCache``, ``graph_launch.GraphLauncher``), n one and as many
-    as a call's graph holds (``FLOOR_GRAPH_NODES``), with the GPU idle (``graph<n>_idle``) and
-    with every round of calls queued behind a long kernel (``graph<n>_queued``); and one bare
-    ``add_`` queued so (``kernel_queued``; idle: ``host_launch_floor_us``)."""
+    as a call's graph holds (``FLOOR_GRAPH_NODES``), with the GPU idle (``graph<n>_idle``), with
+    every round of calls queued behind a long kernel that touches no memory (``graph<n>_queued``)
+    and behind device copies that keep HBM busy as long (``graph<n>_busy``); and one bare
+    ``add_`` queued behind the long kernel (``kernel_queued``; idle: ``host_launch_floor_us``)."""
     t = torch.zeros(1, device=device)
+    src = torch.empty(HBM_PROBE_BYTES // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def sleep():
+        torch.cuda._sleep(FLOOR_HOLD_CYCLES)
+
+    def copies():
+        for _ in range(FLOOR_BUSY_COPIES):
+            dst.copy_(src)
+
     stream, graphs = torch.cuda.current_stream(device).cuda_stream, GraphCache(device)
-    floors = {"host_floor_kernel_queued_us": host_overhead_us(lambda: t.add_(1),
-                                                              hold_cycles=FLOOR_HOLD_CYCLES)}
+    floors = {"host_floor_kernel_queued_us": host_overhead_us(lambda: t.add_(1), hold=sleep)}
     for n in FLOOR_GRAPH_NODES:
         graph = graphs.capture(n, lambda: [t.add_(1) for _ in range(n)])
-        for state, hold in (("idle", 0), ("queued", FLOOR_HOLD_CYCLES)):
-            floors[f"host_floor_graph{n}_{state}_us"] = host_overhead_us(
-                lambda: graph(stream), hold_cycles=hold)
+        for state, hold in (("idle", None), ("queued", sleep), ("busy", copies)):
+            floors[f"host_floor_graph{n}_{state}_us"] = host_overhead_us(lambda: graph(stream),
+                                                                         hold=hold)
     return floors
 
 
@@ -420,16 +431,16 @@ def check_graph_replays(cell: Ep1Cell) -> list[str]:
     return failures
 
 
-def host_overhead_us(fn, calls: int = 10, repeats: int = 5, hold_cycles: int = 0) -> float:
+def host_overhead_us(fn, calls: int = 10, repeats: int = 5, hold=None) -> float:
     """Host time per eager call, nothing waited for (the queue holds every launch): the median
-    over ``repeats`` runs of ``calls`` calls each, each run queued behind a kernel of
-    ``hold_cycles`` GPU cycles where given (``torch.cuda._sleep``)."""
+    over ``repeats`` runs of ``calls`` calls each, each run queued behind what ``hold()``
+    launches where given (untimed)."""
     fn()
     torch.cuda.synchronize()
     per_call = []
     for _ in range(repeats):
-        if hold_cycles:
-            torch.cuda._sleep(hold_cycles)
+        if hold is not None:
+            hold()
         start = time.perf_counter()
         for _ in range(calls):
             fn()

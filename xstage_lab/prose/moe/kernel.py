@@ -131,6 +131,20 @@ def layer(layer_views) -> Prose:
                      f"{span(steps['host_check_us'], '.0f')} µs{more}, {args} "
                      f"{span(steps['host_args_us'], '.0f')} µs, {replay} "
                      f"{span(steps['host_replay_us'], '.0f')} µs ({count(len(steps))} cells)")
+            if measured(steps, "host_graph_launch_us"):
+                host += (f"; of the launch, the writer's node given the addresses takes "
+                         f"{span(steps['host_set_addresses_us'], '.0f')} µs and the graph's "
+                         f"launch {span(steps['host_graph_launch_us'], '.0f')} µs")
+        if measured(t, "host_floor_graph8_queued_us"):
+            busy = t["host_floor_graph8_busy_us"].dropna() if "host_floor_graph8_busy_us" in t \
+                else ()
+            host += (f"; on the same hosts a graph of eight one-element kernels launches in "
+                     f"{span(t['host_floor_graph8_idle_us'], '.0f')} µs with the GPU idle and "
+                     f"{span(t['host_floor_graph8_queued_us'], '.0f')} µs behind a long kernel"
+                     + (f" ({span(busy, '.0f')} µs behind device copies that keep HBM busy as "
+                        f"long, {count(len(busy))} cells)" if len(busy) else "")
+                     + f", and one bare torch kernel launch behind the long kernel takes "
+                     f"{span(t['host_floor_kernel_queued_us'], '.0f')} µs")
         one = t[t["tokens"] == 1]
         t1 = ""
         if measured(one, "route_kernels_us"):
