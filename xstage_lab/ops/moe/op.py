@@ -260,8 +260,8 @@ class FusedMoE(torch.nn.Module):
         self.peers = local_combine_peers([self.combine])
         self.device = weights.w1.device
         self.graphs = GraphCache(self.device)
-        self.pack_addresses = slot_packer(self.workspace.tables.args, "expert_ids", "x", "combine_rows",
-                                 "topk_weights", "out")
+        self.pack_addresses = slot_packer(self.workspace.tables.args, "expert_ids", "x",
+                                          "combine_rows", "topk_weights", "out")
         self.key = id(self.workspace)
         _LAYERS[self.key] = self
 
