@@ -142,7 +142,7 @@ def layer(layer_views) -> Prose:
                      f"{span(t['host_floor_graph8_idle_us'], '.0f')} µs with the GPU idle and "
                      f"{span(t['host_floor_graph8_queued_us'], '.0f')} µs behind a long kernel"
                      + (f" ({span(busy, '.0f')} µs behind device copies that keep HBM busy as "
-                        f"long, {count(len(busy))} cells)" if len(busy) else "")
+                        f"long)" if len(busy) else "")
                      + f", and one bare torch kernel launch behind the long kernel takes "
                      f"{span(t['host_floor_kernel_queued_us'], '.0f')} µs")
         one = t[t["tokens"] == 1]
