@@ -30,7 +30,7 @@ each step alone (``host_stages``: at EP = 1 the eager call's own, its inputs' ch
 block's addresses and its graph's launch with them, and the direct launches the graph captures;
 an EP rank's call launches the graph of its receive buffers: ``MoEWorkspace.received_call``);
 ``host_launch_floor_us`` that of one bare kernel launch on this machine, and ``host_floor_*_us``
-those of a graph launch and of a launch behind a queue (``launch_floors_us``). Where the schedule's
+those of a graph launch and of a launch behind a queue (``host_timing``). Where the schedule's
 device time goes (torch.profiler, ``dist_timing.kernel_times_us``): per routing kernel
 (``route_kernels_us``, JSON), the table passes (``route_tables_us``: the schedule kernels of
 issue 27's bound) apart from the activations' move into the layout (``route_gather_us``,
@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -68,6 +66,7 @@ from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
 from .bench import TOLERANCE
+from .host_timing import host_overhead_us, launch_floor_us, launch_floors_us
 
 SETTINGS = ("ep1", "ep8_rank")
 EP = 8
@@ -78,9 +77,6 @@ GRAPH_CHECK_TOKENS = 64
 TABLE_CHECK_MAX_TOKENS = 512
 HOST_SCHEDULED_TRIALS = 2
 HBM_PROBE_BYTES = 2 << 30
-FLOOR_GRAPH_NODES = (1, 8)  # a graph of one kernel, and of as many as a FusedMoE call's
-FLOOR_HOLD_CYCLES = 100_000_000  # about 50 ms at H200 clocks: a round of calls queues behind it
-FLOOR_BUSY_COPIES = 100  # 1 GiB device copies, about 50 ms on an H200
 SMOKE = dict(models=["DeepSeek-V4-Flash"], precisions=list(PRECISIONS), settings=list(SETTINGS),
              tokens=[1, 64, 4096], trials=3)
 
@@ -160,7 +156,9 @@ class Ep1Cell:
         eager call (``check``, ``output``: its output's allocation, ``capturing``: whether the
         stream is capturing, ``args``: its argument block's addresses gathered and checked,
         ``replay``: its graph launched with them, captured by the checks' calls), the replay's
-        two driver calls (``set_addresses``, ``graph_launch``), and the direct launches a graph
+        two driver calls (``set_addresses``, ``graph_launch``), the launch of graphs of the
+        call's first launches alone (``graph_launch_route``: the writer and the routing
+        kernels; ``graph_launch_kernel``: and the fused kernel), and the direct launches a graph
         captures (``route``, ``launch``, ``weighted_sum``)."""
         layer, y = self.layer, torch.empty_like(self.x)
         graph = layer.graphs.get((self.tokens, layer.schedule, self.ids.dtype, self.w.dtype))
@@ -169,12 +167,25 @@ class Ep1Cell:
             return layer.pack_addresses(self.ids, self.x, layer.combine, self.w, y)
 
         stream, launched = torch.cuda.current_stream().cuda_stream, addresses()
+
+        def route():
+            layer.route_launches(launched, self.tokens, self.ids.dtype)
+
+        def route_and_kernel():
+            route()
+            layer.workspace.launch(layer.schedule, layer.peers, routed=True)
+
+        parts = GraphCache(layer.device)
+        route_graph = parts.capture("route", route)
+        kernel_graph = parts.capture("kernel", route_and_kernel)
         return {"check": lambda: layer.check_inputs(self.x, self.ids, self.w),
                 "output": lambda: torch.empty_like(self.x),
                 "capturing": lambda: launching_graphs(layer.device),
                 "args": addresses, "replay": lambda: graph(stream, launched),
                 "set_addresses": lambda: graph.set_addresses(launched),
                 "graph_launch": lambda: graph.launch(stream),
+                "graph_launch_route": lambda: route_graph.launch(stream),
+                "graph_launch_kernel": lambda: kernel_graph.launch(stream),
                 "route": self.route, "launch": self.kernel, "weighted_sum": self.weighted_sum}
 
     def touched_experts(self) -> int:
@@ -301,42 +312,6 @@ def _host_launch(layout, ws: MoEWorkspace, schedule: str, peers) -> FusedMoECall
 EAGER_PATH = "graph_launch"
 
 
-def launch_floor_us(device) -> float:
-    """Host time of one bare kernel launch (a one-element ``add_``), nothing waited for: what
-    every launch of a call costs the host on this machine at least."""
-    t = torch.zeros(1, device=device)
-    return host_overhead_us(lambda: t.add_(1), calls=100)
-
-
-def launch_floors_us(device) -> dict:
-    """The host's own launch costs, beside which a call's are read (columns
-    ``host_floor_<what>_us``): a captured graph of n one-element ``add_`` kernels launched as a
-    call launches its graph (``GraphCache``, ``graph_launch.GraphLauncher``), n one and as many
-    as a call's graph holds (``FLOOR_GRAPH_NODES``), with the GPU idle (``graph<n>_idle``), with
-    every round of calls queued behind a long kernel that touches no memory (``graph<n>_queued``)
-    and behind device copies that keep HBM busy as long (``graph<n>_busy``); and one bare
-    ``add_`` queued behind the long kernel (``kernel_queued``; idle: ``host_launch_floor_us``)."""
-    t = torch.zeros(1, device=device)
-    src = torch.empty(HBM_PROBE_BYTES // 2, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-
-    def sleep():
-        torch.cuda._sleep(FLOOR_HOLD_CYCLES)
-
-    def copies():
-        for _ in range(FLOOR_BUSY_COPIES):
-            dst.copy_(src)
-
-    stream, graphs = torch.cuda.current_stream(device).cuda_stream, GraphCache(device)
-    floors = {"host_floor_kernel_queued_us": host_overhead_us(lambda: t.add_(1), hold=sleep)}
-    for n in FLOOR_GRAPH_NODES:
-        graph = graphs.capture(n, lambda: [t.add_(1) for _ in range(n)])
-        for state, hold in (("idle", None), ("queued", sleep), ("busy", copies)):
-            floors[f"host_floor_graph{n}_{state}_us"] = host_overhead_us(lambda: graph(stream),
-                                                                         hold=hold)
-    return floors
-
-
 def hbm_bandwidth_gbps(device) -> float:
     """Read + write bytes of a large device-to-device copy over its median time."""
     src = torch.empty(HBM_PROBE_BYTES // 2, dtype=torch.uint8, device=device)
@@ -429,24 +404,6 @@ def check_graph_replays(cell: Ep1Cell) -> list[str]:
             if not e <= TOLERANCE[cell.precision][k]:
                 failures.append(f"graph replay {i}: {k} error {e:.3g}")
     return failures
-
-
-def host_overhead_us(fn, calls: int = 10, repeats: int = 5, hold=None) -> float:
-    """Host time per eager call, nothing waited for (the queue holds every launch): the median
-    over ``repeats`` runs of ``calls`` calls each, each run queued behind what ``hold()``
-    launches where given (untimed)."""
-    fn()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(repeats):
-        if hold is not None:
-            hold()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per_call.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(per_call)
 
 
 class MoELayer(Experiment):

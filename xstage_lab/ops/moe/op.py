@@ -328,16 +328,22 @@ class FusedMoE(torch.nn.Module):
 
     def launches(self, addresses: tuple[int, ...], tokens: int, schedule: str,
                  id_dtype: torch.dtype, weights_dtype: torch.dtype) -> None:
-        """The eight launches on the current stream: ``addresses`` into the argument block,
-        routing, the fused kernel, the weighted sum; their other arguments fixed by the graph's
-        key (what it captures)."""
+        """The eight launches on the current stream: ``route_launches``, the fused kernel, the
+        weighted sum; their arguments but ``addresses`` fixed by the graph's key (what it
+        captures)."""
+        self.route_launches(addresses, tokens, id_dtype)
+        self.workspace.launch(schedule, self.peers, routed=True)
+        hidden = self.workspace.weights.hidden
+        weighted_sum_launch(self.top_k, weights_dtype)(weighted_sum_grid(tokens, hidden),
+                                                       args=self.workspace.tables.args,
+                                                       HIDDEN=hidden)
+
+    def route_launches(self, addresses: tuple[int, ...], tokens: int,
+                       id_dtype: torch.dtype) -> None:
+        """The first six: ``addresses`` into the argument block, then the routing kernels."""
         ws, k = self.workspace, self.top_k
         write_addresses(ws.tables.args, addresses)
         ws.tables.routing(False, ws.weights.precision == "fp8", id_dtype)(tokens * k, k)
-        ws.launch(schedule, self.peers, routed=True)
-        hidden = ws.weights.hidden
-        weighted_sum_launch(k, weights_dtype)(weighted_sum_grid(tokens, hidden),
-                                              args=ws.tables.args, HIDDEN=hidden)
 
 
 @torch.library.custom_op("xstage::fused_moe", mutates_args=())

@@ -135,6 +135,11 @@ def layer(layer_views) -> Prose:
                 host += (f"; of the launch, the writer's node given the addresses takes "
                          f"{span(steps['host_set_addresses_us'], '.0f')} µs and the graph's "
                          f"launch {span(steps['host_graph_launch_us'], '.0f')} µs")
+            if measured(steps, "host_graph_launch_kernel_us"):
+                host += (f" (a graph of the call's first launches alone: the writer and the "
+                         f"routing kernels {span(steps['host_graph_launch_route_us'], '.0f')} "
+                         f"µs, with the fused kernel "
+                         f"{span(steps['host_graph_launch_kernel_us'], '.0f')} µs)")
         if measured(t, "host_floor_graph8_queued_us"):
             busy = t["host_floor_graph8_busy_us"].dropna() if "host_floor_graph8_busy_us" in t \
                 else ()

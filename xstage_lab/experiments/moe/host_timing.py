@@ -1,0 +1,69 @@
+"""The host's time of an op's calls (``layer_bench``'s ``host_*_us`` columns): per call with
+nothing waited for, and the machine's own launch floors beside which a call's is read."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ...ops.moe.op import GraphCache
+
+FLOOR_GRAPH_NODES = (1, 8)  # a graph of one kernel, and of as many as a FusedMoE call's
+FLOOR_HOLD_CYCLES = 100_000_000  # about 50 ms at H200 clocks: a round of calls queues behind it
+FLOOR_BUSY_COPIES = 100  # device copies of HBM_COPY_BYTES, about 50 ms on an H200
+HBM_COPY_BYTES = 1 << 30
+
+
+def host_overhead_us(fn, calls: int = 10, repeats: int = 5, hold=None) -> float:
+    """Host time per eager call, nothing waited for (the queue holds every launch): the median
+    over ``repeats`` runs of ``calls`` calls each, each run queued behind what ``hold()``
+    launches where given (untimed)."""
+    fn()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(repeats):
+        if hold is not None:
+            hold()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(per_call)
+
+
+def launch_floor_us(device) -> float:
+    """Host time of one bare kernel launch (a one-element ``add_``), nothing waited for: what
+    every launch of a call costs the host on this machine at least."""
+    t = torch.zeros(1, device=device)
+    return host_overhead_us(lambda: t.add_(1), calls=100)
+
+
+def launch_floors_us(device) -> dict:
+    """The host's own launch costs, beside which a call's are read (columns
+    ``host_floor_<what>_us``): a captured graph of n one-element ``add_`` kernels launched as a
+    call launches its graph (``GraphCache``, ``graph_launch.GraphLauncher``), n one and as many
+    as a call's graph holds (``FLOOR_GRAPH_NODES``), with the GPU idle (``graph<n>_idle``), with
+    every round of calls queued behind a long kernel that touches no memory (``graph<n>_queued``)
+    and behind device copies that keep HBM busy as long (``graph<n>_busy``); and one bare
+    ``add_`` queued behind the long kernel (``kernel_queued``; idle: ``host_launch_floor_us``)."""
+    t = torch.zeros(1, device=device)
+    src = torch.empty(HBM_COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def sleep():
+        torch.cuda._sleep(FLOOR_HOLD_CYCLES)
+
+    def copies():
+        for _ in range(FLOOR_BUSY_COPIES):
+            dst.copy_(src)
+
+    stream, graphs = torch.cuda.current_stream(device).cuda_stream, GraphCache(device)
+    floors = {"host_floor_kernel_queued_us": host_overhead_us(lambda: t.add_(1), hold=sleep)}
+    for n in FLOOR_GRAPH_NODES:
+        graph = graphs.capture(n, lambda: [t.add_(1) for _ in range(n)])
+        for state, hold in (("idle", None), ("queued", sleep), ("busy", copies)):
+            floors[f"host_floor_graph{n}_{state}_us"] = host_overhead_us(lambda: graph(stream),
+                                                                         hold=hold)
+    return floors
