@@ -502,6 +502,18 @@ class ModelHostBench(ModelStoreBench):
         return {"bytes": 1, "repeats": 1, "rate_GBps": 55.5, "rate_GBps_iqr": [55.0, 56.0]}
 
 
+def host_probe_characterization(monkeypatch, name: str, probe: type):
+    """The characterization module on one fake H200 with ``ModelHostBench`` and, as its ``name``
+    (a host-link probe's class), ``probe``, whose ``launches`` start empty."""
+    from xstage_lab.experiments.remote_store import characterization as ch
+
+    monkeypatch.setattr(probe, "launches", [])
+    monkeypatch.setattr(ch, "RemoteStoreBench", ModelHostBench)
+    monkeypatch.setattr(ch, name, probe)
+    fake_machine(monkeypatch, ch, n=1)
+    return ch
+
+
 def test_host_link_record_is_a_platform_of_its_own_and_calibrates(model_bench, monkeypatch,
                                                                    tmp_path):
     from tests.synthetic import KNOWN

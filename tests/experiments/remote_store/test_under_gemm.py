@@ -7,8 +7,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.experiments.remote_store.test_characterization import (ModelHostBench, fake_machine,
-                                                                  make_inv)
+from tests.experiments.remote_store.test_characterization import (
+    host_probe_characterization, make_inv)
 from xstage_lab.calibration import calibrate, under_gemm_fits, under_gemm_terms
 from xstage_lab.experiments.remote_store.characterization import HOST, under_gemm_sweep
 from xstage_lab.ops.remote_store.under_gemm import (GEMMS, gemm_flops, gemm_rows,
@@ -119,13 +119,7 @@ class ModelGemmProbe:
 
 @pytest.fixture
 def model_probe(monkeypatch):
-    from xstage_lab.experiments.remote_store import characterization as ch
-
-    monkeypatch.setattr(ModelGemmProbe, "launches", [])
-    monkeypatch.setattr(ch, "RemoteStoreBench", ModelHostBench)
-    monkeypatch.setattr(ch, "GemmBesideStores", ModelGemmProbe)
-    fake_machine(monkeypatch, ch, n=1)
-    return ch
+    return host_probe_characterization(monkeypatch, "GemmBesideStores", ModelGemmProbe)
 
 
 def test_the_probe_alone_is_a_partial_record_the_calibration_reads(model_probe, tmp_path):

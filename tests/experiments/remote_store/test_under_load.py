@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 from tests.experiments.cuda_testing import compile_sm90, needs_nvcc
-from tests.experiments.remote_store.test_characterization import (ModelHostBench, fake_machine,
-                                                                  make_inv)
+from tests.experiments.remote_store.test_characterization import (
+    host_probe_characterization, make_inv)
 from xstage_lab.calibration import calibrate, launch_means, under_load_fits, under_load_terms
 from xstage_lab.experiments.remote_store.characterization import HOST, under_load_sweep
 from xstage_lab.ops.remote_store.under_load import (LOAD_ITER_BYTES, STORE_ITER_BYTES,
@@ -195,13 +195,7 @@ class ModelLoadProbe:
 
 @pytest.fixture
 def model_probe(monkeypatch):
-    from xstage_lab.experiments.remote_store import characterization as ch
-
-    monkeypatch.setattr(ModelLoadProbe, "launches", [])
-    monkeypatch.setattr(ch, "RemoteStoreBench", ModelHostBench)
-    monkeypatch.setattr(ch, "HostLoadProbe", ModelLoadProbe)
-    fake_machine(monkeypatch, ch, n=1)
-    return ch
+    return host_probe_characterization(monkeypatch, "HostLoadProbe", ModelLoadProbe)
 
 
 def test_the_probe_alone_is_a_partial_record_the_forecast_reads(model_probe, tmp_path):
