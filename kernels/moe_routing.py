@@ -37,11 +37,12 @@ lengths). Expert-Wave: the merged stream holds, per wave of row blocks ``[lo, hi
 tiles then its Linear-2 tiles, so Linear-1 tile ``(p, n)`` is item ``lo (P_1 + P_2) + (p - lo) P_1
 + n`` and Linear-2 tile ``(p, n)`` item ``lo (P_1 + P_2) + (hi - lo) P_1 + (p - lo) P_2 + n``; item
 ``k`` goes to program ``k mod G`` at position ``k div G``. Interleaved (Algorithm 1, lead ``D``):
-program ``g`` merges its strided streams by key (a Linear-1 tile of row ``p_1`` by ``p_1``, a
-Linear-2 tile of row ``p_2`` by ``p_2 + D``, Linear-2 first on ties), so a tile's position is its
-index in its own stream plus the tiles of the other stream with a smaller key (a smaller or equal
-one for Linear-2 before Linear-1): ``#{i : g + i G < X}`` with ``X = min((p_1 - D + 1) P_2, n_2)``
-for Linear-1, ``X = min((p_2 + D) P_1, n_1)`` for Linear-2.
+the Linear-2 stream is dealt with stride G, the Linear-1 stream by work (``schedules.l1_deal``,
+in closed form: ``_l1_program``); program ``g`` merges its two streams by key (a Linear-1 tile of
+row ``p_1`` by ``p_1``, a Linear-2 tile of row ``p_2`` by ``p_2 + D``, Linear-2 first on ties), so
+a tile's position is its index in its own stream plus program ``g``'s tiles of the other stream
+that lie before stream index ``X``: ``X = min((p_1 - D + 1) P_2, n_2)`` for Linear-1 (counted by
+``_programs_below``), ``X = min((p_2 + D) P_1, n_1)`` for Linear-2 (by ``_l1_below``).
 """
 import triton
 import triton.language as tl
@@ -95,6 +96,39 @@ def _programs_below(limit, g, G):
     """``#{i >= 0 : g + i G < limit}`` elementwise: the items of program ``g``'s stride-``G``
     walk that lie before stream index ``limit``."""
     return tl.maximum(limit - g + G - 1, 0) // G
+
+
+@triton.jit
+def _l1_deal(row_blocks, G, P1, P2):
+    """The parameters of ``schedules.l1_deal``'s closed form: ``r_2 = n_2 mod G`` (the programs
+    holding one Linear-2 tile more), ``n_B = G - r_2``, ``u = w_2 div w_1`` and ``f = w_2 mod w_1``
+    with ``w_1 = 2 P_2``, ``w_2 = P_1`` (``schedules.tile_work``)."""
+    r2 = (row_blocks * P2) % G
+    return r2, G - r2, P1 // (2 * P2), P1 % (2 * P2)
+
+
+@triton.jit
+def _l1_program(k, G, r2, nb, u, f):
+    """Linear-1 stream index ``k`` (>= 0) -> its program and its index in that program's
+    Linear-1 tiles: the first ``u n_B`` tiles round-robin over programs ``r_2 .. G-1``, then
+    round-robin over all, in program order where ``f = 0``, else ``r_2 .. G-1`` first."""
+    pre = k < u * nb
+    rest = tl.maximum(k - u * nb, 0)
+    pos = rest % G
+    late = tl.where(f == 0, pos, tl.where(pos < nb, r2 + pos, pos - nb))
+    g = tl.where(pre, r2 + k % nb, late)
+    return g, tl.where(pre, k // nb, rest // G + tl.where(late >= r2, u, 0))
+
+
+@triton.jit
+def _l1_below(limit, g, G, r2, nb, u, f):
+    """``#{k < limit : _l1_program(k) is g}`` elementwise: program ``g``'s Linear-1 tiles before
+    stream index ``limit``, its ``u`` early ones (programs ``r_2 .. G-1`` only) and its later
+    ones, one per round of ``G`` at its rank in the round."""
+    late_b = g >= r2
+    early = tl.where(late_b, tl.minimum(tl.maximum(limit - (g - r2) + nb - 1, 0) // nb, u), 0)
+    rank = tl.where(f == 0, g, tl.where(late_b, g - r2, nb + g))
+    return early + tl.maximum(limit - u * nb - rank + G - 1, 0) // G
 
 
 @triton.jit
@@ -198,8 +232,9 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jum
     tl.store(meta + META_TILES, n1 + n2)
     gs = tl.arange(0, G_PAD)
     tl.store(wave_num_tiles + gs, _programs_below(n1 + n2, gs, G), mask=gs < G)
-    tl.store(inter_num_tiles + gs, _programs_below(n1, gs, G) + _programs_below(n2, gs, G),
-             mask=gs < G)
+    r2, nb, u, f = _l1_deal(row_blocks, G, P1, P2)
+    tl.store(inter_num_tiles + gs, _l1_below(n1, gs, G, r2, nb, u, f)
+             + _programs_below(n2, gs, G), mask=gs < G)
 
 
 @triton.jit
@@ -325,22 +360,23 @@ def route_tiles(expert_counts, expert_offsets, wave_lo, wave_hi, meta, row_src, 
         hi = tl.load(wave_hi + e)
         n1 = row_blocks * P1
         n2 = row_blocks * P2
+        r2, nb, u, f = _l1_deal(row_blocks, G, P1, P2)
         ns = tl.arange(0, P_PAD)
         for kind in tl.static_range(2):
             if kind == 0:
                 n_blocks = P1
                 k = p * P1 + ns  # index in the Linear-1 stream
                 wave_k = lo * (P1 + P2) + (p - lo) * P1 + ns
-                g = k % G
+                g, own = _l1_program(k, G, r2, nb, u, f)
                 other = _programs_below(tl.minimum((p - LEAD + 1) * P2, n2), g, G)
             else:
                 n_blocks = P2
                 k = p * P2 + ns
                 wave_k = lo * (P1 + P2) + (hi - lo) * P1 + (p - lo) * P2 + ns
-                g = k % G
-                other = _programs_below(tl.minimum((p + LEAD) * P1, n1), g, G)
+                g, own = k % G, k // G
+                other = _l1_below(tl.minimum((p + LEAD) * P1, n1), g, G, r2, nb, u, f)
             live = ns < n_blocks
             _store_entries(wave_tiles + ((wave_k % G) * MAX_TILES + wave_k // G) * TILE_FIELDS,
                            kind, e, p, ns, live)
-            _store_entries(inter_tiles + (g * MAX_TILES + k // G + other) * TILE_FIELDS, kind, e,
+            _store_entries(inter_tiles + (g * MAX_TILES + own + other) * TILE_FIELDS, kind, e,
                            p, ns, live)

@@ -65,6 +65,9 @@ LIVE = {
     "moe_layer": Live("local", ("--models", "DiT-MoE", "--precisions", "bf16", "--settings", "ep1",
                                 "--tokens", "64", *TIMING)),
     "issue_time_probe": Live("local", ("--repeats", "1", "--burst-kib", "16")),
+    # the probe's schedules on one MoE cell
+    "moe_schedule_probe": Live("local", ("--models", "DiT-MoE", "--precisions", "bf16",
+                                         "--routing", "balanced", "--tokens", "256", *TIMING)),
     # the committed kernel as the variant compared with it
     "fa_kernel_probe": Live("local", ("--variant",
                                       f"committed={kernel_path('flash_attention_ws.py')}",

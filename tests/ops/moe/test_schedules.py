@@ -10,8 +10,8 @@ import pytest
 
 from xstage_lab.ops.moe.schedules import (
     L1, L2, MoEProblem, Schedule, ScheduleError, Tile, check_schedule, d_knee,
-    WAVE_FILL, execution_order, expert_wave_schedule, interleaved_schedule,
-    tile_table, wave_starts)
+    WAVE_FILL, execution_order, expert_wave_schedule, interleaved_schedule, l1_deal,
+    tile_table, tile_work, wave_starts)
 
 PROBLEMS = {
     "one_expert": MoEProblem((5,), 3, 2),
@@ -29,6 +29,7 @@ def _schedules(problem: MoEProblem, programs: int):
     yield expert_wave_schedule(problem, programs, experts_per_wave=1)
     for lead in sorted({1, 3, d_knee(2 * 32, programs, 32 * problem.l1_n_blocks)}):
         yield interleaved_schedule(problem, programs, lead)
+        yield interleaved_schedule(problem, programs, lead, by_work=False)
 
 
 @pytest.mark.parametrize("programs", PROGRAMS)
@@ -87,17 +88,64 @@ def test_d_knee_is_eq16():
 
 
 def test_interleaved_follows_algorithm_1():
-    """Program g walks both streams from k = g with stride G; Linear-2 only when p_2 + D <= p_1."""
+    """Program g walks the Linear-2 stream from k = g with stride G and its Linear-1 tiles as
+    ``l1_deal`` deals them; Linear-2 only when p_2 + D <= p_1. Dealt by stride (the paper's
+    statement), the Linear-1 stream too walks from k = g with stride G."""
     problem, programs, lead = PROBLEMS["l1_wider"], 2, 2
-    schedule = interleaved_schedule(problem, programs, lead)
-    for g, tiles in enumerate(schedule.programs):
-        l1 = [t for t in tiles if t.kind == L1]
-        l2 = [t for t in tiles if t.kind == L2]
-        assert l1 == [problem.l1_tile(k) for k in range(g, problem.num_rows * problem.l1_n_blocks,
-                                                        programs)]
-        assert l2 == [problem.l2_tile(k) for k in range(g, problem.num_rows * problem.l2_n_blocks,
-                                                        programs)]
-    assert schedule.lead_rows == lead
+    for by_work in (True, False):
+        schedule = interleaved_schedule(problem, programs, lead, by_work=by_work)
+        deal = l1_deal(problem, programs, by_work)
+        for g, tiles in enumerate(schedule.programs):
+            l1 = [t for t in tiles if t.kind == L1]
+            l2 = [t for t in tiles if t.kind == L2]
+            assert l1 == [problem.l1_tile(k) for k in deal[g]]
+            assert l2 == [problem.l2_tile(k) for k in range(
+                g, problem.num_rows * problem.l2_n_blocks, programs)]
+        assert schedule.lead_rows == lead
+    assert l1_deal(problem, programs, False) == [
+        list(range(g, problem.num_rows * problem.l1_n_blocks, programs)) for g in range(programs)]
+
+
+def test_the_linear1_deal_evens_the_work_the_stride_deal_leaves_uneven():
+    """DiT-MoE's grid at 4096 tokens (65 row blocks, P_1 = 44, P_2 = 11, 132 programs): a Linear-2
+    tile is two Linear-1 tiles' work (w = 22, 44). With stride G, programs 0..54 hold both a 22nd
+    Linear-1 and a 6th Linear-2 tile; by work, no program exceeds the mean by a Linear-1 tile."""
+    problem, G = MoEProblem((33, 32), 44, 11), 132
+    assert tile_work(problem) == (22, 44)
+
+    def work(schedule):
+        return [sum(22 if t.kind == L1 else 44 for t in p) for p in schedule.programs]
+    strided = interleaved_schedule(problem, G, 15, by_work=False)
+    dealt = interleaved_schedule(problem, G, 15)
+    check_schedule(problem, dealt)
+    mean = (65 * 44 * 22 + 65 * 11 * 44) / G
+    assert max(work(strided)) == 22 * 22 + 6 * 44 > mean + 22
+    assert max(work(dealt)) - min(work(dealt)) <= 22 and max(work(dealt)) < mean + 22
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_linear1_deal_is_the_closed_form_the_device_computes(seed):
+    """``l1_deal`` (least work first) equals its docstring's closed form: the first u n_B tiles
+    round-robin over programs r_2 .. G-1, then round-robin over all, in program order where
+    f = 0, else r_2 .. G-1 first; and with r_2 = 0 it is the stride-G deal."""
+    rng = np.random.default_rng(seed)
+    problem = MoEProblem(tuple(int(b) for b in rng.integers(0, 9, rng.integers(1, 6))),
+                         int(rng.integers(1, 50)), int(rng.integers(1, 30)))
+    G = int(rng.integers(1, 140))
+    n1, n2 = problem.num_rows * problem.l1_n_blocks, problem.num_rows * problem.l2_n_blocks
+    w1, w2 = tile_work(problem)
+    r2, u, f = n2 % G, w2 // w1, w2 % w1
+    nb = G - r2
+    want = [[] for _ in range(G)]
+    for i in range(n1):
+        if i < u * nb:
+            want[r2 + i % nb].append(i)
+        else:
+            pos = (i - u * nb) % G
+            want[pos if f == 0 else (r2 + pos if pos < nb else pos - nb)].append(i)
+    assert l1_deal(problem, G) == want
+    if r2 == 0:
+        assert want == l1_deal(problem, G, by_work=False)
 
 
 @pytest.mark.parametrize("lead, order", [
@@ -115,17 +163,19 @@ def test_interleaved_order_on_one_program(lead, order):
 
 
 def test_interleaved_order_on_strided_programs():
-    """Three rows, P_1 = 2, P_2 = 1, G = 2, D = 1, by hand: program 0 walks Linear-1 tiles 0, 2, 4
-    (rows 0, 1, 2, N tile 0) and Linear-2 tiles 0, 2 (rows 0, 2); program 1 Linear-1 tiles 1, 3,
-    5 (N tile 1) and Linear-2 tile 1 (row 1). Program 0 emits row 0's Linear-2 once its next
-    Linear-1 tile is in row 1 (0 + 1 <= 1); program 1 holds row 1's until its next Linear-1 tile
-    is in row 2."""
+    """Three rows, P_1 = 2, P_2 = 1, G = 2, D = 1, by hand. The Linear-2 stream, strided: program
+    0 holds tiles 0, 2 (rows 0, 2), program 1 tile 1 (row 1). The Linear-1 stream by work
+    (w_1 = 2, w_2 = 2; program 0 starts at work 4, program 1 at 2): tile 0 to program 1, then
+    alternately, ties to program 0: program 0 holds tiles 1, 3, 5 (rows 0, 1, 2, N tile 1),
+    program 1 tiles 0, 2, 4 (N tile 0). Program 0 emits row 0's Linear-2 once its next Linear-1
+    tile is in row 1 (0 + 1 <= 1); program 1 holds row 1's until its next Linear-1 tile is in
+    row 2."""
     problem = MoEProblem((3,), 2, 1)
     schedule = interleaved_schedule(problem, 2, 1)
     assert schedule.programs == (
-        (Tile(L1, 0, 0, 0), Tile(L2, 0, 0, 0), Tile(L1, 0, 1, 0), Tile(L1, 0, 2, 0),
+        (Tile(L1, 0, 0, 1), Tile(L2, 0, 0, 0), Tile(L1, 0, 1, 1), Tile(L1, 0, 2, 1),
          Tile(L2, 0, 2, 0)),
-        (Tile(L1, 0, 0, 1), Tile(L1, 0, 1, 1), Tile(L2, 0, 1, 0), Tile(L1, 0, 2, 1)))
+        (Tile(L1, 0, 0, 0), Tile(L1, 0, 1, 0), Tile(L2, 0, 1, 0), Tile(L1, 0, 2, 0)))
     check_schedule(problem, schedule)
 
 

@@ -14,14 +14,14 @@ rank of EP = 8, every store local, the seeds of ``host_bench``):
   wave                   Expert-Wave as committed (waves by counted rows);
   wave_one               Expert-Wave in one wave: every Linear-1 tile, then every Linear-2 tile,
                          one stream dealt with stride G (what waves per expert buy);
-  interleaved            Interleaved at the derived lead (``schedules.skew_lead``);
+  interleaved            Interleaved at the derived lead (``schedules.skew_lead``), its
+                         Linear-1 stream dealt by work (``schedules.l1_deal``);
+  interleaved_strided    the same with both streams dealt with stride G (Algorithm 1 as the
+                         paper states it): some programs then hold both an extra Linear-1 and an
+                         extra Linear-2 tile, which sets the makespan where a Linear-2 tile costs
+                         several Linear-1 tiles (DiT-MoE: K = 5632 against 1408);
   interleaved_l1_first   Interleaved at D = the rows: each program's Linear-1 tiles before its
-                         Linear-2 ones (separate strided streams against ``wave_one``'s one);
-  interleaved_balanced   Interleaved at the derived lead with the Linear-1 tiles dealt so that
-                         every program's work (``balanced_quotas``) is as even as whole tiles
-                         allow: the stride-G deal gives some programs both an extra Linear-1 and
-                         an extra Linear-2 tile, which sets the makespan where a Linear-2 tile
-                         costs several Linear-1 tiles (DiT-MoE: K = 5632 against 1408).
+                         Linear-2 ones (separate streams against ``wave_one``'s one).
 
 1. Checks first: every schedule passes ``schedules.check_schedule``; the cell passes
    ``kernel_cell.check_cell`` (both committed schedules against the references); every launch,
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import heapq
 import math
 from pathlib import Path
 
@@ -63,74 +62,22 @@ from ..moe import kernel_cell as kc
 from ..moe.bench import cell_seed
 from ..moe.kernel_rows import traced_tiles
 
-SCHEDULES = ("wave", "wave_one", "interleaved", "interleaved_l1_first", "interleaved_balanced")
+SCHEDULES = ("wave", "wave_one", "interleaved", "interleaved_strided", "interleaved_l1_first")
 # A Linear-2 mainloop counts as "beside Linear-1" where at least this share of the other busy
 # programs ran a Linear-1 mainloop at its midpoint.
 MIXED_SHARE = 0.25
 
 
-def balanced_quotas(problem: MoEProblem, num_programs: int, l1_work: float,
-                    l2_work: float) -> list[int]:
-    """Linear-1 tiles per program: the Linear-2 tiles dealt with stride G as Interleaved deals
-    them, then each Linear-1 tile to the program with the least work so far (work = tiles ×
-    ``l1_work`` or ``l2_work``), which evens the programs' work as far as whole tiles allow."""
-    n1 = problem.num_rows * problem.l1_n_blocks
-    n2 = problem.num_rows * problem.l2_n_blocks
-    quotas = [0] * num_programs
-    heap = [(len(range(g, n2, num_programs)) * l2_work, g) for g in range(num_programs)]
-    heapq.heapify(heap)
-    for _ in range(n1):
-        work, g = heapq.heappop(heap)
-        quotas[g] += 1
-        heapq.heappush(heap, (work + l1_work, g))
-    return quotas
-
-
-def balanced_interleaved(problem: MoEProblem, num_programs: int, lead_rows: int,
-                         quotas: list[int]) -> Schedule:
-    """Interleaved (Algorithm 1's merge at lead D) with the Linear-1 stream dealt by ``quotas``:
-    round r gives the next Linear-1 tiles, in stream order, to the programs whose quota exceeds
-    r, in program order (the first min(quotas) rounds are the stride-G deal). The Linear-2 stream
-    is dealt with stride G as in ``interleaved_schedule``."""
-    if sum(quotas) != problem.num_rows * problem.l1_n_blocks or len(quotas) != num_programs:
-        raise ValueError("quotas must give every Linear-1 tile to one of the programs")
-    l1: list[list[int]] = [[] for _ in range(num_programs)]
-    k = 0
-    for r in range(max(quotas, default=0)):
-        for g in range(num_programs):
-            if quotas[g] > r:
-                l1[g].append(k)
-                k += 1
-    n2 = problem.num_rows * problem.l2_n_blocks
-    programs = []
-    for g in range(num_programs):
-        l2 = range(g, n2, num_programs)
-        i = j = 0
-        tiles = []
-        while i < len(l1[g]) or j < len(l2):
-            p1 = l1[g][i] // problem.l1_n_blocks if i < len(l1[g]) else math.inf
-            if j < len(l2) and l2[j] // problem.l2_n_blocks + lead_rows <= p1:
-                tiles.append(problem.l2_tile(l2[j]))
-                j += 1
-            else:
-                tiles.append(problem.l1_tile(l1[g][i]))
-                i += 1
-        programs.append(tuple(tiles))
-    return Schedule("interleaved_balanced", tuple(programs), lead_rows=lead_rows)
-
-
-def probe_schedules(problem: MoEProblem, num_programs: int, lead: int, l1_work: float,
-                    l2_work: float) -> dict[str, Schedule]:
+def probe_schedules(problem: MoEProblem, num_programs: int, lead: int) -> dict[str, Schedule]:
     """The probe's schedules (``SCHEDULES``), each checked launchable."""
     out = {"wave": expert_wave_schedule(problem, num_programs),
            "wave_one": expert_wave_schedule(problem, num_programs,
                                             experts_per_wave=len(problem.blocks_per_expert)),
            "interleaved": interleaved_schedule(problem, num_programs, lead),
+           "interleaved_strided": interleaved_schedule(problem, num_programs, lead,
+                                                       by_work=False),
            "interleaved_l1_first": interleaved_schedule(problem, num_programs,
-                                                        max(1, problem.num_rows)),
-           "interleaved_balanced": balanced_interleaved(
-               problem, num_programs, lead,
-               balanced_quotas(problem, num_programs, l1_work, l2_work))}
+                                                        max(1, problem.num_rows))}
     for s in out.values():
         check_schedule(problem, s)
     return out
@@ -238,11 +185,7 @@ class MoESchedule(Experiment):
                              programs=self.programs, device=self.on)
         checked, failures = kc.check_cell(cell, weight_seed=args.seed, unfused=None)
         lead = skew_lead(cell.knee, self.programs, cell.problem.l2_n_blocks)
-        # A tile's work by its multiply-adds: Linear-1 computes gate and up (2·block_n1 columns)
-        # over the hidden size, Linear-2 block_n2 columns over the intermediate size.
-        schedules = probe_schedules(cell.problem, self.programs, lead,
-                                    2 * cfg.block_n1 * shape.hidden,
-                                    cfg.block_n2 * shape.intermediate)
+        schedules = probe_schedules(cell.problem, self.programs, lead)
         calls = {name: prepare_fused_moe(cell.layout, cell.weights, s, cell.peers, config=cfg,
                                          max_spin_iters=args.max_spin)
                  for name, s in schedules.items()}

@@ -20,7 +20,7 @@ from ..launcher import Launcher
 from .call_args import allocate_args, triton_dtype, write_args
 from .dispatch import DispatchLayout, build_layout
 from .schedules import (WAVE_FILL, MoEProblem, expert_wave_schedule, interleaved_schedule,
-                        tile_table)
+                        tile_table, tile_work)
 from .shapes import FP8_SCALE_BLOCK, MoEContractError
 from .tiles import TileConfig
 
@@ -80,10 +80,14 @@ class TableBounds:
 
     @property
     def max_tiles(self) -> int:
-        """Entries per program of either table: the Interleaved bound (each strided stream
-        rounded up) covers Expert-Wave's ``ceil(row_blocks (P_1 + P_2) / G)``."""
+        """Entries per program of either table: the Interleaved bound covers Expert-Wave's
+        ``ceil(row_blocks (P_1 + P_2) / G)``. Its Linear-2 stream is strided; its Linear-1 deal
+        (``schedules.l1_deal``) gives a program at most ``ceil(n_1 / G) + u`` Linear-1 tiles
+        (``u = w_2 div w_1``: the early rounds that skip the programs holding a Linear-2 tile
+        more), and ``n_1 <= row_blocks P_1``."""
         g = self.num_programs
-        return (triton.cdiv(self.row_blocks * self.l1_n_blocks, g)
+        w1, w2 = tile_work(MoEProblem((), self.l1_n_blocks, self.l2_n_blocks))
+        return (triton.cdiv(self.row_blocks * self.l1_n_blocks, g) + w2 // w1
                 + triton.cdiv(self.row_blocks * self.l2_n_blocks, g))
 
 

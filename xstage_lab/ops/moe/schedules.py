@@ -15,13 +15,15 @@ change. Terms follow the paper:
 Expert-Wave (the baseline, §2.2): consecutive local experts grouped into waves; the merged stream is
 each wave's Linear-1 tiles followed by its Linear-2 tiles, dealt round-robin to the programs.
 
-Interleaved (Algorithm 1): each program merges its strided Linear-1 and Linear-2 streams, emitting
+Interleaved (Algorithm 1): each program merges its Linear-1 and Linear-2 streams, emitting
 Linear-2 only when ``p_2 + D <= p_1`` (``p_1 = inf`` once its Linear-1 stream is done); the default
-``D`` is ``D_knee`` (eq. 16). Triton has no two-CTA clusters, so one program is one instance
-(``r = 0``, N-tile ``k mod P_i``), where the paper pairs CTAs with ``n = 2(k mod P_i) + r``.
+``D`` is ``D_knee`` (eq. 16). The Linear-2 stream is dealt with stride G, the Linear-1 stream by
+work (``l1_deal``). Triton has no two-CTA clusters, so one program is one instance (``r = 0``,
+N-tile ``k mod P_i``), where the paper pairs CTAs with ``n = 2(k mod P_i) + r``.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -193,33 +195,76 @@ def expert_wave_schedule(problem: MoEProblem, num_programs: int,
     return Schedule("expert_wave", _deal(stream, num_programs), wave_starts=starts)
 
 
-def interleaved_schedule(problem: MoEProblem, num_programs: int, lead_rows: int) -> Schedule:
-    """Algorithm 1 with instance stride G = ``num_programs`` and lead D = ``lead_rows`` (>= 1;
-    D = 0 would let a program wait on its own next Linear-1 tile).
+def tile_work(problem: MoEProblem) -> tuple[int, int]:
+    """``(w_1, w_2)``: the multiply-adds of a Linear-1 and of a Linear-2 tile in units of
+    ``H I / (P_1 P_2)`` per row. A Linear-1 tile computes gate and up, ``2 I / P_1`` columns over
+    K = H; a Linear-2 tile ``H / P_2`` columns over K = I: ``w_1 = 2 P_2``, ``w_2 = P_1``
+    (DiT-MoE: 22 and 44, a Linear-2 tile is two Linear-1 tiles' work; Qwen3.5: 32 and 8)."""
+    return 2 * problem.l2_n_blocks, problem.l1_n_blocks
+
+
+def l1_deal(problem: MoEProblem, num_programs: int, by_work: bool = True) -> list[list[int]]:
+    """Interleaved's Linear-1 stream dealt by work (``by_work=False``: with stride G, as
+    Algorithm 1 deals it): each program's Linear-1 stream indices.
+
+    The Linear-2 stream is dealt with stride G, so its first ``r_2 = n_2 mod G`` programs hold one
+    Linear-2 tile more. Dealt with stride G too, the Linear-1 stream's extra tiles would go to the
+    first programs as well, and a program holding both extras sets the makespan where a Linear-2
+    tile is worth several Linear-1 tiles (measured: ``moe_schedule_probe``). Instead each Linear-1
+    tile, in stream order, goes to the program with the least work so far (``tile_work``; its
+    Linear-2 tiles counted from the start, ties to the lower program): the programs' work then
+    differs by at most one Linear-1 tile. Where ``r_2 = 0`` this is the stride-G deal.
+
+    In closed form (what ``kernels/moe_routing.py`` computes per tile), with ``n_B = G - r_2``,
+    ``u = w_2 // w_1`` and ``f = w_2 mod w_1``: the first ``u n_B`` tiles go round-robin to
+    programs ``r_2 .. G-1``, then round-robin to every program, in program order where ``f = 0``
+    and programs ``r_2 .. G-1`` before ``0 .. r_2-1`` otherwise."""
+    n1 = problem.num_rows * problem.l1_n_blocks
+    n2 = problem.num_rows * problem.l2_n_blocks
+    if not by_work:
+        return [list(range(g, n1, num_programs)) for g in range(num_programs)]
+    w1, w2 = tile_work(problem)
+    heap = [(len(range(g, n2, num_programs)) * w2, g) for g in range(num_programs)]
+    heapq.heapify(heap)
+    dealt: list[list[int]] = [[] for _ in range(num_programs)]
+    for k in range(n1):
+        work, g = heapq.heappop(heap)
+        dealt[g].append(k)
+        heapq.heappush(heap, (work + w1, g))
+    return dealt
+
+
+def interleaved_schedule(problem: MoEProblem, num_programs: int, lead_rows: int,
+                         by_work: bool = True) -> Schedule:
+    """Algorithm 1 with instance stride G = ``num_programs`` for the Linear-2 stream, the
+    Linear-1 stream dealt by work (``l1_deal``; ``by_work=False``: with stride G, Algorithm 1 as
+    the paper states it), and lead D = ``lead_rows`` (>= 1; D = 0 would let a program wait on its
+    own next Linear-1 tile).
 
     Same tiles, dependencies and Combine volume as Expert-Wave; only the order changes, so the gap
     between Linear-2 bursts grows from T_L2 to T_L2 + (n_1/n_2) T_L1 (eq. 12). D sets the phase of
     the two streams, not their ratio: D >= D_knee (eq. 16) keeps Linear-2 from catching up with
-    Linear-1 and spinning."""
+    Linear-1 and spinning. Deadlock-free with every program resident for any D >= 1: a Linear-1
+    tile of row p is preceded in its program only by Linear-2 tiles of rows <= p - D, so by
+    induction over rows every awaited tile completes."""
     if num_programs < 1:
         raise ValueError(f"num_programs must be >= 1, got {num_programs}")
     if lead_rows < 1:
         raise ValueError(f"lead_rows D must be >= 1 (D = 0 can self-deadlock), got {lead_rows}")
-    n1 = problem.num_rows * problem.l1_n_blocks  # P * P_1
-    n2 = problem.num_rows * problem.l2_n_blocks  # P * P_2
+    n2 = problem.num_rows * problem.l2_n_blocks
     programs = []
-    for g in range(num_programs):
-        k1 = k2 = g
+    for g, l1 in enumerate(l1_deal(problem, num_programs, by_work)):
+        l2 = range(g, n2, num_programs)
+        i = j = 0
         tiles: list[Tile] = []
-        while k1 < n1 or k2 < n2:
-            p1 = k1 // problem.l1_n_blocks if k1 < n1 else math.inf
-            p2 = k2 // problem.l2_n_blocks
-            if k2 < n2 and p2 + lead_rows <= p1:
-                tiles.append(problem.l2_tile(k2))
-                k2 += num_programs
+        while i < len(l1) or j < len(l2):
+            p1 = l1[i] // problem.l1_n_blocks if i < len(l1) else math.inf
+            if j < len(l2) and l2[j] // problem.l2_n_blocks + lead_rows <= p1:
+                tiles.append(problem.l2_tile(l2[j]))
+                j += 1
             else:
-                tiles.append(problem.l1_tile(k1))
-                k1 += num_programs
+                tiles.append(problem.l1_tile(l1[i]))
+                i += 1
         programs.append(tuple(tiles))
     return Schedule("interleaved", tuple(programs), lead_rows=lead_rows)
 
