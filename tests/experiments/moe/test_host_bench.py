@@ -325,3 +325,27 @@ def test_misses_set_the_traced_mainloops_beside_the_all_local_ones_the_forecast_
     assert gone["wave_mainloop_l2_over_local"].isna().all()
     assert "Tensor Cores" not in str(say.forecast_misses([hv.latest_host_view("x-host",
                                                                               tmp_path)]))
+
+
+def test_an_auto_rule_is_scored_by_the_measured_times_of_what_it_picks(tmp_path):
+    from xstage_lab.analysis.moe import host_view as hv
+    from xstage_lab.experiments.moe.host_forecast import pick_auto
+
+    cell = {"model": "Tiny", "precision": "bf16", "routing": "skewed", "tokens": TOKENS}
+    forecast = write_record("moe_host_forecast", "x-host", pd.DataFrame([
+        {**cell, "host_share": 1, "tile_wave_us": 100.0, "tile_interleaved_d4_us": 100.2,
+         "tile_interleaved_d8_us": 100.3},
+        {**cell, "host_share": 8, "tile_wave_us": 150.0, "tile_interleaved_d4_us": 100.0,
+         "tile_interleaved_d8_us": 130.0}]), {}, {"git_commit": "abc"}, tmp_path)
+    measured = write_record("moe_host", "x-host", pd.DataFrame([
+        {**cell, "host_share": 1, "wave_us": 110.0, "interleaved_d4_us": 105.0,
+         "interleaved_d4_p25_us": 1.0, "interleaved_d8_us": 100.0},
+        {**cell, "host_share": 8, "wave_us": 200.0, "interleaved_d4_us": 120.0,
+         "interleaved_d4_p25_us": 1.0, "interleaved_d8_us": 140.0}]),
+        {"forecast_record": f"moe_host_forecast/x-host/{forecast.stem}"}, {"git_commit": "abc"},
+        tmp_path)
+    view = hv.HostView("x-host", (hv.read(measured),))
+    # h = 1: the three predictions tie, the longest lead (d8) is the fastest measured
+    assert hv.pick_over_fastest(view, pick_auto).tolist() == [1.0, 1.0]
+    fastest_predicted = hv.pick_over_fastest(view, lambda p: min(p, key=p.get))
+    assert fastest_predicted.tolist() == [pytest.approx(1.1), 1.0]

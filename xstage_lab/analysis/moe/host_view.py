@@ -186,6 +186,26 @@ def misses(view: HostView) -> pd.DataFrame:
     return both[both["speedup_error_pp"].abs() > MISS_PP].reset_index(drop=True)
 
 
+def pick_over_fastest(view: HostView, pick) -> pd.Series:
+    """Per cell of ``view``, the measured time of the schedule ``pick`` chooses over the fastest
+    measured schedule of the cell: ``pick`` takes the run's forecast of the cell (``{"wave" |
+    "interleaved_d<D>": predicted µs}``, the schedules the run timed) and returns one of them.
+    Scores an ``auto`` rule on a committed matrix from the schedules' own times (``auto_us`` is
+    the rule the run was written with, timed once more). Raises FileNotFoundError where the
+    forecast record is not under the view's records root."""
+    t = view.table
+    forecast = read(view.records[0].path.parents[2] / f"{view.forecast_record}.parquet").table
+    predicted = t[CELL].merge(forecast, on=CELL, how="left")
+    out = []
+    for i in range(len(t)):
+        measured = {c.removesuffix("_us"): t[c].iat[i] for c in t.columns
+                    if (c == "wave_us" or c.startswith("interleaved_d")) and c.endswith("_us")
+                    and not c.endswith(("_p25_us", "_p75_us")) and pd.notna(t[c].iat[i])}
+        chosen = pick({n: predicted[f"tile_{n}_us"].iat[i] for n in measured})
+        out.append(measured[chosen] / min(measured.values()))
+    return pd.Series(out, index=t.index)
+
+
 def summary_entry(platform: str, root: Path = RECORDS_DIR) -> dict:
     """The ``moe_host_link`` entry: one row per cell (``SUMMARY_KEYS``); ``auto_us`` is None
     where the run's forecast picked no schedule (records before the tile forecast)."""
