@@ -134,6 +134,21 @@ def case_every_shape() -> dict:
     return out
 
 
+def case_work_deal_with_a_remainder() -> dict:
+    """A shape no model has: P_1 = 5 Linear-1 tiles a row against w_1 = 2 P_2 work units, so the
+    Linear-1 deal (``schedules.l1_deal``) has both early rounds (u >= 1) and a remainder
+    (f > 0); the models' shapes give u = 0 or f = 0."""
+    from xstage_lab.ops.moe.shapes import MoEShape
+    from xstage_lab.ops.moe.schedules import MoEProblem, tile_work
+
+    SHAPES["Synthetic"] = MoEShape("Synthetic", "u and f", 256, 640, 8, 2, "test")
+    _, bounds = _bounds("Synthetic", 1, 7, 2)
+    w1, w2 = tile_work(MoEProblem((), bounds.l1_n_blocks, bounds.l2_n_blocks))
+    assert w2 // w1 >= 1 and w2 % w1 > 0, (w1, w2)
+    return {s: case_ep1("Synthetic", "bf16", 40, s, 7, 2, seed=i)
+            for i, s in enumerate(("balanced", "skewed"))}
+
+
 def interpreter_cases() -> dict:
     return {
         "every_shape": (case_every_shape,),
@@ -145,6 +160,7 @@ def interpreter_cases() -> dict:
         "ep_rank_bf16": (case_ep_rank, "MiMo-V2.5", "bf16", 8, 40, 16, 2),
         "ep_rank_fp8": (case_ep_rank, "DiT-MoE", "fp8", 8, 150, 5, 1, 3),
         "out_of_range_ids": (case_out_of_range_ids_are_flagged,),
+        "work_deal_with_a_remainder": (case_work_deal_with_a_remainder,),
     }
 
 
