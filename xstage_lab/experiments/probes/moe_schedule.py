@@ -5,11 +5,12 @@ Combine store local (issue 26 item 3; record ``moe_schedule_probe``).
         [--models M ...] [--precisions bf16 fp8] [--routing balanced skewed] [--tokens 4096]
         [--trials N]
 
-The local sweep (``moe_host`` with host share 0) has Interleaved below 0.98 of Expert-Wave's
-speed on DiT-MoE at every lead, although the tile-table simulator, fed each schedule's traced
-per-tile times, plays both at the same makespan. This probe times schedules that separate the
-candidate causes, all of the same tiles and the same launch, on ``kernel_cell``'s workload (one
-rank of EP = 8, every store local, the seeds of ``host_bench``):
+The local sweep (``moe_host`` with host share 0) at 766434e had Interleaved, both its streams
+then dealt with stride G, below 0.98 of Expert-Wave's speed on DiT-MoE at every lead, although
+the tile-table simulator, fed each schedule's traced per-tile times, played both at the same
+makespan. This probe times schedules that separate the candidate causes, all of the same tiles
+and the same launch, on ``kernel_cell``'s workload (one rank of EP = 8, every store local, the
+seeds of ``host_bench``); what its records found is in their README:
 
   wave                   Expert-Wave as committed (waves by counted rows);
   wave_one               Expert-Wave in one wave: every Linear-1 tile, then every Linear-2 tile,

@@ -212,7 +212,8 @@ def l1_deal(problem: MoEProblem, num_programs: int, by_work: bool = True) -> lis
     first programs as well, and a program holding both extras sets the makespan where a Linear-2
     tile is worth several Linear-1 tiles (measured: ``moe_schedule_probe``). Instead each Linear-1
     tile, in stream order, goes to the program with the least work so far (``tile_work``; its
-    Linear-2 tiles counted from the start, ties to the lower program): the programs' work then
+    Linear-2 tiles counted from the start, ties to the lower program): once the Linear-1 tiles
+    level the extra Linear-2 tiles (more than ``u n_B`` of them, below), the programs' work
     differs by at most one Linear-1 tile. Where ``r_2 = 0`` this is the stride-G deal.
 
     In closed form (what ``kernels/moe_routing.py`` computes per tile), with ``n_B = G - r_2``,
@@ -245,8 +246,8 @@ def interleaved_schedule(problem: MoEProblem, num_programs: int, lead_rows: int,
     between Linear-2 bursts grows from T_L2 to T_L2 + (n_1/n_2) T_L1 (eq. 12). D sets the phase of
     the two streams, not their ratio: D >= D_knee (eq. 16) keeps Linear-2 from catching up with
     Linear-1 and spinning. Deadlock-free with every program resident for any D >= 1: a Linear-1
-    tile of row p is preceded in its program only by Linear-2 tiles of rows <= p - D, so by
-    induction over rows every awaited tile completes."""
+    tile of row p is preceded in its program only by Linear-1 tiles (never waiting) and Linear-2
+    tiles of rows <= p - D, so by induction over rows every awaited tile completes."""
     if num_programs < 1:
         raise ValueError(f"num_programs must be >= 1, got {num_programs}")
     if lead_rows < 1:
