@@ -71,6 +71,14 @@ def local_sweep_view(platform: str, root: Path = RECORDS_DIR) -> HostView | None
     return HostView(platform, records) if records else None
 
 
+def timed_schedules(table: pd.DataFrame) -> list[str]:
+    """The schedules a ``moe_host`` run timed, by name (their ``<name>_us`` columns): ``wave``,
+    then ``interleaved_d<D>`` for each lead of its sweeps."""
+    return ["wave", *(c.removesuffix("_us") for c in table.columns
+                      if c.startswith("interleaved_d") and c.endswith("_us")
+                      and not c.endswith(("_p25_us", "_p75_us")))]
+
+
 def local_sweep_table(view: HostView) -> pd.DataFrame:
     """Per cell of a local sweep (``local_sweep_view``): Interleaved's speed over Expert-Wave's
     (``wave_us`` over each lead's time) at D_knee (``at_knee``), at the derived lead
@@ -79,9 +87,7 @@ def local_sweep_table(view: HostView) -> pd.DataFrame:
     dependency waits (at the derived lead)."""
     t = view.table
     out = t[["model", "precision", "routing", "tokens", "d_knee", "lead_rows"]].copy()
-    leads = {int(c.removeprefix("interleaved_d").removesuffix("_us")): c for c in t.columns
-             if c.startswith("interleaved_d") and c.endswith("_us")
-             and not c.endswith(("_p25_us", "_p75_us"))}
+    leads = {int(n.removeprefix("interleaved_d")): f"{n}_us" for n in timed_schedules(t)[1:]}
     speed = pd.DataFrame({d: t["wave_us"] / t[c] for d, c in sorted(leads.items())})
     out["at_knee"] = [speed.at[i, d] for i, d in zip(t.index, t["d_knee"])]
     out["at_lead"] = [speed.at[i, d] for i, d in zip(t.index, t["lead_rows"])]
@@ -187,23 +193,18 @@ def misses(view: HostView) -> pd.DataFrame:
 
 
 def pick_over_fastest(view: HostView, pick) -> pd.Series:
-    """Per cell of ``view``, the measured time of the schedule ``pick`` chooses over the fastest
-    measured schedule of the cell: ``pick`` takes the run's forecast of the cell (``{"wave" |
-    "interleaved_d<D>": predicted µs}``, the schedules the run timed) and returns one of them.
-    Scores an ``auto`` rule on a committed matrix from the schedules' own times (``auto_us`` is
-    the rule the run was written with, timed once more). Raises FileNotFoundError where the
-    forecast record is not under the view's records root."""
-    t = view.table
+    """Per cell of ``view``, ``auto_against_measured``'s ``auto_over_fastest`` of the schedule
+    ``pick`` chooses from the run's forecast of the cell (``{"wave" | "interleaved_d<D>":
+    predicted µs}`` over the schedules the run timed): an ``auto`` rule scored on a committed
+    matrix. Raises FileNotFoundError where the forecast record is not under the view's records
+    root."""
     forecast = read(view.records[0].path.parents[2] / f"{view.forecast_record}.parquet").table
-    predicted = t[CELL].merge(forecast, on=CELL, how="left")
-    out = []
-    for i in range(len(t)):
-        measured = {c.removesuffix("_us"): t[c].iat[i] for c in t.columns
-                    if (c == "wave_us" or c.startswith("interleaved_d")) and c.endswith("_us")
-                    and not c.endswith(("_p25_us", "_p75_us")) and pd.notna(t[c].iat[i])}
-        chosen = pick({n: predicted[f"tile_{n}_us"].iat[i] for n in measured})
-        out.append(measured[chosen] / min(measured.values()))
-    return pd.Series(out, index=t.index)
+    names = timed_schedules(view.table)
+    picks = forecast[CELL].copy()
+    picks["auto_schedule"] = [
+        pick({n: row[f"tile_{n}_us"] for n in names if pd.notna(row.get(f"tile_{n}_us"))})
+        for row in forecast.to_dict("records")]
+    return auto_against_measured(view, picks)["auto_over_fastest"]
 
 
 def summary_entry(platform: str, root: Path = RECORDS_DIR) -> dict:
@@ -227,9 +228,8 @@ def auto_against_measured(view: HostView, forecast: pd.DataFrame) -> pd.DataFram
     (Expert-Wave and every Interleaved lead of its sweep), beside the fastest of them: an offline
     test of a forecast's pick on a run that did not time ``auto`` itself."""
     t = view.table.merge(forecast[CELL + ["auto_schedule"]], on=CELL, how="inner")
-    timed = [c[:-3] for c in t.columns if c.startswith("interleaved_d") and c.endswith("_us")
-             and not c.endswith(("_p25_us", "_p75_us"))]
-    times = t[["wave_us"] + [f"{n}_us" for n in timed]].set_axis(["wave", *timed], axis=1)
+    timed = timed_schedules(t)
+    times = t[[f"{n}_us" for n in timed]].set_axis(timed, axis=1)
     picked = [times.at[i, name] if name in times else np.nan
               for i, name in zip(t.index, t["auto_schedule"])]
     out = t[CELL + ["auto_schedule"]].copy()

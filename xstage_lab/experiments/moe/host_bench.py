@@ -67,6 +67,7 @@ from .. import harness
 from ..harness import Experiment, Run
 from . import kernel_cell as kc
 from .bench import TOLERANCE, cell_seed
+from .host_forecast import schedule_lead
 from .kernel_rows import cell_row_base, trace_columns
 
 DEFAULT_TOKENS = (4096,)
@@ -251,7 +252,7 @@ class MoEHost(Experiment):
         name = self.forecast.loc[tuple(point[k] for k in ("model", "precision", "routing",
                                                           "tokens", "host_share")),
                                  "auto_schedule"]
-        return 0 if name == "wave" else int(name.removeprefix("interleaved_d"))
+        return schedule_lead(name)
 
     def check(self, step: HostStep, run: Run) -> list[str]:
         """Step 1 of the module docstring."""

@@ -72,14 +72,17 @@ BF16_BYTES = 2
 AUTO_TIE = 0.005
 
 
+def schedule_lead(name: str) -> int:
+    """The lead of a schedule named ``"interleaved_d<D>"``; 0 for Expert-Wave (``"wave"``)."""
+    return 0 if name == "wave" else int(name.removeprefix("interleaved_d"))
+
+
 def pick_auto(predicted: dict[str, float]) -> str:
     """Of the schedules ``predicted`` (``"wave"`` or ``"interleaved_d<D>"`` -> µs), the longest
-    lead among those within ``AUTO_TIE`` of the fastest (Expert-Wave counts as lead 0)."""
+    lead (``schedule_lead``) among those within ``AUTO_TIE`` of the fastest."""
     fastest = min(predicted.values())
-
-    def lead(name: str) -> int:
-        return 0 if name == "wave" else int(name.removeprefix("interleaved_d"))
-    return max((n for n, us in predicted.items() if us <= fastest * (1 + AUTO_TIE)), key=lead)
+    return max((n for n, us in predicted.items() if us <= fastest * (1 + AUTO_TIE)),
+               key=schedule_lead)
 
 
 def host_rows_per_block(row_src: np.ndarray, row_slot: np.ndarray, block_m: int,
