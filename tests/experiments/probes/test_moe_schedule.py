@@ -53,7 +53,6 @@ def test_trace_summary_reads_idle_time_per_transition_and_what_ran_beside_linear
 @pytest.fixture
 def probe_run(monkeypatch, tmp_path):
     monkeypatch.setattr(ms, "load_shapes", lambda: {"Tiny": TINY})
-    monkeypatch.setattr(kc, "load_shapes", lambda: {"Tiny": TINY}, raising=False)
     real_prepare = prepare_fused_moe
 
     def prepare(layout, weights, schedule, peers, **kw):

@@ -59,14 +59,13 @@ from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
 from ...ops.moe.schedules import (L2, Schedule, expert_wave_schedule, interleaved_schedule,
                                   LEAD_MULTIPLES, lead_sweep, skew_lead)
 from ...ops.moe.shapes import PRECISIONS, ROUTINGS, load_shapes
-from ...ops.moe.tiles import KERNELS, default_tile_config, kernel_device
-from ...ops.moe.weights import local_expert_weights
+from ...ops.moe.tiles import KERNELS, kernel_device
 from ...records import RECORDS_DIR
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
 from . import kernel_cell as kc
-from .bench import TOLERANCE, cell_seed
+from .bench import TOLERANCE
 from .host_forecast import schedule_lead
 from .kernel_rows import cell_row_base, trace_columns
 
@@ -202,18 +201,13 @@ class MoEHost(Experiment):
         """The all-local cell of the point's (model, precision, routing, tokens), checked once."""
         key = tuple(point[k] for k in ("model", "precision", "routing", "tokens"))
         if self._cell[0] != key:
-            args, shape, precision = run.args, self.shapes[point["model"]], point["precision"]
-            cfg = default_tile_config(precision, args.kernel, hidden=shape.hidden)
-            self.tile_configs.setdefault(shape.model, {})[precision] = dataclasses.asdict(cfg)
-            weights = run.resource((shape.model, precision), lambda: local_expert_weights(
-                shape, kc.RANK, kc.EP, precision, seed=args.seed, device=self.on))
+            shape, precision = self.shapes[point["model"]], point["precision"]
             self._cell = (None, None)  # the last cell's buffers go before this one's are made
-            cell = kc.setup_cell(shape, precision, point["routing"], point["tokens"], weights, cfg,
-                                 args, seed=cell_seed(args.seed, shape.model, precision,
-                                                      point["routing"], point["tokens"]),
-                                 programs=self.programs, device=self.on)
-            checked, failures = kc.check_cell(cell, weight_seed=args.seed, unfused=None)
-            self._cell = (key, (cell, checked, failures))
+            checked = kc.checked_cell(shape, precision, point["routing"], point["tokens"],
+                                      run.args, run, programs=self.programs, device=self.on)
+            self.tile_configs.setdefault(shape.model, {})[precision] = \
+                dataclasses.asdict(checked[0].cfg)
+            self._cell = (key, checked)
         return self._cell[1]
 
     def prepare(self, point: dict, run: Run) -> HostStep:

@@ -20,10 +20,10 @@ from ...ops.moe.routing import router_logits, router_topk
 from ...ops.moe.schedules import (MoEProblem, d_knee, expert_wave_schedule,
                                   interleaved_schedule)
 from ...ops.moe.shapes import PRECISIONS, ROUTINGS, MoEShape, check_expert_parallel
-from ...ops.moe.tiles import KERNELS, TileConfig
+from ...ops.moe.tiles import KERNELS, TileConfig, default_tile_config
 from ...ops.moe.unfused import unfused_activations
-from ...ops.moe.weights import ExpertWeights, quantize_rows_fp8
-from .bench import TOLERANCE
+from ...ops.moe.weights import ExpertWeights, local_expert_weights, quantize_rows_fp8
+from .bench import TOLERANCE, cell_seed
 
 EP = 8          # the paper's eight-GPU setting
 RANK = 0        # the rank this GPU plays: local experts 0 .. E/8 - 1
@@ -205,6 +205,21 @@ def setup_cell(shape: MoEShape, precision: str, routing: str, tokens: int,
     rows, dest = combine_index(layout, wl.slots)
     return Cell(shape, precision, routing, wl, cfg, layout, programs, knee, problem, calls,
                 combine, rows, dest, weights, peers)
+
+
+def checked_cell(shape: MoEShape, precision: str, routing: str, tokens: int, args, run, *,
+                 programs: int, device) -> tuple[Cell, dict, list[str]]:
+    """``setup_cell`` of the default tile configuration over the experts of (shape, precision)
+    the run holds (``run.resource``, made from ``args.seed``), on the activations of the cell's
+    seed (``bench.cell_seed``), then ``check_cell`` without an unfused path: the cell, its check
+    columns and its failures (``host_bench`` and ``probes.moe_schedule``)."""
+    cfg = default_tile_config(precision, args.kernel, hidden=shape.hidden)
+    weights = run.resource((shape.model, precision), lambda: local_expert_weights(
+        shape, RANK, EP, precision, seed=args.seed, device=device))
+    cell = setup_cell(shape, precision, routing, tokens, weights, cfg, args,
+                      seed=cell_seed(args.seed, shape.model, precision, routing, tokens),
+                      programs=programs, device=device)
+    return (cell, *check_cell(cell, weight_seed=args.seed, unfused=None))
 
 
 def check_cell(cell: Cell, *, weight_seed: int,

@@ -54,13 +54,11 @@ from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
 from ...ops.moe.schedules import (L1, L2, MoEProblem, Schedule, check_schedule,
                                   expert_wave_schedule, interleaved_schedule, skew_lead)
 from ...ops.moe.shapes import PRECISIONS, ROUTINGS, load_shapes
-from ...ops.moe.tiles import KERNELS, default_tile_config, kernel_device
-from ...ops.moe.weights import local_expert_weights
+from ...ops.moe.tiles import KERNELS, kernel_device
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
 from ..moe import kernel_cell as kc
-from ..moe.bench import cell_seed
 from ..moe.kernel_rows import traced_tiles
 
 SCHEDULES = ("wave", "wave_one", "interleaved", "interleaved_strided", "interleaved_l1_first")
@@ -176,18 +174,13 @@ class MoESchedule(Experiment):
         self.shapes = load_shapes()
 
     def prepare(self, point: dict, run: Run) -> ScheduleStep:
-        args, shape, precision = run.args, self.shapes[point["model"]], point["precision"]
-        cfg = default_tile_config(precision, args.kernel, hidden=shape.hidden)
-        weights = run.resource((shape.model, precision), lambda: local_expert_weights(
-            shape, kc.RANK, kc.EP, precision, seed=args.seed, device=self.on))
-        cell = kc.setup_cell(shape, precision, point["routing"], args.tokens, weights, cfg, args,
-                             seed=cell_seed(args.seed, shape.model, precision, point["routing"],
-                                            args.tokens),
-                             programs=self.programs, device=self.on)
-        checked, failures = kc.check_cell(cell, weight_seed=args.seed, unfused=None)
+        args = run.args
+        cell, checked, failures = kc.checked_cell(
+            self.shapes[point["model"]], point["precision"], point["routing"], args.tokens, args,
+            run, programs=self.programs, device=self.on)
         lead = skew_lead(cell.knee, self.programs, cell.problem.l2_n_blocks)
         schedules = probe_schedules(cell.problem, self.programs, lead)
-        calls = {name: prepare_fused_moe(cell.layout, cell.weights, s, cell.peers, config=cfg,
+        calls = {name: prepare_fused_moe(cell.layout, cell.weights, s, cell.peers, config=cell.cfg,
                                          max_spin_iters=args.max_spin)
                  for name, s in schedules.items()}
         return ScheduleStep(point, cell, lead, schedules, calls, checked, failures)
