@@ -57,11 +57,21 @@ def _driver() -> ctypes.CDLL:
         "cuFuncGetParamInfo": (p, size, ctypes.POINTER(size), ctypes.POINTER(size)),
         "cuGraphExecKernelNodeSetParams_v2": (p, p, ctypes.POINTER(_KernelNodeParams)),
         "cuGraphLaunch": (p, p),
+        "cuStreamIsCapturing": (p, ctypes.POINTER(ctypes.c_int)),
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return lib
+
+
+def call_functions() -> tuple[int, int, int]:
+    """The addresses of ``cuGraphExecKernelNodeSetParams``, ``cuGraphLaunch`` and
+    ``cuStreamIsCapturing`` in the driver: what a compiled host path calls (``moe/fused_call.cpp``
+    takes them instead of linking the driver)."""
+    lib = _driver()
+    return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (
+        lib.cuGraphExecKernelNodeSetParams_v2, lib.cuGraphLaunch, lib.cuStreamIsCapturing))
 
 
 def _check(result: int, call: str) -> None:
@@ -149,6 +159,15 @@ class GraphLauncher:
         params.extra = None
         self._node, self._params = ctypes.c_void_p(node), ctypes.byref(params)
         self._params_struct = params  # what the reference above points to
+
+    def handles(self) -> tuple[int, int, int, int]:
+        """``(exec, node, params, words)``: the executable graph, the rewritten node, the address of
+        its ``CUDA_KERNEL_NODE_PARAMS`` and of its first address word in the parameter block,
+        which this launcher keeps alive (for ``moe/fused_call.cpp``). Only with ``rewrite``."""
+        if self._words is None:
+            raise DriverError("a launcher without rewrite has no node to hand over")
+        return (self._exec.value, self._node.value, ctypes.addressof(self._params_struct),
+                ctypes.addressof(self._words))
 
     def __call__(self, stream: int, addresses: tuple[int, ...] = ()) -> None:
         """Launch on ``stream`` (a ``CUstream``), the rewritten node taking ``addresses``."""

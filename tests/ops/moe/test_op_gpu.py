@@ -193,6 +193,39 @@ def test_graphs_per_layer_are_bounded(layer, captures):
     torch.cuda.synchronize()
     _check(moe, y, x, ids, w)
     assert len(captures) == GRAPHS_PER_LAYER + 2 and len(moe.graphs) == GRAPHS_PER_LAYER
+    assert len(moe.compiled) == GRAPHS_PER_LAYER  # the dropped graph left the compiled path too
+
+
+def test_the_compiled_path_takes_a_captured_calls_and_hands_back_the_rest(layer, captures):
+    """Once T = 8 is captured its calls go through ``fused_call.cpp`` (right against the
+    reference on a poisoned Combine buffer); a T without a graph, a non-contiguous ``x`` and a
+    misaligned one it hands back (None), and the Python path serves or refuses them."""
+    from xstage_lab.ops.moe.shapes import MoEContractError
+
+    moe = _fresh_layer(layer)
+    moe(*_inputs(8, 80))
+    stream = moe.graphs.current_stream(moe.device.index)
+    x, ids, w = _inputs(8, 81, "skewed")
+    moe.combine.fill_(float("nan"))
+    y = moe.compiled(x, ids, w, stream)
+    torch.cuda.synchronize()
+    assert y is not None and y.shape == x.shape and len(moe.compiled) == 1
+    _check(moe, y, x, ids, w)
+    assert moe.compiled(*_inputs(9, 82), stream) is None  # no graph of T = 9 yet
+    wide = torch.zeros(8, 2 * x.shape[1], dtype=x.dtype, device="cuda")
+    wide[:, ::2] = x
+    strided = wide[:, ::2]
+    assert moe.compiled(strided, ids, w, stream) is None
+    y = moe(strided, ids, w)  # the Python path makes it contiguous
+    torch.cuda.synchronize()
+    _check(moe, y, x, ids, w)
+    flat = torch.zeros(8 * x.shape[1] + 1, dtype=x.dtype, device="cuda")
+    shifted = flat[1:].view(8, x.shape[1])
+    shifted.copy_(x)
+    assert moe.compiled(shifted, ids, w, stream) is None
+    with pytest.raises(MoEContractError, match="aligned"):
+        moe(shifted, ids, w)
+    assert len(captures) == 1 and int(moe.error) == 0
 
 
 def test_eager_calls_around_a_users_graph(layer, captures):

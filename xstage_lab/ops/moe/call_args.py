@@ -40,19 +40,26 @@ def triton_dtype(dtype: torch.dtype):
     return TRITON_DTYPES[dtype]
 
 
+def slot_order(*names: str) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
+    """Per slot of the argument block, the index in ``names`` of the tensor it takes (None: the
+    block's own address), and the indices of the tensors that must start 16-byte aligned
+    (``ALIGNED``). Raises MoEContractError where a name is no slot."""
+    slots = _writer()[1]
+    unknown = set(names) - set(slots)
+    if unknown:
+        raise MoEContractError(f"no argument slot named {sorted(unknown)}")
+    return (tuple(names.index(s) if s in names else None for s in slots),
+            tuple(i for i, n in enumerate(names) if n in ALIGNED))
+
+
 def slot_packer(args: torch.Tensor, *names: str):
     """``pack(*tensors)``: the address each slot of ``args`` takes, in the block's order, given
     the tensors ``names`` name, in that order: that of the tensor named by the slot, else
     ``args``' own (read by no kernel of the call). The slots are placed once, here: a call
     only reads its tensors' addresses. Raises MoEContractError where a name is no slot (here) or
     a tensor of an aligned slot (``ALIGNED``) does not start 16-byte aligned (at ``pack``)."""
-    slots = _writer()[1]
-    unknown = set(names) - set(slots)
-    if unknown:
-        raise MoEContractError(f"no argument slot named {sorted(unknown)}")
+    order, aligned = slot_order(*names)
     own = args.data_ptr()
-    order = tuple(names.index(s) if s in names else None for s in slots)
-    aligned = tuple(i for i, n in enumerate(names) if n in ALIGNED)
 
     def pack(*tensors: torch.Tensor) -> tuple[int, ...]:
         addresses = [t.data_ptr() for t in tensors]

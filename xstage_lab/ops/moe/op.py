@@ -15,22 +15,27 @@ token count at that count's first call, its writer node taking each call's addre
 arguments (``graph_launch.GraphLauncher``): a call costs the host two driver calls. While the
 stream is capturing (a user's graph) or off CUDA they launch directly, each bound once
 (``launcher.Launcher``: a call pays the driver's launches, not Triton's Python binding).
+Once a T's graph exists, an eager call on CUDA takes the compiled host path
+(``fused_call.cpp``, built with ``torch.utils.cpp_extension`` at the layer's construction):
+the same checks, allocation, addresses and two driver calls in one C++ function.
 ``MoEWorkspace`` is the same call over received rows (the EP rank workload), storing into any
 ``CombinePeers``, replayed from a graph per set of buffers.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 from triton.runtime import driver
 
 from ...kernel_sources import load_kernel_module
-from ..graph_launch import GraphLauncher
+from ..graph_launch import GraphLauncher, call_functions
 from ..launcher import Launcher
-from .call_args import (TRITON_DTYPES, WRITER_FIRST_SLOT, slot_packer, write_addresses,
-                        writer_function)
+from .call_args import (ALIGN_BYTES, TRITON_DTYPES, WRITER_FIRST_SLOT, slot_order, slot_packer,
+                        write_addresses, writer_function)
 from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weighted_sum_launch
 from .device_tables import SCHEDULES, TableBounds, allocate_tables, route_to_tables
 from .fused import DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, kernel_launch
@@ -44,11 +49,14 @@ SCHEDULE_CHOICES = (*SCHEDULES, "auto")
 # Linear-2 tile would wait forever on a Linear-1 tile of a later program; one program walks the
 # whole stream, in which every schedule puts a row's Linear-1 tiles before its Linear-2 tiles.
 CPU_PROGRAMS = 1
-# Captured graphs a FusedMoE or MoEWorkspace keeps, least recently launched dropped first (one
-# still in flight is freed by the driver when it completes): a graph holds no device memory of
-# its own (a call allocates only its output, outside the graph), but each is a driver object of
-# eight kernel nodes, and a server's token counts are unbounded.
+# Captured graphs a FusedMoE or MoEWorkspace keeps, least recently launched from Python dropped
+# first (one still in flight is freed by the driver when it completes; a FusedMoE's compiled path
+# does not reorder them): a graph holds no device memory of its own (a call allocates only its
+# output, outside the graph), but each is a driver object of eight kernel nodes, and a server's
+# token counts are unbounded.
 GRAPHS_PER_LAYER = 16
+# What a FusedMoE call's argument block takes, in the order its compiled path is given them.
+CALL_TENSORS = ("expert_ids", "x", "combine_rows", "topk_weights", "out")
 WEIGHT_DTYPES = tuple(d for d in TRITON_DTYPES if d.is_floating_point)  # the weighted sum reads
 ID_DTYPES = (torch.int32, torch.int64)
 
@@ -70,14 +78,17 @@ class GraphCache:
     mode (other threads' CUDA calls cannot break it; this thread makes none: every launch of
     the key was bound by a direct call before)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, on_capture=None, on_drop=None):
+        """``on_capture(key, launcher)`` / ``on_drop(key)``: told of each graph captured and of
+        each dropped (before its launcher is released)."""
         self.device = device
+        self.on_capture, self.on_drop = on_capture, on_drop
         self.graphs: OrderedDict[tuple, GraphLauncher] = OrderedDict()
         self.stream: torch.cuda.Stream | None = None  # made at the first capture
         # the current CUstream's getter, looked up once (Triton's driver resolves attributes at
         # every access); off CUDA nothing launches a graph
-        self._current_stream = (driver.active.get_current_stream if device.type == "cuda"
-                                else None)
+        self.current_stream = (driver.active.get_current_stream if device.type == "cuda"
+                               else None)
 
     def __len__(self) -> int:
         return len(self.graphs)
@@ -104,7 +115,7 @@ class GraphCache:
             launches()
             self.capture(key, launches, rewrite() if rewrite is not None else None)
         else:
-            graph(self._current_stream(self.device.index), addresses)
+            graph(self.current_stream(self.device.index), addresses)
 
     def capture(self, key: tuple, launches, rewrite=None) -> GraphLauncher:
         """``launches()`` captured as ``key``'s graph; ``rewrite`` as ``GraphLauncher`` takes it."""
@@ -122,7 +133,12 @@ class GraphCache:
         here.wait_stream(side)
         launcher = self.graphs[key] = GraphLauncher(graph, rewrite)
         if len(self.graphs) > GRAPHS_PER_LAYER:
-            self.graphs.popitem(last=False)
+            dropped = next(iter(self.graphs))
+            if self.on_drop is not None:
+                self.on_drop(dropped)
+            del self.graphs[dropped]
+        if self.on_capture is not None:
+            self.on_capture(key, launcher)
         return launcher
 
 
@@ -259,9 +275,16 @@ class FusedMoE(torch.nn.Module):
                                    device=weights.w1.device)
         self.peers = local_combine_peers([self.combine])
         self.device = weights.w1.device
-        self.graphs = GraphCache(self.device)
-        self.pack_addresses = slot_packer(self.workspace.tables.args, "expert_ids", "x",
-                                          "combine_rows", "topk_weights", "out")
+        self.pack_addresses = slot_packer(self.workspace.tables.args, *CALL_TENSORS)
+        # the compiled path of an eager call on CUDA (never with check_ids: that check syncs)
+        self.compiled = None
+        if self.device.type == "cuda" and not check_ids:
+            order, aligned = slot_order(*CALL_TENSORS)
+            self.compiled = fused_call_module().FusedCall(
+                [-1 if i is None else i for i in order], list(aligned), ALIGN_BYTES,
+                self.workspace.tables.args.data_ptr(), self.combine.data_ptr(), weights.hidden,
+                top_k, max_tokens, list(WEIGHT_DTYPES), self.device, call_functions())
+        self.graphs = GraphCache(self.device, self._captured, self._dropped)
         self.key = id(self.workspace)
         _LAYERS[self.key] = self
 
@@ -301,8 +324,25 @@ class FusedMoE(torch.nn.Module):
                                        f"0..{self.workspace.weights.num_experts - 1}, got "
                                        f"{lo}..{hi}")
 
+    def _captured(self, key: tuple, launcher: GraphLauncher) -> None:
+        tokens, schedule, ids_dtype, weights_dtype = key
+        if self.compiled is not None and schedule == self.schedule:
+            self.compiled.add(tokens, ids_dtype, weights_dtype, *launcher.handles())
+
+    def _dropped(self, key: tuple) -> None:
+        tokens, schedule, ids_dtype, weights_dtype = key
+        if self.compiled is not None and schedule == self.schedule:
+            self.compiled.remove(tokens, ids_dtype, weights_dtype)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.compiled is not None and not torch.compiler.is_compiling():
+            # None where it does not take the call: no graph of this key yet, the stream
+            # capturing, or an input the check below refuses (and names)
+            y = self.compiled(x, topk_ids, topk_weights,
+                              self.graphs.current_stream(self.device.index))
+            if y is not None:
+                return y
         self.check_inputs(x, topk_ids, topk_weights)
         if torch.compiler.is_compiling():
             return torch.ops.xstage.fused_moe(x, topk_ids, topk_weights, self.key, self.schedule)
@@ -344,6 +384,15 @@ class FusedMoE(torch.nn.Module):
         ws, k = self.workspace, self.top_k
         write_addresses(ws.tables.args, addresses)
         ws.tables.routing(False, ws.weights.precision == "fp8", id_dtype)(tokens * k, k)
+
+
+@functools.cache
+def fused_call_module():
+    """``fused_call.cpp`` compiled (once per machine and source: torch's extension cache)."""
+    from torch.utils.cpp_extension import load
+
+    return load("xstage_fused_call", [str(Path(__file__).with_name("fused_call.cpp"))],
+                extra_cflags=["-O2"])
 
 
 @torch.library.custom_op("xstage::fused_moe", mutates_args=())
