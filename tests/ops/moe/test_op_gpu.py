@@ -196,6 +196,25 @@ def test_graphs_per_layer_are_bounded(layer, captures):
     assert len(moe.compiled) == GRAPHS_PER_LAYER  # the dropped graph left the compiled path too
 
 
+def test_a_layer_with_graphs_is_freed_by_reference_counting(layer, captures):
+    """No reference cycle through the compiled path's hooks: a layer freed by the cyclic
+    collector at an arbitrary moment could destroy its graphs inside another layer's capture,
+    which invalidates that capture (seen at 26e502b)."""
+    import gc
+    import weakref
+
+    moe = _fresh_layer(layer)
+    moe(*_inputs(8, 90))
+    torch.cuda.synchronize()
+    gone = weakref.ref(moe)
+    gc.disable()
+    try:
+        del moe
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_the_compiled_path_takes_a_captured_calls_and_hands_back_the_rest(layer, captures):
     """Once T = 8 is captured its calls go through ``fused_call.cpp`` (right against the
     reference on a poisoned Combine buffer); a T without a graph, a non-contiguous ``x`` and a

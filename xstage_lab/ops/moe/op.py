@@ -24,6 +24,7 @@ the same checks, allocation, addresses and two driver calls in one C++ function.
 from __future__ import annotations
 
 import functools
+import gc
 import weakref
 from collections import OrderedDict
 from pathlib import Path
@@ -124,12 +125,21 @@ class GraphCache:
         here, side = torch.cuda.current_stream(self.device), self.stream
         side.wait_stream(here)
         graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                launches()
-            finally:
-                graph.capture_end()
+        # no cyclic collection inside the capture: it may free other graphs (a destroyed graph
+        # frees its memory, which a capture forbids); torch.cuda.graph collects before instead,
+        # after synchronizing
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    launches()
+                finally:
+                    graph.capture_end()
+        finally:
+            if collecting:
+                gc.enable()
         here.wait_stream(side)
         launcher = self.graphs[key] = GraphLauncher(graph, rewrite)
         if len(self.graphs) > GRAPHS_PER_LAYER:
@@ -233,6 +243,26 @@ class MoEWorkspace:
 _LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
+def _compiled_hooks(compiled, schedule: str):
+    """``GraphCache``'s ``on_capture``/``on_drop`` for a FusedMoE: each graph of the layer's
+    schedule added to / removed from its compiled path (None: nothing). They hold the compiled
+    path, never the layer: a layer in a reference cycle would be freed by the cyclic collector
+    at any moment, and its graphs destroyed inside another graph's capture would invalidate it."""
+    if compiled is None:
+        return None, None
+
+    def captured(key: tuple, launcher: GraphLauncher) -> None:
+        tokens, key_schedule, ids_dtype, weights_dtype = key
+        if key_schedule == schedule:
+            compiled.add(tokens, ids_dtype, weights_dtype, *launcher.handles())
+
+    def dropped(key: tuple) -> None:
+        tokens, key_schedule, ids_dtype, weights_dtype = key
+        if key_schedule == schedule:
+            compiled.remove(tokens, ids_dtype, weights_dtype)
+    return captured, dropped
+
+
 class FusedMoE(torch.nn.Module):
     """The routed experts of an MoE layer on one GPU (EP = 1), as one fused call.
 
@@ -284,7 +314,7 @@ class FusedMoE(torch.nn.Module):
                 [-1 if i is None else i for i in order], list(aligned), ALIGN_BYTES,
                 self.workspace.tables.args.data_ptr(), self.combine.data_ptr(), weights.hidden,
                 top_k, max_tokens, list(WEIGHT_DTYPES), self.device, call_functions())
-        self.graphs = GraphCache(self.device, self._captured, self._dropped)
+        self.graphs = GraphCache(self.device, *_compiled_hooks(self.compiled, self.schedule))
         self.key = id(self.workspace)
         _LAYERS[self.key] = self
 
@@ -323,16 +353,6 @@ class FusedMoE(torch.nn.Module):
                 raise MoEContractError(f"expert ids must lie in "
                                        f"0..{self.workspace.weights.num_experts - 1}, got "
                                        f"{lo}..{hi}")
-
-    def _captured(self, key: tuple, launcher: GraphLauncher) -> None:
-        tokens, schedule, ids_dtype, weights_dtype = key
-        if self.compiled is not None and schedule == self.schedule:
-            self.compiled.add(tokens, ids_dtype, weights_dtype, *launcher.handles())
-
-    def _dropped(self, key: tuple) -> None:
-        tokens, schedule, ids_dtype, weights_dtype = key
-        if self.compiled is not None and schedule == self.schedule:
-            self.compiled.remove(tokens, ids_dtype, weights_dtype)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
