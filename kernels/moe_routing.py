@@ -15,7 +15,8 @@ The router's output and the activations are read through the call's argument blo
 (``moe_args.py``: their addresses, written before the first launch), so that one captured CUDA
 graph replays the five launches on new tensors of the same shape.
 
-Five launches, each a pass the next one needs complete:
+Five launches, each a pass the next one needs complete (for few arrivals, ``route_small``: the
+four table passes in one program, then ``route_gather``):
   ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
                        (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is
                        left out of the layout;
@@ -28,9 +29,9 @@ Five launches, each a pass the next one needs complete:
                        arrival), its padded row, ``row_src``/``row_slot``;
   ``route_gather``     per block of arrivals and slab of columns: the arrival's activation row
                        moved into the layout (at EP = 1 in FP8 quantized per 1 x 128 here);
-  ``route_tiles``      per row block: its fused-kernel counter zeroed, ``row_slot = -1`` on its
-                       padding rows, and its Linear-1 and Linear-2 tiles written into both tables
-                       at their closed-form positions.
+  ``route_tiles``      per block of row blocks: their fused-kernel counters zeroed,
+                       ``row_slot = -1`` on their padding rows, and their Linear-1 and Linear-2
+                       tiles written into both tables at their closed-form positions.
 
 Tile positions (``G`` programs, ``P_1``/``P_2`` tiles per row block, ``n_1``/``n_2`` the streams'
 lengths). Expert-Wave: the merged stream holds, per wave of row blocks ``[lo, hi)``, its Linear-1
@@ -75,20 +76,28 @@ def route_histogram(args, n_arrivals_ptr, chunk_counts, error, CAPACITY, NUM_EXP
     """``chunk_counts[c, e]`` (int32 ``[chunks, NUM_EXPERTS]``): arrivals of chunk ``c`` routed to
     local expert ``e``. ``args``' expert ids: ``ID_DTYPE`` (int32/int64) ``[CAPACITY]``, the
     local expert of each arrival."""
-    expert_ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
     c = tl.program_id(0)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     if c * CHUNK < n:
-        i = c * CHUNK + tl.arange(0, CHUNK)
-        live = i < n
-        e = tl.load(expert_ids + i, mask=live, other=0).to(tl.int32)
-        valid = (e >= 0) & (e < NUM_EXPERTS)
-        bad = tl.sum((live & ~valid).to(tl.int32))
-        if bad > 0:
-            tl.atomic_add(error, bad)
-        counts = tl.histogram(tl.where(valid, e, 0), E_PAD, mask=live & valid)
+        counts = _chunk_histogram(c, n, arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False),
+                                  error, NUM_EXPERTS, E_PAD, CHUNK)
         es = tl.arange(0, E_PAD)
         tl.store(chunk_counts + c * NUM_EXPERTS + es, counts, mask=es < NUM_EXPERTS)
+
+
+@triton.jit
+def _chunk_histogram(c, n, expert_ids, error, NUM_EXPERTS, E_PAD: tl.constexpr,
+                     CHUNK: tl.constexpr):
+    """Chunk ``c``'s count of each local expert (``[E_PAD]``); its ids out of range added to
+    ``error``."""
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    live = i < n
+    e = tl.load(expert_ids + i, mask=live, other=0).to(tl.int32)
+    valid = (e >= 0) & (e < NUM_EXPERTS)
+    bad = tl.sum((live & ~valid).to(tl.int32))
+    if bad > 0:
+        tl.atomic_add(error, bad)
+    return tl.histogram(tl.where(valid, e, 0), E_PAD, mask=live & valid)
 
 
 @triton.jit
@@ -244,30 +253,39 @@ def route_scatter(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start,
     """Per chunk: ``arrival_rows[i]`` = ``expert_offsets[e] + chunk_start[c, e]`` + the arrivals
     of ``e`` before ``i`` in its chunk; ``row_src``/``row_slot`` of that row (source 0 and slot
     ``i`` at EP = 1). Out-of-range ids get no row (``route_histogram`` flagged them)."""
-    expert_ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
     c = tl.program_id(0)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     if c * CHUNK < n:
-        local = tl.arange(0, CHUNK)
-        i = c * CHUNK + local
-        live = i < n
-        e = tl.load(expert_ids + i, mask=live, other=-1).to(tl.int32)
-        valid = live & (e >= 0) & (e < NUM_EXPERTS)
-        e = tl.where(valid, e, -1)
-        before = (e[:, None] == e[None, :]) & (local[None, :] < local[:, None])
-        rank = tl.sum(before.to(tl.int32), axis=1)
-        safe_e = tl.where(valid, e, 0)
-        row = (tl.load(expert_offsets + safe_e, mask=valid, other=0)
-               + tl.load(chunk_start + c * NUM_EXPERTS + safe_e, mask=valid, other=0) + rank)
-        tl.store(arrival_rows + i, tl.where(valid, row, -1), mask=live)
-        if RECEIVED:
-            src = tl.load(arrival_src + i, mask=valid, other=0).to(tl.int32)
-            slot = tl.load(arrival_slot + i, mask=valid, other=0).to(tl.int32)
-        else:
-            src = tl.zeros([CHUNK], dtype=tl.int32)
-            slot = i
-        tl.store(row_src + row, src, mask=valid)
-        tl.store(row_slot + row, slot, mask=valid)
+        _scatter_chunk(c, n, arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False), arrival_src,
+                       arrival_slot, chunk_start, expert_offsets, arrival_rows, row_src,
+                       row_slot, NUM_EXPERTS, RECEIVED, CHUNK)
+
+
+@triton.jit
+def _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, expert_offsets,
+                   arrival_rows, row_src, row_slot, NUM_EXPERTS, RECEIVED: tl.constexpr,
+                   CHUNK: tl.constexpr):
+    """``route_scatter``'s pass over chunk ``c`` of the ``n`` arrivals."""
+    local = tl.arange(0, CHUNK)
+    i = c * CHUNK + local
+    live = i < n
+    e = tl.load(expert_ids + i, mask=live, other=-1).to(tl.int32)
+    valid = live & (e >= 0) & (e < NUM_EXPERTS)
+    e = tl.where(valid, e, -1)
+    before = (e[:, None] == e[None, :]) & (local[None, :] < local[:, None])
+    rank = tl.sum(before.to(tl.int32), axis=1)
+    safe_e = tl.where(valid, e, 0)
+    row = (tl.load(expert_offsets + safe_e, mask=valid, other=0)
+           + tl.load(chunk_start + c * NUM_EXPERTS + safe_e, mask=valid, other=0) + rank)
+    tl.store(arrival_rows + i, tl.where(valid, row, -1), mask=live)
+    if RECEIVED:
+        src = tl.load(arrival_src + i, mask=valid, other=0).to(tl.int32)
+        slot = tl.load(arrival_slot + i, mask=valid, other=0).to(tl.int32)
+    else:
+        src = tl.zeros([CHUNK], dtype=tl.int32)
+        slot = i
+    tl.store(row_src + row, src, mask=valid)
+    tl.store(row_slot + row, slot, mask=valid)
 
 
 @triton.jit
@@ -322,61 +340,117 @@ def route_gather(args, arrival_rows, n_arrivals_ptr, x_scale, x_rows, x_rows_sca
 
 @triton.jit
 def _store_entries(at, kind: tl.constexpr, expert, row_block, n_block, mask):
-    """Table entries ``(kind, expert, row_block, n_block)`` at the entry pointers ``at``."""
-    tl.store(at, tl.full(n_block.shape, kind, tl.int32), mask=mask)
-    tl.store(at + 1, tl.zeros(n_block.shape, tl.int32) + expert, mask=mask)
-    tl.store(at + 2, tl.zeros(n_block.shape, tl.int32) + row_block, mask=mask)
-    tl.store(at + 3, n_block, mask=mask)
+    """Table entries ``(kind, expert, row_block, n_block)`` at the entry pointers ``at`` (the
+    fields broadcast to its shape)."""
+    zero = tl.zeros(at.shape, tl.int32)
+    tl.store(at, zero + kind, mask=mask)
+    tl.store(at + 1, zero + expert, mask=mask)
+    tl.store(at + 2, zero + row_block, mask=mask)
+    tl.store(at + 3, zero + n_block, mask=mask)
 
 
 @triton.jit
 def route_tiles(expert_counts, expert_offsets, wave_lo, wave_hi, meta, row_src, row_slot,
-                row_ready, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES,
-                BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr):
-    """Row block ``p`` (one program each, up to the row blocks' bound): the fused kernel's
-    counter ``row_ready[p]`` zeroed (its Linear-1 tiles count into it); its expert ``e(p)``
-    (``first_row[e] <= p * BLOCK_M < first_row[e] + blocks[e] * BLOCK_M``), ``row_slot = -1`` and
-    ``row_src = 0`` on its rows past the expert's count, and its ``P1`` Linear-1 and ``P2``
-    Linear-2 entries ``(kind, e(p), p, n)`` in the Expert-Wave table ``wave_tiles`` and the
-    Interleaved table ``inter_tiles`` (int32 ``[G, MAX_TILES, 4]``) at their positions."""
-    p = tl.program_id(0)
-    tl.store(row_ready + p, 0)
+                row_ready, wave_tiles, inter_tiles, ROW_BLOCK_BOUND, NUM_EXPERTS, G, P1, P2, LEAD,
+                MAX_TILES, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr,
+                ROW_BLOCKS: tl.constexpr):
+    """Row blocks ``p`` of ``[ROW_BLOCKS b, ROW_BLOCKS (b + 1))``, program ``b``, up to the row
+    blocks' bound: the fused kernel's counter ``row_ready[p]`` zeroed (its Linear-1 tiles count
+    into it), and ``_row_block_tiles`` where ``p`` is in use."""
+    ps = tl.program_id(0) * ROW_BLOCKS + tl.arange(0, ROW_BLOCKS)
+    tl.store(row_ready + ps, tl.zeros([ROW_BLOCKS], tl.int32), mask=ps < ROW_BLOCK_BOUND)
+    _row_block_tiles(ps, tl.load(meta + META_ROW_BLOCKS), expert_counts, expert_offsets, wave_lo,
+                     wave_hi, row_src, row_slot, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2,
+                     LEAD, MAX_TILES, BLOCK_M, E_PAD, P_PAD)
+
+
+@triton.jit
+def _row_block_tiles(ps, row_blocks, expert_counts, expert_offsets, wave_lo, wave_hi, row_src,
+                     row_slot, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES,
+                     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr):
+    """Each row block ``p`` of ``ps`` below ``row_blocks``: its expert ``e(p)`` (``first_row[e]
+    <= p * BLOCK_M < first_row[e] + blocks[e] * BLOCK_M``), ``row_slot = -1`` and ``row_src =
+    0`` on its rows past the expert's count, and its ``P1`` Linear-1 and ``P2`` Linear-2 entries
+    ``(kind, e(p), p, n)`` in the Expert-Wave table ``wave_tiles`` and the Interleaved table
+    ``inter_tiles`` (int32 ``[G, MAX_TILES, 4]``) at their positions."""
+    used = ps < row_blocks
+    es = tl.arange(0, E_PAD)
+    in_e = es < NUM_EXPERTS
+    first = tl.load(expert_offsets + es, mask=in_e, other=0) // BLOCK_M
+    count = tl.load(expert_counts + es, mask=in_e, other=0)
+    last = first + (count + BLOCK_M - 1) // BLOCK_M
+    owns = in_e[None, :] & (first[None, :] <= ps[:, None]) & (ps[:, None] < last[None, :])
+    e = tl.sum(tl.where(owns, es[None, :], 0), axis=1)
+    first_row = tl.sum(tl.where(owns, first[None, :], 0), axis=1) * BLOCK_M
+    rows_used = tl.sum(tl.where(owns, count[None, :], 0), axis=1)
+    r = ps[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    pad = used[:, None] & (r - first_row[:, None] >= rows_used[:, None])
+    tl.store(row_slot + r, tl.full(r.shape, -1, tl.int32), mask=pad)
+    tl.store(row_src + r, tl.zeros(r.shape, dtype=tl.int32), mask=pad)
+    lo = tl.load(wave_lo + e, mask=used, other=0)[:, None]
+    hi = tl.load(wave_hi + e, mask=used, other=0)[:, None]
+    p = ps[:, None]
+    n1 = row_blocks * P1
+    n2 = row_blocks * P2
+    r2, nb, u, f = _l1_deal(row_blocks, G, P1, P2)
+    ns = tl.arange(0, P_PAD)[None, :]
+    for kind in tl.static_range(2):
+        if kind == 0:
+            n_blocks = P1
+            k = p * P1 + ns  # index in the Linear-1 stream
+            wave_k = lo * (P1 + P2) + (p - lo) * P1 + ns
+            g, own = _l1_program(k, G, r2, nb, u, f)
+            other = _programs_below(tl.minimum((p - LEAD + 1) * P2, n2), g, G)
+        else:
+            n_blocks = P2
+            k = p * P2 + ns
+            wave_k = lo * (P1 + P2) + (hi - lo) * P1 + (p - lo) * P2 + ns
+            g, own = k % G, k // G
+            other = _l1_below(tl.minimum((p + LEAD) * P1, n1), g, G, r2, nb, u, f)
+        live = used[:, None] & (ns < n_blocks)
+        _store_entries(wave_tiles + ((wave_k % G) * MAX_TILES + wave_k // G) * TILE_FIELDS,
+                       kind, e[:, None], p, ns, live)
+        _store_entries(inter_tiles + (g * MAX_TILES + own + other) * TILE_FIELDS, kind,
+                       e[:, None], p, ns, live)
+
+
+@triton.jit
+def route_small(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, expert_counts,
+                expert_offsets, wave_lo, wave_hi, wave_jumps, meta, wave_num_tiles,
+                inter_num_tiles, arrival_rows, row_src, row_slot, row_ready, wave_tiles,
+                inter_tiles, error, CAPACITY, ROW_BLOCK_BOUND, NUM_EXPERTS, G, P1, P2,
+                WAVE_MIN_L1, LEAD, MAX_TILES, RECEIVED: tl.constexpr, BLOCK_M: tl.constexpr,
+                E_PAD: tl.constexpr, G_PAD: tl.constexpr, E_LOG2: tl.constexpr,
+                CHUNK: tl.constexpr, JUMP_LEVELS: tl.constexpr, JUMP_STRIDE: tl.constexpr,
+                JUMP_PAD: tl.constexpr, ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr,
+                ROW_BLOCKS: tl.constexpr, ZERO_BLOCK: tl.constexpr):
+    """One program, for few arrivals: ``route_histogram``, ``route_offsets``, ``route_scatter``
+    and ``route_tiles`` as passes of one launch, each a loop over what that launch's programs
+    did side by side (chunks of arrivals, row blocks), a barrier between passes where the
+    launches had a kernel boundary. At a few tokens per call each of those launches is a few µs
+    of latency with little work in it (moe_layer's per-kernel profile)."""
+    expert_ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
+    n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
+    es = tl.arange(0, E_PAD)
+    carry = tl.zeros([E_PAD], dtype=tl.int32)
+    for c in range(0, tl.cdiv(n, CHUNK)):
+        tl.store(chunk_start + c * NUM_EXPERTS + es, carry, mask=es < NUM_EXPERTS)
+        carry += _chunk_histogram(c, n, expert_ids, error, NUM_EXPERTS, E_PAD, CHUNK)
+    tl.store(expert_counts + es, carry, mask=es < NUM_EXPERTS)
+    for p0 in range(0, ROW_BLOCK_BOUND, ZERO_BLOCK):
+        ps = p0 + tl.arange(0, ZERO_BLOCK)
+        tl.store(row_ready + ps, tl.zeros([ZERO_BLOCK], tl.int32), mask=ps < ROW_BLOCK_BOUND)
+    tl.debug_barrier()  # every thread's counts stored before they are laid out
+    _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
+                       wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
+                       BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS, JUMP_STRIDE, JUMP_PAD)
+    tl.debug_barrier()  # the offsets, waves and meta, read below
+    for c in range(0, tl.cdiv(n, CHUNK)):
+        _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, expert_offsets,
+                       arrival_rows, row_src, row_slot, NUM_EXPERTS, RECEIVED, CHUNK)
     row_blocks = tl.load(meta + META_ROW_BLOCKS)
-    if p < row_blocks:
-        es = tl.arange(0, E_PAD)
-        in_e = es < NUM_EXPERTS
-        first = tl.load(expert_offsets + es, mask=in_e, other=0) // BLOCK_M
-        count = tl.load(expert_counts + es, mask=in_e, other=0)
-        last = first + (count + BLOCK_M - 1) // BLOCK_M
-        owns = in_e & (first <= p) & (p < last)
-        e = tl.sum(tl.where(owns, es, 0))
-        first_row = tl.sum(tl.where(owns, first, 0)) * BLOCK_M
-        rows_used = tl.sum(tl.where(owns, count, 0))
-        r = p * BLOCK_M + tl.arange(0, BLOCK_M)
-        pad = r - first_row >= rows_used
-        tl.store(row_slot + r, tl.full([BLOCK_M], -1, tl.int32), mask=pad)
-        tl.store(row_src + r, tl.zeros([BLOCK_M], dtype=tl.int32), mask=pad)
-        lo = tl.load(wave_lo + e)
-        hi = tl.load(wave_hi + e)
-        n1 = row_blocks * P1
-        n2 = row_blocks * P2
-        r2, nb, u, f = _l1_deal(row_blocks, G, P1, P2)
-        ns = tl.arange(0, P_PAD)
-        for kind in tl.static_range(2):
-            if kind == 0:
-                n_blocks = P1
-                k = p * P1 + ns  # index in the Linear-1 stream
-                wave_k = lo * (P1 + P2) + (p - lo) * P1 + ns
-                g, own = _l1_program(k, G, r2, nb, u, f)
-                other = _programs_below(tl.minimum((p - LEAD + 1) * P2, n2), g, G)
-            else:
-                n_blocks = P2
-                k = p * P2 + ns
-                wave_k = lo * (P1 + P2) + (hi - lo) * P1 + (p - lo) * P2 + ns
-                g, own = k % G, k // G
-                other = _l1_below(tl.minimum((p + LEAD) * P1, n1), g, G, r2, nb, u, f)
-            live = ns < n_blocks
-            _store_entries(wave_tiles + ((wave_k % G) * MAX_TILES + wave_k // G) * TILE_FIELDS,
-                           kind, e, p, ns, live)
-            _store_entries(inter_tiles + (g * MAX_TILES + own + other) * TILE_FIELDS, kind, e,
-                           p, ns, live)
+    for p0 in range(0, row_blocks, ROW_BLOCKS):
+        _row_block_tiles(p0 + tl.arange(0, ROW_BLOCKS), row_blocks, expert_counts,
+                         expert_offsets, wave_lo, wave_hi, row_src, row_slot, wave_tiles,
+                         inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES, BLOCK_M, E_PAD,
+                         P_PAD)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from xstage_lab.experiments.moe.bench import TOLERANCE
+from xstage_lab.ops.moe import device_tables
 from xstage_lab.ops.moe.device_tables import host_tables, table_mismatches
 from xstage_lab.ops.moe.op import GRAPHS_PER_LAYER, FusedMoE
 from xstage_lab.ops.moe.reference import reference_moe
@@ -54,8 +55,14 @@ def _check(layer: FusedMoE, y, x, ids, w):
         assert err <= TOLERANCE[precision][kind], (kind, err)
 
 
-@pytest.mark.parametrize("tokens,routing", [(1, "balanced"), (37, "skewed"), (256, "balanced")])
-def test_device_tables_equal_the_host_reference(layer, tokens, routing):
+@pytest.mark.parametrize("tokens,routing,one_program", [
+    (1, "balanced", False), (37, "skewed", False), (256, "balanced", False),
+    (150, "skewed", True)])
+def test_device_tables_equal_the_host_reference(layer, tokens, routing, one_program, monkeypatch):
+    """Each token count through the launches its arrivals take; 150 tokens (900 arrivals, eight
+    chunks) through ``route_small``'s loops, which take up to ``SMALL_ARRIVALS`` by default."""
+    if one_program:
+        monkeypatch.setattr(device_tables, "SMALL_ARRIVALS", 1 << 20)
     x, ids, w = _inputs(tokens, tokens, routing)
     layer.combine.fill_(float("nan"))
     y = layer(x, ids, w)

@@ -1,6 +1,7 @@
 """Routing to tile tables on the device (``kernels/moe_routing.py``): the Dispatch layout and both
 schedules' tile tables built from the router's output by five small Triton launches (one of them
-moves the activations), with no device-to-host copy, in buffers sized by static bounds. The
+moves the activations; two where the arrivals fit ``SMALL_ARRIVALS``), with no device-to-host
+copy, in buffers sized by static bounds. The
 router's output and the activations reach the kernels through the call's argument block
 (``call_args``), so a CUDA graph captured once replays them on new tensors.
 
@@ -31,6 +32,12 @@ CHUNK = 128        # arrivals per program of the histogram and scatter passes
 # experts a program scan 1024 chunks a step: every shape at 8192 tokens per rank in one step
 SCAN_EXPERTS = 4
 SCAN_TILE = 4096
+# At most this many arrivals (a call's bound), one program (route_small) makes the four table
+# passes, ROW_BLOCKS_SMALL row blocks a step: at one token each of the four launches took 1-5 µs
+# of latency over almost no work (moe_layer's per-kernel profile, 11-14 µs in all)
+SMALL_ARRIVALS = CHUNK
+ROW_BLOCKS_SMALL = 16
+ZERO_BLOCK = 1024  # route_small's row counters zeroed this many a step
 GATHER_ROWS = 32   # arrivals per program of the activation gather ...
 GATHER_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of arrivals
 SCHEDULES = ("wave", "interleaved")
@@ -125,7 +132,7 @@ class DeviceTables:
         return self.meta[:1]
 
     def routing(self, received: bool, quantize: bool, id_dtype: torch.dtype) -> RoutingLaunches:
-        """The five routing launches over these tables for arrivals of this kind (bound once)."""
+        """The routing launches over these tables for arrivals of this kind (bound once)."""
         key = (received, quantize, id_dtype)
         launch = self.launches.get(key)
         if launch is None:
@@ -171,7 +178,7 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
                     arrival_slot: torch.Tensor | None = None) -> None:
     """Rewrite ``tables`` for one call, on the current stream, without a host sync; the row
     counters ``tables.row_ready`` zeroed for the fused kernel: the argument block written
-    (``call_args.write_args``), then the five routing launches (``RoutingLaunches``).
+    (``call_args.write_args``), then the routing launches (``RoutingLaunches``).
 
     EP = 1 (``n_arrivals`` None): ``expert_ids`` is ``topk_ids.reshape(-1)`` (``T * top_k <=
     capacity`` arrivals, slot ``i``, source 0) and ``x`` the bf16 tokens ``[T, H]``; in fp8 the
@@ -190,12 +197,13 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
 
 
 class RoutingLaunches:
-    """The five routing launches over one ``DeviceTables``, their static arguments bound once
+    """The routing launches over one ``DeviceTables``, their static arguments bound once
     (``launcher.Launcher``): the router's output and the activations are read from the tables'
     argument block (``tables.args``, written before), so per call only the arrivals' count and,
     on an EP rank, their sources, slots and scales are launch arguments. ``received``: an EP
     rank's arrivals; ``quantize``: bf16 activations to e4m3 tables; ``id_dtype``: the expert
-    ids' (int32 or int64)."""
+    ids' (int32 or int64). Up to ``SMALL_ARRIVALS`` arrivals, ``route_small`` and the gather;
+    else the histogram, the scan, the scatter, the gather and the tiles."""
 
     def __init__(self, tables: DeviceTables, received: bool, quantize: bool,
                  id_dtype: torch.dtype):
@@ -236,32 +244,49 @@ class RoutingLaunches:
             x_rows_scale=t.x_scale if fp8 else t.meta, HIDDEN=hidden, RECEIVED=received,
             QUANTIZE=quantize, COPY_SCALES=copy_bytes, ROWS=GATHER_ROWS,
             SLAB=GATHER_SLAB, BLOCK_H=FP8_SCALE_BLOCK)
-        self.tiles = Launcher(
-            k.route_tiles, expert_counts=t.expert_counts, expert_offsets=t.expert_offsets,
-            wave_lo=t.wave_lo, wave_hi=t.wave_hi, meta=t.meta, row_src=t.row_src,
-            row_slot=t.row_slot, row_ready=t.row_ready, wave_tiles=t.tiles["wave"],
-            inter_tiles=t.tiles["interleaved"], NUM_EXPERTS=b.num_experts, G=b.num_programs,
+        tables_static = dict(
+            expert_counts=t.expert_counts, expert_offsets=t.expert_offsets, wave_lo=t.wave_lo,
+            wave_hi=t.wave_hi, row_src=t.row_src, row_slot=t.row_slot, row_ready=t.row_ready,
+            wave_tiles=t.tiles["wave"], inter_tiles=t.tiles["interleaved"],
+            ROW_BLOCK_BOUND=b.row_blocks, NUM_EXPERTS=b.num_experts, G=b.num_programs,
             P1=b.l1_n_blocks, P2=b.l2_n_blocks, LEAD=b.lead_rows, MAX_TILES=b.max_tiles,
             BLOCK_M=b.block_m, E_PAD=e_pad, P_PAD=_pow2(max(b.l1_n_blocks, b.l2_n_blocks)))
+        self.tiles = Launcher(k.route_tiles, meta=t.meta, ROW_BLOCKS=1, **tables_static)
+        self.small = Launcher(
+            k.route_small, args=t.args, chunk_start=t.chunk_start, wave_jumps=t.wave_jumps,
+            meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
+            inter_num_tiles=t.num_tiles["interleaved"], arrival_rows=t.arrival_rows,
+            error=t.error, WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received,
+            G_PAD=_pow2(b.num_programs), E_LOG2=e_pad.bit_length() - 1, CHUNK=CHUNK,
+            JUMP_LEVELS=t.wave_jumps.shape[0], JUMP_STRIDE=t.wave_jumps.shape[1],
+            JUMP_PAD=_pow2(b.num_experts + 1), ID_DTYPE=ids, ROW_BLOCKS=ROW_BLOCKS_SMALL,
+            ZERO_BLOCK=ZERO_BLOCK, num_warps=8, **tables_static)
 
     def __call__(self, capacity: int, top_k: int, *, x_scale: torch.Tensor | None = None,
                  n_arrivals: torch.Tensor | None = None, arrival_src: torch.Tensor | None = None,
                  arrival_slot: torch.Tensor | None = None) -> None:
-        """The five launches on the current stream over ``capacity`` arrivals (at EP = 1 ``T *
+        """The launches on the current stream over ``capacity`` arrivals (at EP = 1 ``T *
         top_k``, each launch's arguments then fixed by ``T``: what a graph captures)."""
         t = self.tables
         chunks = (triton.cdiv(capacity, CHUNK),)
         # EP = 1 reads no count, sources, slots or scales: any pointer stands in
         n_ptr = n_arrivals if self.received else t.meta
-        self.histogram(chunks, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
-        self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
-        self.scatter(chunks, arrival_src=arrival_src if self.received else t.meta,
-                     arrival_slot=arrival_slot if self.received else t.meta,
-                     n_arrivals_ptr=n_ptr, CAPACITY=capacity)
+        src = arrival_src if self.received else t.meta
+        slot = arrival_slot if self.received else t.meta
+        small = capacity <= SMALL_ARRIVALS
+        if small:
+            self.small((1,), arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
+                       CAPACITY=capacity)
+        else:
+            self.histogram(chunks, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
+            self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
+            self.scatter(chunks, arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
+                         CAPACITY=capacity)
         self.gather((triton.cdiv(capacity, GATHER_ROWS), self.slabs), n_arrivals_ptr=n_ptr,
                     x_scale=x_scale if x_scale is not None else t.meta, CAPACITY=capacity,
                     TOP_K=top_k)
-        self.tiles((t.bounds.row_blocks,))
+        if not small:
+            self.tiles((t.bounds.row_blocks,))
 
 
 @dataclass(frozen=True)
