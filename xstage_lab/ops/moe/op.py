@@ -3,23 +3,23 @@ output to the layer's output on the device, with no host sync, in buffers sized 
 and a ``torch.library`` custom op (``xstage::fused_moe``) with a fake implementation, so that
 ``torch.compile(fullgraph=True)`` traces a block that uses it.
 
-A call is eight launches: its argument block written (``call_args.write_addresses``: the
-addresses of ``topk_ids``, ``x``, the Combine rows, ``topk_weights`` and ``y``), routing to tile
-tables (``device_tables``: five Triton launches that read their varying tensors from the block,
-FP8 activations quantized per 1 x 128 in the gather pass, the fused kernel's row counters zeroed
-in the last), the fused kernel over the chosen schedule's table (``kernels/moe_fused_ws.py`` on
-sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-2 epilogues store each pick's row into
-the Combine buffer, then the top-k weighted sum (``combine``, one Triton launch, reading the
-block). Eagerly on CUDA the eight run as one CUDA graph (``GraphCache``), captured once per
-token count at that count's first call, its writer node taking each call's addresses as new
-arguments (``graph_launch.GraphLauncher``): a call costs the host two driver calls. While the
-stream is capturing (a user's graph) or off CUDA they launch directly, each bound once
-(``launcher.Launcher``: a call pays the driver's launches, not Triton's Python binding).
-Once a T's graph exists, an eager call on CUDA takes the compiled host path
-(``fused_call.cpp``, built with ``torch.utils.cpp_extension`` at the layer's construction):
-the same checks, allocation, addresses and two driver calls in one C++ function.
-``MoEWorkspace`` is the same call over received rows (the EP rank workload), storing into any
-``CombinePeers``, replayed from a graph per set of buffers.
+A call is eight launches (five up to ``device_tables.SMALL_ARRIVALS`` picks): its argument block
+written (``call_args.write_addresses``: the addresses of ``topk_ids``, ``x``, the Combine rows,
+``topk_weights`` and ``y``), routing to tile tables (``device_tables``: five Triton launches, or
+two, that read their varying tensors from the block, FP8 activations quantized per 1 x 128 in the
+gather pass, the fused kernel's row counters zeroed), the fused kernel over the chosen schedule's
+table (``kernels/moe_fused_ws.py`` on sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-2
+epilogues store each pick's row into the Combine buffer, then the top-k weighted sum (``combine``,
+one Triton launch, reading the block). Eagerly on CUDA they run as one CUDA graph (``GraphCache``),
+captured once per token count at that count's first call, its writer node taking each call's
+addresses as new arguments (``graph_launch.GraphLauncher``): a call costs the host two driver
+calls. While the stream is capturing (a user's graph) or off CUDA they launch directly, each bound
+once (``launcher.Launcher``: a call pays the driver's launches, not Triton's Python binding). Once
+a T's graph exists, an eager call on CUDA takes the compiled host path (``fused_call.cpp``, built
+with ``torch.utils.cpp_extension`` at the layer's construction): the same checks, allocation,
+addresses and two driver calls in one C++ function. ``MoEWorkspace`` is the same call over received
+rows (the EP rank workload), storing into any ``CombinePeers``, replayed from a graph per set of
+buffers.
 """
 from __future__ import annotations
 
@@ -388,7 +388,7 @@ class FusedMoE(torch.nn.Module):
 
     def launches(self, addresses: tuple[int, ...], tokens: int, schedule: str,
                  id_dtype: torch.dtype, weights_dtype: torch.dtype) -> None:
-        """The eight launches on the current stream: ``route_launches``, the fused kernel, the
+        """The launches on the current stream: ``route_launches``, the fused kernel, the
         weighted sum; their arguments but ``addresses`` fixed by the graph's key (what it
         captures)."""
         self.route_launches(addresses, tokens, id_dtype)
@@ -400,7 +400,7 @@ class FusedMoE(torch.nn.Module):
 
     def route_launches(self, addresses: tuple[int, ...], tokens: int,
                        id_dtype: torch.dtype) -> None:
-        """The first six: ``addresses`` into the argument block, then the routing kernels."""
+        """``addresses`` into the argument block, then the routing kernels."""
         ws, k = self.workspace, self.top_k
         write_addresses(ws.tables.args, addresses)
         ws.tables.routing(False, ws.weights.precision == "fp8", id_dtype)(tokens * k, k)
