@@ -151,11 +151,12 @@ def case_work_deal_with_a_remainder() -> dict:
 
 def _with_small_arrivals(limit: int, cases: dict) -> dict:
     """``cases`` (name -> (function, *args)) run with ``device_tables.SMALL_ARRIVALS = limit``:
-    up to ``limit`` arrivals one program (``route_small``) makes the table passes."""
+    up to ``limit`` arrivals one program (``route_small``) makes the table passes of the tables
+    they allocate."""
     from xstage_lab.ops.moe import device_tables
 
     saved = device_tables.SMALL_ARRIVALS
-    device_tables.SMALL_ARRIVALS = limit  # read at each call
+    device_tables.SMALL_ARRIVALS = limit
     try:
         return {name: fn(*args) for name, (fn, *args) in cases.items()}
     finally:

@@ -124,6 +124,7 @@ class DeviceTables:
     row_ready: torch.Tensor        # int32 [row blocks]: the fused kernel's Linear-1 counters
     error: torch.Tensor            # int32 [1]: ids out of range (and the kernel's spin flag)
     args: torch.Tensor             # int64 [ARGS]: the call's argument block (call_args)
+    small_arrivals: int            # up to this many arrivals, route_small (SMALL_ARRIVALS)
     # (received, quantize, id dtype) -> RoutingLaunches, bound on first use
     launches: dict = field(default_factory=dict, repr=False)
 
@@ -141,9 +142,10 @@ class DeviceTables:
 
 
 def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
-                    error: torch.Tensor | None = None) -> DeviceTables:
+                    error: torch.Tensor | None = None,
+                    small_arrivals: int | None = None) -> DeviceTables:
     """Every buffer of ``bounds`` on ``device``; ``error`` shared with the fused kernel where
-    given."""
+    given; ``small_arrivals``: ``SMALL_ARRIVALS`` where None."""
     dev = torch.device(device)
     i32 = dict(dtype=torch.int32, device=dev)
     e, g = bounds.num_experts, bounds.num_programs
@@ -160,7 +162,8 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
          if precision == "fp8" else None),
         {s: torch.zeros(g, bounds.max_tiles, 4, **i32) for s in SCHEDULES},
         {s: torch.zeros(g, **i32) for s in SCHEDULES}, torch.zeros(bounds.row_blocks, **i32),
-        torch.zeros(1, **i32) if error is None else error, allocate_args(dev))
+        torch.zeros(1, **i32) if error is None else error, allocate_args(dev),
+        SMALL_ARRIVALS if small_arrivals is None else small_arrivals)
 
 
 def _pow2(n: int) -> int:
@@ -202,8 +205,8 @@ class RoutingLaunches:
     argument block (``tables.args``, written before), so per call only the arrivals' count and,
     on an EP rank, their sources, slots and scales are launch arguments. ``received``: an EP
     rank's arrivals; ``quantize``: bf16 activations to e4m3 tables; ``id_dtype``: the expert
-    ids' (int32 or int64). Up to ``SMALL_ARRIVALS`` arrivals, ``route_small`` and the gather;
-    else the histogram, the scan, the scatter, the gather and the tiles."""
+    ids' (int32 or int64). Up to ``tables.small_arrivals`` arrivals, ``route_small`` and the
+    gather; else the histogram, the scan, the scatter, the gather and the tiles."""
 
     def __init__(self, tables: DeviceTables, received: bool, quantize: bool,
                  id_dtype: torch.dtype):
@@ -273,7 +276,7 @@ class RoutingLaunches:
         n_ptr = n_arrivals if self.received else t.meta
         src = arrival_src if self.received else t.meta
         slot = arrival_slot if self.received else t.meta
-        small = capacity <= SMALL_ARRIVALS
+        small = capacity <= t.small_arrivals
         if small:
             self.small((1,), arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
                        CAPACITY=capacity)

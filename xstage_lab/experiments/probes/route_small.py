@@ -1,0 +1,228 @@
+"""Routing probe of the fused MoE layer: where one program (``route_small``) makes the table passes
+faster than the five launches (issue 27; record ``route_small_probe``).
+
+    python -m xstage_lab.experiments.probes.route_small (--out FILE | --root DIR)
+        [--models M ...] [--settings ep1 ep8_rank] [--tokens 1 8 64 512] [--trials N]
+
+``device_tables.SMALL_ARRIVALS`` sends a call's routing through one program up to that many
+arrivals: the histogram, scan, scatter and tiles passes as loops of one launch, against four
+launches whose programs make them side by side. One program saves three launches' latency and
+pays for the passes' steps one after another (chunks of arrivals, blocks of row blocks). This
+probe times both paths on the same arrivals, per model shape, in the two settings of
+``layer_bench`` (EP = 1 from ``topk_ids``, ``T top_k`` arrivals; rank 0 of EP = 8 from its
+received rows, their count on the device under a capacity of ``8 T top_k``), so that the
+threshold is read off measurement.
+
+1. Checks first: each path's tables (``allocate_tables`` with ``small_arrivals`` 0 and above the
+   capacity), their outputs poisoned first, equal the host reference entry for entry
+   (``table_mismatches``); ids all in range (the error flag zero). Any failure aborts the run
+   before timing; nothing is written.
+2. Timing: both paths' routing (the argument block's writer, the table passes, the activations'
+   gather) in one rotation (``dist_timing.time_methods``, CUDA-graph replays), then each path's
+   kernels by name (``kernel_times_us``).
+
+One row per (cell, path); ``over_five`` is the five launches' time over the path's.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from ...cli import list_option
+from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
+from ...ops.moe.device_tables import (DeviceTables, TableBounds, allocate_tables, host_tables,
+                                      route_to_tables, table_mismatches)
+from ...ops.moe.routing import router_logits, router_topk
+from ...ops.moe.schedules import d_knee
+from ...ops.moe.shapes import load_shapes
+from ...ops.moe.tiles import default_tile_config
+from ...sweep import Axis, Sweep
+from .. import harness
+from ..harness import Experiment, Run
+
+EP = 8
+SETTINGS = ("ep1", "ep8_rank")
+PATHS = {"five_launches": 0, "one_program": 1 << 30}  # small_arrivals of each path's tables
+
+
+@dataclasses.dataclass
+class Arrivals:
+    """One cell's arrivals, as ``route_to_tables`` takes them, and the host reference's view."""
+
+    expert_ids: torch.Tensor      # EP = 1: topk_ids flat; EP rank: [capacity], padded
+    x: torch.Tensor
+    top_k: int
+    received: dict                # EP rank: n_arrivals, arrival_src, arrival_slot
+    host_ids: torch.Tensor        # the arrivals' local experts, unpadded
+    host_x: torch.Tensor          # their rows
+    host_received: dict           # EP rank: arrival_src, arrival_slot, unpadded
+
+
+def cell_arrivals(shape, setting: str, tokens: int, seed: int, device) -> Arrivals:
+    """EP = 1: ``tokens`` tokens' balanced router picks. EP rank: rank 0's received rows of the
+    eight sources' balanced routings (``layer_bench.Ep8RankCell``'s)."""
+    k = shape.top_k
+
+    def routing(rank):
+        ids, _ = router_topk(router_logits(tokens, shape.routed_experts, "balanced", seed=seed,
+                                          rank=rank, device=device), k)
+        g = torch.Generator(device).manual_seed(seed + rank)
+        return ids, torch.randn(tokens, shape.hidden, generator=g, device=device).to(torch.bfloat16)
+
+    if setting == "ep1":
+        ids, x = routing(0)
+        return Arrivals(ids.reshape(-1), x, k, {}, ids.reshape(-1),
+                        x.repeat_interleave(k, dim=0), {})
+    e_loc, rows, src, slot, expert = shape.routed_experts // EP, [], [], [], []
+    for r in range(EP):
+        ids, x = routing(r)
+        flat = ids.reshape(-1)
+        picked = (flat < e_loc).nonzero(as_tuple=True)[0]
+        rows.append(x[picked // k])
+        slot.append(picked)
+        expert.append(flat[picked])
+        src.append(torch.full_like(picked, r))
+    rows, src, slot, expert = (torch.cat(t) for t in (rows, src, slot, expert))
+    n, capacity = rows.shape[0], EP * tokens * k
+
+    def padded(t):
+        out = torch.zeros((capacity, *t.shape[1:]), dtype=t.dtype, device=device)
+        out[:n] = t
+        return out
+
+    received = {"n_arrivals": torch.tensor([n], dtype=torch.int32, device=device),
+                "arrival_src": padded(src.int()), "arrival_slot": padded(slot.int())}
+    return Arrivals(padded(expert.int()), padded(rows), k, received, expert, rows,
+                    {"arrival_src": src, "arrival_slot": slot})
+
+
+@dataclasses.dataclass
+class RouteStep:
+    point: dict
+    arrivals: Arrivals
+    tables: dict                  # path -> DeviceTables
+    bounds: TableBounds
+
+    def route(self, path: str) -> None:
+        a = self.arrivals
+        route_to_tables(self.tables[path], a.expert_ids, a.x, top_k=a.top_k, **a.received)
+
+
+def _poison(tables: DeviceTables) -> None:
+    for t in (tables.expert_counts, tables.expert_offsets, tables.arrival_rows, tables.row_src,
+              tables.row_slot, tables.meta, tables.row_ready, *tables.tiles.values(),
+              *tables.num_tiles.values()):
+        t.fill_(-7)
+
+
+class RouteSmall(Experiment):
+    """Both routing paths over the same arrivals, checked, timed and profiled together."""
+
+    name = "route_small_probe"
+    paper = "§4.2 routing to tile tables on the device; issue 27"
+    launch = "in_process"
+    links = ("local",)
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--models", **list_option(default=list(load_shapes())))
+        p.add_argument("--settings", **list_option(default=list(SETTINGS)))
+        p.add_argument("--tokens", **list_option(int, default=[1, 8, 64, 512]))
+        p.add_argument("--trials", type=int, default=7)
+        p.add_argument("--warmup", type=int, default=2)
+        p.add_argument("--graph-iters", type=int, default=20)
+        p.add_argument("--seed", type=int, default=0)
+
+    def check_args(self, a: argparse.Namespace) -> None:
+        shapes = load_shapes()
+        unknown = [m for m in a.models if m not in shapes] + \
+            [s for s in a.settings if s not in SETTINGS]
+        if unknown:
+            raise ValueError(f"unknown models or settings {unknown}: models {list(shapes)}, "
+                             f"settings {list(SETTINGS)}")
+        if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1 or a.warmup < 0:
+            raise ValueError("--tokens, --trials and --graph-iters must be >= 1, --warmup >= 0")
+
+    def sweeps(self, args) -> list[Sweep]:
+        return [Sweep("route_small", (Axis("model", args.models),
+                                      Axis("setting", args.settings),
+                                      Axis("tokens", args.tokens)), repeats=1, warmup=0)]
+
+    def start(self, run: Run) -> None:
+        if not torch.cuda.is_available():
+            raise SystemExit("the routing probe needs a CUDA GPU")
+        self.device = torch.device("cuda")
+        self.programs = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.shapes = load_shapes()
+
+    def prepare(self, point: dict, run: Run) -> RouteStep:
+        shape = self.shapes[point["model"]]
+        ep1 = point["setting"] == "ep1"
+        config = default_tile_config("bf16", "gluon_ws", hidden=shape.hidden)
+        capacity = point["tokens"] * shape.top_k * (1 if ep1 else EP)
+        bounds = TableBounds.of(capacity, shape.routed_experts // (1 if ep1 else EP),
+                                shape.hidden, shape.intermediate, config, self.programs,
+                                d_knee(2 * config.block_n1, self.programs, shape.intermediate))
+        arrivals = cell_arrivals(shape, point["setting"], point["tokens"], run.args.seed,
+                                 self.device)
+        tables = {path: allocate_tables(bounds, shape.hidden, "bf16", self.device,
+                                        small_arrivals=small)
+                  for path, small in PATHS.items()}
+        return RouteStep(point, arrivals, tables, bounds)
+
+    def check(self, step: RouteStep, run: Run) -> list[str]:
+        a = step.arrivals
+        want = host_tables(step.bounds, a.host_ids, a.host_x,
+                           **{k: v.cpu() for k, v in a.host_received.items()})
+        failures = []
+        for path, tables in step.tables.items():
+            _poison(tables)
+            step.route(path)
+            bad = table_mismatches(tables, want) + (["row_ready"] if tables.row_ready.any()
+                                                     else [])
+            if bad or int(tables.error):
+                failures.append(f"{path}: {bad}, error flag {int(tables.error)}")
+        return failures
+
+    def measure(self, step: RouteStep, run: Run):
+        import pandas as pd
+
+        args = run.args
+        routes = {path: (lambda p=path: step.route(p)) for path in PATHS}
+        timing = time_methods(routes, trials=args.trials, warmup=args.warmup,
+                              graph_iters=args.graph_iters, clocks=True)
+        five = timing["five_launches"]["median_us"]
+        a = step.arrivals
+        n = int(a.received["n_arrivals"]) if a.received else a.expert_ids.numel()
+        return pd.DataFrame([{
+            **step.point, "path": path, "capacity": step.bounds.capacity, "arrivals": n,
+            "row_blocks": int(step.tables[path].meta[0]), "num_experts": step.bounds.num_experts,
+            "us": t["median_us"], "p25_us": t["p25_us"], "p75_us": t["p75_us"],
+            "over_five": five / t["median_us"], "trials_us": t["trials_us"],
+            "sm_clock_mhz": min((c for c in t.get("sm_clock_mhz", []) if c is not None),
+                                default=None),
+            "kernels_us": json.dumps(kernel_times_us(routes[path]))}
+            for path, t in timing.items()])
+
+    def progress_line(self, rows) -> str | None:
+        r = rows.set_index("path")["us"].round(1).to_dict()
+        first = rows.iloc[0]
+        return (f"{first['model']:18s} {first['setting']:8s} T={first['tokens']:<4d} "
+                f"arrivals {first['arrivals']:5d}  {r}")
+
+    def metadata(self, run: Run) -> dict:
+        args = run.args
+        return {"paths": PATHS, "programs": self.programs,
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "timing": f"{TIMING_METHOD}; {args.graph_iters} calls per trial, CUDA-graph "
+                          "replays"}
+
+
+EXPERIMENT = RouteSmall()
+
+
+if __name__ == "__main__":
+    harness.main(EXPERIMENT)
