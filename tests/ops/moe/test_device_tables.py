@@ -178,7 +178,7 @@ def case_launch_by_launch_at_few_arrivals() -> dict:
         "one_token": (case_ep1, "DeepSeek-V4-Flash", "fp8", 1, "balanced", 132, 2),
         "zero_row_experts": (case_zero_row_experts,),
         "out_of_range_ids": (case_out_of_range_ids_are_flagged,),
-        "ep_rank_bf16": (case_ep_rank, "MiMo-V2.5", "bf16", 8, 10, 16, 2)})
+        "ep_rank_few": (case_ep_rank, "MiMo-V2.5", "bf16", 8, 1, 16, 2)})
 
 
 def interpreter_cases() -> dict:
@@ -191,6 +191,7 @@ def interpreter_cases() -> dict:
         "scan_in_steps": (case_scan_in_steps,),
         "ep_rank_bf16": (case_ep_rank, "MiMo-V2.5", "bf16", 8, 40, 16, 2),
         "ep_rank_fp8": (case_ep_rank, "DiT-MoE", "fp8", 8, 150, 5, 1, 3),
+        "ep_rank_few": (case_ep_rank, "Hy3", "fp8", 8, 1, 16, 2, 4),
         "out_of_range_ids": (case_out_of_range_ids_are_flagged,),
         "work_deal_with_a_remainder": (case_work_deal_with_a_remainder,),
         "one_program_over_many_chunks": (case_one_program_over_many_chunks,),

@@ -59,8 +59,8 @@ def _check(layer: FusedMoE, y, x, ids, w):
     (1, "balanced", False), (37, "skewed", False), (256, "balanced", False),
     (150, "skewed", True)])
 def test_device_tables_equal_the_host_reference(layer, tokens, routing, one_program, monkeypatch):
-    """Each token count through the launches its arrivals take; 150 tokens (900 arrivals, eight
-    chunks) through ``route_small``'s loops, which take up to ``SMALL_ARRIVALS`` by default."""
+    """Each token count through the launches its arrivals take (one token: ``route_small``);
+    150 tokens (900 arrivals, eight chunks) through ``route_small``'s loops as well."""
     if one_program:  # a layer of its own: the module's has its tables
         monkeypatch.setattr(device_tables, "SMALL_ARRIVALS", 1 << 20)
         layer = FusedMoE(layer.workspace.weights, max_tokens=256, top_k=SHAPES[MODEL].top_k,

@@ -33,9 +33,12 @@ CHUNK = 128        # arrivals per program of the histogram and scatter passes
 SCAN_EXPERTS = 4
 SCAN_TILE = 4096
 # At most this many arrivals (a call's bound), one program (route_small) makes the four table
-# passes, ROW_BLOCKS_SMALL row blocks a step: at one token each of the four launches took 1-5 µs
-# of latency over almost no work (moe_layer's per-kernel profile, 11-14 µs in all)
-SMALL_ARRIVALS = CHUNK
+# passes, ROW_BLOCKS_SMALL row blocks a step. Measured on one H200 (route_small_probe/h200-x1/
+# 20261202T175738Z-780d73f25b, every model shape, EP = 1 and an EP rank, 1-512 tokens): the
+# routing graph 0.2-4.0 µs faster in each of the 15 cells of up to 16 arrivals, slower in 39 of
+# the 41 above (by up to 385 µs: its passes' steps run one after another). An EP rank's bound is
+# its capacity, about eight times the arrivals it counts on the device
+SMALL_ARRIVALS = 16
 ROW_BLOCKS_SMALL = 16
 ZERO_BLOCK = 1024  # route_small's row counters zeroed this many a step
 GATHER_ROWS = 32   # arrivals per program of the activation gather ...
