@@ -69,6 +69,8 @@ LIVE = {
     "moe_schedule_probe": Live("local", ("--models", "DiT-MoE", "--precisions", "bf16",
                                          "--routing", "balanced", "--tokens", "256", *TIMING)),
     # the committed kernel as the variant compared with it
+    # both routing paths at one token, both settings, one shape
+    "route_small_probe": Live("local", ("--models", "DiT-MoE", "--tokens", "1", *TIMING)),
     "fa_kernel_probe": Live("local", ("--variant",
                                       f"committed={kernel_path('flash_attention_ws.py')}",
                                       "--shapes", "128:12:1024", *TIMING)),
