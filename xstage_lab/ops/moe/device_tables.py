@@ -1,9 +1,9 @@
 """Routing to tile tables on the device (``kernels/moe_routing.py``): the Dispatch layout and both
 schedules' tile tables built from the router's output by five small Triton launches (one of them
-moves the activations; two where the arrivals fit ``SMALL_ARRIVALS``), with no device-to-host
-copy, in buffers sized by static bounds. The
-router's output and the activations reach the kernels through the call's argument block
-(``call_args``), so a CUDA graph captured once replays them on new tensors.
+moves the activations; two where the arrivals fit ``SMALL_ARRIVALS``), with no device-to-host copy,
+in buffers sized by static bounds. The router's output and the activations reach the kernels
+through the call's argument block (``call_args``), so a CUDA graph captured once replays them on
+new tensors.
 
 ``host_tables`` is the reference they equal entry for entry: ``dispatch.build_layout`` and the
 host schedules (``schedules.expert_wave_schedule``, ``interleaved_schedule``, ``tile_table``).
