@@ -29,9 +29,9 @@ four table passes in one program, then ``route_gather``):
                        arrival), its padded row, ``row_src``/``row_slot``;
   ``route_gather``     per block of arrivals and slab of columns: the arrival's activation row
                        moved into the layout (at EP = 1 in FP8 quantized per 1 x 128 here);
-  ``route_tiles``      per block of row blocks: their fused-kernel counters zeroed,
-                       ``row_slot = -1`` on their padding rows, and their Linear-1 and Linear-2
-                       tiles written into both tables at their closed-form positions.
+  ``route_tiles``      per row block: its fused-kernel counter zeroed, ``row_slot = -1`` on its
+                       padding rows, and its Linear-1 and Linear-2 tiles written into both tables
+                       at their closed-form positions.
 
 Tile positions (``G`` programs, ``P_1``/``P_2`` tiles per row block, ``n_1``/``n_2`` the streams'
 lengths). Expert-Wave: the merged stream holds, per wave of row blocks ``[lo, hi)``, its Linear-1
@@ -351,14 +351,13 @@ def _store_entries(at, kind: tl.constexpr, expert, row_block, n_block, mask):
 
 @triton.jit
 def route_tiles(expert_counts, expert_offsets, wave_lo, wave_hi, meta, row_src, row_slot,
-                row_ready, wave_tiles, inter_tiles, ROW_BLOCK_BOUND, NUM_EXPERTS, G, P1, P2, LEAD,
-                MAX_TILES, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr,
-                ROW_BLOCKS: tl.constexpr):
-    """Row blocks ``p`` of ``[ROW_BLOCKS b, ROW_BLOCKS (b + 1))``, program ``b``, up to the row
-    blocks' bound: the fused kernel's counter ``row_ready[p]`` zeroed (its Linear-1 tiles count
-    into it), and ``_row_block_tiles`` where ``p`` is in use."""
-    ps = tl.program_id(0) * ROW_BLOCKS + tl.arange(0, ROW_BLOCKS)
-    tl.store(row_ready + ps, tl.zeros([ROW_BLOCKS], tl.int32), mask=ps < ROW_BLOCK_BOUND)
+                row_ready, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES,
+                BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr):
+    """Row block ``p`` (one program each, up to the row blocks' bound): the fused kernel's
+    counter ``row_ready[p]`` zeroed (its Linear-1 tiles count into it), and
+    ``_row_block_tiles`` where ``p`` is in use."""
+    ps = tl.program_id(0) + tl.arange(0, 1)
+    tl.store(row_ready + ps, tl.zeros([1], tl.int32))
     _row_block_tiles(ps, tl.load(meta + META_ROW_BLOCKS), expert_counts, expert_offsets, wave_lo,
                      wave_hi, row_src, row_slot, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2,
                      LEAD, MAX_TILES, BLOCK_M, E_PAD, P_PAD)

@@ -254,10 +254,10 @@ class RoutingLaunches:
             expert_counts=t.expert_counts, expert_offsets=t.expert_offsets, wave_lo=t.wave_lo,
             wave_hi=t.wave_hi, row_src=t.row_src, row_slot=t.row_slot, row_ready=t.row_ready,
             wave_tiles=t.tiles["wave"], inter_tiles=t.tiles["interleaved"],
-            ROW_BLOCK_BOUND=b.row_blocks, NUM_EXPERTS=b.num_experts, G=b.num_programs,
+            NUM_EXPERTS=b.num_experts, G=b.num_programs,
             P1=b.l1_n_blocks, P2=b.l2_n_blocks, LEAD=b.lead_rows, MAX_TILES=b.max_tiles,
             BLOCK_M=b.block_m, E_PAD=e_pad, P_PAD=_pow2(max(b.l1_n_blocks, b.l2_n_blocks)))
-        self.tiles = Launcher(k.route_tiles, meta=t.meta, ROW_BLOCKS=1, **tables_static)
+        self.tiles = Launcher(k.route_tiles, meta=t.meta, **tables_static)
         self.small = Launcher(
             k.route_small, args=t.args, chunk_start=t.chunk_start, wave_jumps=t.wave_jumps,
             meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
@@ -266,7 +266,7 @@ class RoutingLaunches:
             G_PAD=_pow2(b.num_programs), E_LOG2=e_pad.bit_length() - 1, CHUNK=CHUNK,
             JUMP_LEVELS=t.wave_jumps.shape[0], JUMP_STRIDE=t.wave_jumps.shape[1],
             JUMP_PAD=_pow2(b.num_experts + 1), ID_DTYPE=ids, ROW_BLOCKS=ROW_BLOCKS_SMALL,
-            ZERO_BLOCK=ZERO_BLOCK, num_warps=8, **tables_static)
+            ZERO_BLOCK=ZERO_BLOCK, ROW_BLOCK_BOUND=b.row_blocks, num_warps=8, **tables_static)
 
     def __call__(self, capacity: int, top_k: int, *, x_scale: torch.Tensor | None = None,
                  n_arrivals: torch.Tensor | None = None, arrival_src: torch.Tensor | None = None,
