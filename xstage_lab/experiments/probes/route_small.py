@@ -30,6 +30,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from ...cli import list_option
@@ -187,9 +188,7 @@ class RouteSmall(Experiment):
                 failures.append(f"{path}: {bad}, error flag {int(tables.error)}")
         return failures
 
-    def measure(self, step: RouteStep, run: Run):
-        import pandas as pd
-
+    def measure(self, step: RouteStep, run: Run) -> pd.DataFrame:
         args = run.args
         routes = {path: (lambda p=path: step.route(p)) for path in PATHS}
         timing = time_methods(routes, trials=args.trials, warmup=args.warmup,

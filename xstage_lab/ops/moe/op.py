@@ -53,8 +53,8 @@ CPU_PROGRAMS = 1
 # Captured graphs a FusedMoE or MoEWorkspace keeps, least recently launched from Python dropped
 # first (one still in flight is freed by the driver when it completes; a FusedMoE's compiled path
 # does not reorder them): a graph holds no device memory of its own (a call allocates only its
-# output, outside the graph), but each is a driver object of eight kernel nodes, and a server's
-# token counts are unbounded.
+# output, outside the graph), but each is a driver object of up to eight kernel nodes, and a
+# server's token counts are unbounded.
 GRAPHS_PER_LAYER = 16
 # What a FusedMoE call's argument block takes, in the order its compiled path is given them.
 CALL_TENSORS = ("expert_ids", "x", "combine_rows", "topk_weights", "out")
