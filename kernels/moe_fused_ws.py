@@ -6,7 +6,10 @@ Interleaved (Algorithm 1) run unchanged; the host side is ``xstage_lab/ops/moe/`
 
 One CTA per SM walks its program's row of the table. Three partitions:
   consumer 0, consumer 1   one warpgroup each, rows [64·half, 64·half + 64) of the tile's 128:
-                           wgmma on the shared-memory ring, then the tile's epilogue;
+                           wgmma on the shared-memory ring, then the tile's epilogue; a half
+                           of padding rows only (an expert's last row block with at most 64
+                           routed rows, the rule at small T) issues no wgmma and no stores and
+                           its A rows are not loaded: at T = 1 a tile's Tensor Core work halves;
   producer                 one warp: the A tile (routed rows ``x`` for Linear-1, the intermediate
                            ``h`` for Linear-2) and the B tile (expert weights) of every K block by
                            TMA into a STAGES-deep ring, a stage refilled once both consumers
@@ -106,22 +109,38 @@ def _stamp(rec, point: gl.constexpr):
 
 
 @gluon.jit
-def _load_a(desc, row0, k, bar, a_smem, s):
-    """The two 64-row halves of an A tile (one per consumer warpgroup) into stage ``s``."""
+def _load_a(desc, row0, k, bar, a_smem, s, second_half):
+    """The 64-row halves of an A tile (one per consumer warpgroup) into stage ``s``: the second
+    only where ``second_half`` (it holds a routed row; else its consumer reads nothing)."""
     tma.async_copy_global_to_shared(desc, [row0, k], bar, a_smem.index(2 * s))
-    tma.async_copy_global_to_shared(desc, [row0 + HALF_ROWS, k], bar, a_smem.index(2 * s + 1))
+    tma.async_copy_global_to_shared(desc, [row0 + HALF_ROWS, k], bar, a_smem.index(2 * s + 1),
+                                    pred=second_half)
+
+
+@gluon.jit
+def _expect_stage(bar, a_half_bytes: gl.constexpr, b_bytes: gl.constexpr, second_half):
+    """The producer's arrival on a stage's ``ready`` barrier with the bytes its loads bring: the
+    count is an immediate, so one of two predicated arrivals."""
+    mbarrier.expect(bar, 2 * a_half_bytes + b_bytes, pred=second_half)
+    mbarrier.expect(bar, a_half_bytes + b_bytes, pred=~second_half)
+
+
+@gluon.jit
+def _routed_half(row_slot, row_base):
+    """Whether the 64 rows from ``row_base`` hold a routed row. An expert's padding rows (slot
+    -1) follow its routed rows, so a half whose first row is padding is padding throughout."""
+    return gl.load(row_slot + row_base) >= 0
 
 
 @gluon.jit
 def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready, empty,
-              row_ready, error, max_spin, num_experts, trace, HIDDEN, INTER, l1_k_blocks,
-              l2_k_blocks, BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr,
+              row_ready, row_slot, error, max_spin, num_experts, trace, HIDDEN, INTER,
+              l1_k_blocks, l2_k_blocks, BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, INSTRUMENT: gl.constexpr):
     """The TMA warp: every K block of every tile of this program, in table order (a tile whose
-    expert is not one of the ``num_experts`` is skipped, as the consumers skip it).
+    expert is not one of the ``num_experts`` is skipped, as the consumers skip it). The A tile's
+    second half is loaded only where it holds a routed row (``_routed_half``).
     INSTRUMENT: a Linear-2 tile's spin count into its trace record."""
-    l1_bytes: gl.constexpr = 2 * x_desc.block_type.nbytes + 2 * w1_desc.block_type.nbytes
-    l2_bytes: gl.constexpr = 2 * h_desc.block_type.nbytes + w2_desc.block_type.nbytes
     it = 0  # K blocks issued by this program so far: stage it % STAGES, phase (it // STAGES) & 1
     for i in range(n_tiles):
         kind = gl.load(tiles + i * TILE_FIELDS)
@@ -129,6 +148,7 @@ def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, 
         row0 = gl.load(tiles + i * TILE_FIELDS + 2) * BLOCK_M
         n_block = gl.load(tiles + i * TILE_FIELDS + 3)
         if (expert >= 0) & (expert < num_experts):
+            second_half = _routed_half(row_slot, row0 + HALF_ROWS)
             if kind == TILE_L1:
                 gate_row = expert * (2 * INTER) + n_block * BLOCK_N1
                 for kk in range(l1_k_blocks):
@@ -137,8 +157,9 @@ def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, 
                     # a fresh mbarrier passes a wait on the phase before its first: the first
                     # STAGES K blocks go straight in
                     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                    mbarrier.expect(ready.index(s), l1_bytes)
-                    _load_a(x_desc, row0, k, ready.index(s), a_smem, s)
+                    _expect_stage(ready.index(s), x_desc.block_type.nbytes,
+                                  2 * w1_desc.block_type.nbytes, second_half)
+                    _load_a(x_desc, row0, k, ready.index(s), a_smem, s, second_half)
                     tma.async_copy_global_to_shared(w1_desc, [gate_row, k], ready.index(s),
                                                     b_smem.index(s).slice(0, BLOCK_N1))
                     tma.async_copy_global_to_shared(w1_desc, [gate_row + INTER, k],
@@ -155,8 +176,9 @@ def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, 
                     k = kk * BLOCK_K
                     s = it % STAGES
                     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                    mbarrier.expect(ready.index(s), l2_bytes)
-                    _load_a(h_desc, row0, k, ready.index(s), a_smem, s)
+                    _expect_stage(ready.index(s), h_desc.block_type.nbytes,
+                                  w2_desc.block_type.nbytes, second_half)
+                    _load_a(h_desc, row0, k, ready.index(s), a_smem, s, second_half)
                     tma.async_copy_global_to_shared(w2_desc, [w_row, k], ready.index(s),
                                                     b_smem.index(s).slice(0, BLOCK_N2))
                     it += 1
@@ -323,10 +345,28 @@ def _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base, 
     rows = (row_base + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, out_layout))).to(gl.int64)
     cols = n_block * BLOCK_N1 + gl.arange(0, BLOCK_N1, layout=gl.SliceLayout(0, out_layout))
     gl.store(h + rows[:, None] * INTER + cols[None, :], q)
-    # every thread's h stores, then (CTA barrier + release cumulativity) the counter
+    _release_rows(row_ready, row_block)
+
+
+@gluon.jit
+def _release_rows(row_ready, row_block):
+    """This warpgroup's share of a Linear-1 tile released to the row block's counter: every
+    thread's ``h`` stores, then (CTA barrier + release cumulativity) the counter."""
     _fence_proxy_async_global()
     gl.thread_barrier()
     gl.atomic_add(row_ready + row_block, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _pass_stages(it, ready, empty, n_k, STAGES: gl.constexpr):
+    """A padding half's pass over a tile's K blocks: each stage waited for and released unread
+    (its wait keeps this warpgroup's releases in the ring's phase); the next ``it``."""
+    for kk in range(n_k):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        mbarrier.arrive(empty.index(s))
+        it += 1
+    return it
 
 
 @gluon.jit
@@ -394,7 +434,15 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
                 # the first stage's data (a second wait on the same phase returns at once)
                 mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
                 _stamp(rec, 1)
-            if kind == TILE_L1:
+            if not _routed_half(row_slot, row_base):
+                # padding rows only (half 1 of a row block with at most 64 routed rows, as at
+                # small T): no wgmma, no stores; Linear-1 still counts its release
+                if kind == TILE_L1:
+                    it = _pass_stages(it, ready, empty, l1_k_blocks, STAGES)
+                    _release_rows(row_ready, row_block)
+                else:
+                    it = _pass_stages(it, ready, empty, l2_k_blocks, STAGES)
+            elif kind == TILE_L1:
                 acc_g, acc_u, it = _linear1_mainloop(half, it, a_smem, b_smem, ready, empty,
                                                      x_scale, w1_scale, rows, expert, n_block,
                                                      HIDDEN, INTER, l1_k_blocks, FP8, BLOCK_N1,
@@ -491,6 +539,7 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, x_desc, w1_desc, h_desc, w2
                      num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8,
                      BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE)),
         (_producer, (my_tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready,
-                     empty, row_ready, error, max_spin, num_experts, my_trace, HIDDEN, INTER,
-                     l1_k_blocks, l2_k_blocks, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT)),
+                     empty, row_ready, row_slot, error, max_spin, num_experts, my_trace, HIDDEN,
+                     INTER, l1_k_blocks, l2_k_blocks, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES,
+                     INSTRUMENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

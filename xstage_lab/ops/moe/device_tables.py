@@ -42,7 +42,10 @@ SMALL_ARRIVALS = 16
 ROW_BLOCKS_SMALL = 16
 ZERO_BLOCK = 1024  # route_small's row counters zeroed this many a step
 GATHER_ROWS = 32   # arrivals per program of the activation gather ...
-GATHER_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of arrivals
+GATHER_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of arrivals, or one
+# 128-column block each where that gives fewer programs than G: a program's column steps run one
+# after another (at one token, EP = 1, quantizing to fp8: 6.9-7.0 µs for eight steps of at most
+# ten rows, moe_layer/h200-x1/20261202T173647Z-8177feb0a0's per-kernel profile)
 SCHEDULES = ("wave", "interleaved")
 BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 
@@ -220,7 +223,7 @@ class RoutingLaunches:
         fp8 = t.x_scale is not None
         self.tables, self.received = tables, received
         copy_bytes = fp8 and not quantize  # e4m3 rows in: moved as bytes, scales copied
-        self.slabs = triton.cdiv(hidden, GATHER_SLAB)
+        self.hidden = hidden
         scan_experts = min(SCAN_EXPERTS, e_pad)
         self.scan_programs = e_pad // scan_experts
         ids = triton_dtype(id_dtype)
@@ -244,12 +247,12 @@ class RoutingLaunches:
                                 row_src=t.row_src, row_slot=t.row_slot,
                                 NUM_EXPERTS=b.num_experts, RECEIVED=received, CHUNK=CHUNK,
                                 ID_DTYPE=ids)
-        self.gather = Launcher(
+        self.gather = {slab: Launcher(
             k.route_gather, args=t.args, arrival_rows=t.arrival_rows,
             x_rows=t.x.view(torch.uint8) if copy_bytes else t.x,
             x_rows_scale=t.x_scale if fp8 else t.meta, HIDDEN=hidden, RECEIVED=received,
             QUANTIZE=quantize, COPY_SCALES=copy_bytes, ROWS=GATHER_ROWS,
-            SLAB=GATHER_SLAB, BLOCK_H=FP8_SCALE_BLOCK)
+            SLAB=slab, BLOCK_H=FP8_SCALE_BLOCK) for slab in (GATHER_SLAB, FP8_SCALE_BLOCK)}
         tables_static = dict(
             expert_counts=t.expert_counts, expert_offsets=t.expert_offsets, wave_lo=t.wave_lo,
             wave_hi=t.wave_hi, row_src=t.row_src, row_slot=t.row_slot, row_ready=t.row_ready,
@@ -288,9 +291,13 @@ class RoutingLaunches:
             self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
             self.scatter(chunks, arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
                          CAPACITY=capacity)
-        self.gather((triton.cdiv(capacity, GATHER_ROWS), self.slabs), n_arrivals_ptr=n_ptr,
-                    x_scale=x_scale if x_scale is not None else t.meta, CAPACITY=capacity,
-                    TOP_K=top_k)
+        row_programs = triton.cdiv(capacity, GATHER_ROWS)
+        slab = GATHER_SLAB
+        if row_programs * triton.cdiv(self.hidden, GATHER_SLAB) < t.bounds.num_programs:
+            slab = FP8_SCALE_BLOCK
+        self.gather[slab]((row_programs, triton.cdiv(self.hidden, slab)), n_arrivals_ptr=n_ptr,
+                          x_scale=x_scale if x_scale is not None else t.meta,
+                          CAPACITY=capacity, TOP_K=top_k)
         if not small:
             self.tiles((t.bounds.row_blocks,))
 
