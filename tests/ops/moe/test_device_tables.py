@@ -11,8 +11,8 @@ import torch
 
 from tests.experiments.triton_testing import (assert_case_ok, child_main, child_results,
                                               interpreter_case_tests)
-from xstage_lab.ops.moe.device_tables import (TableBounds, allocate_tables, host_tables,
-                                              route_to_tables, table_mismatches)
+from xstage_lab.ops.moe.device_tables import (TableBounds, allocate_tables, gather_slab,
+                                              host_tables, route_to_tables, table_mismatches)
 from xstage_lab.ops.moe.routing import router_logits, router_topk
 from xstage_lab.ops.moe.shapes import load_shapes
 from xstage_lab.ops.moe.tiles import default_tile_config
@@ -291,5 +291,15 @@ def test_bounds_cover_every_row_a_routing_can_use():
     assert b.chunks == 1
 
 
+def test_gather_slab_narrows_where_wide_slabs_leave_programs_idle():
+    # one token of DeepSeek-V4-Flash (6 arrivals, hidden 4096) on 132 programs: 4 wide programs
+    assert gather_slab(6, 4096, 132) == 128
+    # 8192 tokens: 1536 programs of 32 arrivals, 4 slabs each
+    assert gather_slab(8192 * 6, 4096, 132) == 1024
+    assert gather_slab(33 * 32, 4096, 132) == 1024  # exactly G wide programs
+    assert gather_slab(32 * 32, 4096, 132) == 128
+
+
 if __name__ == "__main__":
     raise SystemExit(child_main(sys.argv[1:], interpreter_cases(), COMPILE_CASES))
+

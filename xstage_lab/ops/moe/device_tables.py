@@ -43,9 +43,10 @@ ROW_BLOCKS_SMALL = 16
 ZERO_BLOCK = 1024  # route_small's row counters zeroed this many a step
 GATHER_ROWS = 32   # arrivals per program of the activation gather ...
 GATHER_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of arrivals, or one
-# 128-column block each where that gives fewer programs than G: a program's column steps run one
-# after another (at one token, EP = 1, quantizing to fp8: 6.9-7.0 µs for eight steps of at most
-# ten rows, moe_layer/h200-x1/20261202T173647Z-8177feb0a0's per-kernel profile)
+# 128-column block each where that gives fewer programs than G (``gather_slab``): a program's
+# column steps run one after another. At one token, EP = 1, quantizing to fp8, the gather took
+# 6.8-7.0 µs in wide slabs and 1.7 µs in 128-column ones, in one session on one H200
+# (moe_layer/h200-x1/20261202T203004Z-113d741c50 and …203438Z-427cc9f473, per-kernel profile)
 SCHEDULES = ("wave", "interleaved")
 BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 
@@ -172,6 +173,13 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
         SMALL_ARRIVALS if small_arrivals is None else small_arrivals)
 
 
+def gather_slab(capacity: int, hidden: int, num_programs: int) -> int:
+    """The columns of one ``route_gather`` program over ``capacity`` arrivals: ``GATHER_SLAB``,
+    or one 128-column block where the wide slabs give fewer programs than ``num_programs``."""
+    wide = triton.cdiv(capacity, GATHER_ROWS) * triton.cdiv(hidden, GATHER_SLAB)
+    return GATHER_SLAB if wide >= num_programs else FP8_SCALE_BLOCK
+
+
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
@@ -291,11 +299,9 @@ class RoutingLaunches:
             self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
             self.scatter(chunks, arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
                          CAPACITY=capacity)
-        row_programs = triton.cdiv(capacity, GATHER_ROWS)
-        slab = GATHER_SLAB
-        if row_programs * triton.cdiv(self.hidden, GATHER_SLAB) < t.bounds.num_programs:
-            slab = FP8_SCALE_BLOCK
-        self.gather[slab]((row_programs, triton.cdiv(self.hidden, slab)), n_arrivals_ptr=n_ptr,
+        slab = gather_slab(capacity, self.hidden, t.bounds.num_programs)
+        self.gather[slab]((triton.cdiv(capacity, GATHER_ROWS), triton.cdiv(self.hidden, slab)),
+                          n_arrivals_ptr=n_ptr,
                           x_scale=x_scale if x_scale is not None else t.meta,
                           CAPACITY=capacity, TOP_K=top_k)
         if not small:
