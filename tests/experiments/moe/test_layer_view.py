@@ -151,3 +151,17 @@ def test_layer_prose_gives_the_eager_calls_steps_where_a_record_timed_them(tmp_p
     text = str(layer([lv.layer_view("x", tmp_path)]))
     assert ("the inputs' check 4 µs, the output's allocation 3 µs, the stream's capture state "
             "1 µs, the addresses gathered 15 µs, the graph launched with them 8 µs (1 cell") in text
+
+
+def test_kernel_phases_read_a_one_token_trace():
+    """Two Linear-1 tiles on two SMs, then one Linear-2 tile that waited for their rows."""
+    tiles = pd.DataFrame({
+        "kind": [0, 0, 1], "smid": [3, 7, 3], "mainloop_us": [10.0, 12.0, 4.0],
+        "wait_us": [0.0, 0.0, 9.0], "t1_us": [0.5, 0.4, 13.0], "t3_us": [11.0, 13.0, 17.5]})
+    p = lv.kernel_phases(tiles, l1_tile_bytes=2_200_000, l2_tile_bytes=1_000_000)
+    assert (p["trace_l1_tiles"], p["trace_l1_sms"], p["trace_l2_tiles"], p["trace_l2_sms"]) == \
+        (2, 2, 1, 1)
+    assert p["trace_l1_mainloop_us"] == 11.0 and p["trace_l1_tile_gbps"] == pytest.approx(200.0)
+    assert p["trace_l2_tile_gbps"] == pytest.approx(250.0)
+    assert (p["trace_l1_end_us"], p["trace_l2_start_us"], p["trace_l2_wait_us"],
+            p["trace_makespan_us"]) == (13.0, 13.0, 9.0, 17.5)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from ...loading import read, record_paths
-from . import newest_per_cell
+from . import L1, L2, newest_per_cell
 from ...records import RECORDS_DIR, Record
 
 # The writer of a call's argument block (kernels/moe_args.py) as a record's per-kernel profile
@@ -121,3 +121,25 @@ def summary_entry(table: pd.DataFrame) -> dict:
     """The ``moe_layer`` entry of ``summary --json``: one row per cell, ``SUMMARY_KEYS``."""
     return {"rows": [{k: (r[k].item() if hasattr(r[k], "item") else r[k]) for k in SUMMARY_KEYS}
                      for r in table.to_dict("records")]}
+
+
+def kernel_phases(tiles: pd.DataFrame, l1_tile_bytes: int, l2_tile_bytes: int) -> dict:
+    """Where one launch's kernel time goes, from its per-tile stamps (``trace.tile_frame``):
+    per tile kind the tiles and the SMs that ran them, the median mainloop and the weight bytes
+    a tile streams over it (``*_tile_gbps``: one SM's stream rate, beside the HBM's); the last
+    Linear-1 tile's end, the first Linear-2 mainloop's start, the median Linear-2 wait for its
+    rows and the makespan (µs from the launch's first tile entry). ``trace_`` columns of
+    ``moe_layer`` at one token."""
+    out = {}
+    for name, kind, nbytes in (("l1", L1, l1_tile_bytes), ("l2", L2, l2_tile_bytes)):
+        k = tiles[tiles["kind"] == kind]
+        mainloop = float(k["mainloop_us"].median())
+        out.update({f"trace_{name}_tiles": len(k), f"trace_{name}_sms": int(k["smid"].nunique()),
+                    f"trace_{name}_mainloop_us": mainloop,
+                    f"trace_{name}_tile_gbps": nbytes / (mainloop * 1e-6) / 1e9})
+    l1, l2 = tiles[tiles["kind"] == L1], tiles[tiles["kind"] == L2]
+    out.update({"trace_l1_end_us": float(l1["t3_us"].max()),
+                "trace_l2_start_us": float(l2["t1_us"].min()),
+                "trace_l2_wait_us": float(l2["wait_us"].median()),
+                "trace_makespan_us": float(tiles["t3_us"].max())})
+    return out

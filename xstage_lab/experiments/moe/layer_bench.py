@@ -18,7 +18,8 @@ host-scheduled launch of the same schedule storing the same Combine rows bit for
 tables equal the host reference (``device_tables.table_mismatches``) for T <= 512; the second
 eager call (its graph launched) under ``torch.cuda.set_sync_debug_mode("error")``, checked the
 same; at T = 64, one CUDA graph captured once and replayed with ``GRAPH_ROUTINGS`` routings, each
-checked. Then timed (``time_methods``):
+checked; at one token (``TRACED_TOKENS``) the instrumented build of the host-scheduled launch,
+the same rows bit for bit. Then timed (``time_methods``):
 ``fused_eager``/``fused_graph`` (the whole call), ``schedule`` (the routing kernels alone),
 ``kernel`` (the fused kernel alone, over the device tables), ``host_scheduled_kernel`` (the same
 kernel over the host-built layout and schedule, prepared beforehand), ``weighted_sum``,
@@ -36,7 +37,9 @@ device time goes (torch.profiler, ``dist_timing.kernel_times_us``): per routing 
 issue 27's bound) apart from the activations' move into the layout (``route_gather_us``,
 quantizing in fp8 at EP = 1). Floors from the HBM bandwidth measured at the
 start of the run (a device copy): ``weighted_sum_floor_us`` (its bytes) and ``weight_floor_us``
-(the bytes of the experts the call touches).
+(the bytes of the experts the call touches). Where a one-token kernel's time goes (``trace_*``,
+``layer_view.kernel_phases``): its tiles, the SMs that ran them, their mainloops and stream
+rates, the Linear-1 phase's end and the Linear-2 wait, from the instrumented launch.
 """
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, layer_view
+from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, kernel_phases, layer_view
+from ...analysis.moe.trace import tile_frame
 from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
 from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
@@ -57,7 +61,8 @@ from ...ops.moe.fused import FusedMoECall, prepare_fused_moe
 from ...ops.moe.op import FusedMoE, GraphCache, MoEWorkspace, auto_schedule, launching_graphs
 from ...ops.moe.reference import expert_rows_reference, reference_moe
 from ...ops.moe.routing import router_logits, router_topk
-from ...ops.moe.schedules import MoEProblem, expert_wave_schedule, interleaved_schedule
+from ...ops.moe.schedules import (MoEProblem, expert_wave_schedule, interleaved_schedule,
+                                  tile_table)
 from ...ops.moe.shapes import PRECISIONS, load_shapes
 from ...ops.moe.unfused import (GROUP_ALIGN, GroupedWeights, unfused_expert_weights,
                                 unfused_layer, unfused_rows)
@@ -74,6 +79,7 @@ DEFAULT_TOKENS = (1, 8, 64, 512, 4096, 8192)
 DEFAULT_TRIALS = 5
 GRAPH_ROUTINGS = 5
 GRAPH_CHECK_TOKENS = 64
+TRACED_TOKENS = (1,)  # where the record shows the kernel's phases (``kernel_phases``)
 TABLE_CHECK_MAX_TOKENS = 512
 HOST_SCHEDULED_TRIALS = 2
 HBM_PROBE_BYTES = 2 << 30
@@ -131,16 +137,16 @@ class Ep1Cell:
         xq, xs = quantize_rows_fp8(rows) if self.precision == "fp8" else (rows, None)
         return host_tables(self.layer.workspace.bounds, self.ids.reshape(-1), xq, xs)
 
-    def host_launch(self) -> FusedMoECall:
+    def host_launch(self, instrument: bool = False) -> FusedMoECall:
         """Today's path up to the launch: the layout on the host (syncs), the call's schedule
-        built and checked there, the launch prepared."""
+        built and checked there, the launch prepared (``instrument``: the traced build)."""
         ws, k = self.layer.workspace, self.shape.top_k
         rows = self.x.repeat_interleave(k, dim=0)
         xq, xs = quantize_rows_fp8(rows) if self.precision == "fp8" else (rows, None)
         n = rows.shape[0]
         layout = build_layout(xq, xs, torch.arange(n, device=rows.device), self.ids.reshape(-1),
                               [n], self.shape.routed_experts, ws.config.block_m)
-        return _host_launch(layout, ws, self.layer.schedule, self.layer.peers)
+        return _host_launch(layout, ws, self.layer.schedule, self.layer.peers, instrument)
 
     def host_scheduled(self):
         """Today's path: ``host_launch``, the kernel, the weighted sum."""
@@ -267,12 +273,12 @@ class Ep8RankCell:
         return host_tables(self.ws.bounds, self.expert, self.xq, self.xsc, arrival_src=self.src,
                            arrival_slot=self.slot)
 
-    def host_launch(self) -> FusedMoECall:
+    def host_launch(self, instrument: bool = False) -> FusedMoECall:
         ws = self.ws
         counts = torch.bincount(self.src, minlength=EP).tolist()
         layout = build_layout(self.xq, self.xsc, self.slot, self.expert, counts,
                               self.shape.routed_experts // EP, ws.config.block_m)
-        return _host_launch(layout, ws, auto_schedule(EP), self.peers)
+        return _host_launch(layout, ws, auto_schedule(EP), self.peers, instrument)
 
     def host_scheduled(self):
         self.host_launch()()
@@ -295,14 +301,16 @@ def _expert_bytes(weights) -> int:
     return sum(t[0].numel() * t.element_size() for t in per if t is not None)
 
 
-def _host_launch(layout, ws: MoEWorkspace, schedule: str, peers) -> FusedMoECall:
+def _host_launch(layout, ws: MoEWorkspace, schedule: str, peers,
+                 instrument: bool = False) -> FusedMoECall:
     """``schedule`` (the one the device tables give the fused call) built and checked on the
     host for ``layout``, and its launch prepared (``fused.prepare_fused_moe``)."""
     problem = MoEProblem(layout.blocks_per_expert, ws.bounds.l1_n_blocks, ws.bounds.l2_n_blocks)
     g = ws.bounds.num_programs
     built = (expert_wave_schedule(problem, g) if schedule == "wave"
              else interleaved_schedule(problem, g, ws.bounds.lead_rows))
-    return prepare_fused_moe(layout, ws.weights, built, peers, config=ws.config)
+    return prepare_fused_moe(layout, ws.weights, built, peers, config=ws.config,
+                             instrument=instrument)
 
 
 # How an eager call reaches the device (column ``eager_path``): one graph with the argument
@@ -351,6 +359,8 @@ def check_cell(cell, run: Run) -> list[str]:
         failures.append("the host-scheduled launch stores other Combine rows than the call")
     if cell.host_call.error_count():
         failures.append(f"host-scheduled launch: spin errors {cell.host_call.error_count()}")
+    if cell.tokens in TRACED_TOKENS:
+        failures += check_traced(cell, poison, device_rows)
     if cell.tokens <= TABLE_CHECK_MAX_TOKENS:
         tables = cell.layer.workspace.tables if isinstance(cell, Ep1Cell) else cell.ws.tables
         bad = table_mismatches(tables, cell.host_tables())
@@ -376,6 +386,23 @@ def check_cell(cell, run: Run) -> list[str]:
                      for k, e in errs.items() if not e <= tol[k]]
     if isinstance(cell, Ep1Cell) and cell.tokens == GRAPH_CHECK_TOKENS:
         failures += check_graph_replays(cell)
+    return failures
+
+
+def check_traced(cell, poison, device_rows: torch.Tensor) -> list[str]:
+    """The instrumented build of the host-scheduled launch (warm, then poisoned and run): the
+    same Combine rows bit for bit, no spin error; its tiles kept for ``measure``."""
+    traced = cell.host_launch(instrument=True)
+    traced()
+    poison()
+    traced()
+    failures = []
+    if not torch.equal(cell.combined().view(torch.int16), device_rows.view(torch.int16)):
+        failures.append("the instrumented launch stores other Combine rows than the call")
+    if traced.error_count():
+        failures.append(f"instrumented launch: spin errors {traced.error_count()}")
+        return failures
+    cell.tiles = tile_frame(traced.trace.cpu().numpy(), *tile_table(traced.schedule))
     return failures
 
 
@@ -498,13 +525,19 @@ class MoELayer(Experiment):
                              eager=frozenset({"fused", "unfused"}), graph_iters=a.graph_iters)
         host = time_methods({"host_scheduled": cell.host_scheduled},
                             trials=HOST_SCHEDULED_TRIALS, warmup=1)
-        weights = cell.layer.workspace.weights if isinstance(cell, Ep1Cell) else cell.ws.weights
+        ws = cell.layer.workspace if isinstance(cell, Ep1Cell) else cell.ws
+        weights = ws.weights
         bw = self.hbm_gbps * 1e9
         # where the schedule's time goes: the activations' move (route_gather) apart from the
         # table passes; and the host time of each step of a call
         route_kernels = kernel_times_us(cell.route)
         gather_us = sum(v for k, v in route_kernels.items() if "route_gather" in k)
         stages = {f"host_{k}_us": host_overhead_us(fn) for k, fn in cell.host_stages().items()}
+        # a tile's weight bytes: Linear-1 gate and up, Linear-2 its hidden columns
+        cfg, elem = ws.config, weights.w1.element_size()
+        phases = (kernel_phases(cell.tiles, 2 * cfg.block_n1 * weights.hidden * elem,
+                                cfg.block_n2 * weights.intermediate * elem)
+                  if cell.tokens in TRACED_TOKENS else {})
         # the point's columns too: the progress line reads them before the sweep adds them
         return {"model": cell.shape.model, "precision": cell.precision,
                 "setting": "ep1" if isinstance(cell, Ep1Cell) else "ep8_rank",
@@ -524,7 +557,7 @@ class MoELayer(Experiment):
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
                 "route_tables_us": sum(route_kernels.values()) - gather_us,
                 "route_gather_us": gather_us, "route_kernels_us": json.dumps(route_kernels),
-                "eager_path": EAGER_PATH, **self.launch_floors, **stages}
+                "eager_path": EAGER_PATH, **self.launch_floors, **stages, **phases}
 
     def progress_line(self, rows: pd.DataFrame) -> str | None:
         r = rows.iloc[0]

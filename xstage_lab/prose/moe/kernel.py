@@ -162,6 +162,23 @@ def layer(layer_views) -> Prose:
                   f"{span(routing, '.0f')} µs (profiled)"
                   + (f", the weighted sum {span(ep1['weighted_sum_us'], '.0f')} µs at EP = 1"
                      if measured(ep1, "weighted_sum_us") else "") + ".")
+        if measured(one, "trace_makespan_us"):
+            phase_share = {k: one[f"trace_{k}_sms"] * one[f"trace_{k}_tile_gbps"]
+                           / one["hbm_gbps"] for k in ("l1", "l2")}
+            t1 += (f" Traced (the instrumented build of the same kernel and schedule), its "
+                   f"{span(one['trace_l1_tiles'], '.0f')} Linear-1 tiles run on "
+                   f"{span(one['trace_l1_sms'], '.0f')} SMs and end by "
+                   f"{span(one['trace_l1_end_us'], '.0f')} µs, each streaming its weights at "
+                   f"{span(one['trace_l1_tile_gbps'], '.0f')} GB/s over its mainloop; its "
+                   f"{span(one['trace_l2_tiles'], '.0f')} Linear-2 tiles, on "
+                   f"{span(one['trace_l2_sms'], '.0f')} SMs, wait "
+                   f"{span(one['trace_l2_wait_us'], '.0f')} µs (median) for their rows and "
+                   f"stream at {span(one['trace_l2_tile_gbps'], '.0f')} GB/s. The SMs of a "
+                   f"phase streaming at once reach {span(phase_share['l1'], '.2f')} (Linear-1) "
+                   f"and {span(phase_share['l2'], '.2f')} (Linear-2) of the HBM bandwidth "
+                   f"measured in the run"
+                   + (": too few tiles streaming at once to keep the HBM busy."
+                      if all((v < 1).all() for v in phase_share.values()) else "."))
         parity = a[a["tokens"] >= KERNEL_PARITY_TOKENS]
         kernel = (f" From {KERNEL_PARITY_TOKENS} tokens the kernel over the device tables takes "
                   f"{span(parity['kernel_over_host_kernel'], '.3f')}× the time of the same "
