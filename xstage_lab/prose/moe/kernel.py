@@ -163,8 +163,13 @@ def layer(layer_views) -> Prose:
                   + (f", the weighted sum {span(ep1['weighted_sum_us'], '.0f')} µs at EP = 1"
                      if measured(ep1, "weighted_sum_us") else "") + ".")
         if measured(one, "trace_makespan_us"):
-            phase_share = {k: one[f"trace_{k}_sms"] * one[f"trace_{k}_tile_gbps"]
-                           / one["hbm_gbps"] for k in ("l1", "l2")}
+            # a phase's weight bytes (tiles x one tile's: its stream rate x its mainloop) over
+            # the phase: Linear-1 from the first entry to its last tile's end, Linear-2 from its
+            # first mainloop's start to the last tile's end
+            moved = {k: one[f"trace_{k}_tiles"] * one[f"trace_{k}_tile_gbps"]
+                     * one[f"trace_{k}_mainloop_us"] for k in ("l1", "l2")}
+            rate = {"l1": moved["l1"] / one["trace_l1_end_us"],
+                    "l2": moved["l2"] / (one["trace_makespan_us"] - one["trace_l2_start_us"])}
             t1 += (f" Traced (the instrumented build of the same kernel and schedule), its "
                    f"{span(one['trace_l1_tiles'], '.0f')} Linear-1 tiles run on "
                    f"{span(one['trace_l1_sms'], '.0f')} SMs and end by "
@@ -173,12 +178,10 @@ def layer(layer_views) -> Prose:
                    f"{span(one['trace_l2_tiles'], '.0f')} Linear-2 tiles, on "
                    f"{span(one['trace_l2_sms'], '.0f')} SMs, wait "
                    f"{span(one['trace_l2_wait_us'], '.0f')} µs (median) for their rows and "
-                   f"stream at {span(one['trace_l2_tile_gbps'], '.0f')} GB/s. The SMs of a "
-                   f"phase streaming at once reach {span(phase_share['l1'], '.2f')} (Linear-1) "
-                   f"and {span(phase_share['l2'], '.2f')} (Linear-2) of the HBM bandwidth "
-                   f"measured in the run"
-                   + (": too few tiles streaming at once to keep the HBM busy."
-                      if all((v < 1).all() for v in phase_share.values()) else "."))
+                   f"stream at {span(one['trace_l2_tile_gbps'], '.0f')} GB/s. The Linear-1 "
+                   f"phase moves its weights at {span(rate['l1'] / one['hbm_gbps'], '.2f')} and "
+                   f"the Linear-2 phase at {span(rate['l2'] / one['hbm_gbps'], '.2f')} of the "
+                   f"HBM bandwidth measured in the run.")
         parity = a[a["tokens"] >= KERNEL_PARITY_TOKENS]
         kernel = (f" From {KERNEL_PARITY_TOKENS} tokens the kernel over the device tables takes "
                   f"{span(parity['kernel_over_host_kernel'], '.3f')}× the time of the same "
