@@ -170,18 +170,20 @@ def layer(layer_views) -> Prose:
                      * one[f"trace_{k}_mainloop_us"] for k in ("l1", "l2")}
             rate = {"l1": moved["l1"] / one["trace_l1_end_us"],
                     "l2": moved["l2"] / (one["trace_makespan_us"] - one["trace_l2_start_us"])}
-            t1 += (f" Traced (the instrumented build of the same kernel and schedule), its "
-                   f"{span(one['trace_l1_tiles'], '.0f')} Linear-1 tiles run on "
-                   f"{span(one['trace_l1_sms'], '.0f')} SMs and end by "
-                   f"{span(one['trace_l1_end_us'], '.0f')} µs, each streaming its weights at "
-                   f"{span(one['trace_l1_tile_gbps'], '.0f')} GB/s over its mainloop; its "
-                   f"{span(one['trace_l2_tiles'], '.0f')} Linear-2 tiles, on "
-                   f"{span(one['trace_l2_sms'], '.0f')} SMs, wait "
+            # a phase whose tiles outnumber the SMs that ran them ran a second round of tiles
+            rounds = {k: int((one[f"trace_{k}_tiles"] > one[f"trace_{k}_sms"]).sum())
+                      for k in ("l1", "l2")}
+            t1 += (f" Traced (the instrumented build of the same kernel and schedule), the "
+                   f"Linear-1 phase ends by {span(one['trace_l1_end_us'], '.0f')} µs, each tile "
+                   f"streaming its weights at {span(one['trace_l1_tile_gbps'], '.0f')} GB/s over "
+                   f"its mainloop; the Linear-2 tiles wait "
                    f"{span(one['trace_l2_wait_us'], '.0f')} µs (median) for their rows and "
                    f"stream at {span(one['trace_l2_tile_gbps'], '.0f')} GB/s. The Linear-1 "
                    f"phase moves its weights at {span(rate['l1'] / one['hbm_gbps'], '.2f')} and "
                    f"the Linear-2 phase at {span(rate['l2'] / one['hbm_gbps'], '.2f')} of the "
-                   f"HBM bandwidth measured in the run.")
+                   f"HBM bandwidth measured in the run; some SM ran a second tile of the phase "
+                   f"in {count(rounds['l1'])} (Linear-1) and {count(rounds['l2'])} (Linear-2) of "
+                   f"{count(len(one))} cells.")
         parity = a[a["tokens"] >= KERNEL_PARITY_TOKENS]
         kernel = (f" From {KERNEL_PARITY_TOKENS} tokens the kernel over the device tables takes "
                   f"{span(parity['kernel_over_host_kernel'], '.3f')}× the time of the same "
