@@ -361,7 +361,7 @@ def route_tiles(expert_counts, expert_offsets, wave_lo, wave_hi, meta, row_src, 
     row_blocks = tl.load(meta + META_ROW_BLOCKS)
     # a program past the rows in use returns here: the grid is the capacity's bound (an EP
     # rank's, about eight times its arrivals), and the expert search over every expert costs
-    # each program the same (Qwen3.5's EP rank at 8192 tokens on one H200: 12.4-13.3 µs without
+    # each program the same (Qwen3.5's EP rank at 8192 tokens on one H200: 13.1-13.3 µs without
     # this exit, moe_layer/h200-x1/20261202T212234Z-141812fd2a; 4.6-4.7 µs with it, …212723Z)
     if p < row_blocks:
         _row_block_tiles(p + tl.arange(0, 1), row_blocks, expert_counts, expert_offsets,
