@@ -302,4 +302,3 @@ def test_gather_slab_narrows_where_wide_slabs_leave_programs_idle():
 
 if __name__ == "__main__":
     raise SystemExit(child_main(sys.argv[1:], interpreter_cases(), COMPILE_CASES))
-
