@@ -2,7 +2,8 @@
 what the traces say where the forecast misses."""
 from __future__ import annotations
 
-from ..analysis.moe.host_view import MISS_PP, comparison, local_sweep_table, misses
+from ..analysis.moe.host_view import (AUTO_WITHIN, MISS_PP, auto_standing, comparison,
+                                      local_sweep_table, misses)
 from ..analysis.remote_store.row_chunks import row_chunk_fits
 from ..calibration import under_gemm_fits, under_load_fits
 from . import Prose, count, rec, span, val
@@ -39,8 +40,25 @@ def matrix(views) -> Prose:
             f"the decoupled one. The forecast's Expert-Wave time is within "
             f"{val(c['wave_error_pct'].abs().median(), '.1f')}% of the measured one (median), "
             f"its speedup within {MISS_PP:g} percentage points in {count(len(met))} of "
-            f"{count(len(c))} cells.")
+            f"{count(len(c))} cells." + _auto(v))
     return Prose(*out)
+
+
+def _auto(view) -> str:
+    """How ``auto`` (the forecast's pick, timed live) stands against the fastest schedule the
+    run timed, beside what two timings of one schedule in the same run differ by."""
+    a = auto_standing(view)
+    if not len(a):
+        return ""
+    within = a[a["auto_over_fastest"] <= 1 + AUTO_WITHIN]
+    same = a["auto_over_same"].dropna()
+    return (f" The forecast's `auto`, timed live, is within {AUTO_WITHIN:.0%} of the fastest "
+            f"schedule the run timed in {count(len(within))} of {count(len(a))} cells "
+            f"({val(a['auto_over_fastest'].median(), '.3f')}× the fastest at the median, "
+            f"{val(a['auto_over_fastest'].max(), '.3f')}× at worst); the same schedule timed "
+            f"twice in the run, as `auto` and in the sweep, differs by "
+            f"{val(same.quantile(0.1), '.3f')}–{val(same.quantile(0.9), '.3f')}× (10th to 90th "
+            f"percentile of {count(len(same))} cells).")
 
 
 # Issue 26: Interleaved at the derived lead at least this fraction of Expert-Wave's speed with

@@ -349,3 +349,20 @@ def test_an_auto_rule_is_scored_by_the_measured_times_of_what_it_picks(tmp_path)
     assert hv.pick_over_fastest(view, pick_auto).tolist() == [1.0, 1.0]
     fastest_predicted = hv.pick_over_fastest(view, lambda p: min(p, key=p.get))
     assert fastest_predicted.tolist() == [pytest.approx(1.1), 1.0]
+
+
+def test_auto_stands_against_the_fastest_timing_and_its_own_second_timing(tmp_path):
+    from xstage_lab.analysis.moe import host_view as hv
+
+    cell = {"model": "Tiny", "precision": "bf16", "routing": "skewed", "tokens": TOKENS}
+    measured = write_record("moe_host", "x-host", pd.DataFrame([
+        # auto picked d8 (timed 102 in the sweep); d4 was fastest
+        {**cell, "host_share": 1, "wave_us": 110.0, "interleaved_d4_us": 100.0,
+         "interleaved_d8_us": 102.0, "auto_lead": 8, "auto_us": 104.0},
+        # auto picked Expert-Wave and beat every timing of the sweep
+        {**cell, "host_share": 8, "wave_us": 150.0, "interleaved_d4_us": 160.0,
+         "interleaved_d8_us": 170.0, "auto_lead": 0, "auto_us": 147.0}]),
+        {"forecast_record": "f"}, {"git_commit": "abc"}, tmp_path)
+    a = hv.auto_standing(hv.HostView("x-host", (hv.read(measured),)))
+    assert a["auto_over_fastest"].tolist() == pytest.approx([1.04, 1.0])
+    assert a["auto_over_same"].tolist() == pytest.approx([104 / 102, 147 / 150])

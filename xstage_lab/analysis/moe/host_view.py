@@ -20,6 +20,8 @@ CELL = ["model", "precision", "routing", "tokens", "host_share"]
 # Where the forecast's speedup misses the measured one by more than this many percentage points,
 # the notebook says from the traces why (issue 26's acceptance).
 MISS_PP = 5.0
+# Issue 26's bound on ``auto``: within this fraction of the fastest measured schedule
+AUTO_WITHIN = 0.03
 # A one-GPU kernel cell, and the traced mainloops a host-link cell compares with its own
 KERNEL_CELL = ["model", "precision", "routing", "tokens"]
 MAINLOOPS = ("wave_mainloop_l1_us", "wave_mainloop_l2_us", "int_mainloop_l1_us",
@@ -190,6 +192,23 @@ def misses(view: HostView) -> pd.DataFrame:
     })
     both = pd.concat([c, cause, mainloop_over_local(view)], axis=1)
     return both[both["speedup_error_pp"].abs() > MISS_PP].reset_index(drop=True)
+
+
+def auto_standing(view: HostView) -> pd.DataFrame:
+    """Per cell that timed ``auto`` live (the forecast's pick, a method of its own in the run),
+    ``auto_over_fastest``: its time over the fastest of the schedules the run timed, ``auto``
+    included (issue 26 bounds it by ``AUTO_WITHIN``); and ``auto_over_same``: its time over the
+    same schedule's, timed as a method of the sweep in the same run (Expert-Wave for lead 0):
+    what two timings of one schedule differ by, the run's own noise."""
+    t = view.table[view.table["auto_us"].notna()] if "auto_us" in view.table else view.table[:0]
+    names = timed_schedules(t)
+    times = t[[f"{n}_us" for n in names]]
+    same = [t.at[i, "wave_us"] if lead == 0 else t.at[i, f"interleaved_d{int(lead)}_us"]
+            for i, lead in zip(t.index, t["auto_lead"])] if len(t) else []
+    out = t[CELL].copy()
+    out["auto_over_fastest"] = t["auto_us"] / np.minimum(times.min(axis=1), t["auto_us"])
+    out["auto_over_same"] = t["auto_us"] / np.asarray(same, dtype=float)
+    return out.reset_index(drop=True)
 
 
 def pick_over_fastest(view: HostView, pick) -> pd.Series:
