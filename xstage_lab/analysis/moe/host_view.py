@@ -200,11 +200,13 @@ def auto_standing(view: HostView) -> pd.DataFrame:
     included (issue 26 bounds it by ``AUTO_WITHIN``); and ``auto_over_same``: its time over the
     same schedule's, timed as a method of the sweep in the same run (Expert-Wave for lead 0):
     what two timings of one schedule differ by, the run's own noise."""
-    t = view.table[view.table["auto_us"].notna()] if "auto_us" in view.table else view.table[:0]
-    names = timed_schedules(t)
-    times = t[[f"{n}_us" for n in names]]
+    out = view.table[CELL].iloc[:0].assign(auto_over_fastest=[], auto_over_same=[])
+    if "auto_us" not in view.table:  # a run before ``auto`` was timed
+        return out
+    t = view.table[view.table["auto_us"].notna()]
+    times = t[[f"{n}_us" for n in timed_schedules(t)]]
     same = [t.at[i, "wave_us"] if lead == 0 else t.at[i, f"interleaved_d{int(lead)}_us"]
-            for i, lead in zip(t.index, t["auto_lead"])] if len(t) else []
+            for i, lead in zip(t.index, t["auto_lead"])]
     out = t[CELL].copy()
     out["auto_over_fastest"] = t["auto_us"] / np.minimum(times.min(axis=1), t["auto_us"])
     out["auto_over_same"] = t["auto_us"] / np.asarray(same, dtype=float)
