@@ -109,15 +109,19 @@ class Ep1Cell:
         self.x, self.ids, self.w = _routing(shape, tokens, seed, 0, device)
         self.unfused_capacity = tokens * shape.top_k + shape.routed_experts * (GROUP_ALIGN - 1)
 
+    @property
+    def ws(self) -> MoEWorkspace:
+        """The layer's workspace (``Ep8RankCell.ws``'s counterpart)."""
+        return self.layer.workspace
+
     def call(self):
         return self.layer(self.x, self.ids, self.w)
 
     def route(self):
-        ws = self.layer.workspace
-        ws.route(self.ids.reshape(-1), self.x, top_k=self.shape.top_k)
+        self.ws.route(self.ids.reshape(-1), self.x, top_k=self.shape.top_k)
 
     def kernel(self):
-        self.layer.workspace.launch(self.layer.schedule, self.layer.peers)
+        self.ws.launch(self.layer.schedule, self.layer.peers)
 
     def weighted_sum(self):
         combine_weighted_sum(self.combined(), self.w)
@@ -135,12 +139,12 @@ class Ep1Cell:
         k = self.shape.top_k
         rows = self.x.repeat_interleave(k, dim=0)
         xq, xs = quantize_rows_fp8(rows) if self.precision == "fp8" else (rows, None)
-        return host_tables(self.layer.workspace.bounds, self.ids.reshape(-1), xq, xs)
+        return host_tables(self.ws.bounds, self.ids.reshape(-1), xq, xs)
 
     def host_launch(self, instrument: bool = False) -> FusedMoECall:
         """Today's path up to the launch: the layout on the host (syncs), the call's schedule
         built and checked there, the launch prepared (``instrument``: the traced build)."""
-        ws, k = self.layer.workspace, self.shape.top_k
+        ws, k = self.ws, self.shape.top_k
         rows = self.x.repeat_interleave(k, dim=0)
         xq, xs = quantize_rows_fp8(rows) if self.precision == "fp8" else (rows, None)
         n = rows.shape[0]
@@ -346,7 +350,7 @@ def check_cell(cell, run: Run) -> list[str]:
     errs = cell.output_error(y, cell.x, cell.ids, cell.w) if isinstance(cell, Ep1Cell) \
         else cell.output_error()
     failures += [f"fused {k} error {e:.3g} > {tol[k]}" for k, e in errs.items() if not e <= tol[k]]
-    error = cell.layer.error if isinstance(cell, Ep1Cell) else cell.ws.error
+    error = cell.ws.error
     if int(error):
         failures.append(f"error flag {int(error)}")
     # today's host-scheduled launch of the same schedule: the same rows, bit for bit (poison
@@ -362,8 +366,7 @@ def check_cell(cell, run: Run) -> list[str]:
     if cell.tokens in TRACED_TOKENS:
         failures += check_traced(cell, poison, device_rows)
     if cell.tokens <= TABLE_CHECK_MAX_TOKENS:
-        tables = cell.layer.workspace.tables if isinstance(cell, Ep1Cell) else cell.ws.tables
-        bad = table_mismatches(tables, cell.host_tables())
+        bad = table_mismatches(cell.ws.tables, cell.host_tables())
         failures += [f"device table {b} differs from the host reference" for b in bad]
     # the second eager call launches the graph its first call captured: checked under the sync
     # check, its Combine rows poisoned; the first call's output is still held, so the second's
@@ -525,8 +528,7 @@ class MoELayer(Experiment):
                              eager=frozenset({"fused", "unfused"}), graph_iters=a.graph_iters)
         host = time_methods({"host_scheduled": cell.host_scheduled},
                             trials=HOST_SCHEDULED_TRIALS, warmup=1)
-        ws = cell.layer.workspace if isinstance(cell, Ep1Cell) else cell.ws
-        weights = ws.weights
+        weights = cell.ws.weights
         bw = self.hbm_gbps * 1e9
         # where the schedule's time goes: the activations' move (route_gather) apart from the
         # table passes; and the host time of each step of a call
@@ -534,7 +536,7 @@ class MoELayer(Experiment):
         gather_us = sum(v for k, v in route_kernels.items() if "route_gather" in k)
         stages = {f"host_{k}_us": host_overhead_us(fn) for k, fn in cell.host_stages().items()}
         # a tile's weight bytes: Linear-1 gate and up, Linear-2 its hidden columns
-        cfg, elem = ws.config, weights.w1.element_size()
+        cfg, elem = cell.ws.config, weights.w1.element_size()
         phases = (kernel_phases(cell.tiles, 2 * cfg.block_n1 * weights.hidden * elem,
                                 cfg.block_n2 * weights.intermediate * elem)
                   if cell.tokens in TRACED_TOKENS else {})
