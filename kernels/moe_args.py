@@ -14,17 +14,23 @@ import triton.language as tl
 
 ARG_EXPERT_IDS = tl.constexpr(0)  # the arrivals' local expert ids (topk_ids at EP = 1)
 ARG_X = tl.constexpr(1)           # the activations: the tokens at EP = 1, the received rows
-ARG_COMBINE_ROWS = tl.constexpr(2)  # the Combine rows the weighted sum reads
-ARG_TOPK_WEIGHTS = tl.constexpr(3)
-ARG_OUT = tl.constexpr(4)         # the weighted sum's output, the layer's y
-ARGS = tl.constexpr(5)
+ARG_X_SCALE = tl.constexpr(2)     # their 1 x 128 scales (received e4m3 rows)
+ARG_COMBINE_ROWS = tl.constexpr(3)  # the Combine rows the weighted sum reads
+ARG_TOPK_WEIGHTS = tl.constexpr(4)
+ARG_OUT = tl.constexpr(5)         # the weighted sum's output, the layer's y
+# The rows the fused kernel's Linear-1 reads and their scales (its ``a_rows``, two slots): the
+# activations' own, or their quantized copy. Written by the routing (``moe_routing``), not here.
+ARG_A_ROWS = tl.constexpr(6)
+ARGS = tl.constexpr(8)
 
 
-@triton.jit(do_not_specialize=["expert_ids", "x", "combine_rows", "topk_weights", "out"])
-def write_args(args, expert_ids, x, combine_rows, topk_weights, out):
+@triton.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",
+                               "out"])
+def write_args(args, expert_ids, x, x_scale, combine_rows, topk_weights, out):
     """One program: each address (int64, by value) into its slot of ``args``."""
     tl.store(args + ARG_EXPERT_IDS, expert_ids)
     tl.store(args + ARG_X, x)
+    tl.store(args + ARG_X_SCALE, x_scale)
     tl.store(args + ARG_COMBINE_ROWS, combine_rows)
     tl.store(args + ARG_TOPK_WEIGHTS, topk_weights)
     tl.store(args + ARG_OUT, out)

@@ -39,7 +39,9 @@ Two constexpr variants, both off for the timing of the two schedules:
 DeepSeek-V3/DeepGEMM; the Linear-1 epilogue re-quantizes ``h`` per row and ``SCALE_BLOCK`` columns.
 
 Layouts (row-major, no padding inside a row; ``R`` = padded dispatched rows, ``E`` = local experts):
-``x [R, HIDDEN]``, ``x_scale [R, HIDDEN/SB]``, ``w1 [E, 2*INTER, HIDDEN]`` (gate rows, then up rows),
+``a_rows_ptr`` int64 ``[2]`` holds the addresses of ``x [N, HIDDEN]`` and (FP8) ``x_scale
+[N, HIDDEN/SB]``, read on the device; layout row ``r`` reads row ``row_origin[r]`` of them (int32
+``[R]``, -1 on padding: zeros), ``w1 [E, 2*INTER, HIDDEN]`` (gate rows, then up rows),
 ``w1_scale [E, 2*INTER/SB, HIDDEN/SB]``, ``w2 [E, HIDDEN, INTER]``, ``w2_scale [E, HIDDEN/SB, INTER/SB]``,
 ``h [R, INTER]``, ``h_scale [R, INTER/SB]``, ``row_src``/``row_slot`` int32 ``[R]`` (slot -1: padding),
 peer table int64 ``[P]`` of 16-byte aligned bf16 ``[slots, HIDDEN]`` Combine buffers.
@@ -89,28 +91,36 @@ def _stamp(rec, point: tl.constexpr):
 
 @triton.jit
 def _linear1_swiglu_tile(expert, row_block, n_block,
-                         x_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, h_ptr, h_scale_ptr, row_ready_ptr,
-                         rec, HIDDEN, INTER,
+                         a_rows_ptr, row_origin_ptr, w1_ptr, w1_scale_ptr, h_ptr, h_scale_ptr,
+                         row_ready_ptr, rec, HIDDEN, INTER,
                          FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
                          BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
                          INSTRUMENT: tl.constexpr):
     if INSTRUMENT:
         _stamp(rec, 1)  # no dependency to wait for
     rows = (row_block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    origin = tl.load(row_origin_ptr + rows)
+    routed = origin >= 0
+    origin = tl.maximum(origin, 0).to(tl.int64)
+    x_ptr = tl.load(a_rows_ptr).to(tl.pointer_type(tl.float8e4nv if FP8 else tl.bfloat16))
     cols = n_block * BLOCK_N1 + tl.arange(0, BLOCK_N1)
     ks = tl.arange(0, BLOCK_K)
     w_gate = w1_ptr + expert.to(tl.int64) * (2 * INTER) * HIDDEN
     w_up = w_gate + INTER.to(tl.int64) * HIDDEN
     k_scales = HIDDEN // SCALE_BLOCK
+    if FP8:
+        x_scale_ptr = tl.load(a_rows_ptr + 1).to(tl.pointer_type(tl.float32))
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N1), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N1), dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
-        a = tl.load(x_ptr + rows[:, None] * HIDDEN + (k0 + ks)[None, :])
+        a = tl.load(x_ptr + origin[:, None] * HIDDEN + (k0 + ks)[None, :], mask=routed[:, None],
+                    other=0.0)
         b_gate = tl.load(w_gate + cols[None, :].to(tl.int64) * HIDDEN + (k0 + ks)[:, None])
         b_up = tl.load(w_up + cols[None, :].to(tl.int64) * HIDDEN + (k0 + ks)[:, None])
         if FP8:
             # One K block lies inside one scale block: promote to fp32 with both scales.
-            a_s = tl.load(x_scale_ptr + rows * k_scales + k0 // SCALE_BLOCK)
+            a_s = tl.load(x_scale_ptr + origin * k_scales + k0 // SCALE_BLOCK, mask=routed,
+                          other=0.0)
             w_scales = w1_scale_ptr + expert.to(tl.int64) * (2 * INTER // SCALE_BLOCK) * k_scales
             g_s = tl.load(w_scales + (cols // SCALE_BLOCK) * k_scales + k0 // SCALE_BLOCK)
             u_s = tl.load(w_scales + ((INTER + cols) // SCALE_BLOCK) * k_scales + k0 // SCALE_BLOCK)
@@ -200,7 +210,7 @@ def _linear2_combine_tile(expert, row_block, n_block,
 
 @triton.jit
 def fused_moe_kernel(tiles_ptr, num_tiles_ptr, max_tiles,
-                     x_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, w2_ptr, w2_scale_ptr,
+                     a_rows_ptr, row_origin_ptr, w1_ptr, w1_scale_ptr, w2_ptr, w2_scale_ptr,
                      h_ptr, h_scale_ptr, row_ready_ptr,
                      row_src_ptr, row_slot_ptr, combine_ptrs_ptr,
                      error_ptr, max_spin, num_experts, trace_ptr,
@@ -229,8 +239,8 @@ def fused_moe_kernel(tiles_ptr, num_tiles_ptr, max_tiles,
             tl.atomic_add(error_ptr, 1)
         elif kind == TILE_L1:
             _linear1_swiglu_tile(expert, row_block, n_block,
-                                 x_ptr, x_scale_ptr, w1_ptr, w1_scale_ptr, h_ptr, h_scale_ptr,
-                                 row_ready_ptr, rec, HIDDEN, INTER,
+                                 a_rows_ptr, row_origin_ptr, w1_ptr, w1_scale_ptr, h_ptr,
+                                 h_scale_ptr, row_ready_ptr, rec, HIDDEN, INTER,
                                  FP8, BLOCK_M, BLOCK_N1, BLOCK_K, SCALE_BLOCK, INSTRUMENT)
         else:
             _linear2_combine_tile(expert, row_block, n_block,

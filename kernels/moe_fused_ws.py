@@ -13,12 +13,16 @@ One CTA per SM walks its program's row of the table. Three partitions:
                            the time of the build without this, every shape, both settings, one
                            session on one H200: moe_layer/h200-x1/20261202T203004Z-113d741c50
                            against …203438Z-427cc9f473);
-  producer                 one warp: the A tile (routed rows ``x`` for Linear-1, the intermediate
-                           ``h`` for Linear-2) and the B tile (expert weights) of every K block by
-                           TMA into a STAGES-deep ring, a stage refilled once both consumers
-                           released it. Before the first load of a Linear-2 tile it acquire-spins
-                           (bounded) on the row block's counter until every Linear-1 slice of
-                           those rows is visible.
+  producer                 one warpgroup: the A tile and the B tile (expert weights) of every K
+                           block into a STAGES-deep ring, a stage refilled once both consumers
+                           released it. B, and Linear-2's A (the intermediate ``h``), by TMA from
+                           one thread; Linear-1's A gathered by every thread with 16-byte
+                           ``cp.async`` through ``row_origin`` (each layout row's row of ``x``:
+                           the token, or the received row), so no pass ahead of the kernel copies
+                           the routed rows into the layout (Hopper's TMA has no row gather).
+                           Before the first load of a Linear-2 tile it acquire-spins (bounded) on
+                           the row block's counter until every Linear-1 slice of those rows is
+                           visible.
 
 Linear-1 (``TILE_L1``): gate and up of ``BLOCK_N1`` intermediate columns (two wgmma chains on
 one A tile), SwiGLU in the epilogue, ``h`` stored (bf16, or e4m3 with a 1 x 128 scale per row),
@@ -30,7 +34,9 @@ slot); slot -1 is padding), 16-byte stores, and moves on: the remote-store burst
 
 Memory ordering across proxies: ``h`` is written by generic stores and read by TMA (the async
 proxy) on another SM, so the writer fences ``proxy.async.global`` before its release and the
-reader after its acquire.
+reader after its acquire. ``cp.async`` lands in shared memory through the generic proxy and wgmma
+reads it through the async proxy: a consumer fences ``proxy.async.shared::cta`` after its wait on
+a Linear-1 stage.
 
 ``FP8``: W8A8 with fp32 scales, 1 x 128 for activations (``x``, ``h``: per row and K block) and
 128 x 128 for weights, as in DeepSeek-V3. Each K block of 128 is one wgmma group into a temporary
@@ -52,6 +58,7 @@ resident (at most one per SM).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
@@ -63,9 +70,12 @@ HALF_ROWS = gl.constexpr(64)   # rows per consumer warpgroup: wgmma's M per warp
 SCALE_BLOCK = gl.constexpr(128)
 E4M3_MAX = gl.constexpr(448.0)
 TRACE_FIELDS = gl.constexpr(10)  # clock64 x 4, globaltimer x 4, smid, spins: moe_fused.py's
-# Registers per thread of the consumer warpgroups and of the producer warp (setmaxnreg).
+# Registers per thread of the consumer warpgroups and of the producer warpgroup (setmaxnreg):
+# 2 x 128 x 224 + 128 x 56 of the SM's 65536.
 CONSUMER_REGS = gl.constexpr(224)
 PRODUCER_REGS = gl.constexpr(56)
+PRODUCER_WARPS = gl.constexpr(4)
+COPY_BYTES = gl.constexpr(16)  # one cp.async
 
 
 @gluon.jit
@@ -121,6 +131,21 @@ def _load_a(desc, row0, k, bar, a_smem, s, second_half):
 
 
 @gluon.jit
+def _origin_rows(row_origin, row_base, layout: gl.constexpr):
+    """``row_origin`` of the 64 layout rows from ``row_base``, in ``layout``'s row slice."""
+    return gl.load(row_origin + row_base + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout)))
+
+
+@gluon.jit
+def _gather_half(x_rows, origin, k, smem, HIDDEN, layout: gl.constexpr, BLOCK_K: gl.constexpr):
+    """``cp.async`` of one 64-row half of a Linear-1 A block: layout row ``r``'s K block ``k`` from
+    row ``origin[r]`` of ``x_rows`` in 16-byte vectors, padding rows (origin -1) zero-filled."""
+    cols = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+    src = x_rows + (gl.maximum(origin, 0).to(gl.int64) * HIDDEN)[:, None] + cols[None, :]
+    async_copy.async_copy_global_to_shared(smem, src, mask=(origin >= 0)[:, None])
+
+
+@gluon.jit
 def _expect_stage(bar, a_half_bytes: gl.constexpr, b_bytes: gl.constexpr, second_half):
     """The producer's arrival on a stage's ``ready`` barrier with the bytes its loads bring: the
     count is an immediate, so one of two predicated arrivals."""
@@ -136,14 +161,24 @@ def _routed_half(row_slot, row_base):
 
 
 @gluon.jit
-def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready, empty,
-              row_ready, row_slot, error, max_spin, num_experts, trace, HIDDEN, INTER,
-              l1_k_blocks, l2_k_blocks, BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, INSTRUMENT: gl.constexpr):
-    """The TMA warp: every K block of every tile of this program, in table order (a tile whose
-    expert is not one of the ``num_experts`` is skipped, as the consumers skip it). The A tile's
-    second half is loaded only where it holds a routed row (``_routed_half``).
-    INSTRUMENT: a Linear-2 tile's spin count into its trace record."""
+def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready,
+              empty, row_ready, row_slot, error, max_spin, num_experts, trace, HIDDEN, INTER,
+              l1_k_blocks, l2_k_blocks, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
+              BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              INSTRUMENT: gl.constexpr):
+    """The loading warpgroup: every K block of every tile of this program, in table order (a tile
+    whose expert is not one of the ``num_experts`` is skipped, as the consumers skip it). The A
+    tile's second half is loaded only where it holds a routed row (``_routed_half``).
+
+    A Linear-1 stage completes on two counts: each thread's ``cp.async`` arrival (which first adds
+    one pending arrival to the phase, then arrives once its copies land) and the expect-tx arrival
+    of the B bytes; the warpgroup's barrier between them keeps the B arrival from ending the phase
+    before every thread has added its own. INSTRUMENT: a Linear-2 tile's spin count into its trace
+    record."""
+    vec: gl.constexpr = COPY_BYTES if FP8 else COPY_BYTES // 2
+    gather: gl.constexpr = gl.BlockedLayout([1, vec], [32 * vec // BLOCK_K, BLOCK_K // vec],
+                                            [PRODUCER_WARPS, 1], [1, 0])
+    x_rows = gl.multiple_of(gl.load(a_rows).to(gl.pointer_type(h_desc.dtype)), 16)
     it = 0  # K blocks issued by this program so far: stage it % STAGES, phase (it // STAGES) & 1
     for i in range(n_tiles):
         kind = gl.load(tiles + i * TILE_FIELDS)
@@ -154,15 +189,21 @@ def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, 
             second_half = _routed_half(row_slot, row0 + HALF_ROWS)
             if kind == TILE_L1:
                 gate_row = expert * (2 * INTER) + n_block * BLOCK_N1
+                origin0 = _origin_rows(row_origin, row0, gather)
+                origin1 = _origin_rows(row_origin, row0 + HALF_ROWS, gather)
                 for kk in range(l1_k_blocks):
                     k = kk * BLOCK_K
                     s = it % STAGES
                     # a fresh mbarrier passes a wait on the phase before its first: the first
                     # STAGES K blocks go straight in
                     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                    _expect_stage(ready.index(s), x_desc.block_type.nbytes,
-                                  2 * w1_desc.block_type.nbytes, second_half)
-                    _load_a(x_desc, row0, k, ready.index(s), a_smem, s, second_half)
+                    _gather_half(x_rows, origin0, k, a_smem.index(2 * s), HIDDEN, gather, BLOCK_K)
+                    if second_half:
+                        _gather_half(x_rows, origin1, k, a_smem.index(2 * s + 1), HIDDEN, gather,
+                                     BLOCK_K)
+                    async_copy.mbarrier_arrive(ready.index(s))
+                    gl.thread_barrier()
+                    mbarrier.expect(ready.index(s), 2 * w1_desc.block_type.nbytes)
                     tma.async_copy_global_to_shared(w1_desc, [gate_row, k], ready.index(s),
                                                     b_smem.index(s).slice(0, BLOCK_N1))
                     tma.async_copy_global_to_shared(w1_desc, [gate_row + INTER, k],
@@ -189,12 +230,12 @@ def _producer(tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, 
 
 @gluon.jit
 def _fp8_halves_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_scales,
-                         b0_scales, b1_scales, n_k, A_SCALES_AT_L2: gl.constexpr,
-                         STAGES: gl.constexpr):
+                         b0_scales, b1_scales, n_k, LINEAR1: gl.constexpr, STAGES: gl.constexpr):
     """FP8 accumulators of a stage's two 128-row B halves (Linear-1: gate and up; a 256-wide
     Linear-2 tile: its two scale blocks of columns) for this warpgroup's rows, each K block's
-    wgmma group promoted with its scales: ``a_scales`` per row (this warpgroup's row pointers,
-    read at L2 where other SMs released them), ``b0_scales``/``b1_scales`` per K block."""
+    wgmma group promoted with its scales: ``a_scales`` per row (this warpgroup's row pointers;
+    Linear-2's read at L2, where other SMs released them), ``b0_scales``/``b1_scales`` per K
+    block. ``LINEAR1``: A came by ``cp.async`` (``_wait_stage``)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, SCALE_BLOCK, 32])
     a_scales = gl.convert_layout(a_scales, gl.SliceLayout(1, mma))
@@ -202,17 +243,16 @@ def _fp8_halves_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a
     acc1 = gl.zeros([HALF_ROWS, SCALE_BLOCK], gl.float32, layout=mma)
     t = gl.zeros([HALF_ROWS, SCALE_BLOCK], gl.float32, layout=mma)
     for kk in range(n_k):
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        s = _wait_stage(it, ready, LINEAR1, STAGES)
         a = a_smem.index(2 * s + half)
         b = b_smem.index(s)
         t = warpgroup_mma(a, b.slice(0, SCALE_BLOCK).permute((1, 0)), t, use_acc=False,
                           is_async=True)
         # scale loads in flight under the wgmma
-        if A_SCALES_AT_L2:
-            a_s = gl.load(a_scales + kk, cache_modifier=".cg")
-        else:
+        if LINEAR1:
             a_s = gl.load(a_scales + kk)
+        else:
+            a_s = gl.load(a_scales + kk, cache_modifier=".cg")
         s0 = gl.load(b0_scales + kk)
         s1 = gl.load(b1_scales + kk)
         t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
@@ -227,18 +267,34 @@ def _fp8_halves_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a
 
 
 @gluon.jit
-def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, x_scale, w1_scale,
-                      rows, expert, n_block, HIDDEN, INTER, n_k, FP8: gl.constexpr,
+def _wait_stage(it, ready, LINEAR1: gl.constexpr, STAGES: gl.constexpr):
+    """Wait until stage ``it % STAGES`` is filled; returns the stage. ``LINEAR1``: its A rows came
+    by ``cp.async`` (generic proxy), so this thread fences before wgmma (async proxy) reads them."""
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    if LINEAR1:
+        fence_async_shared()
+    return s
+
+
+@gluon.jit
+def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_rows, row_origin,
+                      w1_scale, row_base, expert, n_block, HIDDEN, INTER, n_k, FP8: gl.constexpr,
                       BLOCK_N1: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """Gate and up accumulators ``[64, BLOCK_N1]`` of this warpgroup's rows; the next ``it``."""
     if FP8:
         k_scales = HIDDEN // SCALE_BLOCK
+        # each row's scales are its origin row's in x's (padding rows: any row's, never stored)
+        origin = _origin_rows(row_origin, row_base, gl.BlockedLayout([1, 1], [32, 1], [4, 1],
+                                                                     [1, 0]))
+        x_scale = gl.load(a_rows + 1).to(gl.pointer_type(gl.float32))
+        a_scales = x_scale + gl.maximum(origin, 0).to(gl.int64) * k_scales
         # the tile's gate (up) columns lie in one 128 x 128 weight scale block (BLOCK_N1 == 128)
         g_scales = w1_scale + (expert * (2 * INTER // SCALE_BLOCK) + n_block) * k_scales
         acc_g, acc_u, it = _fp8_halves_mainloop(half, it, a_smem, b_smem, ready, empty,
-                                                x_scale + rows * k_scales, g_scales,
+                                                a_scales, g_scales,
                                                 g_scales + (INTER // SCALE_BLOCK) * k_scales, n_k,
-                                                False, STAGES)
+                                                True, STAGES)
     else:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N1, 16])
@@ -246,8 +302,7 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, x_sc
         acc_u = gl.zeros([HALF_ROWS, BLOCK_N1], gl.float32, layout=mma)
         # one K block's gate and up groups stay in flight while the next block's are issued;
         # a stage is released once the groups that read it have retired
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        s = _wait_stage(it, ready, True, STAGES)
         b = b_smem.index(s)
         acc_g = warpgroup_mma(a_smem.index(2 * s + half), b.slice(0, BLOCK_N1).permute((1, 0)),
                               acc_g, use_acc=False, is_async=True)
@@ -259,8 +314,7 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, x_sc
         prev = s
         it += 1
         for kk in range(1, n_k):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            s = _wait_stage(it, ready, True, STAGES)
             a = a_smem.index(2 * s + half)
             b = b_smem.index(s)
             acc_g = warpgroup_mma(a, b.slice(0, BLOCK_N1).permute((1, 0)), acc_g, is_async=True)
@@ -399,8 +453,9 @@ def _release_system(flag):
 
 
 @gluon.jit
-def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, x_scale,
-              w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
+def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows,
+              row_origin, w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
+              combine_ptrs, error,
               num_experts, trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8: gl.constexpr,
               BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
               STAGES: gl.constexpr, INSTRUMENT: gl.constexpr, FENCE: gl.constexpr):
@@ -447,9 +502,9 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
                     it = _pass_stages(it, ready, empty, l2_k_blocks, STAGES)
             elif kind == TILE_L1:
                 acc_g, acc_u, it = _linear1_mainloop(half, it, a_smem, b_smem, ready, empty,
-                                                     x_scale, w1_scale, rows, expert, n_block,
-                                                     HIDDEN, INTER, l1_k_blocks, FP8, BLOCK_N1,
-                                                     BLOCK_K, STAGES)
+                                                     a_rows, row_origin, w1_scale, row_base,
+                                                     expert, n_block, HIDDEN, INTER, l1_k_blocks,
+                                                     FP8, BLOCK_N1, BLOCK_K, STAGES)
                 if stamped:
                     _stamp(rec, 2)
                 _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base,
@@ -463,7 +518,7 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
                                 + (expert * (HIDDEN // SCALE_BLOCK) + 2 * n_block) * k_scales)
                     acc0, acc1, it = _fp8_halves_mainloop(half, it, a_smem, b_smem, ready, empty,
                                                           h_scale + rows * k_scales, w_scales,
-                                                          w_scales + k_scales, l2_k_blocks, True,
+                                                          w_scales + k_scales, l2_k_blocks, False,
                                                           STAGES)
                     if stamped:
                         _stamp(rec, 2)
@@ -494,7 +549,7 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
 
 
 @gluon.jit
-def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, x_desc, w1_desc, h_desc, w2_desc, x_scale,
+def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc,
                         w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
                         combine_ptrs, error, max_spin, num_experts, trace, HIDDEN, INTER,
                         l1_k_blocks, l2_k_blocks, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
@@ -505,11 +560,14 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, x_desc, w1_desc, h_desc, w2
     entries past ``num_tiles[g]`` never read); the schedule is the table, not this code. A tile
     whose expert lies outside ``0 .. num_experts - 1`` adds 1 to ``error`` and is skipped.
 
-    Descriptors (row-major 2-D views, [64, BLOCK_K] blocks for the A operands): ``x_desc`` over
-    ``x [R, HIDDEN]``, ``h_desc`` over ``h [R, INTER]``, ``w1_desc`` over ``w1 [E·2·INTER, HIDDEN]``
-    with [BLOCK_N1, BLOCK_K] blocks, ``w2_desc`` over ``w2 [E·HIDDEN, INTER]`` with
-    [BLOCK_N2, BLOCK_K] blocks. ``h`` and the scales as in ``moe_fused.py`` (FP8 only: bf16
-    launches pass any pointer for the scales). ``row_ready`` int32 [R / 128], zero at launch.
+    Linear-1's rows: ``a_rows`` int64 [2] holds the addresses of ``x [N, HIDDEN]`` (16-byte aligned;
+    the layout's dtype) and, FP8, of its scales ``[N, HIDDEN / 128]``, read on the device (a CUDA
+    graph replays new tensors); layout row ``r`` is row ``row_origin[r]`` of ``x`` (int32 [R], -1
+    on padding). Descriptors (row-major 2-D views): ``h_desc`` over ``h [R, INTER]`` with
+    [64, BLOCK_K] blocks, ``w1_desc`` over ``w1 [E·2·INTER, HIDDEN]`` with [BLOCK_N1, BLOCK_K]
+    blocks, ``w2_desc`` over ``w2 [E·HIDDEN, INTER]`` with [BLOCK_N2, BLOCK_K] blocks. ``h`` and
+    the scales as in ``moe_fused.py`` (FP8 only: bf16 launches pass any pointer for the scales).
+    ``row_ready`` int32 [R / 128], zero at launch.
     INSTRUMENT: ``trace`` is int64 [programs, max_tiles, TRACE_FIELDS] (``_consumer``); a separate
     build, compared only with itself. FENCE: every Linear-2 tile waits after its Combine stores
     until they are visible system-wide (the completion-coupled counterfactual).
@@ -523,8 +581,8 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, x_desc, w1_desc, h_desc, w2
     my_trace = trace + pid * max_tiles * TRACE_FIELDS
     n_tiles = gl.load(num_tiles + pid)
     b_rows: gl.constexpr = 2 * BLOCK_N1 if 2 * BLOCK_N1 > BLOCK_N2 else BLOCK_N2
-    a_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES, HALF_ROWS, BLOCK_K],
-                                       x_desc.layout)
+    a_smem = gl.allocate_shared_memory(h_desc.dtype, [2 * STAGES, HALF_ROWS, BLOCK_K],
+                                       h_desc.layout)
     b_smem = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, b_rows, BLOCK_K], w1_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -533,16 +591,16 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, x_desc, w1_desc, h_desc, w2
         mbarrier.init(empty.index(s), count=2)  # one release per consumer warpgroup
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (0, my_tiles, n_tiles, a_smem, b_smem, ready, empty, x_scale, w1_scale,
-                     w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
-                     num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8,
+        (_consumer, (0, my_tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows, row_origin,
+                     w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs,
+                     error, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8,
                      BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE)),
-        (_consumer, (1, my_tiles, n_tiles, a_smem, b_smem, ready, empty, x_scale, w1_scale,
-                     w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
-                     num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8,
+        (_consumer, (1, my_tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows, row_origin,
+                     w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs,
+                     error, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8,
                      BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE)),
-        (_producer, (my_tiles, n_tiles, x_desc, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready,
-                     empty, row_ready, row_slot, error, max_spin, num_experts, my_trace, HIDDEN,
-                     INTER, l1_k_blocks, l2_k_blocks, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES,
-                     INSTRUMENT)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        (_producer, (my_tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_smem,
+                     b_smem, ready, empty, row_ready, row_slot, error, max_spin, num_experts,
+                     my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8, BLOCK_N1, BLOCK_N2,
+                     BLOCK_K, STAGES, INSTRUMENT)),
+    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

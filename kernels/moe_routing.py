@@ -13,25 +13,29 @@ a static bound, every grid by the arrivals' capacity; programs past the counts r
 
 The router's output and the activations are read through the call's argument block
 (``moe_args.py``: their addresses, written before the first launch), so that one captured CUDA
-graph replays the five launches on new tensors of the same shape.
+graph replays the launches on new tensors of the same shape. No pass moves the activations into
+the layout: each layout row names the row of ``x`` it reads (``row_origin``: the token at EP = 1,
+the received row on an EP rank), which the fused kernel's Linear-1 gathers as it loads.
 
-Five launches, each a pass the next one needs complete (for few arrivals, ``route_small``: the
-four table passes in one program, then ``route_gather``):
+Four launches, each a pass the next one needs complete (for few arrivals, ``route_small``: all
+four in one program), and, where bf16 activations feed an FP8 layer, ``route_quantize``:
   ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
                        (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is
-                       left out of the layout;
+                       left out of the layout; program 0 writes the fused kernel's ``a_rows``
+                       slots (``_set_a_rows``);
   ``route_offsets``    per block of experts the exclusive scan of their chunk counts (where a
                        chunk's rows of the expert start) and their counts; then, in the last
                        program to finish, every expert's row blocks and padded first row (the
                        scan over experts), the Expert-Wave waves by counted rows, the tile count
                        of every program of both schedules and the used row blocks;
   ``route_scatter``    per chunk: each arrival's rank among its expert's arrivals (stable: by
-                       arrival), its padded row, ``row_src``/``row_slot``;
-  ``route_gather``     per block of arrivals and slab of columns: the arrival's activation row
-                       moved into the layout (at EP = 1 in FP8 quantized per 1 x 128 here);
-  ``route_tiles``      per row block: its fused-kernel counter zeroed, ``row_slot = -1`` on its
-                       padding rows, and its Linear-1 and Linear-2 tiles written into both tables
-                       at their closed-form positions.
+                       arrival), its padded row, ``row_src``/``row_slot``/``row_origin``;
+  ``route_tiles``      per row block: its fused-kernel counter zeroed, ``row_slot = -1`` and
+                       ``row_origin = -1`` on its padding rows, and its Linear-1 and Linear-2
+                       tiles written into both tables at their closed-form positions;
+  ``route_quantize``   per block of rows of ``x`` and slab of columns: e4m3 with one fp32 scale
+                       per 1 x 128 block, into the tables' copy (``x_quant``), independent of the
+                       table passes.
 
 Tile positions (``G`` programs, ``P_1``/``P_2`` tiles per row block, ``n_1``/``n_2`` the streams'
 lengths). Expert-Wave: the merged stream holds, per wave of row blocks ``[lo, hi)``, its Linear-1
@@ -48,7 +52,7 @@ that lie before stream index ``X``: ``X = min((p_1 - D + 1) P_2, n_2)`` for Line
 import triton
 import triton.language as tl
 
-from .moe_args import ARG_EXPERT_IDS, ARG_X, arg_pointer
+from .moe_args import ARG_A_ROWS, ARG_EXPERT_IDS, ARG_X, ARG_X_SCALE, arg_pointer
 from .moe_fused import _round_to_e4m3
 
 TILE_L1 = tl.constexpr(0)
@@ -70,13 +74,28 @@ def _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED: tl.constexpr):
 
 
 @triton.jit
-def route_histogram(args, n_arrivals_ptr, chunk_counts, error, CAPACITY, NUM_EXPERTS,
-                    RECEIVED: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                    ID_DTYPE: tl.constexpr):
+def _set_a_rows(args, quant_rows, quant_scale, QUANTIZE: tl.constexpr):
+    """The fused kernel's ``a_rows`` slots of ``args``: the addresses of the quantized copy
+    (``quant_rows``, ``quant_scale``: int64 by value) where ``QUANTIZE``, else of the activations
+    and their scales as the call passed them."""
+    if QUANTIZE:
+        tl.store(args + ARG_A_ROWS, quant_rows)
+        tl.store(args + ARG_A_ROWS + 1, quant_scale)
+    else:
+        tl.store(args + ARG_A_ROWS, tl.load(args + ARG_X))
+        tl.store(args + ARG_A_ROWS + 1, tl.load(args + ARG_X_SCALE))
+
+
+@triton.jit(do_not_specialize=["quant_rows", "quant_scale"])
+def route_histogram(args, n_arrivals_ptr, chunk_counts, error, quant_rows, quant_scale, CAPACITY,
+                    NUM_EXPERTS, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
+                    E_PAD: tl.constexpr, CHUNK: tl.constexpr, ID_DTYPE: tl.constexpr):
     """``chunk_counts[c, e]`` (int32 ``[chunks, NUM_EXPERTS]``): arrivals of chunk ``c`` routed to
     local expert ``e``. ``args``' expert ids: ``ID_DTYPE`` (int32/int64) ``[CAPACITY]``, the
-    local expert of each arrival."""
+    local expert of each arrival. Program 0: ``_set_a_rows``."""
     c = tl.program_id(0)
+    if c == 0:
+        _set_a_rows(args, quant_rows, quant_scale, QUANTIZE)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     if c * CHUNK < n:
         counts = _chunk_histogram(c, n, arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False),
@@ -248,23 +267,25 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jum
 
 @triton.jit
 def route_scatter(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start,
-                  expert_offsets, arrival_rows, row_src, row_slot, CAPACITY, NUM_EXPERTS,
-                  RECEIVED: tl.constexpr, CHUNK: tl.constexpr, ID_DTYPE: tl.constexpr):
+                  expert_offsets, arrival_rows, row_src, row_slot, row_origin, CAPACITY,
+                  NUM_EXPERTS, TOP_K, RECEIVED: tl.constexpr, CHUNK: tl.constexpr,
+                  ID_DTYPE: tl.constexpr):
     """Per chunk: ``arrival_rows[i]`` = ``expert_offsets[e] + chunk_start[c, e]`` + the arrivals
     of ``e`` before ``i`` in its chunk; ``row_src``/``row_slot`` of that row (source 0 and slot
-    ``i`` at EP = 1). Out-of-range ids get no row (``route_histogram`` flagged them)."""
+    ``i`` at EP = 1) and ``row_origin`` (token ``i // TOP_K`` at EP = 1, received row ``i`` on an
+    EP rank). Out-of-range ids get no row (``route_histogram`` flagged them)."""
     c = tl.program_id(0)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     if c * CHUNK < n:
         _scatter_chunk(c, n, arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False), arrival_src,
                        arrival_slot, chunk_start, expert_offsets, arrival_rows, row_src,
-                       row_slot, NUM_EXPERTS, RECEIVED, CHUNK)
+                       row_slot, row_origin, NUM_EXPERTS, TOP_K, RECEIVED, CHUNK)
 
 
 @triton.jit
 def _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, expert_offsets,
-                   arrival_rows, row_src, row_slot, NUM_EXPERTS, RECEIVED: tl.constexpr,
-                   CHUNK: tl.constexpr):
+                   arrival_rows, row_src, row_slot, row_origin, NUM_EXPERTS, TOP_K,
+                   RECEIVED: tl.constexpr, CHUNK: tl.constexpr):
     """``route_scatter``'s pass over chunk ``c`` of the ``n`` arrivals."""
     local = tl.arange(0, CHUNK)
     i = c * CHUNK + local
@@ -281,61 +302,47 @@ def _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, exp
     if RECEIVED:
         src = tl.load(arrival_src + i, mask=valid, other=0).to(tl.int32)
         slot = tl.load(arrival_slot + i, mask=valid, other=0).to(tl.int32)
+        origin = i
     else:
         src = tl.zeros([CHUNK], dtype=tl.int32)
         slot = i
+        origin = i // TOP_K
     tl.store(row_src + row, src, mask=valid)
     tl.store(row_slot + row, slot, mask=valid)
+    tl.store(row_origin + row, origin, mask=valid)
 
 
 @triton.jit
-def route_gather(args, arrival_rows, n_arrivals_ptr, x_scale, x_rows, x_rows_scale, CAPACITY,
-                 HIDDEN, TOP_K, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
-                 COPY_SCALES: tl.constexpr, ROWS: tl.constexpr, SLAB: tl.constexpr,
-                 BLOCK_H: tl.constexpr):
-    """Program ``(r, h)``: arrivals ``r ROWS ..`` and columns ``h SLAB ..`` of the activations
-    ``x`` (``args``'), ``x_rows[arrival_rows[i]] = x[i // TOP_K]`` at EP = 1, ``x[i]`` for an EP
-    rank (the Dispatch layout's data movement; every program independent). ``QUANTIZE``: bf16
-    ``x`` to e4m3 with one fp32 scale per 1 x 128 block (``x_rows_scale``), as
-    ``weights.quantize_rows_fp8``; else ``x`` holds ``x_rows``' type (bf16, or e4m3 as bytes with
-    ``x_scale``: ``COPY_SCALES``)."""
-    if QUANTIZE:
-        x = arg_pointer(args, ARG_X, tl.bfloat16, True)
-    else:
-        x = arg_pointer(args, ARG_X, x_rows.dtype.element_ty, True)
+def route_quantize(args, n_arrivals_ptr, x_quant, x_quant_scale, CAPACITY, HIDDEN, TOP_K,
+                   RECEIVED: tl.constexpr, ROWS: tl.constexpr, SLAB: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    """Program ``(r, h)``: rows ``r ROWS ..`` and columns ``h SLAB ..`` of the bf16 activations
+    ``x`` (``args``': the ``CAPACITY // TOP_K`` tokens at EP = 1, the received rows on an EP rank)
+    to e4m3 ``x_quant`` with one fp32 scale per 1 x 128 block (``x_quant_scale``), as
+    ``weights.quantize_rows_fp8``, bitwise: the scale times the reciprocal of the e4m3 maximum
+    (torch's CUDA division by a scalar does so), the values times the IEEE reciprocal of the scale
+    (div_rn: Triton's `/` is the approximate div.full.f32). Every program independent."""
+    x = arg_pointer(args, ARG_X, tl.bfloat16, True)
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     h_first = tl.program_id(1) * SLAB
-    n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
+    if RECEIVED:
+        n = tl.load(n_arrivals_ptr)
+    else:
+        n = CAPACITY // TOP_K
     if tl.program_id(0) * ROWS < n:
-        row = tl.load(arrival_rows + i, mask=i < n, other=-1)
-        valid = (i < n) & (row >= 0)
-        rows64 = row.to(tl.int64)
-        token64 = (i if RECEIVED else i // TOP_K).to(tl.int64)
+        live = i < n
+        rows64 = i.to(tl.int64)
         k_scales = HIDDEN // SCALE_BLOCK
         for h0 in range(h_first, tl.minimum(h_first + SLAB, HIDDEN), BLOCK_H):
+            # BLOCK_H == SCALE_BLOCK: one scale per row of the block
             cols = h0 + tl.arange(0, BLOCK_H)
-            v = tl.load(x + token64[:, None] * HIDDEN + cols[None, :], mask=valid[:, None])
-            if QUANTIZE:
-                # BLOCK_H == SCALE_BLOCK: one scale per row of the block. As
-                # weights.quantize_rows_fp8, bitwise: the scale times the reciprocal of the e4m3
-                # maximum (torch's CUDA division by a scalar does so), the values times the IEEE
-                # reciprocal of the scale (div_rn: Triton's `/` is the approximate div.full.f32)
-                vf = v.to(tl.float32)
-                scale = tl.maximum(tl.max(tl.abs(vf), axis=1), 1e-12) * (1.0 / E4M3_MAX)
-                inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), scale)
-                q = _round_to_e4m3(vf * inv[:, None]).to(tl.float8e4nv)
-                tl.store(x_rows + rows64[:, None] * HIDDEN + cols[None, :], q, mask=valid[:, None])
-                tl.store(x_rows_scale + rows64 * k_scales + h0 // SCALE_BLOCK, scale, mask=valid)
-            else:
-                tl.store(x_rows + rows64[:, None] * HIDDEN + cols[None, :], v, mask=valid[:, None])
-        if COPY_SCALES:
-            if tl.program_id(1) == 0:
-                ks = tl.arange(0, SCALE_BLOCK)
-                for k0 in range(0, k_scales, SCALE_BLOCK):
-                    kk = k0 + ks
-                    m = valid[:, None] & (kk < k_scales)[None, :]
-                    s = tl.load(x_scale + token64[:, None] * k_scales + kk[None, :], mask=m)
-                    tl.store(x_rows_scale + rows64[:, None] * k_scales + kk[None, :], s, mask=m)
+            at = rows64[:, None] * HIDDEN + cols[None, :]
+            v = tl.load(x + at, mask=live[:, None]).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12) * (1.0 / E4M3_MAX)
+            inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), scale)
+            q = _round_to_e4m3(v * inv[:, None]).to(tl.float8e4nv)
+            tl.store(x_quant + at, q, mask=live[:, None])
+            tl.store(x_quant_scale + rows64 * k_scales + h0 // SCALE_BLOCK, scale, mask=live)
 
 
 @triton.jit
@@ -351,7 +358,8 @@ def _store_entries(at, kind: tl.constexpr, expert, row_block, n_block, mask):
 
 @triton.jit
 def route_tiles(expert_counts, expert_offsets, wave_lo, wave_hi, meta, row_src, row_slot,
-                row_ready, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES,
+                row_origin, row_ready, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD,
+                MAX_TILES,
                 BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr):
     """Row block ``p`` (one program each, up to the row blocks' bound): the fused kernel's
     counter ``row_ready[p]`` zeroed (its Linear-1 tiles count into it), and
@@ -365,17 +373,18 @@ def route_tiles(expert_counts, expert_offsets, wave_lo, wave_hi, meta, row_src, 
     # this exit, moe_layer/h200-x1/20261202T212234Z-141812fd2a; 4.6-4.7 µs with it, …212723Z)
     if p < row_blocks:
         _row_block_tiles(p + tl.arange(0, 1), row_blocks, expert_counts, expert_offsets,
-                         wave_lo, wave_hi, row_src, row_slot, wave_tiles, inter_tiles,
-                         NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES, BLOCK_M, E_PAD, P_PAD)
+                         wave_lo, wave_hi, row_src, row_slot, row_origin, wave_tiles,
+                         inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES, BLOCK_M, E_PAD,
+                         P_PAD)
 
 
 @triton.jit
 def _row_block_tiles(ps, row_blocks, expert_counts, expert_offsets, wave_lo, wave_hi, row_src,
-                     row_slot, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES,
-                     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr):
+                     row_slot, row_origin, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD,
+                     MAX_TILES, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr):
     """Each row block ``p`` of ``ps`` below ``row_blocks``: its expert ``e(p)`` (``first_row[e]
-    <= p * BLOCK_M < first_row[e] + blocks[e] * BLOCK_M``), ``row_slot = -1`` and ``row_src =
-    0`` on its rows past the expert's count, and its ``P1`` Linear-1 and ``P2`` Linear-2 entries
+    <= p * BLOCK_M < first_row[e] + blocks[e] * BLOCK_M``), ``row_slot = -1``, ``row_origin =
+    -1`` and ``row_src = 0`` on its rows past the expert's count, and its ``P1`` Linear-1 and ``P2`` Linear-2 entries
     ``(kind, e(p), p, n)`` in the Expert-Wave table ``wave_tiles`` and the Interleaved table
     ``inter_tiles`` (int32 ``[G, MAX_TILES, 4]``) at their positions."""
     used = ps < row_blocks
@@ -391,6 +400,7 @@ def _row_block_tiles(ps, row_blocks, expert_counts, expert_offsets, wave_lo, wav
     r = ps[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     pad = used[:, None] & (r - first_row[:, None] >= rows_used[:, None])
     tl.store(row_slot + r, tl.full(r.shape, -1, tl.int32), mask=pad)
+    tl.store(row_origin + r, tl.full(r.shape, -1, tl.int32), mask=pad)
     tl.store(row_src + r, tl.zeros(r.shape, dtype=tl.int32), mask=pad)
     lo = tl.load(wave_lo + e, mask=used, other=0)[:, None]
     hi = tl.load(wave_hi + e, mask=used, other=0)[:, None]
@@ -419,12 +429,13 @@ def _row_block_tiles(ps, row_blocks, expert_counts, expert_offsets, wave_lo, wav
                        e[:, None], p, ns, live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["quant_rows", "quant_scale"])
 def route_small(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, expert_counts,
                 expert_offsets, wave_lo, wave_hi, wave_jumps, meta, wave_num_tiles,
-                inter_num_tiles, arrival_rows, row_src, row_slot, row_ready, wave_tiles,
-                inter_tiles, error, CAPACITY, ROW_BLOCK_BOUND, NUM_EXPERTS, G, P1, P2,
-                WAVE_MIN_L1, LEAD, MAX_TILES, RECEIVED: tl.constexpr, BLOCK_M: tl.constexpr,
+                inter_num_tiles, arrival_rows, row_src, row_slot, row_origin, row_ready,
+                wave_tiles, inter_tiles, error, quant_rows, quant_scale, CAPACITY,
+                ROW_BLOCK_BOUND, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES, TOP_K,
+                RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                 E_PAD: tl.constexpr, G_PAD: tl.constexpr, E_LOG2: tl.constexpr,
                 CHUNK: tl.constexpr, JUMP_LEVELS: tl.constexpr, JUMP_STRIDE: tl.constexpr,
                 JUMP_PAD: tl.constexpr, ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr,
@@ -434,6 +445,7 @@ def route_small(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, ex
     did side by side (chunks of arrivals, row blocks), a barrier between passes where the
     launches had a kernel boundary. At a few tokens per call each of those launches is a few µs
     of latency with little work in it (moe_layer's per-kernel profile)."""
+    _set_a_rows(args, quant_rows, quant_scale, QUANTIZE)
     expert_ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     es = tl.arange(0, E_PAD)
@@ -452,10 +464,11 @@ def route_small(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, ex
     tl.debug_barrier()  # the offsets, waves and meta, read below
     for c in range(0, tl.cdiv(n, CHUNK)):
         _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, expert_offsets,
-                       arrival_rows, row_src, row_slot, NUM_EXPERTS, RECEIVED, CHUNK)
+                       arrival_rows, row_src, row_slot, row_origin, NUM_EXPERTS, TOP_K, RECEIVED,
+                       CHUNK)
     row_blocks = tl.load(meta + META_ROW_BLOCKS)
     for p0 in range(0, row_blocks, ROW_BLOCKS):
         _row_block_tiles(p0 + tl.arange(0, ROW_BLOCKS), row_blocks, expert_counts,
-                         expert_offsets, wave_lo, wave_hi, row_src, row_slot, wave_tiles,
-                         inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES, BLOCK_M, E_PAD,
-                         P_PAD)
+                         expert_offsets, wave_lo, wave_hi, row_src, row_slot, row_origin,
+                         wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES,
+                         BLOCK_M, E_PAD, P_PAD)

@@ -55,9 +55,9 @@ def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
         return f"tensordesc<{name}[{rows}, {bk}],{layout!r}>"
 
     scale = "*fp32" if precision == "fp8" else "*i32"  # bf16: the error flag stands in
-    signature = {"tiles": "*i32", "num_tiles": "*i32", "max_tiles": "i32",
-                 "x_desc": desc(half), "w1_desc": desc(cfg.block_n1), "h_desc": desc(half),
-                 "w2_desc": desc(cfg.block_n2), "x_scale": scale, "w1_scale": scale,
+    signature = {"tiles": "*i32", "num_tiles": "*i32", "max_tiles": "i32", "a_rows": "*i64",
+                 "row_origin": "*i32", "w1_desc": desc(cfg.block_n1), "h_desc": desc(half),
+                 "w2_desc": desc(cfg.block_n2), "w1_scale": scale,
                  "w2_scale": scale, "h": f"*{name}", "h_scale": scale, "row_ready": "*i32",
                  "row_src": "*i32", "row_slot": "*i32", "combine_ptrs": "*i64", "error": "*i32",
                  "max_spin": "i32", "num_experts": "i32",
@@ -172,11 +172,16 @@ def test_launch_arguments(monkeypatch, precision):
     monkeypatch.setattr("xstage_lab.ops.moe.fused.kernel_unsupported", lambda kernel, device: None)
     call = _tiny_call(precision)
     assert call.kernel == "gluon_ws" and call.trace is None
-    x_desc, w1_desc, h_desc, w2_desc = call.args[3:7]
-    assert x_desc.block_shape == [64, call.constexprs["BLOCK_K"]] == h_desc.block_shape
+    a_rows, row_origin, w1_desc, h_desc, w2_desc = call.args[3:8]
+    assert h_desc.block_shape == [64, call.constexprs["BLOCK_K"]]
+    # Linear-1 reads the layout's own rows in place, none on padding rows (slot -1)
+    row_slot = call.args[14]
+    assert row_origin.tolist() == [r if s >= 0 else -1 for r, s in enumerate(row_slot.tolist())]
+    assert (row_slot < 0).any() and a_rows.dtype == torch.int64 and a_rows.shape == (2,)
+    assert (a_rows[1] != 0).item() == (precision == "fp8")
     assert w1_desc.block_shape[0] == 128 and w2_desc.block_shape[0] == call.constexprs["BLOCK_N2"]
     assert w1_desc.shape == [2 * 2 * 2048, 4096] and w2_desc.shape == [2 * 4096, 2048]
-    assert (call.args[7].dtype == torch.float32) == (precision == "fp8")
+    assert (call.args[8].dtype == torch.float32) == (precision == "fp8")  # w1_scale
     assert call.constexprs["FP8"] == (precision == "fp8")
     bk = call.constexprs["BLOCK_K"]
     assert call.args[-4:] == (4096, 2048, 4096 // bk, 2048 // bk)  # every K block: the layer
@@ -236,8 +241,9 @@ def test_fenced_build_releases_at_system_scope_after_each_linear2_tile(ws_module
 
 
 def test_a_prepared_launch_keeps_its_local_combine_buffers_alive(monkeypatch):
-    """The peer table holds bare addresses: the launch must own the buffers they point into,
-    or a caller that drops its own reference leaves the kernel storing into freed memory."""
+    """The peer table and ``a_rows`` hold bare addresses: the launch must own the buffers they
+    point into, or a caller that drops its own reference leaves the kernel storing into (reading
+    from) freed memory."""
     import gc
     import weakref
 
@@ -246,4 +252,6 @@ def test_a_prepared_launch_keeps_its_local_combine_buffers_alive(monkeypatch):
     refs = [weakref.ref(b) for b in call.owners]
     gc.collect()
     assert refs and all(r() is not None for r in refs)
-    assert call.args[15].tolist() == [b.data_ptr() for b in call.owners]  # the peer table
+    table, a_rows = call.args[15], call.args[3]
+    assert table.tolist() == [b.data_ptr() for b in call.owners[:len(table)]]
+    assert a_rows.tolist() == [call.owners[len(table)].data_ptr(), 0]  # the layout's rows

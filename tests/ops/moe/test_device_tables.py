@@ -11,8 +11,8 @@ import torch
 
 from tests.experiments.triton_testing import (assert_case_ok, child_main, child_results,
                                               interpreter_case_tests)
-from xstage_lab.ops.moe.device_tables import (TableBounds, allocate_tables, gather_slab,
-                                              host_tables, route_to_tables, table_mismatches)
+from xstage_lab.ops.moe.device_tables import (TableBounds, allocate_tables, host_tables,
+                                              quant_slab, route_to_tables, table_mismatches)
 from xstage_lab.ops.moe.routing import router_logits, router_topk
 from xstage_lab.ops.moe.shapes import load_shapes
 from xstage_lab.ops.moe.tiles import default_tile_config
@@ -44,9 +44,13 @@ def case_ep1(model: str, precision: str, tokens: int, routing: str, programs: in
     route_to_tables(tables, topk_ids.reshape(-1), x, top_k=topk_ids.shape[1])
     assert not tables.row_ready.any()
     assert int(tables.scan_done) == 0  # route_offsets' last program took its ticket back
+    # the fused kernel reads the tokens in place (bf16), or their quantized copy
+    assert tables.a_rows.tolist() == ([tables.x_quant.data_ptr(), tables.x_quant_scale.data_ptr()]
+                                      if precision == "fp8" else
+                                      [x.data_ptr(), tables.args.data_ptr()])
     rows = x.repeat_interleave(topk_ids.shape[1], dim=0)
     xq, xs = quantize_rows_fp8(rows) if precision == "fp8" else (rows, None)
-    host = host_tables(bounds, topk_ids.reshape(-1), xq, xs)
+    host = host_tables(bounds, topk_ids.reshape(-1), xq, xs, top_k=topk_ids.shape[1])
     bad = table_mismatches(tables, host)
     assert not bad, bad
     assert int(tables.error) == 0
@@ -84,11 +88,15 @@ def case_ep_rank(model: str, precision: str, world: int, per_source: int, progra
 
     tables = allocate_tables(bounds, shape.hidden, precision, "cpu")
     tables.row_ready.fill_(7)
-    route_to_tables(tables, padded(expert.int(), 7), padded(xq.view(torch.uint8), 0).view(xq.dtype),
-                    None if xs is None else padded(xs, 1.0),
+    x_in = padded(xq.view(torch.uint8), 0).view(xq.dtype)
+    scale_in = None if xs is None else padded(xs, 1.0)
+    route_to_tables(tables, padded(expert.int(), 7), x_in, scale_in,
                     n_arrivals=torch.tensor([n], dtype=torch.int32),
                     arrival_src=padded(src.int(), 9), arrival_slot=padded(slot.int(), 9))
     assert not tables.row_ready.any()
+    # the fused kernel reads the received rows and their scales in place
+    assert tables.a_rows.tolist() == [x_in.data_ptr(), (tables.args if scale_in is None
+                                                        else scale_in).data_ptr()]
     host = host_tables(bounds, expert, xq, xs, arrival_src=src, arrival_slot=slot)
     bad = table_mismatches(tables, host)
     assert not bad, bad
@@ -200,8 +208,7 @@ def interpreter_cases() -> dict:
 
 
 def _compile_sm90(name: str) -> dict:
-    """One routing kernel built for sm_90 (as the op launches it on an H200: fp8 quantizing;
-    ``route_gather_bf16``: the gather reading ``x`` as its bf16 rows' type)."""
+    """One routing kernel built for sm_90 (as the op launches it on an H200)."""
     import triton
     import triton.language as tl
     from triton.compiler import ASTSource
@@ -209,12 +216,14 @@ def _compile_sm90(name: str) -> dict:
     from tests.experiments.triton_testing import hopper_target
     from xstage_lab.kernel_sources import load_kernel_module
 
-    kernel = getattr(load_kernel_module("moe_routing"), name.removesuffix("_bf16"))
+    kernel = getattr(load_kernel_module("moe_routing"), name)
     ptr, i = "*i32", "i32"
     signatures = {
         "route_histogram": ({"args": "*i64", "n_arrivals_ptr": ptr, "chunk_counts": ptr,
-                             "error": ptr, "CAPACITY": i, "NUM_EXPERTS": i},
-                            dict(RECEIVED=False, E_PAD=256, CHUNK=128, ID_DTYPE=tl.int64)),
+                             "error": ptr, "quant_rows": "i64", "quant_scale": "i64",
+                             "CAPACITY": i, "NUM_EXPERTS": i},
+                            dict(RECEIVED=False, QUANTIZE=True, E_PAD=256, CHUNK=128,
+                                 ID_DTYPE=tl.int64)),
         "route_offsets": ({**{k: ptr for k in ("chunk_counts", "chunk_start", "n_arrivals_ptr",
                                                "expert_counts", "scan_done", "expert_offsets",
                                                "wave_lo", "wave_hi", "wave_jumps", "meta",
@@ -226,22 +235,16 @@ def _compile_sm90(name: str) -> dict:
                                JUMP_STRIDE=513, JUMP_PAD=1024)),
         "route_scatter": ({"args": "*i64", "arrival_src": ptr, "arrival_slot": ptr,
                            "n_arrivals_ptr": ptr, "chunk_start": ptr, "expert_offsets": ptr,
-                           "arrival_rows": ptr, "row_src": ptr, "row_slot": ptr, "CAPACITY": i,
-                           "NUM_EXPERTS": i},
+                           "arrival_rows": ptr, "row_src": ptr, "row_slot": ptr,
+                           "row_origin": ptr, "CAPACITY": i, "NUM_EXPERTS": i, "TOP_K": i},
                           dict(RECEIVED=False, CHUNK=128, ID_DTYPE=tl.int64)),
-        "route_gather": ({"args": "*i64", "arrival_rows": ptr, "n_arrivals_ptr": ptr,
-                          "x_scale": ptr, "x_rows": "*fp8e4nv", "x_rows_scale": "*fp32",
-                          "CAPACITY": i, "HIDDEN": i, "TOP_K": i},
-                         dict(RECEIVED=False, QUANTIZE=True, COPY_SCALES=False, ROWS=32,
-                              SLAB=1024, BLOCK_H=128)),
-        "route_gather_bf16": ({"args": "*i64", "arrival_rows": ptr, "n_arrivals_ptr": ptr,
-                               "x_scale": ptr, "x_rows": "*bf16", "x_rows_scale": ptr,
-                               "CAPACITY": i, "HIDDEN": i, "TOP_K": i},
-                              dict(RECEIVED=False, QUANTIZE=False, COPY_SCALES=False, ROWS=32,
-                                   SLAB=1024, BLOCK_H=128)),
+        "route_quantize": ({"args": "*i64", "n_arrivals_ptr": ptr, "x_quant": "*fp8e4nv",
+                            "x_quant_scale": "*fp32", "CAPACITY": i, "HIDDEN": i, "TOP_K": i},
+                           dict(RECEIVED=False, ROWS=32, SLAB=1024, BLOCK_H=128)),
         "route_tiles": ({**{k: ptr for k in ("expert_counts", "expert_offsets", "wave_lo",
                                              "wave_hi", "meta", "row_src", "row_slot",
-                                             "row_ready", "wave_tiles", "inter_tiles")},
+                                             "row_origin", "row_ready", "wave_tiles",
+                                             "inter_tiles")},
                          **{k: i for k in ("NUM_EXPERTS", "G", "P1", "P2", "LEAD",
                                            "MAX_TILES")}},
                         dict(BLOCK_M=128, E_PAD=256, P_PAD=16)),
@@ -250,11 +253,14 @@ def _compile_sm90(name: str) -> dict:
                                              "chunk_start", "expert_counts", "expert_offsets",
                                              "wave_lo", "wave_hi", "wave_jumps", "meta",
                                              "wave_num_tiles", "inter_num_tiles",
-                                             "arrival_rows", "row_src", "row_slot", "row_ready",
-                                             "wave_tiles", "inter_tiles", "error")},
+                                             "arrival_rows", "row_src", "row_slot",
+                                             "row_origin", "row_ready", "wave_tiles",
+                                             "inter_tiles", "error")},
+                         "quant_rows": "i64", "quant_scale": "i64",
                          **{k: i for k in ("CAPACITY", "ROW_BLOCK_BOUND", "NUM_EXPERTS", "G",
-                                           "P1", "P2", "WAVE_MIN_L1", "LEAD", "MAX_TILES")}},
-                        dict(RECEIVED=True, BLOCK_M=128, E_PAD=512, G_PAD=256, E_LOG2=9,
+                                           "P1", "P2", "WAVE_MIN_L1", "LEAD", "MAX_TILES",
+                                           "TOP_K")}},
+                        dict(RECEIVED=True, QUANTIZE=False, BLOCK_M=128, E_PAD=512, G_PAD=256, E_LOG2=9,
                              CHUNK=128, JUMP_LEVELS=10, JUMP_STRIDE=513, JUMP_PAD=1024,
                              ID_DTYPE=tl.int32, P_PAD=16, ROW_BLOCKS=16, ZERO_BLOCK=1024)),
     }
@@ -269,8 +275,8 @@ def _compile_sm90(name: str) -> dict:
 
 
 COMPILE_CASES = {f"compile_sm90_{n}": (_compile_sm90, n)
-                 for n in ("route_histogram", "route_offsets", "route_scatter", "route_gather",
-                           "route_gather_bf16", "route_tiles", "route_small")}
+                 for n in ("route_histogram", "route_offsets", "route_scatter", "route_quantize",
+                           "route_tiles", "route_small")}
 
 interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, interpreter_cases())
 
@@ -291,13 +297,13 @@ def test_bounds_cover_every_row_a_routing_can_use():
     assert b.chunks == 1
 
 
-def test_gather_slab_narrows_where_wide_slabs_leave_programs_idle():
-    # one token of DeepSeek-V4-Flash (6 arrivals, hidden 4096) on 132 programs: 4 wide programs
-    assert gather_slab(6, 4096, 132) == 128
-    # 8192 tokens: 1536 programs of 32 arrivals, 4 slabs each
-    assert gather_slab(8192 * 6, 4096, 132) == 1024
-    assert gather_slab(33 * 32, 4096, 132) == 1024  # exactly G wide programs
-    assert gather_slab(32 * 32, 4096, 132) == 128
+def test_quant_slab_narrows_where_wide_slabs_leave_programs_idle():
+    # one token (hidden 4096) on 132 programs: 4 wide programs
+    assert quant_slab(1, 4096, 132) == 128
+    # 8192 tokens: 256 programs of 32 rows, 4 slabs each
+    assert quant_slab(8192, 4096, 132) == 1024
+    assert quant_slab(33 * 32, 4096, 132) == 1024  # exactly G wide programs
+    assert quant_slab(32 * 32, 4096, 132) == 128
 
 
 if __name__ == "__main__":

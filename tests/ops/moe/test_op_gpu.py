@@ -71,7 +71,8 @@ def test_device_tables_equal_the_host_reference(layer, tokens, routing, one_prog
     ws, k = layer.workspace, SHAPES[MODEL].top_k
     rows = x.repeat_interleave(k, dim=0)
     xq, xs = quantize_rows_fp8(rows) if ws.weights.precision == "fp8" else (rows, None)
-    assert table_mismatches(ws.tables, host_tables(ws.bounds, ids.reshape(-1), xq, xs)) == []
+    assert table_mismatches(ws.tables, host_tables(ws.bounds, ids.reshape(-1), xq, xs,
+                                                   top_k=k)) == []
     _check(layer, y, x, ids, w)
     assert int(layer.error) == 0
 

@@ -139,7 +139,7 @@ class Ep1Cell:
         k = self.shape.top_k
         rows = self.x.repeat_interleave(k, dim=0)
         xq, xs = quantize_rows_fp8(rows) if self.precision == "fp8" else (rows, None)
-        return host_tables(self.ws.bounds, self.ids.reshape(-1), xq, xs)
+        return host_tables(self.ws.bounds, self.ids.reshape(-1), xq, xs, top_k=k)
 
     def host_launch(self, instrument: bool = False) -> FusedMoECall:
         """Today's path up to the launch: the layout on the host (syncs), the call's schedule

@@ -176,7 +176,7 @@ class RouteSmall(Experiment):
 
     def check(self, step: RouteStep, run: Run) -> list[str]:
         a = step.arrivals
-        want = host_tables(step.bounds, a.host_ids, a.host_x,
+        want = host_tables(step.bounds, a.host_ids, a.host_x, top_k=a.top_k,
                            **{k: v.cpu() for k, v in a.host_received.items()})
         failures = []
         for path, tables in step.tables.items():

@@ -28,9 +28,17 @@ TRITON_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64, torch.float16: tl
 
 def allocate_args(device) -> torch.Tensor:
     """A call's argument block on ``device``: int64 ``[moe_args.ARGS]``, uninitialized (every
-    call writes all of it before any kernel reads it)."""
+    call writes all of it before any kernel reads it: the writer its slots, the routing the
+    fused kernel's ``a_rows``)."""
     return torch.empty(load_kernel_module("moe_args").ARGS.value, dtype=torch.int64,
                        device=device)
+
+
+def a_rows_view(args: torch.Tensor) -> torch.Tensor:
+    """The two slots of ``args`` the routing points at the rows the fused kernel's Linear-1 reads
+    and at their scales (``moe_args.ARG_A_ROWS``): the fused kernel's ``a_rows``."""
+    slot = load_kernel_module("moe_args").ARG_A_ROWS.value
+    return args[slot:slot + 2]
 
 
 def triton_dtype(dtype: torch.dtype):

@@ -1,9 +1,10 @@
 """Routing to tile tables on the device (``kernels/moe_routing.py``): the Dispatch layout and both
-schedules' tile tables built from the router's output by five small Triton launches (one of them
-moves the activations; two where the arrivals fit ``SMALL_ARRIVALS``), with no device-to-host copy,
-in buffers sized by static bounds. The router's output and the activations reach the kernels
-through the call's argument block (``call_args``), so a CUDA graph captured once replays them on
-new tensors.
+schedules' tile tables built from the router's output by four small Triton launches (one where the
+arrivals fit ``SMALL_ARRIVALS``), plus one that quantizes bf16 activations for an FP8 layer, with
+no device-to-host copy, in buffers sized by static bounds. The activations are not moved: each
+layout row names the row of ``x`` it reads (``row_origin``), which the fused kernel gathers. The
+router's output and the activations reach the kernels through the call's argument block
+(``call_args``), so a CUDA graph captured once replays them on new tensors.
 
 ``host_tables`` is the reference they equal entry for entry: ``dispatch.build_layout`` and the
 host schedules (``schedules.expert_wave_schedule``, ``interleaved_schedule``, ``tile_table``).
@@ -18,7 +19,7 @@ import triton
 
 from ...kernel_sources import load_kernel_module
 from ..launcher import Launcher
-from .call_args import allocate_args, triton_dtype, write_args
+from .call_args import a_rows_view, allocate_args, triton_dtype, write_args
 from .dispatch import DispatchLayout, build_layout
 from .schedules import (WAVE_FILL, MoEProblem, expert_wave_schedule, interleaved_schedule,
                         tile_table, tile_work)
@@ -41,10 +42,10 @@ SCAN_TILE = 4096
 SMALL_ARRIVALS = 16
 ROW_BLOCKS_SMALL = 16
 ZERO_BLOCK = 1024  # route_small's row counters zeroed this many a step
-GATHER_ROWS = 32   # arrivals per program of the activation gather ...
-GATHER_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of arrivals, or one
-# 128-column block each where that gives fewer programs than G (``gather_slab``): a program's
-# column steps run one after another. At one token, EP = 1, quantizing to fp8, the gather took
+QUANT_ROWS = 32   # rows of x per program of the FP8 quantization ...
+QUANT_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of rows, or one 128-column
+# block each where that gives fewer programs than G (``quant_slab``): a program's column steps run
+# one after another. At one token, EP = 1, the pass (then a gather into the layout as well) took
 # 6.8-7.0 µs in wide slabs and 1.7 µs in 128-column ones, in one session on one H200
 # (moe_layer/h200-x1/20261202T203004Z-113d741c50 and …203438Z-427cc9f473, per-kernel profile)
 SCHEDULES = ("wave", "interleaved")
@@ -124,8 +125,9 @@ class DeviceTables:
     arrival_rows: torch.Tensor     # int32 [capacity]: the padded row of each arrival (-1: none)
     row_src: torch.Tensor          # int32 [rows]
     row_slot: torch.Tensor         # int32 [rows]: -1 on padding rows
-    x: torch.Tensor                # [rows, H] bf16 or e4m3: the layout's activations
-    x_scale: torch.Tensor | None   # fp32 [rows, H / 128] (fp8)
+    row_origin: torch.Tensor       # int32 [rows]: the row of x each row reads, -1 on padding
+    x_quant: torch.Tensor | None   # e4m3 [source rows, H]: bf16 x quantized (fp8 layers)
+    x_quant_scale: torch.Tensor | None  # fp32 [source rows, H / 128]
     tiles: dict                    # schedule -> int32 [G, max_tiles, 4]
     num_tiles: dict                # schedule -> int32 [G]
     row_ready: torch.Tensor        # int32 [row blocks]: the fused kernel's Linear-1 counters
@@ -139,6 +141,12 @@ class DeviceTables:
     def row_blocks(self) -> torch.Tensor:
         return self.meta[:1]
 
+    @property
+    def a_rows(self) -> torch.Tensor:
+        """The fused kernel's ``a_rows``: the two slots of ``args`` the routing points at the rows
+        Linear-1 reads (``x``'s own, or ``x_quant``) and their scales."""
+        return a_rows_view(self.args)
+
     def routing(self, received: bool, quantize: bool, id_dtype: torch.dtype) -> RoutingLaunches:
         """The routing launches over these tables for arrivals of this kind (bound once)."""
         key = (received, quantize, id_dtype)
@@ -149,14 +157,17 @@ class DeviceTables:
 
 
 def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
-                    error: torch.Tensor | None = None,
-                    small_arrivals: int | None = None) -> DeviceTables:
+                    error: torch.Tensor | None = None, small_arrivals: int | None = None,
+                    source_rows: int | None = None) -> DeviceTables:
     """Every buffer of ``bounds`` on ``device``; ``error`` shared with the fused kernel where
-    given; ``small_arrivals``: ``SMALL_ARRIVALS`` where None."""
+    given; ``small_arrivals``: ``SMALL_ARRIVALS`` where None; ``source_rows``: the rows of ``x``
+    at most (the quantized copy's, fp8), ``bounds.capacity`` where None (an EP rank's received
+    rows; at EP = 1 the tokens, ``capacity / top_k``)."""
     dev = torch.device(device)
     i32 = dict(dtype=torch.int32, device=dev)
     e, g = bounds.num_experts, bounds.num_programs
-    xdt = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
+    fp8 = precision == "fp8"
+    sources = bounds.capacity if source_rows is None else source_rows
     return DeviceTables(
         bounds, torch.zeros(bounds.chunks, e, **i32), torch.zeros(bounds.chunks, e, **i32),
         torch.zeros(e, **i32), torch.zeros(1, **i32), torch.zeros(e + 1, **i32),
@@ -164,20 +175,21 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
         torch.zeros(_jump_levels(e), _pow2(e) + 1, **i32),
         torch.zeros(2, **i32), torch.full((bounds.capacity,), -1, **i32),
         torch.zeros(bounds.rows, **i32), torch.full((bounds.rows,), -1, **i32),
-        torch.zeros(bounds.rows, hidden, dtype=xdt, device=dev),
-        (torch.zeros(bounds.rows, hidden // FP8_SCALE_BLOCK, dtype=torch.float32, device=dev)
-         if precision == "fp8" else None),
+        torch.full((bounds.rows,), -1, **i32),
+        torch.zeros(sources, hidden, dtype=torch.float8_e4m3fn, device=dev) if fp8 else None,
+        (torch.zeros(sources, hidden // FP8_SCALE_BLOCK, dtype=torch.float32, device=dev)
+         if fp8 else None),
         {s: torch.zeros(g, bounds.max_tiles, 4, **i32) for s in SCHEDULES},
         {s: torch.zeros(g, **i32) for s in SCHEDULES}, torch.zeros(bounds.row_blocks, **i32),
         torch.zeros(1, **i32) if error is None else error, allocate_args(dev),
         SMALL_ARRIVALS if small_arrivals is None else small_arrivals)
 
 
-def gather_slab(capacity: int, hidden: int, num_programs: int) -> int:
-    """The columns of one ``route_gather`` program over ``capacity`` arrivals: ``GATHER_SLAB``,
-    or one 128-column block where the wide slabs give fewer programs than ``num_programs``."""
-    wide = triton.cdiv(capacity, GATHER_ROWS) * triton.cdiv(hidden, GATHER_SLAB)
-    return GATHER_SLAB if wide >= num_programs else FP8_SCALE_BLOCK
+def quant_slab(rows: int, hidden: int, num_programs: int) -> int:
+    """The columns of one ``route_quantize`` program over ``rows`` rows: ``QUANT_SLAB``, or one
+    128-column block where the wide slabs give fewer programs than ``num_programs``."""
+    wide = triton.cdiv(rows, QUANT_ROWS) * triton.cdiv(hidden, QUANT_SLAB)
+    return QUANT_SLAB if wide >= num_programs else FP8_SCALE_BLOCK
 
 
 def _pow2(n: int) -> int:
@@ -198,18 +210,23 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
     (``call_args.write_args``), then the routing launches (``RoutingLaunches``).
 
     EP = 1 (``n_arrivals`` None): ``expert_ids`` is ``topk_ids.reshape(-1)`` (``T * top_k <=
-    capacity`` arrivals, slot ``i``, source 0) and ``x`` the bf16 tokens ``[T, H]``; in fp8 the
-    rows are quantized per 1 x 128 here. EP rank: ``expert_ids``, ``arrival_src`` and
-    ``arrival_slot`` are ``[capacity]`` (received rows source by source, local expert ids),
-    ``n_arrivals`` int32 ``[1]`` their count on the device, ``x`` the received rows ``[capacity,
-    H]`` as Dispatch moved them (bf16, or e4m3 with ``x_scale``). Ids out of range add to
-    ``tables.error`` and get no row. Shapes and dtypes are the caller's contract (``FusedMoE``
-    checks them); ``x`` starts 16-byte aligned (MoEContractError before any launch)."""
-    write_args(tables.args, expert_ids=expert_ids, x=x)
+    capacity`` arrivals, slot ``i``, source 0, token ``i // top_k``) and ``x`` the bf16 tokens
+    ``[T, H]``; in fp8 they are quantized per 1 x 128 into ``tables.x_quant`` here. EP rank:
+    ``expert_ids``, ``arrival_src`` and ``arrival_slot`` are ``[capacity]`` (received rows
+    source by source, local expert ids), ``n_arrivals`` int32 ``[1]`` their count on the device,
+    ``x`` the received rows ``[capacity, H]`` as Dispatch moved them (bf16, or e4m3 with
+    ``x_scale``). The fused kernel reads ``x`` (or its quantized copy) in place, so it must
+    stay unchanged until that launch has run. Ids out of range add to ``tables.error`` and get
+    no row. Shapes and dtypes are the caller's contract (``FusedMoE`` checks them); ``x`` starts
+    16-byte aligned (MoEContractError before any launch)."""
+    if x.dtype == torch.float8_e4m3fn and x_scale is None:
+        raise MoEContractError("e4m3 activations need their 1 x 128 scales (x_scale)")
+    write_args(tables.args, expert_ids=expert_ids, x=x,
+               **({} if x_scale is None else {"x_scale": x_scale}))
     received = n_arrivals is not None
-    quantize = tables.x.dtype == torch.float8_e4m3fn and x.dtype == torch.bfloat16
+    quantize = tables.x_quant is not None and x.dtype == torch.bfloat16
     tables.routing(received, quantize, expert_ids.dtype)(
-        tables.bounds.capacity if received else expert_ids.numel(), top_k, x_scale=x_scale,
+        tables.bounds.capacity if received else expert_ids.numel(), top_k,
         n_arrivals=n_arrivals, arrival_src=arrival_src, arrival_slot=arrival_slot)
 
 
@@ -217,27 +234,29 @@ class RoutingLaunches:
     """The routing launches over one ``DeviceTables``, their static arguments bound once
     (``launcher.Launcher``): the router's output and the activations are read from the tables'
     argument block (``tables.args``, written before), so per call only the arrivals' count and,
-    on an EP rank, their sources, slots and scales are launch arguments. ``received``: an EP
-    rank's arrivals; ``quantize``: bf16 activations to e4m3 tables; ``id_dtype``: the expert
-    ids' (int32 or int64). Up to ``tables.small_arrivals`` arrivals, ``route_small`` and the
-    gather; else the histogram, the scan, the scatter, the gather and the tiles."""
+    on an EP rank, their sources and slots are launch arguments. ``received``: an EP rank's
+    arrivals; ``quantize``: bf16 activations into an FP8 layer (``route_quantize``);
+    ``id_dtype``: the expert ids' (int32 or int64). Up to ``tables.small_arrivals`` arrivals,
+    ``route_small``; else the histogram, the scan, the scatter and the tiles."""
 
     def __init__(self, tables: DeviceTables, received: bool, quantize: bool,
                  id_dtype: torch.dtype):
         k = load_kernel_module("moe_routing")
         b, t = tables.bounds, tables
         e_pad = _pow2(b.num_experts)
-        hidden = t.x.shape[1]
-        fp8 = t.x_scale is not None
-        self.tables, self.received = tables, received
-        copy_bytes = fp8 and not quantize  # e4m3 rows in: moved as bytes, scales copied
+        hidden = t.x_quant.shape[1] if quantize else 0
+        self.tables, self.received, self.quantize = tables, received, quantize
+        # where route_quantize writes; the fused kernel reads them through args' a_rows slots
+        quant = dict(quant_rows=t.x_quant.data_ptr() if quantize else 0,
+                     quant_scale=t.x_quant_scale.data_ptr() if quantize else 0,
+                     QUANTIZE=quantize)
         self.hidden = hidden
         scan_experts = min(SCAN_EXPERTS, e_pad)
         self.scan_programs = e_pad // scan_experts
         ids = triton_dtype(id_dtype)
         self.histogram = Launcher(k.route_histogram, args=t.args, chunk_counts=t.chunk_counts,
                                   error=t.error, NUM_EXPERTS=b.num_experts, RECEIVED=received,
-                                  E_PAD=e_pad, CHUNK=CHUNK, ID_DTYPE=ids)
+                                  E_PAD=e_pad, CHUNK=CHUNK, ID_DTYPE=ids, **quant)
         self.offsets = Launcher(
             k.route_offsets, chunk_counts=t.chunk_counts, chunk_start=t.chunk_start,
             expert_counts=t.expert_counts, scan_done=t.scan_done,
@@ -252,18 +271,17 @@ class RoutingLaunches:
             JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
         self.scatter = Launcher(k.route_scatter, args=t.args, chunk_start=t.chunk_start,
                                 expert_offsets=t.expert_offsets, arrival_rows=t.arrival_rows,
-                                row_src=t.row_src, row_slot=t.row_slot,
+                                row_src=t.row_src, row_slot=t.row_slot, row_origin=t.row_origin,
                                 NUM_EXPERTS=b.num_experts, RECEIVED=received, CHUNK=CHUNK,
                                 ID_DTYPE=ids)
-        self.gather = {slab: Launcher(
-            k.route_gather, args=t.args, arrival_rows=t.arrival_rows,
-            x_rows=t.x.view(torch.uint8) if copy_bytes else t.x,
-            x_rows_scale=t.x_scale if fp8 else t.meta, HIDDEN=hidden, RECEIVED=received,
-            QUANTIZE=quantize, COPY_SCALES=copy_bytes, ROWS=GATHER_ROWS,
-            SLAB=slab, BLOCK_H=FP8_SCALE_BLOCK) for slab in (GATHER_SLAB, FP8_SCALE_BLOCK)}
+        self.quantizer = {slab: Launcher(
+            k.route_quantize, args=t.args, x_quant=t.x_quant, x_quant_scale=t.x_quant_scale,
+            HIDDEN=hidden, RECEIVED=received, ROWS=QUANT_ROWS, SLAB=slab,
+            BLOCK_H=FP8_SCALE_BLOCK) for slab in (QUANT_SLAB, FP8_SCALE_BLOCK)} if quantize else {}
         tables_static = dict(
             expert_counts=t.expert_counts, expert_offsets=t.expert_offsets, wave_lo=t.wave_lo,
-            wave_hi=t.wave_hi, row_src=t.row_src, row_slot=t.row_slot, row_ready=t.row_ready,
+            wave_hi=t.wave_hi, row_src=t.row_src, row_slot=t.row_slot, row_origin=t.row_origin,
+            row_ready=t.row_ready,
             wave_tiles=t.tiles["wave"], inter_tiles=t.tiles["interleaved"],
             NUM_EXPERTS=b.num_experts, G=b.num_programs,
             P1=b.l1_n_blocks, P2=b.l2_n_blocks, LEAD=b.lead_rows, MAX_TILES=b.max_tiles,
@@ -277,10 +295,11 @@ class RoutingLaunches:
             G_PAD=_pow2(b.num_programs), E_LOG2=e_pad.bit_length() - 1, CHUNK=CHUNK,
             JUMP_LEVELS=t.wave_jumps.shape[0], JUMP_STRIDE=t.wave_jumps.shape[1],
             JUMP_PAD=_pow2(b.num_experts + 1), ID_DTYPE=ids, ROW_BLOCKS=ROW_BLOCKS_SMALL,
-            ZERO_BLOCK=ZERO_BLOCK, ROW_BLOCK_BOUND=b.row_blocks, num_warps=8, **tables_static)
+            ZERO_BLOCK=ZERO_BLOCK, ROW_BLOCK_BOUND=b.row_blocks, num_warps=8, **quant,
+            **tables_static)
 
-    def __call__(self, capacity: int, top_k: int, *, x_scale: torch.Tensor | None = None,
-                 n_arrivals: torch.Tensor | None = None, arrival_src: torch.Tensor | None = None,
+    def __call__(self, capacity: int, top_k: int, *, n_arrivals: torch.Tensor | None = None,
+                 arrival_src: torch.Tensor | None = None,
                  arrival_slot: torch.Tensor | None = None) -> None:
         """The launches on the current stream over ``capacity`` arrivals (at EP = 1 ``T *
         top_k``, each launch's arguments then fixed by ``T``: what a graph captures)."""
@@ -290,39 +309,43 @@ class RoutingLaunches:
         n_ptr = n_arrivals if self.received else t.meta
         src = arrival_src if self.received else t.meta
         slot = arrival_slot if self.received else t.meta
-        small = capacity <= t.small_arrivals
-        if small:
+        # an EP rank's arrivals are its rows of x: one each
+        fanout = 1 if self.received else top_k
+        if capacity <= t.small_arrivals:
             self.small((1,), arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
-                       CAPACITY=capacity)
+                       CAPACITY=capacity, TOP_K=fanout)
         else:
             self.histogram(chunks, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
             self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
             self.scatter(chunks, arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
-                         CAPACITY=capacity)
-        slab = gather_slab(capacity, self.hidden, t.bounds.num_programs)
-        self.gather[slab]((triton.cdiv(capacity, GATHER_ROWS), triton.cdiv(self.hidden, slab)),
-                          n_arrivals_ptr=n_ptr,
-                          x_scale=x_scale if x_scale is not None else t.meta,
-                          CAPACITY=capacity, TOP_K=top_k)
-        if not small:
+                         CAPACITY=capacity, TOP_K=fanout)
             self.tiles((t.bounds.row_blocks,))
+        if self.quantize:
+            rows = capacity // fanout
+            slab = quant_slab(rows, self.hidden, t.bounds.num_programs)
+            self.quantizer[slab]((triton.cdiv(rows, QUANT_ROWS), triton.cdiv(self.hidden, slab)),
+                                 n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
 
 
 @dataclass(frozen=True)
 class HostTables:
-    """The reference of one routing: the Dispatch layout and each schedule's table and counts."""
+    """The reference of one routing: the Dispatch layout, the row of ``x`` each of its rows reads
+    (-1 on padding) and each schedule's table and counts."""
 
     layout: DispatchLayout
+    row_origin: np.ndarray  # int32 [rows]
     tiles: dict      # schedule -> int32 ndarray [G, max_tiles, 4]
     num_tiles: dict  # schedule -> int32 ndarray [G]
 
 
 def host_tables(bounds: TableBounds, expert_ids: torch.Tensor, x: torch.Tensor,
-                x_scale: torch.Tensor | None = None, *, arrival_src: torch.Tensor | None = None,
+                x_scale: torch.Tensor | None = None, *, top_k: int = 1,
+                arrival_src: torch.Tensor | None = None,
                 arrival_slot: torch.Tensor | None = None) -> HostTables:
     """The host reference of ``route_to_tables`` for the same arrivals (EP = 1 where
     ``arrival_src`` is None: slot ``i``, source 0, token ``i // top_k`` of ``x``, which the
-    caller repeats per pick). Rows are the arrivals' own (quantize before, as the device does)."""
+    caller repeats per pick; an EP rank's arrival ``i`` is row ``i`` of ``x``). Rows are the
+    arrivals' own (quantize before, as the device does)."""
     n = expert_ids.numel()
     src = torch.zeros(n, dtype=torch.int64) if arrival_src is None else arrival_src.cpu()
     slot = torch.arange(n) if arrival_slot is None else arrival_slot.cpu()
@@ -335,14 +358,20 @@ def host_tables(bounds: TableBounds, expert_ids: torch.Tensor, x: torch.Tensor,
                  "interleaved": interleaved_schedule(problem, bounds.num_programs,
                                                      bounds.lead_rows)}
     tables = {name: tile_table(s) for name, s in schedules.items()}
-    return HostTables(layout, {k: v[0] for k, v in tables.items()},
+    origin = np.full(layout.num_rows, -1, dtype=np.int32)
+    arrivals = layout.arrival_rows.numpy()
+    placed = arrivals >= 0
+    origin[arrivals[placed]] = np.arange(n)[placed] // (1 if arrival_src is not None else top_k)
+    return HostTables(layout, origin, {k: v[0] for k, v in tables.items()},
                       {k: v[1] for k, v in tables.items()})
 
 
 def table_mismatches(device: DeviceTables, host: HostTables) -> list[str]:
     """Where ``device`` differs from ``host`` (empty where they agree entry for entry): per-expert
-    counts and padded offsets, the arrival -> row map, ``row_src``/``row_slot`` over the rows in
-    use, the activations of every arrival's row, and each schedule's counts and used entries."""
+    counts and padded offsets, the arrival -> row map, ``row_src``/``row_slot``/``row_origin``
+    over the rows in use, where the routing quantized (``a_rows`` names ``x_quant``) every row's
+    activations as the fused kernel reads them (bitwise), and each schedule's counts and used
+    entries."""
     lay = host.layout
     out = []
     counts = np.asarray(lay.tokens_per_expert)
@@ -357,15 +386,19 @@ def table_mismatches(device: DeviceTables, host: HostTables) -> list[str]:
                          lay.arrival_rows.numpy()),
         "row_src": (device.row_src[:rows].cpu().numpy(), lay.row_src.numpy()),
         "row_slot": (device.row_slot[:rows].cpu().numpy(), lay.row_slot.numpy()),
+        "row_origin": (device.row_origin[:rows].cpu().numpy(), host.row_origin),
     }
-    arrivals = lay.arrival_rows.long()
-    xs = [("x", device.x, lay.x)] + ([("x_scale", device.x_scale, lay.x_scale)]
-                                     if lay.x_scale is not None else [])
-    for name, got, want in xs:
-        g, w = got[:rows][arrivals].cpu(), want[arrivals]
-        if g.dtype in BITS:  # bitwise
-            g, w = g.view(BITS[g.dtype]), w.view(BITS[g.dtype])
-        checks[name] = (g.numpy(), w.numpy())
+    quantized = (device.x_quant is not None
+                 and int(device.a_rows[0]) == device.x_quant.data_ptr())
+    if quantized:
+        used = torch.from_numpy(host.row_origin >= 0)
+        origin = torch.from_numpy(host.row_origin).long()[used]
+        for name, got, want in (("x_quant", device.x_quant, lay.x),
+                                ("x_quant_scale", device.x_quant_scale, lay.x_scale)):
+            g, w = got[origin.to(got.device)].cpu(), want[used]
+            if g.dtype in BITS:  # bitwise
+                g, w = g.view(BITS[g.dtype]), w.view(BITS[g.dtype])
+            checks[name] = (g.numpy(), w.numpy())
     for s in SCHEDULES:
         want_n = host.num_tiles[s]
         got_n = device.num_tiles[s].cpu().numpy()

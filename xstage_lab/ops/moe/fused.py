@@ -45,7 +45,9 @@ class FusedMoECall:
     trace: torch.Tensor | None = None
     kernel: str = "triton"
     synthetic_k_fraction: float | None = None  # not the MoE layer where set (knee sweep)
-    owners: tuple = ()  # the Combine buffers its peer table points into (CombinePeers.owners)
+    # what it reads or writes through addresses held on the device: the Combine buffers its peer
+    # table points into (CombinePeers.owners), the layout's rows
+    owners: tuple = ()
 
     def __call__(self) -> None:
         self.row_ready.zero_()
@@ -150,38 +152,46 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
             raise MoEContractError(reason)
         for name, t in (("x", layout.x), ("w1", weights.w1), ("w2", weights.w2)):
             if t.data_ptr() % ALIGN_BYTES:
-                raise MoEContractError(f"{name} must start {ALIGN_BYTES}-byte aligned (TMA)")
+                raise MoEContractError(f"{name} must start {ALIGN_BYTES}-byte aligned (TMA, "
+                                       "16-byte cp.async)")
     h = torch.empty(rows, inter, dtype=wdt, device=device)
     h_scale = (torch.empty(rows, inter // config.scale_block, dtype=torch.float32, device=device)
                if precision == "fp8" else None)
     row_ready = torch.zeros(max(1, problem.num_rows), dtype=torch.int32, device=device)
     error = torch.zeros(1, dtype=torch.int32, device=device)
     tiles = torch.from_numpy(table).to(device)
+    # the layout's own rows, in place: layout row r reads row r (padding: -1)
+    origin = torch.arange(rows, dtype=torch.int32, device=device)
+    origin[layout.row_slot < 0] = -1
     # Uninstrumented, the kernel never touches the trace: one element stands in for the pointer.
     trace = torch.full((*table.shape[:2], TRACE_FIELDS) if instrument else (1,), -1,
                        dtype=torch.int64, device=device)
-    buffers = KernelBuffers(tiles, torch.from_numpy(counts).to(device), layout.x, layout.x_scale,
-                            h, h_scale, row_ready, layout.row_src, layout.row_slot, peers.table,
-                            error, trace)
+    buffers = KernelBuffers(tiles, torch.from_numpy(counts).to(device),
+                            row_addresses(layout.x, layout.x_scale), origin, h, h_scale, row_ready,
+                            layout.row_src, layout.row_slot, peers.table, error, trace)
     args, constexprs = kernel_launch(config, weights, buffers, max_spin_iters=max_spin_iters,
                                      instrument=instrument, fence=fence, k_blocks=k_blocks)
     return FusedMoECall(schedule, args, constexprs, (schedule.num_programs,), row_ready, error,
                         trace if instrument else None, kernel=config.kernel,
-                        synthetic_k_fraction=synthetic_k_fraction, owners=peers.owners)
+                        synthetic_k_fraction=synthetic_k_fraction,
+                        owners=(*peers.owners, *(t for t in (layout.x, layout.x_scale)
+                                                 if t is not None)))
 
 
 @dataclass(frozen=True)
 class KernelBuffers:
     """What one launch of a fused kernel reads and writes besides the weights: the tile table
     (int32 ``[G, max_tiles, 4]``) and each program's tile count (int32 ``[G]``, read on the
-    device), the layout's rows ``x`` and scales, the intermediate ``h`` and its scales, the row
-    block counters (zero at launch), each row's source and slot, the peer table, the error flag
-    and the trace (int64 ``[G, max_tiles, TRACE_FIELDS]`` when instrumented, else one element)."""
+    device), Linear-1's rows (``a_rows``: int64 ``[2]`` on the device, the addresses of ``x [N,
+    H]`` and of its scales, ``row_addresses``; ``row_origin``: int32 ``[R]``, the row of ``x``
+    each layout row reads, -1 on padding), the intermediate ``h`` and its scales, the row block
+    counters (zero at launch), each row's source and slot, the peer table, the error flag and the
+    trace (int64 ``[G, max_tiles, TRACE_FIELDS]`` when instrumented, else one element)."""
 
     tiles: torch.Tensor
     num_tiles: torch.Tensor
-    x: torch.Tensor
-    x_scale: torch.Tensor | None
+    a_rows: torch.Tensor
+    row_origin: torch.Tensor
     h: torch.Tensor
     h_scale: torch.Tensor | None
     row_ready: torch.Tensor
@@ -201,7 +211,7 @@ def kernel_launch(config: TileConfig, weights: ExpertWeights, b: KernelBuffers, 
     fp8 = weights.precision == "fp8"
     k_blocks = k_blocks or synthetic_k_blocks(None, config, hidden, inter)
     if config.kernel == "triton":
-        args = (b.tiles, b.num_tiles, b.tiles.shape[1], b.x, b.x_scale, weights.w1,
+        args = (b.tiles, b.num_tiles, b.tiles.shape[1], b.a_rows, b.row_origin, weights.w1,
                 weights.w1_scale, weights.w2, weights.w2_scale, b.h, b.h_scale, b.row_ready,
                 b.row_src, b.row_slot, b.peer_table, b.error, max_spin_iters, e_loc, b.trace,
                 hidden, inter)
@@ -212,17 +222,24 @@ def kernel_launch(config: TileConfig, weights: ExpertWeights, b: KernelBuffers, 
                           num_stages=config.num_stages)
     half, bk = config.block_m // 2, config.block_k
     unused = b.error  # bf16 launches read no scales: any pointer stands in
-    args = (b.tiles, b.num_tiles, b.tiles.shape[1], _ws_descriptor(b.x, [half, bk]),
+    args = (b.tiles, b.num_tiles, b.tiles.shape[1], b.a_rows, b.row_origin,
             _ws_descriptor(weights.w1.view(e_loc * 2 * inter, hidden), [config.block_n1, bk]),
             _ws_descriptor(b.h, [half, bk]),
             _ws_descriptor(weights.w2.view(e_loc * hidden, inter), [config.block_n2, bk]),
-            b.x_scale if fp8 else unused, weights.w1_scale if fp8 else unused,
+            weights.w1_scale if fp8 else unused,
             weights.w2_scale if fp8 else unused, b.h, b.h_scale if fp8 else unused, b.row_ready,
             b.row_src, b.row_slot, b.peer_table, b.error, max_spin_iters, e_loc, b.trace, hidden,
             inter, *k_blocks)
     return args, dict(FP8=fp8, BLOCK_N1=config.block_n1, BLOCK_N2=config.block_n2, BLOCK_K=bk,
                       STAGES=config.num_stages, INSTRUMENT=bool(instrument), FENCE=bool(fence),
                       num_warps=4)
+
+
+def row_addresses(x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
+    """``KernelBuffers.a_rows`` of ``x`` and its scales (none: 0), on ``x``'s device. The
+    tensors must outlive every launch that reads it."""
+    return torch.tensor([x.data_ptr(), 0 if x_scale is None else x_scale.data_ptr()],
+                        dtype=torch.int64, device=x.device)
 
 
 def synthetic_k_blocks(fraction: float | None, config: TileConfig, hidden: int,

@@ -3,14 +3,15 @@ output to the layer's output on the device, with no host sync, in buffers sized 
 and a ``torch.library`` custom op (``xstage::fused_moe``) with a fake implementation, so that
 ``torch.compile(fullgraph=True)`` traces a block that uses it.
 
-A call is eight launches (five up to ``device_tables.SMALL_ARRIVALS`` picks): its argument block
-written (``call_args.write_addresses``: the addresses of ``topk_ids``, ``x``, the Combine rows,
-``topk_weights`` and ``y``), routing to tile tables (``device_tables``: five Triton launches, or
-two, that read their varying tensors from the block, FP8 activations quantized per 1 x 128 in the
-gather pass, the fused kernel's row counters zeroed), the fused kernel over the chosen schedule's
-table (``kernels/moe_fused_ws.py`` on sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-2
-epilogues store each pick's row into the Combine buffer, then the top-k weighted sum (``combine``,
-one Triton launch, reading the block). Eagerly on CUDA they run as one CUDA graph (``GraphCache``),
+A call is seven launches in bf16, eight in FP8 (four, five up to ``device_tables.SMALL_ARRIVALS``
+picks): its argument block written (``call_args.write_addresses``: the addresses of
+``topk_ids``, ``x``, the Combine rows, ``topk_weights`` and ``y``), routing to tile tables
+(``device_tables``: four Triton launches, or one, that read their varying tensors from the block
+and zero the fused kernel's row counters; in FP8 one more quantizes the tokens per 1 x 128), the
+fused kernel over the chosen schedule's table (``kernels/moe_fused_ws.py`` on sm_90,
+``kernels/moe_fused.py`` elsewhere), whose Linear-1 gathers each pick's token row as it loads and
+whose Linear-2 epilogues store each pick's row into the Combine buffer, then the top-k weighted sum
+(``combine``, one Triton launch, reading the block). Eagerly on CUDA they run as one CUDA graph (``GraphCache``),
 captured once per token count at that count's first call, its writer node taking each call's
 addresses as new arguments (``graph_launch.GraphLauncher``): a call costs the host two driver
 calls. While the stream is capturing (a user's graph) or off CUDA they launch directly, each bound
@@ -162,11 +163,12 @@ class MoEWorkspace:
     """The static buffers and launches of the fused MoE over ``weights`` for at most ``capacity``
     arrivals: the device tables (the row counters included), ``h`` and its scales, the error
     flag (shared by the routing kernels and the fused kernel). ``num_programs`` defaults to the
-    SMs (one persistent program each); ``lead_rows`` to D_knee (eq. 16)."""
+    SMs (one persistent program each); ``lead_rows`` to D_knee (eq. 16); ``source_rows``: the
+    rows of ``x`` a call passes at most (``allocate_tables``)."""
 
     def __init__(self, weights: ExpertWeights, capacity: int, *, config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
-                 max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS):
+                 max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS, source_rows: int | None = None):
         device = weights.w1.device
         self.weights = weights
         self.config = config or default_tile_config(weights.precision, hidden=weights.hidden,
@@ -181,9 +183,10 @@ class MoEWorkspace:
             raise MoEContractError("max_spin_iters must be >= 1")
         self.bounds = TableBounds.of(capacity, weights.num_experts, weights.hidden,
                                      weights.intermediate, self.config, num_programs, lead_rows)
-        self.tables = allocate_tables(self.bounds, weights.hidden, weights.precision, device)
+        self.tables = allocate_tables(self.bounds, weights.hidden, weights.precision, device,
+                                      source_rows=source_rows)
         rows, inter = self.bounds.rows, weights.intermediate
-        self.h = torch.empty(rows, inter, dtype=self.tables.x.dtype, device=device)
+        self.h = torch.empty(rows, inter, dtype=weights.w1.dtype, device=device)
         self.h_scale = (torch.empty(rows, inter // FP8_SCALE_BLOCK, dtype=torch.float32,
                                     device=device) if weights.precision == "fp8" else None)
         # never instrumented: one element stands in for the trace pointer
@@ -210,9 +213,9 @@ class MoEWorkspace:
         launch = self._launches.get(key)
         if launch is None:
             t = self.tables
-            buffers = KernelBuffers(t.tiles[schedule], t.num_tiles[schedule], t.x, t.x_scale,
-                                    self.h, self.h_scale, t.row_ready, t.row_src, t.row_slot,
-                                    peers.table, t.error, self.trace)
+            buffers = KernelBuffers(t.tiles[schedule], t.num_tiles[schedule], t.a_rows,
+                                    t.row_origin, self.h, self.h_scale, t.row_ready, t.row_src,
+                                    t.row_slot, peers.table, t.error, self.trace)
             args, constexprs = kernel_launch(self.config, self.weights, buffers,
                                              max_spin_iters=self.max_spin_iters)
             module, entry = KERNEL_ENTRIES[self.config.kernel]
@@ -298,7 +301,7 @@ class FusedMoE(torch.nn.Module):
                                    f"1..{weights.num_experts}")
         self.workspace = MoEWorkspace(weights, max_tokens * top_k, config=config,
                                       num_programs=num_programs, lead_rows=lead_rows,
-                                      max_spin_iters=max_spin_iters)
+                                      max_spin_iters=max_spin_iters, source_rows=max_tokens)
         self.max_tokens, self.top_k, self.check_ids = max_tokens, top_k, check_ids
         self.schedule = auto_schedule(1) if schedule == "auto" else schedule
         self.combine = torch.empty(max_tokens * top_k, weights.hidden, dtype=torch.bfloat16,
