@@ -3,7 +3,7 @@ and its sm_90 build (Gluon kernels do not run in the interpreter; tests/experime
 test_moe_kernel_gpu.py runs it on a Hopper GPU against the reference).
 
 The sm_90 build is checked for what the kernel's speed rests on: no spills, wgmma not serialized,
-registers reallocated between the partitions, TMA loads, 16-byte Combine stores, a shared-memory
+registers reallocated between the partitions, TMA loads, cp.async row gathers, 16-byte Combine stores, a shared-memory
 footprint that ``ws_shared_memory_bytes`` (the launcher's contract) bounds, and the ordering
 of the Linear-1 -> Linear-2 handoff (release, acquire, proxy fences).
 """
@@ -104,6 +104,11 @@ def test_compiles_for_hopper(ws_module, key):
     assert f"wgmma.mma_async.sync.aligned.m64n{cfg.block_n1}k" in ptx and kind in ptx
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
     assert "cp.async.bulk.tensor.2d" in ptx
+    # Linear-1's rows gathered in 16-byte copies, tracked by the stage's barrier, and fenced
+    # into the async proxy by the consumers before wgmma reads them
+    assert "cp.async.cg.shared.global" in ptx and ", 0x10," in ptx
+    assert "cp.async.mbarrier.arrive.shared.b64" in ptx
+    assert ptx.count("fence.proxy.async.shared::cta") >= 2
     assert "st.global.v4" in ptx  # 16-byte h and Combine stores
     # the Linear-1 -> Linear-2 handoff: release by the writers, acquire by the producer, proxy
     # fences on both sides (h is written by generic stores and read by TMA)

@@ -99,9 +99,10 @@ def acceptance(table: pd.DataFrame) -> pd.DataFrame:
 
 def schedule_tables_us(table: pd.DataFrame) -> pd.Series:
     """Per cell, the device time of the schedule kernels: the routing kernels' table passes
-    (``route_tables_us``, from the per-kernel profile), without the activations' move into the
-    layout (``route_gather_us``), which is the Dispatch's data movement (bytes in proportion to
-    ``T top_k H``), not a schedule; it stays in every end-to-end time. A record from before the
+    (``route_tables_us``, from the per-kernel profile), without the pass over the activations
+    (``route_gather_us``: their FP8 quantization, or in records from before the fused kernel
+    gathered its rows, their move into the layout), which is data movement in proportion to the
+    tokens, not a schedule; it stays in every end-to-end time. A record from before the
     profile has only the whole routing, graphed (``schedule_us``)."""
     whole = table["schedule_us"]
     return table["route_tables_us"].fillna(whole) if "route_tables_us" in table else whole

@@ -34,8 +34,9 @@ an EP rank's call launches the graph of its receive buffers: ``MoEWorkspace.rece
 those of a graph launch and of a launch behind a queue (``host_timing``). Where the schedule's
 device time goes (torch.profiler, ``dist_timing.kernel_times_us``): per routing kernel
 (``route_kernels_us``, JSON), the table passes (``route_tables_us``: the schedule kernels of
-issue 27's bound) apart from the activations' move into the layout (``route_gather_us``,
-quantizing in fp8 at EP = 1). Floors from the HBM bandwidth measured at the
+issue 27's bound) apart from the pass over the activations (``route_gather_us``: the FP8
+quantization of the tokens at EP = 1; none where the fused kernel reads them as they are, which it
+gathers into its Linear-1 tiles; a record from before that holds the move into the layout). Floors from the HBM bandwidth measured at the
 start of the run (a device copy): ``weighted_sum_floor_us`` (its bytes) and ``weight_floor_us``
 (the bytes of the experts the call touches). Where a one-token kernel's time goes (``trace_*``,
 ``layer_view.kernel_phases``): its tiles, the SMs that ran them, their mainloops and stream
@@ -83,6 +84,7 @@ TRACED_TOKENS = (1,)  # where the record shows the kernel's phases (``kernel_pha
 TABLE_CHECK_MAX_TOKENS = 512
 HOST_SCHEDULED_TRIALS = 2
 HBM_PROBE_BYTES = 2 << 30
+ACTIVATIONS_PASS = "route_quantize"  # the routing kernel that is no table pass
 SMOKE = dict(models=["DeepSeek-V4-Flash"], precisions=list(PRECISIONS), settings=list(SETTINGS),
              tokens=[1, 64, 4096], trials=3)
 
@@ -530,10 +532,10 @@ class MoELayer(Experiment):
                             trials=HOST_SCHEDULED_TRIALS, warmup=1)
         weights = cell.ws.weights
         bw = self.hbm_gbps * 1e9
-        # where the schedule's time goes: the activations' move (route_gather) apart from the
-        # table passes; and the host time of each step of a call
+        # where the schedule's time goes: the pass over the activations (route_quantize) apart
+        # from the table passes; and the host time of each step of a call
         route_kernels = kernel_times_us(cell.route)
-        gather_us = sum(v for k, v in route_kernels.items() if "route_gather" in k)
+        gather_us = sum(v for k, v in route_kernels.items() if ACTIVATIONS_PASS in k)
         stages = {f"host_{k}_us": host_overhead_us(fn) for k, fn in cell.host_stages().items()}
         # a tile's weight bytes: Linear-1 gate and up, Linear-2 its hidden columns
         cfg, elem = cell.ws.config, weights.w1.element_size()

@@ -17,8 +17,8 @@ threshold is read off measurement.
    capacity), their outputs poisoned first, equal the host reference entry for entry
    (``table_mismatches``); ids all in range (the error flag zero). Any failure aborts the run
    before timing; nothing is written.
-2. Timing: both paths' routing (the argument block's writer, the table passes, the activations'
-   gather) in one rotation (``dist_timing.time_methods``, CUDA-graph replays), then each path's
+2. Timing: both paths' routing (the argument block's writer, the table passes; in records before
+   the fused kernel gathered its rows, the activations' gather too) in one rotation (``dist_timing.time_methods``, CUDA-graph replays), then each path's
    kernels by name (``kernel_times_us``).
 
 One row per (cell, path); ``over_five`` is the five launches' time over the path's.
@@ -115,7 +115,7 @@ class RouteStep:
 
 def _poison(tables: DeviceTables) -> None:
     for t in (tables.expert_counts, tables.expert_offsets, tables.arrival_rows, tables.row_src,
-              tables.row_slot, tables.meta, tables.row_ready, *tables.tiles.values(),
+              tables.row_slot, tables.row_origin, tables.meta, tables.row_ready, *tables.tiles.values(),
               *tables.num_tiles.values()):
         t.fill_(-7)
 

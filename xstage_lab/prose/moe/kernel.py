@@ -80,10 +80,9 @@ def layer(layer_views) -> Prose:
                     f"{span(at_limit['schedule_us'], '.0f')} µs graphed" if len(at_limit)
                     else f"no cell at {SCHEDULE_LIMIT_TOKENS} tokens")
         if measured(at_limit, "route_gather_us"):
-            schedule += (f": the activations' move into the layout (the Dispatch's data "
-                         f"movement, bytes in proportion to the tokens) "
-                         f"{span(at_limit['route_gather_us'], '.0f')} µs, and the schedule "
-                         f"kernels, the table passes, {span(tables, '.0f')} µs")
+            schedule += (f": the pass over the activations (bytes in proportion to the "
+                         f"tokens) {span(at_limit['route_gather_us'], '.0f')} µs, and the "
+                         f"schedule kernels, the table passes, {span(tables, '.0f')} µs")
         if len(at_limit):
             schedule += (f" (the issue asks for at most {SCHEDULE_LIMIT_US:.0f} µs of schedule "
                          f"kernels: {met('schedule_ok')} cells)")
