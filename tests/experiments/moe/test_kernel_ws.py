@@ -3,9 +3,10 @@ and its sm_90 build (Gluon kernels do not run in the interpreter; tests/experime
 test_moe_kernel_gpu.py runs it on a Hopper GPU against the reference).
 
 The sm_90 build is checked for what the kernel's speed rests on: no spills, wgmma not serialized,
-registers reallocated between the partitions, TMA loads, cp.async row gathers, 16-byte Combine stores, a shared-memory
-footprint that ``ws_shared_memory_bytes`` (the launcher's contract) bounds, and the ordering
-of the Linear-1 -> Linear-2 handoff (release, acquire, proxy fences).
+registers reallocated between the partitions, TMA loads, 16-byte ``cp.async`` row gathers and
+Combine stores, a shared-memory footprint that ``ws_shared_memory_bytes`` (the launcher's
+contract) bounds, and the ordering of the Linear-1 -> Linear-2 handoff (release, acquire, proxy
+fences).
 """
 from __future__ import annotations
 
