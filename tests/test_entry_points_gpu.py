@@ -68,9 +68,12 @@ LIVE = {
     # the probe's schedules on one MoE cell
     "moe_schedule_probe": Live("local", ("--models", "DiT-MoE", "--precisions", "bf16",
                                          "--routing", "balanced", "--tokens", "256", *TIMING)),
-    # the committed kernel as the variant compared with it
     # both routing paths at one token, both settings, one shape
     "route_small_probe": Live("local", ("--models", "DiT-MoE", "--tokens", "1", *TIMING)),
+    # the committed kernel as the variant compared with it
+    "moe_gather_probe": Live("local", ("--models", "DiT-MoE", "--precisions", "bf16",
+                                       "--tokens", "256", "--variant",
+                                       f"copy={kernel_path('moe_fused_ws.py')}", *TIMING)),
     "fa_kernel_probe": Live("local", ("--variant",
                                       f"committed={kernel_path('flash_attention_ws.py')}",
                                       "--shapes", "128:12:1024", *TIMING)),

@@ -32,6 +32,7 @@ EXPERIMENTS = {  # record experiment -> "module:attribute"; measure-all runs the
     "fa_kernel_probe": "xstage_lab.experiments.probes.fa_kernel:EXPERIMENT",
     "moe_schedule_probe": "xstage_lab.experiments.probes.moe_schedule:EXPERIMENT",
     "route_small_probe": "xstage_lab.experiments.probes.route_small:EXPERIMENT",
+    "moe_gather_probe": "xstage_lab.experiments.probes.moe_gather:EXPERIMENT",
 }
 
 

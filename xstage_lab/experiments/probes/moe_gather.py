@@ -1,0 +1,224 @@
+"""Gather probe of the fused MoE kernel: what reading Linear-1's rows through ``row_origin`` with
+``cp.async`` costs the kernel against TMA loads of a layout moved into place beforehand (issue 27;
+record ``moe_gather_probe``).
+
+    python -m xstage_lab.experiments.probes.moe_gather (--out FILE | --root DIR)
+        [--tma-kernel FILE] [--variant NAME=FILE ...] [--models M ...] [--precisions bf16 fp8]
+        [--routing balanced skewed] [--tokens 4096] [--trials N]
+
+On ``kernel_cell``'s workload (one rank of EP = 8, every Combine store local, Expert-Wave), one
+schedule and one launch of each kernel, all in one rotation:
+
+  in_place     the committed kernel over the layout's own rows (``row_origin[r] = r``): the
+               host-scheduled launch;
+  scattered    the committed kernel over the received rows in arrival order, each layout row
+               through its arrival (what the device-built tables give it: no move into place);
+  tma          ``--tma-kernel``: a kernel of the contract before the gather (``x_desc``/``x_scale``
+               arguments, TMA loads of the layout's rows; ``git show a343c34:kernels/
+               moe_fused_ws.py``) over the layout's rows;
+  NAME         each ``--variant NAME=FILE``: a copy of the committed kernel, changed, over the
+               received rows as ``scattered``.
+
+1. Checks first: the cell passes ``kernel_cell.check_cell`` (the committed schedules against the
+   references); every launch, its Combine buffers poisoned with NaN first, equals ``in_place``
+   bitwise; spin errors zero. Any failure aborts the run before timing; nothing is written.
+2. Timing: every kernel in one rotation (``dist_timing.time_methods``, CUDA-graph replays).
+
+One row per (cell, kernel); ``over_in_place`` is ``in_place``'s time over the kernel's.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ...checks import bitwise_equal
+from ...cli import list_option
+from ...dist_timing import TIMING_METHOD, time_methods
+from ...kernel_sources import load_kernel_module
+from ...ops.moe.fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, _ws_descriptor,
+                              row_addresses)
+from ...ops.moe.shapes import PRECISIONS, load_shapes
+from ...ops.moe.tiles import kernel_device
+from ...sweep import Axis, Sweep
+from .. import harness
+from ..harness import Experiment, Run
+from ..moe import kernel_cell as kc
+from .variants import file_digests, parse_variants
+
+COMMITTED = ("in_place", "scattered")
+TMA = "tma"
+A_ROWS, ROW_ORIGIN = 3, 4  # the committed kernel's a_rows and row_origin arguments
+
+
+def load_kernel_file(path: Path):
+    """The Gluon entry point ``moe_fused_ws_kernel`` of a kernel file (a module of its own)."""
+    name = f"_moe_gather_variant_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module.moe_fused_ws_kernel
+
+
+def tma_arguments(args: tuple, layout) -> tuple:
+    """The committed kernel's ``args`` in the contract before the gather: ``a_rows`` and
+    ``row_origin`` replaced by a TMA descriptor over the layout's rows (64-row halves), and the
+    rows' scales (bf16: the error flag stands in, as ``kernel_launch`` passes) after ``w2_desc``."""
+    bk = args[A_ROWS + 3].block_shape[1]  # h_desc's K block
+    scale = layout.x_scale if layout.x_scale is not None else args[16]  # the error flag
+    return (*args[:A_ROWS], _ws_descriptor(layout.x, [64, bk]), *args[A_ROWS + 2:A_ROWS + 5],
+            scale, *args[A_ROWS + 5:])
+
+
+@dataclasses.dataclass
+class GatherStep:
+    point: dict
+    cell: kc.Cell
+    launches: dict   # kernel -> callable
+    checked: dict
+    failures: list
+    keep: tuple      # the tensors the launches read through device-held addresses
+
+
+class MoEGather(Experiment):
+    """The committed kernel over rows in place and scattered, beside a TMA kernel and variants."""
+
+    name = "moe_gather_probe"
+    paper = "§4.2 the fused kernel's Linear-1 loads; issue 27"
+    launch = "in_process"
+    links = ("local",)
+
+    def __init__(self, device=None):
+        self.device = device
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--tma-kernel", type=Path, default=None,
+                       help="a kernel file of the contract before the gather (TMA loads of x)")
+        p.add_argument("--variant", action="append", default=[],
+                       help="NAME=FILE: a changed copy of the committed kernel")
+        p.add_argument("--models", **list_option(default=["DiT-MoE", "Qwen3.5", "GLM-5.x"]))
+        p.add_argument("--precisions", **list_option(default=list(PRECISIONS)))
+        p.add_argument("--routing", **list_option(default=["balanced"]))
+        p.add_argument("--tokens", type=int, default=4096, help="tokens per source rank")
+        p.add_argument("--trials", type=int, default=7)
+        p.add_argument("--warmup", type=int, default=2)
+        p.add_argument("--graph-iters", type=int, default=5)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--max-spin", type=int, default=DEFAULT_MAX_SPIN_ITERS)
+        p.set_defaults(kernel="gluon_ws")  # kernel_cell's configuration: the Gluon kernel
+
+    def check_args(self, a: argparse.Namespace) -> None:
+        kc.check_cells(load_shapes(), a.models, a.precisions, a.routing, "gluon_ws")
+        if a.tokens < 1 or a.trials < 1 or a.graph_iters < 1 or a.warmup < 0:
+            raise ValueError("--tokens, --trials and --graph-iters must be >= 1, --warmup >= 0")
+        if a.tma_kernel is not None and not a.tma_kernel.is_file():
+            raise ValueError(f"--tma-kernel: no file {a.tma_kernel}")
+        a.variants = parse_variants(a.variant, (*COMMITTED, TMA), ".py")
+
+    def sweeps(self, args) -> list[Sweep]:
+        return [Sweep("moe_gather", (Axis("model", args.models),
+                                     Axis("precision", args.precisions),
+                                     Axis("routing", args.routing)), repeats=1, warmup=0)]
+
+    def start(self, run: Run) -> None:
+        args = run.args
+        self.on = kernel_device(self.device, "gluon_ws", "probes.moe_gather")
+        self.programs = torch.cuda.get_device_properties(self.on).multi_processor_count
+        self.shapes = load_shapes()
+        self.kernels = {name: load_kernel_file(path) for name, path in args.variants.items()}
+        if args.tma_kernel is not None:
+            self.kernels[TMA] = load_kernel_file(args.tma_kernel)
+
+    def prepare(self, point: dict, run: Run) -> GatherStep:
+        args = run.args
+        cell, checked, failures = kc.checked_cell(
+            self.shapes[point["model"]], point["precision"], point["routing"], args.tokens, args,
+            run, programs=self.programs, device=self.on)
+        in_place = cell.calls["wave"]
+        lay = cell.layout
+        # the received rows in arrival order, each layout row read through its arrival
+        x = lay.x[cell.rows]
+        x_scale = None if lay.x_scale is None else lay.x_scale[cell.rows]
+        origin = torch.full_like(in_place.args[ROW_ORIGIN], -1)
+        origin[cell.rows] = torch.arange(len(cell.rows), dtype=origin.dtype, device=origin.device)
+        a_rows = row_addresses(x, x_scale)
+        scattered = (*in_place.args[:A_ROWS], a_rows, origin, *in_place.args[ROW_ORIGIN + 1:])
+        grid, constexprs = in_place.grid, in_place.constexprs
+
+        def launch(kernel, kernel_args):
+            def run_once():
+                in_place.row_ready.zero_()
+                kernel[grid](*kernel_args, **constexprs)
+            return run_once
+
+        module, entry = KERNEL_ENTRIES["gluon_ws"]
+        committed = getattr(load_kernel_module(module), entry)
+        launches = {"in_place": in_place, "scattered": launch(committed, scattered)}
+        for name, kernel in self.kernels.items():
+            launches[name] = launch(kernel, tma_arguments(in_place.args, lay) if name == TMA
+                                    else scattered)
+        return GatherStep(point, cell, launches, checked, failures, (x, x_scale, a_rows, origin))
+
+    def check(self, step: GatherStep, run: Run) -> list[str]:
+        failures, cell = list(step.failures), step.cell
+        error = cell.calls["wave"].error
+        cell.combine.fill_(float("nan"))
+        step.launches["in_place"]()
+        want = cell.combine.clone()
+        for name, launch in step.launches.items():
+            cell.combine.fill_(float("nan"))
+            launch()
+            if not bitwise_equal(cell.combine, want):
+                failures.append(f"{name}: Combine rows differ from in_place's")
+        if int(error):
+            failures.append(f"spin errors {int(error)}")
+        step.checked["gather_spin_errors"] = int(error)
+        return failures
+
+    def measure(self, step: GatherStep, run: Run) -> pd.DataFrame:
+        args, cell = run.args, step.cell
+        timing = time_methods(step.launches, trials=args.trials, warmup=args.warmup,
+                              graph_iters=args.graph_iters, clocks=True)
+        base = timing["in_place"]["median_us"]
+        return pd.DataFrame([{
+            "model": cell.shape.model, "precision": cell.precision, "routing": cell.routing,
+            "tokens": args.tokens, "kernel": name, "rows": cell.problem.num_rows,
+            "num_programs": self.programs, "us": t["median_us"], "p25_us": t["p25_us"],
+            "p75_us": t["p75_us"], "over_in_place": base / t["median_us"],
+            "sm_clock_mhz": float(np.median([c for c in t.get("sm_clock_mhz", [])
+                                             if c is not None] or [np.nan])),
+            "trials_us": t["trials_us"],
+            **{k: v for k, v in step.checked.items() if not isinstance(v, dict)}}
+            for name, t in timing.items()])
+
+    def progress_line(self, rows) -> str | None:
+        r = rows.set_index("kernel")["over_in_place"].round(3).to_dict()
+        first = rows.iloc[0]
+        return f"{first['model']:10s} {first['precision']} {first['routing']:8s} {r}"
+
+    def metadata(self, run: Run) -> dict:
+        args = run.args
+        files = dict(args.variants)
+        if args.tma_kernel is not None:
+            files[TMA] = args.tma_kernel
+        return {"kernels": [*COMMITTED, *files], "files": file_digests(files),
+                "workload": f"one rank (rank {kc.RANK}) of EP = {kc.EP} on one GPU, every "
+                            "Combine store local, Expert-Wave",
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                         if k != "variants"},
+                "timing": f"{TIMING_METHOD}; {args.graph_iters} calls per trial, CUDA-graph "
+                          "replays"}
+
+
+EXPERIMENT = MoEGather()
+
+
+if __name__ == "__main__":
+    harness.main(EXPERIMENT)
