@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 
 from tests.experiments.triton_testing import (assert_case_ok, child_main, child_results,
@@ -14,7 +15,7 @@ from tests.experiments.triton_testing import (assert_case_ok, child_main, child_
 from xstage_lab.ops.moe.device_tables import (TableBounds, allocate_tables, host_tables,
                                               quant_slab, route_to_tables, table_mismatches)
 from xstage_lab.ops.moe.routing import router_logits, router_topk
-from xstage_lab.ops.moe.shapes import load_shapes
+from xstage_lab.ops.moe.shapes import MoEContractError, load_shapes
 from xstage_lab.ops.moe.tiles import default_tile_config
 from xstage_lab.ops.moe.weights import quantize_rows_fp8
 
@@ -308,3 +309,16 @@ def test_quant_slab_narrows_where_wide_slabs_leave_programs_idle():
 
 if __name__ == "__main__":
     raise SystemExit(child_main(sys.argv[1:], interpreter_cases(), COMPILE_CASES))
+
+
+def test_e4m3_rows_without_scales_are_refused_before_any_launch():
+    _, bounds = _bounds("DiT-MoE", 8, 4, 1)
+    tables = allocate_tables(bounds, 1408, "fp8", "cpu")
+    args = tables.args.clone()
+    x = torch.zeros(8, 1408).to(torch.float8_e4m3fn)
+    with pytest.raises(MoEContractError, match="scales"):
+        route_to_tables(tables, torch.zeros(8, dtype=torch.int32), x,
+                        n_arrivals=torch.tensor([8], dtype=torch.int32),
+                        arrival_src=torch.zeros(8, dtype=torch.int32),
+                        arrival_slot=torch.arange(8, dtype=torch.int32))
+    assert torch.equal(tables.args, args)  # nothing written
