@@ -22,6 +22,13 @@ from xstage_lab.prose import (PROSE_KEY, COUNT_SLOT, VALUE_SLOT, Prose, count, s
 NOTEBOOKS = sorted(runner.NOTEBOOKS_DIR.glob("*.ipynb"))
 RECORD_ID = re.compile(r"\b\d{8}T\d{6}Z-[0-9a-f]{10}\b")
 _TOKEN = re.compile(f"{VALUE_SLOT}|{COUNT_SLOT}|\\s+|[^\\s⟨]+|⟨")
+# Values the synthetic run reads the same by chance, each checked by hand (passage, value): why.
+# Three significant digits round alike about once in a thousand comparisons.
+COINCIDENCES = {
+    (("local-sweep", 0), "0.990"): "the best lead's lowest speed over Expert-Wave: the committed "
+    "record's is Hy3 fp8 balanced's, the synthetic set's DeepSeek-V4-Flash bf16 skewed's "
+    "(moe_host/h200-x1-host/20261202T234337Z-436394c7e6, 2026-12-02)",
+}
 
 
 # ------------------------------------------------------------------------------- Prose itself
@@ -142,7 +149,7 @@ def committed_values_left(committed, synthetic) -> tuple[list[str], int]:
             continue
         for x, y in _aligned_values(passage, b[key]):
             compared += 1
-            if x == y and _significant(x) > 1:
+            if x == y and _significant(x) > 1 and (key, x) not in COINCIDENCES:
                 left.append(f"{x} in passage {key}")
     text = _text(synthetic)
     ids = {i for p in a.values() for i in RECORD_ID.findall(p["skeleton"])}
