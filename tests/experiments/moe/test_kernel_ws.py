@@ -93,11 +93,8 @@ def test_compiles_for_hopper(ws_module, key):
     k = _compile(ws_module, precision, cfg)
     ptx = k.asm["ptx"]
     report = ptxas_report(ptx)
-    # the 256-wide FP8 Linear-2 build spills three loop-invariant scalars (12 bytes, whatever the
-    # partitions' register split), every other build nothing
-    allowed = 16 if (precision, cfg.block_n2) == ("fp8", 256) else 0
-    assert report["spill_store_bytes"] <= allowed and report["spill_load_bytes"] <= 2 * allowed, \
-        report
+    # no build spills (the 256-wide FP8 one spilled 12 bytes while the producer was one warp)
+    assert report["spill_store_bytes"] == 0 and report["spill_load_bytes"] == 0, report
     assert not report["wgmma_serialized"]
     assert k.metadata.shared <= ws_shared_memory_bytes(precision, cfg.block_n2, cfg.block_k,
                                                            cfg.num_stages) <= HOPPER_SMEM_PER_BLOCK
