@@ -87,7 +87,9 @@ def case_ep_rank(model: str, precision: str, world: int, per_source: int, progra
         out[:n] = t
         return out
 
-    tables = allocate_tables(bounds, shape.hidden, precision, "cpu")
+    # received e4m3 rows come with their scales: no quantized copy
+    tables = allocate_tables(bounds, shape.hidden, precision, "cpu", source_rows=0)
+    assert tables.x_quant is None
     tables.row_ready.fill_(7)
     x_in = padded(xq.view(torch.uint8), 0).view(xq.dtype)
     scale_in = None if xs is None else padded(xs, 1.0)
@@ -311,7 +313,7 @@ if __name__ == "__main__":
     raise SystemExit(child_main(sys.argv[1:], interpreter_cases(), COMPILE_CASES))
 
 
-def test_e4m3_rows_without_scales_are_refused_before_any_launch():
+def test_rows_the_tables_cannot_take_are_refused_before_any_launch():
     _, bounds = _bounds("DiT-MoE", 8, 4, 1)
     tables = allocate_tables(bounds, 1408, "fp8", "cpu")
     args = tables.args.clone()
@@ -322,3 +324,10 @@ def test_e4m3_rows_without_scales_are_refused_before_any_launch():
                         arrival_src=torch.zeros(8, dtype=torch.int32),
                         arrival_slot=torch.arange(8, dtype=torch.int32))
     assert torch.equal(tables.args, args)  # nothing written
+    # tables without a quantized copy refuse bf16 rows
+    tables = allocate_tables(bounds, 1408, "fp8", "cpu", source_rows=0)
+    with pytest.raises(MoEContractError, match="quantize no bf16 rows"):
+        route_to_tables(tables, torch.zeros(8, dtype=torch.int32), x.to(torch.bfloat16),
+                        n_arrivals=torch.tensor([8], dtype=torch.int32),
+                        arrival_src=torch.zeros(8, dtype=torch.int32),
+                        arrival_slot=torch.arange(8, dtype=torch.int32))

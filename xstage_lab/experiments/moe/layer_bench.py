@@ -226,7 +226,9 @@ class Ep8RankCell:
         self.src, self.slot, self.expert = torch.cat(srcs), torch.cat(slots), torch.cat(experts)
         n = self.rows.shape[0]
         capacity = EP * tokens * shape.top_k
-        self.ws = MoEWorkspace(weights, capacity)
+        # the rows arrive as Dispatch sent them, e4m3 with their scales in FP8: nothing to
+        # quantize, so no quantized copy
+        self.ws = MoEWorkspace(weights, capacity, source_rows=0)
         self.buffers = [torch.empty(tokens * shape.top_k, shape.hidden, dtype=torch.bfloat16,
                                     device=device) for _ in range(EP)]
         self.peers = local_combine_peers(self.buffers)

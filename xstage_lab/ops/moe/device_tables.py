@@ -134,6 +134,7 @@ class DeviceTables:
     error: torch.Tensor            # int32 [1]: ids out of range (and the kernel's spin flag)
     args: torch.Tensor             # int64 [ARGS]: the call's argument block (call_args)
     small_arrivals: int            # up to this many arrivals, route_small (SMALL_ARRIVALS)
+    fp8: bool                      # an FP8 layer's (e4m3 activations with 1 x 128 scales)
     # (received, quantize, id dtype) -> RoutingLaunches, bound on first use
     launches: dict = field(default_factory=dict, repr=False)
 
@@ -160,9 +161,10 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
                     error: torch.Tensor | None = None, small_arrivals: int | None = None,
                     source_rows: int | None = None) -> DeviceTables:
     """Every buffer of ``bounds`` on ``device``; ``error`` shared with the fused kernel where
-    given; ``small_arrivals``: ``SMALL_ARRIVALS`` where None; ``source_rows``: the rows of ``x``
-    at most (the quantized copy's, fp8), ``bounds.capacity`` where None (an EP rank's received
-    rows; at EP = 1 the tokens, ``capacity / top_k``)."""
+    given; ``small_arrivals``: ``SMALL_ARRIVALS`` where None; ``source_rows``: the bf16 rows of
+    ``x`` an FP8 layer quantizes at most (``x_quant``'s), ``bounds.capacity`` where None (an EP
+    rank's received rows; at EP = 1 the tokens, ``capacity / top_k``); 0: none, the layer takes
+    e4m3 rows with their scales only (an EP rank whose Dispatch sends FP8)."""
     dev = torch.device(device)
     i32 = dict(dtype=torch.int32, device=dev)
     e, g = bounds.num_experts, bounds.num_programs
@@ -176,13 +178,14 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
         torch.zeros(2, **i32), torch.full((bounds.capacity,), -1, **i32),
         torch.zeros(bounds.rows, **i32), torch.full((bounds.rows,), -1, **i32),
         torch.full((bounds.rows,), -1, **i32),
-        torch.zeros(sources, hidden, dtype=torch.float8_e4m3fn, device=dev) if fp8 else None,
+        (torch.zeros(sources, hidden, dtype=torch.float8_e4m3fn, device=dev)
+         if fp8 and sources else None),
         (torch.zeros(sources, hidden // FP8_SCALE_BLOCK, dtype=torch.float32, device=dev)
-         if fp8 else None),
+         if fp8 and sources else None),
         {s: torch.zeros(g, bounds.max_tiles, 4, **i32) for s in SCHEDULES},
         {s: torch.zeros(g, **i32) for s in SCHEDULES}, torch.zeros(bounds.row_blocks, **i32),
         torch.zeros(1, **i32) if error is None else error, allocate_args(dev),
-        SMALL_ARRIVALS if small_arrivals is None else small_arrivals)
+        SMALL_ARRIVALS if small_arrivals is None else small_arrivals, fp8)
 
 
 def quant_slab(rows: int, hidden: int, num_programs: int) -> int:
@@ -221,6 +224,9 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
     16-byte aligned (MoEContractError before any launch)."""
     if x.dtype == torch.float8_e4m3fn and x_scale is None:
         raise MoEContractError("e4m3 activations need their 1 x 128 scales (x_scale)")
+    if x.dtype == torch.bfloat16 and tables.x_quant is None and tables.fp8:
+        raise MoEContractError("these FP8 tables quantize no bf16 rows (allocated with "
+                               "source_rows=0): pass e4m3 rows with their scales")
     write_args(tables.args, expert_ids=expert_ids, x=x,
                **({} if x_scale is None else {"x_scale": x_scale}))
     received = n_arrivals is not None
