@@ -15,7 +15,9 @@ from xstage_lab.ops.launcher import Launcher
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
-SLOTS = ("expert_ids", "x", "combine_rows", "topk_weights", "out")
+# the writer's slots, in its parameters' order (``call_args``; the block's last two are the
+# routing's)
+SLOTS = ("expert_ids", "x", "x_scale", "combine_rows", "topk_weights", "out")
 LAUNCHES = 6
 HOLD_CYCLES = 200_000_000  # about 0.1 s at H200 clocks: every launch is queued behind it
 

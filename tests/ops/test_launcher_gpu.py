@@ -12,11 +12,13 @@ from xstage_lab.ops.launcher import Launcher
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
-SLOTS = ("expert_ids", "x", "combine_rows", "topk_weights", "out")
+# the writer's slots, in its parameters' order (``call_args``; the block's last two are the
+# routing's)
+SLOTS = ("expert_ids", "x", "x_scale", "combine_rows", "topk_weights", "out")
 
 
 def _launcher() -> Launcher:
-    """``moe_args.write_args``: a tensor (the block) and five integers vary at every call."""
+    """``moe_args.write_args``: a tensor (the block) and six integers vary at every call."""
     return Launcher(load_kernel_module("moe_args").write_args)
 
 
