@@ -4,23 +4,22 @@ and a ``torch.library`` custom op (``xstage::fused_moe``) with a fake implementa
 ``torch.compile(fullgraph=True)`` traces a block that uses it.
 
 A call is seven launches in bf16, eight in FP8 (four, five up to ``device_tables.SMALL_ARRIVALS``
-picks): its argument block written (``call_args.write_addresses``: the addresses of
-``topk_ids``, ``x``, the Combine rows, ``topk_weights`` and ``y``), routing to tile tables
-(``device_tables``: four Triton launches, or one, that read their varying tensors from the block
-and zero the fused kernel's row counters; in FP8 one more quantizes the tokens per 1 x 128), the
-fused kernel over the chosen schedule's table (``kernels/moe_fused_ws.py`` on sm_90,
-``kernels/moe_fused.py`` elsewhere), whose Linear-1 gathers each pick's token row as it loads and
-whose Linear-2 epilogues store each pick's row into the Combine buffer, then the top-k weighted sum
-(``combine``, one Triton launch, reading the block). Eagerly on CUDA they run as one CUDA graph (``GraphCache``),
-captured once per token count at that count's first call, its writer node taking each call's
-addresses as new arguments (``graph_launch.GraphLauncher``): a call costs the host two driver
-calls. While the stream is capturing (a user's graph) or off CUDA they launch directly, each bound
-once (``launcher.Launcher``: a call pays the driver's launches, not Triton's Python binding). Once
-a T's graph exists, an eager call on CUDA takes the compiled host path (``fused_call.cpp``, built
-with ``torch.utils.cpp_extension`` at the layer's construction): the same checks, allocation,
-addresses and two driver calls in one C++ function. ``MoEWorkspace`` is the same call over received
-rows (the EP rank workload), storing into any ``CombinePeers``, replayed from a graph per set of
-buffers.
+picks): its argument block written (``call_args.write_addresses``: the addresses of ``topk_ids``,
+``x``, the Combine rows, ``topk_weights`` and ``y``), routing to tile tables (``device_tables``:
+four Triton launches, or one, that read their varying tensors from the block and zero the fused
+kernel's row counters; in FP8 one more quantizes the tokens per 1 x 128), the fused kernel over the
+chosen schedule's table (``kernels/moe_fused_ws.py`` on sm_90, ``kernels/moe_fused.py`` elsewhere),
+whose Linear-1 gathers each pick's token row as it loads and whose Linear-2 epilogues store each
+pick's row into the Combine buffer, then the top-k weighted sum (``combine``, one Triton launch,
+reading the block). Eagerly on CUDA they run as one CUDA graph (``GraphCache``), captured once per
+token count at that count's first call, its writer node taking each call's addresses as new
+arguments (``graph_launch.GraphLauncher``): a call costs the host two driver calls. While the
+stream is capturing (a user's graph) or off CUDA they launch directly, each bound once
+(``launcher.Launcher``: a call pays the driver's launches, not Triton's Python binding). Once a T's
+graph exists, an eager call on CUDA takes the compiled host path (``fused_call.cpp``, built with
+``torch.utils.cpp_extension`` at the layer's construction): the same checks, allocation, addresses
+and two driver calls in one C++ function. ``MoEWorkspace`` is the same call over received rows (the
+EP rank workload), storing into any ``CombinePeers``, replayed from a graph per set of buffers.
 """
 from __future__ import annotations
 
@@ -164,7 +163,8 @@ class MoEWorkspace:
     arrivals: the device tables (the row counters included), ``h`` and its scales, the error
     flag (shared by the routing kernels and the fused kernel). ``num_programs`` defaults to the
     SMs (one persistent program each); ``lead_rows`` to D_knee (eq. 16); ``source_rows``: the
-    rows of ``x`` a call passes at most (``allocate_tables``)."""
+    bf16 rows of ``x`` an FP8 layer quantizes at most, 0 where it takes e4m3 rows only
+    (``allocate_tables``)."""
 
     def __init__(self, weights: ExpertWeights, capacity: int, *, config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
