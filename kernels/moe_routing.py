@@ -325,10 +325,8 @@ def route_quantize(args, n_arrivals_ptr, x_quant, x_quant_scale, CAPACITY, HIDDE
     x = arg_pointer(args, ARG_X, tl.bfloat16, True)
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     h_first = tl.program_id(1) * SLAB
-    if RECEIVED:
-        n = tl.load(n_arrivals_ptr)
-    else:
-        n = CAPACITY // TOP_K
+    # an EP rank's arrivals are its rows (TOP_K 1); at EP = 1 each token is TOP_K arrivals
+    n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED) // TOP_K
     if tl.program_id(0) * ROWS < n:
         live = i < n
         rows64 = i.to(tl.int64)

@@ -37,8 +37,9 @@ device time goes (torch.profiler, ``dist_timing.kernel_times_us``): per routing 
 issue 27's bound) apart from the pass over the activations (``route_gather_us``: the FP8
 quantization of the tokens at EP = 1; none where the fused kernel reads them as they are, which it
 gathers into its Linear-1 tiles; a record from before that holds the move into the layout).
-Floors from the HBM bandwidth measured at the start of the run (a device copy): ``weighted_sum_floor_us`` (its bytes) and ``weight_floor_us``
-(the bytes of the experts the call touches). Where a one-token kernel's time goes (``trace_*``,
+Floors from the HBM bandwidth measured at the start of the run (a device copy):
+``weighted_sum_floor_us`` (its bytes) and ``weight_floor_us`` (the bytes of the experts the call
+touches). Where a one-token kernel's time goes (``trace_*``,
 ``layer_view.kernel_phases``): its tiles, the SMs that ran them, their mainloops and stream
 rates, the Linear-1 phase's end and the Linear-2 wait, from the instrumented launch.
 """
