@@ -8,14 +8,9 @@ Device code only; the host side is ``xstage_lab/ops/moe/call_args.py``. The bloc
 ``[ARGS]``, one address per slot; a reader casts its slot to the pointer type it needs
 (``arg_pointer``). ``x``, ``combine_rows`` and ``out`` are 16-byte aligned (the host checks it),
 so their loads and stores stay vectorized.
-
-Every launch of a call that the routing chain makes starts with ``pdl_start``: launched with
-programmatic dependent launch (``launcher.dependent_launch``), the next launch's programs start
-while this one runs and wait on the device, so the chain pays no launch gap between its kernels.
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ARG_EXPERT_IDS = tl.constexpr(0)  # the arrivals' local expert ids (topk_ids at EP = 1)
 ARG_X = tl.constexpr(1)           # the activations: the tokens at EP = 1, the received rows
@@ -29,25 +24,10 @@ ARG_A_ROWS = tl.constexpr(6)
 ARGS = tl.constexpr(8)
 
 
-@triton.jit
-def pdl_start(PDL: tl.constexpr):
-    """Where ``PDL`` (the kernel launched with ``launch_pdl``): let the stream's next launch start
-    its programs (it waits in its own ``pdl_start`` or ``griddepcontrol.wait``), then wait until
-    the previous launch has completed and its stores are visible. Each kernel of the chain thus
-    waits for the one before it, as in stream order; what it saves is the launch gap. Every
-    program calls it first: the dependents start once all programs have triggered."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
 @triton.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",
                                "out"])
-def write_args(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
-               PDL: tl.constexpr = False):
-    """One program: each address (int64, by value) into its slot of ``args`` (after the previous
-    launch, which may still read the block: ``pdl_start``)."""
-    pdl_start(PDL)
+def write_args(args, expert_ids, x, x_scale, combine_rows, topk_weights, out):
+    """One program: each address (int64, by value) into its slot of ``args``."""
     tl.store(args + ARG_EXPERT_IDS, expert_ids)
     tl.store(args + ARG_X, x)
     tl.store(args + ARG_X_SCALE, x_scale)

@@ -48,7 +48,6 @@ peer table int64 ``[P]`` of 16-byte aligned bf16 ``[slots, HIDDEN]`` Combine buf
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 TILE_L1 = tl.constexpr(0)
 TILE_L2 = tl.constexpr(1)
@@ -218,15 +217,11 @@ def fused_moe_kernel(tiles_ptr, num_tiles_ptr, max_tiles,
                      HIDDEN, INTER,
                      FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr,
                      BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                     INSTRUMENT: tl.constexpr = False, FENCE: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     INSTRUMENT: tl.constexpr = False, FENCE: tl.constexpr = False):
     """One persistent program per table row: ``num_tiles_ptr[g]`` entries of row g, read on the
     device, so a table sized by a static bound works; the schedule is the table, not this code.
     A tile whose expert lies outside ``0 .. num_experts - 1`` adds 1 to ``error_ptr`` and is
-    skipped (never a load or store through it). PDL: as ``moe_fused_ws_kernel``'s, the
-    routing's tables waited for on the device, no early start of its dependents."""
-    if PDL:
-        gdc_wait()
+    skipped (never a load or store through it)."""
     pid = tl.program_id(0)
     my_tiles = tiles_ptr + pid * max_tiles * 4
     for i in range(0, tl.load(num_tiles_ptr + pid)):

@@ -89,14 +89,6 @@ def _fence_proxy_async_global():
 
 
 @gluon.jit
-def _wait_prior_grid():
-    """``griddepcontrol.wait``: the previous launch on the stream complete and its stores
-    visible (a no-op without programmatic dependent launch)."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
 def _load_acquire(counter):
     return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [counter],
                                      dtype=gl.int32, is_pure=False, pack=1)
@@ -566,8 +558,7 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
                         combine_ptrs, error, max_spin, num_experts, trace, HIDDEN, INTER,
                         l1_k_blocks, l2_k_blocks, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
                         BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                        INSTRUMENT: gl.constexpr = False, FENCE: gl.constexpr = False,
-                        PDL: gl.constexpr = False):
+                        INSTRUMENT: gl.constexpr = False, FENCE: gl.constexpr = False):
     """One persistent program per table row (``tiles`` int32 [programs, max_tiles, 4],
     ``num_tiles`` int32 [programs], read on the device: a table sized by a static bound, its
     entries past ``num_tiles[g]`` never read); the schedule is the table, not this code. A tile
@@ -588,15 +579,11 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     ``l1_k_blocks``/``l2_k_blocks``: the K blocks each Linear-1/Linear-2 mainloop runs,
     ``HIDDEN / BLOCK_K`` and ``INTER / BLOCK_K`` for the MoE layer. Fewer make a *synthetic*
     kernel (the X-Stage knee sweep: shorter mainloops, every Combine store kept) that computes
-    the layer over the first K blocks only.
-
-    PDL: launched with programmatic dependent launch after the routing
-    (``launcher.dependent_launch``): the program sets up its shared memory, then waits for the
-    routing's tables (``griddepcontrol.wait``). It never lets its own dependents start early:
-    they would take SMs from a persistent grid."""
+    the layer over the first K blocks only."""
     pid = gl.program_id(0)
     my_tiles = tiles + pid * max_tiles * TILE_FIELDS
     my_trace = trace + pid * max_tiles * TRACE_FIELDS
+    n_tiles = gl.load(num_tiles + pid)
     b_rows: gl.constexpr = 2 * BLOCK_N1 if 2 * BLOCK_N1 > BLOCK_N2 else BLOCK_N2
     a_smem = gl.allocate_shared_memory(h_desc.dtype, [2 * STAGES, HALF_ROWS, BLOCK_K],
                                        h_desc.layout)
@@ -607,9 +594,6 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # one release per consumer warpgroup
     fence_async_shared()
-    if PDL:
-        _wait_prior_grid()
-    n_tiles = gl.load(num_tiles + pid)
     gl.warp_specialize([
         (_consumer, (0, my_tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows, row_origin,
                      w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs,

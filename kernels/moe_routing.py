@@ -52,7 +52,7 @@ that lie before stream index ``X``: ``X = min((p_1 - D + 1) P_2, n_2)`` for Line
 import triton
 import triton.language as tl
 
-from .moe_args import ARG_A_ROWS, ARG_EXPERT_IDS, ARG_X, ARG_X_SCALE, arg_pointer, pdl_start
+from .moe_args import ARG_A_ROWS, ARG_EXPERT_IDS, ARG_X, ARG_X_SCALE, arg_pointer
 from .moe_fused import _round_to_e4m3
 
 TILE_L1 = tl.constexpr(0)
@@ -89,12 +89,10 @@ def _set_a_rows(args, quant_rows, quant_scale, QUANTIZE: tl.constexpr):
 @triton.jit(do_not_specialize=["quant_rows", "quant_scale"])
 def route_histogram(args, n_arrivals_ptr, chunk_counts, error, quant_rows, quant_scale, CAPACITY,
                     NUM_EXPERTS, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
-                    E_PAD: tl.constexpr, CHUNK: tl.constexpr, ID_DTYPE: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    E_PAD: tl.constexpr, CHUNK: tl.constexpr, ID_DTYPE: tl.constexpr):
     """``chunk_counts[c, e]`` (int32 ``[chunks, NUM_EXPERTS]``): arrivals of chunk ``c`` routed to
     local expert ``e``. ``args``' expert ids: ``ID_DTYPE`` (int32/int64) ``[CAPACITY]``, the
     local expert of each arrival. Program 0: ``_set_a_rows``."""
-    pdl_start(PDL)
     c = tl.program_id(0)
     if c == 0:
         _set_a_rows(args, quant_rows, quant_scale, QUANTIZE)
@@ -168,13 +166,11 @@ def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, scan
                   RECEIVED: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
                   E_BLOCK: tl.constexpr, G_PAD: tl.constexpr, E_LOG2: tl.constexpr,
                   CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, JUMP_LEVELS: tl.constexpr,
-                  JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
     """``E_PAD / E_BLOCK`` programs, program ``b`` scanning the chunk counts of experts ``b E_BLOCK
     ..``: ``chunk_start[c, e]``, the arrivals of expert ``e`` in chunks before ``c``, and
     ``expert_counts[e]``. The last program to finish (a ticket on ``scan_done``, which it sets back
     to 0 for the next call) then lays out every expert (``_offsets_and_waves``)."""
-    pdl_start(PDL)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     chunks = tl.cdiv(n, CHUNK)
     es = tl.program_id(0) * E_BLOCK + tl.arange(0, E_BLOCK)
@@ -273,13 +269,11 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jum
 def route_scatter(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start,
                   expert_offsets, arrival_rows, row_src, row_slot, row_origin, CAPACITY,
                   NUM_EXPERTS, TOP_K, RECEIVED: tl.constexpr, CHUNK: tl.constexpr,
-                  ID_DTYPE: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  ID_DTYPE: tl.constexpr):
     """Per chunk: ``arrival_rows[i]`` = ``expert_offsets[e] + chunk_start[c, e]`` + the arrivals
     of ``e`` before ``i`` in its chunk; ``row_src``/``row_slot`` of that row (source 0 and slot
     ``i`` at EP = 1) and ``row_origin`` (token ``i // TOP_K`` at EP = 1, received row ``i`` on an
     EP rank). Out-of-range ids get no row (``route_histogram`` flagged them)."""
-    pdl_start(PDL)
     c = tl.program_id(0)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     if c * CHUNK < n:
@@ -321,15 +315,13 @@ def _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, exp
 @triton.jit
 def route_quantize(args, n_arrivals_ptr, x_quant, x_quant_scale, CAPACITY, HIDDEN, TOP_K,
                    RECEIVED: tl.constexpr, ROWS: tl.constexpr, SLAB: tl.constexpr,
-                   BLOCK_H: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   BLOCK_H: tl.constexpr):
     """Program ``(r, h)``: rows ``r ROWS ..`` and columns ``h SLAB ..`` of the bf16 activations
     ``x`` (``args``': the ``CAPACITY // TOP_K`` tokens at EP = 1, the received rows on an EP rank)
     to e4m3 ``x_quant`` with one fp32 scale per 1 x 128 block (``x_quant_scale``), as
     ``weights.quantize_rows_fp8``, bitwise: the scale times the reciprocal of the e4m3 maximum
     (torch's CUDA division by a scalar does so), the values times the IEEE reciprocal of the scale
     (div_rn: Triton's `/` is the approximate div.full.f32). Every program independent."""
-    pdl_start(PDL)
     x = arg_pointer(args, ARG_X, tl.bfloat16, True)
     i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     h_first = tl.program_id(1) * SLAB
@@ -366,12 +358,10 @@ def _store_entries(at, kind: tl.constexpr, expert, row_block, n_block, mask):
 def route_tiles(expert_counts, expert_offsets, wave_lo, wave_hi, meta, row_src, row_slot,
                 row_origin, row_ready, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD,
                 MAX_TILES,
-                BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr,
-                PDL: tl.constexpr = False):
+                BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr):
     """Row block ``p`` (one program each, up to the row blocks' bound): the fused kernel's
     counter ``row_ready[p]`` zeroed (its Linear-1 tiles count into it), and
     ``_row_block_tiles`` where ``p`` is in use."""
-    pdl_start(PDL)
     p = tl.program_id(0)
     tl.store(row_ready + p, 0)
     row_blocks = tl.load(meta + META_ROW_BLOCKS)
@@ -447,14 +437,12 @@ def route_small(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, ex
                 E_PAD: tl.constexpr, G_PAD: tl.constexpr, E_LOG2: tl.constexpr,
                 CHUNK: tl.constexpr, JUMP_LEVELS: tl.constexpr, JUMP_STRIDE: tl.constexpr,
                 JUMP_PAD: tl.constexpr, ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr,
-                ROW_BLOCKS: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-                PDL: tl.constexpr = False):
+                ROW_BLOCKS: tl.constexpr, ZERO_BLOCK: tl.constexpr):
     """One program, for few arrivals: ``route_histogram``, ``route_offsets``, ``route_scatter``
     and ``route_tiles`` as passes of one launch, each a loop over what that launch's programs
     did side by side (chunks of arrivals, row blocks), a barrier between passes where the
     launches had a kernel boundary. At a few tokens per call each of those launches is a few µs
     of latency with little work in it (moe_layer's per-kernel profile)."""
-    pdl_start(PDL)
     _set_a_rows(args, quant_rows, quant_scale, QUANTIZE)
     expert_ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)

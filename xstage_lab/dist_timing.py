@@ -184,8 +184,7 @@ def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, wa
 def kernel_times_us(fn: Callable[[], None], calls: int = 10) -> dict[str, float]:
     """Device time per call of each kernel (and copy or fill) that ``fn`` launches, by name, as
     torch.profiler's CUDA activity (CUPTI) records it over ``calls`` calls after one unprofiled
-    call, each kernel counted exclusively (``exclusive_times_us``): where a call's time goes, not
-    a timing to compare (the profiler adds its own cost)."""
+    call: where a call's time goes, not a timing to compare (the profiler adds its own cost)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -195,21 +194,8 @@ def kernel_times_us(fn: Callable[[], None], calls: int = 10) -> dict[str, float]
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return exclusive_times_us([(e.name, e.time_range.start, e.time_range.end)
-                               for e in prof.events() if e.device_type == DeviceType.CUDA], calls)
-
-
-def exclusive_times_us(spans: list[tuple[str, float, float]], calls: int) -> dict[str, float]:
-    """Per name, the device time per call that its spans ``(name, start, end)`` (µs, one stream)
-    had to themselves: each from the later of its start and the end of every span that started
-    before it. A kernel launched with programmatic dependent launch starts while the one before
-    it runs and waits for it on the device; its whole span would count that wait twice."""
-    totals: dict[str, float] = {}
-    horizon = -np.inf
-    for name, start, end in sorted(spans, key=lambda s: s[1]):
-        totals[name] = totals.get(name, 0.0) + max(0.0, end - max(start, horizon))
-        horizon = max(horizon, end)
-    return {name: total / calls for name, total in totals.items() if total > 0}
+    return {e.key: e.self_device_time_total / calls for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0}
 
 
 def _mhz(value: float) -> float | None:

@@ -10,10 +10,6 @@ specialization was seen before it hands the compiled kernel's argument list, wit
 put in, straight to the driver's launcher (as ``JITFunction.run`` does after its lookup). A new
 specialization goes through Triton once (compiling if needed). Under ``TRITON_INTERPRET=1`` every
 call goes through Triton.
-
-``dependent_launch`` gives the static options of programmatic dependent launch (PDL): a chain of
-short kernels, each launched before the previous one ends, waits on the device instead of paying
-a launch gap between them.
 """
 from __future__ import annotations
 
@@ -21,21 +17,6 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 from triton.runtime.interpreter import InterpretedFunction
-
-
-def dependent_launch(device) -> dict:
-    """``Launcher`` static options for programmatic dependent launch on ``device`` (sm_90 and
-    later, compiled kernels): ``launch_pdl`` lets the driver start the kernel's programs as soon
-    as every program of the previous kernel on the stream has executed
-    ``griddepcontrol.launch_dependents`` (CUDA's programmatic stream serialization), and the
-    kernel's ``PDL`` constexpr makes it wait for that kernel's completion and memory
-    (``griddepcontrol.wait``) before it reads what that kernel wrote. Empty elsewhere: the
-    kernels' ``PDL`` defaults to False and the launch is an ordinary one."""
-    device = torch.device(device)
-    if (device.type != "cuda" or knobs.runtime.interpret
-            or torch.cuda.get_device_capability(device)[0] < 9):
-        return {}
-    return {"PDL": True, "launch_pdl": True}
 
 
 def _specialization(value) -> tuple:

@@ -64,13 +64,11 @@ def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
                  "max_spin": "i32", "num_experts": "i32",
                  "trace": "*i64" if instrument else "*i32", "HIDDEN": "i32", "INTER": "i32", "l1_k_blocks": "i32", "l2_k_blocks": "i32", "FP8": "constexpr",
                  "BLOCK_N1": "constexpr", "BLOCK_N2": "constexpr", "BLOCK_K": "constexpr",
-                 "STAGES": "constexpr", "INSTRUMENT": "constexpr", "FENCE": "constexpr",
-                 "PDL": "constexpr"}
+                 "STAGES": "constexpr", "INSTRUMENT": "constexpr", "FENCE": "constexpr"}
     names = list(signature)
-    # PDL as launcher.dependent_launch builds the op's launch on sm_90
     constexprs = {(names.index(k),): v for k, v in dict(
         FP8=precision == "fp8", BLOCK_N1=cfg.block_n1, BLOCK_N2=cfg.block_n2, BLOCK_K=bk,
-        STAGES=cfg.num_stages, INSTRUMENT=instrument, FENCE=fence, PDL=True).items()}
+        STAGES=cfg.num_stages, INSTRUMENT=instrument, FENCE=fence).items()}
     # what Triton's launcher specializes: 16-byte aligned tensors, ints divisible by 16
     aligned = {(names.index(k),): [["tt.divisibility", 16]]
                for k, v in signature.items() if v.startswith("*")}
@@ -115,9 +113,6 @@ def test_compiles_for_hopper(ws_module, key):
     assert "ld.acquire.gpu" in ptx and "atom.global.gpu.release.add" in ptx
     assert ptx.count("fence.proxy.async.global") >= 3  # two consumer partitions, the producer
     assert "atom.global.sys.release" in ptx  # every Combine store performed before the program exits
-    # after the routing launched before it: one wait for its tables, no early start of what
-    # follows (a persistent grid keeps its SMs)
-    assert ptx.count("griddepcontrol.wait") == 1 and "griddepcontrol.launch_dependents" not in ptx
 
 
 def test_default_configs_follow_the_shapes():

@@ -48,14 +48,10 @@ def _compile_sm90() -> dict:
     from tests.experiments.triton_testing import hopper_target
 
     kernel = load_kernel_module("moe_args").write_args
-    slots = [p.name for p in kernel.params[1:] if not p.is_constexpr]
-    signature = {"args": "*i64", **{n: "i64" for n in slots}, "PDL": "constexpr"}
-    compiled = triton.compile(ASTSource(kernel, signature, {(len(slots) + 1,): True}),
-                              target=hopper_target(), options={"num_warps": 1, "launch_pdl": True})
-    ptx = compiled.asm["ptx"]
-    return {"has_cubin": bool(compiled.asm.get("cubin")),
-            "dependents": ptx.count("griddepcontrol.launch_dependents"),
-            "waits": ptx.count("griddepcontrol.wait")}
+    signature = {"args": "*i64", **{n: "i64" for n in kernel.arg_names[1:]}}
+    compiled = triton.compile(ASTSource(kernel, signature, {}), target=hopper_target(),
+                              options={"num_warps": 1})
+    return {"has_cubin": bool(compiled.asm.get("cubin"))}
 
 
 COMPILE_CASES = {"compile_sm90_write_args": (_compile_sm90,)}
@@ -66,10 +62,7 @@ interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, inte
 def test_write_args_compiles_for_sm90():
     results = child_results(MODULE, "--compile-sm90", interpret=False, timeout=600)
     assert_case_ok(results, "compile_sm90_write_args")
-    detail = results["compile_sm90_write_args"]["detail"]
-    assert detail["has_cubin"]
-    # programmatic dependent launch: the next launch started, then the previous one waited for
-    assert detail["dependents"] == 1 and detail["waits"] == 1
+    assert results["compile_sm90_write_args"]["detail"]["has_cubin"]
 
 
 @pytest.mark.parametrize("tensors,message", [

@@ -268,18 +268,13 @@ def _compile_sm90(name: str) -> dict:
                              ID_DTYPE=tl.int32, P_PAD=16, ROW_BLOCKS=16, ZERO_BLOCK=1024)),
     }
     signature, constexprs = signatures[name]
-    constexprs["PDL"] = True  # as launcher.dependent_launch builds it on sm_90
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
     names = kernel.arg_names
     compiled = triton.compile(ASTSource(kernel, signature,
                                         {(names.index(k),): v for k, v in constexprs.items()}),
                               target=hopper_target(),
-                              options={"num_warps": 8 if name in ("route_offsets", "route_small") else 4,
-                                       "launch_pdl": True})
-    ptx = compiled.asm["ptx"]
-    return {"has_cubin": bool(compiled.asm.get("cubin")), "shared": compiled.metadata.shared,
-            "dependents": ptx.count("griddepcontrol.launch_dependents"),
-            "waits": ptx.count("griddepcontrol.wait")}
+                              options={"num_warps": 8 if name in ("route_offsets", "route_small") else 4})
+    return {"has_cubin": bool(compiled.asm.get("cubin")), "shared": compiled.metadata.shared}
 
 
 COMPILE_CASES = {f"compile_sm90_{n}": (_compile_sm90, n)
@@ -293,10 +288,7 @@ def test_routing_kernels_compile_for_sm90():
     results = child_results(MODULE, "--compile-sm90", interpret=False, timeout=600)
     for name in COMPILE_CASES:
         assert_case_ok(results, name)
-        detail = results[name]["detail"]
-        assert detail["has_cubin"]
-        # every routing launch lets the next one start, then waits for the one before it
-        assert detail["dependents"] == 1 and detail["waits"] == 1, (name, detail)
+        assert results[name]["detail"]["has_cubin"]
 
 
 def test_bounds_cover_every_row_a_routing_can_use():

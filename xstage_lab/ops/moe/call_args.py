@@ -8,14 +8,13 @@ takes the addresses as new arguments of that node instead (``graph_launch.GraphL
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 import triton.language as tl
 
 from ...kernel_sources import load_kernel_module
 from ...platform import ALIGN_BYTES
-from ..launcher import Launcher, dependent_launch
+from ..launcher import Launcher
 from .shapes import MoEContractError
 
 # the slots whose readers assume 16-byte aligned addresses (vectorized rows)
@@ -109,7 +108,4 @@ def writer_function() -> int:
 def _writer() -> tuple[Launcher, tuple[str, ...]]:
     """The writer's launcher (bound once) and its slot names, in its parameters' order."""
     kernel = load_kernel_module("moe_args").write_args
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    params = list(inspect.signature(kernel.fn).parameters.values())[WRITER_FIRST_SLOT:]
-    slots = tuple(p.name for p in params if p.annotation is not tl.constexpr)
-    return Launcher(kernel, **dependent_launch(device)), slots
+    return Launcher(kernel), tuple(kernel.arg_names[WRITER_FIRST_SLOT:])

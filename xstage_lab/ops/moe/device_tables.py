@@ -18,7 +18,7 @@ import torch
 import triton
 
 from ...kernel_sources import load_kernel_module
-from ..launcher import Launcher, dependent_launch
+from ..launcher import Launcher
 from .call_args import a_rows_view, allocate_args, triton_dtype, write_args
 from .dispatch import DispatchLayout, build_layout
 from .schedules import (WAVE_FILL, MoEProblem, expert_wave_schedule, interleaved_schedule,
@@ -260,12 +260,9 @@ class RoutingLaunches:
         scan_experts = min(SCAN_EXPERTS, e_pad)
         self.scan_programs = e_pad // scan_experts
         ids = triton_dtype(id_dtype)
-        # each launch after the previous one's start, waiting for it on the device (moe_args'
-        # pdl_start): the chain's launch gaps hidden where the GPU has them (sm_90+)
-        pdl = dependent_launch(t.args.device)
         self.histogram = Launcher(k.route_histogram, args=t.args, chunk_counts=t.chunk_counts,
                                   error=t.error, NUM_EXPERTS=b.num_experts, RECEIVED=received,
-                                  E_PAD=e_pad, CHUNK=CHUNK, ID_DTYPE=ids, **quant, **pdl)
+                                  E_PAD=e_pad, CHUNK=CHUNK, ID_DTYPE=ids, **quant)
         self.offsets = Launcher(
             k.route_offsets, chunk_counts=t.chunk_counts, chunk_start=t.chunk_start,
             expert_counts=t.expert_counts, scan_done=t.scan_done,
@@ -277,17 +274,16 @@ class RoutingLaunches:
             E_PAD=e_pad, E_BLOCK=scan_experts, G_PAD=_pow2(b.num_programs), CHUNK=CHUNK,
             CHUNK_ROWS=SCAN_TILE // scan_experts, E_LOG2=e_pad.bit_length() - 1,
             JUMP_LEVELS=t.wave_jumps.shape[0],
-            JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8,
-            **pdl)
+            JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
         self.scatter = Launcher(k.route_scatter, args=t.args, chunk_start=t.chunk_start,
                                 expert_offsets=t.expert_offsets, arrival_rows=t.arrival_rows,
                                 row_src=t.row_src, row_slot=t.row_slot, row_origin=t.row_origin,
                                 NUM_EXPERTS=b.num_experts, RECEIVED=received, CHUNK=CHUNK,
-                                ID_DTYPE=ids, **pdl)
+                                ID_DTYPE=ids)
         self.quantizer = {slab: Launcher(
             k.route_quantize, args=t.args, x_quant=t.x_quant, x_quant_scale=t.x_quant_scale,
             HIDDEN=hidden, RECEIVED=received, ROWS=QUANT_ROWS, SLAB=slab,
-            BLOCK_H=FP8_SCALE_BLOCK, **pdl) for slab in (QUANT_SLAB, FP8_SCALE_BLOCK)} if quantize else {}
+            BLOCK_H=FP8_SCALE_BLOCK) for slab in (QUANT_SLAB, FP8_SCALE_BLOCK)} if quantize else {}
         tables_static = dict(
             expert_counts=t.expert_counts, expert_offsets=t.expert_offsets, wave_lo=t.wave_lo,
             wave_hi=t.wave_hi, row_src=t.row_src, row_slot=t.row_slot, row_origin=t.row_origin,
@@ -296,7 +292,7 @@ class RoutingLaunches:
             NUM_EXPERTS=b.num_experts, G=b.num_programs,
             P1=b.l1_n_blocks, P2=b.l2_n_blocks, LEAD=b.lead_rows, MAX_TILES=b.max_tiles,
             BLOCK_M=b.block_m, E_PAD=e_pad, P_PAD=_pow2(max(b.l1_n_blocks, b.l2_n_blocks)))
-        self.tiles = Launcher(k.route_tiles, meta=t.meta, **tables_static, **pdl)
+        self.tiles = Launcher(k.route_tiles, meta=t.meta, **tables_static)
         self.small = Launcher(
             k.route_small, args=t.args, chunk_start=t.chunk_start, wave_jumps=t.wave_jumps,
             meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
@@ -306,13 +302,18 @@ class RoutingLaunches:
             JUMP_LEVELS=t.wave_jumps.shape[0], JUMP_STRIDE=t.wave_jumps.shape[1],
             JUMP_PAD=_pow2(b.num_experts + 1), ID_DTYPE=ids, ROW_BLOCKS=ROW_BLOCKS_SMALL,
             ZERO_BLOCK=ZERO_BLOCK, ROW_BLOCK_BOUND=b.row_blocks, num_warps=8, **quant,
-            **tables_static, **pdl)
+            **tables_static)
 
     def __call__(self, capacity: int, top_k: int, *, n_arrivals: torch.Tensor | None = None,
                  arrival_src: torch.Tensor | None = None,
                  arrival_slot: torch.Tensor | None = None) -> None:
         """The launches on the current stream over ``capacity`` arrivals (at EP = 1 ``T *
-        top_k``, each launch's arguments then fixed by ``T``: what a graph captures)."""
+        top_k``, each launch's arguments then fixed by ``T``: what a graph captures).
+
+        Plain stream order between them: with programmatic dependent launch (each launch
+        letting the next one start at once and waiting for the previous one on the device, the
+        fused kernel waiting after its setup) the whole matrix measured no better and the host
+        slower (retired moe_layer records 20261203T060649Z and …060956Z, their reason)."""
         t = self.tables
         chunks = (triton.cdiv(capacity, CHUNK),)
         # EP = 1 reads no count, sources, slots or scales: any pointer stands in

@@ -34,7 +34,7 @@ from triton.runtime import driver
 
 from ...kernel_sources import load_kernel_module
 from ..graph_launch import GraphLauncher, call_functions
-from ..launcher import Launcher, dependent_launch
+from ..launcher import Launcher
 from .call_args import (ALIGN_BYTES, TRITON_DTYPES, WRITER_FIRST_SLOT, slot_order, slot_packer,
                         write_addresses, writer_function)
 from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weighted_sum_launch
@@ -220,10 +220,8 @@ class MoEWorkspace:
                                              max_spin_iters=self.max_spin_iters)
             module, entry = KERNEL_ENTRIES[self.config.kernel]
             kernel = getattr(load_kernel_module(module), entry)
-            # waits on the device for the routing launched before it (``dependent_launch``)
             launch = self._launches[key] = Launcher(kernel, **dict(zip(kernel.arg_names, args)),
-                                                    **constexprs,
-                                                    **dependent_launch(self.h.device))
+                                                    **constexprs)
         if not routed:
             self.tables.row_ready.zero_()
         launch((self.bounds.num_programs,))
