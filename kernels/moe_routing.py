@@ -161,12 +161,12 @@ def _l1_below(limit, g, G, r2, nb, u, f):
 
 @triton.jit
 def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, scan_done,
-                  expert_offsets, wave_lo, wave_hi, meta, wave_num_tiles,
+                  expert_offsets, wave_lo, wave_hi, wave_jumps, meta, wave_num_tiles,
                   inter_num_tiles, CAPACITY, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
                   RECEIVED: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
                   E_BLOCK: tl.constexpr, G_PAD: tl.constexpr, E_LOG2: tl.constexpr,
                   CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, JUMP_LEVELS: tl.constexpr,
-                  JUMP_PAD: tl.constexpr):
+                  JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
     """``E_PAD / E_BLOCK`` programs, program ``b`` scanning the chunk counts of experts ``b E_BLOCK
     ..``: ``chunk_start[c, e]``, the arrivals of expert ``e`` in chunks before ``c``, and
     ``expert_counts[e]``. The last program to finish (a ticket on ``scan_done``, which it sets back
@@ -194,23 +194,25 @@ def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, scan
     tl.debug_barrier()  # every thread's counts stored before the ticket releases them
     if tl.atomic_add(scan_done, 1) == tl.num_programs(0) - 1:  # acq_rel: the others' counts
         tl.store(scan_done, 0)
-        _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, meta,
+        _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
                            wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
-                           BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS, JUMP_PAD)
+                           BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS, JUMP_STRIDE, JUMP_PAD)
 
 
 @triton.jit
-def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, meta, wave_num_tiles,
-                       inter_num_tiles, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
+def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
+                       wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
                        BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, G_PAD: tl.constexpr,
-                       E_LOG2: tl.constexpr, JUMP_LEVELS: tl.constexpr, JUMP_PAD: tl.constexpr):
+                       E_LOG2: tl.constexpr, JUMP_LEVELS: tl.constexpr,
+                       JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
     """One program, from every expert's count: ``expert_offsets[e]`` the padded first row of
     expert ``e`` (int32 ``[NUM_EXPERTS + 1]``, the last entry the rows in use); ``wave_lo/hi[e]``:
     the row blocks of expert ``e``'s Expert-Wave wave (``schedules.wave_starts``: a wave closes
     once its Linear-1 tiles reach ``WAVE_MIN_L1 = WAVE_FILL * G`` and routed rows remain);
     ``meta``; the tile count of each program of both schedules (``wave_num_tiles``,
-    ``inter_num_tiles``: int32 ``[G]``). ``2**JUMP_LEVELS >= JUMP_PAD >= E + 1``; ``E_PAD =
-    2**E_LOG2``. Everything after the counts' load is computed in registers."""
+    ``inter_num_tiles``: int32 ``[G]``). ``wave_jumps``: int32 scratch ``[JUMP_LEVELS,
+    JUMP_STRIDE]`` (``JUMP_STRIDE > E``, ``2**JUMP_LEVELS > E``, ``JUMP_PAD >= E + 1``);
+    ``E_PAD = 2**E_LOG2``."""
     es = tl.arange(0, E_PAD)
     in_e = es < NUM_EXPERTS
     # stored by the other programs: read past this SM's L1
@@ -224,8 +226,11 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, meta, wa
     # Expert-Wave: from wave start s, the wave ends after the first expert e_fill(s) (<= E - 2)
     # whose blocks since s reach WAVE_MIN_L1 / P1, if row blocks remain after it; else at the last
     # expert. last_block is sorted, so e_fill(s) = #{e : last_block[e] < first_block[s] +
-    # ceil(WAVE_MIN_L1 / P1)} (every e < s counts), a binary search per s; next(s) > s, the start
-    # after s, for every s at once. The starts are the orbit of 0 under next
+    # ceil(WAVE_MIN_L1 / P1)} (every e < s counts), a binary search per s; next(s), the start
+    # after s, for every s at once. The starts are the orbit of 0 under next, found by binary
+    # lifting over next's powers: log E gathers in registers, not one pass per wave. The levels
+    # go through global memory: the orbit doubled in registers instead (three gathers a level)
+    # took 1.09x the time in route_offsets (retired moe_layer records 20261203T062321Z, …062530Z)
     need = first_block + tl.cdiv(WAVE_MIN_L1, P1)
     sorted_last = tl.where(in_e, last_block, 1 << 30)
     e_fill = tl.zeros([E_PAD], dtype=tl.int32)
@@ -237,27 +242,20 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, meta, wa
     nxt = tl.where((e_fill <= NUM_EXPERTS - 2) & (row_blocks > fill_blocks), e_fill + 1,
                    NUM_EXPERTS)
     at = tl.arange(0, JUMP_PAD)
-    after = tl.where(at < NUM_EXPERTS, tl.gather(nxt, tl.minimum(at, E_PAD - 1), 0),
-                     NUM_EXPERTS)  # next, E its own
-    # the orbit s_j = next^j(0) by doubling, entry j at index j: level k squares the jump to
-    # next^(2^k) and fills s_j for 2^k <= j < 2^(k+1) as next^(2^k)(s_(j - 2^k)); log E gathers,
-    # no pass per wave. It rises strictly to E and stays there
-    jump = after
-    orbit = tl.zeros([JUMP_PAD], dtype=tl.int32)  # s_0 = 0
-    for k in tl.static_range(JUMP_LEVELS):
-        if k > 0:
-            jump = tl.gather(jump, jump, 0)
-        fill = (at >= (1 << k)) & (at < (2 << k))
-        back = tl.gather(orbit, tl.maximum(at - (1 << k), 0), 0)
-        orbit = tl.where(fill, tl.gather(jump, back, 0), orbit)
-    # each start once (the histogram scatters them): the last start <= e is s_(starts <= e - 1)
-    starts_to = tl.cumsum(tl.histogram(orbit, E_PAD, mask=orbit < NUM_EXPERTS), axis=0)
-    start = tl.gather(orbit, starts_to - 1, 0)
-    end = tl.gather(after, start, 0)
-    tl.store(wave_lo + es, tl.gather(first_block, start, 0), mask=in_e)
-    tl.store(wave_hi + es, tl.where(end < NUM_EXPERTS,
-                                    tl.gather(first_block, tl.minimum(end, E_PAD - 1), 0),
-                                    row_blocks), mask=in_e)
+    jump = tl.where(at < NUM_EXPERTS, tl.gather(nxt, tl.minimum(at, E_PAD - 1), 0),
+                    NUM_EXPERTS)  # E is its own next
+    tl.store(wave_jumps + at, jump, mask=at <= NUM_EXPERTS)
+    for k in tl.static_range(1, JUMP_LEVELS):  # jumps[k][s] = next^(2^k)(s)
+        jump = tl.gather(jump, jump, 0)
+        tl.store(wave_jumps + k * JUMP_STRIDE + at, jump, mask=at <= NUM_EXPERTS)
+    tl.debug_barrier()  # the levels and expert_offsets, read back below
+    start = tl.zeros([E_PAD], dtype=tl.int32)  # the last start <= e: 0 is one
+    for k in tl.static_range(JUMP_LEVELS - 1, -1, -1):
+        ahead = tl.load(wave_jumps + k * JUMP_STRIDE + start)
+        start = tl.where(ahead <= es, ahead, start)
+    end = tl.load(wave_jumps + start)
+    tl.store(wave_lo + es, tl.load(expert_offsets + start) // BLOCK_M, mask=in_e)
+    tl.store(wave_hi + es, tl.load(expert_offsets + end) // BLOCK_M, mask=in_e)
     n1 = row_blocks * P1
     n2 = row_blocks * P2
     tl.store(meta + META_ROW_BLOCKS, row_blocks)
@@ -433,14 +431,14 @@ def _row_block_tiles(ps, row_blocks, expert_counts, expert_offsets, wave_lo, wav
 
 @triton.jit(do_not_specialize=["quant_rows", "quant_scale"])
 def route_small(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, expert_counts,
-                expert_offsets, wave_lo, wave_hi, meta, wave_num_tiles,
+                expert_offsets, wave_lo, wave_hi, wave_jumps, meta, wave_num_tiles,
                 inter_num_tiles, arrival_rows, row_src, row_slot, row_origin, row_ready,
                 wave_tiles, inter_tiles, error, quant_rows, quant_scale, CAPACITY,
                 ROW_BLOCK_BOUND, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES, TOP_K,
                 RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                 E_PAD: tl.constexpr, G_PAD: tl.constexpr, E_LOG2: tl.constexpr,
-                CHUNK: tl.constexpr, JUMP_LEVELS: tl.constexpr, JUMP_PAD: tl.constexpr,
-                ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr,
+                CHUNK: tl.constexpr, JUMP_LEVELS: tl.constexpr, JUMP_STRIDE: tl.constexpr,
+                JUMP_PAD: tl.constexpr, ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr,
                 ROW_BLOCKS: tl.constexpr, ZERO_BLOCK: tl.constexpr):
     """One program, for few arrivals: ``route_histogram``, ``route_offsets``, ``route_scatter``
     and ``route_tiles`` as passes of one launch, each a loop over what that launch's programs
@@ -460,9 +458,9 @@ def route_small(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, ex
         ps = p0 + tl.arange(0, ZERO_BLOCK)
         tl.store(row_ready + ps, tl.zeros([ZERO_BLOCK], tl.int32), mask=ps < ROW_BLOCK_BOUND)
     tl.debug_barrier()  # every thread's counts stored before they are laid out
-    _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, meta,
+    _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
                        wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
-                       BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS, JUMP_PAD)
+                       BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS, JUMP_STRIDE, JUMP_PAD)
     tl.debug_barrier()  # the offsets, waves and meta, read below
     for c in range(0, tl.cdiv(n, CHUNK)):
         _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, expert_offsets,

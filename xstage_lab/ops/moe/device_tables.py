@@ -120,6 +120,7 @@ class DeviceTables:
     expert_offsets: torch.Tensor   # int32 [E + 1]: padded first row of each expert; rows in use
     wave_lo: torch.Tensor          # int32 [E]: first row block of each expert's wave
     wave_hi: torch.Tensor          # int32 [E]: one past its last
+    wave_jumps: torch.Tensor       # int32 [levels, E_pad + 1]: scratch, next wave start^(2^k)
     meta: torch.Tensor             # int32 [2]: row blocks in use, tiles in use
     arrival_rows: torch.Tensor     # int32 [capacity]: the padded row of each arrival (-1: none)
     row_src: torch.Tensor          # int32 [rows]
@@ -173,6 +174,7 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
         bounds, torch.zeros(bounds.chunks, e, **i32), torch.zeros(bounds.chunks, e, **i32),
         torch.zeros(e, **i32), torch.zeros(1, **i32), torch.zeros(e + 1, **i32),
         torch.zeros(e, **i32), torch.zeros(e, **i32),
+        torch.zeros(_jump_levels(e), _pow2(e) + 1, **i32),
         torch.zeros(2, **i32), torch.full((bounds.capacity,), -1, **i32),
         torch.zeros(bounds.rows, **i32), torch.full((bounds.rows,), -1, **i32),
         torch.full((bounds.rows,), -1, **i32),
@@ -198,8 +200,7 @@ def _pow2(n: int) -> int:
 
 
 def _jump_levels(num_experts: int) -> int:
-    """Doubling steps of the orbit of wave starts (``_offsets_and_waves``): 2**levels > E + 1,
-    at least ``JUMP_PAD`` entries."""
+    """Powers of the next-wave-start map that binary lifting needs: 2**levels > E + 1 starts."""
     return (num_experts + 1).bit_length()
 
 
@@ -266,14 +267,14 @@ class RoutingLaunches:
             k.route_offsets, chunk_counts=t.chunk_counts, chunk_start=t.chunk_start,
             expert_counts=t.expert_counts, scan_done=t.scan_done,
             expert_offsets=t.expert_offsets, wave_lo=t.wave_lo,
-            wave_hi=t.wave_hi, meta=t.meta,
+            wave_hi=t.wave_hi, wave_jumps=t.wave_jumps, meta=t.meta,
             wave_num_tiles=t.num_tiles["wave"], inter_num_tiles=t.num_tiles["interleaved"],
             NUM_EXPERTS=b.num_experts, G=b.num_programs, P1=b.l1_n_blocks, P2=b.l2_n_blocks,
             WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received, BLOCK_M=b.block_m,
             E_PAD=e_pad, E_BLOCK=scan_experts, G_PAD=_pow2(b.num_programs), CHUNK=CHUNK,
             CHUNK_ROWS=SCAN_TILE // scan_experts, E_LOG2=e_pad.bit_length() - 1,
-            JUMP_LEVELS=_jump_levels(b.num_experts), JUMP_PAD=_pow2(b.num_experts + 1),
-            num_warps=8)
+            JUMP_LEVELS=t.wave_jumps.shape[0],
+            JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
         self.scatter = Launcher(k.route_scatter, args=t.args, chunk_start=t.chunk_start,
                                 expert_offsets=t.expert_offsets, arrival_rows=t.arrival_rows,
                                 row_src=t.row_src, row_slot=t.row_slot, row_origin=t.row_origin,
@@ -293,13 +294,13 @@ class RoutingLaunches:
             BLOCK_M=b.block_m, E_PAD=e_pad, P_PAD=_pow2(max(b.l1_n_blocks, b.l2_n_blocks)))
         self.tiles = Launcher(k.route_tiles, meta=t.meta, **tables_static)
         self.small = Launcher(
-            k.route_small, args=t.args, chunk_start=t.chunk_start,
+            k.route_small, args=t.args, chunk_start=t.chunk_start, wave_jumps=t.wave_jumps,
             meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
             inter_num_tiles=t.num_tiles["interleaved"], arrival_rows=t.arrival_rows,
             error=t.error, WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received,
             G_PAD=_pow2(b.num_programs), E_LOG2=e_pad.bit_length() - 1, CHUNK=CHUNK,
-            JUMP_LEVELS=_jump_levels(b.num_experts), JUMP_PAD=_pow2(b.num_experts + 1),
-            ID_DTYPE=ids, ROW_BLOCKS=ROW_BLOCKS_SMALL,
+            JUMP_LEVELS=t.wave_jumps.shape[0], JUMP_STRIDE=t.wave_jumps.shape[1],
+            JUMP_PAD=_pow2(b.num_experts + 1), ID_DTYPE=ids, ROW_BLOCKS=ROW_BLOCKS_SMALL,
             ZERO_BLOCK=ZERO_BLOCK, ROW_BLOCK_BOUND=b.row_blocks, num_warps=8, **quant,
             **tables_static)
 
