@@ -7,7 +7,9 @@ import time
 
 import torch
 
-from ...ops.moe.op import GraphCache
+from ...ops.moe.call_args import (WRITER_FIRST_SLOT, allocate_args, slot_packer,
+                                  write_addresses, writer_function)
+from ...ops.moe.op import CALL_TENSORS, GraphCache
 
 FLOOR_GRAPH_NODES = (1, 8)  # a graph of one kernel, and of as many as a FusedMoE call's
 FLOOR_HOLD_CYCLES = 100_000_000  # about 50 ms at H200 clocks: a round of calls queues behind it
@@ -46,8 +48,11 @@ def launch_floors_us(device) -> dict:
     call launches its graph (``GraphCache``, ``graph_launch.GraphLauncher``), n one and as many
     as a call's graph holds (``FLOOR_GRAPH_NODES``), with the GPU idle (``graph<n>_idle``), with
     every round of calls queued behind a long kernel that touches no memory (``graph<n>_queued``)
-    and behind device copies that keep HBM busy as long (``graph<n>_busy``); and one bare
-    ``add_`` queued behind the long kernel (``kernel_queued``; idle: ``host_launch_floor_us``)."""
+    and behind device copies that keep HBM busy as long (``graph<n>_busy``); the graph of as many
+    nodes whose first is the argument writer, its addresses rewritten at every launch as a call
+    rewrites them (``graph<n>_rewrite_<state>``: a call's host time rises with T, in its graph
+    launch, while the graph's launches queue); and one bare ``add_`` queued behind the long
+    kernel (``kernel_queued``; idle: ``host_launch_floor_us``)."""
     t = torch.zeros(1, device=device)
     src = torch.empty(HBM_COPY_BYTES, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -61,9 +66,23 @@ def launch_floors_us(device) -> dict:
 
     stream, graphs = torch.cuda.current_stream(device).cuda_stream, GraphCache(device)
     floors = {"host_floor_kernel_queued_us": host_overhead_us(lambda: t.add_(1), hold=sleep)}
+    states = (("idle", None), ("queued", sleep), ("busy", copies))
     for n in FLOOR_GRAPH_NODES:
         graph = graphs.capture(n, lambda: [t.add_(1) for _ in range(n)])
-        for state, hold in (("idle", None), ("queued", sleep), ("busy", copies)):
+        for state, hold in states:
             floors[f"host_floor_graph{n}_{state}_us"] = host_overhead_us(lambda: graph(stream),
                                                                          hold=hold)
+    n = FLOOR_GRAPH_NODES[-1]
+    args = allocate_args(device)
+    addresses = slot_packer(args, *CALL_TENSORS)(*[dst] * len(CALL_TENSORS))  # never read
+
+    def rewritten():
+        write_addresses(args, addresses)
+        for _ in range(n - 1):
+            t.add_(1)
+    rewritten()  # the writer launched once: its function is known
+    graph = graphs.capture("rewrite", rewritten, (writer_function(), WRITER_FIRST_SLOT, addresses))
+    for state, hold in states:
+        floors[f"host_floor_graph{n}_rewrite_{state}_us"] = host_overhead_us(
+            lambda: graph(stream, addresses), hold=hold)
     return floors
