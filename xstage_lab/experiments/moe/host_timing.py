@@ -66,12 +66,6 @@ def launch_floors_us(device) -> dict:
 
     stream, graphs = torch.cuda.current_stream(device).cuda_stream, GraphCache(device)
     floors = {"host_floor_kernel_queued_us": host_overhead_us(lambda: t.add_(1), hold=sleep)}
-    states = (("idle", None), ("queued", sleep), ("busy", copies))
-    for n in FLOOR_GRAPH_NODES:
-        graph = graphs.capture(n, lambda: [t.add_(1) for _ in range(n)])
-        for state, hold in states:
-            floors[f"host_floor_graph{n}_{state}_us"] = host_overhead_us(lambda: graph(stream),
-                                                                         hold=hold)
     n = FLOOR_GRAPH_NODES[-1]
     args = allocate_args(device)
     addresses = slot_packer(args, *CALL_TENSORS)(*[dst] * len(CALL_TENSORS))  # never read
@@ -81,8 +75,12 @@ def launch_floors_us(device) -> dict:
         for _ in range(n - 1):
             t.add_(1)
     rewritten()  # the writer launched once: its function is known
-    graph = graphs.capture("rewrite", rewritten, (writer_function(), WRITER_FIRST_SLOT, addresses))
-    for state, hold in states:
-        floors[f"host_floor_graph{n}_rewrite_{state}_us"] = host_overhead_us(
-            lambda: graph(stream, addresses), hold=hold)
+    timed = [(f"graph{m}", graphs.capture(m, lambda: [t.add_(1) for _ in range(m)]), ())
+             for m in FLOOR_GRAPH_NODES]
+    timed.append((f"graph{n}_rewrite", graphs.capture(
+        "rewrite", rewritten, (writer_function(), WRITER_FIRST_SLOT, addresses)), addresses))
+    for name, graph, words in timed:
+        for state, hold in (("idle", None), ("queued", sleep), ("busy", copies)):
+            floors[f"host_floor_{name}_{state}_us"] = host_overhead_us(
+                lambda: graph(stream, words), hold=hold)
     return floors
