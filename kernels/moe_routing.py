@@ -17,8 +17,8 @@ graph replays the launches on new tensors of the same shape. No pass moves the a
 the layout: each layout row names the row of ``x`` it reads (``row_origin``: the token at EP = 1,
 the received row on an EP rank), which the fused kernel's Linear-1 gathers as it loads.
 
-Four launches, each a pass the next one needs complete (for few arrivals, ``route_small``: all
-four in one program), and, where bf16 activations feed an FP8 layer, ``route_quantize``:
+Three launches, each needing the one before it complete (for few arrivals, ``route_small``: their
+four passes in one program), and, where bf16 activations feed an FP8 layer, ``route_quantize``:
   ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
                        (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is
                        left out of the layout; program 0 writes the fused kernel's ``a_rows``
@@ -28,11 +28,13 @@ four in one program), and, where bf16 activations feed an FP8 layer, ``route_qua
                        program to finish, every expert's row blocks and padded first row (the
                        scan over experts), the Expert-Wave waves by counted rows, the tile count
                        of every program of both schedules and the used row blocks;
-  ``route_scatter``    per chunk: each arrival's rank among its expert's arrivals (stable: by
-                       arrival), its padded row, ``row_src``/``row_slot``/``row_origin``;
-  ``route_tiles``      per row block: its fused-kernel counter zeroed, ``row_slot = -1`` and
-                       ``row_origin = -1`` on its padding rows, and its Linear-1 and Linear-2
-                       tiles written into both tables at their closed-form positions;
+  ``route_rows``       two passes, independent given the offsets, side by side in one grid:
+                       the scatter, per chunk: each arrival's rank among its expert's arrivals
+                       (stable: by arrival), its padded row, ``row_src``/``row_slot``/
+                       ``row_origin``; the tiles, per row block: its fused-kernel counter
+                       zeroed, ``row_slot = -1`` and ``row_origin = -1`` on its padding rows,
+                       and its Linear-1 and Linear-2 tiles written into both tables at their
+                       closed-form positions;
   ``route_quantize``   per block of rows of ``x`` and slab of columns: e4m3 with one fp32 scale
                        per 1 x 128 block, into the tables' copy (``x_quant``), independent of the
                        table passes.
@@ -268,27 +270,10 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jum
 
 
 @triton.jit
-def route_scatter(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start,
-                  expert_offsets, arrival_rows, row_src, row_slot, row_origin, CAPACITY,
-                  NUM_EXPERTS, TOP_K, RECEIVED: tl.constexpr, CHUNK: tl.constexpr,
-                  ID_DTYPE: tl.constexpr):
-    """Per chunk: ``arrival_rows[i]`` = ``expert_offsets[e] + chunk_start[c, e]`` + the arrivals
-    of ``e`` before ``i`` in its chunk; ``row_src``/``row_slot`` of that row (source 0 and slot
-    ``i`` at EP = 1) and ``row_origin`` (token ``i // TOP_K`` at EP = 1, received row ``i`` on an
-    EP rank). Out-of-range ids get no row (``route_histogram`` flagged them)."""
-    c = tl.program_id(0)
-    n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
-    if c * CHUNK < n:
-        _scatter_chunk(c, n, arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False), arrival_src,
-                       arrival_slot, chunk_start, expert_offsets, arrival_rows, row_src,
-                       row_slot, row_origin, NUM_EXPERTS, TOP_K, RECEIVED, CHUNK)
-
-
-@triton.jit
 def _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, expert_offsets,
                    arrival_rows, row_src, row_slot, row_origin, NUM_EXPERTS, TOP_K,
                    RECEIVED: tl.constexpr, CHUNK: tl.constexpr):
-    """``route_scatter``'s pass over chunk ``c`` of the ``n`` arrivals."""
+    """The scatter of chunk ``c`` of the ``n`` arrivals (``route_rows``)."""
     local = tl.arange(0, CHUNK)
     i = c * CHUNK + local
     live = i < n
@@ -357,25 +342,44 @@ def _store_entries(at, kind: tl.constexpr, expert, row_block, n_block, mask):
 
 
 @triton.jit
-def route_tiles(expert_counts, expert_offsets, wave_lo, wave_hi, meta, row_src, row_slot,
-                row_origin, row_ready, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD,
-                MAX_TILES,
-                BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr):
-    """Row block ``p`` (one program each, up to the row blocks' bound): the fused kernel's
-    counter ``row_ready[p]`` zeroed (its Linear-1 tiles count into it), and
-    ``_row_block_tiles`` where ``p`` is in use."""
-    p = tl.program_id(0)
-    tl.store(row_ready + p, 0)
-    row_blocks = tl.load(meta + META_ROW_BLOCKS)
-    # a program past the rows in use returns here: the grid is the capacity's bound (an EP
-    # rank's, about eight times its arrivals), and the expert search over every expert costs
-    # each program the same (Qwen3.5's EP rank at 8192 tokens on one H200: 13.1-13.3 µs without
-    # this exit, moe_layer/h200-x1/20261202T212234Z-141812fd2a; 4.6-4.7 µs with it, …212723Z)
-    if p < row_blocks:
-        _row_block_tiles(p + tl.arange(0, 1), row_blocks, expert_counts, expert_offsets,
-                         wave_lo, wave_hi, row_src, row_slot, row_origin, wave_tiles,
-                         inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES, BLOCK_M, E_PAD,
-                         P_PAD)
+def route_rows(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, expert_counts,
+               expert_offsets, wave_lo, wave_hi, meta, arrival_rows, row_src, row_slot,
+               row_origin, row_ready, wave_tiles, inter_tiles, CAPACITY, NUM_EXPERTS, TOP_K, G,
+               P1, P2, LEAD, MAX_TILES, RECEIVED: tl.constexpr, CHUNK: tl.constexpr,
+               ID_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+               P_PAD: tl.constexpr):
+    """The scatter and the tiles, independent once the offsets are laid out, in one launch.
+    Program ``c`` below ``cdiv(CAPACITY, CHUNK)``: chunk ``c`` of the arrivals (``_scatter_chunk``:
+    ``arrival_rows[i]`` = ``expert_offsets[e] + chunk_start[c, e]`` + the arrivals of ``e``
+    before ``i`` in its chunk; ``row_src``/``row_slot`` of that row, source 0 and slot ``i`` at
+    EP = 1, and ``row_origin``, token ``i // TOP_K`` at EP = 1, received row ``i`` on an EP
+    rank; out-of-range ids get no row, ``route_histogram`` flagged them). Each program after
+    them: one row block ``p`` (up to the row blocks' bound), its fused-kernel counter
+    ``row_ready[p]`` zeroed (its Linear-1 tiles count into it) and ``_row_block_tiles`` where
+    ``p`` is in use. The two write disjoint rows: the scatter the routed ones, the tiles the
+    padding."""
+    q = tl.program_id(0)
+    chunks = tl.cdiv(CAPACITY, CHUNK)
+    if q < chunks:
+        n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
+        if q * CHUNK < n:
+            _scatter_chunk(q, n, arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False), arrival_src,
+                           arrival_slot, chunk_start, expert_offsets, arrival_rows, row_src,
+                           row_slot, row_origin, NUM_EXPERTS, TOP_K, RECEIVED, CHUNK)
+    else:
+        p = q - chunks
+        tl.store(row_ready + p, 0)
+        row_blocks = tl.load(meta + META_ROW_BLOCKS)
+        # a program past the rows in use returns here: the grid is the capacity's bound (an EP
+        # rank's, about eight times its arrivals), and the expert search over every expert
+        # costs each program the same (Qwen3.5's EP rank at 8192 tokens on one H200: 13.1-13.3
+        # µs without this exit, moe_layer/h200-x1/20261202T212234Z-141812fd2a; 4.6-4.7 µs with
+        # it, …212723Z)
+        if p < row_blocks:
+            _row_block_tiles(p + tl.arange(0, 1), row_blocks, expert_counts, expert_offsets,
+                             wave_lo, wave_hi, row_src, row_slot, row_origin, wave_tiles,
+                             inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES, BLOCK_M,
+                             E_PAD, P_PAD)
 
 
 @triton.jit
@@ -440,10 +444,10 @@ def route_small(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, ex
                 CHUNK: tl.constexpr, JUMP_LEVELS: tl.constexpr, JUMP_STRIDE: tl.constexpr,
                 JUMP_PAD: tl.constexpr, ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr,
                 ROW_BLOCKS: tl.constexpr, ZERO_BLOCK: tl.constexpr):
-    """One program, for few arrivals: ``route_histogram``, ``route_offsets``, ``route_scatter``
-    and ``route_tiles`` as passes of one launch, each a loop over what that launch's programs
-    did side by side (chunks of arrivals, row blocks), a barrier between passes where the
-    launches had a kernel boundary. At a few tokens per call each of those launches is a few µs
+    """One program, for few arrivals: ``route_histogram``, ``route_offsets`` and the scatter and
+    the tiles of ``route_rows`` as passes of one launch, each a loop over what those launches'
+    programs did side by side (chunks of arrivals, row blocks), a barrier between passes where
+    the launches have a kernel boundary. At a few tokens per call each of those launches is a few µs
     of latency with little work in it (moe_layer's per-kernel profile)."""
     _set_a_rows(args, quant_rows, quant_scale, QUANTIZE)
     expert_ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)

@@ -236,21 +236,19 @@ def _compile_sm90(name: str) -> dict:
                           dict(RECEIVED=True, BLOCK_M=128, E_PAD=512, E_BLOCK=4, G_PAD=256,
                                CHUNK=128, CHUNK_ROWS=1024, E_LOG2=9, JUMP_LEVELS=10,
                                JUMP_STRIDE=513, JUMP_PAD=1024)),
-        "route_scatter": ({"args": "*i64", "arrival_src": ptr, "arrival_slot": ptr,
-                           "n_arrivals_ptr": ptr, "chunk_start": ptr, "expert_offsets": ptr,
-                           "arrival_rows": ptr, "row_src": ptr, "row_slot": ptr,
-                           "row_origin": ptr, "CAPACITY": i, "NUM_EXPERTS": i, "TOP_K": i},
-                          dict(RECEIVED=False, CHUNK=128, ID_DTYPE=tl.int64)),
         "route_quantize": ({"args": "*i64", "n_arrivals_ptr": ptr, "x_quant": "*fp8e4nv",
                             "x_quant_scale": "*fp32", "CAPACITY": i, "HIDDEN": i, "TOP_K": i},
                            dict(RECEIVED=False, ROWS=32, SLAB=1024, BLOCK_H=128)),
-        "route_tiles": ({**{k: ptr for k in ("expert_counts", "expert_offsets", "wave_lo",
-                                             "wave_hi", "meta", "row_src", "row_slot",
-                                             "row_origin", "row_ready", "wave_tiles",
-                                             "inter_tiles")},
-                         **{k: i for k in ("NUM_EXPERTS", "G", "P1", "P2", "LEAD",
-                                           "MAX_TILES")}},
-                        dict(BLOCK_M=128, E_PAD=256, P_PAD=16)),
+        "route_rows": ({"args": "*i64",
+                        **{k: ptr for k in ("arrival_src", "arrival_slot", "n_arrivals_ptr",
+                                            "chunk_start", "expert_counts", "expert_offsets",
+                                            "wave_lo", "wave_hi", "meta", "arrival_rows",
+                                            "row_src", "row_slot", "row_origin", "row_ready",
+                                            "wave_tiles", "inter_tiles")},
+                        **{k: i for k in ("CAPACITY", "NUM_EXPERTS", "TOP_K", "G", "P1", "P2",
+                                          "LEAD", "MAX_TILES")}},
+                       dict(RECEIVED=False, CHUNK=128, ID_DTYPE=tl.int64, BLOCK_M=128,
+                            E_PAD=256, P_PAD=16)),
         "route_small": ({"args": "*i64",
                          **{k: ptr for k in ("arrival_src", "arrival_slot", "n_arrivals_ptr",
                                              "chunk_start", "expert_counts", "expert_offsets",
@@ -278,8 +276,8 @@ def _compile_sm90(name: str) -> dict:
 
 
 COMPILE_CASES = {f"compile_sm90_{n}": (_compile_sm90, n)
-                 for n in ("route_histogram", "route_offsets", "route_scatter", "route_quantize",
-                           "route_tiles", "route_small")}
+                 for n in ("route_histogram", "route_offsets", "route_rows", "route_quantize",
+                           "route_small")}
 
 interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, interpreter_cases())
 

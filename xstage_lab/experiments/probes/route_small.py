@@ -1,13 +1,15 @@
 """Routing probe of the fused MoE layer: where one program (``route_small``) makes the table passes
-faster than the five launches (issue 27; record ``route_small_probe``).
+faster than the launches whose programs make them side by side (issue 27; record
+``route_small_probe``).
 
     python -m xstage_lab.experiments.probes.route_small (--out FILE | --root DIR)
         [--models M ...] [--settings ep1 ep8_rank] [--tokens 1 8 64 512] [--trials N]
 
 ``device_tables.SMALL_ARRIVALS`` sends a call's routing through one program up to that many
-arrivals: the histogram, scan, scatter and tiles passes as loops of one launch, against four
-launches whose programs make them side by side. One program saves three launches' latency and
-pays for the passes' steps one after another (chunks of arrivals, blocks of row blocks). This
+arrivals: the histogram, scan, scatter and tiles passes as loops of one launch, against the
+launches whose programs make them side by side (three; four in records before the scatter and
+the tiles shared one). One program saves their launches' latency and pays for the passes' steps
+one after another (chunks of arrivals, blocks of row blocks). This
 probe times both paths on the same arrivals, per model shape, in the two settings of
 ``layer_bench`` (EP = 1 from ``topk_ids``, ``T top_k`` arrivals; rank 0 of EP = 8 from its
 received rows, their count on the device under a capacity of ``8 T top_k``), so that the
@@ -21,7 +23,9 @@ threshold is read off measurement.
    the fused kernel gathered its rows, the activations' gather too) in one rotation (``dist_timing.time_methods``, CUDA-graph replays), then each path's
    kernels by name (``kernel_times_us``).
 
-One row per (cell, path); ``over_five`` is the five launches' time over the path's.
+One row per (cell, path); ``over_launches`` is the launches' time over the path's (``over_five``
+in records from before the scatter and the tiles shared a launch, when the argument writer, the
+four table launches and the activations' gather were five).
 """
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ from ..harness import Experiment, Run
 
 EP = 8
 SETTINGS = ("ep1", "ep8_rank")
-PATHS = {"five_launches": 0, "one_program": 1 << 30}  # small_arrivals of each path's tables
+PATHS = {"launches": 0, "one_program": 1 << 30}  # small_arrivals of each path's tables
 
 
 @dataclasses.dataclass
@@ -193,14 +197,14 @@ class RouteSmall(Experiment):
         routes = {path: (lambda p=path: step.route(p)) for path in PATHS}
         timing = time_methods(routes, trials=args.trials, warmup=args.warmup,
                               graph_iters=args.graph_iters, clocks=True)
-        five = timing["five_launches"]["median_us"]
+        launches = timing["launches"]["median_us"]
         a = step.arrivals
         n = int(a.received["n_arrivals"]) if a.received else a.expert_ids.numel()
         return pd.DataFrame([{
             **step.point, "path": path, "capacity": step.bounds.capacity, "arrivals": n,
             "row_blocks": int(step.tables[path].meta[0]), "num_experts": step.bounds.num_experts,
             "us": t["median_us"], "p25_us": t["p25_us"], "p75_us": t["p75_us"],
-            "over_five": five / t["median_us"], "trials_us": t["trials_us"],
+            "over_launches": launches / t["median_us"], "trials_us": t["trials_us"],
             "sm_clock_mhz": min((c for c in t.get("sm_clock_mhz", []) if c is not None),
                                 default=None),
             "kernels_us": json.dumps(kernel_times_us(routes[path]))}

@@ -1,5 +1,5 @@
 """Routing to tile tables on the device (``kernels/moe_routing.py``): the Dispatch layout and both
-schedules' tile tables built from the router's output by four small Triton launches (one where the
+schedules' tile tables built from the router's output by three small Triton launches (one where the
 arrivals fit ``SMALL_ARRIVALS``), plus one that quantizes bf16 activations for an FP8 layer, with
 no device-to-host copy, in buffers sized by static bounds. The activations are not moved: each
 layout row names the row of ``x`` it reads (``row_origin``), which the fused kernel gathers. The
@@ -243,7 +243,7 @@ class RoutingLaunches:
     on an EP rank, their sources and slots are launch arguments. ``received``: an EP rank's
     arrivals; ``quantize``: bf16 activations into an FP8 layer (``route_quantize``);
     ``id_dtype``: the expert ids' (int32 or int64). Up to ``tables.small_arrivals`` arrivals,
-    ``route_small``; else the histogram, the scan, the scatter and the tiles."""
+    ``route_small``; else the histogram, the scan, and the scatter with the tiles."""
 
     def __init__(self, tables: DeviceTables, received: bool, quantize: bool,
                  id_dtype: torch.dtype):
@@ -275,11 +275,6 @@ class RoutingLaunches:
             CHUNK_ROWS=SCAN_TILE // scan_experts, E_LOG2=e_pad.bit_length() - 1,
             JUMP_LEVELS=t.wave_jumps.shape[0],
             JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
-        self.scatter = Launcher(k.route_scatter, args=t.args, chunk_start=t.chunk_start,
-                                expert_offsets=t.expert_offsets, arrival_rows=t.arrival_rows,
-                                row_src=t.row_src, row_slot=t.row_slot, row_origin=t.row_origin,
-                                NUM_EXPERTS=b.num_experts, RECEIVED=received, CHUNK=CHUNK,
-                                ID_DTYPE=ids)
         self.quantizer = {slab: Launcher(
             k.route_quantize, args=t.args, x_quant=t.x_quant, x_quant_scale=t.x_quant_scale,
             HIDDEN=hidden, RECEIVED=received, ROWS=QUANT_ROWS, SLAB=slab,
@@ -292,7 +287,9 @@ class RoutingLaunches:
             NUM_EXPERTS=b.num_experts, G=b.num_programs,
             P1=b.l1_n_blocks, P2=b.l2_n_blocks, LEAD=b.lead_rows, MAX_TILES=b.max_tiles,
             BLOCK_M=b.block_m, E_PAD=e_pad, P_PAD=_pow2(max(b.l1_n_blocks, b.l2_n_blocks)))
-        self.tiles = Launcher(k.route_tiles, meta=t.meta, **tables_static)
+        self.rows = Launcher(k.route_rows, args=t.args, chunk_start=t.chunk_start, meta=t.meta,
+                             arrival_rows=t.arrival_rows, RECEIVED=received, CHUNK=CHUNK,
+                             ID_DTYPE=ids, **tables_static)
         self.small = Launcher(
             k.route_small, args=t.args, chunk_start=t.chunk_start, wave_jumps=t.wave_jumps,
             meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
@@ -328,9 +325,8 @@ class RoutingLaunches:
         else:
             self.histogram(chunks, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
             self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
-            self.scatter(chunks, arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
-                         CAPACITY=capacity, TOP_K=fanout)
-            self.tiles((t.bounds.row_blocks,))
+            self.rows((chunks[0] + t.bounds.row_blocks,), arrival_src=src, arrival_slot=slot,
+                      n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
         if self.quantize:
             rows = capacity // fanout
             slab = quant_slab(rows, self.hidden, t.bounds.num_programs)
