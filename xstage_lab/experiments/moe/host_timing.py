@@ -17,22 +17,41 @@ FLOOR_BUSY_COPIES = 100  # device copies of HBM_COPY_BYTES, about 50 ms on an H2
 HBM_COPY_BYTES = 1 << 30
 
 
-def host_overhead_us(fn, calls: int = 10, repeats: int = 5, hold=None) -> float:
-    """Host time per eager call, nothing waited for (the queue holds every launch): the median
-    over ``repeats`` runs of ``calls`` calls each, each run queued behind what ``hold()``
-    launches where given (untimed)."""
+def host_call_times_us(fn, calls: int = 10, repeats: int = 5, hold=None) -> list[list[float]]:
+    """Host time of each eager call, nothing waited for (the queue holds every launch):
+    ``repeats`` runs of ``calls`` calls each, each run queued behind what ``hold()`` launches
+    where given (untimed), the device synchronized between runs."""
     fn()
     torch.cuda.synchronize()
-    per_call = []
+    runs = []
     for _ in range(repeats):
         if hold is not None:
             hold()
-        start = time.perf_counter()
+        stamps = [time.perf_counter()]
         for _ in range(calls):
             fn()
-        per_call.append((time.perf_counter() - start) / calls * 1e6)
+            stamps.append(time.perf_counter())
+        runs.append([(b - a) * 1e6 for a, b in zip(stamps, stamps[1:])])
         torch.cuda.synchronize()
-    return statistics.median(per_call)
+    return runs
+
+
+def host_overhead_us(fn, calls: int = 10, repeats: int = 5, hold=None) -> float:
+    """Host time per eager call: the median over runs of a run's mean per call
+    (``host_call_times_us``)."""
+    return call_statistics_us(host_call_times_us(fn, calls, repeats, hold))["overhead"]
+
+
+def call_statistics_us(runs: list[list[float]]) -> dict:
+    """Of ``host_call_times_us``' runs: ``overhead``, the median over runs of a run's mean per
+    call; ``call_median``, the median single call; ``first_call``, the median over runs of a
+    run's first call (launched onto an idle device, the host back from waiting for it);
+    ``call_max``, the slowest single call. A run's mean far above its median call says that few
+    calls took the time (one blocking in the driver), not every call."""
+    calls = [c for r in runs for c in r]
+    return {"overhead": statistics.median(statistics.fmean(r) for r in runs),
+            "call_median": statistics.median(calls),
+            "first_call": statistics.median(r[0] for r in runs), "call_max": max(calls)}
 
 
 def launch_floor_us(device) -> float:

@@ -26,17 +26,19 @@ kernel over the host-built layout and schedule, prepared beforehand), ``weighted
 ``unfused_eager``/``unfused_graph`` (routing by torch ops, grouped GEMMs, the same weighted-sum
 kernel: ``unfused.unfused_layer``), and ``host_scheduled`` (today's path: layout, schedule and
 checked launch on the host, then the kernel and the weighted sum; eager, few trials).
-``host_overhead_us``: host time of an eager call, nothing waited for; ``host_<step>_us`` that of
-each step alone (``host_stages``: at EP = 1 the eager call's own, its inputs' check, its argument
-block's addresses and its graph's launch with them, and the direct launches the graph captures;
-an EP rank's call launches the graph of its receive buffers: ``MoEWorkspace.received_call``);
-``host_launch_floor_us`` that of one bare kernel launch on this machine, and ``host_floor_*_us``
-those of a graph launch and of a launch behind a queue (``host_timing``). Where the schedule's
-device time goes (torch.profiler, ``dist_timing.kernel_times_us``): per routing kernel
-(``route_kernels_us``, JSON), the table passes (``route_tables_us``: the schedule kernels of
-issue 27's bound) apart from the pass over the activations (``route_gather_us``: the FP8
-quantization of the tokens at EP = 1; none where the fused kernel reads them as they are, which it
-gathers into its Linear-1 tiles; a record from before that holds the move into the layout).
+``host_overhead_us``: host time of an eager call, nothing waited for (``host_call_median_us``,
+``host_first_call_us``, ``host_call_max_us``: of its single calls,
+``host_timing.call_statistics_us``); ``host_<step>_us`` that of each step alone (``host_stages``:
+at EP = 1 the eager call's own, its inputs' check, its argument block's addresses and its graph's
+launch with them, and the direct launches the graph captures; an EP rank's call launches the graph
+of its receive buffers: ``MoEWorkspace.received_call``); ``host_launch_floor_us`` that of one bare
+kernel launch on this machine, and ``host_floor_*_us`` those of a graph launch and of a launch
+behind a queue (``host_timing``). Where the schedule's device time goes (torch.profiler,
+``dist_timing.kernel_times_us``): per routing kernel (``route_kernels_us``, JSON), the table passes
+(``route_tables_us``: the schedule kernels of issue 27's bound) apart from the pass over the
+activations (``route_gather_us``: the FP8 quantization of the tokens at EP = 1; none where the
+fused kernel reads them as they are, which it gathers into its Linear-1 tiles; a record from before
+that holds the move into the layout).
 Floors from the HBM bandwidth measured at the start of the run (a device copy):
 ``weighted_sum_floor_us`` (its bytes) and ``weight_floor_us`` (the bytes of the experts the call
 touches). Where a one-token kernel's time goes (``trace_*``,
@@ -73,7 +75,8 @@ from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
 from .bench import TOLERANCE
-from .host_timing import host_overhead_us, launch_floor_us, launch_floors_us
+from .host_timing import (call_statistics_us, host_call_times_us, host_overhead_us,
+                          launch_floor_us, launch_floors_us)
 
 SETTINGS = ("ep1", "ep8_rank")
 EP = 8
@@ -540,6 +543,7 @@ class MoELayer(Experiment):
         route_kernels = kernel_times_us(cell.route)
         gather_us = sum(v for k, v in route_kernels.items() if ACTIVATIONS_PASS in k)
         stages = {f"host_{k}_us": host_overhead_us(fn) for k, fn in cell.host_stages().items()}
+        calls = call_statistics_us(host_call_times_us(cell.call))
         # a tile's weight bytes: Linear-1 gate and up, Linear-2 its hidden columns
         cfg, elem = cell.ws.config, weights.w1.element_size()
         phases = (kernel_phases(cell.tiles, 2 * cfg.block_n1 * weights.hidden * elem,
@@ -551,7 +555,8 @@ class MoELayer(Experiment):
                 "tokens": cell.tokens, "fused_eager_us": eager["fused"]["median_us"],
                 "fused_graph_us": graphed["fused"]["median_us"],
                 "schedule_us": graphed["schedule"]["median_us"],
-                "host_overhead_us": host_overhead_us(cell.call),
+                "host_overhead_us": calls["overhead"],
+                **{f"host_{k}_us": v for k, v in calls.items() if k != "overhead"},
                 "kernel_us": graphed["kernel"]["median_us"],
                 "weighted_sum_us": graphed.get("weighted_sum", {}).get("median_us", 0.0),
                 "weighted_sum_floor_us": cell.weighted_sum_bytes() / bw * 1e6,
