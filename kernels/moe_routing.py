@@ -168,7 +168,7 @@ def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, scan
                   RECEIVED: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
                   E_BLOCK: tl.constexpr, G_PAD: tl.constexpr, E_LOG2: tl.constexpr,
                   CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, JUMP_LEVELS: tl.constexpr,
-                  JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr, WALK_WAVES: tl.constexpr):
+                  JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
     """``E_PAD / E_BLOCK`` programs, program ``b`` scanning the chunk counts of experts ``b E_BLOCK
     ..``: ``chunk_start[c, e]``, the arrivals of expert ``e`` in chunks before ``c``, and
     ``expert_counts[e]``. The last program to finish (a ticket on ``scan_done``, which it sets back
@@ -198,8 +198,7 @@ def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, scan
         tl.store(scan_done, 0)
         _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
                            wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
-                           BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS, JUMP_STRIDE, JUMP_PAD,
-                           WALK_WAVES)
+                           BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS, JUMP_STRIDE, JUMP_PAD)
 
 
 @triton.jit
@@ -207,8 +206,7 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jum
                        wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
                        BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, G_PAD: tl.constexpr,
                        E_LOG2: tl.constexpr, JUMP_LEVELS: tl.constexpr,
-                       JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr,
-                       WALK_WAVES: tl.constexpr):
+                       JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
     """One program, from every expert's count: ``expert_offsets[e]`` the padded first row of
     expert ``e`` (int32 ``[NUM_EXPERTS + 1]``, the last entry the rows in use); ``wave_lo/hi[e]``:
     the row blocks of expert ``e``'s Expert-Wave wave (``schedules.wave_starts``: a wave closes
@@ -216,7 +214,7 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jum
     ``meta``; the tile count of each program of both schedules (``wave_num_tiles``,
     ``inter_num_tiles``: int32 ``[G]``). ``wave_jumps``: int32 scratch ``[JUMP_LEVELS,
     JUMP_STRIDE]`` (``JUMP_STRIDE > E``, ``2**JUMP_LEVELS > E``, ``JUMP_PAD >= E + 1``);
-    ``E_PAD = 2**E_LOG2``; ``WALK_WAVES``: up to this many waves, walked one by one."""
+    ``E_PAD = 2**E_LOG2``."""
     es = tl.arange(0, E_PAD)
     in_e = es < NUM_EXPERTS
     # stored by the other programs: read past this SM's L1
@@ -228,27 +226,40 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jum
     tl.store(expert_offsets + es, first_block * BLOCK_M, mask=in_e)
     tl.store(expert_offsets + NUM_EXPERTS, row_blocks * BLOCK_M)
     # Expert-Wave: from wave start s, the wave ends after the first expert e_fill(s) (<= E - 2)
-    # whose blocks since s reach need = ceil(WAVE_MIN_L1 / P1), if row blocks remain after it;
-    # else at the last expert. last_block is sorted, so e_fill(s) = #{e : last_block[e] <
-    # first_block[s] + need} (every e < s counts). The starts are the orbit of 0 under next(s) =
-    # e_fill(s) + 1; each wave but the last holds at least need blocks, so there are at most
-    # row_blocks // need + 1 of them. Up to WALK_WAVES, the orbit walked wave by wave, two
-    # reductions a wave (_walk_waves); beyond, found for every expert at once by binary
-    # lifting (_lift_waves), whose log E levels each cost a round trip through global memory.
-    need = tl.cdiv(WAVE_MIN_L1, P1)
+    # whose blocks since s reach WAVE_MIN_L1 / P1, if row blocks remain after it; else at the last
+    # expert. last_block is sorted, so e_fill(s) = #{e : last_block[e] < first_block[s] +
+    # ceil(WAVE_MIN_L1 / P1)} (every e < s counts), a binary search per s; next(s), the start
+    # after s, for every s at once. The starts are the orbit of 0 under next, found by binary
+    # lifting over next's powers: log E gathers in registers, not one pass per wave. The levels
+    # go through global memory: the orbit doubled in registers instead (three gathers a level)
+    # took 1.09x the time in route_offsets (retired moe_layer records 20261203T062321Z, …062530Z),
+    # and the orbit walked wave by wave where the row blocks allow at most 16 waves (two
+    # reductions a wave) 1.01x (…074613Z, …074834Z)
+    need = first_block + tl.cdiv(WAVE_MIN_L1, P1)
     sorted_last = tl.where(in_e, last_block, 1 << 30)
-    if row_blocks // need < WALK_WAVES:
-        is_start, wave_end = _walk_waves(sorted_last, row_blocks, need, NUM_EXPERTS, E_PAD)
-    else:
-        is_start, wave_end = _lift_waves(first_block, last_block, sorted_last, row_blocks, need,
-                                         wave_jumps, NUM_EXPERTS, E_PAD, E_LOG2, JUMP_LEVELS,
-                                         JUMP_STRIDE, JUMP_PAD)
-    # an expert's wave is the last start at or before it (0 is one); first_block and the waves'
-    # ends grow with the start, so a running maximum over the starts' values carries them
-    lo, hi = tl.associative_scan((tl.where(is_start, first_block, 0),
-                                  tl.where(is_start, wave_end, 0)), 0, _max_pair)
-    tl.store(wave_lo + es, lo, mask=in_e)
-    tl.store(wave_hi + es, hi, mask=in_e)
+    e_fill = tl.zeros([E_PAD], dtype=tl.int32)
+    for k in tl.static_range(E_LOG2, -1, -1):  # steps E_PAD, E_PAD / 2, ..., 1
+        cand = e_fill + (1 << k)
+        probe = tl.gather(sorted_last, tl.minimum(cand, E_PAD) - 1, 0)
+        e_fill = tl.where((cand <= E_PAD) & (probe < need), cand, e_fill)
+    fill_blocks = tl.gather(last_block, tl.minimum(e_fill, E_PAD - 1), 0)
+    nxt = tl.where((e_fill <= NUM_EXPERTS - 2) & (row_blocks > fill_blocks), e_fill + 1,
+                   NUM_EXPERTS)
+    at = tl.arange(0, JUMP_PAD)
+    jump = tl.where(at < NUM_EXPERTS, tl.gather(nxt, tl.minimum(at, E_PAD - 1), 0),
+                    NUM_EXPERTS)  # E is its own next
+    tl.store(wave_jumps + at, jump, mask=at <= NUM_EXPERTS)
+    for k in tl.static_range(1, JUMP_LEVELS):  # jumps[k][s] = next^(2^k)(s)
+        jump = tl.gather(jump, jump, 0)
+        tl.store(wave_jumps + k * JUMP_STRIDE + at, jump, mask=at <= NUM_EXPERTS)
+    tl.debug_barrier()  # the levels and expert_offsets, read back below
+    start = tl.zeros([E_PAD], dtype=tl.int32)  # the last start <= e: 0 is one
+    for k in tl.static_range(JUMP_LEVELS - 1, -1, -1):
+        ahead = tl.load(wave_jumps + k * JUMP_STRIDE + start)
+        start = tl.where(ahead <= es, ahead, start)
+    end = tl.load(wave_jumps + start)
+    tl.store(wave_lo + es, tl.load(expert_offsets + start) // BLOCK_M, mask=in_e)
+    tl.store(wave_hi + es, tl.load(expert_offsets + end) // BLOCK_M, mask=in_e)
     n1 = row_blocks * P1
     n2 = row_blocks * P2
     tl.store(meta + META_ROW_BLOCKS, row_blocks)
@@ -258,66 +269,6 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jum
     r2, nb, u, f = _l1_deal(row_blocks, G, P1, P2)
     tl.store(inter_num_tiles + gs, _l1_below(n1, gs, G, r2, nb, u, f)
              + _programs_below(n2, gs, G), mask=gs < G)
-
-
-@triton.jit
-def _max_pair(a_lo, a_hi, b_lo, b_hi):
-    return tl.maximum(a_lo, b_lo), tl.maximum(a_hi, b_hi)
-
-
-@triton.jit
-def _walk_waves(sorted_last, row_blocks, need, NUM_EXPERTS, E_PAD: tl.constexpr):
-    """The Expert-Wave starts (``is_start``) and each start's wave end in row blocks
-    (``wave_end``, at the starts), the orbit of 0 walked one wave at a time."""
-    es = tl.arange(0, E_PAD)
-    is_start = es == 0
-    wave_end = tl.zeros([E_PAD], dtype=tl.int32)
-    s = 0
-    first = 0  # first_block[s]
-    while s < NUM_EXPERTS:
-        target = first + need
-        e_fill = tl.sum((sorted_last < target).to(tl.int32))
-        fill = tl.min(tl.where(sorted_last >= target, sorted_last, 1 << 30))  # last_block[e_fill]
-        more = (e_fill <= NUM_EXPERTS - 2) & (row_blocks > fill)
-        wave_end = tl.where(es == s, tl.where(more, fill, row_blocks), wave_end)
-        s = tl.where(more, e_fill + 1, NUM_EXPERTS)
-        first = fill
-        is_start = is_start | (es == s)
-    return is_start, wave_end
-
-
-@triton.jit
-def _lift_waves(first_block, last_block, sorted_last, row_blocks, need, wave_jumps, NUM_EXPERTS,
-                E_PAD: tl.constexpr, E_LOG2: tl.constexpr, JUMP_LEVELS: tl.constexpr,
-                JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
-    """``_walk_waves``' result by binary lifting: e_fill(s) for every s at once (a binary search
-    over the sorted ``last_block``), then the last start <= e for every e through next's powers
-    (``wave_jumps``, levels in global memory: the orbit doubled in registers instead, three
-    gathers a level, took 1.09x the time in route_offsets, retired moe_layer records
-    20261203T062321Z, …062530Z)."""
-    es = tl.arange(0, E_PAD)
-    e_fill = tl.zeros([E_PAD], dtype=tl.int32)
-    need_s = first_block + need
-    for k in tl.static_range(E_LOG2, -1, -1):  # steps E_PAD, E_PAD / 2, ..., 1
-        cand = e_fill + (1 << k)
-        probe = tl.gather(sorted_last, tl.minimum(cand, E_PAD) - 1, 0)
-        e_fill = tl.where((cand <= E_PAD) & (probe < need_s), cand, e_fill)
-    fill_blocks = tl.gather(last_block, tl.minimum(e_fill, E_PAD - 1), 0)
-    more = (e_fill <= NUM_EXPERTS - 2) & (row_blocks > fill_blocks)
-    nxt = tl.where(more, e_fill + 1, NUM_EXPERTS)
-    at = tl.arange(0, JUMP_PAD)
-    jump = tl.where(at < NUM_EXPERTS, tl.gather(nxt, tl.minimum(at, E_PAD - 1), 0),
-                    NUM_EXPERTS)  # E is its own next
-    tl.store(wave_jumps + at, jump, mask=at <= NUM_EXPERTS)
-    for k in tl.static_range(1, JUMP_LEVELS):  # jumps[k][s] = next^(2^k)(s)
-        jump = tl.gather(jump, jump, 0)
-        tl.store(wave_jumps + k * JUMP_STRIDE + at, jump, mask=at <= NUM_EXPERTS)
-    tl.debug_barrier()  # the levels, read back below
-    start = tl.zeros([E_PAD], dtype=tl.int32)  # the last start <= e: 0 is one
-    for k in tl.static_range(JUMP_LEVELS - 1, -1, -1):
-        ahead = tl.load(wave_jumps + k * JUMP_STRIDE + start)
-        start = tl.where(ahead <= es, ahead, start)
-    return start == es, tl.where(more, fill_blocks, row_blocks)
 
 
 @triton.jit
@@ -494,7 +445,7 @@ def route_small(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, ex
                 E_PAD: tl.constexpr, G_PAD: tl.constexpr, E_LOG2: tl.constexpr,
                 CHUNK: tl.constexpr, JUMP_LEVELS: tl.constexpr, JUMP_STRIDE: tl.constexpr,
                 JUMP_PAD: tl.constexpr, ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr,
-                ROW_BLOCKS: tl.constexpr, ZERO_BLOCK: tl.constexpr, WALK_WAVES: tl.constexpr):
+                ROW_BLOCKS: tl.constexpr, ZERO_BLOCK: tl.constexpr):
     """One program, for few arrivals: ``route_histogram``, ``route_offsets`` and the scatter and
     the tiles of ``route_rows`` as passes of one launch, each a loop over what those launches'
     programs did side by side (chunks of arrivals, row blocks), a barrier between passes where
@@ -515,8 +466,7 @@ def route_small(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, ex
     tl.debug_barrier()  # every thread's counts stored before they are laid out
     _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
                        wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
-                       BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS, JUMP_STRIDE, JUMP_PAD,
-                       WALK_WAVES)
+                       BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS, JUMP_STRIDE, JUMP_PAD)
     tl.debug_barrier()  # the offsets, waves and meta, read below
     for c in range(0, tl.cdiv(n, CHUNK)):
         _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, expert_offsets,

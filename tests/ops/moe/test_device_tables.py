@@ -160,25 +160,24 @@ def case_work_deal_with_a_remainder() -> dict:
             for i, s in enumerate(("balanced", "skewed"))}
 
 
-def _with(setting: str, value: int, cases: dict) -> dict:
-    """``cases`` (name -> (function, *args)) run with ``device_tables.<setting> = value``, read as
-    the tables they allocate bind their launches: ``SMALL_ARRIVALS``, up to which many arrivals
-    one program (``route_small``) makes the table passes; ``WALK_WAVES``, up to which many
-    Expert-Wave waves their starts are walked one by one, not lifted."""
+def _with_small_arrivals(limit: int, cases: dict) -> dict:
+    """``cases`` (name -> (function, *args)) run with ``device_tables.SMALL_ARRIVALS = limit``:
+    up to ``limit`` arrivals one program (``route_small``) makes the table passes of the tables
+    they allocate."""
     from xstage_lab.ops.moe import device_tables
 
-    saved = getattr(device_tables, setting)
-    setattr(device_tables, setting, value)
+    saved = device_tables.SMALL_ARRIVALS
+    device_tables.SMALL_ARRIVALS = limit
     try:
         return {name: fn(*args) for name, (fn, *args) in cases.items()}
     finally:
-        setattr(device_tables, setting, saved)
+        device_tables.SMALL_ARRIVALS = saved
 
 
 def case_one_program_over_many_chunks() -> dict:
     """``route_small`` over arrivals of several chunks (its histogram, scan and scatter loops)
     and several steps of row blocks: the cases that take the five launches by default."""
-    return _with("SMALL_ARRIVALS", 1 << 20, {
+    return _with_small_arrivals(1 << 20, {
         "skewed_many_rows": (case_ep1, "DiT-MoE", "bf16", 200, "skewed", 7, 3, 4),
         "qwen_skewed": (case_ep1, "Qwen3.5", "bf16", 30, "skewed", 132, 2, 6),
         "ep_rank_fp8": (case_ep_rank, "DiT-MoE", "fp8", 8, 150, 5, 1, 3)})
@@ -186,24 +185,11 @@ def case_one_program_over_many_chunks() -> dict:
 
 def case_launch_by_launch_at_few_arrivals() -> dict:
     """The five launches over the few arrivals that take ``route_small`` by default."""
-    return _with("SMALL_ARRIVALS", 0, {
+    return _with_small_arrivals(0, {
         "one_token": (case_ep1, "DeepSeek-V4-Flash", "fp8", 1, "balanced", 132, 2),
         "zero_row_experts": (case_zero_row_experts,),
         "out_of_range_ids": (case_out_of_range_ids_are_flagged,),
         "ep_rank_few": (case_ep_rank, "MiMo-V2.5", "bf16", 8, 1, 16, 2)})
-
-
-def case_waves_walked_and_lifted() -> dict:
-    """The Expert-Wave starts both ways on the same routings: walked wave by wave
-    (``WALK_WAVES`` above any bound) and lifted (``WALK_WAVES = 0``), at one wave per expert (7
-    programs) and at several experts a wave (132 programs); and lifted in ``route_small``,
-    which walks them by default."""
-    cases = {"wave_per_expert": (case_ep1, "DiT-MoE", "bf16", 200, "skewed", 7, 3, 4),
-             "experts_per_wave": (case_ep1, "Qwen3.5", "bf16", 30, "skewed", 132, 2, 6)}
-    return {"walked": _with("WALK_WAVES", 1 << 20, cases),
-            "lifted": _with("WALK_WAVES", 0, {
-                **cases, "one_program": (_with, "SMALL_ARRIVALS", 1 << 20, {
-                    "ep_rank": (case_ep_rank, "MiMo-V2.5", "bf16", 8, 40, 16, 2)})})}
 
 
 def interpreter_cases() -> dict:
@@ -221,7 +207,6 @@ def interpreter_cases() -> dict:
         "work_deal_with_a_remainder": (case_work_deal_with_a_remainder,),
         "one_program_over_many_chunks": (case_one_program_over_many_chunks,),
         "launch_by_launch_at_few_arrivals": (case_launch_by_launch_at_few_arrivals,),
-        "waves_walked_and_lifted": (case_waves_walked_and_lifted,),
     }
 
 
@@ -250,7 +235,7 @@ def _compile_sm90(name: str) -> dict:
                                              "WAVE_MIN_L1")}},
                           dict(RECEIVED=True, BLOCK_M=128, E_PAD=512, E_BLOCK=4, G_PAD=256,
                                CHUNK=128, CHUNK_ROWS=1024, E_LOG2=9, JUMP_LEVELS=10,
-                               JUMP_STRIDE=513, JUMP_PAD=1024, WALK_WAVES=16)),
+                               JUMP_STRIDE=513, JUMP_PAD=1024)),
         "route_quantize": ({"args": "*i64", "n_arrivals_ptr": ptr, "x_quant": "*fp8e4nv",
                             "x_quant_scale": "*fp32", "CAPACITY": i, "HIDDEN": i, "TOP_K": i},
                            dict(RECEIVED=False, ROWS=32, SLAB=1024, BLOCK_H=128)),
@@ -278,8 +263,7 @@ def _compile_sm90(name: str) -> dict:
                                            "TOP_K")}},
                         dict(RECEIVED=True, QUANTIZE=False, BLOCK_M=128, E_PAD=512, G_PAD=256, E_LOG2=9,
                              CHUNK=128, JUMP_LEVELS=10, JUMP_STRIDE=513, JUMP_PAD=1024,
-                             ID_DTYPE=tl.int32, P_PAD=16, ROW_BLOCKS=16, ZERO_BLOCK=1024,
-                             WALK_WAVES=16)),
+                             ID_DTYPE=tl.int32, P_PAD=16, ROW_BLOCKS=16, ZERO_BLOCK=1024)),
     }
     signature, constexprs = signatures[name]
     signature = {**signature, **{k: "constexpr" for k in constexprs}}

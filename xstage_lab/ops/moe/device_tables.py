@@ -40,10 +40,6 @@ SCAN_TILE = 4096
 # the 41 above (by up to 385 µs: its passes' steps run one after another). An EP rank's bound is
 # its capacity, about eight times the arrivals it counts on the device
 SMALL_ARRIVALS = 16
-# Up to this many Expert-Wave waves (bounded by the row blocks in use), the orbit of wave starts
-# is walked wave by wave, each step two reductions; beyond, binary lifting, whose log E levels
-# each make a round trip through global memory (``moe_routing._offsets_and_waves``)
-WALK_WAVES = 16
 ROW_BLOCKS_SMALL = 16
 ZERO_BLOCK = 1024  # route_small's row counters zeroed this many a step
 QUANT_ROWS = 32   # rows of x per program of the FP8 quantization ...
@@ -278,8 +274,7 @@ class RoutingLaunches:
             E_PAD=e_pad, E_BLOCK=scan_experts, G_PAD=_pow2(b.num_programs), CHUNK=CHUNK,
             CHUNK_ROWS=SCAN_TILE // scan_experts, E_LOG2=e_pad.bit_length() - 1,
             JUMP_LEVELS=t.wave_jumps.shape[0],
-            JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1),
-            WALK_WAVES=WALK_WAVES, num_warps=8)
+            JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
         self.quantizer = {slab: Launcher(
             k.route_quantize, args=t.args, x_quant=t.x_quant, x_quant_scale=t.x_quant_scale,
             HIDDEN=hidden, RECEIVED=received, ROWS=QUANT_ROWS, SLAB=slab,
@@ -303,8 +298,7 @@ class RoutingLaunches:
             G_PAD=_pow2(b.num_programs), E_LOG2=e_pad.bit_length() - 1, CHUNK=CHUNK,
             JUMP_LEVELS=t.wave_jumps.shape[0], JUMP_STRIDE=t.wave_jumps.shape[1],
             JUMP_PAD=_pow2(b.num_experts + 1), ID_DTYPE=ids, ROW_BLOCKS=ROW_BLOCKS_SMALL,
-            ZERO_BLOCK=ZERO_BLOCK, ROW_BLOCK_BOUND=b.row_blocks, WALK_WAVES=WALK_WAVES,
-            num_warps=8, **quant,
+            ZERO_BLOCK=ZERO_BLOCK, ROW_BLOCK_BOUND=b.row_blocks, num_warps=8, **quant,
             **tables_static)
 
     def __call__(self, capacity: int, top_k: int, *, n_arrivals: torch.Tensor | None = None,
