@@ -17,41 +17,46 @@ FLOOR_BUSY_COPIES = 100  # device copies of HBM_COPY_BYTES, about 50 ms on an H2
 HBM_COPY_BYTES = 1 << 30
 
 
-def host_call_times_us(fn, calls: int = 10, repeats: int = 5, hold=None) -> list[list[float]]:
+def host_call_times_us(fn, calls: int = 10, repeats: int = 5,
+                       hold=None) -> tuple[list[float], list[list[float]]]:
     """Host time of each eager call, nothing waited for (the queue holds every launch):
-    ``repeats`` runs of ``calls`` calls each, each run queued behind what ``hold()`` launches
-    where given (untimed), the device synchronized between runs."""
+    ``repeats`` runs, each queued behind what ``hold()`` launches where given (untimed), the
+    device synchronized between runs. A run's first call, the host back from waiting for the
+    device, is timed apart (``first``); then ``calls`` calls back to back, as a forward issues
+    its layers (``runs``). On an H200 machine the first call took up to 240 µs where the wait
+    had lasted tens of ms, and 7-20 µs the calls after it (moe_layer/h200-x1/20261203T074100Z,
+    ``host_first_call_us``)."""
     fn()
     torch.cuda.synchronize()
-    runs = []
+    first, runs = [], []
     for _ in range(repeats):
         if hold is not None:
             hold()
         stamps = [time.perf_counter()]
-        for _ in range(calls):
+        for _ in range(calls + 1):
             fn()
             stamps.append(time.perf_counter())
-        runs.append([(b - a) * 1e6 for a, b in zip(stamps, stamps[1:])])
+        times = [(b - a) * 1e6 for a, b in zip(stamps, stamps[1:])]
+        first.append(times[0])
+        runs.append(times[1:])
         torch.cuda.synchronize()
-    return runs
+    return first, runs
 
 
 def host_overhead_us(fn, calls: int = 10, repeats: int = 5, hold=None) -> float:
     """Host time per eager call: the median over runs of a run's mean per call
-    (``host_call_times_us``)."""
-    return call_statistics_us(host_call_times_us(fn, calls, repeats, hold))["overhead"]
+    (``host_call_times_us``, its first call apart)."""
+    return call_statistics_us(*host_call_times_us(fn, calls, repeats, hold))["overhead"]
 
 
-def call_statistics_us(runs: list[list[float]]) -> dict:
-    """Of ``host_call_times_us``' runs: ``overhead``, the median over runs of a run's mean per
-    call; ``call_median``, the median single call; ``first_call``, the median over runs of a
-    run's first call (launched onto an idle device, the host back from waiting for it);
-    ``call_max``, the slowest single call. A run's mean far above its median call says that few
-    calls took the time (one blocking in the driver), not every call."""
+def call_statistics_us(first: list[float], runs: list[list[float]]) -> dict:
+    """Of ``host_call_times_us``' calls: ``overhead``, the median over runs of a run's mean per
+    call; ``call_median``, the median single call; ``call_max``, the slowest; ``first_call``,
+    the median over runs of a run's first call, timed apart."""
     calls = [c for r in runs for c in r]
     return {"overhead": statistics.median(statistics.fmean(r) for r in runs),
-            "call_median": statistics.median(calls),
-            "first_call": statistics.median(r[0] for r in runs), "call_max": max(calls)}
+            "call_median": statistics.median(calls), "call_max": max(calls),
+            "first_call": statistics.median(first)}
 
 
 def launch_floor_us(device) -> float:

@@ -27,13 +27,14 @@ kernel over the host-built layout and schedule, prepared beforehand), ``weighted
 kernel: ``unfused.unfused_layer``), and ``host_scheduled`` (today's path: layout, schedule and
 checked launch on the host, then the kernel and the weighted sum; eager, few trials).
 ``host_overhead_us``: host time of an eager call, nothing waited for (``host_call_median_us``,
-``host_first_call_us``, ``host_call_max_us``: of its single calls,
-``host_timing.call_statistics_us``); ``host_<step>_us`` that of each step alone (``host_stages``:
-at EP = 1 the eager call's own, its inputs' check, its argument block's addresses and its graph's
-launch with them, and the direct launches the graph captures; an EP rank's call launches the graph
-of its receive buffers: ``MoEWorkspace.received_call``); ``host_launch_floor_us`` that of one bare
-kernel launch on this machine, and ``host_floor_*_us`` those of a graph launch and of a launch
-behind a queue (``host_timing``). Where the schedule's device time goes (torch.profiler,
+``host_call_max_us``: of its single calls; ``host_first_call_us``: a run's first call, the host
+back from waiting for the device, timed apart: ``host_timing.host_call_times_us``);
+``host_<step>_us`` that of each step alone (``host_stages``: at EP = 1 the eager call's own, its
+inputs' check, its argument block's addresses and its graph's launch with them, and the direct
+launches the graph captures; an EP rank's call launches the graph of its receive buffers:
+``MoEWorkspace.received_call``); ``host_launch_floor_us`` that of one bare kernel launch on this
+machine, and ``host_floor_*_us`` those of a graph launch and of a launch behind a queue
+(``host_timing``). Where the schedule's device time goes (torch.profiler,
 ``dist_timing.kernel_times_us``): per routing kernel (``route_kernels_us``, JSON), the table passes
 (``route_tables_us``: the schedule kernels of issue 27's bound) apart from the pass over the
 activations (``route_gather_us``: the FP8 quantization of the tokens at EP = 1; none where the
@@ -543,7 +544,7 @@ class MoELayer(Experiment):
         route_kernels = kernel_times_us(cell.route)
         gather_us = sum(v for k, v in route_kernels.items() if ACTIVATIONS_PASS in k)
         stages = {f"host_{k}_us": host_overhead_us(fn) for k, fn in cell.host_stages().items()}
-        calls = call_statistics_us(host_call_times_us(cell.call))
+        calls = call_statistics_us(*host_call_times_us(cell.call))
         # a tile's weight bytes: Linear-1 gate and up, Linear-2 its hidden columns
         cfg, elem = cell.ws.config, weights.w1.element_size()
         phases = (kernel_phases(cell.tiles, 2 * cfg.block_n1 * weights.hidden * elem,
