@@ -153,6 +153,25 @@ def test_layer_prose_gives_the_eager_calls_steps_where_a_record_timed_them(tmp_p
             "1 µs, the addresses gathered 15 µs, the graph launched with them 8 µs (1 cell") in text
 
 
+def test_layer_prose_gives_a_runs_first_call_where_a_record_kept_single_calls(tmp_path):
+    """The first call after the wait for the device and the median call, from the cells that
+    kept single calls only; none said without them."""
+    from xstage_lab.prose.moe.kernel import layer
+
+    at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(2)]
+    write_record("moe_layer", "x", pd.DataFrame([_row(1), _row(64)]), {}, {}, tmp_path,
+                 created=at[0])
+    assert "first call" not in str(layer([lv.layer_view("x", tmp_path)]))
+    calls = [dict(host_first_call_us=f, host_call_median_us=m) for f, m in ((240.0, 12.0),
+                                                                            (30.0, 9.0))]
+    write_record("moe_layer", "x", pd.DataFrame([_row(64, **calls[0]),
+                                                 _row(64, "ep8_rank", **calls[1])]), {}, {},
+                 tmp_path, created=at[1])
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    assert ("in the 2 cells that keep single calls, a run's first call, the host back from "
+            "waiting for the device, takes 30–240 µs and the median call 9–12 µs") in text
+
+
 def test_kernel_phases_read_a_one_token_trace():
     """Two Linear-1 tiles on two SMs, then one Linear-2 tile that waited for their rows."""
     tiles = pd.DataFrame({

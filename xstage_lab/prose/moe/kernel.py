@@ -88,6 +88,13 @@ def layer(layer_views) -> Prose:
                          f"kernels: {met('schedule_ok')} cells)")
         host = (f"an eager call's host time is {span(t['host_overhead_us'], '.0f')} µs (at most "
                 f"{HOST_OVERHEAD_LIMIT_US:.0f} asked: {met('host_overhead_ok')} cells)")
+        # records from before the single calls were kept lack them
+        calls = t[t["host_first_call_us"].notna()] if "host_first_call_us" in t else t.iloc[:0]
+        if len(calls):
+            host += (f"; in the {count(len(calls))} cells that keep single calls, a run's first "
+                     f"call, the host back from waiting for the device, takes "
+                     f"{span(calls['host_first_call_us'], '.0f')} µs and the median call "
+                     f"{span(calls['host_call_median_us'], '.0f')} µs")
         if measured(t, "host_launch_floor_us"):
             host += (f"; one bare kernel launch costs this machine's host "
                      f"{span(t['host_launch_floor_us'], '.0f')} µs, measured in the same runs")
