@@ -449,8 +449,8 @@ def route_small(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, ex
     """One program, for few arrivals: ``route_histogram``, ``route_offsets`` and the scatter and
     the tiles of ``route_rows`` as passes of one launch, each a loop over what those launches'
     programs did side by side (chunks of arrivals, row blocks), a barrier between passes where
-    the launches have a kernel boundary. At a few tokens per call each of those launches is a few µs
-    of latency with little work in it (moe_layer's per-kernel profile)."""
+    the launches have a kernel boundary. At a few tokens per call each of those launches is a
+    few µs of latency with little work in it (moe_layer's per-kernel profile)."""
     _set_a_rows(args, quant_rows, quant_scale, QUANTIZE)
     expert_ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)

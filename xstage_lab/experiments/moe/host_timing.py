@@ -74,9 +74,9 @@ def launch_floors_us(device) -> dict:
     every round of calls queued behind a long kernel that touches no memory (``graph<n>_queued``)
     and behind device copies that keep HBM busy as long (``graph<n>_busy``); the graph of as many
     nodes whose first is the argument writer, its addresses rewritten at every launch as a call
-    rewrites them (``graph<n>_rewrite_<state>``: a call's host time rises with T, in its graph
-    launch, while the graph's launches queue); and one bare ``add_`` queued behind the long
-    kernel (``kernel_queued``; idle: ``host_launch_floor_us``)."""
+    rewrites them (``graph<n>_rewrite_<state>``: what the rewrite adds to a graph's launch); and
+    one bare ``add_`` queued behind the long kernel (``kernel_queued``; idle:
+    ``host_launch_floor_us``)."""
     t = torch.zeros(1, device=device)
     src = torch.empty(HBM_COPY_BYTES, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)

@@ -7,21 +7,21 @@ faster than the launches whose programs make them side by side (issue 27; record
 
 ``device_tables.SMALL_ARRIVALS`` sends a call's routing through one program up to that many
 arrivals: the histogram, scan, scatter and tiles passes as loops of one launch, against the
-launches whose programs make them side by side (three; four in records before the scatter and
-the tiles shared one). One program saves their launches' latency and pays for the passes' steps
-one after another (chunks of arrivals, blocks of row blocks). This
-probe times both paths on the same arrivals, per model shape, in the two settings of
-``layer_bench`` (EP = 1 from ``topk_ids``, ``T top_k`` arrivals; rank 0 of EP = 8 from its
-received rows, their count on the device under a capacity of ``8 T top_k``), so that the
-threshold is read off measurement.
+launches whose programs make them side by side (three; four in records before the scatter and the
+tiles shared one). One program saves their launches' latency and pays for the passes' steps one
+after another (chunks of arrivals, blocks of row blocks). This probe times both paths on the same
+arrivals, per model shape, in the two settings of ``layer_bench`` (EP = 1 from ``topk_ids``, ``T
+top_k`` arrivals; rank 0 of EP = 8 from its received rows, their count on the device under a
+capacity of ``8 T top_k``), so that the threshold is read off measurement.
 
 1. Checks first: each path's tables (``allocate_tables`` with ``small_arrivals`` 0 and above the
    capacity), their outputs poisoned first, equal the host reference entry for entry
    (``table_mismatches``); ids all in range (the error flag zero). Any failure aborts the run
    before timing; nothing is written.
 2. Timing: both paths' routing (the argument block's writer, the table passes; in records before
-   the fused kernel gathered its rows, the activations' gather too) in one rotation (``dist_timing.time_methods``, CUDA-graph replays), then each path's
-   kernels by name (``kernel_times_us``).
+   the fused kernel gathered its rows, the activations' gather too) in one rotation
+   (``dist_timing.time_methods``, CUDA-graph replays), then each path's kernels by name
+   (``kernel_times_us``).
 
 One row per (cell, path); ``over_launches`` is the launches' time over the path's (``over_five``
 in records from before the scatter and the tiles shared a launch, when the argument writer, the
