@@ -207,7 +207,7 @@ def _jump_levels(num_experts: int) -> int:
 def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Tensor,
                     x_scale: torch.Tensor | None = None, *, top_k: int = 1,
                     n_arrivals: torch.Tensor | None = None, arrival_src: torch.Tensor | None = None,
-                    arrival_slot: torch.Tensor | None = None) -> None:
+                    arrival_slot: torch.Tensor | None = None, prefetch=None) -> None:
     """Rewrite ``tables`` for one call, on the current stream, without a host sync; the row
     counters ``tables.row_ready`` zeroed for the fused kernel: the argument block written
     (``call_args.write_args``), then the routing launches (``RoutingLaunches``).
@@ -221,7 +221,8 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
     ``x_scale``). The fused kernel reads ``x`` (or its quantized copy) in place, so it must
     stay unchanged until that launch has run. Ids out of range add to ``tables.error`` and get
     no row. Shapes and dtypes are the caller's contract (``FusedMoE`` checks them); ``x`` starts
-    16-byte aligned (MoEContractError before any launch)."""
+    16-byte aligned (MoEContractError before any launch). ``prefetch``: a
+    ``prefetch.WeightPrefetch`` launched beside the routing launches (None: none)."""
     if x.dtype == torch.float8_e4m3fn and x_scale is None:
         raise MoEContractError("e4m3 activations need their 1 x 128 scales (x_scale)")
     if x.dtype == torch.bfloat16 and tables.x_quant is None and tables.fp8:
@@ -231,9 +232,16 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
                **({} if x_scale is None else {"x_scale": x_scale}))
     received = n_arrivals is not None
     quantize = tables.x_quant is not None and x.dtype == torch.bfloat16
-    tables.routing(received, quantize, expert_ids.dtype)(
-        tables.bounds.capacity if received else expert_ids.numel(), top_k,
-        n_arrivals=n_arrivals, arrival_src=arrival_src, arrival_slot=arrival_slot)
+    capacity = tables.bounds.capacity if received else expert_ids.numel()
+    routing = tables.routing(received, quantize, expert_ids.dtype)
+
+    def launches():
+        routing(capacity, top_k, n_arrivals=n_arrivals, arrival_src=arrival_src,
+                arrival_slot=arrival_slot)
+    if prefetch is None:
+        launches()
+    else:
+        prefetch.beside(launches, capacity, expert_ids.dtype, n_arrivals)
 
 
 class RoutingLaunches:
