@@ -23,17 +23,24 @@ def _prefetch_l2(address, nbytes):
                               "=r,l,r", [address, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def _touched_expert(touched, rank, k, E_PAD: tl.constexpr):
+    """The ``k``-th (0-based) touched expert in id order, -1 past the last."""
+    return tl.max(tl.where(touched & (rank == k + 1), tl.arange(0, E_PAD), -1), 0)
+
+
 @triton.jit(do_not_specialize=["CAPACITY"])
 def prefetch_weights(args, n_arrivals_ptr, w1, prefetched, CAPACITY, NUM_EXPERTS: tl.constexpr,
                      RECEIVED: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
                      EXPERT_BYTES: tl.constexpr, LANES: tl.constexpr, LANE_BYTES: tl.constexpr,
                      ID_DTYPE: tl.constexpr, ISSUE: tl.constexpr):
-    """Program ``p``: the ``p``-th expert (in id order) that any arrival routes to, into
-    ``prefetched[p]`` (-1: fewer experts touched), and with ``ISSUE`` the first ``LANES *
-    LANE_BYTES`` bytes of its Linear-1 weights (``w1`` rows ``e 2I .. (e + 1) 2I``,
-    ``EXPERT_BYTES`` apart) prefetched into L2, one bulk prefetch per lane. Arrivals as in
-    ``moe_routing.route_histogram``: ``CAPACITY`` ids at EP = 1, an EP rank's count on the device;
-    ids out of range are left out (the routing flags them)."""
+    """Program ``p``: bytes ``p P .. (p + 1) P`` (``P = LANES * LANE_BYTES``, at most
+    ``EXPERT_BYTES``) of the touched experts' Linear-1 weights laid end to end in id order
+    (``w1`` rows ``e 2I .. (e + 1) 2I``, ``EXPERT_BYTES`` apart), so the prefetch is spread over
+    many SMs; ``prefetched[p]``: the expert its first byte lies in (-1: past the touched ones),
+    and with ``ISSUE`` one bulk L2 prefetch of ``LANE_BYTES`` (a divisor of ``EXPERT_BYTES``) per
+    lane. Arrivals as in ``moe_routing.route_histogram``: ``CAPACITY`` ids at EP = 1, an EP rank's
+    count on the device; ids out of range are left out (the routing flags them)."""
     p = tl.program_id(0)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
@@ -45,11 +52,18 @@ def prefetch_weights(args, n_arrivals_ptr, w1, prefetched, CAPACITY, NUM_EXPERTS
         counts += tl.histogram(tl.where(valid, e, 0), E_PAD, mask=valid)
     touched = counts > 0
     rank = tl.cumsum(touched.to(tl.int32), 0)
-    experts = tl.arange(0, E_PAD)
-    expert = tl.max(tl.where(touched & (rank == p + 1), experts, -1), 0)
-    tl.store(prefetched + p, expert)
+    first = p.to(tl.int64) * (LANES * LANE_BYTES)
+    k0 = first // EXPERT_BYTES  # a program's bytes lie in at most two experts
+    e0 = _touched_expert(touched, rank, k0, E_PAD)
+    tl.store(prefetched + p, e0)
     if ISSUE:
-        if expert >= 0:
-            lane = tl.arange(0, LANES).to(tl.int64)
-            address = w1.to(tl.int64) + expert.to(tl.int64) * EXPERT_BYTES + lane * LANE_BYTES
-            _prefetch_l2(address, tl.full([LANES], LANE_BYTES, tl.int32))
+        if e0 >= 0:
+            e1 = _touched_expert(touched, rank, k0 + 1, E_PAD)
+            offset = first + tl.arange(0, LANES).to(tl.int64) * LANE_BYTES
+            expert = tl.where(offset // EXPERT_BYTES == k0, e0, e1)
+            live = expert >= 0
+            # lanes past the last touched expert prefetch 16 bytes of its first one
+            address = w1.to(tl.int64) + tl.where(
+                live, expert.to(tl.int64) * EXPERT_BYTES + offset % EXPERT_BYTES,
+                e0.to(tl.int64) * EXPERT_BYTES)
+            _prefetch_l2(address, tl.where(live, LANE_BYTES, 16))

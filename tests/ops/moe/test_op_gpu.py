@@ -124,7 +124,7 @@ def test_the_prefetch_picks_each_calls_first_experts(layer):
         y = layer(x, ids, w)
         _check(layer, y, x, ids, w)
         assert prefetch.prefetched.tolist() == prefetched_experts(
-            ids.reshape(-1), SHAPES[MODEL].routed_experts, prefetch.programs)
+            ids.reshape(-1), SHAPES[MODEL].routed_experts, prefetch)
 
 
 def test_compiled_block_matches_eager(layer):

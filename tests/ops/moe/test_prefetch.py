@@ -13,11 +13,11 @@ import torch
 from tests.experiments.triton_testing import (assert_case_ok, child_main, child_results,
                                               interpreter_case_tests)
 from xstage_lab.ops.moe.call_args import allocate_args, write_args
-from xstage_lab.ops.moe.prefetch import LANES, WeightPrefetch, prefetched_experts
+from xstage_lab.ops.moe.prefetch import LANE_BYTES, LANES, PIECE, WeightPrefetch, prefetched_experts
 from xstage_lab.ops.moe.weights import ExpertWeights
 
 MODULE = "tests.ops.moe.test_prefetch"
-HIDDEN, INTER = 256, 128  # one expert's Linear-1 weights: 2 * 128 * 256 bf16 = 128 KiB
+HIDDEN, INTER = 512, 256  # one expert's Linear-1 weights: 2 * 256 * 512 bf16 = 512 KiB, 2 pieces
 EXPERT_BYTES = 2 * INTER * HIDDEN * 2
 
 
@@ -33,7 +33,7 @@ def _picked(experts: int, budget: int, ids: torch.Tensor, n: int | None = None) 
     write_args(args, expert_ids=ids)
     prefetch.launch(ids.numel(), ids.dtype,
                     None if n is None else torch.tensor([n], dtype=torch.int32))
-    want = prefetched_experts(ids if n is None else ids[:n], experts, prefetch.programs)
+    want = prefetched_experts(ids if n is None else ids[:n], experts, prefetch)
     return prefetch.prefetched.tolist(), want
 
 
@@ -44,7 +44,7 @@ def case_ep1_picks_the_first_touched_experts() -> dict:
     ids[5, 1], ids[900, 0] = -1, 64  # out of range: left out
     ids[1400, 2] = 9  # touched once, past the first step of 1024 ids
     got, want = _picked(64, 5 * EXPERT_BYTES, ids.reshape(-1))
-    assert want[0] == 9 and got == want, (got, want)
+    assert want == [9, 9, 20, 20, 21, 21, 22, 22, 23, 23] and got == want, (got, want)
     return {"picked": got}
 
 
@@ -52,12 +52,12 @@ def case_ep_rank_reads_only_the_counted_ids() -> dict:
     """int32 local expert ids, a count on the device below the capacity: the rest ignored."""
     ids = torch.tensor([6, 2, 6, 2, 0, 1, 1, 1], dtype=torch.int32)
     got, want = _picked(8, 3 * EXPERT_BYTES, ids, n=4)
-    assert got == want == [2, 6, -1], (got, want)
+    assert got == want == [2, 2, 6, 6, -1, -1], (got, want)
     return {"picked": got}
 
 
 def case_no_arrivals_picks_nothing() -> dict:
-    got, want = _picked(8, 2 * EXPERT_BYTES, torch.zeros(4, dtype=torch.int32), n=0)
+    got, want = _picked(8, EXPERT_BYTES, torch.zeros(4, dtype=torch.int32), n=0)
     assert got == want == [-1, -1], (got, want)
     return {"picked": got}
 
@@ -81,7 +81,7 @@ def _compile_sm90() -> dict:
 
     kernel = load_kernel_module("moe_prefetch").prefetch_weights
     constexprs = dict(NUM_EXPERTS=384, RECEIVED=True, E_PAD=512, BLOCK=1024,
-                      EXPERT_BYTES=EXPERT_BYTES, LANES=LANES, LANE_BYTES=EXPERT_BYTES // LANES,
+                      EXPERT_BYTES=EXPERT_BYTES, LANES=LANES, LANE_BYTES=LANE_BYTES,
                       ID_DTYPE=tl.int64, ISSUE=True)
     signature = {"args": "*i64", "n_arrivals_ptr": "*i32", "w1": "*bf16", "prefetched": "*i32",
                  "CAPACITY": "i32", **{k: "constexpr" for k in constexprs}}
@@ -105,17 +105,19 @@ def test_prefetch_compiles_for_sm90():
     assert detail["has_cubin"] and detail["prefetches"] >= 1, detail
 
 
-@pytest.mark.parametrize("budget,programs", [(EXPERT_BYTES // 2, 1), (EXPERT_BYTES, 1),
-                                             (7 * EXPERT_BYTES // 2, 3), (100 * EXPERT_BYTES, 8)])
+@pytest.mark.parametrize("budget,programs", [(PIECE, 1), (PIECE + 1, 1),
+                                             (7 * EXPERT_BYTES // 2, 7)])
 def test_programs_follow_the_budget(budget, programs):
-    """One touched expert's Linear-1 weights a program, at most every expert; under one
-    expert's bytes, one program prefetching the budget's first bytes."""
     assert WeightPrefetch(_weights(8), allocate_args("cpu"), budget, False).programs == programs
 
 
-def test_a_budget_under_one_step_is_refused():
-    with pytest.raises(ValueError, match="under one"):
-        WeightPrefetch(_weights(8), allocate_args("cpu"), LANES * 16 - 1, False)
+def test_a_budget_or_experts_under_one_piece_are_refused():
+    with pytest.raises(ValueError, match="must hold"):
+        WeightPrefetch(_weights(8), allocate_args("cpu"), PIECE - 1, False)
+    small = ExpertWeights("bf16", torch.zeros(8, 2 * 64, 512, dtype=torch.bfloat16),
+                          torch.zeros(8, 512, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="must hold"):
+        WeightPrefetch(small, allocate_args("cpu"), 4 * PIECE, False)
 
 
 def test_no_prefetch_off_hopper():

@@ -21,25 +21,32 @@ L2_SHARE = 0.5
 PREFETCH_ARRIVALS = 65536
 IDS_BLOCK = 1024  # ids per step of a program's pass
 LANES = 128  # bulk prefetches per program, one per thread of its four warps
-PREFETCH_ALIGN = 16  # cp.async.bulk: addresses and sizes in multiples of 16 bytes
+# Bytes per bulk prefetch: a divisor of every expert's Linear-1 bytes (2 I H, I and H multiples of
+# 128), so no lane straddles two experts. A program's 256 KiB: the budget over a hundred-odd
+# programs, one SM each, where one program per expert (20-60 MiB on one to four SMs) ended
+# 35-228 µs after its launch, the fused kernel waiting for it.
+LANE_BYTES = 2048
+PIECE = LANES * LANE_BYTES
 
 
 class WeightPrefetch:
-    """The prefetch of ``weights``' Linear-1 rows for one workspace: ``budget`` bytes at most
-    (``L2_SHARE`` of the device's L2 by default), the Linear-1 weights of one touched expert per
-    program, so ``programs = budget // expert bytes`` (at least one, which then prefetches the
-    budget's first bytes of its expert), ``prefetched`` int32 ``[programs]`` the experts each
-    call picked. ``issue``: prefetch (sm_90 and later); without it the launch only picks
-    (the CPU interpreter's tests)."""
+    """The prefetch of ``weights``' Linear-1 rows for one workspace: the first ``budget`` bytes
+    (``L2_SHARE`` of the device's L2 by default) of the touched experts' Linear-1 weights end to
+    end in id order, ``PIECE`` bytes a program, so ``programs = budget // PIECE``;
+    ``prefetched`` int32 ``[programs]``: the expert each program's bytes start in at the last
+    call. ``issue``: prefetch (sm_90 and later); without it the launch only picks (the CPU
+    interpreter's tests). Raises ValueError where an expert's Linear-1 weights are fewer than
+    ``PIECE`` bytes or the budget is."""
 
     def __init__(self, weights: ExpertWeights, args: torch.Tensor, budget: int, issue: bool):
         w1 = weights.w1
         expert_bytes = 2 * weights.intermediate * weights.hidden * w1.element_size()
-        if budget < LANES * PREFETCH_ALIGN:
-            raise ValueError(f"a prefetch budget of {budget} bytes is under one "
-                             f"{LANES * PREFETCH_ALIGN}-byte step")
-        self.programs = max(1, min(weights.num_experts, budget // expert_bytes))
-        lane_bytes = min(expert_bytes, budget) // (LANES * PREFETCH_ALIGN) * PREFETCH_ALIGN
+        if min(budget, expert_bytes) < PIECE or expert_bytes % LANE_BYTES:
+            raise ValueError(f"a prefetch budget of {budget} bytes over experts of {expert_bytes} "
+                             f"Linear-1 bytes: both must hold {PIECE}, the experts' a multiple "
+                             f"of {LANE_BYTES}")
+        self.programs = budget // PIECE
+        self.expert_bytes = expert_bytes
         self.prefetched = torch.full((self.programs,), -1, dtype=torch.int32, device=w1.device)
         self.device = w1.device
         self.stream: torch.cuda.Stream | None = None  # made at the first launch on CUDA
@@ -49,16 +56,17 @@ class WeightPrefetch:
                 kernel, args=args, w1=w1, prefetched=self.prefetched,
                 NUM_EXPERTS=weights.num_experts, RECEIVED=received,
                 E_PAD=triton.next_power_of_2(weights.num_experts), BLOCK=IDS_BLOCK,
-                EXPERT_BYTES=expert_bytes, LANES=LANES, LANE_BYTES=lane_bytes,
+                EXPERT_BYTES=expert_bytes, LANES=LANES, LANE_BYTES=LANE_BYTES,
                 ID_DTYPE=triton_dtype(ids), ISSUE=issue, num_warps=LANES // 32)
             for received in (False, True) for ids in (torch.int32, torch.int64)}
 
     @classmethod
     def for_device(cls, weights: ExpertWeights, args: torch.Tensor) -> WeightPrefetch | None:
         """The prefetch where the weights' device has bulk L2 prefetch (CUDA, sm_90 and
-        later), ``L2_SHARE`` of its L2; None elsewhere."""
+        later), ``L2_SHARE`` of its L2; None elsewhere, and for experts under ``PIECE`` bytes."""
         device = weights.w1.device
-        if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        if (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9
+                or 2 * weights.intermediate * weights.hidden * weights.w1.element_size() < PIECE):
             return None
         l2 = torch.cuda.get_device_properties(device).L2_cache_size
         return cls(weights, args, int(l2 * L2_SHARE), issue=True)
@@ -92,10 +100,12 @@ class WeightPrefetch:
         here.wait_stream(self.stream)
 
 
-def prefetched_experts(expert_ids: torch.Tensor, num_experts: int, programs: int) -> list[int]:
-    """What ``WeightPrefetch.prefetched`` holds after a launch over ``expert_ids`` (the
-    arrivals'): the first ``programs`` distinct ids in ``0 .. num_experts - 1``, ascending,
-    padded with -1."""
+def prefetched_experts(expert_ids: torch.Tensor, num_experts: int,
+                       prefetch: WeightPrefetch) -> list[int]:
+    """What ``prefetch.prefetched`` holds after a launch over ``expert_ids`` (the arrivals'):
+    per program, the touched expert (the distinct ids in ``0 .. num_experts - 1``, ascending)
+    its first byte lies in, -1 past the last."""
     ids = expert_ids.cpu().long()
-    touched = torch.unique(ids[(ids >= 0) & (ids < num_experts)]).tolist()[:programs]
-    return touched + [-1] * (programs - len(touched))
+    touched = torch.unique(ids[(ids >= 0) & (ids < num_experts)]).tolist()
+    starts = [p * PIECE // prefetch.expert_bytes for p in range(prefetch.programs)]
+    return [touched[k] if k < len(touched) else -1 for k in starts]
