@@ -23,8 +23,9 @@ IDS_BLOCK = 1024  # ids per step of a program's pass
 LANES = 128  # bulk prefetches per program, one per thread of its four warps
 # Bytes per bulk prefetch: a divisor of every expert's Linear-1 bytes (2 I H, I and H multiples of
 # 128), so no lane straddles two experts. A program's 256 KiB: the budget over a hundred-odd
-# programs, one SM each, where one program per expert (20-60 MiB on one to four SMs) ended
-# 35-228 µs after its launch, the fused kernel waiting for it.
+# programs, one SM each. One program per expert (the budget on one to four SMs) ended 35-228 µs
+# after its launch on one H200, the fused kernel waiting for it (retired moe_layer/h200-x1
+# records 20261203T091721Z to …092642Z, their reason).
 LANE_BYTES = 2048
 PIECE = LANES * LANE_BYTES
 
