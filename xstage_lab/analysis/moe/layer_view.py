@@ -20,9 +20,6 @@ from ...records import RECORDS_DIR, Record
 # The writer of a call's argument block (kernels/moe_args.py) as a record's per-kernel profile
 # (route_kernels_us) names it: launched with the routing kernels, not one of them.
 ARGS_WRITER = "write_args"
-# ... and the weights' L2 prefetch (kernels/moe_prefetch.py), on a side stream beside the routing
-# kernels from records of 2026-12-03 on: no pass of the routing either.
-BESIDE_ROUTING = "prefetch_weights"
 CELL = ["model", "precision", "setting", "tokens"]
 SUMMARY_KEYS = ("model", "precision", "setting", "tokens", "fused_eager_us", "fused_graph_us",
                 "schedule_us", "host_overhead_us", "kernel_us", "weighted_sum_floor_us",

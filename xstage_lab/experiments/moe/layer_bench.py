@@ -55,8 +55,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from ...analysis.moe.layer_view import (BESIDE_ROUTING, SUMMARY_KEYS, LayerView, kernel_phases,
-                                         layer_view)
+from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, kernel_phases, layer_view
 from ...analysis.moe.trace import tile_frame
 from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
@@ -569,8 +568,7 @@ class MoELayer(Experiment):
                 "host_launch_floor_us": self.launch_floor_us,
                 "weight_floor_us": cell.touched_experts() * _expert_bytes(weights) / bw * 1e6,
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
-                "route_tables_us": sum(v for k, v in route_kernels.items()
-                                       if BESIDE_ROUTING not in k) - gather_us,
+                "route_tables_us": sum(route_kernels.values()) - gather_us,
                 "route_gather_us": gather_us, "route_kernels_us": json.dumps(route_kernels),
                 "eager_path": EAGER_PATH, **self.launch_floors, **stages, **phases}
 

@@ -207,7 +207,7 @@ def _jump_levels(num_experts: int) -> int:
 def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Tensor,
                     x_scale: torch.Tensor | None = None, *, top_k: int = 1,
                     n_arrivals: torch.Tensor | None = None, arrival_src: torch.Tensor | None = None,
-                    arrival_slot: torch.Tensor | None = None, prefetch=None) -> None:
+                    arrival_slot: torch.Tensor | None = None) -> None:
     """Rewrite ``tables`` for one call, on the current stream, without a host sync; the row
     counters ``tables.row_ready`` zeroed for the fused kernel: the argument block written
     (``call_args.write_args``), then the routing launches (``RoutingLaunches``).
@@ -221,8 +221,7 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
     ``x_scale``). The fused kernel reads ``x`` (or its quantized copy) in place, so it must
     stay unchanged until that launch has run. Ids out of range add to ``tables.error`` and get
     no row. Shapes and dtypes are the caller's contract (``FusedMoE`` checks them); ``x`` starts
-    16-byte aligned (MoEContractError before any launch). ``prefetch``: a
-    ``prefetch.WeightPrefetch`` launched beside the routing launches (None: none)."""
+    16-byte aligned (MoEContractError before any launch)."""
     if x.dtype == torch.float8_e4m3fn and x_scale is None:
         raise MoEContractError("e4m3 activations need their 1 x 128 scales (x_scale)")
     if x.dtype == torch.bfloat16 and tables.x_quant is None and tables.fp8:
@@ -232,16 +231,9 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
                **({} if x_scale is None else {"x_scale": x_scale}))
     received = n_arrivals is not None
     quantize = tables.x_quant is not None and x.dtype == torch.bfloat16
-    capacity = tables.bounds.capacity if received else expert_ids.numel()
-    routing = tables.routing(received, quantize, expert_ids.dtype)
-
-    def launches():
-        routing(capacity, top_k, n_arrivals=n_arrivals, arrival_src=arrival_src,
-                arrival_slot=arrival_slot)
-    if prefetch is None:
-        launches()
-    else:
-        prefetch.beside(launches, capacity, expert_ids.dtype, n_arrivals)
+    tables.routing(received, quantize, expert_ids.dtype)(
+        tables.bounds.capacity if received else expert_ids.numel(), top_k,
+        n_arrivals=n_arrivals, arrival_src=arrival_src, arrival_slot=arrival_slot)
 
 
 class RoutingLaunches:
@@ -318,7 +310,11 @@ class RoutingLaunches:
         Plain stream order between them: with programmatic dependent launch (each launch
         letting the next one start at once and waiting for the previous one on the device, the
         fused kernel waiting after its setup) the whole matrix measured no better and the host
-        slower (retired moe_layer records 20261203T060649Z and …060956Z, their reason)."""
+        slower (retired moe_layer records 20261203T060649Z and …060956Z, their reason). Nor
+        did Hopper's bulk L2 prefetch of the first touched experts' Linear-1 weights (half of
+        L2) on a side stream beside these launches, joined before the fused kernel: spread over
+        256 KiB programs it took 3-8 µs, yet the graphed call took 1.015x its time and the
+        graphed routing 1.21x (retired records 20261203T091721Z to …093618Z, 5e8073e-c1db3fd)."""
         t = self.tables
         chunks = (triton.cdiv(capacity, CHUNK),)
         # EP = 1 reads no count, sources, slots or scales: any pointer stands in

@@ -4,12 +4,10 @@ and a ``torch.library`` custom op (``xstage::fused_moe``) with a fake implementa
 ``torch.compile(fullgraph=True)`` traces a block that uses it.
 
 A call is six launches in bf16, seven in FP8 (four, five up to ``device_tables.SMALL_ARRIVALS``
-picks), and on sm_90 one more beside them: its argument block written
-(``call_args.write_addresses``: the addresses of ``topk_ids``, ``x``, the Combine rows,
-``topk_weights`` and ``y``), routing to tile tables (``device_tables``: three Triton launches, or
-one, that read their varying tensors from the block and zero the fused kernel's row counters; in
-FP8 one more quantizes the tokens per 1 x 128) with the L2 prefetch of the first touched experts'
-Linear-1 weights on a side stream beside them (``prefetch``), the fused kernel over the
+picks): its argument block written (``call_args.write_addresses``: the addresses of ``topk_ids``,
+``x``, the Combine rows, ``topk_weights`` and ``y``), routing to tile tables (``device_tables``:
+three Triton launches, or one, that read their varying tensors from the block and zero the fused
+kernel's row counters; in FP8 one more quantizes the tokens per 1 x 128), the fused kernel over the
 chosen schedule's table (``kernels/moe_fused_ws.py`` on sm_90, ``kernels/moe_fused.py`` elsewhere),
 whose Linear-1 gathers each pick's token row as it loads and whose Linear-2 epilogues store each
 pick's row into the Combine buffer, then the top-k weighted sum (``combine``, one Triton launch,
@@ -42,7 +40,6 @@ from .call_args import (ALIGN_BYTES, TRITON_DTYPES, WRITER_FIRST_SLOT, slot_orde
 from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weighted_sum_launch
 from .device_tables import SCHEDULES, TableBounds, allocate_tables, route_to_tables
 from .fused import DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, kernel_launch
-from .prefetch import WeightPrefetch
 from .schedules import d_knee
 from .shapes import FP8_SCALE_BLOCK, MoEContractError
 from .tiles import TileConfig, check_tile_config, default_tile_config
@@ -167,13 +164,11 @@ class MoEWorkspace:
     flag (shared by the routing kernels and the fused kernel). ``num_programs`` defaults to the
     SMs (one persistent program each); ``lead_rows`` to D_knee (eq. 16); ``source_rows``: the
     bf16 rows of ``x`` an FP8 layer quantizes at most, 0 where it takes e4m3 rows only
-    (``allocate_tables``); ``prefetch_weights``: the L2 prefetch of the first touched experts'
-    Linear-1 weights beside the routing where the device has it (``prefetch.WeightPrefetch``)."""
+    (``allocate_tables``)."""
 
     def __init__(self, weights: ExpertWeights, capacity: int, *, config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
-                 max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS, source_rows: int | None = None,
-                 prefetch_weights: bool = True):
+                 max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS, source_rows: int | None = None):
         device = weights.w1.device
         self.weights = weights
         self.config = config or default_tile_config(weights.precision, hidden=weights.hidden,
@@ -190,8 +185,6 @@ class MoEWorkspace:
                                      weights.intermediate, self.config, num_programs, lead_rows)
         self.tables = allocate_tables(self.bounds, weights.hidden, weights.precision, device,
                                       source_rows=source_rows)
-        self.prefetch = (WeightPrefetch.for_device(weights, self.tables.args)
-                         if prefetch_weights else None)
         rows, inter = self.bounds.rows, weights.intermediate
         self.h = torch.empty(rows, inter, dtype=weights.w1.dtype, device=device)
         self.h_scale = (torch.empty(rows, inter // FP8_SCALE_BLOCK, dtype=torch.float32,
@@ -209,8 +202,8 @@ class MoEWorkspace:
 
     def route(self, expert_ids: torch.Tensor, x: torch.Tensor, x_scale: torch.Tensor | None = None,
               **received) -> None:
-        """``device_tables.route_to_tables`` into this workspace's tables (with its prefetch)."""
-        route_to_tables(self.tables, expert_ids, x, x_scale, prefetch=self.prefetch, **received)
+        """``device_tables.route_to_tables`` into this workspace's tables."""
+        route_to_tables(self.tables, expert_ids, x, x_scale, **received)
 
     def launch(self, schedule: str, peers: CombinePeers, *, routed: bool = False) -> None:
         """The fused kernel over the tables of ``schedule`` (routed first), storing each row into
@@ -284,7 +277,7 @@ class FusedMoE(torch.nn.Module):
     every id lies in ``0 .. E - 1`` before launch (a device-to-host copy; ids on the CPU are
     always checked; neither while capturing a graph or tracing for torch.compile); without it an
     id out of range adds to ``error`` on the device and its pick gets no row (its slot of the
-    output is not defined). ``prefetch_weights``: ``MoEWorkspace``'s.
+    output is not defined).
 
     ``forward(x, topk_ids, topk_weights)``: bf16 ``x [T, H]`` (16-byte aligned), integer
     ``topk_ids [T, top_k]``, float ``topk_weights [T, top_k]``, ``T <= max_tokens``, all on the
@@ -299,8 +292,7 @@ class FusedMoE(torch.nn.Module):
     def __init__(self, weights: ExpertWeights, *, max_tokens: int, top_k: int,
                  schedule: str = "auto", config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
-                 check_ids: bool = False, max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS,
-                 prefetch_weights: bool = True):
+                 check_ids: bool = False, max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS):
         super().__init__()
         if schedule not in SCHEDULE_CHOICES:
             raise MoEContractError(f"schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}")
@@ -309,8 +301,7 @@ class FusedMoE(torch.nn.Module):
                                    f"1..{weights.num_experts}")
         self.workspace = MoEWorkspace(weights, max_tokens * top_k, config=config,
                                       num_programs=num_programs, lead_rows=lead_rows,
-                                      max_spin_iters=max_spin_iters, source_rows=max_tokens,
-                                      prefetch_weights=prefetch_weights)
+                                      max_spin_iters=max_spin_iters, source_rows=max_tokens)
         self.max_tokens, self.top_k, self.check_ids = max_tokens, top_k, check_ids
         self.schedule = auto_schedule(1) if schedule == "auto" else schedule
         self.combine = torch.empty(max_tokens * top_k, weights.hidden, dtype=torch.bfloat16,
@@ -412,15 +403,10 @@ class FusedMoE(torch.nn.Module):
 
     def route_launches(self, addresses: tuple[int, ...], tokens: int,
                        id_dtype: torch.dtype) -> None:
-        """``addresses`` into the argument block, then the routing kernels (the workspace's
-        prefetch beside them)."""
+        """``addresses`` into the argument block, then the routing kernels."""
         ws, k = self.workspace, self.top_k
         write_addresses(ws.tables.args, addresses)
-        routing = ws.tables.routing(False, ws.weights.precision == "fp8", id_dtype)
-        if ws.prefetch is None:
-            routing(tokens * k, k)
-        else:
-            ws.prefetch.beside(lambda: routing(tokens * k, k), tokens * k, id_dtype)
+        ws.tables.routing(False, ws.weights.precision == "fp8", id_dtype)(tokens * k, k)
 
 
 @functools.cache

@@ -58,10 +58,10 @@ def layer(layer_views) -> Prose:
     """The fused layer from the router's output (``moe_layer``, issue 27): against the unfused
     torch path, and how many cells meet each measure of the issue's acceptance, with where the
     schedule's and the host's time go."""
-    from ...analysis.moe.layer_view import (ARGS_WRITER, BESIDE_ROUTING, HOST_OVERHEAD_LIMIT_US,
-                                            KERNEL_PARITY, KERNEL_PARITY_TOKENS,
-                                            SCHEDULE_LIMIT_TOKENS, SCHEDULE_LIMIT_US, SMALL_T,
-                                            acceptance, acceptance_counts, schedule_tables_us)
+    from ...analysis.moe.layer_view import (ARGS_WRITER, HOST_OVERHEAD_LIMIT_US, KERNEL_PARITY,
+                                            KERNEL_PARITY_TOKENS, SCHEDULE_LIMIT_TOKENS,
+                                            SCHEDULE_LIMIT_US, SMALL_T, acceptance,
+                                            acceptance_counts, schedule_tables_us)
 
     out = []
     for v in layer_views:
@@ -99,7 +99,7 @@ def layer(layer_views) -> Prose:
             host += (f"; one bare kernel launch costs this machine's host "
                      f"{span(t['host_launch_floor_us'], '.0f')} µs, measured in the same runs")
             kernels = t["route_kernels_us"].map(json.loads)
-            passes = kernels.map(lambda k: len(set(k) - {ARGS_WRITER, BESIDE_ROUTING}))
+            passes = kernels.map(lambda k: len(set(k) - {ARGS_WRITER}))
             if kernels.map(lambda k: ARGS_WRITER in k).all() and _graph_launched(t):
                 ep1, ep8 = (t[t["setting"] == s]["host_overhead_us"] for s in ("ep1", "ep8_rank"))
                 parts = ([f"EP = 1: {span(ep1, '.0f')} µs"] if len(ep1) else []) + (
@@ -159,8 +159,7 @@ def layer(layer_views) -> Prose:
         one = t[t["tokens"] == 1]
         t1 = ""
         if measured(one, "route_kernels_us"):
-            routing = one["route_kernels_us"].map(
-                lambda k: sum(v for n, v in json.loads(k).items() if n != BESIDE_ROUTING))
+            routing = one["route_kernels_us"].map(lambda k: sum(json.loads(k).values()))
             ep1 = one[one["setting"] == "ep1"]
             t1 = (f" Where a one-token call's time goes: the kernel takes "
                   f"{span(one['kernel_us'] / one['weight_floor_us'], '.1f')}× the weight-read "
