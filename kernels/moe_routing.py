@@ -17,8 +17,9 @@ graph replays the launches on new tensors of the same shape. No pass moves the a
 the layout: each layout row names the row of ``x`` it reads (``row_origin``: the token at EP = 1,
 the received row on an EP rank), which the fused kernel's Linear-1 gathers as it loads.
 
-Three launches, each needing the one before it complete (for few arrivals, ``route_small``: their
-four passes in one program), and, where bf16 activations feed an FP8 layer, ``route_quantize``:
+Three launches, each needing the one before it complete (for at most ``BLOCK_M`` arrivals,
+``route_tiny``: one program that holds them all in registers), and, where bf16 activations feed an
+FP8 layer, ``route_quantize``:
   ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
                        (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is
                        left out of the layout; program 0 writes the fused kernel's ``a_rows``
@@ -260,6 +261,14 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jum
     end = tl.load(wave_jumps + start)
     tl.store(wave_lo + es, tl.load(expert_offsets + start) // BLOCK_M, mask=in_e)
     tl.store(wave_hi + es, tl.load(expert_offsets + end) // BLOCK_M, mask=in_e)
+    _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, P2, G_PAD)
+
+
+@triton.jit
+def _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, P2,
+                      G_PAD: tl.constexpr):
+    """``meta`` (the row blocks and tiles in use) and the tile count of each of the ``G``
+    programs in both schedules, from the row blocks in use."""
     n1 = row_blocks * P1
     n2 = row_blocks * P2
     tl.store(meta + META_ROW_BLOCKS, row_blocks)
@@ -389,10 +398,8 @@ def _row_block_tiles(ps, row_blocks, expert_counts, expert_offsets, wave_lo, wav
                      row_slot, row_origin, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD,
                      MAX_TILES, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr):
     """Each row block ``p`` of ``ps`` below ``row_blocks``: its expert ``e(p)`` (``first_row[e]
-    <= p * BLOCK_M < first_row[e] + blocks[e] * BLOCK_M``), ``row_slot = -1``, ``row_origin =
-    -1`` and ``row_src = 0`` on its rows past the expert's count, and its ``P1`` Linear-1 and ``P2`` Linear-2 entries
-    ``(kind, e(p), p, n)`` in the Expert-Wave table ``wave_tiles`` and the Interleaved table
-    ``inter_tiles`` (int32 ``[G, MAX_TILES, 4]``) at their positions."""
+    <= p * BLOCK_M < first_row[e] + blocks[e] * BLOCK_M``), its wave ``wave_lo/hi[e(p)]``, then
+    ``_write_row_blocks``."""
     used = ps < row_blocks
     es = tl.arange(0, E_PAD)
     in_e = es < NUM_EXPERTS
@@ -403,13 +410,30 @@ def _row_block_tiles(ps, row_blocks, expert_counts, expert_offsets, wave_lo, wav
     e = tl.sum(tl.where(owns, es[None, :], 0), axis=1)
     first_row = tl.sum(tl.where(owns, first[None, :], 0), axis=1) * BLOCK_M
     rows_used = tl.sum(tl.where(owns, count[None, :], 0), axis=1)
+    lo = tl.load(wave_lo + e, mask=used, other=0)
+    hi = tl.load(wave_hi + e, mask=used, other=0)
+    _write_row_blocks(ps, used, e, first_row, rows_used, lo, hi, row_blocks, row_src, row_slot,
+                      row_origin, wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES, BLOCK_M,
+                      P_PAD)
+
+
+@triton.jit
+def _write_row_blocks(ps, used, e, first_row, rows_used, lo, hi, row_blocks, row_src, row_slot,
+                      row_origin, wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES,
+                      BLOCK_M: tl.constexpr, P_PAD: tl.constexpr):
+    """Each row block ``p`` of ``ps`` where ``used`` (expert ``e``, whose rows start at
+    ``first_row`` and hold ``rows_used`` routed rows; its Expert-Wave wave the row blocks ``[lo,
+    hi)``): ``row_slot = -1``, ``row_origin = -1`` and ``row_src = 0`` on its rows past the
+    expert's count, and its ``P1`` Linear-1 and ``P2`` Linear-2 entries ``(kind, e, p, n)`` in the
+    Expert-Wave table ``wave_tiles`` and the Interleaved table ``inter_tiles`` (int32 ``[G,
+    MAX_TILES, 4]``) at their positions."""
     r = ps[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     pad = used[:, None] & (r - first_row[:, None] >= rows_used[:, None])
     tl.store(row_slot + r, tl.full(r.shape, -1, tl.int32), mask=pad)
     tl.store(row_origin + r, tl.full(r.shape, -1, tl.int32), mask=pad)
     tl.store(row_src + r, tl.zeros(r.shape, dtype=tl.int32), mask=pad)
-    lo = tl.load(wave_lo + e, mask=used, other=0)[:, None]
-    hi = tl.load(wave_hi + e, mask=used, other=0)[:, None]
+    lo = lo[:, None]
+    hi = hi[:, None]
     p = ps[:, None]
     n1 = row_blocks * P1
     n2 = row_blocks * P2
@@ -436,45 +460,73 @@ def _row_block_tiles(ps, row_blocks, expert_counts, expert_offsets, wave_lo, wav
 
 
 @triton.jit(do_not_specialize=["quant_rows", "quant_scale"])
-def route_small(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, expert_counts,
-                expert_offsets, wave_lo, wave_hi, wave_jumps, meta, wave_num_tiles,
-                inter_num_tiles, arrival_rows, row_src, row_slot, row_origin, row_ready,
-                wave_tiles, inter_tiles, error, quant_rows, quant_scale, CAPACITY,
-                ROW_BLOCK_BOUND, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES, TOP_K,
-                RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                E_PAD: tl.constexpr, G_PAD: tl.constexpr, E_LOG2: tl.constexpr,
-                CHUNK: tl.constexpr, JUMP_LEVELS: tl.constexpr, JUMP_STRIDE: tl.constexpr,
-                JUMP_PAD: tl.constexpr, ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr,
-                ROW_BLOCKS: tl.constexpr, ZERO_BLOCK: tl.constexpr):
-    """One program, for few arrivals: ``route_histogram``, ``route_offsets`` and the scatter and
-    the tiles of ``route_rows`` as passes of one launch, each a loop over what those launches'
-    programs did side by side (chunks of arrivals, row blocks), a barrier between passes where
-    the launches have a kernel boundary. At a few tokens per call each of those launches is a
-    few µs of latency with little work in it (moe_layer's per-kernel profile)."""
+def route_tiny(args, arrival_src, arrival_slot, n_arrivals_ptr, expert_counts, expert_offsets,
+               wave_lo, wave_hi, meta, wave_num_tiles, inter_num_tiles, arrival_rows, row_src,
+               row_slot, row_origin, row_ready, wave_tiles, inter_tiles, error, quant_rows,
+               quant_scale, CAPACITY, ROW_BLOCK_BOUND, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, LEAD,
+               MAX_TILES, TOP_K, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
+               BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, A_PAD: tl.constexpr,
+               G_PAD: tl.constexpr, ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr,
+               ZERO_BLOCK: tl.constexpr):
+    """One program, for at most ``BLOCK_M`` arrivals (``CAPACITY <= A_PAD <= BLOCK_M``, a power of
+    two): every table of the three launches from the arrivals held in registers, with no pass
+    and no step through memory between them. So few arrivals give each expert at most one row
+    block, which makes every step closed-form: an arrival's row is its expert's first row block
+    (the used experts before it) plus its rank among that expert's arrivals (an all-pairs
+    count); each Expert-Wave wave holds ``W = ceil(WAVE_MIN_L1 / P1)`` row blocks (the last one
+    the rest: ``schedules.wave_starts`` with one row block per routed expert); each row block's
+    tiles are written once, by its first arrival. Ids out of range add to ``error`` and get no
+    row, as in ``route_histogram``."""
     _set_a_rows(args, quant_rows, quant_scale, QUANTIZE)
     expert_ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
+    i = tl.arange(0, A_PAD)
+    live = i < n
+    e = tl.load(expert_ids + i, mask=live, other=-1).to(tl.int32)
+    valid = live & (e >= 0) & (e < NUM_EXPERTS)
+    bad = tl.sum((live & ~valid).to(tl.int32))
+    if bad > 0:
+        tl.atomic_add(error, bad)
+    e = tl.where(valid, e, -1)
+    safe_e = tl.where(valid, e, 0)
     es = tl.arange(0, E_PAD)
-    carry = tl.zeros([E_PAD], dtype=tl.int32)
-    for c in range(0, tl.cdiv(n, CHUNK)):
-        tl.store(chunk_start + c * NUM_EXPERTS + es, carry, mask=es < NUM_EXPERTS)
-        carry += _chunk_histogram(c, n, expert_ids, error, NUM_EXPERTS, E_PAD, CHUNK)
-    tl.store(expert_counts + es, carry, mask=es < NUM_EXPERTS)
+    in_e = es < NUM_EXPERTS
+    count = tl.histogram(safe_e, E_PAD, mask=valid)
+    blocks = (count > 0).to(tl.int32)
+    first_block = tl.cumsum(blocks, axis=0) - blocks
+    row_blocks = tl.sum(blocks)
+    tl.store(expert_counts + es, count, mask=in_e)
+    tl.store(expert_offsets + es, first_block * BLOCK_M, mask=in_e)
+    tl.store(expert_offsets + NUM_EXPERTS, row_blocks * BLOCK_M)
+    w = tl.cdiv(WAVE_MIN_L1, P1)
+    last_wave = tl.maximum(row_blocks - 1, 0) // w
+    wave_first = tl.minimum(first_block // w, last_wave) * w
+    tl.store(wave_lo + es, wave_first, mask=in_e)
+    tl.store(wave_hi + es, tl.minimum(wave_first + w, row_blocks), mask=in_e)
+    _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, P2, G_PAD)
     for p0 in range(0, ROW_BLOCK_BOUND, ZERO_BLOCK):
         ps = p0 + tl.arange(0, ZERO_BLOCK)
         tl.store(row_ready + ps, tl.zeros([ZERO_BLOCK], tl.int32), mask=ps < ROW_BLOCK_BOUND)
-    tl.debug_barrier()  # every thread's counts stored before they are laid out
-    _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
-                       wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
-                       BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS, JUMP_STRIDE, JUMP_PAD)
-    tl.debug_barrier()  # the offsets, waves and meta, read below
-    for c in range(0, tl.cdiv(n, CHUNK)):
-        _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, expert_offsets,
-                       arrival_rows, row_src, row_slot, row_origin, NUM_EXPERTS, TOP_K, RECEIVED,
-                       CHUNK)
-    row_blocks = tl.load(meta + META_ROW_BLOCKS)
-    for p0 in range(0, row_blocks, ROW_BLOCKS):
-        _row_block_tiles(p0 + tl.arange(0, ROW_BLOCKS), row_blocks, expert_counts,
-                         expert_offsets, wave_lo, wave_hi, row_src, row_slot, row_origin,
-                         wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES,
-                         BLOCK_M, E_PAD, P_PAD)
+    # the scatter: rank among the expert's arrivals (stable: by arrival)
+    before = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
+    rank = tl.sum(before.to(tl.int32), axis=1)
+    block = tl.gather(first_block, safe_e, 0)
+    row = block * BLOCK_M + rank
+    tl.store(arrival_rows + i, tl.where(valid, row, -1), mask=live)
+    if RECEIVED:
+        src = tl.load(arrival_src + i, mask=valid, other=0).to(tl.int32)
+        slot = tl.load(arrival_slot + i, mask=valid, other=0).to(tl.int32)
+        origin = i
+    else:
+        src = tl.zeros([A_PAD], dtype=tl.int32)
+        slot = i
+        origin = i // TOP_K
+    tl.store(row_src + row, src, mask=valid)
+    tl.store(row_slot + row, slot, mask=valid)
+    tl.store(row_origin + row, origin, mask=valid)
+    # the tiles: each row block by its expert's first arrival
+    wave = block // w * w  # its wave (block < row_blocks: never past the last)
+    _write_row_blocks(block, valid & (rank == 0), e, block * BLOCK_M,
+                      tl.gather(count, safe_e, 0), wave, tl.minimum(wave + w, row_blocks),
+                      row_blocks, row_src, row_slot, row_origin, wave_tiles, inter_tiles, G, P1,
+                      P2, LEAD, MAX_TILES, BLOCK_M, P_PAD)

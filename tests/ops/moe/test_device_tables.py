@@ -160,32 +160,34 @@ def case_work_deal_with_a_remainder() -> dict:
             for i, s in enumerate(("balanced", "skewed"))}
 
 
-def _with_small_arrivals(limit: int, cases: dict) -> dict:
-    """``cases`` (name -> (function, *args)) run with ``device_tables.SMALL_ARRIVALS = limit``:
-    up to ``limit`` arrivals one program (``route_small``) makes the table passes of the tables
-    they allocate."""
+def _with_tiny_arrivals(limit: int, cases: dict) -> dict:
+    """``cases`` (name -> (function, *args)) run with ``device_tables.TINY_ARRIVALS = limit``: up
+    to ``limit`` arrivals (and never above ``block_m``) one program (``route_tiny``) writes the
+    tables they allocate."""
     from xstage_lab.ops.moe import device_tables
 
-    saved = device_tables.SMALL_ARRIVALS
-    device_tables.SMALL_ARRIVALS = limit
+    saved = device_tables.TINY_ARRIVALS
+    device_tables.TINY_ARRIVALS = limit
     try:
         return {name: fn(*args) for name, (fn, *args) in cases.items()}
     finally:
-        device_tables.SMALL_ARRIVALS = saved
+        device_tables.TINY_ARRIVALS = saved
 
 
-def case_one_program_over_many_chunks() -> dict:
-    """``route_small`` over arrivals of several chunks (its histogram, scan and scatter loops)
-    and several steps of row blocks: the cases that take the five launches by default."""
-    return _with_small_arrivals(1 << 20, {
-        "skewed_many_rows": (case_ep1, "DiT-MoE", "bf16", 200, "skewed", 7, 3, 4),
-        "qwen_skewed": (case_ep1, "Qwen3.5", "bf16", 30, "skewed", 132, 2, 6),
-        "ep_rank_fp8": (case_ep_rank, "DiT-MoE", "fp8", 8, 150, 5, 1, 3)})
+def case_one_program_up_to_block_m() -> dict:
+    """``route_tiny`` at the most arrivals it takes, ``block_m`` (one skewed expert then holds a
+    whole row block), an EP rank's received rows below its capacity, and, with no lower limit
+    than ``block_m``, the launches above it."""
+    return _with_tiny_arrivals(1 << 20, {
+        "block_m_skewed": (case_ep1, "DiT-MoE", "bf16", 64, "skewed", 7, 3, 4),
+        "qwen_fp8": (case_ep1, "Qwen3.5", "fp8", 12, "skewed", 132, 2, 6),
+        "ep_rank_fp8": (case_ep_rank, "DiT-MoE", "fp8", 8, 14, 5, 1, 3),
+        "above_block_m": (case_ep1, "DiT-MoE", "bf16", 65, "skewed", 7, 3, 4)})
 
 
 def case_launch_by_launch_at_few_arrivals() -> dict:
-    """The five launches over the few arrivals that take ``route_small`` by default."""
-    return _with_small_arrivals(0, {
+    """The three launches over the few arrivals that take ``route_tiny`` by default."""
+    return _with_tiny_arrivals(0, {
         "one_token": (case_ep1, "DeepSeek-V4-Flash", "fp8", 1, "balanced", 132, 2),
         "zero_row_experts": (case_zero_row_experts,),
         "out_of_range_ids": (case_out_of_range_ids_are_flagged,),
@@ -205,7 +207,7 @@ def interpreter_cases() -> dict:
         "ep_rank_few": (case_ep_rank, "Hy3", "fp8", 8, 1, 16, 2, 4),
         "out_of_range_ids": (case_out_of_range_ids_are_flagged,),
         "work_deal_with_a_remainder": (case_work_deal_with_a_remainder,),
-        "one_program_over_many_chunks": (case_one_program_over_many_chunks,),
+        "one_program_up_to_block_m": (case_one_program_up_to_block_m,),
         "launch_by_launch_at_few_arrivals": (case_launch_by_launch_at_few_arrivals,),
     }
 
@@ -249,21 +251,19 @@ def _compile_sm90(name: str) -> dict:
                                           "LEAD", "MAX_TILES")}},
                        dict(RECEIVED=False, CHUNK=128, ID_DTYPE=tl.int64, BLOCK_M=128,
                             E_PAD=256, P_PAD=16)),
-        "route_small": ({"args": "*i64",
-                         **{k: ptr for k in ("arrival_src", "arrival_slot", "n_arrivals_ptr",
-                                             "chunk_start", "expert_counts", "expert_offsets",
-                                             "wave_lo", "wave_hi", "wave_jumps", "meta",
-                                             "wave_num_tiles", "inter_num_tiles",
-                                             "arrival_rows", "row_src", "row_slot",
-                                             "row_origin", "row_ready", "wave_tiles",
-                                             "inter_tiles", "error")},
-                         "quant_rows": "i64", "quant_scale": "i64",
-                         **{k: i for k in ("CAPACITY", "ROW_BLOCK_BOUND", "NUM_EXPERTS", "G",
-                                           "P1", "P2", "WAVE_MIN_L1", "LEAD", "MAX_TILES",
-                                           "TOP_K")}},
-                        dict(RECEIVED=True, QUANTIZE=False, BLOCK_M=128, E_PAD=512, G_PAD=256, E_LOG2=9,
-                             CHUNK=128, JUMP_LEVELS=10, JUMP_STRIDE=513, JUMP_PAD=1024,
-                             ID_DTYPE=tl.int32, P_PAD=16, ROW_BLOCKS=16, ZERO_BLOCK=1024)),
+        "route_tiny": ({"args": "*i64",
+                        **{k: ptr for k in ("arrival_src", "arrival_slot", "n_arrivals_ptr",
+                                            "expert_counts", "expert_offsets", "wave_lo",
+                                            "wave_hi", "meta", "wave_num_tiles",
+                                            "inter_num_tiles", "arrival_rows", "row_src",
+                                            "row_slot", "row_origin", "row_ready", "wave_tiles",
+                                            "inter_tiles", "error")},
+                        "quant_rows": "i64", "quant_scale": "i64",
+                        **{k: i for k in ("CAPACITY", "ROW_BLOCK_BOUND", "NUM_EXPERTS", "G",
+                                          "P1", "P2", "WAVE_MIN_L1", "LEAD", "MAX_TILES",
+                                          "TOP_K")}},
+                       dict(RECEIVED=True, QUANTIZE=False, BLOCK_M=128, E_PAD=512, A_PAD=128,
+                            G_PAD=256, ID_DTYPE=tl.int32, P_PAD=16, ZERO_BLOCK=1024)),
     }
     signature, constexprs = signatures[name]
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
@@ -271,13 +271,14 @@ def _compile_sm90(name: str) -> dict:
     compiled = triton.compile(ASTSource(kernel, signature,
                                         {(names.index(k),): v for k, v in constexprs.items()}),
                               target=hopper_target(),
-                              options={"num_warps": 8 if name in ("route_offsets", "route_small") else 4})
+                              options={"num_warps": 8 if name in ("route_offsets", "route_tiny")
+                                       else 4})
     return {"has_cubin": bool(compiled.asm.get("cubin")), "shared": compiled.metadata.shared}
 
 
 COMPILE_CASES = {f"compile_sm90_{n}": (_compile_sm90, n)
                  for n in ("route_histogram", "route_offsets", "route_rows", "route_quantize",
-                           "route_small")}
+                           "route_tiny")}
 
 interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, interpreter_cases())
 

@@ -55,14 +55,16 @@ def _check(layer: FusedMoE, y, x, ids, w):
         assert err <= TOLERANCE[precision][kind], (kind, err)
 
 
-@pytest.mark.parametrize("tokens,routing,one_program", [
-    (1, "balanced", False), (37, "skewed", False), (256, "balanced", False),
-    (150, "skewed", True)])
-def test_device_tables_equal_the_host_reference(layer, tokens, routing, one_program, monkeypatch):
-    """Each token count through the launches its arrivals take (one token: ``route_small``);
-    150 tokens (900 arrivals, eight chunks) through ``route_small``'s loops as well."""
-    if one_program:  # a layer of its own: the module's has its tables
-        monkeypatch.setattr(device_tables, "SMALL_ARRIVALS", 1 << 20)
+@pytest.mark.parametrize("tokens,routing,tiny_arrivals", [
+    (1, "balanced", None), (1, "balanced", 0), (21, "skewed", None), (37, "skewed", None),
+    (256, "balanced", None)])
+def test_device_tables_equal_the_host_reference(layer, tokens, routing, tiny_arrivals,
+                                                monkeypatch):
+    """Each token count through the launches its arrivals take: one token and 21 (126 arrivals,
+    at most ``block_m``) through ``route_tiny``, 37 and 256 through the three table launches;
+    one token through those launches as well."""
+    if tiny_arrivals is not None:  # a layer of its own: the module's has its tables
+        monkeypatch.setattr(device_tables, "TINY_ARRIVALS", tiny_arrivals)
         layer = FusedMoE(layer.workspace.weights, max_tokens=256, top_k=SHAPES[MODEL].top_k,
                          schedule="wave")
     x, ids, w = _inputs(tokens, tokens, routing)

@@ -1,6 +1,6 @@
 """Routing to tile tables on the device (``kernels/moe_routing.py``): the Dispatch layout and both
 schedules' tile tables built from the router's output by three small Triton launches (one where the
-arrivals fit ``SMALL_ARRIVALS``), plus one that quantizes bf16 activations for an FP8 layer, with
+arrivals fit ``TINY_ARRIVALS``), plus one that quantizes bf16 activations for an FP8 layer, with
 no device-to-host copy, in buffers sized by static bounds. The activations are not moved: each
 layout row names the row of ``x`` it reads (``row_origin``), which the fused kernel gathers. The
 router's output and the activations reach the kernels through the call's argument block
@@ -33,15 +33,13 @@ CHUNK = 128        # arrivals per program of the histogram and scatter passes
 # experts a program scan 1024 chunks a step: every shape at 8192 tokens per rank in one step
 SCAN_EXPERTS = 4
 SCAN_TILE = 4096
-# At most this many arrivals (a call's bound), one program (route_small) makes the four table
-# passes, ROW_BLOCKS_SMALL row blocks a step. Measured on one H200 (route_small_probe/h200-x1/
-# 20261202T175738Z-780d73f25b, every model shape, EP = 1 and an EP rank, 1-512 tokens): the
-# routing graph 0.2-4.0 µs faster in each of the 15 cells of up to 16 arrivals, slower in 39 of
-# the 41 above (by up to 385 µs: its passes' steps run one after another). An EP rank's bound is
-# its capacity, about eight times the arrivals it counts on the device
-SMALL_ARRIVALS = 16
-ROW_BLOCKS_SMALL = 16
-ZERO_BLOCK = 1024  # route_small's row counters zeroed this many a step
+# At most this many arrivals (a call's bound, and never above block_m), one program (route_tiny)
+# writes every table from the arrivals held in registers. It replaced route_small (the passes of
+# the three launches as loops of one program: 0.2-4.0 µs faster than the launches up to 16
+# arrivals, slower above, route_small_probe/h200-x1/20261202T175738Z-780d73f25b), whose steps
+# through memory one after another took 8-15 µs of its launch at one token
+TINY_ARRIVALS = 128
+ZERO_BLOCK = 1024  # route_tiny's row counters zeroed this many a step
 QUANT_ROWS = 32   # rows of x per program of the FP8 quantization ...
 QUANT_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of rows, or one 128-column
 # block each where that gives fewer programs than G (``quant_slab``): a program's column steps run
@@ -133,7 +131,7 @@ class DeviceTables:
     row_ready: torch.Tensor        # int32 [row blocks]: the fused kernel's Linear-1 counters
     error: torch.Tensor            # int32 [1]: ids out of range (and the kernel's spin flag)
     args: torch.Tensor             # int64 [ARGS]: the call's argument block (call_args)
-    small_arrivals: int            # up to this many arrivals, route_small (SMALL_ARRIVALS)
+    tiny_arrivals: int             # up to this many arrivals, route_tiny (TINY_ARRIVALS)
     fp8: bool                      # an FP8 layer's (e4m3 activations with 1 x 128 scales)
     # (received, quantize, id dtype) -> RoutingLaunches, bound on first use
     launches: dict = field(default_factory=dict, repr=False)
@@ -158,10 +156,10 @@ class DeviceTables:
 
 
 def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
-                    error: torch.Tensor | None = None, small_arrivals: int | None = None,
+                    error: torch.Tensor | None = None, tiny_arrivals: int | None = None,
                     source_rows: int | None = None) -> DeviceTables:
     """Every buffer of ``bounds`` on ``device``; ``error`` shared with the fused kernel where
-    given; ``small_arrivals``: ``SMALL_ARRIVALS`` where None; ``source_rows``: the bf16 rows of
+    given; ``tiny_arrivals``: ``TINY_ARRIVALS`` where None (either way at most ``block_m``); ``source_rows``: the bf16 rows of
     ``x`` an FP8 layer quantizes at most (``x_quant``'s), ``bounds.capacity`` where None (an EP
     rank's received rows; at EP = 1 the tokens, ``capacity / top_k``); 0: none, the layer takes
     e4m3 rows with their scales only (an EP rank whose Dispatch sends FP8)."""
@@ -185,7 +183,7 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
         {s: torch.zeros(g, bounds.max_tiles, 4, **i32) for s in SCHEDULES},
         {s: torch.zeros(g, **i32) for s in SCHEDULES}, torch.zeros(bounds.row_blocks, **i32),
         torch.zeros(1, **i32) if error is None else error, allocate_args(dev),
-        SMALL_ARRIVALS if small_arrivals is None else small_arrivals, fp8)
+        min(TINY_ARRIVALS if tiny_arrivals is None else tiny_arrivals, bounds.block_m), fp8)
 
 
 def quant_slab(rows: int, hidden: int, num_programs: int) -> int:
@@ -242,8 +240,8 @@ class RoutingLaunches:
     argument block (``tables.args``, written before), so per call only the arrivals' count and,
     on an EP rank, their sources and slots are launch arguments. ``received``: an EP rank's
     arrivals; ``quantize``: bf16 activations into an FP8 layer (``route_quantize``);
-    ``id_dtype``: the expert ids' (int32 or int64). Up to ``tables.small_arrivals`` arrivals,
-    ``route_small``; else the histogram, the scan, and the scatter with the tiles."""
+    ``id_dtype``: the expert ids' (int32 or int64). Up to ``tables.tiny_arrivals`` arrivals,
+    ``route_tiny``; else the histogram, the scan, and the scatter with the tiles."""
 
     def __init__(self, tables: DeviceTables, received: bool, quantize: bool,
                  id_dtype: torch.dtype):
@@ -290,14 +288,11 @@ class RoutingLaunches:
         self.rows = Launcher(k.route_rows, args=t.args, chunk_start=t.chunk_start, meta=t.meta,
                              arrival_rows=t.arrival_rows, RECEIVED=received, CHUNK=CHUNK,
                              ID_DTYPE=ids, **tables_static)
-        self.small = Launcher(
-            k.route_small, args=t.args, chunk_start=t.chunk_start, wave_jumps=t.wave_jumps,
-            meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
+        self.tiny = Launcher(
+            k.route_tiny, args=t.args, meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
             inter_num_tiles=t.num_tiles["interleaved"], arrival_rows=t.arrival_rows,
             error=t.error, WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received,
-            G_PAD=_pow2(b.num_programs), E_LOG2=e_pad.bit_length() - 1, CHUNK=CHUNK,
-            JUMP_LEVELS=t.wave_jumps.shape[0], JUMP_STRIDE=t.wave_jumps.shape[1],
-            JUMP_PAD=_pow2(b.num_experts + 1), ID_DTYPE=ids, ROW_BLOCKS=ROW_BLOCKS_SMALL,
+            G_PAD=_pow2(b.num_programs), A_PAD=_pow2(t.tiny_arrivals), ID_DTYPE=ids,
             ZERO_BLOCK=ZERO_BLOCK, ROW_BLOCK_BOUND=b.row_blocks, num_warps=8, **quant,
             **tables_static)
 
@@ -323,9 +318,9 @@ class RoutingLaunches:
         slot = arrival_slot if self.received else t.meta
         # an EP rank's arrivals are its rows of x: one each
         fanout = 1 if self.received else top_k
-        if capacity <= t.small_arrivals:
-            self.small((1,), arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
-                       CAPACITY=capacity, TOP_K=fanout)
+        if capacity <= t.tiny_arrivals:
+            self.tiny((1,), arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
+                      CAPACITY=capacity, TOP_K=fanout)
         else:
             self.histogram(chunks, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
             self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)

@@ -3,7 +3,7 @@ output to the layer's output on the device, with no host sync, in buffers sized 
 and a ``torch.library`` custom op (``xstage::fused_moe``) with a fake implementation, so that
 ``torch.compile(fullgraph=True)`` traces a block that uses it.
 
-A call is six launches in bf16, seven in FP8 (four, five up to ``device_tables.SMALL_ARRIVALS``
+A call is six launches in bf16, seven in FP8 (four, five up to ``device_tables.TINY_ARRIVALS``
 picks): its argument block written (``call_args.write_addresses``: the addresses of ``topk_ids``,
 ``x``, the Combine rows, ``topk_weights`` and ``y``), routing to tile tables (``device_tables``:
 three Triton launches, or one, that read their varying tensors from the block and zero the fused
