@@ -467,16 +467,17 @@ def route_tiny(args, arrival_src, arrival_slot, n_arrivals_ptr, expert_counts, e
                MAX_TILES, TOP_K, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
                BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, A_PAD: tl.constexpr,
                G_PAD: tl.constexpr, ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr,
-               ZERO_BLOCK: tl.constexpr):
+               ROW_BLOCKS: tl.constexpr, ZERO_BLOCK: tl.constexpr):
     """One program, for at most ``BLOCK_M`` arrivals (``CAPACITY <= A_PAD <= BLOCK_M``, a power of
     two): every table of the three launches from the arrivals held in registers, with no pass
     and no step through memory between them. So few arrivals give each expert at most one row
     block, which makes every step closed-form: an arrival's row is its expert's first row block
     (the used experts before it) plus its rank among that expert's arrivals (an all-pairs
     count); each Expert-Wave wave holds ``W = ceil(WAVE_MIN_L1 / P1)`` row blocks (the last one
-    the rest: ``schedules.wave_starts`` with one row block per routed expert); each row block's
-    tiles are written once, by its first arrival. Ids out of range add to ``error`` and get no
-    row, as in ``route_histogram``."""
+    the rest: ``schedules.wave_starts`` with one row block per routed expert); the tiles, as in
+    ``route_rows``, per row block in use, ``ROW_BLOCKS`` a step. ``A_PAD``, the arrivals' tensor
+    size, is the capacity's power of two: the all-pairs count costs ``A_PAD**2``. Ids out of range
+    add to ``error`` and get no row, as in ``route_histogram``."""
     _set_a_rows(args, quant_rows, quant_scale, QUANTIZE)
     expert_ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
@@ -524,9 +525,13 @@ def route_tiny(args, arrival_src, arrival_slot, n_arrivals_ptr, expert_counts, e
     tl.store(row_src + row, src, mask=valid)
     tl.store(row_slot + row, slot, mask=valid)
     tl.store(row_origin + row, origin, mask=valid)
-    # the tiles: each row block by its expert's first arrival
-    wave = block // w * w  # its wave (block < row_blocks: never past the last)
-    _write_row_blocks(block, valid & (rank == 0), e, block * BLOCK_M,
-                      tl.gather(count, safe_e, 0), wave, tl.minimum(wave + w, row_blocks),
-                      row_blocks, row_src, row_slot, row_origin, wave_tiles, inter_tiles, G, P1,
-                      P2, LEAD, MAX_TILES, BLOCK_M, P_PAD)
+    # the tiles, ROW_BLOCKS row blocks a step: a block's expert is the routed one it starts
+    for p0 in range(0, row_blocks, ROW_BLOCKS):
+        ps = p0 + tl.arange(0, ROW_BLOCKS)
+        owns = (blocks[None, :] > 0) & (first_block[None, :] == ps[:, None])
+        wave = ps // w * w  # below row_blocks: never past the last wave
+        _write_row_blocks(ps, ps < row_blocks, tl.sum(tl.where(owns, es[None, :], 0), axis=1),
+                          ps * BLOCK_M, tl.sum(tl.where(owns, count[None, :], 0), axis=1), wave,
+                          tl.minimum(wave + w, row_blocks), row_blocks, row_src, row_slot,
+                          row_origin, wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES,
+                          BLOCK_M, P_PAD)

@@ -263,7 +263,8 @@ def _compile_sm90(name: str) -> dict:
                                           "P1", "P2", "WAVE_MIN_L1", "LEAD", "MAX_TILES",
                                           "TOP_K")}},
                        dict(RECEIVED=True, QUANTIZE=False, BLOCK_M=128, E_PAD=512, A_PAD=128,
-                            G_PAD=256, ID_DTYPE=tl.int32, P_PAD=16, ZERO_BLOCK=1024)),
+                            G_PAD=256, ID_DTYPE=tl.int32, P_PAD=16, ROW_BLOCKS=16,
+                            ZERO_BLOCK=1024)),
     }
     signature, constexprs = signatures[name]
     signature = {**signature, **{k: "constexpr" for k in constexprs}}

@@ -39,6 +39,7 @@ SCAN_TILE = 4096
 # arrivals, slower above, route_small_probe/h200-x1/20261202T175738Z-780d73f25b), whose steps
 # through memory one after another took 8-15 µs of its launch at one token
 TINY_ARRIVALS = 128
+ROW_BLOCKS_TINY = 16  # route_tiny's row blocks a step of its tiles
 ZERO_BLOCK = 1024  # route_tiny's row counters zeroed this many a step
 QUANT_ROWS = 32   # rows of x per program of the FP8 quantization ...
 QUANT_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of rows, or one 128-column
@@ -159,10 +160,11 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
                     error: torch.Tensor | None = None, tiny_arrivals: int | None = None,
                     source_rows: int | None = None) -> DeviceTables:
     """Every buffer of ``bounds`` on ``device``; ``error`` shared with the fused kernel where
-    given; ``tiny_arrivals``: ``TINY_ARRIVALS`` where None (either way at most ``block_m``); ``source_rows``: the bf16 rows of
-    ``x`` an FP8 layer quantizes at most (``x_quant``'s), ``bounds.capacity`` where None (an EP
-    rank's received rows; at EP = 1 the tokens, ``capacity / top_k``); 0: none, the layer takes
-    e4m3 rows with their scales only (an EP rank whose Dispatch sends FP8)."""
+    given; ``tiny_arrivals``: ``TINY_ARRIVALS`` where None (either way at most ``block_m``);
+    ``source_rows``: the bf16 rows of ``x`` an FP8 layer quantizes at most (``x_quant``'s),
+    ``bounds.capacity`` where None (an EP rank's received rows; at EP = 1 the tokens, ``capacity
+    / top_k``); 0: none, the layer takes e4m3 rows with their scales only (an EP rank whose
+    Dispatch sends FP8)."""
     dev = torch.device(device)
     i32 = dict(dtype=torch.int32, device=dev)
     e, g = bounds.num_experts, bounds.num_programs
@@ -250,6 +252,7 @@ class RoutingLaunches:
         e_pad = _pow2(b.num_experts)
         hidden = t.x_quant.shape[1] if quantize else 0
         self.tables, self.received, self.quantize = tables, received, quantize
+        self.kernels = k
         # where route_quantize writes; the fused kernel reads them through args' a_rows slots
         quant = dict(quant_rows=t.x_quant.data_ptr() if quantize else 0,
                      quant_scale=t.x_quant_scale.data_ptr() if quantize else 0,
@@ -288,13 +291,15 @@ class RoutingLaunches:
         self.rows = Launcher(k.route_rows, args=t.args, chunk_start=t.chunk_start, meta=t.meta,
                              arrival_rows=t.arrival_rows, RECEIVED=received, CHUNK=CHUNK,
                              ID_DTYPE=ids, **tables_static)
-        self.tiny = Launcher(
-            k.route_tiny, args=t.args, meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
+        # one per power of two of the arrivals, bound on first use: A_PAD is a constexpr
+        self.tiny_static = dict(
+            args=t.args, meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
             inter_num_tiles=t.num_tiles["interleaved"], arrival_rows=t.arrival_rows,
             error=t.error, WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received,
-            G_PAD=_pow2(b.num_programs), A_PAD=_pow2(t.tiny_arrivals), ID_DTYPE=ids,
+            G_PAD=_pow2(b.num_programs), ID_DTYPE=ids, ROW_BLOCKS=ROW_BLOCKS_TINY,
             ZERO_BLOCK=ZERO_BLOCK, ROW_BLOCK_BOUND=b.row_blocks, num_warps=8, **quant,
             **tables_static)
+        self.tiny: dict[int, Launcher] = {}
 
     def __call__(self, capacity: int, top_k: int, *, n_arrivals: torch.Tensor | None = None,
                  arrival_src: torch.Tensor | None = None,
@@ -319,8 +324,12 @@ class RoutingLaunches:
         # an EP rank's arrivals are its rows of x: one each
         fanout = 1 if self.received else top_k
         if capacity <= t.tiny_arrivals:
-            self.tiny((1,), arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
-                      CAPACITY=capacity, TOP_K=fanout)
+            a_pad = _pow2(capacity)
+            if a_pad not in self.tiny:
+                self.tiny[a_pad] = Launcher(self.kernels.route_tiny, A_PAD=a_pad,
+                                            **self.tiny_static)
+            self.tiny[a_pad]((1,), arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
+                                 CAPACITY=capacity, TOP_K=fanout)
         else:
             self.histogram(chunks, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
             self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
