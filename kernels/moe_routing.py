@@ -468,70 +468,66 @@ def route_tiny(args, arrival_src, arrival_slot, n_arrivals_ptr, expert_counts, e
                BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, A_PAD: tl.constexpr,
                G_PAD: tl.constexpr, ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr,
                ROW_BLOCKS: tl.constexpr, ZERO_BLOCK: tl.constexpr):
-    """For at most ``BLOCK_M`` arrivals (``CAPACITY <= A_PAD <= BLOCK_M``, a power of two), one
-    launch of independent programs: every table of the three launches from the arrivals held in
-    registers, with no pass and no step through memory between them. Each program counts the
-    arrivals itself and writes the tiles of its ``ROW_BLOCKS`` row blocks (the grid covers the
-    row blocks' bound, ``min(CAPACITY, NUM_EXPERTS)``); program 0 writes the rest. So few
-    arrivals give each expert at most one row block, which makes every step closed-form: an
-    arrival's row is its expert's first row block (the used experts before it) plus its rank
-    among that expert's arrivals (an all-pairs count); each Expert-Wave wave holds ``W =
-    ceil(WAVE_MIN_L1 / P1)`` row blocks (the last one the rest: ``schedules.wave_starts`` with
-    one row block per routed expert); the tiles as in ``route_rows``. ``A_PAD``, the arrivals'
-    tensor size, is the capacity's power of two: the all-pairs count costs ``A_PAD**2``. Ids out
-    of range add to ``error`` and get no row, as in ``route_histogram``."""
-    pid = tl.program_id(0)
+    """One program, for at most ``BLOCK_M`` arrivals (``CAPACITY <= A_PAD <= BLOCK_M``, a power of
+    two): every table of the three launches from the arrivals held in registers, with no pass
+    and no step through memory between them. So few arrivals give each expert at most one row
+    block, which makes every step closed-form: an arrival's row is its expert's first row block
+    (the used experts before it) plus its rank among that expert's arrivals (an all-pairs
+    count); each Expert-Wave wave holds ``W = ceil(WAVE_MIN_L1 / P1)`` row blocks (the last one
+    the rest: ``schedules.wave_starts`` with one row block per routed expert); the tiles, as in
+    ``route_rows``, per row block in use, ``ROW_BLOCKS`` a step. ``A_PAD``, the arrivals' tensor
+    size, is the capacity's power of two: the all-pairs count costs ``A_PAD**2``. Ids out of range
+    add to ``error`` and get no row, as in ``route_histogram``."""
+    _set_a_rows(args, quant_rows, quant_scale, QUANTIZE)
     expert_ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     i = tl.arange(0, A_PAD)
     live = i < n
     e = tl.load(expert_ids + i, mask=live, other=-1).to(tl.int32)
     valid = live & (e >= 0) & (e < NUM_EXPERTS)
+    bad = tl.sum((live & ~valid).to(tl.int32))
+    if bad > 0:
+        tl.atomic_add(error, bad)
     e = tl.where(valid, e, -1)
     safe_e = tl.where(valid, e, 0)
     es = tl.arange(0, E_PAD)
+    in_e = es < NUM_EXPERTS
     count = tl.histogram(safe_e, E_PAD, mask=valid)
     blocks = (count > 0).to(tl.int32)
     first_block = tl.cumsum(blocks, axis=0) - blocks
     row_blocks = tl.sum(blocks)
+    tl.store(expert_counts + es, count, mask=in_e)
+    tl.store(expert_offsets + es, first_block * BLOCK_M, mask=in_e)
+    tl.store(expert_offsets + NUM_EXPERTS, row_blocks * BLOCK_M)
     w = tl.cdiv(WAVE_MIN_L1, P1)
-    if pid == 0:
-        _set_a_rows(args, quant_rows, quant_scale, QUANTIZE)
-        bad = tl.sum((live & ~valid).to(tl.int32))
-        if bad > 0:
-            tl.atomic_add(error, bad)
-        in_e = es < NUM_EXPERTS
-        tl.store(expert_counts + es, count, mask=in_e)
-        tl.store(expert_offsets + es, first_block * BLOCK_M, mask=in_e)
-        tl.store(expert_offsets + NUM_EXPERTS, row_blocks * BLOCK_M)
-        last_wave = tl.maximum(row_blocks - 1, 0) // w
-        wave_first = tl.minimum(first_block // w, last_wave) * w
-        tl.store(wave_lo + es, wave_first, mask=in_e)
-        tl.store(wave_hi + es, tl.minimum(wave_first + w, row_blocks), mask=in_e)
-        _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, P2, G_PAD)
-        for p0 in range(0, ROW_BLOCK_BOUND, ZERO_BLOCK):
-            ps = p0 + tl.arange(0, ZERO_BLOCK)
-            tl.store(row_ready + ps, tl.zeros([ZERO_BLOCK], tl.int32), mask=ps < ROW_BLOCK_BOUND)
-        # the scatter: rank among the expert's arrivals (stable: by arrival)
-        before = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
-        rank = tl.sum(before.to(tl.int32), axis=1)
-        row = tl.gather(first_block, safe_e, 0) * BLOCK_M + rank
-        tl.store(arrival_rows + i, tl.where(valid, row, -1), mask=live)
-        if RECEIVED:
-            src = tl.load(arrival_src + i, mask=valid, other=0).to(tl.int32)
-            slot = tl.load(arrival_slot + i, mask=valid, other=0).to(tl.int32)
-            origin = i
-        else:
-            src = tl.zeros([A_PAD], dtype=tl.int32)
-            slot = i
-            origin = i // TOP_K
-        tl.store(row_src + row, src, mask=valid)
-        tl.store(row_slot + row, slot, mask=valid)
-        tl.store(row_origin + row, origin, mask=valid)
-    # the tiles of this program's ROW_BLOCKS row blocks: a block's expert is the routed one it
-    # starts
-    ps = pid * ROW_BLOCKS + tl.arange(0, ROW_BLOCKS)
-    if pid * ROW_BLOCKS < row_blocks:
+    last_wave = tl.maximum(row_blocks - 1, 0) // w
+    wave_first = tl.minimum(first_block // w, last_wave) * w
+    tl.store(wave_lo + es, wave_first, mask=in_e)
+    tl.store(wave_hi + es, tl.minimum(wave_first + w, row_blocks), mask=in_e)
+    _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, P2, G_PAD)
+    for p0 in range(0, ROW_BLOCK_BOUND, ZERO_BLOCK):
+        ps = p0 + tl.arange(0, ZERO_BLOCK)
+        tl.store(row_ready + ps, tl.zeros([ZERO_BLOCK], tl.int32), mask=ps < ROW_BLOCK_BOUND)
+    # the scatter: rank among the expert's arrivals (stable: by arrival)
+    before = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
+    rank = tl.sum(before.to(tl.int32), axis=1)
+    block = tl.gather(first_block, safe_e, 0)
+    row = block * BLOCK_M + rank
+    tl.store(arrival_rows + i, tl.where(valid, row, -1), mask=live)
+    if RECEIVED:
+        src = tl.load(arrival_src + i, mask=valid, other=0).to(tl.int32)
+        slot = tl.load(arrival_slot + i, mask=valid, other=0).to(tl.int32)
+        origin = i
+    else:
+        src = tl.zeros([A_PAD], dtype=tl.int32)
+        slot = i
+        origin = i // TOP_K
+    tl.store(row_src + row, src, mask=valid)
+    tl.store(row_slot + row, slot, mask=valid)
+    tl.store(row_origin + row, origin, mask=valid)
+    # the tiles, ROW_BLOCKS row blocks a step: a block's expert is the routed one it starts
+    for p0 in range(0, row_blocks, ROW_BLOCKS):
+        ps = p0 + tl.arange(0, ROW_BLOCKS)
         owns = (blocks[None, :] > 0) & (first_block[None, :] == ps[:, None])
         wave = ps // w * w  # below row_blocks: never past the last wave
         _write_row_blocks(ps, ps < row_blocks, tl.sum(tl.where(owns, es[None, :], 0), axis=1),

@@ -39,7 +39,7 @@ SCAN_TILE = 4096
 # arrivals, slower above, route_small_probe/h200-x1/20261202T175738Z-780d73f25b), whose steps
 # through memory one after another took 8-15 µs of its launch at one token
 TINY_ARRIVALS = 128
-ROW_BLOCKS_TINY = 16  # row blocks whose tiles one route_tiny program writes
+ROW_BLOCKS_TINY = 16  # route_tiny's row blocks a step of its tiles
 ZERO_BLOCK = 1024  # route_tiny's row counters zeroed this many a step
 QUANT_ROWS = 32   # rows of x per program of the FP8 quantization ...
 QUANT_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of rows, or one 128-column
@@ -328,11 +328,8 @@ class RoutingLaunches:
             if a_pad not in self.tiny:
                 self.tiny[a_pad] = Launcher(self.kernels.route_tiny, A_PAD=a_pad,
                                             **self.tiny_static)
-            # one program per ROW_BLOCKS_TINY row blocks of the bound: at most one per expert
-            bound = min(capacity, t.bounds.num_experts)
-            self.tiny[a_pad]((triton.cdiv(bound, ROW_BLOCKS_TINY),), arrival_src=src,
-                             arrival_slot=slot, n_arrivals_ptr=n_ptr, CAPACITY=capacity,
-                             TOP_K=fanout)
+            self.tiny[a_pad]((1,), arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
+                                 CAPACITY=capacity, TOP_K=fanout)
         else:
             self.histogram(chunks, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
             self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
