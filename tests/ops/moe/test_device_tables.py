@@ -161,17 +161,17 @@ def case_work_deal_with_a_remainder() -> dict:
 
 
 def _with_tiny_arrivals(limit: int, cases: dict) -> dict:
-    """``cases`` (name -> (function, *args)) run with ``device_tables.TINY_ARRIVALS = limit``: up
-    to ``limit`` arrivals (and never above ``block_m``) one program (``route_tiny``) writes the
-    tables they allocate."""
+    """``cases`` (name -> (function, *args)) run with ``device_tables.TINY_ARRIVALS`` and
+    ``TINY_RECEIVED`` both ``limit``: up to ``limit`` arrivals (and never above ``block_m``) one
+    program (``route_tiny``) writes the tables they allocate."""
     from xstage_lab.ops.moe import device_tables
 
-    saved = device_tables.TINY_ARRIVALS
-    device_tables.TINY_ARRIVALS = limit
+    saved = device_tables.TINY_ARRIVALS, device_tables.TINY_RECEIVED
+    device_tables.TINY_ARRIVALS = device_tables.TINY_RECEIVED = limit
     try:
         return {name: fn(*args) for name, (fn, *args) in cases.items()}
     finally:
-        device_tables.TINY_ARRIVALS = saved
+        device_tables.TINY_ARRIVALS, device_tables.TINY_RECEIVED = saved
 
 
 def case_one_program_up_to_block_m() -> dict:

@@ -56,13 +56,13 @@ def _check(layer: FusedMoE, y, x, ids, w):
 
 
 @pytest.mark.parametrize("tokens,routing,tiny_arrivals", [
-    (1, "balanced", None), (1, "balanced", 0), (21, "skewed", None), (37, "skewed", None),
+    (1, "balanced", None), (1, "balanced", 0), (21, "skewed", 128), (37, "skewed", None),
     (256, "balanced", None)])
 def test_device_tables_equal_the_host_reference(layer, tokens, routing, tiny_arrivals,
                                                 monkeypatch):
-    """Each token count through the launches its arrivals take: one token and 21 (126 arrivals,
-    at most ``block_m``) through ``route_tiny``, 37 and 256 through the three table launches;
-    one token through those launches as well."""
+    """Each token count through the launches its arrivals take: one token through
+    ``route_tiny``, 37 and 256 through the three table launches; one token through those
+    launches as well, and 21 (126 arrivals, at most ``block_m``) through ``route_tiny``."""
     if tiny_arrivals is not None:  # a layer of its own: the module's has its tables
         monkeypatch.setattr(device_tables, "TINY_ARRIVALS", tiny_arrivals)
         layer = FusedMoE(layer.workspace.weights, max_tokens=256, top_k=SHAPES[MODEL].top_k,

@@ -5,20 +5,20 @@ than the launches whose programs make their passes side by side (issue 27; recor
     python -m xstage_lab.experiments.probes.route_small (--out FILE | --root DIR)
         [--models M ...] [--settings ep1 ep8_rank] [--tokens 1 8 64 512] [--trials N]
 
-``device_tables.TINY_ARRIVALS`` sends a call's routing through one program up to that many
-arrivals (at most ``block_m``): every table from the arrivals held in registers (records before
-``route_tiny``: ``route_small``, the histogram, scan, scatter and tiles passes as loops of one
-launch), against the launches whose programs make them side by side (three; four in records before
-the scatter and the tiles shared one). One program saves their launches' latency; ``route_small``
-paid for its passes' steps one after another. This probe times both paths on the same
-arrivals, per model shape, in the two settings of ``layer_bench`` (EP = 1 from ``topk_ids``, ``T
-top_k`` arrivals; rank 0 of EP = 8 from its received rows, their count on the device under a
-capacity of ``8 T top_k``), so that the threshold is read off measurement.
+``device_tables.TINY_ARRIVALS`` (``TINY_RECEIVED`` on an EP rank) sends a call's routing through one
+program up to that many arrivals (at most ``block_m``): every table from the arrivals held in
+registers (records before ``route_tiny``: ``route_small``, the histogram, scan, scatter and tiles
+passes as loops of one launch), against the launches whose programs make them side by side (three;
+four in records before the scatter and the tiles shared one). One program saves their launches'
+latency; ``route_small`` paid for its passes' steps one after another. This probe times both paths
+on the same arrivals, per model shape, in the two settings of ``layer_bench`` (EP = 1 from
+``topk_ids``, ``T top_k`` arrivals; rank 0 of EP = 8 from its received rows, their count on the
+device under a capacity of ``8 T top_k``), so that the threshold is read off measurement.
 
-1. Checks first: each path's tables (``allocate_tables`` with ``tiny_arrivals`` 0 and above the
-   capacity), their outputs poisoned first, equal the host reference entry for entry
-   (``table_mismatches``); ids all in range (the error flag zero). Any failure aborts the run
-   before timing; nothing is written.
+1. Checks first: each path's tables (``allocate_tables`` with ``tiny_arrivals`` and
+   ``tiny_received`` 0, and above the capacity), their outputs poisoned first, equal the host
+   reference entry for entry (``table_mismatches``); ids all in range (the error flag zero). Any
+   failure aborts the run before timing; nothing is written.
 2. Timing: both paths' routing (the argument block's writer, the table passes; in records before
    the fused kernel gathered its rows, the activations' gather too) in one rotation
    (``dist_timing.time_methods``, CUDA-graph replays), then each path's kernels by name
@@ -52,7 +52,8 @@ from ..harness import Experiment, Run
 
 EP = 8
 SETTINGS = ("ep1", "ep8_rank")
-PATHS = {"launches": 0, "one_program": 1 << 30}  # tiny_arrivals of each path's tables
+# tiny_arrivals and tiny_received of each path's tables
+PATHS = {"launches": 0, "one_program": 1 << 30}
 
 
 @dataclasses.dataclass
@@ -120,7 +121,8 @@ class RouteStep:
 
 def _poison(tables: DeviceTables) -> None:
     for t in (tables.expert_counts, tables.expert_offsets, tables.arrival_rows, tables.row_src,
-              tables.row_slot, tables.row_origin, tables.meta, tables.row_ready, *tables.tiles.values(),
+              tables.row_slot, tables.row_origin, tables.meta, tables.row_ready,
+              *tables.tiles.values(),
               *tables.num_tiles.values()):
         t.fill_(-7)
 
@@ -175,7 +177,7 @@ class RouteSmall(Experiment):
         arrivals = cell_arrivals(shape, point["setting"], point["tokens"], run.args.seed,
                                  self.device)
         tables = {path: allocate_tables(bounds, shape.hidden, "bf16", self.device,
-                                        tiny_arrivals=small)
+                                        tiny_arrivals=small, tiny_received=small)
                   for path, small in PATHS.items()}
         return RouteStep(point, arrivals, tables, bounds)
 

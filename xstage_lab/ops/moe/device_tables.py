@@ -1,10 +1,11 @@
 """Routing to tile tables on the device (``kernels/moe_routing.py``): the Dispatch layout and both
 schedules' tile tables built from the router's output by three small Triton launches (one where the
-arrivals fit ``TINY_ARRIVALS``), plus one that quantizes bf16 activations for an FP8 layer, with
-no device-to-host copy, in buffers sized by static bounds. The activations are not moved: each
-layout row names the row of ``x`` it reads (``row_origin``), which the fused kernel gathers. The
-router's output and the activations reach the kernels through the call's argument block
-(``call_args``), so a CUDA graph captured once replays them on new tensors.
+arrivals fit ``TINY_ARRIVALS``, or an EP rank's bound ``TINY_RECEIVED``), plus one that quantizes
+bf16 activations for an FP8 layer, with no device-to-host copy, in buffers sized by static bounds.
+The activations are not moved: each layout row names the row of ``x`` it reads (``row_origin``),
+which the fused kernel gathers. The router's output and the activations reach the kernels through
+the call's argument block (``call_args``), so a CUDA graph captured once replays them on new
+tensors.
 
 ``host_tables`` is the reference they equal entry for entry: ``dispatch.build_layout`` and the
 host schedules (``schedules.expert_wave_schedule``, ``interleaved_schedule``, ``tile_table``).
@@ -33,12 +34,16 @@ CHUNK = 128        # arrivals per program of the histogram and scatter passes
 # experts a program scan 1024 chunks a step: every shape at 8192 tokens per rank in one step
 SCAN_EXPERTS = 4
 SCAN_TILE = 4096
-# At most this many arrivals (a call's bound, and never above block_m), one program (route_tiny)
-# writes every table from the arrivals held in registers. It replaced route_small (the passes of
-# the three launches as loops of one program: 0.2-4.0 µs faster than the launches up to 16
-# arrivals, slower above, route_small_probe/h200-x1/20261202T175738Z-780d73f25b), whose steps
-# through memory one after another took 8-15 µs of its launch at one token
-TINY_ARRIVALS = 128
+# Up to these bounds (never above block_m), one program (route_tiny) writes every table from the
+# arrivals held in registers, its time growing with the row blocks it writes: at EP = 1 every
+# slot of the bound is an arrival (TINY_ARRIVALS), on an EP rank the received rows are a share
+# of the bound (TINY_RECEIVED). Measured on one H200 against the three launches, same arrivals
+# (route_small_probe/h200-x1/20261203T111717Z-813ff70976, 7f3255b): 1.05-2.07x faster at EP = 1
+# up to 16 arrivals, 0.40-0.63x at 48-80; 1.20-2.07x on EP ranks with bounds of 16-128 (2-17
+# received rows). It replaced route_small (the launches' passes as loops of one program, through
+# memory: 8-15 µs at one token, route_small_probe/h200-x1/20261202T175738Z-780d73f25b)
+TINY_ARRIVALS = 16
+TINY_RECEIVED = 128
 ROW_BLOCKS_TINY = 16  # route_tiny's row blocks a step of its tiles
 ZERO_BLOCK = 1024  # route_tiny's row counters zeroed this many a step
 QUANT_ROWS = 32   # rows of x per program of the FP8 quantization ...
@@ -132,7 +137,8 @@ class DeviceTables:
     row_ready: torch.Tensor        # int32 [row blocks]: the fused kernel's Linear-1 counters
     error: torch.Tensor            # int32 [1]: ids out of range (and the kernel's spin flag)
     args: torch.Tensor             # int64 [ARGS]: the call's argument block (call_args)
-    tiny_arrivals: int             # up to this many arrivals, route_tiny (TINY_ARRIVALS)
+    tiny_arrivals: int             # up to this many arrivals, route_tiny (TINY_ARRIVALS) ...
+    tiny_received: int             # ... and on an EP rank up to this bound (TINY_RECEIVED)
     fp8: bool                      # an FP8 layer's (e4m3 activations with 1 x 128 scales)
     # (received, quantize, id dtype) -> RoutingLaunches, bound on first use
     launches: dict = field(default_factory=dict, repr=False)
@@ -158,13 +164,14 @@ class DeviceTables:
 
 def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
                     error: torch.Tensor | None = None, tiny_arrivals: int | None = None,
-                    source_rows: int | None = None) -> DeviceTables:
+                    source_rows: int | None = None,
+                    tiny_received: int | None = None) -> DeviceTables:
     """Every buffer of ``bounds`` on ``device``; ``error`` shared with the fused kernel where
-    given; ``tiny_arrivals``: ``TINY_ARRIVALS`` where None (either way at most ``block_m``);
-    ``source_rows``: the bf16 rows of ``x`` an FP8 layer quantizes at most (``x_quant``'s),
-    ``bounds.capacity`` where None (an EP rank's received rows; at EP = 1 the tokens, ``capacity
-    / top_k``); 0: none, the layer takes e4m3 rows with their scales only (an EP rank whose
-    Dispatch sends FP8)."""
+    given; ``tiny_arrivals``, ``tiny_received``: ``TINY_ARRIVALS``, ``TINY_RECEIVED`` where None
+    (either way at most ``block_m``); ``source_rows``: the bf16 rows of ``x`` an FP8 layer quantizes
+    at most (``x_quant``'s), ``bounds.capacity`` where None (an EP rank's received rows; at EP = 1
+    the tokens, ``capacity / top_k``); 0: none, the layer takes e4m3 rows with their scales only (an
+    EP rank whose Dispatch sends FP8)."""
     dev = torch.device(device)
     i32 = dict(dtype=torch.int32, device=dev)
     e, g = bounds.num_experts, bounds.num_programs
@@ -185,7 +192,8 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
         {s: torch.zeros(g, bounds.max_tiles, 4, **i32) for s in SCHEDULES},
         {s: torch.zeros(g, **i32) for s in SCHEDULES}, torch.zeros(bounds.row_blocks, **i32),
         torch.zeros(1, **i32) if error is None else error, allocate_args(dev),
-        min(TINY_ARRIVALS if tiny_arrivals is None else tiny_arrivals, bounds.block_m), fp8)
+        min(TINY_ARRIVALS if tiny_arrivals is None else tiny_arrivals, bounds.block_m),
+        min(TINY_RECEIVED if tiny_received is None else tiny_received, bounds.block_m), fp8)
 
 
 def quant_slab(rows: int, hidden: int, num_programs: int) -> int:
@@ -242,8 +250,9 @@ class RoutingLaunches:
     argument block (``tables.args``, written before), so per call only the arrivals' count and,
     on an EP rank, their sources and slots are launch arguments. ``received``: an EP rank's
     arrivals; ``quantize``: bf16 activations into an FP8 layer (``route_quantize``);
-    ``id_dtype``: the expert ids' (int32 or int64). Up to ``tables.tiny_arrivals`` arrivals,
-    ``route_tiny``; else the histogram, the scan, and the scatter with the tiles."""
+    ``id_dtype``: the expert ids' (int32 or int64). Up to ``tables.tiny_arrivals`` arrivals (an EP
+    rank: up to a bound of ``tables.tiny_received``), ``route_tiny``; else the histogram, the scan,
+    and the scatter with the tiles."""
 
     def __init__(self, tables: DeviceTables, received: bool, quantize: bool,
                  id_dtype: torch.dtype):
@@ -323,7 +332,7 @@ class RoutingLaunches:
         slot = arrival_slot if self.received else t.meta
         # an EP rank's arrivals are its rows of x: one each
         fanout = 1 if self.received else top_k
-        if capacity <= t.tiny_arrivals:
+        if capacity <= (t.tiny_received if self.received else t.tiny_arrivals):
             a_pad = _pow2(capacity)
             if a_pad not in self.tiny:
                 self.tiny[a_pad] = Launcher(self.kernels.route_tiny, A_PAD=a_pad,
