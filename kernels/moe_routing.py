@@ -296,13 +296,24 @@ def _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, exp
     safe_e = tl.where(valid, e, 0)
     row = (tl.load(expert_offsets + safe_e, mask=valid, other=0)
            + tl.load(chunk_start + c * NUM_EXPERTS + safe_e, mask=valid, other=0) + rank)
+    _store_arrival_rows(i, row, live, valid, arrival_src, arrival_slot, arrival_rows, row_src,
+                        row_slot, row_origin, TOP_K, RECEIVED)
+
+
+@triton.jit
+def _store_arrival_rows(i, row, live, valid, arrival_src, arrival_slot, arrival_rows, row_src,
+                        row_slot, row_origin, TOP_K, RECEIVED: tl.constexpr):
+    """Arrivals ``i`` (``live``: below the count; ``valid``: their id in range) at their padded
+    ``row``: ``arrival_rows[i]`` (-1 where not valid), and that row's ``row_src``/``row_slot``/
+    ``row_origin``: source 0, slot ``i`` and token ``i // TOP_K`` at EP = 1; the received
+    row's source and slot, and row ``i``, on an EP rank."""
     tl.store(arrival_rows + i, tl.where(valid, row, -1), mask=live)
     if RECEIVED:
         src = tl.load(arrival_src + i, mask=valid, other=0).to(tl.int32)
         slot = tl.load(arrival_slot + i, mask=valid, other=0).to(tl.int32)
         origin = i
     else:
-        src = tl.zeros([CHUNK], dtype=tl.int32)
+        src = tl.zeros_like(i)
         slot = i
         origin = i // TOP_K
     tl.store(row_src + row, src, mask=valid)
@@ -513,18 +524,8 @@ def route_tiny(args, arrival_src, arrival_slot, n_arrivals_ptr, expert_counts, e
     rank = tl.sum(before.to(tl.int32), axis=1)
     block = tl.gather(first_block, safe_e, 0)
     row = block * BLOCK_M + rank
-    tl.store(arrival_rows + i, tl.where(valid, row, -1), mask=live)
-    if RECEIVED:
-        src = tl.load(arrival_src + i, mask=valid, other=0).to(tl.int32)
-        slot = tl.load(arrival_slot + i, mask=valid, other=0).to(tl.int32)
-        origin = i
-    else:
-        src = tl.zeros([A_PAD], dtype=tl.int32)
-        slot = i
-        origin = i // TOP_K
-    tl.store(row_src + row, src, mask=valid)
-    tl.store(row_slot + row, slot, mask=valid)
-    tl.store(row_origin + row, origin, mask=valid)
+    _store_arrival_rows(i, row, live, valid, arrival_src, arrival_slot, arrival_rows, row_src,
+                        row_slot, row_origin, TOP_K, RECEIVED)
     # the tiles, ROW_BLOCKS row blocks a step: a block's expert is the routed one it starts
     for p0 in range(0, row_blocks, ROW_BLOCKS):
         ps = p0 + tl.arange(0, ROW_BLOCKS)
