@@ -1,8 +1,11 @@
 """The argument block of one fused MoE call (issue 27): the addresses of the tensors that change
 between calls of the same shape, which the routing kernels and the weighted sum read from device
 memory instead of taking them as launch arguments. A CUDA graph captured once per token count
-then replays a call on new tensors: the block is rewritten in stream order (``write_args``, one
-launch outside the graph) just before the replay.
+then replays a call on new tensors: the block is rewritten in stream order, before any kernel
+reads it, by the call's first launch, which takes the addresses as its parameters right after the
+block (by value, never specialized: a graph's node of that launch is given each call's): the
+first routing launch of the fused MoE (``moe_routing``), or ``write_args`` where nothing routes
+(the weighted sum alone).
 
 Device code only; the host side is ``xstage_lab/ops/moe/call_args.py``. The block is int64
 ``[ARGS]``, one address per slot; a reader casts its slot to the pointer type it needs
@@ -28,6 +31,12 @@ ARGS = tl.constexpr(8)
                                "out"])
 def write_args(args, expert_ids, x, x_scale, combine_rows, topk_weights, out):
     """One program: each address (int64, by value) into its slot of ``args``."""
+    store_slots(args, expert_ids, x, x_scale, combine_rows, topk_weights, out)
+
+
+@triton.jit
+def store_slots(args, expert_ids, x, x_scale, combine_rows, topk_weights, out):
+    """Each address (int64, by value) into its slot of ``args``."""
     tl.store(args + ARG_EXPERT_IDS, expert_ids)
     tl.store(args + ARG_X, x)
     tl.store(args + ARG_X_SCALE, x_scale)

@@ -11,19 +11,23 @@ token ``i // top_k``); for an EP rank (``RECEIVED``) the received rows, source b
 their local expert, source rank and slot, and their count on the device. Every buffer is sized by
 a static bound, every grid by the arrivals' capacity; programs past the counts return at once.
 
-The router's output and the activations are read through the call's argument block
-(``moe_args.py``: their addresses, written before the first launch), so that one captured CUDA
-graph replays the launches on new tensors of the same shape. No pass moves the activations into
-the layout: each layout row names the row of ``x`` it reads (``row_origin``: the token at EP = 1,
-the received row on an EP rank), which the fused kernel's Linear-1 gathers as it loads.
+The first launch takes the call's addresses (the router's output, the activations, the weighted
+sum's tensors) as its parameters, by value, and writes them into the call's argument block
+(``moe_args.py``), through which every later launch reads them: a CUDA graph captured once replays
+the launches on new tensors of the same shape, that one node given each call's addresses. A writer
+launch of its own cost a kernel boundary and 0.7-0.8 µs of kernel (``write_args`` in the
+per-kernel profiles of moe_layer/h200-x1/20261203T111840Z-7ed1a9ff34). No pass moves the
+activations into the layout: each layout row names the row of ``x`` it reads (``row_origin``: the
+token at EP = 1, the received row on an EP rank), which the fused kernel's Linear-1 gathers as it
+loads.
 
-Three launches, each needing the one before it complete (for at most ``BLOCK_M`` arrivals,
-``route_tiny``: one program that holds them all in registers), and, where bf16 activations feed an
-FP8 layer, ``route_quantize``:
+Three launches, each needing the one before it complete, and, where bf16 activations feed an FP8
+layer, ``route_quantize`` (for at most ``BLOCK_M`` arrivals one launch, ``route_tiny``: one program
+that holds them all in registers, and beside it the quantizing programs):
   ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
                        (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is
-                       left out of the layout; program 0 writes the fused kernel's ``a_rows``
-                       slots (``_set_a_rows``);
+                       left out of the layout; program 0 writes the argument block
+                       (``_write_block``);
   ``route_offsets``    per block of experts the exclusive scan of their chunk counts (where a
                        chunk's rows of the expert start) and their counts; then, in the last
                        program to finish, every expert's row blocks and padded first row (the
@@ -55,7 +59,7 @@ that lie before stream index ``X``: ``X = min((p_1 - D + 1) P_2, n_2)`` for Line
 import triton
 import triton.language as tl
 
-from .moe_args import ARG_A_ROWS, ARG_EXPERT_IDS, ARG_X, ARG_X_SCALE, arg_pointer
+from .moe_args import ARG_A_ROWS, ARG_EXPERT_IDS, ARG_X, arg_pointer, store_slots
 from .moe_fused import _round_to_e4m3
 
 TILE_L1 = tl.constexpr(0)
@@ -77,32 +81,39 @@ def _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED: tl.constexpr):
 
 
 @triton.jit
-def _set_a_rows(args, quant_rows, quant_scale, QUANTIZE: tl.constexpr):
-    """The fused kernel's ``a_rows`` slots of ``args``: the addresses of the quantized copy
-    (``quant_rows``, ``quant_scale``: int64 by value) where ``QUANTIZE``, else of the activations
-    and their scales as the call passed them."""
+def _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, x_quant,
+                 x_quant_scale, QUANTIZE: tl.constexpr):
+    """The call's argument block, by the first routing launch (``moe_args``): each address
+    (int64, by value) into its slot, and the fused kernel's ``a_rows`` slots: the addresses of
+    the quantized copy (``x_quant``, ``x_quant_scale``) where ``QUANTIZE``, else of the
+    activations and their scales as the call passed them."""
+    store_slots(args, expert_ids, x, x_scale, combine_rows, topk_weights, out)
     if QUANTIZE:
-        tl.store(args + ARG_A_ROWS, quant_rows)
-        tl.store(args + ARG_A_ROWS + 1, quant_scale)
+        tl.store(args + ARG_A_ROWS, x_quant.to(tl.int64))
+        tl.store(args + ARG_A_ROWS + 1, x_quant_scale.to(tl.int64))
     else:
-        tl.store(args + ARG_A_ROWS, tl.load(args + ARG_X))
-        tl.store(args + ARG_A_ROWS + 1, tl.load(args + ARG_X_SCALE))
+        tl.store(args + ARG_A_ROWS, x)
+        tl.store(args + ARG_A_ROWS + 1, x_scale)
 
 
-@triton.jit(do_not_specialize=["quant_rows", "quant_scale"])
-def route_histogram(args, n_arrivals_ptr, chunk_counts, error, quant_rows, quant_scale, CAPACITY,
+@triton.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",
+                               "out"])
+def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
+                    n_arrivals_ptr, chunk_counts, error, x_quant, x_quant_scale, CAPACITY,
                     NUM_EXPERTS, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
                     E_PAD: tl.constexpr, CHUNK: tl.constexpr, ID_DTYPE: tl.constexpr):
     """``chunk_counts[c, e]`` (int32 ``[chunks, NUM_EXPERTS]``): arrivals of chunk ``c`` routed to
-    local expert ``e``. ``args``' expert ids: ``ID_DTYPE`` (int32/int64) ``[CAPACITY]``, the
-    local expert of each arrival. Program 0: ``_set_a_rows``."""
+    local expert ``e``. ``expert_ids``: the address of ``ID_DTYPE`` (int32/int64) ``[CAPACITY]``,
+    the local expert of each arrival; it and the call's other addresses (``moe_args``' slots)
+    by value. Program 0: ``_write_block``."""
     c = tl.program_id(0)
     if c == 0:
-        _set_a_rows(args, quant_rows, quant_scale, QUANTIZE)
+        _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, x_quant,
+                     x_quant_scale, QUANTIZE)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     if c * CHUNK < n:
-        counts = _chunk_histogram(c, n, arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False),
-                                  error, NUM_EXPERTS, E_PAD, CHUNK)
+        counts = _chunk_histogram(c, n, expert_ids.to(tl.pointer_type(ID_DTYPE)), error,
+                                  NUM_EXPERTS, E_PAD, CHUNK)
         es = tl.arange(0, E_PAD)
         tl.store(chunk_counts + c * NUM_EXPERTS + es, counts, mask=es < NUM_EXPERTS)
 
@@ -325,18 +336,27 @@ def _store_arrival_rows(i, row, live, valid, arrival_src, arrival_slot, arrival_
 def route_quantize(args, n_arrivals_ptr, x_quant, x_quant_scale, CAPACITY, HIDDEN, TOP_K,
                    RECEIVED: tl.constexpr, ROWS: tl.constexpr, SLAB: tl.constexpr,
                    BLOCK_H: tl.constexpr):
-    """Program ``(r, h)``: rows ``r ROWS ..`` and columns ``h SLAB ..`` of the bf16 activations
-    ``x`` (``args``': the ``CAPACITY // TOP_K`` tokens at EP = 1, the received rows on an EP rank)
-    to e4m3 ``x_quant`` with one fp32 scale per 1 x 128 block (``x_quant_scale``), as
-    ``weights.quantize_rows_fp8``, bitwise: the scale times the reciprocal of the e4m3 maximum
-    (torch's CUDA division by a scalar does so), the values times the IEEE reciprocal of the scale
-    (div_rn: Triton's `/` is the approximate div.full.f32). Every program independent."""
-    x = arg_pointer(args, ARG_X, tl.bfloat16, True)
-    i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    h_first = tl.program_id(1) * SLAB
+    """Program ``(r, h)``: ``_quantize_block`` ``(r, h)`` of ``args``' activations ``x``."""
+    _quantize_block(tl.program_id(0), tl.program_id(1), arg_pointer(args, ARG_X, tl.bfloat16, True),
+                    n_arrivals_ptr, x_quant, x_quant_scale, CAPACITY, HIDDEN, TOP_K, RECEIVED,
+                    ROWS, SLAB, BLOCK_H)
+
+
+@triton.jit
+def _quantize_block(r, h, x, n_arrivals_ptr, x_quant, x_quant_scale, CAPACITY, HIDDEN, TOP_K,
+                    RECEIVED: tl.constexpr, ROWS: tl.constexpr, SLAB: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    """Rows ``r ROWS ..`` and columns ``h SLAB ..`` of the bf16 activations ``x`` (the ``CAPACITY
+    // TOP_K`` tokens at EP = 1, the received rows on an EP rank) to e4m3 ``x_quant`` with one
+    fp32 scale per 1 x 128 block (``x_quant_scale``), as ``weights.quantize_rows_fp8``, bitwise:
+    the scale times the reciprocal of the e4m3 maximum (torch's CUDA division by a scalar does
+    so), the values times the IEEE reciprocal of the scale (div_rn: Triton's `/` is the
+    approximate div.full.f32). Every block independent."""
+    i = r * ROWS + tl.arange(0, ROWS)
+    h_first = h * SLAB
     # an EP rank's arrivals are its rows (TOP_K 1); at EP = 1 each token is TOP_K arrivals
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED) // TOP_K
-    if tl.program_id(0) * ROWS < n:
+    if r * ROWS < n:
         live = i < n
         rows64 = i.to(tl.int64)
         k_scales = HIDDEN // SCALE_BLOCK
@@ -470,69 +490,88 @@ def _write_row_blocks(ps, used, e, first_row, rows_used, lo, hi, row_blocks, row
                        e[:, None], p, ns, live)
 
 
-@triton.jit(do_not_specialize=["quant_rows", "quant_scale"])
-def route_tiny(args, arrival_src, arrival_slot, n_arrivals_ptr, expert_counts, expert_offsets,
-               wave_lo, wave_hi, meta, wave_num_tiles, inter_num_tiles, arrival_rows, row_src,
-               row_slot, row_origin, row_ready, wave_tiles, inter_tiles, error, quant_rows,
-               quant_scale, CAPACITY, ROW_BLOCK_BOUND, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, LEAD,
-               MAX_TILES, TOP_K, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
+@triton.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",
+                               "out"])
+def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, arrival_src,
+               arrival_slot, n_arrivals_ptr, expert_counts, expert_offsets, wave_lo, wave_hi,
+               meta, wave_num_tiles, inter_num_tiles, arrival_rows, row_src, row_slot,
+               row_origin, row_ready, wave_tiles, inter_tiles, error, x_quant, x_quant_scale,
+               CAPACITY, ROW_BLOCK_BOUND, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES,
+               TOP_K, HIDDEN, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
                BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, A_PAD: tl.constexpr,
                G_PAD: tl.constexpr, ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr,
-               ROW_BLOCKS: tl.constexpr, ZERO_BLOCK: tl.constexpr):
-    """One program, for at most ``BLOCK_M`` arrivals (``CAPACITY <= A_PAD <= BLOCK_M``, a power of
-    two): every table of the three launches from the arrivals held in registers, with no pass
-    and no step through memory between them. So few arrivals give each expert at most one row
-    block, which makes every step closed-form: an arrival's row is its expert's first row block
-    (the used experts before it) plus its rank among that expert's arrivals (an all-pairs
-    count); each Expert-Wave wave holds ``W = ceil(WAVE_MIN_L1 / P1)`` row blocks (the last one
-    the rest: ``schedules.wave_starts`` with one row block per routed expert); the tiles, as in
-    ``route_rows``, per row block in use, ``ROW_BLOCKS`` a step. ``A_PAD``, the arrivals' tensor
-    size, is the capacity's power of two: the all-pairs count costs ``A_PAD**2``. Ids out of range
-    add to ``error`` and get no row, as in ``route_histogram``."""
-    _set_a_rows(args, quant_rows, quant_scale, QUANTIZE)
-    expert_ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
-    n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
-    i = tl.arange(0, A_PAD)
-    live = i < n
-    e = tl.load(expert_ids + i, mask=live, other=-1).to(tl.int32)
-    valid = live & (e >= 0) & (e < NUM_EXPERTS)
-    bad = tl.sum((live & ~valid).to(tl.int32))
-    if bad > 0:
-        tl.atomic_add(error, bad)
-    e = tl.where(valid, e, -1)
-    safe_e = tl.where(valid, e, 0)
-    es = tl.arange(0, E_PAD)
-    in_e = es < NUM_EXPERTS
-    count = tl.histogram(safe_e, E_PAD, mask=valid)
-    blocks = (count > 0).to(tl.int32)
-    first_block = tl.cumsum(blocks, axis=0) - blocks
-    row_blocks = tl.sum(blocks)
-    tl.store(expert_counts + es, count, mask=in_e)
-    tl.store(expert_offsets + es, first_block * BLOCK_M, mask=in_e)
-    tl.store(expert_offsets + NUM_EXPERTS, row_blocks * BLOCK_M)
-    w = tl.cdiv(WAVE_MIN_L1, P1)
-    last_wave = tl.maximum(row_blocks - 1, 0) // w
-    wave_first = tl.minimum(first_block // w, last_wave) * w
-    tl.store(wave_lo + es, wave_first, mask=in_e)
-    tl.store(wave_hi + es, tl.minimum(wave_first + w, row_blocks), mask=in_e)
-    _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, P2, G_PAD)
-    for p0 in range(0, ROW_BLOCK_BOUND, ZERO_BLOCK):
-        ps = p0 + tl.arange(0, ZERO_BLOCK)
-        tl.store(row_ready + ps, tl.zeros([ZERO_BLOCK], tl.int32), mask=ps < ROW_BLOCK_BOUND)
-    # the scatter: rank among the expert's arrivals (stable: by arrival)
-    before = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
-    rank = tl.sum(before.to(tl.int32), axis=1)
-    block = tl.gather(first_block, safe_e, 0)
-    row = block * BLOCK_M + rank
-    _store_arrival_rows(i, row, live, valid, arrival_src, arrival_slot, arrival_rows, row_src,
-                        row_slot, row_origin, TOP_K, RECEIVED)
-    # the tiles, ROW_BLOCKS row blocks a step: a block's expert is the routed one it starts
-    for p0 in range(0, row_blocks, ROW_BLOCKS):
-        ps = p0 + tl.arange(0, ROW_BLOCKS)
-        owns = (blocks[None, :] > 0) & (first_block[None, :] == ps[:, None])
-        wave = ps // w * w  # below row_blocks: never past the last wave
-        _write_row_blocks(ps, ps < row_blocks, tl.sum(tl.where(owns, es[None, :], 0), axis=1),
-                          ps * BLOCK_M, tl.sum(tl.where(owns, count[None, :], 0), axis=1), wave,
-                          tl.minimum(wave + w, row_blocks), row_blocks, row_src, row_slot,
-                          row_origin, wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES,
-                          BLOCK_M, P_PAD)
+               ROW_BLOCKS: tl.constexpr, ZERO_BLOCK: tl.constexpr, QUANT_ROWS: tl.constexpr,
+               SLAB: tl.constexpr):
+    """Program 0, for at most ``BLOCK_M`` arrivals (``CAPACITY <= A_PAD <= BLOCK_M``, a power of
+    two): the argument block (``_write_block``, from the call's addresses by value, as in
+    ``route_histogram``) and every table of the three launches from the arrivals held in
+    registers, with no pass and no step through memory between them. So few arrivals give each
+    expert at most one row block, which makes every step closed-form: an arrival's row is its
+    expert's first row block (the used experts before it) plus its rank among that expert's
+    arrivals (an all-pairs count); each Expert-Wave wave holds ``W = ceil(WAVE_MIN_L1 / P1)`` row
+    blocks (the last one the rest: ``schedules.wave_starts`` with one row block per routed
+    expert); the tiles, as in ``route_rows``, per row block in use, ``ROW_BLOCKS`` a step.
+    ``A_PAD``, the arrivals' tensor size, is the capacity's power of two: the all-pairs count
+    costs ``A_PAD**2``. Ids out of range add to ``error`` and get no row, as in
+    ``route_histogram``. ``QUANTIZE``: programs 1 .. are ``_quantize_block``'s blocks of
+    ``QUANT_ROWS`` rows and ``SLAB`` columns of ``x``, row-major, side by side with program 0
+    (the fused kernel's quantized rows, ``x_quant``, without a launch of their own)."""
+    q = tl.program_id(0)
+    if q > 0:
+        if QUANTIZE:
+            slabs = tl.cdiv(HIDDEN, SLAB)
+            _quantize_block((q - 1) // slabs, (q - 1) % slabs,
+                            tl.multiple_of(x.to(tl.pointer_type(tl.bfloat16)), 16),
+                            n_arrivals_ptr, x_quant, x_quant_scale, CAPACITY, HIDDEN, TOP_K,
+                            RECEIVED, QUANT_ROWS, SLAB, SCALE_BLOCK)
+    else:
+        _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, x_quant,
+                     x_quant_scale, QUANTIZE)
+        ids = expert_ids.to(tl.pointer_type(ID_DTYPE))
+        n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
+        i = tl.arange(0, A_PAD)
+        live = i < n
+        e = tl.load(ids + i, mask=live, other=-1).to(tl.int32)
+        valid = live & (e >= 0) & (e < NUM_EXPERTS)
+        bad = tl.sum((live & ~valid).to(tl.int32))
+        if bad > 0:
+            tl.atomic_add(error, bad)
+        e = tl.where(valid, e, -1)
+        safe_e = tl.where(valid, e, 0)
+        es = tl.arange(0, E_PAD)
+        in_e = es < NUM_EXPERTS
+        count = tl.histogram(safe_e, E_PAD, mask=valid)
+        blocks = (count > 0).to(tl.int32)
+        first_block = tl.cumsum(blocks, axis=0) - blocks
+        row_blocks = tl.sum(blocks)
+        tl.store(expert_counts + es, count, mask=in_e)
+        tl.store(expert_offsets + es, first_block * BLOCK_M, mask=in_e)
+        tl.store(expert_offsets + NUM_EXPERTS, row_blocks * BLOCK_M)
+        w = tl.cdiv(WAVE_MIN_L1, P1)
+        last_wave = tl.maximum(row_blocks - 1, 0) // w
+        wave_first = tl.minimum(first_block // w, last_wave) * w
+        tl.store(wave_lo + es, wave_first, mask=in_e)
+        tl.store(wave_hi + es, tl.minimum(wave_first + w, row_blocks), mask=in_e)
+        _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, P2, G_PAD)
+        for p0 in range(0, ROW_BLOCK_BOUND, ZERO_BLOCK):
+            ps = p0 + tl.arange(0, ZERO_BLOCK)
+            tl.store(row_ready + ps, tl.zeros([ZERO_BLOCK], tl.int32),
+                     mask=ps < ROW_BLOCK_BOUND)
+        # the scatter: rank among the expert's arrivals (stable: by arrival)
+        before = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
+        rank = tl.sum(before.to(tl.int32), axis=1)
+        block = tl.gather(first_block, safe_e, 0)
+        row = block * BLOCK_M + rank
+        _store_arrival_rows(i, row, live, valid, arrival_src, arrival_slot, arrival_rows,
+                            row_src, row_slot, row_origin, TOP_K, RECEIVED)
+        # the tiles, ROW_BLOCKS row blocks a step: a block's expert is the routed one it starts
+        for p0 in range(0, row_blocks, ROW_BLOCKS):
+            ps = p0 + tl.arange(0, ROW_BLOCKS)
+            owns = (blocks[None, :] > 0) & (first_block[None, :] == ps[:, None])
+            wave = ps // w * w  # below row_blocks: never past the last wave
+            _write_row_blocks(ps, ps < row_blocks,
+                              tl.sum(tl.where(owns, es[None, :], 0), axis=1), ps * BLOCK_M,
+                              tl.sum(tl.where(owns, count[None, :], 0), axis=1), wave,
+                              tl.minimum(wave + w, row_blocks), row_blocks, row_src, row_slot,
+                              row_origin, wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES,
+                              BLOCK_M, P_PAD)

@@ -223,10 +223,13 @@ def _compile_sm90(name: str) -> dict:
 
     kernel = getattr(load_kernel_module("moe_routing"), name)
     ptr, i = "*i32", "i32"
+    # the call's addresses, by value (the first launch writes the argument block)
+    addresses = {k: "i64" for k in ("expert_ids", "x", "x_scale", "combine_rows",
+                                    "topk_weights", "out")}
     signatures = {
-        "route_histogram": ({"args": "*i64", "n_arrivals_ptr": ptr, "chunk_counts": ptr,
-                             "error": ptr, "quant_rows": "i64", "quant_scale": "i64",
-                             "CAPACITY": i, "NUM_EXPERTS": i},
+        "route_histogram": ({"args": "*i64", **addresses, "n_arrivals_ptr": ptr,
+                             "chunk_counts": ptr, "error": ptr, "x_quant": "*fp8e4nv",
+                             "x_quant_scale": "*fp32", "CAPACITY": i, "NUM_EXPERTS": i},
                             dict(RECEIVED=False, QUANTIZE=True, E_PAD=256, CHUNK=128,
                                  ID_DTYPE=tl.int64)),
         "route_offsets": ({**{k: ptr for k in ("chunk_counts", "chunk_start", "n_arrivals_ptr",
@@ -251,20 +254,20 @@ def _compile_sm90(name: str) -> dict:
                                           "LEAD", "MAX_TILES")}},
                        dict(RECEIVED=False, CHUNK=128, ID_DTYPE=tl.int64, BLOCK_M=128,
                             E_PAD=256, P_PAD=16)),
-        "route_tiny": ({"args": "*i64",
+        "route_tiny": ({"args": "*i64", **addresses,
                         **{k: ptr for k in ("arrival_src", "arrival_slot", "n_arrivals_ptr",
                                             "expert_counts", "expert_offsets", "wave_lo",
                                             "wave_hi", "meta", "wave_num_tiles",
                                             "inter_num_tiles", "arrival_rows", "row_src",
                                             "row_slot", "row_origin", "row_ready", "wave_tiles",
                                             "inter_tiles", "error")},
-                        "quant_rows": "i64", "quant_scale": "i64",
+                        "x_quant": "*fp8e4nv", "x_quant_scale": "*fp32",
                         **{k: i for k in ("CAPACITY", "ROW_BLOCK_BOUND", "NUM_EXPERTS", "G",
                                           "P1", "P2", "WAVE_MIN_L1", "LEAD", "MAX_TILES",
-                                          "TOP_K")}},
-                       dict(RECEIVED=True, QUANTIZE=False, BLOCK_M=128, E_PAD=512, A_PAD=128,
+                                          "TOP_K", "HIDDEN")}},
+                       dict(RECEIVED=True, QUANTIZE=True, BLOCK_M=128, E_PAD=512, A_PAD=128,
                             G_PAD=256, ID_DTYPE=tl.int32, P_PAD=16, ROW_BLOCKS=16,
-                            ZERO_BLOCK=1024)),
+                            ZERO_BLOCK=1024, QUANT_ROWS=32, SLAB=128)),
     }
     signature, constexprs = signatures[name]
     signature = {**signature, **{k: "constexpr" for k in constexprs}}

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from ...ops.moe.call_args import (WRITER_FIRST_SLOT, allocate_args, slot_packer,
+from ...ops.moe.call_args import (FIRST_ADDRESS_PARAM, allocate_args, slot_packer,
                                   write_addresses, writer_function)
 from ...ops.moe.op import CALL_TENSORS, GraphCache
 
@@ -102,7 +102,7 @@ def launch_floors_us(device) -> dict:
     timed = [(f"graph{m}", graphs.capture(m, lambda: [t.add_(1) for _ in range(m)]), ())
              for m in FLOOR_GRAPH_NODES]
     timed.append((f"graph{n}_rewrite", graphs.capture(
-        "rewrite", rewritten, (writer_function(), WRITER_FIRST_SLOT, addresses)), addresses))
+        "rewrite", rewritten, (writer_function(), FIRST_ADDRESS_PARAM, addresses)), addresses))
     for name, graph, words in timed:
         for state, hold in (("idle", None), ("queued", sleep), ("busy", copies)):
             floors[f"host_floor_{name}_{state}_us"] = host_overhead_us(

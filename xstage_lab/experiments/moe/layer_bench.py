@@ -174,8 +174,8 @@ class Ep1Cell:
         stream is capturing, ``args``: its argument block's addresses gathered and checked,
         ``replay``: its graph launched with them, captured by the checks' calls), the replay's
         two driver calls (``set_addresses``, ``graph_launch``), the launch of graphs of the
-        call's first launches alone (``graph_launch_route``: the writer and the routing
-        kernels; ``graph_launch_kernel``: and the fused kernel), and the direct launches a graph
+        call's first launches alone (``graph_launch_route``: the routing kernels;
+        ``graph_launch_kernel``: and the fused kernel), and the direct launches a graph
         captures (``route``, ``launch``, ``weighted_sum``)."""
         layer, y = self.layer, torch.empty_like(self.x)
         graph = layer.graphs.get((self.tokens, layer.schedule, self.ids.dtype, self.w.dtype))

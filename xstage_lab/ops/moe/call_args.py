@@ -4,7 +4,9 @@ activations, the Combine rows, the top-k weights, the output), which the routing
 weighted sum read instead of taking them as launch arguments. ``write_args`` rewrites it with one
 launch on the current stream, so every later kernel of the call, launched directly or replayed
 from a CUDA graph captured once, reads this call's tensors; a graph that captured the writer too
-takes the addresses as new arguments of that node instead (``graph_launch.GraphLauncher``)."""
+takes the addresses as new arguments of that node instead (``graph_launch.GraphLauncher``). The
+fused MoE has no writer launch: its first routing launch takes the same addresses, in the same
+parameters (``check_address_params``), and writes the block as it routes (``device_tables``)."""
 from __future__ import annotations
 
 import functools
@@ -19,7 +21,9 @@ from .shapes import MoEContractError
 
 # the slots whose readers assume 16-byte aligned addresses (vectorized rows)
 ALIGNED = ("x", "combine_rows", "out")
-WRITER_FIRST_SLOT = 1  # the writer's arguments: the block, then one address per slot
+# a first launch's parameters: the block, then from this one on one address per slot (the writer's
+# order)
+FIRST_ADDRESS_PARAM = 1
 # what a reader casts an address to, by the tensor's dtype
 TRITON_DTYPES = {torch.int32: tl.int32, torch.int64: tl.int64, torch.float16: tl.float16,
                  torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
@@ -52,7 +56,7 @@ def slot_order(*names: str) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
     """Per slot of the argument block, the index in ``names`` of the tensor it takes (None: the
     block's own address), and the indices of the tensors that must start 16-byte aligned
     (``ALIGNED``). Raises MoEContractError where a name is no slot."""
-    slots = _writer()[1]
+    slots = slot_names()
     unknown = set(names) - set(slots)
     if unknown:
         raise MoEContractError(f"no argument slot named {sorted(unknown)}")
@@ -100,12 +104,27 @@ def write_args(args: torch.Tensor, **tensors: torch.Tensor) -> None:
 def writer_function() -> int:
     """The ``CUfunction`` of the writer, launched at least once before: a captured graph's
     writer node is found by it (``graph_launch.GraphLauncher``), its addresses being its
-    arguments from ``WRITER_FIRST_SLOT`` on."""
+    arguments from ``FIRST_ADDRESS_PARAM`` on."""
     return _writer()[0].function()
+
+
+def check_address_params(kernel) -> None:
+    """Raise MoEContractError unless ``kernel`` (a first launch of a call, in place of the
+    writer) takes the block first and then every slot's address, in the writer's order: a graph
+    gives that node its call's addresses there."""
+    slots = slot_names()
+    names = tuple(kernel.arg_names[FIRST_ADDRESS_PARAM:FIRST_ADDRESS_PARAM + len(slots)])
+    if names != slots:
+        raise MoEContractError(f"{kernel.__name__} takes {names} where the slots {slots} go")
 
 
 @functools.cache
 def _writer() -> tuple[Launcher, tuple[str, ...]]:
     """The writer's launcher (bound once) and its slot names, in its parameters' order."""
     kernel = load_kernel_module("moe_args").write_args
-    return Launcher(kernel), tuple(kernel.arg_names[WRITER_FIRST_SLOT:])
+    return Launcher(kernel), tuple(kernel.arg_names[FIRST_ADDRESS_PARAM:])
+
+
+def slot_names() -> tuple[str, ...]:
+    """The argument block's slots, in the order a first launch takes their addresses."""
+    return _writer()[1]

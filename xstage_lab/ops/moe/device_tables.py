@@ -20,7 +20,8 @@ import triton
 
 from ...kernel_sources import load_kernel_module
 from ..launcher import Launcher
-from .call_args import a_rows_view, allocate_args, triton_dtype, write_args
+from .call_args import (a_rows_view, allocate_args, check_address_params, slot_addresses,
+                        slot_names, triton_dtype)
 from .dispatch import DispatchLayout, build_layout
 from .schedules import (WAVE_FILL, MoEProblem, expert_wave_schedule, interleaved_schedule,
                         tile_table, tile_work)
@@ -197,8 +198,9 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
 
 
 def quant_slab(rows: int, hidden: int, num_programs: int) -> int:
-    """The columns of one ``route_quantize`` program over ``rows`` rows: ``QUANT_SLAB``, or one
-    128-column block where the wide slabs give fewer programs than ``num_programs``."""
+    """The columns of one quantizing program over ``rows`` rows (``route_quantize``'s, or
+    ``route_tiny``'s beside its tables): ``QUANT_SLAB``, or one 128-column block where the wide
+    slabs give fewer programs than ``num_programs``."""
     wide = triton.cdiv(rows, QUANT_ROWS) * triton.cdiv(hidden, QUANT_SLAB)
     return QUANT_SLAB if wide >= num_programs else FP8_SCALE_BLOCK
 
@@ -217,8 +219,8 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
                     n_arrivals: torch.Tensor | None = None, arrival_src: torch.Tensor | None = None,
                     arrival_slot: torch.Tensor | None = None) -> None:
     """Rewrite ``tables`` for one call, on the current stream, without a host sync; the row
-    counters ``tables.row_ready`` zeroed for the fused kernel: the argument block written
-    (``call_args.write_args``), then the routing launches (``RoutingLaunches``).
+    counters ``tables.row_ready`` zeroed for the fused kernel: the routing launches
+    (``RoutingLaunches``), the first of them writing the argument block.
 
     EP = 1 (``n_arrivals`` None): ``expert_ids`` is ``topk_ids.reshape(-1)`` (``T * top_k <=
     capacity`` arrivals, slot ``i``, source 0, token ``i // top_k``) and ``x`` the bf16 tokens
@@ -235,12 +237,12 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
     if x.dtype == torch.bfloat16 and tables.x_quant is None and tables.fp8:
         raise MoEContractError("these FP8 tables quantize no bf16 rows (allocated with "
                                "source_rows=0): pass e4m3 rows with their scales")
-    write_args(tables.args, expert_ids=expert_ids, x=x,
-               **({} if x_scale is None else {"x_scale": x_scale}))
+    addresses = slot_addresses(tables.args, expert_ids=expert_ids, x=x,
+                               **({} if x_scale is None else {"x_scale": x_scale}))
     received = n_arrivals is not None
     quantize = tables.x_quant is not None and x.dtype == torch.bfloat16
     tables.routing(received, quantize, expert_ids.dtype)(
-        tables.bounds.capacity if received else expert_ids.numel(), top_k,
+        tables.bounds.capacity if received else expert_ids.numel(), top_k, addresses,
         n_arrivals=n_arrivals, arrival_src=arrival_src, arrival_slot=arrival_slot)
 
 
@@ -262,10 +264,13 @@ class RoutingLaunches:
         hidden = t.x_quant.shape[1] if quantize else 0
         self.tables, self.received, self.quantize = tables, received, quantize
         self.kernels = k
-        # where route_quantize writes; the fused kernel reads them through args' a_rows slots
-        quant = dict(quant_rows=t.x_quant.data_ptr() if quantize else 0,
-                     quant_scale=t.x_quant_scale.data_ptr() if quantize else 0,
-                     QUANTIZE=quantize)
+        # where the quantization writes; the fused kernel reads them through args' a_rows slots
+        # (unquantized, any pointer stands in)
+        quant = dict(x_quant=t.x_quant if quantize else t.meta,
+                     x_quant_scale=t.x_quant_scale if quantize else t.meta, QUANTIZE=quantize)
+        for kernel in (k.route_histogram, k.route_tiny):
+            check_address_params(kernel)
+        self.slots = slot_names()
         self.hidden = hidden
         scan_experts = min(SCAN_EXPERTS, e_pad)
         self.scan_programs = e_pad // scan_experts
@@ -300,21 +305,24 @@ class RoutingLaunches:
         self.rows = Launcher(k.route_rows, args=t.args, chunk_start=t.chunk_start, meta=t.meta,
                              arrival_rows=t.arrival_rows, RECEIVED=received, CHUNK=CHUNK,
                              ID_DTYPE=ids, **tables_static)
-        # one per power of two of the arrivals, bound on first use: A_PAD is a constexpr
+        # one per power of two of the arrivals and quantized slab, bound on first use: A_PAD and
+        # SLAB are constexprs
         self.tiny_static = dict(
             args=t.args, meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
             inter_num_tiles=t.num_tiles["interleaved"], arrival_rows=t.arrival_rows,
             error=t.error, WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received,
             G_PAD=_pow2(b.num_programs), ID_DTYPE=ids, ROW_BLOCKS=ROW_BLOCKS_TINY,
-            ZERO_BLOCK=ZERO_BLOCK, ROW_BLOCK_BOUND=b.row_blocks, num_warps=8, **quant,
-            **tables_static)
-        self.tiny: dict[int, Launcher] = {}
+            ZERO_BLOCK=ZERO_BLOCK, ROW_BLOCK_BOUND=b.row_blocks, HIDDEN=hidden,
+            QUANT_ROWS=QUANT_ROWS, num_warps=8, **quant, **tables_static)
+        self.tiny: dict[tuple[int, int], Launcher] = {}
 
-    def __call__(self, capacity: int, top_k: int, *, n_arrivals: torch.Tensor | None = None,
-                 arrival_src: torch.Tensor | None = None,
+    def __call__(self, capacity: int, top_k: int, addresses: tuple[int, ...], *,
+                 n_arrivals: torch.Tensor | None = None, arrival_src: torch.Tensor | None = None,
                  arrival_slot: torch.Tensor | None = None) -> None:
         """The launches on the current stream over ``capacity`` arrivals (at EP = 1 ``T *
-        top_k``, each launch's arguments then fixed by ``T``: what a graph captures).
+        top_k``, each launch's arguments then fixed by ``T``: what a graph captures), the first
+        (``first``) taking the call's ``addresses`` (``call_args.slot_addresses``) and writing
+        them into the argument block.
 
         Plain stream order between them: with programmatic dependent launch (each launch
         letting the next one start at once and waiting for the previous one on the device, the
@@ -325,30 +333,49 @@ class RoutingLaunches:
         256 KiB programs it took 3-8 µs, yet the graphed call took 1.015x its time and the
         graphed routing 1.21x (retired records 20261203T091721Z to …093618Z, 5e8073e-c1db3fd)."""
         t = self.tables
-        chunks = (triton.cdiv(capacity, CHUNK),)
         # EP = 1 reads no count, sources, slots or scales: any pointer stands in
         n_ptr = n_arrivals if self.received else t.meta
         src = arrival_src if self.received else t.meta
         slot = arrival_slot if self.received else t.meta
-        # an EP rank's arrivals are its rows of x: one each
-        fanout = 1 if self.received else top_k
-        if capacity <= (t.tiny_received if self.received else t.tiny_arrivals):
-            a_pad = _pow2(capacity)
-            if a_pad not in self.tiny:
-                self.tiny[a_pad] = Launcher(self.kernels.route_tiny, A_PAD=a_pad,
-                                            **self.tiny_static)
-            self.tiny[a_pad]((1,), arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
-                                 CAPACITY=capacity, TOP_K=fanout)
-        else:
-            self.histogram(chunks, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
-            self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
-            self.rows((chunks[0] + t.bounds.row_blocks,), arrival_src=src, arrival_slot=slot,
-                      n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
+        fanout = self.fanout(top_k)
+        first, grid = self.first(capacity, top_k)
+        addressed = dict(zip(self.slots, addresses))
+        if first is not self.histogram:
+            first(grid, **addressed, arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
+                  CAPACITY=capacity, TOP_K=fanout)
+            return
+        first(grid, **addressed, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
+        self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
+        self.rows((grid[0] + t.bounds.row_blocks,), arrival_src=src, arrival_slot=slot,
+                  n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
         if self.quantize:
             rows = capacity // fanout
             slab = quant_slab(rows, self.hidden, t.bounds.num_programs)
             self.quantizer[slab]((triton.cdiv(rows, QUANT_ROWS), triton.cdiv(self.hidden, slab)),
                                  n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
+
+    def fanout(self, top_k: int) -> int:
+        """Arrivals per row of ``x``: an EP rank's arrivals are its rows, one each."""
+        return 1 if self.received else top_k
+
+    def first(self, capacity: int, top_k: int) -> tuple[Launcher, tuple[int]]:
+        """The first launch over ``capacity`` arrivals and its grid: the one that takes the
+        call's addresses (a graph's node of it is given each call's). Up to the tiny bound,
+        ``route_tiny``: program 0 the tables, and where it quantizes, one program more per
+        block of ``_quantize_block`` (the rows of ``x`` by ``QUANT_ROWS``, ``quant_slab``'s
+        columns), so no launch of its own quantizes them. Else ``route_histogram``."""
+        t = self.tables
+        if capacity > (t.tiny_received if self.received else t.tiny_arrivals):
+            return self.histogram, (triton.cdiv(capacity, CHUNK),)
+        rows = capacity // self.fanout(top_k)
+        slab = quant_slab(rows, self.hidden, t.bounds.num_programs) if self.quantize else 0
+        key = (_pow2(capacity), slab)
+        launch = self.tiny.get(key)
+        if launch is None:
+            launch = self.tiny[key] = Launcher(self.kernels.route_tiny, A_PAD=key[0],
+                                               SLAB=max(slab, 1), **self.tiny_static)
+        blocks = triton.cdiv(rows, QUANT_ROWS) * triton.cdiv(self.hidden, slab) if slab else 0
+        return launch, (1 + blocks,)
 
 
 @dataclass(frozen=True)

@@ -3,16 +3,17 @@ output to the layer's output on the device, with no host sync, in buffers sized 
 and a ``torch.library`` custom op (``xstage::fused_moe``) with a fake implementation, so that
 ``torch.compile(fullgraph=True)`` traces a block that uses it.
 
-A call is six launches in bf16, seven in FP8 (four, five up to ``device_tables.TINY_ARRIVALS``
-picks): its argument block written (``call_args.write_addresses``: the addresses of ``topk_ids``,
-``x``, the Combine rows, ``topk_weights`` and ``y``), routing to tile tables (``device_tables``:
-three Triton launches, or one, that read their varying tensors from the block and zero the fused
-kernel's row counters; in FP8 one more quantizes the tokens per 1 x 128), the fused kernel over the
-chosen schedule's table (``kernels/moe_fused_ws.py`` on sm_90, ``kernels/moe_fused.py`` elsewhere),
-whose Linear-1 gathers each pick's token row as it loads and whose Linear-2 epilogues store each
-pick's row into the Combine buffer, then the top-k weighted sum (``combine``, one Triton launch,
-reading the block). Eagerly on CUDA they run as one CUDA graph (``GraphCache``), captured once per
-token count at that count's first call, its writer node taking each call's addresses as new
+A call is five launches in bf16, six in FP8 (three in either up to ``device_tables.TINY_ARRIVALS``
+picks): routing to tile tables (``device_tables``: three Triton launches, or one, that zero the
+fused kernel's row counters; in FP8 one more quantizes the tokens per 1 x 128, or the one launch's
+extra programs do), whose first launch takes the call's addresses (``topk_ids``, ``x``, the Combine
+rows, ``topk_weights``, ``y``) and writes them into the argument block the later launches read
+(``call_args``), the fused kernel over the chosen schedule's table (``kernels/moe_fused_ws.py`` on
+sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-1 gathers each pick's token row as it
+loads and whose Linear-2 epilogues store each pick's row into the Combine buffer, then the top-k
+weighted sum (``combine``, one Triton launch, reading the block). Eagerly on CUDA they run as one
+CUDA graph (``GraphCache``), captured once per token count at that count's first call, the node of
+its first launch taking each call's addresses as new
 arguments (``graph_launch.GraphLauncher``): a call costs the host two driver calls. While the
 stream is capturing (a user's graph) or off CUDA they launch directly, each bound once
 (``launcher.Launcher``: a call pays the driver's launches, not Triton's Python binding). Once a T's
@@ -35,8 +36,7 @@ from triton.runtime import driver
 from ...kernel_sources import load_kernel_module
 from ..graph_launch import GraphLauncher, call_functions
 from ..launcher import Launcher
-from .call_args import (ALIGN_BYTES, TRITON_DTYPES, WRITER_FIRST_SLOT, slot_order, slot_packer,
-                        write_addresses, writer_function)
+from .call_args import ALIGN_BYTES, FIRST_ADDRESS_PARAM, TRITON_DTYPES, slot_order, slot_packer
 from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weighted_sum_launch
 from .device_tables import SCHEDULES, TableBounds, allocate_tables, route_to_tables
 from .fused import DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, kernel_launch
@@ -376,7 +376,7 @@ class FusedMoE(torch.nn.Module):
 
     def run(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             schedule: str) -> torch.Tensor:
-        """The call itself (what the custom op runs; inputs checked by ``forward``): the eight
+        """The call itself (what the custom op runs; inputs checked by ``forward``): its
         launches, launched from the graph of this call's key with this call's addresses where
         the device is CUDA and the stream is not capturing, else launched directly."""
         # held until the call returns: the kernels read them through their addresses (a
@@ -386,7 +386,9 @@ class FusedMoE(torch.nn.Module):
         addresses = self.pack_addresses(ids, x, self.combine, w, y)
         key = (x.shape[0], schedule, ids.dtype, w.dtype)
         self.graphs.call(key, lambda: self.launches(addresses, *key), addresses,
-                         lambda: (writer_function(), WRITER_FIRST_SLOT, addresses))
+                         lambda: (self.routing(ids.dtype).first(x.shape[0] * self.top_k,
+                                                                self.top_k)[0].function(),
+                                  FIRST_ADDRESS_PARAM, addresses))
         return y
 
     def launches(self, addresses: tuple[int, ...], tokens: int, schedule: str,
@@ -403,10 +405,13 @@ class FusedMoE(torch.nn.Module):
 
     def route_launches(self, addresses: tuple[int, ...], tokens: int,
                        id_dtype: torch.dtype) -> None:
-        """``addresses`` into the argument block, then the routing kernels."""
-        ws, k = self.workspace, self.top_k
-        write_addresses(ws.tables.args, addresses)
-        ws.tables.routing(False, ws.weights.precision == "fp8", id_dtype)(tokens * k, k)
+        """The routing kernels, the first writing ``addresses`` into the argument block."""
+        self.routing(id_dtype)(tokens * self.top_k, self.top_k, addresses)
+
+    def routing(self, id_dtype: torch.dtype):
+        """The routing launches over this layer's tables for ``topk_ids`` of ``id_dtype``."""
+        ws = self.workspace
+        return ws.tables.routing(False, ws.weights.precision == "fp8", id_dtype)
 
 
 @functools.cache

@@ -100,17 +100,24 @@ def layer(layer_views) -> Prose:
                      f"{span(t['host_launch_floor_us'], '.0f')} µs, measured in the same runs")
             kernels = t["route_kernels_us"].map(json.loads)
             passes = kernels.map(lambda k: len(set(k) - {ARGS_WRITER}))
-            if kernels.map(lambda k: ARGS_WRITER in k).all() and _graph_launched(t):
+            # records from before the first routing kernel wrote the argument block have the
+            # writer's launch
+            writer = kernels.map(lambda k: ARGS_WRITER in k)
+            if _graph_launched(t) and (writer.all() or not writer.any()):
                 ep1, ep8 = (t[t["setting"] == s]["host_overhead_us"] for s in ("ep1", "ep8_rank"))
                 parts = ([f"EP = 1: {span(ep1, '.0f')} µs"] if len(ep1) else []) + (
                     [f"the EP = 8 rank workload, the graph of its receive buffers: "
                      f"{span(ep8, '.0f')} µs"] if len(ep8) else [])
-                host += (f". An eager call launches one CUDA graph of the writer of its argument "
-                         f"block, its {span(passes, '.0f')} routing kernels, the fused kernel "
-                         f"and, at EP = 1, the weighted sum, in two driver calls: the writer's "
-                         f"node given the call's addresses, then the graph's launch"
+                first, node = ((f"the writer of its argument block, its "
+                                f"{span(passes, '.0f')} routing kernels", "the writer's")
+                               if writer.all() else
+                               (f"its {span(passes, '.0f')} routing kernels (the first writing "
+                                f"its argument block)", "the first routing kernel's"))
+                host += (f". An eager call launches one CUDA graph of {first}, the fused kernel "
+                         f"and, at EP = 1, the weighted sum, in two driver calls: {node} node "
+                         f"given the call's addresses, then the graph's launch"
                          + (f" ({'; '.join(parts)})" if parts else ""))
-            elif kernels.map(lambda k: ARGS_WRITER in k).all():
+            elif writer.all():
                 ep1, ep8 = (t[t["setting"] == s]["host_overhead_us"] for s in ("ep1", "ep8_rank"))
                 host += (f". At EP = 1 an eager call launches the writer of its argument block, "
                          f"then replays one CUDA graph of its {span(passes, '.0f')} routing "
