@@ -96,8 +96,10 @@ def _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, 
         tl.store(args + ARG_A_ROWS + 1, x_scale)
 
 
+# The first launch's varying integers are never specialized either: one kernel per arrivals' bound
+# and dtypes, whose node in a captured graph is found by its function (``call_args``).
 @triton.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",
-                               "out"])
+                               "out", "CAPACITY"])
 def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
                     n_arrivals_ptr, chunk_counts, error, x_quant, x_quant_scale, CAPACITY,
                     NUM_EXPERTS, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
@@ -491,7 +493,7 @@ def _write_row_blocks(ps, used, e, first_row, rows_used, lo, hi, row_blocks, row
 
 
 @triton.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",
-                               "out"])
+                               "out", "CAPACITY", "TOP_K"])
 def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, arrival_src,
                arrival_slot, n_arrivals_ptr, expert_counts, expert_offsets, wave_lo, wave_hi,
                meta, wave_num_tiles, inter_num_tiles, arrival_rows, row_src, row_slot,
