@@ -3,8 +3,8 @@
 ``kernel[grid](*args, **constexprs)`` binds its arguments in Python at every call: it specializes
 each one (a tensor's dtype and 16-byte alignment, an integer's equality to 1 and divisibility by
 16), builds the cache key, looks the compiled kernel up and only then calls the driver's
-launcher. For the fused MoE's seven launches per call that binding was most of a call's host time
-(``layer_bench``: ``host_route_us``, ``host_launch_us``). A ``Launcher`` binds its ``static``
+launcher. For the fused MoE's launches per call (seven then) that binding was most of a call's
+host time (``layer_bench``: ``host_route_us``, ``host_launch_us``). A ``Launcher`` binds its ``static``
 arguments once; per call it specializes only the arguments that vary, and where that
 specialization was seen before it hands the compiled kernel's argument list, with the new values
 put in, straight to the driver's launcher (as ``JITFunction.run`` does after its lookup). A new

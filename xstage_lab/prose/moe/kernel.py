@@ -144,13 +144,18 @@ def layer(layer_views) -> Prose:
                      f"{span(steps['host_check_us'], '.0f')} µs{more}, {args} "
                      f"{span(steps['host_args_us'], '.0f')} µs, {replay} "
                      f"{span(steps['host_replay_us'], '.0f')} µs ({count(len(steps))} cells)")
+            # the node given the addresses: the writer's in records that profiled it
+            node = ("the first routing kernel's" if "route_kernels_us" in steps and
+                    not steps["route_kernels_us"].dropna().map(
+                        lambda k: ARGS_WRITER in json.loads(k)).any()
+                    else "the writer's")
             if measured(steps, "host_graph_launch_us"):
-                host += (f"; of the launch, the writer's node given the addresses takes "
+                host += (f"; of the launch, {node} node given the addresses takes "
                          f"{span(steps['host_set_addresses_us'], '.0f')} µs and the graph's "
                          f"launch {span(steps['host_graph_launch_us'], '.0f')} µs")
             if measured(steps, "host_graph_launch_kernel_us"):
-                host += (f" (a graph of the call's first launches alone: the writer and the "
-                         f"routing kernels {span(steps['host_graph_launch_route_us'], '.0f')} "
+                host += (f" (a graph of the call's first launches alone: the routing kernels "
+                         f"{span(steps['host_graph_launch_route_us'], '.0f')} "
                          f"µs, with the fused kernel "
                          f"{span(steps['host_graph_launch_kernel_us'], '.0f')} µs)")
         if measured(t, "host_floor_graph8_queued_us"):
