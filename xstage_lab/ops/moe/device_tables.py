@@ -371,7 +371,7 @@ class RoutingLaunches:
         slab = quant_slab(rows, self.hidden, t.bounds.num_programs) if self.quantize else 0
         key = (_pow2(capacity), slab)
         launch = self.tiny.get(key)
-        if launch is None:
+        if launch is None:  # unquantized, SLAB is read by no program: 1 stands in
             launch = self.tiny[key] = Launcher(self.kernels.route_tiny, A_PAD=key[0],
                                                SLAB=max(slab, 1), **self.tiny_static)
         blocks = triton.cdiv(rows, QUANT_ROWS) * triton.cdiv(self.hidden, slab) if slab else 0

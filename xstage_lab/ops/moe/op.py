@@ -13,14 +13,14 @@ sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-1 gathers each pick's t
 loads and whose Linear-2 epilogues store each pick's row into the Combine buffer, then the top-k
 weighted sum (``combine``, one Triton launch, reading the block). Eagerly on CUDA they run as one
 CUDA graph (``GraphCache``), captured once per token count at that count's first call, the node of
-its first launch taking each call's addresses as new
-arguments (``graph_launch.GraphLauncher``): a call costs the host two driver calls. While the
-stream is capturing (a user's graph) or off CUDA they launch directly, each bound once
-(``launcher.Launcher``: a call pays the driver's launches, not Triton's Python binding). Once a T's
-graph exists, an eager call on CUDA takes the compiled host path (``fused_call.cpp``, built with
-``torch.utils.cpp_extension`` at the layer's construction): the same checks, allocation, addresses
-and two driver calls in one C++ function. ``MoEWorkspace`` is the same call over received rows (the
-EP rank workload), storing into any ``CombinePeers``, replayed from a graph per set of buffers.
+its first launch taking each call's addresses as new arguments (``graph_launch.GraphLauncher``): a
+call costs the host two driver calls. While the stream is capturing (a user's graph) or off CUDA
+they launch directly, each bound once (``launcher.Launcher``: a call pays the driver's launches,
+not Triton's Python binding). Once a T's graph exists, an eager call on CUDA takes the compiled
+host path (``fused_call.cpp``, built with ``torch.utils.cpp_extension`` at the layer's
+construction): the same checks, allocation, addresses and two driver calls in one C++ function.
+``MoEWorkspace`` is the same call over received rows (the EP rank workload), storing into any
+``CombinePeers``, replayed from a graph per set of buffers.
 """
 from __future__ import annotations
 
