@@ -127,14 +127,23 @@ def _chunk_histogram(c, n, expert_ids, error, NUM_EXPERTS, E_PAD: tl.constexpr,
                      CHUNK: tl.constexpr):
     """Chunk ``c``'s count of each local expert (``[E_PAD]``); its ids out of range added to
     ``error``."""
-    i = c * CHUNK + tl.arange(0, CHUNK)
+    e, _, valid = _flagged_experts(expert_ids, c * CHUNK + tl.arange(0, CHUNK), n, error,
+                                   NUM_EXPERTS)
+    return tl.histogram(tl.where(valid, e, 0), E_PAD, mask=valid)
+
+
+@triton.jit
+def _flagged_experts(expert_ids, i, n, error, NUM_EXPERTS):
+    """Arrivals ``i``' local experts (int32, -1 past the count ``n``), whether each is below the
+    count (``live``) and names an expert in ``0 .. NUM_EXPERTS - 1`` (``valid``); the live ones
+    out of range added to ``error``."""
     live = i < n
-    e = tl.load(expert_ids + i, mask=live, other=0).to(tl.int32)
-    valid = (e >= 0) & (e < NUM_EXPERTS)
+    e = tl.load(expert_ids + i, mask=live, other=-1).to(tl.int32)
+    valid = live & (e >= 0) & (e < NUM_EXPERTS)
     bad = tl.sum((live & ~valid).to(tl.int32))
     if bad > 0:
         tl.atomic_add(error, bad)
-    return tl.histogram(tl.where(valid, e, 0), E_PAD, mask=live & valid)
+    return e, live, valid
 
 
 @triton.jit
@@ -539,15 +548,10 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
     else:
         _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, x_quant,
                      x_quant_scale, QUANTIZE)
-        ids = expert_ids.to(tl.pointer_type(ID_DTYPE))
-        n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
         i = tl.arange(0, A_PAD)
-        live = i < n
-        e = tl.load(ids + i, mask=live, other=-1).to(tl.int32)
-        valid = live & (e >= 0) & (e < NUM_EXPERTS)
-        bad = tl.sum((live & ~valid).to(tl.int32))
-        if bad > 0:
-            tl.atomic_add(error, bad)
+        e, live, valid = _flagged_experts(expert_ids.to(tl.pointer_type(ID_DTYPE)), i,
+                                          _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED),
+                                          error, NUM_EXPERTS)
         e = tl.where(valid, e, -1)
         safe_e = tl.where(valid, e, 0)
         es = tl.arange(0, E_PAD)
