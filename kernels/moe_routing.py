@@ -18,14 +18,14 @@ the launches on new tensors of the same shape, that one node given each call's a
 launch of its own cost a kernel boundary and 0.7-0.8 µs of kernel (``write_args`` in the
 per-kernel profiles of the retired moe_layer/h200-x1 records 20261203T082033Z to …111957Z). With
 it gone, at EP = 1 up to 512 tokens, the graphed call's time over the kernel's fell by a median
-of 2.1-3.1 µs per token count (…124752Z, …125239Z against those records; on the EP rank by
--1.0 to +2.2 µs, …124542Z). No pass moves the activations into the layout: each
+of 2.1-3.1 µs per token count (…124752Z, …125239Z against those records; on the EP rank it moved
+within the runs' spread, -1.0 to +2.2 µs). No pass moves the activations into the layout: each
 layout row names the row of ``x`` it reads (``row_origin``: the token at EP = 1, the received row
 on an EP rank), which the fused kernel's Linear-1 gathers as it loads.
 
 Three launches, each needing the one before it complete, and, where bf16 activations feed an FP8
-layer, ``route_quantize`` (for at most ``BLOCK_M`` arrivals one launch, ``route_tiny``: one program
-that holds them all in registers, and beside it the quantizing programs):
+layer, ``route_quantize`` (for at most ``BLOCK_M`` arrivals one launch, ``route_tiny``: two programs
+that hold them all in registers, and beside them the quantizing programs):
   ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
                        (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is
                        left out of the layout; program 0 writes the argument block
@@ -133,13 +133,18 @@ def _chunk_histogram(c, n, expert_ids, error, NUM_EXPERTS, E_PAD: tl.constexpr,
 
 
 @triton.jit
-def _flagged_experts(expert_ids, i, n, error, NUM_EXPERTS):
+def _arrival_experts(expert_ids, i, n, NUM_EXPERTS):
     """Arrivals ``i``' local experts (int32, -1 past the count ``n``), whether each is below the
-    count (``live``) and names an expert in ``0 .. NUM_EXPERTS - 1`` (``valid``); the live ones
-    out of range added to ``error``."""
+    count (``live``) and names an expert in ``0 .. NUM_EXPERTS - 1`` (``valid``)."""
     live = i < n
     e = tl.load(expert_ids + i, mask=live, other=-1).to(tl.int32)
-    valid = live & (e >= 0) & (e < NUM_EXPERTS)
+    return e, live, live & (e >= 0) & (e < NUM_EXPERTS)
+
+
+@triton.jit
+def _flagged_experts(expert_ids, i, n, error, NUM_EXPERTS):
+    """``_arrival_experts``, the live ones out of range added to ``error``."""
+    e, live, valid = _arrival_experts(expert_ids, i, n, NUM_EXPERTS)
     bad = tl.sum((live & ~valid).to(tl.int32))
     if bad > 0:
         tl.atomic_add(error, bad)
@@ -515,79 +520,104 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
                G_PAD: tl.constexpr, ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr,
                ROW_BLOCKS: tl.constexpr, ZERO_BLOCK: tl.constexpr, QUANT_ROWS: tl.constexpr,
                SLAB: tl.constexpr):
-    """Program 0, for at most ``BLOCK_M`` arrivals (``CAPACITY <= A_PAD <= BLOCK_M``, a power of
-    two): the argument block (``_write_block``, from the call's addresses by value, as in
-    ``route_histogram``) and every table of the three launches from the arrivals held in
-    registers, with no pass and no step through memory between them. So few arrivals give each
-    expert at most one row block, which makes every step closed-form: an arrival's row is its
-    expert's first row block (the used experts before it) plus its rank among that expert's
-    arrivals (an all-pairs count); each Expert-Wave wave holds ``W = ceil(WAVE_MIN_L1 / P1)`` row
-    blocks (the last one the rest: ``schedules.wave_starts`` with one row block per routed
-    expert); the tiles, as in ``route_rows``, per row block in use, ``ROW_BLOCKS`` a step.
-    ``A_PAD``, the arrivals' tensor size, is the capacity's power of two: the all-pairs count
-    costs ``A_PAD**2``. Ids out of range add to ``error`` and get no row, as in
-    ``route_histogram``. ``QUANTIZE``: programs 1 .. are ``_quantize_block``'s blocks of
-    ``QUANT_ROWS`` rows and ``SLAB`` columns of ``x``, row-major, side by side with program 0
-    (the fused kernel's quantized rows, ``x_quant``, without a launch of their own).
-
-    Its time is latency, not work: 10.9 µs at one token of Qwen3.5 (512 experts), 6.8 µs of
-    GLM-5.x (256) (moe_layer/h200-x1/20261203T124752Z-aee52a93dd); under Nsight Compute 23 k and
-    15.5 k cycles over 14 k and 12 k warp instructions, 31 and 24 barriers a warp (route_ncu).
-    The split that takes the per-expert steps off the rows' and tiles' path (e584c36: the rows and
-    tiles from the arrivals alone, all-pairs, in program 0; the per-expert tables and the row
-    counters in program 1) equals the host reference in the interpreter but is reverted, not yet
-    run on a GPU."""
+    """Every table of the three launches, for at most ``BLOCK_M`` arrivals (``CAPACITY <= A_PAD
+    <= BLOCK_M``, a power of two), from the arrivals held in registers, with no pass and no step
+    through memory between them. So few arrivals give each expert at most one row block, which
+    makes every step closed-form. Two programs side by side, each reading the ids:
+      program 0  the argument block (``_write_block``, from the call's addresses by value, as in
+                 ``route_histogram``), then ``_tiny_rows``: each arrival's row and every row
+                 block's tiles, from the arrivals alone;
+      program 1  ``_tiny_experts``: the per-expert tables (counts, padded offsets, waves), the
+                 tile count of every program of both schedules and the row counters zeroed,
+                 which no later step of the call waits for.
+    One program doing both took 10.9 µs at one token of Qwen3.5 (512 experts) and 6.8 µs of
+    GLM-5.x (256), each step of the per-expert scan, its reductions and its broadcasts into the
+    row blocks' experts a round of barriers among its warps (moe_layer/h200-x1/
+    20261203T124752Z-aee52a93dd; Nsight Compute: 23 k cycles over 14 k warp instructions).
+    Ids out of range add to ``error`` and get no row, as in ``route_histogram``. ``QUANTIZE``:
+    programs 2 .. are ``_quantize_block``'s blocks of ``QUANT_ROWS`` rows and ``SLAB`` columns
+    of ``x``, row-major (the fused kernel's quantized rows, ``x_quant``, without a launch of
+    their own)."""
     q = tl.program_id(0)
-    if q > 0:
+    if q > 1:
         if QUANTIZE:
             slabs = tl.cdiv(HIDDEN, SLAB)
-            _quantize_block((q - 1) // slabs, (q - 1) % slabs,
+            _quantize_block((q - 2) // slabs, (q - 2) % slabs,
                             tl.multiple_of(x.to(tl.pointer_type(tl.bfloat16)), 16),
                             n_arrivals_ptr, x_quant, x_quant_scale, CAPACITY, HIDDEN, TOP_K,
                             RECEIVED, QUANT_ROWS, SLAB, SCALE_BLOCK)
     else:
-        _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, x_quant,
-                     x_quant_scale, QUANTIZE)
         i = tl.arange(0, A_PAD)
-        e, live, valid = _flagged_experts(expert_ids.to(tl.pointer_type(ID_DTYPE)), i,
-                                          _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED),
-                                          error, NUM_EXPERTS)
-        e = tl.where(valid, e, -1)
-        safe_e = tl.where(valid, e, 0)
-        es = tl.arange(0, E_PAD)
-        in_e = es < NUM_EXPERTS
-        count = tl.histogram(safe_e, E_PAD, mask=valid)
-        blocks = (count > 0).to(tl.int32)
-        first_block = tl.cumsum(blocks, axis=0) - blocks
-        row_blocks = tl.sum(blocks)
-        tl.store(expert_counts + es, count, mask=in_e)
-        tl.store(expert_offsets + es, first_block * BLOCK_M, mask=in_e)
-        tl.store(expert_offsets + NUM_EXPERTS, row_blocks * BLOCK_M)
-        w = tl.cdiv(WAVE_MIN_L1, P1)
-        last_wave = tl.maximum(row_blocks - 1, 0) // w
-        wave_first = tl.minimum(first_block // w, last_wave) * w
-        tl.store(wave_lo + es, wave_first, mask=in_e)
-        tl.store(wave_hi + es, tl.minimum(wave_first + w, row_blocks), mask=in_e)
-        _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, P2, G_PAD)
-        for p0 in range(0, ROW_BLOCK_BOUND, ZERO_BLOCK):
-            ps = p0 + tl.arange(0, ZERO_BLOCK)
-            tl.store(row_ready + ps, tl.zeros([ZERO_BLOCK], tl.int32),
-                     mask=ps < ROW_BLOCK_BOUND)
-        # the scatter: rank among the expert's arrivals (stable: by arrival)
-        before = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
-        rank = tl.sum(before.to(tl.int32), axis=1)
-        block = tl.gather(first_block, safe_e, 0)
-        row = block * BLOCK_M + rank
-        _store_arrival_rows(i, row, live, valid, arrival_src, arrival_slot, arrival_rows,
-                            row_src, row_slot, row_origin, TOP_K, RECEIVED)
-        # the tiles, ROW_BLOCKS row blocks a step: a block's expert is the routed one it starts
-        for p0 in range(0, row_blocks, ROW_BLOCKS):
-            ps = p0 + tl.arange(0, ROW_BLOCKS)
-            owns = (blocks[None, :] > 0) & (first_block[None, :] == ps[:, None])
-            wave = ps // w * w  # below row_blocks: never past the last wave
-            _write_row_blocks(ps, ps < row_blocks,
-                              tl.sum(tl.where(owns, es[None, :], 0), axis=1), ps * BLOCK_M,
-                              tl.sum(tl.where(owns, count[None, :], 0), axis=1), wave,
-                              tl.minimum(wave + w, row_blocks), row_blocks, row_src, row_slot,
-                              row_origin, wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES,
-                              BLOCK_M, P_PAD)
+        n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
+        ids = expert_ids.to(tl.pointer_type(ID_DTYPE))
+        w = tl.cdiv(WAVE_MIN_L1, P1)  # row blocks of a wave: one per routed expert
+        if q == 0:
+            e, live, valid = _arrival_experts(ids, i, n, NUM_EXPERTS)
+            _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, x_quant,
+                         x_quant_scale, QUANTIZE)
+            _tiny_rows(i, tl.where(valid, e, -1), live, valid, w, arrival_src, arrival_slot,
+                       arrival_rows, row_src, row_slot, row_origin, wave_tiles, inter_tiles, G,
+                       P1, P2, LEAD, MAX_TILES, TOP_K, RECEIVED, BLOCK_M, P_PAD, ROW_BLOCKS)
+        else:  # the one program that flags bad ids
+            e, live, valid = _flagged_experts(ids, i, n, error, NUM_EXPERTS)
+            _tiny_experts(e, valid, w, expert_counts, expert_offsets, wave_lo, wave_hi, meta,
+                          wave_num_tiles, inter_num_tiles, row_ready, ROW_BLOCK_BOUND,
+                          NUM_EXPERTS, G, P1, P2, BLOCK_M, E_PAD, G_PAD, ZERO_BLOCK)
+
+
+@triton.jit
+def _tiny_rows(i, e, live, valid, w, arrival_src, arrival_slot, arrival_rows, row_src, row_slot,
+               row_origin, wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES, TOP_K,
+               RECEIVED: tl.constexpr, BLOCK_M: tl.constexpr, P_PAD: tl.constexpr,
+               ROW_BLOCKS: tl.constexpr):
+    """``route_tiny``'s program 0 over the arrivals ``i`` (their experts ``e``, -1 where not
+    ``valid``), all-pairs: an arrival's row is its expert's row block (the distinct routed
+    experts below it, each counted at its first arrival) times ``BLOCK_M`` plus its rank among
+    its expert's arrivals (stable: by arrival); a row block's expert and routed rows are those
+    of the first arrival in it; each Expert-Wave wave holds ``w`` row blocks, the last one the
+    rest (``schedules.wave_starts`` with one row block per routed expert); the tiles, as in
+    ``route_rows``, per row block in use, ``ROW_BLOCKS`` a step (``_write_row_blocks``)."""
+    same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]
+    rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+    first = valid & (rank == 0)
+    block = tl.sum((first[None, :] & (e[None, :] < e[:, None])).to(tl.int32), axis=1)
+    rows_of = tl.sum(same.to(tl.int32), axis=1)
+    row_blocks = tl.sum(first.to(tl.int32))
+    _store_arrival_rows(i, block * BLOCK_M + rank, live, valid, arrival_src, arrival_slot,
+                        arrival_rows, row_src, row_slot, row_origin, TOP_K, RECEIVED)
+    for p0 in range(0, row_blocks, ROW_BLOCKS):
+        ps = p0 + tl.arange(0, ROW_BLOCKS)
+        starts = first[None, :] & (block[None, :] == ps[:, None])
+        wave = ps // w * w  # below row_blocks: never past the last wave
+        _write_row_blocks(ps, ps < row_blocks, tl.sum(tl.where(starts, e[None, :], 0), axis=1),
+                          ps * BLOCK_M, tl.sum(tl.where(starts, rows_of[None, :], 0), axis=1),
+                          wave, tl.minimum(wave + w, row_blocks), row_blocks, row_src, row_slot,
+                          row_origin, wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES,
+                          BLOCK_M, P_PAD)
+
+
+@triton.jit
+def _tiny_experts(e, valid, w, expert_counts, expert_offsets, wave_lo, wave_hi, meta,
+                  wave_num_tiles, inter_num_tiles, row_ready, ROW_BLOCK_BOUND, NUM_EXPERTS, G,
+                  P1, P2, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, G_PAD: tl.constexpr,
+                  ZERO_BLOCK: tl.constexpr):
+    """``route_tiny``'s program 1: every expert's count, padded first row (at most one row block
+    each) and Expert-Wave wave of ``w`` row blocks; ``meta`` and the tile counts of both
+    schedules; the fused kernel's row counters zeroed up to ``ROW_BLOCK_BOUND``."""
+    es = tl.arange(0, E_PAD)
+    in_e = es < NUM_EXPERTS
+    count = tl.histogram(tl.where(valid, e, 0), E_PAD, mask=valid)
+    blocks = (count > 0).to(tl.int32)
+    first_block = tl.cumsum(blocks, axis=0) - blocks
+    row_blocks = tl.sum(blocks)
+    tl.store(expert_counts + es, count, mask=in_e)
+    tl.store(expert_offsets + es, first_block * BLOCK_M, mask=in_e)
+    tl.store(expert_offsets + NUM_EXPERTS, row_blocks * BLOCK_M)
+    last_wave = tl.maximum(row_blocks - 1, 0) // w
+    wave_first = tl.minimum(first_block // w, last_wave) * w
+    tl.store(wave_lo + es, wave_first, mask=in_e)
+    tl.store(wave_hi + es, tl.minimum(wave_first + w, row_blocks), mask=in_e)
+    _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, P2, G_PAD)
+    for p0 in range(0, ROW_BLOCK_BOUND, ZERO_BLOCK):
+        ps = p0 + tl.arange(0, ZERO_BLOCK)
+        tl.store(row_ready + ps, tl.zeros([ZERO_BLOCK], tl.int32), mask=ps < ROW_BLOCK_BOUND)

@@ -46,6 +46,7 @@ SCAN_TILE = 4096
 TINY_ARRIVALS = 16
 TINY_RECEIVED = 128
 ROW_BLOCKS_TINY = 16  # route_tiny's row blocks a step of its tiles
+TINY_TABLE_PROGRAMS = 2  # route_tiny's programs that write tables (the arrivals', the experts')
 ZERO_BLOCK = 1024  # route_tiny's row counters zeroed this many a step
 QUANT_ROWS = 32   # rows of x per program of the FP8 quantization ...
 QUANT_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of rows, or one 128-column
@@ -361,7 +362,7 @@ class RoutingLaunches:
     def first(self, capacity: int, top_k: int) -> tuple[Launcher, tuple[int]]:
         """The first launch over ``capacity`` arrivals and its grid: the one that takes the
         call's addresses (a graph's node of it is given each call's). Up to the tiny bound,
-        ``route_tiny``: program 0 the tables, and where it quantizes, one program more per
+        ``route_tiny``: two programs the tables, and where it quantizes, one program more per
         block of ``_quantize_block`` (the rows of ``x`` by ``QUANT_ROWS``, ``quant_slab``'s
         columns), so no launch of its own quantizes them. Else ``route_histogram``."""
         t = self.tables
@@ -375,7 +376,7 @@ class RoutingLaunches:
             launch = self.tiny[key] = Launcher(self.kernels.route_tiny, A_PAD=key[0],
                                                SLAB=max(slab, 1), **self.tiny_static)
         blocks = triton.cdiv(rows, QUANT_ROWS) * triton.cdiv(self.hidden, slab) if slab else 0
-        return launch, (1 + blocks,)
+        return launch, (TINY_TABLE_PROGRAMS + blocks,)
 
 
 @dataclass(frozen=True)
