@@ -23,6 +23,9 @@ def test_every_probe_schedule_is_launchable_and_the_l1_first_one_is_what_it_says
     for prog in s["interleaved_l1_first"].programs:
         kinds = [t.kind for t in prog]
         assert kinds == sorted(kinds)  # every Linear-1 tile before the first Linear-2 one
+    with_leads = ms.probe_schedules(problem, 6, 2, leads=(1, 3))
+    assert list(with_leads) == [*ms.SCHEDULES, "interleaved_d1", "interleaved_d3"]
+    assert [with_leads[f"interleaved_d{d}"].lead_rows for d in (1, 3)] == [1, 3]
 
 
 def trace(rows) -> pd.DataFrame:

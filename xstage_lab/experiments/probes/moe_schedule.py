@@ -22,7 +22,8 @@ seeds of ``host_bench``); what its records found is in their README:
                          extra Linear-2 tile, which sets the makespan where a Linear-2 tile costs
                          several Linear-1 tiles (DiT-MoE: K = 5632 against 1408);
   interleaved_l1_first   Interleaved at D = the rows: each program's Linear-1 tiles before its
-                         Linear-2 ones (separate streams against ``wave_one``'s one).
+                         Linear-2 ones (separate streams against ``wave_one``'s one);
+  interleaved_d<D>       Interleaved at each lead D of ``--leads`` (the lead's cost on its own).
 
 1. Checks first: every schedule passes ``schedules.check_schedule``; the cell passes
    ``kernel_cell.check_cell`` (both committed schedules against the references); every launch,
@@ -33,6 +34,9 @@ seeds of ``host_bench``); what its records found is in their README:
    programs' end times, their busy time, mean and median mainloops per tile kind, the idle time
    between a program's tiles per transition kind, and the Linear-2 mainloops split by how many
    Linear-1 mainloops ran beside them.
+4. ``--profile``: after the checks, one launch per schedule, in the order of the record's rows,
+   between ``cudaProfilerStart`` and ``cudaProfilerStop``, so that
+   ``ncu --profile-from-start off`` profiles exactly those (hardware counters at a locked clock).
 
 One row per (cell, schedule); ``over_wave`` is Expert-Wave's time over the schedule's.
 """
@@ -67,8 +71,10 @@ SCHEDULES = ("wave", "wave_one", "interleaved", "interleaved_strided", "interlea
 MIXED_SHARE = 0.25
 
 
-def probe_schedules(problem: MoEProblem, num_programs: int, lead: int) -> dict[str, Schedule]:
-    """The probe's schedules (``SCHEDULES``), each checked launchable."""
+def probe_schedules(problem: MoEProblem, num_programs: int, lead: int,
+                    leads=()) -> dict[str, Schedule]:
+    """The probe's schedules (``SCHEDULES``, then ``interleaved_d<D>`` for each of ``leads``),
+    each checked launchable."""
     out = {"wave": expert_wave_schedule(problem, num_programs),
            "wave_one": expert_wave_schedule(problem, num_programs,
                                             experts_per_wave=len(problem.blocks_per_expert)),
@@ -77,6 +83,8 @@ def probe_schedules(problem: MoEProblem, num_programs: int, lead: int) -> dict[s
                                                        by_work=False),
            "interleaved_l1_first": interleaved_schedule(problem, num_programs,
                                                         max(1, problem.num_rows))}
+    for d in leads:
+        out[f"interleaved_d{d}"] = interleaved_schedule(problem, num_programs, d)
     for s in out.values():
         check_schedule(problem, s)
     return out
@@ -156,11 +164,17 @@ class MoESchedule(Experiment):
         p.add_argument("--programs", type=int, default=None, help="default: the GPU's SMs")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--max-spin", type=int, default=DEFAULT_MAX_SPIN_ITERS)
+        p.add_argument("--leads", **list_option(int, default=[],
+                                                help="Interleaved leads timed beside the rest"))
+        p.add_argument("--profile", action="store_true",
+                       help="one launch per schedule between cudaProfilerStart/Stop")
 
     def check_args(self, a: argparse.Namespace) -> None:
         kc.check_cells(load_shapes(), a.models, a.precisions, a.routing, a.kernel)
         if a.tokens < 1 or a.trials < 1 or a.graph_iters < 1 or a.warmup < 0:
             raise ValueError("--tokens, --trials and --graph-iters must be >= 1, --warmup >= 0")
+        if any(d < 1 for d in a.leads):
+            raise ValueError(f"--leads {a.leads}: each must be >= 1 (D = 0 can self-deadlock)")
 
     def sweeps(self, args) -> list[Sweep]:
         return [Sweep("moe_schedule", (Axis("model", args.models),
@@ -179,7 +193,7 @@ class MoESchedule(Experiment):
             self.shapes[point["model"]], point["precision"], point["routing"], args.tokens, args,
             run, programs=self.programs, device=self.on)
         lead = skew_lead(cell.knee, self.programs, cell.problem.l2_n_blocks)
-        schedules = probe_schedules(cell.problem, self.programs, lead)
+        schedules = probe_schedules(cell.problem, self.programs, lead, args.leads)
         calls = {name: prepare_fused_moe(cell.layout, cell.weights, s, cell.peers, config=cell.cfg,
                                          max_spin_iters=args.max_spin)
                  for name, s in schedules.items()}
@@ -204,6 +218,13 @@ class MoESchedule(Experiment):
 
     def measure(self, step: ScheduleStep, run: Run) -> pd.DataFrame:
         args, cell = run.args, step.cell
+        if args.profile:
+            for call in step.calls.values():
+                torch.cuda.synchronize(self.on)
+                torch.cuda.cudart().cudaProfilerStart()
+                call()
+                torch.cuda.synchronize(self.on)
+                torch.cuda.cudart().cudaProfilerStop()
         timing = time_methods(step.calls, trials=args.trials, warmup=args.warmup,
                               graph_iters=args.graph_iters, clocks=True)
         traced = dataclasses.replace(cell, calls=step.calls)
