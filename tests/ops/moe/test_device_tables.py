@@ -212,8 +212,9 @@ def interpreter_cases() -> dict:
     }
 
 
-def _compile_sm90(name: str) -> dict:
-    """One routing kernel built for sm_90 (as the op launches it on an H200)."""
+def _compile_sm90(name: str, e_pad: int = 512) -> dict:
+    """One routing kernel built for sm_90 (as the op launches it on an H200); ``route_tiny``
+    with ``e_pad`` experts over 128 arrivals (512: from all pairs, 64: from the scan)."""
     import triton
     import triton.language as tl
     from triton.compiler import ASTSource
@@ -265,7 +266,7 @@ def _compile_sm90(name: str) -> dict:
                         **{k: i for k in ("CAPACITY", "ROW_BLOCK_BOUND", "NUM_EXPERTS", "G",
                                           "P1", "P2", "WAVE_MIN_L1", "LEAD", "MAX_TILES",
                                           "TOP_K", "HIDDEN")}},
-                       dict(RECEIVED=True, QUANTIZE=True, BLOCK_M=128, E_PAD=512, A_PAD=128,
+                       dict(RECEIVED=True, QUANTIZE=True, BLOCK_M=128, E_PAD=e_pad, A_PAD=128,
                             G_PAD=256, ID_DTYPE=tl.int32, P_PAD=16, ROW_BLOCKS=16,
                             ZERO_BLOCK=1024, QUANT_ROWS=32, SLAB=128)),
     }
@@ -280,9 +281,10 @@ def _compile_sm90(name: str) -> dict:
     return {"has_cubin": bool(compiled.asm.get("cubin")), "shared": compiled.metadata.shared}
 
 
-COMPILE_CASES = {f"compile_sm90_{n}": (_compile_sm90, n)
-                 for n in ("route_histogram", "route_offsets", "route_rows", "route_quantize",
-                           "route_tiny")}
+COMPILE_CASES = {**{f"compile_sm90_{n}": (_compile_sm90, n)
+                    for n in ("route_histogram", "route_offsets", "route_rows", "route_quantize",
+                              "route_tiny")},
+                 "compile_sm90_route_tiny_scan": (_compile_sm90, "route_tiny", 64)}
 
 interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, interpreter_cases())
 
