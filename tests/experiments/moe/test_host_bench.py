@@ -19,8 +19,9 @@ from xstage_lab.experiments.moe import host_bench as hb, kernel_cell as kc, kern
 from xstage_lab.analysis.moe.forecast import host_share_fraction
 from xstage_lab.ops.moe.combine import host_combine_peers
 from xstage_lab.ops.moe.fused import prepare_fused_moe
-from xstage_lab.ops.moe.schedules import d_knee, skew_lead
+from xstage_lab.ops.moe.schedules import d_knee, derived_lead
 from xstage_lab.ops.moe.shapes import PRECISIONS, MoEContractError
+from xstage_lab.ops.moe.tiles import default_tile_config
 from xstage_lab.records import write_record
 
 
@@ -37,14 +38,22 @@ def test_host_peers_put_the_first_sources_in_host_memory():
         host_combine_peers(local, [torch.zeros(4, 8, dtype=torch.bfloat16)])
 
 
-def test_the_derived_lead_covers_the_linear2_streams_span():
+def test_the_derived_lead_adds_the_linear2_streams_span_only_where_it_is_the_sparser():
     # DiT-MoE on 132 SMs: P_1 = 5632 / 128 = 44, P_2 = 1408 / 128 = 11
     knee = d_knee(2 * 128, 132, 5632)
-    assert knee == 3 and skew_lead(knee, 132, 11) == 3 + 12
-    # where P_2 >= G the Linear-2 stream spans one row: one more than eq. 16
-    assert skew_lead(2, 16, 56) == 3
+    assert knee == 3 and derived_lead(knee, 132, 44, 11) == 3 + 12
+    # GLM-5.x: P_1 = 2048 / 128 = 16, P_2 = 6144 / 256 = 24, the programs in step: eq. 16's
+    assert derived_lead(9, 132, 16, 24) == derived_lead(9, 132, 16, 16) == 9
     with pytest.raises(ValueError):
-        skew_lead(0, 132, 11)
+        derived_lead(0, 132, 44, 11)
+
+
+def tiny_lead(r: dict) -> int:
+    """The derived lead of a Tiny row of the CPU runs below (4 programs, the Triton kernel's
+    tiles)."""
+    cfg = default_tile_config(r["precision"], "triton", hidden=TINY.hidden)
+    return derived_lead(r["d_knee"], 4, TINY.intermediate // cfg.block_n1,
+                        TINY.hidden // cfg.block_n2)
 
 
 def test_host_share_fraction_is_h_of_eight():
@@ -122,7 +131,7 @@ def test_run_checks_reads_back_and_names_its_forecast(host_run):
         assert r["stray_rows"] == 0 and r["forecast_predicted_speedup"] == 1.25
         assert r["interleaved_us"] == r[f"interleaved_d{r['lead_rows']}_us"]
         assert r["measured_speedup"] == pytest.approx(200.0 / r["interleaved_us"])
-        assert r["measured_stall_us"] > 0 and r["lead_rows"] == skew_lead(r["d_knee"], 4, 2)
+        assert r["measured_stall_us"] > 0 and r["lead_rows"] == tiny_lead(r)
 
 
 def test_a_local_sweep_times_every_lead_with_every_store_local(host_run):
@@ -132,7 +141,7 @@ def test_a_local_sweep_times_every_lead_with_every_store_local(host_run):
     assert harness.run(hb.MoEHost(device="cpu"), args) == args.out
     rows = json.loads(args.out.read_text())["rows"]
     for r in rows:
-        lead = skew_lead(r["d_knee"], 4, 2)
+        lead = tiny_lead(r)
         assert r["host_share"] == 0 and r["leads"] == sorted({r["d_knee"], lead, 8 * lead})
         assert r["auto_us"] is None and "forecast_predicted_speedup" not in r
         assert r["local_interleaved_over_wave"] == pytest.approx(

@@ -57,7 +57,7 @@ from ...dist_timing import TIMING_METHOD, time_methods
 from ...ops.moe.combine import host_combine_peers
 from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
 from ...ops.moe.schedules import (L2, Schedule, expert_wave_schedule, interleaved_schedule,
-                                  LEAD_MULTIPLES, lead_sweep, skew_lead)
+                                  LEAD_MULTIPLES, derived_lead, lead_sweep)
 from ...ops.moe.shapes import PRECISIONS, ROUTINGS, load_shapes
 from ...ops.moe.tiles import KERNELS, kernel_device
 from ...records import RECORDS_DIR
@@ -82,7 +82,7 @@ class HostStep:
     point: dict
     cell: kc.Cell
     host: list                 # the first h sources' pinned host Combine buffers
-    lead: int                  # the derived lead (schedules.skew_lead)
+    lead: int                  # the derived lead (schedules.derived_lead)
     wave: Schedule             # the Expert-Wave schedule
     calls: dict                # method name -> launch (see the module docstring, step 2)
     checked: dict              # the all-local cell's check columns
@@ -217,7 +217,8 @@ class MoEHost(Experiment):
         host = [torch.empty((slots, hidden), dtype=torch.bfloat16,
                             pin_memory=self.on.type == "cuda") for _ in range(h)]
         peers = host_combine_peers(cell.combine, host)
-        lead = skew_lead(cell.knee, self.programs, cell.problem.l2_n_blocks)
+        lead = derived_lead(cell.knee, self.programs, cell.problem.l1_n_blocks,
+                            cell.problem.l2_n_blocks)
 
         def launch(schedule, peers_=peers, fence=False):
             return prepare_fused_moe(cell.layout, cell.weights, schedule, peers_,

@@ -29,28 +29,27 @@ none, R as calibrated. The mainloops stay as traced all local, although a full h
 the GPU's other work: on one H200 a streaming load by up to 36x
 (``remote_store_partial/h200-x1-host/20261202T124212Z-777eb0edc1``) and cuBLAS's bf16 matmul by
 9-38x beside K = 16-66 SMs storing into host memory (``…/20261202T131555Z-44b85f84b5``, the
-``under_gemm`` probe). Played on the mainloops, that slowdown made ``auto``'s picks worse on the
-platform's matrix (``moe_host/h200-x1-host/20261202T104749Z-fa8e61f692``: 81 of 112 cells within
-3% of the fastest as traced; 39 with the streaming load's 36x and 41 with the matmul's 37x, each
-stretching a mainloop that starts with q outstanding by 1 + (s − 1)·min(1, q/Q); 59 with the
-matmul's 37x on mainloops that start with the X-Stage full, only): the fused kernel's mainloops
-do not meet the sustained backpressure the probes hold, and how they do meet it is not modelled.
+``under_gemm`` probe). Played on the mainloops, that slowdown made ``auto``'s picks worse on a
+matrix of the platform (``moe_host/h200-x1-host/20261202T104749Z``, since retired: 81 of 112 cells
+within 3% of the fastest as traced; 39 with the streaming load's 36x and 41 with the matmul's 37x,
+each stretching a mainloop that starts with q outstanding by 1 + (s − 1)·min(1, q/Q); 59 with the
+matmul's 37x on mainloops that start with the X-Stage full, only): the fused kernel's mainloops do
+not meet the sustained backpressure the probes hold, and how they do meet it is not modelled.
 
 ``auto_schedule`` (``pick_auto``): of Expert-Wave and Interleaved at each lead of
-``schedules.lead_sweep``, the one this forecast predicts fastest for the cell, the link and the
-host share; among those it predicts within ``AUTO_TIE`` of the fastest, the longest lead
-(Expert-Wave: lead 0). The forecast plays every tile at its median time, so it cannot tell such
-schedules apart; a longer lead keeps Linear-2 tiles further from the Linear-1 tiles they wait
-for when tile times spread. Scored on the committed matrices from each schedule's measured time
-(``analysis.moe.host_view.pick_over_fastest``; ``moe_host/h200-x1-host``:
-``20261202T161006Z-525781468a`` with ``…161615Z-67452dfba8``, and ``20261202T104749Z-fa8e61f692``
-before the Linear-1 deal by work), the longest within 0.5% is within 3% of the fastest in 95
-and 88 of 112 cells, the fastest predicted (ties to the first) in 91 and 83. Timed as ``auto``
-on the matrix measured after it (``20261202T172543Z-a2f3552c6b`` with ``…172955Z-9cde6134c7``),
-it was within 3% of the fastest timed schedule in 93 of 112 cells (there, offline, 91 against 92
-for the fastest predicted). Which schedule is fastest moves from run to run: each cell's fastest
-schedule of the run before (``…161006Z`` with ``…161615Z``), looked up in that run, was within 3%
-in 103 of 112.
+``schedules.lead_sweep``, the one this forecast predicts fastest for the cell, the link and the host
+share; among those it predicts within ``AUTO_TIE`` of the fastest, the longest lead (Expert-Wave:
+lead 0). The forecast plays every tile at its median time, so it cannot tell such schedules apart; a
+longer lead keeps Linear-2 tiles further from the Linear-1 tiles they wait for when tile times
+spread. Scored on two matrices from each schedule's measured time
+(``analysis.moe.host_view.pick_over_fastest``; ``moe_host/h200-x1-host``, both since retired:
+``20261202T161006Z`` with ``…161615Z``, and ``20261202T104749Z`` before the Linear-1 deal by work),
+the longest within 0.5% is within 3% of the fastest in 95 and 88 of 112 cells, the fastest predicted
+(ties to the first) in 91 and 83. Timed as ``auto`` on the matrix measured after it
+(``20261202T172543Z-a2f3552c6b`` with ``…172955Z-9cde6134c7``), it was within 3% of the fastest
+timed schedule in 93 of 112 cells (there, offline, 91 against 92 for the fastest predicted). Which
+schedule is fastest moves from run to run: each cell's fastest schedule of the run before
+(``…161006Z`` with ``…161615Z``), looked up in that run, was within 3% in 103 of 112.
 """
 from __future__ import annotations
 
@@ -66,7 +65,7 @@ from ... import model, simulator
 from ...analysis.moe.forecast import HOST_SHARES, combine_platform, compute_host_forecast
 from ...records import RECORDS_DIR
 from ...ops.moe.schedules import (L1, MoEProblem, d_knee, expert_wave_schedule,
-                                  interleaved_schedule, lead_sweep, skew_lead)
+                                  interleaved_schedule, lead_sweep, derived_lead)
 from ...ops.moe.shapes import load_shapes
 from .bench import cell_seed
 
@@ -143,7 +142,7 @@ def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
     problem = MoEProblem(layout.blocks_per_expert, shape.intermediate // tiles["block_n1"],
                          shape.hidden // tiles["block_n2"])
     knee = d_knee(2 * tiles["block_n1"], programs, shape.intermediate)
-    lead = skew_lead(knee, programs, problem.l2_n_blocks)
+    lead = derived_lead(knee, programs, problem.l1_n_blocks, problem.l2_n_blocks)
     schedules = {"wave": expert_wave_schedule(problem, programs),
                  **{f"interleaved_d{d}": interleaved_schedule(problem, programs, d)
                     for d in lead_sweep(knee, lead)}}

@@ -15,7 +15,7 @@ seeds of ``host_bench``); what its records found is in their README:
   wave                   Expert-Wave as committed (waves by counted rows);
   wave_one               Expert-Wave in one wave: every Linear-1 tile, then every Linear-2 tile,
                          one stream dealt with stride G (what waves per expert buy);
-  interleaved            Interleaved at the derived lead (``schedules.skew_lead``), its
+  interleaved            Interleaved at the derived lead (``schedules.derived_lead``), its
                          Linear-1 stream dealt by work (``schedules.l1_deal``);
   interleaved_strided    the same with both streams dealt with stride G (Algorithm 1 as the
                          paper states it): some programs then hold both an extra Linear-1 and an
@@ -56,7 +56,7 @@ from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, time_methods
 from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
 from ...ops.moe.schedules import (L1, L2, MoEProblem, Schedule, check_schedule,
-                                  expert_wave_schedule, interleaved_schedule, skew_lead)
+                                  derived_lead, expert_wave_schedule, interleaved_schedule)
 from ...ops.moe.shapes import PRECISIONS, ROUTINGS, load_shapes
 from ...ops.moe.tiles import KERNELS, kernel_device
 from ...sweep import Axis, Sweep
@@ -192,7 +192,8 @@ class MoESchedule(Experiment):
         cell, checked, failures = kc.checked_cell(
             self.shapes[point["model"]], point["precision"], point["routing"], args.tokens, args,
             run, programs=self.programs, device=self.on)
-        lead = skew_lead(cell.knee, self.programs, cell.problem.l2_n_blocks)
+        lead = derived_lead(cell.knee, self.programs, cell.problem.l1_n_blocks,
+                            cell.problem.l2_n_blocks)
         schedules = probe_schedules(cell.problem, self.programs, lead, args.leads)
         calls = {name: prepare_fused_moe(cell.layout, cell.weights, s, cell.peers, config=cell.cfg,
                                          max_spin_iters=args.max_spin)

@@ -117,18 +117,32 @@ def d_knee(b_n: int, k_sm: int, h_inter: int) -> int:
     return math.ceil(b_n * k_sm / (2 * h_inter))
 
 
-def skew_lead(knee: int, num_programs: int, l2_n_blocks: int) -> int:
-    """The Interleaved lead that also covers the Linear-2 stream's skew across programs:
-    D = D_knee + ceil(G / P_2), with D_knee of eq. 16 and G = ``num_programs``.
+def derived_lead(knee: int, num_programs: int, l1_n_blocks: int, l2_n_blocks: int) -> int:
+    """The Interleaved lead D (issue 26 item 3): eq. 16's D_knee, and the rows the Linear-2
+    stream spans across the G = ``num_programs`` programs where that stream is the sparser one:
+
+        D = D_knee + [P_2 < P_1] * ceil(G / P_2)
 
     Eq. 16 sizes the lead by the rows the G programs' in-flight Linear-1 tiles span,
-    ceil(G / P_1). Program g's Linear-2 stream starts at tile g, so the G programs' current
-    Linear-2 tiles span another ceil(G / P_2) rows: a Linear-2 tile a program takes at its own
-    lead can belong to a row up to that many rows ahead of its neighbours', whose Linear-1 tiles
-    it then waits for. Where P_2 ≪ P_1 (DiT-MoE: P_2 = 11, P_1 = 44) this term dominates."""
-    if knee < 1 or num_programs < 1 or l2_n_blocks < 1:
-        raise ValueError(f"knee, num_programs and l2_n_blocks must be >= 1, got {knee}, "
-                         f"{num_programs}, {l2_n_blocks}")
+    ceil(G / P_1), which holds while the programs go through Linear-1 in step. They do where
+    P_2 >= P_1: every program takes P_2 / P_1 >= 1 Linear-2 tiles per Linear-1 tile. Where
+    P_2 < P_1 (DiT-MoE: P_2 = 11, P_1 = 44), a program takes a Linear-2 tile only once in
+    P_1 / P_2 Linear-1 tiles, and those that just took one trail the rest by it. Program g's
+    Linear-2 stream starts at tile g, so the programs' current Linear-2 tiles span
+    ceil(G / P_2) rows; the lead adds them so that the Linear-2 tile a program takes at its
+    lead finds its rows complete.
+
+    No row more: a longer lead puts the Linear-2 tiles further behind the Linear-1 tiles running
+    beside them, and the L2 cache keeps less of what both read. Measured with every store local
+    (moe_schedule_probe/h200-x1/20261203T141554Z-81fabb90a5 and …141612Z-82d98bebfb): GLM-5.x
+    bf16 at the knee (9) ran at 1.00 of Expert-Wave's speed, at 9 + ceil(G / P_2) = 15 at 0.96
+    (as in both local sweeps before); DeepSeek-V4-Pro bf16 at 6 against 11: 1.03 against 0.99,
+    and under Nsight Compute at 11 it read 4% more bytes from DRAM (moe_ncu/h200-x1)."""
+    if knee < 1 or num_programs < 1 or l1_n_blocks < 1 or l2_n_blocks < 1:
+        raise ValueError(f"knee, num_programs, l1_n_blocks and l2_n_blocks must be >= 1, got "
+                         f"{knee}, {num_programs}, {l1_n_blocks}, {l2_n_blocks}")
+    if l2_n_blocks >= l1_n_blocks:
+        return knee
     return knee + math.ceil(num_programs / l2_n_blocks)
 
 
@@ -137,7 +151,7 @@ LEAD_MULTIPLES = (1, 2, 4)
 
 def lead_sweep(knee: int, lead: int, multiples=LEAD_MULTIPLES) -> list[int]:
     """The Interleaved leads the host-link matrix times and its ``auto`` chooses among: D_knee
-    (eq. 16) and the derived lead (``skew_lead``) times each of ``multiples``."""
+    (eq. 16) and the derived lead (``derived_lead``) times each of ``multiples``."""
     if any(m < 1 for m in multiples):
         raise ValueError(f"lead multiples must be >= 1, got {list(multiples)}")
     return sorted({knee, *(m * lead for m in multiples)})
