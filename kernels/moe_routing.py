@@ -433,8 +433,8 @@ def route_rows(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, exp
         # a program past the rows in use returns here: the grid is the capacity's bound (an EP
         # rank's, about eight times its arrivals), and the expert search over every expert
         # costs each program the same (Qwen3.5's EP rank at 8192 tokens on one H200: 13.1-13.3
-        # µs without this exit, moe_layer/h200-x1/20261202T212234Z-141812fd2a; 4.6-4.7 µs with
-        # it, …212723Z)
+        # µs without this exit, moe_layer/h200-x1/20261202T212234Z; 4.6-4.7 µs with it,
+        # …212723Z; both retired)
         if p < row_blocks:
             _row_block_tiles(p + tl.arange(0, 1), row_blocks, expert_counts, expert_offsets,
                              wave_lo, wave_hi, row_src, row_slot, row_origin, wave_tiles,
@@ -578,11 +578,12 @@ def _tiny_rows(i, e, live, valid, w, arrival_src, arrival_slot, arrival_rows, ro
     Expert-Wave wave holds ``w`` row blocks, the last one the rest (``schedules.wave_starts``
     with one row block per routed expert); the tiles, as in ``route_rows``, per row block in
     use, ``ROW_BLOCKS`` a step (``_write_row_blocks``). Each expert's row block and routed rows
-    come from all pairs of arrivals where they are fewer than the experts (EP = 1 at one
-    token: 3.5-5.2 µs against 3.9-11.4 µs of the one-program kernel's scan), else from the scan
-    over experts (an EP rank's 128 received rows over 64 local experts or fewer: all pairs
-    took 1.1-1.6 times as long) (moe_layer/h200-x1/20261203T142058Z-f1d65e8763 and
-    …142223Z-6b041c519d against …124542Z-44ce83fd5a and …124752Z-aee52a93dd)."""
+    come from all pairs of arrivals where they are fewer than the experts, else from the scan
+    over experts. At EP = 1 and one token ``route_tiny`` took 3.5-5.4 µs, 0.39-0.88 of the
+    one-program kernel's time (moe_layer/h200-x1/20261203T144356Z-0c9720c057 against
+    …124752Z-aee52a93dd); on an EP rank's 128 received rows over 64 local experts or fewer,
+    with the scan, 0.91-1.14 (…144229Z-0c8c01d917 against …124542Z-44ce83fd5a), where all
+    pairs had taken 1.08-1.58 (…142223Z, retired)."""
     same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]
     rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
     first = valid & (rank == 0)

@@ -53,7 +53,7 @@ QUANT_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of rows, 
 # block each where that gives fewer programs than G (``quant_slab``): a program's column steps run
 # one after another. At one token, EP = 1, the pass (then a gather into the layout as well) took
 # 6.8-7.0 µs in wide slabs and 1.7 µs in 128-column ones, in one session on one H200
-# (moe_layer/h200-x1/20261202T203004Z-113d741c50 and …203438Z-427cc9f473, per-kernel profile)
+# (moe_layer/h200-x1/20261202T203004Z and …203438Z, per-kernel profile; both retired)
 SCHEDULES = ("wave", "interleaved")
 BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 

@@ -40,7 +40,7 @@ from .call_args import ALIGN_BYTES, FIRST_ADDRESS_PARAM, TRITON_DTYPES, slot_ord
 from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weighted_sum_launch
 from .device_tables import SCHEDULES, TableBounds, allocate_tables, route_to_tables
 from .fused import DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, kernel_launch
-from .schedules import d_knee
+from .schedules import d_knee, derived_lead
 from .shapes import FP8_SCALE_BLOCK, MoEContractError
 from .tiles import TileConfig, check_tile_config, default_tile_config
 from .weights import ExpertWeights
@@ -64,9 +64,9 @@ ID_DTYPES = (torch.int32, torch.int64)
 
 def auto_schedule(peers_world: int) -> str:
     """``schedule="auto"``, for now: Expert-Wave where every Combine store stays on this GPU (one
-    Combine destination: no remote-store burst for Interleaved to spread, §4.2), Interleaved with
-    D = D_knee (eq. 16) where the Combine stores go to peers. The rule derived from the Burst–Gap
-    model (eqs. 12–16) replaces it."""
+    Combine destination: no remote-store burst for Interleaved to spread, §4.2), Interleaved at
+    the workspace's lead (``schedules.derived_lead``) where the Combine stores go to peers. The
+    forecast's pick per cell (``host_forecast.pick_auto``, eqs. 12–16) replaces it."""
     return "wave" if peers_world == 1 else "interleaved"
 
 
@@ -162,9 +162,9 @@ class MoEWorkspace:
     """The static buffers and launches of the fused MoE over ``weights`` for at most ``capacity``
     arrivals: the device tables (the row counters included), ``h`` and its scales, the error
     flag (shared by the routing kernels and the fused kernel). ``num_programs`` defaults to the
-    SMs (one persistent program each); ``lead_rows`` to D_knee (eq. 16); ``source_rows``: the
-    bf16 rows of ``x`` an FP8 layer quantizes at most, 0 where it takes e4m3 rows only
-    (``allocate_tables``)."""
+    SMs (one persistent program each); ``lead_rows`` to ``schedules.derived_lead``;
+    ``source_rows``: the bf16 rows of ``x`` an FP8 layer quantizes at most, 0 where it takes e4m3
+    rows only (``allocate_tables``)."""
 
     def __init__(self, weights: ExpertWeights, capacity: int, *, config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
@@ -178,7 +178,10 @@ class MoEWorkspace:
             num_programs = (torch.cuda.get_device_properties(device).multi_processor_count
                             if device.type == "cuda" else CPU_PROGRAMS)
         if lead_rows is None:
-            lead_rows = d_knee(2 * self.config.block_n1, num_programs, weights.intermediate)
+            cfg = self.config
+            lead_rows = derived_lead(d_knee(2 * cfg.block_n1, num_programs, weights.intermediate),
+                                     num_programs, weights.intermediate // cfg.block_n1,
+                                     weights.hidden // cfg.block_n2)
         if max_spin_iters < 1:
             raise MoEContractError("max_spin_iters must be >= 1")
         self.bounds = TableBounds.of(capacity, weights.num_experts, weights.hidden,
@@ -273,7 +276,7 @@ class FusedMoE(torch.nn.Module):
     precision)``: bf16, or e4m3 with 128 x 128 fp32 scales); they stay on their device.
     ``max_tokens``: the bound T every buffer is sized by (``T * top_k + E (block_m - 1)`` rows).
     ``schedule``: ``"wave"`` (Expert-Wave), ``"interleaved"`` (Algorithm 1, lead ``lead_rows``,
-    default D_knee) or ``"auto"`` (``auto_schedule``). ``check_ids``: also check on the host that
+    default ``schedules.derived_lead``) or ``"auto"`` (``auto_schedule``). ``check_ids``: also check on the host that
     every id lies in ``0 .. E - 1`` before launch (a device-to-host copy; ids on the CPU are
     always checked; neither while capturing a graph or tracing for torch.compile); without it an
     id out of range adds to ``error`` on the device and its pick gets no row (its slot of the
