@@ -276,11 +276,11 @@ class FusedMoE(torch.nn.Module):
     precision)``: bf16, or e4m3 with 128 x 128 fp32 scales); they stay on their device.
     ``max_tokens``: the bound T every buffer is sized by (``T * top_k + E (block_m - 1)`` rows).
     ``schedule``: ``"wave"`` (Expert-Wave), ``"interleaved"`` (Algorithm 1, lead ``lead_rows``,
-    default ``schedules.derived_lead``) or ``"auto"`` (``auto_schedule``). ``check_ids``: also check on the host that
-    every id lies in ``0 .. E - 1`` before launch (a device-to-host copy; ids on the CPU are
-    always checked; neither while capturing a graph or tracing for torch.compile); without it an
-    id out of range adds to ``error`` on the device and its pick gets no row (its slot of the
-    output is not defined).
+    default ``schedules.derived_lead``) or ``"auto"`` (``auto_schedule``). ``check_ids``: also
+    check on the host that every id lies in ``0 .. E - 1`` before launch (a device-to-host copy;
+    ids on the CPU are always checked; neither while capturing a graph or tracing for
+    torch.compile); without it an id out of range adds to ``error`` on the device and its pick
+    gets no row (its slot of the output is not defined).
 
     ``forward(x, topk_ids, topk_weights)``: bf16 ``x [T, H]`` (16-byte aligned), integer
     ``topk_ids [T, top_k]``, float ``topk_weights [T, top_k]``, ``T <= max_tokens``, all on the
