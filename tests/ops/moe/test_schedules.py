@@ -30,6 +30,7 @@ def _schedules(problem: MoEProblem, programs: int):
     for lead in sorted({1, 3, d_knee(2 * 32, programs, 32 * problem.l1_n_blocks)}):
         yield interleaved_schedule(problem, programs, lead)
         yield interleaved_schedule(problem, programs, lead, by_work=False)
+        yield interleaved_schedule(problem, programs, lead, expert_lead=True)
 
 
 @pytest.mark.parametrize("programs", PROGRAMS)
@@ -41,6 +42,17 @@ def test_schedules_pass_every_rule(name, programs):
         assert schedule.num_programs == programs
         assert schedule.num_tiles == problem.num_rows * (problem.l1_n_blocks + problem.l2_n_blocks)
         assert len(execution_order(problem, schedule)) == schedule.num_tiles
+
+
+def test_an_expert_lead_holds_each_linear2_tile_until_its_experts_last_row_is_d_behind():
+    problem = PROBLEMS["idle_experts"]  # expert 1: rows 0-3, expert 3: rows 4-5
+    for programs in PROGRAMS:
+        s = interleaved_schedule(problem, programs, 1, expert_lead=True)
+        check_schedule(problem, s)
+        held = [(t, nxt) for prog in s.programs for t, nxt in zip(prog, prog[1:])
+                if t.kind == L2 and nxt.kind == L1]
+        assert held and all(nxt.row_block >= (3 if t.expert == 1 else 5) + 1 for t, nxt in held)
+        assert s.programs != interleaved_schedule(problem, programs, 1).programs
 
 
 def _random_interleaving_completes(problem: MoEProblem, schedule: Schedule, rng) -> bool:

@@ -250,11 +250,14 @@ def l1_deal(problem: MoEProblem, num_programs: int, by_work: bool = True) -> lis
 
 
 def interleaved_schedule(problem: MoEProblem, num_programs: int, lead_rows: int,
-                         by_work: bool = True) -> Schedule:
+                         by_work: bool = True, expert_lead: bool = False) -> Schedule:
     """Algorithm 1 with instance stride G = ``num_programs`` for the Linear-2 stream, the
     Linear-1 stream dealt by work (``l1_deal``; ``by_work=False``: with stride G, Algorithm 1 as
     the paper states it), and lead D = ``lead_rows`` (>= 1; D = 0 would let a program wait on its
-    own next Linear-1 tile).
+    own next Linear-1 tile). ``expert_lead``: D counted from the last row of the Linear-2 tile's
+    expert, not from its own row, so that an expert's Linear-2 tiles, the ones that read its W2,
+    come due together (the device tables build the row lead only; ``moe_schedule_probe`` times
+    both).
 
     Same tiles, dependencies and Combine volume as Expert-Wave; only the order changes, so the gap
     between Linear-2 bursts grows from T_L2 to T_L2 + (n_1/n_2) T_L1 (eq. 12). D sets the phase of
@@ -267,6 +270,8 @@ def interleaved_schedule(problem: MoEProblem, num_programs: int, lead_rows: int,
     if lead_rows < 1:
         raise ValueError(f"lead_rows D must be >= 1 (D = 0 can self-deadlock), got {lead_rows}")
     n2 = problem.num_rows * problem.l2_n_blocks
+    last = [problem.first_row[e] + problem.blocks_per_expert[e] - 1 for e in problem.row_expert]
+    due = last if expert_lead else range(problem.num_rows)  # the row each Linear-2 row waits on
     programs = []
     for g, l1 in enumerate(l1_deal(problem, num_programs, by_work)):
         l2 = range(g, n2, num_programs)
@@ -274,7 +279,7 @@ def interleaved_schedule(problem: MoEProblem, num_programs: int, lead_rows: int,
         tiles: list[Tile] = []
         while i < len(l1) or j < len(l2):
             p1 = l1[i] // problem.l1_n_blocks if i < len(l1) else math.inf
-            if j < len(l2) and l2[j] // problem.l2_n_blocks + lead_rows <= p1:
+            if j < len(l2) and due[l2[j] // problem.l2_n_blocks] + lead_rows <= p1:
                 tiles.append(problem.l2_tile(l2[j]))
                 j += 1
             else:
