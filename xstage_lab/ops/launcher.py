@@ -4,8 +4,8 @@
 each one (a tensor's dtype and 16-byte alignment, an integer's equality to 1 and divisibility by
 16), builds the cache key, looks the compiled kernel up and only then calls the driver's
 launcher. For the fused MoE's launches per call (seven then) that binding was most of a call's
-host time (``layer_bench``: ``host_route_us``, ``host_launch_us``). A ``Launcher`` binds its ``static``
-arguments once; per call it specializes only the arguments that vary, and where that
+host time (``layer_bench``: ``host_route_us``, ``host_launch_us``). A ``Launcher`` binds its
+``static`` arguments once; per call it specializes only the arguments that vary, and where that
 specialization was seen before it hands the compiled kernel's argument list, with the new values
 put in, straight to the driver's launcher (as ``JITFunction.run`` does after its lookup). A new
 specialization goes through Triton once (compiling if needed). Under ``TRITON_INTERPRET=1`` every

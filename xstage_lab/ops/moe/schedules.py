@@ -270,8 +270,9 @@ def interleaved_schedule(problem: MoEProblem, num_programs: int, lead_rows: int,
     if lead_rows < 1:
         raise ValueError(f"lead_rows D must be >= 1 (D = 0 can self-deadlock), got {lead_rows}")
     n2 = problem.num_rows * problem.l2_n_blocks
-    last = [problem.first_row[e] + problem.blocks_per_expert[e] - 1 for e in problem.row_expert]
-    due = last if expert_lead else range(problem.num_rows)  # the row each Linear-2 row waits on
+    # the row each Linear-2 row's lead counts from: its expert's last, or its own
+    due = ([problem.first_row[e] + problem.blocks_per_expert[e] - 1 for e in problem.row_expert]
+           if expert_lead else range(problem.num_rows))
     programs = []
     for g, l1 in enumerate(l1_deal(problem, num_programs, by_work)):
         l2 = range(g, n2, num_programs)
