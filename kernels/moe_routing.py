@@ -56,7 +56,9 @@ in closed form: ``_l1_program``); program ``g`` merges its two streams by key (a
 row ``p_1`` by ``p_1``, a Linear-2 tile of row ``p_2`` by ``p_2 + D``, Linear-2 first on ties), so
 a tile's position is its index in its own stream plus program ``g``'s tiles of the other stream
 that lie before stream index ``X``: ``X = min((p_1 - D + 1) P_2, n_2)`` for Linear-1 (counted by
-``_programs_below``), ``X = min((p_2 + D) P_1, n_1)`` for Linear-2 (by ``_l1_below``).
+``_programs_below``), ``X = min((p_2 + D) P_1, n_1)`` for Linear-2 (by ``_l1_below``). With the
+lead counted from the expert (``EXPERT_LEAD``), ``p_2`` in the key is the last row of its expert,
+and the Linear-2 rows before a Linear-1 tile are those of the experts ending by ``p_1 - D + 1``.
 """
 import triton
 import triton.language as tl
@@ -407,7 +409,7 @@ def route_rows(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, exp
                row_origin, row_ready, wave_tiles, inter_tiles, CAPACITY, NUM_EXPERTS, TOP_K, G,
                P1, P2, LEAD, MAX_TILES, RECEIVED: tl.constexpr, CHUNK: tl.constexpr,
                ID_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-               P_PAD: tl.constexpr):
+               P_PAD: tl.constexpr, EXPERT_LEAD: tl.constexpr):
     """The scatter and the tiles, independent once the offsets are laid out, in one launch.
     Program ``c`` below ``cdiv(CAPACITY, CHUNK)``: chunk ``c`` of the arrivals (``_scatter_chunk``:
     ``arrival_rows[i]`` = ``expert_offsets[e] + chunk_start[c, e]`` + the arrivals of ``e``
@@ -439,16 +441,21 @@ def route_rows(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, exp
             _row_block_tiles(p + tl.arange(0, 1), row_blocks, expert_counts, expert_offsets,
                              wave_lo, wave_hi, row_src, row_slot, row_origin, wave_tiles,
                              inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES, BLOCK_M,
-                             E_PAD, P_PAD)
+                             E_PAD, P_PAD, EXPERT_LEAD)
 
 
 @triton.jit
 def _row_block_tiles(ps, row_blocks, expert_counts, expert_offsets, wave_lo, wave_hi, row_src,
                      row_slot, row_origin, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD,
-                     MAX_TILES, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr):
+                     MAX_TILES, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr,
+                     EXPERT_LEAD: tl.constexpr):
     """Each row block ``p`` of ``ps`` below ``row_blocks``: its expert ``e(p)`` (``first_row[e]
-    <= p * BLOCK_M < first_row[e] + blocks[e] * BLOCK_M``), its wave ``wave_lo/hi[e(p)]``, then
-    ``_write_row_blocks``."""
+    <= p * BLOCK_M < first_row[e] + blocks[e] * BLOCK_M``), its wave ``wave_lo/hi[e(p)]``, the
+    Interleaved merge keys, then ``_write_row_blocks``. ``EXPERT_LEAD``: the lead counted from
+    the end of each Linear-2 tile's expert (``schedules.leads_from_expert``), so a Linear-2 tile
+    of row ``p`` waits for the Linear-1 tiles of rows below ``end(e(p)) - 1 + LEAD``, and a
+    Linear-1 tile of row ``p`` follows the Linear-2 tiles of every expert whose end is at most
+    ``p - LEAD + 1`` (the ends rise with the experts, so those rows are a prefix)."""
     used = ps < row_blocks
     es = tl.arange(0, E_PAD)
     in_e = es < NUM_EXPERTS
@@ -461,21 +468,30 @@ def _row_block_tiles(ps, row_blocks, expert_counts, expert_offsets, wave_lo, wav
     rows_used = tl.sum(tl.where(owns, count[None, :], 0), axis=1)
     lo = tl.load(wave_lo + e, mask=used, other=0)
     hi = tl.load(wave_hi + e, mask=used, other=0)
-    _write_row_blocks(ps, used, e, first_row, rows_used, lo, hi, row_blocks, row_src, row_slot,
-                      row_origin, wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES, BLOCK_M,
-                      P_PAD)
+    if EXPERT_LEAD:
+        l2_key = tl.sum(tl.where(owns, last[None, :], 0), axis=1) - 1 + LEAD
+        done = in_e[None, :] & (last[None, :] <= (ps - LEAD + 1)[:, None])
+        l2_before = tl.max(tl.where(done, last[None, :], 0), axis=1)
+    else:
+        l2_key = ps + LEAD
+        l2_before = ps - LEAD + 1
+    _write_row_blocks(ps, used, e, first_row, rows_used, lo, hi, row_blocks, l2_key, l2_before,
+                      row_src, row_slot, row_origin, wave_tiles, inter_tiles, G, P1, P2,
+                      MAX_TILES, BLOCK_M, P_PAD)
 
 
 @triton.jit
-def _write_row_blocks(ps, used, e, first_row, rows_used, lo, hi, row_blocks, row_src, row_slot,
-                      row_origin, wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES,
-                      BLOCK_M: tl.constexpr, P_PAD: tl.constexpr):
+def _write_row_blocks(ps, used, e, first_row, rows_used, lo, hi, row_blocks, l2_key, l2_before,
+                      row_src, row_slot, row_origin, wave_tiles, inter_tiles, G, P1, P2,
+                      MAX_TILES, BLOCK_M: tl.constexpr, P_PAD: tl.constexpr):
     """Each row block ``p`` of ``ps`` where ``used`` (expert ``e``, whose rows start at
     ``first_row`` and hold ``rows_used`` routed rows; its Expert-Wave wave the row blocks ``[lo,
     hi)``): ``row_slot = -1``, ``row_origin = -1`` and ``row_src = 0`` on its rows past the
     expert's count, and its ``P1`` Linear-1 and ``P2`` Linear-2 entries ``(kind, e, p, n)`` in the
     Expert-Wave table ``wave_tiles`` and the Interleaved table ``inter_tiles`` (int32 ``[G,
-    MAX_TILES, 4]``) at their positions."""
+    MAX_TILES, 4]``) at their positions. Interleaved's merge: its Linear-2 tiles follow the
+    Linear-1 tiles of rows below ``l2_key`` (the row lead: ``p + D``), its Linear-1 tiles the
+    Linear-2 tiles of rows below ``l2_before`` (``p - D + 1``)."""
     r = ps[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
     pad = used[:, None] & (r - first_row[:, None] >= rows_used[:, None])
     tl.store(row_slot + r, tl.full(r.shape, -1, tl.int32), mask=pad)
@@ -494,13 +510,13 @@ def _write_row_blocks(ps, used, e, first_row, rows_used, lo, hi, row_blocks, row
             k = p * P1 + ns  # index in the Linear-1 stream
             wave_k = lo * (P1 + P2) + (p - lo) * P1 + ns
             g, own = _l1_program(k, G, r2, nb, u, f)
-            other = _programs_below(tl.minimum((p - LEAD + 1) * P2, n2), g, G)
+            other = _programs_below(tl.minimum(l2_before[:, None] * P2, n2), g, G)
         else:
             n_blocks = P2
             k = p * P2 + ns
             wave_k = lo * (P1 + P2) + (hi - lo) * P1 + (p - lo) * P2 + ns
             g, own = k % G, k // G
-            other = _l1_below(tl.minimum((p + LEAD) * P1, n1), g, G, r2, nb, u, f)
+            other = _l1_below(tl.minimum(l2_key[:, None] * P1, n1), g, G, r2, nb, u, f)
         live = used[:, None] & (ns < n_blocks)
         _store_entries(wave_tiles + ((wave_k % G) * MAX_TILES + wave_k // G) * TILE_FIELDS,
                        kind, e[:, None], p, ns, live)
@@ -600,15 +616,16 @@ def _tiny_rows(i, e, live, valid, w, arrival_src, arrival_slot, arrival_rows, ro
         row_blocks = tl.sum(blocks)
     _store_arrival_rows(i, block * BLOCK_M + rank, live, valid, arrival_src, arrival_slot,
                         arrival_rows, row_src, row_slot, row_origin, TOP_K, RECEIVED)
+    # every expert holds one row block: the lead counted from its end is the row lead
     for p0 in range(0, row_blocks, ROW_BLOCKS):
         ps = p0 + tl.arange(0, ROW_BLOCKS)
         starts = first[None, :] & (block[None, :] == ps[:, None])
         wave = ps // w * w  # below row_blocks: never past the last wave
         _write_row_blocks(ps, ps < row_blocks, tl.sum(tl.where(starts, e[None, :], 0), axis=1),
                           ps * BLOCK_M, tl.sum(tl.where(starts, rows_of[None, :], 0), axis=1),
-                          wave, tl.minimum(wave + w, row_blocks), row_blocks, row_src, row_slot,
-                          row_origin, wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES,
-                          BLOCK_M, P_PAD)
+                          wave, tl.minimum(wave + w, row_blocks), row_blocks, ps + LEAD,
+                          ps - LEAD + 1, row_src, row_slot, row_origin, wave_tiles, inter_tiles,
+                          G, P1, P2, MAX_TILES, BLOCK_M, P_PAD)
 
 
 @triton.jit

@@ -6,6 +6,7 @@ build of the five kernels."""
 from __future__ import annotations
 
 import sys
+import zlib
 
 import pytest
 import torch
@@ -23,21 +24,24 @@ SHAPES = load_shapes()
 MODULE = "tests.ops.moe.test_device_tables"
 
 
-def _bounds(model: str, capacity: int, programs: int, lead: int, experts: int | None = None):
+def _bounds(model: str, capacity: int, programs: int, lead: int, experts: int | None = None,
+            expert_lead: bool | None = None):
     shape = SHAPES[model]
     config = default_tile_config("bf16", "gluon_ws", hidden=shape.hidden)
     return shape, TableBounds.of(capacity, experts or shape.routed_experts, shape.hidden,
-                                 shape.intermediate, config, programs, lead)
+                                 shape.intermediate, config, programs, lead, expert_lead)
 
 
 def case_ep1(model: str, precision: str, tokens: int, routing: str, programs: int, lead: int,
-             seed: int = 0, topk_ids: torch.Tensor | None = None) -> dict:
+             seed: int = 0, topk_ids: torch.Tensor | None = None,
+             expert_lead: bool | None = None) -> dict:
     """EP = 1 from ``topk_ids`` (the router's on ``routing`` unless given): device == host."""
     shape = SHAPES[model]
     if topk_ids is None:
         logits = router_logits(tokens, shape.routed_experts, routing, seed=seed)
         topk_ids = router_topk(logits, shape.top_k)[0]
-    _, bounds = _bounds(model, 2 * tokens * topk_ids.shape[1], programs, lead)
+    _, bounds = _bounds(model, 2 * tokens * topk_ids.shape[1], programs, lead,
+                        expert_lead=expert_lead)
     x = torch.randn(tokens, shape.hidden, generator=torch.Generator().manual_seed(seed))
     x = x.to(torch.bfloat16)
     tables = allocate_tables(bounds, shape.hidden, precision, "cpu")
@@ -55,7 +59,24 @@ def case_ep1(model: str, precision: str, tokens: int, routing: str, programs: in
     bad = table_mismatches(tables, host)
     assert not bad, bad
     assert int(tables.error) == 0
-    return {"rows": int(tables.expert_offsets[-1]), "tiles": int(tables.meta[1])}
+    return {"rows": int(tables.expert_offsets[-1]), "tiles": int(tables.meta[1]),
+            "expert_lead": bounds.expert_lead,
+            "interleaved_crc": zlib.crc32(host.tiles["interleaved"].tobytes())}
+
+
+def case_lead_from_the_row_and_from_the_expert() -> dict:
+    """Experts of several row blocks (DiT-MoE, 200 skewed tokens, lead 3), Interleaved's lead
+    counted from each Linear-2 tile's row and from its expert's end (``route_rows``'
+    ``EXPERT_LEAD``); by default from the expert, DiT-MoE's P_2 being below its P_1."""
+    shape = SHAPES["DiT-MoE"]
+    ids = router_topk(router_logits(200, shape.routed_experts, "skewed", seed=4), shape.top_k)[0]
+    out = {str(flag): case_ep1("DiT-MoE", "bf16", 200, "skewed", 7, 3, topk_ids=ids,
+                               expert_lead=flag) for flag in (False, True, None)}
+    crc = {k: v["interleaved_crc"] for k, v in out.items()}
+    assert out["None"]["expert_lead"] and crc["None"] == crc["True"]
+    # the two counts give different tables here, so each one's equality above tells
+    assert crc["False"] != crc["True"]
+    return out
 
 
 def case_zero_row_experts() -> dict:
@@ -198,7 +219,7 @@ def interpreter_cases() -> dict:
     return {
         "every_shape": (case_every_shape,),
         "one_token": (case_ep1, "DeepSeek-V4-Flash", "fp8", 1, "balanced", 132, 2),
-        "skewed_many_rows": (case_ep1, "DiT-MoE", "bf16", 200, "skewed", 7, 3, 4),
+        "lead_from_the_row_and_from_the_expert": (case_lead_from_the_row_and_from_the_expert,),
         "skewed_fp8": (case_ep1, "Hy3", "fp8", 12, "skewed", 16, 2, 5),
         "zero_row_experts": (case_zero_row_experts,),
         "scan_in_steps": (case_scan_in_steps,),
@@ -254,7 +275,7 @@ def _compile_sm90(name: str, e_pad: int = 512) -> dict:
                         **{k: i for k in ("CAPACITY", "NUM_EXPERTS", "TOP_K", "G", "P1", "P2",
                                           "LEAD", "MAX_TILES")}},
                        dict(RECEIVED=False, CHUNK=128, ID_DTYPE=tl.int64, BLOCK_M=128,
-                            E_PAD=256, P_PAD=16)),
+                            E_PAD=256, P_PAD=16, EXPERT_LEAD=True)),
         "route_tiny": ({"args": "*i64", **addresses,
                         **{k: ptr for k in ("arrival_src", "arrival_slot", "n_arrivals_ptr",
                                             "expert_counts", "expert_offsets", "wave_lo",
@@ -299,7 +320,7 @@ def test_routing_kernels_compile_for_sm90():
 def test_bounds_cover_every_row_a_routing_can_use():
     """rows <= T k P + E_loc (block_m - 1), every row block's tiles in either table."""
     b = TableBounds(capacity=100, num_experts=7, block_m=128, l1_n_blocks=3, l2_n_blocks=2,
-                    num_programs=5, lead_rows=1)
+                    num_programs=5, lead_rows=1, expert_lead=False)
     assert b.rows >= 100 + 7 * 127 and b.rows % 128 == 0 and b.row_blocks == 8
     assert b.max_tiles * 5 >= b.row_blocks * 5
     assert b.chunks == 1

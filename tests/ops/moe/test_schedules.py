@@ -10,8 +10,8 @@ import pytest
 
 from xstage_lab.ops.moe.schedules import (
     L1, L2, MoEProblem, Schedule, ScheduleError, Tile, check_schedule, d_knee,
-    WAVE_FILL, execution_order, expert_wave_schedule, interleaved_schedule, l1_deal,
-    tile_table, tile_work, wave_starts)
+    WAVE_FILL, derived_interleaved_schedule, execution_order, expert_wave_schedule,
+    interleaved_schedule, l1_deal, leads_from_expert, tile_table, tile_work, wave_starts)
 
 PROBLEMS = {
     "one_expert": MoEProblem((5,), 3, 2),
@@ -53,6 +53,23 @@ def test_an_expert_lead_holds_each_linear2_tile_until_its_experts_last_row_is_d_
                 if t.kind == L2 and nxt.kind == L1]
         assert held and all(nxt.row_block >= (3 if t.expert == 1 else 5) + 1 for t, nxt in held)
         assert s.programs != interleaved_schedule(problem, programs, 1).programs
+
+
+def test_the_derived_schedule_counts_the_lead_from_the_expert_only_where_p2_is_below_p1():
+    """DiT-MoE's P_1 = 44, P_2 = 11 count from the expert; where P_2 >= P_1, from the row."""
+    assert leads_from_expert(44, 11) and not leads_from_expert(16, 16)
+    assert not leads_from_expert(2, 5)
+    with pytest.raises(ValueError):
+        leads_from_expert(0, 1)
+    for name, expert in (("l1_wider", True), ("l2_wider", False)):
+        problem = PROBLEMS[name]
+        built = derived_interleaved_schedule(problem, 4, 1)
+        assert built.programs == interleaved_schedule(problem, 4, 1,
+                                                      expert_lead=expert).programs
+    # in "l1_wider" the two counts differ, so the comparison above tells which one was built
+    problem = PROBLEMS["l1_wider"]
+    assert (interleaved_schedule(problem, 4, 1, expert_lead=True).programs
+            != interleaved_schedule(problem, 4, 1).programs)
 
 
 def _random_interleaving_completes(problem: MoEProblem, schedule: Schedule, rng) -> bool:

@@ -56,8 +56,9 @@ from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, time_methods
 from ...ops.moe.combine import host_combine_peers
 from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
-from ...ops.moe.schedules import (L2, Schedule, expert_wave_schedule, interleaved_schedule,
-                                  LEAD_MULTIPLES, derived_lead, lead_sweep)
+from ...ops.moe.schedules import (L2, Schedule, expert_wave_schedule,
+                                  derived_interleaved_schedule, LEAD_MULTIPLES, derived_lead,
+                                  lead_sweep)
 from ...ops.moe.shapes import PRECISIONS, ROUTINGS, load_shapes
 from ...ops.moe.tiles import KERNELS, kernel_device
 from ...records import RECORDS_DIR
@@ -224,12 +225,13 @@ class MoEHost(Experiment):
             return prepare_fused_moe(cell.layout, cell.weights, schedule, peers_,
                                      config=cell.cfg, max_spin_iters=args.max_spin, fence=fence)
 
-        schedules = {d: interleaved_schedule(cell.problem, self.programs, d)
+        schedules = {d: derived_interleaved_schedule(cell.problem, self.programs, d)
                      for d in lead_sweep(cell.knee, lead, args.lead_multiples)}
         wave = expert_wave_schedule(cell.problem, self.programs)
         auto = self._auto_lead(point)
         if auto:  # a lead outside the sweep
-            schedules.setdefault(auto, interleaved_schedule(cell.problem, self.programs, auto))
+            schedules.setdefault(auto, derived_interleaved_schedule(cell.problem, self.programs,
+                                                                    auto))
         calls = {"wave": launch(wave), "wave_local": cell.calls["wave"],
                  "wave_fenced": launch(wave, fence=True),
                  **{f"interleaved_d{d}": launch(s) for d, s in schedules.items()},

@@ -65,7 +65,7 @@ from ... import model, simulator
 from ...analysis.moe.forecast import HOST_SHARES, combine_platform, compute_host_forecast
 from ...records import RECORDS_DIR
 from ...ops.moe.schedules import (L1, MoEProblem, d_knee, expert_wave_schedule,
-                                  interleaved_schedule, lead_sweep, derived_lead)
+                                  derived_interleaved_schedule, lead_sweep, derived_lead)
 from ...ops.moe.shapes import load_shapes
 from .bench import cell_seed
 
@@ -144,7 +144,7 @@ def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
     knee = d_knee(2 * tiles["block_n1"], programs, shape.intermediate)
     lead = derived_lead(knee, programs, problem.l1_n_blocks, problem.l2_n_blocks)
     schedules = {"wave": expert_wave_schedule(problem, programs),
-                 **{f"interleaved_d{d}": interleaved_schedule(problem, programs, d)
+                 **{f"interleaved_d{d}": derived_interleaved_schedule(problem, programs, d)
                     for d in lead_sweep(knee, lead)}}
     times = {name: {"mainloop_l1_us": kernel[f"{p}_mainloop_l1_us"],
                     "mainloop_l2_us": kernel[f"{p}_mainloop_l2_us"],

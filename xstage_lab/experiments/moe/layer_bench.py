@@ -321,7 +321,8 @@ def _host_launch(layout, ws: MoEWorkspace, schedule: str, peers,
     problem = MoEProblem(layout.blocks_per_expert, ws.bounds.l1_n_blocks, ws.bounds.l2_n_blocks)
     g = ws.bounds.num_programs
     built = (expert_wave_schedule(problem, g) if schedule == "wave"
-             else interleaved_schedule(problem, g, ws.bounds.lead_rows))
+             else interleaved_schedule(problem, g, ws.bounds.lead_rows,
+                                       expert_lead=ws.bounds.expert_lead))
     return prepare_fused_moe(layout, ws.weights, built, peers, config=ws.config,
                              instrument=instrument)
 

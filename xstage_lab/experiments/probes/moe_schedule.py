@@ -15,7 +15,8 @@ seeds of ``host_bench``); what its records found is in their README:
   wave                   Expert-Wave as committed (waves by counted rows);
   wave_one               Expert-Wave in one wave: every Linear-1 tile, then every Linear-2 tile,
                          one stream dealt with stride G (what waves per expert buy);
-  interleaved            Interleaved at the derived lead (``schedules.derived_lead``), its
+  interleaved            Interleaved at the derived lead (``schedules.derived_lead``, counted
+                         as ``schedules.leads_from_expert`` says: FusedMoE's schedule), its
                          Linear-1 stream dealt by work (``schedules.l1_deal``);
   interleaved_strided    the same with both streams dealt with stride G (Algorithm 1 as the
                          paper states it): some programs then hold both an extra Linear-1 and an
@@ -29,7 +30,8 @@ seeds of ``host_bench``); what its records found is in their README:
                          which read its W2, come due together, where the row lead spreads them
                          over the expert's rows as Linear-1 completes them (DiT-MoE bf16 read
                          68% more from DRAM than Expert-Wave at the derived lead: ``moe_ncu``);
-  interleaved_d<D>       Interleaved at each lead D of ``--leads`` (the lead's cost on its own).
+  interleaved_d<D>       Interleaved at each lead D of ``--leads``, counted as ``interleaved``
+                         (the lead's cost on its own).
 
 1. Checks first: every schedule passes ``schedules.check_schedule``; the cell passes
    ``kernel_cell.check_cell`` (both committed schedules against the references); every launch,
@@ -62,7 +64,8 @@ from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, time_methods
 from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
 from ...ops.moe.schedules import (L1, L2, MoEProblem, Schedule, check_schedule,
-                                  derived_lead, expert_wave_schedule, interleaved_schedule)
+                                  derived_interleaved_schedule, derived_lead,
+                                  expert_wave_schedule, interleaved_schedule)
 from ...ops.moe.shapes import PRECISIONS, ROUTINGS, load_shapes
 from ...ops.moe.tiles import KERNELS, kernel_device
 from ...sweep import Axis, Sweep
@@ -85,7 +88,7 @@ def probe_schedules(problem: MoEProblem, num_programs: int, lead: int,
     out = {"wave": expert_wave_schedule(problem, num_programs),
            "wave_one": expert_wave_schedule(problem, num_programs,
                                             experts_per_wave=len(problem.blocks_per_expert)),
-           "interleaved": interleaved_schedule(problem, num_programs, lead),
+           "interleaved": derived_interleaved_schedule(problem, num_programs, lead),
            "interleaved_strided": interleaved_schedule(problem, num_programs, lead,
                                                        by_work=False),
            "interleaved_l1_first": interleaved_schedule(problem, num_programs,
@@ -93,7 +96,7 @@ def probe_schedules(problem: MoEProblem, num_programs: int, lead: int,
            "interleaved_expert_lead": interleaved_schedule(problem, num_programs, lead,
                                                            expert_lead=True)}
     for d in leads:
-        out[f"interleaved_d{d}"] = interleaved_schedule(problem, num_programs, d)
+        out[f"interleaved_d{d}"] = derived_interleaved_schedule(problem, num_programs, d)
     for s in out.values():
         check_schedule(problem, s)
     return out

@@ -24,7 +24,7 @@ from .call_args import (a_rows_view, allocate_args, check_address_params, slot_a
                         slot_names, triton_dtype)
 from .dispatch import DispatchLayout, build_layout
 from .schedules import (WAVE_FILL, MoEProblem, expert_wave_schedule, interleaved_schedule,
-                        tile_table, tile_work)
+                        leads_from_expert, tile_table, tile_work)
 from .shapes import FP8_SCALE_BLOCK, MoEContractError
 from .tiles import TileConfig
 
@@ -64,8 +64,10 @@ class TableBounds:
 
     ``capacity``: arrivals at most, ``T * top_k * P`` (at EP = 1, ``P = 1``); ``num_experts``:
     E_loc; ``block_m``: rows per row block; ``l1_n_blocks``/``l2_n_blocks``: P_1, P_2;
-    ``num_programs``: G; ``lead_rows``: the Interleaved lead D. Rows in use are at most
-    ``capacity + E_loc (block_m - 1)`` (each expert's last row block padded)."""
+    ``num_programs``: G; ``lead_rows``: the Interleaved lead D, counted from the end of each
+    Linear-2 tile's expert where ``expert_lead`` (by default ``schedules.leads_from_expert``),
+    else from its row. Rows in use are at most ``capacity + E_loc (block_m - 1)`` (each expert's
+    last row block padded)."""
 
     capacity: int
     num_experts: int
@@ -74,6 +76,7 @@ class TableBounds:
     l2_n_blocks: int
     num_programs: int
     lead_rows: int
+    expert_lead: bool
 
     def __post_init__(self):
         for name in ("capacity", "num_experts", "block_m", "l1_n_blocks", "l2_n_blocks",
@@ -83,9 +86,11 @@ class TableBounds:
 
     @classmethod
     def of(cls, capacity: int, num_experts: int, hidden: int, intermediate: int,
-           config: TileConfig, num_programs: int, lead_rows: int) -> TableBounds:
-        return cls(capacity, num_experts, config.block_m, intermediate // config.block_n1,
-                   hidden // config.block_n2, num_programs, lead_rows)
+           config: TileConfig, num_programs: int, lead_rows: int,
+           expert_lead: bool | None = None) -> TableBounds:
+        p1, p2 = intermediate // config.block_n1, hidden // config.block_n2
+        return cls(capacity, num_experts, config.block_m, p1, p2, num_programs, lead_rows,
+                   leads_from_expert(p1, p2) if expert_lead is None else expert_lead)
 
     @property
     def row_blocks(self) -> int:
@@ -305,7 +310,7 @@ class RoutingLaunches:
             BLOCK_M=b.block_m, E_PAD=e_pad, P_PAD=_pow2(max(b.l1_n_blocks, b.l2_n_blocks)))
         self.rows = Launcher(k.route_rows, args=t.args, chunk_start=t.chunk_start, meta=t.meta,
                              arrival_rows=t.arrival_rows, RECEIVED=received, CHUNK=CHUNK,
-                             ID_DTYPE=ids, **tables_static)
+                             ID_DTYPE=ids, EXPERT_LEAD=b.expert_lead, **tables_static)
         # one per power of two of the arrivals and quantized slab, bound on first use: A_PAD and
         # SLAB are constexprs
         self.tiny_static = dict(
@@ -408,7 +413,8 @@ def host_tables(bounds: TableBounds, expert_ids: torch.Tensor, x: torch.Tensor,
     problem = MoEProblem(layout.blocks_per_expert, bounds.l1_n_blocks, bounds.l2_n_blocks)
     schedules = {"wave": expert_wave_schedule(problem, bounds.num_programs),
                  "interleaved": interleaved_schedule(problem, bounds.num_programs,
-                                                     bounds.lead_rows)}
+                                                     bounds.lead_rows,
+                                                     expert_lead=bounds.expert_lead)}
     tables = {name: tile_table(s) for name, s in schedules.items()}
     origin = np.full(layout.num_rows, -1, dtype=np.int32)
     arrivals = layout.arrival_rows.numpy()

@@ -162,7 +162,8 @@ class MoEWorkspace:
     """The static buffers and launches of the fused MoE over ``weights`` for at most ``capacity``
     arrivals: the device tables (the row counters included), ``h`` and its scales, the error
     flag (shared by the routing kernels and the fused kernel). ``num_programs`` defaults to the
-    SMs (one persistent program each); ``lead_rows`` to ``schedules.derived_lead``;
+    SMs (one persistent program each); ``lead_rows`` to ``schedules.derived_lead`` (counted as
+    ``schedules.leads_from_expert`` says: ``TableBounds.expert_lead``);
     ``source_rows``: the bf16 rows of ``x`` an FP8 layer quantizes at most, 0 where it takes e4m3
     rows only (``allocate_tables``)."""
 
