@@ -342,10 +342,11 @@ def test_an_auto_rule_is_scored_by_the_measured_times_of_what_it_picks(tmp_path)
 
     cell = {"model": "Tiny", "precision": "bf16", "routing": "skewed", "tokens": TOKENS}
     forecast = write_record("moe_host_forecast", "x-host", pd.DataFrame([
-        {**cell, "host_share": 1, "tile_wave_us": 100.0, "tile_interleaved_d4_us": 100.2,
-         "tile_interleaved_d8_us": 100.3},
-        {**cell, "host_share": 8, "tile_wave_us": 150.0, "tile_interleaved_d4_us": 100.0,
-         "tile_interleaved_d8_us": 130.0}]), {}, {"git_commit": "abc"}, tmp_path)
+        {**cell, "host_share": 1, "lead_rows": 4, "tile_wave_us": 100.0,
+         "tile_interleaved_d4_us": 100.2, "tile_interleaved_d8_us": 100.3},
+        {**cell, "host_share": 8, "lead_rows": 4, "tile_wave_us": 150.0,
+         "tile_interleaved_d4_us": 100.0, "tile_interleaved_d8_us": 130.0}]), {},
+        {"git_commit": "abc"}, tmp_path)
     measured = write_record("moe_host", "x-host", pd.DataFrame([
         {**cell, "host_share": 1, "wave_us": 110.0, "interleaved_d4_us": 105.0,
          "interleaved_d4_p25_us": 1.0, "interleaved_d8_us": 100.0},
@@ -354,9 +355,11 @@ def test_an_auto_rule_is_scored_by_the_measured_times_of_what_it_picks(tmp_path)
         {"forecast_record": f"moe_host_forecast/x-host/{forecast.stem}"}, {"git_commit": "abc"},
         tmp_path)
     view = hv.HostView("x-host", (hv.read(measured),))
-    # h = 1: the three predictions tie, the longest lead (d8) is the fastest measured
-    assert hv.pick_over_fastest(view, pick_auto).tolist() == [1.0, 1.0]
-    fastest_predicted = hv.pick_over_fastest(view, lambda p: min(p, key=p.get))
+    # h = 1: Expert-Wave predicted fastest, measured 1.1 x the fastest (d8); h = 8: twice the
+    # lead (d8), measured 140 against d4's 120
+    assert hv.pick_over_fastest(view, pick_auto).tolist() == [pytest.approx(1.1),
+                                                             pytest.approx(140 / 120)]
+    fastest_predicted = hv.pick_over_fastest(view, lambda p, lead: min(p, key=p.get))
     assert fastest_predicted.tolist() == [pytest.approx(1.1), 1.0]
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from xstage_lab.analysis.moe.kernel_view import latest_view
 from xstage_lab.analysis.remote_store.characterization import latest_calibration
-from xstage_lab.experiments.moe.host_forecast import AUTO_TIE, cell_forecast, pick_auto
+from xstage_lab.experiments.moe.host_forecast import AUTO_LEAD_MULTIPLE, cell_forecast, pick_auto
 from xstage_lab.records import RECORDS_DIR
 
 
@@ -38,19 +38,19 @@ def test_a_slower_drain_under_load_lengthens_the_host_cells_only(cell):
     assert loaded["tile_wave_us"] > 1.05 * plain["tile_wave_us"]
 
 
-def test_auto_takes_the_longest_lead_among_the_predicted_ties():
-    near = 100 * (1 + AUTO_TIE / 2)
-    assert pick_auto({"wave": 100.0, "interleaved_d9": near, "interleaved_d36": near}) == \
-        "interleaved_d36"
-    assert pick_auto({"wave": 100.0, "interleaved_d9": 100 * (1 + 2 * AUTO_TIE)}) == "wave"
-    assert pick_auto({"wave": 120.0, "interleaved_d18": 100.0, "interleaved_d9": 100.0}) == \
-        "interleaved_d18"
+def test_auto_is_wave_where_predicted_fastest_else_interleaved_at_twice_the_derived_lead():
+    assert AUTO_LEAD_MULTIPLE == 2
+    leads = {"interleaved_d9": 100.0, "interleaved_d18": 100.4, "interleaved_d36": 99.0}
+    assert pick_auto({"wave": 98.0, **leads}, 9) == "wave"
+    assert pick_auto({"wave": 120.0, **leads}, 9) == "interleaved_d18"
+    with pytest.raises(ValueError, match="interleaved_d18"):
+        pick_auto({"wave": 120.0, "interleaved_d9": 100.0}, 9)
 
 
-def test_the_forecast_picks_a_schedule_it_predicts_within_the_tie(cell):
+def test_the_forecast_picks_by_its_own_predictions(cell):
     kernel, platform = cell
     for row in cell_forecast(kernel, platform, [1, 8]):
         times = {k.removeprefix("tile_").removesuffix("_us"): v for k, v in row.items()
                  if k.startswith("tile_") and k.endswith("_us") and not k.endswith("_local_us")}
-        assert row["auto_predicted_us"] <= min(times.values()) * (1 + AUTO_TIE)
+        assert row["auto_schedule"] == pick_auto(times, row["lead_rows"])
         assert times[row["auto_schedule"]] == row["auto_predicted_us"]

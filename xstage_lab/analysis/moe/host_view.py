@@ -216,14 +216,15 @@ def auto_standing(view: HostView) -> pd.DataFrame:
 def pick_over_fastest(view: HostView, pick) -> pd.Series:
     """Per cell of ``view``, ``auto_against_measured``'s ``auto_over_fastest`` of the schedule
     ``pick`` chooses from the run's forecast of the cell (``{"wave" | "interleaved_d<D>":
-    predicted µs}`` over the schedules the run timed): an ``auto`` rule scored on a committed
-    matrix. Raises FileNotFoundError where the forecast record is not under the view's records
-    root."""
+    predicted µs}`` over the schedules the run timed, and the derived lead): an ``auto`` rule
+    scored on a committed matrix. Raises FileNotFoundError where the forecast record is not
+    under the view's records root."""
     forecast = read(view.records[0].path.parents[2] / f"{view.forecast_record}.parquet").table
     names = timed_schedules(view.table)
     picks = forecast[CELL].copy()
     picks["auto_schedule"] = [
-        pick({n: row[f"tile_{n}_us"] for n in names if pd.notna(row.get(f"tile_{n}_us"))})
+        pick({n: row[f"tile_{n}_us"] for n in names if pd.notna(row.get(f"tile_{n}_us"))},
+             int(row["lead_rows"]))
         for row in forecast.to_dict("records")]
     return auto_against_measured(view, picks)["auto_over_fastest"]
 

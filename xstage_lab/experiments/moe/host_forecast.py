@@ -36,20 +36,22 @@ each stretching a mainloop that starts with q outstanding by 1 + (s − 1)·min(
 matmul's 37x on mainloops that start with the X-Stage full, only): the fused kernel's mainloops do
 not meet the sustained backpressure the probes hold, and how they do meet it is not modelled.
 
-``auto_schedule`` (``pick_auto``): of Expert-Wave and Interleaved at each lead of
-``schedules.lead_sweep``, the one this forecast predicts fastest for the cell, the link and the host
-share; among those it predicts within ``AUTO_TIE`` of the fastest, the longest lead (Expert-Wave:
-lead 0). The forecast plays every tile at its median time, so it cannot tell such schedules apart; a
-longer lead keeps Linear-2 tiles further from the Linear-1 tiles they wait for when tile times
-spread. Scored on two matrices from each schedule's measured time
-(``analysis.moe.host_view.pick_over_fastest``; ``moe_host/h200-x1-host``, both since retired:
-``20261202T161006Z`` with ``…161615Z``, and ``20261202T104749Z`` before the Linear-1 deal by work),
-the longest within 0.5% is within 3% of the fastest in 95 and 88 of 112 cells, the fastest predicted
-(ties to the first) in 91 and 83. Timed as ``auto`` on the matrix measured after it
-(``20261202T172543Z-a2f3552c6b`` with ``…172955Z-9cde6134c7``), it was within 3% of the fastest
-timed schedule in 93 of 112 cells (there, offline, 91 against 92 for the fastest predicted). Which
-schedule is fastest moves from run to run: each cell's fastest schedule of the run before
-(``…161006Z`` with ``…161615Z``), looked up in that run, was within 3% in 103 of 112.
+``auto_schedule`` (``pick_auto``): Expert-Wave where this forecast predicts it the fastest of
+Expert-Wave and Interleaved at each lead of ``schedules.lead_sweep`` for the cell, the link and the
+host share; else Interleaved at ``AUTO_LEAD_MULTIPLE`` times the derived lead. The forecast plays
+every tile at its median time, so it tells whether the X-Stage stalls Expert-Wave, but not which
+lead is fastest: the leads' predictions lie within a fraction of a percent, while measured, a lead
+of one D lets the Linear-2 tiles catch up with the Linear-1 tiles they wait for once the host
+link's stalls spread the tile times, and a lead of 4D puts the Linear-2 tiles far enough behind
+that the L2 cache keeps less of what both read (``schedules.derived_lead``). Scored on the two
+matrices at the derived lead from each schedule's measured time
+(``analysis.moe.host_view.pick_over_fastest``; ``moe_host/h200-x1-host``
+``20261203T144659Z-cade274a5a`` with ``…145106Z-be4fce343b``, then ``…162414Z-3ef5ccf57b`` with
+``…162902Z-c52dc2b2b5``), the pick is within 3% of the fastest in 99 and 105 of 112 cells at 2D,
+83 and 82 at D, 90 and 99 at 4D; the rule before it (of the schedules predicted within 0.5% of the
+fastest, the longest lead) in 93 and 98, and timed live as ``auto`` in 82 and 88. Which schedule
+is fastest moves from run to run, and two timings of one schedule in one run differ by up to 6%
+(``auto_standing``'s ``auto_over_same``).
 """
 from __future__ import annotations
 
@@ -70,10 +72,8 @@ from ...ops.moe.shapes import load_shapes
 from .bench import cell_seed
 
 BF16_BYTES = 2
-# Predictions within this fraction of the fastest are ties to ``pick_auto``. Scored on the two
-# committed matrices (``pick_over_fastest``), 0.2%, 0.5% and 1% stay within two cells of each
-# other; 2% loses cells on the older one.
-AUTO_TIE = 0.005
+# ``auto``'s Interleaved lead over the derived lead (``pick_auto``); one of LEAD_MULTIPLES
+AUTO_LEAD_MULTIPLE = 2
 
 
 def schedule_lead(name: str) -> int:
@@ -81,12 +81,16 @@ def schedule_lead(name: str) -> int:
     return 0 if name == "wave" else int(name.removeprefix("interleaved_d"))
 
 
-def pick_auto(predicted: dict[str, float]) -> str:
-    """Of the schedules ``predicted`` (``"wave"`` or ``"interleaved_d<D>"`` -> µs), the longest
-    lead (``schedule_lead``) among those within ``AUTO_TIE`` of the fastest."""
-    fastest = min(predicted.values())
-    return max((n for n, us in predicted.items() if us <= fastest * (1 + AUTO_TIE)),
-               key=schedule_lead)
+def pick_auto(predicted: dict[str, float], lead: int) -> str:
+    """``"wave"`` where it is the fastest of the schedules ``predicted`` (``"wave"`` or
+    ``"interleaved_d<D>"`` -> µs), else Interleaved at ``AUTO_LEAD_MULTIPLE`` times the derived
+    lead ``lead`` (a schedule ``predicted`` holds)."""
+    if min(predicted, key=predicted.get) == "wave":
+        return "wave"
+    name = f"interleaved_d{AUTO_LEAD_MULTIPLE * lead}"
+    if name not in predicted:
+        raise ValueError(f"{name} is not among the predicted schedules {sorted(predicted)}")
+    return name
 
 
 def host_rows_per_block(row_src: np.ndarray, row_slot: np.ndarray, block_m: int,
@@ -164,7 +168,7 @@ def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
     rows = []
     for h in host_shares:
         predicted = {name: simulate(name, h) * scale for name in schedules}
-        auto = pick_auto(predicted)
+        auto = pick_auto(predicted, lead)
         rows.append({"model": shape.model, "precision": kernel["precision"],
                      "routing": kernel["routing"], "tokens": int(kernel["tokens"]),
                      "host_share": h, "d_knee": knee, "lead_rows": lead,
