@@ -49,8 +49,10 @@ matrices at the derived lead from each schedule's measured time
 ``20261203T144659Z-cade274a5a`` with ``…145106Z-be4fce343b``, then ``…162414Z-3ef5ccf57b`` with
 ``…162902Z-c52dc2b2b5``), the pick is within 3% of the fastest in 99 and 105 of 112 cells at 2D,
 83 and 82 at D, 90 and 99 at 4D; the rule before it (of the schedules predicted within 0.5% of the
-fastest, the longest lead) in 93 and 98, and timed live as ``auto`` in 82 and 88. Which schedule
-is fastest moves from run to run, and two timings of one schedule in one run differ by up to 6%
+fastest, the longest lead) in 93 and 98, and timed live as ``auto`` in 82 and 88. Timed live on
+the matrix measured after it (``20261203T164242Z-33ddf8caaf`` with ``…164708Z-e98459381c``), this
+rule was within 3% in 94 of 112 cells (offline there: 102). Which schedule is fastest moves from
+run to run, and two timings of one schedule in one run differ by up to 6%
 (``auto_standing``'s ``auto_over_same``).
 """
 from __future__ import annotations
