@@ -16,10 +16,12 @@ Expert-Wave (the baseline, §2.2): consecutive local experts grouped into waves;
 each wave's Linear-1 tiles followed by its Linear-2 tiles, dealt round-robin to the programs.
 
 Interleaved (Algorithm 1): each program merges its Linear-1 and Linear-2 streams, emitting
-Linear-2 only when ``p_2 + D <= p_1`` (``p_1 = inf`` once its Linear-1 stream is done); the default
-``D`` is ``D_knee`` (eq. 16). The Linear-2 stream is dealt with stride G, the Linear-1 stream by
-work (``l1_deal``). Triton has no two-CTA clusters, so one program is one instance (``r = 0``,
-N-tile ``k mod P_i``), where the paper pairs CTAs with ``n = 2(k mod P_i) + r``.
+Linear-2 only when ``p_2 + D <= p_1`` (``p_1 = inf`` once its Linear-1 stream is done); the
+derived ``D`` is ``derived_lead`` (eq. 16's ``D_knee`` and, where P_2 < P_1, the Linear-2 stream's
+span, counted from the end of the tile's expert: ``leads_from_expert``). The Linear-2 stream is
+dealt with stride G, the Linear-1 stream by work (``l1_deal``). Triton has no two-CTA clusters, so
+one program is one instance (``r = 0``, N-tile ``k mod P_i``), where the paper pairs CTAs with
+``n = 2(k mod P_i) + r``.
 """
 from __future__ import annotations
 
@@ -155,7 +157,8 @@ def leads_from_expert(l1_n_blocks: int, l2_n_blocks: int) -> bool:
     reading its W2, one row at a time as Linear-1 completes its rows, far apart in time: DiT-MoE
     bf16 at the derived lead read 68% more bytes from DRAM than Expert-Wave (``moe_ncu/h200-x1``)
     and ran at 0.96 of its speed. Counted from the expert's last row, an expert's Linear-2 tiles
-    come due together and share its W2 in the L2 cache: with every store local, Interleaved ran
+    come due together and share its W2 in the L2 cache (15% more DRAM reads than Expert-Wave,
+    ``moe_ncu/h200-x1/20261203T1618Z-dit-expert-lead.csv``): with every store local, it ran
     at 1.006 of Expert-Wave's speed against 0.960 with the row lead (bf16 balanced), 1.002
     against 0.973 (bf16 skewed), 1.026 against 1.024 (fp8 balanced) (``moe_schedule_probe/
     h200-x1`` 20261203T160135Z-7b6325593b, …160145Z-80d0c6c71d, …160200Z-f6e41bbbe5). Where
