@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import pandas as pd
-from scipy.optimize import least_squares
 
 from . import model
 from .sweep import median_spread
@@ -153,6 +152,10 @@ def fit_isolated(producers: int, burst_volume, t_iss_us, drain_rate: float) -> I
     v, t = v[order], t[order]
     if v.size < 4:
         raise ValueError("the isolated fit needs at least four burst volumes")
+    # imported here: scipy.optimize is 2 s of every import of the package (plots import this
+    # module), most of which never fit
+    from scipy.optimize import least_squares
+
     small = slice(0, max(2, v.size // 3))
     slope, intercept = np.polyfit(v[small], t[small], 1)
     q0 = float(np.median((v - drain_rate * 1e3 * t)[-3:]))  # V − R·T on the largest bursts
