@@ -1,5 +1,6 @@
 """``FusedMoE`` and the device tables on a Hopper GPU (skipped elsewhere: CI has no GPU): the
-tables equal the host reference, an eager call runs under ``set_sync_debug_mode("error")``, one
+tables equal the host reference (DiT-MoE's Interleaved with the lead counted from the expert
+too), an eager call runs under ``set_sync_debug_mode("error")``, one
 CUDA graph replayed with five routings matches the reference each time, and
 ``torch.compile(fullgraph=True)`` of a block (router, FusedMoE, residual) matches eager. The
 eager call's own graphs (issue 27): calls at interleaved token counts on fresh tensors each match
@@ -38,8 +39,8 @@ def layer(request):
     return FusedMoE(weights, max_tokens=256, top_k=SHAPES[MODEL].top_k, schedule="wave")
 
 
-def _inputs(tokens: int, seed: int, routing: str = "balanced"):
-    shape = SHAPES[MODEL]
+def _inputs(tokens: int, seed: int, routing: str = "balanced", model: str = MODEL):
+    shape = SHAPES[model]
     g = torch.Generator("cuda").manual_seed(seed)
     x = torch.randn(tokens, shape.hidden, generator=g, device="cuda").to(torch.bfloat16)
     ids, w = router_topk(router_logits(tokens, shape.routed_experts, routing, seed=seed,
@@ -47,9 +48,9 @@ def _inputs(tokens: int, seed: int, routing: str = "balanced"):
     return x, ids, w
 
 
-def _check(layer: FusedMoE, y, x, ids, w):
+def _check(layer: FusedMoE, y, x, ids, w, model: str = MODEL):
     precision = layer.workspace.weights.precision
-    for kind, ref in reference_moe(x, ids, w, SHAPES[MODEL], seed=SEED,
+    for kind, ref in reference_moe(x, ids, w, SHAPES[model], seed=SEED,
                                    precision=precision).items():
         err = float((y.float() - ref).norm() / ref.norm())
         assert err <= TOLERANCE[precision][kind], (kind, err)
@@ -76,6 +77,29 @@ def test_device_tables_equal_the_host_reference(layer, tokens, routing, tiny_arr
     assert table_mismatches(ws.tables, host_tables(ws.bounds, ids.reshape(-1), xq, xs,
                                                    top_k=k)) == []
     _check(layer, y, x, ids, w)
+    assert int(layer.error) == 0
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_interleaved_counts_its_lead_from_the_expert_where_p2_is_below_p1(precision):
+    """DiT-MoE (P_2 < P_1): Interleaved's table with the lead counted from the end of each
+    Linear-2 tile's expert (``route_rows``' ``EXPERT_LEAD``) equals the host reference where
+    experts span several row blocks, and the call matches the reference."""
+    model = "DiT-MoE"
+    shape = SHAPES[model]
+    weights = local_expert_weights(shape, 0, 1, precision, seed=SEED, device="cuda")
+    layer = FusedMoE(weights, max_tokens=2048, top_k=shape.top_k, schedule="interleaved")
+    ws, k = layer.workspace, shape.top_k
+    assert ws.bounds.expert_lead
+    x, ids, w = _inputs(2048, 7, "skewed", model)
+    layer.combine.fill_(float("nan"))
+    y = layer(x, ids, w)
+    assert int(ws.tables.expert_counts.max()) > ws.bounds.block_m  # several row blocks
+    rows = x.repeat_interleave(k, dim=0)
+    xq, xs = quantize_rows_fp8(rows) if precision == "fp8" else (rows, None)
+    assert table_mismatches(ws.tables, host_tables(ws.bounds, ids.reshape(-1), xq, xs,
+                                                   top_k=k)) == []
+    _check(layer, y, x, ids, w, model)
     assert int(layer.error) == 0
 
 
