@@ -59,7 +59,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -184,10 +188,30 @@ def cell_forecast(kernel: dict, platform: model.PlatformModel, host_shares, *,
 def tile_forecast(kernels: pd.DataFrame, platform: model.PlatformModel, host_shares,
                   seed: int = 0, patterns: dict | None = None,
                   under_load: dict | None = None) -> pd.DataFrame:
-    """``cell_forecast`` of every cell of ``kernels`` (``moe_kernel`` rows)."""
-    return pd.DataFrame([row for k in kernels.to_dict("records")
-                         for row in cell_forecast(k, platform, host_shares, seed=seed,
-                                                  patterns=patterns, under_load=under_load)])
+    """``cell_forecast`` of every cell of ``kernels`` (``moe_kernel`` rows), in their order.
+
+    The cells are independent and each is seconds of single-threaded work (most of it drawing
+    the cell's workload on the CPU), so they run in a pool of processes, one per core: on a
+    16-core GPU host the forecast that ``reproduce`` writes before the host-link matrix takes
+    seconds instead of minutes. Spawned, not forked: torch's thread pools do not survive a
+    fork."""
+    cells = kernels.to_dict("records")
+    call = functools.partial(cell_forecast, platform=platform, host_shares=host_shares,
+                             seed=seed, patterns=patterns, under_load=under_load)
+    workers = min(len(cells), os.cpu_count() or 1)
+    if workers <= 1:
+        per_cell = list(map(call, cells))
+    else:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_one_thread) as pool:
+            per_cell = list(pool.map(call, cells))
+    return pd.DataFrame([row for rows in per_cell for row in rows])
+
+
+def _one_thread() -> None:
+    """A pool worker's torch on one thread: the pool already takes a core per worker."""
+    import torch
+    torch.set_num_threads(1)
 
 
 def compute(kernel_platform: str, host_platform: str, tokens: int,
