@@ -21,7 +21,10 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_options_are_checked_before_any_launch(tmp_path):
     a = _args("--variant", f"copy={kernel_path('moe_fused_ws.py')}")
     mg.EXPERIMENT.check_args(a)
-    assert list(a.variants) == ["copy"] and a.kernel == "gluon_ws"
+    assert list(a.variants) == ["copy"] and a.kernel == "gluon_ws" and a.schedule == "wave"
+    assert _args("--schedule", "interleaved").schedule == "interleaved"
+    with pytest.raises(SystemExit):
+        _args("--schedule", "fenced")
     for argv, message in [(("--variant", f"tma={kernel_path('moe_fused_ws.py')}"), "taken"),
                           (("--variant", f"in_place={kernel_path('moe_fused_ws.py')}"), "taken"),
                           (("--tma-kernel", str(tmp_path / "none.py")), "no file"),

@@ -4,10 +4,12 @@ record ``moe_gather_probe``).
 
     python -m xstage_lab.experiments.probes.moe_gather (--out FILE | --root DIR)
         [--tma-kernel FILE] [--variant NAME=FILE ...] [--models M ...] [--precisions bf16 fp8]
-        [--routing balanced skewed] [--tokens 4096] [--trials N]
+        [--routing balanced skewed] [--tokens 4096] [--schedule wave|interleaved] [--trials N]
 
-On ``kernel_cell``'s workload (one rank of EP = 8, every Combine store local, Expert-Wave), one
-schedule and one launch of each kernel, all in one rotation:
+On ``kernel_cell``'s workload (one rank of EP = 8, every Combine store local), one schedule
+(``--schedule``: Expert-Wave, or Interleaved at the derived lead as ``FusedMoE``'s device tables
+build it, ``schedules.derived_interleaved_schedule``) and one launch of each kernel, all in one
+rotation:
 
   in_place     the committed kernel over the layout's own rows (``row_origin[r] = r``): the
                host-scheduled launch;
@@ -43,7 +45,8 @@ from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, time_methods
 from ...kernel_sources import load_kernel_module
 from ...ops.moe.fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, _ws_descriptor,
-                              row_addresses)
+                              prepare_fused_moe, row_addresses)
+from ...ops.moe.schedules import derived_interleaved_schedule, derived_lead
 from ...ops.moe.shapes import PRECISIONS, load_shapes
 from ...ops.moe.tiles import kernel_device
 from ...sweep import Axis, Sweep
@@ -53,6 +56,7 @@ from ..moe import kernel_cell as kc
 from .variants import file_digests, parse_variants
 
 COMMITTED = ("in_place", "scattered")
+SCHEDULES = ("wave", "interleaved")
 TMA = "tma"
 A_ROWS, ROW_ORIGIN = 3, 4  # the committed kernel's a_rows and row_origin arguments
 
@@ -107,6 +111,7 @@ class MoEGather(Experiment):
         p.add_argument("--precisions", **list_option(default=list(PRECISIONS)))
         p.add_argument("--routing", **list_option(default=["balanced"]))
         p.add_argument("--tokens", type=int, default=4096, help="tokens per source rank")
+        p.add_argument("--schedule", choices=SCHEDULES, default="wave")
         p.add_argument("--trials", type=int, default=7)
         p.add_argument("--warmup", type=int, default=2)
         p.add_argument("--graph-iters", type=int, default=5)
@@ -142,6 +147,13 @@ class MoEGather(Experiment):
             self.shapes[point["model"]], point["precision"], point["routing"], args.tokens, args,
             run, programs=self.programs, device=self.on)
         in_place = cell.calls["wave"]
+        if args.schedule == "interleaved":
+            lead = derived_lead(cell.knee, self.programs, cell.problem.l1_n_blocks,
+                                cell.problem.l2_n_blocks)
+            in_place = prepare_fused_moe(
+                cell.layout, cell.weights,
+                derived_interleaved_schedule(cell.problem, self.programs, lead), cell.peers,
+                config=cell.cfg, max_spin_iters=args.max_spin)
         lay = cell.layout
         # the received rows in arrival order, each layout row read through its arrival
         x = lay.x[cell.rows]
@@ -168,7 +180,7 @@ class MoEGather(Experiment):
 
     def check(self, step: GatherStep, run: Run) -> list[str]:
         failures, cell = list(step.failures), step.cell
-        error = cell.calls["wave"].error
+        error = step.launches["in_place"].error
         cell.combine.fill_(float("nan"))
         step.launches["in_place"]()
         want = cell.combine.clone()
@@ -189,7 +201,7 @@ class MoEGather(Experiment):
         base = timing["in_place"]["median_us"]
         return pd.DataFrame([{
             "model": cell.shape.model, "precision": cell.precision, "routing": cell.routing,
-            "tokens": args.tokens, "kernel": name, "rows": cell.problem.num_rows,
+            "tokens": args.tokens, "schedule": args.schedule, "kernel": name, "rows": cell.problem.num_rows,
             "num_programs": self.programs, "us": t["median_us"], "p25_us": t["p25_us"],
             "p75_us": t["p75_us"], "over_in_place": base / t["median_us"],
             "sm_clock_mhz": float(np.median([c for c in t.get("sm_clock_mhz", [])
