@@ -206,8 +206,11 @@ def write_eight_gpu_beside_committed(root) -> None:
 
 # ------------------------------------------------- the committed records with different values
 
-# Float columns that are settings of a run, not measurements: kept as they are.
+# Float columns that are settings of a run, not measurements: kept as they are (integer settings
+# read as floats too where a record's other sweeps leave them empty: the host-link probes' rows
+# have no burst).
 SETTING_COLUMNS = {"gap_us", "gap_set_us", "d_factor", "lead_rows", "world_size", "hidden",
+                   "burst", "burst_bytes", "burst_volume",
                    "intermediate", "top_k", "num_programs", "rank", "tiles_l1", "tiles_l2",
                    "programs", "bursts", "src", "dst", "n_dst", "dst_used", "recovery_rate_GBps",
                    "spin_errors_after_timing", "d_knee"}
@@ -316,10 +319,17 @@ def perturb_table(table: pd.DataFrame, experiment: str) -> pd.DataFrame:
     if {"t_iss_us", "period_us", "gap_eff_us", "burst_bytes"} <= set(out.columns):
         # Burst–Gap tables: the issue time of each burst size changes by its own few percent
         # (as much as a gap sweep still reaches its recovered plateau with), and the period is
-        # that issue time plus the effective gap, as measured
-        scale = out["burst_bytes"].map(
-            {b: 1.04 + 0.1 * (zlib.crc32(f"t_iss {b}".encode()) % 997) / 997
-             for b in out["burst_bytes"].unique()})
+        # that issue time plus the effective gap, as measured. The isolated sweep and each row
+        # pattern take their own few percent: a knee (where the isolated bursts' issue time
+        # meets the drain rate of the other sweeps) and a pattern's rate over the contiguous
+        # one's would read the same if all of them scaled alike.
+        size = out["burst_bytes"].astype(str)
+        if "pattern" in out.columns:
+            size = out["pattern"].astype(str) + " " + size
+        if "sweep" in out.columns:
+            size = size.where(out["sweep"] != "isolated", "isolated " + size)
+        scale = size.map({k: 1.04 + 0.1 * (zlib.crc32(f"t_iss {k}".encode()) % 997) / 997
+                          for k in size.unique()})
         for col in ("t_iss_us", "t_iss_median_us", "t_iss_max_us", "t_iss_min_us"):
             if col in out:
                 out[col] = table[col] * scale

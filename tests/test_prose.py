@@ -28,6 +28,10 @@ COINCIDENCES = {
     (("local-sweep", 0), "0.990"): "the best lead's lowest speed over Expert-Wave: the committed "
     "record's is Hy3 fp8 balanced's, the synthetic set's DeepSeek-V4-Flash bf16 skewed's "
     "(moe_host/h200-x1-host/20261202T234337Z-436394c7e6, 2026-12-02)",
+    (("a579076c", 0), "2.3"): "the smallest excess of the measured Expert-Wave stall over the "
+    "forecast's among the cells where it exceeds 2 µs (so near 2 µs in any record set): the "
+    "committed record's is GLM-5.x bf16 skewed h=4's, the synthetic set's MiMo-V2.5 fp8 skewed "
+    "h=1's (moe_host/h200-x1-host/20261203T183751Z-baa09de5b9, 2026-12-03)",
 }
 
 
