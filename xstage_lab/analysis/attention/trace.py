@@ -60,20 +60,28 @@ def tile_table(record) -> pd.DataFrame:
     if cfg["persistent"]:
         raise ValueError("waves are defined for the one-program-per-tile grid; this record "
                          "traced a persistent one")
-    frames = []
-    for r in record.table.to_dict("records"):
-        cols = {c: np.asarray(_values(r[c]), dtype=np.int64) for c in LIST_COLUMNS}
-        M, P, rank = int(r["M"]), int(r["P"]), int(r["rank"])
-        tile = np.arange(len(cols["entry_ns"]))
-        owner = (tile % (M // bm)) * bm // (M // P)
-        entry = cols["entry_ns"] / 1e3
-        q_loop, epilogue = cols["q_loop_ns"] / 1e3, cols["epilogue_ns"] / 1e3
-        frames.append(pd.DataFrame(dict(
-            M=M, P=P, head_dim=int(r["head_dim"]), rank=rank, build=r["build"],
-            launch=int(r["launch"]), tile=tile, entry_us=entry, epilogue_start_us=entry + q_loop,
-            epilogue_end_us=entry + q_loop + epilogue, q_loop_us=q_loop, epilogue_us=epilogue,
-            smid=cols["smid"], remote=owner != rank, wave=tile // programs)))
-    out = pd.concat(frames, ignore_index=True)
+    # every trace row's lists in one array per column, each row's scalars repeated over its
+    # tiles: the table of per-row frames it was, built without a frame per row
+    table = record.table
+    if table.empty:
+        raise ValueError("an fa_trace record without rows has no tiles")
+    lists = {c: [np.asarray(_values(v), dtype=np.int64) for v in table[c]] for c in LIST_COLUMNS}
+    tiles = np.array([len(v) for v in lists["entry_ns"]])
+    cols = {c: np.concatenate(v) for c, v in lists.items()}
+
+    def each(column, dtype=np.int64):
+        return np.repeat(table[column].to_numpy().astype(dtype), tiles)
+
+    M, P, rank = each("M"), each("P"), each("rank")
+    tile = np.concatenate([np.arange(n) for n in tiles])
+    owner = (tile % (M // bm)) * bm // (M // P)
+    entry = cols["entry_ns"] / 1e3
+    q_loop, epilogue = cols["q_loop_ns"] / 1e3, cols["epilogue_ns"] / 1e3
+    out = pd.DataFrame(dict(
+        M=M, P=P, head_dim=each("head_dim"), rank=rank, build=each("build", object),
+        launch=each("launch"), tile=tile, entry_us=entry, epilogue_start_us=entry + q_loop,
+        epilogue_end_us=entry + q_loop + epilogue, q_loop_us=q_loop, epilogue_us=epilogue,
+        smid=cols["smid"], remote=owner != rank, wave=tile // programs))
     out["wave_class"] = np.where(out["wave"] == 0, *WAVE_CLASSES)
     return out
 
