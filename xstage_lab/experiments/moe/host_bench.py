@@ -57,7 +57,7 @@ from ...dist_timing import TIMING_METHOD, time_methods
 from ...ops.moe.combine import host_combine_peers
 from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
 from ...ops.moe.schedules import (L2, Schedule, expert_wave_schedule,
-                                  derived_interleaved_schedule, LEAD_MULTIPLES, derived_lead,
+                                  derived_interleaved_schedule, LEAD_MULTIPLES,
                                   lead_sweep)
 from ...ops.moe.shapes import PRECISIONS, ROUTINGS, load_shapes
 from ...ops.moe.tiles import KERNELS, kernel_device
@@ -218,8 +218,7 @@ class MoEHost(Experiment):
         host = [torch.empty((slots, hidden), dtype=torch.bfloat16,
                             pin_memory=self.on.type == "cuda") for _ in range(h)]
         peers = host_combine_peers(cell.combine, host)
-        lead = derived_lead(cell.knee, self.programs, cell.problem.l1_n_blocks,
-                            cell.problem.l2_n_blocks)
+        lead = cell.derived_lead
 
         def launch(schedule, peers_=peers, fence=False):
             return prepare_fused_moe(cell.layout, cell.weights, schedule, peers_,

@@ -17,7 +17,7 @@ from ...ops.moe.dispatch import DispatchLayout, build_layout, plan_send
 from ...ops.moe.fused import prepare_fused_moe
 from ...ops.moe.reference import expert_rows_reference
 from ...ops.moe.routing import router_logits, router_topk
-from ...ops.moe.schedules import (MoEProblem, d_knee, expert_wave_schedule,
+from ...ops.moe.schedules import (MoEProblem, d_knee, derived_lead, expert_wave_schedule,
                                   interleaved_schedule)
 from ...ops.moe.shapes import PRECISIONS, ROUTINGS, MoEShape, check_expert_parallel
 from ...ops.moe.tiles import KERNELS, TileConfig, default_tile_config
@@ -170,6 +170,12 @@ class Cell:
     dest: torch.Tensor        # int64: their rows of combine.view(-1, H)
     weights: ExpertWeights
     peers: CombinePeers
+
+    @property
+    def derived_lead(self) -> int:
+        """Interleaved's derived lead D for the cell (``schedules.derived_lead``)."""
+        return derived_lead(self.knee, self.programs, self.problem.l1_n_blocks,
+                            self.problem.l2_n_blocks)
 
     @property
     def flat(self) -> torch.Tensor:

@@ -46,7 +46,7 @@ from ...dist_timing import TIMING_METHOD, time_methods
 from ...kernel_sources import load_kernel_module
 from ...ops.moe.fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, _ws_descriptor,
                               prepare_fused_moe, row_addresses)
-from ...ops.moe.schedules import derived_interleaved_schedule, derived_lead
+from ...ops.moe.schedules import derived_interleaved_schedule
 from ...ops.moe.shapes import PRECISIONS, load_shapes
 from ...ops.moe.tiles import kernel_device
 from ...sweep import Axis, Sweep
@@ -148,12 +148,10 @@ class MoEGather(Experiment):
             run, programs=self.programs, device=self.on)
         in_place = cell.calls["wave"]
         if args.schedule == "interleaved":
-            lead = derived_lead(cell.knee, self.programs, cell.problem.l1_n_blocks,
-                                cell.problem.l2_n_blocks)
             in_place = prepare_fused_moe(
                 cell.layout, cell.weights,
-                derived_interleaved_schedule(cell.problem, self.programs, lead), cell.peers,
-                config=cell.cfg, max_spin_iters=args.max_spin)
+                derived_interleaved_schedule(cell.problem, self.programs, cell.derived_lead),
+                cell.peers, config=cell.cfg, max_spin_iters=args.max_spin)
         lay = cell.layout
         # the received rows in arrival order, each layout row read through its arrival
         x = lay.x[cell.rows]

@@ -64,7 +64,7 @@ from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, time_methods
 from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
 from ...ops.moe.schedules import (L1, L2, MoEProblem, Schedule, check_schedule,
-                                  derived_interleaved_schedule, derived_lead,
+                                  derived_interleaved_schedule,
                                   expert_wave_schedule, interleaved_schedule)
 from ...ops.moe.shapes import PRECISIONS, ROUTINGS, load_shapes
 from ...ops.moe.tiles import KERNELS, kernel_device
@@ -204,8 +204,7 @@ class MoESchedule(Experiment):
         cell, checked, failures = kc.checked_cell(
             self.shapes[point["model"]], point["precision"], point["routing"], args.tokens, args,
             run, programs=self.programs, device=self.on)
-        lead = derived_lead(cell.knee, self.programs, cell.problem.l1_n_blocks,
-                            cell.problem.l2_n_blocks)
+        lead = cell.derived_lead
         schedules = probe_schedules(cell.problem, self.programs, lead, args.leads)
         calls = {name: prepare_fused_moe(cell.layout, cell.weights, s, cell.peers, config=cell.cfg,
                                          max_spin_iters=args.max_spin)
