@@ -199,9 +199,9 @@ class MoEGather(Experiment):
         base = timing["in_place"]["median_us"]
         return pd.DataFrame([{
             "model": cell.shape.model, "precision": cell.precision, "routing": cell.routing,
-            "tokens": args.tokens, "schedule": args.schedule, "kernel": name, "rows": cell.problem.num_rows,
-            "num_programs": self.programs, "us": t["median_us"], "p25_us": t["p25_us"],
-            "p75_us": t["p75_us"], "over_in_place": base / t["median_us"],
+            "tokens": args.tokens, "schedule": args.schedule, "kernel": name,
+            "rows": cell.problem.num_rows, "num_programs": self.programs, "us": t["median_us"],
+            "p25_us": t["p25_us"], "p75_us": t["p75_us"], "over_in_place": base / t["median_us"],
             "sm_clock_mhz": float(np.median([c for c in t.get("sm_clock_mhz", [])
                                              if c is not None] or [np.nan])),
             "trials_us": t["trials_us"],
