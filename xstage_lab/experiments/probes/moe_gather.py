@@ -18,11 +18,17 @@ rotation:
   tma          ``--tma-kernel``: a kernel of the contract before the gather (``x_desc``/``x_scale``
                arguments, TMA loads of the layout's rows; ``git show a343c34:kernels/
                moe_fused_ws.py``) over the layout's rows;
+  device_tables  ``FusedMoE``'s path: an ``op.MoEWorkspace`` sized as ``layer_bench``'s EP rank
+               (capacity ``EP·T·top_k``) routed once over the received rows, its kernel launched
+               over its device tables (``MoEWorkspace.launch``);
+  device_tiles   ``in_place`` with the workspace's tile tables (``[G, max_tiles]``, sized by the
+               capacity) in place of the host-built ones: the tables' part of the difference;
   NAME         each ``--variant NAME=FILE``: a copy of the committed kernel, changed, over the
                received rows as ``scattered``.
 
 1. Checks first: the cell passes ``kernel_cell.check_cell`` (the committed schedules against the
-   references); every launch, its Combine buffers poisoned with NaN first, equals ``in_place``
+   references); the workspace's tables equal the host reference
+   (``device_tables.table_mismatches``); every launch, its Combine buffers poisoned with NaN first, equals ``in_place``
    bitwise; spin errors zero. Any failure aborts the run before timing; nothing is written.
 2. Timing: every kernel in one rotation (``dist_timing.time_methods``, CUDA-graph replays).
 
@@ -46,6 +52,8 @@ from ...dist_timing import TIMING_METHOD, time_methods
 from ...kernel_sources import load_kernel_module
 from ...ops.moe.fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, _ws_descriptor,
                               prepare_fused_moe, row_addresses)
+from ...ops.moe.device_tables import host_tables, table_mismatches
+from ...ops.moe.op import MoEWorkspace
 from ...ops.moe.schedules import derived_interleaved_schedule
 from ...ops.moe.shapes import PRECISIONS, load_shapes
 from ...ops.moe.tiles import kernel_device
@@ -55,10 +63,10 @@ from ..harness import Experiment, Run
 from ..moe import kernel_cell as kc
 from .variants import file_digests, parse_variants
 
-COMMITTED = ("in_place", "scattered")
+COMMITTED = ("in_place", "scattered", "device_tables", "device_tiles")
 SCHEDULES = ("wave", "interleaved")
 TMA = "tma"
-A_ROWS, ROW_ORIGIN = 3, 4  # the committed kernel's a_rows and row_origin arguments
+TILES, A_ROWS, ROW_ORIGIN = 0, 3, 4  # the committed kernel's tiles, a_rows, row_origin arguments
 
 
 def load_kernel_file(path: Path):
@@ -170,15 +178,52 @@ class MoEGather(Experiment):
 
         module, entry = KERNEL_ENTRIES["gluon_ws"]
         committed = getattr(load_kernel_module(module), entry)
-        launches = {"in_place": in_place, "scattered": launch(committed, scattered)}
+        ws, received, mismatches = self.workspace(cell, x, x_scale, args)
+        t = ws.tables
+        device_tiles = (t.tiles[args.schedule], t.num_tiles[args.schedule],
+                        t.tiles[args.schedule].shape[1], *in_place.args[TILES + 3:])
+        launches = {"in_place": in_place, "scattered": launch(committed, scattered),
+                    "device_tables": lambda: ws.launch(args.schedule, cell.peers),
+                    "device_tiles": launch(committed, device_tiles)}
         for name, kernel in self.kernels.items():
             launches[name] = launch(kernel, tma_arguments(in_place.args, lay) if name == TMA
                                     else scattered)
-        return GatherStep(point, cell, launches, checked, failures, (x, x_scale, a_rows, origin))
+        failures = [*failures, *(f"device table {m} differs from the host reference"
+                                 for m in mismatches)]
+        return GatherStep(point, cell, launches, checked, failures,
+                          (x, x_scale, a_rows, origin, ws, received))
+
+    def workspace(self, cell: kc.Cell, x: torch.Tensor, x_scale: torch.Tensor | None, args):
+        """An ``op.MoEWorkspace`` of ``layer_bench``'s EP rank (capacity ``EP·T·top_k``, the
+        cell's programs and lead) routed once over the received rows ``x`` (arrival order), the
+        inputs padded to the capacity as a receive buffer is, the count on the device; with its
+        inputs and where its tables differ from the host reference."""
+        wl, n = cell.workload, len(cell.rows)
+        capacity = kc.EP * wl.slots
+        ws = MoEWorkspace(cell.weights, capacity, config=cell.cfg, num_programs=self.programs,
+                          lead_rows=cell.derived_lead, max_spin_iters=args.max_spin,
+                          source_rows=0)
+        src = torch.repeat_interleave(torch.arange(kc.EP, device=x.device),
+                                      torch.tensor(wl.recv_counts, device=x.device))
+
+        def padded(t, fill=0):
+            out = torch.full((capacity, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+            out[:n] = t
+            return out
+
+        received = dict(expert_ids=padded(wl.recv_expert.int()),
+                        x=padded(x.view(torch.uint8)).view(x.dtype),
+                        x_scale=None if x_scale is None else padded(x_scale, 1.0),
+                        n_arrivals=torch.tensor([n], dtype=torch.int32, device=x.device),
+                        arrival_src=padded(src.int()), arrival_slot=padded(wl.recv_slot.int()))
+        ws.route(**received)
+        host = host_tables(ws.bounds, wl.recv_expert, x, x_scale, arrival_src=src,
+                           arrival_slot=wl.recv_slot)
+        return ws, received, table_mismatches(ws.tables, host)
 
     def check(self, step: GatherStep, run: Run) -> list[str]:
         failures, cell = list(step.failures), step.cell
-        error = step.launches["in_place"].error
+        error, ws = step.launches["in_place"].error, step.keep[4]
         cell.combine.fill_(float("nan"))
         step.launches["in_place"]()
         want = cell.combine.clone()
@@ -187,9 +232,10 @@ class MoEGather(Experiment):
             launch()
             if not bitwise_equal(cell.combine, want):
                 failures.append(f"{name}: Combine rows differ from in_place's")
-        if int(error):
-            failures.append(f"spin errors {int(error)}")
-        step.checked["gather_spin_errors"] = int(error)
+        errors = int(error) + int(ws.tables.error)
+        if errors:
+            failures.append(f"spin errors {errors}")
+        step.checked["gather_spin_errors"] = errors
         return failures
 
     def measure(self, step: GatherStep, run: Run) -> pd.DataFrame:
@@ -220,7 +266,7 @@ class MoEGather(Experiment):
             files[TMA] = args.tma_kernel
         return {"kernels": [*COMMITTED, *files], "files": file_digests(files),
                 "workload": f"one rank (rank {kc.RANK}) of EP = {kc.EP} on one GPU, every "
-                            "Combine store local, Expert-Wave",
+                            f"Combine store local, schedule {args.schedule}",
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                          if k != "variants"},
                 "timing": f"{TIMING_METHOD}; {args.graph_iters} calls per trial, CUDA-graph "
