@@ -83,6 +83,15 @@ def rotated_order(names: list[str], trial: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
+def paired_ratio(numerator_trials_us, denominator_trials_us) -> float:
+    """The median over trials of one method's time over another's in the same trial of
+    ``time_methods`` (one rotation, the same clock state). A step in the GPU's clocks between
+    trials moves both times of a trial together and leaves this ratio alone, where the ratio of
+    the two medians can take the step for a difference between the methods."""
+    return float(np.median(np.asarray(numerator_trials_us, dtype=float)
+                           / np.asarray(denominator_trials_us, dtype=float)))
+
+
 # How ``time_methods`` times, for a record's metadata.
 TIMING_METHOD = ("barrier-aligned trials, CUDA events per rank, max over ranks per trial, "
                  "median and p25/p75 over trials, method order rotated")

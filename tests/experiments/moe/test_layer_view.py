@@ -184,3 +184,15 @@ def test_kernel_phases_read_a_one_token_trace():
     assert p["trace_l2_tile_gbps"] == pytest.approx(250.0)
     assert (p["trace_l1_end_us"], p["trace_l2_start_us"], p["trace_l2_wait_us"],
             p["trace_makespan_us"]) == (13.0, 13.0, 9.0, 17.5)
+
+
+def test_kernel_parity_reads_the_paired_ratio_where_a_record_kept_it():
+    """A cell whose medians differ by 4% across a clock step but whose per-trial ratio is 1.005
+    meets the 2%; a record without the paired column falls back to the medians."""
+    paired = _row(8192, kernel_us=81.0, host_scheduled_kernel_us=78.0,
+                  kernel_over_host_kernel_paired=1.005)
+    older = _row(4096, kernel_us=81.0, host_scheduled_kernel_us=78.0)
+    a = lv.acceptance(pd.DataFrame([paired, {**older, "kernel_over_host_kernel_paired": None}]))
+    assert list(a["kernel_over_host_kernel"]) == pytest.approx([1.005, 81 / 78])
+    assert list(a["kernel_parity_ok"]) == [True, False]
+    assert list(lv.acceptance(pd.DataFrame([older]))["kernel_parity_ok"]) == [False]

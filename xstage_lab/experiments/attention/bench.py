@@ -43,14 +43,13 @@ import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import triton
 
 from ...checks import poisoned, relative_error
 from ...cli import list_option
-from ...dist_timing import require_safe_env, rotated_order, time_methods
+from ...dist_timing import paired_ratio, require_safe_env, rotated_order, time_methods
 from ...sweep import Sweep
 from .. import harness
 from ..harness import Experiment, Run
@@ -134,14 +133,13 @@ def fa_only_ratios(timing: dict, flops: int, baseline: str = "cudnn") -> dict:
     """Per method of one ``time_methods`` result: TF/s at its median, the ratio of its TF/s to
     the baseline's (median over median), and the median over trials of the per-trial ratio
     (baseline time / method time within one rotation: both ran in the same clock state)."""
-    base = np.asarray(timing[baseline]["trials_us"])
+    base = timing[baseline]["trials_us"]
     out = {}
     for name, t in timing.items():
-        trials = np.asarray(t["trials_us"])
         out[name] = dict(median_us=t["median_us"], p25_us=t["p25_us"], p75_us=t["p75_us"],
                          tflops=flops / t["median_us"] / 1e6,
                          over_cudnn=timing[baseline]["median_us"] / t["median_us"],
-                         over_cudnn_paired=float(np.median(base / trials)),
+                         over_cudnn_paired=paired_ratio(base, t["trials_us"]),
                          sm_clock_mhz=t.get("sm_clock_mhz"))
     return out
 

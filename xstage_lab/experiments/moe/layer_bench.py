@@ -26,6 +26,10 @@ kernel over the host-built layout and schedule, prepared beforehand), ``weighted
 ``unfused_eager``/``unfused_graph`` (routing by torch ops, grouped GEMMs, the same weighted-sum
 kernel: ``unfused.unfused_layer``), and ``host_scheduled`` (today's path: layout, schedule and
 checked launch on the host, then the kernel and the weighted sum; eager, few trials).
+``kernel_over_host_kernel_paired``: the kernel over the device tables against the host-scheduled
+kernel, the median of their per-trial ratios (``dist_timing.paired_ratio``; both trials kept,
+``kernel_trials_us`` and ``host_scheduled_kernel_trials_us``, beside the kernel's median SM clock,
+``sm_clock_mhz``).
 ``host_overhead_us``: host time of an eager call, nothing waited for (``host_call_median_us``,
 ``host_call_max_us``: of its single calls; ``host_first_call_us``: a run's first call, the host
 back from waiting for the device, timed apart: ``host_timing.host_call_times_us``);
@@ -52,13 +56,14 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
 from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, kernel_phases, layer_view
 from ...analysis.moe.trace import tile_frame
 from ...cli import list_option
-from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
+from ...dist_timing import TIMING_METHOD, kernel_times_us, paired_ratio, time_methods
 from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.device_tables import host_tables, table_mismatches
 from ...ops.moe.dispatch import build_layout
@@ -309,6 +314,12 @@ class Ep8RankCell:
         return 0
 
 
+def _median_clock(timing: dict) -> float:
+    """The median SM clock over a method's trials (NaN where NVML never answered)."""
+    known = [c for c in timing.get("sm_clock_mhz", []) if c is not None]
+    return float(np.median(known)) if known else float("nan")
+
+
 def _expert_bytes(weights) -> int:
     per = [weights.w1, weights.w2, weights.w1_scale, weights.w2_scale]
     return sum(t[0].numel() * t.element_size() for t in per if t is not None)
@@ -533,7 +544,7 @@ class MoELayer(Experiment):
                    "host_scheduled_kernel": cell.host_call, "unfused": cell.unfused}
         if isinstance(cell, Ep1Cell):
             methods["weighted_sum"] = cell.weighted_sum
-        graphed = time_methods(methods, trials=a.trials, graph_iters=a.graph_iters)
+        graphed = time_methods(methods, trials=a.trials, graph_iters=a.graph_iters, clocks=True)
         eager = time_methods({"fused": cell.call, "unfused": cell.unfused}, trials=a.trials,
                              eager=frozenset({"fused", "unfused"}), graph_iters=a.graph_iters)
         host = time_methods({"host_scheduled": cell.host_scheduled},
@@ -566,6 +577,12 @@ class MoELayer(Experiment):
                 "unfused_graph_us": graphed["unfused"]["median_us"],
                 "host_scheduled_us": host["host_scheduled"]["median_us"],
                 "host_scheduled_kernel_us": graphed["host_scheduled_kernel"]["median_us"],
+                "kernel_over_host_kernel_paired": paired_ratio(
+                    graphed["kernel"]["trials_us"], graphed["host_scheduled_kernel"]["trials_us"]),
+                "kernel_trials_us": json.dumps(graphed["kernel"]["trials_us"]),
+                "host_scheduled_kernel_trials_us": json.dumps(
+                    graphed["host_scheduled_kernel"]["trials_us"]),
+                "sm_clock_mhz": _median_clock(graphed["kernel"]),
                 "host_launch_floor_us": self.launch_floor_us,
                 "weight_floor_us": cell.touched_experts() * _expert_bytes(weights) / bw * 1e6,
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,

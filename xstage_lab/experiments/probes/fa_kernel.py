@@ -78,11 +78,10 @@ def load_variant(name: str, path: Path):
 def kernel_rows(args, names: list[str], with_kernel, q, k, v) -> list[dict]:
     """One shape of the kernel comparison: each variant's LOCAL output checked (up to
     ``--check-max-seq``), then every variant and cuDNN timed in one rotation; a row per method."""
-    import pandas as pd
     import torch
 
     from ...checks import bitwise_equal, relative_error
-    from ...dist_timing import time_methods
+    from ...dist_timing import paired_ratio, time_methods
     from ...ops import attention as att
     from ..attention.cases import REL_TOL, attention_flops
 
@@ -109,13 +108,12 @@ def kernel_rows(args, names: list[str], with_kernel, q, k, v) -> list[dict]:
     t = time_methods(methods, trials=args.trials, warmup=2, graph_iters=args.graph_iters,
                      clocks=True)
     flops = attention_flops(M, h, d, 1)
-    cudnn = pd.Series(t["cudnn"]["trials_us"])
     print(d, h, M, {n: round(flops / t[n]["median_us"] / 1e6) for n in t}, file=sys.stderr,
           flush=True)
     return [dict(head_dim=d, heads=h, M=M, method=n, median_us=t[n]["median_us"],
                  p25_us=t[n]["p25_us"], p75_us=t[n]["p75_us"],
                  tflops=flops / t[n]["median_us"] / 1e6,
-                 over_cudnn_paired=float(cudnn.div(pd.Series(t[n]["trials_us"])).median()),
+                 over_cudnn_paired=paired_ratio(t["cudnn"]["trials_us"], t[n]["trials_us"]),
                  trials_us=list(t[n]["trials_us"]), sm_clock_mhz=list(t[n]["sm_clock_mhz"]),
                  **check) for n in t]
 

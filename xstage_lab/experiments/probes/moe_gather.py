@@ -32,7 +32,8 @@ rotation:
    bitwise; spin errors zero. Any failure aborts the run before timing; nothing is written.
 2. Timing: every kernel in one rotation (``dist_timing.time_methods``, CUDA-graph replays).
 
-One row per (cell, kernel); ``over_in_place`` is ``in_place``'s time over the kernel's.
+One row per (cell, kernel); ``over_in_place`` is ``in_place``'s time over the kernel's, the median
+of their per-trial ratios (``dist_timing.paired_ratio``).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ import torch
 
 from ...checks import bitwise_equal
 from ...cli import list_option
-from ...dist_timing import TIMING_METHOD, time_methods
+from ...dist_timing import TIMING_METHOD, paired_ratio, time_methods
 from ...kernel_sources import load_kernel_module
 from ...ops.moe.fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, _ws_descriptor,
                               prepare_fused_moe, row_addresses)
@@ -242,12 +243,12 @@ class MoEGather(Experiment):
         args, cell = run.args, step.cell
         timing = time_methods(step.launches, trials=args.trials, warmup=args.warmup,
                               graph_iters=args.graph_iters, clocks=True)
-        base = timing["in_place"]["median_us"]
+        base = timing["in_place"]["trials_us"]
         return pd.DataFrame([{
             "model": cell.shape.model, "precision": cell.precision, "routing": cell.routing,
             "tokens": args.tokens, "schedule": args.schedule, "kernel": name,
             "rows": cell.problem.num_rows, "num_programs": self.programs, "us": t["median_us"],
-            "p25_us": t["p25_us"], "p75_us": t["p75_us"], "over_in_place": base / t["median_us"],
+            "p25_us": t["p25_us"], "p75_us": t["p75_us"], "over_in_place": paired_ratio(base, t["trials_us"]),
             "sm_clock_mhz": float(np.median([c for c in t.get("sm_clock_mhz", [])
                                              if c is not None] or [np.nan])),
             "trials_us": t["trials_us"],

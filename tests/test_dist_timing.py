@@ -1,0 +1,19 @@
+"""``dist_timing``'s CPU side: the rotation of methods over trials and the paired ratio."""
+import pytest
+
+from xstage_lab.dist_timing import paired_ratio, rotated_order
+
+
+def test_each_method_leads_in_turn():
+    assert [rotated_order(["a", "b", "c"], t) for t in range(4)] == \
+        [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+def test_a_clock_step_between_trials_leaves_the_paired_ratio_alone():
+    """The clocks step down during the fourth trial, between the two methods' runs: ``a`` runs
+    3% slower from the fourth trial on, ``b`` (1% faster than ``a`` in the same clock state) from
+    the fifth. The ratio of the medians reads 4% between them, the paired ratio the 1%."""
+    a, b = [100.0] * 3 + [103.0] * 4, [99.0] * 4 + [101.97] * 3
+    assert sorted(b)[3] / sorted(a)[3] == pytest.approx(99 / 103)
+    assert paired_ratio(b, a) == pytest.approx(0.99)
+    assert paired_ratio([2.0, 4.0, 9.0], [1.0, 1.0, 1.0]) == 4.0
