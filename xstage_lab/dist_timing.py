@@ -92,6 +92,13 @@ def paired_ratio(numerator_trials_us, denominator_trials_us) -> float:
                            / np.asarray(denominator_trials_us, dtype=float)))
 
 
+def median_clock_mhz(timing: dict) -> float:
+    """The median SM clock over one method's trials (``time_methods(clocks=True)``), NaN where
+    NVML never answered."""
+    known = [c for c in timing.get("sm_clock_mhz", []) if c is not None]
+    return float(np.median(known)) if known else float("nan")
+
+
 # How ``time_methods`` times, for a record's metadata.
 TIMING_METHOD = ("barrier-aligned trials, CUDA events per rank, max over ranks per trial, "
                  "median and p25/p75 over trials, method order rotated")

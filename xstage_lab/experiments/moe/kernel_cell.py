@@ -117,6 +117,34 @@ def build_workload(shape: MoEShape, routing: str, tokens: int, *, seed: int, ran
                     torch.cat(recv_expert), tuple(counts))
 
 
+def arrival_sources(wl: Workload) -> torch.Tensor:
+    """Each received row's source rank (int64), in arrival order."""
+    device = wl.recv_x.device
+    return torch.repeat_interleave(torch.arange(wl.world, device=device),
+                                   torch.tensor(wl.recv_counts, device=device))
+
+
+def receive_buffers(wl: Workload, x: torch.Tensor, x_scale: torch.Tensor | None,
+                    capacity: int) -> dict:
+    """The received rows as an EP rank's receive buffers of ``capacity`` rows hold them, in
+    ``device_tables.route_to_tables``' arguments: ``x`` (``recv_x`` as sent: bf16, or e4m3 with
+    its scales ``x_scale``), the local expert ids, sources and slots in arrival order at the front
+    of each buffer (the rest 0, scales 1), and their count on the device."""
+    n = wl.rows
+
+    def buffer(t: torch.Tensor, fill=0) -> torch.Tensor:
+        out = torch.full((capacity, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+        out[:n] = t
+        return out
+
+    return {"expert_ids": buffer(wl.recv_expert.int()),
+            "x": buffer(x.view(torch.uint8)).view(x.dtype),  # e4m3 has no fill of its own
+            "x_scale": None if x_scale is None else buffer(x_scale, 1.0),
+            "n_arrivals": torch.tensor([n], dtype=torch.int32, device=x.device),
+            "arrival_src": buffer(arrival_sources(wl).int()),
+            "arrival_slot": buffer(wl.recv_slot.int())}
+
+
 def fused_layout(wl: Workload, precision: str, block_m: int) -> DispatchLayout:
     """The fused kernel's rows: bf16, or e4m3 with 1 x 128 scales (``quantize_rows_fp8``)."""
     x = quantize_rows_fp8(wl.recv_x) if precision == "fp8" else (wl.recv_x, None)

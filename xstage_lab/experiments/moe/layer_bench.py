@@ -56,14 +56,14 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 
 from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, kernel_phases, layer_view
 from ...analysis.moe.trace import tile_frame
 from ...cli import list_option
-from ...dist_timing import TIMING_METHOD, kernel_times_us, paired_ratio, time_methods
+from ...dist_timing import (TIMING_METHOD, kernel_times_us, median_clock_mhz, paired_ratio,
+                            time_methods)
 from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.device_tables import host_tables, table_mismatches
 from ...ops.moe.dispatch import build_layout
@@ -81,11 +81,11 @@ from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
 from .bench import TOLERANCE
+from .kernel_cell import EP, arrival_sources, build_workload, receive_buffers
 from .host_timing import (call_statistics_us, host_call_times_us, host_overhead_us,
                           launch_floor_us, launch_floors_us)
 
 SETTINGS = ("ep1", "ep8_rank")
-EP = 8
 DEFAULT_TOKENS = (1, 8, 64, 512, 4096, 8192)
 DEFAULT_TRIALS = 5
 GRAPH_ROUTINGS = 5
@@ -99,7 +99,8 @@ SMOKE = dict(models=["DeepSeek-V4-Flash"], precisions=list(PRECISIONS), settings
              tokens=[1, 64, 4096], trials=3)
 
 
-def _routing(shape, tokens: int, seed: int, rank: int, device):
+def balanced_routing(shape, tokens: int, seed: int, rank: int, device):
+    """``tokens`` bf16 tokens of ``rank`` and the balanced router's picks and weights for them."""
     ids, w = router_topk(router_logits(tokens, shape.routed_experts, "balanced", seed=seed,
                                        rank=rank, device=device), shape.top_k)
     g = torch.Generator(device).manual_seed(seed + rank)
@@ -118,7 +119,7 @@ class Ep1Cell:
         self.shape, self.precision, self.tokens, self.seed = shape, precision, tokens, seed
         self.layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="auto")
         self.uweights = uweights
-        self.x, self.ids, self.w = _routing(shape, tokens, seed, 0, device)
+        self.x, self.ids, self.w = balanced_routing(shape, tokens, seed, 0, device)
         self.unfused_capacity = tokens * shape.top_k + shape.routed_experts * (GROUP_ALIGN - 1)
 
     @property
@@ -218,23 +219,14 @@ class Ep1Cell:
 
 
 class Ep8RankCell:
-    """Rank 0 of EP = 8: the received rows of all eight sources into eight local buffers."""
+    """Rank 0 of EP = 8: issue 18's workload (``kernel_cell.build_workload``: the received rows of
+    all eight sources in the order Dispatch delivers them) into eight local buffers."""
 
     def __init__(self, shape, precision, tokens, weights, uweights, seed, device):
         self.shape, self.precision, self.tokens, self.seed = shape, precision, tokens, seed
-        e_loc = shape.routed_experts // EP
-        xs, srcs, slots, experts = [], [], [], []
-        for r in range(EP):
-            x, ids, _ = _routing(shape, tokens, seed, r, device)
-            flat = ids.reshape(-1)
-            picked = (flat < e_loc).nonzero(as_tuple=True)[0]
-            xs.append(x[picked // shape.top_k])
-            slots.append(picked)
-            experts.append(flat[picked])
-            srcs.append(torch.full_like(picked, r))
-        self.rows = torch.cat(xs)
-        self.src, self.slot, self.expert = torch.cat(srcs), torch.cat(slots), torch.cat(experts)
-        n = self.rows.shape[0]
+        wl = build_workload(shape, "balanced", tokens, seed=seed, device=device)
+        self.rows, self.slot, self.expert = wl.recv_x, wl.recv_slot, wl.recv_expert
+        self.src = arrival_sources(wl)
         capacity = EP * tokens * shape.top_k
         # the rows arrive as Dispatch sent them, e4m3 with their scales in FP8: nothing to
         # quantize, so no quantized copy
@@ -244,20 +236,13 @@ class Ep8RankCell:
         self.peers = local_combine_peers(self.buffers)
         xq, xsc = quantize_rows_fp8(self.rows) if precision == "fp8" else (self.rows, None)
         self.xq, self.xsc = xq, xsc
-
-        def padded(t, fill=0):
-            out = torch.full((capacity, *t.shape[1:]), fill, dtype=t.dtype, device=device)
-            out[:n] = t
-            return out
-
-        self.in_x = padded(xq.view(torch.uint8)).view(xq.dtype) if precision == "fp8" \
-            else padded(xq)
-        self.in_scale = None if xsc is None else padded(xsc, 1.0)
-        self.in_expert, self.in_src = padded(self.expert.int()), padded(self.src.int())
-        self.in_slot = padded(self.slot.int())
-        self.n = torch.tensor([n], dtype=torch.int32, device=device)
+        received = receive_buffers(wl, xq, xsc, capacity)
+        self.in_expert, self.in_x, self.in_scale = (received[k] for k in
+                                                    ("expert_ids", "x", "x_scale"))
+        self.n, self.in_src, self.in_slot = (received[k] for k in
+                                             ("n_arrivals", "arrival_src", "arrival_slot"))
         self.uweights = uweights
-        self.unfused_capacity = capacity + e_loc * (GROUP_ALIGN - 1)
+        self.unfused_capacity = capacity + wl.experts_per_rank * (GROUP_ALIGN - 1)
         # each source's rows and slots, found once: a boolean mask in a call would sync
         self.by_source = [((self.src == r).nonzero(as_tuple=True)[0], r) for r in range(EP)]
         self.by_source = [(i, self.slot[i], r) for i, r in self.by_source]
@@ -312,12 +297,6 @@ class Ep8RankCell:
 
     def weighted_sum_bytes(self) -> int:
         return 0
-
-
-def _median_clock(timing: dict) -> float:
-    """The median SM clock over a method's trials (NaN where NVML never answered)."""
-    known = [c for c in timing.get("sm_clock_mhz", []) if c is not None]
-    return float(np.median(known)) if known else float("nan")
 
 
 def _expert_bytes(weights) -> int:
@@ -443,7 +422,8 @@ def check_graph_replays(cell: Ep1Cell) -> list[str]:
     with torch.cuda.graph(graph):
         y = cell.call()
     for i in range(GRAPH_ROUTINGS):
-        x, ids, w = _routing(cell.shape, cell.tokens, cell.seed + 101 * (i + 1), 0, cell.x.device)
+        x, ids, w = balanced_routing(cell.shape, cell.tokens, cell.seed + 101 * (i + 1), 0,
+                                     cell.x.device)
         cell.x.copy_(x)
         cell.ids.copy_(ids)
         cell.w.copy_(w)
@@ -582,7 +562,7 @@ class MoELayer(Experiment):
                 "kernel_trials_us": json.dumps(graphed["kernel"]["trials_us"]),
                 "host_scheduled_kernel_trials_us": json.dumps(
                     graphed["host_scheduled_kernel"]["trials_us"]),
-                "sm_clock_mhz": _median_clock(graphed["kernel"]),
+                "sm_clock_mhz": median_clock_mhz(graphed["kernel"]),
                 "host_launch_floor_us": self.launch_floor_us,
                 "weight_floor_us": cell.touched_experts() * _expert_bytes(weights) / bw * 1e6,
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
@@ -599,7 +579,8 @@ class MoELayer(Experiment):
 
     def metadata(self, run: Run) -> dict:
         return {"settings": {"ep1": "every routed expert on this GPU, FusedMoE from topk_ids",
-                             "ep8_rank": f"rank 0 of EP = {EP}: received rows into {EP} local "
+                             "ep8_rank": f"rank 0 of EP = {EP}: received rows (in Dispatch's "
+                                         f"order: kernel_cell.build_workload) into {EP} local "
                                          "Combine buffers, no weighted sum"},
                 "hbm_gbps": self.hbm_gbps, "host_launch_floor_us": self.launch_floor_us,
                 "host_launch_floors_us": self.launch_floors,

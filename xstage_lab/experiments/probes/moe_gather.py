@@ -43,13 +43,12 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 
 from ...checks import bitwise_equal
 from ...cli import list_option
-from ...dist_timing import TIMING_METHOD, paired_ratio, time_methods
+from ...dist_timing import TIMING_METHOD, median_clock_mhz, paired_ratio, time_methods
 from ...kernel_sources import load_kernel_module
 from ...ops.moe.fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, _ws_descriptor,
                               prepare_fused_moe, row_addresses)
@@ -199,27 +198,15 @@ class MoEGather(Experiment):
         cell's programs and lead) routed once over the received rows ``x`` (arrival order), the
         inputs padded to the capacity as a receive buffer is, the count on the device; with its
         inputs and where its tables differ from the host reference."""
-        wl, n = cell.workload, len(cell.rows)
+        wl = cell.workload
         capacity = kc.EP * wl.slots
         ws = MoEWorkspace(cell.weights, capacity, config=cell.cfg, num_programs=self.programs,
                           lead_rows=cell.derived_lead, max_spin_iters=args.max_spin,
                           source_rows=0)
-        src = torch.repeat_interleave(torch.arange(kc.EP, device=x.device),
-                                      torch.tensor(wl.recv_counts, device=x.device))
-
-        def padded(t, fill=0):
-            out = torch.full((capacity, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
-            out[:n] = t
-            return out
-
-        received = dict(expert_ids=padded(wl.recv_expert.int()),
-                        x=padded(x.view(torch.uint8)).view(x.dtype),
-                        x_scale=None if x_scale is None else padded(x_scale, 1.0),
-                        n_arrivals=torch.tensor([n], dtype=torch.int32, device=x.device),
-                        arrival_src=padded(src.int()), arrival_slot=padded(wl.recv_slot.int()))
+        received = kc.receive_buffers(wl, x, x_scale, capacity)
         ws.route(**received)
-        host = host_tables(ws.bounds, wl.recv_expert, x, x_scale, arrival_src=src,
-                           arrival_slot=wl.recv_slot)
+        host = host_tables(ws.bounds, wl.recv_expert, x, x_scale,
+                           arrival_src=kc.arrival_sources(wl), arrival_slot=wl.recv_slot)
         return ws, received, table_mismatches(ws.tables, host)
 
     def check(self, step: GatherStep, run: Run) -> list[str]:
@@ -249,8 +236,7 @@ class MoEGather(Experiment):
             "tokens": args.tokens, "schedule": args.schedule, "kernel": name,
             "rows": cell.problem.num_rows, "num_programs": self.programs, "us": t["median_us"],
             "p25_us": t["p25_us"], "p75_us": t["p75_us"], "over_in_place": paired_ratio(base, t["trials_us"]),
-            "sm_clock_mhz": float(np.median([c for c in t.get("sm_clock_mhz", [])
-                                             if c is not None] or [np.nan])),
+            "sm_clock_mhz": median_clock_mhz(t),
             "trials_us": t["trials_us"],
             **{k: v for k, v in step.checked.items() if not isinstance(v, dict)}}
             for name, t in timing.items()])

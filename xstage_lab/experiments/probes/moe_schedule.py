@@ -61,7 +61,7 @@ import torch
 
 from ...checks import bitwise_equal
 from ...cli import list_option
-from ...dist_timing import TIMING_METHOD, time_methods
+from ...dist_timing import TIMING_METHOD, median_clock_mhz, time_methods
 from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
 from ...ops.moe.schedules import (L1, L2, MoEProblem, Schedule, check_schedule,
                                   derived_interleaved_schedule,
@@ -252,8 +252,7 @@ class MoESchedule(Experiment):
                 "num_programs": self.programs, "lead_rows": s.lead_rows, "d_knee": cell.knee,
                 "us": t["median_us"], "p25_us": t["p25_us"], "p75_us": t["p75_us"],
                 "over_wave": timing["wave"]["median_us"] / t["median_us"],
-                "sm_clock_mhz": float(np.median([c for c in t.get("sm_clock_mhz", [])
-                                                 if c is not None] or [np.nan])),
+                "sm_clock_mhz": median_clock_mhz(t),
                 "trials_us": t["trials_us"],
                 "l1_tiles_max": max(c[0] for c in counts), "l2_tiles_max": max(c[1] for c in counts),
                 **trace_summary(traced_tiles(traced, name)),

@@ -42,15 +42,15 @@ from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
 from ...ops.moe.device_tables import (DeviceTables, TableBounds, allocate_tables, host_tables,
                                       route_to_tables, table_mismatches)
-from ...ops.moe.routing import router_logits, router_topk
 from ...ops.moe.schedules import d_knee
 from ...ops.moe.shapes import load_shapes
 from ...ops.moe.tiles import default_tile_config
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
+from ..moe.kernel_cell import EP, arrival_sources, build_workload, receive_buffers
+from ..moe.layer_bench import balanced_routing
 
-EP = 8
 SETTINGS = ("ep1", "ep8_rank")
 # tiny_arrivals and tiny_received of each path's tables
 PATHS = {"launches": 0, "one_program": 1 << 30}
@@ -71,40 +71,17 @@ class Arrivals:
 
 def cell_arrivals(shape, setting: str, tokens: int, seed: int, device) -> Arrivals:
     """EP = 1: ``tokens`` tokens' balanced router picks. EP rank: rank 0's received rows of the
-    eight sources' balanced routings (``layer_bench.Ep8RankCell``'s)."""
+    eight sources' balanced routings in Dispatch's order (``layer_bench``'s cells')."""
     k = shape.top_k
-
-    def routing(rank):
-        ids, _ = router_topk(router_logits(tokens, shape.routed_experts, "balanced", seed=seed,
-                                          rank=rank, device=device), k)
-        g = torch.Generator(device).manual_seed(seed + rank)
-        return ids, torch.randn(tokens, shape.hidden, generator=g, device=device).to(torch.bfloat16)
-
     if setting == "ep1":
-        ids, x = routing(0)
+        x, ids, _ = balanced_routing(shape, tokens, seed, 0, device)
         return Arrivals(ids.reshape(-1), x, k, {}, ids.reshape(-1),
                         x.repeat_interleave(k, dim=0), {})
-    e_loc, rows, src, slot, expert = shape.routed_experts // EP, [], [], [], []
-    for r in range(EP):
-        ids, x = routing(r)
-        flat = ids.reshape(-1)
-        picked = (flat < e_loc).nonzero(as_tuple=True)[0]
-        rows.append(x[picked // k])
-        slot.append(picked)
-        expert.append(flat[picked])
-        src.append(torch.full_like(picked, r))
-    rows, src, slot, expert = (torch.cat(t) for t in (rows, src, slot, expert))
-    n, capacity = rows.shape[0], EP * tokens * k
-
-    def padded(t):
-        out = torch.zeros((capacity, *t.shape[1:]), dtype=t.dtype, device=device)
-        out[:n] = t
-        return out
-
-    received = {"n_arrivals": torch.tensor([n], dtype=torch.int32, device=device),
-                "arrival_src": padded(src.int()), "arrival_slot": padded(slot.int())}
-    return Arrivals(padded(expert.int()), padded(rows), k, received, expert, rows,
-                    {"arrival_src": src, "arrival_slot": slot})
+    wl = build_workload(shape, "balanced", tokens, seed=seed, device=device)
+    buffers = receive_buffers(wl, wl.recv_x, None, EP * tokens * k)
+    received = {name: buffers[name] for name in ("n_arrivals", "arrival_src", "arrival_slot")}
+    return Arrivals(buffers["expert_ids"], buffers["x"], k, received, wl.recv_expert, wl.recv_x,
+                    {"arrival_src": arrival_sources(wl), "arrival_slot": wl.recv_slot})
 
 
 @dataclasses.dataclass
