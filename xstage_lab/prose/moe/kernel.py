@@ -206,7 +206,8 @@ def layer(layer_views) -> Prose:
         parity = a[a["tokens"] >= KERNEL_PARITY_TOKENS]
         kernel = (f" From {KERNEL_PARITY_TOKENS} tokens the kernel over the device tables takes "
                   f"{span(parity['kernel_over_host_kernel'], '.3f')}× the time of the same "
-                  f"kernel over the host-built schedule (within {KERNEL_PARITY - 1:.0%} in "
+                  "kernel over the host-built schedule (the median of their per-trial "
+                  f"ratios where a record kept the trials; within {KERNEL_PARITY - 1:.0%} in "
                   f"{met('kernel_parity_ok')} cells)." if measured(parity,
                                                                   "kernel_over_host_kernel")
                   else "")
