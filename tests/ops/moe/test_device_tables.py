@@ -158,10 +158,12 @@ def case_scan_in_steps() -> dict:
 
 
 def case_every_shape() -> dict:
-    """Each model shape once, at few tokens, alternating precision, programs and lead."""
+    """Each model shape once, at two to four tokens (every expert with rows is a program of
+    ``route_rows`` to interpret), alternating precision, programs and lead."""
     out = {}
     for i, model in enumerate(SHAPES):
-        out[model] = case_ep1(model, ("bf16", "fp8")[i % 2], 3 + i, ("balanced", "skewed")[i % 2],
+        out[model] = case_ep1(model, ("bf16", "fp8")[i % 2], 2 + i % 3,
+                              ("balanced", "skewed")[i % 2],
                               (5, 16, 132)[i % 3], 1 + i % 3, seed=i)
     return out
 
