@@ -28,8 +28,9 @@ rotation:
 
 1. Checks first: the cell passes ``kernel_cell.check_cell`` (the committed schedules against the
    references); the workspace's tables equal the host reference
-   (``device_tables.table_mismatches``); every launch, its Combine buffers poisoned with NaN first, equals ``in_place``
-   bitwise; spin errors zero. Any failure aborts the run before timing; nothing is written.
+   (``device_tables.table_mismatches``); every launch, its Combine buffers poisoned with NaN
+   first, equals ``in_place`` bitwise; spin errors zero. Any failure aborts the run before
+   timing; nothing is written.
 2. Timing: every kernel in one rotation (``dist_timing.time_methods``, CUDA-graph replays).
 
 One row per (cell, kernel); ``over_in_place`` is ``in_place``'s time over the kernel's, the median
@@ -96,6 +97,7 @@ class GatherStep:
     launches: dict   # kernel -> callable
     checked: dict
     failures: list
+    workspace: MoEWorkspace  # device_tables' (its error flag is checked with in_place's)
     keep: tuple      # the tensors the launches read through device-held addresses
 
 
@@ -190,8 +192,8 @@ class MoEGather(Experiment):
                                     else scattered)
         failures = [*failures, *(f"device table {m} differs from the host reference"
                                  for m in mismatches)]
-        return GatherStep(point, cell, launches, checked, failures,
-                          (x, x_scale, a_rows, origin, ws, received))
+        return GatherStep(point, cell, launches, checked, failures, ws,
+                          (x, x_scale, a_rows, origin, received))
 
     def workspace(self, cell: kc.Cell, x: torch.Tensor, x_scale: torch.Tensor | None, args):
         """An ``op.MoEWorkspace`` of ``layer_bench``'s EP rank (capacity ``EP·T·top_k``, the
@@ -211,7 +213,7 @@ class MoEGather(Experiment):
 
     def check(self, step: GatherStep, run: Run) -> list[str]:
         failures, cell = list(step.failures), step.cell
-        error, ws = step.launches["in_place"].error, step.keep[4]
+        error, ws = step.launches["in_place"].error, step.workspace
         cell.combine.fill_(float("nan"))
         step.launches["in_place"]()
         want = cell.combine.clone()
@@ -235,7 +237,8 @@ class MoEGather(Experiment):
             "model": cell.shape.model, "precision": cell.precision, "routing": cell.routing,
             "tokens": args.tokens, "schedule": args.schedule, "kernel": name,
             "rows": cell.problem.num_rows, "num_programs": self.programs, "us": t["median_us"],
-            "p25_us": t["p25_us"], "p75_us": t["p75_us"], "over_in_place": paired_ratio(base, t["trials_us"]),
+            "p25_us": t["p25_us"], "p75_us": t["p75_us"],
+            "over_in_place": paired_ratio(base, t["trials_us"]),
             "sm_clock_mhz": median_clock_mhz(t),
             "trials_us": t["trials_us"],
             **{k: v for k, v in step.checked.items() if not isinstance(v, dict)}}
