@@ -63,10 +63,12 @@ ID_DTYPES = (torch.int32, torch.int64)
 
 
 def auto_schedule(peers_world: int) -> str:
-    """``schedule="auto"``, for now: Expert-Wave where every Combine store stays on this GPU (one
-    Combine destination: no remote-store burst for Interleaved to spread, §4.2), Interleaved at
-    the workspace's lead (``schedules.derived_lead``) where the Combine stores go to peers. The
-    forecast's pick per cell (``host_forecast.pick_auto``, eqs. 12–16) replaces it."""
+    """``schedule="auto"`` without a forecast at hand: Expert-Wave where every Combine store stays
+    on this GPU (one Combine destination: no remote-store burst for Interleaved to spread, §4.2),
+    Interleaved at the workspace's lead (``schedules.derived_lead``) where the Combine stores go
+    to peers. Where a link's calibration and the kernel's tile times are known, the forecast
+    picks per cell (``host_forecast.pick_auto``, eqs. 12–16), and its pick is passed as the
+    schedule (``moe_host`` times it as ``auto``)."""
     return "wave" if peers_world == 1 else "interleaved"
 
 
