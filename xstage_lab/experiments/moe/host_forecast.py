@@ -51,9 +51,10 @@ matrices at the derived lead from each schedule's measured time
 83 and 82 at D, 90 and 99 at 4D; the rule before it (of the schedules predicted within 0.5% of the
 fastest, the longest lead) in 93 and 98, and timed live as ``auto`` in 82 and 88. Timed live on
 the matrix measured after it (``20261203T164242Z-33ddf8caaf`` with ``…164708Z-e98459381c``), this
-rule was within 3% in 94 of 112 cells (offline there: 102). Which schedule is fastest moves from
-run to run, and two timings of one schedule in one run differ by up to 6%
-(``auto_standing``'s ``auto_over_same``).
+rule was within 3% in 94 of 112 cells (offline there: 102), then in 96 and in 102 on the two
+matrices of ``make reproduce`` (``…183751Z-baa09de5b9``, ``20261204T000038Z-571f7889c6``).
+Which schedule is fastest moves from run to run, and two timings of one schedule in one run differ
+by up to 6% (``auto_standing``'s ``auto_over_same``).
 """
 from __future__ import annotations
 
