@@ -246,24 +246,19 @@ def _fp8_halves_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a
     acc0 = gl.zeros([HALF_ROWS, SCALE_BLOCK], gl.float32, layout=mma)
     acc1 = gl.zeros([HALF_ROWS, SCALE_BLOCK], gl.float32, layout=mma)
     t = gl.zeros([HALF_ROWS, SCALE_BLOCK], gl.float32, layout=mma)
-    # K block 0's scales: Linear-1's (the call's inputs) before the first stage; Linear-2's
-    # rows (h's, released by other SMs) only once the first stage's wait follows the
-    # producer's acquire of them
-    a_s, s0, s1 = _block_scales(a_scales, b0_scales, b1_scales, 0, LINEAR1, LINEAR1)
     for kk in range(n_k):
         s = _wait_stage(it, ready, LINEAR1, STAGES)
         a = a_smem.index(2 * s + half)
         b = b_smem.index(s)
         t = warpgroup_mma(a, b.slice(0, SCALE_BLOCK).permute((1, 0)), t, use_acc=False,
                           is_async=True)
-        if not LINEAR1:
-            a_s = gl.where(kk == 0, _block_scales(a_scales, b0_scales, b1_scales, 0, False,
-                                                  kk == 0)[0], a_s)
-        # the next K block's scales in flight under this block's two wgmma groups (the last
-        # block reloads its own): a row's scale is a load of its own, one per row, from rows
-        # anywhere in x where Linear-1 gathers them
-        a_n, s0_n, s1_n = _block_scales(a_scales, b0_scales, b1_scales,
-                                        gl.minimum(kk + 1, n_k - 1), LINEAR1, True)
+        # scale loads in flight under the wgmma
+        if LINEAR1:
+            a_s = gl.load(a_scales + kk)
+        else:
+            a_s = gl.load(a_scales + kk, cache_modifier=".cg")
+        s0 = gl.load(b0_scales + kk)
+        s1 = gl.load(b1_scales + kk)
         t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
         acc0 += t * (a_s * s0)[:, None]
         t = warpgroup_mma(a, b.slice(SCALE_BLOCK, SCALE_BLOCK).permute((1, 0)), t,
@@ -271,20 +266,8 @@ def _fp8_halves_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a
         t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
         mbarrier.arrive(empty.index(s))
         acc1 += t * (a_s * s1)[:, None]
-        a_s, s0, s1 = a_n, s0_n, s1_n
         it += 1
     return acc0, acc1, it
-
-
-@gluon.jit
-def _block_scales(a_scales, b0_scales, b1_scales, kk, LINEAR1: gl.constexpr, rows):
-    """K block ``kk``'s scales: this warpgroup's rows' where ``rows`` (else 0; Linear-2's
-    ``.cg``: ``h``'s were released by other SMs; read them at L2) and the two B halves'."""
-    if LINEAR1:
-        a_s = gl.load(a_scales + kk, mask=rows, other=0.0)
-    else:
-        a_s = gl.load(a_scales + kk, mask=rows, other=0.0, cache_modifier=".cg")
-    return a_s, gl.load(b0_scales + kk), gl.load(b1_scales + kk)
 
 
 @gluon.jit
@@ -364,25 +347,16 @@ def _linear2_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, h_sc
         h_scales = h_scale + gl.convert_layout(rows, gl.SliceLayout(1, mma)) * k_scales
         w_scales = w2_scale + (expert * (HIDDEN // SCALE_BLOCK) + n_block) * k_scales
         t = gl.zeros([HALF_ROWS, BLOCK_N2], gl.float32, layout=mma)
-        scale = gl.zeros([HALF_ROWS], gl.float32, layout=gl.SliceLayout(1, mma))
         for kk in range(n_k):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             t = warpgroup_mma(a_smem.index(2 * s + half),
                               b_smem.index(s).slice(0, BLOCK_N2).permute((1, 0)), t,
                               use_acc=False, is_async=True)
-            # K block 0's: h's scales only once the first stage's wait follows the producer's
-            # acquire of these rows
-            first = gl.load(h_scales, mask=kk == 0, other=0.0, cache_modifier=".cg")
-            scale = gl.where(kk == 0, first * gl.load(w_scales), scale)
-            # the next K block's scales in flight under this block's wgmma (as
-            # _fp8_halves_mainloop)
-            nxt = gl.minimum(kk + 1, n_k - 1)
-            scale_n = gl.load(h_scales + nxt, cache_modifier=".cg") * gl.load(w_scales + nxt)
+            scale = gl.load(h_scales + kk, cache_modifier=".cg") * gl.load(w_scales + kk)
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
             mbarrier.arrive(empty.index(s))
             acc += t * scale[:, None]
-            scale = scale_n
             it += 1
     else:
         s = it % STAGES
