@@ -52,11 +52,12 @@ def eight_gpu_root(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reproduced(tmp_path_factory):
     """``reproduce --backend replay`` of every notebook on the committed records, once per run
-    (tests/test_notebooks.py and tests/test_prose.py read it): the output folder; read only."""
-    from xstage_lab import runner
+    and in one kernel (``one_kernel.replay``; tests/test_notebooks.py and tests/test_prose.py
+    read it): the output folder; read only."""
+    from tests.one_kernel import replay
 
     out = tmp_path_factory.mktemp("reproduced")
-    assert runner.reproduce(backend="replay", out=out) == 0
+    assert replay(out) == 0
     return out
 
 

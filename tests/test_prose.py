@@ -171,6 +171,7 @@ def runs(tmp_path_factory, reproduced):
     """Every notebook executed on the committed records (the session's ``reproduced``, which
     tests/test_notebooks.py reads too) and on a synthetic record set made from them with other
     values: {"committed"|"synthetic": output folder}."""
+    from tests.one_kernel import replay
     from tests.synthetic import write_synthetic_record_set
     from xstage_lab.records import RECORDS_ENV
 
@@ -179,7 +180,7 @@ def runs(tmp_path_factory, reproduced):
     out = {"committed": reproduced, "synthetic": base / "synthetic"}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(RECORDS_ENV, str(base / "records"))
-        assert runner.reproduce(backend="replay", out=out["synthetic"]) == 0
+        assert replay(out["synthetic"]) == 0
     return out
 
 

@@ -10,9 +10,16 @@ from xstage_lab.records import platforms
 from xstage_lab.summary import summary
 
 
-def test_summary_has_calibration_per_platform():
+@pytest.fixture(scope="module")
+def committed() -> dict:
+    """``summary()`` of the committed records, made once for the tests that read it (about 2 s a
+    call); read only."""
+    return summary()
+
+
+def test_summary_has_calibration_per_platform(committed):
     """Every platform with calibration records (one GPU has none: it has no peer to store to)."""
-    s = summary()
+    s = committed
     assert s["platforms"], "no platform with committed records"
     calibrated = {p: e for p, e in s["platforms"].items() if "calibration" in e}
     assert set(calibrated) == set(platforms("calibration"))
@@ -32,10 +39,10 @@ def test_cli_prints_json():
     assert json.loads(out)["platforms"]
 
 
-def test_fa_a2a_rows_carry_the_documented_keys():
+def test_fa_a2a_rows_carry_the_documented_keys(committed):
     from xstage_lab.summary import FA_A2A_KEYS
 
-    for platform, entries in summary()["platforms"].items():
+    for platform, entries in committed["platforms"].items():
         for row in entries.get("fa_a2a", []):
             assert set(row) == set(FA_A2A_KEYS)
             assert row["e_res_us"] == row["fused_us"] - row["fa_us"]
@@ -62,10 +69,10 @@ def test_fa_a2a_keeps_the_latest_record_of_each_attention_shape(tmp_path):
                                                                    (128, 8192, 30.0)]
 
 
-def test_moe_entry_aggregates_its_per_config_speedups():
+def test_moe_entry_aggregates_its_per_config_speedups(committed):
     import numpy as np
 
-    for platform, entries in summary()["platforms"].items():
+    for platform, entries in committed["platforms"].items():
         if "moe" not in entries:
             continue
         moe = entries["moe"]
@@ -77,8 +84,8 @@ def test_moe_entry_aggregates_its_per_config_speedups():
             assert abs(c["speedup"] - c["wave_us"] / c["interleaved_us"]) < 1e-6
 
 
-def test_counterfactual_carries_both_worlds():
-    for platform, entries in summary()["platforms"].items():
+def test_counterfactual_carries_both_worlds(committed):
+    for platform, entries in committed["platforms"].items():
         if "counterfactual" not in entries:
             continue
         cf = entries["counterfactual"]
@@ -88,17 +95,17 @@ def test_counterfactual_carries_both_worlds():
             assert row["period_coupled_us"] > 0 and row["period_decoupled_us"] > 0
 
 
-def test_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_root):
+def test_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_root, committed):
     """Issue 7: an h200-x8 platform gets every entry the committed h200-x2 has, its own (P = 8,
     8-GPU injection patterns), and leaves the h200-x2 entries as they were."""
     platforms = summary(root=eight_gpu_root)["platforms"]
     assert set(platforms) == {"h200-x2", "h200-x8"}
-    committed = summary()["platforms"]["h200-x2"]
-    assert json.dumps(platforms["h200-x2"], sort_keys=True) == json.dumps(committed, sort_keys=True)
+    x2 = committed["platforms"]["h200-x2"]
+    assert json.dumps(platforms["h200-x2"], sort_keys=True) == json.dumps(x2, sort_keys=True)
     x8 = platforms["h200-x8"]
-    assert set(x8) == set(committed)
+    assert set(x8) == set(x2)
     assert {row["P"] for row in x8["fa_a2a"]} == {8}
-    assert x8["moe"]["configs"] == committed["moe"]["configs"]
+    assert x8["moe"]["configs"] == x2["moe"]["configs"]
     pat = x8["patterns"]
     assert pat["gpus"] == 8 and pat["degenerate"] == [] and not pat["excluded"]
     assert len(pat["per_instance"]) == 56 + 8 + 8 + 1
@@ -108,10 +115,10 @@ def test_an_eight_gpu_platform_beside_the_committed_one(eight_gpu_root):
                for s in by[("all_to_one", "dst=3")]["sources"])
 
 
-def test_moe_kernel_and_forecast_entries_follow_the_schema():
+def test_moe_kernel_and_forecast_entries_follow_the_schema(committed):
     """``moe_kernel`` and ``moe_forecast`` of every platform with those records, as
     docs/summary_json.md states them."""
-    s = summary()
+    s = committed
     kernels = [e for e in s["platforms"].values() if "moe_kernel" in e]
     assert kernels, "no moe_kernel record"
     for entries in kernels:

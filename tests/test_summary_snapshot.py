@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from xstage_lab import runner
+from tests.one_kernel import replay
 from xstage_lab.records import RECORDS_ENV, select_records
 from xstage_lab.summary import summary
 
@@ -61,9 +61,9 @@ def test_figure_tables_are_unchanged(tmp_path, monkeypatch):
     tables = SNAPSHOTS / "tables"
     root = select_records(json.loads((tables / "records.json").read_text())["records"],
                           tmp_path / "records")
-    monkeypatch.setenv(RECORDS_ENV, str(root))  # read at import, by each notebook's kernel
+    monkeypatch.setenv(RECORDS_ENV, str(root))  # read at import, by the notebooks' kernel
     out = tmp_path / "out"
-    assert runner.reproduce(backend="replay", out=out) == 0
+    assert replay(out) == 0
     want = sorted(p.relative_to(tables) for p in tables.glob("*/*.csv"))
     assert sorted(p.relative_to(out) for p in out.glob("*/*.csv")) == want
     for name in want:

@@ -44,9 +44,15 @@ def interpreter_fixes():
     language modules its globals see again (``inspect.getmembers`` of each, a third of an
     interpreted case's time), though the launch running it patched them already with the same
     builder. A helper's call inside a launch whose patches (or an earlier helper's, which are never
-    undone) cover its modules skips that; any other call patches as before."""
+    undone) cover its modules skips that; any other call patches as before. Two more, together a
+    quarter of an interpreted case's time: ``_get_np_dtype`` builds its table of every dtype on
+    each call (here each answer is kept), and each ``tl.tuple`` (a tensor's or a block type's
+    shape, made with every one) builds its type, element by element, which the interpreter seldom
+    reads (here built when read: ``tl.tuple.type``, as the tuple's values are then, which only
+    ``_setitem`` changes, setting the type again)."""
     import numpy as np
     import triton.language as tl
+    from triton.language import core
     from triton.runtime import interpreter
 
     patch_tensor = interpreter._patch_lang_tensor
@@ -88,7 +94,36 @@ def interpreter_fixes():
             patched[-1] |= languages(self.fn)
         return helper_call(self, *args, **kwargs)
 
+    np_dtype, np_dtypes = interpreter._get_np_dtype, {}
+
+    def cached_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):  # as _get_np_dtype: a block's by its elements'
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):
+            return np_dtype(tt_dtype)
+        if tt_dtype not in np_dtypes:
+            np_dtypes[tt_dtype] = np_dtype(tt_dtype)
+        return np_dtypes[tt_dtype]
+
+    def tuple_init(self, args, type=None):  # core.tuple.__init__, the type left to tuple_type
+        self.values = [i for i in args]
+        if isinstance(type, core.tuple_type):
+            self.type = type
+        elif type is not None:  # make_template in ASTFunction.deserialize may pass a list
+            self.type = core.tuple_type(type)
+
+    def tuple_type(self):
+        if "_type" not in self.__dict__:
+            self.__dict__["_type"] = core._type_for_tuple_values(self.values)
+        return self.__dict__["_type"]
+
+    def set_tuple_type(self, value):
+        self.__dict__["_type"] = value
+
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter, "_get_np_dtype", cached_np_dtype)
+        mp.setattr(core.tuple, "__init__", tuple_init)
+        mp.setattr(core.tuple, "type", property(tuple_type, set_tuple_type), raising=False)
         mp.setattr(interpreter, "_patch_lang_tensor", patched_tensor)
         mp.setattr(interpreter.InterpreterBuilder, "create_dot", dot)
         mp.setattr(interpreter.GridExecutor, "__call__", launched)

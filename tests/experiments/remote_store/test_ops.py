@@ -264,6 +264,7 @@ class ModelBench:
 
     def __init__(self, rates: dict, faulty=()):
         self.settings, self.rates, self.faulty, self.launches = BenchSettings(), rates, faulty, []
+        self.rows = {}  # a point's rows, made at its first launch
 
     def validate(self, p):
         validate_ops_point(p, INV2)
@@ -278,9 +279,12 @@ class ModelBench:
         if p["op"] in self.faulty:
             raise RuntimeError(f"{p['op']}: illegal address")
         self.launches.append(p)
-        rows = synthetic_beyond_table([Sweep("one", (), fixed=p, repeats=1, warmup=0)],
-                                      drain_rate=lambda q: self.rates[q["op"]])
-        return rows.drop(columns=["sweep", "point", "repeat"])
+        key = repr(sorted(p.items()))
+        if key not in self.rows:  # the model answers a point's launches alike (2 ms each)
+            rows = synthetic_beyond_table([Sweep("one", (), fixed=p, repeats=1, warmup=0)],
+                                          drain_rate=lambda q: self.rates[q["op"]])
+            self.rows[key] = rows.drop(columns=["sweep", "point", "repeat"])
+        return self.rows[key].copy()
 
 
 def test_calibrate_configs_scales_excludes_and_fits():
