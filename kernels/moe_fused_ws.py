@@ -246,12 +246,6 @@ def _fp8_halves_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a
     acc0 = gl.zeros([HALF_ROWS, SCALE_BLOCK], gl.float32, layout=mma)
     acc1 = gl.zeros([HALF_ROWS, SCALE_BLOCK], gl.float32, layout=mma)
     t = gl.zeros([HALF_ROWS, SCALE_BLOCK], gl.float32, layout=mma)
-    if LINEAR1:
-        # Linear-1's scales are the call's inputs, complete before the kernel starts: K block
-        # 0's before the first stage, and each next block's under this block's wgmma groups
-        a_s = gl.load(a_scales)
-        s0 = gl.load(b0_scales)
-        s1 = gl.load(b1_scales)
     for kk in range(n_k):
         s = _wait_stage(it, ready, LINEAR1, STAGES)
         a = a_smem.index(2 * s + half)
@@ -260,15 +254,11 @@ def _fp8_halves_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a
                           is_async=True)
         # scale loads in flight under the wgmma
         if LINEAR1:
-            nxt = gl.minimum(kk + 1, n_k - 1)  # the last block reloads its own
-            a_next = gl.load(a_scales + nxt)
-            s0_next = gl.load(b0_scales + nxt)
-            s1_next = gl.load(b1_scales + nxt)
+            a_s = gl.load(a_scales + kk)
         else:
-            # Linear-2's rows of h: only after the stage's wait (other SMs released them)
             a_s = gl.load(a_scales + kk, cache_modifier=".cg")
-            s0 = gl.load(b0_scales + kk)
-            s1 = gl.load(b1_scales + kk)
+        s0 = gl.load(b0_scales + kk)
+        s1 = gl.load(b1_scales + kk)
         t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
         acc0 += t * (a_s * s0)[:, None]
         t = warpgroup_mma(a, b.slice(SCALE_BLOCK, SCALE_BLOCK).permute((1, 0)), t,
@@ -276,8 +266,6 @@ def _fp8_halves_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a
         t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
         mbarrier.arrive(empty.index(s))
         acc1 += t * (a_s * s1)[:, None]
-        if LINEAR1:
-            a_s, s0, s1 = a_next, s0_next, s1_next
         it += 1
     return acc0, acc1, it
 
