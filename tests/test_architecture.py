@@ -1,6 +1,7 @@
 """The layering of the package, read from the sources (parsed, never imported): no import cycle
 among the modules of xstage_lab, and the device code in kernels/ imports nothing of xstage_lab."""
 import ast
+import functools
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -14,6 +15,18 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def parse(path: Path) -> ast.Module:
+    """The syntax tree of the source at ``path``, parsed once per version of the file (the tests
+    here read every source several times); read only."""
+    stat = path.stat()
+    return _parsed(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.cache
+def _parsed(path: Path, mtime_ns: int, size: int) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
 def imports(path: Path, name: str, modules: set[str] = frozenset()) -> set[str]:
     """Every dotted name that the source at ``path`` (the module ``name``) imports, at any depth
     (imports inside functions count): the modules, and for ``from m import x`` also ``m.x``.
@@ -21,7 +34,7 @@ def imports(path: Path, name: str, modules: set[str] = frozenset()) -> set[str]:
     ``modules``: then it depends on those submodules, as ``import m.x`` does."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -193,7 +206,7 @@ def test_nothing_above_the_records_module_reads_records_but_through_load():
             continue
         readers = {d for d in _all_imports(name, path)
                    if d in {f"{PACKAGE}.records.{r}" for r in RECORD_READERS}}
-        tree = ast.parse(path.read_text())
+        tree = parse(path)
         readers |= {f"records.{n.attr}" for n in ast.walk(tree)
                     if isinstance(n, ast.Attribute) and n.attr in RECORD_READERS
                     and isinstance(n.value, ast.Name) and n.value.id in ("records", "_records")}

@@ -44,15 +44,18 @@ def interpreter_fixes():
     language modules its globals see again (``inspect.getmembers`` of each, a third of an
     interpreted case's time), though the launch running it patched them already with the same
     builder. A helper's call inside a launch whose patches (or an earlier helper's, which are never
-    undone) cover its modules skips that; any other call patches as before. Two more, together a
-    quarter of an interpreted case's time: ``_get_np_dtype`` builds its table of every dtype on
-    each call (here each answer is kept), and each ``tl.tuple`` (a tensor's or a block type's
-    shape, made with every one) builds its type, element by element, which the interpreter seldom
-    reads (here built when read: ``tl.tuple.type``, as the tuple's values are then, which only
-    ``_setitem`` changes, setting the type again)."""
+    undone) cover its modules skips that; any other call patches as before. Three more, together
+    half of an interpreted case's time: every add, subtract and multiply of 8- to 32-bit integers
+    computes its overflow check in 64 bits for a ``device_assert`` that is a no-op without
+    ``debug``, which the interpreter's options never set (here computed only with it);
+    ``_get_np_dtype`` builds its table of every dtype on each call (here each answer is kept); and
+    each ``tl.tuple`` (a tensor's or a block type's shape, made with every one) builds its type,
+    element by element, which the interpreter seldom reads (here built when read:
+    ``tl.tuple.type``, as the tuple's values are then, which only ``_setitem`` changes, setting
+    the type again)."""
     import numpy as np
     import triton.language as tl
-    from triton.language import core
+    from triton.language import core, semantic
     from triton.runtime import interpreter
 
     patch_tensor = interpreter._patch_lang_tensor
@@ -94,6 +97,12 @@ def interpreter_fixes():
             patched[-1] |= languages(self.fn)
         return helper_call(self, *args, **kwargs)
 
+    sanitize = semantic.TritonSemantic.binary_op_sanitize_overflow_impl
+
+    def sanitize_if_asserted(self, lhs, rhs, binary_op):
+        if self.builder.options.debug:  # device_assert asserts nothing without it
+            sanitize(self, lhs, rhs, binary_op)
+
     np_dtype, np_dtypes = interpreter._get_np_dtype, {}
 
     def cached_np_dtype(tt_dtype):
@@ -121,6 +130,8 @@ def interpreter_fixes():
         self.__dict__["_type"] = value
 
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(semantic.TritonSemantic, "binary_op_sanitize_overflow_impl",
+                   sanitize_if_asserted)
         mp.setattr(interpreter, "_get_np_dtype", cached_np_dtype)
         mp.setattr(core.tuple, "__init__", tuple_init)
         mp.setattr(core.tuple, "type", property(tuple_type, set_tuple_type), raising=False)

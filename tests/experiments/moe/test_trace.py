@@ -267,6 +267,19 @@ def test_regression_cells_from_matrix_outputs(tmp_path):
     assert parse_args(["--out", "x"]).regression_cells == []
 
 
+def test_geometric_mean_is_scipys_to_the_bit():
+    """``analysis.moe.geometric_mean`` stands in for ``scipy.stats.gmean`` in the summaries
+    (headline numbers, kernel geomeans): the same float on arrays of any length."""
+    from scipy.stats import gmean
+
+    from xstage_lab.analysis.moe import geometric_mean
+    rng = np.random.default_rng(1)
+    for n in (1, 2, 3, 7, 28, 112, 1000):
+        values = rng.uniform(0.3, 3.0, n)
+        assert geometric_mean(values) == float(gmean(values))
+        assert geometric_mean(pd.Series(values)) == float(gmean(values))
+
+
 def test_condition1_by_hand():
     """K_act = 4 SMs x 16 KiB = 64 KiB at R = 65.536 GB/s: V/R = 1 µs; T_iss^0 = T_L2 = 0.25 µs,
     so Expert-Wave's overhead (eq. 4) is 0.5 µs; n1/n2 = 2/4 of T_L1 = 0.6 µs offsets 0.3 (eq. 13);

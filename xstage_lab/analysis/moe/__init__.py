@@ -5,10 +5,17 @@ kernel records (``kernel_view``) and layer records (``layer_view``), and the EP 
 The record vocabulary the kernels write, without importing them: a tile table entry's ``kind``
 (``L1``: Linear-1, ``L2``: Linear-2) and the precisions (``ops.moe`` holds the same values; a test
 keeps them equal)."""
+import numpy as np
 import pandas as pd
 
 L1, L2 = 0, 1
 PRECISIONS = ("bf16", "fp8")
+
+
+def geometric_mean(values) -> float:
+    """exp(mean(log x)), to the bit ``scipy.stats.gmean``'s of a 1-D array, without importing
+    scipy.stats (half a second of each process that reads a MoE record: the summary, a kernel)."""
+    return float(np.exp(np.mean(np.log(np.asarray(values, dtype=float)))))
 
 
 def newest_per_cell(records, cell: list[str]):

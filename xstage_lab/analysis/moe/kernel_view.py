@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import PRECISIONS
+from . import PRECISIONS, geometric_mean
 from ...loading import record_paths as list_records, read as read_record
 
 SUMMARY_KEYS = ("model", "precision", "routing", "tokens", "kernel_wave_us",
@@ -25,11 +25,9 @@ def kernel_summary(table: pd.DataFrame, call_overhead: dict) -> dict:
     and its ``call_overhead`` header: the per-cell rows; the geometric mean over cells, per
     precision, of the kernel's TF/s over cuBLAS's (None where a precision has no cell); and per
     precision the one-token kernel and call times, the worst over models."""
-    from scipy.stats import gmean  # here: scipy.stats is 2 s of the package's import
-
     rows = [{k: _plain(r[k]) for k in SUMMARY_KEYS} for r in table.to_dict("records")]
     ratio = table["tflops"].astype(float) / table["cublas_dense_tflops"].astype(float)
-    geomean = {p: (round(float(gmean(ratio[table["precision"] == p])), 4)
+    geomean = {p: (round(geometric_mean(ratio[table["precision"] == p]), 4)
                    if (table["precision"] == p).any() else None) for p in PRECISIONS}
     one_token = pd.DataFrame(call_overhead["rows"])
     worst = {p: {"kernel_us": float(g["kernel_wave_us"].max()),
