@@ -34,7 +34,10 @@ that hold them all in registers, and beside them the quantizing programs):
                        chunk's rows of the expert start) and their counts; then, in the last
                        program to finish, every expert's row blocks and padded first row (the
                        scan over experts), the Expert-Wave waves by counted rows, the tile count
-                       of every program of both schedules and the used row blocks;
+                       of every program of both schedules and the used row blocks. Where the
+                       arrivals' bound has few chunks (``device_tables.SCAN_IN_HISTOGRAM_CHUNKS``)
+                       ``route_histogram``'s last program does all of it instead (``SCAN``): two
+                       launches;
   ``route_rows``       two passes, independent given the offsets, side by side in one grid:
                        the scatter, per chunk: each arrival's rank among its expert's arrivals
                        (stable: by arrival), its padded row, ``row_src``/``row_slot``/
@@ -105,13 +108,22 @@ def _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, 
 @triton.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",
                                "out", "CAPACITY"])
 def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
-                    n_arrivals_ptr, chunk_counts, error, x_quant, x_quant_scale, CAPACITY,
-                    NUM_EXPERTS, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
-                    E_PAD: tl.constexpr, CHUNK: tl.constexpr, ID_DTYPE: tl.constexpr):
+                    n_arrivals_ptr, chunk_counts, error, x_quant, x_quant_scale, chunk_start,
+                    expert_counts, scan_done, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
+                    wave_num_tiles, inter_num_tiles, CAPACITY, NUM_EXPERTS, G, P1, P2,
+                    WAVE_MIN_L1, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
+                    E_PAD: tl.constexpr, CHUNK: tl.constexpr, ID_DTYPE: tl.constexpr,
+                    SCAN: tl.constexpr, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
+                    E_LOG2: tl.constexpr, CHUNK_ROWS: tl.constexpr, JUMP_LEVELS: tl.constexpr,
+                    JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
     """``chunk_counts[c, e]`` (int32 ``[chunks, NUM_EXPERTS]``): arrivals of chunk ``c`` routed to
     local expert ``e``. ``expert_ids``: the address of ``ID_DTYPE`` (int32/int64) ``[CAPACITY]``,
     the local expert of each arrival; it and the call's other addresses (``moe_args``' slots)
-    by value. Program 0: ``_write_block``."""
+    by value. Program 0: ``_write_block``. ``SCAN``: the last program to finish (a ticket on
+    ``scan_done``, set back to 0 for the next call) then does ``route_offsets``' work alone,
+    every expert's column of counts at once (``_scan_chunk_counts``, ``CHUNK_ROWS`` chunks a
+    step), then ``_offsets_and_waves``: where the arrivals' bound has few chunks, one launch and
+    one kernel boundary fewer. Without it the scan's arguments are not read."""
     c = tl.program_id(0)
     if c == 0:
         _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, x_quant,
@@ -122,6 +134,17 @@ def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, ou
                                   NUM_EXPERTS, E_PAD, CHUNK)
         es = tl.arange(0, E_PAD)
         tl.store(chunk_counts + c * NUM_EXPERTS + es, counts, mask=es < NUM_EXPERTS)
+    if SCAN:
+        tl.debug_barrier()  # every thread's counts stored before the ticket releases them
+        if tl.atomic_add(scan_done, 1) == tl.num_programs(0) - 1:  # acq_rel: the others' counts
+            tl.store(scan_done, 0)
+            _scan_chunk_counts(chunk_counts, chunk_start, expert_counts, tl.arange(0, E_PAD),
+                               tl.cdiv(n, CHUNK), NUM_EXPERTS, CHUNK_ROWS)
+            tl.debug_barrier()  # expert_counts, read back by the layout
+            _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps,
+                               meta, wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2,
+                               WAVE_MIN_L1, BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS,
+                               JUMP_STRIDE, JUMP_PAD)
 
 
 @triton.jit
@@ -206,31 +229,41 @@ def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, scan
     ``expert_counts[e]``. The last program to finish (a ticket on ``scan_done``, which it sets back
     to 0 for the next call) then lays out every expert (``_offsets_and_waves``)."""
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
-    chunks = tl.cdiv(n, CHUNK)
-    es = tl.program_id(0) * E_BLOCK + tl.arange(0, E_BLOCK)
-    in_e = es < NUM_EXPERTS
-    carry = tl.zeros([E_BLOCK], dtype=tl.int32)
-    # each step loads the next rows of counts before it scans its own: the loads' latency, not
-    # the scan, sets a step's time
-    cs = tl.arange(0, CHUNK_ROWS)
-    offs = cs[:, None] * NUM_EXPERTS + es[None, :]
-    mask = (cs < chunks)[:, None] & in_e[None, :]
-    h = tl.load(chunk_counts + offs, mask=mask, other=0)
-    for c0 in range(0, chunks, CHUNK_ROWS):
-        cs_next = c0 + CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
-        offs_next = cs_next[:, None] * NUM_EXPERTS + es[None, :]
-        mask_next = (cs_next < chunks)[:, None] & in_e[None, :]
-        h_next = tl.load(chunk_counts + offs_next, mask=mask_next, other=0)
-        tl.store(chunk_start + offs, carry[None, :] + tl.cumsum(h, axis=0) - h, mask=mask)
-        carry += tl.sum(h, axis=0)
-        h, offs, mask = h_next, offs_next, mask_next
-    tl.store(expert_counts + es, carry, mask=in_e)
+    _scan_chunk_counts(chunk_counts, chunk_start, expert_counts,
+                       tl.program_id(0) * E_BLOCK + tl.arange(0, E_BLOCK), tl.cdiv(n, CHUNK),
+                       NUM_EXPERTS, CHUNK_ROWS)
     tl.debug_barrier()  # every thread's counts stored before the ticket releases them
     if tl.atomic_add(scan_done, 1) == tl.num_programs(0) - 1:  # acq_rel: the others' counts
         tl.store(scan_done, 0)
         _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
                            wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
                            BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS, JUMP_STRIDE, JUMP_PAD)
+
+
+@triton.jit
+def _scan_chunk_counts(chunk_counts, chunk_start, expert_counts, es, chunks, NUM_EXPERTS,
+                       CHUNK_ROWS: tl.constexpr):
+    """For the experts ``es``: ``chunk_start[c, e]``, the arrivals of expert ``e`` in chunks
+    before ``c`` (of the ``chunks`` in use), and ``expert_counts[e]``, ``CHUNK_ROWS`` chunks a
+    step. The counts are read at L2 (``.cg``): other programs stored them, in this launch or
+    the one before."""
+    in_e = es < NUM_EXPERTS
+    carry = tl.zeros(es.shape, dtype=tl.int32)
+    # each step loads the next rows of counts before it scans its own: the loads' latency, not
+    # the scan, sets a step's time
+    cs = tl.arange(0, CHUNK_ROWS)
+    offs = cs[:, None] * NUM_EXPERTS + es[None, :]
+    mask = (cs < chunks)[:, None] & in_e[None, :]
+    h = tl.load(chunk_counts + offs, mask=mask, other=0, cache_modifier=".cg")
+    for c0 in range(0, chunks, CHUNK_ROWS):
+        cs_next = c0 + CHUNK_ROWS + tl.arange(0, CHUNK_ROWS)
+        offs_next = cs_next[:, None] * NUM_EXPERTS + es[None, :]
+        mask_next = (cs_next < chunks)[:, None] & in_e[None, :]
+        h_next = tl.load(chunk_counts + offs_next, mask=mask_next, other=0, cache_modifier=".cg")
+        tl.store(chunk_start + offs, carry[None, :] + tl.cumsum(h, axis=0) - h, mask=mask)
+        carry += tl.sum(h, axis=0)
+        h, offs, mask = h_next, offs_next, mask_next
+    tl.store(expert_counts + es, carry, mask=in_e)
 
 
 @triton.jit

@@ -48,7 +48,7 @@ def case_ep1(model: str, precision: str, tokens: int, routing: str, programs: in
     tables.row_ready.fill_(7)  # a launch's counts: the routing zeroes them for the next launch
     route_to_tables(tables, topk_ids.reshape(-1), x, top_k=topk_ids.shape[1])
     assert not tables.row_ready.any()
-    assert int(tables.scan_done) == 0  # route_offsets' last program took its ticket back
+    assert int(tables.scan_done) == 0  # the scan's last program took its ticket back
     # the fused kernel reads the tokens in place (bf16), or their quantized copy
     assert tables.a_rows.tolist() == ([tables.x_quant.data_ptr(), tables.x_quant_scale.data_ptr()]
                                       if precision == "fp8" else
@@ -143,18 +143,29 @@ def case_out_of_range_ids_are_flagged() -> dict:
 
 
 def case_scan_in_steps() -> dict:
-    """``route_offsets`` scanning the chunk counts in several steps, its carry from step to step:
-    two chunks a step (a small ``SCAN_TILE``) over the 7 chunks of 400 skewed picks, at EP = 1
-    and on an EP rank (the arrivals' count read on the device)."""
-    from xstage_lab.ops.moe import device_tables
+    """The chunk counts scanned in several steps, the carry from step to step, over the 7 chunks
+    of 400 skewed picks at EP = 1 and on an EP rank (the arrivals' count read on the device):
+    by ``route_offsets`` in the three launches (``SCAN_IN_HISTOGRAM_CHUNKS`` 0), two chunks a
+    step (a small ``SCAN_TILE``), and by ``route_histogram``'s last program, two chunks a step
+    (``SCAN_ONE_TILE`` two chunks of every expert: 16 at EP = 1, 2 on the rank)."""
+    from xstage_lab.ops.moe import device_tables as dt
 
-    tile = device_tables.SCAN_TILE
-    device_tables.SCAN_TILE = 2 * device_tables.SCAN_EXPERTS  # read as each call's tables bind
-    try:
-        return {"ep1": case_ep1("DiT-MoE", "bf16", 200, "skewed", 7, 3, 4),
-                "ep_rank": case_ep_rank("DiT-MoE", "bf16", 8, 120, 5, 1, 3)}
+    saved = dt.SCAN_TILE, dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_ONE_TILE
+    out = {}
+    try:  # read as each call's tables bind
+        dt.SCAN_TILE, dt.SCAN_IN_HISTOGRAM_CHUNKS = 2 * dt.SCAN_EXPERTS, 0
+        out["route_offsets"] = {"ep1": case_ep1("DiT-MoE", "bf16", 200, "skewed", 7, 3, 4),
+                                "ep_rank": case_ep_rank("DiT-MoE", "bf16", 8, 120, 5, 1, 3)}
+        dt.SCAN_TILE, dt.SCAN_IN_HISTOGRAM_CHUNKS = saved[:2]
+        dt.SCAN_ONE_TILE = 2 * 16
+        ep1 = case_ep1("DiT-MoE", "bf16", 200, "skewed", 7, 3, 4)
+        dt.SCAN_ONE_TILE = 2 * 2
+        out["route_histogram"] = {"ep1": ep1,
+                                  "ep_rank": case_ep_rank("DiT-MoE", "bf16", 8, 120, 5, 1, 3)}
     finally:
-        device_tables.SCAN_TILE = tile
+        dt.SCAN_TILE, dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_ONE_TILE = saved
+    assert out["route_offsets"] == out["route_histogram"]
+    return out
 
 
 def case_every_shape() -> dict:
@@ -235,9 +246,10 @@ def interpreter_cases() -> dict:
     }
 
 
-def _compile_sm90(name: str, e_pad: int = 512) -> dict:
+def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
     """One routing kernel built for sm_90 (as the op launches it on an H200); ``route_tiny``
-    with ``e_pad`` experts over 128 arrivals (512: from all pairs, 64: from the scan)."""
+    with ``e_pad`` experts over 128 arrivals (512: from all pairs, 64: from the scan);
+    ``route_histogram`` with the scan in its last program where ``scan``."""
     import triton
     import triton.language as tl
     from triton.compiler import ASTSource
@@ -247,21 +259,23 @@ def _compile_sm90(name: str, e_pad: int = 512) -> dict:
 
     kernel = getattr(load_kernel_module("moe_routing"), name)
     ptr, i = "*i32", "i32"
+    # the scan's and the layout's buffers and sizes (route_offsets', route_histogram's with SCAN)
+    layout = {k: ptr for k in ("chunk_start", "expert_counts", "scan_done", "expert_offsets",
+                               "wave_lo", "wave_hi", "wave_jumps", "meta", "wave_num_tiles",
+                               "inter_num_tiles")}
+    layout_ints = {k: i for k in ("CAPACITY", "NUM_EXPERTS", "G", "P1", "P2", "WAVE_MIN_L1")}
     # the call's addresses, by value (the first launch writes the argument block)
     addresses = {k: "i64" for k in ("expert_ids", "x", "x_scale", "combine_rows",
                                     "topk_weights", "out")}
     signatures = {
         "route_histogram": ({"args": "*i64", **addresses, "n_arrivals_ptr": ptr,
                              "chunk_counts": ptr, "error": ptr, "x_quant": "*fp8e4nv",
-                             "x_quant_scale": "*fp32", "CAPACITY": i, "NUM_EXPERTS": i},
+                             "x_quant_scale": "*fp32", **layout, **layout_ints},
                             dict(RECEIVED=False, QUANTIZE=True, E_PAD=256, CHUNK=128,
-                                 ID_DTYPE=tl.int64)),
-        "route_offsets": ({**{k: ptr for k in ("chunk_counts", "chunk_start", "n_arrivals_ptr",
-                                               "expert_counts", "scan_done", "expert_offsets",
-                                               "wave_lo", "wave_hi", "wave_jumps", "meta",
-                                               "wave_num_tiles", "inter_num_tiles")},
-                           **{k: i for k in ("CAPACITY", "NUM_EXPERTS", "G", "P1", "P2",
-                                             "WAVE_MIN_L1")}},
+                                 ID_DTYPE=tl.int64, SCAN=scan, BLOCK_M=128, G_PAD=256,
+                                 E_LOG2=8, CHUNK_ROWS=32, JUMP_LEVELS=9, JUMP_STRIDE=257,
+                                 JUMP_PAD=512)),
+        "route_offsets": ({"chunk_counts": ptr, "n_arrivals_ptr": ptr, **layout, **layout_ints},
                           dict(RECEIVED=True, BLOCK_M=128, E_PAD=512, E_BLOCK=4, G_PAD=256,
                                CHUNK=128, CHUNK_ROWS=1024, E_LOG2=9, JUMP_LEVELS=10,
                                JUMP_STRIDE=513, JUMP_PAD=1024)),
@@ -300,14 +314,16 @@ def _compile_sm90(name: str, e_pad: int = 512) -> dict:
                                         {(names.index(k),): v for k, v in constexprs.items()}),
                               target=hopper_target(),
                               options={"num_warps": 8 if name in ("route_offsets", "route_tiny")
-                                       else 4})
+                                       or scan else 4})
     return {"has_cubin": bool(compiled.asm.get("cubin")), "shared": compiled.metadata.shared}
 
 
 COMPILE_CASES = {**{f"compile_sm90_{n}": (_compile_sm90, n)
                     for n in ("route_histogram", "route_offsets", "route_rows", "route_quantize",
                               "route_tiny")},
-                 "compile_sm90_route_tiny_scan": (_compile_sm90, "route_tiny", 64)}
+                 "compile_sm90_route_tiny_scan": (_compile_sm90, "route_tiny", 64),
+                 "compile_sm90_route_histogram_scan": (_compile_sm90, "route_histogram", 256,
+                                                       True)}
 
 interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, interpreter_cases())
 

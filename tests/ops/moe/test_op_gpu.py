@@ -56,16 +56,19 @@ def _check(layer: FusedMoE, y, x, ids, w, model: str = MODEL):
         assert err <= TOLERANCE[precision][kind], (kind, err)
 
 
-@pytest.mark.parametrize("tokens,routing,tiny_arrivals", [
-    (1, "balanced", None), (1, "balanced", 0), (21, "skewed", 128), (37, "skewed", None),
-    (256, "balanced", None)])
-def test_device_tables_equal_the_host_reference(layer, tokens, routing, tiny_arrivals,
-                                                monkeypatch):
+@pytest.mark.parametrize("tokens,routing,limits", [
+    (1, "balanced", {}), (1, "balanced", {"TINY_ARRIVALS": 0}),
+    (21, "skewed", {"TINY_ARRIVALS": 128}), (37, "skewed", {}),
+    (37, "skewed", {"SCAN_IN_HISTOGRAM_CHUNKS": 0}), (256, "balanced", {}),
+    (256, "balanced", {"SCAN_IN_HISTOGRAM_CHUNKS": 0})])
+def test_device_tables_equal_the_host_reference(layer, tokens, routing, limits, monkeypatch):
     """Each token count through the launches its arrivals take: one token through
-    ``route_tiny``, 37 and 256 through the three table launches; one token through those
-    launches as well, and 21 (126 arrivals, at most ``block_m``) through ``route_tiny``."""
-    if tiny_arrivals is not None:  # a layer of its own: the module's has its tables
-        monkeypatch.setattr(device_tables, "TINY_ARRIVALS", tiny_arrivals)
+    ``route_tiny``, 37 and 256 through the two table launches (the scan in ``route_histogram``'s
+    last program) and through the three (``route_offsets``); one token through the launches as
+    well, and 21 (126 arrivals, at most ``block_m``) through ``route_tiny``."""
+    if limits:  # a layer of its own: the module's has its tables
+        for name, value in limits.items():
+            monkeypatch.setattr(device_tables, name, value)
         layer = FusedMoE(layer.workspace.weights, max_tokens=256, top_k=SHAPES[MODEL].top_k,
                          schedule="wave")
     x, ids, w = _inputs(tokens, tokens, routing)

@@ -1,7 +1,8 @@
 """Routing to tile tables on the device (``kernels/moe_routing.py``): the Dispatch layout and both
-schedules' tile tables built from the router's output by three small Triton launches (one where the
-arrivals fit ``TINY_ARRIVALS``, or an EP rank's bound ``TINY_RECEIVED``), plus one that quantizes
-bf16 activations for an FP8 layer, with no device-to-host copy, in buffers sized by static bounds.
+schedules' tile tables built from the router's output by three small Triton launches (two up to
+``SCAN_IN_HISTOGRAM_CHUNKS`` chunks of arrivals, one where the arrivals fit ``TINY_ARRIVALS``, or
+an EP rank's bound ``TINY_RECEIVED``), plus one that quantizes bf16 activations for an FP8 layer,
+with no device-to-host copy, in buffers sized by static bounds.
 The activations are not moved: each layout row names the row of ``x`` it reads (``row_origin``),
 which the fused kernel gathers. The router's output and the activations reach the kernels through
 the call's argument block (``call_args``), so a CUDA graph captured once replays them on new
@@ -35,6 +36,12 @@ CHUNK = 128        # arrivals per program of the histogram and scatter passes
 # experts a program scan 1024 chunks a step: every shape at 8192 tokens per rank in one step
 SCAN_EXPERTS = 4
 SCAN_TILE = 4096
+# Up to this many chunks in the arrivals' bound, route_histogram's last program does route_offsets'
+# work alone (every expert's column of counts at once, SCAN_ONE_TILE counts a step), one launch
+# and one kernel boundary fewer than the three launches; above it the scan's steps in one program
+# would outlast route_offsets' programs side by side
+SCAN_IN_HISTOGRAM_CHUNKS = 32
+SCAN_ONE_TILE = 8192
 # Up to these bounds (never above block_m), one program (route_tiny) writes every table from the
 # arrivals held in registers, its time growing with the row blocks it writes: at EP = 1 every
 # slot of the bound is an arrival (TINY_ARRIVALS), on an EP rank the received rows are a share
@@ -127,7 +134,7 @@ class DeviceTables:
     chunk_counts: torch.Tensor     # int32 [chunks, E]: arrivals of each expert per chunk
     chunk_start: torch.Tensor      # int32 [chunks, E]: ... in the chunks before
     expert_counts: torch.Tensor    # int32 [E]: routed rows of each local expert
-    scan_done: torch.Tensor        # int32 [1]: route_offsets' ticket, 0 between calls
+    scan_done: torch.Tensor        # int32 [1]: the scan's ticket, 0 between calls
     expert_offsets: torch.Tensor   # int32 [E + 1]: padded first row of each expert; rows in use
     wave_lo: torch.Tensor          # int32 [E]: first row block of each expert's wave
     wave_hi: torch.Tensor          # int32 [E]: one past its last
@@ -281,21 +288,27 @@ class RoutingLaunches:
         scan_experts = min(SCAN_EXPERTS, e_pad)
         self.scan_programs = e_pad // scan_experts
         ids = triton_dtype(id_dtype)
-        self.histogram = Launcher(k.route_histogram, args=t.args, chunk_counts=t.chunk_counts,
-                                  error=t.error, NUM_EXPERTS=b.num_experts, RECEIVED=received,
-                                  E_PAD=e_pad, CHUNK=CHUNK, ID_DTYPE=ids, **quant)
-        self.offsets = Launcher(
-            k.route_offsets, chunk_counts=t.chunk_counts, chunk_start=t.chunk_start,
+        # what the scan and the layout take, in route_offsets or route_histogram's last program
+        layout = dict(
+            chunk_counts=t.chunk_counts, chunk_start=t.chunk_start,
             expert_counts=t.expert_counts, scan_done=t.scan_done,
             expert_offsets=t.expert_offsets, wave_lo=t.wave_lo,
             wave_hi=t.wave_hi, wave_jumps=t.wave_jumps, meta=t.meta,
             wave_num_tiles=t.num_tiles["wave"], inter_num_tiles=t.num_tiles["interleaved"],
             NUM_EXPERTS=b.num_experts, G=b.num_programs, P1=b.l1_n_blocks, P2=b.l2_n_blocks,
             WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received, BLOCK_M=b.block_m,
-            E_PAD=e_pad, E_BLOCK=scan_experts, G_PAD=_pow2(b.num_programs), CHUNK=CHUNK,
-            CHUNK_ROWS=SCAN_TILE // scan_experts, E_LOG2=e_pad.bit_length() - 1,
-            JUMP_LEVELS=t.wave_jumps.shape[0],
+            E_PAD=e_pad, G_PAD=_pow2(b.num_programs), CHUNK=CHUNK,
+            E_LOG2=e_pad.bit_length() - 1, JUMP_LEVELS=t.wave_jumps.shape[0],
             JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
+        self.histogram = Launcher(k.route_histogram, args=t.args, error=t.error, ID_DTYPE=ids,
+                                  SCAN=False, CHUNK_ROWS=1, **{**layout, "num_warps": 4},
+                                  **quant)
+        self.histogram_scan = Launcher(
+            k.route_histogram, args=t.args, error=t.error, ID_DTYPE=ids, SCAN=True,
+            CHUNK_ROWS=min(_pow2(SCAN_IN_HISTOGRAM_CHUNKS), max(SCAN_ONE_TILE // e_pad, 1)),
+            **layout, **quant)
+        self.offsets = Launcher(k.route_offsets, E_BLOCK=scan_experts,
+                                CHUNK_ROWS=SCAN_TILE // scan_experts, **layout)
         self.quantizer = {slab: Launcher(
             k.route_quantize, args=t.args, x_quant=t.x_quant, x_quant_scale=t.x_quant_scale,
             HIDDEN=hidden, RECEIVED=received, ROWS=QUANT_ROWS, SLAB=slab,
@@ -346,12 +359,13 @@ class RoutingLaunches:
         fanout = self.fanout(top_k)
         first, grid = self.first(capacity, top_k)
         addressed = dict(zip(self.slots, addresses))
-        if first is not self.histogram:
+        if first is not self.histogram and first is not self.histogram_scan:
             first(grid, **addressed, arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
                   CAPACITY=capacity, TOP_K=fanout)
             return
         first(grid, **addressed, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
-        self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
+        if first is self.histogram:
+            self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
         self.rows((grid[0] + t.bounds.row_blocks,), arrival_src=src, arrival_slot=slot,
                   n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
         if self.quantize:
@@ -369,10 +383,13 @@ class RoutingLaunches:
         call's addresses (a graph's node of it is given each call's). Up to the tiny bound,
         ``route_tiny``: two programs the tables, and where it quantizes, one program more per
         block of ``_quantize_block`` (the rows of ``x`` by ``QUANT_ROWS``, ``quant_slab``'s
-        columns), so no launch of its own quantizes them. Else ``route_histogram``."""
+        columns), so no launch of its own quantizes them. Else ``route_histogram``, up to
+        ``SCAN_IN_HISTOGRAM_CHUNKS`` chunks with ``route_offsets``' work in its last program."""
         t = self.tables
         if capacity > (t.tiny_received if self.received else t.tiny_arrivals):
-            return self.histogram, (triton.cdiv(capacity, CHUNK),)
+            chunks = triton.cdiv(capacity, CHUNK)
+            return (self.histogram_scan if chunks <= SCAN_IN_HISTOGRAM_CHUNKS
+                    else self.histogram), (chunks,)
         rows = capacity // self.fanout(top_k)
         slab = quant_slab(rows, self.hidden, t.bounds.num_programs) if self.quantize else 0
         key = (_pow2(capacity), slab)
