@@ -37,9 +37,13 @@ CHUNK = 128        # arrivals per program of the histogram and scatter passes
 SCAN_EXPERTS = 4
 SCAN_TILE = 4096
 # Up to this many chunks in the arrivals' bound, route_histogram's last program does route_offsets'
-# work alone (every expert's column of counts at once, SCAN_ONE_TILE counts a step), one launch
-# and one kernel boundary fewer than the three launches; above it the scan's steps in one program
-# would outlast route_offsets' programs side by side
+# work alone (every expert's column of counts at once, SCAN_ONE_TILE counts a step: at most two
+# steps at 512 experts), one launch and one kernel boundary fewer than the three launches; above
+# it the steps run one after another in one program. Measured on one H200 (moe_layer/h200-x1/
+# 20261204T035951Z-13459df91e against the records before it, every model, both precisions): on
+# the EP = 8 rank at 8 and 64 tokens the histogram with the scan took 4.2 µs where the histogram
+# and route_offsets took 5.5 (medians), and the graphed call's time over the kernel's fell by
+# 2.4 and 3.5 µs (cells whose launches did not change moved by 0.0-1.2 µs between the runs)
 SCAN_IN_HISTOGRAM_CHUNKS = 32
 SCAN_ONE_TILE = 8192
 # Up to these bounds (never above block_m), one program (route_tiny) writes every table from the
