@@ -10,16 +10,19 @@ program up to that many arrivals (at most ``block_m``): every table from the arr
 registers (records before ``route_tiny``: ``route_small``, the histogram, scan, scatter and tiles
 passes as loops of one launch), against the launches whose programs make them side by side (three;
 four in records before the scatter and the tiles shared one). One program saves their launches'
-latency; ``route_small`` paid for its passes' steps one after another. This probe times both paths
-on the same arrivals, per model shape, in the two settings of ``layer_bench`` (EP = 1 from
+latency; ``route_small`` paid for its passes' steps one after another. Between them, up to
+``device_tables.SCAN_IN_HISTOGRAM_CHUNKS`` chunks of arrivals, two launches: the scan and the
+layout in ``route_histogram``'s last program (``scan_in_histogram``; records before it have two
+paths). This probe times the paths on the same arrivals, per model shape, in the two settings of ``layer_bench`` (EP = 1 from
 ``topk_ids``, ``T top_k`` arrivals; rank 0 of EP = 8 from its received rows, their count on the
 device under a capacity of ``8 T top_k``), so that the threshold is read off measurement.
 
 1. Checks first: each path's tables (``allocate_tables`` with ``tiny_arrivals`` and
-   ``tiny_received`` 0, and above the capacity), their outputs poisoned first, equal the host
+   ``tiny_received`` 0, and above the capacity; ``scan_chunks`` 0 for the three launches),
+   their outputs poisoned first, equal the host
    reference entry for entry (``table_mismatches``); ids all in range (the error flag zero). Any
    failure aborts the run before timing; nothing is written.
-2. Timing: both paths' routing (the argument block's writer, the table passes; in records before
+2. Timing: every path's routing (the argument block's writer, the table passes; in records before
    the fused kernel gathered its rows, the activations' gather too) in one rotation
    (``dist_timing.time_methods``, CUDA-graph replays), then each path's kernels by name
    (``kernel_times_us``).
@@ -40,8 +43,9 @@ import torch
 
 from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
-from ...ops.moe.device_tables import (DeviceTables, TableBounds, allocate_tables, host_tables,
-                                      route_to_tables, table_mismatches)
+from ...ops.moe.device_tables import (SCAN_IN_HISTOGRAM_CHUNKS, DeviceTables, TableBounds,
+                                      allocate_tables, host_tables, route_to_tables,
+                                      table_mismatches)
 from ...ops.moe.schedules import d_knee
 from ...ops.moe.shapes import load_shapes
 from ...ops.moe.tiles import default_tile_config
@@ -52,8 +56,11 @@ from ..moe.kernel_cell import EP, arrival_sources, build_workload, receive_buffe
 from ..moe.layer_bench import balanced_routing
 
 SETTINGS = ("ep1", "ep8_rank")
-# tiny_arrivals and tiny_received of each path's tables
-PATHS = {"launches": 0, "one_program": 1 << 30}
+# each path's tables: tiny_arrivals and tiny_received, and scan_chunks (the three launches, the
+# scan in route_histogram's last program: two, or route_tiny: one)
+PATHS = {"launches": {"tiny": 0, "scan_chunks": 0},
+         "scan_in_histogram": {"tiny": 0, "scan_chunks": SCAN_IN_HISTOGRAM_CHUNKS},
+         "one_program": {"tiny": 1 << 30, "scan_chunks": SCAN_IN_HISTOGRAM_CHUNKS}}
 
 
 @dataclasses.dataclass
@@ -105,7 +112,7 @@ def _poison(tables: DeviceTables) -> None:
 
 
 class RouteSmall(Experiment):
-    """Both routing paths over the same arrivals, checked, timed and profiled together."""
+    """The routing paths over the same arrivals, checked, timed and profiled together."""
 
     name = "route_small_probe"
     paper = "§4.2 routing to tile tables on the device; issue 27"
@@ -154,8 +161,9 @@ class RouteSmall(Experiment):
         arrivals = cell_arrivals(shape, point["setting"], point["tokens"], run.args.seed,
                                  self.device)
         tables = {path: allocate_tables(bounds, shape.hidden, "bf16", self.device,
-                                        tiny_arrivals=small, tiny_received=small)
-                  for path, small in PATHS.items()}
+                                        tiny_arrivals=p["tiny"], tiny_received=p["tiny"],
+                                        scan_chunks=p["scan_chunks"])
+                  for path, p in PATHS.items()}
         return RouteStep(point, arrivals, tables, bounds)
 
     def check(self, step: RouteStep, run: Run) -> list[str]:

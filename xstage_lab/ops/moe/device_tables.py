@@ -158,6 +158,7 @@ class DeviceTables:
     tiny_arrivals: int             # up to this many arrivals, route_tiny (TINY_ARRIVALS) ...
     tiny_received: int             # ... and on an EP rank up to this bound (TINY_RECEIVED)
     fp8: bool                      # an FP8 layer's (e4m3 activations with 1 x 128 scales)
+    scan_chunks: int               # up to this many chunks, the scan in route_histogram
     # (received, quantize, id dtype) -> RoutingLaunches, bound on first use
     launches: dict = field(default_factory=dict, repr=False)
 
@@ -182,11 +183,12 @@ class DeviceTables:
 
 def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
                     error: torch.Tensor | None = None, tiny_arrivals: int | None = None,
-                    source_rows: int | None = None,
-                    tiny_received: int | None = None) -> DeviceTables:
+                    source_rows: int | None = None, tiny_received: int | None = None,
+                    scan_chunks: int | None = None) -> DeviceTables:
     """Every buffer of ``bounds`` on ``device``; ``error`` shared with the fused kernel where
     given; ``tiny_arrivals``, ``tiny_received``: ``TINY_ARRIVALS``, ``TINY_RECEIVED`` where None
-    (either way at most ``block_m``); ``source_rows``: the bf16 rows of ``x`` an FP8 layer quantizes
+    (either way at most ``block_m``); ``scan_chunks``: ``SCAN_IN_HISTOGRAM_CHUNKS`` where None;
+    ``source_rows``: the bf16 rows of ``x`` an FP8 layer quantizes
     at most (``x_quant``'s), ``bounds.capacity`` where None (an EP rank's received rows; at EP = 1
     the tokens, ``capacity / top_k``); 0: none, the layer takes e4m3 rows with their scales only (an
     EP rank whose Dispatch sends FP8)."""
@@ -211,7 +213,8 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
         {s: torch.zeros(g, **i32) for s in SCHEDULES}, torch.zeros(bounds.row_blocks, **i32),
         torch.zeros(1, **i32) if error is None else error, allocate_args(dev),
         min(TINY_ARRIVALS if tiny_arrivals is None else tiny_arrivals, bounds.block_m),
-        min(TINY_RECEIVED if tiny_received is None else tiny_received, bounds.block_m), fp8)
+        min(TINY_RECEIVED if tiny_received is None else tiny_received, bounds.block_m), fp8,
+        SCAN_IN_HISTOGRAM_CHUNKS if scan_chunks is None else scan_chunks)
 
 
 def quant_slab(rows: int, hidden: int, num_programs: int) -> int:
@@ -388,12 +391,11 @@ class RoutingLaunches:
         ``route_tiny``: two programs the tables, and where it quantizes, one program more per
         block of ``_quantize_block`` (the rows of ``x`` by ``QUANT_ROWS``, ``quant_slab``'s
         columns), so no launch of its own quantizes them. Else ``route_histogram``, up to
-        ``SCAN_IN_HISTOGRAM_CHUNKS`` chunks with ``route_offsets``' work in its last program."""
+        ``tables.scan_chunks`` chunks with ``route_offsets``' work in its last program."""
         t = self.tables
         if capacity > (t.tiny_received if self.received else t.tiny_arrivals):
             chunks = triton.cdiv(capacity, CHUNK)
-            return (self.histogram_scan if chunks <= SCAN_IN_HISTOGRAM_CHUNKS
-                    else self.histogram), (chunks,)
+            return (self.histogram_scan if chunks <= t.scan_chunks else self.histogram), (chunks,)
         rows = capacity // self.fanout(top_k)
         slab = quant_slab(rows, self.hidden, t.bounds.num_programs) if self.quantize else 0
         key = (_pow2(capacity), slab)
