@@ -39,11 +39,13 @@ SCAN_TILE = 4096
 # Up to this many chunks in the arrivals' bound, route_histogram's last program does route_offsets'
 # work alone (every expert's column of counts at once, SCAN_ONE_TILE counts a step: at most two
 # steps at 512 experts), one launch and one kernel boundary fewer than the three launches; above
-# it the steps run one after another in one program. Measured on one H200 (moe_layer/h200-x1/
-# 20261204T035951Z-13459df91e against the records before it, every model, both precisions): on
-# the EP = 8 rank at 8 and 64 tokens the histogram with the scan took 4.2 µs where the histogram
-# and route_offsets took 5.5 (medians), and the graphed call's time over the kernel's fell by
-# 2.4 and 3.5 µs (cells whose launches did not change moved by 0.0-1.2 µs between the runs)
+# it the steps run one after another in one program. Measured on one H200, both paths on the
+# same arrivals in one rotation (route_small_probe/h200-x1/20261204T041058Z-8d242df5d1, every
+# model, 8 to 512 tokens, SM clock 1980 MHz): the routing 1.10-1.28x faster on the EP = 8 rank
+# at 8 and 64 tokens (1.8-1.9 µs less, medians), 0.99-1.27x at EP = 1 (0.7-0.9 µs less; 0.99 at
+# DeepSeek-V4-Pro's 512 tokens, two steps over 512 experts), the cells above the bound (the same
+# launches both ways) 0.99-1.03x; in the layer (moe_layer/h200-x1/20261204T035951Z-13459df91e)
+# the graphed call within 5% of the kernel in six cells more than before
 SCAN_IN_HISTOGRAM_CHUNKS = 32
 SCAN_ONE_TILE = 8192
 # Up to these bounds (never above block_m), one program (route_tiny) writes every table from the
