@@ -314,7 +314,7 @@ class RoutingLaunches:
                                   **quant)
         self.histogram_scan = Launcher(
             k.route_histogram, args=t.args, error=t.error, ID_DTYPE=ids, SCAN=True,
-            CHUNK_ROWS=min(_pow2(SCAN_IN_HISTOGRAM_CHUNKS), max(SCAN_ONE_TILE // e_pad, 1)),
+            CHUNK_ROWS=min(_pow2(max(t.scan_chunks, 1)), max(SCAN_ONE_TILE // e_pad, 1)),
             **layout, **quant)
         self.offsets = Launcher(k.route_offsets, E_BLOCK=scan_experts,
                                 CHUNK_ROWS=SCAN_TILE // scan_experts, **layout)
