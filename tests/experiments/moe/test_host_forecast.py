@@ -4,7 +4,9 @@ import pytest
 
 from xstage_lab.analysis.moe.kernel_view import latest_view
 from xstage_lab.analysis.remote_store.characterization import latest_calibration
-from xstage_lab.experiments.moe.host_forecast import AUTO_LEAD_MULTIPLE, cell_forecast, pick_auto
+from xstage_lab.experiments.moe.host_forecast import (AUTO_LEAD_MULTIPLE, AUTO_TUNE_MARGIN,
+                                                      cell_forecast, pick_auto,
+                                                      tune_candidates)
 from xstage_lab.records import RECORDS_DIR
 
 
@@ -45,6 +47,15 @@ def test_auto_is_wave_where_predicted_fastest_else_interleaved_at_twice_the_deri
     assert pick_auto({"wave": 120.0, **leads}, 9) == "interleaved_d18"
     with pytest.raises(ValueError, match="interleaved_d18"):
         pick_auto({"wave": 120.0, "interleaved_d9": 100.0}, 9)
+
+
+def test_auto_is_tuned_among_the_schedules_predicted_within_the_margin():
+    assert AUTO_TUNE_MARGIN == 0.08
+    assert tune_candidates({"wave": 120.0, "interleaved_d9": 100.0, "interleaved_d18": 108.0,
+                            "interleaved_d36": 108.1}) == ["interleaved_d9", "interleaved_d18"]
+    assert tune_candidates({"wave": 50.0, "interleaved_d9": 100.0}) == ["wave"]
+    with pytest.raises(ValueError, match="no predicted schedule"):
+        tune_candidates({})
 
 
 def test_the_forecast_picks_by_its_own_predictions(cell):

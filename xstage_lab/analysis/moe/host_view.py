@@ -195,22 +195,32 @@ def misses(view: HostView) -> pd.DataFrame:
 
 
 def auto_standing(view: HostView) -> pd.DataFrame:
-    """Per cell that timed ``auto`` live (the forecast's pick, a method of its own in the run),
-    ``auto_over_fastest``: its time over the fastest of the schedules the run timed, ``auto``
-    included (issue 26 bounds it by ``AUTO_WITHIN``); and ``auto_over_same``: its time over the
-    same schedule's, timed as a method of the sweep in the same run (Expert-Wave for lead 0):
-    what two timings of one schedule differ by, the run's own noise."""
+    """Per cell that timed ``auto`` live (a method of its own in the run: the forecast's pick,
+    or in runs that tune it, the fastest of a tuning pass over the schedules the forecast cannot
+    tell apart), ``auto_over_fastest``: its time over the fastest of the schedules the run timed,
+    ``auto`` included (issue 26 bounds it by ``AUTO_WITHIN``); ``auto_over_same``: its time over
+    the same schedule's, timed as a method of the sweep in the same run (Expert-Wave for lead 0):
+    what two timings of one schedule differ by, the run's own noise; and in tuned runs
+    ``forecast_over_fastest``: the sweep's time of the forecast's own pick
+    (``auto_forecast_lead``) over the same fastest."""
     out = view.table[CELL].iloc[:0].assign(auto_over_fastest=[], auto_over_same=[])
     if "auto_us" not in view.table:  # a run before ``auto`` was timed
         return out
     t = view.table[view.table["auto_us"].notna()]
     times = t[[f"{n}_us" for n in timed_schedules(t)]]
-    same = [t.at[i, "wave_us"] if lead == 0 else t.at[i, f"interleaved_d{int(lead)}_us"]
-            for i, lead in zip(t.index, t["auto_lead"])]
+    fastest = np.minimum(times.min(axis=1), t["auto_us"])
     out = t[CELL].copy()
-    out["auto_over_fastest"] = t["auto_us"] / np.minimum(times.min(axis=1), t["auto_us"])
-    out["auto_over_same"] = t["auto_us"] / np.asarray(same, dtype=float)
+    out["auto_over_fastest"] = t["auto_us"] / fastest
+    out["auto_over_same"] = t["auto_us"] / _sweep_time(t, t["auto_lead"])
+    if "auto_forecast_lead" in t:
+        out["forecast_over_fastest"] = _sweep_time(t, t["auto_forecast_lead"]) / fastest
     return out.reset_index(drop=True)
+
+
+def _sweep_time(t: pd.DataFrame, leads: pd.Series) -> np.ndarray:
+    """Per row of ``t``, the sweep's time of the schedule at ``leads`` (0: Expert-Wave)."""
+    return np.asarray([t.at[i, "wave_us"] if lead == 0 else t.at[i, f"interleaved_d{int(lead)}_us"]
+                       for i, lead in zip(t.index, leads)], dtype=float)
 
 
 def pick_over_fastest(view: HostView, pick) -> pd.Series:

@@ -4,11 +4,11 @@ and Figs. 8–10 on the host link).
 
     python -m xstage_lab.experiments.moe.host_bench (--out FILE.json | --root DIR)
         [--models M ...] [--precisions bf16 fp8] [--routing balanced skewed] [--tokens 4096]
-        [--host-shares 1 2 4 8] [--trials N] [--no-trace]
+        [--host-shares 1 2 4 8] [--trials N] [--tune-trials N] [--no-trace]
 
 The workload is ``kernel_bench``'s (``kernel_cell``): one rank (rank 0) of EP = 8 on one GPU,
-every row the eight source ranks route to its experts. The host-share dial h: the Combine buffers of source ranks
-0 .. h − 1 are pinned host memory (torch's pinned allocator, mapped under unified addressing:
+every row the eight source ranks route to its experts. The host-share dial h: the Combine buffers
+of source ranks 0 .. h − 1 are pinned host memory (torch's pinned allocator, mapped under unified addressing:
 the buffer's host address is its device address, checked), the other 8 − h stay in local HBM
 (``host_combine_peers``). The kernel runs unchanged; its Combine stores to the first h
 sources cross PCIe as posted writes and drain after the consumer warpgroups move on.
@@ -31,10 +31,13 @@ Per cell (model, precision, routing, tokens) and host share h, on fresh seeded a
    local control (every store local), the fenced Expert-Wave (each Linear-2 tile waits until its
    stores are visible system-wide: the completion-coupled world), Interleaved at each lead of
    ``leads`` (the D sweep: eq. 16's D_knee, the lead that also covers the Linear-2 stream's
-   skew, and multiples), Interleaved at that lead with every store local, and the schedule the
-   forecast picks (``auto``, where its record has one). After the last timed replay the harness
-   runs step 1 again (``Experiment.recheck``): the launches' spin-error flags count every run
-   since they were prepared, so an error during timing aborts the run with nothing written.
+   skew, and multiples), Interleaved at that lead with every store local, and ``auto``: of the
+   schedules the forecast predicts within ``host_forecast.AUTO_TUNE_MARGIN`` of its fastest, the
+   one a tuning pass over the sweep's own launches (``--tune-trials`` trials, before the cell's
+   timing) finds fastest, as a launch of its own (the forecast's own pick, ``pick_auto``, is
+   ``auto_forecast_lead``; ``auto_tune_ms`` what the tuning cost). After the last timed replay
+   the harness runs step 1 again (``Experiment.recheck``): the launches' spin-error flags count
+   every run since they were prepared, so an error during timing aborts the run with nothing written.
 3. Per-tile traces of Expert-Wave and Interleaved with the host share (``kernel_rows.
    trace_columns``): Linear-2 spans, mainloops and G_wave.
 
@@ -45,8 +48,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from ...analysis.moe.forecast import HOST_SHARE_SOURCES
@@ -67,7 +72,7 @@ from .. import harness
 from ..harness import Experiment, Run
 from . import kernel_cell as kc
 from .bench import TOLERANCE
-from .host_forecast import schedule_lead
+from .host_forecast import AUTO_TUNE_MARGIN, schedule_lead, tune_candidates
 from .kernel_rows import cell_row_base, trace_columns
 
 DEFAULT_TOKENS = (4096,)
@@ -86,6 +91,7 @@ class HostStep:
     lead: int                  # the derived lead (schedules.derived_lead)
     wave: Schedule             # the Expert-Wave schedule
     calls: dict                # method name -> launch (see the module docstring, step 2)
+    tuned: dict                # auto's candidates: schedule name -> a launch of its own
     checked: dict              # the all-local cell's check columns
     base_failures: list        # and its failures
 
@@ -127,6 +133,8 @@ class MoEHost(Experiment):
                                                     "times each of these"))
         p.add_argument("--kernel", default="gluon_ws", help=f"one of {list(KERNELS)}")
         p.add_argument("--trials", type=int, default=5)
+        p.add_argument("--tune-trials", type=int, default=3,
+                       help="trials of the tuning pass that picks auto")
         p.add_argument("--warmup", type=int, default=2)
         p.add_argument("--graph-iters", type=int, default=5)
         p.add_argument("--programs", type=int, default=None)
@@ -144,8 +152,9 @@ class MoEHost(Experiment):
                              "source ranks")
         if min(a.lead_multiples) < 1:
             raise ValueError(f"--lead-multiples {a.lead_multiples}: each must be >= 1")
-        if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1 or a.warmup < 0:
-            raise ValueError("--tokens, --trials and --graph-iters must be >= 1, --warmup >= 0")
+        if min(a.tokens) < 1 or min(a.trials, a.tune_trials, a.graph_iters) < 1 or a.warmup < 0:
+            raise ValueError("--tokens, --trials, --tune-trials and --graph-iters must be >= 1, "
+                             "--warmup >= 0")
         if len(a.tokens) != 1:
             raise ValueError(f"--tokens {a.tokens}: one token count per run, the one its "
                              "forecast (a moe_host_forecast record) covers")
@@ -235,20 +244,33 @@ class MoEHost(Experiment):
                  "wave_fenced": launch(wave, fence=True),
                  **{f"interleaved_d{d}": launch(s) for d, s in schedules.items()},
                  "interleaved_local": launch(schedules[lead], cell.peers)}
-        if auto is not None:  # the schedule the forecast picks, as a method of its own
-            calls["auto"] = launch(schedules[auto] if auto else wave)
-        return HostStep(point, cell, host, lead, wave, calls, dict(checked), failures)
+        tuned = {name: launch(schedules[schedule_lead(name)] if schedule_lead(name) else wave)
+                 for name in self._candidates(point, calls)}
+        return HostStep(point, cell, host, lead, wave, calls, tuned, dict(checked), failures)
+
+    def _forecast_row(self, point: dict) -> dict | None:
+        """The forecast's row of the point; None below host share 1 or where the forecast
+        record picks no schedule."""
+        if point["host_share"] < 1 or "auto_schedule" not in self.forecast:
+            return None
+        return self.forecast.loc[tuple(point[k] for k in ("model", "precision", "routing",
+                                                          "tokens", "host_share"))].to_dict()
 
     def _auto_lead(self, point: dict) -> int | None:
         """The schedule the forecast picks for the point (``host_forecast``'s
-        ``auto_schedule``): 0 for Expert-Wave, else Interleaved's lead; None where the forecast
-        record picks none."""
-        if point["host_share"] < 1 or "auto_schedule" not in self.forecast:
-            return None
-        name = self.forecast.loc[tuple(point[k] for k in ("model", "precision", "routing",
-                                                          "tokens", "host_share")),
-                                 "auto_schedule"]
-        return schedule_lead(name)
+        ``auto_schedule``): 0 for Expert-Wave, else Interleaved's lead; None where it picks
+        none."""
+        row = self._forecast_row(point)
+        return None if row is None else schedule_lead(row["auto_schedule"])
+
+    def _candidates(self, point: dict, calls: dict) -> list[str]:
+        """The schedules ``auto`` is tuned among (``tune_candidates`` of the forecast's
+        predictions for the schedules ``calls`` holds); none where the forecast picks none."""
+        row = self._forecast_row(point)
+        if row is None:
+            return []
+        return tune_candidates({n: row[f"tile_{n}_us"] for n in calls
+                                if pd.notna(row.get(f"tile_{n}_us"))})
 
     def check(self, step: HostStep, run: Run) -> list[str]:
         """Step 1 of the module docstring."""
@@ -260,7 +282,8 @@ class MoEHost(Experiment):
         cell.calls["wave"]()
         want = cell.combine.clone()
         spin = {}
-        for name, call in step.calls.items():
+        tuned = {f"auto[{n}]": call for n, call in step.tuned.items()}
+        for name, call in {**step.calls, **tuned}.items():
             if cell.combine.is_cuda:  # nothing of the last launch or read-back still runs
                 torch.cuda.synchronize()
             cell.combine.fill_(float("nan"))
@@ -280,7 +303,9 @@ class MoEHost(Experiment):
 
     def measure(self, step: HostStep, run: Run) -> dict:
         args, cell, p = run.args, step.cell, step.point
-        timing = time_methods(step.calls, trials=args.trials, warmup=args.warmup,
+        auto, tuning = self._tune(step, args)
+        methods = {**step.calls, **({"auto": step.tuned[auto]} if auto else {})}
+        timing = time_methods(methods, trials=args.trials, warmup=args.warmup,
                               graph_iters=args.graph_iters, clocks=True)
         us = {name: t["median_us"] for name, t in timing.items()}
         cols = {f"{name}_{q}": timing[name][k] for name in timing
@@ -302,7 +327,9 @@ class MoEHost(Experiment):
                 "lead_rows": step.lead,
                 "leads": lead_sweep(cell.knee, step.lead, args.lead_multiples), **cols,
                 "interleaved_us": us[f"interleaved_d{step.lead}"],
-                "auto_lead": self._auto_lead(p), "auto_us": us.get("auto"),
+                "auto_lead": None if auto is None else schedule_lead(auto),
+                "auto_us": us.get("auto"),
+                "auto_forecast_lead": self._auto_lead(p), **tuning,
                 "interleaved_best": best, "interleaved_best_us": us[best],
                 "measured_stall_us": (us["wave"] - us["wave_local"]) / l2_bursts,
                 "measured_speedup": us["wave"] / us[f"interleaved_d{step.lead}"],
@@ -312,6 +339,21 @@ class MoEHost(Experiment):
                 **step.checked, **traced,
                 **{f"forecast_{k}": v for k, v in forecast.items()
                    if k in FORECAST_COLUMNS}}
+
+    def _tune(self, step: HostStep, args) -> tuple[str | None, dict]:
+        """``auto``'s pick: the fastest candidate in a timing of the sweep's own launches of
+        them (one candidate: it, untimed), and the columns that say so: the candidates' median
+        times (``auto_tune_us``) and the tuning's host wall time (``auto_tune_ms``)."""
+        names = list(step.tuned)
+        if len(names) < 2:
+            return (names[0] if names else None), {"auto_candidates": names}
+        start = time.perf_counter()
+        timing = time_methods({n: step.calls[n] for n in names}, trials=args.tune_trials,
+                              warmup=args.warmup, graph_iters=args.graph_iters)
+        tuned = {n: timing[n]["median_us"] for n in names}
+        return min(tuned, key=tuned.get), {
+            "auto_candidates": names, "auto_tune_us": tuned,
+            "auto_tune_ms": (time.perf_counter() - start) * 1e3}
 
     def progress_line(self, rows) -> str | None:
         r = rows.iloc[0]
@@ -329,6 +371,9 @@ class MoEHost(Experiment):
                 "kernel": args.kernel, "tile_configs": self.tile_configs,
                 "leads": "schedules.lead_sweep: D_knee, and the derived lead times "
                          f"{args.lead_multiples}",
+                "auto": f"tuned: of the schedules the forecast predicts within "
+                        f"{AUTO_TUNE_MARGIN:.0%} of its fastest, the fastest of a timing of "
+                        f"{args.tune_trials} trials before the cell's",
                 "tolerance": TOLERANCE,
                 "timing": f"{TIMING_METHOD}; one process; {args.graph_iters} calls per trial, "
                           "CUDA-graph replays"}
