@@ -248,6 +248,7 @@ def test_auto_is_tuned_among_the_schedules_the_forecast_cannot_tell_apart(host_r
     # h = 1: Expert-Wave predicted 2x ahead, the one candidate; h = 8: every lead within 1%
     table = forecast_table([1, 8]).assign(
         auto_schedule=np.where(h8, "interleaved_d3", "wave"), tile_wave_us=np.where(h8, 30.0, 10.0),
+        tile_wave_local_us=5.0, tile_interleaved_local_us=5.0,  # all local: not candidates
         **{f"tile_interleaved_d{d}_us": np.where(h8, 10.0 + d / 100, 20.0) for d in range(1, 65)})
     write_record("moe_host_forecast", "cpu-host", table, {}, {}, root)
     passes = []

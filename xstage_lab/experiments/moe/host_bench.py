@@ -269,7 +269,8 @@ class MoEHost(Experiment):
         row = self._forecast_row(point)
         if row is None:
             return []
-        return tune_candidates({n: row[f"tile_{n}_us"] for n in calls
+        schedules = ["wave", *(n for n in calls if n.startswith("interleaved_d"))]
+        return tune_candidates({n: row[f"tile_{n}_us"] for n in schedules
                                 if pd.notna(row.get(f"tile_{n}_us"))})
 
     def check(self, step: HostStep, run: Run) -> list[str]:
