@@ -32,10 +32,6 @@ COINCIDENCES = {
     "forecast's among the cells where it exceeds 2 µs (so near 2 µs in any record set): the "
     "committed record's is GLM-5.x bf16 skewed h=4's, the synthetic set's MiMo-V2.5 fp8 skewed "
     "h=1's (moe_host/h200-x1-host/20261203T183751Z-baa09de5b9, 2026-12-03)",
-    (("a579076c", 0), "0.64"): "the lowest Interleaved time over its forecast among the missed "
-    "cells: the committed records' is DiT-MoE bf16 skewed h=1's (0.64285), the synthetic set's "
-    "Qwen3.5 bf16 skewed h=8's (0.64284) (moe_host/h200-x1-host/20261204T113750Z-3ffe57e5ac with "
-    "…114214Z-6ee2074c98, 2026-12-04)",
 }
 
 
