@@ -8,10 +8,10 @@ and Figs. 8–10 on the host link).
 
 The workload is ``kernel_bench``'s (``kernel_cell``): one rank (rank 0) of EP = 8 on one GPU,
 every row the eight source ranks route to its experts. The host-share dial h: the Combine buffers
-of source ranks 0 .. h − 1 are pinned host memory (torch's pinned allocator, mapped under unified addressing:
-the buffer's host address is its device address, checked), the other 8 − h stay in local HBM
-(``host_combine_peers``). The kernel runs unchanged; its Combine stores to the first h
-sources cross PCIe as posted writes and drain after the consumer warpgroups move on.
+of source ranks 0 .. h − 1 are pinned host memory (torch's pinned allocator, mapped under unified
+addressing: the buffer's host address is its device address, checked), the other 8 − h stay in
+local HBM (``host_combine_peers``). The kernel runs unchanged; its Combine stores to the first
+h sources cross PCIe as posted writes and drain after the consumer warpgroups move on.
 
 First the forecast: the run refuses to start without this platform's ``moe_host_forecast``
 record (``python -m xstage_lab.experiments.moe.host_forecast <gpu>-host --root data/records``:
@@ -37,7 +37,8 @@ Per cell (model, precision, routing, tokens) and host share h, on fresh seeded a
    timing) finds fastest, as a launch of its own (the forecast's own pick, ``pick_auto``, is
    ``auto_forecast_lead``; ``auto_tune_ms`` what the tuning cost). After the last timed replay
    the harness runs step 1 again (``Experiment.recheck``): the launches' spin-error flags count
-   every run since they were prepared, so an error during timing aborts the run with nothing written.
+   every run since they were prepared, so an error during timing aborts the run with nothing
+   written.
 3. Per-tile traces of Expert-Wave and Interleaved with the host share (``kernel_rows.
    trace_columns``): Linear-2 spans, mainloops and G_wave.
 
