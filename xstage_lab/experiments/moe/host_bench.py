@@ -348,7 +348,8 @@ class MoEHost(Experiment):
         times (``auto_tune_us``) and the tuning's host wall time (``auto_tune_ms``)."""
         names = list(step.tuned)
         if len(names) < 2:
-            return (names[0] if names else None), {"auto_candidates": names}
+            return (names[0] if names else None), {"auto_candidates": names,
+                                                   "auto_tune_us": None, "auto_tune_ms": None}
         start = time.perf_counter()
         timing = time_methods({n: step.calls[n] for n in names}, trials=args.tune_trials,
                               warmup=args.warmup, graph_iters=args.graph_iters)
