@@ -45,35 +45,47 @@ def matrix(views) -> Prose:
 
 
 def _auto(view) -> str:
-    """How ``auto`` (timed live) stands against the fastest schedule the run timed, beside what
-    two timings of one schedule in the same run differ by; in a tuned run, beside how the
-    forecast's own pick stood."""
+    """How ``auto`` (timed live) stands against the fastest schedule the run timed, by paired
+    trials where the run kept them (``auto_standing``), beside the ratio of medians and what two
+    timings of one schedule in the same run differ by; in a tuned run, beside how the forecast's
+    own pick stood."""
     a = auto_standing(view)
     if not len(a):
         return ""
-    within = a[a["auto_over_fastest"] <= 1 + AUTO_WITHIN]
+    paired = "auto_over_fastest_paired" in a
+    by = "auto_over_fastest_paired" if paired else "auto_over_fastest"
     same = a["auto_over_same"].dropna()
     tuned = "forecast_over_fastest" in a
     what = ("`auto`, tuned among the schedules the forecast cannot tell apart and timed live,"
             if tuned else "The forecast's `auto`, timed live,")
+    how = (" by the median of its per-trial ratios to that schedule (a clock step between "
+           "trials moves both times of a trial)" if paired else "")
+    medians = (f" By the ratio of the two medians it is within {AUTO_WITHIN:.0%} in "
+               f"{count(_within(a['auto_over_fastest']))} cells "
+               f"({val(a['auto_over_fastest'].max(), '.3f')}× at worst)." if paired else "")
     alone = ""
     if tuned:
+        own = "forecast_over_fastest_paired" if paired else "forecast_over_fastest"
         alone = (f" The forecast's own pick, untuned, is within {AUTO_WITHIN:.0%} of the "
-                 f"fastest in {count(int((a['forecast_over_fastest'] <= 1 + AUTO_WITHIN).sum()))}"
-                 f" of {count(len(a))} cells ({val(a['forecast_over_fastest'].max(), '.3f')}× "
-                 f"the fastest at worst).")
+                 f"fastest in {count(_within(a[own]))} of {count(len(a))} cells "
+                 f"({val(a[own].max(), '.3f')}× the fastest at worst).")
         tuning = view.table["auto_tune_ms"].dropna() if "auto_tune_ms" in view.table else []
         if len(tuning):
             alone += (f" Tuning, a cost paid once per cell at first use, took "
                       f"{val(tuning.median() / 1e3, '.2f')} s (median of the "
                       f"{count(len(tuning))} cells with more than one candidate).")
     return (f" {what} is within {AUTO_WITHIN:.0%} of the fastest "
-            f"schedule the run timed in {count(len(within))} of {count(len(a))} cells "
-            f"({val(a['auto_over_fastest'].median(), '.3f')}× the fastest at the median, "
-            f"{val(a['auto_over_fastest'].max(), '.3f')}× at worst); the same schedule timed "
+            f"schedule the run timed{how} in {count(_within(a[by]))} of {count(len(a))} cells "
+            f"({val(a[by].median(), '.3f')}× the fastest at the median, "
+            f"{val(a[by].max(), '.3f')}× at worst).{medians} The same schedule timed "
             f"twice in the run, as `auto` and in the sweep, differs by "
             f"{val(same.quantile(0.1), '.3f')}–{val(same.quantile(0.9), '.3f')}× (10th to 90th "
-            f"percentile of {count(len(same))} cells).{alone}")
+            f"percentile of {count(len(same))} cells, ratio of medians).{alone}")
+
+
+def _within(ratios) -> int:
+    """How many of ``ratios`` are within ``AUTO_WITHIN`` of 1."""
+    return int((ratios <= 1 + AUTO_WITHIN).sum())
 
 
 # Issue 26: Interleaved at the derived lead at least this fraction of Expert-Wave's speed with

@@ -257,8 +257,14 @@ def test_auto_is_tuned_among_the_schedules_the_forecast_cannot_tell_apart(host_r
         passes.append(list(methods))
         out = fake_time_methods(methods, trials=trials, warmup=warmup, graph_iters=graph_iters,
                                 clocks=clocks)
-        if not clocks:  # the tuning pass: its last candidate the fastest
-            out = {n: {**t, "median_us": 200.0 - i} for i, (n, t) in enumerate(out.items())}
+        if not clocks:  # the tuning pass: a clock step after trial 3, after trial 2 for the
+            # last candidate, the fastest in every trial but by its median the slowest
+            assert trials == 5
+            out = {n: {**t, "trials_us": [200.0 - i] * 3 + [1.3 * (200.0 - i)] * 2}
+                   for i, (n, t) in enumerate(out.items())}
+            out[list(out)[-1]]["trials_us"] = [190.0] * 2 + [1.3 * 190.0] * 3
+            out = {n: {**t, "median_us": float(np.median(t["trials_us"]))}
+                   for n, t in out.items()}
         return out
 
     monkeypatch.setattr(hb, "time_methods", timing)
@@ -431,3 +437,28 @@ def test_a_tuned_auto_stands_beside_the_forecasts_own_pick(tmp_path):
     assert "`auto`, tuned among" in text and "in 2 of 2 cells" in text
     assert "own pick, untuned, is within 3% of the fastest in 1 of 2 cells" in text
     assert "took 0.90 s (median of the 1 cells" in text
+
+
+def test_auto_is_bounded_by_its_per_trial_ratio_to_the_fastest_where_trials_are_kept(tmp_path):
+    from xstage_lab.analysis.moe import host_view as hv
+    from xstage_lab.prose import Prose, host_link as say
+
+    cell = {"model": "Tiny", "precision": "bf16", "routing": "skewed", "tokens": TOKENS}
+    # a clock step from trial 2 on, reached by auto one trial before d4 (the fastest, by median
+    # 100): auto's median 110 is 1.10 x d4's, trial by trial it is 1.01 x
+    d4 = [100.0, 100.0, 100.0, 130.0, 130.0]
+    trials = {"wave": [120.0] * 5, "interleaved_d4": d4,
+              "auto": [101.0, 101.0, 110.0, 131.3, 131.3], "interleaved_d8": [104.0] * 5}
+    measured = write_record("moe_host", "x-host", pd.DataFrame([
+        {**cell, "host_share": 1, "wave_us": 120.0, "interleaved_d4_us": 100.0,
+         "interleaved_d8_us": 104.0, "auto_lead": 4, "auto_us": 110.0, "auto_forecast_lead": 8,
+         "auto_tune_ms": 500.0, "trials_us": json.dumps(trials)}]),
+        {"forecast_record": "f"}, {"git_commit": "abc"}, tmp_path)
+    view = hv.HostView("x-host", (hv.read(measured),))
+    a = hv.auto_standing(view)
+    assert a["auto_over_fastest"].tolist() == pytest.approx([1.10])
+    assert a["auto_over_fastest_paired"].tolist() == pytest.approx([1.01])
+    assert a["forecast_over_fastest_paired"].tolist() == pytest.approx([1.04])
+    text = Prose(say._auto(view))
+    assert "by the median of its per-trial ratios" in text and "in 1 of 1 cells" in text
+    assert "By the ratio of the two medians it is within 3% in 0 cells (1.100× at worst)" in text

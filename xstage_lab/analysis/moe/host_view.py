@@ -6,12 +6,14 @@ A run's matrix may be saved as several records (``--chunk``): ``latest_host_view
 records of a platform's latest run, those that name the same forecast, one per chunk."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from ...dist_timing import paired_ratio
 from ...loading import read, record_paths
 from . import newest_per_cell
 from ...records import RECORDS_DIR, Record
@@ -198,29 +200,49 @@ def auto_standing(view: HostView) -> pd.DataFrame:
     """Per cell that timed ``auto`` live (a method of its own in the run: the forecast's pick,
     or in runs that tune it, the fastest of a tuning pass over the schedules the forecast cannot
     tell apart), ``auto_over_fastest``: its time over the fastest of the schedules the run timed,
-    ``auto`` included (issue 26 bounds it by ``AUTO_WITHIN``); ``auto_over_same``: its time over
-    the same schedule's, timed as a method of the sweep in the same run (Expert-Wave for lead 0):
-    what two timings of one schedule differ by, the run's own noise; and in tuned runs
+    ``auto`` included; where the run kept its trials, ``auto_over_fastest_paired``: the median
+    over trials of ``auto``'s time over that fastest schedule's in the same trial
+    (``dist_timing.paired_ratio``; 1 where ``auto`` is the fastest), the measure issue 26 bounds by
+    ``AUTO_WITHIN``: under the GPU's clock steps between trials (the runs record SM clocks of
+    750-1980 MHz) the ratio of two medians can set a step against one method; ``auto_over_same``:
+    its time over the same schedule's, timed as a method of the sweep in the same run (Expert-Wave
+    for lead 0): what two timings of one schedule differ by, the run's own noise; and in tuned runs
     ``forecast_over_fastest``: the sweep's time of the forecast's own pick
-    (``auto_forecast_lead``) over the same fastest."""
+    (``auto_forecast_lead``) over the same fastest (paired too where the trials are kept)."""
     out = view.table[CELL].iloc[:0].assign(auto_over_fastest=[], auto_over_same=[])
     if "auto_us" not in view.table:  # a run before ``auto`` was timed
         return out
     t = view.table[view.table["auto_us"].notna()]
-    times = t[[f"{n}_us" for n in timed_schedules(t)]]
-    fastest = np.minimum(times.min(axis=1), t["auto_us"])
+    names = timed_schedules(t)
+    times = t[[f"{n}_us" for n in names]].set_axis(names, axis=1).assign(auto=t["auto_us"])
+    fastest = times.idxmin(axis=1)
     out = t[CELL].copy()
-    out["auto_over_fastest"] = t["auto_us"] / fastest
+    out["auto_over_fastest"] = t["auto_us"] / times.min(axis=1)
     out["auto_over_same"] = t["auto_us"] / _sweep_time(t, t["auto_lead"])
-    if "auto_forecast_lead" in t:
-        out["forecast_over_fastest"] = _sweep_time(t, t["auto_forecast_lead"]) / fastest
+    forecast = (_schedule_names(t["auto_forecast_lead"]) if "auto_forecast_lead" in t
+                else None)
+    if forecast is not None:
+        out["forecast_over_fastest"] = _sweep_time(t, t["auto_forecast_lead"]) / times.min(axis=1)
+    if "trials_us" in t:
+        trials = [json.loads(x) if isinstance(x, str) else x for x in t["trials_us"]]
+        out["auto_over_fastest_paired"] = [paired_ratio(tr["auto"], tr[f]) if tr else np.nan
+                                           for tr, f in zip(trials, fastest)]
+        if forecast is not None:
+            out["forecast_over_fastest_paired"] = [
+                paired_ratio(tr[n], tr[f]) if tr else np.nan
+                for tr, n, f in zip(trials, forecast, fastest)]
     return out.reset_index(drop=True)
+
+
+def _schedule_names(leads: pd.Series) -> list[str]:
+    """The sweep's method name of the schedule at each of ``leads`` (0: Expert-Wave)."""
+    return ["wave" if lead == 0 else f"interleaved_d{int(lead)}" for lead in leads]
 
 
 def _sweep_time(t: pd.DataFrame, leads: pd.Series) -> np.ndarray:
     """Per row of ``t``, the sweep's time of the schedule at ``leads`` (0: Expert-Wave)."""
-    return np.asarray([t.at[i, "wave_us"] if lead == 0 else t.at[i, f"interleaved_d{int(lead)}_us"]
-                       for i, lead in zip(t.index, leads)], dtype=float)
+    return np.asarray([t.at[i, f"{n}_us"] for i, n in zip(t.index, _schedule_names(leads))],
+                      dtype=float)
 
 
 def pick_over_fastest(view: HostView, pick) -> pd.Series:

@@ -34,8 +34,8 @@ Per cell (model, precision, routing, tokens) and host share h, on fresh seeded a
    skew, and multiples), Interleaved at that lead with every store local, and ``auto``: of the
    schedules the forecast predicts within ``host_forecast.AUTO_TUNE_MARGIN`` of its fastest, the
    one a tuning pass over the sweep's own launches (``--tune-trials`` trials, before the cell's
-   timing) finds fastest, as a launch of its own (the forecast's own pick, ``pick_auto``, is
-   ``auto_forecast_lead``; ``auto_tune_ms`` what the tuning cost). After the last timed replay
+   timing) finds fastest by paired trials, as a launch of its own (the forecast's own pick,
+   ``pick_auto``, is ``auto_forecast_lead``; ``auto_tune_ms`` what the tuning cost). After the last timed replay
    the harness runs step 1 again (``Experiment.recheck``): the launches' spin-error flags count
    every run since they were prepared, so an error during timing aborts the run with nothing
    written.
@@ -59,7 +59,7 @@ from ...analysis.moe.forecast import HOST_SHARE_SOURCES
 from ...analysis.moe.host_view import HostView, latest_host_view
 from ...checks import bitwise_equal
 from ...cli import list_option
-from ...dist_timing import TIMING_METHOD, time_methods
+from ...dist_timing import TIMING_METHOD, paired_ratio, time_methods
 from ...ops.moe.combine import host_combine_peers
 from ...ops.moe.fused import DEFAULT_MAX_SPIN_ITERS, prepare_fused_moe
 from ...ops.moe.schedules import (L2, Schedule, expert_wave_schedule,
@@ -133,8 +133,8 @@ class MoEHost(Experiment):
             int, default=list(LEAD_MULTIPLES), help="the D sweep: D_knee and the derived lead "
                                                     "times each of these"))
         p.add_argument("--kernel", default="gluon_ws", help=f"one of {list(KERNELS)}")
-        p.add_argument("--trials", type=int, default=5)
-        p.add_argument("--tune-trials", type=int, default=3,
+        p.add_argument("--trials", type=int, default=9)
+        p.add_argument("--tune-trials", type=int, default=5,
                        help="trials of the tuning pass that picks auto")
         p.add_argument("--warmup", type=int, default=2)
         p.add_argument("--graph-iters", type=int, default=5)
@@ -344,8 +344,10 @@ class MoEHost(Experiment):
 
     def _tune(self, step: HostStep, args) -> tuple[str | None, dict]:
         """``auto``'s pick: the fastest candidate in a timing of the sweep's own launches of
-        them (one candidate: it, untimed), and the columns that say so: the candidates' median
-        times (``auto_tune_us``) and the tuning's host wall time (``auto_tune_ms``)."""
+        them (one candidate: it, untimed), by the median of its per-trial ratios to the first
+        candidate (``paired_ratio``: a clock step between trials moves every candidate of a
+        trial together), and the columns that say so: the candidates' median times
+        (``auto_tune_us``) and the tuning's host wall time (``auto_tune_ms``)."""
         names = list(step.tuned)
         if len(names) < 2:
             return (names[0] if names else None), {"auto_candidates": names,
@@ -353,8 +355,10 @@ class MoEHost(Experiment):
         start = time.perf_counter()
         timing = time_methods({n: step.calls[n] for n in names}, trials=args.tune_trials,
                               warmup=args.warmup, graph_iters=args.graph_iters)
+        first = timing[names[0]]["trials_us"]
+        paired = {n: paired_ratio(timing[n]["trials_us"], first) for n in names}
         tuned = {n: timing[n]["median_us"] for n in names}
-        return min(tuned, key=tuned.get), {
+        return min(paired, key=paired.get), {
             "auto_candidates": names, "auto_tune_us": tuned,
             "auto_tune_ms": (time.perf_counter() - start) * 1e3}
 
@@ -376,7 +380,8 @@ class MoEHost(Experiment):
                          f"{args.lead_multiples}",
                 "auto": f"tuned: of the schedules the forecast predicts within "
                         f"{AUTO_TUNE_MARGIN:.0%} of its fastest, the fastest of a timing of "
-                        f"{args.tune_trials} trials before the cell's",
+                        f"{args.tune_trials} trials before the cell's, by the median of "
+                        "per-trial ratios to the first candidate",
                 "tolerance": TOLERANCE,
                 "timing": f"{TIMING_METHOD}; one process; {args.graph_iters} calls per trial, "
                           "CUDA-graph replays"}
