@@ -161,7 +161,7 @@ class MoEHost(Experiment):
                              "forecast (a moe_host_forecast record) covers")
 
     def measure_all_args(self, written, root) -> list[str]:
-        """The settings of the committed run (its two chunks ran 201 s and 180 s on one H200)."""
+        """The settings of the committed run (its two chunks ran 186 s and 223 s on one H200)."""
         return ["--warmup", "1", "--graph-iters", "3"]
 
     def before(self, args: argparse.Namespace, root: Path) -> list[Path]:
