@@ -34,6 +34,14 @@ then each consumer warpgroup release-adds 1 to the row block's counter: a row bl
 Linear-2 (``TILE_L2``): ``BLOCK_N2`` hidden columns; the epilogue stores each result row straight
 into the Combine buffer of the row's source rank through the peer pointer table (row -> (source,
 slot); slot -1 is padding), 16-byte stores, and moves on: the remote-store burst of the paper.
+Split K (the ``SPLIT_K`` build with ``l2_splits`` > 1, where a call's Linear-2 tiles are far
+fewer than the SMs, as at one token: one CTA streams a tile's weights at about 50 GB/s, so a
+22-tile Linear-2 runs at a quarter of HBM's rate): a tile's table entry names one of
+``l2_splits`` contiguous ranges of its K blocks (``_l2_split``). Each split stores its fp32
+partial of the routed rows into ``l2_partial`` and release-adds 1 to the tile half's counter in
+``l2_ready``; the warpgroup that finds every split there sums the partials in split order (the
+result does not depend on which split came last), stores the Combine rows and resets the counter
+for the next launch.
 
 Memory ordering across proxies: ``h`` is written by generic stores and read by TMA (the async
 proxy) on another SM, so the writer fences ``proxy.async.global`` before its release and the
@@ -79,6 +87,7 @@ CONSUMER_REGS = gl.constexpr(224)
 PRODUCER_REGS = gl.constexpr(56)
 PRODUCER_WARPS = gl.constexpr(4)
 COPY_BYTES = gl.constexpr(16)  # one cp.async
+PARTIAL_COLS = gl.constexpr(64)  # a split tile's columns summed per step: 32 fp32 a thread
 
 
 @gluon.jit
@@ -125,6 +134,23 @@ def _stamp(rec, point: gl.constexpr):
 
 
 @gluon.jit
+def _l2_split(n_block, l2_k_blocks, l2_splits, HIDDEN, BLOCK_N2: gl.constexpr,
+              SPLIT_K: gl.constexpr):
+    """A Linear-2 table entry's ``n_block`` read as (K split, column block) of the tile's
+    ``HIDDEN / BLOCK_N2`` column blocks: the column block, the split, its first K block and its
+    K blocks (the K blocks cut in ``l2_splits`` ranges of ``ceil(l2_k_blocks / l2_splits)``, the
+    last one shorter; the host keeps every range non-empty). Without ``SPLIT_K``: the whole
+    tile."""
+    if not SPLIT_K:
+        return n_block, 0, 0, l2_k_blocks
+    p2 = HIDDEN // BLOCK_N2
+    split = n_block // p2
+    per = gl.cdiv(l2_k_blocks, l2_splits)
+    k0 = split * per
+    return n_block % p2, split, k0, gl.minimum(per, l2_k_blocks - k0)
+
+
+@gluon.jit
 def _load_a(desc, row0, k, bar, a_smem, s, second_half):
     """The 64-row halves of an A tile (one per consumer warpgroup) into stage ``s``: the second
     only where ``second_half`` (it holds a routed row; else its consumer reads nothing)."""
@@ -167,9 +193,9 @@ def _routed_half(row_slot, row_base):
 @gluon.jit
 def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready,
               empty, row_ready, row_slot, error, max_spin, num_experts, trace, HIDDEN, INTER,
-              l1_k_blocks, l2_k_blocks, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
+              l1_k_blocks, l2_k_blocks, l2_splits, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
               BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-              INSTRUMENT: gl.constexpr):
+              INSTRUMENT: gl.constexpr, SPLIT_K: gl.constexpr):
     """The loading warpgroup: every K block of every tile of this program, in table order (a tile
     whose expert is not one of the ``num_experts`` is skipped, as the consumers skip it). The A
     tile's second half is loaded only where it holds a routed row (``_routed_half``).
@@ -219,8 +245,10 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
                                          error, max_spin)
                 if INSTRUMENT:
                     gl.store(trace + i * TRACE_FIELDS + 9, spins.to(gl.int64))
-                w_row = expert * HIDDEN + n_block * BLOCK_N2
-                for kk in range(l2_k_blocks):
+                n2, split, k0, n_k = _l2_split(n_block, l2_k_blocks, l2_splits, HIDDEN, BLOCK_N2,
+                                               SPLIT_K)
+                w_row = expert * HIDDEN + n2 * BLOCK_N2
+                for kk in range(k0, k0 + n_k):
                     k = kk * BLOCK_K
                     s = it % STAGES
                     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
@@ -335,17 +363,18 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_ro
 
 @gluon.jit
 def _linear2_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, h_scale, w2_scale,
-                      rows, expert, n_block, HIDDEN, INTER, n_k, FP8: gl.constexpr,
+                      rows, expert, n_block, k0, HIDDEN, INTER, n_k, FP8: gl.constexpr,
                       BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    """The ``[64, BLOCK_N2]`` accumulator of this warpgroup's rows; the next ``it``."""
+    """The ``[64, BLOCK_N2]`` accumulator of this warpgroup's rows over the ``n_k`` K blocks from
+    ``k0``; the next ``it``."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N2, 32 if FP8 else 16])
     acc = gl.zeros([HALF_ROWS, BLOCK_N2], gl.float32, layout=mma)
     if FP8:
         k_scales = INTER // SCALE_BLOCK
         # .cg: h's scales were released by other SMs; read them at L2
-        h_scales = h_scale + gl.convert_layout(rows, gl.SliceLayout(1, mma)) * k_scales
-        w_scales = w2_scale + (expert * (HIDDEN // SCALE_BLOCK) + n_block) * k_scales
+        h_scales = h_scale + gl.convert_layout(rows, gl.SliceLayout(1, mma)) * k_scales + k0
+        w_scales = w2_scale + (expert * (HIDDEN // SCALE_BLOCK) + n_block) * k_scales + k0
         t = gl.zeros([HALF_ROWS, BLOCK_N2], gl.float32, layout=mma)
         for kk in range(n_k):
             s = it % STAGES
@@ -448,6 +477,59 @@ def _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base, n_
              mask=(slot >= 0)[:, None])
 
 
+@gluon.jit
+def _store_partial(acc, l2_partial, row_slot, prow, row_base, col0, HIDDEN, N: gl.constexpr,
+                   FP8: gl.constexpr):
+    """A split's fp32 partial ``[64, N]`` of this warpgroup's rows, in its wgmma layout (no
+    conversion), into rows ``prow ..`` of ``l2_partial`` at columns ``col0 ..``: routed rows
+    only."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, N, 32 if FP8 else 16])
+    r = gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, mma))
+    routed = gl.load(row_slot + row_base + r) >= 0
+    cols = col0 + gl.arange(0, N, layout=gl.SliceLayout(0, mma))
+    gl.store(l2_partial + ((prow + r).to(gl.int64) * HIDDEN)[:, None] + cols[None, :], acc,
+             mask=routed[:, None])
+
+
+@gluon.jit
+def _last_split(counter, l2_splits):
+    """This warpgroup's split released to its tile half's ``counter`` after every thread's
+    partial stores, then whether every split has arrived, read alike by the whole warpgroup (the
+    lowest count its threads acquire): true for the warpgroup that sums. Two may both find every
+    split there and both sum; they store the same rows."""
+    gl.thread_barrier()
+    gl.atomic_add(counter, 1, sem="release", scope="gpu")
+    gl.thread_barrier()
+    threads: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    seen = _load_acquire(counter + gl.zeros([128], gl.int32, layout=threads))
+    return gl.min(seen, axis=0) == l2_splits
+
+
+@gluon.jit
+def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_base, col0,
+                        l2_splits, HIDDEN, N: gl.constexpr):
+    """The Combine rows of a split tile's half: per ``PARTIAL_COLS`` columns, the splits'
+    partials (split ``s`` at rows ``prow0 + s · BLOCK_M ..`` of ``l2_partial``) summed in split
+    order, read at L2 (``.cg``: other SMs wrote them), stored as ``_linear2_combine_epilogue``
+    stores them."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+    r = gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
+    slot = gl.load(row_slot + row_base + r)
+    src = gl.load(row_src + row_base + r)
+    routed = (slot >= 0)[:, None]
+    dst = (gl.load(combine_ptrs + src).to(gl.pointer_type(gl.bfloat16))
+           + slot.to(gl.int64) * HIDDEN)
+    split_rows = BLOCK_M * HIDDEN
+    for c in gl.static_range(0, N, PARTIAL_COLS):
+        cols = col0 + c + gl.arange(0, PARTIAL_COLS, layout=gl.SliceLayout(0, layout))
+        part = l2_partial + ((prow0 + r).to(gl.int64) * HIDDEN)[:, None] + cols[None, :]
+        total = gl.load(part, mask=routed, cache_modifier=".cg")
+        for s in range(1, l2_splits):
+            total += gl.load(part + s * split_rows, mask=routed, cache_modifier=".cg")
+        gl.store(dst[:, None] + cols[None, :], total.to(gl.bfloat16), mask=routed)
+
+
 @gluon.jit(noinline=True)
 def _release_system(flag):
     """FENCE's system-scope release (one thread of the calling warpgroup, after its barrier), as
@@ -459,10 +541,11 @@ def _release_system(flag):
 @gluon.jit
 def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows,
               row_origin, w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
-              combine_ptrs, error,
-              num_experts, trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8: gl.constexpr,
+              combine_ptrs, error, num_experts, trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
+              l2_splits, l2_partial, l2_ready, FP8: gl.constexpr,
               BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
-              STAGES: gl.constexpr, INSTRUMENT: gl.constexpr, FENCE: gl.constexpr):
+              STAGES: gl.constexpr, INSTRUMENT: gl.constexpr, FENCE: gl.constexpr,
+              SPLIT_K: gl.constexpr):
     """Rows [64·half, 64·half + 64) of every tile of this program, in table order.
 
     INSTRUMENT (consumer 0 only, each stamp after its warpgroup's barrier): entry (0); the
@@ -496,6 +579,8 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
                 # the first stage's data (a second wait on the same phase returns at once)
                 mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
                 _stamp(rec, 1)
+            n2, split, k0, l2_n_k = _l2_split(n_block, l2_k_blocks, l2_splits, HIDDEN, BLOCK_N2,
+                                              SPLIT_K)
             if not _routed_half(row_slot, row_base):
                 # padding rows only (half 1 of a row block with at most 64 routed rows, as at
                 # small T): no wgmma, no stores; Linear-1 still counts its release
@@ -503,7 +588,7 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
                     it = _pass_stages(it, ready, empty, l1_k_blocks, STAGES)
                     _release_rows(row_ready, row_block)
                 else:
-                    it = _pass_stages(it, ready, empty, l2_k_blocks, STAGES)
+                    it = _pass_stages(it, ready, empty, l2_n_k, STAGES)
             elif kind == TILE_L1:
                 acc_g, acc_u, it = _linear1_mainloop(half, it, a_smem, b_smem, ready, empty,
                                                      a_rows, row_origin, w1_scale, row_base,
@@ -514,30 +599,50 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
                 _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base,
                                   n_block, INTER, FP8, BLOCK_N1)
             else:
+                # split K: this split's partial rows, the splits of the tile's half stacked
+                prow0 = row_block * l2_splits * BLOCK_M + half * HALF_ROWS
+                prow = prow0 + split * BLOCK_M
+                col0 = n2 * BLOCK_N2
                 if FP8 and BLOCK_N2 == 2 * SCALE_BLOCK:
                     # two 128-column halves, as Linear-1's gate and up: one temporary fits the
                     # registers
                     k_scales = INTER // SCALE_BLOCK
                     w_scales = (w2_scale
-                                + (expert * (HIDDEN // SCALE_BLOCK) + 2 * n_block) * k_scales)
+                                + (expert * (HIDDEN // SCALE_BLOCK) + 2 * n2) * k_scales + k0)
                     acc0, acc1, it = _fp8_halves_mainloop(half, it, a_smem, b_smem, ready, empty,
-                                                          h_scale + rows * k_scales, w_scales,
-                                                          w_scales + k_scales, l2_k_blocks, False,
-                                                          STAGES)
+                                                          h_scale + rows * k_scales + k0,
+                                                          w_scales, w_scales + k_scales, l2_n_k,
+                                                          False, STAGES)
                     if stamped:
                         _stamp(rec, 2)
-                    _linear2_combine_epilogue(acc0, row_src, row_slot, combine_ptrs, row_base,
-                                              2 * n_block, HIDDEN, SCALE_BLOCK)
-                    _linear2_combine_epilogue(acc1, row_src, row_slot, combine_ptrs, row_base,
-                                              2 * n_block + 1, HIDDEN, SCALE_BLOCK)
+                    if not SPLIT_K:
+                        _linear2_combine_epilogue(acc0, row_src, row_slot, combine_ptrs,
+                                                  row_base, 2 * n2, HIDDEN, SCALE_BLOCK)
+                        _linear2_combine_epilogue(acc1, row_src, row_slot, combine_ptrs,
+                                                  row_base, 2 * n2 + 1, HIDDEN, SCALE_BLOCK)
+                    else:
+                        _store_partial(acc0, l2_partial, row_slot, prow, row_base, col0, HIDDEN,
+                                       SCALE_BLOCK, FP8)
+                        _store_partial(acc1, l2_partial, row_slot, prow, row_base,
+                                       col0 + SCALE_BLOCK, HIDDEN, SCALE_BLOCK, FP8)
                 else:
                     acc, it = _linear2_mainloop(half, it, a_smem, b_smem, ready, empty, h_scale,
-                                                w2_scale, rows, expert, n_block, HIDDEN, INTER,
-                                                l2_k_blocks, FP8, BLOCK_N2, BLOCK_K, STAGES)
+                                                w2_scale, rows, expert, n2, k0, HIDDEN, INTER,
+                                                l2_n_k, FP8, BLOCK_N2, BLOCK_K, STAGES)
                     if stamped:
                         _stamp(rec, 2)
-                    _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base,
-                                              n_block, HIDDEN, BLOCK_N2)
+                    if not SPLIT_K:
+                        _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base,
+                                                  n2, HIDDEN, BLOCK_N2)
+                    else:
+                        _store_partial(acc, l2_partial, row_slot, prow, row_base, col0, HIDDEN,
+                                       BLOCK_N2, FP8)
+                if SPLIT_K:
+                    counter = l2_ready + (row_block * (HIDDEN // BLOCK_N2) + n2) * 2 + half
+                    if _last_split(counter, l2_splits):
+                        _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0,
+                                            row_base, col0, l2_splits, HIDDEN, BLOCK_N2)
+                        gl.store(counter, 0)
                 if FENCE:
                     # completion-coupled (§2.3): the warpgroup's Combine stores, then a cumulative
                     # system-scope release that returns once all of them are visible to every GPU
@@ -556,9 +661,11 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
 def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc,
                         w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
                         combine_ptrs, error, max_spin, num_experts, trace, HIDDEN, INTER,
-                        l1_k_blocks, l2_k_blocks, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
+                        l1_k_blocks, l2_k_blocks, l2_splits, l2_partial, l2_ready,
+                        FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
                         BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                        INSTRUMENT: gl.constexpr = False, FENCE: gl.constexpr = False):
+                        INSTRUMENT: gl.constexpr = False, FENCE: gl.constexpr = False,
+                        SPLIT_K: gl.constexpr = False):
     """One persistent program per table row (``tiles`` int32 [programs, max_tiles, 4],
     ``num_tiles`` int32 [programs], read on the device: a table sized by a static bound, its
     entries past ``num_tiles[g]`` never read); the schedule is the table, not this code. A tile
@@ -579,7 +686,13 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     ``l1_k_blocks``/``l2_k_blocks``: the K blocks each Linear-1/Linear-2 mainloop runs,
     ``HIDDEN / BLOCK_K`` and ``INTER / BLOCK_K`` for the MoE layer. Fewer make a *synthetic*
     kernel (the X-Stage knee sweep: shorter mainloops, every Combine store kept) that computes
-    the layer over the first K blocks only."""
+    the layer over the first K blocks only.
+
+    ``SPLIT_K`` (a separate build, where ``l2_splits`` > 1): ``l2_splits`` K splits of each
+    Linear-2 tile; a Linear-2 entry's ``n_block`` is ``split · HIDDEN / BLOCK_N2 + column
+    block`` (``_l2_split``), ``l2_partial`` fp32 ``[row blocks · l2_splits · 128, HIDDEN]`` (row
+    blocks of the layout in use) and ``l2_ready`` int32 ``[row blocks · HIDDEN / BLOCK_N2 · 2]``,
+    zero at the first launch and left zero by each. Without it both are never read."""
     pid = gl.program_id(0)
     my_tiles = tiles + pid * max_tiles * TILE_FIELDS
     my_trace = trace + pid * max_tiles * TRACE_FIELDS
@@ -597,14 +710,16 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     gl.warp_specialize([
         (_consumer, (0, my_tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows, row_origin,
                      w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs,
-                     error, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8,
-                     BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE)),
+                     error, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
+                     l2_splits, l2_partial, l2_ready, FP8, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES,
+                     INSTRUMENT, FENCE, SPLIT_K)),
         (_consumer, (1, my_tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows, row_origin,
                      w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs,
-                     error, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8,
-                     BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE)),
+                     error, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
+                     l2_splits, l2_partial, l2_ready, FP8, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES,
+                     INSTRUMENT, FENCE, SPLIT_K)),
         (_producer, (my_tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_smem,
                      b_smem, ready, empty, row_ready, row_slot, error, max_spin, num_experts,
-                     my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, FP8, BLOCK_N1, BLOCK_N2,
-                     BLOCK_K, STAGES, INSTRUMENT)),
+                     my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, FP8, BLOCK_N1,
+                     BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, SPLIT_K)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

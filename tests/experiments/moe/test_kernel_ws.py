@@ -47,7 +47,7 @@ def ws_module():
 
 
 def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
-             fence: bool = False):
+             fence: bool = False, split_k: bool = False):
     """The kernel for sm_90 with the argument types ``kernel_launch`` passes."""
     dtype, name = (gl.float8e4nv, "fp8e4nv") if precision == "fp8" else (gl.bfloat16, "bf16")
     half, bk = cfg.block_m // 2, cfg.block_k
@@ -63,13 +63,16 @@ def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
                  "w2_scale": scale, "h": f"*{name}", "h_scale": scale, "row_ready": "*i32",
                  "row_src": "*i32", "row_slot": "*i32", "combine_ptrs": "*i64", "error": "*i32",
                  "max_spin": "i32", "num_experts": "i32",
-                 "trace": "*i64" if instrument else "*i32", "HIDDEN": "i32", "INTER": "i32", "l1_k_blocks": "i32", "l2_k_blocks": "i32", "FP8": "constexpr",
+                 "trace": "*i64" if instrument else "*i32", "HIDDEN": "i32", "INTER": "i32", "l1_k_blocks": "i32", "l2_k_blocks": "i32",
+                 "l2_splits": "i32", "l2_partial": "*fp32" if split_k else "*i32",
+                 "l2_ready": "*i32", "FP8": "constexpr",
                  "BLOCK_N1": "constexpr", "BLOCK_N2": "constexpr", "BLOCK_K": "constexpr",
-                 "STAGES": "constexpr", "INSTRUMENT": "constexpr", "FENCE": "constexpr"}
+                 "STAGES": "constexpr", "INSTRUMENT": "constexpr", "FENCE": "constexpr",
+                 "SPLIT_K": "constexpr"}
     names = list(signature)
     constexprs = {(names.index(k),): v for k, v in dict(
         FP8=precision == "fp8", BLOCK_N1=cfg.block_n1, BLOCK_N2=cfg.block_n2, BLOCK_K=bk,
-        STAGES=cfg.num_stages, INSTRUMENT=instrument, FENCE=fence).items()}
+        STAGES=cfg.num_stages, INSTRUMENT=instrument, FENCE=fence, SPLIT_K=split_k).items()}
     # what Triton's launcher specializes: 16-byte aligned tensors, ints divisible by 16
     aligned = {(names.index(k),): [["tt.divisibility", 16]]
                for k, v in signature.items() if v.startswith("*")}
@@ -152,9 +155,9 @@ def _tiny_weights(precision: str):
     return local_expert_weights(SHAPES["DeepSeek-V4-Flash"], 0, 128, precision, seed=0)
 
 
-def _tiny_call(precision: str, **kwargs):
+def _tiny_call(precision: str, l2_splits: int = 1, kernel: str = "gluon_ws", **kwargs):
     shape = SHAPES["DeepSeek-V4-Flash"]
-    cfg = default_tile_config(precision, "gluon_ws", hidden=shape.hidden)
+    cfg = default_tile_config(precision, kernel, hidden=shape.hidden)
     weights = _tiny_weights(precision)
     rows, counts = 200, [120, 80]
     x = torch.randn(rows, shape.hidden).to(torch.bfloat16)
@@ -163,10 +166,11 @@ def _tiny_call(precision: str, **kwargs):
     slot = torch.cat([torch.arange(c) for c in counts])
     layout = build_layout(xq, xs, slot, expert, counts, 2, cfg.block_m)
     problem = MoEProblem(layout.blocks_per_expert, shape.intermediate // cfg.block_n1,
-                         shape.hidden // cfg.block_n2)
+                         shape.hidden // cfg.block_n2 * l2_splits)
     buffers = [torch.empty(128, shape.hidden, dtype=torch.bfloat16) for _ in counts]
     return prepare_fused_moe(layout, weights, expert_wave_schedule(problem, 4),
-                                 local_combine_peers(buffers), config=cfg, **kwargs)
+                             local_combine_peers(buffers), config=cfg, l2_splits=l2_splits,
+                             **kwargs)
 
 
 def test_needs_a_hopper_gpu():
@@ -193,13 +197,15 @@ def test_launch_arguments(monkeypatch, precision):
     assert (call.args[8].dtype == torch.float32) == (precision == "fp8")  # w1_scale
     assert call.constexprs["FP8"] == (precision == "fp8")
     bk = call.constexprs["BLOCK_K"]
-    assert call.args[-4:] == (4096, 2048, 4096 // bk, 2048 // bk)  # every K block: the layer
+    # every K block: the layer; unsplit, the error flag stands in for the split buffers
+    assert call.args[-7:-3] == (4096, 2048, 4096 // bk, 2048 // bk)
+    assert call.args[-3] == 1 and call.args[-2] is call.args[-1] is call.args[16]
     assert _tiny_call(precision, fence=True).constexprs["FENCE"] and not call.constexprs["FENCE"]
     synthetic = _tiny_call(precision, synthetic_k_fraction=0.3)
-    assert synthetic.args[-2:] == (math.ceil(0.3 * 4096 / bk), math.ceil(0.3 * 2048 / bk))
+    assert synthetic.args[-5:-3] == (math.ceil(0.3 * 4096 / bk), math.ceil(0.3 * 2048 / bk))
     assert synthetic.synthetic_k_fraction == 0.3 and call.synthetic_k_fraction is None
     traced = _tiny_call(precision, instrument=True)
-    assert traced.constexprs["INSTRUMENT"] and traced.args[-5] is traced.trace
+    assert traced.constexprs["INSTRUMENT"] and traced.args[-8] is traced.trace
     assert traced.trace.shape == (4, traced.args[2], TRACE_FIELDS) and (traced.trace == -1).all()
 
 
@@ -247,6 +253,39 @@ def test_fenced_build_releases_at_system_scope_after_each_linear2_tile(ws_module
     assert "_release_system" in ptx and "atom.global.sys.release" in ptx
     report = ptxas_report(ptx)
     assert report["spill_store_bytes"] <= 16 and not report["wgmma_serialized"]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_split_linear2_launch_passes_its_partials_and_counters(monkeypatch, precision):
+    """A schedule of Linear-2 tiles split in 3 along K: the SPLIT_K build, fp32 partials for the
+    layout's row blocks times the splits, one zeroed counter per tile half; the Triton kernel
+    refuses such a table."""
+    monkeypatch.setattr("xstage_lab.ops.moe.fused.kernel_unsupported", lambda kernel, device: None)
+    call = _tiny_call(precision, l2_splits=3)
+    splits, partial, ready = call.args[-3:]
+    p2 = 4096 // call.constexprs["BLOCK_N2"]
+    assert call.constexprs["SPLIT_K"] and not _tiny_call(precision).constexprs["SPLIT_K"]
+    # two row blocks (120 and 80 rows)
+    assert splits == 3 and partial.dtype == torch.float32 and partial.shape == (2 * 3 * 128, 4096)
+    assert ready.dtype == torch.int32 and ready.shape == (2 * p2 * 2,) and not ready.any()
+    with pytest.raises(MoEContractError, match="gluon_ws"):
+        _tiny_call(precision, l2_splits=3, kernel="triton")
+
+
+@pytest.mark.parametrize("key", list(_default_configs()), ids=lambda k: "-".join(map(str, k)))
+def test_split_k_build_sums_released_partials(ws_module, key):
+    """The SPLIT_K build: each split's partial released to its tile half's counter
+    (release-add), acquired before the sums, which read the partials at L2; wgmma not
+    serialized. Its few spilled bytes (the producer's split arithmetic at 56 registers) cost
+    little where it runs, at a few tokens, bound by the weights' stream."""
+    precision, cfg = key[0], _default_configs()[key]
+    ptx = _compile(ws_module, precision, cfg, split_k=True).asm["ptx"]
+    plain = _compile(ws_module, precision, cfg).asm["ptx"]
+    report = ptxas_report(ptx)
+    assert report["spill_load_bytes"] <= 128 and not report["wgmma_serialized"], report
+    release = "atom.global.gpu.release.add"
+    assert ptx.count(release) > plain.count(release)
+    assert "ld.global.cg" in ptx and ptx.count("ld.acquire.gpu") >= 2
 
 
 def test_a_prepared_launch_keeps_its_local_combine_buffers_alive(monkeypatch):

@@ -25,23 +25,25 @@ MODULE = "tests.ops.moe.test_device_tables"
 
 
 def _bounds(model: str, capacity: int, programs: int, lead: int, experts: int | None = None,
-            expert_lead: bool | None = None):
+            expert_lead: bool | None = None, split_k: bool = False):
     shape = SHAPES[model]
     config = default_tile_config("bf16", "gluon_ws", hidden=shape.hidden)
     return shape, TableBounds.of(capacity, experts or shape.routed_experts, shape.hidden,
-                                 shape.intermediate, config, programs, lead, expert_lead)
+                                 shape.intermediate, config, programs, lead, expert_lead,
+                                 split_k=split_k)
 
 
 def case_ep1(model: str, precision: str, tokens: int, routing: str, programs: int, lead: int,
              seed: int = 0, topk_ids: torch.Tensor | None = None,
-             expert_lead: bool | None = None) -> dict:
-    """EP = 1 from ``topk_ids`` (the router's on ``routing`` unless given): device == host."""
+             expert_lead: bool | None = None, split_k: bool = False) -> dict:
+    """EP = 1 from ``topk_ids`` (the router's on ``routing`` unless given): device == host;
+    ``split_k``: Linear-2 tiles split along K where the bounds say so."""
     shape = SHAPES[model]
     if topk_ids is None:
         logits = router_logits(tokens, shape.routed_experts, routing, seed=seed)
         topk_ids = router_topk(logits, shape.top_k)[0]
     _, bounds = _bounds(model, 2 * tokens * topk_ids.shape[1], programs, lead,
-                        expert_lead=expert_lead)
+                        expert_lead=expert_lead, split_k=split_k)
     x = torch.randn(tokens, shape.hidden, generator=torch.Generator().manual_seed(seed))
     x = x.to(torch.bfloat16)
     tables = allocate_tables(bounds, shape.hidden, precision, "cpu")
@@ -60,7 +62,7 @@ def case_ep1(model: str, precision: str, tokens: int, routing: str, programs: in
     assert not bad, bad
     assert int(tables.error) == 0
     return {"rows": int(tables.expert_offsets[-1]), "tiles": int(tables.meta[1]),
-            "expert_lead": bounds.expert_lead,
+            "expert_lead": bounds.expert_lead, "l2_splits": bounds.l2_splits,
             "interleaved_crc": zlib.crc32(host.tiles["interleaved"].tobytes())}
 
 
@@ -76,6 +78,14 @@ def case_lead_from_the_row_and_from_the_expert() -> dict:
     assert out["None"]["expert_lead"] and crc["None"] == crc["True"]
     # the two counts give different tables here, so each one's equality above tells
     assert crc["False"] != crc["True"]
+    return out
+
+
+def case_one_token_split_k() -> dict:
+    """DiT-MoE at one token on 132 programs: a bound of 4 arrivals, at most 4 row blocks of 11
+    Linear-2 tiles, each split in 3 along K (88 K blocks: 30, 30, 28)."""
+    out = case_ep1("DiT-MoE", "bf16", 1, "skewed", 132, 2, split_k=True)
+    assert out["l2_splits"] == 3
     return out
 
 
@@ -232,6 +242,7 @@ def interpreter_cases() -> dict:
     return {
         "every_shape": (case_every_shape,),
         "one_token": (case_ep1, "DeepSeek-V4-Flash", "fp8", 1, "balanced", 132, 2),
+        "one_token_split_k": (case_one_token_split_k,),
         "lead_from_the_row_and_from_the_expert": (case_lead_from_the_row_and_from_the_expert,),
         "skewed_fp8": (case_ep1, "Hy3", "fp8", 12, "skewed", 16, 2, 5),
         "zero_row_experts": (case_zero_row_experts,),
@@ -342,6 +353,26 @@ def test_bounds_cover_every_row_a_routing_can_use():
     assert b.rows >= 100 + 7 * 127 and b.rows % 128 == 0 and b.row_blocks == 8
     assert b.max_tiles * 5 >= b.row_blocks * 5
     assert b.chunks == 1
+
+
+def test_linear2_tiles_split_along_k_only_where_they_leave_most_programs_idle():
+    from xstage_lab.ops.moe.device_tables import l2_split_count, row_blocks_in_use
+
+    # one partial row block per expert with rows, plus the full ones
+    assert row_blocks_in_use(2, 16, 128) == 2 and row_blocks_in_use(300, 2, 128) == 4
+    assert l2_split_count(22, 132, 88) == 6   # 15 K blocks a split, the last 13
+    assert l2_split_count(11, 132, 44) == 11  # 4 each
+    assert l2_split_count(11, 132, 88) == 11  # 12 wanted: 8 blocks a split cover 88 in 11
+    assert l2_split_count(66, 132, 88) == 2 and l2_split_count(67, 132, 88) == 1
+    assert l2_split_count(22, 132, 3) == 3    # at most one split a K block
+    shape = SHAPES["DiT-MoE"]
+    config = default_tile_config("bf16", "gluon_ws", hidden=shape.hidden)
+    one_token = TableBounds.of(2, 16, shape.hidden, shape.intermediate, config, 132, 1,
+                               split_k=True)
+    assert (one_token.l2_splits, one_token.l2_n_blocks) == (6, 66)
+    assert TableBounds.of(2, 16, shape.hidden, shape.intermediate, config, 132, 1).l2_splits == 1
+    assert TableBounds.of(16, 16, shape.hidden, shape.intermediate, config, 132, 1,
+                          split_k=True).l2_splits == 1  # 16 row blocks: 176 tiles
 
 
 def test_quant_slab_narrows_where_wide_slabs_leave_programs_idle():

@@ -369,3 +369,25 @@ def test_an_ep_ranks_graph_follows_new_rows_in_its_receive_buffers(captures):
         err = float((got.float() - ref).norm() / ref.norm())
         assert err <= TOLERANCE["bf16"]["fp32"], err
     assert len(captures) == 1 and int(cell.ws.error) == 0
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_one_token_splits_linear2_along_k_and_matches_the_reference_call_after_call(precision):
+    """DiT-MoE at one token: two experts' 22 Linear-2 tiles on 132 SMs, split along K (the
+    kernel's ``SPLIT_K`` build). Five routings through the layer's graph, its Combine rows
+    poisoned before each call: each matches the reference, the same routing again gives the
+    same bits (the splits summed in split order), and the split counters are left zero."""
+    model = "DiT-MoE"
+    shape = SHAPES[model]
+    weights = local_expert_weights(shape, 0, 1, precision, seed=SEED, device="cuda")
+    layer = FusedMoE(weights, max_tokens=1, top_k=shape.top_k, schedule="wave")
+    assert layer.workspace.bounds.l2_splits > 1
+    for i in range(5):
+        x, ids, w = _inputs(1, 40 + i, ("balanced", "skewed")[i % 2], model=model)
+        layer.combine.fill_(float("nan"))
+        y = layer(x, ids, w)
+        torch.cuda.synchronize()
+        _check(layer, y, x, ids, w, model=model)
+        layer.combine.fill_(float("nan"))
+        assert torch.equal(layer(x, ids, w).view(torch.int16), y.view(torch.int16))
+    assert int(layer.error) == 0 and not layer.workspace.l2_ready.any()

@@ -314,7 +314,7 @@ def _host_launch(layout, ws: MoEWorkspace, schedule: str, peers,
              else interleaved_schedule(problem, g, ws.bounds.lead_rows,
                                        expert_lead=ws.bounds.expert_lead))
     return prepare_fused_moe(layout, ws.weights, built, peers, config=ws.config,
-                             instrument=instrument)
+                             instrument=instrument, l2_splits=ws.bounds.l2_splits)
 
 
 # How an eager call reaches the device (column ``eager_path``): one graph with the argument
@@ -539,8 +539,9 @@ class MoELayer(Experiment):
         calls = call_statistics_us(*host_call_times_us(cell.call))
         # a tile's weight bytes: Linear-1 gate and up, Linear-2 its hidden columns
         cfg, elem = cell.ws.config, weights.w1.element_size()
+        splits = cell.ws.bounds.l2_splits  # a split Linear-2 tile reads its share of K
         phases = (kernel_phases(cell.tiles, 2 * cfg.block_n1 * weights.hidden * elem,
-                                cfg.block_n2 * weights.intermediate * elem)
+                                cfg.block_n2 * weights.intermediate * elem / splits)
                   if cell.tokens in TRACED_TOKENS else {})
         # the point's columns too: the progress line reads them before the sweep adds them
         return {"model": cell.shape.model, "precision": cell.precision,
@@ -566,6 +567,7 @@ class MoELayer(Experiment):
                 "host_launch_floor_us": self.launch_floor_us,
                 "weight_floor_us": cell.touched_experts() * _expert_bytes(weights) / bw * 1e6,
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
+                "l2_splits": splits,
                 "route_tables_us": sum(route_kernels.values()) - gather_us,
                 "route_gather_us": gather_us, "route_kernels_us": json.dumps(route_kernels),
                 "eager_path": EAGER_PATH, **self.launch_floors, **stages, **phases}

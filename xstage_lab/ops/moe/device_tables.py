@@ -76,11 +76,12 @@ class TableBounds:
     """The static bounds every buffer of one op is sized by (paper §4.2 terms).
 
     ``capacity``: arrivals at most, ``T * top_k * P`` (at EP = 1, ``P = 1``); ``num_experts``:
-    E_loc; ``block_m``: rows per row block; ``l1_n_blocks``/``l2_n_blocks``: P_1, P_2;
-    ``num_programs``: G; ``lead_rows``: the Interleaved lead D, counted from the end of each
-    Linear-2 tile's expert where ``expert_lead`` (by default ``schedules.leads_from_expert``),
-    else from its row. Rows in use are at most ``capacity + E_loc (block_m - 1)`` (each expert's
-    last row block padded)."""
+    E_loc; ``block_m``: rows per row block; ``l1_n_blocks``/``l2_n_blocks``: the tables' Linear-1
+    and Linear-2 entries per row block, P_1 and P_2 (times ``l2_splits``, the K splits of each
+    Linear-2 tile: ``l2_split_count``); ``num_programs``: G; ``lead_rows``: the Interleaved lead
+    D, counted from the end of each Linear-2 tile's expert where ``expert_lead`` (by default
+    ``schedules.leads_from_expert``), else from its row. Rows in use are at most ``capacity +
+    E_loc (block_m - 1)`` (each expert's last row block padded)."""
 
     capacity: int
     num_experts: int
@@ -90,24 +91,35 @@ class TableBounds:
     num_programs: int
     lead_rows: int
     expert_lead: bool
+    l2_splits: int = 1
 
     def __post_init__(self):
         for name in ("capacity", "num_experts", "block_m", "l1_n_blocks", "l2_n_blocks",
-                     "num_programs", "lead_rows"):
+                     "num_programs", "lead_rows", "l2_splits"):
             if getattr(self, name) < 1:
                 raise MoEContractError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
     def of(cls, capacity: int, num_experts: int, hidden: int, intermediate: int,
            config: TileConfig, num_programs: int, lead_rows: int,
-           expert_lead: bool | None = None) -> TableBounds:
+           expert_lead: bool | None = None, split_k: bool = False) -> TableBounds:
+        """``split_k``: Linear-2 tiles split along K where ``l2_split_count`` says (the kernel
+        must take them: ``kernels/moe_fused_ws.py``'s ``SPLIT_K`` build)."""
         p1, p2 = intermediate // config.block_n1, hidden // config.block_n2
-        return cls(capacity, num_experts, config.block_m, p1, p2, num_programs, lead_rows,
-                   leads_from_expert(p1, p2) if expert_lead is None else expert_lead)
+        splits = (l2_split_count(row_blocks_in_use(capacity, num_experts, config.block_m) * p2,
+                                 num_programs, intermediate // config.block_k)
+                  if split_k else 1)
+        return cls(capacity, num_experts, config.block_m, p1, p2 * splits, num_programs,
+                   lead_rows, leads_from_expert(p1, p2 * splits) if expert_lead is None
+                   else expert_lead, splits)
 
     @property
     def row_blocks(self) -> int:
         return triton.cdiv(self.capacity + self.num_experts * (self.block_m - 1), self.block_m)
+
+    @property
+    def row_blocks_in_use(self) -> int:
+        return row_blocks_in_use(self.capacity, self.num_experts, self.block_m)
 
     @property
     def rows(self) -> int:
@@ -128,6 +140,26 @@ class TableBounds:
         w1, w2 = tile_work(MoEProblem((), self.l1_n_blocks, self.l2_n_blocks))
         return (triton.cdiv(self.row_blocks * self.l1_n_blocks, g) + w2 // w1
                 + triton.cdiv(self.row_blocks * self.l2_n_blocks, g))
+
+
+def row_blocks_in_use(capacity: int, num_experts: int, block_m: int) -> int:
+    """The row blocks a layout of at most ``capacity`` arrivals over ``num_experts`` experts
+    fills at most, from block 0 on: ``sum_e ceil(c_e / block_m) <= capacity div block_m +
+    min(E, capacity)`` (one partial block per expert that has rows)."""
+    return capacity // block_m + min(num_experts, capacity)
+
+
+def l2_split_count(l2_tiles: int, num_programs: int, k_blocks: int) -> int:
+    """K splits of each Linear-2 tile where a call has at most ``l2_tiles`` of them: 1 unless
+    they fill at most half the ``num_programs``, else as many as the programs take
+    (``num_programs div l2_tiles``), each split at least one of the ``k_blocks`` and none empty
+    (splits of ``ceil(k_blocks / splits)`` blocks). One CTA streams a tile's weights at about
+    50 GB/s (moe_layer/h200-x1's traces at one token): a 22-tile Linear-2, DiT-MoE's at one
+    token, reads them at a quarter of an H200's HBM rate."""
+    splits = min(num_programs // max(l2_tiles, 1), k_blocks)
+    if splits < 2:
+        return 1
+    return triton.cdiv(k_blocks, triton.cdiv(k_blocks, splits))
 
 
 @dataclass

@@ -89,7 +89,8 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
                       max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS,
                       verify_schedule: bool = True, instrument: bool = False,
                       fence: bool = False,
-                      synthetic_k_fraction: float | None = None) -> FusedMoECall:
+                      synthetic_k_fraction: float | None = None,
+                      l2_splits: int = 1) -> FusedMoECall:
     """Check the contract of the fused kernel and build its launch; nothing runs on the device.
 
     Contract: ``weights`` in the kernel layout for ``weights.precision``; ``layout`` from the same
@@ -103,7 +104,10 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
     stores are visible system-wide (the completion-coupled variant). Both leave the results
     unchanged. ``synthetic_k_fraction`` (gluon_ws only; the X-Stage knee sweep, never the MoE
     layer): every mainloop runs only that fraction of its K blocks (``synthetic_k_blocks``) while
-    every Combine store is kept; the result is the layer over those K blocks."""
+    every Combine store is kept; the result is the layer over those K blocks. ``l2_splits`` > 1
+    (gluon_ws): the schedule's Linear-2 tiles are split in that many along K, its ``n`` indices
+    counting ``l2_splits`` times the column blocks (``MoEWorkspace``'s tables at few rows:
+    ``device_tables.l2_split_count``)."""
     precision, device = weights.precision, weights.w1.device
     e_loc, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
     check_tile_config(config, precision, hidden, inter)
@@ -133,7 +137,10 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
                                f"{layout.max_slot} of hidden {hidden}")
     if peers.table.device != device:
         raise MoEContractError(f"peer table on {peers.table.device}, kernel on {device}")
-    problem = MoEProblem(layout.blocks_per_expert, inter // config.block_n1, hidden // config.block_n2)
+    if l2_splits < 1:
+        raise MoEContractError(f"l2_splits must be >= 1, got {l2_splits}")
+    p2 = hidden // config.block_n2
+    problem = MoEProblem(layout.blocks_per_expert, inter // config.block_n1, p2 * l2_splits)
     if verify_schedule:
         check_schedule(problem, schedule)
     table, counts = tile_table(schedule)
@@ -166,9 +173,12 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
     # Uninstrumented, the kernel never touches the trace: one element stands in for the pointer.
     trace = torch.full((*table.shape[:2], TRACE_FIELDS) if instrument else (1,), -1,
                        dtype=torch.int64, device=device)
+    split = (split_k_buffers(sum(layout.blocks_per_expert), l2_splits, config.block_m, hidden, p2,
+                             device) if l2_splits > 1 else (None, None))
     buffers = KernelBuffers(tiles, torch.from_numpy(counts).to(device),
                             row_addresses(layout.x, layout.x_scale), origin, h, h_scale, row_ready,
-                            layout.row_src, layout.row_slot, peers.table, error, trace)
+                            layout.row_src, layout.row_slot, peers.table, error, trace, l2_splits,
+                            *split)
     args, constexprs = kernel_launch(config, weights, buffers, max_spin_iters=max_spin_iters,
                                      instrument=instrument, fence=fence, k_blocks=k_blocks)
     return FusedMoECall(schedule, args, constexprs, (schedule.num_programs,), row_ready, error,
@@ -186,7 +196,9 @@ class KernelBuffers:
     H]`` and of its scales, ``row_addresses``; ``row_origin``: int32 ``[R]``, the row of ``x``
     each layout row reads, -1 on padding), the intermediate ``h`` and its scales, the row block
     counters (zero at launch), each row's source and slot, the peer table, the error flag and the
-    trace (int64 ``[G, max_tiles, TRACE_FIELDS]`` when instrumented, else one element)."""
+    trace (int64 ``[G, max_tiles, TRACE_FIELDS]`` when instrumented, else one element); where
+    the table splits each Linear-2 tile in ``l2_splits`` > 1 along K (gluon_ws only), the splits'
+    fp32 partials and the tile halves' counters (``split_k_buffers``)."""
 
     tiles: torch.Tensor
     num_tiles: torch.Tensor
@@ -200,6 +212,18 @@ class KernelBuffers:
     peer_table: torch.Tensor
     error: torch.Tensor
     trace: torch.Tensor
+    l2_splits: int = 1
+    l2_partial: torch.Tensor | None = None
+    l2_ready: torch.Tensor | None = None
+
+
+def split_k_buffers(row_blocks: int, splits: int, block_m: int, hidden: int, l2_n_blocks: int,
+                    device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``KernelBuffers.l2_partial`` (fp32 ``[row_blocks · splits · block_m, hidden]``) and
+    ``l2_ready`` (int32 ``[row_blocks · l2_n_blocks · 2]``, zero: the kernel leaves it zero) for
+    a layout of at most ``row_blocks`` row blocks in use and ``l2_n_blocks`` column blocks."""
+    return (torch.empty(row_blocks * splits * block_m, hidden, dtype=torch.float32, device=device),
+            torch.zeros(row_blocks * l2_n_blocks * 2, dtype=torch.int32, device=device))
 
 
 def kernel_launch(config: TileConfig, weights: ExpertWeights, b: KernelBuffers, *,
@@ -210,6 +234,10 @@ def kernel_launch(config: TileConfig, weights: ExpertWeights, b: KernelBuffers, 
     e_loc, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
     fp8 = weights.precision == "fp8"
     k_blocks = k_blocks or synthetic_k_blocks(None, config, hidden, inter)
+    split_k = b.l2_splits > 1
+    if split_k and (config.kernel != "gluon_ws" or b.l2_partial is None or b.l2_ready is None):
+        raise MoEContractError("a table of split Linear-2 tiles needs the gluon_ws kernel and its "
+                               "split_k_buffers")
     if config.kernel == "triton":
         args = (b.tiles, b.num_tiles, b.tiles.shape[1], b.a_rows, b.row_origin, weights.w1,
                 weights.w1_scale, weights.w2, weights.w2_scale, b.h, b.h_scale, b.row_ready,
@@ -221,7 +249,7 @@ def kernel_launch(config: TileConfig, weights: ExpertWeights, b: KernelBuffers, 
                           FENCE=bool(fence), num_warps=config.num_warps,
                           num_stages=config.num_stages)
     half, bk = config.block_m // 2, config.block_k
-    unused = b.error  # bf16 launches read no scales: any pointer stands in
+    unused = b.error  # bf16 launches read no scales, unsplit ones no partials: any pointer
     args = (b.tiles, b.num_tiles, b.tiles.shape[1], b.a_rows, b.row_origin,
             _ws_descriptor(weights.w1.view(e_loc * 2 * inter, hidden), [config.block_n1, bk]),
             _ws_descriptor(b.h, [half, bk]),
@@ -229,10 +257,11 @@ def kernel_launch(config: TileConfig, weights: ExpertWeights, b: KernelBuffers, 
             weights.w1_scale if fp8 else unused,
             weights.w2_scale if fp8 else unused, b.h, b.h_scale if fp8 else unused, b.row_ready,
             b.row_src, b.row_slot, b.peer_table, b.error, max_spin_iters, e_loc, b.trace, hidden,
-            inter, *k_blocks)
+            inter, *k_blocks, b.l2_splits, b.l2_partial if split_k else unused,
+            b.l2_ready if split_k else unused)
     return args, dict(FP8=fp8, BLOCK_N1=config.block_n1, BLOCK_N2=config.block_n2, BLOCK_K=bk,
                       STAGES=config.num_stages, INSTRUMENT=bool(instrument), FENCE=bool(fence),
-                      num_warps=4)
+                      SPLIT_K=split_k, num_warps=4)
 
 
 def row_addresses(x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:

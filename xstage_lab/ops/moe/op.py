@@ -40,7 +40,8 @@ from ..launcher import Launcher
 from .call_args import ALIGN_BYTES, FIRST_ADDRESS_PARAM, TRITON_DTYPES, slot_order, slot_packer
 from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weighted_sum_launch
 from .device_tables import SCHEDULES, TableBounds, allocate_tables, route_to_tables
-from .fused import DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, kernel_launch
+from .fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, kernel_launch,
+                    split_k_buffers)
 from .schedules import d_knee, derived_lead
 from .shapes import FP8_SCALE_BLOCK, MoEContractError
 from .tiles import TileConfig, check_tile_config, default_tile_config
@@ -168,7 +169,10 @@ class MoEWorkspace:
     SMs (one persistent program each); ``lead_rows`` to ``schedules.derived_lead`` (counted as
     ``schedules.leads_from_expert`` says: ``TableBounds.expert_lead``);
     ``source_rows``: the bf16 rows of ``x`` an FP8 layer quantizes at most, 0 where it takes e4m3
-    rows only (``allocate_tables``)."""
+    rows only (``allocate_tables``). With the gluon_ws kernel, where the bound leaves most SMs
+    without a Linear-2 tile (a few tokens), each Linear-2 tile is split along K
+    (``TableBounds.of(split_k=True)``, ``device_tables.l2_split_count``) and its splits' partials
+    get buffers of their own (``fused.split_k_buffers``)."""
 
     def __init__(self, weights: ExpertWeights, capacity: int, *, config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
@@ -189,7 +193,8 @@ class MoEWorkspace:
         if max_spin_iters < 1:
             raise MoEContractError("max_spin_iters must be >= 1")
         self.bounds = TableBounds.of(capacity, weights.num_experts, weights.hidden,
-                                     weights.intermediate, self.config, num_programs, lead_rows)
+                                     weights.intermediate, self.config, num_programs, lead_rows,
+                                     split_k=self.config.kernel == "gluon_ws")
         self.tables = allocate_tables(self.bounds, weights.hidden, weights.precision, device,
                                       source_rows=source_rows)
         rows, inter = self.bounds.rows, weights.intermediate
@@ -198,6 +203,10 @@ class MoEWorkspace:
                                     device=device) if weights.precision == "fp8" else None)
         # never instrumented: one element stands in for the trace pointer
         self.trace = torch.full((1,), -1, dtype=torch.int64, device=device)
+        b = self.bounds
+        self.l2_partial, self.l2_ready = (split_k_buffers(
+            b.row_blocks_in_use, b.l2_splits, b.block_m, weights.hidden,
+            b.l2_n_blocks // b.l2_splits, device) if b.l2_splits > 1 else (None, None))
         self.max_spin_iters = max_spin_iters
         self._launches: dict = {}
         self.graphs = GraphCache(device)
@@ -222,7 +231,8 @@ class MoEWorkspace:
             t = self.tables
             buffers = KernelBuffers(t.tiles[schedule], t.num_tiles[schedule], t.a_rows,
                                     t.row_origin, self.h, self.h_scale, t.row_ready, t.row_src,
-                                    t.row_slot, peers.table, t.error, self.trace)
+                                    t.row_slot, peers.table, t.error, self.trace,
+                                    self.bounds.l2_splits, self.l2_partial, self.l2_ready)
             args, constexprs = kernel_launch(self.config, self.weights, buffers,
                                              max_spin_iters=self.max_spin_iters)
             module, entry = KERNEL_ENTRIES[self.config.kernel]
