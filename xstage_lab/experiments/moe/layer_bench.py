@@ -43,7 +43,8 @@ machine, and ``host_floor_*_us`` those of a graph launch and of a launch behind 
 (``route_tables_us``: the schedule kernels of issue 27's bound) apart from the pass over the
 activations (``route_gather_us``: the FP8 quantization of the tokens at EP = 1; none where the
 fused kernel reads them as they are, which it gathers into its Linear-1 tiles; a record from before
-that holds the move into the layout).
+that holds the move into the layout). ``l2_splits``: the K splits of each Linear-2 tile the
+layer's tables hold (``device_tables.l2_split_count``; 1: none).
 Floors from the HBM bandwidth measured at the start of the run (a device copy):
 ``weighted_sum_floor_us`` (its bytes) and ``weight_floor_us`` (the bytes of the experts the call
 touches). Where a one-token kernel's time goes (``trace_*``,
