@@ -203,8 +203,8 @@ def auto_standing(view: HostView) -> pd.DataFrame:
     ``auto`` included; where the run kept its trials, ``auto_over_fastest_paired``: the median
     over trials of ``auto``'s time over that fastest schedule's in the same trial
     (``dist_timing.paired_ratio``; 1 where ``auto`` is the fastest), the measure issue 26 bounds by
-    ``AUTO_WITHIN``: under the GPU's clock steps between trials (the runs record SM clocks of
-    750-1980 MHz) the ratio of two medians can set a step against one method; ``auto_over_same``:
+    ``AUTO_WITHIN``: under the GPU's clock steps between trials (each row keeps its lowest SM
+    clock, ``sm_clock_mhz_min``) the ratio of two medians can set a step against one method; ``auto_over_same``:
     its time over the same schedule's, timed as a method of the sweep in the same run (Expert-Wave
     for lead 0): what two timings of one schedule differ by, the run's own noise; and in tuned runs
     ``forecast_over_fastest``: the sweep's time of the forecast's own pick

@@ -35,10 +35,10 @@ Per cell (model, precision, routing, tokens) and host share h, on fresh seeded a
    schedules the forecast predicts within ``host_forecast.AUTO_TUNE_MARGIN`` of its fastest, the
    one a tuning pass over the sweep's own launches (``--tune-trials`` trials, before the cell's
    timing) finds fastest by paired trials, as a launch of its own (the forecast's own pick,
-   ``pick_auto``, is ``auto_forecast_lead``; ``auto_tune_ms`` what the tuning cost). After the last timed replay
-   the harness runs step 1 again (``Experiment.recheck``): the launches' spin-error flags count
-   every run since they were prepared, so an error during timing aborts the run with nothing
-   written.
+   ``pick_auto``, is ``auto_forecast_lead``; ``auto_tune_ms`` what the tuning cost). After the
+   last timed replay the harness runs step 1 again (``Experiment.recheck``): the launches'
+   spin-error flags count every run since they were prepared, so an error during timing aborts
+   the run with nothing written.
 3. Per-tile traces of Expert-Wave and Interleaved with the host share (``kernel_rows.
    trace_columns``): Linear-2 spans, mainloops and G_wave.
 

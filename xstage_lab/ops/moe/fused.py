@@ -173,8 +173,8 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
     # Uninstrumented, the kernel never touches the trace: one element stands in for the pointer.
     trace = torch.full((*table.shape[:2], TRACE_FIELDS) if instrument else (1,), -1,
                        dtype=torch.int64, device=device)
-    split = (split_k_buffers(sum(layout.blocks_per_expert), l2_splits, config.block_m, hidden, p2,
-                             device) if l2_splits > 1 else (None, None))
+    split = split_k_buffers(sum(layout.blocks_per_expert), l2_splits, config.block_m, hidden, p2,
+                            device)
     buffers = KernelBuffers(tiles, torch.from_numpy(counts).to(device),
                             row_addresses(layout.x, layout.x_scale), origin, h, h_scale, row_ready,
                             layout.row_src, layout.row_slot, peers.table, error, trace, l2_splits,
@@ -218,10 +218,13 @@ class KernelBuffers:
 
 
 def split_k_buffers(row_blocks: int, splits: int, block_m: int, hidden: int, l2_n_blocks: int,
-                    device) -> tuple[torch.Tensor, torch.Tensor]:
+                    device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``KernelBuffers.l2_partial`` (fp32 ``[row_blocks · splits · block_m, hidden]``) and
     ``l2_ready`` (int32 ``[row_blocks · l2_n_blocks · 2]``, zero: the kernel leaves it zero) for
-    a layout of at most ``row_blocks`` row blocks in use and ``l2_n_blocks`` column blocks."""
+    a layout of at most ``row_blocks`` row blocks in use and ``l2_n_blocks`` column blocks; none
+    for one split (an unsplit table)."""
+    if splits == 1:
+        return None, None
     return (torch.empty(row_blocks * splits * block_m, hidden, dtype=torch.float32, device=device),
             torch.zeros(row_blocks * l2_n_blocks * 2, dtype=torch.int32, device=device))
 

@@ -204,9 +204,9 @@ class MoEWorkspace:
         # never instrumented: one element stands in for the trace pointer
         self.trace = torch.full((1,), -1, dtype=torch.int64, device=device)
         b = self.bounds
-        self.l2_partial, self.l2_ready = (split_k_buffers(
+        self.l2_partial, self.l2_ready = split_k_buffers(
             b.row_blocks_in_use, b.l2_splits, b.block_m, weights.hidden,
-            b.l2_n_blocks // b.l2_splits, device) if b.l2_splits > 1 else (None, None))
+            b.l2_n_blocks // b.l2_splits, device)
         self.max_spin_iters = max_spin_iters
         self._launches: dict = {}
         self.graphs = GraphCache(device)
