@@ -23,9 +23,9 @@ One CTA per SM walks its program's row of the table. Three partitions:
                            Against TMA loads of rows moved into place beforehand the kernel
                            takes 1.00-1.05x the time (moe_gather_probe/h200-x1, three runs; the
                            move it saves took 200-360 µs at 8192 tokens per rank).
-                           A Linear-2 tile's first STAGES weight blocks are loaded first; then it
-                           acquire-spins (bounded) on the row block's counter until every
-                           Linear-1 slice of those rows is visible, and loads their ``h``.
+                           Before the first load of a Linear-2 tile it acquire-spins (bounded) on
+                           the row block's counter until every Linear-1 slice of those rows is
+                           visible.
 
 Linear-1 (``TILE_L1``): gate and up of ``BLOCK_N1`` intermediate columns (two wgmma chains on
 one A tile), SwiGLU in the epilogue, ``h`` stored (bf16, or e4m3 with a 1 x 128 scale per row),
@@ -198,8 +198,7 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
               INSTRUMENT: gl.constexpr, SPLIT_K: gl.constexpr):
     """The loading warpgroup: every K block of every tile of this program, in table order (a tile
     whose expert is not one of the ``num_experts`` is skipped, as the consumers skip it). The A
-    tile's second half is loaded only where it holds a routed row (``_routed_half``). A Linear-2
-tile's first ``STAGES`` weight blocks are issued before its acquire-spin, its ``h`` after.
+    tile's second half is loaded only where it holds a routed row (``_routed_half``).
 
     A Linear-1 stage completes on two counts: each thread's ``cp.async`` arrival (which first adds
     one pending arrival to the phase, then arrives once its copies land) and the expect-tx arrival
@@ -242,30 +241,14 @@ tile's first ``STAGES`` weight blocks are issued before its acquire-spin, its ``
                                                     b_smem.index(s).slice(BLOCK_N1, BLOCK_N1))
                     it += 1
             else:
-                n2, split, k0, n_k = _l2_split(n_block, l2_k_blocks, l2_splits, HIDDEN, BLOCK_N2,
-                                               SPLIT_K)
-                w_row = expert * HIDDEN + n2 * BLOCK_N2
-                # The weights of the tile's first stages need no Linear-1 output: loaded before
-                # the spin, they stream while the row block's Linear-1 tiles still run, and the
-                # stage completes once its h half lands too (its expect counts both)
-                early = gl.minimum(n_k, STAGES)
-                for kk in range(k0, k0 + early):
-                    s = (it + kk - k0) % STAGES
-                    mbarrier.wait(empty.index(s), (((it + kk - k0) // STAGES) & 1) ^ 1)
-                    _expect_stage(ready.index(s), h_desc.block_type.nbytes,
-                                  w2_desc.block_type.nbytes, second_half)
-                    tma.async_copy_global_to_shared(w2_desc, [w_row, kk * BLOCK_K],
-                                                    ready.index(s),
-                                                    b_smem.index(s).slice(0, BLOCK_N2))
                 spins = _wait_rows_ready(row_ready + row0 // BLOCK_M, 2 * (INTER // BLOCK_N1),
                                          error, max_spin)
                 if INSTRUMENT:
                     gl.store(trace + i * TRACE_FIELDS + 9, spins.to(gl.int64))
-                for kk in range(k0, k0 + early):
-                    _load_a(h_desc, row0, kk * BLOCK_K, ready.index(it % STAGES), a_smem,
-                            it % STAGES, second_half)
-                    it += 1
-                for kk in range(k0 + early, k0 + n_k):
+                n2, split, k0, n_k = _l2_split(n_block, l2_k_blocks, l2_splits, HIDDEN, BLOCK_N2,
+                                               SPLIT_K)
+                w_row = expert * HIDDEN + n2 * BLOCK_N2
+                for kk in range(k0, k0 + n_k):
                     k = kk * BLOCK_K
                     s = it % STAGES
                     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
