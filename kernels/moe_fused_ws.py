@@ -25,7 +25,12 @@ One CTA per SM walks its program's row of the table. Three partitions:
                            move it saves took 200-360 µs at 8192 tokens per rank).
                            Before the first load of a Linear-2 tile it acquire-spins (bounded) on
                            the row block's counter until every Linear-1 slice of those rows is
-                           visible.
+                           visible. Issuing the tile's first STAGES weight blocks before the spin
+                           (streaming during Linear-1) measured no better at 1 and 8 tokens, every
+                           shape, in two runs of opposite order: 0.973 and 0.997 of this kernel's
+                           time (geometric means; moe_layer/h200-x1/20261204T133957Z against
+                           …133749Z, …134526Z against …134823Z), the process order moving cells
+                           more than the change.
 
 Linear-1 (``TILE_L1``): gate and up of ``BLOCK_N1`` intermediate columns (two wgmma chains on
 one A tile), SwiGLU in the epilogue, ``h`` stored (bf16, or e4m3 with a 1 x 128 scale per row),
