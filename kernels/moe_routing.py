@@ -10,6 +10,8 @@ the (token, k) picks of ``topk_ids`` (arrival ``i`` = slot ``i`` = ``t * top_k +
 token ``i // top_k``); for an EP rank (``RECEIVED``) the received rows, source by source, with
 their local expert, source rank and slot, and their count on the device. Every buffer is sized by
 a static bound, every grid by the arrivals' capacity; programs past the counts return at once.
+An EP rank's count is on the device: each arrival's id, source and slot are read up to the
+capacity, so their loads are issued beside the count's, not after it.
 
 The first launch takes the call's addresses (the router's output, the activations, the weighted
 sum's tensors) as its parameters, by value, and writes them into the call's argument block
@@ -129,9 +131,12 @@ def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, ou
         _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, x_quant,
                      x_quant_scale, QUANTIZE)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
+    # the chunk's ids read before the branch on the count: their load beside the count's
+    e, _, valid = _flagged_experts(expert_ids.to(tl.pointer_type(ID_DTYPE)),
+                                   c * CHUNK + tl.arange(0, CHUNK), n, error, NUM_EXPERTS,
+                                   CAPACITY)
     if c * CHUNK < n:
-        counts = _chunk_histogram(c, n, expert_ids.to(tl.pointer_type(ID_DTYPE)), error,
-                                  NUM_EXPERTS, E_PAD, CHUNK)
+        counts = tl.histogram(tl.where(valid, e, 0), E_PAD, mask=valid)
         es = tl.arange(0, E_PAD)
         tl.store(chunk_counts + c * NUM_EXPERTS + es, counts, mask=es < NUM_EXPERTS)
     if SCAN:
@@ -148,28 +153,21 @@ def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, ou
 
 
 @triton.jit
-def _chunk_histogram(c, n, expert_ids, error, NUM_EXPERTS, E_PAD: tl.constexpr,
-                     CHUNK: tl.constexpr):
-    """Chunk ``c``'s count of each local expert (``[E_PAD]``); its ids out of range added to
-    ``error``."""
-    e, _, valid = _flagged_experts(expert_ids, c * CHUNK + tl.arange(0, CHUNK), n, error,
-                                   NUM_EXPERTS)
-    return tl.histogram(tl.where(valid, e, 0), E_PAD, mask=valid)
-
-
-@triton.jit
-def _arrival_experts(expert_ids, i, n, NUM_EXPERTS):
+def _arrival_experts(expert_ids, i, n, NUM_EXPERTS, CAPACITY):
     """Arrivals ``i``' local experts (int32, -1 past the count ``n``), whether each is below the
-    count (``live``) and names an expert in ``0 .. NUM_EXPERTS - 1`` (``valid``)."""
+    count (``live``) and names an expert in ``0 .. NUM_EXPERTS - 1`` (``valid``). The ids are read
+    up to ``CAPACITY`` (every buffer of the arrivals holds that many), so on an EP rank their
+    load is in flight with the count's instead of after it."""
+    e = tl.load(expert_ids + i, mask=i < CAPACITY, other=-1).to(tl.int32)
     live = i < n
-    e = tl.load(expert_ids + i, mask=live, other=-1).to(tl.int32)
+    e = tl.where(live, e, -1)
     return e, live, live & (e >= 0) & (e < NUM_EXPERTS)
 
 
 @triton.jit
-def _flagged_experts(expert_ids, i, n, error, NUM_EXPERTS):
+def _flagged_experts(expert_ids, i, n, error, NUM_EXPERTS, CAPACITY):
     """``_arrival_experts``, the live ones out of range added to ``error``."""
-    e, live, valid = _arrival_experts(expert_ids, i, n, NUM_EXPERTS)
+    e, live, valid = _arrival_experts(expert_ids, i, n, NUM_EXPERTS, CAPACITY)
     bad = tl.sum((live & ~valid).to(tl.int32))
     if bad > 0:
         tl.atomic_add(error, bad)
@@ -346,40 +344,49 @@ def _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, 
 
 @triton.jit
 def _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, expert_offsets,
-                   arrival_rows, row_src, row_slot, row_origin, NUM_EXPERTS, TOP_K,
+                   arrival_rows, row_src, row_slot, row_origin, NUM_EXPERTS, TOP_K, CAPACITY,
                    RECEIVED: tl.constexpr, CHUNK: tl.constexpr):
-    """The scatter of chunk ``c`` of the ``n`` arrivals (``route_rows``)."""
+    """The scatter of chunk ``c`` of the ``n`` arrivals (``route_rows``): the chunk's ids and
+    sources read before the branch on the count, beside its load."""
     local = tl.arange(0, CHUNK)
     i = c * CHUNK + local
-    live = i < n
-    e = tl.load(expert_ids + i, mask=live, other=-1).to(tl.int32)
-    valid = live & (e >= 0) & (e < NUM_EXPERTS)
-    e = tl.where(valid, e, -1)
-    before = (e[:, None] == e[None, :]) & (local[None, :] < local[:, None])
-    rank = tl.sum(before.to(tl.int32), axis=1)
-    safe_e = tl.where(valid, e, 0)
-    row = (tl.load(expert_offsets + safe_e, mask=valid, other=0)
-           + tl.load(chunk_start + c * NUM_EXPERTS + safe_e, mask=valid, other=0) + rank)
-    _store_arrival_rows(i, row, live, valid, arrival_src, arrival_slot, arrival_rows, row_src,
-                        row_slot, row_origin, TOP_K, RECEIVED)
+    e, live, valid = _arrival_experts(expert_ids, i, n, NUM_EXPERTS, CAPACITY)
+    src, slot, origin = _arrival_sources(i, arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED)
+    if c * CHUNK < n:
+        e = tl.where(valid, e, -1)
+        before = (e[:, None] == e[None, :]) & (local[None, :] < local[:, None])
+        rank = tl.sum(before.to(tl.int32), axis=1)
+        safe_e = tl.where(valid, e, 0)
+        row = (tl.load(expert_offsets + safe_e, mask=valid, other=0)
+               + tl.load(chunk_start + c * NUM_EXPERTS + safe_e, mask=valid, other=0) + rank)
+        _store_arrival_rows(i, row, live, valid, src, slot, origin, arrival_rows, row_src,
+                            row_slot, row_origin)
 
 
 @triton.jit
-def _store_arrival_rows(i, row, live, valid, arrival_src, arrival_slot, arrival_rows, row_src,
-                        row_slot, row_origin, TOP_K, RECEIVED: tl.constexpr):
-    """Arrivals ``i`` (``live``: below the count; ``valid``: their id in range) at their padded
-    ``row``: ``arrival_rows[i]`` (-1 where not valid), and that row's ``row_src``/``row_slot``/
-    ``row_origin``: source 0, slot ``i`` and token ``i // TOP_K`` at EP = 1; the received
-    row's source and slot, and row ``i``, on an EP rank."""
-    tl.store(arrival_rows + i, tl.where(valid, row, -1), mask=live)
+def _arrival_sources(i, arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED: tl.constexpr):
+    """Arrivals ``i``' source rank, slot and row of ``x`` (``row_origin``): source 0, slot ``i``
+    and token ``i // TOP_K`` at EP = 1; on an EP rank the received row's source and slot (read
+    up to ``CAPACITY``, so their loads need neither the count nor the ids) and row ``i``."""
     if RECEIVED:
-        src = tl.load(arrival_src + i, mask=valid, other=0).to(tl.int32)
-        slot = tl.load(arrival_slot + i, mask=valid, other=0).to(tl.int32)
+        in_bound = i < CAPACITY
+        src = tl.load(arrival_src + i, mask=in_bound, other=0).to(tl.int32)
+        slot = tl.load(arrival_slot + i, mask=in_bound, other=0).to(tl.int32)
         origin = i
     else:
         src = tl.zeros_like(i)
         slot = i
         origin = i // TOP_K
+    return src, slot, origin
+
+
+@triton.jit
+def _store_arrival_rows(i, row, live, valid, src, slot, origin, arrival_rows, row_src, row_slot,
+                        row_origin):
+    """Arrivals ``i`` (``live``: below the count; ``valid``: their id in range) at their padded
+    ``row``: ``arrival_rows[i]`` (-1 where not valid), and that row's ``row_src``/``row_slot``/
+    ``row_origin``, ``_arrival_sources``' ``src``, ``slot`` and ``origin``."""
+    tl.store(arrival_rows + i, tl.where(valid, row, -1), mask=live)
     tl.store(row_src + row, src, mask=valid)
     tl.store(row_slot + row, slot, mask=valid)
     tl.store(row_origin + row, origin, mask=valid)
@@ -456,11 +463,11 @@ def route_rows(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, exp
     q = tl.program_id(0)
     chunks = tl.cdiv(CAPACITY, CHUNK)
     if q < chunks:
-        n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
-        if q * CHUNK < n:
-            _scatter_chunk(q, n, arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False), arrival_src,
-                           arrival_slot, chunk_start, expert_offsets, arrival_rows, row_src,
-                           row_slot, row_origin, NUM_EXPERTS, TOP_K, RECEIVED, CHUNK)
+        # the ids' address and the count loaded side by side
+        ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
+        _scatter_chunk(q, _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED), ids, arrival_src,
+                       arrival_slot, chunk_start, expert_offsets, arrival_rows, row_src,
+                       row_slot, row_origin, NUM_EXPERTS, TOP_K, CAPACITY, RECEIVED, CHUNK)
     else:
         p = q - chunks
         tl.store(row_ready + p, 0)
@@ -601,27 +608,28 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
         ids = expert_ids.to(tl.pointer_type(ID_DTYPE))
         w = tl.cdiv(WAVE_MIN_L1, P1)  # row blocks of a wave: one per routed expert
         if q == 0:
-            e, live, valid = _arrival_experts(ids, i, n, NUM_EXPERTS)
+            e, live, valid = _arrival_experts(ids, i, n, NUM_EXPERTS, CAPACITY)
+            src, slot, origin = _arrival_sources(i, arrival_src, arrival_slot, CAPACITY, TOP_K,
+                                                 RECEIVED)
             _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, x_quant,
                          x_quant_scale, QUANTIZE)
-            _tiny_rows(i, tl.where(valid, e, -1), live, valid, w, arrival_src, arrival_slot,
+            _tiny_rows(i, tl.where(valid, e, -1), live, valid, w, src, slot, origin,
                        arrival_rows, row_src, row_slot, row_origin, wave_tiles, inter_tiles, G,
-                       P1, P2, LEAD, MAX_TILES, TOP_K, RECEIVED, BLOCK_M, P_PAD, ROW_BLOCKS,
-                       A_PAD, E_PAD)
+                       P1, P2, LEAD, MAX_TILES, BLOCK_M, P_PAD, ROW_BLOCKS, A_PAD, E_PAD)
         else:  # the one program that flags bad ids
-            e, live, valid = _flagged_experts(ids, i, n, error, NUM_EXPERTS)
+            e, live, valid = _flagged_experts(ids, i, n, error, NUM_EXPERTS, CAPACITY)
             _tiny_experts(e, valid, w, expert_counts, expert_offsets, wave_lo, wave_hi, meta,
                           wave_num_tiles, inter_num_tiles, row_ready, ROW_BLOCK_BOUND,
                           NUM_EXPERTS, G, P1, P2, BLOCK_M, E_PAD, G_PAD, ZERO_BLOCK)
 
 
 @triton.jit
-def _tiny_rows(i, e, live, valid, w, arrival_src, arrival_slot, arrival_rows, row_src, row_slot,
-               row_origin, wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES, TOP_K,
-               RECEIVED: tl.constexpr, BLOCK_M: tl.constexpr, P_PAD: tl.constexpr,
-               ROW_BLOCKS: tl.constexpr, A_PAD: tl.constexpr, E_PAD: tl.constexpr):
+def _tiny_rows(i, e, live, valid, w, src, slot, origin, arrival_rows, row_src, row_slot,
+               row_origin, wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES,
+               BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+               A_PAD: tl.constexpr, E_PAD: tl.constexpr):
     """``route_tiny``'s program 0 over the arrivals ``i`` (their experts ``e``, -1 where not
-    ``valid``): an arrival's row is its expert's row block (the distinct routed experts below
+    ``valid``; their ``_arrival_sources``): an arrival's row is its expert's row block (the distinct routed experts below
     it) times ``BLOCK_M`` plus its rank among its expert's arrivals (stable: by arrival, from
     all pairs); a row block's expert and routed rows are those of the first arrival in it; each
     Expert-Wave wave holds ``w`` row blocks, the last one the rest (``schedules.wave_starts``
@@ -647,8 +655,8 @@ def _tiny_rows(i, e, live, valid, w, arrival_src, arrival_slot, arrival_rows, ro
         block = tl.gather(tl.cumsum(blocks, axis=0) - blocks, safe_e, 0)
         rows_of = tl.gather(count, safe_e, 0)
         row_blocks = tl.sum(blocks)
-    _store_arrival_rows(i, block * BLOCK_M + rank, live, valid, arrival_src, arrival_slot,
-                        arrival_rows, row_src, row_slot, row_origin, TOP_K, RECEIVED)
+    _store_arrival_rows(i, block * BLOCK_M + rank, live, valid, src, slot, origin, arrival_rows,
+                        row_src, row_slot, row_origin)
     # every expert holds one row block: the lead counted from its end is the row lead
     for p0 in range(0, row_blocks, ROW_BLOCKS):
         ps = p0 + tl.arange(0, ROW_BLOCKS)
