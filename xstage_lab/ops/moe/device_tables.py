@@ -58,7 +58,9 @@ SCAN_ONE_TILE = 8192
 # memory: 8-15 µs at one token, route_small_probe/h200-x1/20261202T175738Z-780d73f25b)
 TINY_ARRIVALS = 16
 TINY_RECEIVED = 128
-ROW_BLOCKS_TINY = 16  # route_tiny's row blocks a step of its tiles
+# route_tiny's row blocks a step of its tiles, at most: never more than its arrivals' bound (each
+# arrival opens at most one row block), so a step at one token computes no unused row block
+ROW_BLOCKS_TINY = 16
 TINY_TABLE_PROGRAMS = 2  # route_tiny's programs that write tables (the arrivals', the experts')
 ZERO_BLOCK = 1024  # route_tiny's row counters zeroed this many a step
 QUANT_ROWS = 32   # rows of x per program of the FP8 quantization ...
@@ -365,13 +367,13 @@ class RoutingLaunches:
         self.rows = Launcher(k.route_rows, args=t.args, chunk_start=t.chunk_start, meta=t.meta,
                              arrival_rows=t.arrival_rows, RECEIVED=received, CHUNK=CHUNK,
                              ID_DTYPE=ids, EXPERT_LEAD=b.expert_lead, **tables_static)
-        # one per power of two of the arrivals and quantized slab, bound on first use: A_PAD and
-        # SLAB are constexprs
+        # one per power of two of the arrivals and quantized slab, bound on first use: A_PAD (and
+        # ROW_BLOCKS with it) and SLAB are constexprs
         self.tiny_static = dict(
             args=t.args, meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
             inter_num_tiles=t.num_tiles["interleaved"], arrival_rows=t.arrival_rows,
             error=t.error, WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received,
-            G_PAD=_pow2(b.num_programs), ID_DTYPE=ids, ROW_BLOCKS=ROW_BLOCKS_TINY,
+            G_PAD=_pow2(b.num_programs), ID_DTYPE=ids,
             ZERO_BLOCK=ZERO_BLOCK, ROW_BLOCK_BOUND=b.row_blocks, HIDDEN=hidden,
             QUANT_ROWS=QUANT_ROWS, num_warps=8, **quant, **tables_static)
         self.tiny: dict[tuple[int, int], Launcher] = {}
@@ -436,6 +438,7 @@ class RoutingLaunches:
         launch = self.tiny.get(key)
         if launch is None:  # unquantized, SLAB is read by no program: 1 stands in
             launch = self.tiny[key] = Launcher(self.kernels.route_tiny, A_PAD=key[0],
+                                               ROW_BLOCKS=min(ROW_BLOCKS_TINY, key[0]),
                                                SLAB=max(slab, 1), **self.tiny_static)
         blocks = triton.cdiv(rows, QUANT_ROWS) * triton.cdiv(self.hidden, slab) if slab else 0
         return launch, (TINY_TABLE_PROGRAMS + blocks,)
