@@ -633,18 +633,19 @@ def _tiny_rows(i, e, live, valid, w, src, slot, origin, arrival_rows, row_src, r
                BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, ROW_BLOCKS: tl.constexpr,
                A_PAD: tl.constexpr, E_PAD: tl.constexpr):
     """``route_tiny``'s program 0 over the arrivals ``i`` (their experts ``e``, -1 where not
-    ``valid``; their ``_arrival_sources``): an arrival's row is its expert's row block (the distinct routed experts below
-    it) times ``BLOCK_M`` plus its rank among its expert's arrivals (stable: by arrival, from
-    all pairs); a row block's expert and routed rows are those of the first arrival in it; each
-    Expert-Wave wave holds ``w`` row blocks, the last one the rest (``schedules.wave_starts``
-    with one row block per routed expert); the tiles, as in ``route_rows``, per row block in
-    use, ``ROW_BLOCKS`` a step (``_write_row_blocks``). Each expert's row block and routed rows
-    come from all pairs of arrivals where they are fewer than the experts, else from the scan
-    over experts. At EP = 1 and one token ``route_tiny`` took 3.5-5.4 µs, 0.39-0.88 of the
-    one-program kernel's time (moe_layer/h200-x1/20261203T144356Z-0c9720c057 against
-    …124752Z-aee52a93dd); on an EP rank's 128 received rows over 64 local experts or fewer,
-    with the scan, 0.91-1.14 (…144229Z-0c8c01d917 against …124542Z-44ce83fd5a), where all
-    pairs had taken 1.08-1.58 (…142223Z, retired)."""
+    ``valid``; their ``_arrival_sources``): an arrival's row is its expert's row block (the
+    distinct routed experts below it) times ``BLOCK_M`` plus its rank among its expert's
+    arrivals (stable: by arrival, from all pairs); a row block's expert and routed rows are
+    those of the first arrival in it; each Expert-Wave wave holds ``w`` row blocks, the last one
+    the rest (``schedules.wave_starts`` with one row block per routed expert); the tiles, as in
+    ``route_rows``, per row block in use, ``ROW_BLOCKS`` a step (``_write_row_blocks``). Each
+    expert's row block and routed rows come from all pairs of arrivals where they are fewer than
+    the experts, else from the scan over experts. At EP = 1 and one token ``route_tiny`` took
+    3.5-5.4 µs, 0.39-0.88 of the one-program kernel's time
+    (moe_layer/h200-x1/20261203T144356Z-0c9720c057 against …124752Z-aee52a93dd); on an EP rank's
+    128 received rows over 64 local experts or fewer, with the scan, 0.91-1.14
+    (…144229Z-0c8c01d917 against …124542Z-44ce83fd5a), where all pairs had taken 1.08-1.58
+    (…142223Z, retired)."""
     same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]
     rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
     first = valid & (rank == 0)
