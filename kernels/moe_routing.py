@@ -13,9 +13,9 @@ a static bound, every grid by the arrivals' capacity; programs past the counts r
 An EP rank's count is on the device: each arrival's id, source and slot are read up to the
 capacity, so their loads are issued beside the count's, not after it. On the EP = 8 rank at 1, 8
 and 64 tokens that took the table passes' kernels 0.89-0.91x their time before (geometric means
-per token count, every shape, two runs beside one of the earlier kernels: 0.6-1.0 µs less), the
-graphed call 0.7-1.4 µs less (medians; moe_layer/h200-x1/20261204T135607Z and …135703Z against
-…135639Z).
+per token count, every shape, two runs on either side of one with the earlier kernels: 0.6-1.0
+µs less), the graphed call 0.7-1.4 µs less (medians; moe_layer/h200-x1/20261204T135607Z and
+…135703Z against …135639Z).
 
 The first launch takes the call's addresses (the router's output, the activations, the weighted
 sum's tensors) as its parameters, by value, and writes them into the call's argument block

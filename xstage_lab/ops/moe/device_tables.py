@@ -62,8 +62,8 @@ TINY_RECEIVED = 128
 # arrival opens at most one row block), so a step at one token computes no unused row block. At
 # one token, EP = 1, route_tiny took 5.6 -> 3.5 µs for DiT-MoE (2 picks), 0.1-0.5 µs less at 6 and 8
 # picks for DeepSeek-V4 and GLM-5.x, 0.15-0.2 µs more for Hy3 and MiMo-V2.5 (also 8), the same at
-# Qwen3.5's 10 (16 either way), in two runs beside one of the earlier step (moe_layer/h200-x1/
-# 20261204T140629Z and …140816Z against …140724Z, per-kernel profile)
+# Qwen3.5's 10 (16 either way), in two runs on either side of one with the earlier step
+# (moe_layer/h200-x1/20261204T140629Z and …140816Z against …140724Z, per-kernel profile)
 ROW_BLOCKS_TINY = 16
 TINY_TABLE_PROGRAMS = 2  # route_tiny's programs that write tables (the arrivals', the experts')
 ZERO_BLOCK = 1024  # route_tiny's row counters zeroed this many a step
