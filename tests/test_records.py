@@ -412,7 +412,7 @@ def test_a_derivable_column_that_differs_from_its_derivation_is_kept(tmp_path):
 
 
 def test_records_from_before_the_lean_format_are_read_as_they_are():
-    rec = latest_record("remote_ops", "h200-x2")
+    rec = latest_record("remote_patterns", "h200-x2")
     assert "stored" not in rec.meta
     assert pq.ParquetFile(rec.path).metadata.row_group(0).column(0).compression == "SNAPPY"
     assert rec.table["gap_eff_us"].dtype == np.float64 and rec.table["point"].dtype == np.int64
@@ -636,6 +636,22 @@ def test_append_only_allows_exactly_the_listed_transcodings(tmp_path):
         f"data/records/remote_store/h200-x2/{gone.name}: removed without a retired.json entry",
         f"remote_store/h200-x2/{other.stem}: listed transcoded, but its header or history "
         "disagrees"])
+
+    # a removal undone (the record back with the bytes it had) keeps the rule; put back with
+    # other bytes, both removals break it
+    subprocess.run(["git", "checkout", "-q", "--", "."], cwd=tmp_path, check=True)
+    original = gone.read_bytes()
+    gone.unlink()
+    _commit(root, "remove")
+    gone.write_bytes(original)
+    _commit(root, "restore")
+    assert records.append_only_violations(root) == []
+    gone.unlink()
+    _commit(root, "remove again")
+    gone.write_bytes(original + b"\0")
+    _commit(root, "put back changed")
+    removed = f"data/records/remote_store/h200-x2/{gone.name}: removed without a retired.json entry"
+    assert records.append_only_violations(root) == [removed, removed]
 
 
 @needs_history

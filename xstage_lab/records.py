@@ -409,32 +409,39 @@ def transcode(record: str | Path, commit: str, resolution: dict[str, float] | No
     manifest.setdefault("transcoded", []).append(
         {"id": rec.record_id, "path": rel, "reason": TRANSCODED_REASON.format(commit=commit),
          "commit": commit, "date": when.isoformat()})
-    manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+    manifest_path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     return path
 
 
 def append_only_violations(root: Path = RECORDS_DIR) -> list[str]:
     """Every change to a record file under ``root`` in its git history and work tree that the
     append-only rule does not allow: a record may be added, removed where ``retired.json`` lists
-    it retired, and rewritten once where its "transcoded" section lists it (into a lean record
-    whose header names the same commit); nothing else. Empty where the rule holds."""
+    it retired or where it is back in the tree with the bytes it had (a removal undone), and
+    rewritten once where its "transcoded" section lists it (into a lean record whose header
+    names the same commit); nothing else. Empty where the rule holds."""
     root = Path(root).resolve()
     found = _git(root, "rev-parse", "--show-toplevel")
     if found.returncode:
         raise ValueError(f"{root} is not in a git work tree: no history to check")
     top = Path(found.stdout.strip()).resolve()
     prefix = root.relative_to(top).as_posix()
-    history = _git(top, "log", "--format=", "--name-status", "--no-renames", "HEAD", "--",
-                   prefix).stdout.splitlines()
+    # each commit's changes after a line "\0<commit>"; the work tree's under None
+    changes, commit = [], None
+    for line in _git(top, "log", "--format=%x00%H", "--name-status", "--no-renames", "HEAD",
+                     "--", prefix).stdout.splitlines():
+        if line.startswith("\0"):
+            commit = line[1:]
+        elif line:
+            changes.append((commit, *line.split("\t")))
     work = _git(top, "diff", "--name-status", "--no-renames", "HEAD", "--", prefix)
-    changes = [line.split("\t") for line in history + work.stdout.splitlines() if line]
+    changes += [(None, *line.split("\t")) for line in work.stdout.splitlines() if line]
     gone, rewritten = retired(root), transcoded(root)
     violations, rewrites = [], {}
-    for status, path in changes:
+    for commit, status, path in changes:
         if not path.endswith(".parquet"):
             continue
         key = _record_key(path)
-        if status == "D" and key not in gone:
+        if status == "D" and key not in gone and not _restored(top, commit, path):
             violations.append(f"{path}: removed without a retired.json entry")
         elif status == "M":
             rewrites[key] = rewrites.get(key, 0) + 1
@@ -460,6 +467,15 @@ def append_only_violations(root: Path = RECORDS_DIR) -> list[str]:
         elif _git(top, "cat-file", "-e", f"{entry['commit']}:{entry['path']}").returncode:
             violations.append(f"{key}: commit {entry['commit']} does not hold {entry['path']}")
     return violations
+
+
+def _restored(top: Path, commit: str | None, path: str) -> bool:
+    """Whether the record at ``path`` that ``commit`` removed is in the work tree again with the
+    bytes it had before (never for a removal in the work tree itself)."""
+    before = _git(top, "rev-parse", "--verify", "-q", f"{commit}^:{path}") if commit else None
+    now = _git(top, "hash-object", "--", path) if (top / path).is_file() else None
+    return bool(before and now and not before.returncode and not now.returncode
+                and before.stdout.strip() == now.stdout.strip())
 
 
 def _all_records(experiment: str, platform: str | None, root: Path) -> list[Path]:
