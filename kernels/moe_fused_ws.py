@@ -465,21 +465,29 @@ def _pass_stages(it, ready, empty, n_k, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN, layout: gl.constexpr):
+    """Where the 64 layout rows from ``row_base`` (``layout``'s row slice) go: each row's row of
+    its source rank's Combine buffer (``row_src``) at its slot (``row_slot``), and whether it is
+    routed (slot -1 is padding)."""
+    rows = row_base + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
+    slot = gl.load(row_slot + rows)
+    src = gl.load(row_src + rows)
+    # Buffers are 16-byte aligned (host contract): the stores go out as vectors up to 16 bytes
+    base = gl.multiple_of(gl.load(combine_ptrs + src).to(gl.pointer_type(gl.bfloat16)), 16)
+    return base + slot.to(gl.int64) * HIDDEN, slot >= 0
+
+
+@gluon.jit
 def _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base, n_block, HIDDEN,
                               BLOCK_N2: gl.constexpr):
     """Each result row into its source rank's Combine buffer, 16-byte stores; padding rows
-    (slot -1) are skipped. No wait for the stores: the X-Stage drains them."""
+    are skipped. No wait for the stores: the X-Stage drains them."""
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N2, BLOCK_N2 // 8],
                                                 [4, 1], [1, 0])
     out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
-    rows = row_base + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, out_layout))
-    slot = gl.load(row_slot + rows)
-    src = gl.load(row_src + rows)
-    # Buffers are 16-byte aligned (host contract): the stores go out as 16-byte vectors.
-    dst = gl.multiple_of(gl.load(combine_ptrs + src).to(gl.pointer_type(gl.bfloat16)), 16)
+    dst, routed = _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN, out_layout)
     cols = n_block * BLOCK_N2 + gl.arange(0, BLOCK_N2, layout=gl.SliceLayout(0, out_layout))
-    gl.store(dst[:, None] + (slot.to(gl.int64) * HIDDEN)[:, None] + cols[None, :], out,
-             mask=(slot >= 0)[:, None])
+    gl.store(dst[:, None] + cols[None, :], out, mask=routed[:, None])
 
 
 @gluon.jit
@@ -516,15 +524,12 @@ def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_
                         l2_splits, HIDDEN, N: gl.constexpr):
     """The Combine rows of a split tile's half: per ``PARTIAL_COLS`` columns, the splits'
     partials (split ``s`` at rows ``prow0 + s · BLOCK_M ..`` of ``l2_partial``) summed in split
-    order, read at L2 (``.cg``: other SMs wrote them), stored as ``_linear2_combine_epilogue``
-    stores them."""
+    order, read at L2 (``.cg``: other SMs wrote them), into their Combine rows
+    (``_combine_rows``)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
     r = gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
-    slot = gl.load(row_slot + row_base + r)
-    src = gl.load(row_src + row_base + r)
-    routed = (slot >= 0)[:, None]
-    dst = (gl.load(combine_ptrs + src).to(gl.pointer_type(gl.bfloat16))
-           + slot.to(gl.int64) * HIDDEN)
+    dst, routed = _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN, layout)
+    routed = routed[:, None]
     split_rows = BLOCK_M * HIDDEN
     for c in gl.static_range(0, N, PARTIAL_COLS):
         cols = col0 + c + gl.arange(0, PARTIAL_COLS, layout=gl.SliceLayout(0, layout))

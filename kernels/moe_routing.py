@@ -30,8 +30,8 @@ layout row names the row of ``x`` it reads (``row_origin``: the token at EP = 1,
 on an EP rank), which the fused kernel's Linear-1 gathers as it loads.
 
 Three launches, each needing the one before it complete, and, where bf16 activations feed an FP8
-layer, ``route_quantize`` (for at most ``BLOCK_M`` arrivals one launch, ``route_tiny``: two programs
-that hold them all in registers, and beside them the quantizing programs):
+layer, ``route_quantize`` (for at most ``BLOCK_M`` arrivals one launch, ``route_tiny``: programs that
+each hold them all in registers, and beside them the quantizing programs):
   ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
                        (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is
                        left out of the layout; program 0 writes the argument block
@@ -574,35 +574,38 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
                arrival_slot, n_arrivals_ptr, expert_counts, expert_offsets, wave_lo, wave_hi,
                meta, wave_num_tiles, inter_num_tiles, arrival_rows, row_src, row_slot,
                row_origin, row_ready, wave_tiles, inter_tiles, error, x_quant, x_quant_scale,
-               CAPACITY, ROW_BLOCK_BOUND, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES,
+               CAPACITY, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES,
                TOP_K, HIDDEN, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
                BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, A_PAD: tl.constexpr,
                G_PAD: tl.constexpr, ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr,
-               ROW_BLOCKS: tl.constexpr, ZERO_BLOCK: tl.constexpr, QUANT_ROWS: tl.constexpr,
-               SLAB: tl.constexpr):
+               ROW_BLOCKS: tl.constexpr, TILE_PROGRAMS: tl.constexpr,
+               QUANT_ROWS: tl.constexpr, SLAB: tl.constexpr):
     """Every table of the three launches, for at most ``BLOCK_M`` arrivals (``CAPACITY <= A_PAD
     <= BLOCK_M``, a power of two), from the arrivals held in registers, with no pass and no step
     through memory between them. So few arrivals give each expert at most one row block, which
-    makes every step closed-form. Two programs side by side, each reading the ids:
+    makes every step closed-form. Programs side by side, each reading the ids:
       program 0  the argument block (``_write_block``, from the call's addresses by value, as in
-                 ``route_histogram``), then ``_tiny_rows``: each arrival's row and every row
-                 block's tiles, from the arrivals alone;
+                 ``route_histogram``), then each arrival's row (``_tiny_layout``);
       program 1  ``_tiny_experts``: the per-expert tables (counts, padded offsets, waves), the
-                 tile count of every program of both schedules and the row counters zeroed,
-                 which no later step of the call waits for.
-    One program doing both took 10.9 µs at one token of Qwen3.5 (512 experts) and 6.8 µs of
+                 tile count of every program of both schedules and the row counters in use
+                 zeroed, which no later step of the call waits for;
+      programs 2 .. 2 + TILE_PROGRAMS - 1  ``_tiny_tiles``: ``ROW_BLOCKS`` row blocks each,
+                 their tiles and padding rows (``TILE_PROGRAMS`` cover the row blocks' bound,
+                 one per routed expert: at most ``min(A_PAD, E_PAD)``).
+    One program doing the tables took 10.9 µs at one token of Qwen3.5 (512 experts) and 6.8 µs of
     GLM-5.x (256), each step of the per-expert scan, its reductions and its broadcasts into the
     row blocks' experts a round of barriers among its warps (moe_layer/h200-x1/
     20261203T124752Z-aee52a93dd; Nsight Compute: 23 k cycles over 14 k warp instructions).
     Ids out of range add to ``error`` and get no row, as in ``route_histogram``. ``QUANTIZE``:
-    programs 2 .. are ``_quantize_block``'s blocks of ``QUANT_ROWS`` rows and ``SLAB`` columns
-    of ``x``, row-major (the fused kernel's quantized rows, ``x_quant``, without a launch of
-    their own)."""
+    the programs after those are ``_quantize_block``'s blocks of ``QUANT_ROWS`` rows and
+    ``SLAB`` columns of ``x``, row-major (the fused kernel's quantized rows, ``x_quant``, without
+    a launch of their own)."""
     q = tl.program_id(0)
-    if q > 1:
+    first_quant = 2 + TILE_PROGRAMS
+    if q >= first_quant:
         if QUANTIZE:
             slabs = tl.cdiv(HIDDEN, SLAB)
-            _quantize_block((q - 2) // slabs, (q - 2) % slabs,
+            _quantize_block((q - first_quant) // slabs, (q - first_quant) % slabs,
                             tl.multiple_of(x.to(tl.pointer_type(tl.bfloat16)), 16),
                             n_arrivals_ptr, x_quant, x_quant_scale, CAPACITY, HIDDEN, TOP_K,
                             RECEIVED, QUANT_ROWS, SLAB, SCALE_BLOCK)
@@ -611,41 +614,40 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
         n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
         ids = expert_ids.to(tl.pointer_type(ID_DTYPE))
         w = tl.cdiv(WAVE_MIN_L1, P1)  # row blocks of a wave: one per routed expert
-        if q == 0:
-            e, live, valid = _arrival_experts(ids, i, n, NUM_EXPERTS, CAPACITY)
-            src, slot, origin = _arrival_sources(i, arrival_src, arrival_slot, CAPACITY, TOP_K,
-                                                 RECEIVED)
-            _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, x_quant,
-                         x_quant_scale, QUANTIZE)
-            _tiny_rows(i, tl.where(valid, e, -1), live, valid, w, src, slot, origin,
-                       arrival_rows, row_src, row_slot, row_origin, wave_tiles, inter_tiles, G,
-                       P1, P2, LEAD, MAX_TILES, BLOCK_M, P_PAD, ROW_BLOCKS, A_PAD, E_PAD)
-        else:  # the one program that flags bad ids
+        if q == 1:  # the one program that flags bad ids
             e, live, valid = _flagged_experts(ids, i, n, error, NUM_EXPERTS, CAPACITY)
             _tiny_experts(e, valid, w, expert_counts, expert_offsets, wave_lo, wave_hi, meta,
-                          wave_num_tiles, inter_num_tiles, row_ready, ROW_BLOCK_BOUND,
-                          NUM_EXPERTS, G, P1, P2, BLOCK_M, E_PAD, G_PAD, ZERO_BLOCK)
+                          wave_num_tiles, inter_num_tiles, row_ready, NUM_EXPERTS, G, P1, P2,
+                          BLOCK_M, E_PAD, G_PAD, A_PAD)
+        else:
+            e, live, valid = _arrival_experts(ids, i, n, NUM_EXPERTS, CAPACITY)
+            e = tl.where(valid, e, -1)
+            rank, first, block, rows_of, row_blocks = _tiny_layout(i, e, valid, A_PAD, E_PAD)
+            if q == 0:
+                src, slot, origin = _arrival_sources(i, arrival_src, arrival_slot, CAPACITY,
+                                                     TOP_K, RECEIVED)
+                _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
+                             x_quant, x_quant_scale, QUANTIZE)
+                _store_arrival_rows(i, block * BLOCK_M + rank, live, valid, src, slot, origin,
+                                    arrival_rows, row_src, row_slot, row_origin)
+            else:
+                _tiny_tiles((q - 2) * ROW_BLOCKS + tl.arange(0, ROW_BLOCKS), e, first, block,
+                            rows_of, row_blocks, w, row_src, row_slot, row_origin, wave_tiles,
+                            inter_tiles, G, P1, P2, LEAD, MAX_TILES, BLOCK_M, P_PAD)
 
 
 @triton.jit
-def _tiny_rows(i, e, live, valid, w, src, slot, origin, arrival_rows, row_src, row_slot,
-               row_origin, wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES,
-               BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-               A_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    """``route_tiny``'s program 0 over the arrivals ``i`` (their experts ``e``, -1 where not
-    ``valid``; their ``_arrival_sources``): an arrival's row is its expert's row block (the
-    distinct routed experts below it) times ``BLOCK_M`` plus its rank among its expert's
-    arrivals (stable: by arrival, from all pairs); a row block's expert and routed rows are
-    those of the first arrival in it; each Expert-Wave wave holds ``w`` row blocks, the last one
-    the rest (``schedules.wave_starts`` with one row block per routed expert); the tiles, as in
-    ``route_rows``, per row block in use, ``ROW_BLOCKS`` a step (``_write_row_blocks``). Each
-    expert's row block and routed rows come from all pairs of arrivals where they are fewer than
-    the experts, else from the scan over experts. At EP = 1 and one token ``route_tiny`` took
-    3.5-5.4 µs, 0.39-0.88 of the one-program kernel's time
-    (moe_layer/h200-x1/20261203T144356Z-0c9720c057 against …124752Z-aee52a93dd); on an EP rank's
-    128 received rows over 64 local experts or fewer, with the scan, 0.91-1.14
-    (…144229Z-0c8c01d917 against …124542Z-44ce83fd5a), where all pairs had taken 1.08-1.58
-    (…142223Z, retired)."""
+def _tiny_layout(i, e, valid, A_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    """The layout of the arrivals ``i`` (their experts ``e``, -1 where not ``valid``): each
+    arrival's rank among its expert's arrivals (stable: by arrival, from all pairs), whether it
+    is its expert's first, its expert's row block (the distinct routed experts below it) and
+    routed rows, and the row blocks in use. Each expert's row block and routed rows come from all
+    pairs of arrivals where they are fewer than the experts, else from the scan over experts.
+    At EP = 1 and one token, with the tiles one program's, ``route_tiny`` took 3.5-5.4 µs, 0.39-0.88
+    of the one-program kernel's time (moe_layer/h200-x1/20261203T144356Z-0c9720c057 against
+    …124752Z-aee52a93dd); on an EP rank's 128 received rows over 64 local experts or fewer, with
+    the scan, 0.91-1.14 (…144229Z-0c8c01d917 against …124542Z-44ce83fd5a), where all pairs had
+    taken 1.08-1.58 (…142223Z, retired)."""
     same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]
     rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
     first = valid & (rank == 0)
@@ -660,13 +662,22 @@ def _tiny_rows(i, e, live, valid, w, src, slot, origin, arrival_rows, row_src, r
         block = tl.gather(tl.cumsum(blocks, axis=0) - blocks, safe_e, 0)
         rows_of = tl.gather(count, safe_e, 0)
         row_blocks = tl.sum(blocks)
-    _store_arrival_rows(i, block * BLOCK_M + rank, live, valid, src, slot, origin, arrival_rows,
-                        row_src, row_slot, row_origin)
-    # every expert holds one row block: the lead counted from its end is the row lead
-    for p0 in range(0, row_blocks, ROW_BLOCKS):
-        ps = p0 + tl.arange(0, ROW_BLOCKS)
+    return rank, first, block, rows_of, row_blocks
+
+
+@triton.jit
+def _tiny_tiles(ps, e, first, block, rows_of, row_blocks, w, row_src, row_slot, row_origin,
+                wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES, BLOCK_M: tl.constexpr,
+                P_PAD: tl.constexpr):
+    """``route_tiny``'s row blocks ``ps`` (``_tiny_layout``'s arrivals): a row block's expert and
+    routed rows are those of the first arrival in it; each Expert-Wave wave holds ``w`` row
+    blocks, the last one the rest (``schedules.wave_starts`` with one row block per routed
+    expert); the tiles and padding rows, as in ``route_rows``, of those in use
+    (``_write_row_blocks``)."""
+    if tl.min(ps) < row_blocks:
         starts = first[None, :] & (block[None, :] == ps[:, None])
         wave = ps // w * w  # below row_blocks: never past the last wave
+        # every expert holds one row block: the lead counted from its end is the row lead
         _write_row_blocks(ps, ps < row_blocks, tl.sum(tl.where(starts, e[None, :], 0), axis=1),
                           ps * BLOCK_M, tl.sum(tl.where(starts, rows_of[None, :], 0), axis=1),
                           wave, tl.minimum(wave + w, row_blocks), row_blocks, ps + LEAD,
@@ -676,12 +687,13 @@ def _tiny_rows(i, e, live, valid, w, src, slot, origin, arrival_rows, row_src, r
 
 @triton.jit
 def _tiny_experts(e, valid, w, expert_counts, expert_offsets, wave_lo, wave_hi, meta,
-                  wave_num_tiles, inter_num_tiles, row_ready, ROW_BLOCK_BOUND, NUM_EXPERTS, G,
-                  P1, P2, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, G_PAD: tl.constexpr,
-                  ZERO_BLOCK: tl.constexpr):
+                  wave_num_tiles, inter_num_tiles, row_ready, NUM_EXPERTS, G, P1, P2,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, G_PAD: tl.constexpr,
+                  A_PAD: tl.constexpr):
     """``route_tiny``'s program 1: every expert's count, padded first row (at most one row block
     each) and Expert-Wave wave of ``w`` row blocks; ``meta`` and the tile counts of both
-    schedules; the fused kernel's row counters zeroed up to ``ROW_BLOCK_BOUND``."""
+    schedules; the fused kernel's counters of the row blocks in use zeroed (one per routed
+    expert: at most ``A_PAD``, the arrivals' bound)."""
     es = tl.arange(0, E_PAD)
     in_e = es < NUM_EXPERTS
     count = tl.histogram(tl.where(valid, e, 0), E_PAD, mask=valid)
@@ -696,6 +708,5 @@ def _tiny_experts(e, valid, w, expert_counts, expert_offsets, wave_lo, wave_hi, 
     tl.store(wave_lo + es, wave_first, mask=in_e)
     tl.store(wave_hi + es, tl.minimum(wave_first + w, row_blocks), mask=in_e)
     _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, P2, G_PAD)
-    for p0 in range(0, ROW_BLOCK_BOUND, ZERO_BLOCK):
-        ps = p0 + tl.arange(0, ZERO_BLOCK)
-        tl.store(row_ready + ps, tl.zeros([ZERO_BLOCK], tl.int32), mask=ps < ROW_BLOCK_BOUND)
+    ps = tl.arange(0, A_PAD)
+    tl.store(row_ready + ps, tl.zeros([A_PAD], tl.int32), mask=ps < row_blocks)

@@ -58,15 +58,12 @@ SCAN_ONE_TILE = 8192
 # memory: 8-15 µs at one token, route_small_probe/h200-x1/20261202T175738Z-780d73f25b)
 TINY_ARRIVALS = 16
 TINY_RECEIVED = 128
-# route_tiny's row blocks a step of its tiles, at most: never more than its arrivals' bound (each
-# arrival opens at most one row block), so a step at one token computes no unused row block. At
-# one token, EP = 1, route_tiny took 5.6 -> 3.5 µs for DiT-MoE (2 picks), 0.1-0.5 µs less at 6 and 8
-# picks for DeepSeek-V4 and GLM-5.x, 0.15-0.2 µs more for Hy3 and MiMo-V2.5 (also 8), the same at
-# Qwen3.5's 10 (16 either way), in two runs on either side of one with the earlier step
-# (moe_layer/h200-x1/20261204T140629Z and …140816Z against …140724Z, per-kernel profile)
-ROW_BLOCKS_TINY = 16
-TINY_TABLE_PROGRAMS = 2  # route_tiny's programs that write tables (the arrivals', the experts')
-ZERO_BLOCK = 1024  # route_tiny's row counters zeroed this many a step
+# route_tiny's row blocks per program of its tiles (programs side by side, each from the arrivals
+# held in registers). One program writing them all, 16 row blocks a step, took 3.5-9.3 µs at one
+# token, growing with the row blocks (per-kernel profiles of moe_layer/h200-x1/20261204T140816Z
+# and …141117Z)
+ROW_BLOCKS_TINY = 4
+TINY_TABLE_PROGRAMS = 2  # route_tiny's programs before its tiles' (the arrivals', the experts')
 QUANT_ROWS = 32   # rows of x per program of the FP8 quantization ...
 QUANT_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of rows, or one 128-column
 # block each where that gives fewer programs than G (``quant_slab``): a program's column steps run
@@ -86,8 +83,8 @@ class TableBounds:
     and Linear-2 entries per row block, P_1 and P_2 (times ``l2_splits``, the K splits of each
     Linear-2 tile: ``l2_split_count``); ``num_programs``: G; ``lead_rows``: the Interleaved lead
     D, counted from the end of each Linear-2 tile's expert where ``expert_lead`` (by default
-    ``schedules.leads_from_expert``), else from its row. Rows in use are at most ``capacity +
-    E_loc (block_m - 1)`` (each expert's last row block padded)."""
+    ``schedules.leads_from_expert``), else from its row. Row blocks in use are at most
+    ``row_blocks_in_use`` (each expert's last row block padded)."""
 
     capacity: int
     num_experts: int
@@ -121,10 +118,6 @@ class TableBounds:
 
     @property
     def row_blocks(self) -> int:
-        return triton.cdiv(self.capacity + self.num_experts * (self.block_m - 1), self.block_m)
-
-    @property
-    def row_blocks_in_use(self) -> int:
         return row_blocks_in_use(self.capacity, self.num_experts, self.block_m)
 
     @property
@@ -377,8 +370,7 @@ class RoutingLaunches:
             args=t.args, meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
             inter_num_tiles=t.num_tiles["interleaved"], arrival_rows=t.arrival_rows,
             error=t.error, WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received,
-            G_PAD=_pow2(b.num_programs), ID_DTYPE=ids,
-            ZERO_BLOCK=ZERO_BLOCK, ROW_BLOCK_BOUND=b.row_blocks, HIDDEN=hidden,
+            G_PAD=_pow2(b.num_programs), ID_DTYPE=ids, HIDDEN=hidden,
             QUANT_ROWS=QUANT_ROWS, num_warps=8, **quant, **tables_static)
         self.tiny: dict[tuple[int, int], Launcher] = {}
 
@@ -428,24 +420,30 @@ class RoutingLaunches:
     def first(self, capacity: int, top_k: int) -> tuple[Launcher, tuple[int]]:
         """The first launch over ``capacity`` arrivals and its grid: the one that takes the
         call's addresses (a graph's node of it is given each call's). Up to the tiny bound,
-        ``route_tiny``: two programs the tables, and where it quantizes, one program more per
-        block of ``_quantize_block`` (the rows of ``x`` by ``QUANT_ROWS``, ``quant_slab``'s
-        columns), so no launch of its own quantizes them. Else ``route_histogram``, up to
-        ``tables.scan_chunks`` chunks with ``route_offsets``' work in its last program."""
+        ``route_tiny``: two programs the arrivals' rows and the experts' tables, one per
+        ``ROW_BLOCKS_TINY`` row blocks the tiles (the row blocks: one per routed expert at
+        most), and where it quantizes, one program more per block of ``_quantize_block`` (the
+        rows of ``x`` by ``QUANT_ROWS``, ``quant_slab``'s columns), so no launch of its own
+        quantizes them. Else ``route_histogram``, up to ``tables.scan_chunks`` chunks with
+        ``route_offsets``' work in its last program."""
         t = self.tables
         if capacity > (t.tiny_received if self.received else t.tiny_arrivals):
             chunks = triton.cdiv(capacity, CHUNK)
             return (self.histogram_scan if chunks <= t.scan_chunks else self.histogram), (chunks,)
         rows = capacity // self.fanout(top_k)
         slab = quant_slab(rows, self.hidden, t.bounds.num_programs) if self.quantize else 0
-        key = (_pow2(capacity), slab)
+        a_pad = _pow2(capacity)
+        row_blocks = min(ROW_BLOCKS_TINY, a_pad)
+        tile_programs = triton.cdiv(min(a_pad, t.bounds.num_experts), row_blocks)
+        key = (a_pad, slab)
         launch = self.tiny.get(key)
         if launch is None:  # unquantized, SLAB is read by no program: 1 stands in
-            launch = self.tiny[key] = Launcher(self.kernels.route_tiny, A_PAD=key[0],
-                                               ROW_BLOCKS=min(ROW_BLOCKS_TINY, key[0]),
+            launch = self.tiny[key] = Launcher(self.kernels.route_tiny, A_PAD=a_pad,
+                                               ROW_BLOCKS=row_blocks,
+                                               TILE_PROGRAMS=tile_programs,
                                                SLAB=max(slab, 1), **self.tiny_static)
         blocks = triton.cdiv(rows, QUANT_ROWS) * triton.cdiv(self.hidden, slab) if slab else 0
-        return launch, (TINY_TABLE_PROGRAMS + blocks,)
+        return launch, (TINY_TABLE_PROGRAMS + tile_programs + blocks,)
 
 
 @dataclass(frozen=True)

@@ -205,7 +205,7 @@ class MoEWorkspace:
         self.trace = torch.full((1,), -1, dtype=torch.int64, device=device)
         b = self.bounds
         self.l2_partial, self.l2_ready = split_k_buffers(
-            b.row_blocks_in_use, b.l2_splits, b.block_m, weights.hidden,
+            b.row_blocks, b.l2_splits, b.block_m, weights.hidden,
             b.l2_n_blocks // b.l2_splits, device)
         self.max_spin_iters = max_spin_iters
         self._launches: dict = {}
@@ -288,7 +288,7 @@ class FusedMoE(torch.nn.Module):
 
     ``weights``: the experts in the kernels' layout (``weights.local_expert_weights(shape, 0, 1,
     precision)``: bf16, or e4m3 with 128 x 128 fp32 scales); they stay on their device.
-    ``max_tokens``: the bound T every buffer is sized by (``T * top_k + E (block_m - 1)`` rows).
+    ``max_tokens``: the bound T every buffer is sized by (``device_tables.row_blocks_in_use``).
     ``schedule``: ``"wave"`` (Expert-Wave), ``"interleaved"`` (Algorithm 1, lead ``lead_rows``,
     default ``schedules.derived_lead``) or ``"auto"`` (``auto_schedule``). ``check_ids``: also
     check on the host that every id lies in ``0 .. E - 1`` before launch (a device-to-host copy;
