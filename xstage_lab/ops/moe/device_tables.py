@@ -48,20 +48,23 @@ SCAN_TILE = 4096
 # the graphed call within 5% of the kernel in six cells more than before
 SCAN_IN_HISTOGRAM_CHUNKS = 32
 SCAN_ONE_TILE = 8192
-# Up to these bounds (never above block_m), one program (route_tiny) writes every table from the
-# arrivals held in registers, its time growing with the row blocks it writes: at EP = 1 every
-# slot of the bound is an arrival (TINY_ARRIVALS), on an EP rank the received rows are a share
-# of the bound (TINY_RECEIVED). Measured on one H200 against the three launches, same arrivals
-# (route_small_probe/h200-x1/20261203T111717Z-813ff70976, 7f3255b): 1.05-2.07x faster at EP = 1
-# up to 16 arrivals, 0.40-0.63x at 48-80; 1.20-2.07x on EP ranks with bounds of 16-128 (2-17
+# Up to these bounds (never above block_m), one launch (route_tiny) writes every table from the
+# arrivals held in registers: at EP = 1 every slot of the bound is an arrival (TINY_ARRIVALS), on an
+# EP rank the received rows are a share of the bound (TINY_RECEIVED). Its tiles written side by side
+# (ROW_BLOCKS_TINY), measured on one H200 against the two launches (the scan in route_histogram),
+# same arrivals (route_small_probe/h200-x1/20261204T145754Z-06d1045785, EP = 1, 8 and 12 tokens):
+# up to 64 arrivals 4.7-7.2 µs against 8.2-12.0 (1.67-1.79x faster), at 72-120 12.2-13.3 against
+# 10.7-12.9 (0.84-1.03x: all pairs of 128 arrivals in every program). With the tiles in one
+# program it had been 1.05-2.07x faster at EP = 1 up to 16 arrivals, 0.40-0.63x at 48-80
+# (…20261203T111717Z-813ff70976, 7f3255b); 1.20-2.07x on EP ranks with bounds of 16-128 (2-17
 # received rows). It replaced route_small (the launches' passes as loops of one program, through
 # memory: 8-15 µs at one token, route_small_probe/h200-x1/20261202T175738Z-780d73f25b)
-TINY_ARRIVALS = 16
+TINY_ARRIVALS = 64
 TINY_RECEIVED = 128
 # route_tiny's row blocks per program of its tiles (programs side by side, each from the arrivals
 # held in registers). One program writing them all, 16 row blocks a step, took 3.5-9.3 µs at one
 # token, growing with the row blocks (per-kernel profiles of moe_layer/h200-x1/20261204T140816Z
-# and …141117Z)
+# and …135703Z)
 ROW_BLOCKS_TINY = 4
 TINY_TABLE_PROGRAMS = 2  # route_tiny's programs before its tiles' (the arrivals', the experts')
 QUANT_ROWS = 32   # rows of x per program of the FP8 quantization ...
