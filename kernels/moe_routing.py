@@ -30,8 +30,8 @@ layout row names the row of ``x`` it reads (``row_origin``: the token at EP = 1,
 on an EP rank), which the fused kernel's Linear-1 gathers as it loads.
 
 Three launches, each needing the one before it complete, and, where bf16 activations feed an FP8
-layer, ``route_quantize`` (for at most ``BLOCK_M`` arrivals one launch, ``route_tiny``: programs that
-each hold them all in registers, and beside them the quantizing programs):
+layer, ``route_quantize`` (for at most ``BLOCK_M`` arrivals one launch, ``route_tiny``: programs
+that each hold them all in registers, and beside them the quantizing programs):
   ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
                        (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is
                        left out of the layout; program 0 writes the argument block

@@ -62,9 +62,12 @@ SCAN_ONE_TILE = 8192
 TINY_ARRIVALS = 64
 TINY_RECEIVED = 128
 # route_tiny's row blocks per program of its tiles (programs side by side, each from the arrivals
-# held in registers). One program writing them all, 16 row blocks a step, took 3.5-9.3 µs at one
-# token, growing with the row blocks (per-kernel profiles of moe_layer/h200-x1/20261204T140816Z
-# and …135703Z)
+# held in registers). Against one program writing them all, 16 row blocks a step, in one job on one
+# H200 (moe_layer/h200-x1/20261204T151107Z, then the earlier routing's …151440Z, retired; per-kernel
+# profiles, every shape, both precisions): at one token route_tiny took 2.1-3.9 µs at EP = 1
+# against 3.5-5.1 (0.60x, geometric mean), 2.3-7.2 µs on the EP = 8 rank against 4.2-9.3 (0.73x);
+# the graphed call 2.1 and 2.6 µs less (medians). With TINY_ARRIVALS 64, eight tokens at EP = 1
+# take it instead of two or three launches: the table passes 0.61x, the graphed call 4.7 µs less
 ROW_BLOCKS_TINY = 4
 TINY_TABLE_PROGRAMS = 2  # route_tiny's programs before its tiles' (the arrivals', the experts')
 QUANT_ROWS = 32   # rows of x per program of the FP8 quantization ...
