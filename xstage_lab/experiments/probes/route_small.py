@@ -1,4 +1,4 @@
-"""Routing probe of the fused MoE layer: where one program (``route_tiny``) writes the tables faster
+"""Routing probe of the fused MoE layer: where one launch (``route_tiny``) writes the tables faster
 than the launches whose programs make their passes side by side (issue 27; record
 ``route_small_probe``, named for ``route_small``, the one program it first measured).
 
@@ -6,21 +6,24 @@ than the launches whose programs make their passes side by side (issue 27; recor
         [--models M ...] [--settings ep1 ep8_rank] [--tokens 1 8 64 512] [--trials N]
 
 ``device_tables.TINY_ARRIVALS`` (``TINY_RECEIVED`` on an EP rank) sends a call's routing through one
-program up to that many arrivals (at most ``block_m``): every table from the arrivals held in
-registers (records before ``route_tiny``: ``route_small``, the histogram, scan, scatter and tiles
-passes as loops of one launch), against the launches whose programs make them side by side (three;
-four in records before the scatter and the tiles shared one). One program saves their launches'
-latency; ``route_small`` paid for its passes' steps one after another. Between them, up to
-``device_tables.SCAN_IN_HISTOGRAM_CHUNKS`` chunks of arrivals, two launches: the scan and the
+launch up to that many arrivals (at most ``block_m``): every table from the arrivals held in the
+registers of each of its programs (the tiles ``ROW_BLOCKS_TINY`` row blocks a program; in records
+before 577270a one program wrote them all; before ``route_tiny``: ``route_small``, the histogram,
+scan, scatter and tiles passes as loops of one program), against the launches whose programs make
+them side by side (three; four in records before the scatter and the tiles shared one). One launch
+saves their latency; ``route_small`` paid for its passes' steps one after another. Between them,
+up to ``device_tables.SCAN_IN_HISTOGRAM_CHUNKS`` chunks of arrivals, two launches: the scan and the
 layout in ``route_histogram``'s last program (``scan_in_histogram``; records before it have two
-paths). This probe times the paths on the same arrivals, per model shape, in the two settings of ``layer_bench`` (EP = 1 from
-``topk_ids``, ``T top_k`` arrivals; rank 0 of EP = 8 from its received rows, their count on the
-device under a capacity of ``8 T top_k``), so that the threshold is read off measurement.
+paths). This probe times the paths on the same arrivals, per model shape, in the two settings of
+``layer_bench`` (EP = 1 from ``topk_ids``, ``T top_k`` arrivals; rank 0 of EP = 8 from its
+received rows, their count on the device under a capacity of ``8 T top_k``), so that the
+threshold is read off measurement.
 
 1. Checks first: each path's tables (``allocate_tables`` with ``tiny_arrivals`` and
    ``tiny_received`` 0, and above the capacity; ``scan_chunks`` 0 for the three launches),
-   their outputs poisoned first, equal the host
-   reference entry for entry (``table_mismatches``); ids all in range (the error flag zero). Any
+   their outputs poisoned first, equal the host reference entry for entry
+   (``table_mismatches``), the fused kernel's counters of the row blocks in use zeroed; ids all
+   in range (the error flag zero). Any
    failure aborts the run before timing; nothing is written.
 2. Timing: every path's routing (the argument block's writer, the table passes; in records before
    the fused kernel gathered its rows, the activations' gather too) in one rotation
