@@ -214,7 +214,7 @@ def case_work_deal_with_a_remainder() -> dict:
 def _with_tiny_arrivals(limit: int, cases: dict) -> dict:
     """``cases`` (name -> (function, *args)) run with ``device_tables.TINY_ARRIVALS`` and
     ``TINY_RECEIVED`` both ``limit``: up to ``limit`` arrivals (and never above ``block_m``) one
-    program (``route_tiny``) writes the tables they allocate."""
+    launch (``route_tiny``) writes the tables they allocate."""
     from xstage_lab.ops.moe import device_tables
 
     saved = device_tables.TINY_ARRIVALS, device_tables.TINY_RECEIVED
@@ -225,9 +225,10 @@ def _with_tiny_arrivals(limit: int, cases: dict) -> dict:
         device_tables.TINY_ARRIVALS, device_tables.TINY_RECEIVED = saved
 
 
-def case_one_program_up_to_block_m() -> dict:
+def case_one_launch_up_to_block_m() -> dict:
     """``route_tiny`` at the most arrivals it takes, ``block_m`` (one skewed expert then holds a
-    whole row block), an EP rank's received rows below its capacity, and, with no lower limit
+    whole row block; DiT-MoE's 16 experts' row blocks over four tile programs, Qwen3.5's up to
+    120 over thirty), an EP rank's received rows below its capacity, and, with no lower limit
     than ``block_m``, the launches above it."""
     return _with_tiny_arrivals(1 << 20, {
         "block_m_skewed": (case_ep1, "DiT-MoE", "bf16", 64, "skewed", 7, 3, 4),
@@ -259,7 +260,7 @@ def interpreter_cases() -> dict:
         "ep_rank_few": (case_ep_rank, "Hy3", "fp8", 8, 1, 16, 2, 4),
         "out_of_range_ids": (case_out_of_range_ids_are_flagged,),
         "work_deal_with_a_remainder": (case_work_deal_with_a_remainder,),
-        "one_program_up_to_block_m": (case_one_program_up_to_block_m,),
+        "one_launch_up_to_block_m": (case_one_launch_up_to_block_m,),
         "launch_by_launch_at_few_arrivals": (case_launch_by_launch_at_few_arrivals,),
     }
 
