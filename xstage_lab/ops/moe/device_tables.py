@@ -256,6 +256,13 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
         SCAN_IN_HISTOGRAM_CHUNKS if scan_chunks is None else scan_chunks)
 
 
+def tiny_warps(a_pad: int) -> int:
+    """``route_tiny``'s warps over ``a_pad`` arrivals: each of its programs holds all pairs of
+    them, ``a_pad**2 / (32 warps)`` a thread. At 128 arrivals in 8 warps ptxas gives a thread 255
+    registers (the most it has), in 16 warps 128; at 64 in 8 warps, 123."""
+    return max(8, a_pad // 8)
+
+
 def quant_slab(rows: int, hidden: int, num_programs: int) -> int:
     """The columns of one quantizing program over ``rows`` rows (``route_quantize``'s, or
     ``route_tiny``'s beside its tables): ``QUANT_SLAB``, or one 128-column block where the wide
@@ -377,7 +384,7 @@ class RoutingLaunches:
             inter_num_tiles=t.num_tiles["interleaved"], arrival_rows=t.arrival_rows,
             error=t.error, WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received,
             G_PAD=_pow2(b.num_programs), ID_DTYPE=ids, HIDDEN=hidden,
-            QUANT_ROWS=QUANT_ROWS, num_warps=8, **quant, **tables_static)
+            QUANT_ROWS=QUANT_ROWS, **quant, **tables_static)
         self.tiny: dict[tuple[int, int], Launcher] = {}
 
     def __call__(self, capacity: int, top_k: int, addresses: tuple[int, ...], *,
@@ -447,7 +454,8 @@ class RoutingLaunches:
             launch = self.tiny[key] = Launcher(self.kernels.route_tiny, A_PAD=a_pad,
                                                ROW_BLOCKS=row_blocks,
                                                TILE_PROGRAMS=tile_programs,
-                                               SLAB=max(slab, 1), **self.tiny_static)
+                                               SLAB=max(slab, 1), num_warps=tiny_warps(a_pad),
+                                               **self.tiny_static)
         blocks = triton.cdiv(rows, QUANT_ROWS) * triton.cdiv(self.hidden, slab) if slab else 0
         return launch, (TINY_TABLE_PROGRAMS + tile_programs + blocks,)
 
