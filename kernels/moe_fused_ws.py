@@ -688,7 +688,7 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     [64, BLOCK_K] blocks, ``w1_desc`` over ``w1 [E·2·INTER, HIDDEN]`` with [BLOCK_N1, BLOCK_K]
     blocks, ``w2_desc`` over ``w2 [E·HIDDEN, INTER]`` with [BLOCK_N2, BLOCK_K] blocks. ``h`` and
     the scales as in ``moe_fused.py`` (FP8 only: bf16 launches pass any pointer for the scales).
-    ``row_ready`` int32 [R / 128], zero at launch.
+    ``row_ready`` int32 [R / 128], zero at launch for the row blocks in use (no other is read).
     INSTRUMENT: ``trace`` is int64 [programs, max_tiles, TRACE_FIELDS] (``_consumer``); a separate
     build, compared only with itself. FENCE: every Linear-2 tile waits after its Combine stores
     until they are visible system-wide (the completion-coupled counterfactual).
