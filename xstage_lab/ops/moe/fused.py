@@ -195,10 +195,11 @@ class KernelBuffers:
     device), Linear-1's rows (``a_rows``: int64 ``[2]`` on the device, the addresses of ``x [N,
     H]`` and of its scales, ``row_addresses``; ``row_origin``: int32 ``[R]``, the row of ``x``
     each layout row reads, -1 on padding), the intermediate ``h`` and its scales, the row block
-    counters (zero at launch for the row blocks in use), each row's source and slot, the peer table, the error flag and the
-    trace (int64 ``[G, max_tiles, TRACE_FIELDS]`` when instrumented, else one element); where
-    the table splits each Linear-2 tile in ``l2_splits`` > 1 along K (gluon_ws only), the splits'
-    fp32 partials and the tile halves' counters (``split_k_buffers``)."""
+    counters (zero at launch for the row blocks in use), each row's source and slot, the peer
+    table, the error flag and the trace (int64 ``[G, max_tiles, TRACE_FIELDS]`` when
+    instrumented, else one element); where the table splits each Linear-2 tile in ``l2_splits``
+    > 1 along K (gluon_ws only), the splits' fp32 partials and the tile halves' counters
+    (``split_k_buffers``)."""
 
     tiles: torch.Tensor
     num_tiles: torch.Tensor
