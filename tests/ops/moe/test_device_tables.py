@@ -103,13 +103,15 @@ def case_zero_row_experts() -> dict:
 
 
 def case_ep_rank(model: str, precision: str, world: int, per_source: int, programs: int,
-                 lead: int, seed: int = 0) -> dict:
+                 lead: int, seed: int = 0, counts: list[int] | None = None) -> dict:
     """An EP rank's received rows, source by source (``world`` sources, up to ``per_source``
-    each, some none), local expert ids and slots; the count on the device, a capacity above it."""
+    each, some none; or ``counts``), local expert ids and slots; the count on the device, a
+    capacity above it."""
     shape = SHAPES[model]
     e_loc = shape.routed_experts // world
     g = torch.Generator().manual_seed(seed)
-    counts = torch.randint(0, per_source + 1, (world,), generator=g)
+    counts = torch.randint(0, per_source + 1, (world,), generator=g) if counts is None else \
+        torch.tensor(counts)
     counts[1] = 0
     n = int(counts.sum())
     capacity = world * per_source + 5
@@ -237,6 +239,25 @@ def case_one_launch_up_to_block_m() -> dict:
         "above_block_m": (case_ep1, "DiT-MoE", "bf16", 65, "skewed", 7, 3, 4)})
 
 
+def case_few_received_under_a_large_bound() -> dict:
+    """An EP rank's 23 received rows under a bound of 101 (``route_tiny`` over 128 arrivals):
+    its programs hold the 32 of ``TINY_FEW_RECEIVED``, and with that at 16 (fewer than the
+    rows) all 128."""
+    from xstage_lab.ops.moe import device_tables
+
+    saved = device_tables.TINY_FEW_RECEIVED
+    out = {}
+    try:
+        for few in (32, 16):
+            device_tables.TINY_FEW_RECEIVED = few
+            out[few] = case_ep_rank("Qwen3.5", "bf16", 8, 12, 16, 2, 5,
+                                    counts=[3, 0, 4, 2, 5, 1, 6, 2])
+    finally:
+        device_tables.TINY_FEW_RECEIVED = saved
+    assert out[32] == out[16] and out[32]["arrivals"] == 23
+    return out
+
+
 def case_launch_by_launch_at_few_arrivals() -> dict:
     """The three launches over the few arrivals that take ``route_tiny`` by default."""
     return _with_tiny_arrivals(0, {
@@ -261,13 +282,15 @@ def interpreter_cases() -> dict:
         "out_of_range_ids": (case_out_of_range_ids_are_flagged,),
         "work_deal_with_a_remainder": (case_work_deal_with_a_remainder,),
         "one_launch_up_to_block_m": (case_one_launch_up_to_block_m,),
+        "few_received_under_a_large_bound": (case_few_received_under_a_large_bound,),
         "launch_by_launch_at_few_arrivals": (case_launch_by_launch_at_few_arrivals,),
     }
 
 
 def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
     """One routing kernel built for sm_90 (as the op launches it on an H200); ``route_tiny``
-    with ``e_pad`` experts over 128 arrivals (512: from all pairs, 64: from the scan);
+    with ``e_pad`` experts over 128 arrivals or 32 where the count is that or less (512: from
+    all pairs, 64: from the scan, with the 32 from all pairs);
     ``route_histogram`` with the scan in its last program where ``scan``."""
     import triton
     import triton.language as tl
@@ -323,7 +346,7 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
                                           "WAVE_MIN_L1", "LEAD", "MAX_TILES", "TOP_K",
                                           "HIDDEN")}},
                        dict(RECEIVED=True, QUANTIZE=True, BLOCK_M=128, E_PAD=e_pad, A_PAD=128,
-                            G_PAD=256, ID_DTYPE=tl.int32, P_PAD=16, ROW_BLOCKS=4,
+                            A_FEW=32, G_PAD=256, ID_DTYPE=tl.int32, P_PAD=16, ROW_BLOCKS=4,
                             TILE_PROGRAMS=min(128, e_pad) // 4, QUANT_ROWS=32, SLAB=128)),
     }
     signature, constexprs = signatures[name]

@@ -61,6 +61,10 @@ SCAN_ONE_TILE = 8192
 # memory: 8-15 µs at one token, route_small_probe/h200-x1/20261202T175738Z-780d73f25b)
 TINY_ARRIVALS = 64
 TINY_RECEIVED = 128
+# ... and where an EP rank's count on the device is at most this, each of its programs holds this
+# many arrivals instead of the bound's (``route_tiny``'s ``A_FEW``): the bound is about eight times
+# the rows a rank receives
+TINY_FEW_RECEIVED = 32
 # route_tiny's row blocks per program of its tiles (programs side by side, each from the arrivals
 # held in registers). Against one program writing them all, 16 row blocks a step, in one job on one
 # H200 (moe_layer/h200-x1/20261204T151107Z, then the earlier routing's …151440Z, retired; per-kernel
@@ -454,7 +458,8 @@ class RoutingLaunches:
         key = (a_pad, slab)
         launch = self.tiny.get(key)
         if launch is None:  # unquantized, SLAB is read by no program: 1 stands in
-            launch = self.tiny[key] = Launcher(self.kernels.route_tiny, A_PAD=a_pad,
+            few = min(TINY_FEW_RECEIVED, a_pad) if self.received else a_pad
+            launch = self.tiny[key] = Launcher(self.kernels.route_tiny, A_PAD=a_pad, A_FEW=few,
                                                ROW_BLOCKS=row_blocks,
                                                TILE_PROGRAMS=tile_programs,
                                                SLAB=max(slab, 1), num_warps=tiny_warps(a_pad),
