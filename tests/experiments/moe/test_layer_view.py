@@ -196,3 +196,16 @@ def test_kernel_parity_reads_the_paired_ratio_where_a_record_kept_it():
     assert list(a["kernel_over_host_kernel"]) == pytest.approx([1.005, 81 / 78])
     assert list(a["kernel_parity_ok"]) == [True, False]
     assert list(lv.acceptance(pd.DataFrame([older]))["kernel_parity_ok"]) == [False]
+
+
+def test_call_profile_reads_the_gaps_and_the_kernels_time_in_a_call():
+    import json
+
+    kernels = json.dumps({"route_tiny": 2.0, "moe_fused_ws_kernel": 82.0, "weighted_sum": 1.0})
+    table = pd.DataFrame([_row(1, call_kernels_us=kernels, kernel_in_call_us=82.0,
+                               kernel_alone_device_us=80.0), _row(8, call_kernels_us=None)])
+    p = lv.call_profile(table)
+    assert list(p["tokens"]) == [1]  # the cell its record profiled
+    assert p["call_gaps_us"].tolist() == [90.0 - 85.0]
+    assert p["kernel_in_call_over_alone"].tolist() == [82.0 / 80.0]
+    assert lv.call_profile(pd.DataFrame([_row(1)])).empty  # a record from before the profile

@@ -8,6 +8,7 @@ session each): ``layer_view`` joins every record of the platform, a cell from th
 that holds it."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +117,20 @@ def schedule_tables_us(table: pd.DataFrame) -> pd.Series:
     profile has only the whole routing, graphed (``schedule_us``)."""
     whole = table["schedule_us"]
     return table["route_tables_us"].fillna(whole) if "route_tables_us" in table else whole
+
+
+def call_profile(table: pd.DataFrame) -> pd.DataFrame:
+    """Per cell whose record profiled a whole call (``layer_profile``; none before): the device's
+    time between the graphed call's kernels (``call_gaps_us``: its time less the sum of its
+    kernels' device times) and the fused kernel's own time in the call over alone
+    (``kernel_in_call_over_alone``: above 1, the kernels before it slow it down)."""
+    if "call_kernels_us" not in table:
+        return table[CELL].iloc[:0].assign(call_gaps_us=[], kernel_in_call_over_alone=[])
+    t = table[table["call_kernels_us"].notna()]
+    kernels = t["call_kernels_us"].map(lambda k: sum(json.loads(k).values()))
+    return t[CELL].assign(call_gaps_us=t["fused_graph_us"] - kernels,
+                          kernel_in_call_over_alone=t["kernel_in_call_us"]
+                          / t["kernel_alone_device_us"])
 
 
 def acceptance_counts(table: pd.DataFrame) -> dict:

@@ -38,12 +38,14 @@ inputs' check, its argument block's addresses and its graph's launch with them, 
 launches the graph captures; an EP rank's call launches the graph of its receive buffers:
 ``MoEWorkspace.received_call``); ``host_launch_floor_us`` that of one bare kernel launch on this
 machine, and ``host_floor_*_us`` those of a graph launch and of a launch behind a queue
-(``host_timing``). Where the schedule's device time goes (torch.profiler,
-``dist_timing.kernel_times_us``): per routing kernel (``route_kernels_us``, JSON), the table passes
-(``route_tables_us``: the schedule kernels of issue 27's bound) apart from the pass over the
-activations (``route_gather_us``: the FP8 quantization of the tokens at EP = 1; none where the
-fused kernel reads them as they are, which it gathers into its Linear-1 tiles; a record from before
-that holds the move into the layout). ``l2_splits``: the K splits of each Linear-2 tile the
+(``host_timing``). Where the device time goes, per kernel (``layer_profile.device_profile``):
+the routing's (``route_kernels_us``, JSON), its table passes (``route_tables_us``: the schedule
+kernels of issue 27's bound) apart from the pass over the activations (``route_gather_us``: the
+FP8 quantization of the tokens at EP = 1; none where the fused kernel reads them as they are,
+which it gathers into its Linear-1 tiles; a record from before that holds the move into the
+layout); a whole call's (``call_kernels_us``) and the fused kernel's own time in the call and
+alone (``kernel_in_call_us``, ``kernel_alone_device_us``; records from before them have
+neither). ``l2_splits``: the K splits of each Linear-2 tile the
 layer's tables hold (``device_tables.l2_split_count``; 1: none).
 Floors from the HBM bandwidth measured at the start of the run (a device copy):
 ``weighted_sum_floor_us`` (its bytes) and ``weight_floor_us`` (the bytes of the experts the call
@@ -63,8 +65,7 @@ import torch
 from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, kernel_phases, layer_view
 from ...analysis.moe.trace import tile_frame
 from ...cli import list_option
-from ...dist_timing import (TIMING_METHOD, kernel_times_us, median_clock_mhz, paired_ratio,
-                            time_methods)
+from ...dist_timing import TIMING_METHOD, median_clock_mhz, paired_ratio, time_methods
 from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.device_tables import host_tables, table_mismatches
 from ...ops.moe.dispatch import build_layout
@@ -83,6 +84,7 @@ from .. import harness
 from ..harness import Experiment, Run
 from .bench import TOLERANCE
 from .kernel_cell import EP, arrival_sources, build_workload, receive_buffers
+from .layer_profile import device_profile
 from .host_timing import (call_statistics_us, host_call_times_us, host_overhead_us,
                           launch_floor_us, launch_floors_us)
 
@@ -95,7 +97,6 @@ TRACED_TOKENS = (1,)  # where the record shows the kernel's phases (``kernel_pha
 TABLE_CHECK_MAX_TOKENS = 512
 HOST_SCHEDULED_TRIALS = 2
 HBM_PROBE_BYTES = 2 << 30
-ACTIVATIONS_PASS = "route_quantize"  # the routing kernel that is no table pass
 SMOKE = dict(models=["DeepSeek-V4-Flash"], precisions=list(PRECISIONS), settings=list(SETTINGS),
              tokens=[1, 64, 4096], trials=3)
 
@@ -532,10 +533,7 @@ class MoELayer(Experiment):
                             trials=HOST_SCHEDULED_TRIALS, warmup=1)
         weights = cell.ws.weights
         bw = self.hbm_gbps * 1e9
-        # where the schedule's time goes: the pass over the activations (route_quantize) apart
-        # from the table passes; and the host time of each step of a call
-        route_kernels = kernel_times_us(cell.route)
-        gather_us = sum(v for k, v in route_kernels.items() if ACTIVATIONS_PASS in k)
+        # the host time of each step of a call
         stages = {f"host_{k}_us": host_overhead_us(fn) for k, fn in cell.host_stages().items()}
         calls = call_statistics_us(*host_call_times_us(cell.call))
         # a tile's weight bytes: Linear-1 gate and up, Linear-2 its hidden columns
@@ -569,8 +567,7 @@ class MoELayer(Experiment):
                 "weight_floor_us": cell.touched_experts() * _expert_bytes(weights) / bw * 1e6,
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
                 "l2_splits": splits,
-                "route_tables_us": sum(route_kernels.values()) - gather_us,
-                "route_gather_us": gather_us, "route_kernels_us": json.dumps(route_kernels),
+                **device_profile(cell),
                 "eager_path": EAGER_PATH, **self.launch_floors, **stages, **phases}
 
     def progress_line(self, rows: pd.DataFrame) -> str | None:

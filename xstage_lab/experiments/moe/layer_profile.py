@@ -1,0 +1,37 @@
+"""Where a fused layer call's device time goes, per kernel (``layer_bench``'s profile columns), as
+torch.profiler's CUDA activity records it (``dist_timing.kernel_times_us``: device time per call,
+the profiler's own cost apart from none of it, so read beside each other, not against the timed
+calls):
+
+- the routing alone (``cell.route``): per kernel (``route_kernels_us``, JSON), its table passes
+  (``route_tables_us``) apart from its pass over the activations (``route_gather_us``: the FP8
+  quantization of the tokens at EP = 1);
+- one whole call as a user makes it (``cell.call``: eagerly, its graph launched), per kernel
+  (``call_kernels_us``, JSON), and the fused kernel's own time in it (``kernel_in_call_us``);
+- the fused kernel launched alone over the same tables (``cell.kernel``, as ``kernel_us`` is
+  timed): its own time (``kernel_alone_device_us``).
+
+The graphed call's time beyond the sum of its kernels' (``layer_view.call_gaps_us``) is then the
+device's time between them; the fused kernel's time in the call against alone says whether the
+kernels before it slow it down."""
+from __future__ import annotations
+
+import json
+
+from ...dist_timing import kernel_times_us
+from ...ops.moe.fused import KERNEL_ENTRIES
+
+ACTIVATIONS_PASS = "route_quantize"  # the routing kernel that is no table pass
+
+
+def device_profile(cell) -> dict:
+    """The profile columns of one ``layer_bench`` cell (module docstring)."""
+    route = kernel_times_us(cell.route)
+    gather = sum(v for k, v in route.items() if ACTIVATIONS_PASS in k)
+    call = kernel_times_us(cell.call)
+    alone = kernel_times_us(cell.kernel)
+    fused = KERNEL_ENTRIES[cell.ws.config.kernel][1]
+    return {"route_tables_us": sum(route.values()) - gather, "route_gather_us": gather,
+            "route_kernels_us": json.dumps(route), "call_kernels_us": json.dumps(call),
+            "kernel_in_call_us": call.get(fused, float("nan")),
+            "kernel_alone_device_us": alone.get(fused, float("nan"))}
