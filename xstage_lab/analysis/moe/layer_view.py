@@ -1,7 +1,8 @@
-"""The fused MoE layer read on the CPU (issue 27): a platform's ``moe_layer`` cells (``layer_bench``'s
-records), each from the router's output to the layer's output, beside the unfused torch path,
-today's host-scheduled call and the floors; how each cell stands against the issue's acceptance;
-and the ``moe_layer`` entry of ``summary --json``.
+"""The fused MoE layer read on the CPU (issue 27): a platform's ``moe_layer`` cells
+(``layer_bench``'s records), each from the router's output to the layer's output, beside the
+unfused torch path, today's host-scheduled call and the floors; how each cell stands against the
+issue's acceptance; where a call's device time goes; and the ``moe_layer`` entry of ``summary
+--json``.
 
 A platform's matrix may be measured in several runs (by model, precision or setting, one device
 session each): ``layer_view`` joins every record of the platform, a cell from the newest record
