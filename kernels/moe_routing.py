@@ -30,10 +30,8 @@ layout row names the row of ``x`` it reads (``row_origin``: the token at EP = 1,
 on an EP rank), which the fused kernel's Linear-1 gathers as it loads.
 
 Three launches, each needing the one before it complete, and, where bf16 activations feed an FP8
-layer, ``route_quantize``. For at most ``BLOCK_M`` arrivals one launch, ``route_tiny``: programs
-that each hold them all in registers, and beside them the quantizing programs; where the arrivals'
-bound has few chunks (``device_tables.SCAN_IN_HISTOGRAM_CHUNKS``) one launch, ``route_layout``:
-the four's programs in one grid, the scatter's and the tiles' waiting on a flag for the layout:
+layer, ``route_quantize`` (for at most ``BLOCK_M`` arrivals one launch, ``route_tiny``: programs
+that each hold them all in registers, and beside them the quantizing programs):
   ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
                        (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is
                        left out of the layout; program 0 writes the argument block
@@ -42,9 +40,10 @@ the four's programs in one grid, the scatter's and the tiles' waiting on a flag 
                        chunk's rows of the expert start) and their counts; then, in the last
                        program to finish, every expert's row blocks and padded first row (the
                        scan over experts), the Expert-Wave waves by counted rows, the tile count
-                       of every program of both schedules and the used row blocks (in
-                       ``route_layout`` the histogram's last program does all of it, every
-                       expert's column at once);
+                       of every program of both schedules and the used row blocks. Where the
+                       arrivals' bound has few chunks (``device_tables.SCAN_IN_HISTOGRAM_CHUNKS``)
+                       ``route_histogram``'s last program does all of it instead (``SCAN``): two
+                       launches;
   ``route_rows``       two passes, independent given the offsets, side by side in one grid:
                        the scatter, per chunk: each arrival's rank among its expert's arrivals
                        (stable: by arrival), its padded row, ``row_src``/``row_slot``/
@@ -115,129 +114,46 @@ def _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, 
 @triton.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",
                                "out", "CAPACITY"])
 def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
-                    n_arrivals_ptr, chunk_counts, error, x_quant, x_quant_scale, CAPACITY,
-                    NUM_EXPERTS, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
-                    E_PAD: tl.constexpr, CHUNK: tl.constexpr, ID_DTYPE: tl.constexpr):
+                    n_arrivals_ptr, chunk_counts, error, x_quant, x_quant_scale, chunk_start,
+                    expert_counts, scan_done, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
+                    wave_num_tiles, inter_num_tiles, CAPACITY, NUM_EXPERTS, G, P1, P2,
+                    WAVE_MIN_L1, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
+                    E_PAD: tl.constexpr, CHUNK: tl.constexpr, ID_DTYPE: tl.constexpr,
+                    SCAN: tl.constexpr, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
+                    E_LOG2: tl.constexpr, CHUNK_ROWS: tl.constexpr, JUMP_LEVELS: tl.constexpr,
+                    JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
     """``chunk_counts[c, e]`` (int32 ``[chunks, NUM_EXPERTS]``): arrivals of chunk ``c`` routed to
-    local expert ``e`` (``_chunk_histogram``). ``expert_ids``: the address of ``ID_DTYPE``
-    (int32/int64) ``[CAPACITY]``, the local expert of each arrival; it and the call's other
-    addresses (``moe_args``' slots) by value. Program 0: ``_write_block``."""
+    local expert ``e``. ``expert_ids``: the address of ``ID_DTYPE`` (int32/int64) ``[CAPACITY]``,
+    the local expert of each arrival; it and the call's other addresses (``moe_args``' slots)
+    by value. Program 0: ``_write_block``. ``SCAN``: the last program to finish (a ticket on
+    ``scan_done``, set back to 0 for the next call) then does ``route_offsets``' work alone,
+    every expert's column of counts at once (``_scan_chunk_counts``, ``CHUNK_ROWS`` chunks a
+    step), then ``_offsets_and_waves``: where the arrivals' bound has few chunks, one launch and
+    one kernel boundary fewer. Without it the scan's arguments are not read."""
     c = tl.program_id(0)
     if c == 0:
         _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, x_quant,
                      x_quant_scale, QUANTIZE)
-    _chunk_histogram(c, _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED),
-                     expert_ids.to(tl.pointer_type(ID_DTYPE)), chunk_counts, error, CAPACITY,
-                     NUM_EXPERTS, E_PAD, CHUNK)
-
-
-@triton.jit
-def _chunk_histogram(c, n, ids, chunk_counts, error, CAPACITY, NUM_EXPERTS, E_PAD: tl.constexpr,
-                     CHUNK: tl.constexpr):
-    """Chunk ``c``'s row of ``chunk_counts`` (``tl.histogram``); its ids out of range added to
-    ``error``. The ids are read before the branch on the count: their load beside the count's."""
-    e, _, valid = _flagged_experts(ids, c * CHUNK + tl.arange(0, CHUNK), n, error, NUM_EXPERTS,
+    n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
+    # the chunk's ids read before the branch on the count: their load beside the count's
+    e, _, valid = _flagged_experts(expert_ids.to(tl.pointer_type(ID_DTYPE)),
+                                   c * CHUNK + tl.arange(0, CHUNK), n, error, NUM_EXPERTS,
                                    CAPACITY)
     if c * CHUNK < n:
         counts = tl.histogram(tl.where(valid, e, 0), E_PAD, mask=valid)
         es = tl.arange(0, E_PAD)
         tl.store(chunk_counts + c * NUM_EXPERTS + es, counts, mask=es < NUM_EXPERTS)
-
-
-# route_layout's counters (``sync``, int32, 0 between calls): the programs' tickets, the layout's
-# flag, the waiting programs gone
-SYNC_TICKET = tl.constexpr(0)
-SYNC_READY = tl.constexpr(1)
-SYNC_LEFT = tl.constexpr(2)
-
-
-@triton.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",
-                               "out", "CAPACITY", "TOP_K"])
-def route_layout(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, arrival_src,
-                 arrival_slot, n_arrivals_ptr, chunk_counts, error, x_quant, x_quant_scale,
-                 chunk_start, expert_counts, scan_done, expert_offsets, wave_lo, wave_hi,
-                 wave_jumps, meta, wave_num_tiles, inter_num_tiles, arrival_rows, row_src,
-                 row_slot, row_origin, row_ready, wave_tiles, inter_tiles, sync, CAPACITY,
-                 NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES, TOP_K, HIDDEN, ROW_BLOCKS,
-                 MAX_SPIN, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr, E_PAD: tl.constexpr,
-                 CHUNK: tl.constexpr, ID_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
-                 G_PAD: tl.constexpr, E_LOG2: tl.constexpr, CHUNK_ROWS: tl.constexpr,
-                 JUMP_LEVELS: tl.constexpr, JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr,
-                 P_PAD: tl.constexpr, EXPERT_LEAD: tl.constexpr, QUANT_ROWS: tl.constexpr,
-                 SLAB: tl.constexpr):
-    """The three launches in one, where the arrivals' bound has few chunks
-    (``device_tables.SCAN_IN_HISTOGRAM_CHUNKS``): the first ``chunks`` programs to start (a
-    ticket on ``sync``, not the program id: a program holding one is running) make
-    ``route_histogram``'s histogram, and the last of them to finish (a ticket on
-    ``scan_done``, set back to 0) ``route_offsets``' scan, every expert's column of counts at
-    once (``_scan_chunk_counts``, ``CHUNK_ROWS`` chunks a step), and the layout
-    (``_offsets_and_waves``), then raises the layout's flag. The next ``chunks + ROW_BLOCKS``
-    tickets wait for it (``_wait_layout``: at most ``MAX_SPIN`` polls, else ``error``) and make
-    ``route_rows``' scatter and tiles; the last of them to finish sets the counters back to 0.
-    The programs after those quantize as ``route_tiny``'s (``QUANTIZE``; ``_quantize_block``).
-    A launch and a kernel boundary instead of each of the two launches it replaces."""
-    q = tl.program_id(0)
-    chunks = tl.cdiv(CAPACITY, CHUNK)
-    waiting = chunks + ROW_BLOCKS
-    if q >= chunks + waiting:
-        if QUANTIZE:
-            slabs = tl.cdiv(HIDDEN, SLAB)
-            r = q - chunks - waiting
-            _quantize_block(r // slabs, r % slabs,
-                            tl.multiple_of(x.to(tl.pointer_type(tl.bfloat16)), 16),
-                            n_arrivals_ptr, x_quant, x_quant_scale, CAPACITY, HIDDEN, TOP_K,
-                            RECEIVED, QUANT_ROWS, SLAB, SCALE_BLOCK)
-    else:
-        t = tl.atomic_add(sync + SYNC_TICKET, 1)
-        n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
-        ids = expert_ids.to(tl.pointer_type(ID_DTYPE))
-        if t < chunks:
-            if t == 0:
-                _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
-                             x_quant, x_quant_scale, QUANTIZE)
-            _chunk_histogram(t, n, ids, chunk_counts, error, CAPACITY, NUM_EXPERTS, E_PAD,
-                             CHUNK)
-            tl.debug_barrier()  # every thread's counts stored before the ticket releases them
-            if tl.atomic_add(scan_done, 1) == chunks - 1:  # acq_rel: the others' counts
-                tl.store(scan_done, 0)
-                _scan_chunk_counts(chunk_counts, chunk_start, expert_counts,
-                                   tl.arange(0, E_PAD), tl.cdiv(n, CHUNK), NUM_EXPERTS,
-                                   CHUNK_ROWS)
-                tl.debug_barrier()  # expert_counts, read back by the layout
-                _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps,
-                                   meta, wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1,
-                                   P2, WAVE_MIN_L1, BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS,
-                                   JUMP_STRIDE, JUMP_PAD)
-                tl.debug_barrier()  # every thread's layout stored before the flag releases it
-                tl.atomic_xchg(sync + SYNC_READY, 1)
-        else:
-            if _wait_layout(sync + SYNC_READY, error, MAX_SPIN):
-                _rows_program(t - chunks, chunks, n, ids, arrival_src, arrival_slot, chunk_start,
-                              expert_counts, expert_offsets, wave_lo, wave_hi, meta,
-                              arrival_rows, row_src, row_slot, row_origin, row_ready,
-                              wave_tiles, inter_tiles, CAPACITY, NUM_EXPERTS, TOP_K, G, P1, P2,
-                              LEAD, MAX_TILES, RECEIVED, CHUNK, BLOCK_M, E_PAD, P_PAD,
-                              EXPERT_LEAD)
-            tl.debug_barrier()  # every thread's reads of the counters done
-            if tl.atomic_add(sync + SYNC_LEFT, 1) == waiting - 1:  # every ticket taken
-                tl.store(sync + SYNC_LEFT, 0)
-                tl.store(sync + SYNC_READY, 0)
-                tl.store(sync + SYNC_TICKET, 0)
-
-
-@triton.jit
-def _wait_layout(flag, error, MAX_SPIN):
-    """Whether the layout's ``flag`` rose within ``MAX_SPIN`` polls (else 1 added to ``error``:
-    a bounded wait, never a hang); its stores acquired (the last poll an acquiring atomic)."""
-    spins = 0
-    seen = tl.load(flag, volatile=True)
-    while (seen == 0) & (spins < MAX_SPIN):
-        seen = tl.load(flag, volatile=True)
-        spins += 1
-    seen = tl.atomic_add(flag, 0)  # acq_rel
-    if seen == 0:
-        tl.atomic_add(error, 1)
-    return seen != 0
+    if SCAN:
+        tl.debug_barrier()  # every thread's counts stored before the ticket releases them
+        if tl.atomic_add(scan_done, 1) == tl.num_programs(0) - 1:  # acq_rel: the others' counts
+            tl.store(scan_done, 0)
+            _scan_chunk_counts(chunk_counts, chunk_start, expert_counts, tl.arange(0, E_PAD),
+                               tl.cdiv(n, CHUNK), NUM_EXPERTS, CHUNK_ROWS)
+            tl.debug_barrier()  # expert_counts, read back by the layout
+            _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps,
+                               meta, wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2,
+                               WAVE_MIN_L1, BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS,
+                               JUMP_STRIDE, JUMP_PAD)
 
 
 @triton.jit
@@ -462,9 +378,8 @@ def _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, exp
         before = (e[:, None] == e[None, :]) & (local[None, :] < local[:, None])
         rank = tl.sum(before.to(tl.int32), axis=1)
         safe_e = tl.where(valid, e, 0)
-        row = (tl.load(expert_offsets + safe_e, mask=valid, other=0, cache_modifier=".cg")
-               + tl.load(chunk_start + c * NUM_EXPERTS + safe_e, mask=valid, other=0,
-                         cache_modifier=".cg") + rank)
+        row = (tl.load(expert_offsets + safe_e, mask=valid, other=0)
+               + tl.load(chunk_start + c * NUM_EXPERTS + safe_e, mask=valid, other=0) + rank)
         _store_arrival_rows(i, row, live, valid, src, slot, origin, arrival_rows, row_src,
                             row_slot, row_origin)
 
@@ -566,34 +481,18 @@ def route_rows(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, exp
     ``row_ready[p]`` zeroed (its Linear-1 tiles count into it) and ``_row_block_tiles`` where
     ``p`` is in use. The two write disjoint rows: the scatter the routed ones, the tiles the
     padding."""
-    # the ids' address and the count loaded side by side
-    _rows_program(tl.program_id(0), tl.cdiv(CAPACITY, CHUNK),
-                  _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED),
-                  arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False), arrival_src, arrival_slot,
-                  chunk_start, expert_counts, expert_offsets, wave_lo, wave_hi, meta,
-                  arrival_rows, row_src, row_slot, row_origin, row_ready, wave_tiles,
-                  inter_tiles, CAPACITY, NUM_EXPERTS, TOP_K, G, P1, P2, LEAD, MAX_TILES, RECEIVED,
-                  CHUNK, BLOCK_M, E_PAD, P_PAD, EXPERT_LEAD)
-
-
-@triton.jit
-def _rows_program(q, chunks, n, ids, arrival_src, arrival_slot, chunk_start, expert_counts,
-                  expert_offsets, wave_lo, wave_hi, meta, arrival_rows, row_src, row_slot,
-                  row_origin, row_ready, wave_tiles, inter_tiles, CAPACITY, NUM_EXPERTS, TOP_K,
-                  G, P1, P2, LEAD, MAX_TILES, RECEIVED: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr,
-                  EXPERT_LEAD: tl.constexpr):
-    """``route_rows``' program ``q`` of the ``n`` arrivals (``ids``: their ids' address). The
-    layout is read at L2 (``.cg``): in ``route_layout`` another program stored it in this
-    launch."""
+    q = tl.program_id(0)
+    chunks = tl.cdiv(CAPACITY, CHUNK)
     if q < chunks:
-        _scatter_chunk(q, n, ids, arrival_src, arrival_slot, chunk_start, expert_offsets,
-                       arrival_rows, row_src, row_slot, row_origin, NUM_EXPERTS, TOP_K, CAPACITY,
-                       RECEIVED, CHUNK)
+        # the ids' address and the count loaded side by side
+        ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
+        _scatter_chunk(q, _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED), ids, arrival_src,
+                       arrival_slot, chunk_start, expert_offsets, arrival_rows, row_src,
+                       row_slot, row_origin, NUM_EXPERTS, TOP_K, CAPACITY, RECEIVED, CHUNK)
     else:
         p = q - chunks
         tl.store(row_ready + p, 0)
-        row_blocks = tl.load(meta + META_ROW_BLOCKS, cache_modifier=".cg")
+        row_blocks = tl.load(meta + META_ROW_BLOCKS)
         # a program past the rows in use returns here: the grid is the capacity's bound (an EP
         # rank's, about eight times its arrivals), and the expert search over every expert
         # costs each program the same (Qwen3.5's EP rank at 8192 tokens on one H200: 13.1-13.3
@@ -621,15 +520,15 @@ def _row_block_tiles(ps, row_blocks, expert_counts, expert_offsets, wave_lo, wav
     used = ps < row_blocks
     es = tl.arange(0, E_PAD)
     in_e = es < NUM_EXPERTS
-    first = tl.load(expert_offsets + es, mask=in_e, other=0, cache_modifier=".cg") // BLOCK_M
-    count = tl.load(expert_counts + es, mask=in_e, other=0, cache_modifier=".cg")
+    first = tl.load(expert_offsets + es, mask=in_e, other=0) // BLOCK_M
+    count = tl.load(expert_counts + es, mask=in_e, other=0)
     last = first + (count + BLOCK_M - 1) // BLOCK_M
     owns = in_e[None, :] & (first[None, :] <= ps[:, None]) & (ps[:, None] < last[None, :])
     e = tl.sum(tl.where(owns, es[None, :], 0), axis=1)
     first_row = tl.sum(tl.where(owns, first[None, :], 0), axis=1) * BLOCK_M
     rows_used = tl.sum(tl.where(owns, count[None, :], 0), axis=1)
-    lo = tl.load(wave_lo + e, mask=used, other=0, cache_modifier=".cg")
-    hi = tl.load(wave_hi + e, mask=used, other=0, cache_modifier=".cg")
+    lo = tl.load(wave_lo + e, mask=used, other=0)
+    hi = tl.load(wave_hi + e, mask=used, other=0)
     if EXPERT_LEAD:
         l2_key = tl.sum(tl.where(owns, last[None, :], 0), axis=1) - 1 + LEAD
         done = in_e[None, :] & (last[None, :] <= (ps - LEAD + 1)[:, None])

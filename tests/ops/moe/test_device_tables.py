@@ -57,8 +57,7 @@ def case_ep1(model: str, precision: str, tokens: int, routing: str, programs: in
     tables.row_ready.fill_(7)  # a launch's counts: the routing zeroes them for the next launch
     route_to_tables(tables, topk_ids.reshape(-1), x, top_k=topk_ids.shape[1])
     _assert_counters_in_use_zeroed(tables)
-    # the scan's last program took its ticket back, route_layout's last program its counters
-    assert int(tables.scan_done) == 0 and not tables.sync.any()
+    assert int(tables.scan_done) == 0  # the scan's last program took its ticket back
     # the fused kernel reads the tokens in place (bf16), or their quantized copy
     assert tables.a_rows.tolist() == ([tables.x_quant.data_ptr(), tables.x_quant_scale.data_ptr()]
                                       if precision == "fp8" else
@@ -138,7 +137,6 @@ def case_ep_rank(model: str, precision: str, world: int, per_source: int, progra
                     n_arrivals=torch.tensor([n], dtype=torch.int32),
                     arrival_src=padded(src.int(), 9), arrival_slot=padded(slot.int(), 9))
     _assert_counters_in_use_zeroed(tables)
-    assert int(tables.scan_done) == 0 and not tables.sync.any()
     # the fused kernel reads the received rows and their scales in place
     assert tables.a_rows.tolist() == [x_in.data_ptr(), (tables.args if scale_in is None
                                                         else scale_in).data_ptr()]
@@ -167,8 +165,8 @@ def case_scan_in_steps() -> dict:
     """The chunk counts scanned in several steps, the carry from step to step, over the 7 chunks
     of 400 skewed picks at EP = 1 and on an EP rank (the arrivals' count read on the device):
     by ``route_offsets`` in the three launches (``SCAN_IN_HISTOGRAM_CHUNKS`` 0), two chunks a
-    step (a small ``SCAN_TILE``), and by ``route_layout``'s last histogram program, two chunks
-    a step (``SCAN_ONE_TILE`` two chunks of every expert: 16 at EP = 1, 2 on the rank)."""
+    step (a small ``SCAN_TILE``), and by ``route_histogram``'s last program, two chunks a step
+    (``SCAN_ONE_TILE`` two chunks of every expert: 16 at EP = 1, 2 on the rank)."""
     from xstage_lab.ops.moe import device_tables as dt
 
     saved = dt.SCAN_TILE, dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_ONE_TILE
@@ -181,11 +179,11 @@ def case_scan_in_steps() -> dict:
         dt.SCAN_ONE_TILE = 2 * 16
         ep1 = case_ep1("DiT-MoE", "bf16", 200, "skewed", 7, 3, 4)
         dt.SCAN_ONE_TILE = 2 * 2
-        out["route_layout"] = {"ep1": ep1,
-                               "ep_rank": case_ep_rank("DiT-MoE", "bf16", 8, 120, 5, 1, 3)}
+        out["route_histogram"] = {"ep1": ep1,
+                                  "ep_rank": case_ep_rank("DiT-MoE", "bf16", 8, 120, 5, 1, 3)}
     finally:
         dt.SCAN_TILE, dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_ONE_TILE = saved
-    assert out["route_offsets"] == out["route_layout"]
+    assert out["route_offsets"] == out["route_histogram"]
     return out
 
 
@@ -289,11 +287,11 @@ def interpreter_cases() -> dict:
     }
 
 
-def _compile_sm90(name: str, e_pad: int = 512) -> dict:
+def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
     """One routing kernel built for sm_90 (as the op launches it on an H200); ``route_tiny``
     with ``e_pad`` experts over 128 arrivals or 32 where the count is that or less (512: from
-    all pairs, 64: from the scan, with the 32 from all pairs); ``route_layout`` over
-    ``e_pad`` experts."""
+    all pairs, 64: from the scan, with the 32 from all pairs);
+    ``route_histogram`` with the scan in its last program where ``scan``."""
     import triton
     import triton.language as tl
     from triton.compiler import ASTSource
@@ -303,32 +301,22 @@ def _compile_sm90(name: str, e_pad: int = 512) -> dict:
 
     kernel = getattr(load_kernel_module("moe_routing"), name)
     ptr, i = "*i32", "i32"
-    # the scan's and the layout's buffers and sizes (route_offsets', route_layout's)
+    # the scan's and the layout's buffers and sizes (route_offsets', route_histogram's with SCAN)
     layout = {k: ptr for k in ("chunk_start", "expert_counts", "scan_done", "expert_offsets",
                                "wave_lo", "wave_hi", "wave_jumps", "meta", "wave_num_tiles",
                                "inter_num_tiles")}
     layout_ints = {k: i for k in ("CAPACITY", "NUM_EXPERTS", "G", "P1", "P2", "WAVE_MIN_L1")}
-    # the scatter's and the tiles' (route_rows', route_layout's)
-    rows = {k: ptr for k in ("arrival_src", "arrival_slot", "arrival_rows", "row_src",
-                             "row_slot", "row_origin", "row_ready", "wave_tiles", "inter_tiles")}
     # the call's addresses, by value (the first launch writes the argument block)
     addresses = {k: "i64" for k in ("expert_ids", "x", "x_scale", "combine_rows",
                                     "topk_weights", "out")}
     signatures = {
         "route_histogram": ({"args": "*i64", **addresses, "n_arrivals_ptr": ptr,
                              "chunk_counts": ptr, "error": ptr, "x_quant": "*fp8e4nv",
-                             "x_quant_scale": "*fp32", "CAPACITY": i, "NUM_EXPERTS": i},
+                             "x_quant_scale": "*fp32", **layout, **layout_ints},
                             dict(RECEIVED=False, QUANTIZE=True, E_PAD=256, CHUNK=128,
-                                 ID_DTYPE=tl.int64)),
-        "route_layout": ({"args": "*i64", **addresses, "n_arrivals_ptr": ptr,
-                          "chunk_counts": ptr, "error": ptr, "x_quant": "*fp8e4nv",
-                          "x_quant_scale": "*fp32", **layout, **rows, "sync": ptr,
-                          **layout_ints, **{k: i for k in ("LEAD", "MAX_TILES", "TOP_K",
-                                                           "HIDDEN", "ROW_BLOCKS", "MAX_SPIN")}},
-                         dict(RECEIVED=True, QUANTIZE=True, E_PAD=e_pad, CHUNK=128,
-                              ID_DTYPE=tl.int32, BLOCK_M=128, G_PAD=256, E_LOG2=8,
-                              CHUNK_ROWS=32, JUMP_LEVELS=9, JUMP_STRIDE=257, JUMP_PAD=512,
-                              P_PAD=16, EXPERT_LEAD=True, QUANT_ROWS=32, SLAB=128)),
+                                 ID_DTYPE=tl.int64, SCAN=scan, BLOCK_M=128, G_PAD=256,
+                                 E_LOG2=8, CHUNK_ROWS=32, JUMP_LEVELS=9, JUMP_STRIDE=257,
+                                 JUMP_PAD=512)),
         "route_offsets": ({"chunk_counts": ptr, "n_arrivals_ptr": ptr, **layout, **layout_ints},
                           dict(RECEIVED=True, BLOCK_M=128, E_PAD=512, E_BLOCK=4, G_PAD=256,
                                CHUNK=128, CHUNK_ROWS=1024, E_LOG2=9, JUMP_LEVELS=10,
@@ -371,8 +359,8 @@ def _compile_sm90(name: str, e_pad: int = 512) -> dict:
                                         {(names.index(k),): v for k, v in constexprs.items()},
                                         attrs=aligned),
                               target=hopper_target(),
-                              options={"num_warps": 8 if name in ("route_offsets", "route_tiny",
-                                                                  "route_layout") else 4})
+                              options={"num_warps": 8 if name in ("route_offsets", "route_tiny")
+                                       or scan else 4})
     return {"has_cubin": bool(compiled.asm.get("cubin")), "shared": compiled.metadata.shared}
 
 
@@ -380,7 +368,8 @@ COMPILE_CASES = {**{f"compile_sm90_{n}": (_compile_sm90, n)
                     for n in ("route_histogram", "route_offsets", "route_rows", "route_quantize",
                               "route_tiny")},
                  "compile_sm90_route_tiny_scan": (_compile_sm90, "route_tiny", 64),
-                 "compile_sm90_route_layout": (_compile_sm90, "route_layout", 256)}
+                 "compile_sm90_route_histogram_scan": (_compile_sm90, "route_histogram", 256,
+                                                       True)}
 
 interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, interpreter_cases())
 

@@ -63,9 +63,9 @@ def _check(layer: FusedMoE, y, x, ids, w, model: str = MODEL):
     (256, "balanced", {"SCAN_IN_HISTOGRAM_CHUNKS": 0})])
 def test_device_tables_equal_the_host_reference(layer, tokens, routing, limits, monkeypatch):
     """Each token count through the launches its arrivals take: one token through
-    ``route_tiny``, 37 and 256 through the one table launch (``route_layout``) and through the
-    three (``route_offsets``); one token through the launches as well, and 21 (126 arrivals, at
-    most ``block_m``) through ``route_tiny``."""
+    ``route_tiny``, 37 and 256 through the two table launches (the scan in ``route_histogram``'s
+    last program) and through the three (``route_offsets``); one token through the launches as
+    well, and 21 (126 arrivals, at most ``block_m``) through ``route_tiny``."""
     if limits:  # a layer of its own: the module's has its tables
         for name, value in limits.items():
             monkeypatch.setattr(device_tables, name, value)

@@ -12,13 +12,12 @@ before 577270a one program wrote them all; before ``route_tiny``: ``route_small`
 scan, scatter and tiles passes as loops of one program), against the launches whose programs make
 them side by side (three; four in records before the scatter and the tiles shared one). One launch
 saves their latency; ``route_small`` paid for its passes' steps one after another. Between them,
-up to ``device_tables.SCAN_IN_HISTOGRAM_CHUNKS`` chunks of arrivals, one launch, ``route_layout``:
-the launches' programs in one grid, the scan and the layout in the histogram's last program
-(``layout``; in records before it ``scan_in_histogram``, two launches: route_histogram with the
-scan, then route_rows; records before that have two paths). This probe times the paths on the
-same arrivals, per model shape, in the two settings of ``layer_bench`` (EP = 1 from
-``topk_ids``, ``T top_k`` arrivals; rank 0 of EP = 8 from its received rows, their count on the
-device under a capacity of ``8 T top_k``), so that the threshold is read off measurement.
+up to ``device_tables.SCAN_IN_HISTOGRAM_CHUNKS`` chunks of arrivals, two launches: the scan and the
+layout in ``route_histogram``'s last program (``scan_in_histogram``; records before it have two
+paths). This probe times the paths on the same arrivals, per model shape, in the two settings of
+``layer_bench`` (EP = 1 from ``topk_ids``, ``T top_k`` arrivals; rank 0 of EP = 8 from its
+received rows, their count on the device under a capacity of ``8 T top_k``), so that the
+threshold is read off measurement.
 
 1. Checks first: each path's tables (``allocate_tables`` with ``tiny_arrivals`` and
    ``tiny_received`` 0, and above the capacity; ``scan_chunks`` 0 for the three launches),
@@ -60,10 +59,10 @@ from ..moe.kernel_cell import EP, arrival_sources, build_workload, receive_buffe
 from ..moe.layer_bench import balanced_routing
 
 SETTINGS = ("ep1", "ep8_rank")
-# each path's tables: tiny_arrivals and tiny_received, and scan_chunks (the three launches, or
-# one: route_layout, or route_tiny)
+# each path's tables: tiny_arrivals and tiny_received, and scan_chunks (the three launches, the
+# scan in route_histogram's last program: two, or route_tiny: one)
 PATHS = {"launches": {"tiny": 0, "scan_chunks": 0},
-         "layout": {"tiny": 0, "scan_chunks": SCAN_IN_HISTOGRAM_CHUNKS},
+         "scan_in_histogram": {"tiny": 0, "scan_chunks": SCAN_IN_HISTOGRAM_CHUNKS},
          "one_program": {"tiny": 1 << 30, "scan_chunks": SCAN_IN_HISTOGRAM_CHUNKS}}
 
 

@@ -1,9 +1,8 @@
 """Routing to tile tables on the device (``kernels/moe_routing.py``): the Dispatch layout and both
-schedules' tile tables built from the router's output by three small Triton launches, plus one
-that quantizes bf16 activations for an FP8 layer (one launch up to ``SCAN_IN_HISTOGRAM_CHUNKS``
-chunks of arrivals, ``route_layout``, or where the arrivals fit ``TINY_ARRIVALS``, or an EP
-rank's bound ``TINY_RECEIVED``, ``route_tiny``), with no device-to-host copy, in buffers sized by
-static bounds.
+schedules' tile tables built from the router's output by three small Triton launches (two up to
+``SCAN_IN_HISTOGRAM_CHUNKS`` chunks of arrivals, one where the arrivals fit ``TINY_ARRIVALS``, or
+an EP rank's bound ``TINY_RECEIVED``), plus one that quantizes bf16 activations for an FP8 layer,
+with no device-to-host copy, in buffers sized by static bounds.
 The activations are not moved: each layout row names the row of ``x`` it reads (``row_origin``),
 which the fused kernel gathers. The router's output and the activations reach the kernels through
 the call's argument block (``call_args``), so a CUDA graph captured once replays them on new
@@ -25,7 +24,6 @@ from ..launcher import Launcher
 from .call_args import (a_rows_view, allocate_args, check_address_params, slot_addresses,
                         slot_names, triton_dtype)
 from .dispatch import DispatchLayout, build_layout
-from .fused import DEFAULT_MAX_SPIN_ITERS
 from .schedules import (WAVE_FILL, MoEProblem, expert_wave_schedule, interleaved_schedule,
                         leads_from_expert, tile_table, tile_work)
 from .shapes import FP8_SCALE_BLOCK, MoEContractError
@@ -38,12 +36,10 @@ CHUNK = 128        # arrivals per program of the histogram and scatter passes
 # experts a program scan 1024 chunks a step: every shape at 8192 tokens per rank in one step
 SCAN_EXPERTS = 4
 SCAN_TILE = 4096
-# Up to this many chunks in the arrivals' bound, one launch (route_layout) does the three's work
-# (and the quantization's), its scatter's and tiles' programs waiting on a flag for the layout, its
-# histogram's last program doing route_offsets' work alone (every expert's column of counts at
-# once, SCAN_ONE_TILE counts a step: at most two steps at 512 experts); above it the steps run one
-# after another in one program. That scan in route_histogram's last program, with route_rows a
-# launch of its own (two launches), against the three launches, measured on one H200, both on the
+# Up to this many chunks in the arrivals' bound, route_histogram's last program does route_offsets'
+# work alone (every expert's column of counts at once, SCAN_ONE_TILE counts a step: at most two
+# steps at 512 experts), one launch and one kernel boundary fewer than the three launches; above
+# it the steps run one after another in one program. Measured on one H200, both paths on the
 # same arrivals in one rotation (route_small_probe/h200-x1/20261204T041058Z-8d242df5d1, every
 # model, 8 to 512 tokens, SM clock 1980 MHz): the routing 1.10-1.28x faster on the EP = 8 rank
 # at 8 and 64 tokens (1.8-1.9 µs less, medians), 0.99-1.27x at EP = 1 (0.7-0.9 µs less; 0.99 at
@@ -189,7 +185,6 @@ class DeviceTables:
     chunk_start: torch.Tensor      # int32 [chunks, E]: ... in the chunks before
     expert_counts: torch.Tensor    # int32 [E]: routed rows of each local expert
     scan_done: torch.Tensor        # int32 [1]: the scan's ticket, 0 between calls
-    sync: torch.Tensor             # int32 [3]: route_layout's tickets, flag, leavers; 0 between
     expert_offsets: torch.Tensor   # int32 [E + 1]: padded first row of each expert; rows in use
     wave_lo: torch.Tensor          # int32 [E]: first row block of each expert's wave
     wave_hi: torch.Tensor          # int32 [E]: one past its last
@@ -250,8 +245,7 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
     sources = bounds.capacity if source_rows is None else source_rows
     return DeviceTables(
         bounds, torch.zeros(bounds.chunks, e, **i32), torch.zeros(bounds.chunks, e, **i32),
-        torch.zeros(e, **i32), torch.zeros(1, **i32), torch.zeros(3, **i32),
-        torch.zeros(e + 1, **i32),
+        torch.zeros(e, **i32), torch.zeros(1, **i32), torch.zeros(e + 1, **i32),
         torch.zeros(e, **i32), torch.zeros(e, **i32),
         torch.zeros(_jump_levels(e), _pow2(e) + 1, **i32),
         torch.zeros(2, **i32), torch.full((bounds.capacity,), -1, **i32),
@@ -350,7 +344,7 @@ class RoutingLaunches:
         # (unquantized, any pointer stands in)
         quant = dict(x_quant=t.x_quant if quantize else t.meta,
                      x_quant_scale=t.x_quant_scale if quantize else t.meta, QUANTIZE=quantize)
-        for kernel in (k.route_histogram, k.route_tiny, k.route_layout):
+        for kernel in (k.route_histogram, k.route_tiny):
             check_address_params(kernel)
         self.slots = slot_names()
         self.hidden = hidden
@@ -370,8 +364,12 @@ class RoutingLaunches:
             E_LOG2=e_pad.bit_length() - 1, JUMP_LEVELS=t.wave_jumps.shape[0],
             JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
         self.histogram = Launcher(k.route_histogram, args=t.args, error=t.error, ID_DTYPE=ids,
-                                  chunk_counts=t.chunk_counts, NUM_EXPERTS=b.num_experts,
-                                  RECEIVED=received, E_PAD=e_pad, CHUNK=CHUNK, **quant)
+                                  SCAN=False, CHUNK_ROWS=1, **{**layout, "num_warps": 4},
+                                  **quant)
+        self.histogram_scan = Launcher(
+            k.route_histogram, args=t.args, error=t.error, ID_DTYPE=ids, SCAN=True,
+            CHUNK_ROWS=min(_pow2(max(t.scan_chunks, 1)), max(SCAN_ONE_TILE // e_pad, 1)),
+            **layout, **quant)
         self.offsets = Launcher(k.route_offsets, E_BLOCK=scan_experts,
                                 CHUNK_ROWS=SCAN_TILE // scan_experts, **layout)
         self.quantizer = {slab: Launcher(
@@ -389,13 +387,6 @@ class RoutingLaunches:
         self.rows = Launcher(k.route_rows, args=t.args, chunk_start=t.chunk_start, meta=t.meta,
                              arrival_rows=t.arrival_rows, RECEIVED=received, CHUNK=CHUNK,
                              ID_DTYPE=ids, EXPERT_LEAD=b.expert_lead, **tables_static)
-        # one per quantized slab, bound on first use (unquantized, 1 stands in)
-        self.layout_static = dict(
-            args=t.args, error=t.error, ID_DTYPE=ids, arrival_rows=t.arrival_rows, sync=t.sync,
-            CHUNK_ROWS=min(_pow2(max(t.scan_chunks, 1)), max(SCAN_ONE_TILE // e_pad, 1)),
-            EXPERT_LEAD=b.expert_lead, ROW_BLOCKS=b.row_blocks, MAX_SPIN=DEFAULT_MAX_SPIN_ITERS,
-            HIDDEN=hidden, QUANT_ROWS=QUANT_ROWS, **{**layout, **tables_static}, **quant)
-        self.layouts: dict[int, Launcher] = {}
         # one per power of two of the arrivals and quantized slab, bound on first use: A_PAD (and
         # ROW_BLOCKS with it) and SLAB are constexprs
         self.tiny_static = dict(
@@ -430,12 +421,13 @@ class RoutingLaunches:
         fanout = self.fanout(top_k)
         first, grid = self.first(capacity, top_k)
         addressed = dict(zip(self.slots, addresses))
-        if first is not self.histogram:
+        if first is not self.histogram and first is not self.histogram_scan:
             first(grid, **addressed, arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
                   CAPACITY=capacity, TOP_K=fanout)
             return
         first(grid, **addressed, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
-        self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
+        if first is self.histogram:
+            self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
         self.rows((grid[0] + t.bounds.row_blocks,), arrival_src=src, arrival_slot=slot,
                   n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
         if self.quantize:
@@ -455,22 +447,14 @@ class RoutingLaunches:
         ``ROW_BLOCKS_TINY`` row blocks the tiles (the row blocks: one per routed expert at
         most), and where it quantizes, one program more per block of ``_quantize_block`` (the
         rows of ``x`` by ``QUANT_ROWS``, ``quant_slab``'s columns), so no launch of its own
-        quantizes them. Else up to ``tables.scan_chunks`` chunks ``route_layout``: the
-        histogram's programs, then the scatter's and the row blocks' (their bound), then, where
-        it quantizes, as ``route_tiny``'s; above them ``route_histogram``."""
+        quantizes them. Else ``route_histogram``, up to ``tables.scan_chunks`` chunks with
+        ``route_offsets``' work in its last program."""
         t = self.tables
-        rows = capacity // self.fanout(top_k)
-        slab = quant_slab(rows, self.hidden, t.bounds.num_programs) if self.quantize else 0
-        blocks = triton.cdiv(rows, QUANT_ROWS) * triton.cdiv(self.hidden, slab) if slab else 0
         if capacity > (t.tiny_received if self.received else t.tiny_arrivals):
             chunks = triton.cdiv(capacity, CHUNK)
-            if chunks > t.scan_chunks:
-                return self.histogram, (chunks,)
-            launch = self.layouts.get(slab)
-            if launch is None:  # unquantized, SLAB is read by no program: 1 stands in
-                launch = self.layouts[slab] = Launcher(self.kernels.route_layout,
-                                                       SLAB=max(slab, 1), **self.layout_static)
-            return launch, (2 * chunks + t.bounds.row_blocks + blocks,)
+            return (self.histogram_scan if chunks <= t.scan_chunks else self.histogram), (chunks,)
+        rows = capacity // self.fanout(top_k)
+        slab = quant_slab(rows, self.hidden, t.bounds.num_programs) if self.quantize else 0
         a_pad = _pow2(capacity)
         row_blocks = min(ROW_BLOCKS_TINY, a_pad)
         tile_programs = triton.cdiv(min(a_pad, t.bounds.num_experts), row_blocks)
@@ -483,6 +467,7 @@ class RoutingLaunches:
                                                TILE_PROGRAMS=tile_programs,
                                                SLAB=max(slab, 1), num_warps=tiny_warps(a_pad),
                                                **self.tiny_static)
+        blocks = triton.cdiv(rows, QUANT_ROWS) * triton.cdiv(self.hidden, slab) if slab else 0
         return launch, (TINY_TABLE_PROGRAMS + tile_programs + blocks,)
 
 
