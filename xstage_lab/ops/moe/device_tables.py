@@ -45,7 +45,11 @@ SCAN_TILE = 4096
 # at 8 and 64 tokens (1.8-1.9 µs less, medians), 0.99-1.27x at EP = 1 (0.7-0.9 µs less; 0.99 at
 # DeepSeek-V4-Pro's 512 tokens, two steps over 512 experts), the cells above the bound (the same
 # launches both ways) 0.99-1.03x; in the layer (moe_layer/h200-x1/20261204T035951Z-13459df91e)
-# the graphed call within 5% of the kernel in six cells more than before
+# the graphed call within 5% of the kernel in six cells more than before. route_rows (and the
+# quantization) in that launch too, its programs waiting on a flag for the last histogram
+# program's layout, took longer than the two launches (8d81d14, reverted; moe_layer/h200-x1/
+# 20261204T161539Z-d99d182ef5 against …161751Z-58a86fc67b, one job, per-kernel profiles):
+# 1.28-1.44x on the EP = 8 rank at 8 and 64 tokens, 1.31-2.01x at EP = 1
 SCAN_IN_HISTOGRAM_CHUNKS = 32
 SCAN_ONE_TILE = 8192
 # Up to these bounds (never above block_m), one launch (route_tiny) writes every table from the
