@@ -204,8 +204,38 @@ def test_call_profile_reads_the_gaps_and_the_kernels_time_in_a_call():
     kernels = json.dumps({"route_tiny": 2.0, "moe_fused_ws_kernel": 82.0, "weighted_sum": 1.0})
     table = pd.DataFrame([_row(1, call_kernels_us=kernels, kernel_in_call_us=82.0,
                                kernel_alone_device_us=80.0), _row(8, call_kernels_us=None)])
+    # as a record reads back: JSON in an arrow string column
+    table["call_kernels_us"] = table["call_kernels_us"].astype("string[pyarrow]")
     p = lv.call_profile(table)
     assert list(p["tokens"]) == [1]  # the cell its record profiled
     assert p["call_gaps_us"].tolist() == [90.0 - 85.0]
     assert p["kernel_in_call_over_alone"].tolist() == [82.0 / 80.0]
     assert lv.call_profile(pd.DataFrame([_row(1)])).empty  # a record from before the profile
+
+
+def test_layer_prose_reads_the_call_profile_where_a_record_kept_it(tmp_path):
+    """The fused kernel's time in a call over alone and the call's time beyond its kernels, at
+    one token, from the cells whose record profiled a call; none said without them."""
+    import json
+
+    from xstage_lab.prose.moe.kernel import layer
+
+    route = json.dumps({"route_tiny": 2.0})
+    rows = [_row(1, route_kernels_us=route), _row(1, "ep8_rank", route_kernels_us=route),
+            _row(64, route_kernels_us=route)]
+    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    assert "Profiled in a whole call" not in str(layer([lv.layer_view("x", tmp_path)]))
+    call = dict(call_kernels_us=json.dumps({"route_tiny": 2.0, "moe_fused_ws_kernel": 84.0}),
+                kernel_in_call_us=84.0, kernel_alone_device_us=80.0)
+    rows = [_row(1, route_kernels_us=route, **call),
+            _row(1, "ep8_rank", route_kernels_us=route,
+                 **{**call, "kernel_in_call_us": 80.0,
+                    "call_kernels_us": json.dumps({"route_tiny": 2.0,
+                                                   "moe_fused_ws_kernel": 80.0})}),
+            _row(64, route_kernels_us=route)]
+    write_record("moe_layer", "y", pd.DataFrame(rows), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("y", tmp_path)]))
+    # graphed 90 µs less 86 (EP = 1) and 82 µs (rank) of kernels; 84 and 80 over 80
+    assert ("Profiled in a whole call (2 cells), the fused kernel takes 1.00–1.05× its device "
+            "time alone, and the graphed call's time less its kernels' device times (the "
+            "launches and the boundaries between them) is 4–8 µs.") in text

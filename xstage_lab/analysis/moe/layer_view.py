@@ -128,7 +128,8 @@ def call_profile(table: pd.DataFrame) -> pd.DataFrame:
     if "call_kernels_us" not in table:
         return table[CELL].iloc[:0].assign(call_gaps_us=[], kernel_in_call_over_alone=[])
     t = table[table["call_kernels_us"].notna()]
-    kernels = t["call_kernels_us"].map(lambda k: sum(json.loads(k).values()))
+    # a record's JSON column reads back as strings, which map keeps: the sums as floats
+    kernels = t["call_kernels_us"].map(lambda k: sum(json.loads(k).values())).astype(float)
     return t[CELL].assign(call_gaps_us=t["fused_graph_us"] - kernels,
                           kernel_in_call_over_alone=t["kernel_in_call_us"]
                           / t["kernel_alone_device_us"])

@@ -63,7 +63,8 @@ def layer(layer_views) -> Prose:
     from ...analysis.moe.layer_view import (ARGS_WRITER, HOST_OVERHEAD_LIMIT_US, KERNEL_PARITY,
                                             KERNEL_PARITY_TOKENS, SCHEDULE_LIMIT_TOKENS,
                                             SCHEDULE_LIMIT_US, SMALL_T, acceptance,
-                                            acceptance_counts, schedule_tables_us)
+                                            acceptance_counts, call_profile,
+                                            schedule_tables_us)
 
     out = []
     for v in layer_views:
@@ -182,6 +183,13 @@ def layer(layer_views) -> Prose:
                   f"{span(routing, '.0f')} µs (profiled)"
                   + (f", the weighted sum {span(ep1['weighted_sum_us'], '.0f')} µs at EP = 1"
                      if measured(ep1, "weighted_sum_us") else "") + ".")
+        profiled = call_profile(one)
+        if len(profiled):
+            t1 += (f" Profiled in a whole call ({count(len(profiled))} cells), the fused kernel "
+                   f"takes {span(profiled['kernel_in_call_over_alone'], '.2f')}× its device "
+                   f"time alone, and the graphed call's time less its kernels' device times "
+                   f"(the launches and the boundaries between them) is "
+                   f"{span(profiled['call_gaps_us'], '.0f')} µs.")
         if measured(one, "trace_makespan_us"):
             # a phase's weight bytes (tiles x one tile's: its stream rate x its mainloop) over
             # the phase: Linear-1 from the first entry to its last tile's end, Linear-2 from its
