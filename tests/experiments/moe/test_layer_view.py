@@ -225,7 +225,8 @@ def test_layer_prose_reads_the_call_profile_where_a_record_kept_it(tmp_path):
             _row(64, route_kernels_us=route)]
     write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
     assert "Profiled in a whole call" not in str(layer([lv.layer_view("x", tmp_path)]))
-    call = dict(call_kernels_us=json.dumps({"route_tiny": 2.0, "moe_fused_ws_kernel": 84.0}),
+    call = dict(call_kernels_us=json.dumps({"route_tiny": 2.0, "moe_fused_ws_kernel": 84.0,
+                                            "weighted_sum": 2.0}),
                 kernel_in_call_us=84.0, kernel_alone_device_us=80.0)
     rows = [_row(1, route_kernels_us=route, **call),
             _row(1, "ep8_rank", route_kernels_us=route,
@@ -235,7 +236,8 @@ def test_layer_prose_reads_the_call_profile_where_a_record_kept_it(tmp_path):
             _row(64, route_kernels_us=route)]
     write_record("moe_layer", "y", pd.DataFrame(rows), {}, {}, tmp_path)
     text = str(layer([lv.layer_view("y", tmp_path)]))
-    # graphed 90 µs less 86 (EP = 1) and 82 µs (rank) of kernels; 84 and 80 over 80
+    # graphed 90 µs less 88 (EP = 1) and 82 µs (rank) of kernels; 84 and 80 over 80
     assert ("Profiled in a whole call (2 cells), the fused kernel takes 1.00–1.05× its device "
-            "time alone, and the graphed call's time less its kernels' device times (the "
-            "launches and the boundaries between them) is 4–8 µs.") in text
+            "time alone, the weighted sum's kernel 2.0 µs at EP = 1, and the graphed call's "
+            "time less its kernels' device times (the launches and the boundaries between "
+            "them) is 2–8 µs.") in text

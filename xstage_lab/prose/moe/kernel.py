@@ -185,10 +185,15 @@ def layer(layer_views) -> Prose:
                      if measured(ep1, "weighted_sum_us") else "") + ".")
         profiled = call_profile(one)
         if len(profiled):
+            summed = one.loc[profiled.index].query("setting == 'ep1'")["call_kernels_us"].map(
+                lambda k: json.loads(k).get("weighted_sum")).dropna()
             t1 += (f" Profiled in a whole call ({count(len(profiled))} cells), the fused kernel "
                    f"takes {span(profiled['kernel_in_call_over_alone'], '.2f')}× its device "
-                   f"time alone, and the graphed call's time less its kernels' device times "
-                   f"(the launches and the boundaries between them) is "
+                   f"time alone"
+                   + (f", the weighted sum's kernel {span(summed, '.1f')} µs at EP = 1"
+                      if len(summed) else "")
+                   + f", and the graphed call's time less its kernels' device times (the "
+                   f"launches and the boundaries between them) is "
                    f"{span(profiled['call_gaps_us'], '.0f')} µs.")
         if measured(one, "trace_makespan_us"):
             # a phase's weight bytes (tiles x one tile's: its stream rate x its mainloop) over
