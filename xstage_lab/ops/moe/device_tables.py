@@ -70,7 +70,9 @@ TINY_RECEIVED = 128
 # the rows a rank receives. Against the bound's, in one job on one H200 (moe_layer/h200-x1/
 # 20261204T155607Z-15a50c7345, then …155651Z, retired; per-kernel profiles), on the EP = 8 rank
 # at one token route_tiny took 0.76x the time (geometric mean; Qwen3.5 7.2 -> 3.3 µs, 128
-# arrivals' bound), at eight tokens of DiT-MoE 6.0 -> 2.7 µs
+# arrivals' bound), at eight tokens of DiT-MoE 6.0 -> 2.7 µs. At EP = 1 (the bound's arrivals, as
+# before) 0.94-0.99x at 1 and 8 tokens, every shape (route_small_probe/h200-x1/
+# 20261204T162838Z-174531a604 against 1812817's …162918Z-83f3739b18, one job)
 TINY_FEW_RECEIVED = 32
 # route_tiny's row blocks per program of its tiles (programs side by side, each from the arrivals
 # held in registers). Against one program writing them all, 16 row blocks a step, in one job on one
