@@ -22,6 +22,7 @@ from ...records import RECORDS_DIR, Record
 # The writer of a call's argument block (kernels/moe_args.py) as a record's per-kernel profile
 # (route_kernels_us) names it: launched with the routing kernels, not one of them.
 ARGS_WRITER = "write_args"
+WEIGHTED_SUM_KERNEL = "weighted_sum"  # kernels/moe_combine.py's, in a call's profile
 CELL = ["model", "precision", "setting", "tokens"]
 SUMMARY_KEYS = ("model", "precision", "setting", "tokens", "fused_eager_us", "fused_graph_us",
                 "schedule_us", "host_overhead_us", "kernel_us", "weighted_sum_floor_us",
@@ -128,11 +129,16 @@ def call_profile(table: pd.DataFrame) -> pd.DataFrame:
     if "call_kernels_us" not in table:
         return table[CELL].iloc[:0].assign(call_gaps_us=[], kernel_in_call_over_alone=[])
     t = table[table["call_kernels_us"].notna()]
-    # a record's JSON column reads back as strings, which map keeps: the sums as floats
-    kernels = t["call_kernels_us"].map(lambda k: sum(json.loads(k).values())).astype(float)
-    return t[CELL].assign(call_gaps_us=t["fused_graph_us"] - kernels,
+    return t[CELL].assign(call_gaps_us=t["fused_graph_us"] - profile_total_us(t["call_kernels_us"]),
                           kernel_in_call_over_alone=t["kernel_in_call_us"]
                           / t["kernel_alone_device_us"])
+
+
+def profile_total_us(profiles: pd.Series) -> pd.Series:
+    """Per cell, the device time of every kernel of a per-kernel profile (a JSON column of
+    ``layer_profile``'s: ``route_kernels_us``, ``call_kernels_us``) summed, as floats (a record's
+    JSON column reads back as strings, which ``map`` keeps)."""
+    return profiles.map(lambda k: sum(json.loads(k).values())).astype(float)
 
 
 def acceptance_counts(table: pd.DataFrame) -> dict:

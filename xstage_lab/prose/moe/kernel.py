@@ -63,7 +63,8 @@ def layer(layer_views) -> Prose:
     from ...analysis.moe.layer_view import (ARGS_WRITER, HOST_OVERHEAD_LIMIT_US, KERNEL_PARITY,
                                             KERNEL_PARITY_TOKENS, SCHEDULE_LIMIT_TOKENS,
                                             SCHEDULE_LIMIT_US, SMALL_T, acceptance,
-                                            acceptance_counts, call_profile,
+                                            WEIGHTED_SUM_KERNEL, acceptance_counts,
+                                            call_profile, profile_total_us,
                                             schedule_tables_us)
 
     out = []
@@ -174,7 +175,7 @@ def layer(layer_views) -> Prose:
         one = t[t["tokens"] == 1]
         t1 = ""
         if measured(one, "route_kernels_us"):
-            routing = one["route_kernels_us"].map(lambda k: sum(json.loads(k).values()))
+            routing = profile_total_us(one["route_kernels_us"])
             ep1 = one[one["setting"] == "ep1"]
             t1 = (f" Where a one-token call's time goes: the kernel takes "
                   f"{span(one['kernel_us'] / one['weight_floor_us'], '.1f')}× the weight-read "
@@ -186,7 +187,7 @@ def layer(layer_views) -> Prose:
         profiled = call_profile(one)
         if len(profiled):
             summed = one.loc[profiled.index].query("setting == 'ep1'")["call_kernels_us"].map(
-                lambda k: json.loads(k).get("weighted_sum")).dropna()
+                lambda k: json.loads(k).get(WEIGHTED_SUM_KERNEL)).dropna()
             t1 += (f" Profiled in a whole call ({count(len(profiled))} cells), the fused kernel "
                    f"takes {span(profiled['kernel_in_call_over_alone'], '.2f')}× its device "
                    f"time alone"
