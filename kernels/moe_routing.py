@@ -296,8 +296,10 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jum
     the row blocks of expert ``e``'s Expert-Wave wave (``schedules.wave_starts``: a wave closes
     once its Linear-1 tiles reach ``WAVE_MIN_L1 = WAVE_FILL * G`` and routed rows remain);
     ``meta``; the tile count of each program of both schedules (``wave_num_tiles``,
-    ``inter_num_tiles``: int32 ``[G]``). ``wave_jumps``: int32 scratch ``[JUMP_LEVELS,
-    JUMP_STRIDE]`` (``JUMP_STRIDE > E``, ``2**JUMP_LEVELS > E``, ``JUMP_PAD >= E + 1``);
+    ``inter_num_tiles``: int32 ``[G]``). The waves only where an expert holds more than one row
+    block (``_jump_waves``: binary lifting, its levels through ``wave_jumps``, int32 scratch
+    ``[JUMP_LEVELS, JUMP_STRIDE]``, ``JUMP_STRIDE > E``, ``2**JUMP_LEVELS > E``, ``JUMP_PAD >=
+    E + 1``); else ``route_rows`` has each row block's in closed form (``_one_block_wave``).
     ``E_PAD = 2**E_LOG2``."""
     es = tl.arange(0, E_PAD)
     in_e = es < NUM_EXPERTS
@@ -309,6 +311,29 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jum
     row_blocks = tl.sum(blocks)
     tl.store(expert_offsets + es, first_block * BLOCK_M, mask=in_e)
     tl.store(expert_offsets + NUM_EXPERTS, row_blocks * BLOCK_M)
+    if tl.max(blocks) > 1:  # else route_rows has each wave in closed form (_one_block_wave)
+        _jump_waves(first_block, last_block, row_blocks, expert_offsets, wave_lo, wave_hi,
+                    wave_jumps, es, in_e, NUM_EXPERTS, P1, WAVE_MIN_L1, BLOCK_M, E_PAD, E_LOG2,
+                    JUMP_LEVELS, JUMP_STRIDE, JUMP_PAD)
+    _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, P2, G_PAD)
+
+
+@triton.jit
+def _one_block_wave(ps, row_blocks, w):
+    """The Expert-Wave wave ``[lo, hi)`` of the row blocks ``ps`` in use where no expert holds
+    more than one: a wave closes at its ``w``-th routed expert, ``w = cdiv(WAVE_MIN_L1, P1)``,
+    so every wave holds ``w`` row blocks and the last the rest (``schedules.wave_starts``)."""
+    lo = ps // w * w  # below row_blocks: never past the last wave
+    return lo, tl.minimum(lo + w, row_blocks)
+
+
+@triton.jit
+def _jump_waves(first_block, last_block, row_blocks, expert_offsets, wave_lo, wave_hi, wave_jumps,
+                es, in_e, NUM_EXPERTS, P1, WAVE_MIN_L1, BLOCK_M: tl.constexpr,
+                E_PAD: tl.constexpr, E_LOG2: tl.constexpr, JUMP_LEVELS: tl.constexpr,
+                JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
+    """``wave_lo/hi`` of the experts ``es`` from their row blocks (``first_block``, and
+    ``last_block`` one past their last) whatever their sizes, ``expert_offsets`` stored."""
     # Expert-Wave: from wave start s, the wave ends after the first expert e_fill(s) (<= E - 2)
     # whose blocks since s reach WAVE_MIN_L1 / P1, if row blocks remain after it; else at the last
     # expert. last_block is sorted, so e_fill(s) = #{e : last_block[e] < first_block[s] +
@@ -344,7 +369,6 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jum
     end = tl.load(wave_jumps + start)
     tl.store(wave_lo + es, tl.load(expert_offsets + start) // BLOCK_M, mask=in_e)
     tl.store(wave_hi + es, tl.load(expert_offsets + end) // BLOCK_M, mask=in_e)
-    _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, P2, G_PAD)
 
 
 @triton.jit
@@ -366,20 +390,24 @@ def _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, 
 @triton.jit
 def _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, expert_offsets,
                    arrival_rows, row_src, row_slot, row_origin, NUM_EXPERTS, TOP_K, CAPACITY,
-                   RECEIVED: tl.constexpr, CHUNK: tl.constexpr):
+                   RECEIVED: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
     """The scatter of chunk ``c`` of the ``n`` arrivals (``route_rows``): the chunk's ids and
     sources read before the branch on the count, beside its load."""
     local = tl.arange(0, CHUNK)
     i = c * CHUNK + local
     e, live, valid = _arrival_experts(expert_ids, i, n, NUM_EXPERTS, CAPACITY)
     src, slot, origin = _arrival_sources(i, arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED)
+    # where each expert's rows of this chunk start, for every expert: loaded beside the ids,
+    # gathered by them in registers (not a load after theirs)
+    es = tl.arange(0, E_PAD)
+    in_e = es < NUM_EXPERTS
+    starts = (tl.load(expert_offsets + es, mask=in_e, other=0)
+              + tl.load(chunk_start + c * NUM_EXPERTS + es, mask=in_e, other=0))
     if c * CHUNK < n:
         e = tl.where(valid, e, -1)
         before = (e[:, None] == e[None, :]) & (local[None, :] < local[:, None])
         rank = tl.sum(before.to(tl.int32), axis=1)
-        safe_e = tl.where(valid, e, 0)
-        row = (tl.load(expert_offsets + safe_e, mask=valid, other=0)
-               + tl.load(chunk_start + c * NUM_EXPERTS + safe_e, mask=valid, other=0) + rank)
+        row = tl.gather(starts, tl.where(valid, e, 0), 0) + rank
         _store_arrival_rows(i, row, live, valid, src, slot, origin, arrival_rows, row_src,
                             row_slot, row_origin)
 
@@ -468,7 +496,7 @@ def _store_entries(at, kind: tl.constexpr, expert, row_block, n_block, mask):
 def route_rows(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, expert_counts,
                expert_offsets, wave_lo, wave_hi, meta, arrival_rows, row_src, row_slot,
                row_origin, row_ready, wave_tiles, inter_tiles, CAPACITY, NUM_EXPERTS, TOP_K, G,
-               P1, P2, LEAD, MAX_TILES, RECEIVED: tl.constexpr, CHUNK: tl.constexpr,
+               P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES, RECEIVED: tl.constexpr, CHUNK: tl.constexpr,
                ID_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
                P_PAD: tl.constexpr, EXPERT_LEAD: tl.constexpr):
     """The scatter and the tiles, independent once the offsets are laid out, in one launch.
@@ -488,10 +516,16 @@ def route_rows(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, exp
         ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
         _scatter_chunk(q, _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED), ids, arrival_src,
                        arrival_slot, chunk_start, expert_offsets, arrival_rows, row_src,
-                       row_slot, row_origin, NUM_EXPERTS, TOP_K, CAPACITY, RECEIVED, CHUNK)
+                       row_slot, row_origin, NUM_EXPERTS, TOP_K, CAPACITY, RECEIVED, CHUNK,
+                       E_PAD)
     else:
         p = q - chunks
         tl.store(row_ready + p, 0)
+        # every expert's first row block and count loaded beside the row blocks in use
+        es = tl.arange(0, E_PAD)
+        in_e = es < NUM_EXPERTS
+        first = tl.load(expert_offsets + es, mask=in_e, other=0) // BLOCK_M
+        count = tl.load(expert_counts + es, mask=in_e, other=0)
         row_blocks = tl.load(meta + META_ROW_BLOCKS)
         # a program past the rows in use returns here: the grid is the capacity's bound (an EP
         # rank's, about eight times its arrivals), and the expert search over every expert
@@ -499,36 +533,36 @@ def route_rows(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, exp
         # µs without this exit, moe_layer/h200-x1/20261202T212234Z; 4.6-4.7 µs with it,
         # …212723Z; both retired)
         if p < row_blocks:
-            _row_block_tiles(p + tl.arange(0, 1), row_blocks, expert_counts, expert_offsets,
-                             wave_lo, wave_hi, row_src, row_slot, row_origin, wave_tiles,
-                             inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD, MAX_TILES, BLOCK_M,
-                             E_PAD, P_PAD, EXPERT_LEAD)
+            _row_block_tiles(p + tl.arange(0, 1), row_blocks, first, count, es, in_e, wave_lo,
+                             wave_hi, row_src, row_slot, row_origin, wave_tiles, inter_tiles,
+                             G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES, BLOCK_M, P_PAD,
+                             EXPERT_LEAD)
 
 
 @triton.jit
-def _row_block_tiles(ps, row_blocks, expert_counts, expert_offsets, wave_lo, wave_hi, row_src,
-                     row_slot, row_origin, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2, LEAD,
-                     MAX_TILES, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr,
-                     EXPERT_LEAD: tl.constexpr):
-    """Each row block ``p`` of ``ps`` below ``row_blocks``: its expert ``e(p)`` (``first_row[e]
-    <= p * BLOCK_M < first_row[e] + blocks[e] * BLOCK_M``), its wave ``wave_lo/hi[e(p)]``, the
-    Interleaved merge keys, then ``_write_row_blocks``. ``EXPERT_LEAD``: the lead counted from
-    the end of each Linear-2 tile's expert (``schedules.leads_from_expert``), so a Linear-2 tile
-    of row ``p`` waits for the Linear-1 tiles of rows below ``end(e(p)) - 1 + LEAD``, and a
-    Linear-1 tile of row ``p`` follows the Linear-2 tiles of every expert whose end is at most
-    ``p - LEAD + 1`` (the ends rise with the experts, so those rows are a prefix)."""
+def _row_block_tiles(ps, row_blocks, first, count, es, in_e, wave_lo, wave_hi, row_src, row_slot,
+                     row_origin, wave_tiles, inter_tiles, G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES,
+                     BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, EXPERT_LEAD: tl.constexpr):
+    """Each row block ``p`` of ``ps`` below ``row_blocks``, from every expert's (``es``, those
+    in use ``in_e``) first row block and count: its expert ``e(p)`` (``first[e] <= p < first[e]
+    + blocks[e]``), its wave (``wave_lo/hi[e(p)]``; in closed form where no expert holds more
+    than one row block, ``_one_block_wave``), the Interleaved merge keys, then
+    ``_write_row_blocks``. ``EXPERT_LEAD``: the lead counted from the end of each Linear-2
+    tile's expert (``schedules.leads_from_expert``), so a Linear-2 tile of row ``p`` waits for
+    the Linear-1 tiles of rows below ``end(e(p)) - 1 + LEAD``, and a Linear-1 tile of row ``p``
+    follows the Linear-2 tiles of every expert whose end is at most ``p - LEAD + 1`` (the ends
+    rise with the experts, so those rows are a prefix)."""
     used = ps < row_blocks
-    es = tl.arange(0, E_PAD)
-    in_e = es < NUM_EXPERTS
-    first = tl.load(expert_offsets + es, mask=in_e, other=0) // BLOCK_M
-    count = tl.load(expert_counts + es, mask=in_e, other=0)
     last = first + (count + BLOCK_M - 1) // BLOCK_M
     owns = in_e[None, :] & (first[None, :] <= ps[:, None]) & (ps[:, None] < last[None, :])
     e = tl.sum(tl.where(owns, es[None, :], 0), axis=1)
     first_row = tl.sum(tl.where(owns, first[None, :], 0), axis=1) * BLOCK_M
     rows_used = tl.sum(tl.where(owns, count[None, :], 0), axis=1)
-    lo = tl.load(wave_lo + e, mask=used, other=0)
-    hi = tl.load(wave_hi + e, mask=used, other=0)
+    if tl.max(count) <= BLOCK_M:
+        lo, hi = _one_block_wave(ps, row_blocks, tl.cdiv(WAVE_MIN_L1, P1))
+    else:
+        lo = tl.load(wave_lo + e, mask=used, other=0)
+        hi = tl.load(wave_hi + e, mask=used, other=0)
     if EXPERT_LEAD:
         l2_key = tl.sum(tl.where(owns, last[None, :], 0), axis=1) - 1 + LEAD
         done = in_e[None, :] & (last[None, :] <= (ps - LEAD + 1)[:, None])
@@ -588,13 +622,13 @@ def _write_row_blocks(ps, used, e, first_row, rows_used, lo, hi, row_blocks, l2_
 @triton.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",
                                "out", "CAPACITY", "TOP_K"])
 def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, arrival_src,
-               arrival_slot, n_arrivals_ptr, expert_counts, expert_offsets, wave_lo, wave_hi,
-               meta, wave_num_tiles, inter_num_tiles, arrival_rows, row_src, row_slot,
-               row_origin, row_ready, wave_tiles, inter_tiles, error, x_quant, x_quant_scale,
-               CAPACITY, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES,
-               TOP_K, HIDDEN, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
-               BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, A_PAD: tl.constexpr,
-               A_FEW: tl.constexpr, G_PAD: tl.constexpr, ID_DTYPE: tl.constexpr,
+               arrival_slot, n_arrivals_ptr, expert_counts, expert_offsets, meta, wave_num_tiles,
+               inter_num_tiles, arrival_rows, row_src, row_slot, row_origin, row_ready,
+               wave_tiles, inter_tiles, error, x_quant, x_quant_scale, CAPACITY, NUM_EXPERTS, G,
+               P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES, TOP_K, HIDDEN, RECEIVED: tl.constexpr,
+               QUANTIZE: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+               A_PAD: tl.constexpr, A_FEW: tl.constexpr, G_PAD: tl.constexpr,
+               ID_DTYPE: tl.constexpr,
                P_PAD: tl.constexpr, ROW_BLOCKS: tl.constexpr, TILE_PROGRAMS: tl.constexpr,
                QUANT_ROWS: tl.constexpr, SLAB: tl.constexpr):
     """Every table of the three launches, for at most ``BLOCK_M`` arrivals (``CAPACITY <= A_PAD
@@ -603,7 +637,7 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
     makes every step closed-form. Programs side by side, each reading the ids:
       program 0  the argument block (``_write_block``, from the call's addresses by value, as in
                  ``route_histogram``), then each arrival's row (``_tiny_layout``);
-      program 1  ``_tiny_experts``: the per-expert tables (counts, padded offsets, waves), the
+      program 1  ``_tiny_experts``: the per-expert tables (counts, padded offsets), the
                  tile count of every program of both schedules and the row counters in use
                  zeroed, which no later step of the call waits for;
       programs 2 .. 2 + TILE_PROGRAMS - 1  ``_tiny_tiles``: ``ROW_BLOCKS`` row blocks each,
@@ -639,16 +673,16 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
         if many:
             _tiny_tables(q, n, _load_ids(ids, tl.arange(0, A_PAD), CAPACITY), args, expert_ids,
                          x, x_scale, combine_rows, topk_weights, out, arrival_src, arrival_slot,
-                         expert_counts, expert_offsets, wave_lo, wave_hi, meta, wave_num_tiles,
-                         inter_num_tiles, arrival_rows, row_src, row_slot, row_origin,
-                         row_ready, wave_tiles, inter_tiles, error, x_quant, x_quant_scale,
+                         expert_counts, expert_offsets, meta, wave_num_tiles, inter_num_tiles,
+                         arrival_rows, row_src, row_slot, row_origin, row_ready, wave_tiles,
+                         inter_tiles, error, x_quant, x_quant_scale,
                          CAPACITY, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES, TOP_K,
                          RECEIVED, QUANTIZE, BLOCK_M, E_PAD, A_PAD, G_PAD, P_PAD, ROW_BLOCKS)
         else:
             _tiny_tables(q, n, few, args, expert_ids, x, x_scale, combine_rows, topk_weights,
-                         out, arrival_src, arrival_slot, expert_counts, expert_offsets, wave_lo,
-                         wave_hi, meta, wave_num_tiles, inter_num_tiles, arrival_rows, row_src,
-                         row_slot, row_origin, row_ready, wave_tiles, inter_tiles, error,
+                         out, arrival_src, arrival_slot, expert_counts, expert_offsets, meta,
+                         wave_num_tiles, inter_num_tiles, arrival_rows, row_src, row_slot,
+                         row_origin, row_ready, wave_tiles, inter_tiles, error,
                          x_quant, x_quant_scale, CAPACITY, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
                          LEAD, MAX_TILES, TOP_K, RECEIVED, QUANTIZE, BLOCK_M, E_PAD, A_FEW,
                          G_PAD, P_PAD, ROW_BLOCKS)
@@ -656,9 +690,9 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
 
 @triton.jit
 def _tiny_tables(q, n, ids, args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
-                 arrival_src, arrival_slot, expert_counts, expert_offsets, wave_lo, wave_hi,
-                 meta, wave_num_tiles, inter_num_tiles, arrival_rows, row_src, row_slot,
-                 row_origin, row_ready, wave_tiles, inter_tiles, error, x_quant, x_quant_scale,
+                 arrival_src, arrival_slot, expert_counts, expert_offsets, meta, wave_num_tiles,
+                 inter_num_tiles, arrival_rows, row_src, row_slot, row_origin, row_ready,
+                 wave_tiles, inter_tiles, error, x_quant, x_quant_scale,
                  CAPACITY, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES, TOP_K,
                  RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                  E_PAD: tl.constexpr, A: tl.constexpr, G_PAD: tl.constexpr,
@@ -671,12 +705,11 @@ def _tiny_tables(q, n, ids, args, expert_ids, x, x_scale, combine_rows, topk_wei
     20261204T151107Z-559641b29b)."""
     i = tl.arange(0, A)
     e, live, valid = _live_experts(ids, i, n, NUM_EXPERTS)
-    w = tl.cdiv(WAVE_MIN_L1, P1)  # row blocks of a wave: one per routed expert
     if q == 1:  # the one program that flags bad ids
         _flag(live, valid, error)
-        _tiny_experts(e, valid, w, expert_counts, expert_offsets, wave_lo, wave_hi, meta,
-                      wave_num_tiles, inter_num_tiles, row_ready, NUM_EXPERTS, G, P1, P2,
-                      BLOCK_M, E_PAD, G_PAD, A)
+        _tiny_experts(e, valid, expert_counts, expert_offsets, meta, wave_num_tiles,
+                      inter_num_tiles, row_ready, NUM_EXPERTS, G, P1, P2, BLOCK_M, E_PAD, G_PAD,
+                      A)
     else:
         e = tl.where(valid, e, -1)
         rank, first, block, rows_of, row_blocks = _tiny_layout(i, e, valid, A, E_PAD)
@@ -689,7 +722,8 @@ def _tiny_tables(q, n, ids, args, expert_ids, x, x_scale, combine_rows, topk_wei
                                 arrival_rows, row_src, row_slot, row_origin)
         else:
             _tiny_tiles((q - 2) * ROW_BLOCKS + tl.arange(0, ROW_BLOCKS), e, first, block,
-                        rows_of, row_blocks, w, row_src, row_slot, row_origin, wave_tiles,
+                        rows_of, row_blocks, tl.cdiv(WAVE_MIN_L1, P1), row_src, row_slot,
+                        row_origin, wave_tiles,
                         inter_tiles, G, P1, P2, LEAD, MAX_TILES, BLOCK_M, P_PAD)
 
 
@@ -727,30 +761,27 @@ def _tiny_tiles(ps, e, first, block, rows_of, row_blocks, w, row_src, row_slot, 
                 wave_tiles, inter_tiles, G, P1, P2, LEAD, MAX_TILES, BLOCK_M: tl.constexpr,
                 P_PAD: tl.constexpr):
     """``route_tiny``'s row blocks ``ps`` (``_tiny_layout``'s arrivals): a row block's expert and
-    routed rows are those of the first arrival in it; each Expert-Wave wave holds ``w`` row
-    blocks, the last one the rest (``schedules.wave_starts`` with one row block per routed
-    expert); the tiles and padding rows, as in ``route_rows``, of those in use
-    (``_write_row_blocks``)."""
+    routed rows are those of the first arrival in it; its wave ``_one_block_wave``'s; the tiles
+    and padding rows, as in ``route_rows``, of those in use (``_write_row_blocks``)."""
     if tl.min(ps) < row_blocks:
         starts = first[None, :] & (block[None, :] == ps[:, None])
-        wave = ps // w * w  # below row_blocks: never past the last wave
+        lo, hi = _one_block_wave(ps, row_blocks, w)
         # every expert holds one row block: the lead counted from its end is the row lead
         _write_row_blocks(ps, ps < row_blocks, tl.sum(tl.where(starts, e[None, :], 0), axis=1),
                           ps * BLOCK_M, tl.sum(tl.where(starts, rows_of[None, :], 0), axis=1),
-                          wave, tl.minimum(wave + w, row_blocks), row_blocks, ps + LEAD,
+                          lo, hi, row_blocks, ps + LEAD,
                           ps - LEAD + 1, row_src, row_slot, row_origin, wave_tiles, inter_tiles,
                           G, P1, P2, MAX_TILES, BLOCK_M, P_PAD)
 
 
 @triton.jit
-def _tiny_experts(e, valid, w, expert_counts, expert_offsets, wave_lo, wave_hi, meta,
-                  wave_num_tiles, inter_num_tiles, row_ready, NUM_EXPERTS, G, P1, P2,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, G_PAD: tl.constexpr,
-                  A_PAD: tl.constexpr):
-    """``route_tiny``'s program 1: every expert's count, padded first row (at most one row block
-    each) and Expert-Wave wave of ``w`` row blocks; ``meta`` and the tile counts of both
-    schedules; the fused kernel's counters of the row blocks in use zeroed (one per routed
-    expert: at most ``A_PAD``, the arrivals' bound)."""
+def _tiny_experts(e, valid, expert_counts, expert_offsets, meta, wave_num_tiles, inter_num_tiles,
+                  row_ready, NUM_EXPERTS, G, P1, P2, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                  G_PAD: tl.constexpr, A_PAD: tl.constexpr):
+    """``route_tiny``'s program 1: every expert's count and padded first row (at most one row
+    block each: the tiles' programs find each wave in closed form, ``_one_block_wave``);
+    ``meta`` and the tile counts of both schedules; the fused kernel's counters of the row
+    blocks in use zeroed (one per routed expert: at most ``A_PAD``, the arrivals' bound)."""
     es = tl.arange(0, E_PAD)
     in_e = es < NUM_EXPERTS
     count = tl.histogram(tl.where(valid, e, 0), E_PAD, mask=valid)
@@ -760,10 +791,6 @@ def _tiny_experts(e, valid, w, expert_counts, expert_offsets, wave_lo, wave_hi, 
     tl.store(expert_counts + es, count, mask=in_e)
     tl.store(expert_offsets + es, first_block * BLOCK_M, mask=in_e)
     tl.store(expert_offsets + NUM_EXPERTS, row_blocks * BLOCK_M)
-    last_wave = tl.maximum(row_blocks - 1, 0) // w
-    wave_first = tl.minimum(first_block // w, last_wave) * w
-    tl.store(wave_lo + es, wave_first, mask=in_e)
-    tl.store(wave_hi + es, tl.minimum(wave_first + w, row_blocks), mask=in_e)
     _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, P2, G_PAD)
     ps = tl.arange(0, A_PAD)
     tl.store(row_ready + ps, tl.zeros([A_PAD], tl.int32), mask=ps < row_blocks)

@@ -192,8 +192,10 @@ class DeviceTables:
     expert_counts: torch.Tensor    # int32 [E]: routed rows of each local expert
     scan_done: torch.Tensor        # int32 [1]: the scan's ticket, 0 between calls
     expert_offsets: torch.Tensor   # int32 [E + 1]: padded first row of each expert; rows in use
-    wave_lo: torch.Tensor          # int32 [E]: first row block of each expert's wave
-    wave_hi: torch.Tensor          # int32 [E]: one past its last
+    # int32 [E]: first row block of each expert's wave, one past its last; written only where an
+    # expert holds more than one row block (else route_rows finds each wave in closed form)
+    wave_lo: torch.Tensor
+    wave_hi: torch.Tensor
     wave_jumps: torch.Tensor       # int32 [levels, E_pad + 1]: scratch, next wave start^(2^k)
     meta: torch.Tensor             # int32 [2]: row blocks in use, tiles in use
     arrival_rows: torch.Tensor     # int32 [capacity]: the padded row of each arrival (-1: none)
@@ -383,16 +385,17 @@ class RoutingLaunches:
             HIDDEN=hidden, RECEIVED=received, ROWS=QUANT_ROWS, SLAB=slab,
             BLOCK_H=FP8_SCALE_BLOCK) for slab in (QUANT_SLAB, FP8_SCALE_BLOCK)} if quantize else {}
         tables_static = dict(
-            expert_counts=t.expert_counts, expert_offsets=t.expert_offsets, wave_lo=t.wave_lo,
-            wave_hi=t.wave_hi, row_src=t.row_src, row_slot=t.row_slot, row_origin=t.row_origin,
-            row_ready=t.row_ready,
+            expert_counts=t.expert_counts, expert_offsets=t.expert_offsets, row_src=t.row_src,
+            row_slot=t.row_slot, row_origin=t.row_origin, row_ready=t.row_ready,
             wave_tiles=t.tiles["wave"], inter_tiles=t.tiles["interleaved"],
             NUM_EXPERTS=b.num_experts, G=b.num_programs,
             P1=b.l1_n_blocks, P2=b.l2_n_blocks, LEAD=b.lead_rows, MAX_TILES=b.max_tiles,
             BLOCK_M=b.block_m, E_PAD=e_pad, P_PAD=_pow2(max(b.l1_n_blocks, b.l2_n_blocks)))
         self.rows = Launcher(k.route_rows, args=t.args, chunk_start=t.chunk_start, meta=t.meta,
                              arrival_rows=t.arrival_rows, RECEIVED=received, CHUNK=CHUNK,
-                             ID_DTYPE=ids, EXPERT_LEAD=b.expert_lead, **tables_static)
+                             ID_DTYPE=ids, EXPERT_LEAD=b.expert_lead, wave_lo=t.wave_lo,
+                             wave_hi=t.wave_hi, WAVE_MIN_L1=WAVE_FILL * b.num_programs,
+                             **tables_static)
         # one per power of two of the arrivals and quantized slab, bound on first use: A_PAD (and
         # ROW_BLOCKS with it) and SLAB are constexprs
         self.tiny_static = dict(
