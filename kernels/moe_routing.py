@@ -390,24 +390,20 @@ def _store_row_blocks(row_blocks, meta, wave_num_tiles, inter_num_tiles, G, P1, 
 @triton.jit
 def _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, expert_offsets,
                    arrival_rows, row_src, row_slot, row_origin, NUM_EXPERTS, TOP_K, CAPACITY,
-                   RECEIVED: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+                   RECEIVED: tl.constexpr, CHUNK: tl.constexpr):
     """The scatter of chunk ``c`` of the ``n`` arrivals (``route_rows``): the chunk's ids and
     sources read before the branch on the count, beside its load."""
     local = tl.arange(0, CHUNK)
     i = c * CHUNK + local
     e, live, valid = _arrival_experts(expert_ids, i, n, NUM_EXPERTS, CAPACITY)
     src, slot, origin = _arrival_sources(i, arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED)
-    # where each expert's rows of this chunk start, for every expert: loaded beside the ids,
-    # gathered by them in registers (not a load after theirs)
-    es = tl.arange(0, E_PAD)
-    in_e = es < NUM_EXPERTS
-    starts = (tl.load(expert_offsets + es, mask=in_e, other=0)
-              + tl.load(chunk_start + c * NUM_EXPERTS + es, mask=in_e, other=0))
     if c * CHUNK < n:
         e = tl.where(valid, e, -1)
         before = (e[:, None] == e[None, :]) & (local[None, :] < local[:, None])
         rank = tl.sum(before.to(tl.int32), axis=1)
-        row = tl.gather(starts, tl.where(valid, e, 0), 0) + rank
+        safe_e = tl.where(valid, e, 0)
+        row = (tl.load(expert_offsets + safe_e, mask=valid, other=0)
+               + tl.load(chunk_start + c * NUM_EXPERTS + safe_e, mask=valid, other=0) + rank)
         _store_arrival_rows(i, row, live, valid, src, slot, origin, arrival_rows, row_src,
                             row_slot, row_origin)
 
@@ -516,16 +512,10 @@ def route_rows(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, exp
         ids = arg_pointer(args, ARG_EXPERT_IDS, ID_DTYPE, False)
         _scatter_chunk(q, _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED), ids, arrival_src,
                        arrival_slot, chunk_start, expert_offsets, arrival_rows, row_src,
-                       row_slot, row_origin, NUM_EXPERTS, TOP_K, CAPACITY, RECEIVED, CHUNK,
-                       E_PAD)
+                       row_slot, row_origin, NUM_EXPERTS, TOP_K, CAPACITY, RECEIVED, CHUNK)
     else:
         p = q - chunks
         tl.store(row_ready + p, 0)
-        # every expert's first row block and count loaded beside the row blocks in use
-        es = tl.arange(0, E_PAD)
-        in_e = es < NUM_EXPERTS
-        first = tl.load(expert_offsets + es, mask=in_e, other=0) // BLOCK_M
-        count = tl.load(expert_counts + es, mask=in_e, other=0)
         row_blocks = tl.load(meta + META_ROW_BLOCKS)
         # a program past the rows in use returns here: the grid is the capacity's bound (an EP
         # rank's, about eight times its arrivals), and the expert search over every expert
@@ -533,26 +523,30 @@ def route_rows(args, arrival_src, arrival_slot, n_arrivals_ptr, chunk_start, exp
         # µs without this exit, moe_layer/h200-x1/20261202T212234Z; 4.6-4.7 µs with it,
         # …212723Z; both retired)
         if p < row_blocks:
-            _row_block_tiles(p + tl.arange(0, 1), row_blocks, first, count, es, in_e, wave_lo,
-                             wave_hi, row_src, row_slot, row_origin, wave_tiles, inter_tiles,
-                             G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES, BLOCK_M, P_PAD,
-                             EXPERT_LEAD)
+            _row_block_tiles(p + tl.arange(0, 1), row_blocks, expert_counts, expert_offsets,
+                             wave_lo, wave_hi, row_src, row_slot, row_origin, wave_tiles,
+                             inter_tiles, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES,
+                             BLOCK_M, E_PAD, P_PAD, EXPERT_LEAD)
 
 
 @triton.jit
-def _row_block_tiles(ps, row_blocks, first, count, es, in_e, wave_lo, wave_hi, row_src, row_slot,
-                     row_origin, wave_tiles, inter_tiles, G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES,
-                     BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, EXPERT_LEAD: tl.constexpr):
-    """Each row block ``p`` of ``ps`` below ``row_blocks``, from every expert's (``es``, those
-    in use ``in_e``) first row block and count: its expert ``e(p)`` (``first[e] <= p < first[e]
-    + blocks[e]``), its wave (``wave_lo/hi[e(p)]``; in closed form where no expert holds more
-    than one row block, ``_one_block_wave``), the Interleaved merge keys, then
-    ``_write_row_blocks``. ``EXPERT_LEAD``: the lead counted from the end of each Linear-2
-    tile's expert (``schedules.leads_from_expert``), so a Linear-2 tile of row ``p`` waits for
-    the Linear-1 tiles of rows below ``end(e(p)) - 1 + LEAD``, and a Linear-1 tile of row ``p``
-    follows the Linear-2 tiles of every expert whose end is at most ``p - LEAD + 1`` (the ends
-    rise with the experts, so those rows are a prefix)."""
+def _row_block_tiles(ps, row_blocks, expert_counts, expert_offsets, wave_lo, wave_hi, row_src,
+                     row_slot, row_origin, wave_tiles, inter_tiles, NUM_EXPERTS, G, P1, P2,
+                     WAVE_MIN_L1, LEAD, MAX_TILES, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                     P_PAD: tl.constexpr, EXPERT_LEAD: tl.constexpr):
+    """Each row block ``p`` of ``ps`` below ``row_blocks``: its expert ``e(p)`` (``first_row[e]
+    <= p * BLOCK_M < first_row[e] + blocks[e] * BLOCK_M``), its wave (``wave_lo/hi[e(p)]``, or
+    in closed form where no expert holds more than one row block: ``_one_block_wave``), the
+    Interleaved merge keys, then ``_write_row_blocks``. ``EXPERT_LEAD``: the lead counted from
+    the end of each Linear-2 tile's expert (``schedules.leads_from_expert``), so a Linear-2 tile
+    of row ``p`` waits for the Linear-1 tiles of rows below ``end(e(p)) - 1 + LEAD``, and a
+    Linear-1 tile of row ``p`` follows the Linear-2 tiles of every expert whose end is at most
+    ``p - LEAD + 1`` (the ends rise with the experts, so those rows are a prefix)."""
     used = ps < row_blocks
+    es = tl.arange(0, E_PAD)
+    in_e = es < NUM_EXPERTS
+    first = tl.load(expert_offsets + es, mask=in_e, other=0) // BLOCK_M
+    count = tl.load(expert_counts + es, mask=in_e, other=0)
     last = first + (count + BLOCK_M - 1) // BLOCK_M
     owns = in_e[None, :] & (first[None, :] <= ps[:, None]) & (ps[:, None] < last[None, :])
     e = tl.sum(tl.where(owns, es[None, :], 0), axis=1)
@@ -628,9 +622,8 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
                P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES, TOP_K, HIDDEN, RECEIVED: tl.constexpr,
                QUANTIZE: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
                A_PAD: tl.constexpr, A_FEW: tl.constexpr, G_PAD: tl.constexpr,
-               ID_DTYPE: tl.constexpr,
-               P_PAD: tl.constexpr, ROW_BLOCKS: tl.constexpr, TILE_PROGRAMS: tl.constexpr,
-               QUANT_ROWS: tl.constexpr, SLAB: tl.constexpr):
+               ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+               TILE_PROGRAMS: tl.constexpr, QUANT_ROWS: tl.constexpr, SLAB: tl.constexpr):
     """Every table of the three launches, for at most ``BLOCK_M`` arrivals (``CAPACITY <= A_PAD
     <= BLOCK_M``, a power of two), from the arrivals held in registers, with no pass and no step
     through memory between them. So few arrivals give each expert at most one row block, which
