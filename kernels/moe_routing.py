@@ -147,10 +147,11 @@ def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, ou
         tl.debug_barrier()  # every thread's counts stored before the ticket releases them
         if tl.atomic_add(scan_done, 1) == tl.num_programs(0) - 1:  # acq_rel: the others' counts
             tl.store(scan_done, 0)
-            _scan_chunk_counts(chunk_counts, chunk_start, expert_counts, tl.arange(0, E_PAD),
-                               tl.cdiv(n, CHUNK), NUM_EXPERTS, CHUNK_ROWS)
-            tl.debug_barrier()  # expert_counts, read back by the layout
-            _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps,
+            # every expert's count: the layout's, in registers
+            counts = _scan_chunk_counts(chunk_counts, chunk_start, expert_counts,
+                                        tl.arange(0, E_PAD), tl.cdiv(n, CHUNK), NUM_EXPERTS,
+                                        CHUNK_ROWS)
+            _offsets_and_waves(counts, expert_offsets, wave_lo, wave_hi, wave_jumps,
                                meta, wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2,
                                WAVE_MIN_L1, BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS,
                                JUMP_STRIDE, JUMP_PAD)
@@ -254,7 +255,10 @@ def route_offsets(chunk_counts, chunk_start, n_arrivals_ptr, expert_counts, scan
     tl.debug_barrier()  # every thread's counts stored before the ticket releases them
     if tl.atomic_add(scan_done, 1) == tl.num_programs(0) - 1:  # acq_rel: the others' counts
         tl.store(scan_done, 0)
-        _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
+        es = tl.arange(0, E_PAD)
+        # stored by the other programs: read past this SM's L1
+        counts = tl.load(expert_counts + es, mask=es < NUM_EXPERTS, other=0, cache_modifier=".cg")
+        _offsets_and_waves(counts, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
                            wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
                            BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS, JUMP_STRIDE, JUMP_PAD)
 
@@ -264,8 +268,8 @@ def _scan_chunk_counts(chunk_counts, chunk_start, expert_counts, es, chunks, NUM
                        CHUNK_ROWS: tl.constexpr):
     """For the experts ``es``: ``chunk_start[c, e]``, the arrivals of expert ``e`` in chunks
     before ``c`` (of the ``chunks`` in use), and ``expert_counts[e]``, ``CHUNK_ROWS`` chunks a
-    step. The counts are read at L2 (``.cg``): other programs stored them, in this launch or
-    the one before."""
+    step; returns the counts (0 past ``NUM_EXPERTS``). The chunks' counts are read at L2
+    (``.cg``): other programs stored them, in this launch or the one before."""
     in_e = es < NUM_EXPERTS
     carry = tl.zeros(es.shape, dtype=tl.int32)
     # each step loads the next rows of counts before it scans its own: the loads' latency, not
@@ -283,15 +287,17 @@ def _scan_chunk_counts(chunk_counts, chunk_start, expert_counts, es, chunks, NUM
         carry += tl.sum(h, axis=0)
         h, offs, mask = h_next, offs_next, mask_next
     tl.store(expert_counts + es, carry, mask=in_e)
+    return carry
 
 
 @triton.jit
-def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
+def _offsets_and_waves(counts, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
                        wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1,
                        BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, G_PAD: tl.constexpr,
                        E_LOG2: tl.constexpr, JUMP_LEVELS: tl.constexpr,
                        JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
-    """One program, from every expert's count: ``expert_offsets[e]`` the padded first row of
+    """One program, from every expert's count (``counts``, int32 ``[E_PAD]``, 0 past
+    ``NUM_EXPERTS``): ``expert_offsets[e]`` the padded first row of
     expert ``e`` (int32 ``[NUM_EXPERTS + 1]``, the last entry the rows in use); ``wave_lo/hi[e]``:
     the row blocks of expert ``e``'s Expert-Wave wave (``schedules.wave_starts``: a wave closes
     once its Linear-1 tiles reach ``WAVE_MIN_L1 = WAVE_FILL * G`` and routed rows remain);
@@ -310,9 +316,7 @@ def _offsets_and_waves(expert_counts, expert_offsets, wave_lo, wave_hi, wave_jum
     up to 0.7 µs more (…171407Z-4fd74235de: c4e803b)."""
     es = tl.arange(0, E_PAD)
     in_e = es < NUM_EXPERTS
-    # stored by the other programs: read past this SM's L1
-    carry = tl.load(expert_counts + es, mask=in_e, other=0, cache_modifier=".cg")
-    blocks = (carry + BLOCK_M - 1) // BLOCK_M
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
     last_block = tl.cumsum(blocks, axis=0)  # inclusive: one past each expert's last row block
     first_block = last_block - blocks
     row_blocks = tl.sum(blocks)
