@@ -39,8 +39,10 @@ that each hold them all in registers, and beside them the quantizing programs):
   ``route_offsets``    per block of experts the exclusive scan of their chunk counts (where a
                        chunk's rows of the expert start) and their counts; then, in the last
                        program to finish, every expert's row blocks and padded first row (the
-                       scan over experts), the Expert-Wave waves by counted rows, the tile count
-                       of every program of both schedules and the used row blocks. Where the
+                       scan over experts), the Expert-Wave waves by counted rows where an expert
+                       holds more than one row block (else ``route_rows`` has them in closed
+                       form), the tile count of every program of both schedules and the used
+                       row blocks. Where the
                        arrivals' bound has few chunks (``device_tables.SCAN_IN_HISTOGRAM_CHUNKS``)
                        ``route_histogram``'s last program does all of it instead (``SCAN``): two
                        launches;
