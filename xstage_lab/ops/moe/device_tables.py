@@ -359,6 +359,7 @@ class RoutingLaunches:
         scan_experts = min(SCAN_EXPERTS, e_pad)
         self.scan_programs = e_pad // scan_experts
         ids = triton_dtype(id_dtype)
+        wave_min_l1 = WAVE_FILL * b.num_programs  # a wave's Linear-1 tiles at least
         # what the scan and the layout take, in route_offsets or route_histogram's last program
         layout = dict(
             chunk_counts=t.chunk_counts, chunk_start=t.chunk_start,
@@ -367,7 +368,7 @@ class RoutingLaunches:
             wave_hi=t.wave_hi, wave_jumps=t.wave_jumps, meta=t.meta,
             wave_num_tiles=t.num_tiles["wave"], inter_num_tiles=t.num_tiles["interleaved"],
             NUM_EXPERTS=b.num_experts, G=b.num_programs, P1=b.l1_n_blocks, P2=b.l2_n_blocks,
-            WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received, BLOCK_M=b.block_m,
+            WAVE_MIN_L1=wave_min_l1, RECEIVED=received, BLOCK_M=b.block_m,
             E_PAD=e_pad, G_PAD=_pow2(b.num_programs), CHUNK=CHUNK,
             E_LOG2=e_pad.bit_length() - 1, JUMP_LEVELS=t.wave_jumps.shape[0],
             JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
@@ -388,20 +389,19 @@ class RoutingLaunches:
             expert_counts=t.expert_counts, expert_offsets=t.expert_offsets, row_src=t.row_src,
             row_slot=t.row_slot, row_origin=t.row_origin, row_ready=t.row_ready,
             wave_tiles=t.tiles["wave"], inter_tiles=t.tiles["interleaved"],
-            NUM_EXPERTS=b.num_experts, G=b.num_programs,
-            P1=b.l1_n_blocks, P2=b.l2_n_blocks, LEAD=b.lead_rows, MAX_TILES=b.max_tiles,
+            NUM_EXPERTS=b.num_experts, G=b.num_programs, P1=b.l1_n_blocks, P2=b.l2_n_blocks,
+            WAVE_MIN_L1=wave_min_l1, LEAD=b.lead_rows, MAX_TILES=b.max_tiles,
             BLOCK_M=b.block_m, E_PAD=e_pad, P_PAD=_pow2(max(b.l1_n_blocks, b.l2_n_blocks)))
         self.rows = Launcher(k.route_rows, args=t.args, chunk_start=t.chunk_start, meta=t.meta,
                              arrival_rows=t.arrival_rows, RECEIVED=received, CHUNK=CHUNK,
                              ID_DTYPE=ids, EXPERT_LEAD=b.expert_lead, wave_lo=t.wave_lo,
-                             wave_hi=t.wave_hi, WAVE_MIN_L1=WAVE_FILL * b.num_programs,
-                             **tables_static)
+                             wave_hi=t.wave_hi, **tables_static)
         # one per power of two of the arrivals and quantized slab, bound on first use: A_PAD (and
         # ROW_BLOCKS with it) and SLAB are constexprs
         self.tiny_static = dict(
             args=t.args, meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
             inter_num_tiles=t.num_tiles["interleaved"], arrival_rows=t.arrival_rows,
-            error=t.error, WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received,
+            error=t.error, RECEIVED=received,
             G_PAD=_pow2(b.num_programs), ID_DTYPE=ids, HIDDEN=hidden,
             QUANT_ROWS=QUANT_ROWS, **quant, **tables_static)
         self.tiny: dict[tuple[int, int], Launcher] = {}
