@@ -56,6 +56,8 @@ def test_acceptance_applies_each_measure_where_the_issue_does():
     a = lv.acceptance(table)
     assert list(a["eager_speedup_ok"]) == [True, False, True]
     assert list(a["graph_over_kernel_ok"]) == [False, False, True]
+    # the graphed call less 1.05 x (kernel 80 + floor 5)
+    assert list(a["graph_over_kernel_excess_us"]) == pytest.approx([6.75, 0.75, -0.25])
     assert list(a["schedule_ok"]) == [True, True, False]
     assert list(a["host_overhead_ok"]) == [True, True, False]
     assert list(a["t1_ok"]) == [False, True, True]
@@ -241,3 +243,22 @@ def test_layer_prose_reads_the_call_profile_where_a_record_kept_it(tmp_path):
             "time alone, the weighted sum's kernel 2.0 µs at EP = 1, and the graphed call's "
             "time less its kernels' device times (the launches and the boundaries between "
             "them) is 2–8 µs.") in text
+
+
+def test_layer_prose_says_by_how_much_the_misses_exceed_the_bound(tmp_path):
+    """The cells whose graphed call exceeds 1.05 x (kernel + weighted-sum floor): by how many µs,
+    and their routing kernels' profiled time; nothing said where every cell meets it."""
+    import json
+
+    from xstage_lab.prose.moe.kernel import layer
+
+    rows = [_row(64, fused_graph_us=g, route_kernels_us=json.dumps({"route_tiny": r}))
+            for g, r in ((96.0, 3.0), (90.0, 2.0), (89.0, 1.0))]
+    for i, row in enumerate(rows):
+        row["model"] = f"M{i}"
+    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    assert ("in 1 of 3 cells (1.05–1.13×), the other 2 above that bound by 0.8–6.8 µs, where "
+            "their routing kernels take 2.0–3.0 µs (profiled);") in text
+    write_record("moe_layer", "y", pd.DataFrame(rows[2:]), {}, {}, tmp_path)
+    assert "above that bound" not in str(layer([lv.layer_view("y", tmp_path)]))

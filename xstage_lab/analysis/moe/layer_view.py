@@ -69,7 +69,9 @@ def acceptance(table: pd.DataFrame) -> pd.DataFrame:
     """Per cell, each measure of issue 27's acceptance and whether it holds (``*_ok``):
     ``eager_speedup``/``graph_speedup``, the unfused path's time over the fused layer's (at least
     1 from ``SMALL_T`` tokens, at least 1/``SMALL_T_SLOWDOWN`` below); ``graph_over_kernel``,
-    the graphed call over the kernel alone plus the weighted sum's memory time; the schedule
+    the graphed call over the kernel alone plus the weighted sum's memory time (and by how many
+    µs the call exceeds ``GRAPH_OVER_KERNEL`` times that: ``graph_over_kernel_excess_us``,
+    negative within it); the schedule
     kernels' time (``schedule_tables_us``) at ``SCHEDULE_LIMIT_TOKENS`` tokens, beside the whole
     routing's graphed time (``schedule_us``); ``host_overhead_us``; at one token the graphed call
     against ``T1_FLOOR_FACTOR`` times the weight-read floor plus ``T1_FLOOR_US``; from
@@ -84,6 +86,8 @@ def acceptance(table: pd.DataFrame) -> pd.DataFrame:
     out["graph_over_kernel"] = table["fused_graph_us"] / (table["kernel_us"]
                                                           + table["weighted_sum_floor_us"])
     out["graph_over_kernel_ok"] = out["graph_over_kernel"] <= GRAPH_OVER_KERNEL
+    out["graph_over_kernel_excess_us"] = table["fused_graph_us"] - GRAPH_OVER_KERNEL * (
+        table["kernel_us"] + table["weighted_sum_floor_us"])
     out["schedule_us"] = table["schedule_us"]
     out["schedule_tables_us"] = schedule_tables_us(table)
     out["schedule_ok"] = (table["tokens"] != SCHEDULE_LIMIT_TOKENS) | \

@@ -218,6 +218,16 @@ def layer(layer_views) -> Prose:
                    f"HBM bandwidth measured in the run; some SM ran a second tile of the phase "
                    f"in {count(rounds['l1'])} (Linear-1) and {count(rounds['l2'])} (Linear-2) of "
                    f"{count(len(one))} cells.")
+        missed = a[~a["graph_over_kernel_ok"]]
+        misses = ""
+        if len(missed):
+            misses = (f", the other {count(len(missed))} above that bound by "
+                      f"{span(missed['graph_over_kernel_excess_us'], '.1f')} µs")
+            routed = t.loc[missed.index]
+            if measured(routed, "route_kernels_us"):
+                misses += (f", where their routing kernels take "
+                           f"{span(profile_total_us(routed['route_kernels_us']), '.1f')} µs "
+                           f"(profiled)")
         parity = a[a["tokens"] >= KERNEL_PARITY_TOKENS]
         kernel = (f" From {KERNEL_PARITY_TOKENS} tokens the kernel over the device tables takes "
                   f"{span(parity['kernel_over_host_kernel'], '.3f')}× the time of the same "
@@ -235,7 +245,8 @@ def layer(layer_views) -> Prose:
             f"{met('eager_speedup_ok')} cells and graphed in {met('graph_speedup_ok')}; from "
             f"{SMALL_T} tokens graphed it is {span(big['graph_speedup'], '.2f')}× faster. The "
             f"graphed call stays within 5% of the kernel plus the weighted sum's memory time in "
-            f"{met('graph_over_kernel_ok')} cells ({span(a['graph_over_kernel'], '.2f')}×); "
+            f"{met('graph_over_kernel_ok')} cells ({span(a['graph_over_kernel'], '.2f')}×)"
+            f"{misses}; "
             f"{schedule}; {host}; the one-token graphed call meets 1.5× the weight-read floor + "
             f"10 µs in {met('t1_ok')} cells.{t1}{kernel} Today's host-scheduled call takes "
             f"{span(t['host_scheduled_us'] / t['fused_eager_us'], '.1f')}× the fused eager "
