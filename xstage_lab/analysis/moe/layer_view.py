@@ -71,10 +71,10 @@ def acceptance(table: pd.DataFrame) -> pd.DataFrame:
     1 from ``SMALL_T`` tokens, at least 1/``SMALL_T_SLOWDOWN`` below); ``graph_over_kernel``,
     the graphed call over the kernel alone plus the weighted sum's memory time (and by how many
     µs the call exceeds ``GRAPH_OVER_KERNEL`` times that: ``graph_over_kernel_excess_us``,
-    negative within it); the schedule
-    kernels' time (``schedule_tables_us``) at ``SCHEDULE_LIMIT_TOKENS`` tokens, beside the whole
-    routing's graphed time (``schedule_us``); ``host_overhead_us``; at one token the graphed call
-    against ``T1_FLOOR_FACTOR`` times the weight-read floor plus ``T1_FLOOR_US``; from
+    negative within it); the schedule kernels' time (``schedule_tables_us``) at
+    ``SCHEDULE_LIMIT_TOKENS`` tokens, beside the whole routing's graphed time
+    (``schedule_us``); ``host_overhead_us``; at one token the graphed call against
+    ``T1_FLOOR_FACTOR`` times the weight-read floor plus ``T1_FLOOR_US``; from
     ``KERNEL_PARITY_TOKENS`` tokens the kernel over the device tables against the same kernel
     over the host-built schedule (``kernel_over_host_kernel``: paired where the record allows)."""
     out = table[CELL].copy()
