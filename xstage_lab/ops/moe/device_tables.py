@@ -401,9 +401,8 @@ class RoutingLaunches:
         self.tiny_static = dict(
             args=t.args, meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
             inter_num_tiles=t.num_tiles["interleaved"], arrival_rows=t.arrival_rows,
-            error=t.error, RECEIVED=received,
-            G_PAD=_pow2(b.num_programs), ID_DTYPE=ids, HIDDEN=hidden,
-            QUANT_ROWS=QUANT_ROWS, **quant, **tables_static)
+            error=t.error, RECEIVED=received, G_PAD=_pow2(b.num_programs), ID_DTYPE=ids,
+            HIDDEN=hidden, QUANT_ROWS=QUANT_ROWS, **quant, **tables_static)
         self.tiny: dict[tuple[int, int], Launcher] = {}
 
     def __call__(self, capacity: int, top_k: int, addresses: tuple[int, ...], *,
