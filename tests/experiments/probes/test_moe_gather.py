@@ -29,9 +29,23 @@ def test_options_are_checked_before_any_launch(tmp_path):
                           (("--variant", f"in_place={kernel_path('moe_fused_ws.py')}"), "taken"),
                           (("--tma-kernel", str(tmp_path / "none.py")), "no file"),
                           (("--models", "GPT-2"), "unknown model"),
-                          (("--tokens", "0"), ">= 1")]:
+                          (("--tokens", "0"), ">= 1"),
+                          (("--setting", "ep1", "--schedule", "wave"), "own schedule"),
+                          (("--setting", "ep1", "--routing", "skewed"), "balanced"),
+                          (("--setting", "ep1", "--tma-kernel", str(kernel_path("moe_fused_ws.py"))),
+                           "no --tma-kernel")]:
         with pytest.raises(ValueError, match=message):
             mg.EXPERIMENT.check_args(_args(*argv))
+    ep1 = _args("--setting", "ep1")
+    mg.EXPERIMENT.check_args(ep1)
+    assert ep1.schedule is None  # the layer's own, as layer_bench's EP = 1 cell
+
+
+def test_argument_positions_name_the_kernels_parameters():
+    from xstage_lab.kernel_sources import load_kernel_module
+    names = load_kernel_module("moe_fused_ws").moe_fused_ws_kernel.arg_names
+    assert [names[i] for i in (mg.TILES, mg.A_ROWS, mg.ROW_ORIGIN, mg.ROW_SLOT)] == \
+        ["tiles", "a_rows", "row_origin", "row_slot"]
 
 
 def test_tma_arguments_put_the_layout_rows_where_the_old_contract_reads_them(monkeypatch):

@@ -3,13 +3,14 @@
 record ``moe_gather_probe``).
 
     python -m xstage_lab.experiments.probes.moe_gather (--out FILE | --root DIR)
-        [--tma-kernel FILE] [--variant NAME=FILE ...] [--models M ...] [--precisions bf16 fp8]
-        [--routing balanced skewed] [--tokens 4096] [--schedule wave|interleaved] [--trials N]
+        [--setting ep8_rank|ep1] [--tma-kernel FILE] [--variant NAME=FILE ...] [--models M ...]
+        [--precisions bf16 fp8] [--routing balanced skewed] [--tokens 4096]
+        [--schedule wave|interleaved] [--trials N]
 
-On ``kernel_cell``'s workload (one rank of EP = 8, every Combine store local), one schedule
-(``--schedule``: Expert-Wave, or Interleaved at the derived lead as ``FusedMoE``'s device tables
-build it, ``schedules.derived_interleaved_schedule``) and one launch of each kernel, all in one
-rotation:
+On ``kernel_cell``'s workload (``--setting ep8_rank``: one rank of EP = 8, every Combine store
+local), one schedule (``--schedule``: Expert-Wave, or Interleaved at the derived lead as
+``FusedMoE``'s device tables build it, ``schedules.derived_interleaved_schedule``) and one launch
+of each kernel, all in one rotation:
 
   in_place     the committed kernel over the layout's own rows (``row_origin[r] = r``): the
                host-scheduled launch;
@@ -25,6 +26,15 @@ rotation:
                capacity) in place of the host-built ones: the tables' part of the difference;
   NAME         each ``--variant NAME=FILE``: a copy of the committed kernel, changed, over the
                received rows as ``scattered``.
+
+``--setting ep1``: ``layer_bench``'s EP = 1 cell instead (``FusedMoE`` over every expert from
+``topk_ids``, balanced routing, its own schedule), where each layout row's row of ``x`` is its
+token's, top-k layout rows per token: ``in_place`` over the host layout of the tokens repeated
+top-k times and moved into place (``layer_bench``'s host-scheduled launch), ``scattered`` over the
+tokens themselves (each layout row through its token; FP8: the tokens quantized once),
+``device_tables`` the layer's kernel over its tables (routed once), ``device_tiles`` as above; a
+variant runs over ``scattered``'s rows with ``in_place``'s scales (in layout order), so that a
+kernel reading each row's scales by its layout row separates the rows' gather from the scales'.
 
 1. Checks first: the cell passes ``kernel_cell.check_cell`` (the committed schedules against the
    references); the workspace's tables equal the host reference
@@ -58,16 +68,21 @@ from ...ops.moe.op import MoEWorkspace
 from ...ops.moe.schedules import derived_interleaved_schedule
 from ...ops.moe.shapes import PRECISIONS, load_shapes
 from ...ops.moe.tiles import kernel_device
+from ...ops.moe.weights import local_expert_weights, quantize_rows_fp8
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
 from ..moe import kernel_cell as kc
+from ..moe.bench import TOLERANCE
+from ..moe.layer_bench import Ep1Cell
 from .variants import file_digests, parse_variants
 
 COMMITTED = ("in_place", "scattered", "device_tables", "device_tiles")
 SCHEDULES = ("wave", "interleaved")
 TMA = "tma"
-TILES, A_ROWS, ROW_ORIGIN = 0, 3, 4  # the committed kernel's tiles, a_rows, row_origin arguments
+# the committed kernel's tiles, a_rows, row_origin and row_slot arguments
+TILES, A_ROWS, ROW_ORIGIN, ROW_SLOT = 0, 3, 4, 14
+SETTINGS = ("ep8_rank", "ep1")
 
 
 def load_kernel_file(path: Path):
@@ -99,6 +114,8 @@ class GatherStep:
     failures: list
     workspace: MoEWorkspace  # device_tables' (its error flag is checked with in_place's)
     keep: tuple      # the tensors the launches read through device-held addresses
+    combine: torch.Tensor  # the Combine rows every launch stores
+    errors: tuple    # the error flags of the launches (spin timeouts)
 
 
 class MoEGather(Experiment):
@@ -113,6 +130,7 @@ class MoEGather(Experiment):
         self.device = device
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--setting", choices=SETTINGS, default="ep8_rank")
         p.add_argument("--tma-kernel", type=Path, default=None,
                        help="a kernel file of the contract before the gather (TMA loads of x)")
         p.add_argument("--variant", action="append", default=[],
@@ -121,7 +139,8 @@ class MoEGather(Experiment):
         p.add_argument("--precisions", **list_option(default=list(PRECISIONS)))
         p.add_argument("--routing", **list_option(default=["balanced"]))
         p.add_argument("--tokens", type=int, default=4096, help="tokens per source rank")
-        p.add_argument("--schedule", choices=SCHEDULES, default="wave")
+        p.add_argument("--schedule", choices=SCHEDULES, default=None,
+                       help="the EP rank's schedule (default wave); at EP = 1 the layer's own")
         p.add_argument("--trials", type=int, default=7)
         p.add_argument("--warmup", type=int, default=2)
         p.add_argument("--graph-iters", type=int, default=5)
@@ -136,6 +155,12 @@ class MoEGather(Experiment):
         if a.tma_kernel is not None and not a.tma_kernel.is_file():
             raise ValueError(f"--tma-kernel: no file {a.tma_kernel}")
         a.variants = parse_variants(a.variant, (*COMMITTED, TMA), ".py")
+        if a.setting == "ep1":
+            if a.routing != ["balanced"] or a.schedule is not None or a.tma_kernel is not None:
+                raise ValueError("--setting ep1 takes balanced routing, the layer's own schedule "
+                                 "and no --tma-kernel")
+        elif a.schedule is None:
+            a.schedule = "wave"
 
     def sweeps(self, args) -> list[Sweep]:
         return [Sweep("moe_gather", (Axis("model", args.models),
@@ -152,6 +177,8 @@ class MoEGather(Experiment):
             self.kernels[TMA] = load_kernel_file(args.tma_kernel)
 
     def prepare(self, point: dict, run: Run) -> GatherStep:
+        if run.args.setting == "ep1":
+            return self.prepare_ep1(point, run)
         args = run.args
         cell, checked, failures = kc.checked_cell(
             self.shapes[point["model"]], point["precision"], point["routing"], args.tokens, args,
@@ -170,16 +197,11 @@ class MoEGather(Experiment):
         origin[cell.rows] = torch.arange(len(cell.rows), dtype=origin.dtype, device=origin.device)
         a_rows = row_addresses(x, x_scale)
         scattered = (*in_place.args[:A_ROWS], a_rows, origin, *in_place.args[ROW_ORIGIN + 1:])
-        grid, constexprs = in_place.grid, in_place.constexprs
+        committed = self._committed()
 
         def launch(kernel, kernel_args):
-            def run_once():
-                in_place.row_ready.zero_()
-                kernel[grid](*kernel_args, **constexprs)
-            return run_once
+            return self._launch(in_place, kernel, kernel_args)
 
-        module, entry = KERNEL_ENTRIES["gluon_ws"]
-        committed = getattr(load_kernel_module(module), entry)
         ws, received, mismatches = self.workspace(cell, x, x_scale, args)
         t = ws.tables
         device_tiles = (t.tiles[args.schedule], t.num_tiles[args.schedule],
@@ -193,7 +215,59 @@ class MoEGather(Experiment):
         failures = [*failures, *(f"device table {m} differs from the host reference"
                                  for m in mismatches)]
         return GatherStep(point, cell, launches, checked, failures, ws,
-                          (x, x_scale, a_rows, origin, received))
+                          (x, x_scale, a_rows, origin, received), cell.combine,
+                          (in_place.error, ws.tables.error))
+
+    def prepare_ep1(self, point: dict, run: Run) -> GatherStep:
+        """``--setting ep1`` (module docstring): the layer's call checked against the reference,
+        its Combine rows kept as the rows every launch must store."""
+        args, shape, precision = run.args, self.shapes[point["model"]], point["precision"]
+        weights = run.resource((shape.model, precision), lambda: local_expert_weights(
+            shape, 0, 1, precision, seed=args.seed, device=self.on))
+        cell = Ep1Cell(shape, precision, args.tokens, weights, None, args.seed, self.on)
+        y = cell.call()
+        tol = TOLERANCE[precision]
+        failures = [f"fused {k} error {e:.3g} > {tol[k]}"
+                    for k, e in cell.output_error(y, cell.x, cell.ids, cell.w).items()
+                    if not e <= tol[k]]
+        in_place = cell.host_launch()
+        # each layout row's token: its arrival (the host layout's slot) over top_k; padding -1
+        slot = in_place.args[ROW_SLOT]
+        origin = torch.where(slot >= 0, slot // shape.top_k, -1).to(torch.int32)
+        x, x_scale = (quantize_rows_fp8(cell.x) if precision == "fp8" else (cell.x, None))
+        a_rows = row_addresses(x, x_scale)
+        scattered = (*in_place.args[:A_ROWS], a_rows, origin, *in_place.args[ROW_ORIGIN + 1:])
+        # the variants': the tokens' rows, in_place's scales (by layout row)
+        rows_only = in_place.args[A_ROWS].clone()
+        rows_only[0] = x.data_ptr()
+        variant_args = (*in_place.args[:A_ROWS], rows_only, origin, *in_place.args[ROW_ORIGIN + 1:])
+        schedule, t = cell.layer.schedule, cell.ws.tables
+        device_tiles = (t.tiles[schedule], t.num_tiles[schedule], t.tiles[schedule].shape[1],
+                        *in_place.args[TILES + 3:])
+        launches = {"in_place": in_place,
+                    "scattered": self._launch(in_place, self._committed(), scattered),
+                    "device_tables": lambda: cell.ws.launch(schedule, cell.layer.peers),
+                    "device_tiles": self._launch(in_place, self._committed(), device_tiles)}
+        for name, kernel in self.kernels.items():
+            launches[name] = self._launch(in_place, kernel, variant_args)
+        checked = {"schedule": schedule, "rows": slot.numel(), **{f"rel_err_{k}": e for k, e in
+                                           cell.output_error(y, cell.x, cell.ids, cell.w).items()}}
+        return GatherStep(point, cell, launches, checked, failures, cell.ws,
+                          (x, x_scale, a_rows, rows_only, origin, in_place), cell.combined(),
+                          (in_place.error, cell.ws.error))
+
+    @staticmethod
+    def _committed():
+        module, entry = KERNEL_ENTRIES["gluon_ws"]
+        return getattr(load_kernel_module(module), entry)
+
+    @staticmethod
+    def _launch(in_place, kernel, kernel_args):
+        """``kernel`` over ``kernel_args`` as ``in_place`` launches: its counters zeroed first."""
+        def run_once():
+            in_place.row_ready.zero_()
+            kernel[in_place.grid](*kernel_args, **in_place.constexprs)
+        return run_once
 
     def workspace(self, cell: kc.Cell, x: torch.Tensor, x_scale: torch.Tensor | None, args):
         """An ``op.MoEWorkspace`` of ``layer_bench``'s EP rank (capacity ``EP·T·top_k``, the
@@ -212,17 +286,19 @@ class MoEGather(Experiment):
         return ws, received, table_mismatches(ws.tables, host)
 
     def check(self, step: GatherStep, run: Run) -> list[str]:
-        failures, cell = list(step.failures), step.cell
-        error, ws = step.launches["in_place"].error, step.workspace
-        cell.combine.fill_(float("nan"))
-        step.launches["in_place"]()
-        want = cell.combine.clone()
+        failures, combine = list(step.failures), step.combine
+        # at EP = 1 the layer's call stored the rows every launch must store; else in_place's
+        want = combine.clone() if run.args.setting == "ep1" else None
+        if want is None:
+            combine.fill_(float("nan"))
+            step.launches["in_place"]()
+            want = combine.clone()
         for name, launch in step.launches.items():
-            cell.combine.fill_(float("nan"))
+            combine.fill_(float("nan"))
             launch()
-            if not bitwise_equal(cell.combine, want):
+            if not bitwise_equal(combine, want):
                 failures.append(f"{name}: Combine rows differ from in_place's")
-        errors = int(error) + int(ws.tables.error)
+        errors = sum(int(e) for e in step.errors)
         if errors:
             failures.append(f"spin errors {errors}")
         step.checked["gather_spin_errors"] = errors
@@ -233,10 +309,13 @@ class MoEGather(Experiment):
         timing = time_methods(step.launches, trials=args.trials, warmup=args.warmup,
                               graph_iters=args.graph_iters, clocks=True)
         base = timing["in_place"]["trials_us"]
+        ep1 = args.setting == "ep1"
         return pd.DataFrame([{
-            "model": cell.shape.model, "precision": cell.precision, "routing": cell.routing,
-            "tokens": args.tokens, "schedule": args.schedule, "kernel": name,
-            "rows": cell.problem.num_rows, "num_programs": self.programs, "us": t["median_us"],
+            "model": cell.shape.model, "precision": cell.precision,
+            "routing": "balanced" if ep1 else cell.routing, "setting": args.setting,
+            "tokens": args.tokens, "schedule": step.checked["schedule"] if ep1 else args.schedule,
+            "kernel": name, "rows": step.checked["rows"] if ep1 else cell.problem.num_rows,
+            "num_programs": self.programs, "us": t["median_us"],
             "p25_us": t["p25_us"], "p75_us": t["p75_us"],
             "over_in_place": paired_ratio(base, t["trials_us"]),
             "sm_clock_mhz": median_clock_mhz(t),
@@ -255,8 +334,10 @@ class MoEGather(Experiment):
         if args.tma_kernel is not None:
             files[TMA] = args.tma_kernel
         return {"kernels": [*COMMITTED, *files], "files": file_digests(files),
-                "workload": f"one rank (rank {kc.RANK}) of EP = {kc.EP} on one GPU, every "
-                            f"Combine store local, schedule {args.schedule}",
+                "workload": (f"EP = 1, {args.tokens} tokens, balanced routing, the layer's "
+                             "own schedule" if args.setting == "ep1" else
+                             f"one rank (rank {kc.RANK}) of EP = {kc.EP} on one GPU, every "
+                             f"Combine store local, schedule {args.schedule}"),
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                          if k != "variants"},
                 "timing": f"{TIMING_METHOD}; {args.graph_iters} calls per trial, CUDA-graph "
