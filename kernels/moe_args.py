@@ -21,10 +21,12 @@ ARG_X_SCALE = tl.constexpr(2)     # their 1 x 128 scales (received e4m3 rows)
 ARG_COMBINE_ROWS = tl.constexpr(3)  # the Combine rows the weighted sum reads
 ARG_TOPK_WEIGHTS = tl.constexpr(4)
 ARG_OUT = tl.constexpr(5)         # the weighted sum's output, the layer's y
-# The rows the fused kernel's Linear-1 reads and their scales (its ``a_rows``, two slots): the
-# activations' own, or their quantized copy. Written by the routing (``moe_routing``), not here.
+# The rows the fused kernel's Linear-1 reads, their scales and where each layout row's scales lie
+# (its ``a_rows``, three slots: 1 by the layout row, 0 by the row it reads): the activations' own,
+# or their quantized copy. Written by the routing (``moe_routing``), not here.
 ARG_A_ROWS = tl.constexpr(6)
-ARGS = tl.constexpr(8)
+A_ROWS_SLOTS = tl.constexpr(3)
+ARGS = tl.constexpr(9)
 
 
 @triton.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",

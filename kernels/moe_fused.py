@@ -39,9 +39,12 @@ Two constexpr variants, both off for the timing of the two schedules:
 DeepSeek-V3/DeepGEMM; the Linear-1 epilogue re-quantizes ``h`` per row and ``SCALE_BLOCK`` columns.
 
 Layouts (row-major, no padding inside a row; ``R`` = padded dispatched rows, ``E`` = local experts):
-``a_rows_ptr`` int64 ``[2]`` holds the addresses of ``x [N, HIDDEN]`` and (FP8) ``x_scale
-[N, HIDDEN/SB]``, read on the device; layout row ``r`` reads row ``row_origin[r]`` of them (int32
-``[R]``, -1 on padding: zeros), ``w1 [E, 2*INTER, HIDDEN]`` (gate rows, then up rows),
+``a_rows_ptr`` int64 ``[3]`` holds the addresses of ``x [N, HIDDEN]`` and (FP8) ``x_scale``,
+read on the device, and where the scales lie; layout row ``r`` reads row ``row_origin[r]`` of
+``x`` (int32 ``[R]``, -1 on padding: zeros) and its scales at row ``r`` of ``x_scale [R,
+HIDDEN/SB]`` where ``a_rows_ptr[2]`` is 1 (laid out by the routing), else at row
+``row_origin[r]`` of ``x_scale [N, HIDDEN/SB]``; ``w1 [E, 2*INTER, HIDDEN]`` (gate rows, then
+up rows),
 ``w1_scale [E, 2*INTER/SB, HIDDEN/SB]``, ``w2 [E, HIDDEN, INTER]``, ``w2_scale [E, HIDDEN/SB, INTER/SB]``,
 ``h [R, INTER]``, ``h_scale [R, INTER/SB]``, ``row_src``/``row_slot`` int32 ``[R]`` (slot -1: padding),
 peer table int64 ``[P]`` of 16-byte aligned bf16 ``[slots, HIDDEN]`` Combine buffers.
@@ -110,6 +113,7 @@ def _linear1_swiglu_tile(expert, row_block, n_block,
     k_scales = HIDDEN // SCALE_BLOCK
     if FP8:
         x_scale_ptr = tl.load(a_rows_ptr + 1).to(tl.pointer_type(tl.float32))
+        scale_rows = tl.where(tl.load(a_rows_ptr + 2) != 0, rows, origin)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N1), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N1), dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
@@ -119,7 +123,7 @@ def _linear1_swiglu_tile(expert, row_block, n_block,
         b_up = tl.load(w_up + cols[None, :].to(tl.int64) * HIDDEN + (k0 + ks)[:, None])
         if FP8:
             # One K block lies inside one scale block: promote to fp32 with both scales.
-            a_s = tl.load(x_scale_ptr + origin * k_scales + k0 // SCALE_BLOCK, mask=routed,
+            a_s = tl.load(x_scale_ptr + scale_rows * k_scales + k0 // SCALE_BLOCK, mask=routed,
                           other=0.0)
             w_scales = w1_scale_ptr + expert.to(tl.int64) * (2 * INTER // SCALE_BLOCK) * k_scales
             g_s = tl.load(w_scales + (cols // SCALE_BLOCK) * k_scales + k0 // SCALE_BLOCK)

@@ -321,11 +321,18 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_ro
     """Gate and up accumulators ``[64, BLOCK_N1]`` of this warpgroup's rows; the next ``it``."""
     if FP8:
         k_scales = HIDDEN // SCALE_BLOCK
-        # each row's scales are its origin row's in x's (padding rows: any row's, never stored)
-        origin = _origin_rows(row_origin, row_base, gl.BlockedLayout([1, 1], [32, 1], [4, 1],
-                                                                     [1, 0]))
+        # each row's scales: its own row's where the routing laid them out by layout row (a_rows'
+        # third slot), else its origin row's in x's (padding rows: any row's, never stored).
+        # Scales read through the rows' tokens took DiT-MoE's FP8 kernel at EP = 1 and 8192
+        # tokens 2.4% longer than by layout row, the rows still read through their tokens
+        # (moe_gather_probe/h200-x1/20261204T180629Z-0a56654b8d): a row block's tokens lie about
+        # eight apart there, so each row's 44 bytes of scales take a line of their own
+        per_row: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])
+        origin = _origin_rows(row_origin, row_base, per_row)
+        own = row_base + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, per_row))
         x_scale = gl.load(a_rows + 1).to(gl.pointer_type(gl.float32))
-        a_scales = x_scale + gl.maximum(origin, 0).to(gl.int64) * k_scales
+        by_row = gl.load(a_rows + 2) != 0
+        a_scales = x_scale + gl.where(by_row, own, gl.maximum(origin, 0)).to(gl.int64) * k_scales
         # the tile's gate (up) columns lie in one 128 x 128 weight scale block (BLOCK_N1 == 128)
         g_scales = w1_scale + (expert * (2 * INTER // SCALE_BLOCK) + n_block) * k_scales
         acc_g, acc_u, it = _fp8_halves_mainloop(half, it, a_smem, b_smem, ready, empty,
@@ -681,13 +688,15 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     entries past ``num_tiles[g]`` never read); the schedule is the table, not this code. A tile
     whose expert lies outside ``0 .. num_experts - 1`` adds 1 to ``error`` and is skipped.
 
-    Linear-1's rows: ``a_rows`` int64 [2] holds the addresses of ``x [N, HIDDEN]`` (16-byte aligned;
-    the layout's dtype) and, FP8, of its scales ``[N, HIDDEN / 128]``, read on the device (a CUDA
-    graph replays new tensors); layout row ``r`` is row ``row_origin[r]`` of ``x`` (int32 [R], -1
-    on padding). Descriptors (row-major 2-D views): ``h_desc`` over ``h [R, INTER]`` with
-    [64, BLOCK_K] blocks, ``w1_desc`` over ``w1 [E·2·INTER, HIDDEN]`` with [BLOCK_N1, BLOCK_K]
-    blocks, ``w2_desc`` over ``w2 [E·HIDDEN, INTER]`` with [BLOCK_N2, BLOCK_K] blocks. ``h`` and
-    the scales as in ``moe_fused.py`` (FP8 only: bf16 launches pass any pointer for the scales).
+    Linear-1's rows: ``a_rows`` int64 [3] holds the addresses of ``x [N, HIDDEN]`` (16-byte aligned;
+    the layout's dtype) and, FP8, of its scales, read on the device (a CUDA graph replays new
+    tensors), and where the scales lie; layout row ``r`` is row ``row_origin[r]`` of ``x`` (int32
+    [R], -1 on padding), its scales row ``r`` of ``[R, HIDDEN / 128]`` where ``a_rows[2]`` is 1,
+    else row ``row_origin[r]`` of ``[N, HIDDEN / 128]``. Descriptors (row-major 2-D views):
+    ``h_desc`` over ``h [R, INTER]`` with [64, BLOCK_K] blocks, ``w1_desc`` over ``w1 [E·2·INTER,
+    HIDDEN]`` with [BLOCK_N1, BLOCK_K] blocks, ``w2_desc`` over ``w2 [E·HIDDEN, INTER]`` with
+    [BLOCK_N2, BLOCK_K] blocks. ``h`` and the scales as in ``moe_fused.py`` (FP8 only: bf16
+    launches pass any pointer for the scales).
     ``row_ready`` int32 [R / 128], zero at launch for the row blocks in use (no other is read).
     INSTRUMENT: ``trace`` is int64 [programs, max_tiles, TRACE_FIELDS] (``_consumer``); a separate
     build, compared only with itself. FENCE: every Linear-2 tile waits after its Combine stores

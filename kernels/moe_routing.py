@@ -54,8 +54,10 @@ that each hold them all in registers, and beside them the quantizing programs):
                        and its Linear-1 and Linear-2 tiles written into both tables at their
                        closed-form positions;
   ``route_quantize``   per block of rows of ``x`` and slab of columns: e4m3 with one fp32 scale
-                       per 1 x 128 block, into the tables' copy (``x_quant``), independent of the
-                       table passes.
+                       per 1 x 128 block, into the tables' copy (``x_quant``), each scale at
+                       the layout rows of the row's arrivals (after ``route_rows``, whose
+                       ``arrival_rows`` it reads; ``route_tiny``'s quantizing programs, beside
+                       its layout's, store them by the rows of ``x``).
 
 Tile positions (``G`` programs, ``P_1``/``P_2`` tiles per row block, ``n_1``/``n_2`` the streams'
 lengths). Expert-Wave: the merged stream holds, per wave of row blocks ``[lo, hi)``, its Linear-1
@@ -97,11 +99,12 @@ def _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED: tl.constexpr):
 
 @triton.jit
 def _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, x_quant,
-                 x_quant_scale, QUANTIZE: tl.constexpr):
+                 x_quant_scale, QUANTIZE: tl.constexpr, SCALES_BY_ROW: tl.constexpr):
     """The call's argument block, by the first routing launch (``moe_args``): each address
     (int64, by value) into its slot, and the fused kernel's ``a_rows`` slots: the addresses of
     the quantized copy (``x_quant``, ``x_quant_scale``) where ``QUANTIZE``, else of the
-    activations and their scales as the call passed them."""
+    activations and their scales as the call passed them; whether the scales lie by layout row
+    (``SCALES_BY_ROW``: ``route_quantize`` lays them out so), else by the rows of ``x``."""
     store_slots(args, expert_ids, x, x_scale, combine_rows, topk_weights, out)
     if QUANTIZE:
         tl.store(args + ARG_A_ROWS, x_quant.to(tl.int64))
@@ -109,6 +112,7 @@ def _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, 
     else:
         tl.store(args + ARG_A_ROWS, x)
         tl.store(args + ARG_A_ROWS + 1, x_scale)
+    tl.store(args + ARG_A_ROWS + 2, SCALES_BY_ROW)
 
 
 # The first launch's varying integers are never specialized either: one kernel per arrivals' bound
@@ -134,8 +138,9 @@ def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, ou
     one kernel boundary fewer. Without it the scan's arguments are not read."""
     c = tl.program_id(0)
     if c == 0:
+        # where it quantizes, route_quantize follows the scatter: the scales by layout row
         _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, x_quant,
-                     x_quant_scale, QUANTIZE)
+                     x_quant_scale, QUANTIZE, QUANTIZE)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     # the chunk's ids read before the branch on the count: their load beside the count's
     e, _, valid = _flagged_experts(expert_ids.to(tl.pointer_type(ID_DTYPE)),
@@ -451,22 +456,26 @@ def _store_arrival_rows(i, row, live, valid, src, slot, origin, arrival_rows, ro
 
 
 @triton.jit
-def route_quantize(args, n_arrivals_ptr, x_quant, x_quant_scale, CAPACITY, HIDDEN, TOP_K,
-                   RECEIVED: tl.constexpr, ROWS: tl.constexpr, SLAB: tl.constexpr,
+def route_quantize(args, n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY, HIDDEN,
+                   TOP_K, RECEIVED: tl.constexpr, ROWS: tl.constexpr, SLAB: tl.constexpr,
                    BLOCK_H: tl.constexpr):
-    """Program ``(r, h)``: ``_quantize_block`` ``(r, h)`` of ``args``' activations ``x``."""
+    """Program ``(r, h)``: ``_quantize_block`` ``(r, h)`` of ``args``' activations ``x``, after
+    ``route_rows``: each scale stored at the layout rows of the row's arrivals
+    (``arrival_rows``), so that the fused kernel reads a row block's scales together."""
     _quantize_block(tl.program_id(0), tl.program_id(1), arg_pointer(args, ARG_X, tl.bfloat16, True),
-                    n_arrivals_ptr, x_quant, x_quant_scale, CAPACITY, HIDDEN, TOP_K, RECEIVED,
-                    ROWS, SLAB, BLOCK_H)
+                    n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY, HIDDEN, TOP_K,
+                    RECEIVED, True, ROWS, SLAB, BLOCK_H)
 
 
 @triton.jit
-def _quantize_block(r, h, x, n_arrivals_ptr, x_quant, x_quant_scale, CAPACITY, HIDDEN, TOP_K,
-                    RECEIVED: tl.constexpr, ROWS: tl.constexpr, SLAB: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+def _quantize_block(r, h, x, n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY,
+                    HIDDEN, TOP_K, RECEIVED: tl.constexpr, BY_ROW: tl.constexpr,
+                    ROWS: tl.constexpr, SLAB: tl.constexpr, BLOCK_H: tl.constexpr):
     """Rows ``r ROWS ..`` and columns ``h SLAB ..`` of the bf16 activations ``x`` (the ``CAPACITY
     // TOP_K`` tokens at EP = 1, the received rows on an EP rank) to e4m3 ``x_quant`` with one
-    fp32 scale per 1 x 128 block (``x_quant_scale``), as ``weights.quantize_rows_fp8``, bitwise:
+    fp32 scale per 1 x 128 block (``x_quant_scale``: at the row of ``x``, or ``BY_ROW`` at the
+    layout row of each of its ``TOP_K`` arrivals, ``arrival_rows``, none where an arrival has no
+    row), as ``weights.quantize_rows_fp8``, bitwise:
     the scale times the reciprocal of the e4m3 maximum (torch's CUDA division by a scalar does
     so), the values times the IEEE reciprocal of the scale (div_rn: Triton's `/` is the
     approximate div.full.f32). Every block independent."""
@@ -487,7 +496,13 @@ def _quantize_block(r, h, x, n_arrivals_ptr, x_quant, x_quant_scale, CAPACITY, H
             inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), scale)
             q = _round_to_e4m3(v * inv[:, None]).to(tl.float8e4nv)
             tl.store(x_quant + at, q, mask=live[:, None])
-            tl.store(x_quant_scale + rows64 * k_scales + h0 // SCALE_BLOCK, scale, mask=live)
+            if BY_ROW:
+                for j in range(TOP_K):
+                    row = tl.load(arrival_rows + rows64 * TOP_K + j, mask=live, other=-1)
+                    tl.store(x_quant_scale + row.to(tl.int64) * k_scales + h0 // SCALE_BLOCK,
+                             scale, mask=row >= 0)
+            else:
+                tl.store(x_quant_scale + rows64 * k_scales + h0 // SCALE_BLOCK, scale, mask=live)
 
 
 @triton.jit
@@ -667,8 +682,8 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
             slabs = tl.cdiv(HIDDEN, SLAB)
             _quantize_block((q - first_quant) // slabs, (q - first_quant) % slabs,
                             tl.multiple_of(x.to(tl.pointer_type(tl.bfloat16)), 16),
-                            n_arrivals_ptr, x_quant, x_quant_scale, CAPACITY, HIDDEN, TOP_K,
-                            RECEIVED, QUANT_ROWS, SLAB, SCALE_BLOCK)
+                            n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY,
+                            HIDDEN, TOP_K, RECEIVED, False, QUANT_ROWS, SLAB, SCALE_BLOCK)
     else:
         n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
         ids = expert_ids.to(tl.pointer_type(ID_DTYPE))
@@ -722,8 +737,9 @@ def _tiny_tables(q, n, ids, args, expert_ids, x, x_scale, combine_rows, topk_wei
         if q == 0:
             src, slot, origin = _arrival_sources(i, arrival_src, arrival_slot, CAPACITY,
                                                  TOP_K, RECEIVED)
+            # its quantizing programs run beside the layout's: the scales by the rows of x
             _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
-                         x_quant, x_quant_scale, QUANTIZE)
+                         x_quant, x_quant_scale, QUANTIZE, False)
             _store_arrival_rows(i, block * BLOCK_M + rank, live, valid, src, slot, origin,
                                 arrival_rows, row_src, row_slot, row_origin)
         else:

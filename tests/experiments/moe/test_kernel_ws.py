@@ -190,7 +190,7 @@ def test_launch_arguments(monkeypatch, precision):
     # Linear-1 reads the layout's own rows in place, none on padding rows (slot -1)
     row_slot = call.args[14]
     assert row_origin.tolist() == [r if s >= 0 else -1 for r, s in enumerate(row_slot.tolist())]
-    assert (row_slot < 0).any() and a_rows.dtype == torch.int64 and a_rows.shape == (2,)
+    assert (row_slot < 0).any() and a_rows.dtype == torch.int64 and a_rows.shape == (3,)
     assert (a_rows[1] != 0).item() == (precision == "fp8")
     assert w1_desc.block_shape[0] == 128 and w2_desc.block_shape[0] == call.constexprs["BLOCK_N2"]
     assert w1_desc.shape == [2 * 2 * 2048, 4096] and w2_desc.shape == [2 * 4096, 2048]
@@ -302,4 +302,4 @@ def test_a_prepared_launch_keeps_its_local_combine_buffers_alive(monkeypatch):
     assert refs and all(r() is not None for r in refs)
     table, a_rows = call.args[15], call.args[3]
     assert table.tolist() == [b.data_ptr() for b in call.owners[:len(table)]]
-    assert a_rows.tolist() == [call.owners[len(table)].data_ptr(), 0]  # the layout's rows
+    assert a_rows.tolist() == [call.owners[len(table)].data_ptr(), 0, 0]  # the layout's rows

@@ -58,10 +58,12 @@ def case_ep1(model: str, precision: str, tokens: int, routing: str, programs: in
     route_to_tables(tables, topk_ids.reshape(-1), x, top_k=topk_ids.shape[1])
     _assert_counters_in_use_zeroed(tables)
     assert int(tables.scan_done) == 0  # the scan's last program took its ticket back
-    # the fused kernel reads the tokens in place (bf16), or their quantized copy
-    assert tables.a_rows.tolist() == ([tables.x_quant.data_ptr(), tables.x_quant_scale.data_ptr()]
-                                      if precision == "fp8" else
-                                      [x.data_ptr(), tables.args.data_ptr()])
+    # the fused kernel reads the tokens in place (bf16), or their quantized copy, whose scales
+    # route_quantize lays out by layout row (route_tiny's quantizing programs by token)
+    tiny = tokens * topk_ids.shape[1] <= tables.tiny_arrivals
+    assert tables.a_rows.tolist() == ([tables.x_quant.data_ptr(), tables.x_quant_scale.data_ptr(),
+                                       int(not tiny)] if precision == "fp8" else
+                                      [x.data_ptr(), tables.args.data_ptr(), 0])
     rows = x.repeat_interleave(topk_ids.shape[1], dim=0)
     xq, xs = quantize_rows_fp8(rows) if precision == "fp8" else (rows, None)
     host = host_tables(bounds, topk_ids.reshape(-1), xq, xs, top_k=topk_ids.shape[1])
@@ -139,7 +141,7 @@ def case_ep_rank(model: str, precision: str, world: int, per_source: int, progra
     _assert_counters_in_use_zeroed(tables)
     # the fused kernel reads the received rows and their scales in place
     assert tables.a_rows.tolist() == [x_in.data_ptr(), (tables.args if scale_in is None
-                                                        else scale_in).data_ptr()]
+                                                        else scale_in).data_ptr(), 0]
     host = host_tables(bounds, expert, xq, xs, arrival_src=src, arrival_slot=slot)
     bad = table_mismatches(tables, host)
     assert not bad, bad
@@ -322,7 +324,8 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
                                CHUNK=128, CHUNK_ROWS=1024, E_LOG2=9, JUMP_LEVELS=10,
                                JUMP_STRIDE=513, JUMP_PAD=1024)),
         "route_quantize": ({"args": "*i64", "n_arrivals_ptr": ptr, "x_quant": "*fp8e4nv",
-                            "x_quant_scale": "*fp32", "CAPACITY": i, "HIDDEN": i, "TOP_K": i},
+                            "x_quant_scale": "*fp32", "arrival_rows": ptr, "CAPACITY": i,
+                            "HIDDEN": i, "TOP_K": i},
                            dict(RECEIVED=False, ROWS=32, SLAB=1024, BLOCK_H=128)),
         "route_rows": ({"args": "*i64",
                         **{k: ptr for k in ("arrival_src", "arrival_slot", "n_arrivals_ptr",

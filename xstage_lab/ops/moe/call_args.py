@@ -39,10 +39,11 @@ def allocate_args(device) -> torch.Tensor:
 
 
 def a_rows_view(args: torch.Tensor) -> torch.Tensor:
-    """The two slots of ``args`` the routing points at the rows the fused kernel's Linear-1 reads
-    and at their scales (``moe_args.ARG_A_ROWS``): the fused kernel's ``a_rows``."""
-    slot = load_kernel_module("moe_args").ARG_A_ROWS.value
-    return args[slot:slot + 2]
+    """The slots of ``args`` where the routing points at the rows the fused kernel's Linear-1
+    reads and at their scales, and says how the scales are laid out (``moe_args.ARG_A_ROWS``):
+    the fused kernel's ``a_rows``."""
+    k = load_kernel_module("moe_args")
+    return args[k.ARG_A_ROWS.value:k.ARG_A_ROWS.value + k.A_ROWS_SLOTS.value]
 
 
 def triton_dtype(dtype: torch.dtype):

@@ -203,7 +203,8 @@ class DeviceTables:
     row_slot: torch.Tensor         # int32 [rows]: -1 on padding rows
     row_origin: torch.Tensor       # int32 [rows]: the row of x each row reads, -1 on padding
     x_quant: torch.Tensor | None   # e4m3 [source rows, H]: bf16 x quantized (fp8 layers)
-    x_quant_scale: torch.Tensor | None  # fp32 [source rows, H / 128]
+    # fp32 [rows, H / 128]: by layout row (route_quantize), or by source row (route_tiny)
+    x_quant_scale: torch.Tensor | None
     tiles: dict                    # schedule -> int32 [G, max_tiles, 4]
     num_tiles: dict                # schedule -> int32 [G]
     row_ready: torch.Tensor        # int32 [row blocks]: the fused kernel's Linear-1 counters
@@ -222,8 +223,8 @@ class DeviceTables:
 
     @property
     def a_rows(self) -> torch.Tensor:
-        """The fused kernel's ``a_rows``: the two slots of ``args`` the routing points at the rows
-        Linear-1 reads (``x``'s own, or ``x_quant``) and their scales."""
+        """The fused kernel's ``a_rows``: the slots of ``args`` the routing points at the rows
+        Linear-1 reads (``x``'s own, or ``x_quant``) and their scales, and the scales' layout."""
         return a_rows_view(self.args)
 
     def routing(self, received: bool, quantize: bool, id_dtype: torch.dtype) -> RoutingLaunches:
@@ -261,8 +262,8 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
         torch.full((bounds.rows,), -1, **i32),
         (torch.zeros(sources, hidden, dtype=torch.float8_e4m3fn, device=dev)
          if fp8 and sources else None),
-        (torch.zeros(sources, hidden // FP8_SCALE_BLOCK, dtype=torch.float32, device=dev)
-         if fp8 and sources else None),
+        (torch.zeros(max(sources, bounds.rows), hidden // FP8_SCALE_BLOCK, dtype=torch.float32,
+                     device=dev) if fp8 and sources else None),
         {s: torch.zeros(g, bounds.max_tiles, 4, **i32) for s in SCHEDULES},
         {s: torch.zeros(g, **i32) for s in SCHEDULES}, torch.zeros(bounds.row_blocks, **i32),
         torch.zeros(1, **i32) if error is None else error, allocate_args(dev),
@@ -383,8 +384,9 @@ class RoutingLaunches:
                                 CHUNK_ROWS=SCAN_TILE // scan_experts, **layout)
         self.quantizer = {slab: Launcher(
             k.route_quantize, args=t.args, x_quant=t.x_quant, x_quant_scale=t.x_quant_scale,
-            HIDDEN=hidden, RECEIVED=received, ROWS=QUANT_ROWS, SLAB=slab,
-            BLOCK_H=FP8_SCALE_BLOCK) for slab in (QUANT_SLAB, FP8_SCALE_BLOCK)} if quantize else {}
+            arrival_rows=t.arrival_rows, HIDDEN=hidden, RECEIVED=received, ROWS=QUANT_ROWS,
+            SLAB=slab, BLOCK_H=FP8_SCALE_BLOCK)
+            for slab in (QUANT_SLAB, FP8_SCALE_BLOCK)} if quantize else {}
         tables_static = dict(
             expert_counts=t.expert_counts, expert_offsets=t.expert_offsets, row_src=t.row_src,
             row_slot=t.row_slot, row_origin=t.row_origin, row_ready=t.row_ready,
@@ -546,9 +548,12 @@ def table_mismatches(device: DeviceTables, host: HostTables) -> list[str]:
     if quantized:
         used = torch.from_numpy(host.row_origin >= 0)
         origin = torch.from_numpy(host.row_origin).long()[used]
-        for name, got, want in (("x_quant", device.x_quant, lay.x),
-                                ("x_quant_scale", device.x_quant_scale, lay.x_scale)):
-            g, w = got[origin.to(got.device)].cpu(), want[used]
+        # the scales at each layout row where the routing laid them out so, else at its origin's
+        scale_at = torch.arange(rows)[used] if int(device.a_rows[2]) else origin
+        for name, got, want, at in (("x_quant", device.x_quant, lay.x, origin),
+                                    ("x_quant_scale", device.x_quant_scale, lay.x_scale,
+                                     scale_at)):
+            g, w = got[at.to(got.device)].cpu(), want[used]
             if g.dtype in BITS:  # bitwise
                 g, w = g.view(BITS[g.dtype]), w.view(BITS[g.dtype])
             checks[name] = (g.numpy(), w.numpy())

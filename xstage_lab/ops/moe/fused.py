@@ -192,14 +192,15 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
 class KernelBuffers:
     """What one launch of a fused kernel reads and writes besides the weights: the tile table
     (int32 ``[G, max_tiles, 4]``) and each program's tile count (int32 ``[G]``, read on the
-    device), Linear-1's rows (``a_rows``: int64 ``[2]`` on the device, the addresses of ``x [N,
-    H]`` and of its scales, ``row_addresses``; ``row_origin``: int32 ``[R]``, the row of ``x``
-    each layout row reads, -1 on padding), the intermediate ``h`` and its scales, the row block
-    counters (zero at launch for the row blocks in use), each row's source and slot, the peer
-    table, the error flag and the trace (int64 ``[G, max_tiles, TRACE_FIELDS]`` when
-    instrumented, else one element); where the table splits each Linear-2 tile in ``l2_splits``
-    > 1 along K (gluon_ws only), the splits' fp32 partials and the tile halves' counters
-    (``split_k_buffers``)."""
+    device), Linear-1's rows (``a_rows``: int64 ``[3]`` on the device, the addresses of ``x [N,
+    H]`` and of its scales, and 1 where layout row ``r``'s scales are row ``r`` of them, 0 where
+    they are those of the row of ``x`` it reads: ``row_addresses``; ``row_origin``: int32
+    ``[R]``, the row of ``x`` each layout row reads, -1 on padding), the intermediate ``h`` and
+    its scales, the row block counters (zero at launch for the row blocks in use), each row's
+    source and slot, the peer table, the error flag and the trace (int64 ``[G, max_tiles,
+    TRACE_FIELDS]`` when instrumented, else one element); where the table splits each Linear-2
+    tile in ``l2_splits`` > 1 along K (gluon_ws only), the splits' fp32 partials and the tile
+    halves' counters (``split_k_buffers``)."""
 
     tiles: torch.Tensor
     num_tiles: torch.Tensor
@@ -269,9 +270,10 @@ def kernel_launch(config: TileConfig, weights: ExpertWeights, b: KernelBuffers, 
 
 
 def row_addresses(x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
-    """``KernelBuffers.a_rows`` of ``x`` and its scales (none: 0), on ``x``'s device. The
-    tensors must outlive every launch that reads it."""
-    return torch.tensor([x.data_ptr(), 0 if x_scale is None else x_scale.data_ptr()],
+    """``KernelBuffers.a_rows`` of ``x`` and its scales (none: 0), each layout row's scales those
+    of the row of ``x`` it reads, on ``x``'s device. The tensors must outlive every launch that
+    reads it."""
+    return torch.tensor([x.data_ptr(), 0 if x_scale is None else x_scale.data_ptr(), 0],
                         dtype=torch.int64, device=x.device)
 
 
