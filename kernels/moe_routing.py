@@ -54,10 +54,12 @@ that each hold them all in registers, and beside them the quantizing programs):
                        and its Linear-1 and Linear-2 tiles written into both tables at their
                        closed-form positions;
   ``route_quantize``   per block of rows of ``x`` and slab of columns: e4m3 with one fp32 scale
-                       per 1 x 128 block, into the tables' copy (``x_quant``), each scale at
-                       the layout rows of the row's arrivals (after ``route_rows``, whose
-                       ``arrival_rows`` it reads; ``route_tiny``'s quantizing programs, beside
-                       its layout's, store them by the rows of ``x``).
+                       per 1 x 128 block, into the tables' copy (``x_quant``); where a row's
+                       scales are narrower than a line (``device_tables.scales_by_layout_row``)
+                       each scale at the layout rows of the row's arrivals (after
+                       ``route_rows``, whose ``arrival_rows`` it reads; ``route_tiny``'s
+                       quantizing programs, beside its layout's, store them by the rows of
+                       ``x``).
 
 Tile positions (``G`` programs, ``P_1``/``P_2`` tiles per row block, ``n_1``/``n_2`` the streams'
 lengths). Expert-Wave: the merged stream holds, per wave of row blocks ``[lo, hi)``, its Linear-1
@@ -124,7 +126,8 @@ def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, ou
                     expert_counts, scan_done, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
                     wave_num_tiles, inter_num_tiles, CAPACITY, NUM_EXPERTS, G, P1, P2,
                     WAVE_MIN_L1, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
-                    E_PAD: tl.constexpr, CHUNK: tl.constexpr, ID_DTYPE: tl.constexpr,
+                    SCALES_BY_ROW: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                    ID_DTYPE: tl.constexpr,
                     SCAN: tl.constexpr, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
                     E_LOG2: tl.constexpr, CHUNK_ROWS: tl.constexpr, JUMP_LEVELS: tl.constexpr,
                     JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
@@ -138,9 +141,8 @@ def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, ou
     one kernel boundary fewer. Without it the scan's arguments are not read."""
     c = tl.program_id(0)
     if c == 0:
-        # where it quantizes, route_quantize follows the scatter: the scales by layout row
         _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, x_quant,
-                     x_quant_scale, QUANTIZE, QUANTIZE)
+                     x_quant_scale, QUANTIZE, SCALES_BY_ROW)
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
     # the chunk's ids read before the branch on the count: their load beside the count's
     e, _, valid = _flagged_experts(expert_ids.to(tl.pointer_type(ID_DTYPE)),
@@ -457,14 +459,14 @@ def _store_arrival_rows(i, row, live, valid, src, slot, origin, arrival_rows, ro
 
 @triton.jit
 def route_quantize(args, n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY, HIDDEN,
-                   TOP_K, RECEIVED: tl.constexpr, ROWS: tl.constexpr, SLAB: tl.constexpr,
-                   BLOCK_H: tl.constexpr):
+                   TOP_K, RECEIVED: tl.constexpr, BY_ROW: tl.constexpr, ROWS: tl.constexpr,
+                   SLAB: tl.constexpr, BLOCK_H: tl.constexpr):
     """Program ``(r, h)``: ``_quantize_block`` ``(r, h)`` of ``args``' activations ``x``, after
-    ``route_rows``: each scale stored at the layout rows of the row's arrivals
+    ``route_rows``: ``BY_ROW``, each scale stored at the layout rows of the row's arrivals
     (``arrival_rows``), so that the fused kernel reads a row block's scales together."""
     _quantize_block(tl.program_id(0), tl.program_id(1), arg_pointer(args, ARG_X, tl.bfloat16, True),
                     n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY, HIDDEN, TOP_K,
-                    RECEIVED, True, ROWS, SLAB, BLOCK_H)
+                    RECEIVED, BY_ROW, ROWS, SLAB, BLOCK_H)
 
 
 @triton.jit

@@ -14,7 +14,8 @@ import torch
 from tests.experiments.triton_testing import (assert_case_ok, child_main, child_results,
                                               interpreter_case_tests)
 from xstage_lab.ops.moe.device_tables import (TableBounds, allocate_tables, host_tables,
-                                              quant_slab, route_to_tables, table_mismatches)
+                                              quant_slab, route_to_tables, scales_by_layout_row,
+                                              table_mismatches)
 from xstage_lab.ops.moe.routing import router_logits, router_topk
 from xstage_lab.ops.moe.shapes import MoEContractError, load_shapes
 from xstage_lab.ops.moe.tiles import default_tile_config
@@ -59,10 +60,12 @@ def case_ep1(model: str, precision: str, tokens: int, routing: str, programs: in
     _assert_counters_in_use_zeroed(tables)
     assert int(tables.scan_done) == 0  # the scan's last program took its ticket back
     # the fused kernel reads the tokens in place (bf16), or their quantized copy, whose scales
-    # route_quantize lays out by layout row (route_tiny's quantizing programs by token)
-    tiny = tokens * topk_ids.shape[1] <= tables.tiny_arrivals
+    # route_quantize lays out by layout row where they are narrower than a line (route_tiny's
+    # quantizing programs by token)
+    by_row = (tokens * topk_ids.shape[1] > tables.tiny_arrivals
+              and scales_by_layout_row(shape.hidden))
     assert tables.a_rows.tolist() == ([tables.x_quant.data_ptr(), tables.x_quant_scale.data_ptr(),
-                                       int(not tiny)] if precision == "fp8" else
+                                       int(by_row)] if precision == "fp8" else
                                       [x.data_ptr(), tables.args.data_ptr(), 0])
     rows = x.repeat_interleave(topk_ids.shape[1], dim=0)
     xq, xs = quantize_rows_fp8(rows) if precision == "fp8" else (rows, None)
@@ -276,6 +279,8 @@ def interpreter_cases() -> dict:
         "one_token_split_k": (case_one_token_split_k,),
         "lead_from_the_row_and_from_the_expert": (case_lead_from_the_row_and_from_the_expert,),
         "skewed_fp8": (case_ep1, "Hy3", "fp8", 12, "skewed", 16, 2, 5),
+        # 80 arrivals (three launches) of 44-byte scales: route_quantize's by layout row
+        "skewed_fp8_narrow_scales": (case_ep1, "DiT-MoE", "fp8", 40, "skewed", 16, 2, 5),
         "zero_row_experts": (case_zero_row_experts,),
         "scan_in_steps": (case_scan_in_steps,),
         "ep_rank_bf16": (case_ep_rank, "MiMo-V2.5", "bf16", 8, 40, 16, 2),
@@ -287,6 +292,12 @@ def interpreter_cases() -> dict:
         "few_received_under_a_large_bound": (case_few_received_under_a_large_bound,),
         "launch_by_launch_at_few_arrivals": (case_launch_by_launch_at_few_arrivals,),
     }
+
+
+def test_scales_by_layout_row_where_a_rows_scales_are_narrower_than_a_line():
+    assert scales_by_layout_row(SHAPES["DiT-MoE"].hidden)  # 11 scales: 44 bytes
+    assert scales_by_layout_row(3968) and not scales_by_layout_row(4096)
+    assert not any(scales_by_layout_row(s.hidden) for s in SHAPES.values() if s.hidden >= 4096)
 
 
 def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
@@ -315,7 +326,8 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
         "route_histogram": ({"args": "*i64", **addresses, "n_arrivals_ptr": ptr,
                              "chunk_counts": ptr, "error": ptr, "x_quant": "*fp8e4nv",
                              "x_quant_scale": "*fp32", **layout, **layout_ints},
-                            dict(RECEIVED=False, QUANTIZE=True, E_PAD=256, CHUNK=128,
+                            dict(RECEIVED=False, QUANTIZE=True, SCALES_BY_ROW=True, E_PAD=256,
+                                 CHUNK=128,
                                  ID_DTYPE=tl.int64, SCAN=scan, BLOCK_M=128, G_PAD=256,
                                  E_LOG2=8, CHUNK_ROWS=32, JUMP_LEVELS=9, JUMP_STRIDE=257,
                                  JUMP_PAD=512)),
@@ -326,7 +338,7 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
         "route_quantize": ({"args": "*i64", "n_arrivals_ptr": ptr, "x_quant": "*fp8e4nv",
                             "x_quant_scale": "*fp32", "arrival_rows": ptr, "CAPACITY": i,
                             "HIDDEN": i, "TOP_K": i},
-                           dict(RECEIVED=False, ROWS=32, SLAB=1024, BLOCK_H=128)),
+                           dict(RECEIVED=False, BY_ROW=True, ROWS=32, SLAB=1024, BLOCK_H=128)),
         "route_rows": ({"args": "*i64",
                         **{k: ptr for k in ("arrival_src", "arrival_slot", "n_arrivals_ptr",
                                             "chunk_start", "expert_counts", "expert_offsets",

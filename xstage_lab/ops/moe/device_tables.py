@@ -83,6 +83,9 @@ TINY_FEW_RECEIVED = 32
 # take it instead of two or three launches: the table passes 0.61x, the graphed call 4.7 µs less
 ROW_BLOCKS_TINY = 4
 TINY_TABLE_PROGRAMS = 2  # route_tiny's programs before its tiles' (the arrivals', the experts')
+# A row's activation scales narrower than this (HIDDEN below 4096) share lines with the next
+# row's: route_quantize lays them out by layout row (scales_by_layout_row)
+SCALE_LINE_BYTES = 128
 QUANT_ROWS = 32   # rows of x per program of the FP8 quantization ...
 QUANT_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of rows, or one 128-column
 # block each where that gives fewer programs than G (``quant_slab``): a program's column steps run
@@ -203,7 +206,8 @@ class DeviceTables:
     row_slot: torch.Tensor         # int32 [rows]: -1 on padding rows
     row_origin: torch.Tensor       # int32 [rows]: the row of x each row reads, -1 on padding
     x_quant: torch.Tensor | None   # e4m3 [source rows, H]: bf16 x quantized (fp8 layers)
-    # fp32 [rows, H / 128]: by layout row (route_quantize), or by source row (route_tiny)
+    # fp32 [rows, H / 128]: by layout row (route_quantize where scales_by_layout_row), else by
+    # source row
     x_quant_scale: torch.Tensor | None
     tiles: dict                    # schedule -> int32 [G, max_tiles, 4]
     num_tiles: dict                # schedule -> int32 [G]
@@ -282,6 +286,20 @@ def tiny_warps(a_pad: int) -> int:
     return max(8, a_pad // 8)
 
 
+def scales_by_layout_row(hidden: int) -> bool:
+    """Whether ``route_quantize`` stores each token's 1 x 128 scales at its arrivals' layout rows
+    (and the fused kernel reads them there) rather than once at its row of ``x``: where a row's
+    scales are narrower than a line (``SCALE_LINE_BYTES``), so that a row block's tokens, lying
+    apart in ``x``, would each take a line of scales. DiT-MoE's 44 bytes read through its tokens
+    took its FP8 kernel 1.02-1.03x the time of the host-scheduled launch at 4096 and 8192 tokens,
+    by layout row 1.00 (paired; moe_layer/h200-x1/20261204T181620Z-f0fdda4cd7 against
+    …181527Z-9fd98b7c50, one job; moe_gather_probe …180629Z-0a56654b8d). Scales of a line or
+    more (HIDDEN from 4096) gained nothing by layout row, while route_quantize, storing each
+    token's scales top-k times, took 1.1-2.6 µs more at 64 and 512 tokens (…182146Z-ce84581d84
+    against …181902Z-0cd7c38d53)."""
+    return hidden // FP8_SCALE_BLOCK * 4 < SCALE_LINE_BYTES
+
+
 def quant_slab(rows: int, hidden: int, num_programs: int) -> int:
     """The columns of one quantizing program over ``rows`` rows (``route_quantize``'s, or
     ``route_tiny``'s beside its tables): ``QUANT_SLAB``, or one 128-column block where the wide
@@ -348,6 +366,7 @@ class RoutingLaunches:
         e_pad = _pow2(b.num_experts)
         hidden = t.x_quant.shape[1] if quantize else 0
         self.tables, self.received, self.quantize = tables, received, quantize
+        by_row = quantize and scales_by_layout_row(hidden)
         self.kernels = k
         # where the quantization writes; the fused kernel reads them through args' a_rows slots
         # (unquantized, any pointer stands in)
@@ -374,18 +393,18 @@ class RoutingLaunches:
             E_LOG2=e_pad.bit_length() - 1, JUMP_LEVELS=t.wave_jumps.shape[0],
             JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
         self.histogram = Launcher(k.route_histogram, args=t.args, error=t.error, ID_DTYPE=ids,
-                                  SCAN=False, CHUNK_ROWS=1, **{**layout, "num_warps": 4},
-                                  **quant)
+                                  SCAN=False, CHUNK_ROWS=1, SCALES_BY_ROW=by_row,
+                                  **{**layout, "num_warps": 4}, **quant)
         self.histogram_scan = Launcher(
             k.route_histogram, args=t.args, error=t.error, ID_DTYPE=ids, SCAN=True,
             CHUNK_ROWS=min(_pow2(max(t.scan_chunks, 1)), max(SCAN_ONE_TILE // e_pad, 1)),
-            **layout, **quant)
+            SCALES_BY_ROW=by_row, **layout, **quant)
         self.offsets = Launcher(k.route_offsets, E_BLOCK=scan_experts,
                                 CHUNK_ROWS=SCAN_TILE // scan_experts, **layout)
         self.quantizer = {slab: Launcher(
             k.route_quantize, args=t.args, x_quant=t.x_quant, x_quant_scale=t.x_quant_scale,
-            arrival_rows=t.arrival_rows, HIDDEN=hidden, RECEIVED=received, ROWS=QUANT_ROWS,
-            SLAB=slab, BLOCK_H=FP8_SCALE_BLOCK)
+            arrival_rows=t.arrival_rows, HIDDEN=hidden, RECEIVED=received, BY_ROW=by_row,
+            ROWS=QUANT_ROWS, SLAB=slab, BLOCK_H=FP8_SCALE_BLOCK)
             for slab in (QUANT_SLAB, FP8_SCALE_BLOCK)} if quantize else {}
         tables_static = dict(
             expert_counts=t.expert_counts, expert_offsets=t.expert_offsets, row_src=t.row_src,
