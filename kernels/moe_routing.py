@@ -53,7 +53,7 @@ that each hold them all in registers, and beside them the quantizing programs):
                        zeroed, ``row_slot = -1`` and ``row_origin = -1`` on its padding rows,
                        and its Linear-1 and Linear-2 tiles written into both tables at their
                        closed-form positions;
-  ``route_quantize``   per block of rows of ``x`` and slab of columns: e4m3 with one fp32 scale
+  ``route_quantize``   per block of rows of ``x`` and 128 columns: e4m3 with one fp32 scale
                        per 1 x 128 block, into the tables' copy (``x_quant``); where a row's
                        scales are narrower than a line (``device_tables.scales_by_layout_row``)
                        each scale at the layout rows of the row's arrivals (after
@@ -459,52 +459,50 @@ def _store_arrival_rows(i, row, live, valid, src, slot, origin, arrival_rows, ro
 
 @triton.jit
 def route_quantize(args, n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY, HIDDEN,
-                   TOP_K, RECEIVED: tl.constexpr, BY_ROW: tl.constexpr, ROWS: tl.constexpr,
-                   SLAB: tl.constexpr, BLOCK_H: tl.constexpr):
+                   TOP_K, RECEIVED: tl.constexpr, BY_ROW: tl.constexpr, ROWS: tl.constexpr):
     """Program ``(r, h)``: ``_quantize_block`` ``(r, h)`` of ``args``' activations ``x``, after
     ``route_rows``: ``BY_ROW``, each scale stored at the layout rows of the row's arrivals
     (``arrival_rows``), so that the fused kernel reads a row block's scales together."""
     _quantize_block(tl.program_id(0), tl.program_id(1), arg_pointer(args, ARG_X, tl.bfloat16, True),
                     n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY, HIDDEN, TOP_K,
-                    RECEIVED, BY_ROW, ROWS, SLAB, BLOCK_H)
+                    RECEIVED, BY_ROW, ROWS)
 
 
 @triton.jit
 def _quantize_block(r, h, x, n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY,
                     HIDDEN, TOP_K, RECEIVED: tl.constexpr, BY_ROW: tl.constexpr,
-                    ROWS: tl.constexpr, SLAB: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rows ``r ROWS ..`` and columns ``h SLAB ..`` of the bf16 activations ``x`` (the ``CAPACITY
+                    ROWS: tl.constexpr):
+    """Rows ``r ROWS ..`` and scale block ``h`` (columns ``h 128 ..``) of the bf16 activations
+    ``x`` (the ``CAPACITY
     // TOP_K`` tokens at EP = 1, the received rows on an EP rank) to e4m3 ``x_quant`` with one
     fp32 scale per 1 x 128 block (``x_quant_scale``: at the row of ``x``, or ``BY_ROW`` at the
     layout row of each of its ``TOP_K`` arrivals, ``arrival_rows``, none where an arrival has no
     row), as ``weights.quantize_rows_fp8``, bitwise:
     the scale times the reciprocal of the e4m3 maximum (torch's CUDA division by a scalar does
     so), the values times the IEEE reciprocal of the scale (div_rn: Triton's `/` is the
-    approximate div.full.f32). Every block independent."""
+    approximate div.full.f32). Every block independent: one per program, so that many programs
+    share an SM and their loads are in flight together (programs of eight blocks one after
+    another ran the pass at about half of HBM's rate from 4096 tokens)."""
     i = r * ROWS + tl.arange(0, ROWS)
-    h_first = h * SLAB
     # an EP rank's arrivals are its rows (TOP_K 1); at EP = 1 each token is TOP_K arrivals
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED) // TOP_K
     if r * ROWS < n:
         live = i < n
         rows64 = i.to(tl.int64)
         k_scales = HIDDEN // SCALE_BLOCK
-        for h0 in range(h_first, tl.minimum(h_first + SLAB, HIDDEN), BLOCK_H):
-            # BLOCK_H == SCALE_BLOCK: one scale per row of the block
-            cols = h0 + tl.arange(0, BLOCK_H)
-            at = rows64[:, None] * HIDDEN + cols[None, :]
-            v = tl.load(x + at, mask=live[:, None]).to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12) * (1.0 / E4M3_MAX)
-            inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), scale)
-            q = _round_to_e4m3(v * inv[:, None]).to(tl.float8e4nv)
-            tl.store(x_quant + at, q, mask=live[:, None])
-            if BY_ROW:
-                for j in range(TOP_K):
-                    row = tl.load(arrival_rows + rows64 * TOP_K + j, mask=live, other=-1)
-                    tl.store(x_quant_scale + row.to(tl.int64) * k_scales + h0 // SCALE_BLOCK,
-                             scale, mask=row >= 0)
-            else:
-                tl.store(x_quant_scale + rows64 * k_scales + h0 // SCALE_BLOCK, scale, mask=live)
+        cols = h * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
+        at = rows64[:, None] * HIDDEN + cols[None, :]
+        v = tl.load(x + at, mask=live[:, None]).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12) * (1.0 / E4M3_MAX)
+        inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), scale)
+        q = _round_to_e4m3(v * inv[:, None]).to(tl.float8e4nv)
+        tl.store(x_quant + at, q, mask=live[:, None])
+        if BY_ROW:
+            for j in range(TOP_K):
+                row = tl.load(arrival_rows + rows64 * TOP_K + j, mask=live, other=-1)
+                tl.store(x_quant_scale + row.to(tl.int64) * k_scales + h, scale, mask=row >= 0)
+        else:
+            tl.store(x_quant_scale + rows64 * k_scales + h, scale, mask=live)
 
 
 @triton.jit
@@ -653,7 +651,7 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
                QUANTIZE: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
                A_PAD: tl.constexpr, A_FEW: tl.constexpr, G_PAD: tl.constexpr,
                ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-               TILE_PROGRAMS: tl.constexpr, QUANT_ROWS: tl.constexpr, SLAB: tl.constexpr):
+               TILE_PROGRAMS: tl.constexpr, QUANT_ROWS: tl.constexpr):
     """Every table of the three launches, for at most ``BLOCK_M`` arrivals (``CAPACITY <= A_PAD
     <= BLOCK_M``, a power of two), from the arrivals held in registers, with no pass and no step
     through memory between them. So few arrivals give each expert at most one row block, which
@@ -674,18 +672,18 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
     row blocks' experts a round of barriers among its warps (moe_layer/h200-x1/
     20261203T124752Z-aee52a93dd; Nsight Compute: 23 k cycles over 14 k warp instructions).
     Ids out of range add to ``error`` and get no row, as in ``route_histogram``. ``QUANTIZE``:
-    the programs after those are ``_quantize_block``'s blocks of ``QUANT_ROWS`` rows and
-    ``SLAB`` columns of ``x``, row-major (the fused kernel's quantized rows, ``x_quant``, without
+    the programs after those are ``_quantize_block``'s blocks of ``QUANT_ROWS`` rows and 128
+    columns of ``x``, row-major (the fused kernel's quantized rows, ``x_quant``, without
     a launch of their own)."""
     q = tl.program_id(0)
     first_quant = 2 + TILE_PROGRAMS
     if q >= first_quant:
         if QUANTIZE:
-            slabs = tl.cdiv(HIDDEN, SLAB)
-            _quantize_block((q - first_quant) // slabs, (q - first_quant) % slabs,
+            blocks = HIDDEN // SCALE_BLOCK
+            _quantize_block((q - first_quant) // blocks, (q - first_quant) % blocks,
                             tl.multiple_of(x.to(tl.pointer_type(tl.bfloat16)), 16),
                             n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY,
-                            HIDDEN, TOP_K, RECEIVED, False, QUANT_ROWS, SLAB, SCALE_BLOCK)
+                            HIDDEN, TOP_K, RECEIVED, False, QUANT_ROWS)
     else:
         n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
         ids = expert_ids.to(tl.pointer_type(ID_DTYPE))

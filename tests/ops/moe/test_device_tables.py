@@ -14,7 +14,7 @@ import torch
 from tests.experiments.triton_testing import (assert_case_ok, child_main, child_results,
                                               interpreter_case_tests)
 from xstage_lab.ops.moe.device_tables import (TableBounds, allocate_tables, host_tables,
-                                              quant_slab, route_to_tables, scales_by_layout_row,
+                                              quant_grid, route_to_tables, scales_by_layout_row,
                                               table_mismatches)
 from xstage_lab.ops.moe.routing import router_logits, router_topk
 from xstage_lab.ops.moe.shapes import MoEContractError, load_shapes
@@ -338,7 +338,7 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
         "route_quantize": ({"args": "*i64", "n_arrivals_ptr": ptr, "x_quant": "*fp8e4nv",
                             "x_quant_scale": "*fp32", "arrival_rows": ptr, "CAPACITY": i,
                             "HIDDEN": i, "TOP_K": i},
-                           dict(RECEIVED=False, BY_ROW=True, ROWS=32, SLAB=1024, BLOCK_H=128)),
+                           dict(RECEIVED=False, BY_ROW=True, ROWS=32)),
         "route_rows": ({"args": "*i64",
                         **{k: ptr for k in ("arrival_src", "arrival_slot", "n_arrivals_ptr",
                                             "chunk_start", "expert_counts", "expert_offsets",
@@ -362,7 +362,7 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
                                           "HIDDEN")}},
                        dict(RECEIVED=True, QUANTIZE=True, BLOCK_M=128, E_PAD=e_pad, A_PAD=128,
                             A_FEW=32, G_PAD=256, ID_DTYPE=tl.int32, P_PAD=16, ROW_BLOCKS=4,
-                            TILE_PROGRAMS=min(128, e_pad) // 4, QUANT_ROWS=32, SLAB=128)),
+                            TILE_PROGRAMS=min(128, e_pad) // 4, QUANT_ROWS=32)),
     }
     signature, constexprs = signatures[name]
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
@@ -436,13 +436,10 @@ def test_linear2_tiles_split_along_k_only_where_they_leave_most_programs_idle():
                           split_k=True).l2_splits == 1  # 16 row blocks: 176 tiles
 
 
-def test_quant_slab_narrows_where_wide_slabs_leave_programs_idle():
-    # one token (hidden 4096) on 132 programs: 4 wide programs
-    assert quant_slab(1, 4096, 132) == 128
-    # 8192 tokens: 256 programs of 32 rows, 4 slabs each
-    assert quant_slab(8192, 4096, 132) == 1024
-    assert quant_slab(33 * 32, 4096, 132) == 1024  # exactly G wide programs
-    assert quant_slab(32 * 32, 4096, 132) == 128
+def test_each_quantizing_program_takes_one_scale_block_of_its_rows():
+    assert quant_grid(1, 4096) == (1, 32)
+    assert quant_grid(8192, 4096) == (256, 32)
+    assert quant_grid(33, 1408) == (2, 11)  # DiT-MoE: 11 scale blocks
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ host schedules (``schedules.expert_wave_schedule``, ``interleaved_schedule``, ``
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,12 +87,11 @@ TINY_TABLE_PROGRAMS = 2  # route_tiny's programs before its tiles' (the arrivals
 # A row's activation scales narrower than this (HIDDEN below 4096) share lines with the next
 # row's: route_quantize lays them out by layout row (scales_by_layout_row)
 SCALE_LINE_BYTES = 128
-QUANT_ROWS = 32   # rows of x per program of the FP8 quantization ...
-QUANT_SLAB = 1024  # ... and columns: hidden / 1024 programs per block of rows, or one 128-column
-# block each where that gives fewer programs than G (``quant_slab``): a program's column steps run
-# one after another. At one token, EP = 1, the pass (then a gather into the layout as well) took
-# 6.8-7.0 µs in wide slabs and 1.7 µs in 128-column ones, in one session on one H200
+# Rows of x per program of the FP8 quantization, each program one 128-column block of them. At
+# one token, EP = 1, the pass (then a gather into the layout as well) took 6.8-7.0 µs where a
+# program stepped through 1024 columns and 1.7 µs in 128-column ones, in one session on one H200
 # (moe_layer/h200-x1/20261202T203004Z and …203438Z, per-kernel profile; both retired)
+QUANT_ROWS = 32
 SCHEDULES = ("wave", "interleaved")
 BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 
@@ -300,12 +300,10 @@ def scales_by_layout_row(hidden: int) -> bool:
     return hidden // FP8_SCALE_BLOCK * 4 < SCALE_LINE_BYTES
 
 
-def quant_slab(rows: int, hidden: int, num_programs: int) -> int:
-    """The columns of one quantizing program over ``rows`` rows (``route_quantize``'s, or
-    ``route_tiny``'s beside its tables): ``QUANT_SLAB``, or one 128-column block where the wide
-    slabs give fewer programs than ``num_programs``."""
-    wide = triton.cdiv(rows, QUANT_ROWS) * triton.cdiv(hidden, QUANT_SLAB)
-    return QUANT_SLAB if wide >= num_programs else FP8_SCALE_BLOCK
+def quant_grid(rows: int, hidden: int) -> tuple[int, int]:
+    """The quantizing programs over ``rows`` rows of ``x`` (``route_quantize``'s grid; as many
+    of ``route_tiny``'s beside its tables): blocks of ``QUANT_ROWS`` rows by 128 columns."""
+    return triton.cdiv(rows, QUANT_ROWS), hidden // FP8_SCALE_BLOCK
 
 
 def _pow2(n: int) -> int:
@@ -401,11 +399,10 @@ class RoutingLaunches:
             SCALES_BY_ROW=by_row, **layout, **quant)
         self.offsets = Launcher(k.route_offsets, E_BLOCK=scan_experts,
                                 CHUNK_ROWS=SCAN_TILE // scan_experts, **layout)
-        self.quantizer = {slab: Launcher(
+        self.quantizer = Launcher(
             k.route_quantize, args=t.args, x_quant=t.x_quant, x_quant_scale=t.x_quant_scale,
             arrival_rows=t.arrival_rows, HIDDEN=hidden, RECEIVED=received, BY_ROW=by_row,
-            ROWS=QUANT_ROWS, SLAB=slab, BLOCK_H=FP8_SCALE_BLOCK)
-            for slab in (QUANT_SLAB, FP8_SCALE_BLOCK)} if quantize else {}
+            ROWS=QUANT_ROWS) if quantize else None
         tables_static = dict(
             expert_counts=t.expert_counts, expert_offsets=t.expert_offsets, row_src=t.row_src,
             row_slot=t.row_slot, row_origin=t.row_origin, row_ready=t.row_ready,
@@ -417,14 +414,14 @@ class RoutingLaunches:
                              arrival_rows=t.arrival_rows, RECEIVED=received, CHUNK=CHUNK,
                              ID_DTYPE=ids, EXPERT_LEAD=b.expert_lead, wave_lo=t.wave_lo,
                              wave_hi=t.wave_hi, **tables_static)
-        # one per power of two of the arrivals and quantized slab, bound on first use: A_PAD (and
-        # ROW_BLOCKS with it) and SLAB are constexprs
+        # one per power of two of the arrivals, bound on first use: A_PAD (and ROW_BLOCKS with
+        # it) are constexprs
         self.tiny_static = dict(
             args=t.args, meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
             inter_num_tiles=t.num_tiles["interleaved"], arrival_rows=t.arrival_rows,
             error=t.error, RECEIVED=received, G_PAD=_pow2(b.num_programs), ID_DTYPE=ids,
             HIDDEN=hidden, QUANT_ROWS=QUANT_ROWS, **quant, **tables_static)
-        self.tiny: dict[tuple[int, int], Launcher] = {}
+        self.tiny: dict[int, Launcher] = {}
 
     def __call__(self, capacity: int, top_k: int, addresses: tuple[int, ...], *,
                  n_arrivals: torch.Tensor | None = None, arrival_src: torch.Tensor | None = None,
@@ -460,10 +457,8 @@ class RoutingLaunches:
         self.rows((grid[0] + t.bounds.row_blocks,), arrival_src=src, arrival_slot=slot,
                   n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
         if self.quantize:
-            rows = capacity // fanout
-            slab = quant_slab(rows, self.hidden, t.bounds.num_programs)
-            self.quantizer[slab]((triton.cdiv(rows, QUANT_ROWS), triton.cdiv(self.hidden, slab)),
-                                 n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
+            self.quantizer(quant_grid(capacity // fanout, self.hidden), n_arrivals_ptr=n_ptr,
+                           CAPACITY=capacity, TOP_K=fanout)
 
     def fanout(self, top_k: int) -> int:
         """Arrivals per row of ``x``: an EP rank's arrivals are its rows, one each."""
@@ -474,30 +469,27 @@ class RoutingLaunches:
         call's addresses (a graph's node of it is given each call's). Up to the tiny bound,
         ``route_tiny``: two programs the arrivals' rows and the experts' tables, one per
         ``ROW_BLOCKS_TINY`` row blocks the tiles (the row blocks: one per routed expert at
-        most), and where it quantizes, one program more per block of ``_quantize_block`` (the
-        rows of ``x`` by ``QUANT_ROWS``, ``quant_slab``'s columns), so no launch of its own
+        most), and where it quantizes, one program more per block of ``_quantize_block``
+        (``quant_grid``), so no launch of its own
         quantizes them. Else ``route_histogram``, up to ``tables.scan_chunks`` chunks with
         ``route_offsets``' work in its last program."""
         t = self.tables
         if capacity > (t.tiny_received if self.received else t.tiny_arrivals):
             chunks = triton.cdiv(capacity, CHUNK)
             return (self.histogram_scan if chunks <= t.scan_chunks else self.histogram), (chunks,)
-        rows = capacity // self.fanout(top_k)
-        slab = quant_slab(rows, self.hidden, t.bounds.num_programs) if self.quantize else 0
         a_pad = _pow2(capacity)
         row_blocks = min(ROW_BLOCKS_TINY, a_pad)
         tile_programs = triton.cdiv(min(a_pad, t.bounds.num_experts), row_blocks)
-        key = (a_pad, slab)
-        launch = self.tiny.get(key)
-        if launch is None:  # unquantized, SLAB is read by no program: 1 stands in
+        launch = self.tiny.get(a_pad)
+        if launch is None:
             few = min(TINY_FEW_RECEIVED, a_pad) if self.received else a_pad
-            launch = self.tiny[key] = Launcher(self.kernels.route_tiny, A_PAD=a_pad, A_FEW=few,
-                                               ROW_BLOCKS=row_blocks,
-                                               TILE_PROGRAMS=tile_programs,
-                                               SLAB=max(slab, 1), num_warps=tiny_warps(a_pad),
-                                               **self.tiny_static)
-        blocks = triton.cdiv(rows, QUANT_ROWS) * triton.cdiv(self.hidden, slab) if slab else 0
-        return launch, (TINY_TABLE_PROGRAMS + tile_programs + blocks,)
+            launch = self.tiny[a_pad] = Launcher(self.kernels.route_tiny, A_PAD=a_pad, A_FEW=few,
+                                                 ROW_BLOCKS=row_blocks,
+                                                 TILE_PROGRAMS=tile_programs,
+                                                 num_warps=tiny_warps(a_pad), **self.tiny_static)
+        quant = (math.prod(quant_grid(capacity // self.fanout(top_k), self.hidden))
+                 if self.quantize else 0)
+        return launch, (TINY_TABLE_PROGRAMS + tile_programs + quant,)
 
 
 @dataclass(frozen=True)
