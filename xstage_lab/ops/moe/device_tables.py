@@ -87,10 +87,11 @@ TINY_TABLE_PROGRAMS = 2  # route_tiny's programs before its tiles' (the arrivals
 # A row's activation scales narrower than this (HIDDEN below 4096) share lines with the next
 # row's: route_quantize lays them out by layout row (scales_by_layout_row)
 SCALE_LINE_BYTES = 128
-# Rows of x per program of the FP8 quantization, each program one 128-column block of them. At
-# one token, EP = 1, the pass (then a gather into the layout as well) took 6.8-7.0 µs where a
-# program stepped through 1024 columns and 1.7 µs in 128-column ones, in one session on one H200
-# (moe_layer/h200-x1/20261202T203004Z and …203438Z, per-kernel profile; both retired)
+# Rows of x per program of the FP8 quantization, each program one 128-column block of them
+# (``_quantize_block`` says what that measured from 4096 tokens). At one token, EP = 1, the pass
+# (then a gather into the layout as well) took 6.8-7.0 µs where a program stepped through 1024
+# columns and 1.7 µs in 128-column ones, in one session on one H200 (moe_layer/h200-x1/
+# 20261202T203004Z and …203438Z, per-kernel profile; both retired)
 QUANT_ROWS = 32
 SCHEDULES = ("wave", "interleaved")
 BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
