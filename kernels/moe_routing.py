@@ -473,15 +473,14 @@ def _quantize_block(r, h, x, n_arrivals_ptr, x_quant, x_quant_scale, arrival_row
                     HIDDEN, TOP_K, RECEIVED: tl.constexpr, BY_ROW: tl.constexpr,
                     ROWS: tl.constexpr):
     """Rows ``r ROWS ..`` and scale block ``h`` (columns ``h 128 ..``) of the bf16 activations
-    ``x`` (the ``CAPACITY
-    // TOP_K`` tokens at EP = 1, the received rows on an EP rank) to e4m3 ``x_quant`` with one
-    fp32 scale per 1 x 128 block (``x_quant_scale``: at the row of ``x``, or ``BY_ROW`` at the
-    layout row of each of its ``TOP_K`` arrivals, ``arrival_rows``, none where an arrival has no
-    row), as ``weights.quantize_rows_fp8``, bitwise:
-    the scale times the reciprocal of the e4m3 maximum (torch's CUDA division by a scalar does
-    so), the values times the IEEE reciprocal of the scale (div_rn: Triton's `/` is the
-    approximate div.full.f32). Every block independent: one per program, so that many programs
-    share an SM and their loads are in flight together. Against programs of eight blocks one
+    ``x`` (the ``CAPACITY // TOP_K`` tokens at EP = 1, the received rows on an EP rank) to e4m3
+    ``x_quant`` with one fp32 scale per 1 x 128 block (``x_quant_scale``: at the row of ``x``, or
+    ``BY_ROW`` at the layout row of each of its ``TOP_K`` arrivals, ``arrival_rows``, none where
+    an arrival has no row), as ``weights.quantize_rows_fp8``, bitwise: the scale times the
+    reciprocal of the e4m3 maximum (torch's CUDA division by a scalar does so), the values times
+    the IEEE reciprocal of the scale (div_rn: Triton's `/` is the approximate div.full.f32).
+    Every block independent: one per program, so that many programs share an SM and their loads
+    are in flight together. Against programs of eight blocks one
     after another (from 4096 tokens, where they made as many programs as SMs), the pass took
     0.81x the time on DiT-MoE (1408 columns) and 0.92-0.97x on Qwen3.5 (4096) at 4096 and 8192
     tokens, 1.04x on GLM-5.x (6144) and DeepSeek-V4-Pro (7168) at 8192 (per-kernel profiles;

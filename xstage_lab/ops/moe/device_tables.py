@@ -267,8 +267,10 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
         torch.full((bounds.rows,), -1, **i32),
         (torch.zeros(sources, hidden, dtype=torch.float8_e4m3fn, device=dev)
          if fp8 and sources else None),
-        (torch.zeros(max(sources, bounds.rows), hidden // FP8_SCALE_BLOCK, dtype=torch.float32,
-                     device=dev) if fp8 and sources else None),
+        # by layout row (route_quantize's, scales_by_layout_row) the bound's rows, else by source
+        (torch.zeros(max(sources, bounds.rows) if scales_by_layout_row(hidden) else sources,
+                     hidden // FP8_SCALE_BLOCK, dtype=torch.float32, device=dev)
+         if fp8 and sources else None),
         {s: torch.zeros(g, bounds.max_tiles, 4, **i32) for s in SCHEDULES},
         {s: torch.zeros(g, **i32) for s in SCHEDULES}, torch.zeros(bounds.row_blocks, **i32),
         torch.zeros(1, **i32) if error is None else error, allocate_args(dev),
@@ -292,9 +294,10 @@ def scales_by_layout_row(hidden: int) -> bool:
     (and the fused kernel reads them there) rather than once at its row of ``x``: where a row's
     scales are narrower than a line (``SCALE_LINE_BYTES``), so that a row block's tokens, lying
     apart in ``x``, would each take a line of scales. DiT-MoE's 44 bytes read through its tokens
-    took its FP8 kernel 1.02-1.03x the time of the host-scheduled launch at 4096 and 8192 tokens,
-    by layout row 1.00 (paired; moe_layer/h200-x1/20261204T181620Z-f0fdda4cd7 against
-    …181527Z-9fd98b7c50, one job; moe_gather_probe …180629Z-0a56654b8d). Scales of a line or
+    took its FP8 kernel 1.021x and 1.018x the time of the host-scheduled launch at 4096 and 8192
+    tokens, by layout row 1.006x and 0.998x (paired; moe_layer/h200-x1/
+    20261204T181620Z-f0fdda4cd7 against …181527Z-9fd98b7c50, one job; moe_gather_probe
+    …180629Z-0a56654b8d). Scales of a line or
     more (HIDDEN from 4096) gained nothing by layout row, while route_quantize, storing each
     token's scales top-k times, took 1.1-2.6 µs more at 64 and 512 tokens (…182146Z-ce84581d84
     against …181902Z-0cd7c38d53)."""
