@@ -27,6 +27,8 @@ def test_options_are_checked_before_any_launch(tmp_path):
         _args("--schedule", "fenced")
     for argv, message in [(("--variant", f"tma={kernel_path('moe_fused_ws.py')}"), "taken"),
                           (("--variant", f"in_place={kernel_path('moe_fused_ws.py')}"), "taken"),
+                          (("--variant", f"scales_in_place={kernel_path('moe_fused_ws.py')}"),
+                           "taken"),
                           (("--tma-kernel", str(tmp_path / "none.py")), "no file"),
                           (("--models", "GPT-2"), "unknown model"),
                           (("--tokens", "0"), ">= 1"),

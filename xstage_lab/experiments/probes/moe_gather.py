@@ -32,9 +32,12 @@ of each kernel, all in one rotation:
 token's, top-k layout rows per token: ``in_place`` over the host layout of the tokens repeated
 top-k times and moved into place (``layer_bench``'s host-scheduled launch), ``scattered`` over the
 tokens themselves (each layout row through its token; FP8: the tokens quantized once),
-``device_tables`` the layer's kernel over its tables (routed once), ``device_tiles`` as above; a
-variant runs over ``scattered``'s rows with ``in_place``'s scales (in layout order), so that a
-kernel reading each row's scales by its layout row separates the rows' gather from the scales'.
+``device_tables`` the layer's kernel over its tables (routed once), ``device_tiles`` as above,
+and ``scales_in_place``: ``scattered``'s rows with ``in_place``'s scales, read by layout row
+(``a_rows``' third slot), which separates the rows' gather from the scales'; each variant runs
+over those.
+Records before 7e5e659 have no ``scales_in_place``: its kernel read the scales through the rows
+only, and their variant ``scales_by_row`` read them by layout row.
 
 1. Checks first: the cell passes ``kernel_cell.check_cell`` (the committed schedules against the
    references); the workspace's tables equal the host reference
@@ -78,6 +81,7 @@ from ..moe.layer_bench import Ep1Cell
 from .variants import file_digests, parse_variants
 
 COMMITTED = ("in_place", "scattered", "device_tables", "device_tiles")
+EP1_ONLY = ("scales_in_place",)
 SCHEDULES = ("wave", "interleaved")
 TMA = "tma"
 # the committed kernel's tiles, a_rows, row_origin and row_slot arguments
@@ -154,7 +158,7 @@ class MoEGather(Experiment):
             raise ValueError("--tokens, --trials and --graph-iters must be >= 1, --warmup >= 0")
         if a.tma_kernel is not None and not a.tma_kernel.is_file():
             raise ValueError(f"--tma-kernel: no file {a.tma_kernel}")
-        a.variants = parse_variants(a.variant, (*COMMITTED, TMA), ".py")
+        a.variants = parse_variants(a.variant, (*COMMITTED, *EP1_ONLY, TMA), ".py")
         if a.setting == "ep1":
             if a.routing != ["balanced"] or a.schedule is not None or a.tma_kernel is not None:
                 raise ValueError("--setting ep1 takes balanced routing, the layer's own schedule "
@@ -237,19 +241,22 @@ class MoEGather(Experiment):
         x, x_scale = (quantize_rows_fp8(cell.x) if precision == "fp8" else (cell.x, None))
         a_rows = row_addresses(x, x_scale)
         scattered = (*in_place.args[:A_ROWS], a_rows, origin, *in_place.args[ROW_ORIGIN + 1:])
-        # the variants': the tokens' rows, in_place's scales (by layout row)
+        # the tokens' rows, in_place's scales read by layout row
         rows_only = in_place.args[A_ROWS].clone()
-        rows_only[0] = x.data_ptr()
-        variant_args = (*in_place.args[:A_ROWS], rows_only, origin, *in_place.args[ROW_ORIGIN + 1:])
+        rows_only[0], rows_only[2] = x.data_ptr(), 1
+        scales_in_place = (*in_place.args[:A_ROWS], rows_only, origin,
+                           *in_place.args[ROW_ORIGIN + 1:])
         schedule, t = cell.layer.schedule, cell.ws.tables
         device_tiles = (t.tiles[schedule], t.num_tiles[schedule], t.tiles[schedule].shape[1],
                         *in_place.args[TILES + 3:])
         launches = {"in_place": in_place,
                     "scattered": self._launch(in_place, self._committed(), scattered),
                     "device_tables": lambda: cell.ws.launch(schedule, cell.layer.peers),
-                    "device_tiles": self._launch(in_place, self._committed(), device_tiles)}
+                    "device_tiles": self._launch(in_place, self._committed(), device_tiles),
+                    "scales_in_place": self._launch(in_place, self._committed(),
+                                                    scales_in_place)}
         for name, kernel in self.kernels.items():
-            launches[name] = self._launch(in_place, kernel, variant_args)
+            launches[name] = self._launch(in_place, kernel, scales_in_place)
         checked = {"schedule": schedule, "rows": slot.numel(), **{f"rel_err_{k}": e for k, e in
                                            cell.output_error(y, cell.x, cell.ids, cell.w).items()}}
         return GatherStep(point, cell, launches, checked, failures, cell.ws,
@@ -333,7 +340,8 @@ class MoEGather(Experiment):
         files = dict(args.variants)
         if args.tma_kernel is not None:
             files[TMA] = args.tma_kernel
-        return {"kernels": [*COMMITTED, *files], "files": file_digests(files),
+        ep1 = EP1_ONLY if args.setting == "ep1" else ()
+        return {"kernels": [*COMMITTED, *ep1, *files], "files": file_digests(files),
                 "workload": (f"EP = 1, {args.tokens} tokens, balanced routing, the layer's "
                              "own schedule" if args.setting == "ep1" else
                              f"one rank (rank {kc.RANK}) of EP = {kc.EP} on one GPU, every "
