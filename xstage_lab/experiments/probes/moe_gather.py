@@ -36,8 +36,8 @@ tokens themselves (each layout row through its token; FP8: the tokens quantized 
 and ``scales_in_place``: ``scattered``'s rows with ``in_place``'s scales, read by layout row
 (``a_rows``' third slot), which separates the rows' gather from the scales'; each variant runs
 over those.
-Records before 7e5e659 have no ``scales_in_place``: its kernel read the scales through the rows
-only, and their variant ``scales_by_row`` read them by layout row.
+Records before 10f58df have no ``scales_in_place``; those of 16615e6 time it as the variant
+``scales_by_row`` (a kernel that read the scales by layout row only).
 
 1. Checks first: the cell passes ``kernel_cell.check_cell`` (the committed schedules against the
    references); the workspace's tables equal the host reference
@@ -229,10 +229,9 @@ class MoEGather(Experiment):
         weights = run.resource((shape.model, precision), lambda: local_expert_weights(
             shape, 0, 1, precision, seed=args.seed, device=self.on))
         cell = Ep1Cell(shape, precision, args.tokens, weights, None, args.seed, self.on)
-        y = cell.call()
+        errors = cell.output_error(cell.call(), cell.x, cell.ids, cell.w)
         tol = TOLERANCE[precision]
-        failures = [f"fused {k} error {e:.3g} > {tol[k]}"
-                    for k, e in cell.output_error(y, cell.x, cell.ids, cell.w).items()
+        failures = [f"fused {k} error {e:.3g} > {tol[k]}" for k, e in errors.items()
                     if not e <= tol[k]]
         in_place = cell.host_launch()
         # each layout row's token: its arrival (the host layout's slot) over top_k; padding -1
@@ -257,8 +256,8 @@ class MoEGather(Experiment):
                                                     scales_in_place)}
         for name, kernel in self.kernels.items():
             launches[name] = self._launch(in_place, kernel, scales_in_place)
-        checked = {"schedule": schedule, "rows": slot.numel(), **{f"rel_err_{k}": e for k, e in
-                                           cell.output_error(y, cell.x, cell.ids, cell.w).items()}}
+        checked = {"schedule": schedule, "rows": slot.numel(),
+                   **{f"rel_err_{k}": e for k, e in errors.items()}}
         return GatherStep(point, cell, launches, checked, failures, cell.ws,
                           (x, x_scale, a_rows, rows_only, origin, in_place), cell.combined(),
                           (in_place.error, cell.ws.error))
