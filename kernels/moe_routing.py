@@ -42,8 +42,8 @@ that each hold them all in registers, and beside them the quantizing programs):
                        scan over experts), the Expert-Wave waves by counted rows where an expert
                        holds more than one row block (else ``route_rows`` has them in closed
                        form), the tile count of every program of both schedules and the used
-                       row blocks. Where the
-                       arrivals' bound has few chunks (``device_tables.SCAN_IN_HISTOGRAM_CHUNKS``)
+                       row blocks. Where the arrivals' bound has few chunks
+                       (``device_tables.SCAN_IN_HISTOGRAM_CHUNKS``)
                        ``route_histogram``'s last program does all of it instead (``SCAN``): two
                        launches;
   ``route_rows``       two passes, independent given the offsets, side by side in one grid:
@@ -480,12 +480,12 @@ def _quantize_block(r, h, x, n_arrivals_ptr, x_quant, x_quant_scale, arrival_row
     reciprocal of the e4m3 maximum (torch's CUDA division by a scalar does so), the values times
     the IEEE reciprocal of the scale (div_rn: Triton's `/` is the approximate div.full.f32).
     Every block independent: one per program, so that many programs share an SM and their loads
-    are in flight together. Against programs of eight blocks one
-    after another (from 4096 tokens, where they made as many programs as SMs), the pass took
-    0.81x the time on DiT-MoE (1408 columns) and 0.92-0.97x on Qwen3.5 (4096) at 4096 and 8192
-    tokens, 1.04x on GLM-5.x (6144) and DeepSeek-V4-Pro (7168) at 8192 (per-kernel profiles;
-    moe_layer/h200-x1/20261204T183803Z-63b2bf9dea against …183850Z-9c19123ed0, …184307Z-
-    6613df5091 against …184400Z-6669c9fbcd, one job each)."""
+    are in flight together. Against programs of eight blocks one after another (from 4096
+    tokens, where they made as many programs as SMs), the pass took 0.81x the time on DiT-MoE
+    (1408 columns) and 0.92-0.97x on Qwen3.5 (4096) at 4096 and 8192 tokens, 1.04x on GLM-5.x
+    (6144) and DeepSeek-V4-Pro (7168) at 8192 (per-kernel profiles; moe_layer/h200-x1/
+    20261204T183803Z-63b2bf9dea against …183850Z-9c19123ed0, …184307Z-6613df5091 against
+    …184400Z-6669c9fbcd, one job each)."""
     i = r * ROWS + tl.arange(0, ROWS)
     # an EP rank's arrivals are its rows (TOP_K 1); at EP = 1 each token is TOP_K arrivals
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED) // TOP_K

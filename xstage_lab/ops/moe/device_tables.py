@@ -297,10 +297,9 @@ def scales_by_layout_row(hidden: int) -> bool:
     took its FP8 kernel 1.021x and 1.018x the time of the host-scheduled launch at 4096 and 8192
     tokens, by layout row 1.006x and 0.998x (paired; moe_layer/h200-x1/
     20261204T181620Z-f0fdda4cd7 against …181527Z-9fd98b7c50, one job; moe_gather_probe
-    …180629Z-0a56654b8d). Scales of a line or
-    more (HIDDEN from 4096) gained nothing by layout row, while route_quantize, storing each
-    token's scales top-k times, took 1.1-2.6 µs more at 64 and 512 tokens (…182146Z-ce84581d84
-    against …181902Z-0cd7c38d53)."""
+    …180629Z-0a56654b8d). Scales of a line or more (HIDDEN from 4096) gained nothing by layout
+    row, while route_quantize, storing each token's scales top-k times, took 1.1-2.6 µs more at
+    64 and 512 tokens (…182146Z-ce84581d84 against …181902Z-0cd7c38d53)."""
     return hidden // FP8_SCALE_BLOCK * 4 < SCALE_LINE_BYTES
 
 
@@ -474,9 +473,8 @@ class RoutingLaunches:
         ``route_tiny``: two programs the arrivals' rows and the experts' tables, one per
         ``ROW_BLOCKS_TINY`` row blocks the tiles (the row blocks: one per routed expert at
         most), and where it quantizes, one program more per block of ``_quantize_block``
-        (``quant_grid``), so no launch of its own
-        quantizes them. Else ``route_histogram``, up to ``tables.scan_chunks`` chunks with
-        ``route_offsets``' work in its last program."""
+        (``quant_grid``), so no launch of its own quantizes them. Else ``route_histogram``, up
+        to ``tables.scan_chunks`` chunks with ``route_offsets``' work in its last program."""
         t = self.tables
         if capacity > (t.tiny_received if self.received else t.tiny_arrivals):
             chunks = triton.cdiv(capacity, CHUNK)
