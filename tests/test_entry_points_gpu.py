@@ -74,6 +74,9 @@ LIVE = {
     "moe_gather_probe": Live("local", ("--models", "DiT-MoE", "--precisions", "bf16",
                                        "--tokens", "256", "--variant",
                                        f"copy={kernel_path('moe_fused_ws.py')}", *TIMING)),
+    # every sequence on one cell
+    "moe_call_probe": Live("local", ("--models", "DiT-MoE", "--precisions", "bf16", "--settings",
+                                     "ep1", "--repeats", "1", "--calls", "2")),
     "fa_kernel_probe": Live("local", ("--variant",
                                       f"committed={kernel_path('flash_attention_ws.py')}",
                                       "--shapes", "128:12:1024", *TIMING)),

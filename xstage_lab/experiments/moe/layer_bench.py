@@ -135,8 +135,10 @@ class Ep1Cell:
     def route(self):
         self.ws.route(self.ids.reshape(-1), self.x, top_k=self.shape.top_k)
 
-    def kernel(self):
-        self.ws.launch(self.layer.schedule, self.layer.peers)
+    def kernel(self, routed: bool = False):
+        """The fused kernel over the tables (``MoEWorkspace.launch``; ``routed``: right after
+        ``route`` on this stream, which zeroed its counters)."""
+        self.ws.launch(self.layer.schedule, self.layer.peers, routed=routed)
 
     def weighted_sum(self):
         combine_weighted_sum(self.combined(), self.w)
@@ -253,8 +255,9 @@ class Ep8RankCell:
         self.ws.route(self.in_expert, self.in_x, self.in_scale, n_arrivals=self.n,
                       arrival_src=self.in_src, arrival_slot=self.in_slot)
 
-    def kernel(self):
-        self.ws.launch(auto_schedule(EP), self.peers)
+    def kernel(self, routed: bool = False):
+        """``Ep1Cell.kernel``'s counterpart."""
+        self.ws.launch(auto_schedule(EP), self.peers, routed=routed)
 
     def call(self):
         self.ws.received_call(auto_schedule(EP), self.peers, self.in_expert, self.in_x,
@@ -439,6 +442,23 @@ def check_graph_replays(cell: Ep1Cell) -> list[str]:
     return failures
 
 
+def layer_cell(shape, precision: str, setting: str, tokens: int, run: Run, device):
+    """The cell of ``setting`` (``Ep1Cell`` or ``Ep8RankCell``), its weights built once per
+    (model, precision, setting) in ``run`` (``run.args.seed``)."""
+    world = 1 if setting == "ep1" else EP
+    seed = run.args.seed
+
+    def make():
+        w = local_expert_weights(shape, 0, world, precision, seed=seed, device=device)
+        u = (GroupedWeights(precision, w.w1, w.w2) if precision == "bf16" else
+             unfused_expert_weights(shape, 0, world, precision, seed=seed, device=device))
+        return w, u
+
+    weights, uweights = run.resource((shape.model, precision, setting), make)
+    kind = Ep1Cell if setting == "ep1" else Ep8RankCell
+    return kind(shape, precision, tokens, weights, uweights, seed, device)
+
+
 class MoELayer(Experiment):
     name = "moe_layer"
     paper = "§4.2, §5.2; issue 27"
@@ -502,20 +522,8 @@ class MoELayer(Experiment):
         self.launch_floors = launch_floors_us(self.on)
 
     def prepare(self, point: dict, run: Run):
-        args, shape, precision = run.args, self.shapes[point["model"]], point["precision"]
-        setting = point["setting"]
-        world = 1 if setting == "ep1" else EP
-
-        def make():
-            w = local_expert_weights(shape, 0, world, precision, seed=args.seed, device=self.on)
-            u = (GroupedWeights(precision, w.w1, w.w2) if precision == "bf16" else
-                 unfused_expert_weights(shape, 0, world, precision, seed=args.seed,
-                                        device=self.on))
-            return w, u
-
-        weights, uweights = run.resource((shape.model, precision, setting), make)
-        kind = Ep1Cell if setting == "ep1" else Ep8RankCell
-        return kind(shape, precision, point["tokens"], weights, uweights, args.seed, self.on)
+        return layer_cell(self.shapes[point["model"]], point["precision"], point["setting"],
+                          point["tokens"], run, self.on)
 
     def check(self, cell, run: Run) -> list[str]:
         return check_cell(cell, run)

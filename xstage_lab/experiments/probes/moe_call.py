@@ -1,0 +1,163 @@
+"""Call probe of the fused MoE layer: the fused kernel's own device time after each launch that can
+precede it (issue 27; record ``moe_call_probe``).
+
+    python -m xstage_lab.experiments.probes.moe_call (--out FILE | --root DIR)
+        [--models M ...] [--precisions bf16 fp8] [--settings ep1 ep8_rank] [--tokens 64]
+        [--repeats N] [--calls N]
+
+``moe_layer``'s per-kernel profiles (``layer_profile``) show the fused kernel running longer in a
+call than alone on FP8 cells from 8 to 512 tokens (``kernel_in_call_us`` over
+``kernel_alone_device_us``: 2-10 µs more), where bf16 cells differ by about 1 µs either way. The
+graphed call's excess over the kernel alone (issue 27's 5% bound) holds that time. This probe
+separates what precedes the kernel, on ``layer_bench``'s cells (``layer_cell``):
+
+  alone          the counters zeroed (a memset), then the kernel: ``layer_bench``'s ``kernel``;
+  routed         the routing launches, then the kernel: the call less its weighted sum;
+  routed_memset  the routing, the counters zeroed again, then the kernel: a launch between;
+  routed_idle    the routing, the host waiting for the device, then the kernel: nothing running
+                 when it starts, the routing's stores in place;
+  call           the whole call (``layer_bench``'s ``fused``: its graph launched).
+
+1. Checks first: the cell passes ``layer_bench.check_cell`` (outputs poisoned, against the
+   reference, bit for bit with the host-scheduled launch, the tables against the host's, the
+   error flag zero). Any failure aborts the run before timing; nothing is written.
+2. Timing: each sequence's fused-kernel device time per call as torch.profiler's CUDA activity
+   records it (``kernel_times_us``, ``--calls`` calls), the sequences in an order rotated by one
+   each of ``--repeats`` rounds, the SM clock read before each.
+
+One row per (cell, sequence): the median, p25 and p75 over rounds; ``over_alone``, the median of
+the per-round ratios of the sequence's time to ``alone``'s.
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ...cli import list_option
+from ...dist_timing import kernel_times_us, paired_ratio, read_sm_clock_mhz
+from ...ops.moe.fused import KERNEL_ENTRIES
+from ...ops.moe.shapes import PRECISIONS, load_shapes
+from ...sweep import Axis, Sweep
+from .. import harness
+from ..harness import Experiment, Run
+from ..moe.layer_bench import SETTINGS, Ep1Cell, check_cell, layer_cell
+
+SEQUENCES = ("alone", "routed", "routed_memset", "routed_idle", "call")
+
+
+def sequences(cell) -> dict:
+    """The launches before each timed kernel (module docstring), as callables."""
+    def routed():
+        cell.route()
+        cell.kernel(routed=True)
+
+    def routed_memset():
+        cell.route()
+        cell.kernel()
+
+    def routed_idle():
+        cell.route()
+        torch.cuda.synchronize()
+        cell.kernel(routed=True)
+
+    return {"alone": cell.kernel, "routed": routed, "routed_memset": routed_memset,
+            "routed_idle": routed_idle, "call": cell.call}
+
+
+def rotated(names: list[str], round_: int) -> list[str]:
+    """``names`` started at position ``round_`` (mod their count)."""
+    k = round_ % len(names)
+    return names[k:] + names[:k]
+
+
+class MoECall(Experiment):
+    """The fused kernel's device time after each predecessor, on ``layer_bench``'s cells."""
+
+    name = "moe_call_probe"
+    paper = "§4.2 the fused layer's call; issue 27"
+    launch = "in_process"
+    links = ("local",)
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--models", **list_option(default=["Hy3", "Qwen3.5", "DiT-MoE"]))
+        p.add_argument("--precisions", **list_option(default=list(PRECISIONS)))
+        p.add_argument("--settings", **list_option(default=list(SETTINGS)))
+        p.add_argument("--tokens", **list_option(int, default=[64]))
+        p.add_argument("--repeats", type=int, default=5)
+        p.add_argument("--calls", type=int, default=10)
+        p.add_argument("--seed", type=int, default=0)
+
+    def check_args(self, a: argparse.Namespace) -> None:
+        shapes = load_shapes()
+        for name, given, allowed in (("model", a.models, shapes),
+                                     ("precision", a.precisions, PRECISIONS),
+                                     ("setting", a.settings, SETTINGS)):
+            bad = [g for g in given if g not in allowed]
+            if bad:
+                raise ValueError(f"unknown {name} {bad}; choose from {list(allowed)}")
+        if min(a.tokens) < 1 or a.repeats < 1 or a.calls < 1:
+            raise ValueError("--tokens, --repeats and --calls must be >= 1")
+
+    def sweeps(self, args) -> list[Sweep]:
+        return [Sweep("moe_call", (Axis("model", args.models), Axis("precision", args.precisions),
+                                   Axis("setting", args.settings), Axis("tokens", args.tokens)),
+                      repeats=1, warmup=0)]
+
+    def start(self, run: Run) -> None:
+        if not torch.cuda.is_available():
+            raise SystemExit("probes.moe_call needs a CUDA GPU")
+        self.on = torch.device("cuda", torch.cuda.current_device())
+        torch.backends.cuda.matmul.allow_tf32 = False  # the reference is float32
+        self.shapes = load_shapes()
+
+    def prepare(self, point: dict, run: Run):
+        return layer_cell(self.shapes[point["model"]], point["precision"], point["setting"],
+                          point["tokens"], run, self.on)
+
+    def check(self, cell, run: Run) -> list[str]:
+        return check_cell(cell, run)
+
+    def measure(self, cell, run: Run) -> pd.DataFrame:
+        a = run.args
+        fused = KERNEL_ENTRIES[cell.ws.config.kernel][1]
+        seqs = sequences(cell)
+        times = {name: [] for name in seqs}
+        clocks = {name: [] for name in seqs}
+        for r in range(a.repeats):
+            for name in rotated(list(seqs), r):
+                clocks[name].append(read_sm_clock_mhz(self.on))
+                times[name].append(kernel_times_us(seqs[name], a.calls)[fused])
+        rows = []
+        for name, t in times.items():
+            known = [c for c in clocks[name] if c is not None]
+            rows.append({"model": cell.shape.model, "precision": cell.precision,
+                         "setting": "ep1" if isinstance(cell, Ep1Cell) else "ep8_rank", "tokens": cell.tokens,
+                         "sequence": name, "kernel_us": float(np.median(t)),
+                         "p25_us": float(np.percentile(t, 25)),
+                         "p75_us": float(np.percentile(t, 75)),
+                         "over_alone": paired_ratio(t, times["alone"]),
+                         "sm_clock_mhz": float(np.median(known)) if known else float("nan"),
+                         "trials_us": t})
+        return pd.DataFrame(rows)
+
+    def progress_line(self, rows) -> str | None:
+        r = rows.set_index("sequence")["over_alone"].round(3).to_dict()
+        first = rows.iloc[0]
+        return (f"{first['model']:18s} {first['precision']} {first['setting']:8s} "
+                f"{first['tokens']:5d} alone {rows.iloc[0]['kernel_us']:.1f} us {r}")
+
+    def metadata(self, run: Run) -> dict:
+        a = run.args
+        return {"sequences": list(SEQUENCES),
+                "timing": f"torch.profiler CUDA activity, {a.calls} calls per round, "
+                          f"{a.repeats} rounds, sequence order rotated by round"}
+
+
+EXPERIMENT = MoECall()
+
+
+if __name__ == "__main__":
+    harness.main(EXPERIMENT)
