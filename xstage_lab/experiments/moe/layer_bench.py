@@ -117,6 +117,8 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 class Ep1Cell:
     """EP = 1: ``FusedMoE`` over every expert, inputs static (graph-capturable) per cell."""
 
+    setting = "ep1"
+
     def __init__(self, shape, precision, tokens, weights, uweights, seed, device):
         self.shape, self.precision, self.tokens, self.seed = shape, precision, tokens, seed
         self.layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="auto")
@@ -552,7 +554,7 @@ class MoELayer(Experiment):
                   if cell.tokens in TRACED_TOKENS else {})
         # the point's columns too: the progress line reads them before the sweep adds them
         return {"model": cell.shape.model, "precision": cell.precision,
-                "setting": "ep1" if isinstance(cell, Ep1Cell) else "ep8_rank",
+                "setting": cell.setting,
                 "tokens": cell.tokens, "fused_eager_us": eager["fused"]["median_us"],
                 "fused_graph_us": graphed["fused"]["median_us"],
                 "schedule_us": graphed["schedule"]["median_us"],

@@ -43,7 +43,7 @@ from ...ops.moe.shapes import PRECISIONS, load_shapes
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
-from ..moe.layer_bench import SETTINGS, Ep1Cell, check_cell, layer_cell
+from ..moe.layer_bench import SETTINGS, check_cell, layer_cell
 
 SEQUENCES = ("alone", "routed", "routed_memset", "routed_idle", "call")
 
@@ -134,7 +134,7 @@ class MoECall(Experiment):
         for name, t in times.items():
             known = [c for c in clocks[name] if c is not None]
             rows.append({"model": cell.shape.model, "precision": cell.precision,
-                         "setting": "ep1" if isinstance(cell, Ep1Cell) else "ep8_rank", "tokens": cell.tokens,
+                         "setting": cell.setting, "tokens": cell.tokens,
                          "sequence": name, "kernel_us": float(np.median(t)),
                          "p25_us": float(np.percentile(t, 25)),
                          "p75_us": float(np.percentile(t, 75)),
