@@ -228,6 +228,8 @@ class Ep8RankCell:
     """Rank 0 of EP = 8: issue 18's workload (``kernel_cell.build_workload``: the received rows of
     all eight sources in the order Dispatch delivers them) into eight local buffers."""
 
+    setting = "ep8_rank"
+
     def __init__(self, shape, precision, tokens, weights, uweights, seed, device):
         self.shape, self.precision, self.tokens, self.seed = shape, precision, tokens, seed
         wl = build_workload(shape, "balanced", tokens, seed=seed, device=device)
