@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from xstage_lab.experiments.probes import moe_call as mc
 
@@ -28,11 +31,30 @@ def test_options_are_checked_before_any_launch():
             mc.EXPERIMENT.check_args(_args(*argv))
 
 
+class _Buffer:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def view(self, dtype):
+        assert dtype is torch.uint8
+        return self
+
+    def max(self):
+        self.log.append(f"read {self.name}")
+
+
 class _Cell:
     """Records the launches each sequence makes, in order."""
 
     def __init__(self):
         self.log = []
+        b = {n: _Buffer(n, self.log) for n in ("wave", "inter", "n_wave", "n_inter", "origin",
+                                                "slot", "src", "args", "xq", "xs")}
+        tables = SimpleNamespace(tiles={"wave": b["wave"], "interleaved": b["inter"]},
+                                 num_tiles={"wave": b["n_wave"], "interleaved": b["n_inter"]},
+                                 row_origin=b["origin"], row_slot=b["slot"], row_src=b["src"],
+                                 args=b["args"], x_quant=b["xq"], x_quant_scale=b["xs"])
+        self.ws = SimpleNamespace(tables=tables)
 
     def route(self):
         self.log.append("route")
@@ -51,7 +73,14 @@ def test_each_sequence_launches_what_it_names(monkeypatch):
     assert tuple(seqs) == mc.SEQUENCES
     want = {"alone": ["memset, kernel"], "routed": ["route", "kernel after route"],
             "routed_memset": ["route", "memset, kernel"],
-            "routed_idle": ["route", "sync", "kernel after route"], "call": ["call"]}
+            "routed_idle": ["route", "sync", "kernel after route"],
+            "read_all": ["route", *(f"read {n}" for n in ("wave", "inter", "n_wave", "n_inter",
+                                                         "origin", "slot", "src", "args", "xq",
+                                                         "xs")), "kernel after route"],
+            "read_tiles": ["route", "read wave", "read inter", "read n_wave", "read n_inter",
+                           "kernel after route"],
+            "read_rows": ["route", "read origin", "read slot", "read src", "kernel after route"],
+            "call": ["call"]}
     for name, fn in seqs.items():
         cell.log.clear()
         fn()

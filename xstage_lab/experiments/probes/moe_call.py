@@ -16,6 +16,12 @@ separates what precedes the kernel, on ``layer_bench``'s cells (``layer_cell``):
   routed_memset  the routing, the counters zeroed again, then the kernel: a launch between;
   routed_idle    the routing, the host waiting for the device, then the kernel: nothing running
                  when it starts, the routing's stores in place;
+  read_all       the routing, then every buffer it wrote that the kernel reads read through once
+                 (a reduction over its bytes): the tile tables and counts, the layout rows'
+                 ``row_origin``/``row_slot``/``row_src``, the argument block and, where the
+                 routing quantizes, ``x_quant`` and its scales; then the kernel;
+  read_tiles     the same with only the tile tables and counts read;
+  read_rows      the same with only the layout rows' three tables read;
   call           the whole call (``layer_bench``'s ``fused``: its graph launched).
 
 1. Checks first: the cell passes ``layer_bench.check_cell`` (outputs poisoned, against the
@@ -45,7 +51,8 @@ from .. import harness
 from ..harness import Experiment, Run
 from ..moe.layer_bench import SETTINGS, check_cell, layer_cell
 
-SEQUENCES = ("alone", "routed", "routed_memset", "routed_idle", "call")
+SEQUENCES = ("alone", "routed", "routed_memset", "routed_idle", "read_all", "read_tiles",
+             "read_rows", "call")
 
 
 def sequences(cell) -> dict:
@@ -63,8 +70,23 @@ def sequences(cell) -> dict:
         torch.cuda.synchronize()
         cell.kernel(routed=True)
 
+    def read_through(buffers):
+        def sequence():
+            cell.route()
+            for b in buffers:
+                b.view(torch.uint8).max()
+            cell.kernel(routed=True)
+        return sequence
+
+    t = cell.ws.tables
+    tiles = [*t.tiles.values(), *t.num_tiles.values()]
+    rows = [t.row_origin, t.row_slot, t.row_src]
+    quantized = [b for b in (t.x_quant, t.x_quant_scale) if b is not None]
     return {"alone": cell.kernel, "routed": routed, "routed_memset": routed_memset,
-            "routed_idle": routed_idle, "call": cell.call}
+            "routed_idle": routed_idle, "read_all": read_through([*tiles, *rows, t.args,
+                                                                  *quantized]),
+            "read_tiles": read_through(tiles), "read_rows": read_through(rows),
+            "call": cell.call}
 
 
 def rotated(names: list[str], round_: int) -> list[str]:
