@@ -30,7 +30,8 @@ def test_an_ep_ranks_arrivals_are_its_experts_picks_padded_to_the_capacity():
 
 
 @pytest.mark.parametrize("argv", [["--models", "Nope"], ["--settings", "ep4"],
-                                  ["--tokens", "0"], ["--trials", "0"]])
+                                  ["--tokens", "0"], ["--trials", "0"],
+                                  ["--paths", "launches", "two_programs"]])
 def test_bad_options_are_refused_before_any_launch(argv, tmp_path):
     with pytest.raises((ValueError, SystemExit)):
         args = harness.parse(rs.EXPERIMENT, ["--out", str(tmp_path / "x.json"), *argv])

@@ -4,6 +4,7 @@ than the launches whose programs make their passes side by side (issue 27; recor
 
     python -m xstage_lab.experiments.probes.route_small (--out FILE | --root DIR)
         [--models M ...] [--settings ep1 ep8_rank] [--tokens 1 8 64 512] [--trials N]
+        [--paths launches scan_in_histogram one_program]
 
 ``device_tables.TINY_ARRIVALS`` (``TINY_RECEIVED`` on an EP rank) sends a call's routing through one
 launch up to that many arrivals (at most ``block_m``): every table from the arrivals held in the
@@ -30,7 +31,9 @@ threshold is read off measurement.
    (``dist_timing.time_methods``, CUDA-graph replays), then each path's kernels by name
    (``kernel_times_us``).
 
-One row per (cell, path); ``over_launches`` is the launches' time over the path's (``over_five``
+One row per (cell, path) of ``--paths`` (all three by default; ``one_program`` holds every
+arrival in registers, so above ``TINY_ARRIVALS`` it times a build no call takes); ``over_launches``
+is the launches' time over the path's (NaN where ``launches`` was not timed; ``over_five``
 in records from before the scatter and the tiles shared a launch, when the argument writer, the
 four table launches and the activations' gather were five).
 """
@@ -130,14 +133,16 @@ class RouteSmall(Experiment):
         p.add_argument("--warmup", type=int, default=2)
         p.add_argument("--graph-iters", type=int, default=20)
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--paths", **list_option(default=list(PATHS)),
+                       help="the paths to check and time (over_launches NaN without launches)")
 
     def check_args(self, a: argparse.Namespace) -> None:
         shapes = load_shapes()
         unknown = [m for m in a.models if m not in shapes] + \
-            [s for s in a.settings if s not in SETTINGS]
+            [s for s in a.settings if s not in SETTINGS] + [p for p in a.paths if p not in PATHS]
         if unknown:
-            raise ValueError(f"unknown models or settings {unknown}: models {list(shapes)}, "
-                             f"settings {list(SETTINGS)}")
+            raise ValueError(f"unknown models, settings or paths {unknown}: models "
+                             f"{list(shapes)}, settings {list(SETTINGS)}, paths {list(PATHS)}")
         if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1 or a.warmup < 0:
             raise ValueError("--tokens, --trials and --graph-iters must be >= 1, --warmup >= 0")
 
@@ -166,7 +171,7 @@ class RouteSmall(Experiment):
         tables = {path: allocate_tables(bounds, shape.hidden, "bf16", self.device,
                                         tiny_arrivals=p["tiny"], tiny_received=p["tiny"],
                                         scan_chunks=p["scan_chunks"])
-                  for path, p in PATHS.items()}
+                  for path, p in PATHS.items() if path in run.args.paths}
         return RouteStep(point, arrivals, tables, bounds)
 
     def check(self, step: RouteStep, run: Run) -> list[str]:
@@ -186,10 +191,10 @@ class RouteSmall(Experiment):
 
     def measure(self, step: RouteStep, run: Run) -> pd.DataFrame:
         args = run.args
-        routes = {path: (lambda p=path: step.route(p)) for path in PATHS}
+        routes = {path: (lambda p=path: step.route(p)) for path in step.tables}
         timing = time_methods(routes, trials=args.trials, warmup=args.warmup,
                               graph_iters=args.graph_iters, clocks=True)
-        launches = timing["launches"]["median_us"]
+        launches = timing.get("launches", {}).get("median_us", float("nan"))
         a = step.arrivals
         n = int(a.received["n_arrivals"]) if a.received else a.expert_ids.numel()
         return pd.DataFrame([{
