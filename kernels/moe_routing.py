@@ -88,7 +88,7 @@ META_ROW_BLOCKS = tl.constexpr(0)  # meta[0]: row blocks in use; meta[1]: tiles 
 META_TILES = tl.constexpr(1)
 SCALE_BLOCK = tl.constexpr(128)
 E4M3_MAX = tl.constexpr(448.0)
-RANK_BLOCK = tl.constexpr(16)  # arrivals per step of a chunk's ranks (_rank_in_chunk)
+RANK_BLOCK = tl.constexpr(8)  # arrivals per step of a chunk's ranks (_rank_in_chunk)
 
 
 @triton.jit
