@@ -88,7 +88,6 @@ META_ROW_BLOCKS = tl.constexpr(0)  # meta[0]: row blocks in use; meta[1]: tiles 
 META_TILES = tl.constexpr(1)
 SCALE_BLOCK = tl.constexpr(128)
 E4M3_MAX = tl.constexpr(448.0)
-RANK_BLOCK = tl.constexpr(8)  # arrivals per step of a chunk's ranks (_rank_in_chunk)
 
 
 @triton.jit
@@ -420,30 +419,13 @@ def _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, exp
     src, slot, origin = _arrival_sources(i, arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED)
     if c * CHUNK < n:
         e = tl.where(valid, e, -1)
-        rank = _rank_in_chunk(e, local, expert_ids, c, n, NUM_EXPERTS, CAPACITY, CHUNK)
+        before = (e[:, None] == e[None, :]) & (local[None, :] < local[:, None])
+        rank = tl.sum(before.to(tl.int32), axis=1)
         safe_e = tl.where(valid, e, 0)
         row = (tl.load(expert_offsets + safe_e, mask=valid, other=0)
                + tl.load(chunk_start + c * NUM_EXPERTS + safe_e, mask=valid, other=0) + rank)
         _store_arrival_rows(i, row, live, valid, src, slot, origin, arrival_rows, row_src,
                             row_slot, row_origin)
-
-
-@triton.jit
-def _rank_in_chunk(e, local, expert_ids, c, n, NUM_EXPERTS, CAPACITY, CHUNK: tl.constexpr):
-    """Each arrival's rank among the arrivals of its expert ``e`` (-1 where not valid) before it
-    in chunk ``c`` (``local``: their places in it), counted against ``RANK_BLOCK`` of the chunk's
-    arrivals a step, their ids read again. All pairs at once held ``CHUNK`` flags per thread:
-    138 registers, three programs of ``route_rows`` per SM (Nsight Compute, Qwen3.5 at EP = 1
-    and 8192 tokens: 4.5 waves of 1792 programs, 15.8 µs; ``route_ncu``)."""
-    rank = tl.zeros([CHUNK], dtype=tl.int32)
-    for j in range(0, CHUNK, RANK_BLOCK):
-        other = j + tl.arange(0, RANK_BLOCK)
-        e_other, _, valid_other = _arrival_experts(expert_ids, c * CHUNK + other, n, NUM_EXPERTS,
-                                                   CAPACITY)
-        e_other = tl.where(valid_other, e_other, -1)
-        before = (e[:, None] == e_other[None, :]) & (other[None, :] < local[:, None])
-        rank += tl.sum(before.to(tl.int32), axis=1)
-    return rank
 
 
 @triton.jit
