@@ -412,20 +412,44 @@ def _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, exp
                    arrival_rows, row_src, row_slot, row_origin, NUM_EXPERTS, TOP_K, CAPACITY,
                    RECEIVED: tl.constexpr, CHUNK: tl.constexpr):
     """The scatter of chunk ``c`` of the ``n`` arrivals (``route_rows``): the chunk's ids and
-    sources read before the branch on the count, beside its load."""
+    sources read before the branch on the count, beside its load. The chunk sorted by (expert,
+    arrival): an arrival's rank among its expert's arrivals before it is its place in its
+    expert's run, so each sorted place stores its arrival's row (``_sorted_ranks``)."""
     local = tl.arange(0, CHUNK)
     i = c * CHUNK + local
     e, live, valid = _arrival_experts(expert_ids, i, n, NUM_EXPERTS, CAPACITY)
     src, slot, origin = _arrival_sources(i, arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED)
     if c * CHUNK < n:
-        e = tl.where(valid, e, -1)
-        before = (e[:, None] == e[None, :]) & (local[None, :] < local[:, None])
-        rank = tl.sum(before.to(tl.int32), axis=1)
+        at, e, rank = _sorted_ranks(tl.where(valid, e, -1), local, CHUNK)
+        valid = e >= 0
         safe_e = tl.where(valid, e, 0)
         row = (tl.load(expert_offsets + safe_e, mask=valid, other=0)
                + tl.load(chunk_start + c * NUM_EXPERTS + safe_e, mask=valid, other=0) + rank)
-        _store_arrival_rows(i, row, live, valid, src, slot, origin, arrival_rows, row_src,
-                            row_slot, row_origin)
+        _store_arrival_rows(c * CHUNK + at, row, c * CHUNK + at < n, valid,
+                            tl.gather(src, at, 0), tl.gather(slot, at, 0),
+                            tl.gather(origin, at, 0), arrival_rows, row_src, row_slot,
+                            row_origin)
+
+
+@triton.jit
+def _sorted_ranks(e, local, CHUNK: tl.constexpr):
+    """The ``CHUNK`` arrivals of a chunk (their experts ``e``, -1 where not valid, and places
+    ``local``) sorted by (expert, place): per sorted place, the arrival's place in the chunk, its
+    expert and its rank among the arrivals of that expert before it (invalid ones: a run of their
+    own, first). All pairs compared at once instead held ``CHUNK`` flags per thread: 138
+    registers, three ``route_rows`` programs per SM, 1300 instructions a warp (Nsight Compute on
+    one H200, Qwen3.5 at EP = 1 and 8192 tokens: 15.8 µs, 63% of its warps' instructions;
+    ``route_ncu``)."""
+    key = tl.sort((e + 1) * CHUNK + local)
+    e = key // CHUNK - 1
+    run_start = (local == 0) | (e != tl.gather(e, tl.maximum(local - 1, 0), 0))
+    first = tl.associative_scan(tl.where(run_start, local, 0), 0, _maximum)
+    return key % CHUNK, e, local - first
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
 
 
 @triton.jit
