@@ -345,7 +345,7 @@ def test_an_ep_ranks_graph_follows_new_rows_in_its_receive_buffers(captures):
     with two routings' received rows (A, B, A): the first call launches directly and captures,
     the next two launch that graph; each time every source's Combine rows (poisoned first) are
     the reference's for the rows the buffers then held."""
-    from xstage_lab.experiments.moe.layer_bench import EP, Ep8RankCell
+    from xstage_lab.experiments.moe.layer_cells import EP, Ep8RankCell
     from xstage_lab.ops.moe.reference import expert_rows_reference
     from xstage_lab.ops.moe.unfused import GroupedWeights
 

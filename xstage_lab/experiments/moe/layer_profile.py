@@ -5,7 +5,12 @@ calls):
 
 - the routing alone (``cell.route``): per kernel (``route_kernels_us``, JSON), its table passes
   (``route_tables_us``) apart from its pass over the activations (``route_gather_us``: the FP8
-  quantization of the tokens at EP = 1);
+  quantization of the tokens at EP = 1), and the SM clock read as it ends
+  (``route_sm_clock_mhz``): right after a cell's heavy calls the GPU may still hold a clock its
+  power cap lowered, which these latency-bound kernels follow (a run at 8192 tokens measured the
+  kernels at 1380-1905 MHz, and Qwen3.5's table passes at 1.8x the time a routing probe gave
+  them at 1980 MHz: moe_layer/h200-x1/20261204T195720Z-25330f5474 against route_small_probe/
+  h200-x1/20261204T195341Z-f567ecc776);
 - one whole call as a user makes it (``cell.call``: eagerly, its graph launched), per kernel
   (``call_kernels_us``, JSON), and the fused kernel's own time in it (``kernel_in_call_us``);
 - the fused kernel launched alone over the same tables (``cell.kernel``, as ``kernel_us`` is
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import json
 
-from ...dist_timing import kernel_times_us
+from ...dist_timing import kernel_times_us, read_sm_clock_mhz
 from ...ops.moe.fused import KERNEL_ENTRIES
 
 ACTIVATIONS_PASS = "route_quantize"  # the routing kernel that is no table pass
@@ -27,11 +32,14 @@ ACTIVATIONS_PASS = "route_quantize"  # the routing kernel that is no table pass
 def device_profile(cell) -> dict:
     """The profile columns of one ``layer_bench`` cell (module docstring)."""
     route = kernel_times_us(cell.route)
+    route_clock = read_sm_clock_mhz()
     gather = sum(v for k, v in route.items() if ACTIVATIONS_PASS in k)
     call = kernel_times_us(cell.call)
     alone = kernel_times_us(cell.kernel)
     fused = KERNEL_ENTRIES[cell.ws.config.kernel][1]
     return {"route_tables_us": sum(route.values()) - gather, "route_gather_us": gather,
-            "route_kernels_us": json.dumps(route), "call_kernels_us": json.dumps(call),
+            "route_kernels_us": json.dumps(route),
+            "route_sm_clock_mhz": float("nan") if route_clock is None else route_clock,
+            "call_kernels_us": json.dumps(call),
             "kernel_in_call_us": call.get(fused, float("nan")),
             "kernel_alone_device_us": alone.get(fused, float("nan"))}

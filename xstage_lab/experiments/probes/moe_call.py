@@ -9,7 +9,7 @@ precede it (issue 27; record ``moe_call_probe``).
 call than alone on FP8 cells from 8 to 512 tokens (``kernel_in_call_us`` over
 ``kernel_alone_device_us``: 2-10 µs more), where bf16 cells differ by about 1 µs either way. The
 graphed call's excess over the kernel alone (issue 27's 5% bound) holds that time. This probe
-separates what precedes the kernel, on ``layer_bench``'s cells (``layer_cell``):
+separates what precedes the kernel, on ``layer_bench``'s cells (``layer_cells.layer_cell``):
 
   alone          the counters zeroed (a memset), then the kernel: ``layer_bench``'s ``kernel``;
   routed         the routing launches, then the kernel: the call less its weighted sum;
@@ -49,7 +49,8 @@ from ...ops.moe.shapes import PRECISIONS, load_shapes
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
-from ..moe.layer_bench import SETTINGS, check_cell, layer_cell
+from ..moe.layer_bench import check_cell
+from ..moe.layer_cells import SETTINGS, layer_cell
 
 SEQUENCES = ("alone", "routed", "routed_memset", "routed_idle", "read_all", "read_tiles",
              "read_rows", "call")

@@ -77,7 +77,7 @@ from .. import harness
 from ..harness import Experiment, Run
 from ..moe import kernel_cell as kc
 from ..moe.bench import TOLERANCE
-from ..moe.layer_bench import Ep1Cell
+from ..moe.layer_cells import Ep1Cell
 from .variants import file_digests, parse_variants
 
 COMMITTED = ("in_place", "scattered", "device_tables", "device_tiles")

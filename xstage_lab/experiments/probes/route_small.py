@@ -59,7 +59,7 @@ from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
 from ..moe.kernel_cell import EP, arrival_sources, build_workload, receive_buffers
-from ..moe.layer_bench import balanced_routing
+from ..moe.layer_cells import balanced_routing
 
 SETTINGS = ("ep1", "ep8_rank")
 # each path's tables: tiny_arrivals and tiny_received, and scan_chunks (the three launches, the
