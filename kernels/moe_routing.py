@@ -439,7 +439,12 @@ def _sorted_ranks(e, local, CHUNK: tl.constexpr):
     own, first). All pairs compared at once instead held ``CHUNK`` flags per thread: 138
     registers, three ``route_rows`` programs per SM, 1300 instructions a warp (Nsight Compute on
     one H200, Qwen3.5 at EP = 1 and 8192 tokens: 15.8 µs, 63% of its warps' instructions;
-    ``route_ncu``)."""
+    ``route_ncu``). Sorted: 36 registers, and ``route_rows`` took 0.39-0.91x the time at 4096
+    and 8192 tokens (four shapes, both settings; 0.39-0.78x at 8192), the whole routing
+    0.64-0.96x, in one job (route_small_probe/h200-x1/20261204T195341Z-f567ecc776 and
+    …195437Z-d3ccbfc09f against …195412Z-c0cdef97db). Counting against 16 or 8 of the chunk's
+    arrivals a step instead of all (72 and 61 registers) took the EP rank's 0.65-0.76x at 8192
+    tokens but EP = 1's 0.94-1.21x (…194419Z to …194602Z)."""
     key = tl.sort((e + 1) * CHUNK + local)
     e = key // CHUNK - 1
     run_start = (local == 0) | (e != tl.gather(e, tl.maximum(local - 1, 0), 0))
