@@ -216,13 +216,52 @@ def check_graph_replays(cell: Ep1Cell) -> list[str]:
     return failures
 
 
-class MoELayer(Experiment):
-    name = "moe_layer"
-    paper = "§4.2, §5.2; issue 27"
+class LayerCellRun(Experiment):
+    """What an experiment over ``layer_cells``' cells shares: the cells' names checked, one sweep
+    over (model, precision, setting, tokens), a CUDA GPU, each cell built (``layer_cell``) and
+    checked (``check_cell``) before it is measured."""
+
+    sweep_name: str
     launch = "in_process"
+    links = ("local",)  # one GPU, its own memory
+
+    @staticmethod
+    def check_cell_names(a: argparse.Namespace) -> None:
+        shapes = load_shapes()
+        for name, given, allowed in (("model", a.models, shapes),
+                                     ("precision", a.precisions, PRECISIONS),
+                                     ("setting", a.settings, SETTINGS)):
+            bad = [g for g in given if g not in allowed]
+            if bad:
+                raise ValueError(f"unknown {name} {bad}; choose from {list(allowed)}")
+
+    def sweeps(self, args) -> list[Sweep]:
+        return [Sweep(self.sweep_name, (Axis("model", args.models),
+                                        Axis("precision", args.precisions),
+                                        Axis("setting", args.settings),
+                                        Axis("tokens", args.tokens)), repeats=1, warmup=0)]
+
+    def start(self, run: Run) -> None:
+        if not torch.cuda.is_available():
+            raise SystemExit(f"{self.name} needs a CUDA GPU")
+        self.on = torch.device("cuda", torch.cuda.current_device())
+        torch.backends.cuda.matmul.allow_tf32 = False  # the reference is float32
+        self.shapes = load_shapes()
+
+    def prepare(self, point: dict, run: Run):
+        return layer_cell(self.shapes[point["model"]], point["precision"], point["setting"],
+                          point["tokens"], run, self.on)
+
+    def check(self, cell, run: Run) -> list[str]:
+        return check_cell(cell, run)
+
+
+class MoELayer(LayerCellRun):
+    name = "moe_layer"
+    sweep_name = "moe_layer"
+    paper = "§4.2, §5.2; issue 27"
     optional = True  # a platform without a layer run shows nothing of it
     in_measure_all = True  # notebook 03 draws it: reproduce measures what measure-all does
-    links = ("local",)  # one GPU, its own memory
 
     @classmethod
     def analyse(cls, record, root: Path) -> LayerView:
@@ -254,36 +293,15 @@ class MoELayer(Experiment):
         a.settings = a.settings or list(SETTINGS)
         a.tokens = a.tokens or list(DEFAULT_TOKENS)
         a.trials = a.trials or DEFAULT_TRIALS
-        for name, given, allowed in (("model", a.models, shapes),
-                                     ("precision", a.precisions, PRECISIONS),
-                                     ("setting", a.settings, SETTINGS)):
-            bad = [g for g in given if g not in allowed]
-            if bad:
-                raise ValueError(f"unknown {name} {bad}; choose from {list(allowed)}")
+        self.check_cell_names(a)
         if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1:
             raise ValueError("--tokens, --trials and --graph-iters must be >= 1")
 
-    def sweeps(self, args) -> list[Sweep]:
-        return [Sweep("moe_layer", (Axis("model", args.models), Axis("precision", args.precisions),
-                                    Axis("setting", args.settings), Axis("tokens", args.tokens)),
-                      repeats=1, warmup=0)]
-
     def start(self, run: Run) -> None:
-        if not torch.cuda.is_available():
-            raise SystemExit("moe.layer_bench needs a CUDA GPU")
-        self.on = torch.device("cuda", torch.cuda.current_device())
-        torch.backends.cuda.matmul.allow_tf32 = False  # the reference is float32
-        self.shapes = load_shapes()
+        super().start(run)
         self.hbm_gbps = hbm_bandwidth_gbps(self.on)
         self.launch_floor_us = launch_floor_us(self.on)
         self.launch_floors = launch_floors_us(self.on)
-
-    def prepare(self, point: dict, run: Run):
-        return layer_cell(self.shapes[point["model"]], point["precision"], point["setting"],
-                          point["tokens"], run, self.on)
-
-    def check(self, cell, run: Run) -> list[str]:
-        return check_cell(cell, run)
 
     def measure(self, cell, run: Run) -> dict:
         a = run.args

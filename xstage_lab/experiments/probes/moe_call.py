@@ -45,12 +45,11 @@ import torch
 from ...cli import list_option
 from ...dist_timing import kernel_times_us, paired_ratio, read_sm_clock_mhz
 from ...ops.moe.fused import KERNEL_ENTRIES
-from ...ops.moe.shapes import PRECISIONS, load_shapes
-from ...sweep import Axis, Sweep
+from ...ops.moe.shapes import PRECISIONS
 from .. import harness
-from ..harness import Experiment, Run
-from ..moe.layer_bench import check_cell
-from ..moe.layer_cells import SETTINGS, layer_cell
+from ..harness import Run
+from ..moe.layer_bench import LayerCellRun
+from ..moe.layer_cells import SETTINGS
 
 SEQUENCES = ("alone", "routed", "routed_memset", "routed_idle", "read_all", "read_tiles",
              "read_rows", "call")
@@ -96,13 +95,12 @@ def rotated(names: list[str], round_: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-class MoECall(Experiment):
+class MoECall(LayerCellRun):
     """The fused kernel's device time after each predecessor, on ``layer_bench``'s cells."""
 
     name = "moe_call_probe"
+    sweep_name = "moe_call"
     paper = "§4.2 the fused layer's call; issue 27"
-    launch = "in_process"
-    links = ("local",)
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--models", **list_option(default=["Hy3", "Qwen3.5", "DiT-MoE"]))
@@ -114,34 +112,9 @@ class MoECall(Experiment):
         p.add_argument("--seed", type=int, default=0)
 
     def check_args(self, a: argparse.Namespace) -> None:
-        shapes = load_shapes()
-        for name, given, allowed in (("model", a.models, shapes),
-                                     ("precision", a.precisions, PRECISIONS),
-                                     ("setting", a.settings, SETTINGS)):
-            bad = [g for g in given if g not in allowed]
-            if bad:
-                raise ValueError(f"unknown {name} {bad}; choose from {list(allowed)}")
+        self.check_cell_names(a)
         if min(a.tokens) < 1 or a.repeats < 1 or a.calls < 1:
             raise ValueError("--tokens, --repeats and --calls must be >= 1")
-
-    def sweeps(self, args) -> list[Sweep]:
-        return [Sweep("moe_call", (Axis("model", args.models), Axis("precision", args.precisions),
-                                   Axis("setting", args.settings), Axis("tokens", args.tokens)),
-                      repeats=1, warmup=0)]
-
-    def start(self, run: Run) -> None:
-        if not torch.cuda.is_available():
-            raise SystemExit("probes.moe_call needs a CUDA GPU")
-        self.on = torch.device("cuda", torch.cuda.current_device())
-        torch.backends.cuda.matmul.allow_tf32 = False  # the reference is float32
-        self.shapes = load_shapes()
-
-    def prepare(self, point: dict, run: Run):
-        return layer_cell(self.shapes[point["model"]], point["precision"], point["setting"],
-                          point["tokens"], run, self.on)
-
-    def check(self, cell, run: Run) -> list[str]:
-        return check_cell(cell, run)
 
     def measure(self, cell, run: Run) -> pd.DataFrame:
         a = run.args
@@ -170,7 +143,7 @@ class MoECall(Experiment):
         r = rows.set_index("sequence")["over_alone"].round(3).to_dict()
         first = rows.iloc[0]
         return (f"{first['model']:18s} {first['precision']} {first['setting']:8s} "
-                f"{first['tokens']:5d} alone {rows.iloc[0]['kernel_us']:.1f} us {r}")
+                f"{first['tokens']:5d} alone {first['kernel_us']:.1f} us {r}")
 
     def metadata(self, run: Run) -> dict:
         a = run.args
