@@ -417,7 +417,7 @@ def _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, exp
     expert's run, so each sorted place stores its arrival's row (``_sorted_ranks``)."""
     local = tl.arange(0, CHUNK)
     i = c * CHUNK + local
-    e, live, valid = _arrival_experts(expert_ids, i, n, NUM_EXPERTS, CAPACITY)
+    e, _, valid = _arrival_experts(expert_ids, i, n, NUM_EXPERTS, CAPACITY)
     src, slot, origin = _arrival_sources(i, arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED)
     if c * CHUNK < n:
         at, e, rank = _sorted_ranks(tl.where(valid, e, -1), local, CHUNK)

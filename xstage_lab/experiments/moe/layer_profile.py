@@ -8,7 +8,7 @@ calls):
   quantization of the tokens at EP = 1), and the SM clock read as it ends
   (``route_sm_clock_mhz``): right after a cell's heavy calls the GPU may still hold a clock its
   power cap lowered, which these latency-bound kernels follow (a run at 8192 tokens measured the
-  kernels at 1380-1905 MHz, and Qwen3.5's table passes at 1.8x the time a routing probe gave
+  kernels at 1380-1980 MHz, and Qwen3.5's table passes at 1.8x the time a routing probe gave
   them at 1980 MHz: moe_layer/h200-x1/20261204T195720Z-25330f5474 against route_small_probe/
   h200-x1/20261204T195341Z-f567ecc776);
 - one whole call as a user makes it (``cell.call``: eagerly, its graph launched), per kernel
