@@ -26,7 +26,7 @@ ARG_OUT = tl.constexpr(5)         # the weighted sum's output, the layer's y
 # or their quantized copy. Written by the routing (``moe_routing``), not here.
 ARG_A_ROWS = tl.constexpr(6)
 A_ROWS_SLOTS = tl.constexpr(3)
-ARGS = tl.constexpr(9)
+ARGS = tl.constexpr(ARG_A_ROWS.value + A_ROWS_SLOTS.value)
 
 
 @triton.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",

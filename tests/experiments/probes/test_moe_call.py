@@ -3,7 +3,6 @@ rotation."""
 from __future__ import annotations
 
 import argparse
-
 from types import SimpleNamespace
 
 import pytest

@@ -72,6 +72,12 @@ DEFAULT_TOKENS = 4096  # per rank
 TOLERANCE = {"bf16": {"fp32": 1e-2}, "fp8": {"fp32": 0.1, "fp8_emulated": 2e-2}}
 
 
+def tolerance_failures(what: str, errors: dict, precision: str) -> list[str]:
+    """``what``'s relative errors (``errors``: reference kind -> error) above ``TOLERANCE``."""
+    tol = TOLERANCE[precision]
+    return [f"{what} {k} error {e:.3g} > {tol[k]}" for k, e in errors.items() if not e <= tol[k]]
+
+
 def matrix_sweep(args) -> Sweep:
     """The configuration matrix as a declared sweep: model shape × precision × routing × tokens
     per rank, one pass (each cell's repeats are its timing trials). Model outermost: a model's

@@ -72,7 +72,7 @@ from ...ops.moe.shapes import PRECISIONS, load_shapes
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
-from .bench import TOLERANCE
+from .bench import TOLERANCE, tolerance_failures
 from .kernel_cell import EP
 from .layer_cells import SETTINGS, Ep1Cell, balanced_routing, layer_cell
 from .layer_profile import device_profile
@@ -114,7 +114,6 @@ def hbm_bandwidth_gbps(device) -> float:
 def check_cell(cell, run: Run) -> list[str]:
     """Correctness first (module docstring)."""
     failures = []
-    tol = TOLERANCE[cell.precision]
 
     def poison():
         if isinstance(cell, Ep1Cell):
@@ -128,7 +127,7 @@ def check_cell(cell, run: Run) -> list[str]:
     torch.cuda.synchronize()
     errs = cell.output_error(y, cell.x, cell.ids, cell.w) if isinstance(cell, Ep1Cell) \
         else cell.output_error()
-    failures += [f"fused {k} error {e:.3g} > {tol[k]}" for k, e in errs.items() if not e <= tol[k]]
+    failures += tolerance_failures("fused", errs, cell.precision)
     error = cell.ws.error
     if int(error):
         failures.append(f"error flag {int(error)}")
@@ -164,8 +163,7 @@ def check_cell(cell, run: Run) -> list[str]:
         torch.cuda.synchronize()
         errs = cell.output_error(y_graph, cell.x, cell.ids, cell.w) \
             if isinstance(cell, Ep1Cell) else cell.output_error()
-        failures += [f"graph-launched call {k} error {e:.3g} > {tol[k]}"
-                     for k, e in errs.items() if not e <= tol[k]]
+        failures += tolerance_failures("graph-launched call", errs, cell.precision)
     if isinstance(cell, Ep1Cell) and cell.tokens == GRAPH_CHECK_TOKENS:
         failures += check_graph_replays(cell)
     return failures

@@ -76,7 +76,7 @@ from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
 from ..moe import kernel_cell as kc
-from ..moe.bench import TOLERANCE
+from ..moe.bench import tolerance_failures
 from ..moe.layer_cells import Ep1Cell
 from .variants import file_digests, parse_variants
 
@@ -97,6 +97,17 @@ def load_kernel_file(path: Path):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module.moe_fused_ws_kernel
+
+
+def with_rows(args: tuple, a_rows: torch.Tensor, origin: torch.Tensor) -> tuple:
+    """The committed kernel's ``args`` with Linear-1's rows ``a_rows`` read through ``origin``."""
+    return (*args[:A_ROWS], a_rows, origin, *args[ROW_ORIGIN + 1:])
+
+
+def with_tiles(args: tuple, tables, schedule: str) -> tuple:
+    """The committed kernel's ``args`` with the device tables' tile table of ``schedule``."""
+    tiles = tables.tiles[schedule]
+    return (tiles, tables.num_tiles[schedule], tiles.shape[1], *args[TILES + 3:])
 
 
 def tma_arguments(args: tuple, layout) -> tuple:
@@ -200,7 +211,7 @@ class MoEGather(Experiment):
         origin = torch.full_like(in_place.args[ROW_ORIGIN], -1)
         origin[cell.rows] = torch.arange(len(cell.rows), dtype=origin.dtype, device=origin.device)
         a_rows = row_addresses(x, x_scale)
-        scattered = (*in_place.args[:A_ROWS], a_rows, origin, *in_place.args[ROW_ORIGIN + 1:])
+        scattered = with_rows(in_place.args, a_rows, origin)
         committed = self._committed()
 
         def launch(kernel, kernel_args):
@@ -208,8 +219,7 @@ class MoEGather(Experiment):
 
         ws, received, mismatches = self.workspace(cell, x, x_scale, args)
         t = ws.tables
-        device_tiles = (t.tiles[args.schedule], t.num_tiles[args.schedule],
-                        t.tiles[args.schedule].shape[1], *in_place.args[TILES + 3:])
+        device_tiles = with_tiles(in_place.args, t, args.schedule)
         launches = {"in_place": in_place, "scattered": launch(committed, scattered),
                     "device_tables": lambda: ws.launch(args.schedule, cell.peers),
                     "device_tiles": launch(committed, device_tiles)}
@@ -230,24 +240,20 @@ class MoEGather(Experiment):
             shape, 0, 1, precision, seed=args.seed, device=self.on))
         cell = Ep1Cell(shape, precision, args.tokens, weights, None, args.seed, self.on)
         errors = cell.output_error(cell.call(), cell.x, cell.ids, cell.w)
-        tol = TOLERANCE[precision]
-        failures = [f"fused {k} error {e:.3g} > {tol[k]}" for k, e in errors.items()
-                    if not e <= tol[k]]
+        failures = tolerance_failures("fused", errors, precision)
         in_place = cell.host_launch()
         # each layout row's token: its arrival (the host layout's slot) over top_k; padding -1
         slot = in_place.args[ROW_SLOT]
         origin = torch.where(slot >= 0, slot // shape.top_k, -1).to(torch.int32)
         x, x_scale = (quantize_rows_fp8(cell.x) if precision == "fp8" else (cell.x, None))
         a_rows = row_addresses(x, x_scale)
-        scattered = (*in_place.args[:A_ROWS], a_rows, origin, *in_place.args[ROW_ORIGIN + 1:])
+        scattered = with_rows(in_place.args, a_rows, origin)
         # the tokens' rows, in_place's scales read by layout row
         rows_only = in_place.args[A_ROWS].clone()
         rows_only[0], rows_only[2] = x.data_ptr(), 1
-        scales_in_place = (*in_place.args[:A_ROWS], rows_only, origin,
-                           *in_place.args[ROW_ORIGIN + 1:])
+        scales_in_place = with_rows(in_place.args, rows_only, origin)
         schedule, t = cell.layer.schedule, cell.ws.tables
-        device_tiles = (t.tiles[schedule], t.num_tiles[schedule], t.tiles[schedule].shape[1],
-                        *in_place.args[TILES + 3:])
+        device_tiles = with_tiles(in_place.args, t, schedule)
         launches = {"in_place": in_place,
                     "scattered": self._launch(in_place, self._committed(), scattered),
                     "device_tables": lambda: cell.ws.launch(schedule, cell.layer.peers),
