@@ -1,14 +1,73 @@
 """The call probe on CPU: its options refused before any CUDA work, its sequences and their
-rotation."""
+rotation; its own launches (kernels/moe_call_predecessors.py): ``straight_line``'s words in the
+interpreter against the host's steps, poisoned first, and its sm_90 build straight-line code of
+the size the probe rests on."""
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
+from tests.experiments.triton_testing import (assert_case_ok, child_main, child_results,
+                                              interpreter_case_tests)
 from xstage_lab.experiments.probes import moe_call as mc
+
+MODULE = "tests.experiments.probes.test_moe_call"
+
+
+def case_straight_line(programs: int, steps: int) -> dict:
+    from xstage_lab.kernel_sources import load_kernel_module
+
+    k = load_kernel_module("moe_call_predecessors")
+    words = torch.full((programs * mc.CODE_WIDTH,), -1, dtype=torch.int32)
+    k.straight_line[(programs,)](words, mc.CODE_MULTIPLIER, STEPS=steps, WIDTH=mc.CODE_WIDTH)
+    want = mc.code_words(programs, steps)
+    assert (want != np.uint32(0xFFFFFFFF)).all()  # the poison is not an answer
+    assert (words.numpy().view(np.uint32) == want).all()
+    stores = torch.full((programs,), -1, dtype=torch.int32)
+    k.one_store[(programs,)](stores)
+    assert stores.tolist() == list(range(programs))
+    return {}
+
+
+def interpreter_cases() -> dict:
+    return {"straight_line_3x5": (case_straight_line, 3, 5),
+            "straight_line_1x1": (case_straight_line, 1, 1)}
+
+
+def _compile_sm90() -> dict:
+    import triton
+    from triton.compiler import ASTSource
+
+    from tests.experiments.triton_testing import hopper_target
+    from xstage_lab.kernel_sources import load_kernel_module
+
+    kernel = load_kernel_module("moe_call_predecessors").straight_line
+    signature = {"out": "*i32", "mul": "i32", "STEPS": "constexpr", "WIDTH": "constexpr"}
+    compiled = triton.compile(ASTSource(kernel, signature, {(2,): mc.CODE_STEPS,
+                                                            (3,): mc.CODE_WIDTH}),
+                              target=hopper_target())
+    return {"sass_bytes": len(compiled.asm["cubin"]), "ptx": compiled.asm["ptx"]}
+
+
+COMPILE_CASES = {"compile_sm90_straight_line": (_compile_sm90,)}
+
+interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, interpreter_cases())
+
+
+def test_straight_line_compiles_to_straight_code_of_the_size_it_claims():
+    results = child_results(MODULE, "--compile-sm90", interpret=False, timeout=600)
+    assert_case_ok(results, "compile_sm90_straight_line")
+    detail = results["compile_sm90_straight_line"]["detail"]
+    ptx = detail["ptx"]
+    # the steps unrolled, none folded: one multiply by the launch argument each, no loop
+    assert ptx.count("mul.lo.s32") >= mc.CODE_STEPS and not re.search(r"\bbra\b", ptx)
+    assert detail["sass_bytes"] >= 64 * 1024
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -68,8 +127,11 @@ class _Cell:
 def test_each_sequence_launches_what_it_names(monkeypatch):
     cell = _Cell()
     monkeypatch.setattr(mc.torch.cuda, "synchronize", lambda: cell.log.append("sync"))
-    seqs = mc.sequences(cell)
+    before = SimpleNamespace(sms=3, idle=lambda n: cell.log.append(f"one_store x{n}"),
+                             code=lambda: cell.log.append("straight_line"))
+    seqs = mc.sequences(cell, before)
     assert tuple(seqs) == mc.SEQUENCES
+    assert tuple(mc.sequences(cell)) == mc.SEQUENCES[:8]  # without the probe's own launches
     want = {"alone": ["memset, kernel"], "routed": ["route", "kernel after route"],
             "routed_memset": ["route", "memset, kernel"],
             "routed_idle": ["route", "sync", "kernel after route"],
@@ -79,7 +141,9 @@ def test_each_sequence_launches_what_it_names(monkeypatch):
             "read_tiles": ["route", "read wave", "read inter", "read n_wave", "read n_inter",
                            "kernel after route"],
             "read_rows": ["route", "read origin", "read slot", "read src", "kernel after route"],
-            "call": ["call"]}
+            "call": ["call"], "idle_one": ["one_store x1", "memset, kernel"],
+            "idle_all": [f"one_store x{3 * mc.IDLE_PROGRAMS_PER_SM}", "memset, kernel"],
+            "code_all": ["straight_line", "memset, kernel"]}
     for name, fn in seqs.items():
         cell.log.clear()
         fn()
@@ -91,3 +155,7 @@ def test_rounds_rotate_the_order():
     orders = [mc.rotated(names, r) for r in range(len(names) + 1)]
     assert orders[0] == names and orders[-1] == names
     assert [o[0] for o in orders[:-1]] == names  # each sequence first once
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv[1:], interpreter_cases(), COMPILE_CASES))
