@@ -79,12 +79,16 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_options_are_checked_before_any_launch():
     a = _args()
     mc.EXPERIMENT.check_args(a)
-    assert a.tokens == [64] and a.repeats == 5
+    assert a.tokens == [64] and a.repeats == 5 and a.sequences == list(mc.SEQUENCES)
+    a = _args("--sequences", "code_all", "call")
+    mc.EXPERIMENT.check_args(a)
+    assert a.sequences == ["alone", "code_all", "call"]  # the ratios' base always timed
     for argv, message in [(("--models", "GPT-2"), "unknown model"),
                           (("--precisions", "fp4"), "unknown precision"),
                           (("--settings", "ep2"), "unknown setting"),
                           (("--tokens", "0"), ">= 1"), (("--repeats", "0"), ">= 1"),
-                          (("--calls", "0"), ">= 1")]:
+                          (("--calls", "0"), ">= 1"),
+                          (("--sequences", "alone", "warm"), "unknown sequence")]:
         with pytest.raises(ValueError, match=message):
             mc.EXPERIMENT.check_args(_args(*argv))
 

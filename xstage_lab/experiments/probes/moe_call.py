@@ -3,7 +3,7 @@ precede it (issue 27; record ``moe_call_probe``).
 
     python -m xstage_lab.experiments.probes.moe_call (--out FILE | --root DIR)
         [--models M ...] [--precisions bf16 fp8] [--settings ep1 ep8_rank] [--tokens 64]
-        [--repeats N] [--calls N]
+        [--repeats N] [--calls N] [--sequences S ...]
 
 ``moe_layer``'s per-kernel profiles (``layer_profile``) show the fused kernel running longer in a
 call than alone on FP8 cells from 8 to 512 tokens (``kernel_in_call_us`` over
@@ -177,9 +177,15 @@ class MoECall(LayerCellRun):
         p.add_argument("--repeats", type=int, default=5)
         p.add_argument("--calls", type=int, default=10)
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--sequences", **list_option(default=list(SEQUENCES)),
+                       help="the sequences to time (alone always among them: the ratios' base)")
 
     def check_args(self, a: argparse.Namespace) -> None:
         self.check_cell_names(a)
+        bad = [s for s in a.sequences if s not in SEQUENCES]
+        if bad:
+            raise ValueError(f"unknown sequence {bad}; choose from {list(SEQUENCES)}")
+        a.sequences = ["alone", *(s for s in a.sequences if s != "alone")]
         if min(a.tokens) < 1 or a.repeats < 1 or a.calls < 1:
             raise ValueError("--tokens, --repeats and --calls must be >= 1")
 
@@ -193,7 +199,7 @@ class MoECall(LayerCellRun):
     def measure(self, cell, run: Run) -> pd.DataFrame:
         a = run.args
         fused = KERNEL_ENTRIES[cell.ws.config.kernel][1]
-        seqs = sequences(cell, self.before)
+        seqs = {n: f for n, f in sequences(cell, self.before).items() if n in a.sequences}
         times = {name: [] for name in seqs}
         clocks = {name: [] for name in seqs}
         others = {}
@@ -224,7 +230,7 @@ class MoECall(LayerCellRun):
 
     def metadata(self, run: Run) -> dict:
         a = run.args
-        return {"sequences": list(SEQUENCES), "code_steps": CODE_STEPS,
+        return {"sequences": a.sequences, "code_steps": CODE_STEPS,
                 "idle_programs_per_sm": IDLE_PROGRAMS_PER_SM,
                 "timing": f"torch.profiler CUDA activity, {a.calls} calls per round, "
                           f"{a.repeats} rounds, sequence order rotated by round"}
