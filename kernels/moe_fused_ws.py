@@ -85,6 +85,7 @@ BLOCK_M = gl.constexpr(128)    # rows of a tile: the host layout pads every expe
 HALF_ROWS = gl.constexpr(64)   # rows per consumer warpgroup: wgmma's M per warpgroup
 SCALE_BLOCK = gl.constexpr(128)
 E4M3_MAX = gl.constexpr(448.0)
+NEG_LOG2E = gl.constexpr(-1.4426950408889634)
 TRACE_FIELDS = gl.constexpr(10)  # clock64 x 4, globaltimer x 4, smid, spins: moe_fused.py's
 # Registers per thread of the consumer warpgroups and of the producer warpgroup (setmaxnreg):
 # 2 x 128 x 224 + 128 x 56 of the SM's 65536.
@@ -100,6 +101,20 @@ def _fence_proxy_async_global():
     """Order this thread's generic-proxy global accesses with its async-proxy (TMA) ones."""
     gl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
                               dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _silu(g):
+    """``g / (1 + exp(-g))`` as ``g · rcp(1 + 2^(-g log2 e))`` with the approximate ``ex2`` and
+    ``rcp`` that flush denormals (``.ftz``): without the fix-ups for denormal and huge operands
+    that ``exp`` and ``/`` (the approximate ``div.full``) compile to, a predicated sequence per
+    element. The same bits where ``1 + exp(-g)`` is below 2^126 (g above -87): an ``exp`` under
+    2^-126 adds nothing to 1 either way."""
+    e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [g * NEG_LOG2E],
+                                  dtype=gl.float32, is_pure=True, pack=1)
+    r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e],
+                                  dtype=gl.float32, is_pure=True, pack=1)
+    return g * r
 
 
 @gluon.jit
@@ -428,11 +443,12 @@ def _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base, 
                       FP8: gl.constexpr, BLOCK_N1: gl.constexpr):
     """SwiGLU, ``h`` stored with 16-byte stores (re-quantized per row in FP8), then this
     warpgroup's release of its rows to the row block's counter."""
-    hv = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u  # silu(gate) * up
+    hv = _silu(acc_g) * acc_u
     if FP8:
         # BLOCK_N1 == 128: the tile holds exactly one activation scale block per row
         scale = gl.maximum(gl.max(gl.abs(hv), axis=1), 1e-12) / E4M3_MAX
-        q = (hv / scale[:, None]).to(gl.float8e4nv)
+        # one reciprocal a row: div.full is x · rcp(y), the same bits while y is below 2^126
+        q = (hv * (1.0 / scale)[:, None]).to(gl.float8e4nv)
         out_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // BLOCK_N1, BLOCK_N1 // 16],
                                                     [4, 1], [1, 0])
         q = gl.convert_layout(q, out_layout)
