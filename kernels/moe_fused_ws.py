@@ -63,6 +63,13 @@ Linear-1's two accumulators, above the 224 a consumer thread has; at Linear-2's 
 spilled and serialized every wgmma of the kernel (sm_90 build of this kernel, Triton 3.6), so
 both wait.
 
+Code size: the kernel is timed after other kernels in a call, whose code takes the SMs'
+instruction caches. The FP8 builds at 81-91 KiB of SASS then took up to 1.24x their time after
+straight-line code on every SM and up to 1.11x in a call (moe_call_probe/h200-x1/
+20261204T204939Z, …205903Z); with the SiLU and the FP8 re-quantization free of the fix-ups that
+``exp`` and division compile to (``_silu``), at 64-74 KiB, 1.08x and 1.013x, and the kernel in a
+call 0.971x its earlier time (geometric mean, twelve FP8 cells, one job: …210002Z).
+
 ``FENCE`` builds the completion-coupled counterfactual of §2.3 (each Linear-2 tile waits until
 its Combine stores are visible system-wide), ``INSTRUMENT`` the traced build (``_consumer``); both
 leave every result unchanged.

@@ -324,6 +324,21 @@ def compile_sm90(src, **options):
     return kernel
 
 
+def sass_bytes(cubin: bytes, kernel: str) -> int:
+    """The size of ``kernel``'s machine code in a cubin: its ELF section ``.text.<kernel>``."""
+    import struct
+
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
+               for i in range(shnum)]
+    names = headers[shstrndx][4]  # sh_offset of the section-name table
+    for name, *_, size, _, _, _, _ in headers:
+        if cubin[names + name:cubin.index(b"\0", names + name)] == f".text.{kernel}".encode():
+            return size
+    raise KeyError(f"no .text.{kernel} in the cubin")
+
+
 def ptxas_report(ptx: str) -> dict:
     """Registers per thread (the most of any kernel in the module), spilled bytes and whether
     wgmma was serialized, for a PTX module, from Triton's bundled ``ptxas -v`` for sm_90a: the

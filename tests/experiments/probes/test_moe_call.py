@@ -44,7 +44,7 @@ def _compile_sm90() -> dict:
     import triton
     from triton.compiler import ASTSource
 
-    from tests.experiments.triton_testing import hopper_target
+    from tests.experiments.triton_testing import hopper_target, sass_bytes
     from xstage_lab.kernel_sources import load_kernel_module
 
     kernel = load_kernel_module("moe_call_predecessors").straight_line
@@ -52,7 +52,8 @@ def _compile_sm90() -> dict:
     compiled = triton.compile(ASTSource(kernel, signature, {(2,): mc.CODE_STEPS,
                                                             (3,): mc.CODE_WIDTH}),
                               target=hopper_target())
-    return {"sass_bytes": len(compiled.asm["cubin"]), "ptx": compiled.asm["ptx"]}
+    return {"sass_bytes": sass_bytes(compiled.asm["cubin"], "straight_line"),
+            "ptx": compiled.asm["ptx"]}
 
 
 COMPILE_CASES = {"compile_sm90_straight_line": (_compile_sm90,)}
