@@ -42,6 +42,21 @@ def test_a_platforms_records_join_per_cell_the_newest_winning(tmp_path):
         lv.layer_view("y", tmp_path)
 
 
+def test_the_prose_names_the_records_the_cells_come_from(tmp_path):
+    from xstage_lab.prose.moe.kernel import layer
+
+    at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(3)]
+    for rows, when in (([_row(1), _row(64)], at[0]), ([_row(64, kernel_us=70.0)], at[1]),
+                       ([_row(1, kernel_us=60.0)], at[2])):
+        write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path, created=when)
+    view = lv.layer_view("x", tmp_path)
+    assert [r.record_id for r in view.sources] == [r.record_id for r in view.records[1:]]
+    text = str(layer([view]))
+    ids = [f"`{r.record_id}`" for r in view.records]
+    assert "from 2 records, " + ", ".join(ids[1:]) + "; 1 earlier record holds only cells " \
+           "measured again since)" in text and ids[0] not in text
+
+
 def test_acceptance_applies_each_measure_where_the_issue_does():
     table = pd.DataFrame([
         # one token: 9% slower than unfused is allowed; the graphed call 96 > 1.5 * 50 + 10 = 85

@@ -57,6 +57,18 @@ class LayerView:
         """Every cell once (a later record's row wins), in cell order."""
         return newest_per_cell(self.records, CELL)
 
+    @property
+    def sources(self) -> tuple[Record, ...]:
+        """The records ``table`` takes a row from (each cell's newest), oldest first: a record
+        whose every cell a later one measured again is left out."""
+        seen, held = set(), []
+        for r in reversed(self.records):
+            cells = set(r.table[CELL].itertuples(index=False, name=None))
+            if cells - seen:
+                held.append(r)
+            seen |= cells
+        return tuple(reversed(held))
+
 
 def layer_view(platform: str, root: Path = RECORDS_DIR) -> LayerView:
     records = tuple(read(p) for p in record_paths("moe_layer", platform, root))

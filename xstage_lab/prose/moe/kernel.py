@@ -56,6 +56,17 @@ def call_overhead(kernel_records) -> Prose:
     return Prose(*out)
 
 
+def sources(view) -> str:
+    """The records a layer view's cells come from, and how many of its records measured them
+    again later (``LayerView.sources``)."""
+    held = view.sources
+    later = len(view.records) - len(held)
+    return (f"{count(len(held))} record{'s' if len(held) > 1 else ''}, "
+            f"{', '.join(rec(r) for r in held)}"
+            + (f"; {count(later)} earlier record{'s' if later > 1 else ''} hold"
+               f"{'' if later > 1 else 's'} only cells measured again since" if later else ""))
+
+
 def layer(layer_views) -> Prose:
     """The fused layer from the router's output (``moe_layer``, issue 27): against the unfused
     torch path, and how many cells meet each measure of the issue's acceptance, with where the
@@ -238,7 +249,7 @@ def layer(layer_views) -> Prose:
                   else "")
         out.append(
             f"On {v.platform} ({count(len(t))} cells of {count(t['model'].nunique())} models from "
-            f"{count(len(v.records))} records, {', '.join(rec(r) for r in v.records)}), from the "
+            f"{sources(v)}), from the "
             f"router's output to the layer's output, the fused layer is at least as fast as the "
             f"unfused torch path (routing by torch ops, grouped GEMMs, weighted sum; below "
             f"{SMALL_T} tokens at most 10% slower, as the issue allows) eagerly in "
