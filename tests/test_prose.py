@@ -32,6 +32,9 @@ COINCIDENCES = {
     "forecast's among the cells where it exceeds 2 µs (so near 2 µs in any record set): the "
     "committed record's is GLM-5.x bf16 skewed h=4's, the synthetic set's MiMo-V2.5 fp8 skewed "
     "h=1's (moe_host/h200-x1-host/20261203T183751Z-baa09de5b9, 2026-12-03)",
+    (("c5e9a2b7", 0), "0.999"): "a least ratio of the fused kernel's time after a sequence over "
+    "its time right after itself: ratios within a thousandth of 1 keep their three decimals "
+    "under the synthetic set's power of a ratio (moe_call_probe/h200-x1, 2026-12-04)",
 }
 
 

@@ -164,3 +164,43 @@ def test_rounds_rotate_the_order():
 
 if __name__ == "__main__":
     sys.exit(child_main(sys.argv[1:], interpreter_cases(), COMPILE_CASES))
+
+
+def _probe_rows(precision, over, model="M"):
+    """One cell's rows of a probe record: ``alone`` and each sequence of ``over``."""
+    base = dict(model=model, precision=precision, setting="ep1", tokens=8, p25_us=1.0,
+                p75_us=1.0, sm_clock_mhz=1980.0)
+    rows = [{**base, "sequence": "alone", "kernel_us": 100.0, "over_alone": 1.0}]
+    return rows + [{**base, "sequence": s, "kernel_us": 100.0 * x, "over_alone": x}
+                   for s, x in over.items()]
+
+
+def test_the_records_spans_and_prose_name_each_builds_commit(tmp_path):
+    from datetime import datetime, timezone
+
+    import pandas as pd
+
+    from xstage_lab.analysis.moe.call_probe import call_probe_records, sequence_spans
+    from xstage_lab.prose.moe import call_probes
+    from xstage_lab.records import write_record
+
+    assert call_probe_records(tmp_path) == {}
+    for minute, commit, code in ((0, "aaaaaaa1", 1.25), (1, "bbbbbbb2", 1.05)):
+        rows = (_probe_rows("fp8", {"code_all": code, "call": 1.1, "routed": 1.2})
+                + _probe_rows("fp8", {"code_all": 1.02, "call": 1.0, "routed": 1.0}, "N")
+                + _probe_rows("fp8", {"code_all": 1.03, "call": 1.0, "routed": 1.0}, "O")
+                + _probe_rows("bf16", {"code_all": 1.01}))
+        write_record("moe_call_probe", "x", pd.DataFrame(rows), {}, {"git_commit": commit},
+                     tmp_path, created=datetime(2026, 12, 4, 21, minute, tzinfo=timezone.utc))
+    records = call_probe_records(tmp_path)["x"]
+    spans = sequence_spans(records)
+    assert list(spans["commit"].unique()) == ["aaaaaaa", "bbbbbbb"]
+    fp8 = spans[(spans["precision"] == "fp8") & (spans["sequence"] == "code_all")]
+    assert fp8["over_alone_max"].tolist() == [1.25, 1.05] and (spans["sequence"] != "alone").all()
+    assert fp8["over_alone_min"].tolist() == [1.02, 1.02] and fp8["cells"].tolist() == [3, 3]
+    assert fp8["over_alone_median"].tolist() == [1.03, 1.03]
+    text = str(call_probes({"x": records}))
+    assert ("(the kernel at `aaaaaaa`, 4 cells at 8 tokens), the fused kernel's time "
+            "over its time right after itself: in the whole call, fp8 1.000–1.100×; after "
+            "straight-line code on every SM, fp8 1.020–1.250×, bf16 1.010–1.010×.") in text
+    assert "fp8 1.020–1.050×" in text and "routed" not in text

@@ -5,11 +5,12 @@ from here (``from xstage_lab.prose import moe as say``).
 
 Each function takes the records the notebook has loaded (every platform's latest) and returns
 ``Prose``, one paragraph per platform, naming the records it quotes."""
-from .kernel import call_overhead, forecast, kernel, knee_sweep, layer
+from .kernel import call_overhead, call_probes, forecast, kernel, knee_sweep, layer
 from .matrix import findings, headline, routing
 from .regressions import counterfactual, d_sweep, regressions, regressions_scope
 from .traces import condition1, spans, table2, timeline, trace_scope, traced_causes
 
-__all__ = ["call_overhead", "condition1", "counterfactual", "d_sweep", "findings", "forecast",
-           "headline", "kernel", "knee_sweep", "layer", "regressions", "regressions_scope", "routing",
-           "spans", "table2", "timeline", "trace_scope", "traced_causes"]
+__all__ = ["call_overhead", "call_probes", "condition1", "counterfactual", "d_sweep", "findings",
+           "forecast", "headline", "kernel", "knee_sweep", "layer", "regressions",
+           "regressions_scope", "routing", "spans", "table2", "timeline", "trace_scope",
+           "traced_causes"]

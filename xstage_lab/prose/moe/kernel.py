@@ -56,6 +56,42 @@ def call_overhead(kernel_records) -> Prose:
     return Prose(*out)
 
 
+# The call probe's sequences the passage quotes, and what each put before the kernel
+CALL_PROBE_SEQUENCES = {"call": "in the whole call",
+                        "idle_all": "after a launch of a few instructions on every SM",
+                        "code_all": "after straight-line code on every SM"}
+
+
+def call_probes(records_by_platform) -> Prose:
+    """The ``moe_call_probe`` records (``call_probe.sequence_spans``), one sentence a record: the
+    fused kernel's time after each quoted sequence over its time after its own launch, per
+    precision, with the commit of the kernel the record timed."""
+    from ...analysis.moe.call_probe import sequence_spans
+
+    out = []
+    for platform, records in records_by_platform.items():
+        spans = sequence_spans(records)
+        for r in records:
+            s = spans[(spans["record"] == r.record_id)
+                      & spans["sequence"].isin(list(CALL_PROBE_SEQUENCES))]
+            if s.empty:
+                continue
+            parts = []
+            for sequence, words in CALL_PROBE_SEQUENCES.items():
+                by = [f"{row.precision} {val(row.over_alone_min, '.3f')}–"
+                      f"{val(row.over_alone_max, '.3f')}×"
+                      for row in s[s["sequence"] == sequence].itertuples()]
+                if by:
+                    parts.append(f"{words}, {', '.join(by)}")
+            cells = len(r.table[["model", "precision", "setting", "tokens"]].drop_duplicates())
+            tokens = ", ".join(str(n) for n in sorted(r.table["tokens"].unique()))
+            out.append(f"On {platform}, record {rec(r)} (the kernel at `{s.iloc[0]['commit']}`, "
+                       f"{count(cells)} cell{'s' if cells != 1 else ''} at {tokens} tokens), "
+                       f"the fused kernel's time over its time right after itself: "
+                       + "; ".join(parts) + ".")
+    return Prose(*out)
+
+
 def sources(view) -> str:
     """The records a layer view's cells come from, and how many of its records measured them
     again later (``LayerView.sources``)."""
