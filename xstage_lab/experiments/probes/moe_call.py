@@ -11,7 +11,8 @@ call than alone on FP8 cells from 8 to 512 tokens (``kernel_in_call_us`` over
 graphed call's excess over the kernel alone (issue 27's 5% bound) holds that time. This probe
 separates what precedes the kernel, on ``layer_bench``'s cells (``layer_cells.layer_cell``):
 
-  alone          the counters zeroed (a memset), then the kernel: ``layer_bench``'s ``kernel``;
+  alone          the counters zeroed (torch's fill kernel, a few instructions), then the kernel:
+                 ``layer_bench``'s ``kernel``;
   routed         the routing launches, then the kernel: the call less its weighted sum;
   routed_memset  the routing, the counters zeroed again, then the kernel: a launch between;
   routed_idle    the routing, the host waiting for the device, then the kernel: nothing running
@@ -88,10 +89,9 @@ class Predecessors:
     ``code_mismatches`` compares ``straight_line``'s words with ``code_words`` after poisoning
     them."""
 
-    def __init__(self, device, steps: int = CODE_STEPS):
+    def __init__(self, device):
         self.k = load_kernel_module("moe_call_predecessors")
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self.steps = steps
         self.stores = torch.empty(self.sms * IDLE_PROGRAMS_PER_SM, dtype=torch.int32,
                                   device=device)
         self.words = torch.empty(self.sms * CODE_WIDTH, dtype=torch.int32, device=device)
@@ -100,19 +100,19 @@ class Predecessors:
         self.k.one_store[(programs,)](self.stores)
 
     def code(self) -> None:
-        self.k.straight_line[(self.sms,)](self.words, CODE_MULTIPLIER, STEPS=self.steps,
+        self.k.straight_line[(self.sms,)](self.words, CODE_MULTIPLIER, STEPS=CODE_STEPS,
                                           WIDTH=CODE_WIDTH)
 
     def code_mismatches(self) -> int:
         self.words.fill_(-1)
         self.code()
         got = self.words.cpu().numpy().view(np.uint32)
-        return int((got != code_words(self.sms, self.steps)).sum())
+        return int((got != code_words(self.sms, CODE_STEPS)).sum())
 
 
-def sequences(cell, before: Predecessors | None = None) -> dict:
-    """The launches before each timed kernel (module docstring), as callables; without
-    ``before``, the sequences without the probe's own launches."""
+def sequences(cell, before: Predecessors) -> dict:
+    """The launches before each timed kernel (module docstring), as callables; ``before``, the
+    probe's own launches."""
     def routed():
         cell.route()
         cell.kernel(routed=True)
@@ -138,22 +138,19 @@ def sequences(cell, before: Predecessors | None = None) -> dict:
     tiles = [*t.tiles.values(), *t.num_tiles.values()]
     rows = [t.row_origin, t.row_slot, t.row_src]
     quantized = [b for b in (t.x_quant, t.x_quant_scale) if b is not None]
-    seqs = {"alone": cell.kernel, "routed": routed, "routed_memset": routed_memset,
+    def after(launch):
+        def sequence():
+            launch()
+            cell.kernel()
+        return sequence
+
+    return {"alone": cell.kernel, "routed": routed, "routed_memset": routed_memset,
             "routed_idle": routed_idle, "read_all": read_through([*tiles, *rows, t.args,
                                                                   *quantized]),
             "read_tiles": read_through(tiles), "read_rows": read_through(rows),
-            "call": cell.call}
-    if before is not None:
-        def after(launch):
-            def sequence():
-                launch()
-                cell.kernel()
-            return sequence
-
-        seqs.update(idle_one=after(lambda: before.idle(1)),
-                    idle_all=after(lambda: before.idle(before.sms * IDLE_PROGRAMS_PER_SM)),
-                    code_all=after(before.code))
-    return seqs
+            "call": cell.call, "idle_one": after(lambda: before.idle(1)),
+            "idle_all": after(lambda: before.idle(before.sms * IDLE_PROGRAMS_PER_SM)),
+            "code_all": after(before.code)}
 
 
 def rotated(names: list[str], round_: int) -> list[str]:

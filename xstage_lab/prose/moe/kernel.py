@@ -67,6 +67,7 @@ def call_probes(records_by_platform) -> Prose:
     fused kernel's time after each quoted sequence over its time after its own launch, per
     precision, with the commit of the kernel the record timed."""
     from ...analysis.moe.call_probe import sequence_spans
+    from ...analysis.moe.layer_view import CELL
 
     out = []
     for platform, records in records_by_platform.items():
@@ -83,7 +84,7 @@ def call_probes(records_by_platform) -> Prose:
                       for row in s[s["sequence"] == sequence].itertuples()]
                 if by:
                     parts.append(f"{words}, {', '.join(by)}")
-            cells = len(r.table[["model", "precision", "setting", "tokens"]].drop_duplicates())
+            cells = len(r.table[CELL].drop_duplicates())
             tokens = ", ".join(str(n) for n in sorted(r.table["tokens"].unique()))
             out.append(f"On {platform}, record {rec(r)} (the kernel at `{s.iloc[0]['commit']}`, "
                        f"{count(cells)} cell{'s' if cells != 1 else ''} at {tokens} tokens), "
@@ -93,8 +94,8 @@ def call_probes(records_by_platform) -> Prose:
 
 
 def sources(view) -> str:
-    """The records a layer view's cells come from, and how many of its records measured them
-    again later (``LayerView.sources``)."""
+    """The records a layer view's cells come from (``LayerView.sources``), and how many earlier
+    records of the view hold only cells measured again since."""
     held = view.sources
     later = len(view.records) - len(held)
     return (f"{count(len(held))} record{'s' if len(held) > 1 else ''}, "
