@@ -135,6 +135,17 @@ def moe_call_overhead(kernel_record) -> pd.DataFrame:
     return rows[[c for c in cols if c in rows.columns]].round(2)
 
 
+def moe_call_probe_table(probe_records) -> pd.DataFrame:
+    """A platform's ``moe_call_probe`` records (``call_probe.sequence_spans``): per record,
+    precision and sequence, the fused kernel's time over its time right after itself, to three
+    decimals, beside its time after its own launch (µs)."""
+    from ..analysis.moe.call_probe import sequence_spans
+
+    return sequence_spans(probe_records).round(
+        {"alone_us_min": 1, "alone_us_max": 1, "over_alone_min": 3, "over_alone_median": 3,
+         "over_alone_max": 3})
+
+
 def moe_forecast_table(forecast_records, paper: dict) -> pd.DataFrame:
     """The forecast per model, precision and P (``moe_forecast``), with the paper's Table 2 row
     of the model beside it (measured at EP = 8, W8A8, skewed routing, on its platform)."""

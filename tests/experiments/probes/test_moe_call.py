@@ -203,3 +203,8 @@ def test_the_records_spans_and_prose_name_each_builds_commit(tmp_path):
             "over its time right after itself: in the whole call, fp8 1.000–1.100×; after "
             "straight-line code on every SM, fp8 1.020–1.250×, bf16 1.010–1.010×.") in text
     assert "fp8 1.020–1.050×" in text and "routed" not in text
+    from xstage_lab.plots import moe_call_probe_table
+
+    shown = moe_call_probe_table(records)  # the notebook's table: the spans, rounded
+    assert list(shown.columns) == list(spans.columns) and len(shown) == len(spans)
+    assert shown["over_alone_median"].tolist() == spans["over_alone_median"].round(3).tolist()
