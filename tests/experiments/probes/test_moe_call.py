@@ -187,7 +187,7 @@ def test_the_records_spans_and_prose_name_each_builds_commit(tmp_path):
     for minute, commit, code in ((0, "aaaaaaa1", 1.25), (1, "bbbbbbb2", 1.05)):
         rows = (_probe_rows("fp8", {"code_all": code, "call": 1.1, "routed": 1.2})
                 + _probe_rows("fp8", {"code_all": 1.02, "call": 1.0, "routed": 1.0}, "N")
-                + _probe_rows("fp8", {"code_all": 1.03, "call": 1.0, "routed": 1.0}, "O")
+                + _probe_rows("fp8", {"code_all": 1.0304321, "call": 1.0, "routed": 1.0}, "O")
                 + _probe_rows("bf16", {"code_all": 1.01}))
         write_record("moe_call_probe", "x", pd.DataFrame(rows), {}, {"git_commit": commit},
                      tmp_path, created=datetime(2026, 12, 4, 21, minute, tzinfo=timezone.utc))
@@ -197,7 +197,7 @@ def test_the_records_spans_and_prose_name_each_builds_commit(tmp_path):
     fp8 = spans[(spans["precision"] == "fp8") & (spans["sequence"] == "code_all")]
     assert fp8["over_alone_max"].tolist() == [1.25, 1.05] and (spans["sequence"] != "alone").all()
     assert fp8["over_alone_min"].tolist() == [1.02, 1.02] and fp8["cells"].tolist() == [3, 3]
-    assert fp8["over_alone_median"].tolist() == [1.03, 1.03]
+    assert fp8["over_alone_median"].tolist() == [1.0304321, 1.0304321]
     text = str(call_probes({"x": records}))
     assert ("(the kernel at `aaaaaaa`, 4 cells at 8 tokens), the fused kernel's time "
             "over its time right after itself: in the whole call, fp8 1.000–1.100×; after "
@@ -208,3 +208,5 @@ def test_the_records_spans_and_prose_name_each_builds_commit(tmp_path):
     shown = moe_call_probe_table(records)  # the notebook's table: the spans, rounded
     assert list(shown.columns) == list(spans.columns) and len(shown) == len(spans)
     assert shown["over_alone_median"].tolist() == spans["over_alone_median"].round(3).tolist()
+    code = shown[(shown["sequence"] == "code_all") & (shown["precision"] == "fp8")]
+    assert code["over_alone_median"].tolist() == [1.03, 1.03]
