@@ -8,7 +8,7 @@ import json
 import pandas as pd
 
 from ...analysis.moe import geometric_mean
-from .. import Prose, count, rec, span, val
+from .. import Prose, count, plural, rec, span, val
 from .common import cell_name
 
 
@@ -87,7 +87,7 @@ def call_probes(records_by_platform) -> Prose:
             cells = len(r.table[CELL].drop_duplicates())
             tokens = ", ".join(str(n) for n in sorted(r.table["tokens"].unique()))
             out.append(f"On {platform}, record {rec(r)} (the kernel at `{s.iloc[0]['commit']}`, "
-                       f"{count(cells)} cell{'s' if cells != 1 else ''} at {tokens} tokens), "
+                       f"{count(cells)} {plural(cells, 'cell')} at {tokens} tokens), "
                        f"the fused kernel's time over its time right after itself: "
                        + "; ".join(parts) + ".")
     return Prose(*out)
@@ -98,10 +98,11 @@ def sources(view) -> str:
     records of the view hold only cells measured again since."""
     held = view.sources
     later = len(view.records) - len(held)
-    return (f"{count(len(held))} record{'s' if len(held) > 1 else ''}, "
+    return (f"{count(len(held))} {plural(len(held), 'record')}, "
             f"{', '.join(rec(r) for r in held)}"
-            + (f"; {count(later)} earlier record{'s' if later > 1 else ''} hold"
-               f"{'' if later > 1 else 's'} only cells measured again since" if later else ""))
+            + (f"; {count(later)} earlier {plural(later, 'record')} "
+               f"{plural(later, 'holds', 'hold')} only cells measured again since" if later
+               else ""))
 
 
 def layer(layer_views) -> Prose:
