@@ -282,7 +282,10 @@ def test_small_combine_buffer_rejected(bf16_layer):
 
 def test_weight_dtype_and_layout_mismatch_rejected(bf16_layer):
     w = bf16_layer.weights[0]
-    wrong = ExpertWeights("fp8", w.w1, w.w2)
+    e, sb = w.num_experts, TINY_TILES.scale_block
+    wrong = ExpertWeights("fp8", w.w1, w.w2,
+                          torch.ones(e, 2 * w.intermediate // sb, w.hidden // sb),
+                          torch.ones(e, w.hidden // sb, w.intermediate // sb))
     peers = local_combine_peers(poisoned_buffers(bf16_layer))
     with pytest.raises(MoEContractError, match="w1 must be torch.float8_e4m3fn"):
         prepare_fused_moe(bf16_layer.layouts[0], wrong, rank_schedules(bf16_layer, 0)["wave"],

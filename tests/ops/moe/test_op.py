@@ -3,7 +3,8 @@ the interpreter against the float32 reference in both precisions and schedules, 
 on new tensors (int32 ids and bf16 weights among them) each against its own reference, an id out
 of range raising the error flag instead of writing; input errors raised before launch; the custom
 op's fake implementation traced by ``torch.compile(fullgraph=True)`` in a block (router,
-FusedMoE, residual) on FakeTensors."""
+FusedMoE, residual) on FakeTensors; a model's own experts (``nn.Linear`` projections) against
+the model's forward."""
 from __future__ import annotations
 
 import sys
@@ -17,7 +18,7 @@ from xstage_lab.ops.moe.op import FusedMoE
 from xstage_lab.ops.moe.reference import reference_moe
 from xstage_lab.ops.moe.routing import router_logits, router_topk
 from xstage_lab.ops.moe.shapes import MoEContractError, MoEShape
-from xstage_lab.ops.moe.weights import local_expert_weights
+from xstage_lab.ops.moe.weights import ExpertWeights, local_expert_weights
 
 TINY = MoEShape("Tiny", "test", hidden=256, intermediate=256, routed_experts=8, top_k=2,
                 source="test")
@@ -96,6 +97,48 @@ def case_out_of_range_id_flags_and_writes_nothing_outside() -> dict:
     return {"error": int(layer.error)}
 
 
+class SwiGLUExpert(torch.nn.Module):
+    """One expert as a model writes it (Qwen3-MoE, DeepSeek-V3): ``down(silu(gate(x)) *
+    up(x))``."""
+
+    def __init__(self, hidden: int, inter: int, generator: torch.Generator):
+        super().__init__()
+        self.gate_proj, self.up_proj = (torch.nn.Linear(hidden, inter, bias=False)
+                                        for _ in range(2))
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
+        for lin in (self.gate_proj, self.up_proj, self.down_proj):
+            torch.nn.init.normal_(lin.weight, std=lin.in_features ** -0.5, generator=generator)
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def case_model_experts_match_their_module() -> dict:
+    """A model's own experts (float32 ``nn.Linear`` parameters) through
+    ``ExpertWeights.from_projections`` into a FusedMoE, in each precision: within issue 18's
+    tolerance of the model's float32 forward of each pick, weighted and summed; nothing
+    flagged."""
+    g = torch.Generator().manual_seed(7)
+    experts = torch.nn.ModuleList(SwiGLUExpert(TINY.hidden, TINY.intermediate, g)
+                                  for _ in range(TINY.routed_experts))
+    x, ids, w = _inputs(9, seed=4)
+    with torch.no_grad():
+        ref = sum(w[:, j, None] * torch.stack([experts[int(e)](x[t].float())
+                                               for t, e in enumerate(ids[:, j])])
+                  for j in range(TINY.top_k))
+    errors = {}
+    for precision in ("bf16", "fp8"):
+        weights = ExpertWeights.from_projections(
+            *([getattr(m, f"{n}_proj").weight for m in experts] for n in ("gate", "up", "down")),
+            precision)
+        layer = FusedMoE(weights, max_tokens=16, top_k=TINY.top_k)
+        y = layer(x, ids, w)
+        errors[precision] = float((y.float() - ref).norm() / ref.norm())
+        assert errors[precision] <= TOLERANCE[precision]["fp32"], (precision, errors)
+        assert int(layer.error) == 0
+    return errors
+
+
 def interpreter_cases() -> dict:
     # each precision under one schedule, each schedule once (the tables of both are compared
     # with the host reference entry for entry in test_device_tables)
@@ -103,6 +146,7 @@ def interpreter_cases() -> dict:
              for p, s in (("bf16", "wave"), ("fp8", "interleaved"))}
     cases["successive_calls"] = (case_successive_calls_read_their_own_tensors,)
     cases["out_of_range_id"] = (case_out_of_range_id_flags_and_writes_nothing_outside,)
+    cases["model_experts"] = (case_model_experts_match_their_module,)
     return cases
 
 

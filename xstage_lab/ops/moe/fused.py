@@ -69,6 +69,36 @@ def _expect(t: torch.Tensor | None, name: str, shape: tuple, dtype: torch.dtype,
         raise MoEContractError(f"{name} must be contiguous on {device}")
 
 
+def check_expert_weights(weights: ExpertWeights, config: TileConfig) -> None:
+    """Raise MoEContractError unless ``weights`` are what ``config``'s kernel reads (nothing is
+    launched): the tiles dividing H and I (``check_tile_config``); ``w1 [E, 2I, H]`` and ``w2
+    [E, H, I]`` in bf16, or in e4m3 with fp32 scales per ``config.scale_block`` square block
+    (``w1_scale [E, 2I/sb, H/sb]``, ``w2_scale [E, H/sb, I/sb]``); each contiguous on ``w1``'s
+    device (the kernels index them by the shapes alone) and, for gluon_ws, 16-byte aligned (its
+    TMA descriptors over ``w1`` and ``w2``)."""
+    precision, device = weights.precision, weights.w1.device
+    e_loc, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
+    check_tile_config(config, precision, hidden, inter)
+    wdt = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
+    _expect(weights.w1, "w1", (e_loc, 2 * inter, hidden), wdt, device)
+    _expect(weights.w2, "w2", (e_loc, hidden, inter), wdt, device)
+    if precision == "fp8":
+        sb = config.scale_block
+        _expect(weights.w1_scale, "w1_scale", (e_loc, 2 * inter // sb, hidden // sb),
+                torch.float32, device)
+        _expect(weights.w2_scale, "w2_scale", (e_loc, hidden // sb, inter // sb), torch.float32,
+                device)
+    if config.kernel == "gluon_ws":
+        _expect_aligned("w1", weights.w1)
+        _expect_aligned("w2", weights.w2)
+
+
+def _expect_aligned(name: str, t: torch.Tensor) -> None:
+    if t.data_ptr() % ALIGN_BYTES:
+        raise MoEContractError(f"{name} must start {ALIGN_BYTES}-byte aligned (TMA, 16-byte "
+                               "cp.async)")
+
+
 def _check_table_bounds(table: np.ndarray, counts: np.ndarray, problem: MoEProblem,
                         num_experts: int) -> None:
     """Every used entry names a tile kind, a local expert, a row and an N tile that exist (also
@@ -110,14 +140,8 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
     ``device_tables.l2_split_count``)."""
     precision, device = weights.precision, weights.w1.device
     e_loc, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
-    check_tile_config(config, precision, hidden, inter)
-    wdt = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
-    _expect(weights.w1, "w1", (e_loc, 2 * inter, hidden), wdt, device)
-    _expect(weights.w2, "w2", (e_loc, hidden, inter), wdt, device)
-    if precision == "fp8":
-        sb = config.scale_block
-        _expect(weights.w1_scale, "w1_scale", (e_loc, 2 * inter // sb, hidden // sb), torch.float32, device)
-        _expect(weights.w2_scale, "w2_scale", (e_loc, hidden // sb, inter // sb), torch.float32, device)
+    check_expert_weights(weights, config)
+    wdt = weights.w1.dtype
     if layout.block_m != config.block_m:
         raise MoEContractError(f"layout padded to block_m={layout.block_m}, tiles use {config.block_m}")
     if len(layout.tokens_per_expert) != e_loc:
@@ -157,10 +181,7 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
         reason = kernel_unsupported("gluon_ws", device)
         if reason:
             raise MoEContractError(reason)
-        for name, t in (("x", layout.x), ("w1", weights.w1), ("w2", weights.w2)):
-            if t.data_ptr() % ALIGN_BYTES:
-                raise MoEContractError(f"{name} must start {ALIGN_BYTES}-byte aligned (TMA, "
-                                       "16-byte cp.async)")
+        _expect_aligned("x", layout.x)
     h = torch.empty(rows, inter, dtype=wdt, device=device)
     h_scale = (torch.empty(rows, inter // config.scale_block, dtype=torch.float32, device=device)
                if precision == "fp8" else None)

@@ -40,11 +40,11 @@ from ..launcher import Launcher
 from .call_args import ALIGN_BYTES, FIRST_ADDRESS_PARAM, TRITON_DTYPES, slot_order, slot_packer
 from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weighted_sum_launch
 from .device_tables import SCHEDULES, TableBounds, allocate_tables, route_to_tables
-from .fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, kernel_launch,
-                    split_k_buffers)
+from .fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, check_expert_weights,
+                    kernel_launch, split_k_buffers)
 from .schedules import d_knee, derived_lead
 from .shapes import FP8_SCALE_BLOCK, MoEContractError
-from .tiles import TileConfig, check_tile_config, default_tile_config
+from .tiles import TileConfig, default_tile_config
 from .weights import ExpertWeights
 
 SCHEDULE_CHOICES = (*SCHEDULES, "auto")
@@ -181,7 +181,7 @@ class MoEWorkspace:
         self.weights = weights
         self.config = config or default_tile_config(weights.precision, hidden=weights.hidden,
                                                     device=device)
-        check_tile_config(self.config, weights.precision, weights.hidden, weights.intermediate)
+        check_expert_weights(weights, self.config)
         if num_programs is None:
             num_programs = (torch.cuda.get_device_properties(device).multi_processor_count
                             if device.type == "cuda" else CPU_PROGRAMS)
