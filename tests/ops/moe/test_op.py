@@ -4,7 +4,7 @@ on new tensors (int32 ids and bf16 weights among them) each against its own refe
 of range raising the error flag instead of writing; input errors raised before launch; the custom
 op's fake implementation traced by ``torch.compile(fullgraph=True)`` in a block (router,
 FusedMoE, residual) on FakeTensors; a model's own experts (``nn.Linear`` projections) against
-the model's forward."""
+the model's forward; two layers on one set of buffers, and sizes that cannot share refused."""
 from __future__ import annotations
 
 import sys
@@ -97,6 +97,31 @@ def case_out_of_range_id_flags_and_writes_nothing_outside() -> dict:
     return {"error": int(layer.error)}
 
 
+def case_layers_sharing_buffers_keep_their_own_results() -> dict:
+    """Two layers of other weights on one set of buffers, called in turn (at token counts through
+    ``route_tiny`` and through the three launches, FP8 quantizing into the shared copy), the
+    Combine rows poisoned before each call: each output within tolerance of its own weights'
+    reference, the earlier outputs left alone."""
+    first = _layer("fp8", max_tokens=40)
+    second = FusedMoE(local_expert_weights(TINY, 0, 1, "fp8", seed=4), max_tokens=40,
+                      top_k=TINY.top_k, buffers=first.buffers)
+    assert second.buffers is first.buffers and second.combine is first.combine
+    outputs, errors = [], []
+    for layer, seed, tokens in ((first, 3, 11), (second, 4, 40), (first, 3, 40), (second, 4, 5)):
+        x, ids, w = _inputs(tokens, seed + tokens)
+        first.combine.fill_(float("nan"))
+        y = layer(x, ids, w)
+        for kind, ref in reference_moe(x, ids, w, TINY, seed=seed, precision="fp8").items():
+            err = float((y.float() - ref).norm() / ref.norm())
+            assert err <= TOLERANCE["fp8"][kind], (seed, tokens, kind, err)
+            errors.append(err)
+        outputs.append((y, y.clone()))
+    for y, kept in outputs:
+        assert torch.equal(y.view(torch.int16), kept.view(torch.int16))
+    assert int(first.error) == 0
+    return {"max_error": max(errors)}
+
+
 class SwiGLUExpert(torch.nn.Module):
     """One expert as a model writes it (Qwen3-MoE, DeepSeek-V3): ``down(silu(gate(x)) *
     up(x))``."""
@@ -147,6 +172,7 @@ def interpreter_cases() -> dict:
     cases["successive_calls"] = (case_successive_calls_read_their_own_tensors,)
     cases["out_of_range_id"] = (case_out_of_range_id_flags_and_writes_nothing_outside,)
     cases["model_experts"] = (case_model_experts_match_their_module,)
+    cases["shared_buffers"] = (case_layers_sharing_buffers_keep_their_own_results,)
     return cases
 
 
@@ -181,6 +207,24 @@ def test_bad_construction_is_refused():
         FusedMoE(weights, max_tokens=4, top_k=2, schedule="fastest")
     with pytest.raises(MoEContractError, match="top_k=9"):
         FusedMoE(weights, max_tokens=4, top_k=9)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"max_tokens": 32}, "capacity=64"),
+    ({"top_k": 1, "max_tokens": 32}, "source_rows 16 where the layer needs 32"),
+    ({"precision": "fp8"}, "precision bf16 where the layer needs fp8"),
+    ({"shape": MoEShape("Wide", "test", hidden=512, intermediate=256, routed_experts=8, top_k=2,
+                        source="test")}, "hidden 256 where the layer needs 512"),
+])
+def test_buffers_are_shared_only_where_they_fit(change, message):
+    """Sizes that differ anywhere are refused before anything is launched, each named."""
+    first = _layer("bf16")
+    shape = change.get("shape", TINY)
+    weights = local_expert_weights(shape, 0, 1, change.get("precision", "bf16"), seed=4)
+    with pytest.raises(MoEContractError, match=message):
+        FusedMoE(weights, max_tokens=change.get("max_tokens", 16), top_k=change.get("top_k", 2),
+                 buffers=first.buffers)
+    assert int(first.error) == 0 and (first.workspace.tables.meta == 0).all()
 
 
 class Block(torch.nn.Module):

@@ -7,7 +7,8 @@ eager call's own graphs (issue 27): calls at interleaved token counts on fresh t
 the reference and leave earlier outputs alone, one graph captured per token count; calls of one
 token count queued behind a long kernel, each keeping its own addresses; eager calls
 around a user's graph capture, and the user's graph replayed after them; the first calls at
-token counts never seen under ``set_sync_debug_mode("error")``."""
+token counts never seen under ``set_sync_debug_mode("error")``; two layers on one set of
+buffers, each replaying its own graphs."""
 from __future__ import annotations
 
 import pytest
@@ -48,9 +49,9 @@ def _inputs(tokens: int, seed: int, routing: str = "balanced", model: str = MODE
     return x, ids, w
 
 
-def _check(layer: FusedMoE, y, x, ids, w, model: str = MODEL):
+def _check(layer: FusedMoE, y, x, ids, w, model: str = MODEL, seed: int = SEED):
     precision = layer.workspace.weights.precision
-    for kind, ref in reference_moe(x, ids, w, SHAPES[model], seed=SEED,
+    for kind, ref in reference_moe(x, ids, w, SHAPES[model], seed=seed,
                                    precision=precision).items():
         err = float((y.float() - ref).norm() / ref.norm())
         assert err <= TOLERANCE[precision][kind], (kind, err)
@@ -201,6 +202,34 @@ def test_eager_calls_at_interleaved_token_counts_replay_one_graph_each(layer, ca
         assert torch.equal(y.view(torch.int16), kept.view(torch.int16))
     assert len(captures) == 3 and sorted(shape[0] for shape in moe.graphs) == [1, 64, 512]
     assert int(moe.error) == 0
+
+
+def test_layers_sharing_buffers_replay_their_own_graphs(layer, captures):
+    """Two layers of other weights on one set of buffers (a model's MoE layers), called in turn
+    at T = 64, 1, 64, 1, 512 each on fresh tensors, each call queued right behind the other
+    layer's, the Combine rows poisoned before each call: every output within tolerance of its
+    own weights' reference and unchanged by the later calls; one capture per layer and T."""
+    first = _fresh_layer(layer)
+    weights = local_expert_weights(SHAPES[MODEL], 0, 1, first.workspace.weights.precision,
+                                   seed=SEED + 1, device="cuda")
+    second = FusedMoE(weights, max_tokens=first.max_tokens, top_k=first.top_k, schedule="wave",
+                      buffers=first.buffers)
+    assert second.combine.data_ptr() == first.combine.data_ptr()
+    calls = []
+    for i, tokens in enumerate((64, 1, 64, 1, 512)):
+        pair = []
+        for moe, seed in ((first, SEED), (second, SEED + 1)):
+            x, ids, w = _inputs(tokens, 200 + 2 * i + seed - SEED)
+            first.combine.fill_(float("nan"))
+            pair.append((moe(x, ids, w), seed, x, ids, w))
+        torch.cuda.synchronize()
+        for y, seed, x, ids, w in pair:
+            _check(first, y, x, ids, w, seed=seed)
+            calls.append((y, y.clone()))
+    for y, kept in calls:
+        assert torch.equal(y.view(torch.int16), kept.view(torch.int16))
+    assert len(captures) == 6 and sorted(t for t, *_ in second.graphs) == [1, 64, 512]
+    assert int(first.error) == 0
 
 
 def test_queued_calls_of_one_token_count_relaunch_its_graph(layer, captures):

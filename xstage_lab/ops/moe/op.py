@@ -21,7 +21,8 @@ not Triton's Python binding). Once a T's graph exists, an eager call on CUDA tak
 host path (``fused_call.cpp``, built with ``torch.utils.cpp_extension`` at the layer's
 construction): the same checks, allocation, addresses and two driver calls in one C++ function.
 ``MoEWorkspace`` is the same call over received rows (the EP rank workload), storing into any
-``CombinePeers``, replayed from a graph per set of buffers.
+``CombinePeers``, replayed from a graph per set of buffers. Layers of one shape can share their
+buffers (``buffers.MoEBuffers``): a model's MoE layers need one set, not one each.
 """
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ from ..graph_launch import GraphLauncher, call_functions
 from ..launcher import Launcher
 from .call_args import ALIGN_BYTES, FIRST_ADDRESS_PARAM, TRITON_DTYPES, slot_order, slot_packer
 from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weighted_sum_launch
-from .device_tables import SCHEDULES, TableBounds, allocate_tables, route_to_tables
+from .buffers import BufferSizes, MoEBuffers
+from .device_tables import SCHEDULES, TableBounds, route_to_tables
 from .fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, check_expert_weights,
-                    kernel_launch, split_k_buffers)
+                    kernel_launch)
 from .schedules import d_knee, derived_lead
-from .shapes import FP8_SCALE_BLOCK, MoEContractError
+from .shapes import MoEContractError
 from .tiles import TileConfig, default_tile_config
 from .weights import ExpertWeights
 
@@ -172,11 +174,17 @@ class MoEWorkspace:
     rows only (``allocate_tables``). With the gluon_ws kernel, where the bound leaves most SMs
     without a Linear-2 tile (a few tokens), each Linear-2 tile is split along K
     (``TableBounds.of(split_k=True)``, ``device_tables.l2_split_count``) and its splits' partials
-    get buffers of their own (``fused.split_k_buffers``)."""
+    get buffers of their own (``fused.split_k_buffers``).
+
+    ``buffers``: another workspace's (``buffers.MoEBuffers``: every buffer but the weights), to
+    share, sized exactly as this one's would be; else allocated here, with a FusedMoE's Combine
+    rows where ``combine_rows``. Workspaces that share them must run their calls one after
+    another, in stream order; they share the error flag too."""
 
     def __init__(self, weights: ExpertWeights, capacity: int, *, config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
-                 max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS, source_rows: int | None = None):
+                 max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS, source_rows: int | None = None,
+                 buffers: MoEBuffers | None = None, combine_rows: bool = False):
         device = weights.w1.device
         self.weights = weights
         self.config = config or default_tile_config(weights.precision, hidden=weights.hidden,
@@ -195,18 +203,15 @@ class MoEWorkspace:
         self.bounds = TableBounds.of(capacity, weights.num_experts, weights.hidden,
                                      weights.intermediate, self.config, num_programs, lead_rows,
                                      split_k=self.config.kernel == "gluon_ws")
-        self.tables = allocate_tables(self.bounds, weights.hidden, weights.precision, device,
-                                      source_rows=source_rows)
-        rows, inter = self.bounds.rows, weights.intermediate
-        self.h = torch.empty(rows, inter, dtype=weights.w1.dtype, device=device)
-        self.h_scale = (torch.empty(rows, inter // FP8_SCALE_BLOCK, dtype=torch.float32,
-                                    device=device) if weights.precision == "fp8" else None)
-        # never instrumented: one element stands in for the trace pointer
-        self.trace = torch.full((1,), -1, dtype=torch.int64, device=device)
-        b = self.bounds
-        self.l2_partial, self.l2_ready = split_k_buffers(
-            b.row_blocks, b.l2_splits, b.block_m, weights.hidden,
-            b.l2_n_blocks // b.l2_splits, device)
+        sizes = BufferSizes(self.bounds, weights.precision, weights.hidden, weights.intermediate,
+                            source_rows, device, combine_rows)
+        if buffers is None:
+            buffers = MoEBuffers.allocate(sizes)
+        buffers.check_serves(sizes)
+        self.buffers = buffers
+        self.tables, self.h, self.h_scale = buffers.tables, buffers.h, buffers.h_scale
+        self.l2_partial, self.l2_ready = buffers.l2_partial, buffers.l2_ready
+        self.trace = buffers.trace
         self.max_spin_iters = max_spin_iters
         self._launches: dict = {}
         self.graphs = GraphCache(device)
@@ -304,12 +309,19 @@ class FusedMoE(torch.nn.Module):
     tensors' addresses: ``graphs``, keyed by T, schedule and the ids' and weights' dtypes (a
     ``GraphCache``). The first call at a T launches directly, then captures that T's graph
     without synchronizing. Calls share the layer's buffers: one call at a time per layer, in
-    stream order."""
+    stream order.
+
+    ``buffers``: another FusedMoE's (``layer.buffers``), to share: a model's MoE layers of one
+    shape, called one after another on one stream, need one set of buffers between them
+    (``buffers.MoEBuffers``), not one each; refused unless the layers would size them alike
+    (the same ``max_tokens * top_k``, ``max_tokens``, precision, H, I, tiles and programs).
+    Layers that share them share ``error`` too."""
 
     def __init__(self, weights: ExpertWeights, *, max_tokens: int, top_k: int,
                  schedule: str = "auto", config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
-                 check_ids: bool = False, max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS):
+                 check_ids: bool = False, max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS,
+                 buffers: MoEBuffers | None = None):
         super().__init__()
         if schedule not in SCHEDULE_CHOICES:
             raise MoEContractError(f"schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}")
@@ -318,11 +330,11 @@ class FusedMoE(torch.nn.Module):
                                    f"1..{weights.num_experts}")
         self.workspace = MoEWorkspace(weights, max_tokens * top_k, config=config,
                                       num_programs=num_programs, lead_rows=lead_rows,
-                                      max_spin_iters=max_spin_iters, source_rows=max_tokens)
+                                      max_spin_iters=max_spin_iters, source_rows=max_tokens,
+                                      buffers=buffers, combine_rows=True)
         self.max_tokens, self.top_k, self.check_ids = max_tokens, top_k, check_ids
         self.schedule = auto_schedule(1) if schedule == "auto" else schedule
-        self.combine = torch.empty(max_tokens * top_k, weights.hidden, dtype=torch.bfloat16,
-                                   device=weights.w1.device)
+        self.combine = self.workspace.buffers.combine
         self.peers = local_combine_peers([self.combine])
         self.device = weights.w1.device
         self.pack_addresses = slot_packer(self.workspace.tables.args, *CALL_TENSORS)
@@ -341,6 +353,11 @@ class FusedMoE(torch.nn.Module):
     @property
     def error(self) -> torch.Tensor:
         return self.workspace.error
+
+    @property
+    def buffers(self) -> MoEBuffers:
+        """This layer's buffers, for another layer of its shape to share (``buffers=``)."""
+        return self.workspace.buffers
 
     def check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor,
                      topk_weights: torch.Tensor) -> None:
