@@ -201,6 +201,12 @@ def test_bad_input_is_refused_before_launch(change, message):
     assert int(layer.error) == 0 and (layer.workspace.tables.meta == 0).all()  # nothing ran
 
 
+def test_a_model_printout_names_the_layer():
+    text = repr(torch.nn.Sequential(_layer("fp8", "interleaved")))
+    assert ("FusedMoE(experts=8, hidden=256, intermediate=256, top_k=2, precision=fp8, "
+            "max_tokens=16, schedule=interleaved, kernel=triton)") in text
+
+
 def test_bad_construction_is_refused():
     weights = local_expert_weights(TINY, 0, 1, "bf16", seed=3)
     with pytest.raises(MoEContractError, match="schedule must be one of"):
@@ -261,6 +267,30 @@ def test_compile_fullgraph_traces_the_custom_op():
     assert len(graphs) == 1
     assert any("xstage.fused_moe" in str(n.target) for n in graphs[0].graph.nodes)
 
+
+
+def test_compile_with_dynamic_tokens_keeps_the_bound():
+    """Traced once for any T (``dynamic=True``): two token counts run through one graph; a T above
+    ``max_tokens`` is refused with the bound named (the check's guard fails, the retrace raises),
+    never launched into buffers sized for fewer."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(Block(_layer("bf16")), fullgraph=True, backend=backend,
+                             dynamic=True)
+    torch._dynamo.reset()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        for tokens in (6, 9):
+            x = mode.from_tensor(torch.zeros(tokens, TINY.hidden, dtype=torch.bfloat16))
+            assert compiled(x).shape == (tokens, TINY.hidden)
+        assert len(graphs) == 1
+        with pytest.raises(RuntimeError, match=r"T=20 tokens outside 1\.\.16"):
+            compiled(mode.from_tensor(torch.zeros(20, TINY.hidden, dtype=torch.bfloat16)))
 
 if __name__ == "__main__":
     raise SystemExit(child_main(sys.argv[1:], interpreter_cases(), {}))

@@ -303,7 +303,8 @@ class FusedMoE(torch.nn.Module):
 
     ``forward(x, topk_ids, topk_weights)``: bf16 ``x [T, H]`` (16-byte aligned), integer
     ``topk_ids [T, top_k]``, float ``topk_weights [T, top_k]``, ``T <= max_tokens``, all on the
-    weights' device -> bf16 ``y [T, H]`` = ``sum_j w[t, j] · FFN_{e_tj}(x[t])``.
+    weights' device -> bf16 ``y [T, H]`` = ``sum_j w[t, j] · FFN_{e_tj}(x[t])``. Inference
+    only: ``y`` carries no autograd history.
 
     Eagerly on CUDA (the stream not capturing) a call launches the graph of its T with its
     tensors' addresses: ``graphs``, keyed by T, schedule and the ids' and weights' dtypes (a
@@ -353,6 +354,12 @@ class FusedMoE(torch.nn.Module):
     @property
     def error(self) -> torch.Tensor:
         return self.workspace.error
+
+    def extra_repr(self) -> str:
+        w = self.workspace.weights
+        return (f"experts={w.num_experts}, hidden={w.hidden}, intermediate={w.intermediate}, "
+                f"top_k={self.top_k}, precision={w.precision}, max_tokens={self.max_tokens}, "
+                f"schedule={self.schedule}, kernel={self.workspace.config.kernel}")
 
     @property
     def buffers(self) -> MoEBuffers:
