@@ -14,11 +14,12 @@ import torch
 
 from tests.experiments.triton_testing import child_main, interpreter_case_tests
 from xstage_lab.experiments.moe.bench import TOLERANCE
-from xstage_lab.ops.moe.op import FusedMoE
+from xstage_lab.ops.moe.combine import local_combine_peers
+from xstage_lab.ops.moe.op import FusedMoE, MoEWorkspace
 from xstage_lab.ops.moe.reference import reference_moe
 from xstage_lab.ops.moe.routing import router_logits, router_topk
 from xstage_lab.ops.moe.shapes import MoEContractError, MoEShape
-from xstage_lab.ops.moe.weights import ExpertWeights, local_expert_weights
+from xstage_lab.ops.moe.weights import ExpertWeights, local_expert_weights, quantize_rows_fp8
 
 TINY = MoEShape("Tiny", "test", hidden=256, intermediate=256, routed_experts=8, top_k=2,
                 source="test")
@@ -231,6 +232,55 @@ def test_buffers_are_shared_only_where_they_fit(change, message):
         FusedMoE(weights, max_tokens=change.get("max_tokens", 16), top_k=change.get("top_k", 2),
                  buffers=first.buffers)
     assert int(first.error) == 0 and (first.workspace.tables.meta == 0).all()
+
+
+def _rank_call(precision: str, capacity: int = 24) -> dict:
+    """An EP rank's received rows as its receive buffers hold them (rows as Dispatch sent them:
+    e4m3 with their scales in FP8), and its Combine buffer."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(capacity, TINY.hidden, generator=g).to(torch.bfloat16)
+    x, x_scale = quantize_rows_fp8(x) if precision == "fp8" else (x, None)
+    return dict(schedule="wave",
+                peers=local_combine_peers([torch.empty(capacity, TINY.hidden,
+                                                       dtype=torch.bfloat16)]),
+                expert_ids=torch.randint(0, TINY.routed_experts, (capacity,), generator=g,
+                                         dtype=torch.int32),
+                x=x, x_scale=x_scale, n_arrivals=torch.tensor([capacity], dtype=torch.int32),
+                arrival_src=torch.zeros(capacity, dtype=torch.int32),
+                arrival_slot=torch.arange(capacity, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("precision,change,message", [
+    ("bf16", lambda c: c.update(schedule="fastest"), "schedule must be one of"),
+    ("bf16", lambda c: c.update(expert_ids=c["expert_ids"][:20]),
+     r"expert_ids must be torch.int32 or torch.int64 \[24\]"),
+    ("bf16", lambda c: c.update(expert_ids=c["expert_ids"].float()), "expert_ids must be"),
+    ("bf16", lambda c: c.update(arrival_src=c["arrival_src"].long()),
+     r"arrival_src must be torch.int32 \[24\]"),
+    ("bf16", lambda c: c.update(arrival_slot=c["arrival_slot"][:23]),
+     "arrival_slot must be"),
+    ("bf16", lambda c: c.update(n_arrivals=c["n_arrivals"].long()), "n_arrivals must be"),
+    ("bf16", lambda c: c.update(x=c["x"][:, :128]), r"x must be torch.bfloat16 \[24, 256\]"),
+    ("bf16", lambda c: c.update(x=c["x"].t().contiguous().t()), "contiguous"),
+    ("bf16", lambda c: c.update(x=quantize_rows_fp8(c["x"])[0]), "x must be torch.bfloat16"),
+    ("bf16", lambda c: c.update(x_scale=torch.ones(24, 2)), "x_scale goes with e4m3 rows"),
+    ("bf16", lambda c: c.update(peers=local_combine_peers([torch.empty(24, 128,
+                                                                       dtype=torch.bfloat16)])),
+     "Combine buffers of 128 columns"),
+    ("fp8", lambda c: c.update(x_scale=c["x_scale"][:, :1].contiguous()),
+     r"x_scale must be torch.float32 \[24, 2\]"),
+    ("fp8", lambda c: c.update(x_scale=None), "x_scale must be"),
+])
+def test_an_ep_ranks_bad_buffers_are_refused_before_launch(precision, change, message):
+    """``MoEWorkspace.received_call`` over receive buffers its kernels would read past (each
+    read up to the capacity) or misread: refused, nothing launched."""
+    ws = MoEWorkspace(local_expert_weights(TINY, 0, 1, precision, seed=3), 24, source_rows=0)
+    call = _rank_call(precision)
+    ws.check_received(**call)  # the buffers as they should be
+    change(call)
+    with pytest.raises(MoEContractError, match=message):
+        ws.received_call(**call)
+    assert int(ws.error) == 0 and (ws.tables.meta == 0).all()
 
 
 class Block(torch.nn.Module):

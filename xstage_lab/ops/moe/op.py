@@ -45,7 +45,7 @@ from .device_tables import SCHEDULES, TableBounds, route_to_tables
 from .fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, check_expert_weights,
                     kernel_launch)
 from .schedules import d_knee, derived_lead
-from .shapes import MoEContractError
+from .shapes import FP8_SCALE_BLOCK, MoEContractError
 from .tiles import TileConfig, default_tile_config
 from .weights import ExpertWeights
 
@@ -102,6 +102,9 @@ class GraphCache:
 
     def __iter__(self):
         return iter(self.graphs)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.graphs
 
     def get(self, key: tuple) -> GraphLauncher | None:
         graph = self.graphs.get(key)
@@ -254,15 +257,58 @@ class MoEWorkspace:
         """An EP rank's call: ``route`` over received rows (``device_tables.route_to_tables``
         takes the arguments), then ``launch``. Eagerly on CUDA replayed from the graph of these
         buffers, captured at their first call (an EP rank's receive buffers stay where they are
-        from call to call: one graph per schedule serves them all); else launched directly."""
+        from call to call: one graph per schedule serves them all); else launched directly. The
+        buffers are checked (``check_received``) where no graph of them exists yet: they must
+        stay as they were at their first call."""
         def launches():
             self.route(expert_ids, x, x_scale, n_arrivals=n_arrivals, arrival_src=arrival_src,
                        arrival_slot=arrival_slot)
             self.launch(schedule, peers, routed=True)
 
-        self.graphs.call((schedule, peers.table.data_ptr(), expert_ids.data_ptr(), x.data_ptr(),
-                          0 if x_scale is None else x_scale.data_ptr(), n_arrivals.data_ptr(),
-                          arrival_src.data_ptr(), arrival_slot.data_ptr()), launches)
+        key = (schedule, peers.table.data_ptr(), expert_ids.data_ptr(), x.data_ptr(),
+               0 if x_scale is None else x_scale.data_ptr(), n_arrivals.data_ptr(),
+               arrival_src.data_ptr(), arrival_slot.data_ptr())
+        if key not in self.graphs:
+            self.check_received(schedule, peers, expert_ids, x, x_scale, n_arrivals,
+                                arrival_src, arrival_slot)
+        self.graphs.call(key, launches)
+
+    def check_received(self, schedule: str, peers: CombinePeers, expert_ids: torch.Tensor,
+                       x: torch.Tensor, x_scale: torch.Tensor | None, n_arrivals: torch.Tensor,
+                       arrival_src: torch.Tensor, arrival_slot: torch.Tensor) -> None:
+        """Raise MoEContractError on an EP rank's call that these tables cannot take, before
+        anything is launched (the kernels read every buffer up to the capacity, by its shape):
+        ``schedule`` one of ``SCHEDULES``; the local expert ids (int32 or int64), sources and
+        slots (int32) ``[capacity]`` and their count int32 ``[1]``; ``x [capacity, H]`` as this
+        layer reads it (bf16, or in FP8 e4m3 with fp32 ``x_scale [capacity, H / 128]``); all
+        contiguous on the weights' device; Combine buffers of H columns. That each slot lies
+        within its source's Combine buffer is Dispatch's contract, on the device."""
+        if schedule not in SCHEDULES:
+            raise MoEContractError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        cap, hidden = self.bounds.capacity, self.weights.hidden
+        device = self.weights.w1.device
+        fp8 = self.weights.precision == "fp8"
+        rows = (torch.float8_e4m3fn, torch.bfloat16) if fp8 else (torch.bfloat16,)
+        expect = [("expert_ids", expert_ids, ID_DTYPES, (cap,)),
+                  ("arrival_src", arrival_src, (torch.int32,), (cap,)),
+                  ("arrival_slot", arrival_slot, (torch.int32,), (cap,)),
+                  ("n_arrivals", n_arrivals, (torch.int32,), (1,)),
+                  ("x", x, rows, (cap, hidden))]
+        if x.dtype == torch.float8_e4m3fn:
+            expect.append(("x_scale", x_scale, (torch.float32,),
+                           (cap, hidden // FP8_SCALE_BLOCK)))
+        elif x_scale is not None:
+            raise MoEContractError("x_scale goes with e4m3 rows only")
+        for name, t, dtypes, shape in expect:
+            if t is None or t.dtype not in dtypes or tuple(t.shape) != shape or \
+                    t.device != device or not t.is_contiguous():
+                raise MoEContractError(
+                    f"{name} must be {' or '.join(map(str, dtypes))} {list(shape)}, contiguous "
+                    f"on {device}, got " + ("None" if t is None else
+                                            f"{t.dtype} {list(t.shape)} on {t.device}"))
+        if peers.hidden != hidden or peers.table.device != device:
+            raise MoEContractError(f"Combine buffers of {peers.hidden} columns, peer table on "
+                                   f"{peers.table.device}: the layer stores {hidden} on {device}")
 
 
 _LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
