@@ -24,6 +24,7 @@ from tests.experiments.triton_testing import (HOPPER_SMEM_PER_BLOCK, compile_sm9
                                               sass_bytes)
 from xstage_lab.kernel_sources import kernel_path
 from xstage_lab.ops.moe.combine import local_combine_peers
+from xstage_lab.ops.moe.device_tables import TableBounds
 from xstage_lab.ops.moe.dispatch import build_layout
 from xstage_lab.ops.moe.fused import (TRACE_FIELDS, prepare_fused_moe,
                                       synthetic_k_blocks)
@@ -35,6 +36,7 @@ from xstage_lab.ops.moe.weights import local_expert_weights, quantize_rows_fp8
 
 SHAPES = load_shapes()
 SASS_LIMIT_BYTES = 75 * 1024  # the largest build measured: 73.5 KiB (FP8, 256-wide Linear-2)
+H200_SMS = 132
 
 
 @pytest.fixture(scope="module")
@@ -280,14 +282,41 @@ def test_a_split_linear2_launch_passes_its_partials_and_counters(monkeypatch, pr
         _tiny_call(precision, l2_splits=3, kernel="triton")
 
 
+def _split_configs() -> set:
+    """The default configurations whose layer splits Linear-2 along K for some model shape at one
+    token (``TableBounds.l2_splits``; EP = 1 and the EP = 8 rank's bound, one program per SM
+    of an H200): DiT-MoE's 128-wide tiles."""
+    keys = set()
+    for key, cfg in _default_configs().items():
+        for shape in SHAPES.values():
+            if default_tile_config(key[0], "gluon_ws", hidden=shape.hidden) != cfg:
+                continue
+            for capacity, experts in ((shape.top_k, shape.routed_experts),
+                                      (8 * shape.top_k, shape.routed_experts // 8)):
+                bounds = TableBounds.of(capacity, experts, shape.hidden, shape.intermediate,
+                                        cfg, H200_SMS, 1, split_k=True)
+                if bounds.l2_splits > 1:
+                    keys.add(key)
+    return keys
+
+
+def test_split_builds_are_dit_moes():
+    assert _split_configs() == {("bf16", 128, 4), ("fp8", 128, 4)}
+
+
 @pytest.mark.parametrize("key", list(_default_configs()), ids=lambda k: "-".join(map(str, k)))
 def test_split_k_build_sums_released_partials(ws_module, key):
     """The SPLIT_K build: each split's partial released to its tile half's counter
     (release-add), acquired before the sums, which read the partials at L2; wgmma not
     serialized. Its few spilled bytes (the producer's split arithmetic at 56 registers) cost
-    little where it runs, at a few tokens, bound by the weights' stream."""
+    little where it runs, at a few tokens, bound by the weights' stream. The builds a model
+    shape runs keep to the unsplit builds' bound on machine code (``test_compiles_for_hopper``;
+    the sums not inlined: ``_combine_split_sums``)."""
     precision, cfg = key[0], _default_configs()[key]
-    ptx = _compile(ws_module, precision, cfg, split_k=True).asm["ptx"]
+    k = _compile(ws_module, precision, cfg, split_k=True)
+    ptx = k.asm["ptx"]
+    if key in _split_configs():
+        assert sass_bytes(k.asm["cubin"], "moe_fused_ws_kernel") <= SASS_LIMIT_BYTES
     plain = _compile(ws_module, precision, cfg).asm["ptx"]
     report = ptxas_report(ptx)
     assert report["spill_load_bytes"] <= 128 and not report["wgmma_serialized"], report
