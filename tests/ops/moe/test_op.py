@@ -105,8 +105,8 @@ def case_layers_sharing_buffers_keep_their_own_results() -> dict:
     reference, the earlier outputs left alone."""
     first = _layer("fp8", max_tokens=40)
     second = FusedMoE(local_expert_weights(TINY, 0, 1, "fp8", seed=4), max_tokens=40,
-                      top_k=TINY.top_k, buffers=first.buffers)
-    assert second.buffers is first.buffers and second.combine is first.combine
+                      top_k=TINY.top_k, buffers=first.moe_buffers)
+    assert second.moe_buffers is first.moe_buffers and second.combine is first.combine
     outputs, errors = [], []
     for layer, seed, tokens in ((first, 3, 11), (second, 4, 40), (first, 3, 40), (second, 4, 5)):
         x, ids, w = _inputs(tokens, seed + tokens)
@@ -217,7 +217,8 @@ def test_bad_construction_is_refused():
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"max_tokens": 32}, "capacity=64"),
+    ({"max_tokens": 32}, "capacity 32 where the layer needs 64"),
+    ({"lead_rows": 5}, "lead_rows 1 where the layer needs 5"),
     ({"top_k": 1, "max_tokens": 32}, "source_rows 16 where the layer needs 32"),
     ({"precision": "fp8"}, "precision bf16 where the layer needs fp8"),
     ({"shape": MoEShape("Wide", "test", hidden=512, intermediate=256, routed_experts=8, top_k=2,
@@ -230,8 +231,15 @@ def test_buffers_are_shared_only_where_they_fit(change, message):
     weights = local_expert_weights(shape, 0, 1, change.get("precision", "bf16"), seed=4)
     with pytest.raises(MoEContractError, match=message):
         FusedMoE(weights, max_tokens=change.get("max_tokens", 16), top_k=change.get("top_k", 2),
-                 buffers=first.buffers)
+                 lead_rows=change.get("lead_rows"), buffers=first.moe_buffers)
     assert int(first.error) == 0 and (first.workspace.tables.meta == 0).all()
+
+
+def test_a_layer_keeps_torchs_module_interface():
+    """``buffers()`` stays ``torch.nn.Module``'s (the layer's own are ``moe_buffers``): PyTorch's
+    tools call it on every module (``make_graphed_callables``, ``torch.export``)."""
+    layer = _layer("bf16")
+    assert list(layer.buffers()) == [] and list(torch.nn.Sequential(layer).buffers()) == []
 
 
 def _rank_call(precision: str, capacity: int = 24) -> dict:

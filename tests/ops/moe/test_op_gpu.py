@@ -213,7 +213,7 @@ def test_layers_sharing_buffers_replay_their_own_graphs(layer, captures):
     weights = local_expert_weights(SHAPES[MODEL], 0, 1, first.workspace.weights.precision,
                                    seed=SEED + 1, device="cuda")
     second = FusedMoE(weights, max_tokens=first.max_tokens, top_k=first.top_k, schedule="wave",
-                      buffers=first.buffers)
+                      buffers=first.moe_buffers)
     assert second.combine.data_ptr() == first.combine.data_ptr()
     calls = []
     for i, tokens in enumerate((64, 1, 64, 1, 512)):

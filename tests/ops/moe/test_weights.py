@@ -91,6 +91,7 @@ def test_bad_projections_are_refused(change, message):
     (lambda p: p.update(gate_scale=p["gate_scale"][:, :, :1]),
      r"gate_scale\[0\] must be torch.float32 \[1, 2\]"),
     (lambda p: p.update(down_scale=p["down_scale"].double()), r"down_scale\[0\] must be"),
+    (lambda p: p.update(up_scale=p["up_scale"][:3]), r"must hold the 4 experts, got \[4, 3, 4\]"),
 ])
 def test_bad_quantized_projections_are_refused(change, message):
     p = _projections(local_expert_weights(SHAPE, 0, 1, "fp8", seed=5))

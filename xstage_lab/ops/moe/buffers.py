@@ -33,13 +33,20 @@ class BufferSizes:
     combine_rows: bool
 
     def differences(self, other: BufferSizes) -> str:
-        """Where ``other`` differs from these sizes, field by field."""
-        return "; ".join(f"{f.name} {getattr(self, f.name)} where the layer needs "
-                         f"{getattr(other, f.name)}" for f in fields(self)
-                         if getattr(self, f.name) != getattr(other, f.name))
+        """Where ``other`` differs from these sizes, field by field (the bounds' too)."""
+        mine, theirs = _flat(self), _flat(other)
+        return "; ".join(f"{k} {v} where the layer needs {theirs[k]}" for k, v in mine.items()
+                         if v != theirs[k])
 
 
-@dataclass(frozen=True)
+def _flat(sizes: BufferSizes) -> dict:
+    out = {f.name: getattr(sizes, f.name) for f in fields(sizes) if f.name != "bounds"}
+    out.update({f.name: getattr(sizes.bounds, f.name) for f in fields(sizes.bounds)})
+    return out
+
+
+# eq=False: compared field by field, the tensors would compare elementwise
+@dataclass(frozen=True, eq=False)
 class MoEBuffers:
     """One set of the buffers a ``MoEWorkspace``'s calls write and read, sized by ``sizes``: the
     routing's tables (``device_tables.DeviceTables``: the row counters, the argument block and

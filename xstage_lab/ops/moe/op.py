@@ -206,8 +206,10 @@ class MoEWorkspace:
         self.bounds = TableBounds.of(capacity, weights.num_experts, weights.hidden,
                                      weights.intermediate, self.config, num_programs, lead_rows,
                                      split_k=self.config.kernel == "gluon_ws")
+        # None quantizes up to the capacity (allocate_tables): the same buffers, one size
         sizes = BufferSizes(self.bounds, weights.precision, weights.hidden, weights.intermediate,
-                            source_rows, device, combine_rows)
+                            capacity if source_rows is None else source_rows, device,
+                            combine_rows)
         if buffers is None:
             buffers = MoEBuffers.allocate(sizes)
         buffers.check_serves(sizes)
@@ -279,10 +281,10 @@ class MoEWorkspace:
         """Raise MoEContractError on an EP rank's call that these tables cannot take, before
         anything is launched (the kernels read every buffer up to the capacity, by its shape):
         ``schedule`` one of ``SCHEDULES``; the local expert ids (int32 or int64), sources and
-        slots (int32) ``[capacity]`` and their count int32 ``[1]``; ``x [capacity, H]`` as this
-        layer reads it (bf16, or in FP8 e4m3 with fp32 ``x_scale [capacity, H / 128]``); all
-        contiguous on the weights' device; Combine buffers of H columns. That each slot lies
-        within its source's Combine buffer is Dispatch's contract, on the device."""
+        slots (int32) of exactly ``[capacity]`` and their count int32 ``[1]``; ``x [capacity,
+        H]`` as this layer reads it (bf16, or in FP8 e4m3 with fp32 ``x_scale [capacity, H /
+        128]``); all contiguous on the weights' device; Combine buffers of H columns. That each
+        slot lies within its source's Combine buffer is Dispatch's contract, on the device."""
         if schedule not in SCHEDULES:
             raise MoEContractError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         cap, hidden = self.bounds.capacity, self.weights.hidden
@@ -358,11 +360,11 @@ class FusedMoE(torch.nn.Module):
     without synchronizing. Calls share the layer's buffers: one call at a time per layer, in
     stream order.
 
-    ``buffers``: another FusedMoE's (``layer.buffers``), to share: a model's MoE layers of one
-    shape, called one after another on one stream, need one set of buffers between them
+    ``buffers``: another FusedMoE's (``layer.moe_buffers``), to share: a model's MoE layers of
+    one shape, called one after another on one stream, need one set of buffers between them
     (``buffers.MoEBuffers``), not one each; refused unless the layers would size them alike
-    (the same ``max_tokens * top_k``, ``max_tokens``, precision, H, I, tiles and programs).
-    Layers that share them share ``error`` too."""
+    (the same ``max_tokens * top_k``, ``max_tokens``, experts, precision, H, I, tiles,
+    programs, lead and device). Layers that share them share ``error`` too."""
 
     def __init__(self, weights: ExpertWeights, *, max_tokens: int, top_k: int,
                  schedule: str = "auto", config: TileConfig | None = None,
@@ -408,8 +410,9 @@ class FusedMoE(torch.nn.Module):
                 f"schedule={self.schedule}, kernel={self.workspace.config.kernel}")
 
     @property
-    def buffers(self) -> MoEBuffers:
-        """This layer's buffers, for another layer of its shape to share (``buffers=``)."""
+    def moe_buffers(self) -> MoEBuffers:
+        """This layer's buffers, for another layer of its shape to share (``buffers=``; not
+        ``buffers``, which is ``torch.nn.Module``'s method)."""
         return self.workspace.buffers
 
     def check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor,

@@ -160,6 +160,9 @@ def _projection_shapes(projections: dict, scales: dict, precision: str, scale_bl
     if quantized and (precision != "fp8" or not all(given)):
         raise MoEContractError("e4m3 weights need precision='fp8' and gate_scale, up_scale and "
                                "down_scale")
+    if quantized and any(len(v) != num for v in scales.values()):
+        raise MoEContractError(f"gate_scale, up_scale and down_scale must hold the {num} experts, "
+                               f"got {[len(v) for v in scales.values()]}")
     if not quantized and any(given):
         raise MoEContractError("scales come with e4m3 weights only; floating ones are quantized "
                                "here")
