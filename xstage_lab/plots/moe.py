@@ -125,6 +125,40 @@ def moe_layer_speedups(layer_view) -> go.Figure:
     return fig
 
 
+def moe_layer_call_shares(layer_view) -> go.Figure | None:
+    """Where the graphed call's time goes in each profiled cell over issue 27's bound
+    (``layer_view.call_shares``, in units of the kernel alone plus the weighted sum's memory
+    time), stacked: the fused kernel in the call, the routing's kernels, the weighted sum, the
+    time between kernels (below zero where the profiled run's kernels took longer than the timed
+    call); the bound dashed. One panel per setting; None where no profiled cell is over the
+    bound."""
+    from ..analysis.moe.layer_view import GRAPH_OVER_KERNEL, call_shares
+
+    shares = call_shares(layer_view.table)
+    over = shares[shares["graph_over_kernel"] > GRAPH_OVER_KERNEL]
+    if over.empty:
+        return None
+    settings = sorted(over["setting"].unique())
+    fig = make_subplots(rows=1, cols=len(settings), subplot_titles=settings, shared_yaxes=True)
+    parts = (("kernel_share", "fused kernel in the call"), ("routing_share", "routing kernels"),
+             ("weighted_sum_share", "weighted sum"), ("between_share", "between kernels"))
+    for j, setting in enumerate(settings):
+        cells = over[over["setting"] == setting].sort_values("graph_over_kernel",
+                                                             ascending=False)
+        names = [f"{m} {p} T={t}" for m, p, t in
+                 cells[["model", "precision", "tokens"]].itertuples(index=False)]
+        for i, (column, label) in enumerate(parts):
+            fig.add_bar(x=names, y=cells[column], name=label, legendgroup=label,
+                        marker_color=COLORS[i % len(COLORS)], showlegend=j == 0,
+                        row=1, col=j + 1)
+    fig.add_hline(y=GRAPH_OVER_KERNEL, line_dash="dash")
+    fig.update_layout(barmode="relative", title="Where the graphed call's time goes, cells over "
+                      f"the bound, {layer_view.platform}")
+    fig.update_xaxes(title_text="cell")
+    fig.update_yaxes(title_text="time / (kernel alone + weighted sum's memory time)", row=1, col=1)
+    return fig
+
+
 def moe_call_overhead(kernel_record) -> pd.DataFrame:
     """The one-token call of a ``moe_kernel`` record and where its time goes: the kernel alone
     and the whole call, the host's launch and per-batch schedule costs, and the traced chain of

@@ -277,3 +277,37 @@ def test_layer_prose_says_by_how_much_the_misses_exceed_the_bound(tmp_path):
             "their routing kernels take 2.0–3.0 µs (profiled);") in text
     write_record("moe_layer", "y", pd.DataFrame(rows[2:]), {}, {}, tmp_path)
     assert "above that bound" not in str(layer([lv.layer_view("y", tmp_path)]))
+
+
+def test_call_shares_add_up_to_the_graphed_call_over_the_bounds_unit(tmp_path):
+    """Each profiled cell's graphed call, in units of the kernel alone plus the weighted sum's
+    memory time, split into the fused kernel in the call, the routing, the weighted sum and the
+    time between kernels; the figure draws the cells over the bound only, none without them."""
+    import json
+
+    from xstage_lab.plots import moe_layer_call_shares
+
+    def profiled(tokens, graph, setting="ep1"):
+        kernels = {"route_histogram": 3.0, "route_rows": 2.0, "moe_fused_ws_kernel": 80.0}
+        if setting == "ep1":
+            kernels["weighted_sum"] = 2.5
+        return _row(tokens, setting, fused_graph_us=graph, call_kernels_us=json.dumps(kernels),
+                    kernel_in_call_us=80.0, kernel_alone_device_us=80.0)
+
+    rows = [profiled(1, 95.0), profiled(8, 85.0 * 1.04), profiled(64, 90.0, "ep8_rank"),
+            _row(512)]
+    s = lv.call_shares(pd.DataFrame(rows))
+    assert list(s["tokens"]) == [1, 8, 64]  # the profiled cells
+    parts = s[["kernel_share", "routing_share", "weighted_sum_share", "between_share"]]
+    assert parts.sum(axis=1).round(12).tolist() == s["graph_over_kernel"].round(12).tolist()
+    unit = 85.0  # kernel 80 + weighted-sum floor 5
+    assert s.iloc[0].tolist()[4:] == pytest.approx([95.0 / unit, 80.0 / unit, 2.5 / unit,
+                                                    5.0 / unit, 7.5 / unit])
+    assert s.iloc[2]["weighted_sum_share"] == 0.0  # an EP rank sums nothing
+    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    fig = moe_layer_call_shares(lv.layer_view("x", tmp_path))
+    drawn = {(tr.xaxis, tuple(tr.x)) for tr in fig.data}
+    assert drawn == {("x", ("M bf16 T=1",)), ("x2", ("M bf16 T=64",))}  # 8 tokens: 1.04x
+    assert fig.layout.yaxis.title.text and fig.layout.xaxis.title.text
+    write_record("moe_layer", "y", pd.DataFrame(rows[1:2]), {}, {}, tmp_path)
+    assert moe_layer_call_shares(lv.layer_view("y", tmp_path)) is None

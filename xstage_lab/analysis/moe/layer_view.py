@@ -150,6 +150,29 @@ def call_profile(table: pd.DataFrame) -> pd.DataFrame:
                           / t["kernel_alone_device_us"])
 
 
+def call_shares(table: pd.DataFrame) -> pd.DataFrame:
+    """Per cell whose record profiled a whole call (none before ``layer_profile``): the graphed
+    call in units of the kernel alone plus the weighted sum's memory time (``graph_over_kernel``
+    of ``acceptance``), split into what adds up to it: the fused kernel's device time in the
+    call (``kernel_share``), the weighted sum's (``weighted_sum_share``), the call's other
+    kernels', the routing and at EP = 1 in FP8 its quantization (``routing_share``), and the
+    time between kernels (``between_share``)."""
+    if "call_kernels_us" not in table:
+        return table[CELL].iloc[:0].assign(graph_over_kernel=[], kernel_share=[],
+                                          weighted_sum_share=[], routing_share=[],
+                                          between_share=[])
+    t = table[table["call_kernels_us"].notna()]
+    unit = t["kernel_us"] + t["weighted_sum_floor_us"]
+    kernels = profile_total_us(t["call_kernels_us"])
+    weighted_sum = t["call_kernels_us"].map(
+        lambda k: json.loads(k).get(WEIGHTED_SUM_KERNEL, 0.0)).astype(float)
+    return t[CELL].assign(graph_over_kernel=t["fused_graph_us"] / unit,
+                          kernel_share=t["kernel_in_call_us"] / unit,
+                          weighted_sum_share=weighted_sum / unit,
+                          routing_share=(kernels - t["kernel_in_call_us"] - weighted_sum) / unit,
+                          between_share=(t["fused_graph_us"] - kernels) / unit)
+
+
 def profile_total_us(profiles: pd.Series) -> pd.Series:
     """Per cell, the device time of every kernel of a per-kernel profile (a JSON column of
     ``layer_profile``'s: ``route_kernels_us``, ``call_kernels_us``) summed, as floats (a record's
