@@ -5,6 +5,9 @@ kernel records (``kernel_view``) and layer records (``layer_view``), and the EP 
 The record vocabulary the kernels write, without importing them: a tile table entry's ``kind``
 (``L1``: Linear-1, ``L2``: Linear-2) and the precisions (``ops.moe`` holds the same values; a test
 keeps them equal)."""
+from dataclasses import dataclass
+from typing import ClassVar
+
 import numpy as np
 import pandas as pd
 
@@ -24,3 +27,18 @@ def newest_per_cell(records, cell: list[str]):
     rows = pd.concat([r.table for r in records], ignore_index=True)
     return rows.drop_duplicates(cell, keep="last").sort_values(cell, kind="stable") \
         .reset_index(drop=True)
+
+
+@dataclass(frozen=True)
+class CellView:
+    """One platform's records of a matrix measured in cells (the subclass's ``CELL`` columns),
+    oldest first."""
+
+    platform: str
+    records: tuple
+    CELL: ClassVar[list[str]]
+
+    @property
+    def table(self) -> pd.DataFrame:
+        """Every cell once (a later record's row wins), in cell order."""
+        return newest_per_cell(self.records, self.CELL)

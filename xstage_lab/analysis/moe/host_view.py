@@ -15,7 +15,7 @@ import pandas as pd
 
 from ...dist_timing import paired_ratio
 from ...loading import read, record_paths
-from . import newest_per_cell
+from . import CellView, newest_per_cell
 from ...records import RECORDS_DIR, Record
 
 CELL = ["model", "precision", "routing", "tokens", "host_share"]
@@ -34,16 +34,10 @@ SUMMARY_KEYS = ("model", "precision", "routing", "tokens", "host_share", "wave_u
 
 
 @dataclass(frozen=True)
-class HostView:
+class HostView(CellView):
     """One platform's host-link MoE matrix: the records of one run and their cells."""
 
-    platform: str
-    records: tuple[Record, ...]
-
-    @property
-    def table(self) -> pd.DataFrame:
-        """Every cell once (a later record's row wins), in the run's cell order."""
-        return newest_per_cell(self.records, CELL)
+    CELL = CELL
 
     @property
     def forecast_record(self) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from ...loading import read, record_paths
-from . import L1, L2, newest_per_cell
+from . import L1, L2, CellView
 from ...records import RECORDS_DIR, Record
 
 # The writer of a call's argument block (kernels/moe_args.py) as a record's per-kernel profile
@@ -46,16 +46,10 @@ KERNEL_PARITY = 1.02
 
 
 @dataclass(frozen=True)
-class LayerView:
+class LayerView(CellView):
     """One platform's ``moe_layer`` records, oldest first, and their cells."""
 
-    platform: str
-    records: tuple[Record, ...]
-
-    @property
-    def table(self) -> pd.DataFrame:
-        """Every cell once (a later record's row wins), in cell order."""
-        return newest_per_cell(self.records, CELL)
+    CELL = CELL
 
     @property
     def sources(self) -> tuple[Record, ...]:
