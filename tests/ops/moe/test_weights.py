@@ -49,6 +49,18 @@ def test_floating_projections_give_the_seeded_layout_bitwise(precision):
                                          precision), want)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_projections_land_on_the_device_asked_for(precision):
+    """``device`` moves each expert before it is cast or quantized: every stack is allocated
+    there (the meta device here, as a GPU would be), the caller's tensors stay where they are."""
+    p = _projections(local_expert_weights(SHAPE, 0, 1, "bf16", seed=5))
+    w = ExpertWeights.from_projections(p["gate"], p["up"], p["down"], precision, device="meta")
+    stacks = [w.w1, w.w2] + ([w.w1_scale, w.w2_scale] if precision == "fp8" else [])
+    assert all(t.device.type == "meta" for t in stacks)
+    assert [tuple(t.shape) for t in stacks[:2]] == [(4, 2 * I, SHAPE.hidden), (4, SHAPE.hidden, I)]
+    assert p["gate"].device.type == "cpu"
+
+
 def test_quantized_projections_are_taken_as_they_are():
     """e4m3 projections with their scales (a DeepSeek-V3 checkpoint's ``weight`` and
     ``weight_scale_inv``) land unchanged."""
