@@ -23,6 +23,8 @@ from ...records import RECORDS_DIR, Record
 # (route_kernels_us) names it: launched with the routing kernels, not one of them.
 ARGS_WRITER = "write_args"
 WEIGHTED_SUM_KERNEL = "weighted_sum"  # kernels/moe_combine.py's, in a call's profile
+# call_shares' parts of a graphed call, which add up to its graph_over_kernel
+CALL_SHARES = ("kernel_share", "weighted_sum_share", "routing_share", "between_share")
 CELL = ["model", "precision", "setting", "tokens"]
 SUMMARY_KEYS = ("model", "precision", "setting", "tokens", "fused_eager_us", "fused_graph_us",
                 "schedule_us", "host_overhead_us", "kernel_us", "weighted_sum_floor_us",
@@ -89,7 +91,7 @@ def acceptance(table: pd.DataFrame) -> pd.DataFrame:
     for path in ("eager", "graph"):
         out[f"{path}_speedup"] = table[f"unfused_{path}_us"] / table[f"fused_{path}_us"]
         out[f"{path}_speedup_ok"] = out[f"{path}_speedup"] >= need
-    kernel_and_sum = table["kernel_us"] + table["weighted_sum_floor_us"]
+    kernel_and_sum = kernel_and_sum_us(table)
     out["graph_over_kernel"] = table["fused_graph_us"] / kernel_and_sum
     out["graph_over_kernel_ok"] = out["graph_over_kernel"] <= GRAPH_OVER_KERNEL
     out["graph_over_kernel_excess_us"] = (table["fused_graph_us"]
@@ -145,26 +147,36 @@ def call_profile(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def call_shares(table: pd.DataFrame) -> pd.DataFrame:
-    """Per cell whose record profiled a whole call (none before ``layer_profile``): the graphed
-    call in units of the kernel alone plus the weighted sum's memory time (``graph_over_kernel``
-    of ``acceptance``), split into what adds up to it: the fused kernel's device time in the
-    call (``kernel_share``), the weighted sum's (``weighted_sum_share``), the call's other
-    kernels', the routing and at EP = 1 in FP8 its quantization (``routing_share``), and the
-    time between kernels (``between_share``)."""
-    if "call_kernels_us" not in table:
-        return table[CELL].iloc[:0].assign(graph_over_kernel=[], kernel_share=[],
-                                          weighted_sum_share=[], routing_share=[],
-                                          between_share=[])
-    t = table[table["call_kernels_us"].notna()]
-    unit = t["kernel_us"] + t["weighted_sum_floor_us"]
-    kernels = profile_total_us(t["call_kernels_us"])
-    weighted_sum = t["call_kernels_us"].map(
-        lambda k: json.loads(k).get(WEIGHTED_SUM_KERNEL, 0.0)).astype(float)
-    return t[CELL].assign(graph_over_kernel=t["fused_graph_us"] / unit,
+    """Per cell whose record profiled a whole call (``call_profile``'s): the graphed call in
+    units of the kernel alone plus the weighted sum's memory time (``graph_over_kernel`` of
+    ``acceptance``), split into what adds up to it: the fused kernel's device time in the call
+    (``kernel_share``), the weighted sum's (``weighted_sum_share``), the call's other kernels',
+    the routing and at EP = 1 in FP8 its quantization (``routing_share``), and the time between
+    kernels (``between_share``: ``call_profile``'s gaps)."""
+    p = call_profile(table)
+    if p.empty:
+        return p[CELL].assign(**{c: [] for c in ("graph_over_kernel", *CALL_SHARES)})
+    t = table.loc[p.index]
+    unit = kernel_and_sum_us(t)
+    summed = profile_kernel_us(t["call_kernels_us"], WEIGHTED_SUM_KERNEL).fillna(0.0)
+    kernels = t["fused_graph_us"] - p["call_gaps_us"]
+    return p[CELL].assign(graph_over_kernel=t["fused_graph_us"] / unit,
                           kernel_share=t["kernel_in_call_us"] / unit,
-                          weighted_sum_share=weighted_sum / unit,
-                          routing_share=(kernels - t["kernel_in_call_us"] - weighted_sum) / unit,
-                          between_share=(t["fused_graph_us"] - kernels) / unit)
+                          weighted_sum_share=summed / unit,
+                          routing_share=(kernels - t["kernel_in_call_us"] - summed) / unit,
+                          between_share=p["call_gaps_us"] / unit)
+
+
+def kernel_and_sum_us(table: pd.DataFrame) -> pd.Series:
+    """Per cell, the kernel alone plus the weighted sum's memory time: what the graphed call is
+    held against (``GRAPH_OVER_KERNEL`` times it)."""
+    return table["kernel_us"] + table["weighted_sum_floor_us"]
+
+
+def profile_kernel_us(profiles: pd.Series, name: str) -> pd.Series:
+    """Per cell, the device time of kernel ``name`` in a per-kernel profile (a JSON column of
+    ``layer_profile``'s), NaN where the profile has no such kernel."""
+    return profiles.map(lambda k: json.loads(k).get(name, float("nan"))).astype(float)
 
 
 def profile_total_us(profiles: pd.Series) -> pd.Series:

@@ -113,7 +113,7 @@ def layer(layer_views) -> Prose:
                                             KERNEL_PARITY_TOKENS, SCHEDULE_LIMIT_TOKENS,
                                             SCHEDULE_LIMIT_US, SMALL_T, acceptance,
                                             WEIGHTED_SUM_KERNEL, acceptance_counts,
-                                            call_profile, profile_total_us,
+                                            call_profile, profile_kernel_us, profile_total_us,
                                             schedule_tables_us)
 
     out = []
@@ -235,8 +235,9 @@ def layer(layer_views) -> Prose:
                      if measured(ep1, "weighted_sum_us") else "") + ".")
         profiled = call_profile(one)
         if len(profiled):
-            summed = one.loc[profiled.index].query("setting == 'ep1'")["call_kernels_us"].map(
-                lambda k: json.loads(k).get(WEIGHTED_SUM_KERNEL)).dropna()
+            summed = profile_kernel_us(
+                one.loc[profiled.index].query("setting == 'ep1'")["call_kernels_us"],
+                WEIGHTED_SUM_KERNEL).dropna()
             t1 += (f" Profiled in a whole call ({count(len(profiled))} cells), the fused kernel "
                    f"takes {span(profiled['kernel_in_call_over_alone'], '.2f')}× its device "
                    f"time alone"
