@@ -60,11 +60,15 @@ class FusedMoECall:
         return int(self.error.item())
 
 
-def _expect(t: torch.Tensor | None, name: str, shape: tuple, dtype: torch.dtype, device) -> None:
+def expect_tensor(t: torch.Tensor | None, name: str, shape: tuple, dtypes, device) -> None:
+    """Raise MoEContractError unless ``t`` is a contiguous ``shape`` tensor on ``device`` of
+    ``dtypes`` (one dtype, or a tuple of those it may be)."""
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    want = f"{' or '.join(map(str, dtypes))} {list(shape)}"
     if t is None:
-        raise MoEContractError(f"{name} is required")
-    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-        raise MoEContractError(f"{name} must be {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+        raise MoEContractError(f"{name} must be {want}, got None")
+    if tuple(t.shape) != tuple(shape) or t.dtype not in dtypes:
+        raise MoEContractError(f"{name} must be {want}, got {t.dtype} {list(t.shape)}")
     if t.device != device or not t.is_contiguous():
         raise MoEContractError(f"{name} must be contiguous on {device}")
 
@@ -80,14 +84,14 @@ def check_expert_weights(weights: ExpertWeights, config: TileConfig) -> None:
     e_loc, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
     check_tile_config(config, precision, hidden, inter)
     wdt = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
-    _expect(weights.w1, "w1", (e_loc, 2 * inter, hidden), wdt, device)
-    _expect(weights.w2, "w2", (e_loc, hidden, inter), wdt, device)
+    expect_tensor(weights.w1, "w1", (e_loc, 2 * inter, hidden), wdt, device)
+    expect_tensor(weights.w2, "w2", (e_loc, hidden, inter), wdt, device)
     if precision == "fp8":
         sb = config.scale_block
-        _expect(weights.w1_scale, "w1_scale", (e_loc, 2 * inter // sb, hidden // sb),
-                torch.float32, device)
-        _expect(weights.w2_scale, "w2_scale", (e_loc, hidden // sb, inter // sb), torch.float32,
-                device)
+        expect_tensor(weights.w1_scale, "w1_scale", (e_loc, 2 * inter // sb, hidden // sb),
+                      torch.float32, device)
+        expect_tensor(weights.w2_scale, "w2_scale", (e_loc, hidden // sb, inter // sb),
+                      torch.float32, device)
     if config.kernel == "gluon_ws":
         _expect_aligned("w1", weights.w1)
         _expect_aligned("w2", weights.w2)
@@ -149,11 +153,12 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
     rows = layout.num_rows
     if rows != config.block_m * sum(layout.blocks_per_expert):
         raise MoEContractError(f"layout rows {rows} != block_m * row blocks")
-    _expect(layout.x, "x", (rows, hidden), wdt, device)
+    expect_tensor(layout.x, "x", (rows, hidden), wdt, device)
     if precision == "fp8":
-        _expect(layout.x_scale, "x_scale", (rows, hidden // config.scale_block), torch.float32, device)
-    _expect(layout.row_src, "row_src", (rows,), torch.int32, device)
-    _expect(layout.row_slot, "row_slot", (rows,), torch.int32, device)
+        expect_tensor(layout.x_scale, "x_scale", (rows, hidden // config.scale_block),
+                      torch.float32, device)
+    expect_tensor(layout.row_src, "row_src", (rows,), torch.int32, device)
+    expect_tensor(layout.row_slot, "row_slot", (rows,), torch.int32, device)
     if peers.world != len(layout.recv_counts):
         raise MoEContractError(f"peer table has {peers.world} ranks, Dispatch had {len(layout.recv_counts)}")
     if peers.hidden != hidden or peers.slots <= layout.max_slot:

@@ -43,7 +43,7 @@ from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weigh
 from .buffers import BufferSizes, MoEBuffers
 from .device_tables import SCHEDULES, TableBounds, route_to_tables
 from .fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, check_expert_weights,
-                    kernel_launch)
+                    expect_tensor, kernel_launch)
 from .schedules import d_knee, derived_lead
 from .shapes import FP8_SCALE_BLOCK, MoEContractError
 from .tiles import TileConfig, default_tile_config
@@ -302,12 +302,7 @@ class MoEWorkspace:
         elif x_scale is not None:
             raise MoEContractError("x_scale goes with e4m3 rows only")
         for name, t, dtypes, shape in expect:
-            if t is None or t.dtype not in dtypes or tuple(t.shape) != shape or \
-                    t.device != device or not t.is_contiguous():
-                raise MoEContractError(
-                    f"{name} must be {' or '.join(map(str, dtypes))} {list(shape)}, contiguous "
-                    f"on {device}, got " + ("None" if t is None else
-                                            f"{t.dtype} {list(t.shape)} on {t.device}"))
+            expect_tensor(t, name, shape, dtypes, device)
         if peers.hidden != hidden or peers.table.device != device:
             raise MoEContractError(f"Combine buffers of {peers.hidden} columns, peer table on "
                                    f"{peers.table.device}: the layer stores {hidden} on {device}")
