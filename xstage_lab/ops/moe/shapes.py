@@ -48,6 +48,13 @@ def check_precision(precision: str) -> None:
         raise MoEContractError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
 
+def check_scale_blocks(hidden: int, intermediate: int, scale_block: int) -> None:
+    """FP8's 1 x ``scale_block`` and square ``scale_block`` scales: H and I divisible by it."""
+    if hidden % scale_block or intermediate % scale_block:
+        raise MoEContractError(f"fp8 needs hidden={hidden} and intermediate={intermediate} "
+                               f"divisible by the scale block {scale_block}")
+
+
 def check_expert_parallel(num_experts: int, world: int) -> int:
     """Experts per rank; raises unless P divides the routed experts."""
     if world < 1 or num_experts % world:

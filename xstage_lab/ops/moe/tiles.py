@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .shapes import FP8_SCALE_BLOCK, MoEContractError, check_precision
+from .shapes import FP8_SCALE_BLOCK, MoEContractError, check_precision, check_scale_blocks
 
 KERNELS = ("gluon_ws", "triton")
 # gluon_ws (kernels/moe_fused_ws.py): what its partitioning fixes, and the shared memory of one
@@ -116,9 +116,7 @@ def check_tile_config(config: TileConfig, precision: str, hidden: int, intermedi
                                        f"{getattr(config, b)}; pick another tile")
     if precision == "fp8":
         sb = config.scale_block
-        if hidden % sb or intermediate % sb:
-            raise MoEContractError(f"fp8 needs hidden={hidden} and intermediate={intermediate} "
-                                   f"divisible by the scale block {sb}")
+        check_scale_blocks(hidden, intermediate, sb)
         if config.block_n1 != sb:
             raise MoEContractError(f"fp8 needs block_n1 == scale_block ({config.block_n1} != {sb}):"
                                    " the Linear-1 epilogue quantizes h one scale block per tile")

@@ -9,7 +9,7 @@ import torch
 
 from .routing import generator
 from .shapes import (E4M3_MAX, FP8_SCALE_BLOCK, MoEContractError, MoEShape,
-                     check_expert_parallel, check_precision)
+                     check_expert_parallel, check_precision, check_scale_blocks)
 
 
 # what from_projections casts to bf16 or quantizes
@@ -170,7 +170,7 @@ def _projection_shapes(projections: dict, scales: dict, precision: str, scale_bl
         raise MoEContractError(f"gate[0] must be [I, H], got {list(gate[0].shape)}")
     inter, hidden = gate[0].shape
     if precision == "fp8":
-        _check_scale_blocks(hidden, inter, scale_block)
+        check_scale_blocks(hidden, inter, scale_block)
     return {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}, quantized
 
 
@@ -193,12 +193,6 @@ def _in_kernel_layout(w1: torch.Tensor, w2: torch.Tensor, precision: str, scale_
     return q1, q2, s1, s2
 
 
-def _check_scale_blocks(hidden: int, inter: int, scale_block: int) -> None:
-    if hidden % scale_block or inter % scale_block:
-        raise MoEContractError(f"fp8 needs H={hidden} and I={inter} divisible by the scale block "
-                               f"{scale_block}")
-
-
 def _put(weights: ExpertWeights | None, e: int, num: int, precision: str,
          expert: tuple[torch.Tensor, ...]) -> ExpertWeights:
     """``weights`` (allocated at the first of ``num`` experts: None) with expert ``e`` in place:
@@ -218,7 +212,7 @@ def local_expert_weights(shape: MoEShape, rank: int, world: int, precision: str,
     check_precision(precision)
     per_rank = check_expert_parallel(shape.routed_experts, world)
     if precision == "fp8":
-        _check_scale_blocks(shape.hidden, shape.intermediate, scale_block)
+        check_scale_blocks(shape.hidden, shape.intermediate, scale_block)
     weights = None
     for e in range(per_rank):
         w1, w2 = expert_master_weights(shape, rank * per_rank + e, seed=seed, device=device)
