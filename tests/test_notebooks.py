@@ -78,7 +78,7 @@ def test_fused_moe_publishes_fig8_table2_and_the_mechanism(reproduced):
     assert {"moe_headline", "fig8", "table2"} <= names
     for prefix in ("fig9_", "fig10_", "condition1_", "moe_d_sweep_", "moe_regressions_",
                    "moe_counterfactual_", "moe_traced_causes_", "moe_regression_groups_",
-                   "moe_trace_runs_", "moe_d_sweep_rows_", "moe_layer_call_shares_"):
+                   "moe_trace_runs_", "moe_d_sweep_rows_", "moe_layer_call_excess_"):
         assert any(n.startswith(prefix) for n in names), prefix
 
 

@@ -7,7 +7,7 @@ from .attention import (FA_KERNEL_LABELS, attention_epilogue_spans, fa_a2a_times
 from .host_link import attention_links, moe_host_speedups
 from .moe import (MOE_KERNEL_COLUMNS, moe_call_overhead, moe_call_probe_table, moe_d_sweep,
                   moe_d_sweep_rows, moe_forecast_table, moe_headline, moe_kernel_cells,
-                  moe_kernel_ratio, moe_knee_sweep, moe_layer_call_shares, moe_layer_speedups,
+                  moe_kernel_ratio, moe_knee_sweep, moe_layer_call_excess, moe_layer_speedups,
                   moe_span_distributions, moe_speedups, moe_table2, moe_tensor_core_timeline,
                   moe_trace_runs)
 from .publish import (NO_IMAGES_HINT, PLOTLYJS, image_engine_problem, publish, publish_table,

@@ -125,23 +125,25 @@ def moe_layer_speedups(layer_view) -> go.Figure:
     return fig
 
 
-def moe_layer_call_shares(layer_view) -> go.Figure | None:
-    """Where the graphed call's time goes in each profiled cell over issue 27's bound
-    (``layer_view.call_shares``, in units of the kernel alone plus the weighted sum's memory
-    time), stacked: the fused kernel in the call, the routing's kernels, the weighted sum, the
-    time between kernels (below zero where the profiled run's kernels took longer than the timed
-    call); the bound dashed. One panel per setting; None where no profiled cell is over the
-    bound."""
-    from ..analysis.moe.layer_view import GRAPH_OVER_KERNEL, call_shares
+def moe_layer_call_excess(layer_view) -> go.Figure | None:
+    """Where the graphed call's time beyond the kernel alone plus the weighted sum's memory time
+    goes, in each profiled cell over issue 27's bound (``layer_view.call_excess``, in units of
+    that time), stacked: the routing's kernels, the weighted sum beyond its memory time, the
+    time between kernels beyond the kernel alone's, the fused kernel in the call beyond alone
+    (a part below zero: the profiled run's difference from the timed one); the bound's 5%
+    dashed. One panel per setting; None where no profiled cell is over the bound."""
+    from ..analysis.moe.layer_view import GRAPH_OVER_KERNEL, call_excess
 
-    shares = call_shares(layer_view.table)
-    over = shares[shares["graph_over_kernel"] > GRAPH_OVER_KERNEL]
+    excess = call_excess(layer_view.table)
+    over = excess[excess["graph_over_kernel"] > GRAPH_OVER_KERNEL]
     if over.empty:
         return None
     settings = sorted(over["setting"].unique())
     fig = make_subplots(rows=1, cols=len(settings), subplot_titles=settings, shared_yaxes=True)
-    parts = (("kernel_share", "fused kernel in the call"), ("routing_share", "routing kernels"),
-             ("weighted_sum_share", "weighted sum"), ("between_share", "between kernels"))
+    parts = (("routing_excess", "routing kernels"),
+             ("weighted_sum_excess", "weighted sum beyond its memory time"),
+             ("boundary_excess", "between kernels, beyond the kernel alone's"),
+             ("kernel_excess", "fused kernel in the call, beyond alone"))
     for j, setting in enumerate(settings):
         cells = over[over["setting"] == setting].sort_values("graph_over_kernel",
                                                              ascending=False)
@@ -151,11 +153,12 @@ def moe_layer_call_shares(layer_view) -> go.Figure | None:
             fig.add_bar(x=names, y=cells[column], name=label, legendgroup=label,
                         marker_color=COLORS[i % len(COLORS)], showlegend=j == 0,
                         row=1, col=j + 1)
-    fig.add_hline(y=GRAPH_OVER_KERNEL, line_dash="dash")
-    fig.update_layout(barmode="relative", title="Where the graphed call's time goes, cells over "
-                      f"the bound, {layer_view.platform}")
+    fig.add_hline(y=GRAPH_OVER_KERNEL - 1, line_dash="dash")
+    fig.update_layout(barmode="relative", title="Where the graphed call's time beyond the kernel "
+                      f"goes, cells over the bound, {layer_view.platform}")
     fig.update_xaxes(title_text="cell")
-    fig.update_yaxes(title_text="time / (kernel alone + weighted sum's memory time)", row=1, col=1)
+    fig.update_yaxes(title_text="time / (kernel alone + weighted sum's memory time)", row=1, col=1,
+                     tickformat=".0%")
     return fig
 
 

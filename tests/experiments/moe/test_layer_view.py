@@ -279,35 +279,69 @@ def test_layer_prose_says_by_how_much_the_misses_exceed_the_bound(tmp_path):
     assert "above that bound" not in str(layer([lv.layer_view("y", tmp_path)]))
 
 
-def test_call_shares_add_up_to_the_graphed_call_over_the_bounds_unit(tmp_path):
-    """Each profiled cell's graphed call, in units of the kernel alone plus the weighted sum's
-    memory time, split into the fused kernel in the call, the routing, the weighted sum and the
-    time between kernels; the figure draws the cells over the bound only, none without them."""
+def test_layer_prose_splits_the_profiled_misses_excess_per_setting(tmp_path):
+    """Where the missed cells' calls were profiled: their time beyond the bound's unit, its
+    parts' medians per setting (the weighted sum at EP = 1 only)."""
     import json
 
-    from xstage_lab.plots import moe_layer_call_shares
+    from xstage_lab.prose.moe.kernel import layer
+
+    ep1 = _row(1, fused_graph_us=97.0, kernel_in_call_us=81.0, kernel_alone_device_us=77.0,
+               route_kernels_us=json.dumps({"route_tiny": 3.0}),
+               call_kernels_us=json.dumps({"route_tiny": 3.0, "moe_fused_ws_kernel": 81.0,
+                                           "weighted_sum": 6.5}))
+    rank = _row(1, "ep8_rank", fused_graph_us=90.0, kernel_in_call_us=80.0,
+                kernel_alone_device_us=77.0, weighted_sum_floor_us=0.0,
+                route_kernels_us=json.dumps({"route_tiny": 4.0}),
+                call_kernels_us=json.dumps({"route_tiny": 4.0, "moe_fused_ws_kernel": 80.0}))
+    write_record("moe_layer", "x", pd.DataFrame([ep1, rank, _row(64)]), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    # EP = 1: 97 µs, 90.5 of kernels, 6.5 between against the kernel alone's 80 - 77
+    assert ("; of their time beyond the kernel plus the weighted sum's memory time (2 profiled "
+            "calls, medians), the routing kernels take 3.0 µs at EP = 1 and 4.0 µs on the "
+            "EP = 8 rank, the weighted sum beyond its memory time 1.5 µs at EP = 1, and the "
+            "time between kernels beyond the kernel alone's 3.5 µs at EP = 1 and 3.0 µs on the "
+            "EP = 8 rank;") in text
+    write_record("moe_layer", "y", pd.DataFrame([_row(1, fused_graph_us=97.0), _row(64)]), {},
+                 {}, tmp_path)
+    assert "profiled calls" not in str(layer([lv.layer_view("y", tmp_path)]))
+
+
+def test_call_excess_adds_up_to_the_graphed_call_beyond_the_bounds_unit(tmp_path):
+    """Each profiled cell's graphed call beyond the kernel alone plus the weighted sum's memory
+    time, in units of it, split into the fused kernel in the call beyond alone, the routing, the
+    weighted sum beyond its memory time and the time between kernels beyond the kernel alone's;
+    the figure draws the cells over the bound only, none without them."""
+    import json
+
+    from xstage_lab.plots import moe_layer_call_excess
 
     def profiled(tokens, graph, setting="ep1"):
-        kernels = {"route_histogram": 3.0, "route_rows": 2.0, "moe_fused_ws_kernel": 80.0}
+        kernels = {"route_histogram": 3.0, "route_rows": 2.0, "moe_fused_ws_kernel": 81.0}
         if setting == "ep1":
-            kernels["weighted_sum"] = 2.5
+            kernels["weighted_sum"] = 6.5
+        # timed alone 80 µs, 77 of them the kernel's device time
         return _row(tokens, setting, fused_graph_us=graph, call_kernels_us=json.dumps(kernels),
-                    kernel_in_call_us=80.0, kernel_alone_device_us=80.0)
+                    kernel_in_call_us=81.0, kernel_alone_device_us=77.0,
+                    weighted_sum_floor_us=5.0 if setting == "ep1" else 0.0)
 
-    rows = [profiled(1, 95.0), profiled(8, 85.0 * 1.04), profiled(64, 90.0, "ep8_rank"),
+    rows = [profiled(1, 97.0), profiled(8, 85.0 * 1.04), profiled(64, 90.0, "ep8_rank"),
             _row(512)]
-    s = lv.call_shares(pd.DataFrame(rows))
-    assert list(s["tokens"]) == [1, 8, 64]  # the profiled cells
-    parts = s[["kernel_share", "routing_share", "weighted_sum_share", "between_share"]]
-    assert parts.sum(axis=1).round(12).tolist() == s["graph_over_kernel"].round(12).tolist()
+    e = lv.call_excess(pd.DataFrame(rows))
+    assert list(e["tokens"]) == [1, 8, 64]  # the profiled cells
+    parts = e[list(lv.CALL_EXCESS)]
+    assert (parts.sum(axis=1) + 1).round(12).tolist() == e["graph_over_kernel"].round(12).tolist()
     unit = 85.0  # kernel 80 + weighted-sum floor 5
-    assert s.iloc[0].tolist()[4:] == pytest.approx([95.0 / unit, 80.0 / unit, 2.5 / unit,
-                                                    5.0 / unit, 7.5 / unit])
-    assert s.iloc[2]["weighted_sum_share"] == 0.0  # an EP rank sums nothing
+    # the call's 97 µs: 92.5 of kernels, 4.5 between them against the kernel alone's 3
+    assert e.iloc[0][["graph_over_kernel", *lv.CALL_EXCESS]].tolist() == pytest.approx(
+        [97.0 / unit, 4.0 / unit, 5.0 / unit, 1.5 / unit, 1.5 / unit])
+    rank = e.iloc[2]  # an EP rank sums nothing; 90 µs: 86 of kernels, 4 between against 3
+    assert rank[["weighted_sum_excess", "boundary_excess"]].tolist() == pytest.approx(
+        [0.0, 1.0 / 80.0])
     write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
-    fig = moe_layer_call_shares(lv.layer_view("x", tmp_path))
+    fig = moe_layer_call_excess(lv.layer_view("x", tmp_path))
     drawn = {(tr.xaxis, tuple(tr.x)) for tr in fig.data}
     assert drawn == {("x", ("M bf16 T=1",)), ("x2", ("M bf16 T=64",))}  # 8 tokens: 1.04x
     assert fig.layout.yaxis.title.text and fig.layout.xaxis.title.text
     write_record("moe_layer", "y", pd.DataFrame(rows[1:2]), {}, {}, tmp_path)
-    assert moe_layer_call_shares(lv.layer_view("y", tmp_path)) is None
+    assert moe_layer_call_excess(lv.layer_view("y", tmp_path)) is None

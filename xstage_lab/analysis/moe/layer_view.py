@@ -23,8 +23,9 @@ from ...records import RECORDS_DIR, Record
 # (route_kernels_us) names it: launched with the routing kernels, not one of them.
 ARGS_WRITER = "write_args"
 WEIGHTED_SUM_KERNEL = "weighted_sum"  # kernels/moe_combine.py's, in a call's profile
-# call_shares' parts of a graphed call, which add up to its graph_over_kernel
-CALL_SHARES = ("kernel_share", "weighted_sum_share", "routing_share", "between_share")
+# call_excess' parts of a graphed call's time beyond the bound's unit, which add up to its
+# graph_over_kernel less 1
+CALL_EXCESS = ("kernel_excess", "routing_excess", "weighted_sum_excess", "boundary_excess")
 CELL = ["model", "precision", "setting", "tokens"]
 SUMMARY_KEYS = ("model", "precision", "setting", "tokens", "fused_eager_us", "fused_graph_us",
                 "schedule_us", "host_overhead_us", "kernel_us", "weighted_sum_floor_us",
@@ -146,25 +147,33 @@ def call_profile(table: pd.DataFrame) -> pd.DataFrame:
                           / t["kernel_alone_device_us"])
 
 
-def call_shares(table: pd.DataFrame) -> pd.DataFrame:
-    """Per cell whose record profiled a whole call (``call_profile``'s): the graphed call in
-    units of the kernel alone plus the weighted sum's memory time (``graph_over_kernel`` of
-    ``acceptance``), split into what adds up to it: the fused kernel's device time in the call
-    (``kernel_share``), the weighted sum's (``weighted_sum_share``), the call's other kernels',
-    the routing and at EP = 1 in FP8 its quantization (``routing_share``), and the time between
-    kernels (``between_share``: ``call_profile``'s gaps)."""
+def call_excess(table: pd.DataFrame) -> pd.DataFrame:
+    """Per cell whose record profiled a whole call (``call_profile``'s): the graphed call's time
+    beyond the bound's unit, the kernel alone plus the weighted sum's memory time
+    (``graph_over_kernel`` of ``acceptance`` less 1), in that unit, split into what adds up to
+    it: the fused kernel's device time in the call beyond alone (``kernel_excess``), the call's
+    other kernels, the routing and at EP = 1 in FP8 its quantization (``routing_excess``), the
+    weighted sum's device time beyond its memory time (``weighted_sum_excess``), and the
+    call's time between kernels beyond the kernel alone's (``boundary_excess``). The kernel
+    alone is timed as the call is (``kernel_us``: its counters' fill, then the kernel, in a
+    replayed graph), so it too has time beyond its kernel's device time (the fill, its
+    launches and boundaries, the events); only the call's boundaries beyond that count.
+    Device times are profiled in a run of their own, beside the timed one (``layer_profile``):
+    a part below zero is the two runs' difference."""
     p = call_profile(table)
     if p.empty:
-        return p[CELL].assign(**{c: [] for c in ("graph_over_kernel", *CALL_SHARES)})
+        return p[CELL].assign(**{c: [] for c in ("graph_over_kernel", *CALL_EXCESS)})
     t = table.loc[p.index]
     unit = kernel_and_sum_us(t)
     summed = profile_kernel_us(t["call_kernels_us"], WEIGHTED_SUM_KERNEL).fillna(0.0)
     kernels = t["fused_graph_us"] - p["call_gaps_us"]
-    return p[CELL].assign(graph_over_kernel=t["fused_graph_us"] / unit,
-                          kernel_share=t["kernel_in_call_us"] / unit,
-                          weighted_sum_share=summed / unit,
-                          routing_share=(kernels - t["kernel_in_call_us"] - summed) / unit,
-                          between_share=p["call_gaps_us"] / unit)
+    alone_gaps = t["kernel_us"] - t["kernel_alone_device_us"]
+    return p[CELL].assign(
+        graph_over_kernel=t["fused_graph_us"] / unit,
+        kernel_excess=(t["kernel_in_call_us"] - t["kernel_alone_device_us"]) / unit,
+        routing_excess=(kernels - t["kernel_in_call_us"] - summed) / unit,
+        weighted_sum_excess=(summed - t["weighted_sum_floor_us"]) / unit,
+        boundary_excess=(p["call_gaps_us"] - alone_gaps) / unit)
 
 
 def kernel_and_sum_us(table: pd.DataFrame) -> pd.Series:

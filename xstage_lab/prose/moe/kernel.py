@@ -105,6 +105,37 @@ def sources(view) -> str:
                else ""))
 
 
+# the words of a setting in a sentence
+SETTING_WORDS = {"ep1": "at EP = 1", "ep8_rank": "on the EP = 8 rank"}
+
+
+def excess_parts(cells: pd.DataFrame) -> str:
+    """Of ``cells``' graphed calls beyond the bound's unit, where their records profiled them
+    (``layer_view.call_excess``), each part in µs, its median per setting; "" where none was
+    profiled."""
+    from ...analysis.moe.layer_view import call_excess, kernel_and_sum_us
+
+    excess = call_excess(cells)
+    if excess.empty:
+        return ""
+    us = excess[["setting"]].assign(
+        **{c: excess[c] * kernel_and_sum_us(cells.loc[excess.index])
+           for c in ("routing_excess", "weighted_sum_excess", "boundary_excess")})
+    medians = us.groupby("setting").median()
+
+    def per_setting(column, settings=tuple(medians.index)):
+        return " and ".join(f"{val(medians.loc[s, column], '.1f')} µs {SETTING_WORDS[s]}"
+                            for s in settings)
+    summed = [s for s in medians.index if s == "ep1"]  # an EP rank sums nothing
+    return (f"; of their time beyond the kernel plus the weighted sum's memory time "
+            f"({count(len(excess))} profiled calls, medians), the routing kernels take "
+            f"{per_setting('routing_excess')}"
+            + (f", the weighted sum beyond its memory time "
+               f"{per_setting('weighted_sum_excess', summed)}" if summed else "")
+            + f", and the time between kernels beyond the kernel alone's "
+            f"{per_setting('boundary_excess')}")
+
+
 def layer(layer_views) -> Prose:
     """The fused layer from the router's output (``moe_layer``, issue 27): against the unfused
     torch path, and how many cells meet each measure of the issue's acceptance, with where the
@@ -278,6 +309,7 @@ def layer(layer_views) -> Prose:
                 misses += (f", where their routing kernels take "
                            f"{span(profile_total_us(routed['route_kernels_us']), '.1f')} µs "
                            f"(profiled)")
+            misses += excess_parts(t.loc[missed.index])
         parity = a[a["tokens"] >= KERNEL_PARITY_TOKENS]
         kernel = (f" From {KERNEL_PARITY_TOKENS} tokens the kernel over the device tables takes "
                   f"{span(parity['kernel_over_host_kernel'], '.3f')}× the time of the same "
