@@ -1,7 +1,8 @@
-"""``dist_timing``'s CPU side: the rotation of methods over trials and the paired ratio."""
+"""``dist_timing``'s CPU side: the rotation of methods over trials, the paired ratio and the
+time between consecutive device activities."""
 import pytest
 
-from xstage_lab.dist_timing import paired_ratio, rotated_order
+from xstage_lab.dist_timing import boundaries_us, paired_ratio, rotated_order
 
 
 def test_each_method_leads_in_turn():
@@ -17,3 +18,14 @@ def test_a_clock_step_between_trials_leaves_the_paired_ratio_alone():
     assert sorted(b)[3] / sorted(a)[3] == pytest.approx(99 / 103)
     assert paired_ratio(b, a) == pytest.approx(0.99)
     assert paired_ratio([2.0, 4.0, 9.0], [1.0, 1.0, 1.0]) == 4.0
+
+
+def test_boundaries_pair_activities_in_start_order_each_pairs_median():
+    """Two calls of route -> kernel -> sum, listed out of order: each boundary the next start
+    less the previous end, the median over a pair's occurrences; the call-to-call pair too."""
+    calls = [(0.0, 2.0, "route"), (3.0, 10.0, "kernel"), (10.5, 12.0, "sum"),
+             (20.0, 22.0, "route"), (26.0, 33.0, "kernel"), (33.5, 35.0, "sum"),
+             (35.0, 36.0, "route"), (40.0, 44.0, "kernel"), (43.0, 45.0, "sum")]
+    gaps = boundaries_us(calls[::-1])
+    assert gaps == {"route -> kernel": 4.0, "kernel -> sum": 0.5, "sum -> route": 4.0}
+    assert boundaries_us(calls[:1]) == {}

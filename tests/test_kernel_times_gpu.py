@@ -1,9 +1,13 @@
-"""``dist_timing.kernel_times_us`` on a GPU (skipped elsewhere: CI has no GPU): every kernel a call
-launches is named with its device time per call, and a longer kernel shows a longer time."""
+"""``dist_timing.kernel_times_us`` and ``kernel_boundaries_us`` on a GPU (skipped elsewhere: CI has
+no GPU): every kernel a call launches is named with its device time per call, and a longer kernel
+shows a longer time; the device's time between two kernels shows the host's wait between their
+launches."""
+import time
+
 import pytest
 import torch
 
-from xstage_lab.dist_timing import kernel_times_us
+from xstage_lab.dist_timing import kernel_boundaries_us, kernel_times_us
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -16,3 +20,17 @@ def test_each_kernel_of_a_call_is_named_with_its_time():
     add = [t for k, t in times.items() if "add" in k.lower() or "Add" in k]
     mul = [t for k, t in times.items() if "mul" in k.lower()]
     assert add and mul and max(add) > 10 * max(mul)  # 64 Mi elements against 1 Ki
+
+
+def test_a_boundary_holds_the_hosts_wait_between_two_launches():
+    a, b = torch.randn(1 << 10, device="cuda"), torch.randn(1 << 10, device="cuda")
+
+    def call(wait_s):
+        a.mul_(1.0)
+        time.sleep(wait_s)  # the device idles: nothing else is queued
+        b.add_(1.0)
+
+    quick, waited = (kernel_boundaries_us(lambda: call(w), calls=5) for w in (0.0, 0.002))
+    pair = [k for k in waited if "mul" in k.lower().split(" -> ")[0]]
+    assert len(pair) == 1 and pair[0] in quick
+    assert waited[pair[0]] > 1000.0 > quick[pair[0]] >= -1.0

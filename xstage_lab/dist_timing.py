@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -67,7 +67,7 @@ def _host_barrier(group) -> None:
         dist.barrier(group=group)
 
 
-def _graphed(fn: Callable[[], None], iters: int) -> Callable[[], None]:
+def graphed(fn: Callable[[], None], iters: int) -> Callable[[], None]:
     """Capture ``iters`` back-to-back calls of ``fn`` (already warmed up) in one CUDA graph."""
     graph = torch.cuda.CUDAGraph()
     # thread_local: NCCL's watchdog thread may query events while this thread captures.
@@ -149,7 +149,7 @@ def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, wa
         for name in names:
             fn = methods[name]
             fns[name] = ((lambda fn=fn: [fn() for _ in range(graph_iters)]) if name in eager
-                         else _graphed(fn, graph_iters))
+                         else graphed(fn, graph_iters))
             call(name, fns[name])  # the first replay uploads the graph
         torch.cuda.synchronize()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -212,6 +212,36 @@ def kernel_times_us(fn: Callable[[], None], calls: int = 10) -> dict[str, float]
         torch.cuda.synchronize()
     return {e.key: e.self_device_time_total / calls for e in prof.key_averages()
             if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0}
+
+
+def kernel_boundaries_us(fn: Callable[[], None], calls: int = 10) -> dict[str, float]:
+    """The device's time from the end of each activity (kernel, copy or fill) that ``fn``
+    launches to the start of the next, per pair ``"a -> b"`` of their names (``boundaries_us``),
+    as torch.profiler's CUDA activity (CUPTI) stamps them over ``calls`` calls after one
+    unprofiled call: what a sequence of launches leaves between its kernels (the pair from one
+    call to the next included)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return boundaries_us([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                          if e.device_type == DeviceType.CUDA])
+
+
+def boundaries_us(activities: Sequence[tuple[float, float, str]]) -> dict[str, float]:
+    """Per pair ``"a -> b"`` of activities ``(start_us, end_us, name)`` consecutive by start,
+    the median over its occurrences of the next one's start less the previous one's end
+    (below zero where they overlapped)."""
+    ordered = sorted(activities)
+    gaps: dict[str, list[float]] = {}
+    for (_, end, before), (start, _, after) in zip(ordered, ordered[1:]):
+        gaps.setdefault(f"{before} -> {after}", []).append(start - end)
+    return {pair: float(np.median(g)) for pair, g in gaps.items()}
 
 
 def _mhz(value: float) -> float | None:

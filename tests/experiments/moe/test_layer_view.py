@@ -302,9 +302,20 @@ def test_layer_prose_splits_the_profiled_misses_excess_per_setting(tmp_path):
             "EP = 8 rank, the weighted sum beyond its memory time 1.5 µs at EP = 1, and the "
             "time between kernels beyond the kernel alone's 3.5 µs at EP = 1 and 3.0 µs on the "
             "EP = 8 rank;") in text
+    assert "measured in graphed calls" not in text  # a record from before the boundaries
     write_record("moe_layer", "y", pd.DataFrame([_row(1, fused_graph_us=97.0), _row(64)]), {},
                  {}, tmp_path)
     assert "profiled calls" not in str(layer([lv.layer_view("y", tmp_path)]))
+    fill = "void at::native::vectorized_elementwise_kernel<4, FillFunctor<int>>"
+    boundaries = dict(call_boundaries_us=json.dumps({"route_tiny -> moe_fused_ws_kernel": 1.5,
+                                                     "moe_fused_ws_kernel -> route_tiny": 2.5}),
+                      alone_boundaries_us=json.dumps({f"{fill} -> moe_fused_ws_kernel": 0.5,
+                                                      f"moe_fused_ws_kernel -> {fill}": 1.0}))
+    write_record("moe_layer", "z", pd.DataFrame([ep1, {**rank, **boundaries}, _row(64)]), {}, {},
+                 tmp_path)
+    assert ("3.0 µs on the EP = 8 rank (measured in graphed calls, the device's time between a "
+            "call's kernels 4.0 µs a call against the kernel alone's 1.5 µs on the EP = 8 rank, "
+            "medians over 1 cell);") in str(layer([lv.layer_view("z", tmp_path)]))
 
 
 def test_call_excess_adds_up_to_the_graphed_call_beyond_the_bounds_unit(tmp_path):

@@ -176,6 +176,19 @@ def call_excess(table: pd.DataFrame) -> pd.DataFrame:
         boundary_excess=(p["call_gaps_us"] - alone_gaps) / unit)
 
 
+def boundaries_per_call_us(table: pd.DataFrame) -> pd.DataFrame:
+    """Per cell whose record measured the device's time between kernels (``layer_profile``'s
+    ``call_boundaries_us``, ``alone_boundaries_us``; none before): per call, the medians of the
+    call's pairs of consecutive kernels summed (each pair once a call, from one call to the next
+    included: ``call_between_us``), and the kernel alone's, its counters' fill then the kernel
+    (``alone_between_us``)."""
+    if "call_boundaries_us" not in table:
+        return table[CELL].iloc[:0].assign(call_between_us=[], alone_between_us=[])
+    t = table[table["call_boundaries_us"].notna()]
+    return t[CELL].assign(call_between_us=profile_total_us(t["call_boundaries_us"]),
+                          alone_between_us=profile_total_us(t["alone_boundaries_us"]))
+
+
 def kernel_and_sum_us(table: pd.DataFrame) -> pd.Series:
     """Per cell, the kernel alone plus the weighted sum's memory time: what the graphed call is
     held against (``GRAPH_OVER_KERNEL`` times it)."""
@@ -189,8 +202,8 @@ def profile_kernel_us(profiles: pd.Series, name: str) -> pd.Series:
 
 
 def profile_total_us(profiles: pd.Series) -> pd.Series:
-    """Per cell, the device time of every kernel of a per-kernel profile (a JSON column of
-    ``layer_profile``'s: ``route_kernels_us``, ``call_kernels_us``) summed, as floats (a record's
+    """Per cell, the times of a per-kernel profile (a JSON column of ``layer_profile``'s:
+    ``route_kernels_us``, ``call_kernels_us``, the boundaries') summed, as floats (a record's
     JSON column reads back as strings, which ``map`` keeps)."""
     return profiles.map(lambda k: sum(json.loads(k).values())).astype(float)
 

@@ -45,7 +45,8 @@ FP8 quantization of the tokens at EP = 1; none where the fused kernel reads them
 which it gathers into its Linear-1 tiles; a record from before that holds the move into the
 layout); a whole call's (``call_kernels_us``) and the fused kernel's own time in the call and
 alone (``kernel_in_call_us``, ``kernel_alone_device_us``; records from before them have
-neither). ``l2_splits``: the K splits of each Linear-2 tile the
+neither); the device's time between consecutive kernels, per pair, in graphs of the call and of
+the kernel alone (``call_boundaries_us``, ``alone_boundaries_us``; none before them). ``l2_splits``: the K splits of each Linear-2 tile the
 layer's tables hold (``device_tables.l2_split_count``; 1: none).
 Floors from the HBM bandwidth measured at the start of the run (a device copy):
 ``weighted_sum_floor_us`` (its bytes) and ``weight_floor_us`` (the bytes of the experts the call
@@ -348,7 +349,7 @@ class MoELayer(LayerCellRun):
                 "weight_floor_us": cell.touched_experts() * _expert_bytes(weights) / bw * 1e6,
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
                 "l2_splits": splits,
-                **device_profile(cell),
+                **device_profile(cell, a.graph_iters),
                 "eager_path": EAGER_PATH, **self.launch_floors, **stages, **phases}
 
     def progress_line(self, rows: pd.DataFrame) -> str | None:

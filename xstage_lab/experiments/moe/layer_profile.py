@@ -14,23 +14,28 @@ calls):
 - one whole call as a user makes it (``cell.call``: eagerly, its graph launched), per kernel
   (``call_kernels_us``, JSON), and the fused kernel's own time in it (``kernel_in_call_us``);
 - the fused kernel launched alone over the same tables (``cell.kernel``, as ``kernel_us`` is
-  timed): its own time (``kernel_alone_device_us``).
+  timed): its own time (``kernel_alone_device_us``);
+- the device's time between consecutive kernels, per pair of their names (``dist_timing.
+  kernel_boundaries_us``, JSON), in graphs of ``graph_iters`` calls replayed as ``layer_bench``
+  times them: the call's (``call_boundaries_us``) and the kernel alone's, after its counters'
+  fill (``alone_boundaries_us``).
 
 The graphed call's time beyond the sum of its kernels' (``layer_view.call_gaps_us``) is then the
-device's time between them; the fused kernel's time in the call against alone says whether the
-kernels before it slow it down."""
+device's time between them, which the boundaries split by pair; the fused kernel's time in the
+call against alone says whether the kernels before it slow it down."""
 from __future__ import annotations
 
 import json
 
-from ...dist_timing import kernel_times_us, read_sm_clock_mhz
+from ...dist_timing import graphed, kernel_boundaries_us, kernel_times_us, read_sm_clock_mhz
 from ...ops.moe.fused import KERNEL_ENTRIES
 
 ACTIVATIONS_PASS = "route_quantize"  # the routing kernel that is no table pass
 
 
-def device_profile(cell) -> dict:
-    """The profile columns of one ``layer_bench`` cell (module docstring)."""
+def device_profile(cell, graph_iters: int) -> dict:
+    """The profile columns of one ``layer_bench`` cell (module docstring), its graphs of
+    ``graph_iters`` calls."""
     route = kernel_times_us(cell.route)
     route_clock = read_sm_clock_mhz()
     gather = sum(v for k, v in route.items() if ACTIVATIONS_PASS in k)
@@ -42,4 +47,8 @@ def device_profile(cell) -> dict:
             "route_sm_clock_mhz": float("nan") if route_clock is None else route_clock,
             "call_kernels_us": json.dumps(call),
             "kernel_in_call_us": call.get(fused, float("nan")),
-            "kernel_alone_device_us": alone.get(fused, float("nan"))}
+            "kernel_alone_device_us": alone.get(fused, float("nan")),
+            "call_boundaries_us": json.dumps(kernel_boundaries_us(graphed(cell.call,
+                                                                          graph_iters))),
+            "alone_boundaries_us": json.dumps(kernel_boundaries_us(graphed(cell.kernel,
+                                                                           graph_iters)))}

@@ -133,7 +133,24 @@ def excess_parts(cells: pd.DataFrame) -> str:
             + (f", the weighted sum beyond its memory time "
                f"{per_setting('weighted_sum_excess', summed)}" if summed else "")
             + f", and the time between kernels beyond the kernel alone's "
-            f"{per_setting('boundary_excess')}")
+            f"{per_setting('boundary_excess')}" + measured_boundaries(cells))
+
+
+def measured_boundaries(cells: pd.DataFrame) -> str:
+    """Where ``cells``' records measured the device's time between kernels
+    (``layer_view.boundaries_per_call_us``): per call, the call's against the kernel alone's
+    (their medians per setting); "" where none did."""
+    from ...analysis.moe.layer_view import boundaries_per_call_us
+
+    between = boundaries_per_call_us(cells)
+    if between.empty:
+        return ""
+    medians = between.groupby("setting")[["call_between_us", "alone_between_us"]].median()
+    return (" (measured in graphed calls, the device's time between a call's kernels "
+            + "; ".join(f"{val(m.call_between_us, '.1f')} µs a call against the kernel alone's "
+                        f"{val(m.alone_between_us, '.1f')} µs {SETTING_WORDS[s]}"
+                        for s, m in medians.iterrows())
+            + f", medians over {count(len(between))} {plural(len(between), 'cell')})")
 
 
 def layer(layer_views) -> Prose:
