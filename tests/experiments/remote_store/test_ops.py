@@ -4,7 +4,6 @@ known model parameters (tests/synthetic.py)."""
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 import pytest
 
 from tests.experiments.remote_store.test_characterization import make_inv
@@ -386,7 +385,6 @@ def run_ops(monkeypatch, tmp_path, ops):
 
 
 def test_operations_leave_out_failed_children_and_fit_the_rest(monkeypatch, tmp_path):
-    from xstage_lab.experiments.remote_store import ops as remote_ops
     from xstage_lab.records import read_record
 
     ops = ("store16", "bulk", "load16", "red_add_u32", "store4")

@@ -129,7 +129,7 @@ def test_two_gpu_record_names_the_degenerate_patterns(tmp_path):
 def test_tables_and_figures_from_records(tmp_path):
     from tests.synthetic import write_synthetic_beyond_records
     from xstage_lab import plots
-    from xstage_lab.experiments.remote_store import patterns as injection_patterns, ops as remote_ops
+    from xstage_lab.experiments.remote_store import ops as remote_ops
     from xstage_lab.records import read_record
 
     ops_path, patterns_path = write_synthetic_beyond_records(tmp_path, n_gpus=3, noise=0.0)
@@ -155,8 +155,6 @@ def test_tables_and_figures_from_records(tmp_path):
 
 
 def test_operations_table_names_what_was_left_out():
-    from xstage_lab import plots
-
     entry = {"per_op": {"store16": {"key": "store16", "src": 0, "fit_error": "no plateau"}},
              "excluded": {"op=bulk": "illegal address"}}
     t = tables.operations_table(entry)
@@ -165,8 +163,6 @@ def test_operations_table_names_what_was_left_out():
 
 
 def test_no_refit_verdict_applies_the_threshold_to_each_sweep():
-    from xstage_lab import plots
-
     def fit(R, own, no_refit):
         return {"key": "", "src": 0, "R_GBps": R, "R_GBps_iqr": [R, R],
                 "T_iss0_us": {"K=132,B=16384": 0.5}, "Q_MiB": {"K=132": 2.0},

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 
 from ...kernel_sources import cuda_module
 from ...platform import Inventory, inventory, mapped_host_buffer
