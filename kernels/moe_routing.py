@@ -43,7 +43,7 @@ that each hold them all in registers, and beside them the quantizing programs):
                        holds more than one row block (else ``route_rows`` has them in closed
                        form), the tile count of every program of both schedules and the used
                        row blocks. Where the arrivals' bound has few chunks
-                       (``device_tables.SCAN_IN_HISTOGRAM_CHUNKS``)
+                       (``device_tables.scan_chunk_bound``)
                        ``route_histogram``'s last program does all of it instead (``SCAN``): two
                        launches;
   ``route_rows``       two passes, independent given the offsets, side by side in one grid:

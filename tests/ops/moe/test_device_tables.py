@@ -192,6 +192,22 @@ def case_scan_in_steps() -> dict:
     return out
 
 
+def case_one_step_scan_beyond_the_chunk_bound() -> dict:
+    """The scan in ``route_histogram``'s last program over more chunks than
+    ``SCAN_IN_HISTOGRAM_CHUNKS`` (2 here), where one step (``SCAN_TILE`` counts over DiT-MoE's 16
+    experts: 8 chunks here) takes them all (``scan_chunk_bound``): the 7 chunks of 400 skewed
+    picks, equal to the host reference as the three launches are (``case_scan_in_steps``)."""
+    from xstage_lab.ops.moe import device_tables as dt
+
+    saved = dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_TILE
+    try:  # read as each call's tables are allocated
+        dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_TILE = 2, 8 * 16
+        assert dt.scan_chunk_bound(16) == 8
+        return case_ep1("DiT-MoE", "bf16", 200, "skewed", 7, 3, 4)
+    finally:
+        dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_TILE = saved
+
+
 def case_every_shape() -> dict:
     """Each model shape once, at two to four tokens (every expert with rows is a program of
     ``route_rows`` to interpret), alternating precision, programs and lead."""
@@ -283,6 +299,7 @@ def interpreter_cases() -> dict:
         "skewed_fp8_narrow_scales": (case_ep1, "DiT-MoE", "fp8", 40, "skewed", 16, 2, 5),
         "zero_row_experts": (case_zero_row_experts,),
         "scan_in_steps": (case_scan_in_steps,),
+        "one_step_scan_beyond_the_chunk_bound": (case_one_step_scan_beyond_the_chunk_bound,),
         "ep_rank_bf16": (case_ep_rank, "MiMo-V2.5", "bf16", 8, 40, 16, 2),
         "ep_rank_fp8": (case_ep_rank, "DiT-MoE", "fp8", 8, 150, 5, 1, 3),
         "ep_rank_few": (case_ep_rank, "Hy3", "fp8", 8, 1, 16, 2, 4),
@@ -304,13 +321,14 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
     """One routing kernel built for sm_90 (as the op launches it on an H200); ``route_tiny``
     with ``e_pad`` experts over 128 arrivals or 32 where the count is that or less (512: from
     all pairs, 64: from the scan, with the 32 from all pairs);
-    ``route_histogram`` with the scan in its last program where ``scan``."""
-    import triton
+    ``route_histogram`` over ``e_pad`` experts, with the scan in its last program where ``scan``
+    (a step's chunks: ``scan_step_rows``)."""
     import triton.language as tl
     from triton.compiler import ASTSource
 
-    from tests.experiments.triton_testing import hopper_target
+    from tests.experiments.triton_testing import compile_sm90, ptxas_report
     from xstage_lab.kernel_sources import load_kernel_module
+    from xstage_lab.ops.moe.device_tables import _jump_levels, scan_step_rows
 
     kernel = getattr(load_kernel_module("moe_routing"), name)
     ptr, i = "*i32", "i32"
@@ -326,11 +344,12 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
         "route_histogram": ({"args": "*i64", **addresses, "n_arrivals_ptr": ptr,
                              "chunk_counts": ptr, "error": ptr, "x_quant": "*fp8e4nv",
                              "x_quant_scale": "*fp32", **layout, **layout_ints},
-                            dict(RECEIVED=False, QUANTIZE=True, SCALES_BY_ROW=True, E_PAD=256,
-                                 CHUNK=128,
-                                 ID_DTYPE=tl.int64, SCAN=scan, BLOCK_M=128, G_PAD=256,
-                                 E_LOG2=8, CHUNK_ROWS=32, JUMP_LEVELS=9, JUMP_STRIDE=257,
-                                 JUMP_PAD=512)),
+                            dict(RECEIVED=False, QUANTIZE=True, SCALES_BY_ROW=True, E_PAD=e_pad,
+                                 CHUNK=128, ID_DTYPE=tl.int64, SCAN=scan, BLOCK_M=128, G_PAD=256,
+                                 E_LOG2=e_pad.bit_length() - 1,
+                                 CHUNK_ROWS=scan_step_rows(e_pad),
+                                 JUMP_LEVELS=_jump_levels(e_pad), JUMP_STRIDE=e_pad + 1,
+                                 JUMP_PAD=2 * e_pad)),
         "route_offsets": ({"chunk_counts": ptr, "n_arrivals_ptr": ptr, **layout, **layout_ints},
                           dict(RECEIVED=True, BLOCK_M=128, E_PAD=512, E_BLOCK=4, G_PAD=256,
                                CHUNK=128, CHUNK_ROWS=1024, E_LOG2=9, JUMP_LEVELS=10,
@@ -370,13 +389,12 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
     # every pointer 16-byte aligned, as the launcher specializes torch's allocations
     aligned = {(names.index(k),): [["tt.divisibility", 16]]
                for k, v in signature.items() if v.startswith("*")}
-    compiled = triton.compile(ASTSource(kernel, signature,
-                                        {(names.index(k),): v for k, v in constexprs.items()},
-                                        attrs=aligned),
-                              target=hopper_target(),
-                              options={"num_warps": 8 if name in ("route_offsets", "route_tiny")
-                                       or scan else 4})
-    return {"has_cubin": bool(compiled.asm.get("cubin")), "shared": compiled.metadata.shared}
+    compiled = compile_sm90(ASTSource(kernel, signature,
+                                      {(names.index(k),): v for k, v in constexprs.items()},
+                                      attrs=aligned),
+                            num_warps=8 if name in ("route_offsets", "route_tiny") or scan else 4)
+    return {"has_cubin": bool(compiled.asm.get("cubin")), "shared": compiled.metadata.shared,
+            **ptxas_report(compiled.asm["ptx"])}
 
 
 COMPILE_CASES = {**{f"compile_sm90_{n}": (_compile_sm90, n)
@@ -384,16 +402,23 @@ COMPILE_CASES = {**{f"compile_sm90_{n}": (_compile_sm90, n)
                               "route_tiny")},
                  "compile_sm90_route_tiny_scan": (_compile_sm90, "route_tiny", 64),
                  "compile_sm90_route_histogram_scan": (_compile_sm90, "route_histogram", 256,
-                                                       True)}
+                                                       True),
+                 # DiT-MoE's two experts of an EP = 8 rank: a step of 2048 chunks
+                 "compile_sm90_route_histogram_scan_two_experts": (_compile_sm90,
+                                                                   "route_histogram", 2, True)}
 
 interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, interpreter_cases())
 
 
-def test_routing_kernels_compile_for_sm90():
+def test_routing_kernels_compile_for_sm90_without_spilling():
+    """Every routing build compiles for sm_90 and keeps its registers: the scan's steps in
+    ``route_histogram`` sized so (``scan_step_rows``)."""
     results = child_results(MODULE, "--compile-sm90", interpret=False, timeout=600)
     for name in COMPILE_CASES:
         assert_case_ok(results, name)
-        assert results[name]["detail"]["has_cubin"]
+        detail = results[name]["detail"]
+        assert detail["has_cubin"]
+        assert detail["spill_store_bytes"] == detail["spill_load_bytes"] == 0, (name, detail)
 
 
 def test_bounds_cover_every_row_a_routing_can_use():
@@ -434,6 +459,27 @@ def test_linear2_tiles_split_along_k_only_where_they_leave_most_programs_idle():
     assert TableBounds.of(2, 16, shape.hidden, shape.intermediate, config, 132, 1).l2_splits == 1
     assert TableBounds.of(16, 16, shape.hidden, shape.intermediate, config, 132, 1,
                           split_k=True).l2_splits == 1  # 16 row blocks: 176 tiles
+
+
+def test_the_scan_runs_in_the_histogram_up_to_one_steps_chunks():
+    """``route_histogram``'s last program scans up to ``SCAN_IN_HISTOGRAM_CHUNKS`` chunks, or as
+    many as one step takes (``SCAN_TILE`` counts where the experts are fewer than 64, else
+    ``SCAN_ONE_TILE``): the first launch of a call is the histogram with the scan there, else
+    the histogram of the three launches."""
+    from xstage_lab.ops.moe.device_tables import (SCAN_IN_HISTOGRAM_CHUNKS, SCAN_ONE_TILE,
+                                                  SCAN_TILE, scan_chunk_bound, scan_step_rows)
+
+    assert scan_chunk_bound(2) == scan_step_rows(2) == SCAN_TILE // 2 > SCAN_IN_HISTOGRAM_CHUNKS
+    assert scan_chunk_bound(32) == SCAN_TILE // 32 and scan_chunk_bound(64) == SCAN_ONE_TILE // 64
+    assert scan_chunk_bound(512) == scan_chunk_bound(300) == SCAN_IN_HISTOGRAM_CHUNKS
+    # DiT-MoE's two experts of an EP = 8 rank at 512 tokens: 64 chunks, one step
+    _, rank = _bounds("DiT-MoE", 8192, 132, 1, experts=2)
+    routing = allocate_tables(rank, 1408, "bf16", "meta").routing(True, False, torch.int32)
+    assert routing.first(8192, 1)[0] is routing.histogram_scan
+    # Qwen3.5's 512 experts at 512 tokens: 40 chunks, more than one step
+    _, ep1 = _bounds("Qwen3.5", 5120, 132, 1)
+    routing = allocate_tables(ep1, 4096, "bf16", "meta").routing(False, False, torch.int32)
+    assert routing.first(5120, 10)[0] is routing.histogram
 
 
 def test_each_quantizing_program_takes_one_scale_block_of_its_rows():

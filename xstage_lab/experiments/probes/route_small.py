@@ -13,7 +13,7 @@ before 577270a one program wrote them all; before ``route_tiny``: ``route_small`
 scan, scatter and tiles passes as loops of one program), against the launches whose programs make
 them side by side (three; four in records before the scatter and the tiles shared one). One launch
 saves their latency; ``route_small`` paid for its passes' steps one after another. Between them,
-up to ``device_tables.SCAN_IN_HISTOGRAM_CHUNKS`` chunks of arrivals, two launches: the scan and the
+up to ``device_tables.scan_chunk_bound`` chunks of arrivals, two launches: the scan and the
 layout in ``route_histogram``'s last program (``scan_in_histogram``; records before it have two
 paths). This probe times the paths on the same arrivals, per model shape, in the two settings of
 ``layer_bench`` (EP = 1 from ``topk_ids``, ``T top_k`` arrivals; rank 0 of EP = 8 from its
@@ -49,9 +49,8 @@ import torch
 
 from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
-from ...ops.moe.device_tables import (SCAN_IN_HISTOGRAM_CHUNKS, DeviceTables, TableBounds,
-                                      allocate_tables, host_tables, route_to_tables,
-                                      table_mismatches)
+from ...ops.moe.device_tables import (DeviceTables, TableBounds, allocate_tables, host_tables,
+                                      route_to_tables, table_mismatches)
 from ...ops.moe.schedules import d_knee
 from ...ops.moe.shapes import load_shapes
 from ...ops.moe.tiles import default_tile_config
@@ -63,10 +62,11 @@ from ..moe.layer_cells import balanced_routing
 
 SETTINGS = ("ep1", "ep8_rank")
 # each path's tables: tiny_arrivals and tiny_received, and scan_chunks (the three launches, the
-# scan in route_histogram's last program: two, or route_tiny: one)
+# scan in route_histogram's last program up to scan_chunk_bound (None): two, or route_tiny:
+# one)
 PATHS = {"launches": {"tiny": 0, "scan_chunks": 0},
-         "scan_in_histogram": {"tiny": 0, "scan_chunks": SCAN_IN_HISTOGRAM_CHUNKS},
-         "one_program": {"tiny": 1 << 30, "scan_chunks": SCAN_IN_HISTOGRAM_CHUNKS}}
+         "scan_in_histogram": {"tiny": 0, "scan_chunks": None},
+         "one_program": {"tiny": 1 << 30, "scan_chunks": None}}
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """Routing to tile tables on the device (``kernels/moe_routing.py``): the Dispatch layout and both
 schedules' tile tables built from the router's output by three small Triton launches (two up to
-``SCAN_IN_HISTOGRAM_CHUNKS`` chunks of arrivals, one where the arrivals fit ``TINY_ARRIVALS``, or
+``scan_chunk_bound`` chunks of arrivals, one where the arrivals fit ``TINY_ARRIVALS``, or
 an EP rank's bound ``TINY_RECEIVED``), plus one that quantizes bf16 activations for an FP8 layer,
 with no device-to-host copy, in buffers sized by static bounds.
 The activations are not moved: each layout row names the row of ``x`` it reads (``row_origin``),
@@ -46,13 +46,15 @@ SCAN_TILE = 4096
 # at 8 and 64 tokens (1.8-1.9 µs less, medians), 0.99-1.27x at EP = 1 (0.7-0.9 µs less; 0.99 at
 # DeepSeek-V4-Pro's 512 tokens, two steps over 512 experts), the cells above the bound (the same
 # launches both ways) 0.99-1.03x; in the layer (moe_layer/h200-x1/20261204T035951Z-13459df91e)
-# the graphed call within 5% of the kernel in six cells more than before. route_rows (and the
+# the graphed call within 5% of the kernel in six cells more than before (and beyond this many
+# chunks wherever one step scans them all: scan_chunk_bound). route_rows (and the
 # quantization) in that launch too, its programs waiting on a flag for the last histogram
 # program's layout, took longer than the two launches (8d81d14, reverted; moe_layer/h200-x1/
 # 20261204T161539Z-d99d182ef5 against …161751Z-58a86fc67b, one job, per-kernel profiles):
 # 1.28-1.44x on the EP = 8 rank at 8 and 64 tokens, 1.31-2.01x at EP = 1
 SCAN_IN_HISTOGRAM_CHUNKS = 32
 SCAN_ONE_TILE = 8192
+SCAN_WIDE_EXPERTS = 64  # from this many experts a step holds SCAN_ONE_TILE counts (scan_step_rows)
 # Up to these bounds (never above block_m), one launch (route_tiny) writes every table from the
 # arrivals held in registers: at EP = 1 every slot of the bound is an arrival (TINY_ARRIVALS), on an
 # EP rank the received rows are a share of the bound (TINY_RECEIVED). Its tiles written side by side
@@ -247,7 +249,7 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
                     scan_chunks: int | None = None) -> DeviceTables:
     """Every buffer of ``bounds`` on ``device``; ``error`` shared with the fused kernel where
     given; ``tiny_arrivals``, ``tiny_received``: ``TINY_ARRIVALS``, ``TINY_RECEIVED`` where None
-    (either way at most ``block_m``); ``scan_chunks``: ``SCAN_IN_HISTOGRAM_CHUNKS`` where None;
+    (either way at most ``block_m``); ``scan_chunks``: ``scan_chunk_bound`` where None;
     ``source_rows``: the bf16 rows of ``x`` an FP8 layer quantizes
     at most (``x_quant``'s), ``bounds.capacity`` where None (an EP rank's received rows; at EP = 1
     the tokens, ``capacity / top_k``); 0: none, the layer takes e4m3 rows with their scales only (an
@@ -276,7 +278,28 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
         torch.zeros(1, **i32) if error is None else error, allocate_args(dev),
         min(TINY_ARRIVALS if tiny_arrivals is None else tiny_arrivals, bounds.block_m),
         min(TINY_RECEIVED if tiny_received is None else tiny_received, bounds.block_m), fp8,
-        SCAN_IN_HISTOGRAM_CHUNKS if scan_chunks is None else scan_chunks)
+        scan_chunk_bound(e) if scan_chunks is None else scan_chunks)
+
+
+def scan_chunk_bound(num_experts: int) -> int:
+    """Up to this many chunks of arrivals over ``num_experts`` experts, ``route_histogram``'s
+    last program scans their counts (``SCAN``): ``SCAN_IN_HISTOGRAM_CHUNKS``, or as many as one
+    step takes (``scan_step_rows``: 2048 over DiT-MoE's two experts of an EP = 8 rank, 128 over
+    32, 32 over 256), the more of the two. Where one step takes them all, ``route_offsets``'
+    programs would split the work of that step and add a launch and a kernel boundary. Not yet
+    measured above ``SCAN_IN_HISTOGRAM_CHUNKS`` (DiT-MoE's EP = 8 rank at 512 tokens and EP = 1
+    from 4096, Qwen3.5's EP = 8 rank at 64): ``route_small_probe``'s paths time it against the
+    three launches on the same arrivals."""
+    return max(SCAN_IN_HISTOGRAM_CHUNKS, scan_step_rows(_pow2(num_experts)))
+
+
+def scan_step_rows(e_pad: int) -> int:
+    """Chunks per step of the scan in ``route_histogram``'s last program, every one of ``e_pad``
+    experts at once: ``SCAN_ONE_TILE`` counts, or ``SCAN_TILE`` where fewer than
+    ``SCAN_WIDE_EXPERTS`` experts make the tile narrow (ptxas spilled tiles of 8192 counts over
+    2, 16 and 32 experts at 255 registers, none over 64 or more; at 4096 counts 128-170
+    registers: sm_90 builds, Triton 3.6)."""
+    return (SCAN_ONE_TILE if e_pad >= SCAN_WIDE_EXPERTS else SCAN_TILE) // e_pad
 
 
 def tiny_warps(a_pad: int) -> int:
@@ -398,7 +421,7 @@ class RoutingLaunches:
                                   **{**layout, "num_warps": 4}, **quant)
         self.histogram_scan = Launcher(
             k.route_histogram, args=t.args, error=t.error, ID_DTYPE=ids, SCAN=True,
-            CHUNK_ROWS=min(_pow2(max(t.scan_chunks, 1)), max(SCAN_ONE_TILE // e_pad, 1)),
+            CHUNK_ROWS=min(_pow2(max(min(t.scan_chunks, b.chunks), 1)), scan_step_rows(e_pad)),
             SCALES_BY_ROW=by_row, **layout, **quant)
         self.offsets = Launcher(k.route_offsets, E_BLOCK=scan_experts,
                                 CHUNK_ROWS=SCAN_TILE // scan_experts, **layout)

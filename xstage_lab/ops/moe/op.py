@@ -4,7 +4,7 @@ and a ``torch.library`` custom op (``xstage::fused_moe``) with a fake implementa
 ``torch.compile(fullgraph=True)`` traces a block that uses it.
 
 A call is five launches in bf16, six in FP8 (four and five up to
-``device_tables.SCAN_IN_HISTOGRAM_CHUNKS`` chunks of picks, three in either up to
+``device_tables.scan_chunk_bound`` chunks of picks, three in either up to
 ``device_tables.TINY_ARRIVALS`` picks): routing to tile tables (``device_tables``: three Triton
 launches, two, or one, that zero the fused kernel's row counters; in FP8 one more quantizes the
 tokens per 1 x 128, or the one launch's extra programs do), whose first launch takes the call's addresses (``topk_ids``, ``x``, the Combine
