@@ -46,15 +46,16 @@ SCAN_TILE = 4096
 # at 8 and 64 tokens (1.8-1.9 µs less, medians), 0.99-1.27x at EP = 1 (0.7-0.9 µs less; 0.99 at
 # DeepSeek-V4-Pro's 512 tokens, two steps over 512 experts), the cells above the bound (the same
 # launches both ways) 0.99-1.03x; in the layer (moe_layer/h200-x1/20261204T035951Z-13459df91e)
-# the graphed call within 5% of the kernel in six cells more than before (and beyond this many
-# chunks wherever one step scans them all: scan_chunk_bound). route_rows (and the
-# quantization) in that launch too, its programs waiting on a flag for the last histogram
-# program's layout, took longer than the two launches (8d81d14, reverted; moe_layer/h200-x1/
-# 20261204T161539Z-d99d182ef5 against …161751Z-58a86fc67b, one job, per-kernel profiles):
-# 1.28-1.44x on the EP = 8 rank at 8 and 64 tokens, 1.31-2.01x at EP = 1
+# the graphed call within 5% of the kernel in six cells more than before (beyond it where one
+# step scans every chunk: scan_chunk_bound). route_rows (and the quantization) in that launch
+# too, its programs waiting on a flag for the last histogram program's layout, took longer than
+# the two launches (8d81d14, reverted; moe_layer/h200-x1/20261204T161539Z-d99d182ef5 against
+# …161751Z-58a86fc67b, one job, per-kernel profiles): 1.28-1.44x on the EP = 8 rank at 8 and 64
+# tokens, 1.31-2.01x at EP = 1
 SCAN_IN_HISTOGRAM_CHUNKS = 32
 SCAN_ONE_TILE = 8192
-SCAN_WIDE_EXPERTS = 64  # from this many experts a step holds SCAN_ONE_TILE counts (scan_step_rows)
+# the histogram's scan steps: SCAN_ONE_TILE counts from this many experts, SCAN_TILE below
+SCAN_WIDE_EXPERTS = 64  # (ptxas spilled 8192 over 2-32 experts: sm_90 builds, Triton 3.6)
 # Up to these bounds (never above block_m), one launch (route_tiny) writes every table from the
 # arrivals held in registers: at EP = 1 every slot of the bound is an arrival (TINY_ARRIVALS), on an
 # EP rank the received rows are a share of the bound (TINY_RECEIVED). Its tiles written side by side
@@ -282,23 +283,15 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
 
 
 def scan_chunk_bound(num_experts: int) -> int:
-    """Up to this many chunks of arrivals over ``num_experts`` experts, ``route_histogram``'s
-    last program scans their counts (``SCAN``): ``SCAN_IN_HISTOGRAM_CHUNKS``, or as many as one
-    step takes (``scan_step_rows``: 2048 over DiT-MoE's two experts of an EP = 8 rank, 128 over
-    32, 32 over 256), the more of the two. Where one step takes them all, ``route_offsets``'
-    programs would split the work of that step and add a launch and a kernel boundary. Not yet
-    measured above ``SCAN_IN_HISTOGRAM_CHUNKS`` (DiT-MoE's EP = 8 rank at 512 tokens and EP = 1
-    from 4096, Qwen3.5's EP = 8 rank at 64): ``route_small_probe``'s paths time it against the
-    three launches on the same arrivals."""
+    """Up to this many chunks, ``route_histogram``'s last program scans their counts (``SCAN``):
+    the constant, or the more one step takes, where ``route_offsets`` would split that step and
+    add a launch. Unmeasured above the constant (DiT-MoE's EP = 8 rank from 512 tokens, EP = 1
+    from 4096; Qwen3.5's rank at 64): ``route_small_probe`` times it against three launches."""
     return max(SCAN_IN_HISTOGRAM_CHUNKS, scan_step_rows(_pow2(num_experts)))
 
 
 def scan_step_rows(e_pad: int) -> int:
-    """Chunks per step of the scan in ``route_histogram``'s last program, every one of ``e_pad``
-    experts at once: ``SCAN_ONE_TILE`` counts, or ``SCAN_TILE`` where fewer than
-    ``SCAN_WIDE_EXPERTS`` experts make the tile narrow (ptxas spilled tiles of 8192 counts over
-    2, 16 and 32 experts at 255 registers, none over 64 or more; at 4096 counts 128-170
-    registers: sm_90 builds, Triton 3.6)."""
+    """Chunks per step of that scan over ``e_pad`` experts (counts: ``SCAN_WIDE_EXPERTS``)."""
     return (SCAN_ONE_TILE if e_pad >= SCAN_WIDE_EXPERTS else SCAN_TILE) // e_pad
 
 
