@@ -202,15 +202,8 @@ def kernel_times_us(fn: Callable[[], None], calls: int = 10) -> dict[str, float]
     torch.profiler's CUDA activity (CUPTI) records it over ``calls`` calls after one unprofiled
     call: where a call's time goes, not a timing to compare (the profiler adds its own cost)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key: e.self_device_time_total / calls for e in prof.key_averages()
+    return {e.key: e.self_device_time_total / calls for e in _profiled(fn, calls).key_averages()
             if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0}
 
 
@@ -221,6 +214,14 @@ def kernel_boundaries_us(fn: Callable[[], None], calls: int = 10) -> dict[str, f
     unprofiled call: what a sequence of launches leaves between its kernels (the pair from one
     call to the next included)."""
     from torch.autograd import DeviceType
+
+    return boundaries_us([(e.time_range.start, e.time_range.end, e.name)
+                          for e in _profiled(fn, calls).events()
+                          if e.device_type == DeviceType.CUDA])
+
+
+def _profiled(fn: Callable[[], None], calls: int):
+    """torch.profiler's CUDA activity over ``calls`` calls of ``fn`` after one unprofiled call."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -229,8 +230,7 @@ def kernel_boundaries_us(fn: Callable[[], None], calls: int = 10) -> dict[str, f
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return boundaries_us([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                          if e.device_type == DeviceType.CUDA])
+    return prof
 
 
 def boundaries_us(activities: Sequence[tuple[float, float, str]]) -> dict[str, float]:
