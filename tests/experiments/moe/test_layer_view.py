@@ -279,6 +279,29 @@ def test_layer_prose_says_by_how_much_the_misses_exceed_the_bound(tmp_path):
     assert "above that bound" not in str(layer([lv.layer_view("y", tmp_path)]))
 
 
+def test_layer_prose_says_where_a_one_token_miss_spends_its_time(tmp_path):
+    """The one-token cells above 1.5x the weight-read floor + 10 µs, named, with their traced
+    phases: the Linear-1 tiles and SMs and each phase's weight rate over the HBM bandwidth."""
+    from xstage_lab.prose.moe.kernel import layer
+
+    trace = dict(trace_l1_tiles=44, trace_l1_sms=44, trace_l1_tile_gbps=50.0,
+                 trace_l1_mainloop_us=10.0, trace_l1_end_us=20.0, trace_l2_tiles=66,
+                 trace_l2_sms=66, trace_l2_tile_gbps=40.0, trace_l2_mainloop_us=10.0,
+                 trace_l2_start_us=20.0, trace_l2_wait_us=5.0, trace_makespan_us=40.0,
+                 hbm_gbps=4400.0)
+    # 90 µs graphed: over 1.5 x 50 + 10, within 1.5 x 60 + 10
+    rows = [_row(1, **trace), _row(1, "ep8_rank", weight_floor_us=60.0, **trace), _row(64)]
+    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    # Linear-1: 44 tiles x 50 GB/s x 10 µs over 20 µs; Linear-2: 66 x 40 x 10 over 40 - 20
+    assert ("The 1 one-token cell above the bound (M bf16 ep1) takes 1.6× the floor: its "
+            "Linear-1 phase runs 44 tiles on 44 SMs and moves its weights at 0.25 of the HBM "
+            "bandwidth, the Linear-2 phase at 0.30.") in text
+    rows[0]["weight_floor_us"] = 60.0
+    write_record("moe_layer", "y", pd.DataFrame(rows), {}, {}, tmp_path)
+    assert "above the bound (" not in str(layer([lv.layer_view("y", tmp_path)]))
+
+
 def test_layer_prose_splits_the_profiled_misses_excess_per_setting(tmp_path):
     """Where the missed cells' calls were profiled: their time beyond the bound's unit, its
     parts' medians per setting (the weighted sum at EP = 1 only)."""

@@ -316,6 +316,20 @@ def layer(layer_views) -> Prose:
                    f"HBM bandwidth measured in the run; some SM ran a second tile of the phase "
                    f"in {count(rounds['l1'])} (Linear-1) and {count(rounds['l2'])} (Linear-2) of "
                    f"{count(len(one))} cells.")
+            above = one[~a.loc[one.index, "t1_ok"]]
+            if len(above):
+                t1 += (f" The {count(len(above))} one-token "
+                       f"{plural(len(above), 'cell')} above the bound ("
+                       + ", ".join(f"{r.model} {r.precision} {r.setting}"
+                                   for r in above.itertuples())
+                       + f") {plural(len(above), 'takes', 'take')} "
+                       f"{span(above['kernel_us'] / above['weight_floor_us'], '.1f')}× the floor: "
+                       f"{plural(len(above), 'its', 'their')} Linear-1 phase runs "
+                       f"{span(above['trace_l1_tiles'], '.0f')} tiles on "
+                       f"{span(above['trace_l1_sms'], '.0f')} SMs and moves its weights at "
+                       f"{span(rate['l1'][above.index] / above['hbm_gbps'], '.2f')} of the HBM "
+                       f"bandwidth, the Linear-2 phase at "
+                       f"{span(rate['l2'][above.index] / above['hbm_gbps'], '.2f')}.")
         missed = a[~a["graph_over_kernel_ok"]]
         misses = ""
         if len(missed):
