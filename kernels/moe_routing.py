@@ -31,7 +31,9 @@ on an EP rank), which the fused kernel's Linear-1 gathers as it loads.
 
 Three launches, each needing the one before it complete, and, where bf16 activations feed an FP8
 layer, ``route_quantize`` (for at most ``BLOCK_M`` arrivals one launch, ``route_tiny``: programs
-that each hold them all in registers, and beside them the quantizing programs):
+that each hold them all in registers, and beside them the quantizing programs; up to
+``device_tables.QUANT_IN_HISTOGRAM_ROWS`` rows of ``x`` whose scales lie by its rows, programs of
+``route_histogram`` after its chunks' quantize them instead):
   ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
                        (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is
                        left out of the layout; program 0 writes the argument block
@@ -57,9 +59,9 @@ that each hold them all in registers, and beside them the quantizing programs):
                        per 1 x 128 block, into the tables' copy (``x_quant``); where a row's
                        scales are narrower than a line (``device_tables.scales_by_layout_row``)
                        each scale at the layout rows of the row's arrivals (after
-                       ``route_rows``, whose ``arrival_rows`` it reads; ``route_tiny``'s
-                       quantizing programs, beside its layout's, store them by the rows of
-                       ``x``).
+                       ``route_rows``, whose ``arrival_rows`` it reads; the quantizing
+                       programs of ``route_tiny`` and ``route_histogram``, beside their tables',
+                       store them by the rows of ``x``).
 
 Tile positions (``G`` programs, ``P_1``/``P_2`` tiles per row block, ``n_1``/``n_2`` the streams'
 lengths). Expert-Wave: the merged stream holds, per wave of row blocks ``[lo, hi)``, its Linear-1
@@ -120,50 +122,65 @@ def _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, 
 # The first launch's varying integers are never specialized either: one kernel per arrivals' bound
 # and dtypes, whose node in a captured graph is found by its function (``call_args``).
 @triton.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",
-                               "out", "CAPACITY"])
+                               "out", "CAPACITY", "TOP_K"])
 def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
                     n_arrivals_ptr, chunk_counts, error, x_quant, x_quant_scale, chunk_start,
                     expert_counts, scan_done, expert_offsets, wave_lo, wave_hi, wave_jumps, meta,
-                    wave_num_tiles, inter_num_tiles, CAPACITY, NUM_EXPERTS, G, P1, P2,
-                    WAVE_MIN_L1, RECEIVED: tl.constexpr, QUANTIZE: tl.constexpr,
-                    SCALES_BY_ROW: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                    ID_DTYPE: tl.constexpr,
+                    wave_num_tiles, inter_num_tiles, arrival_rows, CAPACITY, NUM_EXPERTS, G, P1,
+                    P2, WAVE_MIN_L1, TOP_K, HIDDEN, RECEIVED: tl.constexpr,
+                    QUANTIZE: tl.constexpr, SCALES_BY_ROW: tl.constexpr, E_PAD: tl.constexpr,
+                    CHUNK: tl.constexpr, ID_DTYPE: tl.constexpr,
                     SCAN: tl.constexpr, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
                     E_LOG2: tl.constexpr, CHUNK_ROWS: tl.constexpr, JUMP_LEVELS: tl.constexpr,
-                    JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr):
+                    JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr, QUANT_ROWS: tl.constexpr):
     """``chunk_counts[c, e]`` (int32 ``[chunks, NUM_EXPERTS]``): arrivals of chunk ``c`` routed to
     local expert ``e``. ``expert_ids``: the address of ``ID_DTYPE`` (int32/int64) ``[CAPACITY]``,
     the local expert of each arrival; it and the call's other addresses (``moe_args``' slots)
-    by value. Program 0: ``_write_block``. ``SCAN``: the last program to finish (a ticket on
-    ``scan_done``, set back to 0 for the next call) then does ``route_offsets``' work alone,
-    every expert's column of counts at once (``_scan_chunk_counts``, ``CHUNK_ROWS`` chunks a
-    step), then ``_offsets_and_waves``: where the arrivals' bound has few chunks, one launch and
-    one kernel boundary fewer. Without it the scan's arguments are not read."""
+    by value. Program 0: ``_write_block``. ``SCAN``: the last of the chunks' programs to finish
+    (a ticket on ``scan_done``, set back to 0 for the next call) then does ``route_offsets``'
+    work alone, every expert's column of counts at once (``_scan_chunk_counts``, ``CHUNK_ROWS``
+    chunks a step), then ``_offsets_and_waves``: where the arrivals' bound has few chunks, one
+    launch and one kernel boundary fewer. Without it the scan's arguments are not read.
+    ``QUANTIZE`` with the scales by the rows of ``x`` (not ``SCALES_BY_ROW``): the programs after
+    the chunks', where the grid has any, are ``_quantize_block``'s blocks of ``QUANT_ROWS`` rows
+    and 128 columns of ``x`` (of ``HIDDEN``; ``TOP_K`` arrivals a row), row-major, as in
+    ``route_tiny``: no launch of its own quantizes them."""
     c = tl.program_id(0)
-    if c == 0:
-        _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, x_quant,
-                     x_quant_scale, QUANTIZE, SCALES_BY_ROW)
-    n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
-    # the chunk's ids read before the branch on the count: their load beside the count's
-    e, _, valid = _flagged_experts(expert_ids.to(tl.pointer_type(ID_DTYPE)),
-                                   c * CHUNK + tl.arange(0, CHUNK), n, error, NUM_EXPERTS,
-                                   CAPACITY)
-    if c * CHUNK < n:
-        counts = tl.histogram(tl.where(valid, e, 0), E_PAD, mask=valid)
-        es = tl.arange(0, E_PAD)
-        tl.store(chunk_counts + c * NUM_EXPERTS + es, counts, mask=es < NUM_EXPERTS)
-    if SCAN:
-        tl.debug_barrier()  # every thread's counts stored before the ticket releases them
-        if tl.atomic_add(scan_done, 1) == tl.num_programs(0) - 1:  # acq_rel: the others' counts
-            tl.store(scan_done, 0)
-            # every expert's count: the layout's, in registers
-            counts = _scan_chunk_counts(chunk_counts, chunk_start, expert_counts,
-                                        tl.arange(0, E_PAD), tl.cdiv(n, CHUNK), NUM_EXPERTS,
-                                        CHUNK_ROWS)
-            _offsets_and_waves(counts, expert_offsets, wave_lo, wave_hi, wave_jumps,
-                               meta, wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1, P2,
-                               WAVE_MIN_L1, BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS,
-                               JUMP_STRIDE, JUMP_PAD)
+    chunks = tl.cdiv(CAPACITY, CHUNK)
+    quantizing = False
+    if QUANTIZE and not SCALES_BY_ROW:
+        quantizing = c >= chunks
+    if quantizing:
+        blocks = HIDDEN // SCALE_BLOCK
+        _quantize_block((c - chunks) // blocks, (c - chunks) % blocks,
+                        tl.multiple_of(x.to(tl.pointer_type(tl.bfloat16)), 16), n_arrivals_ptr,
+                        x_quant, x_quant_scale, arrival_rows, CAPACITY, HIDDEN, TOP_K, RECEIVED,
+                        False, QUANT_ROWS)
+    else:
+        if c == 0:
+            _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
+                         x_quant, x_quant_scale, QUANTIZE, SCALES_BY_ROW)
+        n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
+        # the chunk's ids read before the branch on the count: their load beside the count's
+        e, _, valid = _flagged_experts(expert_ids.to(tl.pointer_type(ID_DTYPE)),
+                                       c * CHUNK + tl.arange(0, CHUNK), n, error, NUM_EXPERTS,
+                                       CAPACITY)
+        if c * CHUNK < n:
+            counts = tl.histogram(tl.where(valid, e, 0), E_PAD, mask=valid)
+            es = tl.arange(0, E_PAD)
+            tl.store(chunk_counts + c * NUM_EXPERTS + es, counts, mask=es < NUM_EXPERTS)
+        if SCAN:
+            tl.debug_barrier()  # every thread's counts stored before the ticket releases them
+            if tl.atomic_add(scan_done, 1) == chunks - 1:  # acq_rel: the other chunks' counts
+                tl.store(scan_done, 0)
+                # every expert's count: the layout's, in registers
+                counts = _scan_chunk_counts(chunk_counts, chunk_start, expert_counts,
+                                            tl.arange(0, E_PAD), tl.cdiv(n, CHUNK),
+                                            NUM_EXPERTS, CHUNK_ROWS)
+                _offsets_and_waves(counts, expert_offsets, wave_lo, wave_hi, wave_jumps,
+                                   meta, wave_num_tiles, inter_num_tiles, NUM_EXPERTS, G, P1,
+                                   P2, WAVE_MIN_L1, BLOCK_M, E_PAD, G_PAD, E_LOG2, JUMP_LEVELS,
+                                   JUMP_STRIDE, JUMP_PAD)
 
 
 @triton.jit

@@ -13,11 +13,11 @@ import torch
 
 from tests.experiments.triton_testing import (assert_case_ok, child_main, child_results,
                                               interpreter_case_tests)
-from xstage_lab.ops.moe.device_tables import (TableBounds, allocate_tables, host_tables,
-                                              quant_grid, route_to_tables, scales_by_layout_row,
-                                              table_mismatches)
+from xstage_lab.ops.moe.device_tables import (TableBounds, allocate_tables, quant_grid,
+                                              route_to_tables, scales_by_layout_row)
 from xstage_lab.ops.moe.routing import router_logits, router_topk
 from xstage_lab.ops.moe.shapes import MoEContractError, load_shapes
+from xstage_lab.ops.moe.table_reference import host_tables, table_mismatches
 from xstage_lab.ops.moe.tiles import default_tile_config
 from xstage_lab.ops.moe.weights import quantize_rows_fp8
 
@@ -317,12 +317,13 @@ def test_scales_by_layout_row_where_a_rows_scales_are_narrower_than_a_line():
     assert not any(scales_by_layout_row(s.hidden) for s in SHAPES.values() if s.hidden >= 4096)
 
 
-def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
+def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False, by_row: bool = True) -> dict:
     """One routing kernel built for sm_90 (as the op launches it on an H200); ``route_tiny``
     with ``e_pad`` experts over 128 arrivals or 32 where the count is that or less (512: from
     all pairs, 64: from the scan, with the 32 from all pairs);
     ``route_histogram`` over ``e_pad`` experts, with the scan in its last program where ``scan``
-    (a step's chunks: ``scan_step_rows``)."""
+    (a step's chunks: ``scan_step_rows``), quantizing programs after its chunks' unless the
+    scales lie ``by_row``."""
     import triton.language as tl
     from triton.compiler import ASTSource
 
@@ -343,13 +344,14 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
     signatures = {
         "route_histogram": ({"args": "*i64", **addresses, "n_arrivals_ptr": ptr,
                              "chunk_counts": ptr, "error": ptr, "x_quant": "*fp8e4nv",
-                             "x_quant_scale": "*fp32", **layout, **layout_ints},
-                            dict(RECEIVED=False, QUANTIZE=True, SCALES_BY_ROW=True, E_PAD=e_pad,
+                             "x_quant_scale": "*fp32", "arrival_rows": ptr, **layout,
+                             **layout_ints, "TOP_K": i, "HIDDEN": i},
+                            dict(RECEIVED=False, QUANTIZE=True, SCALES_BY_ROW=by_row, E_PAD=e_pad,
                                  CHUNK=128, ID_DTYPE=tl.int64, SCAN=scan, BLOCK_M=128, G_PAD=256,
                                  E_LOG2=e_pad.bit_length() - 1,
                                  CHUNK_ROWS=scan_step_rows(e_pad),
                                  JUMP_LEVELS=_jump_levels(e_pad), JUMP_STRIDE=e_pad + 1,
-                                 JUMP_PAD=2 * e_pad)),
+                                 JUMP_PAD=2 * e_pad, QUANT_ROWS=32)),
         "route_offsets": ({"chunk_counts": ptr, "n_arrivals_ptr": ptr, **layout, **layout_ints},
                           dict(RECEIVED=True, BLOCK_M=128, E_PAD=512, E_BLOCK=4, G_PAD=256,
                                CHUNK=128, CHUNK_ROWS=1024, E_LOG2=9, JUMP_LEVELS=10,
@@ -400,6 +402,9 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False) -> dict:
 COMPILE_CASES = {**{f"compile_sm90_{n}": (_compile_sm90, n)
                     for n in ("route_histogram", "route_offsets", "route_rows", "route_quantize",
                               "route_tiny")},
+                 # the chunks' programs and the quantizing ones (scales by the rows of x)
+                 "compile_sm90_route_histogram_quantizing": (_compile_sm90, "route_histogram",
+                                                             512, False, False),
                  "compile_sm90_route_tiny_scan": (_compile_sm90, "route_tiny", 64),
                  "compile_sm90_route_histogram_scan": (_compile_sm90, "route_histogram", 256,
                                                        True),
@@ -480,6 +485,30 @@ def test_the_scan_runs_in_the_histogram_up_to_one_steps_chunks():
     _, ep1 = _bounds("Qwen3.5", 5120, 132, 1)
     routing = allocate_tables(ep1, 4096, "bf16", "meta").routing(False, False, torch.int32)
     assert routing.first(5120, 10)[0] is routing.histogram
+
+
+def test_the_first_launch_quantizes_a_few_rows_by_the_rows_of_x():
+    """An FP8 layer's bf16 tokens are quantized by the first launch's own programs up to
+    ``QUANT_IN_HISTOGRAM_ROWS`` rows where their scales lie by the rows of ``x`` (route_tiny's or
+    route_histogram's, one program a block after the tables'), else by ``route_quantize`` after
+    the tables (above that, and where the scales lie by layout row)."""
+    from xstage_lab.ops.moe.device_tables import QUANT_IN_HISTOGRAM_ROWS
+
+    def routing(model, tokens, precision="fp8"):
+        shape, bounds = _bounds(model, tokens * SHAPES[model].top_k, 132, 1)
+        return allocate_tables(bounds, shape.hidden, precision, "meta").routing(
+            False, precision == "fp8", torch.int32)
+
+    hy3 = routing("Hy3", QUANT_IN_HISTOGRAM_ROWS + 1)  # top-8: 8 tokens route_tiny's
+    assert [hy3.quantized_first(8 * t, 8) for t in (8, 12, QUANT_IN_HISTOGRAM_ROWS,
+                                                    QUANT_IN_HISTOGRAM_ROWS + 1)] == \
+        [True, True, True, False]
+    launch, grid = hy3.first(8 * 12, 8)
+    assert launch is hy3.histogram_scan and grid == (1 + 32,)  # a chunk, 32 scale blocks
+    assert hy3.first(8 * (QUANT_IN_HISTOGRAM_ROWS + 1), 8)[1] == (33,)  # 33 chunks only
+    dit = routing("DiT-MoE", 40)  # 11 scales a row: by layout row, after route_rows
+    assert dit.quantized_first(2 * 32, 2) and not dit.quantized_first(2 * 40, 2)
+    assert not routing("Hy3", 12, "bf16").quantized_first(8 * 12, 8)
 
 
 def test_each_quantizing_program_takes_one_scale_block_of_its_rows():

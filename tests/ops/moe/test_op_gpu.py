@@ -16,7 +16,7 @@ import torch
 
 from xstage_lab.experiments.moe.bench import TOLERANCE
 from xstage_lab.ops.moe import device_tables
-from xstage_lab.ops.moe.device_tables import host_tables, table_mismatches
+from xstage_lab.ops.moe.table_reference import host_tables, table_mismatches
 from xstage_lab.ops.moe.op import GRAPHS_PER_LAYER, FusedMoE
 from xstage_lab.ops.moe.reference import reference_moe
 from xstage_lab.ops.moe.routing import router_logits, router_topk

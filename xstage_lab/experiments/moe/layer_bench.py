@@ -15,7 +15,7 @@ sources').
 Per cell (model, precision, setting, tokens), correctness first, on outputs poisoned with NaN:
 the fused call against the float32 reference within ``bench.TOLERANCE``, nothing flagged; the
 host-scheduled launch of the same schedule storing the same Combine rows bit for bit; the device
-tables equal the host reference (``device_tables.table_mismatches``) for T <= 512; the second
+tables equal the host reference (``table_reference.table_mismatches``) for T <= 512; the second
 eager call (its graph launched) under ``torch.cuda.set_sync_debug_mode("error")``, checked the
 same; at T = 64, one CUDA graph captured once and replayed with ``GRAPH_ROUTINGS`` routings, each
 checked; at one token (``TRACED_TOKENS``) the instrumented build of the host-scheduled launch,
@@ -67,7 +67,7 @@ from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, kernel_phases, l
 from ...analysis.moe.trace import tile_frame
 from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, median_clock_mhz, paired_ratio, time_methods
-from ...ops.moe.device_tables import table_mismatches
+from ...ops.moe.table_reference import table_mismatches
 from ...ops.moe.schedules import tile_table
 from ...ops.moe.shapes import PRECISIONS, load_shapes
 from ...sweep import Axis, Sweep

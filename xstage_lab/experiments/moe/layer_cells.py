@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
-from ...ops.moe.device_tables import host_tables
+from ...ops.moe.table_reference import host_tables
 from ...ops.moe.dispatch import build_layout
 from ...ops.moe.fused import FusedMoECall, prepare_fused_moe
 from ...ops.moe.op import FusedMoE, GraphCache, MoEWorkspace, auto_schedule, launching_graphs

@@ -5,7 +5,9 @@ calls):
 
 - the routing alone (``cell.route``): per kernel (``route_kernels_us``, JSON), its table passes
   (``route_tables_us``) apart from its pass over the activations (``route_gather_us``: the FP8
-  quantization of the tokens at EP = 1), and the SM clock read as it ends
+  quantization of the tokens at EP = 1 in a launch of its own; where the first launch's programs
+  quantize them, as up to ``device_tables.QUANT_IN_HISTOGRAM_ROWS`` rows, they are in that
+  launch's time, none at 8192 tokens), and the SM clock read as it ends
   (``route_sm_clock_mhz``): right after a cell's heavy calls the GPU may still hold a clock its
   power cap lowered, which these latency-bound kernels follow (a run at 8192 tokens measured the
   kernels at 1380-1980 MHz, and Qwen3.5's table passes at 1.8x the time a routing probe gave

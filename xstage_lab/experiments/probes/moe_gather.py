@@ -41,7 +41,7 @@ Records before 10f58df have no ``scales_in_place``; those of 16615e6 time it as 
 
 1. Checks first: the cell passes ``kernel_cell.check_cell`` (the committed schedules against the
    references); the workspace's tables equal the host reference
-   (``device_tables.table_mismatches``); every launch, its Combine buffers poisoned with NaN
+   (``table_reference.table_mismatches``); every launch, its Combine buffers poisoned with NaN
    first, equals ``in_place`` bitwise; spin errors zero. Any failure aborts the run before
    timing; nothing is written.
 2. Timing: every kernel in one rotation (``dist_timing.time_methods``, CUDA-graph replays).
@@ -66,7 +66,7 @@ from ...dist_timing import TIMING_METHOD, median_clock_mhz, paired_ratio, time_m
 from ...kernel_sources import load_kernel_module
 from ...ops.moe.fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, _ws_descriptor,
                               prepare_fused_moe, row_addresses)
-from ...ops.moe.device_tables import host_tables, table_mismatches
+from ...ops.moe.table_reference import host_tables, table_mismatches
 from ...ops.moe.op import MoEWorkspace
 from ...ops.moe.schedules import derived_interleaved_schedule
 from ...ops.moe.shapes import PRECISIONS, load_shapes

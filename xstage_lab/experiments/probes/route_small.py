@@ -49,8 +49,8 @@ import torch
 
 from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
-from ...ops.moe.device_tables import (DeviceTables, TableBounds, allocate_tables, host_tables,
-                                      route_to_tables, table_mismatches)
+from ...ops.moe.device_tables import DeviceTables, TableBounds, allocate_tables, route_to_tables
+from ...ops.moe.table_reference import host_tables, table_mismatches
 from ...ops.moe.schedules import d_knee
 from ...ops.moe.shapes import load_shapes
 from ...ops.moe.tiles import default_tile_config

@@ -1,22 +1,23 @@
 """Routing to tile tables on the device (``kernels/moe_routing.py``): the Dispatch layout and both
 schedules' tile tables built from the router's output by three small Triton launches (two up to
 ``scan_chunk_bound`` chunks of arrivals, one where the arrivals fit ``TINY_ARRIVALS``, or
-an EP rank's bound ``TINY_RECEIVED``), plus one that quantizes bf16 activations for an FP8 layer,
-with no device-to-host copy, in buffers sized by static bounds.
+an EP rank's bound ``TINY_RECEIVED``), plus one that quantizes bf16 activations for an FP8 layer
+(up to ``QUANT_IN_HISTOGRAM_ROWS`` rows, the first launch's own programs where the scales lie by
+the rows of ``x``), with no device-to-host copy, in buffers sized by static bounds.
 The activations are not moved: each layout row names the row of ``x`` it reads (``row_origin``),
 which the fused kernel gathers. The router's output and the activations reach the kernels through
 the call's argument block (``call_args``), so a CUDA graph captured once replays them on new
 tensors.
 
-``host_tables`` is the reference they equal entry for entry: ``dispatch.build_layout`` and the
-host schedules (``schedules.expert_wave_schedule``, ``interleaved_schedule``, ``tile_table``).
+``table_reference.host_tables`` is the reference they equal entry for entry:
+``dispatch.build_layout`` and the host schedules (``schedules.expert_wave_schedule``,
+``interleaved_schedule``, ``tile_table``).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import triton
 
@@ -24,9 +25,7 @@ from ...kernel_sources import load_kernel_module
 from ..launcher import Launcher
 from .call_args import (a_rows_view, allocate_args, check_address_params, slot_addresses,
                         slot_names, triton_dtype)
-from .dispatch import DispatchLayout, build_layout
-from .schedules import (WAVE_FILL, MoEProblem, expert_wave_schedule, interleaved_schedule,
-                        leads_from_expert, tile_table, tile_work)
+from .schedules import WAVE_FILL, MoEProblem, leads_from_expert, tile_work
 from .shapes import FP8_SCALE_BLOCK, MoEContractError
 from .tiles import TileConfig
 
@@ -96,8 +95,12 @@ SCALE_LINE_BYTES = 128
 # columns and 1.7 µs in 128-column ones, in one session on one H200 (moe_layer/h200-x1/
 # 20261202T203004Z and …203438Z, per-kernel profile; both retired)
 QUANT_ROWS = 32
+# Up to this many rows of x, route_histogram's launch quantizes them too (programs after its
+# chunks', as route_tiny's), one launch fewer; above it route_quantize's launch, whose pass over
+# HBM (10-94 µs at 8192 tokens) the profile then keeps apart from the table passes. Unmeasured:
+# measured next against route_quantize's launch at 8 to 512 tokens
+QUANT_IN_HISTOGRAM_ROWS = 512
 SCHEDULES = ("wave", "interleaved")
-BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -383,7 +386,7 @@ class RoutingLaunches:
         e_pad = _pow2(b.num_experts)
         hidden = t.x_quant.shape[1] if quantize else 0
         self.tables, self.received, self.quantize = tables, received, quantize
-        by_row = quantize and scales_by_layout_row(hidden)
+        self.by_row = by_row = quantize and scales_by_layout_row(hidden)
         self.kernels = k
         # where the quantization writes; the fused kernel reads them through args' a_rows slots
         # (unquantized, any pointer stands in)
@@ -409,13 +412,14 @@ class RoutingLaunches:
             E_PAD=e_pad, G_PAD=_pow2(b.num_programs), CHUNK=CHUNK,
             E_LOG2=e_pad.bit_length() - 1, JUMP_LEVELS=t.wave_jumps.shape[0],
             JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
-        self.histogram = Launcher(k.route_histogram, args=t.args, error=t.error, ID_DTYPE=ids,
-                                  SCAN=False, CHUNK_ROWS=1, SCALES_BY_ROW=by_row,
-                                  **{**layout, "num_warps": 4}, **quant)
+        histogram = dict(args=t.args, error=t.error, ID_DTYPE=ids, SCALES_BY_ROW=by_row,
+                         arrival_rows=t.arrival_rows, HIDDEN=hidden, QUANT_ROWS=QUANT_ROWS, **quant)
+        self.histogram = Launcher(k.route_histogram, SCAN=False, CHUNK_ROWS=1,
+                                  **{**layout, "num_warps": 4}, **histogram)
         self.histogram_scan = Launcher(
-            k.route_histogram, args=t.args, error=t.error, ID_DTYPE=ids, SCAN=True,
+            k.route_histogram, SCAN=True,
             CHUNK_ROWS=min(_pow2(max(min(t.scan_chunks, b.chunks), 1)), scan_step_rows(e_pad)),
-            SCALES_BY_ROW=by_row, **layout, **quant)
+            **layout, **histogram)
         self.offsets = Launcher(k.route_offsets, E_BLOCK=scan_experts,
                                 CHUNK_ROWS=SCAN_TILE // scan_experts, **layout)
         self.quantizer = Launcher(
@@ -470,18 +474,28 @@ class RoutingLaunches:
             first(grid, **addressed, arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
                   CAPACITY=capacity, TOP_K=fanout)
             return
-        first(grid, **addressed, n_arrivals_ptr=n_ptr, CAPACITY=capacity)
+        first(grid, **addressed, n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
         if first is self.histogram:
             self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
-        self.rows((grid[0] + t.bounds.row_blocks,), arrival_src=src, arrival_slot=slot,
-                  n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
-        if self.quantize:
+        self.rows((triton.cdiv(capacity, CHUNK) + t.bounds.row_blocks,), arrival_src=src,
+                  arrival_slot=slot, n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
+        if self.quantize and not self.quantized_first(capacity, top_k):
             self.quantizer(quant_grid(capacity // fanout, self.hidden), n_arrivals_ptr=n_ptr,
                            CAPACITY=capacity, TOP_K=fanout)
 
     def fanout(self, top_k: int) -> int:
         """Arrivals per row of ``x``: an EP rank's arrivals are its rows, one each."""
         return 1 if self.received else top_k
+
+    def quantized_first(self, capacity: int, top_k: int) -> bool:
+        """Whether the first launch over ``capacity`` arrivals quantizes ``x`` too: up to the
+        tiny bound ``route_tiny`` does, ``route_histogram`` up to ``QUANT_IN_HISTOGRAM_ROWS``
+        rows where the scales lie by the rows of ``x``."""
+        t = self.tables
+        if capacity <= (t.tiny_received if self.received else t.tiny_arrivals):
+            return self.quantize
+        return (self.quantize and not self.by_row
+                and capacity // self.fanout(top_k) <= QUANT_IN_HISTOGRAM_ROWS)
 
     def first(self, capacity: int, top_k: int) -> tuple[Launcher, tuple[int]]:
         """The first launch over ``capacity`` arrivals and its grid: the one that takes the
@@ -490,11 +504,15 @@ class RoutingLaunches:
         ``ROW_BLOCKS_TINY`` row blocks the tiles (the row blocks: one per routed expert at
         most), and where it quantizes, one program more per block of ``_quantize_block``
         (``quant_grid``), so no launch of its own quantizes them. Else ``route_histogram``, up
-        to ``tables.scan_chunks`` chunks with ``route_offsets``' work in its last program."""
+        to ``tables.scan_chunks`` chunks with ``route_offsets``' work in its last program, one
+        program a chunk and, where it quantizes (``quantized_first``), one more a block."""
         t = self.tables
+        quant = (math.prod(quant_grid(capacity // self.fanout(top_k), self.hidden))
+                 if self.quantized_first(capacity, top_k) else 0)
         if capacity > (t.tiny_received if self.received else t.tiny_arrivals):
             chunks = triton.cdiv(capacity, CHUNK)
-            return (self.histogram_scan if chunks <= t.scan_chunks else self.histogram), (chunks,)
+            return ((self.histogram_scan if chunks <= t.scan_chunks else self.histogram),
+                    (chunks + quant,))
         a_pad = _pow2(capacity)
         row_blocks = min(ROW_BLOCKS_TINY, a_pad)
         tile_programs = triton.cdiv(min(a_pad, t.bounds.num_experts), row_blocks)
@@ -505,96 +523,4 @@ class RoutingLaunches:
                                                  ROW_BLOCKS=row_blocks,
                                                  TILE_PROGRAMS=tile_programs,
                                                  num_warps=tiny_warps(a_pad), **self.tiny_static)
-        quant = (math.prod(quant_grid(capacity // self.fanout(top_k), self.hidden))
-                 if self.quantize else 0)
         return launch, (TINY_TABLE_PROGRAMS + tile_programs + quant,)
-
-
-@dataclass(frozen=True)
-class HostTables:
-    """The reference of one routing: the Dispatch layout, the row of ``x`` each of its rows reads
-    (-1 on padding) and each schedule's table and counts."""
-
-    layout: DispatchLayout
-    row_origin: np.ndarray  # int32 [rows]
-    tiles: dict      # schedule -> int32 ndarray [G, max_tiles, 4]
-    num_tiles: dict  # schedule -> int32 ndarray [G]
-
-
-def host_tables(bounds: TableBounds, expert_ids: torch.Tensor, x: torch.Tensor,
-                x_scale: torch.Tensor | None = None, *, top_k: int = 1,
-                arrival_src: torch.Tensor | None = None,
-                arrival_slot: torch.Tensor | None = None) -> HostTables:
-    """The host reference of ``route_to_tables`` for the same arrivals (EP = 1 where
-    ``arrival_src`` is None: slot ``i``, source 0, token ``i // top_k`` of ``x``, which the
-    caller repeats per pick; an EP rank's arrival ``i`` is row ``i`` of ``x``). Rows are the
-    arrivals' own (quantize before, as the device does)."""
-    n = expert_ids.numel()
-    src = torch.zeros(n, dtype=torch.int64) if arrival_src is None else arrival_src.cpu()
-    slot = torch.arange(n) if arrival_slot is None else arrival_slot.cpu()
-    world = int(src.max()) + 1 if n else 1
-    recv_counts = torch.bincount(src, minlength=world).tolist()
-    layout = build_layout(x.cpu(), None if x_scale is None else x_scale.cpu(), slot,
-                          expert_ids.cpu().long(), recv_counts, bounds.num_experts, bounds.block_m)
-    problem = MoEProblem(layout.blocks_per_expert, bounds.l1_n_blocks, bounds.l2_n_blocks)
-    schedules = {"wave": expert_wave_schedule(problem, bounds.num_programs),
-                 "interleaved": interleaved_schedule(problem, bounds.num_programs,
-                                                     bounds.lead_rows,
-                                                     expert_lead=bounds.expert_lead)}
-    tables = {name: tile_table(s) for name, s in schedules.items()}
-    origin = np.full(layout.num_rows, -1, dtype=np.int32)
-    arrivals = layout.arrival_rows.numpy()
-    placed = arrivals >= 0
-    origin[arrivals[placed]] = np.arange(n)[placed] // (1 if arrival_src is not None else top_k)
-    return HostTables(layout, origin, {k: v[0] for k, v in tables.items()},
-                      {k: v[1] for k, v in tables.items()})
-
-
-def table_mismatches(device: DeviceTables, host: HostTables) -> list[str]:
-    """Where ``device`` differs from ``host`` (empty where they agree entry for entry): per-expert
-    counts and padded offsets, the arrival -> row map, ``row_src``/``row_slot``/``row_origin``
-    over the rows in use, where the routing quantized (``a_rows`` names ``x_quant``) every row's
-    activations as the fused kernel reads them (bitwise), and each schedule's counts and used
-    entries."""
-    lay = host.layout
-    out = []
-    counts = np.asarray(lay.tokens_per_expert)
-    blocks = np.asarray(lay.blocks_per_expert)
-    offsets = np.concatenate(([0], np.cumsum(blocks))) * lay.block_m
-    rows = int(offsets[-1])
-    checks = {
-        "expert_counts": (device.expert_counts.cpu().numpy(), counts),
-        "expert_offsets": (device.expert_offsets.cpu().numpy(), offsets),
-        "row_blocks": (device.meta[:1].cpu().numpy(), [rows // lay.block_m]),
-        "arrival_rows": (device.arrival_rows[:len(lay.arrival_rows)].cpu().numpy(),
-                         lay.arrival_rows.numpy()),
-        "row_src": (device.row_src[:rows].cpu().numpy(), lay.row_src.numpy()),
-        "row_slot": (device.row_slot[:rows].cpu().numpy(), lay.row_slot.numpy()),
-        "row_origin": (device.row_origin[:rows].cpu().numpy(), host.row_origin),
-    }
-    quantized = (device.x_quant is not None
-                 and int(device.a_rows[0]) == device.x_quant.data_ptr())
-    if quantized:
-        used = torch.from_numpy(host.row_origin >= 0)
-        origin = torch.from_numpy(host.row_origin).long()[used]
-        # the scales at each layout row where the routing laid them out so, else at its origin's
-        scale_at = torch.arange(rows)[used] if int(device.a_rows[2]) else origin
-        for name, got, want, at in (("x_quant", device.x_quant, lay.x, origin),
-                                    ("x_quant_scale", device.x_quant_scale, lay.x_scale,
-                                     scale_at)):
-            g, w = got[at.to(got.device)].cpu(), want[used]
-            if g.dtype in BITS:  # bitwise
-                g, w = g.view(BITS[g.dtype]), w.view(BITS[g.dtype])
-            checks[name] = (g.numpy(), w.numpy())
-    for s in SCHEDULES:
-        want_n = host.num_tiles[s]
-        got_n = device.num_tiles[s].cpu().numpy()
-        checks[f"{s}.num_tiles"] = (got_n, want_n)
-        if np.array_equal(got_n, want_n):
-            got_t = device.tiles[s].cpu().numpy()
-            for g_, c in enumerate(want_n):
-                checks[f"{s}.tiles[{g_}]"] = (got_t[g_, :c], host.tiles[s][g_, :c])
-    for name, (got, want) in checks.items():
-        if np.shape(got) != np.shape(want) or not np.array_equal(got, want):
-            out.append(name)
-    return out

@@ -5,10 +5,12 @@ and a ``torch.library`` custom op (``xstage::fused_moe``) with a fake implementa
 
 A call is five launches in bf16, six in FP8 (four and five up to
 ``device_tables.scan_chunk_bound`` chunks of picks, three in either up to
-``device_tables.TINY_ARRIVALS`` picks): routing to tile tables (``device_tables``: three Triton
-launches, two, or one, that zero the fused kernel's row counters; in FP8 one more quantizes the
-tokens per 1 x 128, or the one launch's extra programs do), whose first launch takes the call's addresses (``topk_ids``, ``x``, the Combine
-rows, ``topk_weights``, ``y``) and writes them into the argument block the later launches read
+``device_tables.TINY_ARRIVALS`` picks; in FP8 as in bf16 where the first launch quantizes):
+routing to tile tables (``device_tables``: three Triton launches, two, or one, that zero the
+fused kernel's row counters; in FP8 one more quantizes the tokens per 1 x 128, or the first
+launch's extra programs do, ``RoutingLaunches.quantized_first``), whose first launch takes the
+call's addresses (``topk_ids``, ``x``, the Combine rows, ``topk_weights``, ``y``) and writes
+them into the argument block the later launches read
 (``call_args``), the fused kernel over the chosen schedule's table (``kernels/moe_fused_ws.py`` on
 sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-1 gathers each pick's token row as it
 loads and whose Linear-2 epilogues store each pick's row into the Combine buffer, then the top-k
