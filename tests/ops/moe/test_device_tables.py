@@ -13,6 +13,7 @@ import torch
 
 from tests.experiments.triton_testing import (assert_case_ok, child_main, child_results,
                                               interpreter_case_tests)
+from xstage_lab.ops.moe import device_tables as dt
 from xstage_lab.ops.moe.device_tables import (TableBounds, allocate_tables, quant_grid,
                                               route_to_tables, scales_by_layout_row)
 from xstage_lab.ops.moe.routing import router_logits, router_topk
@@ -60,10 +61,9 @@ def case_ep1(model: str, precision: str, tokens: int, routing: str, programs: in
     _assert_counters_in_use_zeroed(tables)
     assert int(tables.scan_done) == 0  # the scan's last program took its ticket back
     # the fused kernel reads the tokens in place (bf16), or their quantized copy, whose scales
-    # route_quantize lays out by layout row where they are narrower than a line (route_tiny's
-    # quantizing programs by token)
-    by_row = (tokens * topk_ids.shape[1] > tables.tiny_arrivals
-              and scales_by_layout_row(shape.hidden))
+    # route_quantize lays out by layout row where they are narrower than a line (the first
+    # launch's quantizing programs, up to the rows it quantizes, by token)
+    by_row = (tokens > dt.QUANT_IN_HISTOGRAM_ROWS and scales_by_layout_row(shape.hidden))
     assert tables.a_rows.tolist() == ([tables.x_quant.data_ptr(), tables.x_quant_scale.data_ptr(),
                                        int(by_row)] if precision == "fp8" else
                                       [x.data_ptr(), tables.args.data_ptr(), 0])
@@ -208,6 +208,18 @@ def case_one_step_scan_beyond_the_chunk_bound() -> dict:
         dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_TILE = saved
 
 
+def case_narrow_scales_by_layout_row() -> dict:
+    """``route_quantize``'s launch after the tables (above ``QUANT_IN_HISTOGRAM_ROWS`` rows: 16
+    here), DiT-MoE's 44-byte scales at the layout rows of each token's arrivals: 40 skewed
+    tokens."""
+    saved = dt.QUANT_IN_HISTOGRAM_ROWS
+    try:  # read at each call
+        dt.QUANT_IN_HISTOGRAM_ROWS = 16
+        return case_ep1("DiT-MoE", "fp8", 40, "skewed", 16, 2, 5)
+    finally:
+        dt.QUANT_IN_HISTOGRAM_ROWS = saved
+
+
 def case_every_shape() -> dict:
     """Each model shape once, at two to four tokens (every expert with rows is a program of
     ``route_rows`` to interpret), alternating precision, programs and lead."""
@@ -295,8 +307,9 @@ def interpreter_cases() -> dict:
         "one_token_split_k": (case_one_token_split_k,),
         "lead_from_the_row_and_from_the_expert": (case_lead_from_the_row_and_from_the_expert,),
         "skewed_fp8": (case_ep1, "Hy3", "fp8", 12, "skewed", 16, 2, 5),
-        # 80 arrivals (three launches) of 44-byte scales: route_quantize's by layout row
+        # 80 arrivals (two launches) of 44-byte scales: route_histogram's quantizing programs
         "skewed_fp8_narrow_scales": (case_ep1, "DiT-MoE", "fp8", 40, "skewed", 16, 2, 5),
+        "narrow_scales_by_layout_row": (case_narrow_scales_by_layout_row,),
         "zero_row_experts": (case_zero_row_experts,),
         "scan_in_steps": (case_scan_in_steps,),
         "one_step_scan_beyond_the_chunk_bound": (case_one_step_scan_beyond_the_chunk_bound,),
@@ -480,18 +493,18 @@ def test_the_scan_runs_in_the_histogram_up_to_one_steps_chunks():
     # DiT-MoE's two experts of an EP = 8 rank at 512 tokens: 64 chunks, one step
     _, rank = _bounds("DiT-MoE", 8192, 132, 1, experts=2)
     routing = allocate_tables(rank, 1408, "bf16", "meta").routing(True, False, torch.int32)
-    assert routing.first(8192, 1)[0] is routing.histogram_scan
+    assert routing.first(8192, 1)[0] is routing.histograms[True, False]
     # Qwen3.5's 512 experts at 512 tokens: 40 chunks, more than one step
     _, ep1 = _bounds("Qwen3.5", 5120, 132, 1)
     routing = allocate_tables(ep1, 4096, "bf16", "meta").routing(False, False, torch.int32)
-    assert routing.first(5120, 10)[0] is routing.histogram
+    assert routing.first(5120, 10)[0] is routing.histograms[False, False]
 
 
 def test_the_first_launch_quantizes_a_few_rows_by_the_rows_of_x():
     """An FP8 layer's bf16 tokens are quantized by the first launch's own programs up to
-    ``QUANT_IN_HISTOGRAM_ROWS`` rows where their scales lie by the rows of ``x`` (route_tiny's or
-    route_histogram's, one program a block after the tables'), else by ``route_quantize`` after
-    the tables (above that, and where the scales lie by layout row)."""
+    ``QUANT_IN_HISTOGRAM_ROWS`` rows, their scales by the rows of ``x`` (route_tiny's or
+    route_histogram's, one program a block after the tables'); above them by ``route_quantize``
+    after the tables, by layout row where they are narrower than a line (DiT-MoE's)."""
     from xstage_lab.ops.moe.device_tables import QUANT_IN_HISTOGRAM_ROWS
 
     def routing(model, tokens, precision="fp8"):
@@ -499,15 +512,17 @@ def test_the_first_launch_quantizes_a_few_rows_by_the_rows_of_x():
         return allocate_tables(bounds, shape.hidden, precision, "meta").routing(
             False, precision == "fp8", torch.int32)
 
-    hy3 = routing("Hy3", QUANT_IN_HISTOGRAM_ROWS + 1)  # top-8: 8 tokens route_tiny's
-    assert [hy3.quantized_first(8 * t, 8) for t in (8, 12, QUANT_IN_HISTOGRAM_ROWS,
-                                                    QUANT_IN_HISTOGRAM_ROWS + 1)] == \
+    over = QUANT_IN_HISTOGRAM_ROWS + 1
+    hy3 = routing("Hy3", over)  # top-8: 8 tokens route_tiny's
+    assert [hy3.quantized_first(8 * t, 8) for t in (8, 12, QUANT_IN_HISTOGRAM_ROWS, over)] == \
         [True, True, True, False]
     launch, grid = hy3.first(8 * 12, 8)
-    assert launch is hy3.histogram_scan and grid == (1 + 32,)  # a chunk, 32 scale blocks
-    assert hy3.first(8 * (QUANT_IN_HISTOGRAM_ROWS + 1), 8)[1] == (33,)  # 33 chunks only
-    dit = routing("DiT-MoE", 40)  # 11 scales a row: by layout row, after route_rows
-    assert dit.quantized_first(2 * 32, 2) and not dit.quantized_first(2 * 40, 2)
+    assert launch is hy3.histograms[True, False] and grid == (1 + 32,)  # 1 chunk, 32 blocks
+    assert hy3.first(8 * over, 8)[1] == (33,)  # 33 chunks only
+    dit = routing("DiT-MoE", over)  # 11 scales a row: by layout row above the bound
+    assert dit.quantized_first(2 * 40, 2) and not dit.quantized_first(2 * over, 2)
+    assert dit.first(2 * 40, 2)[0] is dit.histograms[True, False]
+    assert dit.first(2 * over, 2)[0] is dit.histograms[True, True]  # 9 chunks: the scan
     assert not routing("Hy3", 12, "bf16").quantized_first(8 * 12, 8)
 
 

@@ -96,9 +96,9 @@ SCALE_LINE_BYTES = 128
 # 20261202T203004Z and …203438Z, per-kernel profile; both retired)
 QUANT_ROWS = 32
 # Up to this many rows of x, route_histogram's launch quantizes them too (programs after its
-# chunks', as route_tiny's), one launch fewer; above it route_quantize's launch, whose pass over
-# HBM (10-94 µs at 8192 tokens) the profile then keeps apart from the table passes. Unmeasured:
-# measured next against route_quantize's launch at 8 to 512 tokens
+# chunks', as route_tiny's; the scales by the rows of x), one launch fewer; above it
+# route_quantize's launch, whose pass over HBM (10-94 µs at 8192 tokens) the profile then keeps
+# apart from the table passes. Unmeasured: measured next against route_quantize's launch
 QUANT_IN_HISTOGRAM_ROWS = 512
 SCHEDULES = ("wave", "interleaved")
 
@@ -309,12 +309,13 @@ def tiny_warps(a_pad: int) -> int:
 
 
 def scales_by_layout_row(hidden: int) -> bool:
-    """Whether ``route_quantize`` stores each token's 1 x 128 scales at its arrivals' layout rows
-    (and the fused kernel reads them there) rather than once at its row of ``x``: where a row's
-    scales are narrower than a line (``SCALE_LINE_BYTES``), so that a row block's tokens, lying
-    apart in ``x``, would each take a line of scales. DiT-MoE's 44 bytes read through its tokens
-    took its FP8 kernel 1.021x and 1.018x the time of the host-scheduled launch at 4096 and 8192
-    tokens, by layout row 1.006x and 0.998x (paired; moe_layer/h200-x1/
+    """Whether ``route_quantize`` (above ``QUANT_IN_HISTOGRAM_ROWS`` rows; up to them the first
+    launch quantizes, by the rows of ``x``) stores each token's 1 x 128 scales at its arrivals'
+    layout rows (and the fused kernel reads them there) rather than once at its row of ``x``:
+    where a row's scales are narrower than a line (``SCALE_LINE_BYTES``), so that a row block's
+    tokens, lying apart in ``x``, would each take a line of scales. DiT-MoE's 44 bytes read
+    through its tokens took its FP8 kernel 1.021x and 1.018x the time of the host-scheduled
+    launch at 4096 and 8192 tokens, by layout row 1.006x and 0.998x (paired; moe_layer/h200-x1/
     20261204T181620Z-f0fdda4cd7 against …181527Z-9fd98b7c50, one job; moe_gather_probe
     …180629Z-0a56654b8d). Scales of a line or more (HIDDEN from 4096) gained nothing by layout
     row, while route_quantize, storing each token's scales top-k times, took 1.1-2.6 µs more at
@@ -412,14 +413,15 @@ class RoutingLaunches:
             E_PAD=e_pad, G_PAD=_pow2(b.num_programs), CHUNK=CHUNK,
             E_LOG2=e_pad.bit_length() - 1, JUMP_LEVELS=t.wave_jumps.shape[0],
             JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
-        histogram = dict(args=t.args, error=t.error, ID_DTYPE=ids, SCALES_BY_ROW=by_row,
-                         arrival_rows=t.arrival_rows, HIDDEN=hidden, QUANT_ROWS=QUANT_ROWS, **quant)
-        self.histogram = Launcher(k.route_histogram, SCAN=False, CHUNK_ROWS=1,
-                                  **{**layout, "num_warps": 4}, **histogram)
-        self.histogram_scan = Launcher(
-            k.route_histogram, SCAN=True,
-            CHUNK_ROWS=min(_pow2(max(min(t.scan_chunks, b.chunks), 1)), scan_step_rows(e_pad)),
-            **layout, **histogram)
+        histogram = dict(args=t.args, error=t.error, ID_DTYPE=ids, arrival_rows=t.arrival_rows,
+                         HIDDEN=hidden, QUANT_ROWS=QUANT_ROWS, **quant)
+        scan_rows = min(_pow2(max(min(t.scan_chunks, b.chunks), 1)), scan_step_rows(e_pad))
+        # by (scan, scales by layout row): the latter only where route_quantize lays them out
+        self.histograms = {
+            (scan, rows): Launcher(k.route_histogram, SCAN=scan, SCALES_BY_ROW=rows,
+                                   CHUNK_ROWS=scan_rows if scan else 1,
+                                   **{**layout, "num_warps": 8 if scan else 4}, **histogram)
+            for scan in (False, True) for rows in {False, by_row}}
         self.offsets = Launcher(k.route_offsets, E_BLOCK=scan_experts,
                                 CHUNK_ROWS=SCAN_TILE // scan_experts, **layout)
         self.quantizer = Launcher(
@@ -470,15 +472,16 @@ class RoutingLaunches:
         fanout = self.fanout(top_k)
         first, grid = self.first(capacity, top_k)
         addressed = dict(zip(self.slots, addresses))
-        if first is not self.histogram and first is not self.histogram_scan:
+        if self.tiny_at(capacity):
             first(grid, **addressed, arrival_src=src, arrival_slot=slot, n_arrivals_ptr=n_ptr,
                   CAPACITY=capacity, TOP_K=fanout)
             return
         first(grid, **addressed, n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
-        if first is self.histogram:
+        chunks = triton.cdiv(capacity, CHUNK)
+        if chunks > t.scan_chunks:
             self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
-        self.rows((triton.cdiv(capacity, CHUNK) + t.bounds.row_blocks,), arrival_src=src,
-                  arrival_slot=slot, n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
+        self.rows((chunks + t.bounds.row_blocks,), arrival_src=src, arrival_slot=slot,
+                  n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
         if self.quantize and not self.quantized_first(capacity, top_k):
             self.quantizer(quant_grid(capacity // fanout, self.hidden), n_arrivals_ptr=n_ptr,
                            CAPACITY=capacity, TOP_K=fanout)
@@ -487,15 +490,17 @@ class RoutingLaunches:
         """Arrivals per row of ``x``: an EP rank's arrivals are its rows, one each."""
         return 1 if self.received else top_k
 
-    def quantized_first(self, capacity: int, top_k: int) -> bool:
-        """Whether the first launch over ``capacity`` arrivals quantizes ``x`` too: up to the
-        tiny bound ``route_tiny`` does, ``route_histogram`` up to ``QUANT_IN_HISTOGRAM_ROWS``
-        rows where the scales lie by the rows of ``x``."""
+    def tiny_at(self, capacity: int) -> bool:
+        """Whether ``capacity`` arrivals take ``route_tiny``."""
         t = self.tables
-        if capacity <= (t.tiny_received if self.received else t.tiny_arrivals):
-            return self.quantize
-        return (self.quantize and not self.by_row
-                and capacity // self.fanout(top_k) <= QUANT_IN_HISTOGRAM_ROWS)
+        return capacity <= (t.tiny_received if self.received else t.tiny_arrivals)
+
+    def quantized_first(self, capacity: int, top_k: int) -> bool:
+        """Whether the first launch over ``capacity`` arrivals quantizes ``x`` too (its scales
+        by the rows of ``x``): ``route_tiny`` does, and ``route_histogram`` up to
+        ``QUANT_IN_HISTOGRAM_ROWS`` rows."""
+        return self.quantize and (self.tiny_at(capacity) or
+                                  capacity // self.fanout(top_k) <= QUANT_IN_HISTOGRAM_ROWS)
 
     def first(self, capacity: int, top_k: int) -> tuple[Launcher, tuple[int]]:
         """The first launch over ``capacity`` arrivals and its grid: the one that takes the
@@ -507,11 +512,12 @@ class RoutingLaunches:
         to ``tables.scan_chunks`` chunks with ``route_offsets``' work in its last program, one
         program a chunk and, where it quantizes (``quantized_first``), one more a block."""
         t = self.tables
-        quant = (math.prod(quant_grid(capacity // self.fanout(top_k), self.hidden))
-                 if self.quantized_first(capacity, top_k) else 0)
-        if capacity > (t.tiny_received if self.received else t.tiny_arrivals):
+        quantizes = self.quantized_first(capacity, top_k)
+        quant = math.prod(quant_grid(capacity // self.fanout(top_k), self.hidden)) \
+            if quantizes else 0
+        if not self.tiny_at(capacity):
             chunks = triton.cdiv(capacity, CHUNK)
-            return ((self.histogram_scan if chunks <= t.scan_chunks else self.histogram),
+            return (self.histograms[chunks <= t.scan_chunks, self.by_row and not quantizes],
                     (chunks + quant,))
         a_pad = _pow2(capacity)
         row_blocks = min(ROW_BLOCKS_TINY, a_pad)
