@@ -32,8 +32,8 @@ on an EP rank), which the fused kernel's Linear-1 gathers as it loads.
 Three launches, each needing the one before it complete, and, where bf16 activations feed an FP8
 layer, ``route_quantize`` (for at most ``BLOCK_M`` arrivals one launch, ``route_tiny``: programs
 that each hold them all in registers, and beside them the quantizing programs; up to
-``device_tables.QUANT_IN_HISTOGRAM_ROWS`` rows of ``x`` whose scales lie by its rows, programs of
-``route_histogram`` after its chunks' quantize them instead):
+``device_tables.QUANT_IN_HISTOGRAM_ROWS`` rows of ``x``, programs of ``route_histogram`` after its
+chunks' quantize them instead, the scales by the rows of ``x``):
   ``route_histogram``  per chunk of ``CHUNK`` arrivals, the count of each local expert
                        (``tl.histogram``); an id outside ``0 .. E - 1`` adds 1 to ``error`` and is
                        left out of the layout; program 0 writes the argument block

@@ -2,8 +2,8 @@
 schedules' tile tables built from the router's output by three small Triton launches (two up to
 ``scan_chunk_bound`` chunks of arrivals, one where the arrivals fit ``TINY_ARRIVALS``, or
 an EP rank's bound ``TINY_RECEIVED``), plus one that quantizes bf16 activations for an FP8 layer
-(up to ``QUANT_IN_HISTOGRAM_ROWS`` rows, the first launch's own programs where the scales lie by
-the rows of ``x``), with no device-to-host copy, in buffers sized by static bounds.
+(up to ``QUANT_IN_HISTOGRAM_ROWS`` rows, the first launch's own programs, the scales by the rows
+of ``x``), with no device-to-host copy, in buffers sized by static bounds.
 The activations are not moved: each layout row names the row of ``x`` it reads (``row_origin``),
 which the fused kernel gathers. The router's output and the activations reach the kernels through
 the call's argument block (``call_args``), so a CUDA graph captured once replays them on new
@@ -287,8 +287,8 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
 
 def scan_chunk_bound(num_experts: int) -> int:
     """Up to this many chunks, ``route_histogram``'s last program scans their counts (``SCAN``):
-    the constant, or the more one step takes, where ``route_offsets`` would split that step and
-    add a launch. Unmeasured above the constant (DiT-MoE's EP = 8 rank from 512 tokens, EP = 1
+    ``SCAN_IN_HISTOGRAM_CHUNKS``, or the more one step takes, where ``route_offsets`` would split
+    that step and add a launch. Unmeasured above 32 (DiT-MoE's EP = 8 rank from 512 tokens, EP = 1
     from 4096; Qwen3.5's rank at 64): ``route_small_probe`` times it against three launches."""
     return max(SCAN_IN_HISTOGRAM_CHUNKS, scan_step_rows(_pow2(num_experts)))
 
