@@ -63,7 +63,7 @@ def case_ep1(model: str, precision: str, tokens: int, routing: str, programs: in
     # the fused kernel reads the tokens in place (bf16), or their quantized copy, whose scales
     # route_quantize lays out by layout row where they are narrower than a line (the first
     # launch's quantizing programs, up to the rows it quantizes, by token)
-    by_row = (tokens > dt.QUANT_IN_HISTOGRAM_ROWS and scales_by_layout_row(shape.hidden))
+    by_row = tokens > tables.quant_rows and scales_by_layout_row(shape.hidden)
     assert tables.a_rows.tolist() == ([tables.x_quant.data_ptr(), tables.x_quant_scale.data_ptr(),
                                        int(by_row)] if precision == "fp8" else
                                       [x.data_ptr(), tables.args.data_ptr(), 0])
@@ -213,7 +213,7 @@ def case_narrow_scales_by_layout_row() -> dict:
     here), DiT-MoE's 44-byte scales at the layout rows of each token's arrivals: 40 skewed
     tokens."""
     saved = dt.QUANT_IN_HISTOGRAM_ROWS
-    try:  # read at each call
+    try:  # the tables' default, read as each call's tables are allocated
         dt.QUANT_IN_HISTOGRAM_ROWS = 16
         return case_ep1("DiT-MoE", "fp8", 40, "skewed", 16, 2, 5)
     finally:

@@ -4,7 +4,7 @@ than the launches whose programs make their passes side by side (issue 27; recor
 
     python -m xstage_lab.experiments.probes.route_small (--out FILE | --root DIR)
         [--models M ...] [--settings ep1 ep8_rank] [--tokens 1 8 64 512] [--trials N]
-        [--paths launches scan_in_histogram one_program]
+        [--precisions bf16 fp8] [--paths launches scan_in_histogram one_program quantize_apart]
 
 ``device_tables.TINY_ARRIVALS`` (``TINY_RECEIVED`` on an EP rank) sends a call's routing through one
 launch up to that many arrivals (at most ``block_m``): every table from the arrivals held in the
@@ -18,24 +18,28 @@ layout in ``route_histogram``'s last program (``scan_in_histogram``; records bef
 paths). This probe times the paths on the same arrivals, per model shape, in the two settings of
 ``layer_bench`` (EP = 1 from ``topk_ids``, ``T top_k`` arrivals; rank 0 of EP = 8 from its
 received rows, their count on the device under a capacity of ``8 T top_k``), so that the
-threshold is read off measurement.
+threshold is read off measurement. For an FP8 layer (``--precisions fp8``: bf16 rows quantized
+per 1 x 128 on the way) each path quantizes as a call does (up to
+``device_tables.QUANT_IN_HISTOGRAM_ROWS`` rows in its first launch), and ``quantize_apart``
+takes the launches of ``scan_in_histogram`` with ``route_quantize``'s launch after them at every
+count (records before it have bf16 only).
 
 1. Checks first: each path's tables (``allocate_tables`` with ``tiny_arrivals`` and
-   ``tiny_received`` 0, and above the capacity; ``scan_chunks`` 0 for the three launches),
-   their outputs poisoned first, equal the host reference entry for entry
-   (``table_mismatches``), the fused kernel's counters of the row blocks in use zeroed; ids all
-   in range (the error flag zero). Any
-   failure aborts the run before timing; nothing is written.
+   ``tiny_received`` 0, and above the capacity; ``scan_chunks`` 0 for the three launches;
+   ``quant_rows`` 0 to quantize apart), their outputs poisoned first, equal the host reference
+   entry for entry (``table_mismatches``; in FP8 the quantized rows and scales bitwise), the
+   fused kernel's counters of the row blocks in use zeroed; ids all in range (the error flag
+   zero). Any failure aborts the run before timing; nothing is written.
 2. Timing: every path's routing (the argument block's writer, the table passes; in records before
    the fused kernel gathered its rows, the activations' gather too) in one rotation
    (``dist_timing.time_methods``, CUDA-graph replays), then each path's kernels by name
    (``kernel_times_us``).
 
-One row per (cell, path) of ``--paths`` (all three by default; ``one_program`` holds every
-arrival in registers, so above ``TINY_ARRIVALS`` it times a build no call takes); ``over_launches``
-is the launches' time over the path's (NaN where ``launches`` was not timed; ``over_five``
-in records from before the scatter and the tiles shared a launch, when the argument writer, the
-four table launches and the activations' gather were five).
+One row per (cell, path) of ``--paths`` (all by default, ``quantize_apart`` in FP8 only;
+``one_program`` holds every arrival in registers, so above ``TINY_ARRIVALS`` it times a build no
+call takes); ``over_launches`` is the launches' time over the path's (NaN where ``launches``
+was not timed; ``over_five`` in records from before the scatter and the tiles shared a launch,
+when the argument writer, the four table launches and the activations' gather were five).
 """
 from __future__ import annotations
 
@@ -52,7 +56,8 @@ from ...dist_timing import TIMING_METHOD, kernel_times_us, time_methods
 from ...ops.moe.device_tables import DeviceTables, TableBounds, allocate_tables, route_to_tables
 from ...ops.moe.table_reference import host_tables, table_mismatches
 from ...ops.moe.schedules import d_knee
-from ...ops.moe.shapes import load_shapes
+from ...ops.moe.shapes import PRECISIONS, load_shapes
+from ...ops.moe.weights import quantize_rows_fp8
 from ...ops.moe.tiles import default_tile_config
 from ...sweep import Axis, Sweep
 from .. import harness
@@ -61,12 +66,20 @@ from ..moe.kernel_cell import EP, arrival_sources, build_workload, receive_buffe
 from ..moe.layer_cells import balanced_routing
 
 SETTINGS = ("ep1", "ep8_rank")
-# each path's tables: tiny_arrivals and tiny_received, and scan_chunks (the three launches, the
+# each path's tables: tiny_arrivals and tiny_received, scan_chunks (the three launches, the
 # scan in route_histogram's last program up to scan_chunk_bound (None): two, or route_tiny:
-# one)
-PATHS = {"launches": {"tiny": 0, "scan_chunks": 0},
-         "scan_in_histogram": {"tiny": 0, "scan_chunks": None},
-         "one_program": {"tiny": 1 << 30, "scan_chunks": None}}
+# one) and quant_rows (None: the first launch quantizes up to QUANT_IN_HISTOGRAM_ROWS rows; 0:
+# route_quantize's launch after the tables, an FP8 layer's only)
+PATHS = {"launches": {"tiny": 0, "scan_chunks": 0, "quant_rows": None},
+         "scan_in_histogram": {"tiny": 0, "scan_chunks": None, "quant_rows": None},
+         "one_program": {"tiny": 1 << 30, "scan_chunks": None, "quant_rows": None},
+         "quantize_apart": {"tiny": 0, "scan_chunks": None, "quant_rows": 0}}
+
+
+def cell_paths(paths: list[str], precision: str) -> list[str]:
+    """The paths of ``paths`` a cell of ``precision`` times: in bf16 nothing quantizes, so no
+    path differs by where."""
+    return [p for p in paths if precision == "fp8" or PATHS[p]["quant_rows"] is None]
 
 
 @dataclasses.dataclass
@@ -115,6 +128,9 @@ def _poison(tables: DeviceTables) -> None:
               *tables.tiles.values(),
               *tables.num_tiles.values()):
         t.fill_(-7)
+    if tables.x_quant is not None:
+        tables.x_quant.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
+        tables.x_quant_scale.fill_(float("nan"))
 
 
 class RouteSmall(Experiment):
@@ -129,6 +145,7 @@ class RouteSmall(Experiment):
         p.add_argument("--models", **list_option(default=list(load_shapes())))
         p.add_argument("--settings", **list_option(default=list(SETTINGS)))
         p.add_argument("--tokens", **list_option(int, default=[1, 8, 64, 512]))
+        p.add_argument("--precisions", **list_option(default=["bf16"]))
         p.add_argument("--trials", type=int, default=7)
         p.add_argument("--warmup", type=int, default=2)
         p.add_argument("--graph-iters", type=int, default=20)
@@ -139,16 +156,20 @@ class RouteSmall(Experiment):
     def check_args(self, a: argparse.Namespace) -> None:
         shapes = load_shapes()
         unknown = [m for m in a.models if m not in shapes] + \
-            [s for s in a.settings if s not in SETTINGS] + [p for p in a.paths if p not in PATHS]
+            [s for s in a.settings if s not in SETTINGS] + \
+            [p for p in a.precisions if p not in PRECISIONS] + \
+            [p for p in a.paths if p not in PATHS]
         if unknown:
-            raise ValueError(f"unknown models, settings or paths {unknown}: models "
-                             f"{list(shapes)}, settings {list(SETTINGS)}, paths {list(PATHS)}")
+            raise ValueError(f"unknown models, settings, precisions or paths {unknown}: models "
+                             f"{list(shapes)}, settings {list(SETTINGS)}, precisions "
+                             f"{list(PRECISIONS)}, paths {list(PATHS)}")
         if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1 or a.warmup < 0:
             raise ValueError("--tokens, --trials and --graph-iters must be >= 1, --warmup >= 0")
 
     def sweeps(self, args) -> list[Sweep]:
         return [Sweep("route_small", (Axis("model", args.models),
                                       Axis("setting", args.settings),
+                                      Axis("precision", args.precisions),
                                       Axis("tokens", args.tokens)), repeats=1, warmup=0)]
 
     def start(self, run: Run) -> None:
@@ -168,15 +189,21 @@ class RouteSmall(Experiment):
                                 d_knee(2 * config.block_n1, self.programs, shape.intermediate))
         arrivals = cell_arrivals(shape, point["setting"], point["tokens"], run.args.seed,
                                  self.device)
-        tables = {path: allocate_tables(bounds, shape.hidden, "bf16", self.device,
-                                        tiny_arrivals=p["tiny"], tiny_received=p["tiny"],
-                                        scan_chunks=p["scan_chunks"])
-                  for path, p in PATHS.items() if path in run.args.paths}
+        precision = point["precision"]
+        tables = {path: allocate_tables(bounds, shape.hidden, precision, self.device,
+                                        tiny_arrivals=PATHS[path]["tiny"],
+                                        tiny_received=PATHS[path]["tiny"],
+                                        scan_chunks=PATHS[path]["scan_chunks"],
+                                        quant_rows=PATHS[path]["quant_rows"])
+                  for path in cell_paths(run.args.paths, precision)}
         return RouteStep(point, arrivals, tables, bounds)
 
     def check(self, step: RouteStep, run: Run) -> list[str]:
         a = step.arrivals
-        want = host_tables(step.bounds, a.host_ids, a.host_x, top_k=a.top_k,
+        # the rows as the fused kernel reads them: in FP8 quantized, as the routing does
+        x, x_scale = (quantize_rows_fp8(a.host_x) if step.point["precision"] == "fp8"
+                      else (a.host_x, None))
+        want = host_tables(step.bounds, a.host_ids, x, x_scale, top_k=a.top_k,
                            **{k: v.cpu() for k, v in a.host_received.items()})
         failures = []
         for path, tables in step.tables.items():
@@ -210,8 +237,8 @@ class RouteSmall(Experiment):
     def progress_line(self, rows) -> str | None:
         r = rows.set_index("path")["us"].round(1).to_dict()
         first = rows.iloc[0]
-        return (f"{first['model']:18s} {first['setting']:8s} T={first['tokens']:<4d} "
-                f"arrivals {first['arrivals']:5d}  {r}")
+        return (f"{first['model']:18s} {first['setting']:8s} {first['precision']} "
+                f"T={first['tokens']:<4d} arrivals {first['arrivals']:5d}  {r}")
 
     def metadata(self, run: Run) -> dict:
         args = run.args

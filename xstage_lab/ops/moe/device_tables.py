@@ -225,6 +225,7 @@ class DeviceTables:
     tiny_received: int             # ... and on an EP rank up to this bound (TINY_RECEIVED)
     fp8: bool                      # an FP8 layer's (e4m3 activations with 1 x 128 scales)
     scan_chunks: int               # up to this many chunks, the scan in route_histogram
+    quant_rows: int                # up to this many rows, the first launch quantizes them
     # (received, quantize, id dtype) -> RoutingLaunches, bound on first use
     launches: dict = field(default_factory=dict, repr=False)
 
@@ -250,10 +251,11 @@ class DeviceTables:
 def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
                     error: torch.Tensor | None = None, tiny_arrivals: int | None = None,
                     source_rows: int | None = None, tiny_received: int | None = None,
-                    scan_chunks: int | None = None) -> DeviceTables:
+                    scan_chunks: int | None = None, quant_rows: int | None = None) -> DeviceTables:
     """Every buffer of ``bounds`` on ``device``; ``error`` shared with the fused kernel where
     given; ``tiny_arrivals``, ``tiny_received``: ``TINY_ARRIVALS``, ``TINY_RECEIVED`` where None
     (either way at most ``block_m``); ``scan_chunks``: ``scan_chunk_bound`` where None;
+    ``quant_rows``: ``QUANT_IN_HISTOGRAM_ROWS`` where None;
     ``source_rows``: the bf16 rows of ``x`` an FP8 layer quantizes
     at most (``x_quant``'s), ``bounds.capacity`` where None (an EP rank's received rows; at EP = 1
     the tokens, ``capacity / top_k``); 0: none, the layer takes e4m3 rows with their scales only (an
@@ -282,7 +284,8 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
         torch.zeros(1, **i32) if error is None else error, allocate_args(dev),
         min(TINY_ARRIVALS if tiny_arrivals is None else tiny_arrivals, bounds.block_m),
         min(TINY_RECEIVED if tiny_received is None else tiny_received, bounds.block_m), fp8,
-        scan_chunk_bound(e) if scan_chunks is None else scan_chunks)
+        scan_chunk_bound(e) if scan_chunks is None else scan_chunks,
+        QUANT_IN_HISTOGRAM_ROWS if quant_rows is None else quant_rows)
 
 
 def scan_chunk_bound(num_experts: int) -> int:
@@ -498,9 +501,9 @@ class RoutingLaunches:
     def quantized_first(self, capacity: int, top_k: int) -> bool:
         """Whether the first launch over ``capacity`` arrivals quantizes ``x`` too (its scales
         by the rows of ``x``): ``route_tiny`` does, and ``route_histogram`` up to
-        ``QUANT_IN_HISTOGRAM_ROWS`` rows."""
+        ``tables.quant_rows`` rows."""
         return self.quantize and (self.tiny_at(capacity) or
-                                  capacity // self.fanout(top_k) <= QUANT_IN_HISTOGRAM_ROWS)
+                                  capacity // self.fanout(top_k) <= self.tables.quant_rows)
 
     def first(self, capacity: int, top_k: int) -> tuple[Launcher, tuple[int]]:
         """The first launch over ``capacity`` arrivals and its grid: the one that takes the
