@@ -480,11 +480,10 @@ class RoutingLaunches:
                   CAPACITY=capacity, TOP_K=fanout)
             return
         first(grid, **addressed, n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
-        chunks = triton.cdiv(capacity, CHUNK)
-        if chunks > t.scan_chunks:
+        if not self.scanned_first(capacity):
             self.offsets((self.scan_programs,), n_arrivals_ptr=n_ptr, CAPACITY=capacity)
-        self.rows((chunks + t.bounds.row_blocks,), arrival_src=src, arrival_slot=slot,
-                  n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
+        self.rows((triton.cdiv(capacity, CHUNK) + t.bounds.row_blocks,), arrival_src=src,
+                  arrival_slot=slot, n_arrivals_ptr=n_ptr, CAPACITY=capacity, TOP_K=fanout)
         if self.quantize and not self.quantized_first(capacity, top_k):
             self.quantizer(quant_grid(capacity // fanout, self.hidden), n_arrivals_ptr=n_ptr,
                            CAPACITY=capacity, TOP_K=fanout)
@@ -497,6 +496,11 @@ class RoutingLaunches:
         """Whether ``capacity`` arrivals take ``route_tiny``."""
         t = self.tables
         return capacity <= (t.tiny_received if self.received else t.tiny_arrivals)
+
+    def scanned_first(self, capacity: int) -> bool:
+        """Whether ``route_histogram``'s last program over ``capacity`` arrivals scans the
+        counts (up to ``tables.scan_chunks`` chunks), else ``route_offsets``' launch does."""
+        return triton.cdiv(capacity, CHUNK) <= self.tables.scan_chunks
 
     def quantized_first(self, capacity: int, top_k: int) -> bool:
         """Whether the first launch over ``capacity`` arrivals quantizes ``x`` too (its scales
@@ -519,9 +523,8 @@ class RoutingLaunches:
         quant = math.prod(quant_grid(capacity // self.fanout(top_k), self.hidden)) \
             if quantizes else 0
         if not self.tiny_at(capacity):
-            chunks = triton.cdiv(capacity, CHUNK)
-            return (self.histograms[chunks <= t.scan_chunks, self.by_row and not quantizes],
-                    (chunks + quant,))
+            return (self.histograms[self.scanned_first(capacity), self.by_row and not quantizes],
+                    (triton.cdiv(capacity, CHUNK) + quant,))
         a_pad = _pow2(capacity)
         row_blocks = min(ROW_BLOCKS_TINY, a_pad)
         tile_programs = triton.cdiv(min(a_pad, t.bounds.num_experts), row_blocks)
