@@ -205,6 +205,9 @@ def _malformed_inputs(tmp: Path) -> dict[str, list[list[str]]]:
         "reproduce": [["--backend", "nosuch"], ["--only", "nosuch"]],
         "summary": [["--root", str(not_json)], ["--root", str(tmp / "empty")]],
         "transcode": [["not-a-record", "--commit", "HEAD"], ["a/b/c"]],
+        "compare": [[str(not_parquet), str(not_parquet), "--columns", "t_us"],
+                    [str(tmp / "missing.parquet"), str(not_parquet), "--columns", "t_us"],
+                    [str(not_parquet), "--columns", "t_us"], [str(not_parquet), str(not_parquet)]],
     }
 
 

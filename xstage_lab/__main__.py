@@ -1,5 +1,5 @@
 """Command line: ``python -m xstage_lab {run,measure-all,calibrate,import-bench,reproduce,summary,
-transcode}``; ``characterize``, ``visibility`` and ``characterize-beyond`` are the older names of
+compare,transcode}``; ``characterize``, ``visibility`` and ``characterize-beyond`` are the older names of
 ``run remote_store``, ``run visibility`` and ``run remote_patterns`` / ``run remote_ops``.
 
 ``run NAME [options]`` runs any registered experiment (``experiments.EXPERIMENTS``) live on this
@@ -240,6 +240,48 @@ def _summary(args) -> int:
     return 0
 
 
+def _compare(args) -> int:
+    """``compare CHANGE BASE [BASE]``: the change's record against the base's from one job
+    (``analysis.moe.versions``), a table of cells then one of groups."""
+    import pandas as pd
+
+    from .analysis.moe.versions import CELLS, version_ratios, version_summary
+    from .loading import read
+
+    try:
+        change, *base = [read(p) for p in (args.change, *args.base)]
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    kinds = {(r.meta["experiment"], r.platform) for r in (change, *base)}
+    if len(kinds) > 1:
+        raise UsageError(f"the records come from different experiments or platforms: "
+                         f"{sorted(kinds)}")
+    experiment = change.meta["experiment"]
+    cell = args.cell or CELLS.get(experiment)
+    if not cell:
+        raise UsageError(f"name the cell columns of {experiment} records (--cell)")
+    commits = {r.git_commit for r in base}
+    if len(commits) > 1 or change.git_commit in commits:
+        raise UsageError(f"the base runs must share one commit and the change another: base "
+                         f"{sorted(commits)}, change {change.git_commit}")
+    try:
+        ratios = version_ratios([r.table for r in base], change.table, cell, args.columns)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if ratios.empty:
+        raise UsageError("no cell was measured by the change and every base run")
+    shown = [*cell, *(f"{c}_{s}" for c in args.columns for s in ("ratio", "verdict"))]
+    with pd.option_context("display.width", 200, "display.max_rows", None,
+                           "display.max_columns", None):
+        print(f"{experiment}/{change.platform}: {change.git_commit} against "
+              f"{base[0].git_commit}, {len(base)} base run(s)")
+        print(ratios[shown].to_string(index=False, float_format="{:.3f}".format))
+        print()
+        print(version_summary(ratios, args.by, args.columns)
+              .to_string(index=False, float_format="{:.3f}".format))
+    return 0
+
+
 def _run(args) -> int:
     """``run NAME [options]``: the experiment's options checked by its own parser before any GPU
     is touched, then its record (in process, or under torchrun on every peer-capable GPU) and
@@ -372,6 +414,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="every number, as JSON")
     p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
     p.set_defaults(func=_summary)
+
+    p = sub.add_parser("compare", help="a change's record against the base's records of the "
+                                       "same job, cell by cell: ratios and verdicts")
+    p.add_argument("change", type=Path, help="the change's record (a path)")
+    p.add_argument("base", type=Path, nargs="+",
+                   help="the base's records of the same job, before and after the change's")
+    p.add_argument("--columns", **list_option(), required=True,
+                   help="the times to compare (lower is better)")
+    p.add_argument("--cell", **list_option(), default=None,
+                   help="the columns that name a cell (default: the experiment's, where known)")
+    p.add_argument("--by", **list_option(nargs="*"), default=[],
+                   help="the columns to summarize by (default: every cell together)")
+    p.set_defaults(func=_compare)
 
     p = sub.add_parser("transcode", help="rewrite records of the format before the lean one in the "
                                          "lean format, once, listed in retired.json")
