@@ -20,7 +20,7 @@ from xstage_lab.ops.moe.table_reference import host_tables, table_mismatches
 from xstage_lab.ops.moe.op import GRAPHS_PER_LAYER, FusedMoE
 from xstage_lab.ops.moe.reference import reference_moe
 from xstage_lab.ops.moe.routing import router_logits, router_topk
-from xstage_lab.ops.moe.shapes import PRECISIONS, load_shapes
+from xstage_lab.ops.moe.shapes import PRECISIONS, MoEShape, load_shapes
 from xstage_lab.ops.moe.weights import local_expert_weights, quantize_rows_fp8
 
 pytestmark = pytest.mark.skipif(
@@ -28,6 +28,11 @@ pytestmark = pytest.mark.skipif(
     reason="needs a Hopper (sm_90) GPU")
 
 SHAPES = load_shapes()
+# Linear-2 tiles 256 wide and few enough at one token to split along K: no model shape's are
+# (DiT-MoE's are 128 wide), so the split builds of the 256-wide tiles run here only
+WIDE_SPLIT = "wide-split"
+SHAPES[WIDE_SPLIT] = MoEShape(WIDE_SPLIT, "test", hidden=1024, intermediate=1024,
+                              routed_experts=16, top_k=2, source="tests/ops/moe/test_op_gpu.py")
 MODEL = "DeepSeek-V4-Flash"
 SEED = 5
 HOLD_CYCLES = 200_000_000  # about 0.1 s at H200 clocks: the calls after it queue behind it
@@ -401,16 +406,19 @@ def test_an_ep_ranks_graph_follows_new_rows_in_its_receive_buffers(captures):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_one_token_splits_linear2_along_k_and_matches_the_reference_call_after_call(precision):
-    """DiT-MoE at one token: two experts' 22 Linear-2 tiles on 132 SMs, split along K (the
-    kernel's ``SPLIT_K`` build). Five routings through the layer's graph, its Combine rows
-    poisoned before each call: each matches the reference, the same routing again gives the
-    same bits (the splits summed in split order), and the split counters are left zero."""
-    model = "DiT-MoE"
+@pytest.mark.parametrize("model,block_n2", [("DiT-MoE", 128), (WIDE_SPLIT, 256)])
+def test_one_token_splits_linear2_along_k_and_matches_the_reference_call_after_call(
+        precision, model, block_n2):
+    """One token: two experts' Linear-2 tiles (DiT-MoE's 22, 128 wide; 8 of 256 columns, in
+    FP8 two 128-column halves) on 132 SMs, split along K (the kernel's ``SPLIT_K`` build). Five
+    routings through the layer's graph, its Combine rows poisoned before each call: each
+    matches the reference, the same routing again gives the same bits (the splits summed in
+    split order), and the split counters are left zero."""
     shape = SHAPES[model]
     weights = local_expert_weights(shape, 0, 1, precision, seed=SEED, device="cuda")
     layer = FusedMoE(weights, max_tokens=1, top_k=shape.top_k, schedule="wave")
     assert layer.workspace.bounds.l2_splits > 1
+    assert layer.workspace.config.block_n2 == block_n2
     for i in range(5):
         x, ids, w = _inputs(1, 40 + i, ("balanced", "skewed")[i % 2], model=model)
         layer.combine.fill_(float("nan"))
