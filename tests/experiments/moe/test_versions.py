@@ -39,6 +39,15 @@ def test_one_base_run_gives_ratios_without_a_verdict():
     assert out["other_us_ratio"].tolist() == pytest.approx([0.5, 2.0, 1.0])
 
 
+def test_a_time_some_run_left_unmeasured_gets_no_verdict():
+    base = _runs({"A": [10.0, float("nan"), 30.0]})
+    out = version_ratios([base, base], _runs({"A": [5.0, 20.0, 60.0]}), CELL, ["t_us"])
+    assert out["t_us_verdict"].fillna("none").tolist() == [FASTER, "none", SLOWER]
+    summary = version_summary(out, [], ["t_us"])
+    assert summary["t_us_ratio"][0] == pytest.approx(1.0)  # (0.5 · 2) ** 0.5
+    assert summary[["t_us_faster", "t_us_slower"]].values.tolist() == [[1, 1]]
+
+
 def test_only_cells_every_run_measured_are_compared():
     base = _runs({"A": [10.0, 20.0, 30.0], "B": [1.0, 2.0, 3.0]})
     change = _runs({"A": [10.0, 20.0]}, tokens=(8, 512))

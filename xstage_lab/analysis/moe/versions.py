@@ -28,8 +28,8 @@ def version_ratios(base: Sequence[pd.DataFrame], change: pd.DataFrame, cell: Seq
     (``c_over_base0``, ``c_over_base1``, ...: in the job's order of the base runs), over their
     geometric mean (``c_ratio``), and ``c_verdict``: ``FASTER`` where the change is below every
     base run, ``SLOWER`` where above every one, ``WITHIN`` where the base runs bracket it;
-    ``UNBRACKETED`` with a single base run (a ratio without the job's own spread). A cell
-    measured by only some of the runs is left out. Raises ValueError on a table that lacks a
+    ``UNBRACKETED`` with a single base run (a ratio without the job's own spread); missing where
+    a run left the time unmeasured (NaN). A cell measured by only some of the runs is left out. Raises ValueError on a table that lacks a
     column or measures a cell twice."""
     if not base:
         raise ValueError("no base run: a change is held against the base measured in its job")
@@ -50,23 +50,26 @@ def version_ratios(base: Sequence[pd.DataFrame], change: pd.DataFrame, cell: Seq
         for i in range(len(base)):
             out[f"{c}_over_base{i}"] = new / runs[:, i]
         out[f"{c}_ratio"] = new / np.exp(np.log(runs).mean(axis=1))
-        out[f"{c}_verdict"] = (np.where(new < runs.min(axis=1), FASTER,
-                                        np.where(new > runs.max(axis=1), SLOWER, WITHIN))
-                               if len(base) > 1 else UNBRACKETED)
+        verdict = (np.where(new < runs.min(axis=1), FASTER,
+                            np.where(new > runs.max(axis=1), SLOWER, WITHIN))
+                   if len(base) > 1 else np.full(len(new), UNBRACKETED))
+        # a time some run did not measure (NaN) gets no verdict
+        out[f"{c}_verdict"] = np.where(np.isnan(out[f"{c}_ratio"]), None, verdict)
     return out.drop(columns=[f"{c}_base{i}" for c in columns for i in range(len(base))]) \
         .sort_values(cell, kind="stable").reset_index(drop=True)
 
 
 def version_summary(ratios: pd.DataFrame, by: Sequence[str], columns: Sequence[str]) -> pd.DataFrame:
     """``version_ratios``' cells per group of ``by`` (every cell in one group where ``by`` is
-    empty): the cells, and per column ``c`` the geometric mean of ``c_ratio`` and the cells of
-    each verdict it holds (``c_faster``, ``c_slower``, ...)."""
+    empty): the cells, and per column ``c`` the geometric mean of ``c_ratio`` over the cells
+    that measured it and the cells of each verdict it holds (``c_faster``, ``c_slower``, ...)."""
     groups = ratios.groupby(list(by), sort=True) if by else [((), ratios)]
     rows = []
     for key, g in groups:
         row = dict(zip(by, key if isinstance(key, tuple) else (key,)), cells=len(g))
         for c in columns:
-            row[f"{c}_ratio"] = geometric_mean(g[f"{c}_ratio"])
+            measured = g[f"{c}_ratio"].dropna()
+            row[f"{c}_ratio"] = geometric_mean(measured) if len(measured) else np.nan
             row.update({f"{c}_{v}": int((g[f"{c}_verdict"] == v).sum()) for v in VERDICTS})
         rows.append(row)
     out = pd.DataFrame(rows)
