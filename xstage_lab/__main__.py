@@ -1,6 +1,6 @@
 """Command line: ``python -m xstage_lab {run,measure-all,calibrate,import-bench,reproduce,summary,
-compare,transcode}``; ``characterize``, ``visibility`` and ``characterize-beyond`` are the older names of
-``run remote_store``, ``run visibility`` and ``run remote_patterns`` / ``run remote_ops``.
+compare,transcode}``; ``characterize``, ``visibility`` and ``characterize-beyond`` are the older
+names of ``run remote_store``, ``run visibility`` and ``run remote_patterns`` / ``run remote_ops``.
 
 ``run NAME [options]`` runs any registered experiment (``experiments.EXPERIMENTS``) live on this
 machine, its options parsed by the experiment's own parser (``experiments.harness.parser``: ``run

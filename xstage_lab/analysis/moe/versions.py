@@ -29,8 +29,8 @@ def version_ratios(base: Sequence[pd.DataFrame], change: pd.DataFrame, cell: Seq
     geometric mean (``c_ratio``), and ``c_verdict``: ``FASTER`` where the change is below every
     base run, ``SLOWER`` where above every one, ``WITHIN`` where the base runs bracket it;
     ``UNBRACKETED`` with a single base run (a ratio without the job's own spread); missing where
-    a run left the time unmeasured (NaN). A cell measured by only some of the runs is left out. Raises ValueError on a table that lacks a
-    column or measures a cell twice."""
+    a run left the time unmeasured (NaN). A cell measured by only some of the runs is left out.
+    Raises ValueError on a table that lacks a column or measures a cell twice."""
     if not base:
         raise ValueError("no base run: a change is held against the base measured in its job")
     cell, columns = list(cell), list(columns)
@@ -59,7 +59,8 @@ def version_ratios(base: Sequence[pd.DataFrame], change: pd.DataFrame, cell: Seq
         .sort_values(cell, kind="stable").reset_index(drop=True)
 
 
-def version_summary(ratios: pd.DataFrame, by: Sequence[str], columns: Sequence[str]) -> pd.DataFrame:
+def version_summary(ratios: pd.DataFrame, by: Sequence[str],
+                    columns: Sequence[str]) -> pd.DataFrame:
     """``version_ratios``' cells per group of ``by`` (every cell in one group where ``by`` is
     empty): the cells, and per column ``c`` the geometric mean of ``c_ratio`` over the cells
     that measured it and the cells of each verdict it holds (``c_faster``, ``c_slower``, ...)."""
