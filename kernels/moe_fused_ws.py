@@ -70,6 +70,15 @@ straight-line code on every SM and up to 1.11x in a call (moe_call_probe/h200-x1
 ``exp`` and division compile to (``_silu``), at 64-74 KiB, 1.08x and 1.013x, and the kernel in a
 call 0.971x its earlier time (geometric mean, twelve FP8 cells, one job: …210002Z).
 
+The weighted sum at EP = 1 (``SUM_TOP_K``): every consumer warpgroup of the launch, once its
+Combine rows are stored, arrives at one counter (release); the first warpgroup of each program
+then waits (acquire, a bounded spin) for all of them and sums its program's share of the tokens'
+rows (``_weighted_sum_share``), so that the layer's call needs no launch of its own for the sum
+(nor its kernel boundary) where one pass of the programs covers the tokens. What the sum needs
+comes from a control block in shared memory, written at the start (``_sum_control_store``):
+held in registers across the mainloops, four values more made ptxas spill in the FP8 consumers'
+mainloops (sm_90 builds, Triton 3.6).
+
 ``FENCE`` builds the completion-coupled counterfactual of §2.3 (each Linear-2 tile waits until
 its Combine stores are visible system-wide), ``INSTRUMENT`` the traced build (``_consumer``); both
 leave every result unchanged.
@@ -101,6 +110,14 @@ PRODUCER_REGS = gl.constexpr(56)
 PRODUCER_WARPS = gl.constexpr(4)
 COPY_BYTES = gl.constexpr(16)  # one cp.async
 PARTIAL_COLS = gl.constexpr(16)  # a split tile's columns summed per step: 8 fp32 a thread
+SUM_COLS = gl.constexpr(1024)  # the in-kernel weighted sum's columns per step: 8 bf16 a thread
+# the slots of its control block in shared memory (_sum_control_store)
+CONTROL_ARRIVALS = gl.constexpr(0)
+CONTROL_EVERYONE = gl.constexpr(1)
+CONTROL_ARGS = gl.constexpr(2)
+CONTROL_TOKENS = gl.constexpr(3)
+CONTROL_MAX_SPIN = gl.constexpr(4)
+SUM_CONTROL = gl.constexpr(8)  # slots: a power of two
 
 
 @gluon.jit
@@ -128,6 +145,12 @@ def _silu(g):
 def _load_acquire(counter):
     return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [counter],
                                      dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _load_acquire_b64(counter):
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [counter],
+                                     dtype=gl.int64, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -583,13 +606,88 @@ def _release_system(flag):
 
 
 @gluon.jit
+def _sum_control_store(control, sum_args, sum_arrivals, sum_tokens, max_spin):
+    """The weighted sum's control block (int64 [SUM_CONTROL] in shared memory), written once at
+    the launch's start: where the arrivals are counted, the count at which every consumer
+    warpgroup of this launch has arrived (two a program: the launches before arrived in full,
+    and this program's have not yet, so the count read now lies in this launch's span), the
+    addresses' block, the tokens and the spin bound. The partitions read it after their
+    mainloops: nothing of the sum stays in registers across them."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    slot = gl.arange(0, SUM_CONTROL, layout=layout)
+    parties = 2 * gl.num_programs(0)
+    everyone = (_load_acquire_b64(sum_arrivals) // parties + 1) * parties
+    value = gl.where(slot == CONTROL_ARRIVALS, sum_arrivals.to(gl.int64),
+                     gl.where(slot == CONTROL_EVERYONE, everyone,
+                              gl.where(slot == CONTROL_ARGS, sum_args.to(gl.int64),
+                                       gl.where(slot == CONTROL_TOKENS, sum_tokens, max_spin))))
+    control.store(value.to(gl.int64))
+
+
+@gluon.jit
+def _sum_control(control, slot: gl.constexpr):
+    """Slot ``slot`` of the control block (``_sum_control_store``), alike in every thread."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return gl.max(control.slice(slot, 1).load(layout), axis=0)
+
+
+@gluon.jit
+def _arrive(control):
+    """This warpgroup's arrival (after its barrier: a release of every thread's Combine stores)."""
+    arrivals = _sum_control(control, CONTROL_ARRIVALS).to(gl.pointer_type(gl.int64))
+    gl.thread_barrier()
+    gl.atomic_add(arrivals, 1, sem="release", scope="gpu")
+
+
+@gluon.jit(noinline=True)
+def _weighted_sum_share(control, error, HIDDEN, TOP_K: gl.constexpr, WEIGHT_DTYPE: gl.constexpr):
+    """The top-k weighted sum of ``moe_combine.weighted_sum`` (EP = 1), shared by the launch's
+    programs once every consumer warpgroup arrived (``_arrive``) with its Combine rows stored:
+    this warpgroup acquire-spins (bounded, as ``_wait_rows_ready``) until the count reaches this
+    launch's (``_sum_control_store``), then sums its program's share of the (token, ``SUM_COLS``
+    columns) pieces: ``out[t] = sum_j w[t, j] * rows[t * TOP_K + j]`` in fp32, the picks added in
+    order ``j = 0 .. TOP_K - 1``, rounded once to bf16. The addresses' block holds those of the
+    Combine rows, of the top-k weights (``WEIGHT_DTYPE``) and of the output. Not inlined: it runs
+    once, after the mainloops."""
+    arrivals = _sum_control(control, CONTROL_ARRIVALS).to(gl.pointer_type(gl.int64))
+    everyone = _sum_control(control, CONTROL_EVERYONE)
+    max_spin = _sum_control(control, CONTROL_MAX_SPIN)
+    seen = _load_acquire_b64(arrivals)
+    spins = 0
+    while (seen < everyone) & (spins < max_spin):
+        seen = _load_acquire_b64(arrivals)
+        spins += 1
+    if seen < everyone:
+        gl.atomic_add(error, 1)
+    sum_args = _sum_control(control, CONTROL_ARGS).to(gl.pointer_type(gl.int64))
+    tokens = _sum_control(control, CONTROL_TOKENS).to(gl.int32)
+    layout: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])
+    rows = gl.multiple_of(gl.load(sum_args).to(gl.pointer_type(gl.bfloat16)), 16)
+    weights = gl.load(sum_args + 1).to(gl.pointer_type(WEIGHT_DTYPE))
+    out = gl.multiple_of(gl.load(sum_args + 2).to(gl.pointer_type(gl.bfloat16)), 16)
+    pieces = gl.cdiv(HIDDEN, SUM_COLS)
+    for piece in range(gl.program_id(0), tokens * pieces, gl.num_programs(0)):
+        t = (piece // pieces).to(gl.int64)
+        cols = (piece % pieces) * SUM_COLS + gl.arange(0, SUM_COLS, layout=layout)
+        live = cols < HIDDEN
+        acc = gl.zeros([SUM_COLS], gl.float32, layout=layout)
+        for j in gl.static_range(TOP_K):
+            w = gl.load(weights + t * TOP_K + j).to(gl.float32)
+            # .cg: other SMs stored them
+            v = gl.load(rows + (t * TOP_K + j) * HIDDEN + cols, mask=live, other=0.0,
+                        cache_modifier=".cg")
+            acc += w * v.to(gl.float32)
+        gl.store(out + t * HIDDEN + cols, acc.to(gl.bfloat16), mask=live)
+
+
+@gluon.jit
 def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows,
               row_origin, w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
-              combine_ptrs, error, num_experts, trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
-              l2_splits, l2_partial, l2_ready, FP8: gl.constexpr,
-              BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
-              STAGES: gl.constexpr, INSTRUMENT: gl.constexpr, FENCE: gl.constexpr,
-              SPLIT_K: gl.constexpr):
+              combine_ptrs, error, num_experts, trace, HIDDEN, INTER, l1_k_blocks,
+              l2_k_blocks, l2_splits, l2_partial, l2_ready, sum_control, FP8: gl.constexpr, BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, INSTRUMENT: gl.constexpr,
+              FENCE: gl.constexpr, SPLIT_K: gl.constexpr, SUM_TOP_K: gl.constexpr,
+              SUM_WEIGHT_DTYPE: gl.constexpr):
     """Rows [64·half, 64·half + 64) of every tile of this program, in table order.
 
     INSTRUMENT (consumer 0 only, each stamp after its warpgroup's barrier): entry (0); the
@@ -699,17 +797,23 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
     # symmetric-memory barrier that tells the source ranks their rows are there.
     gl.thread_barrier()
     gl.atomic_add(error, 0, sem="release", scope="sys")
+    if SUM_TOP_K > 0:
+        _arrive(sum_control)
+        if half == 0:
+            _weighted_sum_share(sum_control, error, HIDDEN, SUM_TOP_K, SUM_WEIGHT_DTYPE)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["sum_tokens"])
 def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc,
                         w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
                         combine_ptrs, error, max_spin, num_experts, trace, HIDDEN, INTER,
                         l1_k_blocks, l2_k_blocks, l2_splits, l2_partial, l2_ready,
-                        FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
-                        BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                        INSTRUMENT: gl.constexpr = False, FENCE: gl.constexpr = False,
-                        SPLIT_K: gl.constexpr = False):
+                        sum_args, sum_arrivals, sum_tokens, FP8: gl.constexpr,
+                        BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
+                        STAGES: gl.constexpr, INSTRUMENT: gl.constexpr = False,
+                        FENCE: gl.constexpr = False, SPLIT_K: gl.constexpr = False,
+                        SUM_TOP_K: gl.constexpr = 0,
+                        SUM_WEIGHT_DTYPE: gl.constexpr = gl.float32):
     """One persistent program per table row (``tiles`` int32 [programs, max_tiles, 4],
     ``num_tiles`` int32 [programs], read on the device: a table sized by a static bound, its
     entries past ``num_tiles[g]`` never read); the schedule is the table, not this code. A tile
@@ -738,7 +842,15 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     Linear-2 tile; a Linear-2 entry's ``n_block`` is ``split · HIDDEN / BLOCK_N2 + column
     block`` (``_l2_split``), ``l2_partial`` fp32 ``[row blocks · l2_splits · 128, HIDDEN]`` (row
     blocks of the layout in use) and ``l2_ready`` int32 ``[row blocks · HIDDEN / BLOCK_N2 · 2]``,
-    zero at the first launch and left zero by each. Without it both are never read."""
+    zero at the first launch and left zero by each. Without it both are never read.
+
+    ``SUM_TOP_K`` > 0 (a separate build, EP = 1 only: every Combine row is this GPU's): the
+    launch ends with the top-k weighted sum of its ``sum_tokens`` tokens' Combine rows, shared
+    by the programs once every consumer warpgroup stored its rows (``_weighted_sum_share``; the
+    weights of ``SUM_WEIGHT_DTYPE``): ``sum_args`` int64 [3] the addresses of the Combine rows,
+    the top-k weights and the output, ``sum_arrivals`` int64 [1], zero at the first launch and
+    counting two arrivals a program at every launch (never reset: launches of one count of
+    programs share it). Without it the three are never read."""
     pid = gl.program_id(0)
     my_tiles = tiles + pid * max_tiles * TILE_FIELDS
     my_trace = trace + pid * max_tiles * TRACE_FIELDS
@@ -752,18 +864,24 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # one release per consumer warpgroup
+    if SUM_TOP_K > 0:
+        sum_control = gl.allocate_shared_memory(gl.int64, [SUM_CONTROL],
+                                                gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        _sum_control_store(sum_control, sum_args, sum_arrivals, sum_tokens, max_spin)
+    else:
+        sum_control = ready  # never read
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (0, my_tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows, row_origin,
                      w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs,
                      error, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
-                     l2_splits, l2_partial, l2_ready, FP8, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES,
-                     INSTRUMENT, FENCE, SPLIT_K)),
+                     l2_splits, l2_partial, l2_ready, sum_control, FP8, BLOCK_N1, BLOCK_N2,
+                     BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K, SUM_WEIGHT_DTYPE)),
         (_consumer, (1, my_tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows, row_origin,
                      w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs,
                      error, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
-                     l2_splits, l2_partial, l2_ready, FP8, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES,
-                     INSTRUMENT, FENCE, SPLIT_K)),
+                     l2_splits, l2_partial, l2_ready, sum_control, FP8, BLOCK_N1, BLOCK_N2,
+                     BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K, SUM_WEIGHT_DTYPE)),
         (_producer, (my_tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_smem,
                      b_smem, ready, empty, row_ready, row_slot, error, max_spin, num_experts,
                      my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, FP8, BLOCK_N1,

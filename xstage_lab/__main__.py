@@ -245,7 +245,7 @@ def _compare(args) -> int:
     (``analysis.moe.versions``), a table of cells then one of groups."""
     import pandas as pd
 
-    from .analysis.moe.versions import CELLS, version_ratios, version_summary
+    from .analysis.moe.versions import CELLS, record_version, version_ratios, version_summary
     from .loading import read
 
     try:
@@ -260,10 +260,11 @@ def _compare(args) -> int:
     cell = args.cell or CELLS.get(experiment)
     if not cell:
         raise UsageError(f"name the cell columns of {experiment} records (--cell)")
-    commits = {r.git_commit for r in base}
-    if len(commits) > 1 or change.git_commit in commits:
-        raise UsageError(f"the base runs must share one commit and the change another: base "
-                         f"{sorted(commits)}, change {change.git_commit}")
+    versions = {record_version(r) for r in base}
+    if len(versions) > 1 or record_version(change) in versions:
+        raise UsageError(f"the base runs must share one version (commit and variant options) "
+                         f"and the change another: base {sorted(versions)}, change "
+                         f"{record_version(change)}")
     try:
         ratios = version_ratios([r.table for r in base], change.table, cell, args.columns)
     except ValueError as e:
@@ -273,8 +274,8 @@ def _compare(args) -> int:
     shown = [*cell, *(f"{c}_{s}" for c in args.columns for s in ("ratio", "verdict"))]
     with pd.option_context("display.width", 200, "display.max_rows", None,
                            "display.max_columns", None):
-        print(f"{experiment}/{change.platform}: {change.git_commit} against "
-              f"{base[0].git_commit}, {len(base)} base run(s)")
+        print(f"{experiment}/{change.platform}: {record_version(change)} against "
+              f"{record_version(base[0])}, {len(base)} base run(s)")
         print(ratios[shown].to_string(index=False, float_format="{:.3f}".format))
         print()
         print(version_summary(ratios, args.by, args.columns)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import re
 import sys
 
 import pytest
@@ -22,12 +23,12 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from tests.experiments.triton_testing import (HOPPER_SMEM_PER_BLOCK, compile_sm90, ptxas_report,
                                               sass_bytes)
-from xstage_lab.kernel_sources import kernel_path
+from xstage_lab.kernel_sources import kernel_path, load_kernel_module
 from xstage_lab.ops.moe.combine import local_combine_peers
 from xstage_lab.ops.moe.device_tables import TableBounds
 from xstage_lab.ops.moe.dispatch import build_layout
-from xstage_lab.ops.moe.fused import (TRACE_FIELDS, prepare_fused_moe,
-                                      synthetic_k_blocks)
+from xstage_lab.ops.moe.fused import (KERNEL_ENTRIES, TRACE_FIELDS, InKernelSum, KernelBuffers,
+                                      kernel_launch, prepare_fused_moe, synthetic_k_blocks)
 from xstage_lab.ops.moe.schedules import MoEProblem, expert_wave_schedule
 from xstage_lab.ops.moe.shapes import MoEContractError, PRECISIONS, load_shapes
 from xstage_lab.ops.moe.tiles import (HOPPER_SMEM_PER_CTA, TileConfig, check_tile_config,
@@ -51,7 +52,8 @@ def ws_module():
 
 
 def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
-             fence: bool = False, split_k: bool = False):
+             fence: bool = False, split_k: bool = False, sum_top_k: int = 0,
+             sum_weight_dtype=gl.float32):
     """The kernel for sm_90 with the argument types ``kernel_launch`` passes."""
     dtype, name = (gl.float8e4nv, "fp8e4nv") if precision == "fp8" else (gl.bfloat16, "bf16")
     half, bk = cfg.block_m // 2, cfg.block_k
@@ -69,14 +71,18 @@ def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
                  "max_spin": "i32", "num_experts": "i32",
                  "trace": "*i64" if instrument else "*i32", "HIDDEN": "i32", "INTER": "i32", "l1_k_blocks": "i32", "l2_k_blocks": "i32",
                  "l2_splits": "i32", "l2_partial": "*fp32" if split_k else "*i32",
-                 "l2_ready": "*i32", "FP8": "constexpr",
+                 "l2_ready": "*i32", "sum_args": "*i64" if sum_top_k else "*i32",
+                 "sum_arrivals": "*i64" if sum_top_k else "*i32", "sum_tokens": "i32",
+                 "FP8": "constexpr",
                  "BLOCK_N1": "constexpr", "BLOCK_N2": "constexpr", "BLOCK_K": "constexpr",
                  "STAGES": "constexpr", "INSTRUMENT": "constexpr", "FENCE": "constexpr",
-                 "SPLIT_K": "constexpr"}
+                 "SPLIT_K": "constexpr", "SUM_TOP_K": "constexpr",
+                 "SUM_WEIGHT_DTYPE": "constexpr"}
     names = list(signature)
     constexprs = {(names.index(k),): v for k, v in dict(
         FP8=precision == "fp8", BLOCK_N1=cfg.block_n1, BLOCK_N2=cfg.block_n2, BLOCK_K=bk,
-        STAGES=cfg.num_stages, INSTRUMENT=instrument, FENCE=fence, SPLIT_K=split_k).items()}
+        STAGES=cfg.num_stages, INSTRUMENT=instrument, FENCE=fence, SPLIT_K=split_k,
+        SUM_TOP_K=sum_top_k, SUM_WEIGHT_DTYPE=sum_weight_dtype).items()}
     # what Triton's launcher specializes: 16-byte aligned tensors, ints divisible by 16
     aligned = {(names.index(k),): [["tt.divisibility", 16]]
                for k, v in signature.items() if v.startswith("*")}
@@ -206,17 +212,54 @@ def test_launch_arguments(monkeypatch, precision):
     assert w1_desc.shape == [2 * 2 * 2048, 4096] and w2_desc.shape == [2 * 4096, 2048]
     assert (call.args[8].dtype == torch.float32) == (precision == "fp8")  # w1_scale
     assert call.constexprs["FP8"] == (precision == "fp8")
-    bk = call.constexprs["BLOCK_K"]
-    # every K block: the layer; unsplit, the error flag stands in for the split buffers
-    assert call.args[-7:-3] == (4096, 2048, 4096 // bk, 2048 // bk)
-    assert call.args[-3] == 1 and call.args[-2] is call.args[-1] is call.args[16]
+    bk, a = call.constexprs["BLOCK_K"], _named(call)
+    # every K block: the layer; unsplit, the error flag stands in for the split buffers, and
+    # without the weighted sum for its buffers
+    assert [a[k] for k in ("HIDDEN", "INTER", "l1_k_blocks", "l2_k_blocks")] == \
+        [4096, 2048, 4096 // bk, 2048 // bk]
+    assert a["l2_splits"] == 1 and a["l2_partial"] is a["l2_ready"] is a["error"]
+    assert a["sum_args"] is a["sum_arrivals"] is a["error"] and a["sum_tokens"] == 0
+    assert "SUM_TOP_K" not in call.constexprs
     assert _tiny_call(precision, fence=True).constexprs["FENCE"] and not call.constexprs["FENCE"]
-    synthetic = _tiny_call(precision, synthetic_k_fraction=0.3)
-    assert synthetic.args[-5:-3] == (math.ceil(0.3 * 4096 / bk), math.ceil(0.3 * 2048 / bk))
-    assert synthetic.synthetic_k_fraction == 0.3 and call.synthetic_k_fraction is None
+    synthetic = _named(_tiny_call(precision, synthetic_k_fraction=0.3))
+    assert (synthetic["l1_k_blocks"], synthetic["l2_k_blocks"]) == \
+        (math.ceil(0.3 * 4096 / bk), math.ceil(0.3 * 2048 / bk))
+    assert call.synthetic_k_fraction is None
+    assert _tiny_call(precision, synthetic_k_fraction=0.3).synthetic_k_fraction == 0.3
     traced = _tiny_call(precision, instrument=True)
-    assert traced.constexprs["INSTRUMENT"] and traced.args[-8] is traced.trace
+    assert traced.constexprs["INSTRUMENT"] and _named(traced)["trace"] is traced.trace
     assert traced.trace.shape == (4, traced.args[2], TRACE_FIELDS) and (traced.trace == -1).all()
+
+
+def _named(call) -> dict:
+    """A prepared launch's arguments by the kernel's parameter names."""
+    module, entry = KERNEL_ENTRIES[call.kernel]
+    names = getattr(load_kernel_module(module), entry).arg_names
+    assert len(call.args) == names.index("FP8")  # every argument before the constexprs
+    return dict(zip(names, call.args))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_launch_that_ends_with_the_weighted_sum_passes_its_block_and_counter(precision):
+    """``InKernelSum``: the addresses' block, the arrivals and the tokens as arguments, the picks
+    and the weights' dtype as the build's constexprs; the Triton kernel refuses it."""
+    weights = _tiny_weights(precision)
+    cfg = default_tile_config(precision, "gluon_ws", hidden=weights.hidden)
+    summed = InKernelSum(torch.zeros(3, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                         5, 2, torch.bfloat16)
+    t = torch.zeros(8, dtype=torch.int32)
+    h = torch.empty(128, weights.intermediate, dtype=weights.w1.dtype)
+    buffers = KernelBuffers(torch.zeros(1, 1, 4, dtype=torch.int32), t, t, t, h, t, t, t, t, t,
+                            t, t, weighted_sum=summed)
+    args, constexprs = kernel_launch(cfg, weights, buffers, max_spin_iters=7)
+    names = load_kernel_module("moe_fused_ws").moe_fused_ws_kernel.arg_names
+    a = dict(zip(names, args))
+    assert a["sum_args"] is summed.args and a["sum_arrivals"] is summed.arrivals
+    assert a["sum_tokens"] == 5 and a["max_spin"] == 7
+    assert constexprs["SUM_TOP_K"] == 2 and constexprs["SUM_WEIGHT_DTYPE"] == gl.bfloat16
+    triton_cfg = default_tile_config(precision, "triton", hidden=weights.hidden)
+    with pytest.raises(MoEContractError, match="gluon_ws"):
+        kernel_launch(triton_cfg, weights, buffers, max_spin_iters=7)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -272,7 +315,8 @@ def test_a_split_linear2_launch_passes_its_partials_and_counters(monkeypatch, pr
     refuses such a table."""
     monkeypatch.setattr("xstage_lab.ops.moe.fused.kernel_unsupported", lambda kernel, device: None)
     call = _tiny_call(precision, l2_splits=3)
-    splits, partial, ready = call.args[-3:]
+    a = _named(call)
+    splits, partial, ready = a["l2_splits"], a["l2_partial"], a["l2_ready"]
     p2 = 4096 // call.constexprs["BLOCK_N2"]
     assert call.constexprs["SPLIT_K"] and not _tiny_call(precision).constexprs["SPLIT_K"]
     # two row blocks (120 and 80 rows)
@@ -323,6 +367,43 @@ def test_split_k_build_sums_released_partials(ws_module, key):
     release = "atom.global.gpu.release.add"
     assert ptx.count(release) > plain.count(release)
     assert "ld.global.cg" in ptx and ptx.count("ld.acquire.gpu") >= 2
+
+
+# Machine code the weighted sum adds to a build (one copy, called by the first consumer
+# warpgroup; both arrive): 7.8-9.0 KiB over the default builds with 8 picks, split or not
+# (sm_90 builds here, Triton 3.6). It runs once, after the mainloops.
+SUM_CODE_LIMIT_BYTES = 12 * 1024
+
+
+@pytest.mark.parametrize("split_k", [False, True], ids=["unsplit", "split"])
+@pytest.mark.parametrize("key", list(_default_configs()), ids=lambda k: "-".join(map(str, k)))
+def test_the_weighted_sum_build_arrives_then_sums(ws_module, key, split_k):
+    """``SUM_TOP_K``: the control block written at the start (the arrivals' count read with
+    acquire), each consumer warpgroup's release-add after its mainloops, the first one's call
+    (not inlined) acquire-spinning on the count and reading the Combine rows at L2 in 16-byte
+    vectors, one per pick; wgmma not serialized; spills as the build without the sum allows
+    (none unsplit; the split builds' few bytes, ``test_split_k_build_sums_released_partials``:
+    the FP8 128-wide one, DiT-MoE's at one token, 48 bytes, eight of its spill loads and stores
+    in the consumers' mainloops, where the weights' stream bounds the kernel), none of the sum
+    kept in registers across the mainloops; its shared memory within the launcher's bound."""
+    precision, cfg = key[0], _default_configs()[key]
+    k = _compile(ws_module, precision, cfg, split_k=split_k, sum_top_k=8,
+                 sum_weight_dtype=gl.bfloat16)
+    plain = _compile(ws_module, precision, cfg, split_k=split_k)
+    ptx = k.asm["ptx"]
+    release = "atom.global.gpu.release.add.u64"
+    assert ptx.count(release) == 2 and release not in plain.asm["ptx"]
+    assert ptx.count("ld.acquire.gpu.global.b64") >= 2  # the start's read, the spin's
+    assert len(re.findall(r"call\.uni\s+\S*_weighted_sum_share", ptx)) == 1
+    assert ptx.count("ld.global.cg.v4") - plain.asm["ptx"].count("ld.global.cg.v4") == 8
+    report = ptxas_report(ptx)
+    assert not report["wgmma_serialized"]
+    assert report["spill_load_bytes"] <= (128 if split_k else 0), report
+    assert k.metadata.shared <= ws_shared_memory_bytes(precision, cfg.block_n2, cfg.block_k,
+                                                           cfg.num_stages)
+    added = sass_bytes(k.asm["cubin"], "moe_fused_ws_kernel") - \
+        sass_bytes(plain.asm["cubin"], "moe_fused_ws_kernel")
+    assert 0 < added <= SUM_CODE_LIMIT_BYTES
 
 
 def test_a_prepared_launch_keeps_its_local_combine_buffers_alive(monkeypatch):

@@ -379,3 +379,24 @@ def test_call_excess_adds_up_to_the_graphed_call_beyond_the_bounds_unit(tmp_path
     assert fig.layout.yaxis.title.text and fig.layout.xaxis.title.text
     write_record("moe_layer", "y", pd.DataFrame(rows[1:2]), {}, {}, tmp_path)
     assert moe_layer_call_excess(lv.layer_view("y", tmp_path)) is None
+
+
+def test_a_kernel_that_ends_with_the_weighted_sum_is_held_against_itself():
+    """Where the call's kernel summed (``weighted_sum_in_kernel``), the kernel alone holds the
+    sum: its memory time is not added to the bound's unit again, nor taken from the call's
+    kernels (it has no launch of its own); records from before the column add it."""
+    import json
+
+    kernels = json.dumps({"route_tiny": 3.0, "moe_fused_ws_kernel": 84.0})
+    rows = [_row(1, fused_graph_us=89.0, weighted_sum_in_kernel=True, call_kernels_us=kernels,
+                 kernel_in_call_us=84.0, kernel_alone_device_us=81.0, kernel_us=84.0),
+            _row(1, fused_graph_us=89.0, weighted_sum_in_kernel=False)]
+    table = pd.DataFrame(rows)
+    assert list(lv.kernel_and_sum_us(table)) == [84.0, 85.0]
+    assert list(lv.acceptance(table)["graph_over_kernel"]) == pytest.approx([89 / 84, 89 / 85])
+    before = pd.DataFrame([_row(1)])
+    assert list(lv.kernel_and_sum_us(before)) == [85.0]
+    e = lv.call_excess(table.iloc[:1])
+    # 89 µs: 87 of kernels (3 routing), 2 between against the kernel alone's 3
+    assert e.iloc[0][["routing_excess", "weighted_sum_excess", "boundary_excess"]].tolist() == \
+        pytest.approx([3 / 84, 0.0, -1 / 84])

@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 
 from xstage_lab.__main__ import main
-from xstage_lab.analysis.moe.versions import (FASTER, SLOWER, UNBRACKETED, WITHIN, version_ratios,
-                                              version_summary)
+from xstage_lab.analysis.moe.versions import (FASTER, SLOWER, UNBRACKETED, VARIANT, WITHIN,
+                                              version_ratios, version_summary)
 from xstage_lab.records import write_record
 
 CELL = ["model", "tokens"]
@@ -77,10 +77,11 @@ def test_the_summary_counts_each_groups_verdicts():
     assert whole["cells"].tolist() == [6] and whole["t_us_ratio"][0] == pytest.approx(1.0)
 
 
-def _record(root, table, commit, experiment="moe_layer", platform="h200-x1"):
+def _record(root, table, commit, experiment="moe_layer", platform="h200-x1", variant=None):
     created = datetime(2026, 12, 5, tzinfo=timezone.utc) + timedelta(seconds=next(_SECONDS))
-    return write_record(experiment, platform, table.assign(setting="ep1", precision="bf16"), {},
-                        {"git_commit": commit}, root=root, created=created)
+    params = {} if variant is None else {VARIANT: variant}
+    return write_record(experiment, platform, table.assign(setting="ep1", precision="bf16"),
+                        params, {"git_commit": commit}, root=root, created=created)
 
 
 def test_compare_prints_the_cells_and_the_groups(tmp_path, capsys):
@@ -90,6 +91,20 @@ def test_compare_prints_the_cells_and_the_groups(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "new against old, 2 base run(s)" in out
     assert out.count(FASTER) == 2 and out.count(SLOWER) == 2  # a cell's line and its group's
+
+
+def test_compare_takes_runs_of_one_commit_as_versions_by_their_variant(tmp_path, capsys):
+    """moe_layer's --weighted-sum picks a build: one commit, two versions."""
+    old = [_record(tmp_path, _runs({"A": [10.0, 20.0, 30.0]}), "abc",
+                   variant={"weighted_sum": "launch"}) for _ in range(2)]
+    new = _record(tmp_path, _runs({"A": [5.0, 20.0, 60.0]}), "abc",
+                  variant={"weighted_sum": "kernel"})
+    assert main(["compare", str(new), *map(str, old), "--columns", "t_us"]) == 0
+    assert "abc weighted_sum=kernel against abc weighted_sum=launch" in capsys.readouterr().out
+    same = _record(tmp_path, _runs({"A": [5.0, 20.0, 60.0]}), "abc",
+                   variant={"weighted_sum": "launch"})
+    assert main(["compare", str(same), *map(str, old), "--columns", "t_us"]) == 2
+    assert "share one version" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bad", ["same_commit", "other_experiment", "no_cell", "no_column"])
@@ -104,5 +119,5 @@ def test_compare_refuses_records_it_cannot_hold_together(tmp_path, capsys, bad):
             "nonsense_us" if bad == "no_column" else "t_us"]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert {"same_commit": "share one commit", "other_experiment": "different experiments",
+    assert {"same_commit": "share one version", "other_experiment": "different experiments",
             "no_cell": "--cell", "no_column": "no column"}[bad] in err

@@ -19,6 +19,7 @@ from xstage_lab.ops.moe.op import FusedMoE, MoEWorkspace
 from xstage_lab.ops.moe.reference import reference_moe
 from xstage_lab.ops.moe.routing import router_logits, router_topk
 from xstage_lab.ops.moe.shapes import MoEContractError, MoEShape
+from xstage_lab.ops.moe.tiles import default_tile_config
 from xstage_lab.ops.moe.weights import ExpertWeights, local_expert_weights, quantize_rows_fp8
 
 TINY = MoEShape("Tiny", "test", hidden=256, intermediate=256, routed_experts=8, top_k=2,
@@ -205,7 +206,7 @@ def test_bad_input_is_refused_before_launch(change, message):
 def test_a_model_printout_names_the_layer():
     text = repr(torch.nn.Sequential(_layer("fp8", "interleaved")))
     assert ("FusedMoE(experts=8, hidden=256, intermediate=256, top_k=2, precision=fp8, "
-            "max_tokens=16, schedule=interleaved, kernel=triton)") in text
+            "max_tokens=16, schedule=interleaved, kernel=triton, weighted_sum=launch)") in text
 
 
 def test_bad_construction_is_refused():
@@ -214,6 +215,40 @@ def test_bad_construction_is_refused():
         FusedMoE(weights, max_tokens=4, top_k=2, schedule="fastest")
     with pytest.raises(MoEContractError, match="top_k=9"):
         FusedMoE(weights, max_tokens=4, top_k=9)
+    with pytest.raises(MoEContractError, match="weighted_sum must be one of"):
+        FusedMoE(weights, max_tokens=4, top_k=2, weighted_sum="fused")
+    with pytest.raises(MoEContractError, match="needs the gluon_ws kernel, not triton"):
+        FusedMoE(weights, max_tokens=4, top_k=2, weighted_sum="kernel")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_the_kernel_ends_with_the_weighted_sum_where_one_pass_covers_the_tokens(
+        precision, monkeypatch):
+    """``weighted_sum="kernel"`` (gluon_ws, built here, never launched): up to one piece of
+    ``SUM_COLS`` columns a program (Tiny's 256 columns: one a token; four programs), the fused
+    launch takes the sum over the call's argument block (the Combine rows', weights' and
+    output's slots) or the block it is given, the layer's arrivals, the tokens, the picks and
+    the weights' dtype; beyond, and with ``"launch"``, none."""
+    weights = local_expert_weights(TINY, 0, 1, precision, seed=3)
+    config = default_tile_config(precision, "gluon_ws", hidden=TINY.hidden)
+    layer = FusedMoE(weights, max_tokens=8, top_k=TINY.top_k, config=config, num_programs=4,
+                     weighted_sum="kernel")
+    assert [layer.sums_in_kernel(t) for t in (1, 4, 5, 8)] == [True, True, False, False]
+    apart = FusedMoE(weights, max_tokens=8, top_k=TINY.top_k, config=config, num_programs=4)
+    assert not apart.sums_in_kernel(1)
+    launched = []
+    monkeypatch.setattr(layer.workspace, "launch",
+                        lambda schedule, peers, **kw: launched.append(kw["weighted_sum"]))
+    layer.fused_kernel(3, torch.float32, "wave", routed=True)
+    own = torch.zeros(3, dtype=torch.int64)
+    layer.fused_kernel(4, torch.bfloat16, "wave", sum_args=own)
+    layer.fused_kernel(5, torch.float32, "wave")
+    summed, given, beyond = launched
+    args = layer.workspace.tables.args
+    assert summed.args.data_ptr() == args[3:].data_ptr() and summed.args.shape == (3,)
+    assert summed.arrivals is layer.moe_buffers.sum_arrivals and summed.arrivals.item() == 0
+    assert (summed.tokens, summed.top_k, summed.weight_dtype) == (3, 2, torch.float32)
+    assert given.args is own and given.weight_dtype == torch.bfloat16 and beyond is None
 
 
 @pytest.mark.parametrize("change,message", [

@@ -8,7 +8,8 @@ the reference and leave earlier outputs alone, one graph captured per token coun
 token count queued behind a long kernel, each keeping its own addresses; eager calls
 around a user's graph capture, and the user's graph replayed after them; the first calls at
 token counts never seen under ``set_sync_debug_mode("error")``; two layers on one set of
-buffers, each replaying its own graphs."""
+buffers, each replaying its own graphs. The fused kernel ending with the weighted sum
+(``weighted_sum="kernel"``), call after call and replayed."""
 from __future__ import annotations
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from xstage_lab.experiments.moe.bench import TOLERANCE
 from xstage_lab.ops.moe import device_tables
+from xstage_lab.ops.moe.combine import combine_weighted_sum
 from xstage_lab.ops.moe.table_reference import host_tables, table_mismatches
 from xstage_lab.ops.moe.op import GRAPHS_PER_LAYER, FusedMoE
 from xstage_lab.ops.moe.reference import reference_moe
@@ -428,3 +430,57 @@ def test_one_token_splits_linear2_along_k_and_matches_the_reference_call_after_c
         layer.combine.fill_(float("nan"))
         assert torch.equal(layer(x, ids, w).view(torch.int16), y.view(torch.int16))
     assert int(layer.error) == 0 and not layer.workspace.l2_ready.any()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("model,tokens", [("DiT-MoE", 1), ("DiT-MoE", 64), (MODEL, 1),
+                                          (MODEL, 8), (WIDE_SPLIT, 1)])
+def test_the_kernel_ends_with_the_weighted_sum_call_after_call(precision, model, tokens):
+    """``weighted_sum="kernel"`` where one pass of the programs covers the tokens (DiT-MoE's
+    and the wide shape's one token through the split Linear-2 builds, the rest unsplit): five
+    routings, the Combine rows poisoned before each call, each output matching the reference
+    and equal bit for bit to the weighted sum's own launch over the same rows, the same
+    routing again the same bits; then one user graph replayed with three routings, its output
+    poisoned before each replay. Every launch counts two arrivals a program."""
+    shape = SHAPES[model]
+    weights = local_expert_weights(shape, 0, 1, precision, seed=SEED, device="cuda")
+    layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="wave",
+                     weighted_sum="kernel")
+    assert layer.sums_in_kernel(tokens)
+    rows = tokens * shape.top_k
+    launches = 0
+    for i in range(5):
+        x, ids, w = _inputs(tokens, 60 + i, ("balanced", "skewed")[i % 2], model=model)
+        layer.combine.fill_(float("nan"))
+        y = layer(x, ids, w)
+        torch.cuda.synchronize()
+        _check(layer, y, x, ids, w, model=model)
+        apart = combine_weighted_sum(layer.combine[:rows], w)
+        assert torch.equal(y.view(torch.int16), apart.view(torch.int16))
+        layer.combine.fill_(float("nan"))
+        assert torch.equal(layer(x, ids, w).view(torch.int16), y.view(torch.int16))
+        launches += 2
+    x, ids, w = _inputs(tokens, 70, model=model)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(x, ids, w)  # bound on a side stream before the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    launches += 1
+    with torch.cuda.graph(graph):
+        y = layer(x, ids, w)
+    for i in range(3):
+        nx, nids, nw = _inputs(tokens, 80 + i, ("balanced", "skewed")[i % 2], model=model)
+        x.copy_(nx)
+        ids.copy_(nids)
+        w.copy_(nw)
+        y.fill_(float("nan"))
+        layer.combine.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(layer, y, nx, nids, nw, model=model)
+        launches += 1
+    assert int(layer.error) == 0
+    programs = layer.workspace.bounds.num_programs
+    assert int(layer.moe_buffers.sum_arrivals) == 2 * programs * launches

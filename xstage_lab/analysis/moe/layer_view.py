@@ -172,7 +172,7 @@ def call_excess(table: pd.DataFrame) -> pd.DataFrame:
         graph_over_kernel=t["fused_graph_us"] / unit,
         kernel_excess=(t["kernel_in_call_us"] - t["kernel_alone_device_us"]) / unit,
         routing_excess=(kernels - t["kernel_in_call_us"] - summed) / unit,
-        weighted_sum_excess=(summed - t["weighted_sum_floor_us"]) / unit,
+        weighted_sum_excess=(summed - sum_floor_apart_us(t)) / unit,
         boundary_excess=(p["call_gaps_us"] - alone_gaps) / unit)
 
 
@@ -191,8 +191,20 @@ def boundaries_per_call_us(table: pd.DataFrame) -> pd.DataFrame:
 
 def kernel_and_sum_us(table: pd.DataFrame) -> pd.Series:
     """Per cell, the kernel alone plus the weighted sum's memory time: what the graphed call is
-    held against (``GRAPH_OVER_KERNEL`` times it)."""
-    return table["kernel_us"] + table["weighted_sum_floor_us"]
+    held against (``GRAPH_OVER_KERNEL`` times it). Where the kernel ends with the weighted sum
+    (``weighted_sum_in_kernel``; none in records from before it), the kernel alone holds the
+    sum's time already: its memory time is not added again."""
+    return table["kernel_us"] + sum_floor_apart_us(table)
+
+
+def sum_floor_apart_us(table: pd.DataFrame) -> pd.Series:
+    """Per cell, the weighted sum's memory time where it ran apart from the fused kernel, 0
+    where the kernel ended with it (``weighted_sum_in_kernel``: moe_layer's ``--weighted-sum
+    kernel``; none in records from before the column)."""
+    floor = table["weighted_sum_floor_us"]
+    if "weighted_sum_in_kernel" not in table:
+        return floor
+    return floor.where(~table["weighted_sum_in_kernel"].fillna(False).astype(bool), 0.0)
 
 
 def profile_kernel_us(profiles: pd.Series, name: str) -> pd.Series:

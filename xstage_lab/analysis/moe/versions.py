@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
+from ...records import Record
 from . import geometric_mean
 from .host_view import CELL as HOST_CELL
 from .layer_view import CELL as LAYER_CELL
@@ -19,6 +20,16 @@ FASTER, SLOWER, WITHIN, UNBRACKETED = "faster", "slower", "within", "unbracketed
 VERDICTS = (FASTER, SLOWER, WITHIN, UNBRACKETED)
 # The cell columns of the experiments measured in cells (each view's ``CELL``).
 CELLS = {"moe_layer": LAYER_CELL, "moe_host": HOST_CELL}
+# A record's params may name the options that made its version of the code beside its commit (a
+# build an option picks: moe_layer's weighted sum), so that runs of one commit compare as versions
+VARIANT = "variant"
+
+
+def record_version(record: Record) -> str:
+    """The version of the code that produced ``record``: its commit, and its params' ``VARIANT``
+    options where it has any (``abc123 weighted_sum=kernel``)."""
+    options = record.params.get(VARIANT) or {}
+    return " ".join([record.git_commit, *(f"{k}={options[k]}" for k in sorted(options))])
 
 
 def version_ratios(base: Sequence[pd.DataFrame], change: pd.DataFrame, cell: Sequence[str],

@@ -64,9 +64,11 @@ import pandas as pd
 import torch
 
 from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, kernel_phases, layer_view
+from ...analysis.moe.versions import VARIANT
 from ...analysis.moe.trace import tile_frame
 from ...cli import list_option
 from ...dist_timing import TIMING_METHOD, median_clock_mhz, paired_ratio, time_methods
+from ...ops.moe.op import WEIGHTED_SUMS
 from ...ops.moe.table_reference import table_mismatches
 from ...ops.moe.schedules import tile_table
 from ...ops.moe.shapes import PRECISIONS, load_shapes
@@ -249,7 +251,11 @@ class LayerCellRun(Experiment):
 
     def prepare(self, point: dict, run: Run):
         return layer_cell(self.shapes[point["model"]], point["precision"], point["setting"],
-                          point["tokens"], run, self.on)
+                          point["tokens"], run, self.on, **self.cell_options(run))
+
+    def cell_options(self, run: Run) -> dict:
+        """What ``layer_cell`` takes beyond the cell, from ``run``'s options (none here)."""
+        return {}
 
     def check(self, cell, run: Run) -> list[str]:
         return check_cell(cell, run)
@@ -279,8 +285,14 @@ class MoELayer(LayerCellRun):
         p.add_argument("--trials", type=int, default=None)
         p.add_argument("--graph-iters", type=int, default=5)
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--weighted-sum", choices=WEIGHTED_SUMS, default="launch",
+                       help="where the EP = 1 call's weighted sum runs (FusedMoE's "
+                            "weighted_sum): the record's variant")
         p.add_argument("--smoke", action="store_true",
                        help=f"the cells of {SMOKE}: a first check on the GPU")
+
+    def cell_options(self, run: Run) -> dict:
+        return {"weighted_sum": run.args.weighted_sum}
 
     def check_args(self, a: argparse.Namespace) -> None:
         shapes = load_shapes()
@@ -348,7 +360,7 @@ class MoELayer(LayerCellRun):
                 "host_launch_floor_us": self.launch_floor_us,
                 "weight_floor_us": cell.touched_experts() * _expert_bytes(weights) / bw * 1e6,
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
-                "l2_splits": splits,
+                "l2_splits": splits, "weighted_sum_in_kernel": cell.sums_in_kernel(),
                 **device_profile(cell, a.graph_iters),
                 "eager_path": EAGER_PATH, **self.launch_floors, **stages, **phases}
 
@@ -368,7 +380,8 @@ class MoELayer(LayerCellRun):
                 "host_launch_floors_us": self.launch_floors,
                 "tolerance": TOLERANCE,
                 "timing": f"{TIMING_METHOD}; {run.args.graph_iters} calls per trial",
-                "graph_routings": GRAPH_ROUTINGS, "summary_keys": list(SUMMARY_KEYS)}
+                "graph_routings": GRAPH_ROUTINGS, "summary_keys": list(SUMMARY_KEYS),
+                VARIANT: {"weighted_sum": run.args.weighted_sum}}
 
 
 EXPERIMENT = MoELayer()

@@ -37,16 +37,25 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 class Ep1Cell:
-    """EP = 1: ``FusedMoE`` over every expert, inputs static (graph-capturable) per cell."""
+    """EP = 1: ``FusedMoE`` over every expert, inputs static (graph-capturable) per cell, its
+    weighted sum where ``weighted_sum`` says (``FusedMoE``'s)."""
 
     setting = "ep1"
 
-    def __init__(self, shape, precision, tokens, weights, uweights, seed, device):
+    def __init__(self, shape, precision, tokens, weights, uweights, seed, device,
+                 weighted_sum: str = "launch"):
         self.shape, self.precision, self.tokens, self.seed = shape, precision, tokens, seed
-        self.layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="auto")
+        self.layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="auto",
+                              weighted_sum=weighted_sum)
         self.uweights = uweights
         self.x, self.ids, self.w = balanced_routing(shape, tokens, seed, 0, device)
         self.unfused_capacity = tokens * shape.top_k + shape.routed_experts * (GROUP_ALIGN - 1)
+        # the kernel alone, where it ends with the weighted sum, sums into a tensor of its own
+        # (the argument block names the last call's output, gone with it)
+        self.alone_out = torch.empty_like(self.x)
+        self.alone_sum_args = torch.tensor(
+            [self.layer.combine.data_ptr(), self.w.data_ptr(), self.alone_out.data_ptr()],
+            dtype=torch.int64, device=device)
 
     @property
     def ws(self) -> MoEWorkspace:
@@ -60,9 +69,15 @@ class Ep1Cell:
         self.ws.route(self.ids.reshape(-1), self.x, top_k=self.shape.top_k)
 
     def kernel(self, routed: bool = False):
-        """The fused kernel over the tables (``MoEWorkspace.launch``; ``routed``: right after
+        """The fused kernel over the tables as the call launches it (``FusedMoE.fused_kernel``:
+        with the weighted sum where the call's kernel ends with it; ``routed``: right after
         ``route`` on this stream, which zeroed its counters)."""
-        self.ws.launch(self.layer.schedule, self.layer.peers, routed=routed)
+        self.layer.fused_kernel(self.tokens, self.w.dtype, self.layer.schedule, routed=routed,
+                                sum_args=self.alone_sum_args)
+
+    def sums_in_kernel(self) -> bool:
+        """Whether the call's fused kernel ends with the weighted sum."""
+        return self.layer.sums_in_kernel(self.tokens)
 
     def weighted_sum(self):
         combine_weighted_sum(self.combined(), self.w)
@@ -124,7 +139,7 @@ class Ep1Cell:
 
         def route_and_kernel():
             route()
-            layer.workspace.launch(layer.schedule, layer.peers, routed=True)
+            layer.fused_kernel(self.tokens, self.w.dtype, layer.schedule, routed=True)
 
         parts = GraphCache(layer.device)
         route_graph = parts.capture("route", route)
@@ -192,6 +207,10 @@ class Ep8RankCell:
     def weighted_sum(self):
         """No weighted sum on an EP rank: the sources sum their Combine buffers."""
 
+    def sums_in_kernel(self) -> bool:
+        """``Ep1Cell.sums_in_kernel``'s counterpart: no weighted sum here."""
+        return False
+
     def unfused(self):
         y = unfused_rows(self.rows, self.expert, self.uweights, self.unfused_capacity)
         for rows, slots, r in self.by_source:
@@ -243,9 +262,11 @@ def _host_launch(layout, ws: MoEWorkspace, schedule: str, peers,
                              instrument=instrument, l2_splits=ws.bounds.l2_splits)
 
 
-def layer_cell(shape, precision: str, setting: str, tokens: int, run: Run, device):
-    """The cell of ``setting`` (``Ep1Cell`` or ``Ep8RankCell``), its weights built once per
-    (model, precision, setting) in ``run`` (``run.args.seed``)."""
+def layer_cell(shape, precision: str, setting: str, tokens: int, run: Run, device,
+               weighted_sum: str = "launch"):
+    """The cell of ``setting`` (``Ep1Cell``, its weighted sum where ``weighted_sum`` says, or
+    ``Ep8RankCell``), its weights built once per (model, precision, setting) in ``run``
+    (``run.args.seed``)."""
     world = 1 if setting == "ep1" else EP
     seed = run.args.seed
 
@@ -256,6 +277,7 @@ def layer_cell(shape, precision: str, setting: str, tokens: int, run: Run, devic
         return w, u
 
     weights, uweights = run.resource((shape.model, precision, setting), make)
-    kind = Ep1Cell if setting == "ep1" else Ep8RankCell
-    return kind(shape, precision, tokens, weights, uweights, seed, device)
+    if setting == "ep1":
+        return Ep1Cell(shape, precision, tokens, weights, uweights, seed, device, weighted_sum)
+    return Ep8RankCell(shape, precision, tokens, weights, uweights, seed, device)
 

@@ -51,8 +51,9 @@ class MoEBuffers:
     """One set of the buffers a ``MoEWorkspace``'s calls write and read, sized by ``sizes``: the
     routing's tables (``device_tables.DeviceTables``: the row counters, the argument block and
     the error flag among them), ``h`` and its FP8 scales, the split Linear-2 tiles' fp32
-    partials and counters (None unsplit), the trace stand-in (never instrumented) and a
-    FusedMoE's Combine rows (None for an EP rank's workspace)."""
+    partials and counters (None unsplit), the trace stand-in (never instrumented), and a
+    FusedMoE's Combine rows and the arrivals its launches count when they end with the weighted
+    sum (``fused.InKernelSum.arrivals``; both None for an EP rank's workspace)."""
 
     sizes: BufferSizes
     tables: DeviceTables
@@ -62,6 +63,7 @@ class MoEBuffers:
     l2_ready: torch.Tensor | None
     trace: torch.Tensor
     combine: torch.Tensor | None
+    sum_arrivals: torch.Tensor | None
 
     @classmethod
     def allocate(cls, sizes: BufferSizes) -> MoEBuffers:
@@ -80,7 +82,8 @@ class MoEBuffers:
             # one element stands in for the trace pointer
             torch.full((1,), -1, dtype=torch.int64, device=dev),
             (torch.empty(b.capacity, hidden, dtype=torch.bfloat16, device=dev)
-             if sizes.combine_rows else None))
+             if sizes.combine_rows else None),
+            torch.zeros(1, dtype=torch.int64, device=dev) if sizes.combine_rows else None)
 
     @property
     def nbytes(self) -> int:

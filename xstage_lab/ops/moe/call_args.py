@@ -46,6 +46,16 @@ def a_rows_view(args: torch.Tensor) -> torch.Tensor:
     return args[k.ARG_A_ROWS.value:k.ARG_A_ROWS.value + k.A_ROWS_SLOTS.value]
 
 
+def sum_args_view(args: torch.Tensor) -> torch.Tensor:
+    """The slots of ``args`` the weighted sum reads, in the block's order: the Combine rows, the
+    top-k weights, the output (``moe_args``; ``fused.InKernelSum.args``)."""
+    k = load_kernel_module("moe_args")
+    first = k.ARG_COMBINE_ROWS.value
+    if (k.ARG_TOPK_WEIGHTS.value, k.ARG_OUT.value) != (first + 1, first + 2):
+        raise MoEContractError("the weighted sum's slots of the argument block are not adjacent")
+    return args[first:first + 3]
+
+
 def triton_dtype(dtype: torch.dtype):
     """The element type a kernel reads a tensor of ``dtype`` through."""
     if dtype not in TRITON_DTYPES:

@@ -14,6 +14,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTen
 
 from ...kernel_sources import load_kernel_module
 from ...platform import ALIGN_BYTES
+from .call_args import triton_dtype
 from .combine import CombinePeers
 from .dispatch import DispatchLayout
 from .schedules import L1, L2, MoEProblem, Schedule, check_schedule, tile_table
@@ -215,6 +216,21 @@ def prepare_fused_moe(layout: DispatchLayout, weights: ExpertWeights, schedule: 
 
 
 @dataclass(frozen=True)
+class InKernelSum:
+    """The top-k weighted sum a gluon_ws launch ends with at EP = 1 (``SUM_TOP_K`` of
+    ``kernels/moe_fused_ws.py``): ``args`` int64 [3], the addresses of the Combine rows, the
+    top-k weights and the output (``call_args.sum_args_view`` of a call's argument block);
+    ``arrivals`` int64 [1], zero when allocated (the launches count up in it); ``tokens`` rows of
+    the output, ``top_k`` picks each, weights of ``weight_dtype``."""
+
+    args: torch.Tensor
+    arrivals: torch.Tensor
+    tokens: int
+    top_k: int
+    weight_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class KernelBuffers:
     """What one launch of a fused kernel reads and writes besides the weights: the tile table
     (int32 ``[G, max_tiles, 4]``) and each program's tile count (int32 ``[G]``, read on the
@@ -226,7 +242,8 @@ class KernelBuffers:
     source and slot, the peer table, the error flag and the trace (int64 ``[G, max_tiles,
     TRACE_FIELDS]`` when instrumented, else one element); where the table splits each Linear-2
     tile in ``l2_splits`` > 1 along K (gluon_ws only), the splits' fp32 partials and the tile
-    halves' counters (``split_k_buffers``)."""
+    halves' counters (``split_k_buffers``); where the launch ends with the weighted sum
+    (gluon_ws only), what it reads and writes (``weighted_sum``)."""
 
     tiles: torch.Tensor
     num_tiles: torch.Tensor
@@ -243,6 +260,7 @@ class KernelBuffers:
     l2_splits: int = 1
     l2_partial: torch.Tensor | None = None
     l2_ready: torch.Tensor | None = None
+    weighted_sum: InKernelSum | None = None
 
 
 def split_k_buffers(row_blocks: int, splits: int, block_m: int, hidden: int, l2_n_blocks: int,
@@ -269,6 +287,9 @@ def kernel_launch(config: TileConfig, weights: ExpertWeights, b: KernelBuffers, 
     if split_k and (config.kernel != "gluon_ws" or b.l2_partial is None or b.l2_ready is None):
         raise MoEContractError("a table of split Linear-2 tiles needs the gluon_ws kernel and its "
                                "split_k_buffers")
+    summed = b.weighted_sum
+    if summed is not None and config.kernel != "gluon_ws":
+        raise MoEContractError("the weighted sum in the fused kernel needs the gluon_ws kernel")
     if config.kernel == "triton":
         args = (b.tiles, b.num_tiles, b.tiles.shape[1], b.a_rows, b.row_origin, weights.w1,
                 weights.w1_scale, weights.w2, weights.w2_scale, b.h, b.h_scale, b.row_ready,
@@ -289,10 +310,13 @@ def kernel_launch(config: TileConfig, weights: ExpertWeights, b: KernelBuffers, 
             weights.w2_scale if fp8 else unused, b.h, b.h_scale if fp8 else unused, b.row_ready,
             b.row_src, b.row_slot, b.peer_table, b.error, max_spin_iters, e_loc, b.trace, hidden,
             inter, *k_blocks, b.l2_splits, b.l2_partial if split_k else unused,
-            b.l2_ready if split_k else unused)
+            b.l2_ready if split_k else unused,
+            *((summed.args, summed.arrivals, summed.tokens) if summed else (unused, unused, 0)))
+    sums = (dict(SUM_TOP_K=summed.top_k, SUM_WEIGHT_DTYPE=triton_dtype(summed.weight_dtype))
+            if summed else {})
     return args, dict(FP8=fp8, BLOCK_N1=config.block_n1, BLOCK_N2=config.block_n2, BLOCK_K=bk,
                       STAGES=config.num_stages, INSTRUMENT=bool(instrument), FENCE=bool(fence),
-                      SPLIT_K=split_k, num_warps=4)
+                      SPLIT_K=split_k, **sums, num_warps=4)
 
 
 def row_addresses(x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:

@@ -14,7 +14,8 @@ them into the argument block the later launches read
 (``call_args``), the fused kernel over the chosen schedule's table (``kernels/moe_fused_ws.py`` on
 sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-1 gathers each pick's token row as it
 loads and whose Linear-2 epilogues store each pick's row into the Combine buffer, then the top-k
-weighted sum (``combine``, one Triton launch, reading the block). Eagerly on CUDA they run as one
+weighted sum (``combine``, one Triton launch, reading the block; with ``weighted_sum="kernel"``
+the fused kernel's end, where it covers the tokens in one pass). Eagerly on CUDA they run as one
 CUDA graph (``GraphCache``), captured once per token count at that count's first call, the node of
 its first launch taking each call's addresses as new arguments (``graph_launch.GraphLauncher``): a
 call costs the host two driver calls. While the stream is capturing (a user's graph) or off CUDA
@@ -40,12 +41,13 @@ from triton.runtime import driver
 from ...kernel_sources import load_kernel_module
 from ..graph_launch import GraphLauncher, call_functions
 from ..launcher import Launcher
-from .call_args import ALIGN_BYTES, FIRST_ADDRESS_PARAM, TRITON_DTYPES, slot_order, slot_packer
+from .call_args import (ALIGN_BYTES, FIRST_ADDRESS_PARAM, TRITON_DTYPES, slot_order, slot_packer,
+                        sum_args_view)
 from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weighted_sum_launch
 from .buffers import BufferSizes, MoEBuffers
 from .device_tables import SCHEDULES, TableBounds, route_to_tables
-from .fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, KernelBuffers, check_expert_weights,
-                    expect_tensor, kernel_launch)
+from .fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, InKernelSum, KernelBuffers,
+                    check_expert_weights, expect_tensor, kernel_launch)
 from .schedules import d_knee, derived_lead
 from .shapes import FP8_SCALE_BLOCK, MoEContractError
 from .tiles import TileConfig, default_tile_config
@@ -66,6 +68,9 @@ GRAPHS_PER_LAYER = 16
 CALL_TENSORS = ("expert_ids", "x", "combine_rows", "topk_weights", "out")
 WEIGHT_DTYPES = tuple(d for d in TRITON_DTYPES if d.is_floating_point)  # the weighted sum reads
 ID_DTYPES = (torch.int32, torch.int64)
+# Where a FusedMoE's top-k weighted sum runs: its own launch after the fused kernel, or the fused
+# kernel's end (gluon_ws; where one pass of its programs covers the tokens: sums_in_kernel).
+WEIGHTED_SUMS = ("launch", "kernel")
 
 
 def auto_schedule(peers_world: int) -> str:
@@ -233,18 +238,23 @@ class MoEWorkspace:
         """``device_tables.route_to_tables`` into this workspace's tables."""
         route_to_tables(self.tables, expert_ids, x, x_scale, **received)
 
-    def launch(self, schedule: str, peers: CombinePeers, *, routed: bool = False) -> None:
+    def launch(self, schedule: str, peers: CombinePeers, *, routed: bool = False,
+               weighted_sum: InKernelSum | None = None) -> None:
         """The fused kernel over the tables of ``schedule`` (routed first), storing each row into
         ``peers``' buffer of its source at its slot: the row counters zeroed, then one launch.
-        ``routed``: ``route`` ran just before on this stream and zeroed the counters itself."""
-        key = (schedule, peers.table.data_ptr())
+        ``routed``: ``route`` ran just before on this stream and zeroed the counters itself.
+        ``weighted_sum``: the launch ends with the weighted sum (``fused.InKernelSum``)."""
+        s = weighted_sum
+        key = (schedule, peers.table.data_ptr(), s and (s.args.data_ptr(), s.arrivals.data_ptr(),
+                                                        s.tokens, s.top_k, s.weight_dtype))
         launch = self._launches.get(key)
         if launch is None:
             t = self.tables
             buffers = KernelBuffers(t.tiles[schedule], t.num_tiles[schedule], t.a_rows,
                                     t.row_origin, self.h, self.h_scale, t.row_ready, t.row_src,
                                     t.row_slot, peers.table, t.error, self.trace,
-                                    self.bounds.l2_splits, self.l2_partial, self.l2_ready)
+                                    self.bounds.l2_splits, self.l2_partial, self.l2_ready,
+                                    weighted_sum)
             args, constexprs = kernel_launch(self.config, self.weights, buffers,
                                              max_spin_iters=self.max_spin_iters)
             module, entry = KERNEL_ENTRIES[self.config.kernel]
@@ -361,16 +371,24 @@ class FusedMoE(torch.nn.Module):
     one shape, called one after another on one stream, need one set of buffers between them
     (``buffers.MoEBuffers``), not one each; refused unless the layers would size them alike
     (the same ``max_tokens * top_k``, ``max_tokens``, experts, precision, H, I, tiles,
-    programs, lead and device). Layers that share them share ``error`` too."""
+    programs, lead and device). Layers that share them share ``error`` too.
+
+    ``weighted_sum``: ``"launch"``, the top-k weighted sum in a launch of its own after the fused
+    kernel; ``"kernel"`` (the gluon_ws kernel only), the fused kernel ends with it where one pass
+    of its programs covers the call's tokens (``sums_in_kernel``), so the call has one launch and
+    one kernel boundary fewer; above that, its own launch."""
 
     def __init__(self, weights: ExpertWeights, *, max_tokens: int, top_k: int,
                  schedule: str = "auto", config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
                  check_ids: bool = False, max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS,
-                 buffers: MoEBuffers | None = None):
+                 buffers: MoEBuffers | None = None, weighted_sum: str = "launch"):
         super().__init__()
         if schedule not in SCHEDULE_CHOICES:
             raise MoEContractError(f"schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}")
+        if weighted_sum not in WEIGHTED_SUMS:
+            raise MoEContractError(f"weighted_sum must be one of {WEIGHTED_SUMS}, got "
+                                   f"{weighted_sum!r}")
         if max_tokens < 1 or top_k < 1 or top_k > weights.num_experts:
             raise MoEContractError(f"max_tokens={max_tokens} must be >= 1 and top_k={top_k} in "
                                    f"1..{weights.num_experts}")
@@ -380,6 +398,10 @@ class FusedMoE(torch.nn.Module):
                                       buffers=buffers, combine_rows=True)
         self.max_tokens, self.top_k, self.check_ids = max_tokens, top_k, check_ids
         self.schedule = auto_schedule(1) if schedule == "auto" else schedule
+        if weighted_sum == "kernel" and self.workspace.config.kernel != "gluon_ws":
+            raise MoEContractError(f"weighted_sum='kernel' needs the gluon_ws kernel, not "
+                                   f"{self.workspace.config.kernel}")
+        self.weighted_sum = weighted_sum
         self.combine = self.workspace.buffers.combine
         self.peers = local_combine_peers([self.combine])
         self.device = weights.w1.device
@@ -404,7 +426,8 @@ class FusedMoE(torch.nn.Module):
         w = self.workspace.weights
         return (f"experts={w.num_experts}, hidden={w.hidden}, intermediate={w.intermediate}, "
                 f"top_k={self.top_k}, precision={w.precision}, max_tokens={self.max_tokens}, "
-                f"schedule={self.schedule}, kernel={self.workspace.config.kernel}")
+                f"schedule={self.schedule}, kernel={self.workspace.config.kernel}, "
+                f"weighted_sum={self.weighted_sum}")
 
     @property
     def moe_buffers(self) -> MoEBuffers:
@@ -481,14 +504,39 @@ class FusedMoE(torch.nn.Module):
     def launches(self, addresses: tuple[int, ...], tokens: int, schedule: str,
                  id_dtype: torch.dtype, weights_dtype: torch.dtype) -> None:
         """The launches on the current stream: ``route_launches``, the fused kernel, the
-        weighted sum; their arguments but ``addresses`` fixed by the graph's key (what it
-        captures)."""
+        weighted sum (its own launch unless the kernel ends with it: ``sums_in_kernel``); their
+        arguments but ``addresses`` fixed by the graph's key (what it captures)."""
         self.route_launches(addresses, tokens, id_dtype)
-        self.workspace.launch(schedule, self.peers, routed=True)
+        self.fused_kernel(tokens, weights_dtype, schedule, routed=True)
+        if not self.sums_in_kernel(tokens):
+            hidden = self.workspace.weights.hidden
+            weighted_sum_launch(self.top_k, weights_dtype)(weighted_sum_grid(tokens, hidden),
+                                                           args=self.workspace.tables.args,
+                                                           HIDDEN=hidden)
+
+    def sums_in_kernel(self, tokens: int) -> bool:
+        """Whether a call of ``tokens`` tokens has the fused kernel end with the weighted sum:
+        ``weighted_sum="kernel"`` and one piece of the sum (a token's ``SUM_COLS`` columns of
+        ``kernels/moe_fused_ws.py``) per program at most. Beyond, a program would sum its pieces
+        one after another, where the weighted sum's own launch spreads them over every SM."""
+        if self.weighted_sum != "kernel":
+            return False
+        cols = load_kernel_module("moe_fused_ws").SUM_COLS.value
         hidden = self.workspace.weights.hidden
-        weighted_sum_launch(self.top_k, weights_dtype)(weighted_sum_grid(tokens, hidden),
-                                                       args=self.workspace.tables.args,
-                                                       HIDDEN=hidden)
+        return tokens * -(-hidden // cols) <= self.workspace.bounds.num_programs
+
+    def fused_kernel(self, tokens: int, weights_dtype: torch.dtype, schedule: str, *,
+                     routed: bool = False, sum_args: torch.Tensor | None = None) -> None:
+        """The fused kernel as a call of ``tokens`` tokens launches it (``MoEWorkspace.launch``),
+        ending with the weighted sum where ``sums_in_kernel``: of the tensors the argument block
+        names (``sum_args``: another block of the weighted sum's three addresses,
+        ``call_args.sum_args_view``'s layout, that must name live tensors)."""
+        summed = None
+        if self.sums_in_kernel(tokens):
+            args = sum_args_view(self.workspace.tables.args) if sum_args is None else sum_args
+            summed = InKernelSum(args, self.workspace.buffers.sum_arrivals, tokens, self.top_k,
+                                 weights_dtype)
+        self.workspace.launch(schedule, self.peers, routed=routed, weighted_sum=summed)
 
     def route_launches(self, addresses: tuple[int, ...], tokens: int,
                        id_dtype: torch.dtype) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernel_sources import load_kernel_module
 from .shapes import FP8_SCALE_BLOCK, MoEContractError, check_precision, check_scale_blocks
 
 KERNELS = ("gluon_ws", "triton")
@@ -92,12 +93,14 @@ def default_tile_config(precision: str, kernel: str | None = None, *, hidden: in
 def ws_shared_memory_bytes(precision: str, block_n2: int, block_k: int, stages: int) -> int:
     """Shared memory of a gluon_ws CTA: the ring (an A tile of 128 rows and a B tile of
     max(2 block_n1, block_n2) rows per stage), the epilogues' layout conversion (one 64-row half
-    of the widest output tile: the compiler's scratch, shared by the partitions) and the ring's
-    mbarriers with 64 bytes of alignment slack."""
+    of the widest output tile: the compiler's scratch, shared by the partitions), the ring's
+    mbarriers with 64 bytes of alignment slack, and the weighted sum's control block (where the
+    build ends with the sum: ``SUM_CONTROL`` int64 slots)."""
     elem = 2 if precision == "bf16" else 1
     ring = stages * (WS_BLOCK_M + max(2 * WS_BLOCK_N1, block_n2)) * block_k * elem
     conversion = (WS_BLOCK_M // 2) * max(block_n2 * 2, WS_BLOCK_N1 * elem)
-    return ring + conversion + 2 * stages * 8 + 64
+    sum_control = 8 * load_kernel_module("moe_fused_ws").SUM_CONTROL.value
+    return ring + conversion + 2 * stages * 8 + 64 + sum_control
 
 
 def check_tile_config(config: TileConfig, precision: str, hidden: int, intermediate: int) -> None:
