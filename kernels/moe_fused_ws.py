@@ -683,18 +683,19 @@ def _weighted_sum_share(control, error, HIDDEN, TOP_K: gl.constexpr, WEIGHT_DTYP
 @gluon.jit
 def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows,
               row_origin, w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
-              combine_ptrs, error, num_experts, trace, HIDDEN, INTER, l1_k_blocks,
-              l2_k_blocks, l2_splits, l2_partial, l2_ready, sum_control, FP8: gl.constexpr, BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, INSTRUMENT: gl.constexpr,
-              FENCE: gl.constexpr, SPLIT_K: gl.constexpr, SUM_TOP_K: gl.constexpr,
-              SUM_WEIGHT_DTYPE: gl.constexpr):
+              combine_ptrs, error, num_experts, trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
+              l2_splits, l2_partial, l2_ready, sum_control, FP8: gl.constexpr,
+              BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
+              STAGES: gl.constexpr, INSTRUMENT: gl.constexpr, FENCE: gl.constexpr,
+              SPLIT_K: gl.constexpr, SUM_TOP_K: gl.constexpr, SUM_WEIGHT_DTYPE: gl.constexpr):
     """Rows [64·half, 64·half + 64) of every tile of this program, in table order.
 
     INSTRUMENT (consumer 0 only, each stamp after its warpgroup's barrier): entry (0); the
     tile's first K block in shared memory (1: for Linear-2 after the producer's acquire-spin, so
     0 -> 1 is the wait for Linear-1 inputs, as in ``moe_fused.py``, plus any TMA latency the ring
     did not hide); mainloop end (2); every store of the epilogue issued (3: for Linear-2, the
-    sender-visible span T_RS of the tile's Combine burst); ``%smid``."""
+    sender-visible span T_RS of the tile's Combine burst); ``%smid``. SUM_TOP_K: after the
+    tiles, this warpgroup's arrival, then consumer 0's share of the weighted sum."""
     stamped: gl.constexpr = INSTRUMENT and half == 0
     row_layout: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1], [32, 1], [4, 1],
                                                                   [1, 0]))
