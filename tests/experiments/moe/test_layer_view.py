@@ -400,3 +400,16 @@ def test_a_kernel_that_ends_with_the_weighted_sum_is_held_against_itself():
     # 89 µs: 87 of kernels (3 routing), 2 between against the kernel alone's 3
     assert e.iloc[0][["routing_excess", "weighted_sum_excess", "boundary_excess"]].tolist() == \
         pytest.approx([3 / 84, 0.0, -1 / 84])
+
+
+def test_layer_prose_names_the_cells_whose_kernel_summed(tmp_path):
+    from xstage_lab.prose.moe.kernel import layer
+
+    rows = [_row(1, weighted_sum_in_kernel=True), _row(8, weighted_sum_in_kernel=True),
+            _row(64, weighted_sum_in_kernel=False)]
+    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    assert ("(in 2 EP = 1 cells, 1–8 tokens, the fused kernel ends with the weighted sum, and "
+            "the bound is the kernel alone, which holds it)") in text
+    write_record("moe_layer", "y", pd.DataFrame([_row(1), _row(64)]), {}, {}, tmp_path)
+    assert "ends with the weighted sum" not in str(layer([lv.layer_view("y", tmp_path)]))

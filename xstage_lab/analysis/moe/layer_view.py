@@ -199,12 +199,17 @@ def kernel_and_sum_us(table: pd.DataFrame) -> pd.Series:
 
 def sum_floor_apart_us(table: pd.DataFrame) -> pd.Series:
     """Per cell, the weighted sum's memory time where it ran apart from the fused kernel, 0
-    where the kernel ended with it (``weighted_sum_in_kernel``: moe_layer's ``--weighted-sum
-    kernel``; none in records from before the column)."""
-    floor = table["weighted_sum_floor_us"]
+    where the kernel ended with it (``sums_in_kernel``)."""
+    return table["weighted_sum_floor_us"].where(~sums_in_kernel(table), 0.0)
+
+
+def sums_in_kernel(table: pd.DataFrame) -> pd.Series:
+    """Per cell, whether the call's fused kernel ended with the weighted sum
+    (``weighted_sum_in_kernel``: moe_layer's ``--weighted-sum kernel``); False in records from
+    before the column."""
     if "weighted_sum_in_kernel" not in table:
-        return floor
-    return floor.where(~table["weighted_sum_in_kernel"].fillna(False).astype(bool), 0.0)
+        return pd.Series(False, index=table.index)
+    return table["weighted_sum_in_kernel"].fillna(False).astype(bool)
 
 
 def profile_kernel_us(profiles: pd.Series, name: str) -> pd.Series:

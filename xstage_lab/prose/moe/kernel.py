@@ -359,12 +359,25 @@ def layer(layer_views) -> Prose:
             f"{SMALL_T} tokens graphed it is {span(big['graph_speedup'], '.2f')}× faster. The "
             f"graphed call stays within 5% of the kernel plus the weighted sum's memory time in "
             f"{met('graph_over_kernel_ok')} cells ({span(a['graph_over_kernel'], '.2f')}×)"
-            f"{misses}; "
+            f"{in_kernel_sums(t)}{misses}; "
             f"{schedule}; {host}; the one-token graphed call meets 1.5× the weight-read floor + "
             f"10 µs in {met('t1_ok')} cells.{t1}{kernel} Today's host-scheduled call takes "
             f"{span(t['host_scheduled_us'] / t['fused_eager_us'], '.1f')}× the fused eager "
             f"call's time.")
     return Prose(*out)
+
+
+def in_kernel_sums(t: pd.DataFrame) -> str:
+    """Where the fused kernel ended with the weighted sum (``moe_layer --weighted-sum kernel``):
+    the cells, whose bound is the kernel alone (it holds the sum); nothing where none did."""
+    from ...analysis.moe.layer_view import sums_in_kernel
+
+    summed = t[sums_in_kernel(t)]
+    if not len(summed):
+        return ""
+    return (f" (in {count(len(summed))} EP = 1 {plural(len(summed), 'cell')}, "
+            f"{span(summed['tokens'], '.0f')} tokens, the fused kernel ends with the weighted sum, "
+            f"and the bound is the kernel alone, which holds it)")
 
 
 def forecast(forecast_records, paper: dict) -> Prose:
