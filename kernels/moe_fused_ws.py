@@ -154,17 +154,25 @@ def _load_acquire_b64(counter):
 
 
 @gluon.jit
-def _wait_rows_ready(counter, needed, error, max_spin):
-    """Acquire-spin until ``counter`` reaches ``needed``, at most ``max_spin`` polls (then count
-    an error and go on), then make the released ``h`` visible to this thread's TMA loads.
-    Returns the number of polls after the first."""
-    ready = _load_acquire(counter)
+def _spin_until(counter, needed, error, max_spin, WIDE: gl.constexpr):
+    """Acquire-spin until ``counter`` (int32, or int64 where ``WIDE``) reaches ``needed``, at most
+    ``max_spin`` polls (then count an error and go on). Returns the number of polls after the
+    first."""
+    ready = _load_acquire_b64(counter) if WIDE else _load_acquire(counter)
     spins = 0
     while (ready < needed) & (spins < max_spin):
-        ready = _load_acquire(counter)
+        ready = _load_acquire_b64(counter) if WIDE else _load_acquire(counter)
         spins += 1
     if ready < needed:
         gl.atomic_add(error, 1)
+    return spins
+
+
+@gluon.jit
+def _wait_rows_ready(counter, needed, error, max_spin):
+    """``_spin_until`` the row block's counter reaches ``needed``, then make the released ``h``
+    visible to this thread's TMA loads. Returns the number of polls after the first."""
+    spins = _spin_until(counter, needed, error, max_spin, False)
     _fence_proxy_async_global()
     return spins
 
@@ -643,7 +651,7 @@ def _arrive(control):
 def _weighted_sum_share(control, error, HIDDEN, TOP_K: gl.constexpr, WEIGHT_DTYPE: gl.constexpr):
     """The top-k weighted sum of ``moe_combine.weighted_sum`` (EP = 1), shared by the launch's
     programs once every consumer warpgroup arrived (``_arrive``) with its Combine rows stored:
-    this warpgroup acquire-spins (bounded, as ``_wait_rows_ready``) until the count reaches this
+    this warpgroup acquire-spins (bounded: ``_spin_until``) until the count reaches this
     launch's (``_sum_control_store``), then sums its program's share of the (token, ``SUM_COLS``
     columns) pieces: ``out[t] = sum_j w[t, j] * rows[t * TOP_K + j]`` in fp32, the picks added in
     order ``j = 0 .. TOP_K - 1``, rounded once to bf16. The addresses' block holds those of the
@@ -651,14 +659,7 @@ def _weighted_sum_share(control, error, HIDDEN, TOP_K: gl.constexpr, WEIGHT_DTYP
     once, after the mainloops."""
     arrivals = _sum_control(control, CONTROL_ARRIVALS).to(gl.pointer_type(gl.int64))
     everyone = _sum_control(control, CONTROL_EVERYONE)
-    max_spin = _sum_control(control, CONTROL_MAX_SPIN)
-    seen = _load_acquire_b64(arrivals)
-    spins = 0
-    while (seen < everyone) & (spins < max_spin):
-        seen = _load_acquire_b64(arrivals)
-        spins += 1
-    if seen < everyone:
-        gl.atomic_add(error, 1)
+    _spin_until(arrivals, everyone, error, _sum_control(control, CONTROL_MAX_SPIN), True)
     sum_args = _sum_control(control, CONTROL_ARGS).to(gl.pointer_type(gl.int64))
     tokens = _sum_control(control, CONTROL_TOKENS).to(gl.int32)
     layout: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])

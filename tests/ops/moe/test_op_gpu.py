@@ -127,7 +127,15 @@ def test_an_eager_call_never_synchronizes(layer):
 
 
 def test_one_graph_replays_five_routings(layer):
-    x, ids, w = _inputs(64, 2)
+    _replay_routings(layer, 64, range(10, 15))
+    assert int(layer.error) == 0
+
+
+def _replay_routings(layer: FusedMoE, tokens: int, seeds, model: str = MODEL) -> None:
+    """One call bound on a side stream, then captured into a user's graph, replayed with a
+    routing per seed (balanced and skewed in turn), its output and Combine rows poisoned before
+    each replay, each checked against the reference."""
+    x, ids, w = _inputs(tokens, 2, model=model)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -136,8 +144,8 @@ def test_one_graph_replays_five_routings(layer):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = layer(x, ids, w)
-    for i in range(5):
-        nx, nids, nw = _inputs(64, 10 + i, ("balanced", "skewed")[i % 2])
+    for i, seed in enumerate(seeds):
+        nx, nids, nw = _inputs(tokens, seed, ("balanced", "skewed")[i % 2], model=model)
         x.copy_(nx)
         ids.copy_(nids)
         w.copy_(nw)
@@ -145,8 +153,7 @@ def test_one_graph_replays_five_routings(layer):
         layer.combine.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        _check(layer, y, nx, nids, nw)
-    assert int(layer.error) == 0
+        _check(layer, y, nx, nids, nw, model=model)
 
 
 def test_compiled_block_matches_eager(layer):
@@ -460,27 +467,8 @@ def test_the_kernel_ends_with_the_weighted_sum_call_after_call(precision, model,
         layer.combine.fill_(float("nan"))
         assert torch.equal(layer(x, ids, w).view(torch.int16), y.view(torch.int16))
         launches += 2
-    x, ids, w = _inputs(tokens, 70, model=model)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(x, ids, w)  # bound on a side stream before the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    launches += 1
-    with torch.cuda.graph(graph):
-        y = layer(x, ids, w)
-    for i in range(3):
-        nx, nids, nw = _inputs(tokens, 80 + i, ("balanced", "skewed")[i % 2], model=model)
-        x.copy_(nx)
-        ids.copy_(nids)
-        w.copy_(nw)
-        y.fill_(float("nan"))
-        layer.combine.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        _check(layer, y, nx, nids, nw, model=model)
-        launches += 1
+    _replay_routings(layer, tokens, range(80, 83), model)
+    launches += 1 + 3  # the call on the side stream, the replays
     assert int(layer.error) == 0
     programs = layer.workspace.bounds.num_programs
     assert int(layer.moe_buffers.sum_arrivals) == 2 * programs * launches
