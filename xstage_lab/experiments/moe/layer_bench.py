@@ -19,7 +19,8 @@ tables equal the host reference (``table_reference.table_mismatches``) for T <= 
 eager call (its graph launched) under ``torch.cuda.set_sync_debug_mode("error")``, checked the
 same; at T = 64, one CUDA graph captured once and replayed with ``GRAPH_ROUTINGS`` routings, each
 checked; at one token (``TRACED_TOKENS``) the instrumented build of the host-scheduled launch,
-the same rows bit for bit. Then timed (``time_methods``):
+the same rows bit for bit; where the fused kernel ends with the weighted sum (``--weighted-sum
+kernel``), the kernel alone as timed, the call's output bit for bit. Then timed (``time_methods``):
 ``fused_eager``/``fused_graph`` (the whole call), ``schedule`` (the routing kernels alone),
 ``kernel`` (the fused kernel alone, over the device tables), ``host_scheduled_kernel`` (the same
 kernel over the host-built layout and schedule, prepared beforehand), ``weighted_sum``,
@@ -167,8 +168,27 @@ def check_cell(cell, run: Run) -> list[str]:
         errs = cell.output_error(y_graph, cell.x, cell.ids, cell.w) \
             if isinstance(cell, Ep1Cell) else cell.output_error()
         failures += tolerance_failures("graph-launched call", errs, cell.precision)
+        if cell.sums_in_kernel():  # over this call's tables, before the replays route anew
+            failures += check_kernel_alone_sums(cell, y_graph)
     if isinstance(cell, Ep1Cell) and cell.tokens == GRAPH_CHECK_TOKENS:
         failures += check_graph_replays(cell)
+    return failures
+
+
+def check_kernel_alone_sums(cell: Ep1Cell, y: torch.Tensor) -> list[str]:
+    """Where the call's fused kernel ends with the weighted sum: the kernel alone as ``measure``
+    times it (over the call's tables, into the cell's own output, poisoned first) sums the same
+    bits as the call ``y``, and the count of arrivals holds whole launches (two a program)."""
+    cell.alone_out.fill_(float("nan"))
+    cell.kernel()
+    torch.cuda.synchronize()
+    failures = []
+    if not torch.equal(cell.alone_out.view(torch.int16), y.view(torch.int16)):
+        failures.append("the kernel alone sums other bits than the call")
+    parties = 2 * cell.ws.bounds.num_programs
+    arrivals = int(cell.layer.moe_buffers.sum_arrivals)
+    if arrivals % parties:
+        failures.append(f"{arrivals} arrivals: not a whole number of launches of {parties}")
     return failures
 
 
