@@ -151,10 +151,12 @@ def call_excess(table: pd.DataFrame) -> pd.DataFrame:
     """Per cell whose record profiled a whole call (``call_profile``'s): the graphed call's time
     beyond the bound's unit, the kernel alone plus the weighted sum's memory time
     (``graph_over_kernel`` of ``acceptance`` less 1), in that unit, split into what adds up to
-    it: the fused kernel's device time in the call beyond alone (``kernel_excess``), the call's
-    other kernels, the routing and at EP = 1 in FP8 its quantization (``routing_excess``), the
-    weighted sum's device time beyond its memory time (``weighted_sum_excess``), and the
-    call's time between kernels beyond the kernel alone's (``boundary_excess``). The kernel
+    it: the fused kernel's device time in the call beyond alone (``kernel_excess``: where it
+    ends with the weighted sum, the sum's time in it too), the call's other kernels, the routing
+    and at EP = 1 in FP8 its quantization (``routing_excess``), the weighted sum's device time
+    beyond its memory time (``weighted_sum_excess``: its own launch's; below zero, the memory
+    time, where the kernel summed), and the call's time between kernels beyond the kernel
+    alone's (``boundary_excess``). The kernel
     alone is timed as the call is (``kernel_us``: its counters' fill, then the kernel, in a
     replayed graph), so it too has time beyond its kernel's device time (the fill, its
     launches and boundaries, the events); only the call's boundaries beyond that count.
@@ -172,7 +174,7 @@ def call_excess(table: pd.DataFrame) -> pd.DataFrame:
         graph_over_kernel=t["fused_graph_us"] / unit,
         kernel_excess=(t["kernel_in_call_us"] - t["kernel_alone_device_us"]) / unit,
         routing_excess=(kernels - t["kernel_in_call_us"] - summed) / unit,
-        weighted_sum_excess=(summed - sum_floor_apart_us(t)) / unit,
+        weighted_sum_excess=(summed - t["weighted_sum_floor_us"]) / unit,
         boundary_excess=(p["call_gaps_us"] - alone_gaps) / unit)
 
 
@@ -191,16 +193,10 @@ def boundaries_per_call_us(table: pd.DataFrame) -> pd.DataFrame:
 
 def kernel_and_sum_us(table: pd.DataFrame) -> pd.Series:
     """Per cell, the kernel alone plus the weighted sum's memory time: what the graphed call is
-    held against (``GRAPH_OVER_KERNEL`` times it). Where the kernel ends with the weighted sum
-    (``weighted_sum_in_kernel``; none in records from before it), the kernel alone holds the
-    sum's time already: its memory time is not added again."""
-    return table["kernel_us"] + sum_floor_apart_us(table)
-
-
-def sum_floor_apart_us(table: pd.DataFrame) -> pd.Series:
-    """Per cell, the weighted sum's memory time where it ran apart from the fused kernel, 0
-    where the kernel ended with it (``sums_in_kernel``)."""
-    return table["weighted_sum_floor_us"].where(~sums_in_kernel(table), 0.0)
+    held against (``GRAPH_OVER_KERNEL`` times it). The kernel alone is the fused kernel without
+    the sum, also where the call's kernel ends with it (``sums_in_kernel``): the sum's time in
+    the kernel beyond its memory time is the call's, not the bound's."""
+    return table["kernel_us"] + table["weighted_sum_floor_us"]
 
 
 def sums_in_kernel(table: pd.DataFrame) -> pd.Series:

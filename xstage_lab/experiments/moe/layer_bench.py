@@ -20,10 +20,13 @@ eager call (its graph launched) under ``torch.cuda.set_sync_debug_mode("error")`
 same; at T = 64, one CUDA graph captured once and replayed with ``GRAPH_ROUTINGS`` routings, each
 checked; at one token (``TRACED_TOKENS``) the instrumented build of the host-scheduled launch,
 the same rows bit for bit; where the fused kernel ends with the weighted sum (``--weighted-sum
-kernel``), the kernel alone as timed, the call's output bit for bit. Then timed (``time_methods``):
+kernel``), that kernel alone as timed, the call's output bit for bit. Then timed
+(``time_methods``):
 ``fused_eager``/``fused_graph`` (the whole call), ``schedule`` (the routing kernels alone),
-``kernel`` (the fused kernel alone, over the device tables), ``host_scheduled_kernel`` (the same
-kernel over the host-built layout and schedule, prepared beforehand), ``weighted_sum``,
+``kernel`` (the fused kernel alone, over the device tables, without the weighted sum;
+``kernel_summed``: where the call's kernel ends with it, that kernel alone, NaN elsewhere),
+``host_scheduled_kernel`` (the same kernel over the host-built layout and schedule, prepared
+beforehand), ``weighted_sum``,
 ``unfused_eager``/``unfused_graph`` (routing by torch ops, grouped GEMMs, the same weighted-sum
 kernel: ``unfused.unfused_layer``), and ``host_scheduled`` (today's path: layout, schedule and
 checked launch on the host, then the kernel and the weighted sum; eager, few trials).
@@ -176,11 +179,12 @@ def check_cell(cell, run: Run) -> list[str]:
 
 
 def check_kernel_alone_sums(cell: Ep1Cell, y: torch.Tensor) -> list[str]:
-    """Where the call's fused kernel ends with the weighted sum: the kernel alone as ``measure``
-    times it (over the call's tables, into the cell's own output, poisoned first) sums the same
-    bits as the call ``y``, and the count of arrivals holds whole launches (two a program)."""
+    """Where the call's fused kernel ends with the weighted sum: that kernel alone as ``measure``
+    times it (``kernel_summed``: over the call's tables, into the cell's own output, poisoned
+    first) sums the same bits as the call ``y``, and the count of arrivals holds whole launches
+    (two a program)."""
     cell.alone_out.fill_(float("nan"))
-    cell.kernel()
+    cell.kernel_summed()
     torch.cuda.synchronize()
     failures = []
     if not torch.equal(cell.alone_out.view(torch.int16), y.view(torch.int16)):
@@ -340,6 +344,8 @@ class MoELayer(LayerCellRun):
                    "host_scheduled_kernel": cell.host_call, "unfused": cell.unfused}
         if isinstance(cell, Ep1Cell):
             methods["weighted_sum"] = cell.weighted_sum
+        if cell.sums_in_kernel():
+            methods["kernel_summed"] = cell.kernel_summed
         graphed = time_methods(methods, trials=a.trials, graph_iters=a.graph_iters, clocks=True)
         eager = time_methods({"fused": cell.call, "unfused": cell.unfused}, trials=a.trials,
                              eager=frozenset({"fused", "unfused"}), graph_iters=a.graph_iters)
@@ -365,6 +371,8 @@ class MoELayer(LayerCellRun):
                 "host_overhead_us": calls["overhead"],
                 **{f"host_{k}_us": v for k, v in calls.items() if k != "overhead"},
                 "kernel_us": graphed["kernel"]["median_us"],
+                "kernel_summed_us": graphed.get("kernel_summed", {}).get("median_us",
+                                                                        float("nan")),
                 "weighted_sum_us": graphed.get("weighted_sum", {}).get("median_us", 0.0),
                 "weighted_sum_floor_us": cell.weighted_sum_bytes() / bw * 1e6,
                 "unfused_eager_us": eager["unfused"]["median_us"],

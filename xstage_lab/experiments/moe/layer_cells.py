@@ -50,8 +50,8 @@ class Ep1Cell:
         self.uweights = uweights
         self.x, self.ids, self.w = balanced_routing(shape, tokens, seed, 0, device)
         self.unfused_capacity = tokens * shape.top_k + shape.routed_experts * (GROUP_ALIGN - 1)
-        # the kernel alone, where it ends with the weighted sum, sums into a tensor of its own
-        # (the argument block names the last call's output, gone with it)
+        # the kernel that ends with the weighted sum, timed alone, sums into a tensor of its
+        # own (the argument block names the last call's output, gone with it)
         self.alone_out = torch.empty_like(self.x)
         self.alone_sum_args = torch.tensor(
             [self.layer.combine.data_ptr(), self.w.data_ptr(), self.alone_out.data_ptr()],
@@ -69,10 +69,14 @@ class Ep1Cell:
         self.ws.route(self.ids.reshape(-1), self.x, top_k=self.shape.top_k)
 
     def kernel(self, routed: bool = False):
-        """The fused kernel over the tables as the call launches it (``FusedMoE.fused_kernel``:
-        with the weighted sum where the call's kernel ends with it; ``routed``: right after
-        ``route`` on this stream, which zeroed its counters)."""
-        self.layer.fused_kernel(self.tokens, self.w.dtype, self.layer.schedule, routed=routed,
+        """The fused kernel over the tables, without the weighted sum (``MoEWorkspace.launch``;
+        ``routed``: right after ``route`` on this stream, which zeroed its counters)."""
+        self.ws.launch(self.layer.schedule, self.layer.peers, routed=routed)
+
+    def kernel_summed(self):
+        """The fused kernel as the call launches it where it ends with the weighted sum
+        (``FusedMoE.fused_kernel``), summing into the cell's own output."""
+        self.layer.fused_kernel(self.tokens, self.w.dtype, self.layer.schedule,
                                 sum_args=self.alone_sum_args)
 
     def sums_in_kernel(self) -> bool:

@@ -369,15 +369,18 @@ def layer(layer_views) -> Prose:
 
 def in_kernel_sums(t: pd.DataFrame) -> str:
     """Where the fused kernel ended with the weighted sum (``moe_layer --weighted-sum kernel``):
-    the cells, whose bound is the kernel alone (it holds the sum); nothing where none did."""
+    the cells and that kernel's time alone beyond the kernel without it (the bound's); nothing
+    where none did."""
     from ...analysis.moe.layer_view import sums_in_kernel
 
     summed = t[sums_in_kernel(t)]
     if not len(summed):
         return ""
     return (f" (in {count(len(summed))} EP = 1 {plural(len(summed), 'cell')}, "
-            f"{span(summed['tokens'], '.0f')} tokens, the fused kernel ends with the weighted sum, "
-            f"and the bound is the kernel alone, which holds it)")
+            f"{span(summed['tokens'], '.0f')} tokens, the fused kernel ends with the weighted "
+            f"sum, which alone takes "
+            f"{span(summed['kernel_summed_us'] - summed['kernel_us'], '.1f')} µs more than "
+            f"without it)")
 
 
 def forecast(forecast_records, paper: dict) -> Prose:
