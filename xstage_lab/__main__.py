@@ -1,5 +1,5 @@
 """Command line: ``python -m xstage_lab {run,measure-all,calibrate,import-bench,reproduce,summary,
-compare,transcode}``; ``characterize``, ``visibility`` and ``characterize-beyond`` are the older
+compare,ab,transcode}``; ``characterize``, ``visibility`` and ``characterize-beyond`` are the older
 names of ``run remote_store``, ``run visibility`` and ``run remote_patterns`` / ``run remote_ops``.
 
 ``run NAME [options]`` runs any registered experiment (``experiments.EXPERIMENTS``) live on this
@@ -243,13 +243,18 @@ def _summary(args) -> int:
 def _compare(args) -> int:
     """``compare CHANGE BASE [BASE]``: the change's record against the base's from one job
     (``analysis.moe.versions``), a table of cells then one of groups."""
+    return _compare_paths(args.change, args.base, args.columns, args.cell, args.by)
+
+
+def _compare_paths(change_path: Path, base_paths: list[Path], columns: list[str],
+                   cell: list[str] | None, by: list[str]) -> int:
     import pandas as pd
 
     from .analysis.moe.versions import CELLS, record_version, version_ratios, version_summary
     from .loading import read
 
     try:
-        change, *base = [read(p) for p in (args.change, *args.base)]
+        change, *base = [read(p) for p in (change_path, *base_paths)]
     except (OSError, ValueError) as e:
         raise UsageError(str(e)) from None
     kinds = {(r.meta["experiment"], r.platform) for r in (change, *base)}
@@ -257,7 +262,7 @@ def _compare(args) -> int:
         raise UsageError(f"the records come from different experiments or platforms: "
                          f"{sorted(kinds)}")
     experiment = change.meta["experiment"]
-    cell = args.cell or CELLS.get(experiment)
+    cell = cell or CELLS.get(experiment)
     if not cell:
         raise UsageError(f"name the cell columns of {experiment} records (--cell)")
     versions = {record_version(r) for r in base}
@@ -266,21 +271,44 @@ def _compare(args) -> int:
                          f"and the change another: base {sorted(versions)}, change "
                          f"{record_version(change)}")
     try:
-        ratios = version_ratios([r.table for r in base], change.table, cell, args.columns)
+        ratios = version_ratios([r.table for r in base], change.table, cell, columns)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if ratios.empty:
         raise UsageError("no cell was measured by the change and every base run")
-    shown = [*cell, *(f"{c}_{s}" for c in args.columns for s in ("ratio", "verdict"))]
+    shown = [*cell, *(f"{c}_{s}" for c in columns for s in ("ratio", "verdict"))]
     with pd.option_context("display.width", 200, "display.max_rows", None,
                            "display.max_columns", None):
         print(f"{experiment}/{change.platform}: {record_version(change)} against "
               f"{record_version(base[0])}, {len(base)} base run(s)")
         print(ratios[shown].to_string(index=False, float_format="{:.3f}".format))
         print()
-        print(version_summary(ratios, args.by, args.columns)
+        print(version_summary(ratios, by, columns)
               .to_string(index=False, float_format="{:.3f}".format))
     return 0
+
+
+def _ab(args) -> int:
+    """``ab EXPERIMENT [--options ...] [sides] --columns ...``: the experiment run as base,
+    change, base in one job (``experiments.ab``), then ``compare``."""
+    import shlex
+
+    from .experiments.ab import Side, check_sides, run_sides
+
+    if (args.base_tree is None) != (args.base_commit is None):
+        raise UsageError("--base-tree and --base-commit go together: a tree extracted from a "
+                         "commit has no git history to name it")
+    here = Path(__file__).resolve().parent.parent
+    base = Side(args.base_tree or here, args.base_commit, tuple(shlex.split(args.base_options)))
+    change = Side(here, None, tuple(shlex.split(args.change_options)))
+    try:
+        check_sides(base, change)
+        change_record, base_records = run_sides(args.name, shlex.split(args.options), base,
+                                                change, args.root)
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(str(e)) from None
+    print(f"wrote {base_records[0]}, {change_record}, {base_records[1]}")
+    return _compare_paths(change_record, base_records, args.columns, args.cell, args.by)
 
 
 def _run(args) -> int:
@@ -428,6 +456,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", **list_option(nargs="*"), default=[],
                    help="the columns to summarize by (default: every cell together)")
     p.set_defaults(func=_compare)
+
+    p = sub.add_parser("ab", help="one experiment run as the base, the change, the base again "
+                                  "in one job, then compare")
+    p.add_argument("name", choices=list(EXPERIMENTS), metavar="EXPERIMENT",
+                   help="a registered experiment")
+    p.add_argument("--options", default="",
+                   help="the experiment's options both sides run with (one string)")
+    p.add_argument("--root", type=Path, default=RECORDS_DIR, help=root_help)
+    p.add_argument("--base-tree", type=Path, default=None,
+                   help="the base's source tree (git archive of its commit; default: this one)")
+    p.add_argument("--base-commit", default=None, help="the commit the base tree holds")
+    p.add_argument("--base-options", default="",
+                   help="the base runs' options beyond the shared ones (one string)")
+    p.add_argument("--change-options", default="",
+                   help="the change run's options beyond the shared ones (one string)")
+    p.add_argument("--columns", **list_option(), required=True,
+                   help="the times to compare (lower is better)")
+    p.add_argument("--cell", **list_option(), default=None,
+                   help="the columns that name a cell (default: the experiment's, where known)")
+    p.add_argument("--by", **list_option(nargs="*"), default=[],
+                   help="the columns to summarize by (default: every cell together)")
+    p.set_defaults(func=_ab)
 
     p = sub.add_parser("transcode", help="rewrite records of the format before the lean one in the "
                                          "lean format, once, listed in retired.json")
