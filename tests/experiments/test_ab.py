@@ -1,6 +1,6 @@
-"""``experiments.ab`` and ``python -m xstage_lab ab``: one experiment run as base, change, base, each
-in its side's tree with its commit and options, then held together by ``compare``. The runs are
-stood in for by a runner that writes the record a run would (no GPU here)."""
+"""``experiments.ab`` and ``python -m xstage_lab ab``: one experiment run as base, change, base,
+each in its side's tree with its commit and options, then held together by ``compare``. The
+runs are stood in for by a runner that writes the record a run would (no GPU here)."""
 from __future__ import annotations
 
 import itertools
