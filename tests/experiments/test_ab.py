@@ -32,10 +32,14 @@ class FakeRun:
     (``here`` without it), its variant from ``--weighted-sum``, a time per cell that the
     ``times`` of its run sets; records every call."""
 
-    def __init__(self, times, writes=1, exit_code=0):
+    def __init__(self, times, writes=1, exit_code=0, package_in=None):
         self.times, self.writes, self.exit_code, self.calls = list(times), writes, exit_code, []
+        self.package_in = package_in  # where the import check finds the package (its tree)
 
-    def __call__(self, argv, cwd, env):
+    def __call__(self, argv, cwd, env, **kw):
+        if argv[1] == "-c":  # the import check
+            tree = self.package_in or Path(env["PYTHONPATH"].split(":")[0])
+            return subprocess.CompletedProcess(argv, 0, f"{tree}/xstage_lab/__init__.py\n")
         self.calls.append((argv, Path(cwd), env))
         root = Path(argv[argv.index("--root") + 1])
         options = argv[argv.index("moe_layer") + 1:]
@@ -82,6 +86,15 @@ def test_a_run_that_fails_or_writes_other_than_one_record_is_refused(tmp_path):
         run_sides("moe_layer", [], *sides, tmp_path / "s", runner=FakeRun([1.0], writes=2))
 
 
+def test_a_side_whose_runs_import_another_tree_is_refused(tmp_path):
+    """An installed copy of the package found first would measure another version."""
+    old, here = _tree(tmp_path / "old"), _tree(tmp_path / "here")
+    runner = FakeRun([1.0], package_in=here)
+    with pytest.raises(RuntimeError, match=f"a run in {old} imports xstage_lab from {here}"):
+        run_sides("moe_layer", [], Side(old, "abc"), Side(here), tmp_path / "r", runner=runner)
+    assert runner.calls == []  # nothing ran
+
+
 def test_two_sides_must_be_two_versions_of_source_trees(tmp_path):
     here = _tree(tmp_path / "here")
     with pytest.raises(ValueError, match="one version"):
@@ -106,3 +119,8 @@ def test_ab_runs_the_job_and_compares_it(tmp_path, monkeypatch, capsys):
     assert [c[-1] for c in cells] == ["faster", "faster"]  # both cells below both base runs
     assert [shlex.join(a[-4:]) for a, _, _ in runner.calls] == [
         "1 8 --weighted-sum launch", "1 8 --weighted-sum kernel", "1 8 --weighted-sum launch"]
+
+
+def test_the_import_check_finds_this_trees_package():
+    """Run for real (a subprocess): this checkout's runs import its own package."""
+    ab._check_imports_its_tree(Side(Path(ab.__file__).resolve().parents[2]), subprocess.run)

@@ -51,17 +51,14 @@ def run_sides(experiment: str, options: list[str], base: Side, change: Side, roo
     check_sides(base, change)
     runner = runner or subprocess.run
     root = root.resolve()
+    for side in (base, change):
+        _check_imports_its_tree(side, runner)
     records = []
     for name in ORDER:
         side = base if name == "base" else change
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(side.tree.resolve()),
-                                                        env.get("PYTHONPATH")) if p)
-        if side.commit:
-            env["XSTAGE_GIT_COMMIT"] = side.commit
         before = set(record_paths(experiment, root=root))
         done = runner([sys.executable, "-m", "xstage_lab", "run", "--root", str(root),
-                       experiment, *options, *side.options], cwd=side.tree, env=env)
+                       experiment, *options, *side.options], cwd=side.tree, env=_env(side))
         if done.returncode:
             raise RuntimeError(f"the {name} run of {experiment} failed (exit {done.returncode})")
         new = sorted(set(record_paths(experiment, root=root)) - before)
@@ -69,3 +66,24 @@ def run_sides(experiment: str, options: list[str], base: Side, change: Side, roo
             raise RuntimeError(f"the {name} run wrote {len(new)} {experiment} records, not one")
         records.append(new[0])
     return records[1], [records[0], records[2]]
+
+
+def _env(side: Side) -> dict:
+    """The environment of a side's runs: its tree first on the import path, its commit."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(side.tree.resolve()),
+                                                    env.get("PYTHONPATH")) if p)
+    if side.commit:
+        env["XSTAGE_GIT_COMMIT"] = side.commit
+    return env
+
+
+def _check_imports_its_tree(side: Side, runner) -> None:
+    """Raise RuntimeError unless a run in ``side``'s environment imports the package of its own
+    tree (an installed copy found first would measure another version under its name)."""
+    done = runner([sys.executable, "-c", "import xstage_lab; print(xstage_lab.__file__)"],
+                  cwd=side.tree, env=_env(side), capture_output=True, text=True)
+    found = Path(done.stdout.strip()).resolve().parent.parent if done.returncode == 0 else None
+    if found != side.tree.resolve():
+        raise RuntimeError(f"a run in {side.tree} imports xstage_lab from "
+                           f"{found or 'nowhere'}, not from its own tree")
