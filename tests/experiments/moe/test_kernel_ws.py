@@ -370,7 +370,7 @@ def test_split_k_build_sums_released_partials(ws_module, key):
 
 
 # Machine code the weighted sum adds to a build (one copy, called by the first consumer
-# warpgroup; both arrive): 7.8-9.0 KiB over the default builds with 8 picks, split or not
+# warpgroup; both arrive): 7.9-9.0 KiB over the default builds with 8 picks, split or not
 # (sm_90 builds here, Triton 3.6). It runs once, after the mainloops.
 SUM_CODE_LIMIT_BYTES = 12 * 1024
 
