@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from xstage_lab.__main__ import main
 from xstage_lab.analysis.moe.versions import VARIANT
@@ -124,3 +125,16 @@ def test_ab_runs_the_job_and_compares_it(tmp_path, monkeypatch, capsys):
 def test_the_import_check_finds_this_trees_package():
     """Run for real (a subprocess): this checkout's runs import its own package."""
     ab._check_imports_its_tree(Side(Path(ab.__file__).resolve().parents[2]), subprocess.run)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the run must stop at its GPU check")
+def test_ab_runs_run_for_real_up_to_the_experiments_gpu_check(tmp_path, capfd):
+    """The real subprocesses: the import checks pass in this checkout, and the base's ``run``
+    takes the shared and the side's options, then stops where ``moe_layer`` needs a GPU."""
+    argv = ["ab", "moe_layer", "--options", "--models DiT-MoE --tokens 1", "--root",
+            str(tmp_path), "--base-options", "--weighted-sum launch", "--change-options",
+            "--weighted-sum kernel", "--columns", "fused_graph_us"]
+    assert main(argv) == 2
+    err = capfd.readouterr().err
+    assert "moe_layer needs a CUDA GPU" in err
+    assert "ab: error: the base run of moe_layer failed (exit 1)" in err
