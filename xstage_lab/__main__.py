@@ -351,6 +351,16 @@ def _transcode(args) -> int:
     return 0
 
 
+def _comparison_options(p: argparse.ArgumentParser) -> None:
+    """What ``compare`` (and ``ab``, which ends with it) takes of the comparison."""
+    p.add_argument("--columns", **list_option(), required=True,
+                   help="the times to compare (lower is better)")
+    p.add_argument("--cell", **list_option(), default=None,
+                   help="the columns that name a cell (default: the experiment's, where known)")
+    p.add_argument("--by", **list_option(nargs="*"), default=[],
+                   help="the columns to summarize by (default: every cell together)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m xstage_lab",
                      description="The X-Stage workbench: measure on this node's GPUs, keep the "
@@ -449,12 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("change", type=Path, help="the change's record (a path)")
     p.add_argument("base", type=Path, nargs="+",
                    help="the base's records of the same job, before and after the change's")
-    p.add_argument("--columns", **list_option(), required=True,
-                   help="the times to compare (lower is better)")
-    p.add_argument("--cell", **list_option(), default=None,
-                   help="the columns that name a cell (default: the experiment's, where known)")
-    p.add_argument("--by", **list_option(nargs="*"), default=[],
-                   help="the columns to summarize by (default: every cell together)")
+    _comparison_options(p)
     p.set_defaults(func=_compare)
 
     p = sub.add_parser("ab", help="one experiment run as the base, the change, the base again "
@@ -471,12 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the base runs' options beyond the shared ones (one string)")
     p.add_argument("--change-options", default="",
                    help="the change run's options beyond the shared ones (one string)")
-    p.add_argument("--columns", **list_option(), required=True,
-                   help="the times to compare (lower is better)")
-    p.add_argument("--cell", **list_option(), default=None,
-                   help="the columns that name a cell (default: the experiment's, where known)")
-    p.add_argument("--by", **list_option(nargs="*"), default=[],
-                   help="the columns to summarize by (default: every cell together)")
+    _comparison_options(p)
     p.set_defaults(func=_ab)
 
     p = sub.add_parser("transcode", help="rewrite records of the format before the lean one in the "
