@@ -402,6 +402,12 @@ class FusedMoE(torch.nn.Module):
             raise MoEContractError(f"weighted_sum='kernel' needs the gluon_ws kernel, not "
                                    f"{self.workspace.config.kernel}")
         self.weighted_sum = weighted_sum
+        # the most tokens one pass of the programs' sum covers (sums_in_kernel): a token's
+        # SUM_COLS columns of kernels/moe_fused_ws.py a program
+        pieces = -(-weights.hidden // load_kernel_module("moe_fused_ws").SUM_COLS.value) \
+            if weighted_sum == "kernel" else None
+        self.tokens_summed_in_kernel = (self.workspace.bounds.num_programs // pieces
+                                        if pieces else 0)
         self.combine = self.workspace.buffers.combine
         self.peers = local_combine_peers([self.combine])
         self.device = weights.w1.device
@@ -517,13 +523,10 @@ class FusedMoE(torch.nn.Module):
     def sums_in_kernel(self, tokens: int) -> bool:
         """Whether a call of ``tokens`` tokens has the fused kernel end with the weighted sum:
         ``weighted_sum="kernel"`` and one piece of the sum (a token's ``SUM_COLS`` columns of
-        ``kernels/moe_fused_ws.py``) per program at most. Beyond, a program would sum its pieces
-        one after another, where the weighted sum's own launch spreads them over every SM."""
-        if self.weighted_sum != "kernel":
-            return False
-        cols = load_kernel_module("moe_fused_ws").SUM_COLS.value
-        hidden = self.workspace.weights.hidden
-        return tokens * -(-hidden // cols) <= self.workspace.bounds.num_programs
+        ``kernels/moe_fused_ws.py``) per program at most (``tokens_summed_in_kernel``, set at
+        construction). Beyond, a program would sum its pieces one after another, where the
+        weighted sum's own launch spreads them over every SM."""
+        return tokens <= self.tokens_summed_in_kernel
 
     def fused_kernel(self, tokens: int, weights_dtype: torch.dtype, schedule: str, *,
                      routed: bool = False, sum_args: torch.Tensor | None = None) -> None:
