@@ -147,15 +147,14 @@ def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, ou
     ``route_tiny``: no launch of its own quantizes them."""
     c = tl.program_id(0)
     chunks = tl.cdiv(CAPACITY, CHUNK)
-    quantizing = False
-    if QUANTIZE and not SCALES_BY_ROW:
-        quantizing = c >= chunks
-    if quantizing:
-        blocks = HIDDEN // SCALE_BLOCK
-        _quantize_block((c - chunks) // blocks, (c - chunks) % blocks,
-                        tl.multiple_of(x.to(tl.pointer_type(tl.bfloat16)), 16), n_arrivals_ptr,
-                        x_quant, x_quant_scale, arrival_rows, CAPACITY, HIDDEN, TOP_K, RECEIVED,
-                        False, QUANT_ROWS)
+    if c >= chunks:
+        # a runtime branch compiles both sides: the quantizing call only in a build that quantizes
+        if QUANTIZE and not SCALES_BY_ROW:
+            blocks = HIDDEN // SCALE_BLOCK
+            _quantize_block((c - chunks) // blocks, (c - chunks) % blocks,
+                            tl.multiple_of(x.to(tl.pointer_type(tl.bfloat16)), 16),
+                            n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY,
+                            HIDDEN, TOP_K, RECEIVED, False, QUANT_ROWS)
     else:
         if c == 0:
             _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,

@@ -330,13 +330,15 @@ def test_scales_by_layout_row_where_a_rows_scales_are_narrower_than_a_line():
     assert not any(scales_by_layout_row(s.hidden) for s in SHAPES.values() if s.hidden >= 4096)
 
 
-def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False, by_row: bool = True) -> dict:
+def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False, by_row: bool = True,
+                  quantize: bool = True) -> dict:
     """One routing kernel built for sm_90 (as the op launches it on an H200); ``route_tiny``
     with ``e_pad`` experts over 128 arrivals or 32 where the count is that or less (512: from
     all pairs, 64: from the scan, with the 32 from all pairs);
     ``route_histogram`` over ``e_pad`` experts, with the scan in its last program where ``scan``
     (a step's chunks: ``scan_step_rows``), quantizing programs after its chunks' unless the
-    scales lie ``by_row``."""
+    scales lie ``by_row``; without ``quantize`` (a bf16 layer) ``x_quant`` and its scales are
+    ``meta`` (int32), as the op passes them."""
     import triton.language as tl
     from triton.compiler import ASTSource
 
@@ -354,12 +356,15 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False, by_row: bool 
     # the call's addresses, by value (the first launch writes the argument block)
     addresses = {k: "i64" for k in ("expert_ids", "x", "x_scale", "combine_rows",
                                     "topk_weights", "out")}
+    quant = ({"x_quant": "*fp8e4nv", "x_quant_scale": "*fp32"} if quantize
+             else {"x_quant": ptr, "x_quant_scale": ptr})
     signatures = {
         "route_histogram": ({"args": "*i64", **addresses, "n_arrivals_ptr": ptr,
-                             "chunk_counts": ptr, "error": ptr, "x_quant": "*fp8e4nv",
-                             "x_quant_scale": "*fp32", "arrival_rows": ptr, **layout,
+                             "chunk_counts": ptr, "error": ptr, **quant, "arrival_rows": ptr,
+                             **layout,
                              **layout_ints, "TOP_K": i, "HIDDEN": i},
-                            dict(RECEIVED=False, QUANTIZE=True, SCALES_BY_ROW=by_row, E_PAD=e_pad,
+                            dict(RECEIVED=False, QUANTIZE=quantize, SCALES_BY_ROW=by_row,
+                                 E_PAD=e_pad,
                                  CHUNK=128, ID_DTYPE=tl.int64, SCAN=scan, BLOCK_M=128, G_PAD=256,
                                  E_LOG2=e_pad.bit_length() - 1,
                                  CHUNK_ROWS=scan_step_rows(e_pad),
@@ -390,11 +395,11 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False, by_row: bool 
                                             "arrival_rows", "row_src", "row_slot",
                                             "row_origin", "row_ready", "wave_tiles",
                                             "inter_tiles", "error")},
-                        "x_quant": "*fp8e4nv", "x_quant_scale": "*fp32",
+                        **quant,
                         **{k: i for k in ("CAPACITY", "NUM_EXPERTS", "G", "P1", "P2",
                                           "WAVE_MIN_L1", "LEAD", "MAX_TILES", "TOP_K",
                                           "HIDDEN")}},
-                       dict(RECEIVED=True, QUANTIZE=True, BLOCK_M=128, E_PAD=e_pad, A_PAD=128,
+                       dict(RECEIVED=True, QUANTIZE=quantize, BLOCK_M=128, E_PAD=e_pad, A_PAD=128,
                             A_FEW=32, G_PAD=256, ID_DTYPE=tl.int32, P_PAD=16, ROW_BLOCKS=4,
                             TILE_PROGRAMS=min(128, e_pad) // 4, QUANT_ROWS=32)),
     }
@@ -419,6 +424,13 @@ COMPILE_CASES = {**{f"compile_sm90_{n}": (_compile_sm90, n)
                  "compile_sm90_route_histogram_quantizing": (_compile_sm90, "route_histogram",
                                                              512, False, False),
                  "compile_sm90_route_tiny_scan": (_compile_sm90, "route_tiny", 64),
+                 # bf16 layers: nothing to quantize, x_quant an int32 stand-in
+                 "compile_sm90_route_histogram_bf16": (_compile_sm90, "route_histogram", 512,
+                                                       False, False, False),
+                 "compile_sm90_route_histogram_scan_bf16": (_compile_sm90, "route_histogram",
+                                                            256, True, True, False),
+                 "compile_sm90_route_tiny_bf16": (_compile_sm90, "route_tiny", 64, False, True,
+                                                  False),
                  "compile_sm90_route_histogram_scan": (_compile_sm90, "route_histogram", 256,
                                                        True),
                  # DiT-MoE's two experts of an EP = 8 rank: a step of 2048 chunks
