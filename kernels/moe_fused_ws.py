@@ -109,7 +109,7 @@ CONSUMER_REGS = gl.constexpr(224)
 PRODUCER_REGS = gl.constexpr(56)
 PRODUCER_WARPS = gl.constexpr(4)
 COPY_BYTES = gl.constexpr(16)  # one cp.async
-PARTIAL_COLS = gl.constexpr(16)  # a split tile's columns summed per step: 8 fp32 a thread
+PARTIAL_COLS = gl.constexpr(64)  # a split tile's columns summed per step: 32 fp32 a thread
 SUM_COLS = gl.constexpr(1024)  # the in-kernel weighted sum's columns per step: 8 bf16 a thread
 # the slots of its control block in shared memory (_sum_control_store)
 CONTROL_ARRIVALS = gl.constexpr(0)
@@ -580,23 +580,21 @@ def _last_split(counter, l2_splits):
     return gl.min(seen, axis=0) == l2_splits
 
 
-@gluon.jit(noinline=True)
+@gluon.jit
 def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_base, col0,
                         l2_splits, HIDDEN, N: gl.constexpr):
     """The Combine rows of a split tile's half: per ``PARTIAL_COLS`` columns, the splits'
     partials (split ``s`` at rows ``prow0 + s · BLOCK_M ..`` of ``l2_partial``) summed in split
     order, read at L2 (``.cg``: other SMs wrote them), into their Combine rows
-    (``_combine_rows``). Not inlined, the columns a loop: in FP8 with 128-wide Linear-2 tiles
-    (DiT-MoE at one token) the SPLIT_K build took 82.0 KiB of machine code with the columns
-    unrolled 64 at a time, 73.8 KiB so (the unsplit builds' bound, ``SASS_LIMIT_BYTES`` in
-    tests/experiments/moe/test_kernel_ws.py); each consumer still gets its own copy."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // PARTIAL_COLS, PARTIAL_COLS // 4],
-                                            [4, 1], [1, 0])
+    (``_combine_rows``). Inlined, 64 columns a step unrolled: a call of its own over 16 columns a
+    step (smaller machine code) ran DiT-MoE's one-token kernels 4-14% slower on an H200 (moe_layer
+    h200-x1 …041941Z against …041852Z and …042016Z, kernel_alone_device_us)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
     r = gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
     dst, routed = _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN, layout)
     routed = routed[:, None]
     split_rows = BLOCK_M * HIDDEN
-    for c in range(0, N, PARTIAL_COLS):
+    for c in gl.static_range(0, N, PARTIAL_COLS):
         cols = col0 + c + gl.arange(0, PARTIAL_COLS, layout=gl.SliceLayout(0, layout))
         part = l2_partial + ((prow0 + r).to(gl.int64) * HIDDEN)[:, None] + cols[None, :]
         total = gl.load(part, mask=routed, cache_modifier=".cg")

@@ -25,7 +25,6 @@ from tests.experiments.triton_testing import (HOPPER_SMEM_PER_BLOCK, compile_sm9
                                               sass_bytes)
 from xstage_lab.kernel_sources import kernel_path, load_kernel_module
 from xstage_lab.ops.moe.combine import local_combine_peers
-from xstage_lab.ops.moe.device_tables import TableBounds
 from xstage_lab.ops.moe.dispatch import build_layout
 from xstage_lab.ops.moe.fused import (KERNEL_ENTRIES, TRACE_FIELDS, InKernelSum, KernelBuffers,
                                       kernel_launch, prepare_fused_moe, synthetic_k_blocks)
@@ -37,7 +36,6 @@ from xstage_lab.ops.moe.weights import local_expert_weights, quantize_rows_fp8
 
 SHAPES = load_shapes()
 SASS_LIMIT_BYTES = 75 * 1024  # the largest build measured: 73.5 KiB (FP8, 256-wide Linear-2)
-H200_SMS = 132
 
 
 @pytest.fixture(scope="module")
@@ -326,41 +324,14 @@ def test_a_split_linear2_launch_passes_its_partials_and_counters(monkeypatch, pr
         _tiny_call(precision, l2_splits=3, kernel="triton")
 
 
-def _split_configs() -> set:
-    """The default configurations whose layer splits Linear-2 along K for some model shape at one
-    token (``TableBounds.l2_splits``; EP = 1 and the EP = 8 rank's bound, one program per SM
-    of an H200): DiT-MoE's 128-wide tiles."""
-    keys = set()
-    for key, cfg in _default_configs().items():
-        for shape in SHAPES.values():
-            if default_tile_config(key[0], "gluon_ws", hidden=shape.hidden) != cfg:
-                continue
-            for capacity, experts in ((shape.top_k, shape.routed_experts),
-                                      (8 * shape.top_k, shape.routed_experts // 8)):
-                bounds = TableBounds.of(capacity, experts, shape.hidden, shape.intermediate,
-                                        cfg, H200_SMS, 1, split_k=True)
-                if bounds.l2_splits > 1:
-                    keys.add(key)
-    return keys
-
-
-def test_split_builds_are_dit_moes():
-    assert _split_configs() == {("bf16", 128, 4), ("fp8", 128, 4)}
-
-
 @pytest.mark.parametrize("key", list(_default_configs()), ids=lambda k: "-".join(map(str, k)))
 def test_split_k_build_sums_released_partials(ws_module, key):
     """The SPLIT_K build: each split's partial released to its tile half's counter
     (release-add), acquired before the sums, which read the partials at L2; wgmma not
     serialized. Its few spilled bytes (the producer's split arithmetic at 56 registers) cost
-    little where it runs, at a few tokens, bound by the weights' stream. The builds a model
-    shape runs keep to the unsplit builds' bound on machine code (``test_compiles_for_hopper``;
-    the sums not inlined: ``_combine_split_sums``)."""
+    little where it runs, at a few tokens, bound by the weights' stream."""
     precision, cfg = key[0], _default_configs()[key]
-    k = _compile(ws_module, precision, cfg, split_k=True)
-    ptx = k.asm["ptx"]
-    if key in _split_configs():
-        assert sass_bytes(k.asm["cubin"], "moe_fused_ws_kernel") <= SASS_LIMIT_BYTES
+    ptx = _compile(ws_module, precision, cfg, split_k=True).asm["ptx"]
     plain = _compile(ws_module, precision, cfg).asm["ptx"]
     report = ptxas_report(ptx)
     assert report["spill_load_bytes"] <= 128 and not report["wgmma_serialized"], report
@@ -370,7 +341,7 @@ def test_split_k_build_sums_released_partials(ws_module, key):
 
 
 # Machine code the weighted sum adds to a build (one copy, called by the first consumer
-# warpgroup; both arrive): 7.9-9.0 KiB over the default builds with 8 picks, split or not
+# warpgroup; both arrive): 7.5-9.0 KiB over the default builds with 8 picks, split or not
 # (sm_90 builds here, Triton 3.6). It runs once, after the mainloops.
 SUM_CODE_LIMIT_BYTES = 12 * 1024
 
@@ -382,10 +353,9 @@ def test_the_weighted_sum_build_arrives_then_sums(ws_module, key, split_k):
     acquire), each consumer warpgroup's release-add after its mainloops, the first one's call
     (not inlined) acquire-spinning on the count and reading the Combine rows at L2 in 16-byte
     vectors, one per pick; wgmma not serialized; spills as the build without the sum allows
-    (none unsplit; the split builds' few bytes, ``test_split_k_build_sums_released_partials``:
-    the FP8 128-wide one, DiT-MoE's at one token, 48 bytes, eight of its spill loads and stores
-    in the consumers' mainloops, where the weights' stream bounds the kernel), none of the sum
-    kept in registers across the mainloops; its shared memory within the launcher's bound."""
+    (none unsplit; the split builds' few bytes, ``test_split_k_build_sums_released_partials``,
+    no more with the sum than without), none of the sum kept in registers across the mainloops;
+    its shared memory within the launcher's bound."""
     precision, cfg = key[0], _default_configs()[key]
     k = _compile(ws_module, precision, cfg, split_k=split_k, sum_top_k=8,
                  sum_weight_dtype=gl.bfloat16)
@@ -398,7 +368,9 @@ def test_the_weighted_sum_build_arrives_then_sums(ws_module, key, split_k):
     assert ptx.count("ld.global.cg.v4") - plain.asm["ptx"].count("ld.global.cg.v4") == 8
     report = ptxas_report(ptx)
     assert not report["wgmma_serialized"]
-    assert report["spill_load_bytes"] <= (128 if split_k else 0), report
+    plain_report = ptxas_report(plain.asm["ptx"])
+    for spill in ("spill_store_bytes", "spill_load_bytes"):
+        assert report[spill] <= plain_report[spill], (report, plain_report)
     assert k.metadata.shared <= ws_shared_memory_bytes(precision, cfg.block_n2, cfg.block_k,
                                                            cfg.num_stages)
     added = sass_bytes(k.asm["cubin"], "moe_fused_ws_kernel") - \
