@@ -293,7 +293,7 @@ def _ab(args) -> int:
     change, base in one job (``experiments.ab``), then ``compare``."""
     import shlex
 
-    from .experiments.ab import Side, check_sides, run_sides
+    from .experiments.ab import Side, run_sides
 
     if (args.base_tree is None) != (args.base_commit is None):
         raise UsageError("--base-tree and --base-commit go together: a tree extracted from a "
@@ -301,8 +301,7 @@ def _ab(args) -> int:
     here = Path(__file__).resolve().parent.parent
     base = Side(args.base_tree or here, args.base_commit, tuple(shlex.split(args.base_options)))
     change = Side(here, None, tuple(shlex.split(args.change_options)))
-    try:
-        check_sides(base, change)
+    try:  # run_sides checks the sides before anything runs
         change_record, base_records = run_sides(args.name, shlex.split(args.options), base,
                                                 change, args.root)
     except (ValueError, RuntimeError) as e:

@@ -36,6 +36,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
+import triton
 from triton.runtime import driver
 
 from ...kernel_sources import load_kernel_module
@@ -404,10 +405,10 @@ class FusedMoE(torch.nn.Module):
         self.weighted_sum = weighted_sum
         # the most tokens one pass of the programs' sum covers (sums_in_kernel): a token's
         # SUM_COLS columns of kernels/moe_fused_ws.py a program
-        pieces = -(-weights.hidden // load_kernel_module("moe_fused_ws").SUM_COLS.value) \
-            if weighted_sum == "kernel" else None
-        self.tokens_summed_in_kernel = (self.workspace.bounds.num_programs // pieces
-                                        if pieces else 0)
+        self.tokens_summed_in_kernel = 0
+        if weighted_sum == "kernel":
+            pieces = triton.cdiv(weights.hidden, load_kernel_module("moe_fused_ws").SUM_COLS.value)
+            self.tokens_summed_in_kernel = self.workspace.bounds.num_programs // pieces
         self.combine = self.workspace.buffers.combine
         self.peers = local_combine_peers([self.combine])
         self.device = weights.w1.device
