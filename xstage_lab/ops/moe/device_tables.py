@@ -98,7 +98,9 @@ QUANT_ROWS = 32
 # Up to this many rows of x, route_histogram's launch quantizes them too (programs after its
 # chunks', as route_tiny's; the scales by the rows of x), one launch fewer; above it
 # route_quantize's launch, whose pass over HBM (10-94 µs at 8192 tokens) the profile then keeps
-# apart from the table passes. Unmeasured: measured next against route_quantize's launch
+# apart from the table passes. Against route_quantize's launch at EP = 1 (ab, every shape, base
+# runs on either side): the graphed call 0.996x at 64 and 512 tokens, Qwen3.5's 8 tokens 0.994x
+# (moe_layer/h200-x1/20261205T045739Z-bdf29c1056; base runs retired, bytes at 57a863b)
 QUANT_IN_HISTOGRAM_ROWS = 512
 SCHEDULES = ("wave", "interleaved")
 
@@ -291,8 +293,9 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
 def scan_chunk_bound(num_experts: int) -> int:
     """Up to this many chunks, ``route_histogram``'s last program scans their counts (``SCAN``):
     ``SCAN_IN_HISTOGRAM_CHUNKS``, or the more one step takes, where ``route_offsets`` would split
-    that step and add a launch. Unmeasured above 32 (DiT-MoE's EP = 8 rank from 512 tokens, EP = 1
-    from 4096; Qwen3.5's rank at 64): ``route_small_probe`` times it against three launches."""
+    that step and add a launch. Above 32 (DiT-MoE's EP = 8 rank from 512 tokens, EP = 1 from
+    4096; Qwen3.5's rank at 64) the graphed call took 0.967-0.996x its time over three launches
+    (ab, base runs on either side: moe_layer/h200-x1/20261205T050105Z, …050209Z, …050333Z)."""
     return max(SCAN_IN_HISTOGRAM_CHUNKS, scan_step_rows(_pow2(num_experts)))
 
 
