@@ -352,7 +352,7 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False, by_row: bool 
     layout = {k: ptr for k in ("chunk_start", "expert_counts", "scan_done", "expert_offsets",
                                "wave_lo", "wave_hi", "wave_jumps", "meta", "wave_num_tiles",
                                "inter_num_tiles")}
-    layout_ints = {k: i for k in ("CAPACITY", "NUM_EXPERTS", "G", "P1", "P2", "WAVE_MIN_L1")}
+    layout_ints = {k: i for k in ("CAPACITY", "NUM_EXPERTS", "WAVE_MIN_L1")}
     # the call's addresses, by value (the first launch writes the argument block)
     addresses = {k: "i64" for k in ("expert_ids", "x", "x_scale", "combine_rows",
                                     "topk_weights", "out")}
@@ -384,8 +384,8 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False, by_row: bool 
                                             "wave_lo", "wave_hi", "meta", "arrival_rows",
                                             "row_src", "row_slot", "row_origin", "row_ready",
                                             "wave_tiles", "inter_tiles")},
-                        **{k: i for k in ("CAPACITY", "NUM_EXPERTS", "TOP_K", "G", "P1", "P2",
-                                          "WAVE_MIN_L1", "LEAD", "MAX_TILES")}},
+                        **{k: i for k in ("CAPACITY", "NUM_EXPERTS", "TOP_K", "WAVE_MIN_L1",
+                                          "LEAD", "MAX_TILES")}},
                        dict(RECEIVED=False, CHUNK=128, ID_DTYPE=tl.int64, BLOCK_M=128,
                             E_PAD=256, P_PAD=16, EXPERT_LEAD=True)),
         "route_tiny": ({"args": "*i64", **addresses,
@@ -396,14 +396,15 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False, by_row: bool 
                                             "row_origin", "row_ready", "wave_tiles",
                                             "inter_tiles", "error")},
                         **quant,
-                        **{k: i for k in ("CAPACITY", "NUM_EXPERTS", "G", "P1", "P2",
-                                          "WAVE_MIN_L1", "LEAD", "MAX_TILES", "TOP_K",
-                                          "HIDDEN")}},
+                        **{k: i for k in ("CAPACITY", "NUM_EXPERTS", "WAVE_MIN_L1", "LEAD",
+                                          "MAX_TILES", "TOP_K", "HIDDEN")}},
                        dict(RECEIVED=True, QUANTIZE=quantize, BLOCK_M=128, E_PAD=e_pad, A_PAD=128,
                             A_FEW=32, G_PAD=256, ID_DTYPE=tl.int32, P_PAD=16, ROW_BLOCKS=4,
                             TILE_PROGRAMS=min(128, e_pad) // 4, QUANT_ROWS=32)),
     }
     signature, constexprs = signatures[name]
+    if name != "route_quantize":  # the tables' geometry: an H200's 132 programs, 16-tile rows
+        constexprs = {**constexprs, "G": 132, "P1": 16, "P2": 16}
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
     names = kernel.arg_names
     # every pointer 16-byte aligned, as the launcher specializes torch's allocations
