@@ -64,18 +64,22 @@ chunks' quantize them instead, the scales by the rows of ``x``):
                        store them by the rows of ``x``).
 
 Tile positions (``G`` programs, ``P_1``/``P_2`` tiles per row block, ``n_1``/``n_2`` the streams'
-lengths). Expert-Wave: the merged stream holds, per wave of row blocks ``[lo, hi)``, its Linear-1
-tiles then its Linear-2 tiles, so Linear-1 tile ``(p, n)`` is item ``lo (P_1 + P_2) + (p - lo) P_1
-+ n`` and Linear-2 tile ``(p, n)`` item ``lo (P_1 + P_2) + (hi - lo) P_1 + (p - lo) P_2 + n``; item
-``k`` goes to program ``k mod G`` at position ``k div G``. Interleaved (Algorithm 1, lead ``D``):
-the Linear-2 stream is dealt with stride G, the Linear-1 stream by work (``schedules.l1_deal``,
-in closed form: ``_l1_program``); program ``g`` merges its two streams by key (a Linear-1 tile of
-row ``p_1`` by ``p_1``, a Linear-2 tile of row ``p_2`` by ``p_2 + D``, Linear-2 first on ties), so
-a tile's position is its index in its own stream plus program ``g``'s tiles of the other stream
-that lie before stream index ``X``: ``X = min((p_1 - D + 1) P_2, n_2)`` for Linear-1 (counted by
-``_programs_below``), ``X = min((p_2 + D) P_1, n_1)`` for Linear-2 (by ``_l1_below``). With the
-lead counted from the expert (``EXPERT_LEAD``), ``p_2`` in the key is the last row of its expert,
-and the Linear-2 rows before a Linear-1 tile are those of the experts ending by ``p_1 - D + 1``.
+lengths; ``G``, ``P_1`` and ``P_2``, a layer's constants, are constexprs, so each division by them
+compiles to a multiply and shift: route_tiny on the EP = 8 rank at one token had taken 2.3-3.7 µs,
+more the more tiles per row block its programs place (moe_layer/h200-x1/20261204T211110Z); not yet
+timed so on a GPU). Expert-Wave: the merged stream holds, per wave of row blocks ``[lo, hi)``, its
+Linear-1 tiles then its Linear-2 tiles, so Linear-1 tile ``(p, n)`` is item ``lo (P_1 + P_2) + (p -
+lo) P_1 + n`` and Linear-2 tile ``(p, n)`` item ``lo (P_1 + P_2) + (hi - lo) P_1 + (p - lo) P_2 +
+n``; item ``k`` goes to program ``k mod G`` at position ``k div G``. Interleaved (Algorithm 1, lead
+``D``): the Linear-2 stream is dealt with stride G, the Linear-1 stream by work
+(``schedules.l1_deal``, in closed form: ``_l1_program``); program ``g`` merges its two streams by
+key (a Linear-1 tile of row ``p_1`` by ``p_1``, a Linear-2 tile of row ``p_2`` by ``p_2 + D``,
+Linear-2 first on ties), so a tile's position is its index in its own stream plus program ``g``'s
+tiles of the other stream that lie before stream index ``X``: ``X = min((p_1 - D + 1) P_2, n_2)``
+for Linear-1 (counted by ``_programs_below``), ``X = min((p_2 + D) P_1, n_1)`` for Linear-2 (by
+``_l1_below``). With the lead counted from the expert (``EXPERT_LEAD``), ``p_2`` in the key is the
+last row of its expert, and the Linear-2 rows before a Linear-1 tile are those of the experts
+ending by ``p_1 - D + 1``.
 """
 import triton
 import triton.language as tl
