@@ -331,10 +331,11 @@ def test_scales_by_layout_row_where_a_rows_scales_are_narrower_than_a_line():
 
 
 def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False, by_row: bool = True,
-                  quantize: bool = True) -> dict:
+                  quantize: bool = True, arrivals: int = 128) -> dict:
     """One routing kernel built for sm_90 (as the op launches it on an H200); ``route_tiny``
-    with ``e_pad`` experts over 128 arrivals or 32 where the count is that or less (512: from
-    all pairs, 64: from the scan, with the 32 from all pairs);
+    with ``e_pad`` experts over 128 arrivals of an EP rank or 32 where the count is that or less
+    (512: from all pairs, 64: from the scan, with the 32 from all pairs), or over fewer
+    ``arrivals`` at EP = 1 (16: a token's picks, each expert's count from all pairs);
     ``route_histogram`` over ``e_pad`` experts, with the scan in its last program where ``scan``
     (a step's chunks: ``scan_step_rows``), quantizing programs after its chunks' unless the
     scales lie ``by_row``; without ``quantize`` (a bf16 layer) ``x_quant`` and its scales are
@@ -398,9 +399,10 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False, by_row: bool 
                         **quant,
                         **{k: i for k in ("CAPACITY", "NUM_EXPERTS", "WAVE_MIN_L1", "LEAD",
                                           "MAX_TILES", "TOP_K", "HIDDEN")}},
-                       dict(RECEIVED=True, QUANTIZE=quantize, BLOCK_M=128, E_PAD=e_pad, A_PAD=128,
-                            A_FEW=32, G_PAD=256, ID_DTYPE=tl.int32, P_PAD=16, ROW_BLOCKS=4,
-                            TILE_PROGRAMS=min(128, e_pad) // 4, QUANT_ROWS=32)),
+                       dict(RECEIVED=arrivals == 128, QUANTIZE=quantize, BLOCK_M=128,
+                            E_PAD=e_pad, A_PAD=arrivals, A_FEW=min(32, arrivals), G_PAD=256,
+                            ID_DTYPE=tl.int32, P_PAD=16, ROW_BLOCKS=4,
+                            TILE_PROGRAMS=min(arrivals, e_pad) // 4, QUANT_ROWS=32)),
     }
     signature, constexprs = signatures[name]
     if name != "route_quantize":  # the tables' geometry: an H200's 132 programs, 16-tile rows
@@ -425,6 +427,9 @@ COMPILE_CASES = {**{f"compile_sm90_{n}": (_compile_sm90, n)
                  "compile_sm90_route_histogram_quantizing": (_compile_sm90, "route_histogram",
                                                              512, False, False),
                  "compile_sm90_route_tiny_scan": (_compile_sm90, "route_tiny", 64),
+                 # one token of Qwen3.5 at EP = 1: ten picks over 512 experts
+                 "compile_sm90_route_tiny_one_token": (_compile_sm90, "route_tiny", 512, False,
+                                                       True, True, 16),
                  # bf16 layers: nothing to quantize, x_quant an int32 stand-in
                  "compile_sm90_route_histogram_bf16": (_compile_sm90, "route_histogram", 512,
                                                        False, False, False),
