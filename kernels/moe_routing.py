@@ -825,9 +825,7 @@ def _tiny_layout(i, e, valid, A_PAD: tl.constexpr, E_PAD: tl.constexpr):
     …124752Z-aee52a93dd); on an EP rank's 128 received rows over 64 local experts or fewer, with
     the scan, 0.91-1.14 (…144229Z-0c8c01d917 against …124542Z-44ce83fd5a), where all pairs had
     taken 1.08-1.58 (…142223Z, retired)."""
-    same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]
-    rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
-    first = valid & (rank == 0)
+    same, rank, first = _pair_ranks(i, e, valid)
     if A_PAD <= E_PAD:
         block = tl.sum((first[None, :] & (e[None, :] < e[:, None])).to(tl.int32), axis=1)
         rows_of = tl.sum(same.to(tl.int32), axis=1)
@@ -840,6 +838,16 @@ def _tiny_layout(i, e, valid, A_PAD: tl.constexpr, E_PAD: tl.constexpr):
         rows_of = tl.gather(count, safe_e, 0)
         row_blocks = tl.sum(blocks)
     return rank, first, block, rows_of, row_blocks
+
+
+@triton.jit
+def _pair_ranks(i, e, valid):
+    """From all pairs of the arrivals ``i`` (their experts ``e``): whether two share an expert,
+    both ``valid`` (``same``); each arrival's rank among its expert's arrivals (stable: by
+    arrival); whether it is its expert's first."""
+    same = (e[:, None] == e[None, :]) & valid[:, None] & valid[None, :]
+    rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+    return same, rank, valid & (rank == 0)
 
 
 @triton.jit
@@ -873,11 +881,8 @@ def _tiny_experts(e, valid, expert_counts, expert_offsets, meta, wave_num_tiles,
     es = tl.arange(0, E_PAD)
     in_e = es < NUM_EXPERTS
     if A_PAD <= PAIR_COUNT_ARRIVALS:
-        e = tl.where(valid, e, -1)
-        i = tl.arange(0, A_PAD)
-        earlier = (e[None, :] == e[:, None]) & (i[None, :] < i[:, None])
-        first = valid & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
-        count = tl.sum((e[None, :] == es[:, None]).to(tl.int32), axis=1)
+        _, _, first = _pair_ranks(tl.arange(0, A_PAD), e, valid)
+        count = tl.sum(((e[None, :] == es[:, None]) & valid[None, :]).to(tl.int32), axis=1)
         first_block = tl.sum((first[None, :] & (e[None, :] < es[:, None])).to(tl.int32), axis=1)
         row_blocks = tl.sum(first.to(tl.int32))
     else:
