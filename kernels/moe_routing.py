@@ -163,11 +163,8 @@ def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, ou
     if c >= chunks:
         # a runtime branch compiles both sides: the quantizing call only in a build that quantizes
         if QUANTIZE and not SCALES_BY_ROW:
-            blocks = HIDDEN // SCALE_BLOCK
-            _quantize_block((c - chunks) // blocks, (c - chunks) % blocks,
-                            tl.multiple_of(x.to(tl.pointer_type(tl.bfloat16)), 16),
-                            n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY,
-                            HIDDEN, TOP_K, RECEIVED, False, QUANT_ROWS)
+            _quantize_program(c - chunks, x, n_arrivals_ptr, x_quant, x_quant_scale,
+                              arrival_rows, CAPACITY, HIDDEN, TOP_K, RECEIVED, QUANT_ROWS)
     else:
         if c == 0:
             _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
@@ -528,6 +525,18 @@ def route_quantize(args, n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, C
 
 
 @triton.jit
+def _quantize_program(b, x, n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY,
+                      HIDDEN, TOP_K, RECEIVED: tl.constexpr, QUANT_ROWS: tl.constexpr):
+    """A first launch's quantizing program ``b`` (after its tables' programs):
+    ``_quantize_block``'s blocks of ``x`` (the call's address, by value) row-major, the scales
+    by the rows of ``x``."""
+    blocks = HIDDEN // SCALE_BLOCK
+    _quantize_block(b // blocks, b % blocks, tl.multiple_of(x.to(tl.pointer_type(tl.bfloat16)), 16),
+                    n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY, HIDDEN, TOP_K,
+                    RECEIVED, False, QUANT_ROWS)
+
+
+@triton.jit
 def _quantize_block(r, h, x, n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY,
                     HIDDEN, TOP_K, RECEIVED: tl.constexpr, BY_ROW: tl.constexpr,
                     ROWS: tl.constexpr):
@@ -743,11 +752,8 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
     first_quant = 2 + TILE_PROGRAMS
     if q >= first_quant:
         if QUANTIZE:
-            blocks = HIDDEN // SCALE_BLOCK
-            _quantize_block((q - first_quant) // blocks, (q - first_quant) % blocks,
-                            tl.multiple_of(x.to(tl.pointer_type(tl.bfloat16)), 16),
-                            n_arrivals_ptr, x_quant, x_quant_scale, arrival_rows, CAPACITY,
-                            HIDDEN, TOP_K, RECEIVED, False, QUANT_ROWS)
+            _quantize_program(q - first_quant, x, n_arrivals_ptr, x_quant, x_quant_scale,
+                              arrival_rows, CAPACITY, HIDDEN, TOP_K, RECEIVED, QUANT_ROWS)
     else:
         n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
         ids = expert_ids.to(tl.pointer_type(ID_DTYPE))
