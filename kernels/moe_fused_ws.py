@@ -589,7 +589,8 @@ def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_
     (``_combine_rows``). Inlined, 64 columns a step unrolled: a call of its own over 16 columns a
     step (smaller machine code) ran DiT-MoE's one-token kernels 4-14% slower on an H200 (moe_layer
     h200-x1 …041941Z against …041852Z and …042016Z, kernel_alone_device_us; retired, at a9cdb9f)."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // PARTIAL_COLS, PARTIAL_COLS // 4],
+                                            [4, 1], [1, 0])
     r = gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
     dst, routed = _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN, layout)
     routed = routed[:, None]
