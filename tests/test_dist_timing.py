@@ -1,8 +1,9 @@
-"""``dist_timing``'s CPU side: the rotation of methods over trials, the paired ratio and the
-time between consecutive device activities."""
+"""``dist_timing``'s CPU side: the rotation of methods over trials, the paired ratio, the time
+between consecutive device activities, a hold's arguments and how a record names the method."""
 import pytest
 
-from xstage_lab.dist_timing import boundaries_us, paired_ratio, rotated_order
+from xstage_lab.dist_timing import (TIMING_METHOD, boundaries_us, paired_ratio, rotated_order,
+                                    time_methods, timing_method)
 
 
 def test_each_method_leads_in_turn():
@@ -29,3 +30,19 @@ def test_boundaries_pair_activities_in_start_order_each_pairs_median():
     gaps = boundaries_us(calls[::-1])
     assert gaps == {"route -> kernel": 4.0, "kernel -> sum": 0.5, "sum -> route": 4.0}
     assert boundaries_us(calls[:1]) == {}
+
+
+@pytest.mark.parametrize("kwargs", [dict(hold_cycles=-1, graph_iters=5),
+                                    dict(hold_cycles=1000)])
+def test_a_hold_needs_graphed_methods_and_is_refused_before_any_launch(kwargs):
+    """A hold only opens a graphed trial's window (without graphs each call's launch is part of
+    what it costs): refused before anything touches a device, which this machine lacks."""
+    with pytest.raises(ValueError, match="hold"):
+        time_methods({"m": lambda: None}, **kwargs)
+
+
+def test_a_records_timing_names_the_calls_per_trial_and_the_hold():
+    assert timing_method() == TIMING_METHOD
+    assert timing_method(5) == f"{TIMING_METHOD}; 5 calls per trial"
+    held = timing_method(5, 100_000)
+    assert held.startswith(f"{TIMING_METHOD}; 5 calls per trial; ") and "100000-cycle hold" in held

@@ -1,13 +1,13 @@
-"""``dist_timing.kernel_times_us`` and ``kernel_boundaries_us`` on a GPU (skipped elsewhere: CI has
-no GPU): every kernel a call launches is named with its device time per call, and a longer kernel
-shows a longer time; the device's time between two kernels shows the host's wait between their
-launches."""
+"""``dist_timing.kernel_times_us``, ``kernel_boundaries_us`` and ``time_methods``' hold on a GPU
+(skipped elsewhere: CI has no GPU): every kernel a call launches is named with its device time per
+call, and a longer kernel shows a longer time; the device's time between two kernels shows the
+host's wait between their launches; a held trial's window leaves its replay's launch out."""
 import time
 
 import pytest
 import torch
 
-from xstage_lab.dist_timing import kernel_boundaries_us, kernel_times_us
+from xstage_lab.dist_timing import HOLD_CYCLES, kernel_boundaries_us, kernel_times_us, time_methods
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -34,3 +34,16 @@ def test_a_boundary_holds_the_hosts_wait_between_two_launches():
     pair = [k for k in waited if "mul" in k.lower().split(" -> ")[0]]
     assert len(pair) == 1 and pair[0] in quick
     assert waited[pair[0]] > 1000.0 > quick[pair[0]] >= -1.0
+
+
+def test_a_held_trial_leaves_its_replays_launch_out_of_the_window():
+    """A graph of one short kernel: from an idle GPU each trial's window holds the replay's launch
+    on the host (several µs) before the kernel; held, only the kernel. An eager method is never
+    held: its launches are what it costs."""
+    t = torch.randn(1 << 10, device="cuda")
+    methods = {"step": lambda: t.mul_(1.0), "eager_step": lambda: t.mul_(1.0)}
+    idle, held = (time_methods(methods, trials=30, graph_iters=1, eager=frozenset({"eager_step"}),
+                               hold_cycles=h) for h in (0, HOLD_CYCLES))
+    assert held["step"]["unheld_trials"] == 0
+    assert "unheld_trials" not in idle["step"] and "unheld_trials" not in held["eager_step"]
+    assert held["step"]["median_us"] + 1.0 < idle["step"]["median_us"]

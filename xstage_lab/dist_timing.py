@@ -8,9 +8,14 @@ reported figure is the median over trials with the p25/p75 spread; the order of 
 rotates from trial to trial so that no method always runs first (or right after the same one).
 
 Optionally every method is captured once in a CUDA graph of ``graph_iters`` back-to-back calls and
-the graph is replayed per trial (per-call time = replay time / ``graph_iters``): launch overhead
-leaves the measurement and sustained back-to-back behaviour shows, as for FA4 in §5.3. A method
-that cannot be captured is named ``eager`` and launched back to back instead.
+the graph is replayed per trial (per-call time = replay time / ``graph_iters``): the launch gaps
+between calls leave the measurement and sustained back-to-back behaviour shows, as for FA4 in §5.3.
+A method that cannot be captured is named ``eager`` and launched back to back instead. A trial that
+starts on an idle GPU still holds the replay's own launch (the host's ``replay`` and the
+submission, before the first kernel: ``graph_iters``-th of it per call); with ``hold_cycles`` each
+graphed trial's start is queued behind a kernel that spins that long, so the replay is launched
+while the GPU is busy and the window holds the device's time of the calls and the gaps between
+them, what a call costs inside a graph that holds more than the call (a model's forward).
 
 Without an initialised process group the same code times a single process (no barriers).
 """
@@ -102,12 +107,28 @@ def median_clock_mhz(timing: dict) -> float:
 # How ``time_methods`` times, for a record's metadata.
 TIMING_METHOD = ("barrier-aligned trials, CUDA events per rank, max over ranks per trial, "
                  "median and p25/p75 over trials, method order rotated")
+# About 50 µs at an H200's 1980 MHz SM clock: several times the host's replay of a call's graph
+# (7.8-9.0 µs, host_replay_us of the moe_layer/h200-x1 records), so that the replay is queued
+# before the hold ends.
+HOLD_CYCLES = 100_000
+
+
+def timing_method(graph_iters: int | None = None, hold_cycles: int = 0) -> str:
+    """``TIMING_METHOD`` with what ``time_methods`` was given: the calls per trial, and the hold
+    that each graphed trial's start was queued behind."""
+    parts = [TIMING_METHOD]
+    if graph_iters is not None:
+        parts.append(f"{graph_iters} calls per trial")
+        if hold_cycles:
+            parts.append(f"each graphed trial started behind a {hold_cycles}-cycle hold kernel "
+                         "(the replay launched while the GPU was busy)")
+    return "; ".join(parts)
 
 
 def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, warmup: int = 3,
                  graph_iters: int | None = None, group=None, eager: frozenset = frozenset(),
                  after: dict[str, Callable[[], None]] | None = None,
-                 clocks: bool = False) -> dict[str, dict]:
+                 clocks: bool = False, hold_cycles: int = 0) -> dict[str, dict]:
     """Time each method; returns ``{name: {"median_us", "p25_us", "p75_us", "min_us", "max_us",
     "trials_us", "per_rank_us", "calls_per_trial"}}``, times per call in microseconds, each
     trial's the maximum over ranks (``per_rank_us`` keeps every rank's). Methods named in
@@ -118,13 +139,22 @@ def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, wa
     (``read_sm_clock_mhz``) while the method runs, right after its launch, into
     ``"sm_clock_mhz"`` (per trial, the lowest over ranks; None where NVML does not answer) and
     ``"per_rank_sm_clock_mhz"``: under DVFS a trial's time is then read beside its clock.
-    Every rank must call this with the same methods in the same order."""
+    ``hold_cycles`` > 0 (with ``graph_iters``): each trial of a graphed method (not ``eager``)
+    starts behind ``torch.cuda._sleep(hold_cycles)``, queued after the ranks' start line, so its
+    window opens when the hold ends, the replay launched by then; ``"unheld_trials"`` counts the
+    trials whose start the GPU had passed (on any rank) before the replay's launch returned: their
+    window holds part of the launch, and a longer hold would have kept it out. Its clock is read
+    once the window is open. Every rank must call this with the same methods in the same order."""
     if not methods:
         raise ValueError("no methods to time")
     if trials < 1 or warmup < 0 or (graph_iters is not None and graph_iters < 1):
         raise ValueError(f"need trials >= 1, warmup >= 0, graph_iters >= 1 or None; got "
                          f"{trials}, {warmup}, {graph_iters}")
+    if hold_cycles < 0 or (hold_cycles and graph_iters is None):
+        raise ValueError(f"a hold (hold_cycles {hold_cycles}) needs hold_cycles >= 0 and "
+                         f"graphed methods (graph_iters {graph_iters})")
     names = list(methods)
+    held = {name for name in names if hold_cycles and name not in eager}
     after = after or {}
     distributed = _distributed()
 
@@ -158,6 +188,7 @@ def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, wa
     times = torch.zeros(trials, len(names), dtype=torch.float64)
     # NaN where the clock is unknown (or not asked for)
     clock = torch.full((trials, len(names)), float("nan"), dtype=torch.float64)
+    unheld = torch.zeros((trials, len(names)), dtype=torch.float64)
     for t in range(trials):
         for name in rotated_order(names, t):
             torch.cuda.synchronize()
@@ -165,23 +196,30 @@ def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, wa
                 import torch.distributed as dist
                 _host_barrier(group)
                 dist.all_reduce(align, group=group)  # device-side start line shared by all ranks
+            if name in held:
+                torch.cuda._sleep(hold_cycles)
             start.record()
             fns[name]()
             end.record()
+            if name in held:
+                unheld[t, names.index(name)] = float(start.query())
             if clocks:  # the host returns at launch: the GPU is running the method now
+                if name in held:
+                    start.synchronize()  # or, held, once the hold ends
                 mhz = read_sm_clock_mhz()
                 clock[t, names.index(name)] = float("nan") if mhz is None else mhz
             if name in after:
                 after[name]()
             torch.cuda.synchronize()
             times[t, names.index(name)] = start.elapsed_time(end) * 1e3 / calls
-    per_rank, per_rank_clock = times[None], clock[None]
+    per_rank, per_rank_clock, per_rank_unheld = times[None], clock[None], unheld[None]
     if distributed:
         import torch.distributed as dist
-        gathered = torch.empty((dist.get_world_size(group), 2, trials, len(names)),
+        gathered = torch.empty((dist.get_world_size(group), 3, trials, len(names)),
                                dtype=torch.float64, device=device)
-        dist.all_gather_into_tensor(gathered, torch.stack([times, clock]).to(device), group=group)
-        per_rank, per_rank_clock = gathered[:, 0].cpu(), gathered[:, 1].cpu()
+        dist.all_gather_into_tensor(gathered, torch.stack([times, clock, unheld]).to(device),
+                                    group=group)
+        per_rank, per_rank_clock, per_rank_unheld = (gathered[:, i].cpu() for i in range(3))
     worst = per_rank.max(dim=0).values.numpy()  # [trials, methods]: the slowest rank per trial
     out = {}
     for j, name in enumerate(names):
@@ -190,6 +228,8 @@ def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, wa
                      "p75_us": float(np.percentile(col, 75)), "min_us": float(col.min()),
                      "max_us": float(col.max()), "trials_us": [float(v) for v in col],
                      "per_rank_us": per_rank[:, :, j].tolist(), "calls_per_trial": calls}
+        if name in held:
+            out[name]["unheld_trials"] = int(per_rank_unheld[:, :, j].amax(dim=0).sum())
         if clocks:
             mhz = per_rank_clock[:, :, j]
             out[name]["per_rank_sm_clock_mhz"] = [[_mhz(v) for v in r] for r in mhz.tolist()]

@@ -3,7 +3,7 @@ paper §4.2, §5.2): record ``moe_layer``.
 
     python -m xstage_lab.experiments.moe.layer_bench (--out FILE.json | --root DIR)
         [--models M ...] [--precisions bf16 fp8] [--settings ep1 ep8_rank]
-        [--tokens 1 8 64 512 4096 8192] [--trials N] [--smoke]
+        [--tokens 1 8 64 512 4096 8192] [--trials N] [--graph-start idle|held] [--smoke]
 
 Settings: ``ep1``, every routed expert of the model on this GPU, ``FusedMoE`` from ``topk_ids``
 (T tokens, balanced routing); ``ep8_rank``, rank 0 of EP = 8 (issue 18's workload): its E/8
@@ -30,6 +30,12 @@ beforehand), ``weighted_sum``,
 ``unfused_eager``/``unfused_graph`` (routing by torch ops, grouped GEMMs, the same weighted-sum
 kernel: ``unfused.unfused_layer``), and ``host_scheduled`` (today's path: layout, schedule and
 checked launch on the host, then the kernel and the weighted sum; eager, few trials).
+``--graph-start``: where each trial of a graphed method starts: ``idle`` (the records' so far),
+the replay's own launch in its window (the graph's ``graph_iters``-th part of it per call), or
+``held``, queued behind a hold kernel (``dist_timing.HOLD_CYCLES``) so that the window holds the
+device's time of the calls and their gaps, as inside a graph of a whole forward; the record's
+variant and column ``graph_start`` (records without it: idle), ``graph_unheld_trials`` the held
+trials whose start the GPU passed before their replay was launched (``time_methods``).
 ``kernel_over_host_kernel_paired``: the kernel over the device tables against the host-scheduled
 kernel, the median of their per-trial ratios (``dist_timing.paired_ratio``; both trials kept,
 ``kernel_trials_us`` and ``host_scheduled_kernel_trials_us``, beside the kernel's median SM clock,
@@ -71,7 +77,8 @@ from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, kernel_phases, l
 from ...analysis.moe.versions import VARIANT
 from ...analysis.moe.trace import tile_frame
 from ...cli import list_option
-from ...dist_timing import TIMING_METHOD, median_clock_mhz, paired_ratio, time_methods
+from ...dist_timing import (HOLD_CYCLES, median_clock_mhz, paired_ratio, time_methods,
+                            timing_method)
 from ...ops.moe.op import WEIGHTED_SUMS
 from ...ops.moe.table_reference import table_mismatches
 from ...ops.moe.schedules import tile_table
@@ -94,6 +101,7 @@ TRACED_TOKENS = (1,)  # where the record shows the kernel's phases (``kernel_pha
 TABLE_CHECK_MAX_TOKENS = 512
 HOST_SCHEDULED_TRIALS = 2
 HBM_PROBE_BYTES = 2 << 30
+GRAPH_STARTS = {"idle": 0, "held": HOLD_CYCLES}  # --graph-start: time_methods' hold_cycles
 SMOKE = dict(models=["DeepSeek-V4-Flash"], precisions=list(PRECISIONS), settings=list(SETTINGS),
              tokens=[1, 64, 4096], trials=3)
 
@@ -312,6 +320,9 @@ class MoELayer(LayerCellRun):
         p.add_argument("--weighted-sum", choices=WEIGHTED_SUMS, default="launch",
                        help="where the EP = 1 call's weighted sum runs (FusedMoE's "
                             "weighted_sum): the record's variant")
+        p.add_argument("--graph-start", choices=list(GRAPH_STARTS), default="idle",
+                       help="each graphed trial from an idle GPU (its replay's launch in the "
+                            "window) or held behind a hold kernel: the record's variant")
         p.add_argument("--smoke", action="store_true",
                        help=f"the cells of {SMOKE}: a first check on the GPU")
 
@@ -346,7 +357,8 @@ class MoELayer(LayerCellRun):
             methods["weighted_sum"] = cell.weighted_sum
         if cell.sums_in_kernel():
             methods["kernel_summed"] = cell.kernel_summed
-        graphed = time_methods(methods, trials=a.trials, graph_iters=a.graph_iters, clocks=True)
+        graphed = time_methods(methods, trials=a.trials, graph_iters=a.graph_iters, clocks=True,
+                               hold_cycles=GRAPH_STARTS[a.graph_start])
         eager = time_methods({"fused": cell.call, "unfused": cell.unfused}, trials=a.trials,
                              eager=frozenset({"fused", "unfused"}), graph_iters=a.graph_iters)
         host = time_methods({"host_scheduled": cell.host_scheduled},
@@ -389,6 +401,9 @@ class MoELayer(LayerCellRun):
                 "weight_floor_us": cell.touched_experts() * _expert_bytes(weights) / bw * 1e6,
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
                 "l2_splits": splits, "weighted_sum_in_kernel": cell.sums_in_kernel(),
+                "graph_start": a.graph_start,
+                "graph_unheld_trials": sum(g.get("unheld_trials", 0) for g in graphed.values())
+                if a.graph_start == "held" else float("nan"),
                 **device_profile(cell, a.graph_iters),
                 "eager_path": EAGER_PATH, **self.launch_floors, **stages, **phases}
 
@@ -407,9 +422,11 @@ class MoELayer(LayerCellRun):
                 "hbm_gbps": self.hbm_gbps, "host_launch_floor_us": self.launch_floor_us,
                 "host_launch_floors_us": self.launch_floors,
                 "tolerance": TOLERANCE,
-                "timing": f"{TIMING_METHOD}; {run.args.graph_iters} calls per trial",
+                "timing": timing_method(run.args.graph_iters,
+                                        GRAPH_STARTS[run.args.graph_start]),
                 "graph_routings": GRAPH_ROUTINGS, "summary_keys": list(SUMMARY_KEYS),
-                VARIANT: {"weighted_sum": run.args.weighted_sum}}
+                VARIANT: {"weighted_sum": run.args.weighted_sum,
+                          "graph_start": run.args.graph_start}}
 
 
 EXPERIMENT = MoELayer()
