@@ -107,9 +107,11 @@ def median_clock_mhz(timing: dict) -> float:
 # How ``time_methods`` times, for a record's metadata.
 TIMING_METHOD = ("barrier-aligned trials, CUDA events per rank, max over ranks per trial, "
                  "median and p25/p75 over trials, method order rotated")
-# About 50 µs at an H200's 1980 MHz SM clock: several times the host's replay of a call's graph
-# (7.8-9.0 µs, host_replay_us of the moe_layer/h200-x1 records), so that the replay is queued
-# before the hold ends.
+# About 50 µs at an H200's 1980 MHz SM clock: five times the host's replay of a layer call's graph
+# (5.3-10.1 µs, host_replay_us of the moe_layer/h200-x1 records at one token), so that the replay
+# is queued before the hold ends. Started idle, the graphed kernel alone of those records took
+# 23.7 µs per trial (median over the 28 one-token cells; quartiles 16.1-32.3) over its device time
+# as profiled in another pass.
 HOLD_CYCLES = 100_000
 
 
