@@ -414,3 +414,24 @@ def test_layer_prose_names_the_cells_whose_kernel_summed(tmp_path):
             "alone takes 2.0–3.5 µs more than without it)") in text
     write_record("moe_layer", "y", pd.DataFrame([_row(1), _row(64)]), {}, {}, tmp_path)
     assert "ends with the weighted sum" not in str(layer([lv.layer_view("y", tmp_path)]))
+
+
+def test_the_prose_says_which_cells_started_their_graphed_trials_held(tmp_path):
+    """Cells of a ``--graph-start held`` record beside an older record's (no column: idle): the
+    prose names the held cells and the trials the hold did not cover; a view of idle cells only
+    says nothing of a hold."""
+    from xstage_lab.prose.moe.kernel import layer
+
+    at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(2)]
+    write_record("moe_layer", "x", pd.DataFrame([_row(1), _row(64), _row(512)]), {}, {},
+                 tmp_path, created=at[0])
+    assert "hold kernel" not in str(layer([lv.layer_view("x", tmp_path)]))
+    write_record("moe_layer", "x", pd.DataFrame([
+        _row(t, graph_start="held", graph_unheld_trials=u) for t, u in ((1, 0), (64, 2))]),
+        {}, {}, tmp_path, created=at[1])
+    view = lv.layer_view("x", tmp_path)
+    assert list(lv.graph_starts(view.table)) == ["held", "held", "idle"]
+    assert ("; in 2 cells each graphed trial started behind a hold kernel, its graph launched "
+            "while the GPU was busy, the GPU past the start before the launch in 2 trials, in "
+            "the others from an idle GPU, each trial's time holding its graph's launch)"
+            in str(layer([view])))

@@ -208,6 +208,15 @@ def sums_in_kernel(table: pd.DataFrame) -> pd.Series:
     return table["weighted_sum_in_kernel"].fillna(False).astype(bool)
 
 
+def graph_starts(table: pd.DataFrame) -> pd.Series:
+    """Per cell, how its graphed trials started (``graph_start``: moe_layer's ``--graph-start``):
+    ``held`` behind a hold kernel, or ``idle``, each trial's window holding its replay's launch;
+    idle in records from before the column."""
+    if "graph_start" not in table:
+        return pd.Series("idle", index=table.index)
+    return table["graph_start"].fillna("idle")
+
+
 def profile_kernel_us(profiles: pd.Series, name: str) -> pd.Series:
     """Per cell, the device time of kernel ``name`` in a per-kernel profile (a JSON column of
     ``layer_profile``'s), NaN where the profile has no such kernel."""

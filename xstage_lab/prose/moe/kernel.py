@@ -351,7 +351,7 @@ def layer(layer_views) -> Prose:
                   else "")
         out.append(
             f"On {v.platform} ({count(len(t))} cells of {count(t['model'].nunique())} models from "
-            f"{sources(v)}), from the "
+            f"{sources(v)}{held_starts(t)}), from the "
             f"router's output to the layer's output, the fused layer is at least as fast as the "
             f"unfused torch path (routing by torch ops, grouped GEMMs, weighted sum; below "
             f"{SMALL_T} tokens at most 10% slower, as the issue allows) eagerly in "
@@ -365,6 +365,24 @@ def layer(layer_views) -> Prose:
             f"{span(t['host_scheduled_us'] / t['fused_eager_us'], '.1f')}× the fused eager "
             f"call's time.")
     return Prose(*out)
+
+
+def held_starts(t: pd.DataFrame) -> str:
+    """Where a record's graphed trials started behind a hold kernel (``moe_layer --graph-start
+    held``): the cells, and the trials whose start the GPU passed before their replay's launch;
+    nothing where every cell started idle."""
+    from ...analysis.moe.layer_view import graph_starts
+
+    held = t[graph_starts(t) == "held"]
+    if not len(held):
+        return ""
+    unheld = int(held["graph_unheld_trials"].sum())
+    return (f"; in {count(len(held))} {plural(len(held), 'cell')} each graphed trial started "
+            f"behind a hold kernel, its graph launched while the GPU was busy, "
+            + (f"the GPU past the start before the launch in {count(unheld)} "
+               f"{plural(unheld, 'trial')}" if unheld else "in every trial")
+            + (", in the others from an idle GPU, each trial's time holding its graph's launch"
+               if len(held) < len(t) else ""))
 
 
 def in_kernel_sums(t: pd.DataFrame) -> str:
