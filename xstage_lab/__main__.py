@@ -270,6 +270,11 @@ def _compare_paths(change_path: Path, base_paths: list[Path], columns: list[str]
         raise UsageError(f"the base runs must share one version (commit and variant options) "
                          f"and the change another: base {sorted(versions)}, change "
                          f"{record_version(change)}")
+    timings = {r.params.get("timing") for r in (change, *base)}
+    if len(timings) > 1 and len({r.git_commit for r in (change, *base)}) > 1:
+        # a variant of one commit may be the timing itself (moe_layer --graph-start)
+        raise UsageError(f"the records were timed in different ways and come from different "
+                         f"commits, so each ratio would mix the two: {sorted(map(str, timings))}")
     try:
         ratios = version_ratios([r.table for r in base], change.table, cell, columns)
     except ValueError as e:

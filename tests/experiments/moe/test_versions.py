@@ -9,6 +9,7 @@ import pytest
 from xstage_lab.__main__ import main
 from xstage_lab.analysis.moe.versions import (FASTER, SLOWER, UNBRACKETED, VARIANT, WITHIN,
                                               version_ratios, version_summary)
+from xstage_lab.dist_timing import timing_method
 from xstage_lab.records import write_record
 
 CELL = ["model", "tokens"]
@@ -77,9 +78,12 @@ def test_the_summary_counts_each_groups_verdicts():
     assert whole["cells"].tolist() == [6] and whole["t_us_ratio"][0] == pytest.approx(1.0)
 
 
-def _record(root, table, commit, experiment="moe_layer", platform="h200-x1", variant=None):
+def _record(root, table, commit, experiment="moe_layer", platform="h200-x1", variant=None,
+            timing=None):
     created = datetime(2026, 12, 5, tzinfo=timezone.utc) + timedelta(seconds=next(_SECONDS))
     params = {} if variant is None else {VARIANT: variant}
+    if timing is not None:
+        params["timing"] = timing
     return write_record(experiment, platform, table.assign(setting="ep1", precision="bf16"),
                         params, {"git_commit": commit}, root=root, created=created)
 
@@ -121,3 +125,22 @@ def test_compare_refuses_records_it_cannot_hold_together(tmp_path, capsys, bad):
     err = capsys.readouterr().err
     assert {"same_commit": "share one version", "other_experiment": "different experiments",
             "no_cell": "--cell", "no_column": "no column"}[bad] in err
+
+
+def test_compare_holds_two_timings_apart_only_as_one_commits_variants(tmp_path, capsys):
+    """Runs timed two ways are two versions where one commit's variant picks the timing
+    (moe_layer --graph-start); across commits each ratio would mix the code's change with the
+    timing's, and compare refuses."""
+    idle, held = timing_method(5), timing_method(5, 100_000)
+    old = [_record(tmp_path, _runs({"A": [10.0, 20.0, 30.0]}), "abc", timing=idle,
+                   variant={"graph_start": "idle"}) for _ in range(2)]
+    same_commit = _record(tmp_path, _runs({"A": [5.0, 20.0, 60.0]}), "abc", timing=held,
+                          variant={"graph_start": "held"})
+    assert main(["compare", str(same_commit), *map(str, old), "--columns", "t_us"]) == 0
+    assert "abc graph_start=held against abc graph_start=idle" in capsys.readouterr().out
+    other_commit = _record(tmp_path, _runs({"A": [5.0, 20.0, 60.0]}), "def", timing=held,
+                           variant={"graph_start": "held"})
+    assert main(["compare", str(other_commit), *map(str, old), "--columns", "t_us"]) == 2
+    assert "timed in different ways" in capsys.readouterr().err
+    alike = _record(tmp_path, _runs({"A": [5.0, 20.0, 60.0]}), "def", timing=idle)
+    assert main(["compare", str(alike), *map(str, old), "--columns", "t_us"]) == 0
