@@ -207,7 +207,7 @@ def time_methods(methods: dict[str, Callable[[], None]], *, trials: int = 20, wa
                 unheld[t, names.index(name)] = float(start.query())
             if clocks:  # the host returns at launch: the GPU is running the method now
                 if name in held:
-                    start.synchronize()  # or, held, once the hold ends
+                    start.synchronize()  # held: once the hold has ended and the method runs
                 mhz = read_sm_clock_mhz()
                 clock[t, names.index(name)] = float("nan") if mhz is None else mhz
             if name in after:

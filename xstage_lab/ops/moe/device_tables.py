@@ -193,7 +193,8 @@ def l2_split_count(l2_tiles: int, num_programs: int, k_blocks: int) -> int:
     DeepSeek-V4-Pro's 168 tiles took 1.57x (bf16) and 1.85x (FP8) the time of its weights at
     the HBM rate measured in the run, Qwen3.5's 160 tiles 1.28x and 1.75x, GLM-5.x's 192 1.13x
     and 1.36x (trace columns of moe_layer/h200-x1/20261205T041719Z-4608e0b82b). A round of at
-    least half the programs streams near the HBM rate (66 x 50 GB/s on an H200). So:
+    least half the programs streams at most of the HBM rate (on an H200 66 x 50 GB/s, 3.3 of
+    the 4.1 TB/s measured in that run). So:
       at most half the programs  as many splits as the programs take (``num_programs div
                                  l2_tiles``): one round;
       a second round of fewer than half the programs (and no third)  the fewest splits whose
