@@ -490,8 +490,8 @@ def test_linear2_tiles_split_along_k_only_where_they_leave_most_programs_idle():
     assert l2_split_count(22, 132, 3) == 3    # at most one split a K block
     # a second round the tiles do not fill: DeepSeek-V4-Pro's 168 tiles at one token, 2 tile-times
     # unsplit, 1.33 in three splits of 16 K blocks: the fewest splits within 5% of the fewest
-    # tile-times of splits of 4 K blocks or more (1.31, seven of 7); 24 splits of two would take
-    # 1.29
+    # tile-times of splits of 4 K blocks or more (1.31: seven splits of 7 blocks); 24 splits of
+    # two blocks would take 1.29
     assert l2_split_rounds(168, 132, 48, 1) == 2.0
     assert l2_split_rounds(168, 132, 48, 3) == pytest.approx(4 / 3)
     assert l2_split_rounds(168, 132, 48, 7) == pytest.approx(9 * 7 / 48)
