@@ -1,0 +1,165 @@
+"""One program's own row of the fused MoE's tile table, derived on the program from the router's
+ids, in Gluon: the first step of routing inside the persistent kernel (issue 27), where a call of
+at most ``BLOCK_M`` arrivals (every routed expert one row block) would need no routing launch.
+
+Device code only. The host reference is ``xstage_lab/ops/moe/table_reference.program_tiles``
+(each row equal to the schedules' own, ``tests/ops/moe/test_table_reference.py``); the closed
+forms are ``moe_routing.py``'s, solved for the tiles of one program instead of the program of
+each tile, so each program computes a few entries, not the whole table:
+  Expert-Wave   stream items ``g + j G``; a wave holds ``w = cdiv(WAVE_MIN_L1, P_1)`` row blocks
+                (the last the rest), its Linear-1 tiles then its Linear-2 tiles;
+  Interleaved   Linear-2 stream indices ``g + j G`` at position ``j`` plus the program's
+                Linear-1 tiles below ``min((p_2 + D) P_1, n_1)``; Linear-1 indices
+                (``schedules.l1_deal`` in closed form) ``(g - r_2) + j n_B`` for ``j < u`` where
+                ``g >= r_2``, then ``u n_B + rank_g + m G``, at their own index plus the
+                program's Linear-2 tiles below ``min((p_1 - D + 1) P_2, n_2)``.
+A row block is a routed expert, in ascending order: row block ``p`` is the expert with ``p``
+routed experts below it. Ids out of range get no row block and add to ``error`` (program 0).
+
+Each program holds the ``A`` ids twice, along both axes of one ``[A, A]`` blocked layout, so that
+the pairwise counts reduce to either axis without a layout conversion; the row blocks' experts
+lie along the first axis, as do a program's entries, ``J`` at a time, which gather their
+experts from them.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+TILE_L1 = gl.constexpr(0)
+TILE_L2 = gl.constexpr(1)
+TILE_FIELDS = gl.constexpr(4)
+# the default partition's four warps, before the persistent kernel specializes them
+PAIRS = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _ids(ids, n, NUM_EXPERTS, axis: gl.constexpr, A: gl.constexpr):
+    """The arrivals ``i < A`` along ``axis`` of ``PAIRS``: their expert ids (int32, -1 past the
+    count ``n``), whether each is below the count (``live``) and names an expert in ``0 ..
+    NUM_EXPERTS - 1`` (``valid``)."""
+    i = gl.arange(0, A, layout=gl.SliceLayout(1 - axis, PAIRS))
+    live = i < n
+    e = gl.load(ids + i, mask=live, other=-1).to(gl.int32)
+    return i, e, live, live & (e >= 0) & (e < NUM_EXPERTS)
+
+
+@gluon.jit
+def routed_experts(ids, n, error, flag, NUM_EXPERTS, A: gl.constexpr):
+    """From the first ``n`` of at most ``A`` ids: the expert of each row block ``0 .. A - 1``
+    (``PAIRS``' first axis; 0 past the row blocks in use) and the row blocks in use. Where
+    ``flag``, the live ids out of range added to ``error``."""
+    i_r, e_r, live_r, valid_r = _ids(ids, n, NUM_EXPERTS, 0, A)
+    i_c, e_c, live_c, valid_c = _ids(ids, n, NUM_EXPERTS, 1, A)
+    bad = gl.sum((live_c & ~valid_c).to(gl.int32), axis=0)
+    if flag & (bad > 0):
+        gl.atomic_add(error, bad)
+    same = (e_r[:, None] == e_c[None, :]) & valid_r[:, None] & valid_c[None, :]
+    # an arrival is its expert's first where no earlier one shares it; its row block, the
+    # routed experts below its own
+    first_r = valid_r & (gl.sum((same & (i_c[None, :] < i_r[:, None])).to(gl.int32), axis=1) == 0)
+    first_c = valid_c & (gl.sum((same & (i_r[:, None] < i_c[None, :])).to(gl.int32), axis=0) == 0)
+    block_c = gl.sum((first_r[:, None] & (e_r[:, None] < e_c[None, :])).to(gl.int32), axis=0)
+    named = first_c[None, :] & (block_c[None, :] == i_r[:, None])
+    return (gl.sum(gl.where(named, e_c[None, :], 0), axis=1),
+            gl.sum(first_c.to(gl.int32), axis=0))
+
+
+@gluon.jit
+def _programs_below(limit, g, G):
+    """``#{j >= 0 : g + j G < limit}``: program ``g``'s stride-``G`` items before ``limit``."""
+    return gl.maximum(limit - g + G - 1, 0) // G
+
+
+@gluon.jit
+def _l1_deal(row_blocks, g, G, P1, P2):
+    """``l1_deal``'s closed form seen from program ``g``: ``r_2 = n_2 mod G``, ``n_B = G -
+    r_2``, ``u = P_1 div 2 P_2`` early tiles (programs ``r_2 .. G-1`` only), ``f = P_1 mod 2
+    P_2``, and ``g``'s rank in each later round of ``G``."""
+    r2 = (row_blocks * P2) % G
+    nb = G - r2
+    u = P1 // (2 * P2)
+    f = P1 % (2 * P2)
+    rank = gl.where(f == 0, g, gl.where(g >= r2, g - r2, nb + g))
+    return r2, nb, u, rank
+
+
+@gluon.jit
+def _l1_below(limit, g, G, r2, nb, u, rank):
+    """``#{k < limit : the Linear-1 stream index k is program g's}``: its early tiles, then one
+    per round of ``G`` at its rank."""
+    early = gl.where(g >= r2, gl.minimum(gl.maximum(limit - (g - r2) + nb - 1, 0) // nb, u), 0)
+    return early + gl.maximum(limit - u * nb - rank + G - 1, 0) // G
+
+
+@gluon.jit
+def _store_entries(tiles, at, kind, block_expert, row, n, mask):
+    """Entries ``(kind, expert of row, row, n)`` at positions ``at`` of a program's row
+    ``tiles``."""
+    entry = tiles + at * TILE_FIELDS
+    gl.store(entry, gl.zeros_like(at) + kind, mask=mask)
+    gl.store(entry + 1, gl.gather(block_expert, gl.where(mask, row, 0), 0), mask=mask)
+    gl.store(entry + 2, row, mask=mask)
+    gl.store(entry + 3, n, mask=mask)
+
+
+@gluon.jit
+def program_row(g, tiles, block_expert, row_blocks, G, P1, P2, LEAD, WAVE_MIN_L1,
+                WAVE: gl.constexpr, J: gl.constexpr):
+    """Program ``g``'s entries of the Expert-Wave (``WAVE``) or Interleaved table, from
+    ``routed_experts``' row blocks, stored into its row ``tiles`` (int32 ``[.., 4]``) at their
+    positions, ``J`` at a time; returns its tile count."""
+    n1 = row_blocks * P1
+    n2 = row_blocks * P2
+    if WAVE:
+        count = _programs_below(n1 + n2, g, G)
+        w = gl.cdiv(WAVE_MIN_L1, P1)
+        for j0 in range(0, count, J):
+            j = j0 + gl.arange(0, J, layout=gl.SliceLayout(1, PAIRS))
+            k = g + j * G
+            lo = k // (w * (P1 + P2)) * w
+            in_wave = gl.minimum(lo + w, row_blocks) - lo
+            o = k - lo * (P1 + P2)
+            linear1 = o < in_wave * P1
+            o2 = o - in_wave * P1
+            _store_entries(tiles, j, gl.where(linear1, TILE_L1, TILE_L2), block_expert,
+                           gl.where(linear1, lo + o // P1, lo + o2 // P2),
+                           gl.where(linear1, o % P1, o2 % P2), j < count)
+    else:
+        r2, nb, u, rank = _l1_deal(row_blocks, g, G, P1, P2)
+        count2 = _programs_below(n2, g, G)
+        for j0 in range(0, count2, J):
+            j = j0 + gl.arange(0, J, layout=gl.SliceLayout(1, PAIRS))
+            k2 = g + j * G
+            row2 = k2 // P2
+            _store_entries(tiles, j + _l1_below(gl.minimum((row2 + LEAD) * P1, n1), g, G, r2, nb,
+                                                u, rank),
+                           TILE_L2, block_expert, row2, k2 % P2, j < count2)
+        count1 = _l1_below(n1, g, G, r2, nb, u, rank)
+        for j0 in range(0, count1, J):
+            j = j0 + gl.arange(0, J, layout=gl.SliceLayout(1, PAIRS))
+            k1 = gl.where((g >= r2) & (j < u), (g - r2) + j * nb,
+                          u * nb + rank + (j - gl.where(g >= r2, u, 0)) * G)
+            row1 = k1 // P1
+            _store_entries(tiles, j + _programs_below(gl.minimum((row1 - LEAD + 1) * P2, n2), g,
+                                                      G),
+                           TILE_L1, block_expert, row1, k1 % P1, j < count1)
+        count = count1 + count2
+    return count
+
+
+@gluon.jit
+def program_tables_kernel(ids, n_arrivals, tiles, num_tiles, error, NUM_EXPERTS, CAPACITY,
+                          MAX_TILES, G, P1, P2, LEAD, WAVE_MIN_L1, RECEIVED: gl.constexpr,
+                          WAVE: gl.constexpr, A: gl.constexpr, J: gl.constexpr):
+    """Every program ``g`` of ``G`` its own row of the table (int32 ``[G, MAX_TILES, 4]``) and
+    count (``num_tiles[g]``) from the ids (at most ``A`` of them: the call's ``CAPACITY``, or on
+    an EP rank (``RECEIVED``) the count at ``n_arrivals``), as the persistent kernel's programs
+    would before their tiles: the unit the GPU tests check against the host reference."""
+    g = gl.program_id(0)
+    if RECEIVED:
+        n = gl.load(n_arrivals)
+    else:
+        n = CAPACITY
+    block_expert, row_blocks = routed_experts(ids, n, error, g == 0, NUM_EXPERTS, A)
+    count = program_row(g, tiles + g * MAX_TILES * TILE_FIELDS, block_expert, row_blocks, G, P1,
+                        P2, LEAD, WAVE_MIN_L1, WAVE, J)
+    gl.store(num_tiles + g, count)
