@@ -27,6 +27,7 @@ from triton.experimental.gluon import language as gl
 TILE_L1 = gl.constexpr(0)
 TILE_L2 = gl.constexpr(1)
 TILE_FIELDS = gl.constexpr(4)
+BLOCK_M = gl.constexpr(128)  # rows of a row block: the fused kernel's
 # the default partition's four warps, before the persistent kernel specializes them
 PAIRS = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))
 
@@ -44,9 +45,11 @@ def _ids(ids, n, NUM_EXPERTS, axis: gl.constexpr, A: gl.constexpr):
 
 @gluon.jit
 def routed_experts(ids, n, error, flag, NUM_EXPERTS, A: gl.constexpr):
-    """From the first ``n`` of at most ``A`` ids: the expert of each row block ``0 .. A - 1``
-    (``PAIRS``' first axis; 0 past the row blocks in use) and the row blocks in use. Where
-    ``flag``, the live ids out of range added to ``error``."""
+    """From the first ``n`` of at most ``A`` ids, along ``PAIRS``' first axis, of each row block
+    ``0 .. A - 1`` (0 past those in use): its expert and its routed rows; the row blocks in use;
+    along the second axis, of each arrival: its row block, its rank among its expert's arrivals
+    (stable: by arrival) and whether its id is valid (routed). Where ``flag``, the live ids out of
+    range added to ``error``."""
     i_r, e_r, live_r, valid_r = _ids(ids, n, NUM_EXPERTS, 0, A)
     i_c, e_c, live_c, valid_c = _ids(ids, n, NUM_EXPERTS, 1, A)
     bad = gl.sum((live_c & ~valid_c).to(gl.int32), axis=0)
@@ -56,11 +59,53 @@ def routed_experts(ids, n, error, flag, NUM_EXPERTS, A: gl.constexpr):
     # an arrival is its expert's first where no earlier one shares it; its row block, the
     # routed experts below its own
     first_r = valid_r & (gl.sum((same & (i_c[None, :] < i_r[:, None])).to(gl.int32), axis=1) == 0)
-    first_c = valid_c & (gl.sum((same & (i_r[:, None] < i_c[None, :])).to(gl.int32), axis=0) == 0)
+    rank_c = gl.sum((same & (i_r[:, None] < i_c[None, :])).to(gl.int32), axis=0)
+    first_c = valid_c & (rank_c == 0)
     block_c = gl.sum((first_r[:, None] & (e_r[:, None] < e_c[None, :])).to(gl.int32), axis=0)
-    named = first_c[None, :] & (block_c[None, :] == i_r[:, None])
-    return (gl.sum(gl.where(named, e_c[None, :], 0), axis=1),
-            gl.sum(first_c.to(gl.int32), axis=0))
+    in_block = valid_c[None, :] & (block_c[None, :] == i_r[:, None])
+    block_expert = gl.sum(gl.where(in_block & first_c[None, :], e_c[None, :], 0), axis=1)
+    block_rows = gl.sum(in_block.to(gl.int32), axis=1)
+    return (block_expert, block_rows, gl.sum(first_c.to(gl.int32), axis=0), block_c, rank_c,
+            valid_c)
+
+
+@gluon.jit
+def arrival_sources(arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED: gl.constexpr,
+                    A: gl.constexpr):
+    """Each arrival's source rank, slot and row of ``x`` (along ``PAIRS``' second axis): source
+    0, slot ``i`` and token ``i // TOP_K`` at EP = 1; on an EP rank the received row's source and
+    slot (read up to ``CAPACITY``) and row ``i``."""
+    i = gl.arange(0, A, layout=gl.SliceLayout(0, PAIRS))
+    if RECEIVED:
+        src = gl.load(arrival_src + i, mask=i < CAPACITY, other=0).to(gl.int32)
+        slot = gl.load(arrival_slot + i, mask=i < CAPACITY, other=0).to(gl.int32)
+        origin = i
+    else:
+        src = gl.zeros_like(i)
+        slot = i
+        origin = i // TOP_K
+    return src, slot, origin
+
+
+@gluon.jit
+def _row_maps(row, mask, block_rows, block_c, rank_c, valid_c, src, slot, origin, row_src,
+              row_slot, row_origin):
+    """The rows of the row blocks ``row`` (where ``mask``; along ``PAIRS``' first axis):
+    ``row_src``/``row_slot``/``row_origin`` of their routed rows (the arrival's source, slot and
+    row of ``x``) and of their padding rows (0, -1, -1)."""
+    mine = gl.sum(((row[:, None] == block_c[None, :]) & mask[:, None]).to(gl.int32), axis=0) > 0
+    at = block_c * BLOCK_M + rank_c
+    routed = mine & valid_c
+    gl.store(row_src + at, src, mask=routed)
+    gl.store(row_slot + at, slot, mask=routed)
+    gl.store(row_origin + at, origin, mask=routed)
+    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, PAIRS))
+    rows = gl.gather(block_rows, gl.where(mask, row, 0), 0)
+    pad = mask[:, None] & (r[None, :] >= rows[:, None])
+    at = row[:, None] * BLOCK_M + r[None, :]
+    gl.store(row_src + at, gl.zeros_like(at), mask=pad)
+    gl.store(row_slot + at, gl.full_like(at, -1), mask=pad)
+    gl.store(row_origin + at, gl.full_like(at, -1), mask=pad)
 
 
 @gluon.jit
@@ -102,11 +147,16 @@ def _store_entries(tiles, at, kind, block_expert, row, n, mask):
 
 
 @gluon.jit
-def program_row(g, tiles, block_expert, row_blocks, G, P1, P2, LEAD, WAVE_MIN_L1,
+def program_row(g, tiles, block_expert, block_rows, row_blocks, block_c, rank_c, valid_c, src,
+                slot, origin, row_src, row_slot, row_origin, G, P1, P2, LEAD, WAVE_MIN_L1,
                 WAVE: gl.constexpr, J: gl.constexpr):
     """Program ``g``'s entries of the Expert-Wave (``WAVE``) or Interleaved table, from
     ``routed_experts``' row blocks, stored into its row ``tiles`` (int32 ``[.., 4]``) at their
-    positions, ``J`` at a time; returns its tile count."""
+    positions, ``J`` at a time; returns its tile count. With its Linear-1 tiles, the row maps
+    of their row blocks (``_row_maps``, from ``arrival_sources``' ``src``, ``slot``,
+    ``origin``): every row block has Linear-1 tiles, so the programs together write every
+    routed and padding row in use; a program's Linear-1 tiles read the rows it wrote itself,
+    its Linear-2 tiles rows that a release of their row block's counter made visible."""
     n1 = row_blocks * P1
     n2 = row_blocks * P2
     if WAVE:
@@ -120,9 +170,11 @@ def program_row(g, tiles, block_expert, row_blocks, G, P1, P2, LEAD, WAVE_MIN_L1
             o = k - lo * (P1 + P2)
             linear1 = o < in_wave * P1
             o2 = o - in_wave * P1
-            _store_entries(tiles, j, gl.where(linear1, TILE_L1, TILE_L2), block_expert,
-                           gl.where(linear1, lo + o // P1, lo + o2 // P2),
+            row = gl.where(linear1, lo + o // P1, lo + o2 // P2)
+            _store_entries(tiles, j, gl.where(linear1, TILE_L1, TILE_L2), block_expert, row,
                            gl.where(linear1, o % P1, o2 % P2), j < count)
+            _row_maps(row, linear1 & (j < count), block_rows, block_c, rank_c, valid_c, src,
+                      slot, origin, row_src, row_slot, row_origin)
     else:
         r2, nb, u, rank = _l1_deal(row_blocks, g, G, P1, P2)
         count2 = _programs_below(n2, g, G)
@@ -142,24 +194,31 @@ def program_row(g, tiles, block_expert, row_blocks, G, P1, P2, LEAD, WAVE_MIN_L1
             _store_entries(tiles, j + _programs_below(gl.minimum((row1 - LEAD + 1) * P2, n2), g,
                                                       G),
                            TILE_L1, block_expert, row1, k1 % P1, j < count1)
+            _row_maps(row1, j < count1, block_rows, block_c, rank_c, valid_c, src, slot, origin,
+                      row_src, row_slot, row_origin)
         count = count1 + count2
     return count
 
 
 @gluon.jit
-def program_tables_kernel(ids, n_arrivals, tiles, num_tiles, error, NUM_EXPERTS, CAPACITY,
-                          MAX_TILES, G, P1, P2, LEAD, WAVE_MIN_L1, RECEIVED: gl.constexpr,
+def program_tables_kernel(ids, n_arrivals, arrival_src, arrival_slot, tiles, num_tiles, row_src,
+                          row_slot, row_origin, error, NUM_EXPERTS, CAPACITY, TOP_K, MAX_TILES,
+                          G, P1, P2, LEAD, WAVE_MIN_L1, RECEIVED: gl.constexpr,
                           WAVE: gl.constexpr, A: gl.constexpr, J: gl.constexpr):
     """Every program ``g`` of ``G`` its own row of the table (int32 ``[G, MAX_TILES, 4]``) and
-    count (``num_tiles[g]``) from the ids (at most ``A`` of them: the call's ``CAPACITY``, or on
-    an EP rank (``RECEIVED``) the count at ``n_arrivals``), as the persistent kernel's programs
-    would before their tiles: the unit the GPU tests check against the host reference."""
+    count (``num_tiles[g]``), and the row maps of its Linear-1 tiles' row blocks, from the ids (at
+    most ``A`` of them: the call's ``CAPACITY``, or on an EP rank (``RECEIVED``) the count at
+    ``n_arrivals``), as the persistent kernel's programs would before their tiles: the unit the
+    GPU tests check against the host reference."""
     g = gl.program_id(0)
     if RECEIVED:
         n = gl.load(n_arrivals)
     else:
         n = CAPACITY
-    block_expert, row_blocks = routed_experts(ids, n, error, g == 0, NUM_EXPERTS, A)
-    count = program_row(g, tiles + g * MAX_TILES * TILE_FIELDS, block_expert, row_blocks, G, P1,
-                        P2, LEAD, WAVE_MIN_L1, WAVE, J)
+    block_expert, block_rows, row_blocks, block_c, rank_c, valid_c = routed_experts(
+        ids, n, error, g == 0, NUM_EXPERTS, A)
+    src, slot, origin = arrival_sources(arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED, A)
+    count = program_row(g, tiles + g * MAX_TILES * TILE_FIELDS, block_expert, block_rows,
+                        row_blocks, block_c, rank_c, valid_c, src, slot, origin, row_src,
+                        row_slot, row_origin, G, P1, P2, LEAD, WAVE_MIN_L1, WAVE, J)
     gl.store(num_tiles + g, count)

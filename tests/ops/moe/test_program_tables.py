@@ -1,8 +1,9 @@
 """``kernels/moe_program_tables.py``: each program's own row of the tile table from the router's
 ids. On the CPU, its sm_90 builds compile without spills; on a Hopper GPU (skipped elsewhere),
-every program's row and count equal the host reference (``table_reference.program_tiles``) for
-random, skewed, one-token and EP-rank routings with ids out of range, the rows poisoned first and
-left so past each count. Not yet run on a GPU."""
+every program's row and count equal the host reference (``table_reference.program_tiles``), and
+the row maps the programs write together the layout's, for random, skewed, one-token and EP-rank
+routings with ids out of range, everything poisoned first and left so past what is in use. Not
+yet run on a GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,14 +14,18 @@ import triton
 from tests.experiments.triton_testing import compile_sm90, ptxas_report
 from xstage_lab.kernel_sources import load_kernel_module
 from xstage_lab.ops.moe.schedules import WAVE_FILL
-from xstage_lab.ops.moe.table_reference import program_tiles
+from xstage_lab.ops.moe.device_tables import TableBounds
+from xstage_lab.ops.moe.table_reference import host_tables, program_tiles
 
-SIGNATURE = {"ids": "*i32", "n_arrivals": "*i32", "tiles": "*i32", "num_tiles": "*i32",
-             "error": "*i32", "NUM_EXPERTS": "i32", "CAPACITY": "i32", "MAX_TILES": "i32",
+SIGNATURE = {"ids": "*i32", "n_arrivals": "*i32", "arrival_src": "*i32", "arrival_slot": "*i32",
+             "tiles": "*i32", "num_tiles": "*i32", "row_src": "*i32", "row_slot": "*i32",
+             "row_origin": "*i32", "error": "*i32", "NUM_EXPERTS": "i32", "CAPACITY": "i32",
+             "TOP_K": "i32", "MAX_TILES": "i32",
              "G": "i32", "P1": "i32", "P2": "i32", "LEAD": "i32", "WAVE_MIN_L1": "i32",
              "RECEIVED": "constexpr", "WAVE": "constexpr", "A": "constexpr", "J": "constexpr"}
 POISON = -7
 MAX_TILES = 256
+BLOCK_M = 128
 CHUNK = 16  # entries a step: a program's rows here take up to seven steps
 hopper = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -55,12 +60,43 @@ def _routings(rng, experts: int, top_k: int, capacity: int):
     return [(p.reshape(-1), p.size) for p in picks]
 
 
+def _row_maps(ids: np.ndarray, experts: int, src: np.ndarray, slot: np.ndarray,
+              origin: np.ndarray) -> np.ndarray:
+    """``[3, rows]``: each layout row's source, slot and row of ``x`` where every routed expert
+    holds one row block (in expert order, its arrivals in arrival order, then padding: 0, -1,
+    -1)."""
+    routed = sorted({int(e) for e in ids if 0 <= e < experts})
+    maps = np.tile(np.array([[0], [-1], [-1]]), (1, BLOCK_M * len(routed)))
+    for b, e in enumerate(routed):
+        arrivals = np.flatnonzero(ids == e)
+        at = b * BLOCK_M + np.arange(len(arrivals))
+        maps[:, at] = src[arrivals], slot[arrivals], origin[arrivals]
+    return maps
+
+
+def test_the_expected_row_maps_are_the_host_layouts():
+    """``_row_maps`` (what the GPU test expects) against ``host_tables`` on an EP rank's rows of
+    one row block an expert."""
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 12, 40)
+    src = np.sort(rng.integers(0, 4, 40))
+    slot = rng.permutation(80)[:40]
+    bounds = TableBounds(capacity=40, num_experts=12, block_m=BLOCK_M, l1_n_blocks=2,
+                         l2_n_blocks=3, num_programs=5, lead_rows=1, expert_lead=False)
+    host = host_tables(bounds, torch.tensor(ids), torch.zeros(40, 8, dtype=torch.bfloat16),
+                       arrival_src=torch.tensor(src), arrival_slot=torch.tensor(slot))
+    want = np.stack((host.layout.row_src.numpy(), host.layout.row_slot.numpy(), host.row_origin))
+    np.testing.assert_array_equal(_row_maps(ids, 12, src, slot, np.arange(40)), want)
+
+
 @hopper
 @pytest.mark.parametrize("received", [False, True])
 @pytest.mark.parametrize("wave", [False, True])
 @pytest.mark.parametrize("experts, top_k, p1, p2", [(16, 2, 44, 66), (64, 10, 8, 64),
                                                     (256, 6, 24, 84), (8, 8, 2, 3)])
 def test_every_programs_row_is_the_references(received, wave, experts, top_k, p1, p2):
+    """Each program's row and count, the row maps the programs wrote together (every row in
+    use, none past), and the error count, against the host reference."""
     kernel = load_kernel_module("moe_program_tables").program_tables_kernel
     dev = torch.device("cuda")
     programs = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -72,24 +108,36 @@ def test_every_programs_row_is_the_references(received, wave, experts, top_k, p1
         routed = sorted({int(e) for e in ids[:count] if 0 <= e < experts})
         want = [program_tiles(schedule, g, routed, programs, p1, p2, lead)
                 for g in range(programs)]
-        # past the count an EP rank's ids are whatever the buffer held
+        # past the count an EP rank's ids, sources and slots are whatever the buffer held
         held = np.concatenate((ids, rng.integers(-3, experts + 3, capacity - len(ids))))
         n = count if received else capacity
         if not received:
             held = held[:count]
+        src = rng.integers(0, 8, len(held)) if received else np.zeros(len(held), np.int64)
+        slot = rng.permutation(4 * len(held))[:len(held)] if received else np.arange(len(held))
+        origin = np.arange(len(held)) if received else np.arange(len(held)) // top_k
+        maps = _row_maps(held[:count], experts, src, slot, origin)
+
+        def device(a):
+            return torch.tensor(np.asarray(a), dtype=torch.int32, device=dev)
+
         tiles = torch.full((programs, MAX_TILES, 4), POISON, dtype=torch.int32, device=dev)
         num_tiles = torch.full((programs,), POISON, dtype=torch.int32, device=dev)
+        row_maps = torch.full((3, BLOCK_M * 128 + BLOCK_M), POISON, dtype=torch.int32,
+                              device=dev)
         error = torch.zeros(1, dtype=torch.int32, device=dev)
-        kernel[(programs,)](torch.tensor(held, dtype=torch.int32, device=dev),
-                            torch.tensor([n], dtype=torch.int32, device=dev), tiles, num_tiles,
-                            error, experts, len(held), MAX_TILES, programs, p1, p2, lead,
+        kernel[(programs,)](device(held), device([n]), device(src), device(slot), tiles,
+                            num_tiles, row_maps[0], row_maps[1], row_maps[2], error, experts,
+                            len(held), top_k, MAX_TILES, programs, p1, p2, lead,
                             WAVE_FILL * programs, RECEIVED=received, WAVE=wave,
-                            A=triton.next_power_of_2(len(held)),
-                            J=CHUNK, num_warps=4)
+                            A=triton.next_power_of_2(len(held)), J=CHUNK, num_warps=4)
         got_tiles, got_counts = tiles.cpu().numpy(), num_tiles.cpu().numpy()
         np.testing.assert_array_equal(got_counts, [len(w) for w in want])
         for g, w in enumerate(want):
             np.testing.assert_array_equal(got_tiles[g, :len(w)], w, err_msg=f"program {g}")
             assert (got_tiles[g, len(w):] == POISON).all(), f"program {g} wrote past its count"
+        got_maps = row_maps.cpu().numpy()
+        np.testing.assert_array_equal(got_maps[:, :maps.shape[1]], maps)
+        assert (got_maps[:, maps.shape[1]:] == POISON).all(), "rows written past those in use"
         live = ids[:count]
         assert int(error.item()) == int(np.sum((live < 0) | (live >= experts)))
