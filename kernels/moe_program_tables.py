@@ -88,24 +88,25 @@ def arrival_sources(arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED: gl.con
 
 
 @gluon.jit
-def _row_maps(row, mask, block_rows, block_c, rank_c, valid_c, src, slot, origin, row_src,
-              row_slot, row_origin):
-    """The rows of the row blocks ``row`` (where ``mask``; along ``PAIRS``' first axis):
-    ``row_src``/``row_slot``/``row_origin`` of their routed rows (the arrival's source, slot and
-    row of ``x``) and of their padding rows (0, -1, -1)."""
-    mine = gl.sum(((row[:, None] == block_c[None, :]) & mask[:, None]).to(gl.int32), axis=0) > 0
-    at = block_c * BLOCK_M + rank_c
-    routed = mine & valid_c
+def _row_block_maps(p, block_rows, block_c, rank_c, valid_c, src, slot, origin, row_src,
+                    row_slot, row_origin):
+    """The rows of row block ``p``: ``row_src``/``row_slot``/``row_origin`` of its routed rows
+    (the arrival's source, slot and row of ``x``, from the arrivals' side) and of its padding
+    rows (0, -1, -1). One row block at a time, in vectors of the arrivals and of its rows: the
+    program holds few registers before its partitions take them."""
+    blocks = gl.arange(0, block_rows.shape[0], layout=gl.SliceLayout(1, PAIRS))
+    rows = gl.sum(gl.where(blocks == p, block_rows, 0), axis=0)
+    routed = valid_c & (block_c == p)
+    at = p * BLOCK_M + rank_c
     gl.store(row_src + at, src, mask=routed)
     gl.store(row_slot + at, slot, mask=routed)
     gl.store(row_origin + at, origin, mask=routed)
     r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, PAIRS))
-    rows = gl.gather(block_rows, gl.where(mask, row, 0), 0)
-    pad = mask[:, None] & (r[None, :] >= rows[:, None])
-    at = row[:, None] * BLOCK_M + r[None, :]
-    gl.store(row_src + at, gl.zeros_like(at), mask=pad)
-    gl.store(row_slot + at, gl.full_like(at, -1), mask=pad)
-    gl.store(row_origin + at, gl.full_like(at, -1), mask=pad)
+    pad = r >= rows
+    at = p * BLOCK_M + r
+    gl.store(row_src + at, gl.zeros_like(r), mask=pad)
+    gl.store(row_slot + at, gl.full_like(r, -1), mask=pad)
+    gl.store(row_origin + at, gl.full_like(r, -1), mask=pad)
 
 
 @gluon.jit
@@ -136,6 +137,26 @@ def _l1_below(limit, g, G, r2, nb, u, rank):
 
 
 @gluon.jit
+def _wave_item(k, row_blocks, w, P1, P2):
+    """Expert-Wave stream item ``k``: whether it is a Linear-1 tile, its row block and its N
+    tile (waves of ``w`` row blocks, the last the rest)."""
+    lo = k // (w * (P1 + P2)) * w
+    in_wave = gl.minimum(lo + w, row_blocks) - lo
+    o = k - lo * (P1 + P2)
+    linear1 = o < in_wave * P1
+    o2 = o - in_wave * P1
+    return linear1, gl.where(linear1, lo + o // P1, lo + o2 // P2), gl.where(linear1, o % P1,
+                                                                          o2 % P2)
+
+
+@gluon.jit
+def _l1_index(j, g, G, r2, nb, u, rank):
+    """Program ``g``'s ``j``-th Linear-1 stream index (``_l1_deal``'s closed form)."""
+    return gl.where((g >= r2) & (j < u), (g - r2) + j * nb,
+                    u * nb + rank + (j - gl.where(g >= r2, u, 0)) * G)
+
+
+@gluon.jit
 def _store_entries(tiles, at, kind, block_expert, row, n, mask):
     """Entries ``(kind, expert of row, row, n)`` at positions ``at`` of a program's row
     ``tiles``."""
@@ -152,11 +173,12 @@ def program_row(g, tiles, block_expert, block_rows, row_blocks, block_c, rank_c,
                 WAVE: gl.constexpr, J: gl.constexpr):
     """Program ``g``'s entries of the Expert-Wave (``WAVE``) or Interleaved table, from
     ``routed_experts``' row blocks, stored into its row ``tiles`` (int32 ``[.., 4]``) at their
-    positions, ``J`` at a time; returns its tile count. With its Linear-1 tiles, the row maps
-    of their row blocks (``_row_maps``, from ``arrival_sources``' ``src``, ``slot``,
-    ``origin``): every row block has Linear-1 tiles, so the programs together write every
-    routed and padding row in use; a program's Linear-1 tiles read the rows it wrote itself,
-    its Linear-2 tiles rows that a release of their row block's counter made visible."""
+    positions, ``J`` at a time; returns its tile count. Then, Linear-1 tile by tile, the row
+    maps of their row blocks (``_row_block_maps``, from ``arrival_sources``' ``src``,
+    ``slot``, ``origin``): every row block has Linear-1 tiles, so the programs together write
+    every routed and padding row in use; a program's Linear-1 tiles read the rows it wrote
+    itself, its Linear-2 tiles rows that a release of their row block's counter made
+    visible."""
     n1 = row_blocks * P1
     n2 = row_blocks * P2
     if WAVE:
@@ -164,17 +186,14 @@ def program_row(g, tiles, block_expert, block_rows, row_blocks, block_c, rank_c,
         w = gl.cdiv(WAVE_MIN_L1, P1)
         for j0 in range(0, count, J):
             j = j0 + gl.arange(0, J, layout=gl.SliceLayout(1, PAIRS))
-            k = g + j * G
-            lo = k // (w * (P1 + P2)) * w
-            in_wave = gl.minimum(lo + w, row_blocks) - lo
-            o = k - lo * (P1 + P2)
-            linear1 = o < in_wave * P1
-            o2 = o - in_wave * P1
-            row = gl.where(linear1, lo + o // P1, lo + o2 // P2)
-            _store_entries(tiles, j, gl.where(linear1, TILE_L1, TILE_L2), block_expert, row,
-                           gl.where(linear1, o % P1, o2 % P2), j < count)
-            _row_maps(row, linear1 & (j < count), block_rows, block_c, rank_c, valid_c, src,
-                      slot, origin, row_src, row_slot, row_origin)
+            linear1, row, n = _wave_item(g + j * G, row_blocks, w, P1, P2)
+            _store_entries(tiles, j, gl.where(linear1, TILE_L1, TILE_L2), block_expert, row, n,
+                           j < count)
+        for j in range(count):
+            linear1, row, n = _wave_item(g + j * G, row_blocks, w, P1, P2)
+            if linear1:
+                _row_block_maps(row, block_rows, block_c, rank_c, valid_c, src, slot, origin,
+                                row_src, row_slot, row_origin)
     else:
         r2, nb, u, rank = _l1_deal(row_blocks, g, G, P1, P2)
         count2 = _programs_below(n2, g, G)
@@ -188,14 +207,14 @@ def program_row(g, tiles, block_expert, block_rows, row_blocks, block_c, rank_c,
         count1 = _l1_below(n1, g, G, r2, nb, u, rank)
         for j0 in range(0, count1, J):
             j = j0 + gl.arange(0, J, layout=gl.SliceLayout(1, PAIRS))
-            k1 = gl.where((g >= r2) & (j < u), (g - r2) + j * nb,
-                          u * nb + rank + (j - gl.where(g >= r2, u, 0)) * G)
+            k1 = _l1_index(j, g, G, r2, nb, u, rank)
             row1 = k1 // P1
             _store_entries(tiles, j + _programs_below(gl.minimum((row1 - LEAD + 1) * P2, n2), g,
                                                       G),
                            TILE_L1, block_expert, row1, k1 % P1, j < count1)
-            _row_maps(row1, j < count1, block_rows, block_c, rank_c, valid_c, src, slot, origin,
-                      row_src, row_slot, row_origin)
+        for j in range(count1):
+            _row_block_maps(_l1_index(j, g, G, r2, nb, u, rank) // P1, block_rows, block_c,
+                            rank_c, valid_c, src, slot, origin, row_src, row_slot, row_origin)
         count = count1 + count2
     return count
 
