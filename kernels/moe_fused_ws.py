@@ -883,11 +883,11 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
 @gluon.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",
                                "out", "sum_tokens", "CAPACITY", "TOP_K"])
 def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
-                               n_arrivals, arrival_src, arrival_slot, tiles,
+                               n_arrivals, arrival_src, arrival_slot, tiles, num_tiles,
                                max_tiles, row_origin, w1_desc, h_desc, w2_desc, w1_scale,
                                w2_scale, h, h_scale, row_ready, row_passed, row_src, row_slot,
-                               combine_ptrs,
-                               error, max_spin, num_experts, trace, HIDDEN, INTER, l1_k_blocks,
+                               combine_ptrs, error, max_spin, num_experts, trace, HIDDEN,
+                               INTER, l1_k_blocks,
                                l2_k_blocks, l2_splits, l2_partial, l2_ready, sum_arrivals,
                                sum_tokens, CAPACITY, TOP_K, P1, P2, LEAD, WAVE_MIN_L1,
                                FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
@@ -900,11 +900,11 @@ def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_
     """``moe_fused_ws_kernel`` that routes its call itself: a call of at most ``A`` arrivals
     (a power of two, at most ``BLOCK_M``: every routed expert one row block) needs no routing
     launch before it. Each program first derives from the ids its own row of the table
-    (Expert-Wave where ``WAVE``, else Interleaved at lead ``LEAD``) into its row of ``tiles``,
-    and the row maps (``row_src``, ``row_slot``, ``row_origin``) of its Linear-1 tiles' row
-    blocks (``moe_program_tables``: every row in use written by some program before a release
-    of its row block's counter, the Linear-1 tiles reading rows their own program wrote); then
-    runs its tiles as ``moe_fused_ws_kernel`` does.
+    (Expert-Wave where ``WAVE``, else Interleaved at lead ``LEAD``) into its row of ``tiles``
+    and ``num_tiles``, and the row maps (``row_src``, ``row_slot``, ``row_origin``) of its
+    tiles' row blocks (``moe_program_tables``: each program writes the rows it reads, some read
+    before any wait, so no program reads another's); then runs its tiles as
+    ``moe_fused_ws_kernel`` does.
 
     The call's first launch: it takes the call's addresses (``moe_args``' slots, by value, never
     specialized; a graph's node of it is given each call's) and writes them into the argument
@@ -932,6 +932,7 @@ def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_
     n_tiles = program_row(pid, my_tiles, block_expert, block_rows, row_blocks, block_c, rank_c,
                           valid_c, src, slot, origin, row_src, row_slot, row_origin,
                           gl.num_programs(0), P1, P2, LEAD, WAVE_MIN_L1, WAVE, J)
+    gl.store(num_tiles + pid, n_tiles)  # read by no partition: the table, as the routing's
     gl.store(args + ARG_A_ROWS, x.to(gl.int64))
     gl.store(args + ARG_A_ROWS + 1, x_scale.to(gl.int64))
     gl.store(args + ARG_A_ROWS + 2, 0)

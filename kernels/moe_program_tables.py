@@ -19,7 +19,8 @@ routed experts below it. Ids out of range get no row block and add to ``error`` 
 Each program holds the ``A`` ids twice, along both axes of one ``[A, A]`` blocked layout, so that
 the pairwise counts reduce to either axis without a layout conversion; the row blocks' experts
 lie along the first axis, as do a program's entries, ``J`` at a time, which gather their
-experts from them.
+experts from them. Every program writes the row maps of its own tiles' row blocks (the same
+values where programs share a row block), so that no program reads another's.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -173,12 +174,11 @@ def program_row(g, tiles, block_expert, block_rows, row_blocks, block_c, rank_c,
                 WAVE: gl.constexpr, J: gl.constexpr):
     """Program ``g``'s entries of the Expert-Wave (``WAVE``) or Interleaved table, from
     ``routed_experts``' row blocks, stored into its row ``tiles`` (int32 ``[.., 4]``) at their
-    positions, ``J`` at a time; returns its tile count. Then, Linear-1 tile by tile, the row
-    maps of their row blocks (``_row_block_maps``, from ``arrival_sources``' ``src``,
-    ``slot``, ``origin``): every row block has Linear-1 tiles, so the programs together write
-    every routed and padding row in use; a program's Linear-1 tiles read the rows it wrote
-    itself, its Linear-2 tiles rows that a release of their row block's counter made
-    visible."""
+    positions, ``J`` at a time; returns its tile count. Then, tile by tile, the row maps of
+    their row blocks (``_row_block_maps``, from ``arrival_sources``' ``src``, ``slot``,
+    ``origin``): a program's partitions read the maps of its own tiles' rows, some before any
+    wait (whether a half holds a routed row), so each program writes those it reads; the
+    programs together write every routed and padding row in use."""
     n1 = row_blocks * P1
     n2 = row_blocks * P2
     if WAVE:
@@ -190,10 +190,9 @@ def program_row(g, tiles, block_expert, block_rows, row_blocks, block_c, rank_c,
             _store_entries(tiles, j, gl.where(linear1, TILE_L1, TILE_L2), block_expert, row, n,
                            j < count)
         for j in range(count):
-            linear1, row, n = _wave_item(g + j * G, row_blocks, w, P1, P2)
-            if linear1:
-                _row_block_maps(row, block_rows, block_c, rank_c, valid_c, src, slot, origin,
-                                row_src, row_slot, row_origin)
+            _, row, _ = _wave_item(g + j * G, row_blocks, w, P1, P2)
+            _row_block_maps(row, block_rows, block_c, rank_c, valid_c, src, slot, origin,
+                            row_src, row_slot, row_origin)
     else:
         r2, nb, u, rank = _l1_deal(row_blocks, g, G, P1, P2)
         count2 = _programs_below(n2, g, G)
@@ -215,6 +214,9 @@ def program_row(g, tiles, block_expert, block_rows, row_blocks, block_c, rank_c,
         for j in range(count1):
             _row_block_maps(_l1_index(j, g, G, r2, nb, u, rank) // P1, block_rows, block_c,
                             rank_c, valid_c, src, slot, origin, row_src, row_slot, row_origin)
+        for j in range(count2):
+            _row_block_maps((g + j * G) // P2, block_rows, block_c, rank_c, valid_c, src, slot,
+                            origin, row_src, row_slot, row_origin)
         count = count1 + count2
     return count
 
@@ -225,8 +227,8 @@ def program_tables_kernel(ids, n_arrivals, arrival_src, arrival_slot, tiles, num
                           G, P1, P2, LEAD, WAVE_MIN_L1, RECEIVED: gl.constexpr,
                           WAVE: gl.constexpr, A: gl.constexpr, J: gl.constexpr):
     """Every program ``g`` of ``G`` its own row of the table (int32 ``[G, MAX_TILES, 4]``) and
-    count (``num_tiles[g]``), and the row maps of its Linear-1 tiles' row blocks, from the ids (at
-    most ``A`` of them: the call's ``CAPACITY``, or on an EP rank (``RECEIVED``) the count at
+    count (``num_tiles[g]``), and the row maps of its tiles' row blocks, from the ids (at most
+    ``A`` of them: the call's ``CAPACITY``, or on an EP rank (``RECEIVED``) the count at
     ``n_arrivals``), as the persistent kernel's programs would before their tiles: the unit the
     GPU tests check against the host reference."""
     g = gl.program_id(0)

@@ -37,8 +37,8 @@ from xstage_lab.ops.moe.weights import local_expert_weights, quantize_rows_fp8
 
 SHAPES = load_shapes()
 SASS_LIMIT_BYTES = 75 * 1024  # the largest build measured: 73.5 KiB (FP8, 256-wide Linear-2)
-# what the routed entry adds to a build: 20-31 KiB at 32 and 64 arrivals (Triton 3.6)
-ROUTED_SASS_LIMIT_BYTES = 32 * 1024
+# what the routed entry adds to a build: 22-23 KiB at 32 arrivals, 33-34 at 64 (Triton 3.6)
+ROUTED_SASS_LIMIT_BYTES = 35 * 1024
 ROUTED_SPILL_BYTES = 40
 
 
@@ -160,8 +160,8 @@ def test_compiles_for_hopper(ws_module, key):
 def test_the_routed_builds_compile_without_spills(ws_module, key, arrivals, split_k, sum_top_k):
     """The entry that routes its call itself, at the arrivals' bounds the layer builds it for
     (``op.ROUTED_ARRIVALS``), split and summing too: no spills where the base build has none
-    (the FP8 split builds spill 4 and 44-48 bytes, routed up to 24 more, and reload up to 36
-    more: at most ``ROUTED_SPILL_BYTES`` more), the row counters reset by the last Linear-2 tile of each row
+    (the FP8 split builds spill 4 and 44-48 bytes; routed, up to 12 more stored and 16 more
+    reloaded: at most ``ROUTED_SPILL_BYTES`` more), the row counters reset by the last Linear-2 tile of each row
     block, and the code it adds (the table and the row maps in closed form; not yet timed on a
     GPU) bounded."""
     precision, cfg = key[0], _default_configs()[key]

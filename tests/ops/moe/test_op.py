@@ -7,6 +7,7 @@ FusedMoE, residual) on FakeTensors; a model's own experts (``nn.Linear`` project
 the model's forward; two layers on one set of buffers, and sizes that cannot share refused."""
 from __future__ import annotations
 
+import inspect
 import sys
 
 import pytest
@@ -15,7 +16,11 @@ import torch
 from tests.experiments.triton_testing import child_main, interpreter_case_tests
 from xstage_lab.experiments.moe.bench import TOLERANCE
 from xstage_lab.ops.moe.combine import local_combine_peers
+from xstage_lab.kernel_sources import load_kernel_module
+from xstage_lab.ops.moe import op as op_module
+from xstage_lab.ops.moe.call_args import slot_names
 from xstage_lab.ops.moe.op import FusedMoE, MoEWorkspace
+from xstage_lab.ops.moe.routed import MIN_ARRIVALS, arrivals_padded, routed_launcher
 from xstage_lab.ops.moe.reference import reference_moe
 from xstage_lab.ops.moe.routing import router_logits, router_topk
 from xstage_lab.ops.moe.shapes import MoEContractError, MoEShape
@@ -219,6 +224,10 @@ def test_bad_construction_is_refused():
         FusedMoE(weights, max_tokens=4, top_k=2, weighted_sum="fused")
     with pytest.raises(MoEContractError, match="needs the gluon_ws kernel, not triton"):
         FusedMoE(weights, max_tokens=4, top_k=2, weighted_sum="kernel")
+    with pytest.raises(MoEContractError, match="routing must be one of"):
+        FusedMoE(weights, max_tokens=4, top_k=2, routing="device")
+    with pytest.raises(MoEContractError, match="routing='kernel' needs the gluon_ws kernel"):
+        FusedMoE(weights, max_tokens=4, top_k=2, routing="kernel")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -249,6 +258,65 @@ def test_the_kernel_ends_with_the_weighted_sum_where_one_pass_covers_the_tokens(
     assert summed.arrivals is layer.moe_buffers.sum_arrivals and summed.arrivals.item() == 0
     assert (summed.tokens, summed.top_k, summed.weight_dtype) == (3, 2, torch.float32)
     assert given.args is own and given.weight_dtype == torch.bfloat16 and beyond is None
+
+
+def test_the_kernel_routes_the_calls_it_can_itself(monkeypatch):
+    """``routing="kernel"`` (gluon_ws, built here, never launched): a bf16 layer's calls up to
+    ``ROUTED_ARRIVALS`` picks launch the routed entry first, which takes the call's addresses,
+    and no routing launch; above, and an FP8 layer's (its bf16 rows need quantizing), and with
+    ``"launch"``, the routing launches first."""
+    config = default_tile_config("bf16", "gluon_ws", hidden=TINY.hidden)
+    layer = FusedMoE(local_expert_weights(TINY, 0, 1, "bf16", seed=3), max_tokens=64,
+                     top_k=TINY.top_k, config=config, num_programs=4, routing="kernel")
+    ws = layer.workspace
+    assert [ws.routes_in_kernel(2 * t, torch.bfloat16) for t in (1, 32, 33)] == [True, True,
+                                                                                 False]
+    fp8 = FusedMoE(local_expert_weights(TINY, 0, 1, "fp8", seed=3), max_tokens=4,
+                   top_k=TINY.top_k, config=default_tile_config("fp8", "gluon_ws",
+                                                                hidden=TINY.hidden),
+                   num_programs=4, routing="kernel")
+    assert not fp8.workspace.routes_in_kernel(2, torch.bfloat16)
+    assert fp8.workspace.routes_in_kernel(2, torch.float8_e4m3fn)  # an EP rank's e4m3 rows
+    apart = FusedMoE(local_expert_weights(TINY, 0, 1, "bf16", seed=3), max_tokens=4,
+                     top_k=TINY.top_k, config=config, num_programs=4)
+    assert not apart.workspace.routes_in_kernel(2, torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(ws, "routed_launch", lambda *a, **kw: calls.append(("routed", a)) or "r")
+    monkeypatch.setattr(layer, "route_launches", lambda *a: calls.append(("route", a)) or "f")
+    monkeypatch.setattr(layer, "fused_kernel", lambda *a, **kw: calls.append(("kernel", a)))
+    monkeypatch.setattr(op_module, "weighted_sum_launch", lambda *a: lambda *b, **kw: None)
+    addresses = tuple(range(6))
+    assert layer.launches(addresses, 32, "wave", torch.int64, torch.float32) == "r"
+    assert layer.launches(addresses, 33, "wave", torch.int64, torch.float32) == "f"
+    assert [c[0] for c in calls] == ["routed", "route", "kernel"]
+    assert calls[0][1][2:5] == (addresses, 64, TINY.top_k)
+
+
+@pytest.mark.parametrize("received", [False, True])
+def test_the_routed_launch_binds_every_parameter_once(received):
+    """The routed entry's launcher: its static arguments and those a call gives it are its
+    parameters, each once; its own row counters, the table's constants and the build's
+    arrivals (at least ``MIN_ARRIVALS``, a power of two)."""
+    config = default_tile_config("bf16", "gluon_ws", hidden=TINY.hidden)
+    ws = MoEWorkspace(local_expert_weights(TINY, 0, 1, "bf16", seed=3), 40, config=config,
+                      num_programs=4, routing="kernel")
+    peers = local_combine_peers([torch.zeros(40, TINY.hidden, dtype=torch.bfloat16)])
+    launcher = routed_launcher(ws, "interleaved", peers, 40, received, torch.int32, None)
+    varying = {*slot_names(), "CAPACITY", "TOP_K"} | (
+        {"n_arrivals", "arrival_src", "arrival_slot"} if received else set())
+    static = launcher.static
+    assert not varying & set(static)
+    kernel = load_kernel_module("moe_fused_ws").moe_fused_ws_routed_kernel
+    params = inspect.signature(kernel.fn).parameters
+    bound = set(static) - {"num_warps"} | varying
+    assert bound <= set(params)
+    assert {n for n, p in params.items() if p.default is inspect.Parameter.empty} <= bound
+    assert static["row_ready"].data_ptr() == ws.tables.routed_ready[0].data_ptr()
+    assert static["row_passed"].data_ptr() == ws.tables.routed_ready[1].data_ptr()
+    assert static["tiles"] is ws.tables.tiles["interleaved"] and not static["WAVE"]
+    assert (static["A"], static["RECEIVED"], static["P2"]) == (64, received,
+                                                              ws.bounds.l2_n_blocks)
+    assert arrivals_padded(3) == MIN_ARRIVALS and arrivals_padded(33) == 64
 
 
 @pytest.mark.parametrize("change,message", [

@@ -15,6 +15,7 @@ from tests.experiments.triton_testing import compile_sm90, ptxas_report
 from xstage_lab.kernel_sources import load_kernel_module
 from xstage_lab.ops.moe.schedules import WAVE_FILL
 from xstage_lab.ops.moe.device_tables import TableBounds
+from xstage_lab.ops.moe.routed import ROUTED_ARRIVALS
 from xstage_lab.ops.moe.table_reference import host_tables, program_tiles
 
 SIGNATURE = {"ids": "*i32", "n_arrivals": "*i32", "arrival_src": "*i32", "arrival_slot": "*i32",
@@ -27,7 +28,6 @@ POISON = -7
 MAX_TILES = 256
 BLOCK_M = 128
 FUSED_REGISTERS = 168
-ROUTED_ARRIVALS = 64
 CHUNK = 16  # entries a step, as the layer's builds take them: a row here up to seven steps
 hopper = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -104,7 +104,7 @@ def test_every_programs_row_is_the_references(received, wave, experts, top_k, p1
     kernel = load_kernel_module("moe_program_tables").program_tables_kernel
     dev = torch.device("cuda")
     programs = torch.cuda.get_device_properties(dev).multi_processor_count
-    # up to the layer's bound (op.ROUTED_ARRIVALS): at EP = 1 eight tokens' picks at most
+    # up to the layer's bound: at EP = 1 eight tokens' picks at most
     capacity = ROUTED_ARRIVALS if received else min(8 * top_k, ROUTED_ARRIVALS)
     rng = np.random.default_rng(experts * 100 + top_k)
     for ids, count in _routings(rng, experts, top_k, capacity):
