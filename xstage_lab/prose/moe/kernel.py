@@ -162,7 +162,7 @@ def layer(layer_views) -> Prose:
                                             SCHEDULE_LIMIT_US, SMALL_T, acceptance,
                                             WEIGHTED_SUM_KERNEL, acceptance_counts,
                                             call_profile, profile_kernel_us, profile_total_us,
-                                            schedule_tables_us)
+                                            routed_in_kernel, schedule_tables_us)
 
     out = []
     for v in layer_views:
@@ -335,10 +335,12 @@ def layer(layer_views) -> Prose:
         if len(missed):
             misses = (f", the other {count(len(missed))} above that bound by "
                       f"{span(missed['graph_over_kernel_excess_us'], '.1f')} µs")
-            routed = t.loc[missed.index]
-            if measured(routed, "route_kernels_us"):
+            # the routing launches of the calls that had them (not those the kernel routed)
+            launched = t.loc[missed.index]
+            launched = launched[~routed_in_kernel(launched)]
+            if measured(launched, "route_kernels_us"):
                 misses += (f", where their routing kernels take "
-                           f"{span(profile_total_us(routed['route_kernels_us']), '.1f')} µs "
+                           f"{span(profile_total_us(launched['route_kernels_us']), '.1f')} µs "
                            f"(profiled)")
             misses += excess_parts(t.loc[missed.index])
         parity = a[a["tokens"] >= KERNEL_PARITY_TOKENS]
@@ -359,7 +361,7 @@ def layer(layer_views) -> Prose:
             f"{SMALL_T} tokens graphed it is {span(big['graph_speedup'], '.2f')}× faster. The "
             f"graphed call stays within 5% of the kernel plus the weighted sum's memory time in "
             f"{met('graph_over_kernel_ok')} cells ({span(a['graph_over_kernel'], '.2f')}×)"
-            f"{in_kernel_sums(t)}{misses}; "
+            f"{in_kernel_sums(t)}{kernel_routed(t)}{misses}; "
             f"{schedule}; {host}; the one-token graphed call meets 1.5× the weight-read floor + "
             f"10 µs in {met('t1_ok')} cells.{t1}{kernel} Today's host-scheduled call takes "
             f"{span(t['host_scheduled_us'] / t['fused_eager_us'], '.1f')}× the fused eager "
@@ -399,6 +401,20 @@ def in_kernel_sums(t: pd.DataFrame) -> str:
             f"sum, which alone takes "
             f"{span(summed['kernel_summed_us'] - summed['kernel_us'], '.1f')} µs more than "
             f"without it)")
+
+
+def kernel_routed(t: pd.DataFrame) -> str:
+    """Where the fused kernel routed the call itself (``moe_layer --routing kernel``): the cells
+    and their token counts; nothing where none did."""
+    from ...analysis.moe.layer_view import routed_in_kernel
+
+    routed = t[routed_in_kernel(t)]
+    if not len(routed):
+        return ""
+    return (f" (in {count(len(routed))} {plural(len(routed), 'cell')}, "
+            f"{span(routed['tokens'], '.0f')} {plural(int(routed['tokens'].max()), 'token')}, "
+            f"the fused kernel routes the call itself, "
+            f"with no routing launch before it)")
 
 
 def forecast(forecast_records, paper: dict) -> Prose:
