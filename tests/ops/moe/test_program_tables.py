@@ -12,6 +12,7 @@ import torch
 import triton
 
 from tests.experiments.triton_testing import compile_sm90, ptxas_report
+from tests.ops.moe import gluon_numpy
 from xstage_lab.kernel_sources import load_kernel_module
 from xstage_lab.ops.moe.schedules import WAVE_FILL
 from xstage_lab.ops.moe.device_tables import TableBounds
@@ -26,6 +27,10 @@ SIGNATURE = {"ids": "*i32", "n_arrivals": "*i32", "arrival_src": "*i32", "arriva
              "RECEIVED": "constexpr", "WAVE": "constexpr", "A": "constexpr", "J": "constexpr"}
 POISON = -7
 MAX_TILES = 256
+# the emulated launch's programs: Interleaved's as an H200's SMs (some deals of the Linear-1
+# stream only show at 132), Expert-Wave's fewer, each holding more entries (several steps of
+# CHUNK), in a fraction of the CPU time
+EMULATED_PROGRAMS = {False: 132, True: 37}
 BLOCK_M = 128
 FUSED_REGISTERS = 168
 CHUNK = 16  # entries a step, as the layer's builds take them: a row here up to seven steps
@@ -93,17 +98,15 @@ def test_the_expected_row_maps_are_the_host_layouts():
     np.testing.assert_array_equal(_row_maps(ids, 12, src, slot, np.arange(40)), want)
 
 
-@hopper
-@pytest.mark.parametrize("received", [False, True])
-@pytest.mark.parametrize("wave", [False, True])
-@pytest.mark.parametrize("experts, top_k, p1, p2", [(16, 2, 44, 66), (64, 10, 8, 64),
-                                                    (256, 6, 24, 84), (8, 8, 2, 3)])
-def test_every_programs_row_is_the_references(received, wave, experts, top_k, p1, p2):
+CASES = [(16, 2, 44, 66), (16, 2, 44, 11), (64, 10, 8, 64), (256, 6, 24, 84), (8, 8, 2, 3)]
+
+
+def _check_programs(run, programs: int, received: bool, wave: bool, experts: int, top_k: int,
+                    p1: int, p2: int) -> None:
     """Each program's row and count, the row maps the programs wrote together (every row in
-    use, none past), and the error count, against the host reference."""
-    kernel = load_kernel_module("moe_program_tables").program_tables_kernel
-    dev = torch.device("cuda")
-    programs = torch.cuda.get_device_properties(dev).multi_processor_count
+    use, none past), and the error count, against the host reference, for each of
+    ``_routings``; ``run(inputs, outputs, **scalars)`` launches the kernel over int32 numpy
+    arrays (the outputs poisoned, filled in place)."""
     # up to the layer's bound: at EP = 1 eight tokens' picks at most
     capacity = ROUTED_ARRIVALS if received else min(8 * top_k, ROUTED_ARRIVALS)
     rng = np.random.default_rng(experts * 100 + top_k)
@@ -122,28 +125,69 @@ def test_every_programs_row_is_the_references(received, wave, experts, top_k, p1
         slot = rng.permutation(4 * len(held))[:len(held)] if received else np.arange(len(held))
         origin = np.arange(len(held)) if received else np.arange(len(held)) // top_k
         maps = _row_maps(held[:count], experts, src, slot, origin)
-
-        def device(a):
-            return torch.tensor(np.asarray(a), dtype=torch.int32, device=dev)
-
-        tiles = torch.full((programs, MAX_TILES, 4), POISON, dtype=torch.int32, device=dev)
-        num_tiles = torch.full((programs,), POISON, dtype=torch.int32, device=dev)
-        row_maps = torch.full((3, BLOCK_M * 128 + BLOCK_M), POISON, dtype=torch.int32,
-                              device=dev)
-        error = torch.zeros(1, dtype=torch.int32, device=dev)
-        kernel[(programs,)](device(held), device([n]), device(src), device(slot), tiles,
-                            num_tiles, row_maps[0], row_maps[1], row_maps[2], error, experts,
-                            len(held), top_k, MAX_TILES, programs, p1, p2, lead,
-                            WAVE_FILL * programs, RECEIVED=received, WAVE=wave,
-                            A=max(32, triton.next_power_of_2(len(held))), J=CHUNK,
-                            num_warps=4)
-        got_tiles, got_counts = tiles.cpu().numpy(), num_tiles.cpu().numpy()
-        np.testing.assert_array_equal(got_counts, [len(w) for w in want])
+        out = {"tiles": np.full((programs, MAX_TILES, 4), POISON, np.int32),
+               "num_tiles": np.full(programs, POISON, np.int32),
+               "row_maps": np.full((3, BLOCK_M * 128 + BLOCK_M), POISON, np.int32),
+               "error": np.zeros(1, np.int32)}
+        inputs = {k: np.asarray(v, np.int32) for k, v in
+                  (("ids", held), ("n_arrivals", [n]), ("arrival_src", src),
+                   ("arrival_slot", slot))}
+        run(inputs, out, NUM_EXPERTS=experts, CAPACITY=len(held), TOP_K=top_k,
+            MAX_TILES=MAX_TILES, G=programs, P1=p1, P2=p2, LEAD=lead,
+            WAVE_MIN_L1=WAVE_FILL * programs, RECEIVED=received, WAVE=wave,
+            A=max(32, triton.next_power_of_2(len(held))), J=CHUNK)
+        np.testing.assert_array_equal(out["num_tiles"], [len(w) for w in want])
         for g, w in enumerate(want):
-            np.testing.assert_array_equal(got_tiles[g, :len(w)], w, err_msg=f"program {g}")
-            assert (got_tiles[g, len(w):] == POISON).all(), f"program {g} wrote past its count"
-        got_maps = row_maps.cpu().numpy()
+            np.testing.assert_array_equal(out["tiles"][g, :len(w)], w, err_msg=f"program {g}")
+            assert (out["tiles"][g, len(w):] == POISON).all(), f"program {g} wrote past its count"
+        got_maps = out["row_maps"]
         np.testing.assert_array_equal(got_maps[:, :maps.shape[1]], maps)
         assert (got_maps[:, maps.shape[1]:] == POISON).all(), "rows written past those in use"
         live = ids[:count]
-        assert int(error.item()) == int(np.sum((live < 0) | (live >= experts)))
+        assert int(out["error"][0]) == int(np.sum((live < 0) | (live >= experts)))
+
+
+@pytest.mark.parametrize("received", [False, True])
+@pytest.mark.parametrize("wave", [False, True])
+@pytest.mark.parametrize("experts, top_k, p1, p2", CASES)
+def test_every_programs_row_is_the_references_in_numpy(received, wave, experts, top_k, p1, p2):
+    """The kernel's arithmetic on the CPU: its functions over ``gluon_numpy``'s ``gl``, the
+    programs of a launch run one after another."""
+    kernel = gluon_numpy.load_kernels("moe_program_tables").program_tables_kernel
+
+    def run(inputs, out, **scalars):
+        pointers = {k: gluon_numpy.Pointer(v) for k, v in inputs.items()}
+        maps = out["row_maps"].reshape(-1)
+        stride = out["row_maps"].shape[1]
+        gluon_numpy.launch(kernel, scalars["G"], pointers["ids"], pointers["n_arrivals"],
+                           pointers["arrival_src"], pointers["arrival_slot"],
+                           gluon_numpy.Pointer(out["tiles"].reshape(-1)),
+                           gluon_numpy.Pointer(out["num_tiles"]),
+                           gluon_numpy.Pointer(maps), gluon_numpy.Pointer(maps, stride),
+                           gluon_numpy.Pointer(maps, 2 * stride),
+                           gluon_numpy.Pointer(out["error"]), **scalars)
+
+    _check_programs(run, EMULATED_PROGRAMS[wave], received, wave, experts, top_k, p1, p2)
+
+
+@hopper
+@pytest.mark.parametrize("received", [False, True])
+@pytest.mark.parametrize("wave", [False, True])
+@pytest.mark.parametrize("experts, top_k, p1, p2", CASES)
+def test_every_programs_row_is_the_references(received, wave, experts, top_k, p1, p2):
+    """The kernel on the GPU, a program per SM."""
+    kernel = load_kernel_module("moe_program_tables").program_tables_kernel
+    dev = torch.device("cuda")
+
+    def run(inputs, out, **scalars):
+        held = {k: torch.from_numpy(v).to(dev) for k, v in {**inputs, **out}.items()}
+        maps = held["row_maps"]
+        kernel[(scalars["G"],)](held["ids"], held["n_arrivals"], held["arrival_src"],
+                                held["arrival_slot"], held["tiles"], held["num_tiles"],
+                                maps[0], maps[1], maps[2], held["error"], **scalars,
+                                num_warps=4)
+        for k in out:
+            out[k][...] = held[k].cpu().numpy()
+
+    _check_programs(run, torch.cuda.get_device_properties(dev).multi_processor_count, received,
+                    wave, experts, top_k, p1, p2)
