@@ -96,7 +96,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .moe_args import (ARG_A_ROWS, ARG_COMBINE_ROWS, ARG_EXPERT_IDS, ARG_OUT, ARG_TOPK_WEIGHTS,
                        ARG_X, ARG_X_SCALE)
-from .moe_program_tables import arrival_sources, program_row, routed_experts
+from .moe_program_tables import (arrival_sources, program_row, quantize_rows, routed_experts,
+                                 rows_read)
 
 TILE_L1 = gl.constexpr(0)
 TILE_L2 = gl.constexpr(1)
@@ -883,7 +884,8 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
 @gluon.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",
                                "out", "sum_tokens", "CAPACITY", "TOP_K"])
 def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
-                               n_arrivals, arrival_src, arrival_slot, tiles, num_tiles,
+                               n_arrivals, arrival_src, arrival_slot, x_quant, x_quant_scale,
+                               tiles, num_tiles,
                                max_tiles, row_origin, w1_desc, h_desc, w2_desc, w1_scale,
                                w2_scale, h, h_scale, row_ready, row_passed, row_src, row_slot,
                                combine_ptrs, error, max_spin, num_experts, trace, HIDDEN,
@@ -894,7 +896,8 @@ def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_
                                BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
                                STAGES: gl.constexpr, RECEIVED: gl.constexpr,
                                WAVE: gl.constexpr, ID_DTYPE: gl.constexpr, A: gl.constexpr,
-                               J: gl.constexpr, INSTRUMENT: gl.constexpr = False,
+                               J: gl.constexpr, QUANTIZE: gl.constexpr = False,
+                               INSTRUMENT: gl.constexpr = False,
                                SPLIT_K: gl.constexpr = False, SUM_TOP_K: gl.constexpr = 0,
                                SUM_WEIGHT_DTYPE: gl.constexpr = gl.float32):
     """``moe_fused_ws_kernel`` that routes its call itself: a call of at most ``A`` arrivals
@@ -913,7 +916,10 @@ def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_
     row of ``x`` it reads). Arrivals: at EP = 1 the ``CAPACITY`` picks of ``topk_ids``
     (``ID_DTYPE``; source 0, slot ``i``, token ``i // TOP_K``); on an EP rank (``RECEIVED``)
     the received rows, their count at ``n_arrivals``, their sources and slots up to
-    ``CAPACITY``. Ids out of range add to ``error`` and get no row.
+    ``CAPACITY``. Ids out of range add to ``error`` and get no row. ``QUANTIZE`` (an FP8 layer's
+    bf16 rows): each program quantizes the rows its Linear-1 tiles read into ``x_quant`` and
+    ``x_quant_scale`` (``moe_program_tables.quantize_rows``: by the rows of ``x``), which its
+    ``a_rows`` then name; else they name ``x`` and ``x_scale`` (never read without it).
 
     Row counters without a zeroing pass: ``row_ready`` and ``row_passed`` (int32, one per row
     block of the bound) are zero at the first launch and left zero by each (``RESET_ROWS``:
@@ -929,12 +935,19 @@ def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_
         ids, n, error, pid == 0, num_experts, A)
     src, slot, origin = arrival_sources(arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED, A)
     my_tiles = tiles + pid * max_tiles * TILE_FIELDS
-    n_tiles = program_row(pid, my_tiles, block_expert, block_rows, row_blocks, block_c, rank_c,
-                          valid_c, src, slot, origin, row_src, row_slot, row_origin,
-                          gl.num_programs(0), P1, P2, LEAD, WAVE_MIN_L1, WAVE, J)
-    gl.store(num_tiles + pid, n_tiles)  # read by no partition: the table, as the routing's
-    gl.store(args + ARG_A_ROWS, x.to(gl.int64))
-    gl.store(args + ARG_A_ROWS + 1, x_scale.to(gl.int64))
+    n_tiles, read = program_row(pid, my_tiles, block_expert, block_rows, row_blocks, block_c,
+                                rank_c, valid_c, src, slot, origin, row_src, row_slot,
+                                row_origin, gl.num_programs(0), P1, P2, LEAD, WAVE_MIN_L1, WAVE,
+                                J)
+    gl.store(num_tiles + pid, n_tiles)
+    if QUANTIZE:
+        quantize_rows(rows_read(read, origin), x.to(gl.pointer_type(gl.bfloat16)), x_quant,
+                      x_quant_scale, CAPACITY // TOP_K, HIDDEN)
+        gl.store(args + ARG_A_ROWS, x_quant.to(gl.int64))
+        gl.store(args + ARG_A_ROWS + 1, x_quant_scale.to(gl.int64))
+    else:
+        gl.store(args + ARG_A_ROWS, x.to(gl.int64))
+        gl.store(args + ARG_A_ROWS + 1, x_scale.to(gl.int64))
     gl.store(args + ARG_A_ROWS + 2, 0)
     if pid == 0:
         gl.store(args + ARG_EXPERT_IDS, expert_ids.to(gl.int64))
@@ -947,7 +960,9 @@ def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_
     # read by every partition: the barrier orders them for the default warps, the partitions'
     # start for the others
     gl.thread_barrier()
-    _program(my_tiles, n_tiles, args + ARG_A_ROWS, row_origin, w1_desc, h_desc, w2_desc,
+    # the count as the base entry takes it, loaded: held from the prologue instead, ptxas
+    # spilled it in every partition of the FP8 builds that quantize
+    _program(my_tiles, gl.load(num_tiles + pid), args + ARG_A_ROWS, row_origin, w1_desc, h_desc, w2_desc,
              w1_scale, w2_scale, h, h_scale, row_ready, row_passed, row_src, row_slot,
              combine_ptrs, error, max_spin, num_experts, trace + pid * max_tiles * TRACE_FIELDS,
              HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, l2_partial, l2_ready,

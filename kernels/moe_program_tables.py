@@ -20,7 +20,9 @@ Each program holds the ``A`` ids twice, along both axes of one ``[A, A]`` blocke
 the pairwise counts reduce to either axis without a layout conversion; the row blocks' experts
 lie along the first axis, as do a program's entries, ``J`` at a time, which gather their
 experts from them. Every program writes the row maps of its own tiles' row blocks (the same
-values where programs share a row block), so that no program reads another's.
+values where programs share a row block), so that no program reads another's. An FP8 layer's
+bf16 rows: each program quantizes those its Linear-1 tiles read (``quantize_rows``), as the
+routing's quantizing programs do, bitwise.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -29,6 +31,9 @@ TILE_L1 = gl.constexpr(0)
 TILE_L2 = gl.constexpr(1)
 TILE_FIELDS = gl.constexpr(4)
 BLOCK_M = gl.constexpr(128)  # rows of a row block: the fused kernel's
+SCALE_BLOCK = gl.constexpr(128)
+E4M3_MAX = gl.constexpr(448.0)
+QUANT_STEP = gl.constexpr(8)  # scale blocks of a row quantized at a time: 8 values a thread
 # the default partition's four warps, before the persistent kernel specializes them
 PAIRS = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))
 
@@ -174,11 +179,12 @@ def program_row(g, tiles, block_expert, block_rows, row_blocks, block_c, rank_c,
                 WAVE: gl.constexpr, J: gl.constexpr):
     """Program ``g``'s entries of the Expert-Wave (``WAVE``) or Interleaved table, from
     ``routed_experts``' row blocks, stored into its row ``tiles`` (int32 ``[.., 4]``) at their
-    positions, ``J`` at a time; returns its tile count. Then, tile by tile, the row maps of
-    their row blocks (``_row_block_maps``, from ``arrival_sources``' ``src``, ``slot``,
-    ``origin``): a program's partitions read the maps of its own tiles' rows, some before any
-    wait (whether a half holds a routed row), so each program writes those it reads; the
-    programs together write every routed and padding row in use."""
+    positions, ``J`` at a time. Then, tile by tile, the row maps of their row blocks
+    (``_row_block_maps``, from ``arrival_sources``' ``src``, ``slot``, ``origin``): a
+    program's partitions read the maps of its own tiles' rows, some before any wait (whether a
+    half holds a routed row), so each program writes those it reads; the programs together
+    write every routed and padding row in use. Returns its tile count and which arrivals its
+    Linear-1 tiles read (along ``PAIRS``' second axis)."""
     n1 = row_blocks * P1
     n2 = row_blocks * P2
     if WAVE:
@@ -189,10 +195,12 @@ def program_row(g, tiles, block_expert, block_rows, row_blocks, block_c, rank_c,
             linear1, row, n = _wave_item(g + j * G, row_blocks, w, P1, P2)
             _store_entries(tiles, j, gl.where(linear1, TILE_L1, TILE_L2), block_expert, row, n,
                            j < count)
+        read = valid_c & False
         for j in range(count):
-            _, row, _ = _wave_item(g + j * G, row_blocks, w, P1, P2)
+            linear1, row, _ = _wave_item(g + j * G, row_blocks, w, P1, P2)
             _row_block_maps(row, block_rows, block_c, rank_c, valid_c, src, slot, origin,
                             row_src, row_slot, row_origin)
+            read = read | (valid_c & (block_c == row) & linear1)
     else:
         r2, nb, u, rank = _l1_deal(row_blocks, g, G, P1, P2)
         count2 = _programs_below(n2, g, G)
@@ -211,26 +219,65 @@ def program_row(g, tiles, block_expert, block_rows, row_blocks, block_c, rank_c,
             _store_entries(tiles, j + _programs_below(gl.minimum((row1 - LEAD + 1) * P2, n2), g,
                                                       G),
                            TILE_L1, block_expert, row1, k1 % P1, j < count1)
+        read = valid_c & False
         for j in range(count1):
-            _row_block_maps(_l1_index(j, g, G, r2, nb, u, rank) // P1, block_rows, block_c,
-                            rank_c, valid_c, src, slot, origin, row_src, row_slot, row_origin)
+            row = _l1_index(j, g, G, r2, nb, u, rank) // P1
+            _row_block_maps(row, block_rows, block_c, rank_c, valid_c, src, slot, origin,
+                            row_src, row_slot, row_origin)
+            read = read | (valid_c & (block_c == row))
         for j in range(count2):
             _row_block_maps((g + j * G) // P2, block_rows, block_c, rank_c, valid_c, src, slot,
                             origin, row_src, row_slot, row_origin)
         count = count1 + count2
-    return count
+    return count, read
+
+
+@gluon.jit
+def rows_read(read, origin):
+    """The rows of ``x`` that the arrivals ``read`` read (``origin``; at most 64 of them), as the
+    bits of an int64."""
+    return gl.reduce_or(gl.where(read, gl.full_like(origin, 1).to(gl.int64) << origin, 0),
+                        axis=0)
+
+
+@gluon.jit(noinline=True)
+def quantize_rows(rows, x, x_quant, x_quant_scale, ROWS, HIDDEN):
+    """Each of the ``ROWS`` rows of the bf16 activations ``x`` whose bit ``rows`` holds
+    (``rows_read``) to e4m3 ``x_quant`` with one fp32 scale per 1 x 128 block
+    (``x_quant_scale``, by the rows of ``x``), as ``weights.quantize_rows_fp8``, bitwise
+    (``moe_routing._quantize_block``'s arithmetic: the scale times the reciprocal of the e4m3
+    maximum, the values times the IEEE reciprocal of the scale, clamped, rounded to nearest),
+    ``QUANT_STEP`` scale blocks at a time. Not inlined: inlined into the fused kernel, ptxas
+    spilled in the partitions of its 256-wide FP8 build."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+    k_scales = HIDDEN // SCALE_BLOCK
+    for t in range(ROWS):
+        if (rows >> t) & 1:
+            for h0 in range(0, k_scales, QUANT_STEP):
+                h = h0 + gl.arange(0, QUANT_STEP, layout=gl.SliceLayout(1, layout))
+                live = h < k_scales
+                at = t * HIDDEN + h[:, None] * SCALE_BLOCK + gl.arange(
+                    0, SCALE_BLOCK, layout=gl.SliceLayout(0, layout))[None, :]
+                v = gl.load(x + at, mask=live[:, None], other=0.0).to(gl.float32)
+                scale = gl.maximum(gl.max(gl.abs(v), axis=1), 1e-12) * (1.0 / E4M3_MAX)
+                q = v * gl.div_rn(gl.full_like(scale, 1.0), scale)[:, None]
+                q = gl.minimum(gl.maximum(q, -E4M3_MAX), E4M3_MAX)
+                gl.store(x_quant + at, q.to(gl.float8e4nv), mask=live[:, None])
+                gl.store(x_quant_scale + t * k_scales + h, scale, mask=live)
 
 
 @gluon.jit
 def program_tables_kernel(ids, n_arrivals, arrival_src, arrival_slot, tiles, num_tiles, row_src,
-                          row_slot, row_origin, error, NUM_EXPERTS, CAPACITY, TOP_K, MAX_TILES,
-                          G, P1, P2, LEAD, WAVE_MIN_L1, RECEIVED: gl.constexpr,
-                          WAVE: gl.constexpr, A: gl.constexpr, J: gl.constexpr):
+                          row_slot, row_origin, error, x, x_quant, x_quant_scale, NUM_EXPERTS,
+                          CAPACITY, TOP_K, MAX_TILES, G, P1, P2, LEAD, WAVE_MIN_L1, HIDDEN,
+                          RECEIVED: gl.constexpr, WAVE: gl.constexpr, A: gl.constexpr,
+                          J: gl.constexpr, QUANTIZE: gl.constexpr):
     """Every program ``g`` of ``G`` its own row of the table (int32 ``[G, MAX_TILES, 4]``) and
     count (``num_tiles[g]``), and the row maps of its tiles' row blocks, from the ids (at most
     ``A`` of them: the call's ``CAPACITY``, or on an EP rank (``RECEIVED``) the count at
-    ``n_arrivals``), as the persistent kernel's programs would before their tiles: the unit the
-    GPU tests check against the host reference."""
+    ``n_arrivals``), and where ``QUANTIZE`` the rows of ``x`` (bf16, ``HIDDEN`` columns) its
+    Linear-1 tiles read into ``x_quant``/``x_quant_scale``, as the persistent kernel's programs
+    would before their tiles: the unit the GPU tests check against the host reference."""
     g = gl.program_id(0)
     if RECEIVED:
         n = gl.load(n_arrivals)
@@ -239,7 +286,10 @@ def program_tables_kernel(ids, n_arrivals, arrival_src, arrival_slot, tiles, num
     block_expert, block_rows, row_blocks, block_c, rank_c, valid_c = routed_experts(
         ids, n, error, g == 0, NUM_EXPERTS, A)
     src, slot, origin = arrival_sources(arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED, A)
-    count = program_row(g, tiles + g * MAX_TILES * TILE_FIELDS, block_expert, block_rows,
-                        row_blocks, block_c, rank_c, valid_c, src, slot, origin, row_src,
-                        row_slot, row_origin, G, P1, P2, LEAD, WAVE_MIN_L1, WAVE, J)
+    count, read = program_row(g, tiles + g * MAX_TILES * TILE_FIELDS, block_expert, block_rows,
+                              row_blocks, block_c, rank_c, valid_c, src, slot, origin, row_src,
+                              row_slot, row_origin, G, P1, P2, LEAD, WAVE_MIN_L1, WAVE, J)
     gl.store(num_tiles + g, count)
+    if QUANTIZE:
+        quantize_rows(rows_read(read, origin), x, x_quant, x_quant_scale, CAPACITY // TOP_K,
+                      HIDDEN)

@@ -37,8 +37,9 @@ from xstage_lab.ops.moe.weights import local_expert_weights, quantize_rows_fp8
 
 SHAPES = load_shapes()
 SASS_LIMIT_BYTES = 75 * 1024  # the largest build measured: 73.5 KiB (FP8, 256-wide Linear-2)
-# what the routed entry adds to a build: 22-23 KiB at 32 arrivals, 33-34 at 64 (Triton 3.6)
-ROUTED_SASS_LIMIT_BYTES = 35 * 1024
+# what the routed entry adds to a build: 22-23 KiB at 32 arrivals, 33-34 at 64, 30-31 and 41
+# where it quantizes (Triton 3.6)
+ROUTED_SASS_LIMIT_BYTES = 42 * 1024
 ROUTED_SPILL_BYTES = 40
 
 
@@ -81,7 +82,8 @@ def _types(precision: str, cfg: TileConfig, instrument: bool, split_k: bool,
              # the routed entry's: the argument block, the call's addresses by value, the
              # arrivals and the table's constants
              "args": "*i64", "n_arrivals": "*i32", "arrival_src": "*i32",
-             "arrival_slot": "*i32", "CAPACITY": "i32", "TOP_K": "i32", "P1": "i32",
+             "arrival_slot": "*i32", "x_quant": f"*{name}" if precision == "fp8" else "*i32",
+             "x_quant_scale": scale, "CAPACITY": "i32", "TOP_K": "i32", "P1": "i32",
              "P2": "i32", "LEAD": "i32", "WAVE_MIN_L1": "i32"}
     types.update({slot: "i64" for slot in ("expert_ids", "x", "x_scale", "combine_rows",
                                            "topk_weights", "out")})
@@ -161,20 +163,23 @@ def test_compiles_for_hopper(ws_module, key):
 def test_the_routed_builds_compile_without_spills(ws_module, key, arrivals, split_k, sum_top_k):
     """The entry that routes its call itself, at the arrivals' bounds the layer builds it for
     (``routed.ROUTED_ARRIVALS``), split and summing too, in the smallest and the largest
-    default build (every default build measured alike): no spills where the base build has
-    none (the FP8 split builds spill 4 and 44-48 bytes; routed, up to 12 more stored and 16
-    more reloaded: at most ``ROUTED_SPILL_BYTES`` more), the row counters reset by the last
-    Linear-2 tile of each row block, and the code it adds (the table and the row maps in
-    closed form; not yet timed on a GPU) bounded."""
+    default build (every default build measured alike): at most ``ROUTED_SPILL_BYTES`` more
+    spilled than the base build (the 256-wide FP8 builds that quantize: 12 bytes stored, 36
+    reloaded, one value the producer reloads in its K loop, where the base spills none; the
+    FP8 split builds spill 4 and 44-48 bytes, routed up to 4 more), the row counters reset by
+    the last Linear-2 tile of each row block, and the code it adds (the table, the row maps
+    and the quantization in closed form; not yet timed on a GPU) bounded."""
     precision, cfg = key[0], _default_configs()[key]
+    # 32 arrivals: an EP rank's one token (its rows e4m3 in FP8); 64: EP = 1, FP8 quantizing
+    received = arrivals == 32
     k = _compile(ws_module, precision, cfg, split_k=split_k, sum_top_k=sum_top_k,
-                 routed=dict(RECEIVED=split_k, WAVE=False, ID_DTYPE=gl.int64, A=arrivals, J=16))
+                 routed=dict(RECEIVED=received, WAVE=False, ID_DTYPE=gl.int64, A=arrivals, J=16,
+                             QUANTIZE=precision == "fp8" and not received))
     base = _compile(ws_module, precision, cfg, split_k=split_k, sum_top_k=sum_top_k)
     ptx = k.asm["ptx"]
     report, base_report = ptxas_report(ptx), ptxas_report(base.asm["ptx"])
     for spill in ("spill_store_bytes", "spill_load_bytes"):
-        allowed = base_report[spill] + ROUTED_SPILL_BYTES if base_report[spill] else 0
-        assert report[spill] <= allowed, (report, base_report)
+        assert report[spill] <= base_report[spill] + ROUTED_SPILL_BYTES, (report, base_report)
     assert not report["wgmma_serialized"]
     assert "atom.global.gpu.relaxed.add" in ptx  # _pass_rows
     added = (sass_bytes(k.asm["cubin"], "moe_fused_ws_routed_kernel")

@@ -17,6 +17,20 @@ def _value(x):
     return x.a if isinstance(x, Tensor) else x
 
 
+E4M3 = "float8e4nv"  # the e4m3 dtype's stand-in: its values converted by torch, kept as bytes
+
+
+def _convert(a: np.ndarray, dtype) -> np.ndarray:
+    """``a`` as ``dtype``; to e4m3 its bytes, rounded to nearest even as torch (and the GPU's
+    cvt.rn) rounds."""
+    if dtype == E4M3:
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(
+            torch.float8_e4m3fn).view(torch.uint8).numpy()
+    return a.astype(dtype)
+
+
 def _trunc_div(a, b):
     q = np.abs(a) // np.abs(b)
     return np.where((np.asarray(a) < 0) != (np.asarray(b) < 0), -q, q)
@@ -31,7 +45,7 @@ class Tensor:
     shape = property(lambda self: self.a.shape)
 
     def to(self, dtype):
-        return Tensor(self.a.astype(dtype))
+        return Tensor(_convert(self.a, dtype))
 
     def __getitem__(self, key):
         return Tensor(self.a[key])
@@ -61,7 +75,8 @@ class Tensor:
         return Tensor(-self.a)
 
 
-for _name in ("add", "sub", "mul", "and", "or", "lt", "le", "gt", "ge", "eq", "ne"):
+for _name in ("add", "sub", "mul", "and", "or", "lt", "le", "gt", "ge", "eq", "ne", "lshift",
+              "rshift"):
     def _binary(op):
         return lambda self, other: Tensor(getattr(self.a, op)(_value(other)))
     setattr(Tensor, f"__{_name}__", _binary(f"__{_name}__"))
@@ -117,10 +132,15 @@ def language() -> types.SimpleNamespace:
 
     return types.SimpleNamespace(
         constexpr=lambda x: x, BlockedLayout=layout, SliceLayout=layout,
-        int32=np.int32, int64=np.int64,
+        int32=np.int32, int64=np.int64, float32=np.float32, float8e4nv=E4M3,
+        pointer_type=lambda dtype: None,
         arange=lambda start, end, layout=None: Tensor(np.arange(start, end)),
         load=_load, store=_store, atomic_add=_atomic_add,
         sum=lambda x, axis: Tensor(np.sum(_value(x), axis=axis)),
+        max=lambda x, axis: Tensor(np.max(_value(x), axis=axis)),
+        reduce_or=lambda x, axis: Tensor(np.bitwise_or.reduce(_value(x), axis=axis)),
+        abs=lambda x: Tensor(np.abs(_value(x))),
+        div_rn=lambda a, b: Tensor(np.float32(_value(a)) / np.float32(_value(b))),
         where=lambda c, a, b: Tensor(np.where(_value(c), _value(a), _value(b))),
         gather=lambda src, index, axis: Tensor(np.take(_value(src), _value(index), axis=axis)),
         minimum=lambda a, b: Tensor(np.minimum(_value(a), _value(b))),

@@ -261,25 +261,18 @@ def test_the_kernel_ends_with_the_weighted_sum_where_one_pass_covers_the_tokens(
 
 
 def test_the_kernel_routes_the_calls_it_can_itself(monkeypatch):
-    """``routing="kernel"`` (gluon_ws, built here, never launched): a bf16 layer's calls up to
+    """``routing="kernel"`` (gluon_ws, built here, never launched): calls up to
     ``ROUTED_ARRIVALS`` picks launch the routed entry first, which takes the call's addresses,
-    and no routing launch; above, and an FP8 layer's (its bf16 rows need quantizing), and with
+    and no routing launch (the rows bf16: an FP8 layer's quantized there); above, and with
     ``"launch"``, the routing launches first."""
     config = default_tile_config("bf16", "gluon_ws", hidden=TINY.hidden)
     layer = FusedMoE(local_expert_weights(TINY, 0, 1, "bf16", seed=3), max_tokens=64,
                      top_k=TINY.top_k, config=config, num_programs=4, routing="kernel")
     ws = layer.workspace
-    assert [ws.routes_in_kernel(2 * t, torch.bfloat16) for t in (1, 32, 33)] == [True, True,
-                                                                                 False]
-    fp8 = FusedMoE(local_expert_weights(TINY, 0, 1, "fp8", seed=3), max_tokens=4,
-                   top_k=TINY.top_k, config=default_tile_config("fp8", "gluon_ws",
-                                                                hidden=TINY.hidden),
-                   num_programs=4, routing="kernel")
-    assert not fp8.workspace.routes_in_kernel(2, torch.bfloat16)
-    assert fp8.workspace.routes_in_kernel(2, torch.float8_e4m3fn)  # an EP rank's e4m3 rows
+    assert [ws.routes_in_kernel(2 * t) for t in (1, 32, 33)] == [True, True, False]
     apart = FusedMoE(local_expert_weights(TINY, 0, 1, "bf16", seed=3), max_tokens=4,
                      top_k=TINY.top_k, config=config, num_programs=4)
-    assert not apart.workspace.routes_in_kernel(2, torch.bfloat16)
+    assert not apart.workspace.routes_in_kernel(2)
     calls = []
     monkeypatch.setattr(ws, "routed_launch", lambda *a, **kw: calls.append(("routed", a)) or "r")
     monkeypatch.setattr(layer, "route_launches", lambda *a: calls.append(("route", a)) or "f")
@@ -289,19 +282,23 @@ def test_the_kernel_routes_the_calls_it_can_itself(monkeypatch):
     assert layer.launches(addresses, 32, "wave", torch.int64, torch.float32) == "r"
     assert layer.launches(addresses, 33, "wave", torch.int64, torch.float32) == "f"
     assert [c[0] for c in calls] == ["routed", "route", "kernel"]
-    assert calls[0][1][2:5] == (addresses, 64, TINY.top_k)
+    assert calls[0][1][2:7] == (addresses, 64, TINY.top_k, torch.int64, torch.bfloat16)
 
 
 @pytest.mark.parametrize("received", [False, True])
-def test_the_routed_launch_binds_every_parameter_once(received):
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_the_routed_launch_binds_every_parameter_once(received, precision):
     """The routed entry's launcher: its static arguments and those a call gives it are its
-    parameters, each once; its own row counters, the table's constants and the build's
-    arrivals (at least ``MIN_ARRIVALS``, a power of two)."""
-    config = default_tile_config("bf16", "gluon_ws", hidden=TINY.hidden)
-    ws = MoEWorkspace(local_expert_weights(TINY, 0, 1, "bf16", seed=3), 40, config=config,
+    parameters, each once; its own row counters, the table's constants, the build's arrivals
+    (at least ``MIN_ARRIVALS``, a power of two) and, an FP8 layer's bf16 rows, the tables'
+    quantized copy."""
+    config = default_tile_config(precision, "gluon_ws", hidden=TINY.hidden)
+    ws = MoEWorkspace(local_expert_weights(TINY, 0, 1, precision, seed=3), 40, config=config,
                       num_programs=4, routing="kernel")
     peers = local_combine_peers([torch.zeros(40, TINY.hidden, dtype=torch.bfloat16)])
-    launcher = routed_launcher(ws, "interleaved", peers, 40, received, torch.int32, None)
+    quantize = precision == "fp8"
+    launcher = routed_launcher(ws, "interleaved", peers, 40, received, torch.int32, None,
+                               quantize)
     varying = {*slot_names(), "CAPACITY", "TOP_K"} | (
         {"n_arrivals", "arrival_src", "arrival_slot"} if received else set())
     static = launcher.static
@@ -316,6 +313,10 @@ def test_the_routed_launch_binds_every_parameter_once(received):
     assert static["tiles"] is ws.tables.tiles["interleaved"] and not static["WAVE"]
     assert (static["A"], static["RECEIVED"], static["P2"]) == (64, received,
                                                               ws.bounds.l2_n_blocks)
+    assert static["QUANTIZE"] == quantize
+    if quantize:
+        assert static["x_quant"] is ws.tables.x_quant
+        assert static["x_quant_scale"] is ws.tables.x_quant_scale
     assert arrivals_padded(3) == MIN_ARRIVALS and arrivals_padded(33) == 64
 
 

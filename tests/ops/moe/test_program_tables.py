@@ -18,13 +18,18 @@ from xstage_lab.ops.moe.schedules import WAVE_FILL
 from xstage_lab.ops.moe.device_tables import TableBounds
 from xstage_lab.ops.moe.routed import ROUTED_ARRIVALS
 from xstage_lab.ops.moe.table_reference import host_tables, program_tiles
+from xstage_lab.ops.moe.weights import quantize_rows_fp8
 
 SIGNATURE = {"ids": "*i32", "n_arrivals": "*i32", "arrival_src": "*i32", "arrival_slot": "*i32",
              "tiles": "*i32", "num_tiles": "*i32", "row_src": "*i32", "row_slot": "*i32",
-             "row_origin": "*i32", "error": "*i32", "NUM_EXPERTS": "i32", "CAPACITY": "i32",
-             "TOP_K": "i32", "MAX_TILES": "i32",
-             "G": "i32", "P1": "i32", "P2": "i32", "LEAD": "i32", "WAVE_MIN_L1": "i32",
-             "RECEIVED": "constexpr", "WAVE": "constexpr", "A": "constexpr", "J": "constexpr"}
+             "row_origin": "*i32", "error": "*i32", "x": "*bf16", "x_quant": "*fp8e4nv",
+             "x_quant_scale": "*fp32", "NUM_EXPERTS": "i32", "CAPACITY": "i32", "TOP_K": "i32",
+             "MAX_TILES": "i32", "G": "i32", "P1": "i32", "P2": "i32", "LEAD": "i32",
+             "WAVE_MIN_L1": "i32", "HIDDEN": "i32", "RECEIVED": "constexpr", "WAVE": "constexpr",
+             "A": "constexpr", "J": "constexpr", "QUANTIZE": "constexpr"}
+# the activations the quantizing case reads: DiT-MoE's width, eleven scale blocks (not a
+# multiple of the blocks quantized at a time)
+HIDDEN = 1408
 POISON = -7
 MAX_TILES = 256
 # the emulated launch's programs: Interleaved's as an H200's SMs (some deals of the Linear-1
@@ -48,8 +53,8 @@ def test_the_sm90_builds_fit_the_fused_kernels_registers(wave, arrivals):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     names = list(SIGNATURE)
-    constexprs = {(names.index(k),): v for k, v in dict(RECEIVED=True, WAVE=wave, A=arrivals,
-                                                        J=CHUNK).items()}
+    constexprs = {(names.index(k),): v for k, v in dict(RECEIVED=False, WAVE=wave, A=arrivals,
+                                                        J=CHUNK, QUANTIZE=True).items()}
     kernel = compile_sm90(GluonASTSource(load_kernel_module("moe_program_tables")
                                          .program_tables_kernel, SIGNATURE, constexprs),
                           num_warps=4)
@@ -58,13 +63,15 @@ def test_the_sm90_builds_fit_the_fused_kernels_registers(wave, arrivals):
 
 def _routings(rng, experts: int, top_k: int, capacity: int):
     """(ids, count) pairs: random picks of up to ``capacity // top_k`` tokens, one token, every
-    token the same picks (skewed), and ids out of range among them."""
+    token the same picks (skewed), and ids out of range among them (every pick of the first
+    token: a row no arrival reads)."""
     tokens = capacity // top_k
     picks = [np.stack([rng.permutation(experts)[:top_k] for _ in range(t)])
              for t in (tokens, 1)]
     picks.append(np.tile(rng.permutation(experts)[:top_k], (tokens, 1)))
     bad = picks[0].copy()
     bad.flat[rng.choice(bad.size, 3, replace=False)] = [experts, -1, experts + 5]
+    bad[0] = experts
     picks.append(bad)
     return [(p.reshape(-1), p.size) for p in picks]
 
@@ -104,9 +111,11 @@ CASES = [(16, 2, 44, 66), (16, 2, 44, 11), (64, 10, 8, 64), (256, 6, 24, 84), (8
 def _check_programs(run, programs: int, received: bool, wave: bool, experts: int, top_k: int,
                     p1: int, p2: int) -> None:
     """Each program's row and count, the row maps the programs wrote together (every row in
-    use, none past), and the error count, against the host reference, for each of
-    ``_routings``; ``run(inputs, outputs, **scalars)`` launches the kernel over int32 numpy
-    arrays (the outputs poisoned, filled in place)."""
+    use, none past), the error count and, at EP = 1, the tokens quantized (each token an
+    arrival reads, bitwise as ``weights.quantize_rows_fp8``; no other), against the host
+    reference, for each of ``_routings``; ``run(inputs, outputs, **scalars)`` launches the
+    kernel over numpy arrays (the inputs' ``x`` bf16 values in fp32, the outputs poisoned,
+    ``x_quant`` as bytes, filled in place)."""
     # up to the layer's bound: at EP = 1 eight tokens' picks at most
     capacity = ROUTED_ARRIVALS if received else min(8 * top_k, ROUTED_ARRIVALS)
     rng = np.random.default_rng(experts * 100 + top_k)
@@ -125,17 +134,24 @@ def _check_programs(run, programs: int, received: bool, wave: bool, experts: int
         slot = rng.permutation(4 * len(held))[:len(held)] if received else np.arange(len(held))
         origin = np.arange(len(held)) if received else np.arange(len(held)) // top_k
         maps = _row_maps(held[:count], experts, src, slot, origin)
+        rows = len(held) // (1 if received else top_k)
+        x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(count)).to(
+            torch.bfloat16)
         out = {"tiles": np.full((programs, MAX_TILES, 4), POISON, np.int32),
                "num_tiles": np.full(programs, POISON, np.int32),
                "row_maps": np.full((3, BLOCK_M * 128 + BLOCK_M), POISON, np.int32),
-               "error": np.zeros(1, np.int32)}
+               "error": np.zeros(1, np.int32),
+               "x_quant": np.full((rows, HIDDEN), 0x7F, np.uint8),  # e4m3 NaN
+               "x_quant_scale": np.full((rows, HIDDEN // 128), np.nan, np.float32)}
         inputs = {k: np.asarray(v, np.int32) for k, v in
                   (("ids", held), ("n_arrivals", [n]), ("arrival_src", src),
                    ("arrival_slot", slot))}
-        run(inputs, out, NUM_EXPERTS=experts, CAPACITY=len(held), TOP_K=top_k,
+        inputs["x"] = x.float().numpy()
+        quantize = not received
+        run(inputs, out, NUM_EXPERTS=experts, CAPACITY=len(held), TOP_K=1 if received else top_k,
             MAX_TILES=MAX_TILES, G=programs, P1=p1, P2=p2, LEAD=lead,
-            WAVE_MIN_L1=WAVE_FILL * programs, RECEIVED=received, WAVE=wave,
-            A=max(32, triton.next_power_of_2(len(held))), J=CHUNK)
+            WAVE_MIN_L1=WAVE_FILL * programs, HIDDEN=HIDDEN, RECEIVED=received, WAVE=wave,
+            A=max(32, triton.next_power_of_2(len(held))), J=CHUNK, QUANTIZE=quantize)
         np.testing.assert_array_equal(out["num_tiles"], [len(w) for w in want])
         for g, w in enumerate(want):
             np.testing.assert_array_equal(out["tiles"][g, :len(w)], w, err_msg=f"program {g}")
@@ -145,6 +161,13 @@ def _check_programs(run, programs: int, received: bool, wave: bool, experts: int
         assert (got_maps[:, maps.shape[1]:] == POISON).all(), "rows written past those in use"
         live = ids[:count]
         assert int(out["error"][0]) == int(np.sum((live < 0) | (live >= experts)))
+        if quantize:
+            read = np.zeros(rows, bool)
+            read[origin[:count][(live >= 0) & (live < experts)]] = True
+            xq, xs = quantize_rows_fp8(x[read])
+            np.testing.assert_array_equal(out["x_quant"][read], xq.view(torch.uint8).numpy())
+            np.testing.assert_array_equal(out["x_quant_scale"][read], xs.numpy())
+            assert (out["x_quant"][~read] == 0x7F).all(), "a row no arrival reads quantized"
 
 
 @pytest.mark.parametrize("received", [False, True])
@@ -156,16 +179,16 @@ def test_every_programs_row_is_the_references_in_numpy(received, wave, experts, 
     kernel = gluon_numpy.load_kernels("moe_program_tables").program_tables_kernel
 
     def run(inputs, out, **scalars):
-        pointers = {k: gluon_numpy.Pointer(v) for k, v in inputs.items()}
+        pointers = {k: gluon_numpy.Pointer(v.reshape(-1)) for k, v in {**inputs, **out}.items()}
         maps = out["row_maps"].reshape(-1)
         stride = out["row_maps"].shape[1]
         gluon_numpy.launch(kernel, scalars["G"], pointers["ids"], pointers["n_arrivals"],
-                           pointers["arrival_src"], pointers["arrival_slot"],
-                           gluon_numpy.Pointer(out["tiles"].reshape(-1)),
-                           gluon_numpy.Pointer(out["num_tiles"]),
-                           gluon_numpy.Pointer(maps), gluon_numpy.Pointer(maps, stride),
-                           gluon_numpy.Pointer(maps, 2 * stride),
-                           gluon_numpy.Pointer(out["error"]), **scalars)
+                           pointers["arrival_src"], pointers["arrival_slot"], pointers["tiles"],
+                           pointers["num_tiles"], gluon_numpy.Pointer(maps),
+                           gluon_numpy.Pointer(maps, stride),
+                           gluon_numpy.Pointer(maps, 2 * stride), pointers["error"],
+                           pointers["x"], pointers["x_quant"], pointers["x_quant_scale"],
+                           **scalars)
 
     _check_programs(run, EMULATED_PROGRAMS[wave], received, wave, experts, top_k, p1, p2)
 
@@ -184,8 +207,10 @@ def test_every_programs_row_is_the_references(received, wave, experts, top_k, p1
         maps = held["row_maps"]
         kernel[(scalars["G"],)](held["ids"], held["n_arrivals"], held["arrival_src"],
                                 held["arrival_slot"], held["tiles"], held["num_tiles"],
-                                maps[0], maps[1], maps[2], held["error"], **scalars,
-                                num_warps=4)
+                                maps[0], maps[1], maps[2], held["error"],
+                                held["x"].to(torch.bfloat16),
+                                held["x_quant"].view(torch.float8_e4m3fn),
+                                held["x_quant_scale"], **scalars, num_warps=4)
         for k in out:
             out[k][...] = held[k].cpu().numpy()
 

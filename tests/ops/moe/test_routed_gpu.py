@@ -1,7 +1,8 @@
 """The fused MoE call that routes itself (``routed``: ``routing="kernel"``) on a Hopper GPU
 (skipped elsewhere): call after call, with calls over the routing launches between them, its
 outputs and Combine rows equal those of a layer that routes by launches, bit for bit, and the
-reference; its table, counts and row maps equal the host reference, and its row counters are
+reference (an FP8 layer's tokens quantized in the kernel, bit for bit as by the routing); its
+table, counts, row maps and quantized rows equal the host reference, and its row counters are
 left zero; split Linear-2 tiles too; an eager call never synchronizes; one graph replays five
 routings; an id out of range inside a graph raises the error flag; an EP rank routes its
 received rows itself, e4m3 ones included. Not yet run on a GPU."""
@@ -15,17 +16,18 @@ from tests.ops.moe.test_op_gpu import (SEED, SHAPES, _check, _check_unsynchroniz
 from xstage_lab.ops.moe.routed import ROUTED_ARRIVALS, ROUTED_TABLES
 from xstage_lab.ops.moe.op import FusedMoE
 from xstage_lab.ops.moe.table_reference import host_tables, table_mismatches
-from xstage_lab.ops.moe.weights import local_expert_weights
+from xstage_lab.ops.moe.weights import local_expert_weights, quantize_rows_fp8
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
     reason="needs a Hopper (sm_90) GPU")
 
 
-def _layers(model: str, max_tokens: int, schedule: str) -> tuple[FusedMoE, FusedMoE]:
-    """A bf16 layer that routes its calls itself and one that routes by launches, one weights."""
+def _layers(model: str, max_tokens: int, schedule: str,
+            precision: str = "bf16") -> tuple[FusedMoE, FusedMoE]:
+    """A layer that routes its calls itself and one that routes by launches, one weights."""
     shape = SHAPES[model]
-    weights = local_expert_weights(shape, 0, 1, "bf16", seed=SEED, device="cuda")
+    weights = local_expert_weights(shape, 0, 1, precision, seed=SEED, device="cuda")
     return tuple(FusedMoE(weights, max_tokens=max_tokens, top_k=shape.top_k, schedule=schedule,
                           routing=r) for r in ("kernel", "launch"))
 
@@ -33,18 +35,23 @@ def _layers(model: str, max_tokens: int, schedule: str) -> tuple[FusedMoE, Fused
 def _routed_tables_match(layer: FusedMoE, x, ids) -> list[str]:
     """The tables a routed call writes (its schedule's, the row maps) against the host's."""
     ws = layer.workspace
-    host = host_tables(ws.bounds, ids.reshape(-1), x.repeat_interleave(layer.top_k, dim=0),
-                       top_k=layer.top_k)
+    rows = x.repeat_interleave(layer.top_k, dim=0)
+    xq, xs = quantize_rows_fp8(rows) if ws.weights.precision == "fp8" else (rows, None)
+    host = host_tables(ws.bounds, ids.reshape(-1), xq, xs, top_k=layer.top_k)
     return [b for b in table_mismatches(ws.tables, host)
             if b.startswith((*ROUTED_TABLES, f"{layer.schedule}."))]
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
 @pytest.mark.parametrize("schedule", ["wave", "interleaved"])
 @pytest.mark.parametrize("model", ["DiT-MoE", "Qwen3.5", "DeepSeek-V4-Flash"])
-def test_routed_calls_equal_the_launch_paths_call_after_call(model, schedule):
+def test_routed_calls_equal_the_launch_paths_call_after_call(model, schedule, precision):
+    """Calls routed by the kernel (an FP8 layer's tokens quantized there, bitwise as the
+    routing's) between calls routed by launches: the same bits as the layer that always
+    launches, the reference, the host's tables, the counters left zero."""
     shape = SHAPES[model]
     most = ROUTED_ARRIVALS // shape.top_k  # the most tokens a call routes itself
-    routed, launched = _layers(model, most + 1, schedule)
+    routed, launched = _layers(model, most + 1, schedule, precision)
     for i, tokens in enumerate((1, most, 1, most + 1, 2, 1)):
         x, ids, w = _inputs(tokens, 100 + i, ("balanced", "skewed")[i % 2], model)
         ys = []
@@ -52,8 +59,7 @@ def test_routed_calls_equal_the_launch_paths_call_after_call(model, schedule):
             layer.combine.fill_(float("nan"))
             ys.append(layer(x, ids, w))
         torch.cuda.synchronize()
-        assert routed.workspace.routes_in_kernel(tokens * shape.top_k, x.dtype) == (tokens
-                                                                                    <= most)
+        assert routed.workspace.routes_in_kernel(tokens * shape.top_k) == (tokens <= most)
         assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16)), (i, tokens)
         _check(routed, ys[0], x, ids, w, model)
         if tokens <= most:

@@ -91,7 +91,7 @@ class Ep1Cell:
 
     def routes_in_kernel(self) -> bool:
         """Whether the call's fused kernel routes it itself (no routing launch before it)."""
-        return self.ws.routes_in_kernel(self.tokens * self.shape.top_k, self.x.dtype)
+        return self.ws.routes_in_kernel(self.tokens * self.shape.top_k)
 
     def weighted_sum(self):
         combine_weighted_sum(self.combined(), self.w)
@@ -234,7 +234,7 @@ class Ep8RankCell:
 
     def routes_in_kernel(self) -> bool:
         """``Ep1Cell.routes_in_kernel``'s counterpart, over the receive buffers' bound."""
-        return self.ws.routes_in_kernel(self.ws.bounds.capacity, self.in_x.dtype)
+        return self.ws.routes_in_kernel(self.ws.bounds.capacity)
 
     def unfused(self):
         y = unfused_rows(self.rows, self.expert, self.uweights, self.unfused_capacity)

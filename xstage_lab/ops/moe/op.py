@@ -148,28 +148,30 @@ class MoEWorkspace:
         """``device_tables.route_to_tables`` into this workspace's tables."""
         route_to_tables(self.tables, expert_ids, x, x_scale, **received)
 
-    def routes_in_kernel(self, capacity: int, x_dtype: torch.dtype) -> bool:
-        """Whether a call of ``capacity`` arrivals over rows of ``x_dtype`` routes in the fused
-        kernel (``routed.routes_in_kernel``: not where an FP8 layer quantizes bf16 rows)."""
-        quantizes = self.weights.precision == "fp8" and x_dtype == torch.bfloat16
-        return routes_in_kernel(self.config.kernel, self.routing, capacity, quantizes)
+    def routes_in_kernel(self, capacity: int) -> bool:
+        """Whether a call of ``capacity`` arrivals routes in the fused kernel
+        (``routed.routes_in_kernel``)."""
+        return routes_in_kernel(self.config.kernel, self.routing, capacity)
 
     def routed_launch(self, schedule: str, peers: CombinePeers, addresses: tuple[int, ...],
-                      capacity: int, top_k: int, id_dtype: torch.dtype,
+                      capacity: int, top_k: int, id_dtype: torch.dtype, x_dtype: torch.dtype,
                       weighted_sum: InKernelSum | None = None, **received) -> Launcher:
         """The fused kernel that routes the call itself (``routed.routed_launcher``, bound
         once per key) over ``capacity`` arrivals, launched with the call's ``addresses`` (the
         argument block's slots, in order), ``top_k`` picks a token and, on an EP rank,
-        ``received``: ``n_arrivals``, ``arrival_src``, ``arrival_slot``. Returns its launcher:
-        a graph's node of its function takes each call's addresses."""
+        ``received``: ``n_arrivals``, ``arrival_src``, ``arrival_slot``; rows of ``x_dtype``
+        (bf16 ones of an FP8 layer quantized by the kernel). Returns its launcher: a graph's
+        node of its function takes each call's addresses."""
         s = weighted_sum
+        quantize = self.weights.precision == "fp8" and x_dtype == torch.bfloat16
         key = ("routed", schedule, peers.table.data_ptr(), arrivals_padded(capacity),
-               bool(received), id_dtype, s and (s.arrivals.data_ptr(), s.tokens, s.top_k,
-                                                s.weight_dtype))
+               bool(received), id_dtype, quantize, s and (s.arrivals.data_ptr(), s.tokens,
+                                                          s.top_k, s.weight_dtype))
         launch = self._launches.get(key)
         if launch is None:
             launch = self._launches[key] = routed_launcher(self, schedule, peers, capacity,
-                                                           bool(received), id_dtype, s)
+                                                           bool(received), id_dtype, s,
+                                                           quantize)
         launch((self.bounds.num_programs,), **dict(zip(slot_names(), addresses)),
                CAPACITY=capacity, TOP_K=1 if received else top_k, **received)
         return launch
@@ -213,13 +215,13 @@ class MoEWorkspace:
         def launches():
             received = dict(n_arrivals=n_arrivals, arrival_src=arrival_src,
                             arrival_slot=arrival_slot)
-            if self.routes_in_kernel(self.bounds.capacity, x.dtype):
+            if self.routes_in_kernel(self.bounds.capacity):
                 # the weighted sum's slots: any address (an EP rank sums nothing)
                 block = self.tables.args.data_ptr()
                 self.routed_launch(schedule, peers, (
                     expert_ids.data_ptr(), x.data_ptr(),
                     block if x_scale is None else x_scale.data_ptr(), block, block, block),
-                    self.bounds.capacity, 1, expert_ids.dtype, **received)
+                    self.bounds.capacity, 1, expert_ids.dtype, x.dtype, **received)
             else:
                 self.route(expert_ids, x, x_scale, **received)
                 self.launch(schedule, peers, routed=True)
@@ -323,8 +325,9 @@ class FusedMoE(torch.nn.Module):
     of its programs covers the call's tokens (``sums_in_kernel``), so the call has one launch and
     one kernel boundary fewer; above that, its own launch. ``routing``: ``"launch"``, the
     routing launches before the fused kernel; ``"kernel"`` (gluon_ws only), the fused kernel
-    routes the calls it can itself (``routed``: bf16 layers up to ``routed.ROUTED_ARRIVALS``
-    picks), so such a call has no launch before the kernel; not yet run on a GPU."""
+    routes the calls it can itself (``routed``: up to ``routed.ROUTED_ARRIVALS`` picks, an FP8
+    layer's tokens quantized there too), so such a call has no launch before the kernel; not
+    yet run on a GPU."""
 
     def __init__(self, weights: ExpertWeights, *, max_tokens: int, top_k: int,
                  schedule: str = "auto", config: TileConfig | None = None,
@@ -463,9 +466,10 @@ class FusedMoE(torch.nn.Module):
         arguments but ``addresses`` fixed by the graph's key (what it captures). Returns the
         first launch's launcher, which took ``addresses``."""
         ws, capacity = self.workspace, tokens * self.top_k
-        if ws.routes_in_kernel(capacity, torch.bfloat16):
+        if ws.routes_in_kernel(capacity):
             first = ws.routed_launch(schedule, self.peers, addresses, capacity, self.top_k,
-                                     id_dtype, self.in_kernel_sum(tokens, weights_dtype))
+                                     id_dtype, torch.bfloat16,
+                                     self.in_kernel_sum(tokens, weights_dtype))
         else:
             first = self.route_launches(addresses, tokens, id_dtype)
             self.fused_kernel(tokens, weights_dtype, schedule, routed=True)

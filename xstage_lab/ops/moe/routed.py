@@ -8,10 +8,10 @@ row counters are its own (``DeviceTables.routed_ready``), zero at allocation and
 each call (after a spin timeout, which raises the error flag, no longer promised).
 
 Where it applies (``routes_in_kernel``): the gluon_ws kernel, a layer built with
-``routing="kernel"``, at most ``ROUTED_ARRIVALS`` arrivals, and rows the kernel reads as they are
-(bf16 layers, or e4m3 rows with their scales: an FP8 layer's bf16 activations still need the
-routing's quantizing programs). Not yet run or timed on a GPU: the layer's default stays the
-routing launches (``routing="launch"``)."""
+``routing="kernel"``, at most ``ROUTED_ARRIVALS`` arrivals. An FP8 layer's bf16 rows are
+quantized by the programs that read them, as the routing's quantizing programs do (``quantize``:
+``kernels/moe_program_tables.quantize_rows``). Not yet run or timed on a GPU: the layer's
+default stays the routing launches (``routing="launch"``)."""
 from __future__ import annotations
 
 import torch
@@ -36,17 +36,16 @@ MIN_ARRIVALS = 32
 ROUTED_ENTRY = "moe_fused_ws_routed_kernel"  # in kernels/moe_fused_ws.py
 # what a routed call writes of the device tables (table_reference.table_mismatches' names),
 # beside its schedule's table and counts: the routing launches write the rest
-ROUTED_TABLES = ("row_src", "row_slot", "row_origin")
+ROUTED_TABLES = ("row_src", "row_slot", "row_origin", "x_quant", "x_quant_scale")
 ENTRIES_PER_STEP = 16  # a program's table entries computed at a time (moe_program_tables' J)
 # the base entry's arguments the routed entry takes from elsewhere: the argument block's slots
 # it writes, the row counters it leaves zero
 NOT_ROUTED = ("a_rows", "sum_args", "row_ready")
 
 
-def routes_in_kernel(kernel: str, routing: str, capacity: int, quantizes: bool) -> bool:
+def routes_in_kernel(kernel: str, routing: str, capacity: int) -> bool:
     """Whether a call of ``capacity`` arrivals routes in the fused kernel (module docstring)."""
-    return (routing == "kernel" and kernel == "gluon_ws" and capacity <= ROUTED_ARRIVALS
-            and not quantizes)
+    return routing == "kernel" and kernel == "gluon_ws" and capacity <= ROUTED_ARRIVALS
 
 
 def check_routing(routing: str, kernel: str) -> None:
@@ -64,11 +63,13 @@ def arrivals_padded(capacity: int) -> int:
 
 
 def routed_launcher(ws, schedule: str, peers, capacity: int, received: bool,
-                    id_dtype: torch.dtype, weighted_sum: InKernelSum | None) -> Launcher:
+                    id_dtype: torch.dtype, weighted_sum: InKernelSum | None,
+                    quantize: bool) -> Launcher:
     """The routed entry over ``ws``' buffers (an ``op.MoEWorkspace``) for ``schedule`` and the
     Combine ``peers``, for calls of at most ``capacity`` arrivals (``received``: an EP rank's,
-    their count on the device), launched with the call's addresses (``CAPACITY``, ``TOP_K``
-    and, on an EP rank, the arrivals' count, sources and slots too). Its arguments are those
+    their count on the device; ``quantize``: bf16 rows of an FP8 layer, into the tables'
+    ``x_quant``), launched with the call's addresses (``CAPACITY``, ``TOP_K`` and, on an EP
+    rank, the arrivals' count, sources and slots too). Its arguments are those
     ``kernel_launch`` gives the base entry over the same buffers, less ``NOT_ROUTED``, with the
     row counters of its own (``tables.routed_ready``) and the table's constants."""
     t, b = ws.tables, ws.bounds
@@ -85,7 +86,10 @@ def routed_launcher(ws, schedule: str, peers, capacity: int, received: bool,
     # at EP = 1 no count, sources or slots are read: any pointer stands in
     arrivals = {} if received else dict(n_arrivals=t.meta, arrival_src=t.meta,
                                         arrival_slot=t.meta)
+    # without quantizing nothing reads the copy: any pointer stands in
+    copy = ((t.x_quant, t.x_quant_scale) if quantize else (t.meta, t.meta))
     return Launcher(getattr(module, ROUTED_ENTRY), **static, **constexprs, **arrivals,
+                    x_quant=copy[0], x_quant_scale=copy[1], QUANTIZE=quantize,
                     args=t.args, row_ready=t.routed_ready[0], row_passed=t.routed_ready[1],
                     P1=b.l1_n_blocks, P2=b.l2_n_blocks, LEAD=b.lead_rows,
                     WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received,
