@@ -393,14 +393,9 @@ def in_kernel_sums(t: pd.DataFrame) -> str:
     where none did."""
     from ...analysis.moe.layer_view import sums_in_kernel
 
-    summed = t[sums_in_kernel(t)]
-    if not len(summed):
-        return ""
-    return (f" (in {count(len(summed))} EP = 1 {plural(len(summed), 'cell')}, "
-            f"{span(summed['tokens'], '.0f')} tokens, the fused kernel ends with the weighted "
-            f"sum, which alone takes "
-            f"{span(summed['kernel_summed_us'] - summed['kernel_us'], '.1f')} µs more than "
-            f"without it)")
+    return _in_cells(t[sums_in_kernel(t)], "EP = 1 ", lambda c: (
+        "the fused kernel ends with the weighted sum, which alone takes "
+        f"{span(c['kernel_summed_us'] - c['kernel_us'], '.1f')} µs more than without it"))
 
 
 def kernel_routed(t: pd.DataFrame) -> str:
@@ -408,13 +403,17 @@ def kernel_routed(t: pd.DataFrame) -> str:
     and their token counts; nothing where none did."""
     from ...analysis.moe.layer_view import routed_in_kernel
 
-    routed = t[routed_in_kernel(t)]
-    if not len(routed):
+    return _in_cells(t[routed_in_kernel(t)], "", lambda c: (
+        "the fused kernel routes the call itself, with no routing launch before it"))
+
+
+def _in_cells(cells: pd.DataFrame, kind: str, what) -> str:
+    """`` (in N <kind>cells, T tokens, <what(cells)>)``; nothing where ``cells`` is empty."""
+    if not len(cells):
         return ""
-    return (f" (in {count(len(routed))} {plural(len(routed), 'cell')}, "
-            f"{span(routed['tokens'], '.0f')} {plural(int(routed['tokens'].max()), 'token')}, "
-            f"the fused kernel routes the call itself, "
-            f"with no routing launch before it)")
+    return (f" (in {count(len(cells))} {kind}{plural(len(cells), 'cell')}, "
+            f"{span(cells['tokens'], '.0f')} {plural(int(cells['tokens'].max()), 'token')}, "
+            f"{what(cells)})")
 
 
 def forecast(forecast_records, paper: dict) -> Prose:
