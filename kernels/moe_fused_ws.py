@@ -885,20 +885,18 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
                                "out", "sum_tokens", "CAPACITY", "TOP_K"])
 def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
                                n_arrivals, arrival_src, arrival_slot, x_quant, x_quant_scale,
-                               tiles, num_tiles,
-                               max_tiles, row_origin, w1_desc, h_desc, w2_desc, w1_scale,
-                               w2_scale, h, h_scale, row_ready, row_passed, row_src, row_slot,
-                               combine_ptrs, error, max_spin, num_experts, trace, HIDDEN,
-                               INTER, l1_k_blocks,
-                               l2_k_blocks, l2_splits, l2_partial, l2_ready, sum_arrivals,
-                               sum_tokens, CAPACITY, TOP_K, P1, P2, LEAD, WAVE_MIN_L1,
-                               FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
+                               tiles, num_tiles, max_tiles, row_origin, w1_desc, h_desc, w2_desc,
+                               w1_scale, w2_scale, h, h_scale, row_ready, row_passed, row_src,
+                               row_slot, combine_ptrs, error, max_spin, num_experts, trace,
+                               HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, l2_partial,
+                               l2_ready, sum_arrivals, sum_tokens, CAPACITY, TOP_K, P1, P2, LEAD,
+                               WAVE_MIN_L1, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
                                BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
                                STAGES: gl.constexpr, RECEIVED: gl.constexpr,
                                WAVE: gl.constexpr, ID_DTYPE: gl.constexpr, A: gl.constexpr,
                                J: gl.constexpr, QUANTIZE: gl.constexpr = False,
-                               INSTRUMENT: gl.constexpr = False,
-                               SPLIT_K: gl.constexpr = False, SUM_TOP_K: gl.constexpr = 0,
+                               INSTRUMENT: gl.constexpr = False, SPLIT_K: gl.constexpr = False,
+                               SUM_TOP_K: gl.constexpr = 0,
                                SUM_WEIGHT_DTYPE: gl.constexpr = gl.float32):
     """``moe_fused_ws_kernel`` that routes its call itself: a call of at most ``A`` arrivals
     (a power of two, at most ``BLOCK_M``: every routed expert one row block) needs no routing
@@ -960,9 +958,7 @@ def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_
     # read by every partition: the barrier orders them for the default warps, the partitions'
     # start for the others
     gl.thread_barrier()
-    # the count as the base entry takes it, loaded: held from the prologue instead, ptxas
-    # spilled it in every partition of the FP8 builds that quantize
-    _program(my_tiles, gl.load(num_tiles + pid), args + ARG_A_ROWS, row_origin, w1_desc, h_desc, w2_desc,
+    _program(my_tiles, n_tiles, args + ARG_A_ROWS, row_origin, w1_desc, h_desc, w2_desc,
              w1_scale, w2_scale, h, h_scale, row_ready, row_passed, row_src, row_slot,
              combine_ptrs, error, max_spin, num_experts, trace + pid * max_tiles * TRACE_FIELDS,
              HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, l2_partial, l2_ready,
