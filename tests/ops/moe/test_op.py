@@ -285,6 +285,22 @@ def test_the_kernel_routes_the_calls_it_can_itself(monkeypatch):
     assert calls[0][1][2:7] == (addresses, 64, TINY.top_k, torch.int64, torch.bfloat16)
 
 
+def test_a_routed_ep_rank_refuses_rows_it_cannot_read_before_any_launch():
+    """An FP8 EP rank built without a quantized copy (``source_rows=0``), routing in the kernel
+    (gluon_ws, built here): bf16 received rows are refused as by the routing launches, before
+    anything is launched."""
+    config = default_tile_config("fp8", "gluon_ws", hidden=TINY.hidden)
+    ws = MoEWorkspace(local_expert_weights(TINY, 0, 1, "fp8", seed=3), 8, config=config,
+                      num_programs=4, source_rows=0, routing="kernel")
+    peers = local_combine_peers([torch.zeros(8, TINY.hidden, dtype=torch.bfloat16)])
+    i32 = dict(dtype=torch.int32)
+    with pytest.raises(MoEContractError, match="quantize no bf16 rows"):
+        ws.received_call("wave", peers, torch.zeros(8, **i32),
+                         torch.zeros(8, TINY.hidden, dtype=torch.bfloat16), None,
+                         torch.tensor([8], **i32), torch.zeros(8, **i32), torch.arange(8, **i32))
+    assert int(ws.error) == 0 and not ws._launches
+
+
 @pytest.mark.parametrize("received", [False, True])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_the_routed_launch_binds_every_parameter_once(received, precision):

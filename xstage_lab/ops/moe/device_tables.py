@@ -334,6 +334,20 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
         QUANT_IN_HISTOGRAM_ROWS if quant_rows is None else quant_rows)
 
 
+def row_addresses(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Tensor,
+                  x_scale: torch.Tensor | None) -> tuple[int, ...]:
+    """The argument block's addresses of a routing over ``tables`` (``call_args.slot_addresses``:
+    ``x`` 16-byte aligned), once the rows are ones the tables take: e4m3 with their scales, or
+    bf16 where an FP8 layer's tables hold a quantized copy. MoEContractError otherwise."""
+    if x.dtype == torch.float8_e4m3fn and x_scale is None:
+        raise MoEContractError("e4m3 activations need their 1 x 128 scales (x_scale)")
+    if x.dtype == torch.bfloat16 and tables.x_quant is None and tables.fp8:
+        raise MoEContractError("these FP8 tables quantize no bf16 rows (allocated with "
+                               "source_rows=0): pass e4m3 rows with their scales")
+    return slot_addresses(tables.args, expert_ids=expert_ids, x=x,
+                          **({} if x_scale is None else {"x_scale": x_scale}))
+
+
 def scan_chunk_bound(num_experts: int) -> int:
     """Up to this many chunks, ``route_histogram``'s last program scans their counts (``SCAN``):
     ``SCAN_IN_HISTOGRAM_CHUNKS``, or the more one step takes, where ``route_offsets`` would split
@@ -406,13 +420,7 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
     stay unchanged until that launch has run. Ids out of range add to ``tables.error`` and get
     no row. Shapes and dtypes are the caller's contract (``FusedMoE`` checks them); ``x`` starts
     16-byte aligned (MoEContractError before any launch)."""
-    if x.dtype == torch.float8_e4m3fn and x_scale is None:
-        raise MoEContractError("e4m3 activations need their 1 x 128 scales (x_scale)")
-    if x.dtype == torch.bfloat16 and tables.x_quant is None and tables.fp8:
-        raise MoEContractError("these FP8 tables quantize no bf16 rows (allocated with "
-                               "source_rows=0): pass e4m3 rows with their scales")
-    addresses = slot_addresses(tables.args, expert_ids=expert_ids, x=x,
-                               **({} if x_scale is None else {"x_scale": x_scale}))
+    addresses = row_addresses(tables, expert_ids, x, x_scale)
     received = n_arrivals is not None
     quantize = tables.x_quant is not None and x.dtype == torch.bfloat16
     tables.routing(received, quantize, expert_ids.dtype)(

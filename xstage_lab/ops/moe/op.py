@@ -45,7 +45,7 @@ from .call_args import (ALIGN_BYTES, FIRST_ADDRESS_PARAM, TRITON_DTYPES, slot_na
                         slot_packer, sum_args_view)
 from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weighted_sum_launch
 from .buffers import BufferSizes, MoEBuffers
-from .device_tables import SCHEDULES, TableBounds, route_to_tables
+from .device_tables import SCHEDULES, TableBounds, route_to_tables, row_addresses
 from .fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, InKernelSum, KernelBuffers,
                     check_expert_weights, expect_tensor, kernel_launch)
 from .graph_cache import GraphCache
@@ -216,12 +216,11 @@ class MoEWorkspace:
             received = dict(n_arrivals=n_arrivals, arrival_src=arrival_src,
                             arrival_slot=arrival_slot)
             if self.routes_in_kernel(self.bounds.capacity):
-                # the weighted sum's slots: any address (an EP rank sums nothing)
-                block = self.tables.args.data_ptr()
-                self.routed_launch(schedule, peers, (
-                    expert_ids.data_ptr(), x.data_ptr(),
-                    block if x_scale is None else x_scale.data_ptr(), block, block, block),
-                    self.bounds.capacity, 1, expert_ids.dtype, x.dtype, **received)
+                # the weighted sum's slots the block's own (an EP rank sums nothing)
+                self.routed_launch(schedule, peers, row_addresses(self.tables, expert_ids, x,
+                                                                  x_scale),
+                                   self.bounds.capacity, 1, expert_ids.dtype, x.dtype,
+                                   **received)
             else:
                 self.route(expert_ids, x, x_scale, **received)
                 self.launch(schedule, peers, routed=True)
