@@ -1,6 +1,7 @@
 """One program's own row of the fused MoE's tile table, derived on the program from the router's
-ids, in Gluon: the first step of routing inside the persistent kernel (issue 27), where a call of
-at most ``BLOCK_M`` arrivals (every routed expert one row block) would need no routing launch.
+ids, in Gluon: what each program of ``moe_fused_ws.py``'s routed entry computes before its tiles
+(issue 27), so that a call of at most ``BLOCK_M`` arrivals (every routed expert one row block;
+the layer routes up to 64 so, ``xstage_lab/ops/moe/routed.py``) needs no routing launch.
 
 Device code only. The host reference is ``xstage_lab/ops/moe/table_reference.program_tiles``
 (each row equal to the schedules' own, ``tests/ops/moe/test_table_reference.py``); the closed
