@@ -156,22 +156,22 @@ def test_compiles_for_hopper(ws_module, key):
     assert "ex2.approx.ftz.f32" in ptx and "rcp.approx.ftz.f32" in ptx
 
 
-@pytest.mark.parametrize("arrivals,split_k,sum_top_k", [(32, False, 0), (64, False, 0),
-                                                     (64, True, 8)])
+@pytest.mark.parametrize("arrivals,received,split_k,sum_top_k", [
+    (32, False, False, 0), (64, True, False, 0), (64, False, True, 8)])
 @pytest.mark.parametrize("key", [("bf16", 128, 4), ("fp8", 256, 4)],
                          ids=lambda k: "-".join(map(str, k)))
-def test_the_routed_builds_compile_without_spills(ws_module, key, arrivals, split_k, sum_top_k):
+def test_the_routed_builds_spill_little_more_than_the_base(ws_module, key, arrivals, received,
+                                                           split_k, sum_top_k):
     """The entry that routes its call itself, at the arrivals' bounds the layer builds it for
-    (``routed.ROUTED_ARRIVALS``), split and summing too, in the smallest and the largest
-    default build (every default build measured alike): at most ``ROUTED_SPILL_BYTES`` more
-    spilled than the base build (the 256-wide FP8 builds that quantize: 12 bytes stored, 36
-    reloaded, one value the producer reloads in its K loop, where the base spills none; the
-    FP8 split builds spill 4 and 44-48 bytes, routed up to 4 more), the row counters reset by
-    the last Linear-2 tile of each row block, and the code it adds (the table, the row maps
-    and the quantization in closed form; not yet timed on a GPU) bounded."""
+    (``routed.ROUTED_ARRIVALS``; at EP = 1 an FP8 build quantizes, an EP rank's reads e4m3
+    rows), split and summing too, in the smallest and the largest default build (every
+    default build measured alike): at most ``ROUTED_SPILL_BYTES`` more spilled than the base
+    build (the 256-wide FP8 build that quantizes 64 arrivals: 12 bytes stored, 36 reloaded, one
+    value the producer reloads in its K loop, where the base spills none; the FP8 split builds
+    spill 4 and 44-48 bytes, routed up to 4 more), the row counters reset by the last Linear-2
+    tile of each row block, and the code it adds (the table, the row maps and the quantization
+    in closed form; not yet timed on a GPU) bounded."""
     precision, cfg = key[0], _default_configs()[key]
-    # 32 arrivals: an EP rank's one token (its rows e4m3 in FP8); 64: EP = 1, FP8 quantizing
-    received = arrivals == 32
     k = _compile(ws_module, precision, cfg, split_k=split_k, sum_top_k=sum_top_k,
                  routed=dict(RECEIVED=received, WAVE=False, ID_DTYPE=gl.int64, A=arrivals, J=16,
                              QUANTIZE=precision == "fp8" and not received))
