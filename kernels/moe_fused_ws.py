@@ -123,6 +123,9 @@ CONTROL_ARGS = gl.constexpr(2)
 CONTROL_TOKENS = gl.constexpr(3)
 CONTROL_MAX_SPIN = gl.constexpr(4)
 SUM_CONTROL = gl.constexpr(8)  # slots: a power of two
+# where a routed launch counts a row block's Linear-2 tiles past their wait, from its counter
+# (_pass_rows): its row blocks are at most the arrivals, at most BLOCK_M
+PASSED_OFFSET = gl.constexpr(128)
 
 
 @gluon.jit
@@ -183,13 +186,13 @@ def _wait_rows_ready(counter, needed, error, max_spin):
 
 
 @gluon.jit
-def _pass_rows(counter, passed, l2_tiles):
-    """This Linear-2 tile past its row block's wait (its loads issued): counted in ``passed``;
-    the row block's last of its ``l2_tiles`` resets both counters, which no tile of the launch
-    reads again, for the next launch."""
-    if gl.atomic_add(passed, 1, sem="relaxed") == l2_tiles - 1:
+def _pass_rows(counter, l2_tiles):
+    """This Linear-2 tile past its row block's wait (its loads issued): counted
+    ``PASSED_OFFSET`` counters past the row block's ``counter``; the row block's last of its
+    ``l2_tiles`` resets both, which no tile of the launch reads again, for the next launch."""
+    if gl.atomic_add(counter + PASSED_OFFSET, 1, sem="relaxed") == l2_tiles - 1:
         gl.store(counter, 0)
-        gl.store(passed, 0)
+        gl.store(counter + PASSED_OFFSET, 0)
 
 
 @gluon.jit
@@ -265,7 +268,7 @@ def _routed_half(row_slot, row_base):
 
 @gluon.jit
 def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready,
-              empty, row_ready, row_passed, row_slot, error, max_spin, num_experts, trace,
+              empty, row_ready, row_slot, error, max_spin, num_experts, trace,
               HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, FP8: gl.constexpr,
               BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
               STAGES: gl.constexpr, INSTRUMENT: gl.constexpr, SPLIT_K: gl.constexpr,
@@ -333,8 +336,7 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
                                                     b_smem.index(s).slice(0, BLOCK_N2))
                     it += 1
                 if RESET_ROWS:
-                    _pass_rows(row_ready + row0 // BLOCK_M, row_passed + row0 // BLOCK_M,
-                               (HIDDEN // BLOCK_N2) * l2_splits)
+                    _pass_rows(row_ready + row0 // BLOCK_M, (HIDDEN // BLOCK_N2) * l2_splits)
 
 
 @gluon.jit
@@ -874,7 +876,7 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     pid = gl.program_id(0)
     _program(tiles + pid * max_tiles * TILE_FIELDS, gl.load(num_tiles + pid), a_rows,
              row_origin, w1_desc, h_desc, w2_desc, w1_scale, w2_scale, h, h_scale, row_ready,
-             row_ready, row_src, row_slot, combine_ptrs, error, max_spin, num_experts,
+             row_src, row_slot, combine_ptrs, error, max_spin, num_experts,
              trace + pid * max_tiles * TRACE_FIELDS, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
              l2_splits, l2_partial, l2_ready, sum_args, sum_arrivals, sum_tokens, FP8, BLOCK_N1,
              BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K, SUM_WEIGHT_DTYPE,
@@ -886,8 +888,8 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
 def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
                                n_arrivals, arrival_src, arrival_slot, x_quant, x_quant_scale,
                                tiles, num_tiles, max_tiles, row_origin, w1_desc, h_desc, w2_desc,
-                               w1_scale, w2_scale, h, h_scale, row_ready, row_passed, row_src,
-                               row_slot, combine_ptrs, error, max_spin, num_experts, trace,
+                               w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
+                               combine_ptrs, error, max_spin, num_experts, trace,
                                HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, l2_partial,
                                l2_ready, sum_arrivals, sum_tokens, CAPACITY, TOP_K, P1, P2, LEAD,
                                WAVE_MIN_L1, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
@@ -919,28 +921,29 @@ def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_
     ``x_quant_scale`` (``moe_program_tables.quantize_rows``: by the rows of ``x``), which its
     ``a_rows`` then name; else they name ``x`` and ``x_scale`` (never read without it).
 
-    Row counters without a zeroing pass: ``row_ready`` and ``row_passed`` (int32, one per row
-    block of the bound) are zero at the first launch and left zero by each (``RESET_ROWS``:
-    each row block's last Linear-2 tile past its wait resets both); a launch that does not
-    route must not share them."""
+    Row counters without a zeroing pass: ``row_ready`` (int32 ``[2 * PASSED_OFFSET]``: a
+    counter per row block, at most ``BLOCK_M`` of them, then its Linear-2 tiles past their
+    wait) is zero at the first launch and left zero by each (``RESET_ROWS``: each row block's
+    last Linear-2 tile past its wait resets both); a launch that does not route must not share
+    it."""
     pid = gl.program_id(0)
     if RECEIVED:
         n = gl.load(n_arrivals)
     else:
         n = CAPACITY
     ids = expert_ids.to(gl.pointer_type(ID_DTYPE))
-    block_expert, block_rows, row_blocks, block_c, rank_c, valid_c = routed_experts(
+    expert, first_c, block_c, rank_c, valid_c, row_blocks = routed_experts(
         ids, n, error, pid == 0, num_experts, A)
     src, slot, origin = arrival_sources(arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED, A)
     my_tiles = tiles + pid * max_tiles * TILE_FIELDS
-    n_tiles, read = program_row(pid, my_tiles, block_expert, block_rows, row_blocks, block_c,
-                                rank_c, valid_c, src, slot, origin, row_src, row_slot,
-                                row_origin, gl.num_programs(0), P1, P2, LEAD, WAVE_MIN_L1, WAVE,
-                                J)
+    n_tiles, read = program_row(pid, my_tiles, expert, first_c, block_c, rank_c, valid_c,
+                                row_blocks, src, slot, origin, row_src, row_slot, row_origin,
+                                gl.num_programs(0), P1, P2, LEAD, WAVE_MIN_L1, WAVE, J)
     gl.store(num_tiles + pid, n_tiles)
     if QUANTIZE:
-        quantize_rows(rows_read(read, origin), x.to(gl.pointer_type(gl.bfloat16)), x_quant,
-                      x_quant_scale, CAPACITY // TOP_K, HIDDEN)
+        low, high = rows_read(read, origin)
+        quantize_rows(low, high, x.to(gl.pointer_type(gl.bfloat16)), x_quant, x_quant_scale,
+                      CAPACITY // TOP_K, HIDDEN)
         gl.store(args + ARG_A_ROWS, x_quant.to(gl.int64))
         gl.store(args + ARG_A_ROWS + 1, x_quant_scale.to(gl.int64))
     else:
@@ -959,8 +962,8 @@ def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_
     # start for the others
     gl.thread_barrier()
     _program(my_tiles, n_tiles, args + ARG_A_ROWS, row_origin, w1_desc, h_desc, w2_desc,
-             w1_scale, w2_scale, h, h_scale, row_ready, row_passed, row_src, row_slot,
-             combine_ptrs, error, max_spin, num_experts, trace + pid * max_tiles * TRACE_FIELDS,
+             w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
+             max_spin, num_experts, trace + pid * max_tiles * TRACE_FIELDS,
              HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, l2_partial, l2_ready,
              args + ARG_COMBINE_ROWS, sum_arrivals, sum_tokens, FP8, BLOCK_N1, BLOCK_N2, BLOCK_K,
              STAGES, INSTRUMENT, False, SPLIT_K, SUM_TOP_K, SUM_WEIGHT_DTYPE, True)
@@ -968,7 +971,7 @@ def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_
 
 @gluon.jit
 def _program(my_tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, w1_scale,
-             w2_scale, h, h_scale, row_ready, row_passed, row_src, row_slot, combine_ptrs, error,
+             w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
              max_spin, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
              l2_splits, l2_partial, l2_ready, sum_args, sum_arrivals, sum_tokens,
              FP8: gl.constexpr, BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr,
@@ -977,7 +980,7 @@ def _program(my_tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, w1
              SUM_WEIGHT_DTYPE: gl.constexpr, RESET_ROWS: gl.constexpr):
     """One persistent program over its ``n_tiles`` tiles at ``my_tiles``: the shared-memory
     ring and its barriers, then the three partitions. ``RESET_ROWS``: each row block's last
-    Linear-2 tile leaves its counter zero (``_pass_rows``, counting in ``row_passed``)."""
+    Linear-2 tile leaves its counter zero (``_pass_rows``)."""
     b_rows: gl.constexpr = 2 * BLOCK_N1 if 2 * BLOCK_N1 > BLOCK_N2 else BLOCK_N2
     a_smem = gl.allocate_shared_memory(h_desc.dtype, [2 * STAGES, HALF_ROWS, BLOCK_K],
                                        h_desc.layout)
@@ -1006,7 +1009,7 @@ def _program(my_tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, w1
                      l2_splits, l2_partial, l2_ready, sum_control, FP8, BLOCK_N1, BLOCK_N2,
                      BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K, SUM_WEIGHT_DTYPE)),
         (_producer, (my_tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_smem,
-                     b_smem, ready, empty, row_ready, row_passed, row_slot, error, max_spin,
+                     b_smem, ready, empty, row_ready, row_slot, error, max_spin,
                      num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits,
                      FP8, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, SPLIT_K,
                      RESET_ROWS)),

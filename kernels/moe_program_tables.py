@@ -1,7 +1,7 @@
 """One program's own row of the fused MoE's tile table, derived on the program from the router's
 ids, in Gluon: what each program of ``moe_fused_ws.py``'s routed entry computes before its tiles
 (issue 27), so that a call of at most ``BLOCK_M`` arrivals (every routed expert one row block;
-the layer routes up to 64 so, ``xstage_lab/ops/moe/routed.py``) needs no routing launch.
+``xstage_lab/ops/moe/routed.py``) needs no routing launch.
 
 Device code only. The host reference is ``xstage_lab/ops/moe/table_reference.program_tiles``
 (each row equal to the schedules' own, ``tests/ops/moe/test_table_reference.py``); the closed
@@ -17,13 +17,13 @@ each tile, so each program computes a few entries, not the whole table:
 A row block is a routed expert, in ascending order: row block ``p`` is the expert with ``p``
 routed experts below it. Ids out of range get no row block and add to ``error`` (program 0).
 
-Each program holds the ``A`` ids twice, along both axes of one ``[A, A]`` blocked layout, so that
-the pairwise counts reduce to either axis without a layout conversion; the row blocks' experts
-lie along the first axis, as do a program's entries, ``J`` at a time, which gather their
-experts from them. Every program writes the row maps of its own tiles' row blocks (the same
-values where programs share a row block), so that no program reads another's. An FP8 layer's
-bf16 rows: each program quantizes those its Linear-1 tiles read (``quantize_rows``), as the
-routing's quantizing programs do, bitwise.
+Each program holds the ``A`` ids along the second axis of one blocked layout and ``PAIR_ROWS`` of
+them at a time along the first, so that the pairwise counts reduce to either axis without a
+layout conversion; a program's entries lie along the first axis, ``J`` at a time, and find their
+row blocks' experts among the arrivals. Every program writes the row maps of its own tiles' row
+blocks (the same values where programs share a row block), so that no program reads another's.
+An FP8 layer's bf16 rows: each program quantizes those its Linear-1 tiles read
+(``quantize_rows``), as the routing's quantizing programs do, bitwise.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -39,14 +39,15 @@ E4M3_MAX = gl.constexpr(448.0)
 QUANT_STEP = gl.constexpr(4)
 # the default partition's four warps, before the persistent kernel specializes them
 PAIRS = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))
+PAIR_ROWS = gl.constexpr(32)  # arrivals paired with all the others at a time (routed_experts)
 
 
 @gluon.jit
-def _ids(ids, n, NUM_EXPERTS, axis: gl.constexpr, A: gl.constexpr):
-    """The arrivals ``i < A`` along ``axis`` of ``PAIRS``: their expert ids (int32, -1 past the
-    count ``n``), whether each is below the count (``live``) and names an expert in ``0 ..
-    NUM_EXPERTS - 1`` (``valid``)."""
-    i = gl.arange(0, A, layout=gl.SliceLayout(1 - axis, PAIRS))
+def _ids(ids, start, n, NUM_EXPERTS, axis: gl.constexpr, A: gl.constexpr):
+    """The arrivals ``start .. start + A - 1`` along ``axis`` of ``PAIRS``: their expert ids
+    (int32, -1 past the count ``n``), whether each is below the count (``live``) and names an
+    expert in ``0 .. NUM_EXPERTS - 1`` (``valid``)."""
+    i = start + gl.arange(0, A, layout=gl.SliceLayout(1 - axis, PAIRS))
     live = i < n
     e = gl.load(ids + i, mask=live, other=-1).to(gl.int32)
     return i, e, live, live & (e >= 0) & (e < NUM_EXPERTS)
@@ -54,28 +55,32 @@ def _ids(ids, n, NUM_EXPERTS, axis: gl.constexpr, A: gl.constexpr):
 
 @gluon.jit
 def routed_experts(ids, n, error, flag, NUM_EXPERTS, A: gl.constexpr):
-    """From the first ``n`` of at most ``A`` ids, along ``PAIRS``' first axis, of each row block
-    ``0 .. A - 1`` (0 past those in use): its expert and its routed rows; the row blocks in use;
-    along the second axis, of each arrival: its row block, its rank among its expert's arrivals
-    (stable: by arrival) and whether its id is valid (routed). Where ``flag``, the live ids out of
-    range added to ``error``."""
-    i_r, e_r, live_r, valid_r = _ids(ids, n, NUM_EXPERTS, 0, A)
-    i_c, e_c, live_c, valid_c = _ids(ids, n, NUM_EXPERTS, 1, A)
+    """From the first ``n`` of at most ``A`` ids, along ``PAIRS``' second axis, of each arrival:
+    its expert, whether it is its expert's first (the one that names its row block), its row
+    block, its rank among its expert's arrivals (stable: by arrival) and whether its id is valid
+    (routed); and the row blocks in use. The pairs of arrivals ``PAIR_ROWS`` rows at a time, so
+    that a program holds ``PAIR_ROWS * A / 128`` of them a thread, whatever ``A``. Where
+    ``flag``, the live ids out of range added to ``error``."""
+    i_c, e_c, live_c, valid_c = _ids(ids, 0, n, NUM_EXPERTS, 1, A)
     bad = gl.sum((live_c & ~valid_c).to(gl.int32), axis=0)
     if flag & (bad > 0):
         gl.atomic_add(error, bad)
-    same = (e_r[:, None] == e_c[None, :]) & valid_r[:, None] & valid_c[None, :]
-    # an arrival is its expert's first where no earlier one shares it; its row block, the
-    # routed experts below its own
-    first_r = valid_r & (gl.sum((same & (i_c[None, :] < i_r[:, None])).to(gl.int32), axis=1) == 0)
-    rank_c = gl.sum((same & (i_r[:, None] < i_c[None, :])).to(gl.int32), axis=0)
+    rank_c = gl.zeros_like(i_c)
+    block_c = gl.zeros_like(i_c)
+    rows: gl.constexpr = PAIR_ROWS if PAIR_ROWS < A else A
+    for r0 in range(0, A, rows):
+        i_r, e_r, live_r, valid_r = _ids(ids, r0, n, NUM_EXPERTS, 0, rows)
+        same = (e_r[:, None] == e_c[None, :]) & valid_r[:, None] & valid_c[None, :]
+        # an arrival is its expert's first where no earlier one shares it; its row block, the
+        # routed experts below its own
+        rank_c += gl.sum((same & (i_r[:, None] < i_c[None, :])).to(gl.int32), axis=0)
+        first_r = valid_r & (gl.sum((same & (i_c[None, :] < i_r[:, None])).to(gl.int32),
+                                    axis=1) == 0)
+        block_c += gl.sum((first_r[:, None] & (e_r[:, None] < e_c[None, :])).to(gl.int32),
+                          axis=0)
     first_c = valid_c & (rank_c == 0)
-    block_c = gl.sum((first_r[:, None] & (e_r[:, None] < e_c[None, :])).to(gl.int32), axis=0)
-    in_block = valid_c[None, :] & (block_c[None, :] == i_r[:, None])
-    block_expert = gl.sum(gl.where(in_block & first_c[None, :], e_c[None, :], 0), axis=1)
-    block_rows = gl.sum(in_block.to(gl.int32), axis=1)
-    return (block_expert, block_rows, gl.sum(first_c.to(gl.int32), axis=0), block_c, rank_c,
-            valid_c)
+    return (gl.where(valid_c, e_c, -1), first_c, block_c, rank_c, valid_c,
+            gl.sum(first_c.to(gl.int32), axis=0))
 
 
 @gluon.jit
@@ -97,15 +102,14 @@ def arrival_sources(arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED: gl.con
 
 
 @gluon.jit
-def _row_block_maps(p, block_rows, block_c, rank_c, valid_c, src, slot, origin, row_src,
-                    row_slot, row_origin):
+def _row_block_maps(p, block_c, rank_c, valid_c, src, slot, origin, row_src, row_slot,
+                    row_origin):
     """The rows of row block ``p``: ``row_src``/``row_slot``/``row_origin`` of its routed rows
     (the arrival's source, slot and row of ``x``, from the arrivals' side) and of its padding
     rows (0, -1, -1). One row block at a time, in vectors of the arrivals and of its rows: the
     program holds few registers before its partitions take them."""
-    blocks = gl.arange(0, block_rows.shape[0], layout=gl.SliceLayout(1, PAIRS))
-    rows = gl.sum(gl.where(blocks == p, block_rows, 0), axis=0)
     routed = valid_c & (block_c == p)
+    rows = gl.sum(routed.to(gl.int32), axis=0)
     at = p * BLOCK_M + rank_c
     gl.store(row_src + at, src, mask=routed)
     gl.store(row_slot + at, slot, mask=routed)
@@ -166,19 +170,21 @@ def _l1_index(j, g, G, r2, nb, u, rank):
 
 
 @gluon.jit
-def _store_entries(tiles, at, kind, block_expert, row, n, mask):
-    """Entries ``(kind, expert of row, row, n)`` at positions ``at`` of a program's row
-    ``tiles``."""
+def _store_entries(tiles, at, kind, expert, first_c, block_c, row, n, mask):
+    """Entries ``(kind, expert of row, row, n)`` at positions ``at`` (along ``PAIRS``' first
+    axis) of a program's row ``tiles``; a row block's expert that of the first arrival in it
+    (``expert``, ``first_c``, ``block_c``: ``routed_experts``')."""
     entry = tiles + at * TILE_FIELDS
+    named = first_c[None, :] & (block_c[None, :] == row[:, None])
     gl.store(entry, gl.zeros_like(at) + kind, mask=mask)
-    gl.store(entry + 1, gl.gather(block_expert, gl.where(mask, row, 0), 0), mask=mask)
+    gl.store(entry + 1, gl.sum(gl.where(named, expert[None, :], 0), axis=1), mask=mask)
     gl.store(entry + 2, row, mask=mask)
     gl.store(entry + 3, n, mask=mask)
 
 
 @gluon.jit
-def program_row(g, tiles, block_expert, block_rows, row_blocks, block_c, rank_c, valid_c, src,
-                slot, origin, row_src, row_slot, row_origin, G, P1, P2, LEAD, WAVE_MIN_L1,
+def program_row(g, tiles, expert, first_c, block_c, rank_c, valid_c, row_blocks, src, slot,
+                origin, row_src, row_slot, row_origin, G, P1, P2, LEAD, WAVE_MIN_L1,
                 WAVE: gl.constexpr, J: gl.constexpr):
     """Program ``g``'s entries of the Expert-Wave (``WAVE``) or Interleaved table, from
     ``routed_experts``' row blocks, stored into its row ``tiles`` (int32 ``[.., 4]``) at their
@@ -196,13 +202,13 @@ def program_row(g, tiles, block_expert, block_rows, row_blocks, block_c, rank_c,
         for j0 in range(0, count, J):
             j = j0 + gl.arange(0, J, layout=gl.SliceLayout(1, PAIRS))
             linear1, row, n = _wave_item(g + j * G, row_blocks, w, P1, P2)
-            _store_entries(tiles, j, gl.where(linear1, TILE_L1, TILE_L2), block_expert, row, n,
+            _store_entries(tiles, j, gl.where(linear1, TILE_L1, TILE_L2), expert, first_c, block_c, row, n,
                            j < count)
         read = valid_c & False
         for j in range(count):
             linear1, row, _ = _wave_item(g + j * G, row_blocks, w, P1, P2)
-            _row_block_maps(row, block_rows, block_c, rank_c, valid_c, src, slot, origin,
-                            row_src, row_slot, row_origin)
+            _row_block_maps(row, block_c, rank_c, valid_c, src, slot, origin, row_src,
+                            row_slot, row_origin)
             read = read | (valid_c & (block_c == row) & linear1)
     else:
         r2, nb, u, rank = _l1_deal(row_blocks, g, G, P1, P2)
@@ -213,7 +219,7 @@ def program_row(g, tiles, block_expert, block_rows, row_blocks, block_c, rank_c,
             row2 = k2 // P2
             _store_entries(tiles, j + _l1_below(gl.minimum((row2 + LEAD) * P1, n1), g, G, r2, nb,
                                                 u, rank),
-                           TILE_L2, block_expert, row2, k2 % P2, j < count2)
+                           TILE_L2, expert, first_c, block_c, row2, k2 % P2, j < count2)
         count1 = _l1_below(n1, g, G, r2, nb, u, rank)
         for j0 in range(0, count1, J):
             j = j0 + gl.arange(0, J, layout=gl.SliceLayout(1, PAIRS))
@@ -221,41 +227,43 @@ def program_row(g, tiles, block_expert, block_rows, row_blocks, block_c, rank_c,
             row1 = k1 // P1
             _store_entries(tiles, j + _programs_below(gl.minimum((row1 - LEAD + 1) * P2, n2), g,
                                                       G),
-                           TILE_L1, block_expert, row1, k1 % P1, j < count1)
+                           TILE_L1, expert, first_c, block_c, row1, k1 % P1, j < count1)
         read = valid_c & False
         for j in range(count1):
             row = _l1_index(j, g, G, r2, nb, u, rank) // P1
-            _row_block_maps(row, block_rows, block_c, rank_c, valid_c, src, slot, origin,
-                            row_src, row_slot, row_origin)
+            _row_block_maps(row, block_c, rank_c, valid_c, src, slot, origin, row_src,
+                            row_slot, row_origin)
             read = read | (valid_c & (block_c == row))
         for j in range(count2):
-            _row_block_maps((g + j * G) // P2, block_rows, block_c, rank_c, valid_c, src, slot,
-                            origin, row_src, row_slot, row_origin)
+            _row_block_maps((g + j * G) // P2, block_c, rank_c, valid_c, src, slot, origin,
+                            row_src, row_slot, row_origin)
         count = count1 + count2
     return count, read
 
 
 @gluon.jit
 def rows_read(read, origin):
-    """The rows of ``x`` that the arrivals ``read`` read (``origin``; at most 64 of them), as the
-    bits of an int64."""
-    return gl.reduce_or(gl.where(read, gl.full_like(origin, 1).to(gl.int64) << origin, 0),
-                        axis=0)
+    """The rows of ``x`` that the arrivals ``read`` read (``origin``; at most ``BLOCK_M`` of
+    them), as the bits of two int64: rows 0 to 63, rows 64 to 127."""
+    one = gl.full_like(origin, 1).to(gl.int64)
+    low = gl.reduce_or(gl.where(read & (origin < 64), one << origin, 0), axis=0)
+    high = gl.reduce_or(gl.where(read & (origin >= 64), one << (origin - 64), 0), axis=0)
+    return low, high
 
 
 @gluon.jit(noinline=True)
-def quantize_rows(rows, x, x_quant, x_quant_scale, ROWS, HIDDEN):
-    """Each of the ``ROWS`` rows of the bf16 activations ``x`` whose bit ``rows`` holds
-    (``rows_read``) to e4m3 ``x_quant`` with one fp32 scale per 1 x 128 block
+def quantize_rows(low, high, x, x_quant, x_quant_scale, ROWS, HIDDEN):
+    """Each of the ``ROWS`` rows of the bf16 activations ``x`` whose bit ``low`` or ``high``
+    holds (``rows_read``) to e4m3 ``x_quant`` with one fp32 scale per 1 x 128 block
     (``x_quant_scale``, by the rows of ``x``), as ``weights.quantize_rows_fp8``, bitwise
     (``moe_routing._quantize_block``'s arithmetic: the scale times the reciprocal of the e4m3
     maximum, the values times the IEEE reciprocal of the scale, clamped, rounded to nearest),
-    ``QUANT_STEP`` scale blocks at a time. Not inlined: inlined into the fused kernel, ptxas
-    spilled in the partitions of its 256-wide FP8 build."""
+    ``QUANT_STEP`` scale blocks at a time. A call: its rows as scalars, the code apart from the
+    partitions'."""
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
     k_scales = HIDDEN // SCALE_BLOCK
     for t in range(ROWS):
-        if (rows >> t) & 1:
+        if ((gl.where(t < 64, low, high) >> (t % 64)) & 1) != 0:
             for h0 in range(0, k_scales, QUANT_STEP):
                 h = h0 + gl.arange(0, QUANT_STEP, layout=gl.SliceLayout(1, layout))
                 live = h < k_scales
@@ -286,13 +294,13 @@ def program_tables_kernel(ids, n_arrivals, arrival_src, arrival_slot, tiles, num
         n = gl.load(n_arrivals)
     else:
         n = CAPACITY
-    block_expert, block_rows, row_blocks, block_c, rank_c, valid_c = routed_experts(
+    expert, first_c, block_c, rank_c, valid_c, row_blocks = routed_experts(
         ids, n, error, g == 0, NUM_EXPERTS, A)
     src, slot, origin = arrival_sources(arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED, A)
-    count, read = program_row(g, tiles + g * MAX_TILES * TILE_FIELDS, block_expert, block_rows,
-                              row_blocks, block_c, rank_c, valid_c, src, slot, origin, row_src,
-                              row_slot, row_origin, G, P1, P2, LEAD, WAVE_MIN_L1, WAVE, J)
+    count, read = program_row(g, tiles + g * MAX_TILES * TILE_FIELDS, expert, first_c, block_c,
+                              rank_c, valid_c, row_blocks, src, slot, origin, row_src, row_slot,
+                              row_origin, G, P1, P2, LEAD, WAVE_MIN_L1, WAVE, J)
     gl.store(num_tiles + g, count)
     if QUANTIZE:
-        quantize_rows(rows_read(read, origin), x, x_quant, x_quant_scale, CAPACITY // TOP_K,
-                      HIDDEN)
+        low, high = rows_read(read, origin)
+        quantize_rows(low, high, x, x_quant, x_quant_scale, CAPACITY // TOP_K, HIDDEN)

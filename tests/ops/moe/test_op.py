@@ -266,10 +266,10 @@ def test_the_kernel_routes_the_calls_it_can_itself(monkeypatch):
     and no routing launch (the rows bf16: an FP8 layer's quantized there); above, and with
     ``"launch"``, the routing launches first."""
     config = default_tile_config("bf16", "gluon_ws", hidden=TINY.hidden)
-    layer = FusedMoE(local_expert_weights(TINY, 0, 1, "bf16", seed=3), max_tokens=64,
+    layer = FusedMoE(local_expert_weights(TINY, 0, 1, "bf16", seed=3), max_tokens=65,
                      top_k=TINY.top_k, config=config, num_programs=4, routing="kernel")
     ws = layer.workspace
-    assert [ws.routes_in_kernel(2 * t) for t in (1, 32, 33)] == [True, True, False]
+    assert [ws.routes_in_kernel(2 * t) for t in (1, 64, 65)] == [True, True, False]
     apart = FusedMoE(local_expert_weights(TINY, 0, 1, "bf16", seed=3), max_tokens=4,
                      top_k=TINY.top_k, config=config, num_programs=4)
     assert not apart.workspace.routes_in_kernel(2)
@@ -279,10 +279,10 @@ def test_the_kernel_routes_the_calls_it_can_itself(monkeypatch):
     monkeypatch.setattr(layer, "fused_kernel", lambda *a, **kw: calls.append(("kernel", a)))
     monkeypatch.setattr(op_module, "weighted_sum_launch", lambda *a: lambda *b, **kw: None)
     addresses = tuple(range(6))
-    assert layer.launches(addresses, 32, "wave", torch.int64, torch.float32) == "r"
-    assert layer.launches(addresses, 33, "wave", torch.int64, torch.float32) == "f"
+    assert layer.launches(addresses, 64, "wave", torch.int64, torch.float32) == "r"
+    assert layer.launches(addresses, 65, "wave", torch.int64, torch.float32) == "f"
     assert [c[0] for c in calls] == ["routed", "route", "kernel"]
-    assert calls[0][1][2:7] == (addresses, 64, TINY.top_k, torch.int64, torch.bfloat16)
+    assert calls[0][1][2:7] == (addresses, 128, TINY.top_k, torch.int64, torch.bfloat16)
 
 
 def test_a_routed_ep_rank_refuses_rows_it_cannot_read_before_any_launch():
@@ -324,8 +324,9 @@ def test_the_routed_launch_binds_every_parameter_once(received, precision):
     bound = set(static) - {"num_warps"} | varying
     assert bound <= set(params)
     assert {n for n, p in params.items() if p.default is inspect.Parameter.empty} <= bound
-    assert static["row_ready"].data_ptr() == ws.tables.routed_ready[0].data_ptr()
-    assert static["row_passed"].data_ptr() == ws.tables.routed_ready[1].data_ptr()
+    assert static["row_ready"] is ws.tables.routed_ready
+    kernels = load_kernel_module("moe_fused_ws")
+    assert ws.tables.routed_ready.numel() == 2 * kernels.PASSED_OFFSET.value
     assert static["tiles"] is ws.tables.tiles["interleaved"] and not static["WAVE"]
     assert (static["A"], static["RECEIVED"], static["P2"]) == (64, received,
                                                               ws.bounds.l2_n_blocks)

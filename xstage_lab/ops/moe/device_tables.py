@@ -263,7 +263,8 @@ class DeviceTables:
     tiles: dict                    # schedule -> int32 [G, max_tiles, 4]
     num_tiles: dict                # schedule -> int32 [G]
     row_ready: torch.Tensor        # int32 [row blocks]: the fused kernel's Linear-1 counters
-    # int32 [2, row blocks]: the routed kernel's counters and passes, left zero (ops/moe/routed)
+    # int32 [2 * block_m]: the routed kernel's counters, then its passes (its row blocks at most
+    # block_m: moe_fused_ws.PASSED_OFFSET), left zero by each call (ops/moe/routed)
     routed_ready: torch.Tensor
     error: torch.Tensor            # int32 [1]: ids out of range (and the kernel's spin flag)
     args: torch.Tensor             # int64 [ARGS]: the call's argument block (call_args)
@@ -327,7 +328,7 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
          if fp8 and sources else None),
         {s: torch.zeros(g, bounds.max_tiles, 4, **i32) for s in SCHEDULES},
         {s: torch.zeros(g, **i32) for s in SCHEDULES}, torch.zeros(bounds.row_blocks, **i32),
-        torch.zeros(2, bounds.row_blocks, **i32),
+        torch.zeros(2 * bounds.block_m, **i32),
         torch.zeros(1, **i32) if error is None else error, allocate_args(dev),
         min(TINY_ARRIVALS if tiny_arrivals is None else tiny_arrivals, bounds.block_m),
         min(TINY_RECEIVED if tiny_received is None else tiny_received, bounds.block_m), fp8,

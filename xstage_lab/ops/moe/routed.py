@@ -8,7 +8,7 @@ row counters are its own (``DeviceTables.routed_ready``), zero at allocation and
 each call (after a spin timeout, which raises the error flag, no longer promised).
 
 Where it applies (``routes_in_kernel``): the gluon_ws kernel, a layer built with
-``routing="kernel"``, at most ``ROUTED_ARRIVALS`` arrivals. An FP8 layer's bf16 rows are
+``routing="kernel"``, at most ``ROUTED_ARRIVALS`` arrivals (``block_m``). An FP8 layer's bf16 rows are
 quantized by the programs that read them, as the routing's quantizing programs do (``quantize``:
 ``kernels/moe_program_tables.quantize_rows``). Not yet run or timed on a GPU: the layer's
 default stays the routing launches (``routing="launch"``)."""
@@ -27,10 +27,11 @@ from .shapes import MoEContractError
 # Where a call's routing runs: its own launches before the fused kernel, or the fused kernel's
 # programs (routes_in_kernel).
 ROUTINGS = ("launch", "kernel")
-# The most arrivals the fused kernel routes itself: its builds at 64 hold the ids' pairs in the
-# default warps' 168 registers without spills where the base builds have none; at 128 the FP8
-# ones spill (sm_90, Triton 3.6: test_kernel_ws).
-ROUTED_ARRIVALS = 64
+# The most arrivals the fused kernel routes itself: every routed expert then holds one row block
+# (block_m rows); the ids' pairs are held 32 rows at a time, so that the builds up to 128
+# arrivals spill no more than a few bytes more than the base builds (sm_90, Triton 3.6:
+# test_kernel_ws).
+ROUTED_ARRIVALS = 128
 # The fewest arrivals a build holds: at 16 ptxas spills 72-76 bytes in the FP8 builds, at 32 none.
 MIN_ARRIVALS = 32
 ROUTED_ENTRY = "moe_fused_ws_routed_kernel"  # in kernels/moe_fused_ws.py
@@ -90,7 +91,7 @@ def routed_launcher(ws, schedule: str, peers, capacity: int, received: bool,
     copy = ((t.x_quant, t.x_quant_scale) if quantize else (t.meta, t.meta))
     return Launcher(getattr(module, ROUTED_ENTRY), **static, **constexprs, **arrivals,
                     x_quant=copy[0], x_quant_scale=copy[1], QUANTIZE=quantize,
-                    args=t.args, row_ready=t.routed_ready[0], row_passed=t.routed_ready[1],
+                    args=t.args, row_ready=t.routed_ready,
                     P1=b.l1_n_blocks, P2=b.l2_n_blocks, LEAD=b.lead_rows,
                     WAVE_MIN_L1=WAVE_FILL * b.num_programs, RECEIVED=received,
                     WAVE=schedule == "wave", ID_DTYPE=triton_dtype(id_dtype),
