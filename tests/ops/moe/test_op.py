@@ -211,7 +211,8 @@ def test_bad_input_is_refused_before_launch(change, message):
 def test_a_model_printout_names_the_layer():
     text = repr(torch.nn.Sequential(_layer("fp8", "interleaved")))
     assert ("FusedMoE(experts=8, hidden=256, intermediate=256, top_k=2, precision=fp8, "
-            "max_tokens=16, schedule=interleaved, kernel=triton, weighted_sum=launch)") in text
+            "max_tokens=16, schedule=interleaved, kernel=triton, weighted_sum=launch, "
+            "routing=launch)") in text
 
 
 def test_bad_construction_is_refused():

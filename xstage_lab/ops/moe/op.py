@@ -384,7 +384,7 @@ class FusedMoE(torch.nn.Module):
         return (f"experts={w.num_experts}, hidden={w.hidden}, intermediate={w.intermediate}, "
                 f"top_k={self.top_k}, precision={w.precision}, max_tokens={self.max_tokens}, "
                 f"schedule={self.schedule}, kernel={self.workspace.config.kernel}, "
-                f"weighted_sum={self.weighted_sum}")
+                f"weighted_sum={self.weighted_sum}, routing={self.workspace.routing}")
 
     @property
     def moe_buffers(self) -> MoEBuffers:
