@@ -96,8 +96,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .moe_args import (ARG_A_ROWS, ARG_COMBINE_ROWS, ARG_EXPERT_IDS, ARG_OUT, ARG_TOPK_WEIGHTS,
                        ARG_X, ARG_X_SCALE)
-from .moe_program_tables import (arrival_sources, program_row, quantize_rows, routed_experts,
-                                 rows_read)
+from .moe_program_tables import route_program
 
 TILE_L1 = gl.constexpr(0)
 TILE_L2 = gl.constexpr(1)
@@ -905,8 +904,8 @@ def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_
     launch before it. Each program first derives from the ids its own row of the table
     (Expert-Wave where ``WAVE``, else Interleaved at lead ``LEAD``) into its row of ``tiles``
     and ``num_tiles``, and the row maps (``row_src``, ``row_slot``, ``row_origin``) of its
-    tiles' row blocks (``moe_program_tables``: each program writes the rows it reads, some read
-    before any wait, so no program reads another's); then runs its tiles as
+    tiles' row blocks (``moe_program_tables.route_program``: each program writes the rows it
+    reads, some read before any wait, so no program reads another's); then runs its tiles as
     ``moe_fused_ws_kernel`` does.
 
     The call's first launch: it takes the call's addresses (``moe_args``' slots, by value, never
@@ -918,7 +917,7 @@ def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_
     the received rows, their count at ``n_arrivals``, their sources and slots up to
     ``CAPACITY``. Ids out of range add to ``error`` and get no row. ``QUANTIZE`` (an FP8 layer's
     bf16 rows): each program quantizes the rows its Linear-1 tiles read into ``x_quant`` and
-    ``x_quant_scale`` (``moe_program_tables.quantize_rows``: by the rows of ``x``), which its
+    ``x_quant_scale`` (by the rows of ``x``), which its
     ``a_rows`` then name; else they name ``x`` and ``x_scale`` (never read without it).
 
     Row counters without a zeroing pass: ``row_ready`` (int32 ``[2 * PASSED_OFFSET]``: a
@@ -927,23 +926,13 @@ def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_
     last Linear-2 tile past its wait resets both); a launch that does not route must not share
     it."""
     pid = gl.program_id(0)
-    if RECEIVED:
-        n = gl.load(n_arrivals)
-    else:
-        n = CAPACITY
-    ids = expert_ids.to(gl.pointer_type(ID_DTYPE))
-    expert, first_c, block_c, rank_c, valid_c, row_blocks = routed_experts(
-        ids, n, error, pid == 0, num_experts, A)
-    src, slot, origin = arrival_sources(arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED, A)
     my_tiles = tiles + pid * max_tiles * TILE_FIELDS
-    n_tiles, read = program_row(pid, my_tiles, expert, first_c, block_c, rank_c, valid_c,
-                                row_blocks, src, slot, origin, row_src, row_slot, row_origin,
-                                gl.num_programs(0), P1, P2, LEAD, WAVE_MIN_L1, WAVE, J)
-    gl.store(num_tiles + pid, n_tiles)
+    n_tiles = route_program(pid, expert_ids.to(gl.pointer_type(ID_DTYPE)), n_arrivals,
+                            arrival_src, arrival_slot, my_tiles, num_tiles, row_src, row_slot,
+                            row_origin, error, x.to(gl.pointer_type(gl.bfloat16)), x_quant,
+                            x_quant_scale, num_experts, CAPACITY, TOP_K, gl.num_programs(0), P1,
+                            P2, LEAD, WAVE_MIN_L1, HIDDEN, RECEIVED, WAVE, A, J, QUANTIZE)
     if QUANTIZE:
-        low, high = rows_read(read, origin)
-        quantize_rows(low, high, x.to(gl.pointer_type(gl.bfloat16)), x_quant, x_quant_scale,
-                      CAPACITY // TOP_K, HIDDEN)
         gl.store(args + ARG_A_ROWS, x_quant.to(gl.int64))
         gl.store(args + ARG_A_ROWS + 1, x_quant_scale.to(gl.int64))
     else:

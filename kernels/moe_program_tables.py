@@ -196,15 +196,15 @@ def program_row(g, tiles, expert, first_c, block_c, rank_c, valid_c, row_blocks,
     Linear-1 tiles read (along ``PAIRS``' second axis)."""
     n1 = row_blocks * P1
     n2 = row_blocks * P2
+    read = valid_c & False
     if WAVE:
         count = _programs_below(n1 + n2, g, G)
         w = gl.cdiv(WAVE_MIN_L1, P1)
         for j0 in range(0, count, J):
             j = j0 + gl.arange(0, J, layout=gl.SliceLayout(1, PAIRS))
             linear1, row, n = _wave_item(g + j * G, row_blocks, w, P1, P2)
-            _store_entries(tiles, j, gl.where(linear1, TILE_L1, TILE_L2), expert, first_c, block_c, row, n,
-                           j < count)
-        read = valid_c & False
+            _store_entries(tiles, j, gl.where(linear1, TILE_L1, TILE_L2), expert, first_c,
+                           block_c, row, n, j < count)
         for j in range(count):
             linear1, row, _ = _wave_item(g + j * G, row_blocks, w, P1, P2)
             _row_block_maps(row, block_c, rank_c, valid_c, src, slot, origin, row_src,
@@ -228,7 +228,6 @@ def program_row(g, tiles, expert, first_c, block_c, rank_c, valid_c, row_blocks,
             _store_entries(tiles, j + _programs_below(gl.minimum((row1 - LEAD + 1) * P2, n2), g,
                                                       G),
                            TILE_L1, expert, first_c, block_c, row1, k1 % P1, j < count1)
-        read = valid_c & False
         for j in range(count1):
             row = _l1_index(j, g, G, r2, nb, u, rank) // P1
             _row_block_maps(row, block_c, rank_c, valid_c, src, slot, origin, row_src,
@@ -278,18 +277,17 @@ def quantize_rows(low, high, x, x_quant, x_quant_scale, ROWS, HIDDEN):
 
 
 @gluon.jit
-def program_tables_kernel(ids, n_arrivals, arrival_src, arrival_slot, tiles, num_tiles, row_src,
-                          row_slot, row_origin, error, x, x_quant, x_quant_scale, NUM_EXPERTS,
-                          CAPACITY, TOP_K, MAX_TILES, G, P1, P2, LEAD, WAVE_MIN_L1, HIDDEN,
-                          RECEIVED: gl.constexpr, WAVE: gl.constexpr, A: gl.constexpr,
-                          J: gl.constexpr, QUANTIZE: gl.constexpr):
-    """Every program ``g`` of ``G`` its own row of the table (int32 ``[G, MAX_TILES, 4]``) and
-    count (``num_tiles[g]``), and the row maps of its tiles' row blocks, from the ids (at most
-    ``A`` of them: the call's ``CAPACITY``, or on an EP rank (``RECEIVED``) the count at
-    ``n_arrivals``), and where ``QUANTIZE`` the rows of ``x`` (bf16, ``HIDDEN`` columns) its
-    Linear-1 tiles read into ``x_quant``/``x_quant_scale``, as the persistent kernel's programs
-    would before their tiles: the unit the GPU tests check against the host reference."""
-    g = gl.program_id(0)
+def route_program(g, ids, n_arrivals, arrival_src, arrival_slot, tiles, num_tiles, row_src,
+                  row_slot, row_origin, error, x, x_quant, x_quant_scale, NUM_EXPERTS, CAPACITY,
+                  TOP_K, G, P1, P2, LEAD, WAVE_MIN_L1, HIDDEN, RECEIVED: gl.constexpr,
+                  WAVE: gl.constexpr, A: gl.constexpr, J: gl.constexpr,
+                  QUANTIZE: gl.constexpr):
+    """Program ``g`` of ``G``: its own row ``tiles`` of the table and its count
+    (``num_tiles[g]``, returned too), and the row maps of its tiles' row blocks, from the ids
+    (at most ``A`` of them: the call's ``CAPACITY``, or on an EP rank (``RECEIVED``) the count
+    at ``n_arrivals``), and where ``QUANTIZE`` the rows of ``x`` (bf16, ``HIDDEN`` columns) its
+    Linear-1 tiles read into ``x_quant``/``x_quant_scale``: what each program of the routed
+    fused kernel does before its tiles."""
     if RECEIVED:
         n = gl.load(n_arrivals)
     else:
@@ -297,10 +295,27 @@ def program_tables_kernel(ids, n_arrivals, arrival_src, arrival_slot, tiles, num
     expert, first_c, block_c, rank_c, valid_c, row_blocks = routed_experts(
         ids, n, error, g == 0, NUM_EXPERTS, A)
     src, slot, origin = arrival_sources(arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED, A)
-    count, read = program_row(g, tiles + g * MAX_TILES * TILE_FIELDS, expert, first_c, block_c,
-                              rank_c, valid_c, row_blocks, src, slot, origin, row_src, row_slot,
-                              row_origin, G, P1, P2, LEAD, WAVE_MIN_L1, WAVE, J)
+    count, read = program_row(g, tiles, expert, first_c, block_c, rank_c, valid_c, row_blocks,
+                              src, slot, origin, row_src, row_slot, row_origin, G, P1, P2, LEAD,
+                              WAVE_MIN_L1, WAVE, J)
     gl.store(num_tiles + g, count)
     if QUANTIZE:
         low, high = rows_read(read, origin)
         quantize_rows(low, high, x, x_quant, x_quant_scale, CAPACITY // TOP_K, HIDDEN)
+    return count
+
+
+@gluon.jit
+def program_tables_kernel(ids, n_arrivals, arrival_src, arrival_slot, tiles, num_tiles, row_src,
+                          row_slot, row_origin, error, x, x_quant, x_quant_scale, NUM_EXPERTS,
+                          CAPACITY, TOP_K, MAX_TILES, G, P1, P2, LEAD, WAVE_MIN_L1, HIDDEN,
+                          RECEIVED: gl.constexpr, WAVE: gl.constexpr, A: gl.constexpr,
+                          J: gl.constexpr, QUANTIZE: gl.constexpr):
+    """``route_program`` in every program of ``G``, into its row of ``tiles`` (int32 ``[G,
+    MAX_TILES, 4]``), as the routed fused kernel's programs do it before their tiles: the unit
+    the tests check against the host reference."""
+    g = gl.program_id(0)
+    route_program(g, ids, n_arrivals, arrival_src, arrival_slot,
+                  tiles + g * MAX_TILES * TILE_FIELDS, num_tiles, row_src, row_slot, row_origin,
+                  error, x, x_quant, x_quant_scale, NUM_EXPERTS, CAPACITY, TOP_K, G, P1, P2,
+                  LEAD, WAVE_MIN_L1, HIDDEN, RECEIVED, WAVE, A, J, QUANTIZE)

@@ -13,7 +13,7 @@ import torch
 
 from tests.ops.moe.test_op_gpu import (SEED, SHAPES, _check, _check_unsynchronized, _inputs,
                                        _replay_routings, _user_graph)
-from xstage_lab.ops.moe.routed import ROUTED_ARRIVALS, ROUTED_TABLES
+from xstage_lab.ops.moe.routed import ROUTED_ARRIVALS, routed_mismatches
 from xstage_lab.ops.moe.op import FusedMoE
 from xstage_lab.ops.moe.table_reference import host_tables, table_mismatches
 from xstage_lab.ops.moe.weights import local_expert_weights, quantize_rows_fp8
@@ -38,8 +38,7 @@ def _routed_tables_match(layer: FusedMoE, x, ids) -> list[str]:
     rows = x.repeat_interleave(layer.top_k, dim=0)
     xq, xs = quantize_rows_fp8(rows) if ws.weights.precision == "fp8" else (rows, None)
     host = host_tables(ws.bounds, ids.reshape(-1), xq, xs, top_k=layer.top_k)
-    return [b for b in table_mismatches(ws.tables, host)
-            if b.startswith((*ROUTED_TABLES, f"{layer.schedule}."))]
+    return routed_mismatches(table_mismatches(ws.tables, host), layer.schedule)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

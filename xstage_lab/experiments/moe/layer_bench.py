@@ -84,7 +84,7 @@ from ...cli import list_option
 from ...dist_timing import (HOLD_CYCLES, median_clock_mhz, paired_ratio, time_methods,
                             timing_method)
 from ...ops.moe.op import WEIGHTED_SUMS
-from ...ops.moe.routed import ROUTED_TABLES, ROUTINGS
+from ...ops.moe.routed import ROUTINGS, routed_mismatches
 from ...ops.moe.table_reference import table_mismatches
 from ...ops.moe.schedules import tile_table
 from ...ops.moe.shapes import PRECISIONS, load_shapes
@@ -165,8 +165,8 @@ def check_cell(cell, run: Run) -> list[str]:
         failures += check_traced(cell, poison, device_rows)
     if cell.tokens <= TABLE_CHECK_MAX_TOKENS:
         bad = table_mismatches(cell.ws.tables, cell.host_tables())
-        if cell.routes_in_kernel():  # the routed kernel writes its schedule's table, the maps
-            bad = [b for b in bad if b.startswith((*ROUTED_TABLES, f"{cell.schedule}."))]
+        if cell.routes_in_kernel():
+            bad = routed_mismatches(bad, cell.schedule)
         failures += [f"device table {b} differs from the host reference" for b in bad]
     # the second eager call launches the graph its first call captured: checked under the sync
     # check, its Combine rows poisoned; the first call's output is still held, so the second's

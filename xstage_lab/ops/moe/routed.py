@@ -8,10 +8,10 @@ row counters are its own (``DeviceTables.routed_ready``), zero at allocation and
 each call (after a spin timeout, which raises the error flag, no longer promised).
 
 Where it applies (``routes_in_kernel``): the gluon_ws kernel, a layer built with
-``routing="kernel"``, at most ``ROUTED_ARRIVALS`` arrivals (``block_m``). An FP8 layer's bf16 rows are
-quantized by the programs that read them, as the routing's quantizing programs do (``quantize``:
-``kernels/moe_program_tables.quantize_rows``). Not yet run or timed on a GPU: the layer's
-default stays the routing launches (``routing="launch"``)."""
+``routing="kernel"``, at most ``ROUTED_ARRIVALS`` arrivals (``block_m``). An FP8 layer's bf16
+rows are quantized by the programs that read them, as the routing's quantizing programs do
+(``quantize``: ``kernels/moe_program_tables.quantize_rows``). Not yet run or timed on a GPU:
+the layer's default stays the routing launches (``routing="launch"``)."""
 from __future__ import annotations
 
 import torch
@@ -42,6 +42,12 @@ ENTRIES_PER_STEP = 16  # a program's table entries computed at a time (moe_progr
 # the base entry's arguments the routed entry takes from elsewhere: the argument block's slots
 # it writes, the row counters it leaves zero
 NOT_ROUTED = ("a_rows", "sum_args", "row_ready")
+
+
+def routed_mismatches(mismatches: list[str], schedule: str) -> list[str]:
+    """Of ``table_reference.table_mismatches``' names, those of the tables a routed call of
+    ``schedule`` writes (``ROUTED_TABLES``, its schedule's table and counts)."""
+    return [m for m in mismatches if m.startswith((*ROUTED_TABLES, f"{schedule}."))]
 
 
 def routes_in_kernel(kernel: str, routing: str, capacity: int) -> bool:
