@@ -94,10 +94,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
-from .moe_args import (ARG_A_ROWS, ARG_COMBINE_ROWS, ARG_EXPERT_IDS, ARG_OUT, ARG_TOPK_WEIGHTS,
-                       ARG_X, ARG_X_SCALE)
-from .moe_program_tables import route_program
-
 TILE_L1 = gl.constexpr(0)
 TILE_L2 = gl.constexpr(1)
 TILE_FIELDS = gl.constexpr(4)
@@ -122,9 +118,6 @@ CONTROL_ARGS = gl.constexpr(2)
 CONTROL_TOKENS = gl.constexpr(3)
 CONTROL_MAX_SPIN = gl.constexpr(4)
 SUM_CONTROL = gl.constexpr(8)  # slots: a power of two
-# where a routed launch counts a row block's Linear-2 tiles past their wait, from its counter
-# (_pass_rows): its row blocks are at most the arrivals, at most BLOCK_M
-PASSED_OFFSET = gl.constexpr(128)
 
 
 @gluon.jit
@@ -182,16 +175,6 @@ def _wait_rows_ready(counter, needed, error, max_spin):
     spins = _spin_until(counter, needed, error, max_spin, False)
     _fence_proxy_async_global()
     return spins
-
-
-@gluon.jit
-def _pass_rows(counter, l2_tiles):
-    """This Linear-2 tile past its row block's wait (its loads issued): counted
-    ``PASSED_OFFSET`` counters past the row block's ``counter``; the row block's last of its
-    ``l2_tiles`` resets both, which no tile of the launch reads again, for the next launch."""
-    if gl.atomic_add(counter + PASSED_OFFSET, 1, sem="relaxed") == l2_tiles - 1:
-        gl.store(counter, 0)
-        gl.store(counter + PASSED_OFFSET, 0)
 
 
 @gluon.jit
@@ -267,11 +250,10 @@ def _routed_half(row_slot, row_base):
 
 @gluon.jit
 def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready,
-              empty, row_ready, row_slot, error, max_spin, num_experts, trace,
-              HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, FP8: gl.constexpr,
-              BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
-              STAGES: gl.constexpr, INSTRUMENT: gl.constexpr, SPLIT_K: gl.constexpr,
-              RESET_ROWS: gl.constexpr):
+              empty, row_ready, row_slot, error, max_spin, num_experts, trace, HIDDEN, INTER,
+              l1_k_blocks, l2_k_blocks, l2_splits, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
+              BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              INSTRUMENT: gl.constexpr, SPLIT_K: gl.constexpr):
     """The loading warpgroup: every K block of every tile of this program, in table order (a tile
     whose expert is not one of the ``num_experts`` is skipped, as the consumers skip it). The A
     tile's second half is loaded only where it holds a routed row (``_routed_half``).
@@ -334,8 +316,6 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
                     tma.async_copy_global_to_shared(w2_desc, [w_row, k], ready.index(s),
                                                     b_smem.index(s).slice(0, BLOCK_N2))
                     it += 1
-                if RESET_ROWS:
-                    _pass_rows(row_ready + row0 // BLOCK_M, (HIDDEN // BLOCK_N2) * l2_splits)
 
 
 @gluon.jit
@@ -873,103 +853,9 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     counting two arrivals a program at every launch (never reset: launches of one count of
     programs share it). Without it the three are never read."""
     pid = gl.program_id(0)
-    _program(tiles + pid * max_tiles * TILE_FIELDS, gl.load(num_tiles + pid), a_rows,
-             row_origin, w1_desc, h_desc, w2_desc, w1_scale, w2_scale, h, h_scale, row_ready,
-             row_src, row_slot, combine_ptrs, error, max_spin, num_experts,
-             trace + pid * max_tiles * TRACE_FIELDS, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
-             l2_splits, l2_partial, l2_ready, sum_args, sum_arrivals, sum_tokens, FP8, BLOCK_N1,
-             BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K, SUM_WEIGHT_DTYPE,
-             False)
-
-
-@gluon.jit(do_not_specialize=["expert_ids", "x", "x_scale", "combine_rows", "topk_weights",
-                               "out", "sum_tokens", "CAPACITY", "TOP_K"])
-def moe_fused_ws_routed_kernel(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
-                               n_arrivals, arrival_src, arrival_slot, x_quant, x_quant_scale,
-                               tiles, num_tiles, max_tiles, row_origin, w1_desc, h_desc, w2_desc,
-                               w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
-                               combine_ptrs, error, max_spin, num_experts, trace,
-                               HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, l2_partial,
-                               l2_ready, sum_arrivals, sum_tokens, CAPACITY, TOP_K, P1, P2, LEAD,
-                               WAVE_MIN_L1, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
-                               BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
-                               STAGES: gl.constexpr, RECEIVED: gl.constexpr,
-                               WAVE: gl.constexpr, ID_DTYPE: gl.constexpr, A: gl.constexpr,
-                               J: gl.constexpr, QUANTIZE: gl.constexpr = False,
-                               INSTRUMENT: gl.constexpr = False, SPLIT_K: gl.constexpr = False,
-                               SUM_TOP_K: gl.constexpr = 0,
-                               SUM_WEIGHT_DTYPE: gl.constexpr = gl.float32):
-    """``moe_fused_ws_kernel`` that routes its call itself: a call of at most ``A`` arrivals
-    (a power of two, at most ``BLOCK_M``: every routed expert one row block) needs no routing
-    launch before it. Each program first derives from the ids its own row of the table
-    (Expert-Wave where ``WAVE``, else Interleaved at lead ``LEAD``) into its row of ``tiles``
-    and ``num_tiles``, and the row maps (``row_src``, ``row_slot``, ``row_origin``) of its
-    tiles' row blocks (``moe_program_tables.route_program``: each program writes the rows it
-    reads, some read before any wait, so no program reads another's); then runs its tiles as
-    ``moe_fused_ws_kernel`` does.
-
-    The call's first launch: it takes the call's addresses (``moe_args``' slots, by value, never
-    specialized; a graph's node of it is given each call's) and writes them into the argument
-    block ``args`` (program 0; the weighted sum after it reads them), and every program the
-    ``a_rows`` slots it reads itself (``x``, ``x_scale``, each layout row's scales those of the
-    row of ``x`` it reads). Arrivals: at EP = 1 the ``CAPACITY`` picks of ``topk_ids``
-    (``ID_DTYPE``; source 0, slot ``i``, token ``i // TOP_K``); on an EP rank (``RECEIVED``)
-    the received rows, their count at ``n_arrivals``, their sources and slots up to
-    ``CAPACITY``. Ids out of range add to ``error`` and get no row. ``QUANTIZE`` (an FP8 layer's
-    bf16 rows): each program quantizes the rows its Linear-1 tiles read into ``x_quant`` and
-    ``x_quant_scale`` (by the rows of ``x``), which its
-    ``a_rows`` then name; else they name ``x`` and ``x_scale`` (never read without it).
-
-    Row counters without a zeroing pass: ``row_ready`` (int32 ``[2 * PASSED_OFFSET]``: a
-    counter per row block, at most ``BLOCK_M`` of them, then its Linear-2 tiles past their
-    wait) is zero at the first launch and left zero by each (``RESET_ROWS``: each row block's
-    last Linear-2 tile past its wait resets both); a launch that does not route must not share
-    it."""
-    pid = gl.program_id(0)
     my_tiles = tiles + pid * max_tiles * TILE_FIELDS
-    n_tiles = route_program(pid, expert_ids.to(gl.pointer_type(ID_DTYPE)), n_arrivals,
-                            arrival_src, arrival_slot, my_tiles, num_tiles, row_src, row_slot,
-                            row_origin, error, x.to(gl.pointer_type(gl.bfloat16)), x_quant,
-                            x_quant_scale, num_experts, CAPACITY, TOP_K, gl.num_programs(0), P1,
-                            P2, LEAD, WAVE_MIN_L1, HIDDEN, RECEIVED, WAVE, A, J, QUANTIZE)
-    if QUANTIZE:
-        gl.store(args + ARG_A_ROWS, x_quant.to(gl.int64))
-        gl.store(args + ARG_A_ROWS + 1, x_quant_scale.to(gl.int64))
-    else:
-        gl.store(args + ARG_A_ROWS, x.to(gl.int64))
-        gl.store(args + ARG_A_ROWS + 1, x_scale.to(gl.int64))
-    gl.store(args + ARG_A_ROWS + 2, 0)
-    if pid == 0:
-        gl.store(args + ARG_EXPERT_IDS, expert_ids.to(gl.int64))
-        gl.store(args + ARG_X, x.to(gl.int64))
-        gl.store(args + ARG_X_SCALE, x_scale.to(gl.int64))
-        gl.store(args + ARG_COMBINE_ROWS, combine_rows.to(gl.int64))
-        gl.store(args + ARG_TOPK_WEIGHTS, topk_weights.to(gl.int64))
-        gl.store(args + ARG_OUT, out.to(gl.int64))
-    # the table row, the row maps and a_rows, written by this program's four default warps,
-    # read by every partition: the barrier orders them for the default warps, the partitions'
-    # start for the others
-    gl.thread_barrier()
-    _program(my_tiles, n_tiles, args + ARG_A_ROWS, row_origin, w1_desc, h_desc, w2_desc,
-             w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
-             max_spin, num_experts, trace + pid * max_tiles * TRACE_FIELDS,
-             HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, l2_partial, l2_ready,
-             args + ARG_COMBINE_ROWS, sum_arrivals, sum_tokens, FP8, BLOCK_N1, BLOCK_N2, BLOCK_K,
-             STAGES, INSTRUMENT, False, SPLIT_K, SUM_TOP_K, SUM_WEIGHT_DTYPE, True)
-
-
-@gluon.jit
-def _program(my_tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, w1_scale,
-             w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs, error,
-             max_spin, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
-             l2_splits, l2_partial, l2_ready, sum_args, sum_arrivals, sum_tokens,
-             FP8: gl.constexpr, BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr,
-             BLOCK_K: gl.constexpr, STAGES: gl.constexpr, INSTRUMENT: gl.constexpr,
-             FENCE: gl.constexpr, SPLIT_K: gl.constexpr, SUM_TOP_K: gl.constexpr,
-             SUM_WEIGHT_DTYPE: gl.constexpr, RESET_ROWS: gl.constexpr):
-    """One persistent program over its ``n_tiles`` tiles at ``my_tiles``: the shared-memory
-    ring and its barriers, then the three partitions. ``RESET_ROWS``: each row block's last
-    Linear-2 tile leaves its counter zero (``_pass_rows``)."""
+    my_trace = trace + pid * max_tiles * TRACE_FIELDS
+    n_tiles = gl.load(num_tiles + pid)
     b_rows: gl.constexpr = 2 * BLOCK_N1 if 2 * BLOCK_N1 > BLOCK_N2 else BLOCK_N2
     a_smem = gl.allocate_shared_memory(h_desc.dtype, [2 * STAGES, HALF_ROWS, BLOCK_K],
                                        h_desc.layout)
@@ -998,8 +884,7 @@ def _program(my_tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, w1
                      l2_splits, l2_partial, l2_ready, sum_control, FP8, BLOCK_N1, BLOCK_N2,
                      BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K, SUM_WEIGHT_DTYPE)),
         (_producer, (my_tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_smem,
-                     b_smem, ready, empty, row_ready, row_slot, error, max_spin,
-                     num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits,
-                     FP8, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, SPLIT_K,
-                     RESET_ROWS)),
+                     b_smem, ready, empty, row_ready, row_slot, error, max_spin, num_experts,
+                     my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, FP8, BLOCK_N1,
+                     BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, SPLIT_K)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

@@ -62,11 +62,9 @@ LIVE = {
     "moe_host": Live("host", (*MOE_CELL, "--host-shares", "1", "--lead-multiples", "1",
                               "--warmup", "1", "--no-trace", *TIMING), after=("moe_kernel",)),
     # 64 tokens: the count at which the layer's graph replays are checked too; DiT-MoE's fused
-    # kernel ends with the weighted sum there (the kernel alone timed with it); one token
-    # routed by the fused kernel itself
+    # kernel ends with the weighted sum there (the kernel alone timed with it)
     "moe_layer": Live("local", ("--models", "DiT-MoE", "--precisions", "bf16", "--settings", "ep1",
-                                "--tokens", "1", "64", "--weighted-sum", "kernel", "--routing",
-                                "kernel", *TIMING)),
+                                "--tokens", "64", "--weighted-sum", "kernel", *TIMING)),
     "issue_time_probe": Live("local", ("--repeats", "1", "--burst-kib", "16")),
     # the probe's schedules on one MoE cell
     "moe_schedule_probe": Live("local", ("--models", "DiT-MoE", "--precisions", "bf16",

@@ -435,22 +435,3 @@ def test_the_prose_says_which_cells_started_their_graphed_trials_held(tmp_path):
             "while the GPU was busy, the GPU past the start before the launch in 2 trials, in "
             "the others from an idle GPU, each trial's time holding its graph's launch)"
             in str(layer([view])))
-
-
-def test_the_prose_says_which_cells_the_kernel_routed(tmp_path):
-    """Cells of a ``--routing kernel`` record (one token routed by the kernel, 64 by launches)
-    beside an older record's (no column): the prose names the routed cells and their tokens; a
-    view without them says nothing of it."""
-    from xstage_lab.prose.moe.kernel import layer
-
-    at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(2)]
-    write_record("moe_layer", "x", pd.DataFrame([_row(1), _row(64), _row(512)]), {}, {},
-                 tmp_path, created=at[0])
-    assert "routes the call itself" not in str(layer([lv.layer_view("x", tmp_path)]))
-    write_record("moe_layer", "x", pd.DataFrame([
-        _row(t, routed_in_kernel=r) for t, r in ((1, True), (64, False))]),
-        {}, {}, tmp_path, created=at[1])
-    view = lv.layer_view("x", tmp_path)
-    assert list(lv.routed_in_kernel(view.table)) == [True, False, False]
-    assert ("(in 1 cell, 1 token, the fused kernel routes the call itself, with no routing "
-            "launch before it)" in str(layer([view])))

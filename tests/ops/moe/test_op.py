@@ -7,7 +7,6 @@ FusedMoE, residual) on FakeTensors; a model's own experts (``nn.Linear`` project
 the model's forward; two layers on one set of buffers, and sizes that cannot share refused."""
 from __future__ import annotations
 
-import inspect
 import sys
 
 import pytest
@@ -16,11 +15,7 @@ import torch
 from tests.experiments.triton_testing import child_main, interpreter_case_tests
 from xstage_lab.experiments.moe.bench import TOLERANCE
 from xstage_lab.ops.moe.combine import local_combine_peers
-from xstage_lab.kernel_sources import load_kernel_module
-from xstage_lab.ops.moe import op as op_module
-from xstage_lab.ops.moe.call_args import slot_names
 from xstage_lab.ops.moe.op import FusedMoE, MoEWorkspace
-from xstage_lab.ops.moe.routed import MIN_ARRIVALS, arrivals_padded, routed_launcher
 from xstage_lab.ops.moe.reference import reference_moe
 from xstage_lab.ops.moe.routing import router_logits, router_topk
 from xstage_lab.ops.moe.shapes import MoEContractError, MoEShape
@@ -211,8 +206,7 @@ def test_bad_input_is_refused_before_launch(change, message):
 def test_a_model_printout_names_the_layer():
     text = repr(torch.nn.Sequential(_layer("fp8", "interleaved")))
     assert ("FusedMoE(experts=8, hidden=256, intermediate=256, top_k=2, precision=fp8, "
-            "max_tokens=16, schedule=interleaved, kernel=triton, weighted_sum=launch, "
-            "routing=launch)") in text
+            "max_tokens=16, schedule=interleaved, kernel=triton, weighted_sum=launch)") in text
 
 
 def test_bad_construction_is_refused():
@@ -225,10 +219,6 @@ def test_bad_construction_is_refused():
         FusedMoE(weights, max_tokens=4, top_k=2, weighted_sum="fused")
     with pytest.raises(MoEContractError, match="needs the gluon_ws kernel, not triton"):
         FusedMoE(weights, max_tokens=4, top_k=2, weighted_sum="kernel")
-    with pytest.raises(MoEContractError, match="routing must be one of"):
-        FusedMoE(weights, max_tokens=4, top_k=2, routing="device")
-    with pytest.raises(MoEContractError, match="routing='kernel' needs the gluon_ws kernel"):
-        FusedMoE(weights, max_tokens=4, top_k=2, routing="kernel")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -259,83 +249,6 @@ def test_the_kernel_ends_with_the_weighted_sum_where_one_pass_covers_the_tokens(
     assert summed.arrivals is layer.moe_buffers.sum_arrivals and summed.arrivals.item() == 0
     assert (summed.tokens, summed.top_k, summed.weight_dtype) == (3, 2, torch.float32)
     assert given.args is own and given.weight_dtype == torch.bfloat16 and beyond is None
-
-
-def test_the_kernel_routes_the_calls_it_can_itself(monkeypatch):
-    """``routing="kernel"`` (gluon_ws, built here, never launched): calls up to
-    ``ROUTED_ARRIVALS`` picks launch the routed entry first, which takes the call's addresses,
-    and no routing launch (the rows bf16: an FP8 layer's quantized there); above, and with
-    ``"launch"``, the routing launches first."""
-    config = default_tile_config("bf16", "gluon_ws", hidden=TINY.hidden)
-    layer = FusedMoE(local_expert_weights(TINY, 0, 1, "bf16", seed=3), max_tokens=65,
-                     top_k=TINY.top_k, config=config, num_programs=4, routing="kernel")
-    ws = layer.workspace
-    assert [ws.routes_in_kernel(2 * t) for t in (1, 64, 65)] == [True, True, False]
-    apart = FusedMoE(local_expert_weights(TINY, 0, 1, "bf16", seed=3), max_tokens=4,
-                     top_k=TINY.top_k, config=config, num_programs=4)
-    assert not apart.workspace.routes_in_kernel(2)
-    calls = []
-    monkeypatch.setattr(ws, "routed_launch", lambda *a, **kw: calls.append(("routed", a)) or "r")
-    monkeypatch.setattr(layer, "route_launches", lambda *a: calls.append(("route", a)) or "f")
-    monkeypatch.setattr(layer, "fused_kernel", lambda *a, **kw: calls.append(("kernel", a)))
-    monkeypatch.setattr(op_module, "weighted_sum_launch", lambda *a: lambda *b, **kw: None)
-    addresses = tuple(range(6))
-    assert layer.launches(addresses, 64, "wave", torch.int64, torch.float32) == "r"
-    assert layer.launches(addresses, 65, "wave", torch.int64, torch.float32) == "f"
-    assert [c[0] for c in calls] == ["routed", "route", "kernel"]
-    assert calls[0][1][2:7] == (addresses, 128, TINY.top_k, torch.int64, torch.bfloat16)
-
-
-def test_a_routed_ep_rank_refuses_rows_it_cannot_read_before_any_launch():
-    """An FP8 EP rank built without a quantized copy (``source_rows=0``), routing in the kernel
-    (gluon_ws, built here): bf16 received rows are refused as by the routing launches, before
-    anything is launched."""
-    config = default_tile_config("fp8", "gluon_ws", hidden=TINY.hidden)
-    ws = MoEWorkspace(local_expert_weights(TINY, 0, 1, "fp8", seed=3), 8, config=config,
-                      num_programs=4, source_rows=0, routing="kernel")
-    peers = local_combine_peers([torch.zeros(8, TINY.hidden, dtype=torch.bfloat16)])
-    i32 = dict(dtype=torch.int32)
-    with pytest.raises(MoEContractError, match="quantize no bf16 rows"):
-        ws.received_call("wave", peers, torch.zeros(8, **i32),
-                         torch.zeros(8, TINY.hidden, dtype=torch.bfloat16), None,
-                         torch.tensor([8], **i32), torch.zeros(8, **i32), torch.arange(8, **i32))
-    assert int(ws.error) == 0 and not ws._launches
-
-
-@pytest.mark.parametrize("received", [False, True])
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_the_routed_launch_binds_every_parameter_once(received, precision):
-    """The routed entry's launcher: its static arguments and those a call gives it are its
-    parameters, each once; its own row counters, the table's constants, the build's arrivals
-    (at least ``MIN_ARRIVALS``, a power of two) and, an FP8 layer's bf16 rows, the tables'
-    quantized copy."""
-    config = default_tile_config(precision, "gluon_ws", hidden=TINY.hidden)
-    ws = MoEWorkspace(local_expert_weights(TINY, 0, 1, precision, seed=3), 40, config=config,
-                      num_programs=4, routing="kernel")
-    peers = local_combine_peers([torch.zeros(40, TINY.hidden, dtype=torch.bfloat16)])
-    quantize = precision == "fp8"
-    launcher = routed_launcher(ws, "interleaved", peers, 40, received, torch.int32, None,
-                               quantize)
-    varying = {*slot_names(), "CAPACITY", "TOP_K"} | (
-        {"n_arrivals", "arrival_src", "arrival_slot"} if received else set())
-    static = launcher.static
-    assert not varying & set(static)
-    kernel = load_kernel_module("moe_fused_ws").moe_fused_ws_routed_kernel
-    params = inspect.signature(kernel.fn).parameters
-    bound = set(static) - {"num_warps"} | varying
-    assert bound <= set(params)
-    assert {n for n, p in params.items() if p.default is inspect.Parameter.empty} <= bound
-    assert static["row_ready"] is ws.tables.routed_ready
-    kernels = load_kernel_module("moe_fused_ws")
-    assert ws.tables.routed_ready.numel() == 2 * kernels.PASSED_OFFSET.value
-    assert static["tiles"] is ws.tables.tiles["interleaved"] and not static["WAVE"]
-    assert (static["A"], static["RECEIVED"], static["P2"]) == (64, received,
-                                                              ws.bounds.l2_n_blocks)
-    assert static["QUANTIZE"] == quantize
-    if quantize:
-        assert static["x_quant"] is ws.tables.x_quant
-        assert static["x_quant_scale"] is ws.tables.x_quant_scale
-    assert arrivals_padded(3) == MIN_ARRIVALS and arrivals_padded(33) == 64
 
 
 @pytest.mark.parametrize("change,message", [

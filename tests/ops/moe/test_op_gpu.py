@@ -19,8 +19,7 @@ from xstage_lab.experiments.moe.bench import TOLERANCE
 from xstage_lab.ops.moe import device_tables
 from xstage_lab.ops.moe.combine import combine_weighted_sum
 from xstage_lab.ops.moe.table_reference import host_tables, table_mismatches
-from xstage_lab.ops.moe.graph_cache import GRAPHS_PER_LAYER
-from xstage_lab.ops.moe.op import FusedMoE
+from xstage_lab.ops.moe.op import GRAPHS_PER_LAYER, FusedMoE
 from xstage_lab.ops.moe.reference import reference_moe
 from xstage_lab.ops.moe.routing import router_logits, router_topk
 from xstage_lab.ops.moe.shapes import PRECISIONS, MoEShape, load_shapes
@@ -116,13 +115,7 @@ def test_interleaved_counts_its_lead_from_the_expert_where_p2_is_below_p1(precis
 
 
 def test_an_eager_call_never_synchronizes(layer):
-    _check_unsynchronized(layer, 64)
-
-
-def _check_unsynchronized(layer: FusedMoE, tokens: int) -> None:
-    """A warm eager call of ``tokens`` tokens under ``set_sync_debug_mode("error")``, against
-    the reference."""
-    x, ids, w = _inputs(tokens, 1)
+    x, ids, w = _inputs(64, 1)
     layer(x, ids, w)  # compiled and warm
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -138,9 +131,11 @@ def test_one_graph_replays_five_routings(layer):
     assert int(layer.error) == 0
 
 
-def _user_graph(layer: FusedMoE, x, ids, w) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """One call on ``x``, ``ids``, ``w`` bound on a side stream, then captured into a user's
-    graph; the graph and the output it writes."""
+def _replay_routings(layer: FusedMoE, tokens: int, seeds, model: str = MODEL) -> None:
+    """One call bound on a side stream, then captured into a user's graph, replayed with a
+    routing per seed (balanced and skewed in turn), its output and Combine rows poisoned before
+    each replay, each checked against the reference."""
+    x, ids, w = _inputs(tokens, 2, model=model)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -149,15 +144,6 @@ def _user_graph(layer: FusedMoE, x, ids, w) -> tuple[torch.cuda.CUDAGraph, torch
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = layer(x, ids, w)
-    return graph, y
-
-
-def _replay_routings(layer: FusedMoE, tokens: int, seeds, model: str = MODEL) -> None:
-    """One call bound on a side stream, then captured into a user's graph, replayed with a
-    routing per seed (balanced and skewed in turn), its output and Combine rows poisoned before
-    each replay, each checked against the reference."""
-    x, ids, w = _inputs(tokens, 2, model=model)
-    graph, y = _user_graph(layer, x, ids, w)
     for i, seed in enumerate(seeds):
         nx, nids, nw = _inputs(tokens, seed, ("balanced", "skewed")[i % 2], model=model)
         x.copy_(nx)

@@ -208,15 +208,6 @@ def sums_in_kernel(table: pd.DataFrame) -> pd.Series:
     return table["weighted_sum_in_kernel"].fillna(False).astype(bool)
 
 
-def routed_in_kernel(table: pd.DataFrame) -> pd.Series:
-    """Per cell, whether the call's fused kernel routed it itself (``routed_in_kernel``:
-    moe_layer's ``--routing kernel``, where the call allowed it); False in records from before
-    the column."""
-    if "routed_in_kernel" not in table:
-        return pd.Series(False, index=table.index)
-    return table["routed_in_kernel"].fillna(False).astype(bool)
-
-
 def graph_starts(table: pd.DataFrame) -> pd.Series:
     """Per cell, how its graphed trials started (``graph_start``: moe_layer's ``--graph-start``):
     ``held`` behind a hold kernel, or ``idle``, each trial's window holding its replay's launch;

@@ -36,10 +36,6 @@ the replay's own launch in its window (the graph's ``graph_iters``-th part of it
 device's time of the calls and their gaps, as inside a graph of a whole forward; the record's
 variant and column ``graph_start`` (records without it: idle), ``graph_unheld_trials`` the held
 trials whose start the GPU passed before their replay was launched (``time_methods``).
-``--routing``: where a call's routing runs (``routed``): ``launch``, the routing launches before
-the fused kernel (the records' so far), or ``kernel``, the fused kernel routing the calls it can
-itself (column ``routed_in_kernel``; its routing then in ``kernel_in_call_us``, and ``kernel``
-still the fused kernel alone over tables routed beforehand); the record's variant.
 ``kernel_over_host_kernel_paired``: the kernel over the device tables against the host-scheduled
 kernel, the median of their per-trial ratios (``dist_timing.paired_ratio``; both trials kept,
 ``kernel_trials_us`` and ``host_scheduled_kernel_trials_us``, beside the kernel's median SM clock,
@@ -84,7 +80,6 @@ from ...cli import list_option
 from ...dist_timing import (HOLD_CYCLES, median_clock_mhz, paired_ratio, time_methods,
                             timing_method)
 from ...ops.moe.op import WEIGHTED_SUMS
-from ...ops.moe.routed import ROUTINGS, routed_mismatches
 from ...ops.moe.table_reference import table_mismatches
 from ...ops.moe.schedules import tile_table
 from ...ops.moe.shapes import PRECISIONS, load_shapes
@@ -165,8 +160,6 @@ def check_cell(cell, run: Run) -> list[str]:
         failures += check_traced(cell, poison, device_rows)
     if cell.tokens <= TABLE_CHECK_MAX_TOKENS:
         bad = table_mismatches(cell.ws.tables, cell.host_tables())
-        if cell.routes_in_kernel():
-            bad = routed_mismatches(bad, cell.schedule)
         failures += [f"device table {b} differs from the host reference" for b in bad]
     # the second eager call launches the graph its first call captured: checked under the sync
     # check, its Combine rows poisoned; the first call's output is still held, so the second's
@@ -327,9 +320,6 @@ class MoELayer(LayerCellRun):
         p.add_argument("--weighted-sum", choices=WEIGHTED_SUMS, default="launch",
                        help="where the EP = 1 call's weighted sum runs (FusedMoE's "
                             "weighted_sum): the record's variant")
-        p.add_argument("--routing", choices=ROUTINGS, default="launch",
-                       help="where a call's routing runs (FusedMoE's and MoEWorkspace's "
-                            "routing; 'kernel' where the call allows): the record's variant")
         p.add_argument("--graph-start", choices=list(GRAPH_STARTS), default="idle",
                        help="each graphed trial from an idle GPU (its replay's launch in the "
                             "window) or held behind a hold kernel: the record's variant")
@@ -337,7 +327,7 @@ class MoELayer(LayerCellRun):
                        help=f"the cells of {SMOKE}: a first check on the GPU")
 
     def cell_options(self, run: Run) -> dict:
-        return {"weighted_sum": run.args.weighted_sum, "routing": run.args.routing}
+        return {"weighted_sum": run.args.weighted_sum}
 
     def check_args(self, a: argparse.Namespace) -> None:
         shapes = load_shapes()
@@ -411,7 +401,6 @@ class MoELayer(LayerCellRun):
                 "weight_floor_us": cell.touched_experts() * _expert_bytes(weights) / bw * 1e6,
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
                 "l2_splits": splits, "weighted_sum_in_kernel": cell.sums_in_kernel(),
-                "routed_in_kernel": cell.routes_in_kernel(),
                 "graph_start": a.graph_start,
                 "graph_unheld_trials": sum(g.get("unheld_trials", 0) for g in graphed.values())
                 if a.graph_start == "held" else float("nan"),
@@ -437,7 +426,7 @@ class MoELayer(LayerCellRun):
                                         GRAPH_STARTS[run.args.graph_start]),
                 "graph_routings": GRAPH_ROUTINGS, "summary_keys": list(SUMMARY_KEYS),
                 VARIANT: {"weighted_sum": run.args.weighted_sum,
-                          "graph_start": run.args.graph_start, "routing": run.args.routing}}
+                          "graph_start": run.args.graph_start}}
 
 
 EXPERIMENT = MoELayer()

@@ -11,8 +11,7 @@ from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.table_reference import host_tables
 from ...ops.moe.dispatch import build_layout
 from ...ops.moe.fused import FusedMoECall, prepare_fused_moe
-from ...ops.moe.graph_cache import GraphCache, launching_graphs
-from ...ops.moe.op import FusedMoE, MoEWorkspace, auto_schedule
+from ...ops.moe.op import FusedMoE, GraphCache, MoEWorkspace, auto_schedule, launching_graphs
 from ...ops.moe.reference import expert_rows_reference, reference_moe
 from ...ops.moe.routing import router_logits, router_topk
 from ...ops.moe.schedules import MoEProblem, expert_wave_schedule, interleaved_schedule
@@ -39,15 +38,15 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 class Ep1Cell:
     """EP = 1: ``FusedMoE`` over every expert, inputs static (graph-capturable) per cell, its
-    weighted sum and its routing where ``weighted_sum`` and ``routing`` say (``FusedMoE``'s)."""
+    weighted sum where ``weighted_sum`` says (``FusedMoE``'s)."""
 
     setting = "ep1"
 
     def __init__(self, shape, precision, tokens, weights, uweights, seed, device,
-                 weighted_sum: str = "launch", routing: str = "launch"):
+                 weighted_sum: str = "launch"):
         self.shape, self.precision, self.tokens, self.seed = shape, precision, tokens, seed
         self.layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="auto",
-                              weighted_sum=weighted_sum, routing=routing)
+                              weighted_sum=weighted_sum)
         self.uweights = uweights
         self.x, self.ids, self.w = balanced_routing(shape, tokens, seed, 0, device)
         self.unfused_capacity = tokens * shape.top_k + shape.routed_experts * (GROUP_ALIGN - 1)
@@ -62,11 +61,6 @@ class Ep1Cell:
     def ws(self) -> MoEWorkspace:
         """The layer's workspace (``Ep8RankCell.ws``'s counterpart)."""
         return self.layer.workspace
-
-    @property
-    def schedule(self) -> str:
-        """The schedule the call's table holds."""
-        return self.layer.schedule
 
     def call(self):
         return self.layer(self.x, self.ids, self.w)
@@ -88,10 +82,6 @@ class Ep1Cell:
     def sums_in_kernel(self) -> bool:
         """Whether the call's fused kernel ends with the weighted sum."""
         return self.layer.sums_in_kernel(self.tokens)
-
-    def routes_in_kernel(self) -> bool:
-        """Whether the call's fused kernel routes it itself (no routing launch before it)."""
-        return self.ws.routes_in_kernel(self.tokens * self.shape.top_k)
 
     def weighted_sum(self):
         combine_weighted_sum(self.combined(), self.w)
@@ -177,13 +167,11 @@ class Ep1Cell:
 
 class Ep8RankCell:
     """Rank 0 of EP = 8: issue 18's workload (``kernel_cell.build_workload``: the received rows of
-    all eight sources in the order Dispatch delivers them) into eight local buffers, routed
-    where ``routing`` says (``MoEWorkspace``'s)."""
+    all eight sources in the order Dispatch delivers them) into eight local buffers."""
 
     setting = "ep8_rank"
 
-    def __init__(self, shape, precision, tokens, weights, uweights, seed, device,
-                 routing: str = "launch"):
+    def __init__(self, shape, precision, tokens, weights, uweights, seed, device):
         self.shape, self.precision, self.tokens, self.seed = shape, precision, tokens, seed
         wl = build_workload(shape, "balanced", tokens, seed=seed, device=device)
         self.rows, self.slot, self.expert = wl.recv_x, wl.recv_slot, wl.recv_expert
@@ -191,7 +179,7 @@ class Ep8RankCell:
         capacity = EP * tokens * shape.top_k
         # the rows arrive as Dispatch sent them, e4m3 with their scales in FP8: nothing to
         # quantize, so no quantized copy
-        self.ws = MoEWorkspace(weights, capacity, source_rows=0, routing=routing)
+        self.ws = MoEWorkspace(weights, capacity, source_rows=0)
         self.buffers = [torch.empty(tokens * shape.top_k, shape.hidden, dtype=torch.bfloat16,
                                     device=device) for _ in range(EP)]
         self.peers = local_combine_peers(self.buffers)
@@ -226,15 +214,6 @@ class Ep8RankCell:
     def sums_in_kernel(self) -> bool:
         """``Ep1Cell.sums_in_kernel``'s counterpart: no weighted sum here."""
         return False
-
-    @property
-    def schedule(self) -> str:
-        """``Ep1Cell.schedule``'s counterpart."""
-        return auto_schedule(EP)
-
-    def routes_in_kernel(self) -> bool:
-        """``Ep1Cell.routes_in_kernel``'s counterpart, over the receive buffers' bound."""
-        return self.ws.routes_in_kernel(self.ws.bounds.capacity)
 
     def unfused(self):
         y = unfused_rows(self.rows, self.expert, self.uweights, self.unfused_capacity)
@@ -288,10 +267,10 @@ def _host_launch(layout, ws: MoEWorkspace, schedule: str, peers,
 
 
 def layer_cell(shape, precision: str, setting: str, tokens: int, run: Run, device,
-               weighted_sum: str = "launch", routing: str = "launch"):
+               weighted_sum: str = "launch"):
     """The cell of ``setting`` (``Ep1Cell``, its weighted sum where ``weighted_sum`` says, or
-    ``Ep8RankCell``; either routed where ``routing`` says), its weights built once per (model,
-    precision, setting) in ``run`` (``run.args.seed``)."""
+    ``Ep8RankCell``), its weights built once per (model, precision, setting) in ``run``
+    (``run.args.seed``)."""
     world = 1 if setting == "ep1" else EP
     seed = run.args.seed
 
@@ -303,7 +282,6 @@ def layer_cell(shape, precision: str, setting: str, tokens: int, run: Run, devic
 
     weights, uweights = run.resource((shape.model, precision, setting), make)
     if setting == "ep1":
-        return Ep1Cell(shape, precision, tokens, weights, uweights, seed, device, weighted_sum,
-                       routing)
-    return Ep8RankCell(shape, precision, tokens, weights, uweights, seed, device, routing)
+        return Ep1Cell(shape, precision, tokens, weights, uweights, seed, device, weighted_sum)
+    return Ep8RankCell(shape, precision, tokens, weights, uweights, seed, device)
 

@@ -14,8 +14,7 @@ calls):
   them at 1980 MHz: moe_layer/h200-x1/20261204T195720Z-25330f5474 against route_small_probe/
   h200-x1/20261204T195341Z-f567ecc776);
 - one whole call as a user makes it (``cell.call``: eagerly, its graph launched), per kernel
-  (``call_kernels_us``, JSON), and the fused kernel's own time in it (``kernel_in_call_us``;
-  where the call routed itself, ``routed.ROUTED_ENTRY``'s, its routing included);
+  (``call_kernels_us``, JSON), and the fused kernel's own time in it (``kernel_in_call_us``);
 - the fused kernel launched alone over the same tables (``cell.kernel``, as ``kernel_us`` is
   timed): its own time (``kernel_alone_device_us``);
 - the device's time between consecutive kernels, per pair of their names (``dist_timing.
@@ -32,7 +31,6 @@ import json
 
 from ...dist_timing import graphed, kernel_boundaries_us, kernel_times_us, read_sm_clock_mhz
 from ...ops.moe.fused import KERNEL_ENTRIES
-from ...ops.moe.routed import ROUTED_ENTRY
 
 ACTIVATIONS_PASS = "route_quantize"  # the routing kernel that is no table pass
 
@@ -50,8 +48,7 @@ def device_profile(cell, graph_iters: int) -> dict:
             "route_kernels_us": json.dumps(route),
             "route_sm_clock_mhz": float("nan") if route_clock is None else route_clock,
             "call_kernels_us": json.dumps(call),
-            # the entry that routes the call itself, where it did (routing in its time)
-            "kernel_in_call_us": call.get(fused, call.get(ROUTED_ENTRY, float("nan"))),
+            "kernel_in_call_us": call.get(fused, float("nan")),
             "kernel_alone_device_us": alone.get(fused, float("nan")),
             "call_boundaries_us": json.dumps(kernel_boundaries_us(graphed(cell.call,
                                                                           graph_iters))),

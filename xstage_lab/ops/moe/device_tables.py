@@ -263,9 +263,6 @@ class DeviceTables:
     tiles: dict                    # schedule -> int32 [G, max_tiles, 4]
     num_tiles: dict                # schedule -> int32 [G]
     row_ready: torch.Tensor        # int32 [row blocks]: the fused kernel's Linear-1 counters
-    # int32 [2 * block_m]: the routed kernel's counters, then its passes (its row blocks at most
-    # block_m: moe_fused_ws.PASSED_OFFSET), left zero by each call (ops/moe/routed)
-    routed_ready: torch.Tensor
     error: torch.Tensor            # int32 [1]: ids out of range (and the kernel's spin flag)
     args: torch.Tensor             # int64 [ARGS]: the call's argument block (call_args)
     tiny_arrivals: int             # up to this many arrivals, route_tiny (TINY_ARRIVALS) ...
@@ -328,26 +325,11 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
          if fp8 and sources else None),
         {s: torch.zeros(g, bounds.max_tiles, 4, **i32) for s in SCHEDULES},
         {s: torch.zeros(g, **i32) for s in SCHEDULES}, torch.zeros(bounds.row_blocks, **i32),
-        torch.zeros(2 * bounds.block_m, **i32),
         torch.zeros(1, **i32) if error is None else error, allocate_args(dev),
         min(TINY_ARRIVALS if tiny_arrivals is None else tiny_arrivals, bounds.block_m),
         min(TINY_RECEIVED if tiny_received is None else tiny_received, bounds.block_m), fp8,
         scan_chunk_bound(e) if scan_chunks is None else scan_chunks,
         QUANT_IN_HISTOGRAM_ROWS if quant_rows is None else quant_rows)
-
-
-def row_addresses(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Tensor,
-                  x_scale: torch.Tensor | None) -> tuple[int, ...]:
-    """The argument block's addresses of a routing over ``tables`` (``call_args.slot_addresses``:
-    ``x`` 16-byte aligned), once the rows are ones the tables take: e4m3 with their scales, or
-    bf16 where an FP8 layer's tables hold a quantized copy. MoEContractError otherwise."""
-    if x.dtype == torch.float8_e4m3fn and x_scale is None:
-        raise MoEContractError("e4m3 activations need their 1 x 128 scales (x_scale)")
-    if x.dtype == torch.bfloat16 and tables.x_quant is None and tables.fp8:
-        raise MoEContractError("these FP8 tables quantize no bf16 rows (allocated with "
-                               "source_rows=0): pass e4m3 rows with their scales")
-    return slot_addresses(tables.args, expert_ids=expert_ids, x=x,
-                          **({} if x_scale is None else {"x_scale": x_scale}))
 
 
 def scan_chunk_bound(num_experts: int) -> int:
@@ -422,7 +404,13 @@ def route_to_tables(tables: DeviceTables, expert_ids: torch.Tensor, x: torch.Ten
     stay unchanged until that launch has run. Ids out of range add to ``tables.error`` and get
     no row. Shapes and dtypes are the caller's contract (``FusedMoE`` checks them); ``x`` starts
     16-byte aligned (MoEContractError before any launch)."""
-    addresses = row_addresses(tables, expert_ids, x, x_scale)
+    if x.dtype == torch.float8_e4m3fn and x_scale is None:
+        raise MoEContractError("e4m3 activations need their 1 x 128 scales (x_scale)")
+    if x.dtype == torch.bfloat16 and tables.x_quant is None and tables.fp8:
+        raise MoEContractError("these FP8 tables quantize no bf16 rows (allocated with "
+                               "source_rows=0): pass e4m3 rows with their scales")
+    addresses = slot_addresses(tables.args, expert_ids=expert_ids, x=x,
+                               **({} if x_scale is None else {"x_scale": x_scale}))
     received = n_arrivals is not None
     quantize = tables.x_quant is not None and x.dtype == torch.bfloat16
     tables.routing(received, quantize, expert_ids.dtype)(

@@ -15,9 +15,7 @@ them into the argument block the later launches read
 sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-1 gathers each pick's token row as it
 loads and whose Linear-2 epilogues store each pick's row into the Combine buffer, then the top-k
 weighted sum (``combine``, one Triton launch, reading the block; with ``weighted_sum="kernel"``
-the fused kernel's end, where it covers the tokens in one pass). With ``routing="kernel"`` a
-call of few picks has no routing launch: the fused kernel's programs route it themselves
-(``routed``; not yet run on a GPU). Eagerly on CUDA they run as one
+the fused kernel's end, where it covers the tokens in one pass). Eagerly on CUDA they run as one
 CUDA graph (``GraphCache``), captured once per token count at that count's first call, the node of
 its first launch taking each call's addresses as new arguments (``graph_launch.GraphLauncher``): a
 call costs the host two driver calls. While the stream is capturing (a user's graph) or off CUDA
@@ -32,24 +30,25 @@ buffers (``buffers.MoEBuffers``): a model's MoE layers need one set, not one eac
 from __future__ import annotations
 
 import functools
+import gc
 import weakref
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
 import triton
+from triton.runtime import driver
 
 from ...kernel_sources import load_kernel_module
 from ..graph_launch import GraphLauncher, call_functions
 from ..launcher import Launcher
-from .call_args import (ALIGN_BYTES, FIRST_ADDRESS_PARAM, TRITON_DTYPES, slot_names, slot_order,
-                        slot_packer, sum_args_view)
+from .call_args import (ALIGN_BYTES, FIRST_ADDRESS_PARAM, TRITON_DTYPES, slot_order, slot_packer,
+                        sum_args_view)
 from .combine import CombinePeers, local_combine_peers, weighted_sum_grid, weighted_sum_launch
 from .buffers import BufferSizes, MoEBuffers
-from .device_tables import SCHEDULES, TableBounds, route_to_tables, row_addresses
+from .device_tables import SCHEDULES, TableBounds, route_to_tables
 from .fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, InKernelSum, KernelBuffers,
                     check_expert_weights, expect_tensor, kernel_launch)
-from .graph_cache import GraphCache
-from .routed import arrivals_padded, check_routing, routed_launcher, routes_in_kernel
 from .schedules import d_knee, derived_lead
 from .shapes import FP8_SCALE_BLOCK, MoEContractError
 from .tiles import TileConfig, default_tile_config
@@ -60,6 +59,12 @@ SCHEDULE_CHOICES = (*SCHEDULES, "auto")
 # Linear-2 tile would wait forever on a Linear-1 tile of a later program; one program walks the
 # whole stream, in which every schedule puts a row's Linear-1 tiles before its Linear-2 tiles.
 CPU_PROGRAMS = 1
+# Captured graphs a FusedMoE or MoEWorkspace keeps, least recently launched from Python dropped
+# first (one still in flight is freed by the driver when it completes; a FusedMoE's compiled path
+# does not reorder them): a graph holds no device memory of its own (a call allocates only its
+# output, outside the graph), but each is a driver object of up to eight kernel nodes, and a
+# server's token counts are unbounded.
+GRAPHS_PER_LAYER = 16
 # What a FusedMoE call's argument block takes, in the order its compiled path is given them.
 CALL_TENSORS = ("expert_ids", "x", "combine_rows", "topk_weights", "out")
 WEIGHT_DTYPES = tuple(d for d in TRITON_DTYPES if d.is_floating_point)  # the weighted sum reads
@@ -79,6 +84,97 @@ def auto_schedule(peers_world: int) -> str:
     return "wave" if peers_world == 1 else "interleaved"
 
 
+class GraphCache:
+    """The CUDA graphs of one op's calls, keyed by what fixes their launches, at most
+    ``GRAPHS_PER_LAYER``, the least recently launched dropped first. ``capture`` records a
+    call's launches into a new graph, nothing run and nothing synchronized
+    (``torch.cuda.graph`` would synchronize the device first): on a side stream joined to the
+    current one both ways (capture needs a stream other than the default), in ``thread_local``
+    mode (other threads' CUDA calls cannot break it; this thread makes none: every launch of
+    the key was bound by a direct call before)."""
+
+    def __init__(self, device: torch.device, on_capture=None, on_drop=None):
+        """``on_capture(key, launcher)`` / ``on_drop(key)``: told of each graph captured and of
+        each dropped (before its launcher is released)."""
+        self.device = device
+        self.on_capture, self.on_drop = on_capture, on_drop
+        self.graphs: OrderedDict[tuple, GraphLauncher] = OrderedDict()
+        self.stream: torch.cuda.Stream | None = None  # made at the first capture
+        # the current CUstream's getter, looked up once (Triton's driver resolves attributes at
+        # every access); off CUDA nothing launches a graph
+        self.current_stream = (driver.active.get_current_stream if device.type == "cuda"
+                               else None)
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def __iter__(self):
+        return iter(self.graphs)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.graphs
+
+    def get(self, key: tuple) -> GraphLauncher | None:
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+        return graph
+
+    def call(self, key: tuple, launches, addresses: tuple[int, ...] = (), rewrite=None) -> None:
+        """One call of ``launches()``: directly where no graph launches (``launching_graphs``);
+        else ``key``'s graph launched with ``addresses``, captured after a direct call at the
+        key's first call (which binds every launch new at the key). ``rewrite()``, evaluated at
+        a capture only, gives what ``GraphLauncher`` takes as ``rewrite``."""
+        if not launching_graphs(self.device):
+            launches()
+            return
+        graph = self.get(key)
+        if graph is None:
+            launches()
+            self.capture(key, launches, rewrite() if rewrite is not None else None)
+        else:
+            graph(self.current_stream(self.device.index), addresses)
+
+    def capture(self, key: tuple, launches, rewrite=None) -> GraphLauncher:
+        """``launches()`` captured as ``key``'s graph; ``rewrite`` as ``GraphLauncher`` takes it."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        here, side = torch.cuda.current_stream(self.device), self.stream
+        side.wait_stream(here)
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        # no cyclic collection inside the capture: it may free other graphs (a destroyed graph
+        # frees its memory, which a capture forbids); torch.cuda.graph collects before instead,
+        # after synchronizing
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    launches()
+                finally:
+                    graph.capture_end()
+        finally:
+            if collecting:
+                gc.enable()
+        here.wait_stream(side)
+        launcher = self.graphs[key] = GraphLauncher(graph, rewrite)
+        if len(self.graphs) > GRAPHS_PER_LAYER:
+            dropped = next(iter(self.graphs))
+            if self.on_drop is not None:
+                self.on_drop(dropped)
+            del self.graphs[dropped]
+        if self.on_capture is not None:
+            self.on_capture(key, launcher)
+        return launcher
+
+
+def launching_graphs(device: torch.device) -> bool:
+    """Whether a call on ``device`` launches its graph (eagerly on CUDA), else launches directly
+    (off CUDA, or while the current stream is being captured: into the user's graph)."""
+    return device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+
+
 class MoEWorkspace:
     """The static buffers and launches of the fused MoE over ``weights`` for at most ``capacity``
     arrivals: the device tables (the row counters included), ``h`` and its scales, the error
@@ -95,21 +191,17 @@ class MoEWorkspace:
     ``buffers``: another workspace's (``buffers.MoEBuffers``: every buffer but the weights), to
     share, sized exactly as this one's would be; else allocated here, with a FusedMoE's Combine
     rows where ``combine_rows``. Workspaces that share them must run their calls one after
-    another, in stream order; they share the error flag too. ``routing``: where a call's routing
-    runs (``routed.ROUTINGS``; "kernel": in the fused kernel where ``routes_in_kernel``)."""
+    another, in stream order; they share the error flag too."""
 
     def __init__(self, weights: ExpertWeights, capacity: int, *, config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
                  max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS, source_rows: int | None = None,
-                 buffers: MoEBuffers | None = None, combine_rows: bool = False,
-                 routing: str = "launch"):
+                 buffers: MoEBuffers | None = None, combine_rows: bool = False):
         device = weights.w1.device
         self.weights = weights
         self.config = config or default_tile_config(weights.precision, hidden=weights.hidden,
                                                     device=device)
         check_expert_weights(weights, self.config)
-        check_routing(routing, self.config.kernel)
-        self.routing = routing
         if num_programs is None:
             num_programs = (torch.cuda.get_device_properties(device).multi_processor_count
                             if device.type == "cuda" else CPU_PROGRAMS)
@@ -148,34 +240,6 @@ class MoEWorkspace:
         """``device_tables.route_to_tables`` into this workspace's tables."""
         route_to_tables(self.tables, expert_ids, x, x_scale, **received)
 
-    def routes_in_kernel(self, capacity: int) -> bool:
-        """Whether a call of ``capacity`` arrivals routes in the fused kernel
-        (``routed.routes_in_kernel``)."""
-        return routes_in_kernel(self.config.kernel, self.routing, capacity)
-
-    def routed_launch(self, schedule: str, peers: CombinePeers, addresses: tuple[int, ...],
-                      capacity: int, top_k: int, id_dtype: torch.dtype, x_dtype: torch.dtype,
-                      weighted_sum: InKernelSum | None = None, **received) -> Launcher:
-        """The fused kernel that routes the call itself (``routed.routed_launcher``, bound
-        once per key) over ``capacity`` arrivals, launched with the call's ``addresses`` (the
-        argument block's slots, in order), ``top_k`` picks a token and, on an EP rank,
-        ``received``: ``n_arrivals``, ``arrival_src``, ``arrival_slot``; rows of ``x_dtype``
-        (bf16 ones of an FP8 layer quantized by the kernel). Returns its launcher: a graph's
-        node of its function takes each call's addresses."""
-        s = weighted_sum
-        quantize = self.weights.precision == "fp8" and x_dtype == torch.bfloat16
-        key = ("routed", schedule, peers.table.data_ptr(), arrivals_padded(capacity),
-               bool(received), id_dtype, quantize, s and (s.arrivals.data_ptr(), s.tokens,
-                                                          s.top_k, s.weight_dtype))
-        launch = self._launches.get(key)
-        if launch is None:
-            launch = self._launches[key] = routed_launcher(self, schedule, peers, capacity,
-                                                           bool(received), id_dtype, s,
-                                                           quantize)
-        launch((self.bounds.num_programs,), **dict(zip(slot_names(), addresses)),
-               CAPACITY=capacity, TOP_K=1 if received else top_k, **received)
-        return launch
-
     def launch(self, schedule: str, peers: CombinePeers, *, routed: bool = False,
                weighted_sum: InKernelSum | None = None) -> None:
         """The fused kernel over the tables of ``schedule`` (routed first), storing each row into
@@ -213,17 +277,9 @@ class MoEWorkspace:
         buffers are checked (``check_received``) where no graph of them exists yet: they must
         stay as they were at their first call."""
         def launches():
-            received = dict(n_arrivals=n_arrivals, arrival_src=arrival_src,
-                            arrival_slot=arrival_slot)
-            if self.routes_in_kernel(self.bounds.capacity):
-                # the weighted sum's slots the block's own (an EP rank sums nothing)
-                self.routed_launch(schedule, peers, row_addresses(self.tables, expert_ids, x,
-                                                                  x_scale),
-                                   self.bounds.capacity, 1, expert_ids.dtype, x.dtype,
-                                   **received)
-            else:
-                self.route(expert_ids, x, x_scale, **received)
-                self.launch(schedule, peers, routed=True)
+            self.route(expert_ids, x, x_scale, n_arrivals=n_arrivals, arrival_src=arrival_src,
+                       arrival_slot=arrival_slot)
+            self.launch(schedule, peers, routed=True)
 
         key = (schedule, peers.table.data_ptr(), expert_ids.data_ptr(), x.data_ptr(),
                0 if x_scale is None else x_scale.data_ptr(), n_arrivals.data_ptr(),
@@ -322,18 +378,13 @@ class FusedMoE(torch.nn.Module):
     ``weighted_sum``: ``"launch"``, the top-k weighted sum in a launch of its own after the fused
     kernel; ``"kernel"`` (the gluon_ws kernel only), the fused kernel ends with it where one pass
     of its programs covers the call's tokens (``sums_in_kernel``), so the call has one launch and
-    one kernel boundary fewer; above that, its own launch. ``routing``: ``"launch"``, the
-    routing launches before the fused kernel; ``"kernel"`` (gluon_ws only), the fused kernel
-    routes the calls it can itself (``routed``: up to ``routed.ROUTED_ARRIVALS`` picks, an FP8
-    layer's tokens quantized there too), so such a call has no launch before the kernel; not
-    yet run on a GPU."""
+    one kernel boundary fewer; above that, its own launch."""
 
     def __init__(self, weights: ExpertWeights, *, max_tokens: int, top_k: int,
                  schedule: str = "auto", config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
                  check_ids: bool = False, max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS,
-                 buffers: MoEBuffers | None = None, weighted_sum: str = "launch",
-                 routing: str = "launch"):
+                 buffers: MoEBuffers | None = None, weighted_sum: str = "launch"):
         super().__init__()
         if schedule not in SCHEDULE_CHOICES:
             raise MoEContractError(f"schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}")
@@ -346,7 +397,7 @@ class FusedMoE(torch.nn.Module):
         self.workspace = MoEWorkspace(weights, max_tokens * top_k, config=config,
                                       num_programs=num_programs, lead_rows=lead_rows,
                                       max_spin_iters=max_spin_iters, source_rows=max_tokens,
-                                      buffers=buffers, combine_rows=True, routing=routing)
+                                      buffers=buffers, combine_rows=True)
         self.max_tokens, self.top_k, self.check_ids = max_tokens, top_k, check_ids
         self.schedule = auto_schedule(1) if schedule == "auto" else schedule
         if weighted_sum == "kernel" and self.workspace.config.kernel != "gluon_ws":
@@ -384,7 +435,7 @@ class FusedMoE(torch.nn.Module):
         return (f"experts={w.num_experts}, hidden={w.hidden}, intermediate={w.intermediate}, "
                 f"top_k={self.top_k}, precision={w.precision}, max_tokens={self.max_tokens}, "
                 f"schedule={self.schedule}, kernel={self.workspace.config.kernel}, "
-                f"weighted_sum={self.weighted_sum}, routing={self.workspace.routing}")
+                f"weighted_sum={self.weighted_sum}")
 
     @property
     def moe_buffers(self) -> MoEBuffers:
@@ -452,32 +503,24 @@ class FusedMoE(torch.nn.Module):
         y = torch.empty_like(x)
         addresses = self.pack_addresses(ids, x, self.combine, w, y)
         key = (x.shape[0], schedule, ids.dtype, w.dtype)
-        first = []  # the launcher that takes the addresses, as the direct call launched it
-        self.graphs.call(key, lambda: first.append(self.launches(addresses, *key)), addresses,
-                         lambda: (first[0].function(), FIRST_ADDRESS_PARAM, addresses))
+        self.graphs.call(key, lambda: self.launches(addresses, *key), addresses,
+                         lambda: (self.routing(ids.dtype).first(x.shape[0] * self.top_k,
+                                                                self.top_k)[0].function(),
+                                  FIRST_ADDRESS_PARAM, addresses))
         return y
 
     def launches(self, addresses: tuple[int, ...], tokens: int, schedule: str,
-                 id_dtype: torch.dtype, weights_dtype: torch.dtype) -> Launcher:
-        """The launches on the current stream: ``route_launches`` then the fused kernel, or the
-        fused kernel routing the call itself (``MoEWorkspace.routes_in_kernel``), then the
+                 id_dtype: torch.dtype, weights_dtype: torch.dtype) -> None:
+        """The launches on the current stream: ``route_launches``, the fused kernel, the
         weighted sum (its own launch unless the kernel ends with it: ``sums_in_kernel``); their
-        arguments but ``addresses`` fixed by the graph's key (what it captures). Returns the
-        first launch's launcher, which took ``addresses``."""
-        ws, capacity = self.workspace, tokens * self.top_k
-        if ws.routes_in_kernel(capacity):
-            first = ws.routed_launch(schedule, self.peers, addresses, capacity, self.top_k,
-                                     id_dtype, torch.bfloat16,
-                                     self.in_kernel_sum(tokens, weights_dtype))
-        else:
-            first = self.route_launches(addresses, tokens, id_dtype)
-            self.fused_kernel(tokens, weights_dtype, schedule, routed=True)
+        arguments but ``addresses`` fixed by the graph's key (what it captures)."""
+        self.route_launches(addresses, tokens, id_dtype)
+        self.fused_kernel(tokens, weights_dtype, schedule, routed=True)
         if not self.sums_in_kernel(tokens):
             hidden = self.workspace.weights.hidden
             weighted_sum_launch(self.top_k, weights_dtype)(weighted_sum_grid(tokens, hidden),
                                                            args=self.workspace.tables.args,
                                                            HIDDEN=hidden)
-        return first
 
     def sums_in_kernel(self, tokens: int) -> bool:
         """Whether a call of ``tokens`` tokens has the fused kernel end with the weighted sum:
@@ -493,27 +536,17 @@ class FusedMoE(torch.nn.Module):
         ending with the weighted sum where ``sums_in_kernel``: of the tensors the argument block
         names (``sum_args``: another block of the weighted sum's three addresses,
         ``call_args.sum_args_view``'s layout, that must name live tensors)."""
-        self.workspace.launch(schedule, self.peers, routed=routed,
-                              weighted_sum=self.in_kernel_sum(tokens, weights_dtype, sum_args))
-
-    def in_kernel_sum(self, tokens: int, weights_dtype: torch.dtype,
-                      sum_args: torch.Tensor | None = None) -> InKernelSum | None:
-        """The weighted sum the fused kernel ends with for ``tokens`` tokens, of the tensors
-        ``sum_args`` names (default: the call's argument block's); None unless
-        ``sums_in_kernel``."""
-        if not self.sums_in_kernel(tokens):
-            return None
-        args = sum_args_view(self.workspace.tables.args) if sum_args is None else sum_args
-        return InKernelSum(args, self.workspace.buffers.sum_arrivals, tokens, self.top_k,
-                           weights_dtype)
+        summed = None
+        if self.sums_in_kernel(tokens):
+            args = sum_args_view(self.workspace.tables.args) if sum_args is None else sum_args
+            summed = InKernelSum(args, self.workspace.buffers.sum_arrivals, tokens, self.top_k,
+                                 weights_dtype)
+        self.workspace.launch(schedule, self.peers, routed=routed, weighted_sum=summed)
 
     def route_launches(self, addresses: tuple[int, ...], tokens: int,
-                       id_dtype: torch.dtype) -> Launcher:
-        """The routing kernels, the first writing ``addresses`` into the argument block; returns
-        that first launch's launcher."""
-        routing = self.routing(id_dtype)
-        routing(tokens * self.top_k, self.top_k, addresses)
-        return routing.first(tokens * self.top_k, self.top_k)[0]
+                       id_dtype: torch.dtype) -> None:
+        """The routing kernels, the first writing ``addresses`` into the argument block."""
+        self.routing(id_dtype)(tokens * self.top_k, self.top_k, addresses)
 
     def routing(self, id_dtype: torch.dtype):
         """The routing launches over this layer's tables for ``topk_ids`` of ``id_dtype``."""

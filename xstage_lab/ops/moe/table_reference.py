@@ -10,8 +10,7 @@ import torch
 
 from .device_tables import SCHEDULES, DeviceTables, TableBounds
 from .dispatch import DispatchLayout, build_layout
-from .schedules import (L1, L2, WAVE_FILL, MoEProblem, expert_wave_schedule,
-                        interleaved_schedule, tile_table)
+from .schedules import MoEProblem, expert_wave_schedule, interleaved_schedule, tile_table
 
 BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}  # compared bitwise
 
@@ -104,62 +103,3 @@ def table_mismatches(device: DeviceTables, host: HostTables) -> list[str]:
         if np.shape(got) != np.shape(want) or not np.array_equal(got, want):
             out.append(name)
     return out
-
-
-def program_tiles(schedule: str, g: int, row_experts, num_programs: int, l1_n_blocks: int,
-                  l2_n_blocks: int, lead_rows: int) -> np.ndarray:
-    """Program ``g``'s row of ``schedule``'s table (int32 ``[tiles, 4]``) where every routed
-    expert holds one row block (at most ``block_m`` arrivals), from the row blocks' experts
-    (``row_experts``, ascending) alone: the closed forms of ``kernels/moe_routing.py`` solved
-    for the tiles of one program instead of the program of each tile, so that a program of the
-    fused kernel can derive its own row. With one row block an expert the lead counted from the
-    expert's end is the row lead.
-
-    Expert-Wave: stream items ``g + j G``; a wave holds ``w = cdiv(WAVE_FILL G, P_1)`` row blocks
-    (the last the rest), ``w (P_1 + P_2)`` items: its Linear-1 tiles, then its Linear-2 tiles.
-    Interleaved: Linear-2 stream indices ``g + j G`` at position ``j`` plus the program's
-    Linear-1 tiles before index ``min((p_2 + D) P_1, n_1)``; Linear-1 indices (``l1_deal`` in
-    closed form) ``(g - r_2) + j n_B`` for ``j < u`` where ``g >= r_2``, then ``u n_B + rank_g +
-    m G``, at their own index plus the program's Linear-2 tiles before ``min((p_1 - D + 1) P_2,
-    n_2)``."""
-    experts = np.asarray(row_experts, dtype=np.int64)
-    G, P1, P2, D = num_programs, l1_n_blocks, l2_n_blocks, lead_rows
-    n1, n2 = len(experts) * P1, len(experts) * P2
-    if schedule == "wave":
-        k = np.arange(g, n1 + n2, G)
-        w = -(-WAVE_FILL * G // P1)
-        lo = k // (w * (P1 + P2)) * w
-        in_wave = np.minimum(lo + w, len(experts)) - lo
-        o = k - lo * (P1 + P2)
-        first = o < in_wave * P1
-        o2 = o - in_wave * P1
-        kind = np.where(first, L1, L2)
-        row = np.where(first, lo + o // P1, lo + o2 // P2)
-        n = np.where(first, o % P1, o2 % P2)
-    elif schedule == "interleaved":
-        r2 = n2 % G
-        nb, u, f = G - r2, P1 // (2 * P2), P1 % (2 * P2)
-        rank = g if f == 0 else (g - r2 if g >= r2 else nb + g)
-        early = (g - r2) + np.arange(u) * nb if g >= r2 else np.arange(0)
-        late = u * nb + rank + np.arange(0, max(n1 - u * nb - rank, 0), G)
-        k1 = np.concatenate((early, late))
-        own1 = np.arange(len(k1))
-        k1, own1 = k1[k1 < n1], own1[k1 < n1]
-        k2 = np.arange(g, n2, G)
-
-        def l2_below(limit):  # program g's Linear-2 stream indices below limit
-            return np.maximum(limit - g + G - 1, 0) // G
-
-        def l1_below(limit):  # program g's Linear-1 stream indices below limit
-            return np.searchsorted(k1, limit)
-
-        kind = np.concatenate((np.full(len(k1), L1), np.full(len(k2), L2)))
-        row = np.concatenate((k1 // P1, k2 // P2))
-        n = np.concatenate((k1 % P1, k2 % P2))
-        at = np.concatenate((own1 + l2_below(np.minimum((k1 // P1 - D + 1) * P2, n2)),
-                             np.arange(len(k2)) + l1_below(np.minimum((k2 // P2 + D) * P1, n1))))
-        order = np.argsort(at)  # a permutation of the row's positions
-        kind, row, n = kind[order], row[order], n[order]
-    else:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    return np.stack((kind, experts[row] if len(row) else row, row, n), axis=1).astype(np.int32)

@@ -162,7 +162,7 @@ def layer(layer_views) -> Prose:
                                             SCHEDULE_LIMIT_US, SMALL_T, acceptance,
                                             WEIGHTED_SUM_KERNEL, acceptance_counts,
                                             call_profile, profile_kernel_us, profile_total_us,
-                                            routed_in_kernel, schedule_tables_us)
+                                            schedule_tables_us)
 
     out = []
     for v in layer_views:
@@ -335,12 +335,10 @@ def layer(layer_views) -> Prose:
         if len(missed):
             misses = (f", the other {count(len(missed))} above that bound by "
                       f"{span(missed['graph_over_kernel_excess_us'], '.1f')} µs")
-            # the routing launches of the calls that had them (not those the kernel routed)
-            launched = t.loc[missed.index]
-            launched = launched[~routed_in_kernel(launched)]
-            if measured(launched, "route_kernels_us"):
+            routed = t.loc[missed.index]
+            if measured(routed, "route_kernels_us"):
                 misses += (f", where their routing kernels take "
-                           f"{span(profile_total_us(launched['route_kernels_us']), '.1f')} µs "
+                           f"{span(profile_total_us(routed['route_kernels_us']), '.1f')} µs "
                            f"(profiled)")
             misses += excess_parts(t.loc[missed.index])
         parity = a[a["tokens"] >= KERNEL_PARITY_TOKENS]
@@ -361,7 +359,7 @@ def layer(layer_views) -> Prose:
             f"{SMALL_T} tokens graphed it is {span(big['graph_speedup'], '.2f')}× faster. The "
             f"graphed call stays within 5% of the kernel plus the weighted sum's memory time in "
             f"{met('graph_over_kernel_ok')} cells ({span(a['graph_over_kernel'], '.2f')}×)"
-            f"{in_kernel_sums(t)}{kernel_routed(t)}{misses}; "
+            f"{in_kernel_sums(t)}{misses}; "
             f"{schedule}; {host}; the one-token graphed call meets 1.5× the weight-read floor + "
             f"10 µs in {met('t1_ok')} cells.{t1}{kernel} Today's host-scheduled call takes "
             f"{span(t['host_scheduled_us'] / t['fused_eager_us'], '.1f')}× the fused eager "
@@ -393,27 +391,14 @@ def in_kernel_sums(t: pd.DataFrame) -> str:
     where none did."""
     from ...analysis.moe.layer_view import sums_in_kernel
 
-    return _in_cells(t[sums_in_kernel(t)], "EP = 1 ", lambda c: (
-        "the fused kernel ends with the weighted sum, which alone takes "
-        f"{span(c['kernel_summed_us'] - c['kernel_us'], '.1f')} µs more than without it"))
-
-
-def kernel_routed(t: pd.DataFrame) -> str:
-    """Where the fused kernel routed the call itself (``moe_layer --routing kernel``): the cells
-    and their token counts; nothing where none did."""
-    from ...analysis.moe.layer_view import routed_in_kernel
-
-    return _in_cells(t[routed_in_kernel(t)], "", lambda c: (
-        "the fused kernel routes the call itself, with no routing launch before it"))
-
-
-def _in_cells(cells: pd.DataFrame, kind: str, what) -> str:
-    """`` (in N <kind>cells, T tokens, <what(cells)>)``; nothing where ``cells`` is empty."""
-    if not len(cells):
+    summed = t[sums_in_kernel(t)]
+    if not len(summed):
         return ""
-    return (f" (in {count(len(cells))} {kind}{plural(len(cells), 'cell')}, "
-            f"{span(cells['tokens'], '.0f')} {plural(int(cells['tokens'].max()), 'token')}, "
-            f"{what(cells)})")
+    return (f" (in {count(len(summed))} EP = 1 {plural(len(summed), 'cell')}, "
+            f"{span(summed['tokens'], '.0f')} tokens, the fused kernel ends with the weighted "
+            f"sum, which alone takes "
+            f"{span(summed['kernel_summed_us'] - summed['kernel_us'], '.1f')} µs more than "
+            f"without it)")
 
 
 def forecast(forecast_records, paper: dict) -> Prose:
