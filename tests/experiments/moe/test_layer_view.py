@@ -146,6 +146,26 @@ def test_layer_prose_says_how_an_eager_call_launches(tmp_path, era):
         assert "a call launches 5 routing kernels" in text and "CUDA graph" not in text
 
 
+def test_layer_prose_reads_a_platform_of_one_token_cells_and_one_routing_kernel(tmp_path):
+    """A platform measured at one token only (no cell from ``SMALL_T`` tokens), each call
+    routed by one kernel that also writes the argument block: said so, in the singular."""
+    import json
+
+    from xstage_lab.prose.moe.kernel import layer
+
+    rows = [_row(1, s, host_launch_floor_us=7.0, eager_path="graph_launch",
+                 route_kernels_us=json.dumps({"route_histogram": 2.0}), host_check_us=2.0,
+                 host_args_us=1.0, host_replay_us=6.0, host_set_addresses_us=1.5,
+                 host_graph_launch_us=4.0) for s in ("ep1", "ep8_rank")]
+    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    assert "graphed in 2 of 2 (no cell of 64 tokens or more). The graphed call" in text
+    assert ("one CUDA graph of its routing kernel (which writes its argument block), the fused "
+            "kernel and, at EP = 1, the weighted sum, in two driver calls: the routing kernel's "
+            "node given the call's addresses") in text
+    assert "of the launch, the routing kernel's node given the addresses takes 2 µs" in text
+
+
 def test_layer_prose_gives_the_eager_calls_steps_where_a_record_timed_them(tmp_path):
     """The steps of an EP = 1 eager call from the cells that timed them; an older record's cells
     (no step columns) are left out of the count."""

@@ -209,11 +209,14 @@ def layer(layer_views) -> Prose:
                 parts = ([f"EP = 1: {span(ep1, '.0f')} µs"] if len(ep1) else []) + (
                     [f"the EP = 8 rank workload, the graph of its receive buffers: "
                      f"{span(ep8, '.0f')} µs"] if len(ep8) else [])
-                first, node = ((f"the writer of its argument block, its "
-                                f"{span(passes, '.0f')} routing kernels", "the writer's")
+                one = passes.max() == 1
+                routing = ("routing kernel" if one
+                           else f"{span(passes, '.0f')} routing kernels")
+                first, node = ((f"the writer of its argument block, its {routing}",
+                                "the writer's")
                                if writer.all() else
-                               (f"its {span(passes, '.0f')} routing kernels (the first writing "
-                                f"its argument block)", "the first routing kernel's"))
+                               (f"its {routing} ({'which writes' if one else 'the first writing'}"
+                                f" its argument block)", f"{first_routing_kernel(passes)}'s"))
                 host += (f". An eager call launches one CUDA graph of {first}, the fused kernel "
                          f"and, at EP = 1, the weighted sum, in two driver calls: {node} node "
                          f"given the call's addresses, then the graph's launch"
@@ -246,10 +249,10 @@ def layer(layer_views) -> Prose:
                      f"{span(steps['host_args_us'], '.0f')} µs, {replay} "
                      f"{span(steps['host_replay_us'], '.0f')} µs ({count(len(steps))} cells)")
             # the node given the addresses: the writer's in records that profiled it
-            node = ("the first routing kernel's" if "route_kernels_us" in steps and
-                    not steps["route_kernels_us"].dropna().map(
-                        lambda k: ARGS_WRITER in json.loads(k)).any()
-                    else "the writer's")
+            profiles = (steps["route_kernels_us"].dropna().map(json.loads)
+                        if "route_kernels_us" in steps else pd.Series(dtype=object))
+            node = (f"{first_routing_kernel(profiles.map(len))}'s" if len(profiles) and
+                    not profiles.map(lambda k: ARGS_WRITER in k).any() else "the writer's")
             if measured(steps, "host_graph_launch_us"):
                 host += (f"; of the launch, {node} node given the addresses takes "
                          f"{span(steps['host_set_addresses_us'], '.0f')} µs and the graph's "
@@ -355,8 +358,10 @@ def layer(layer_views) -> Prose:
             f"router's output to the layer's output, the fused layer is at least as fast as the "
             f"unfused torch path (routing by torch ops, grouped GEMMs, weighted sum; below "
             f"{SMALL_T} tokens at most 10% slower, as the issue allows) eagerly in "
-            f"{met('eager_speedup_ok')} cells and graphed in {met('graph_speedup_ok')}; from "
-            f"{SMALL_T} tokens graphed it is {span(big['graph_speedup'], '.2f')}× faster. The "
+            f"{met('eager_speedup_ok')} cells and graphed in {met('graph_speedup_ok')}"
+            + (f"; from {SMALL_T} tokens graphed it is {span(big['graph_speedup'], '.2f')}× "
+               f"faster" if len(big) else f" (no cell of {SMALL_T} tokens or more)")
+            + f". The "
             f"graphed call stays within 5% of the kernel plus the weighted sum's memory time in "
             f"{met('graph_over_kernel_ok')} cells ({span(a['graph_over_kernel'], '.2f')}×)"
             f"{in_kernel_sums(t)}{misses}; "
@@ -365,6 +370,12 @@ def layer(layer_views) -> Prose:
             f"{span(t['host_scheduled_us'] / t['fused_eager_us'], '.1f')}× the fused eager "
             f"call's time.")
     return Prose(*out)
+
+
+def first_routing_kernel(passes: pd.Series) -> str:
+    """The routing kernel that writes a call's argument block, named for the calls' ``passes``
+    (routing kernels a call): the first of several, or the only one."""
+    return "the routing kernel" if passes.max() == 1 else "the first routing kernel"
 
 
 def held_starts(t: pd.DataFrame) -> str:
