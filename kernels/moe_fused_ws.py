@@ -110,6 +110,7 @@ PRODUCER_REGS = gl.constexpr(56)
 PRODUCER_WARPS = gl.constexpr(4)
 COPY_BYTES = gl.constexpr(16)  # one cp.async
 PARTIAL_COLS = gl.constexpr(64)  # a split tile's columns summed per step: 32 fp32 a thread
+SPLIT_LOADS = gl.constexpr(2)  # a split tile's partials loaded together, each step of its sum
 SUM_COLS = gl.constexpr(1024)  # the in-kernel weighted sum's columns per step: 8 bf16 a thread
 # the slots of its control block in shared memory (_sum_control_store)
 CONTROL_ARRIVALS = gl.constexpr(0)
@@ -588,7 +589,10 @@ def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_
     order, read at L2 (``.cg``: other SMs wrote them), into their Combine rows
     (``_combine_rows``). Inlined, 64 columns a step unrolled: a call of its own over 16 columns a
     step (smaller machine code) ran DiT-MoE's one-token kernels 4-14% slower on an H200 (moe_layer
-    h200-x1 …041941Z against …041852Z and …042016Z, kernel_alone_device_us; retired, at a9cdb9f)."""
+    h200-x1 …041941Z against …041852Z and …042016Z, kernel_alone_device_us; retired, at a9cdb9f).
+    ``SPLIT_LOADS`` splits' loads a step, issued together: one at a time, a 6-split tile's 64
+    columns waited out five L2 round trips in a row (DiT-MoE at one token spent 5-7.5 us after
+    its Linear-2 mainloop, moe_layer/h200-x1's traces); three or four a step spill in FP8."""
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // PARTIAL_COLS, PARTIAL_COLS // 4],
                                             [4, 1], [1, 0])
     r = gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
@@ -599,8 +603,12 @@ def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_
         cols = col0 + c + gl.arange(0, PARTIAL_COLS, layout=gl.SliceLayout(0, layout))
         part = l2_partial + ((prow0 + r).to(gl.int64) * HIDDEN)[:, None] + cols[None, :]
         total = gl.load(part, mask=routed, cache_modifier=".cg")
-        for s in range(1, l2_splits):
-            total += gl.load(part + s * split_rows, mask=routed, cache_modifier=".cg")
+        for s0 in range(1, l2_splits, SPLIT_LOADS):
+            for j in gl.static_range(SPLIT_LOADS):
+                arrived = s0 + j < l2_splits
+                partial = gl.load(part + (s0 + j) * split_rows, mask=routed & arrived,
+                                  cache_modifier=".cg")
+                total = gl.where(arrived, total + partial, total)
         gl.store(dst[:, None] + cols[None, :], total.to(gl.bfloat16), mask=routed)
 
 

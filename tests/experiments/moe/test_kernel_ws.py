@@ -37,7 +37,7 @@ from xstage_lab.ops.moe.weights import local_expert_weights, quantize_rows_fp8
 SHAPES = load_shapes()
 SASS_LIMIT_BYTES = 75 * 1024  # the largest build measured: 73.5 KiB (FP8, 256-wide Linear-2)
 # (stored, reloaded) bytes the split FP8 builds spill, by default build (Triton 3.6)
-SPLIT_SPILL_BYTES = {("fp8", 128, 4): (4, 4), ("fp8", 256, 4): (48, 84)}
+SPLIT_SPILL_BYTES = {("fp8", 128, 4): (4, 4), ("fp8", 256, 4): (28, 56)}
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,7 @@ def test_compiles_for_hopper(ws_module, key):
 @pytest.mark.parametrize("key", list(_default_configs()), ids=lambda k: "-".join(map(str, k)))
 def test_the_split_builds_spill_no_more_than_measured(ws_module, key):
     """The builds that split Linear-2 along K (``SPLIT_K``) spill what they did when measured
-    (Triton 3.6), no more: the 256-wide FP8 one 48 bytes stored and 84 reloaded, the one that
+    (Triton 3.6), no more: the 256-wide FP8 one 28 bytes stored and 56 reloaded, the one that
     ``device_tables.l2_split_count`` sends FP8 layers of 256-wide tiles through at one token
     (Qwen3.5, GLM-5.x, DeepSeek-V4-Pro; not yet timed on a GPU); the 128-wide FP8 one 4 and 4;
     the bf16 ones none."""
