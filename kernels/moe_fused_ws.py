@@ -219,6 +219,15 @@ def _load_a(desc, row0, k, bar, a_smem, s, second_half):
 
 
 @gluon.jit
+def _load_w2(desc, w_row, k, bar, b_smem, s, BLOCK_N2: gl.constexpr):
+    """A Linear-2 weight block into stage ``s``, on ``bar``. It may land before the stage's
+    expect-tx: the phase cannot complete before that arrival (the barrier's one), and the bytes
+    already counted off leave its tx-count below zero until then, as a peer's multicast TMA
+    does."""
+    tma.async_copy_global_to_shared(desc, [w_row, k], bar, b_smem.index(s).slice(0, BLOCK_N2))
+
+
+@gluon.jit
 def _origin_rows(row_origin, row_base, layout: gl.constexpr):
     """``row_origin`` of the 64 layout rows from ``row_base``, in ``layout``'s row slice."""
     rows = row_base + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
@@ -262,8 +271,11 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
     A Linear-1 stage completes on two counts: each thread's ``cp.async`` arrival (which first adds
     one pending arrival to the phase, then arrives once its copies land) and the expect-tx arrival
     of the B bytes; the warpgroup's barrier between them keeps the B arrival from ending the phase
-    before every thread has added its own. INSTRUMENT: a Linear-2 tile's spin count into its trace
-    record."""
+    before every thread has added its own. Each stage's weights (B) are issued before its A, and a
+    Linear-2 tile's first ``STAGES`` weight blocks before its wait on the row block (``_load_w2``):
+    at a few tokens the weights are the whole stream, and the first ones had waited for the
+    rows' loads, or the row block's Linear-1 tiles, before they were asked for. INSTRUMENT: a
+    Linear-2 tile's spin count into its trace record."""
     vec: gl.constexpr = COPY_BYTES if FP8 else COPY_BYTES // 2
     gather: gl.constexpr = gl.BlockedLayout([1, vec], [32 * vec // BLOCK_K, BLOCK_K // vec],
                                             [PRODUCER_WARPS, 1], [1, 0])
@@ -286,6 +298,13 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
                     # a fresh mbarrier passes a wait on the phase before its first: the first
                     # STAGES K blocks go straight in
                     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                    # the weights first: they need none of the rows' loads (origin, slot) that
+                    # the gather waits for
+                    tma.async_copy_global_to_shared(w1_desc, [gate_row, k], ready.index(s),
+                                                    b_smem.index(s).slice(0, BLOCK_N1))
+                    tma.async_copy_global_to_shared(w1_desc, [gate_row + INTER, k],
+                                                    ready.index(s),
+                                                    b_smem.index(s).slice(BLOCK_N1, BLOCK_N1))
                     _gather_half(x_rows, origin0, k, a_smem.index(2 * s), HIDDEN, gather, BLOCK_K)
                     if second_half:
                         _gather_half(x_rows, origin1, k, a_smem.index(2 * s + 1), HIDDEN, gather,
@@ -293,29 +312,32 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
                     async_copy.mbarrier_arrive(ready.index(s))
                     gl.thread_barrier()
                     mbarrier.expect(ready.index(s), 2 * w1_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(w1_desc, [gate_row, k], ready.index(s),
-                                                    b_smem.index(s).slice(0, BLOCK_N1))
-                    tma.async_copy_global_to_shared(w1_desc, [gate_row + INTER, k],
-                                                    ready.index(s),
-                                                    b_smem.index(s).slice(BLOCK_N1, BLOCK_N1))
                     it += 1
             else:
+                n2, split, k0, n_k = _l2_split(n_block, l2_k_blocks, l2_splits, HIDDEN, BLOCK_N2,
+                                               SPLIT_K)
+                w_row = expert * HIDDEN + n2 * BLOCK_N2
+                # the first stages' weights before the wait on the row block's Linear-1 tiles,
+                # which they do not need: they stream while those run
+                early = gl.minimum(n_k, STAGES)
+                for e in range(early):
+                    s = (it + e) % STAGES
+                    mbarrier.wait(empty.index(s), (((it + e) // STAGES) & 1) ^ 1)
+                    _load_w2(w2_desc, w_row, (k0 + e) * BLOCK_K, ready.index(s), b_smem, s,
+                             BLOCK_N2)
                 spins = _wait_rows_ready(row_ready + row0 // BLOCK_M, 2 * (INTER // BLOCK_N1),
                                          error, max_spin)
                 if INSTRUMENT:
                     gl.store(trace + i * TRACE_FIELDS + 9, spins.to(gl.int64))
-                n2, split, k0, n_k = _l2_split(n_block, l2_k_blocks, l2_splits, HIDDEN, BLOCK_N2,
-                                               SPLIT_K)
-                w_row = expert * HIDDEN + n2 * BLOCK_N2
-                for kk in range(k0, k0 + n_k):
-                    k = kk * BLOCK_K
+                for kk in range(n_k):
+                    k = (k0 + kk) * BLOCK_K
                     s = it % STAGES
-                    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                    if kk >= early:
+                        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                        _load_w2(w2_desc, w_row, k, ready.index(s), b_smem, s, BLOCK_N2)
                     _expect_stage(ready.index(s), h_desc.block_type.nbytes,
                                   w2_desc.block_type.nbytes, second_half)
                     _load_a(h_desc, row0, k, ready.index(s), a_smem, s, second_half)
-                    tma.async_copy_global_to_shared(w2_desc, [w_row, k], ready.index(s),
-                                                    b_smem.index(s).slice(0, BLOCK_N2))
                     it += 1
 
 
