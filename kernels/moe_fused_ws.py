@@ -627,10 +627,10 @@ def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_
         total = gl.load(part, mask=routed, cache_modifier=".cg")
         for s0 in range(1, l2_splits, SPLIT_LOADS):
             for j in gl.static_range(SPLIT_LOADS):
-                arrived = s0 + j < l2_splits
-                partial = gl.load(part + (s0 + j) * split_rows, mask=routed & arrived,
+                is_split = s0 + j < l2_splits
+                partial = gl.load(part + (s0 + j) * split_rows, mask=routed & is_split,
                                   cache_modifier=".cg")
-                total = gl.where(arrived, total + partial, total)
+                total = gl.where(is_split, total + partial, total)
         gl.store(dst[:, None] + cols[None, :], total.to(gl.bfloat16), mask=routed)
 
 
