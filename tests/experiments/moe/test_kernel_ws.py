@@ -36,7 +36,8 @@ from xstage_lab.ops.moe.weights import local_expert_weights, quantize_rows_fp8
 
 SHAPES = load_shapes()
 SASS_LIMIT_BYTES = 75 * 1024  # the largest build measured: 74.3 KiB (FP8, 256-wide Linear-2)
-# (stored, reloaded) bytes the split FP8 builds spill, by default build, with the weighted sum or not (Triton 3.6)
+# (stored, reloaded) bytes the split FP8 builds spill, by default build, with the weighted sum
+# or not (Triton 3.6)
 SPLIT_SPILL_BYTES = {("fp8", 128, 4): (4, 4), ("fp8", 256, 4): (28, 60)}
 
 
@@ -370,8 +371,7 @@ def test_the_weighted_sum_build_arrives_then_sums(ws_module, key, split_k):
     (not inlined) acquire-spinning on the count and reading the Combine rows at L2 in 16-byte
     vectors, one per pick; wgmma not serialized; no spills unsplit, and split no more than the
     split builds' measured bytes (``SPLIT_SPILL_BYTES``); none of the sum kept in registers
-    across the mainloops;
-    its shared memory within the launcher's bound."""
+    across the mainloops; its shared memory within the launcher's bound."""
     precision, cfg = key[0], _default_configs()[key]
     k = _compile(ws_module, precision, cfg, split_k=split_k, sum_top_k=8,
                  sum_weight_dtype=gl.bfloat16)
