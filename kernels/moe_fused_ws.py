@@ -219,12 +219,16 @@ def _load_a(desc, row0, k, bar, a_smem, s, second_half):
 
 
 @gluon.jit
-def _load_w2(desc, w_row, k, bar, b_smem, s, BLOCK_N2: gl.constexpr):
-    """A Linear-2 weight block into stage ``s``, on ``bar``. It may land before the stage's
-    expect-tx: the phase cannot complete before that arrival (the barrier's one), and the bytes
-    already counted off leave its tx-count below zero until then, as a peer's multicast TMA
-    does."""
-    tma.async_copy_global_to_shared(desc, [w_row, k], bar, b_smem.index(s).slice(0, BLOCK_N2))
+def _load_w2(desc, w_row, k, it, ready, empty, b_smem, BLOCK_N2: gl.constexpr,
+             STAGES: gl.constexpr):
+    """The Linear-2 weight block of K block ``it`` of this program into its stage, once the
+    consumers have released it. It may land before the stage's expect-tx: the phase cannot
+    complete before that arrival (the barrier's one), and the bytes already counted off leave its
+    tx-count below zero until then, as a peer's multicast TMA does."""
+    s = it % STAGES
+    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+    tma.async_copy_global_to_shared(desc, [w_row, k], ready.index(s),
+                                    b_smem.index(s).slice(0, BLOCK_N2))
 
 
 @gluon.jit
@@ -321,10 +325,8 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
                 # which they do not need: they stream while those run
                 early = gl.minimum(n_k, STAGES)
                 for e in range(early):
-                    s = (it + e) % STAGES
-                    mbarrier.wait(empty.index(s), (((it + e) // STAGES) & 1) ^ 1)
-                    _load_w2(w2_desc, w_row, (k0 + e) * BLOCK_K, ready.index(s), b_smem, s,
-                             BLOCK_N2)
+                    _load_w2(w2_desc, w_row, (k0 + e) * BLOCK_K, it + e, ready, empty, b_smem,
+                             BLOCK_N2, STAGES)
                 spins = _wait_rows_ready(row_ready + row0 // BLOCK_M, 2 * (INTER // BLOCK_N1),
                                          error, max_spin)
                 if INSTRUMENT:
@@ -333,8 +335,7 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
                     k = (k0 + kk) * BLOCK_K
                     s = it % STAGES
                     if kk >= early:
-                        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                        _load_w2(w2_desc, w_row, k, ready.index(s), b_smem, s, BLOCK_N2)
+                        _load_w2(w2_desc, w_row, k, it, ready, empty, b_smem, BLOCK_N2, STAGES)
                     _expect_stage(ready.index(s), h_desc.block_type.nbytes,
                                   w2_desc.block_type.nbytes, second_half)
                     _load_a(h_desc, row0, k, ready.index(s), a_smem, s, second_half)
