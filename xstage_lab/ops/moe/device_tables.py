@@ -210,6 +210,12 @@ def l2_split_count(l2_tiles: int, num_programs: int, k_blocks: int) -> int:
     if 2 * l2_tiles <= num_programs:
         splits = min(num_programs // max(l2_tiles, 1), k_blocks)
         return even_splits(k_blocks, splits) if splits >= 2 else 1
+    if num_programs < l2_tiles and 2 * (l2_tiles - num_programs) < num_programs:
+        counts = range(1, max(k_blocks // MIN_SPLIT_K_BLOCKS, 1) + 1)
+        times = {s: l2_split_rounds(l2_tiles, num_programs, k_blocks, s) for s in counts}
+        fewest = min(times.values())
+        return even_splits(k_blocks, min(s for s, t in times.items()
+                                         if t <= fewest * (1 + SPLIT_SLACK)))
     return 1
 
 
