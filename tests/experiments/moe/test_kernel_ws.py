@@ -140,9 +140,7 @@ def test_compiles_for_hopper(ws_module, key):
 def test_the_split_builds_spill_no_more_than_measured(ws_module, key):
     """The builds that split Linear-2 along K (``SPLIT_K``) spill what they did when measured
     (Triton 3.6), no more: the 256-wide FP8 one 28 bytes stored and 56 reloaded (60 with the
-    weighted sum), the one that ``device_tables.l2_split_count`` sends FP8 layers of 256-wide
-    tiles through at one token (Qwen3.5, GLM-5.x, DeepSeek-V4-Pro; not yet timed on a GPU); the
-    128-wide FP8 one 4 and 4; the bf16 ones none."""
+    weighted sum), the 128-wide FP8 one 4 and 4, the bf16 ones none."""
     report = ptxas_report(_compile(ws_module, key[0], _default_configs()[key],
                                    split_k=True).asm["ptx"])
     stored, reloaded = SPLIT_SPILL_BYTES.get(key, (0, 0))

@@ -478,8 +478,7 @@ def test_bounds_cover_every_row_a_routing_can_use():
 
 
 def test_linear2_tiles_split_along_k_only_where_they_leave_most_programs_idle():
-    from xstage_lab.ops.moe.device_tables import (l2_split_count, l2_split_rounds,
-                                                  row_blocks_in_use)
+    from xstage_lab.ops.moe.device_tables import l2_split_count, row_blocks_in_use
 
     # one partial row block per expert with rows, plus the full ones
     assert row_blocks_in_use(2, 16, 128) == 2 and row_blocks_in_use(300, 2, 128) == 4
@@ -488,33 +487,14 @@ def test_linear2_tiles_split_along_k_only_where_they_leave_most_programs_idle():
     assert l2_split_count(11, 132, 88) == 11  # 12 wanted: 8 blocks a split cover 88 in 11
     assert l2_split_count(66, 132, 88) == 2 and l2_split_count(67, 132, 88) == 1
     assert l2_split_count(22, 132, 3) == 3    # at most one split a K block
-    # a second round the tiles do not fill: DeepSeek-V4-Pro's 168 tiles at one token, 2 tile-times
-    # unsplit, 1.33 in three splits of 16 K blocks: the fewest splits within 5% of the fewest
-    # tile-times of splits of 4 K blocks or more (1.31: seven splits of 7 blocks); 24 splits of
-    # two blocks would take 1.29
-    assert l2_split_rounds(168, 132, 48, 1) == 2.0
-    assert l2_split_rounds(168, 132, 48, 3) == pytest.approx(4 / 3)
-    assert l2_split_rounds(168, 132, 48, 7) == pytest.approx(9 * 7 / 48)
-    assert l2_split_rounds(168, 132, 48, 24) == pytest.approx(31 * 2 / 48)
-    assert l2_split_count(168, 132, 48) == 3 and l2_split_count(168, 132, 24) == 3
-    assert l2_split_count(160, 132, 16) == 4 and l2_split_count(160, 132, 8) == 2
-    assert l2_split_count(192, 132, 32) == 2  # three rounds of halves: 1.5, within 5% of 1.47
-    assert l2_split_count(168, 132, 7) == 1   # no split of MIN_SPLIT_K_BLOCKS (4) blocks or more
-    # one round of at least half the programs, a second round of at least half, or a third:
-    # unsplit
-    assert l2_split_count(132, 132, 48) == 1 and l2_split_count(198, 132, 48) == 1
-    assert l2_split_count(197, 132, 48) == 2 and l2_split_count(270, 132, 48) == 1
     shape = SHAPES["DiT-MoE"]
     config = default_tile_config("bf16", "gluon_ws", hidden=shape.hidden)
     one_token = TableBounds.of(2, 16, shape.hidden, shape.intermediate, config, 132, 1,
                                split_k=True)
     assert (one_token.l2_splits, one_token.l2_n_blocks) == (6, 66)
     assert TableBounds.of(2, 16, shape.hidden, shape.intermediate, config, 132, 1).l2_splits == 1
-    # 16 row blocks: 176 tiles, two rounds unsplit, 1.33 tile-times in three splits of 30 blocks
     assert TableBounds.of(16, 16, shape.hidden, shape.intermediate, config, 132, 1,
-                          split_k=True).l2_splits == 3
-    assert TableBounds.of(512, 16, shape.hidden, shape.intermediate, config, 132, 1,
-                          split_k=True).l2_splits == 1  # 20 row blocks: 220 tiles, 88 in round 2
+                          split_k=True).l2_splits == 1  # 16 row blocks: 176 tiles
 
 
 def test_the_scan_runs_in_the_histogram_up_to_one_steps_chunks():

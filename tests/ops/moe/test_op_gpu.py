@@ -30,8 +30,8 @@ pytestmark = pytest.mark.skipif(
     reason="needs a Hopper (sm_90) GPU")
 
 SHAPES = load_shapes()
-# Linear-2 tiles 256 wide and few enough at one token to split along K into one round: no model
-# shape's are (DiT-MoE's are 128 wide; Qwen3.5's 160 split for their second round only)
+# Linear-2 tiles 256 wide and few enough at one token to split along K: no model shape's are
+# (DiT-MoE's are 128 wide), so the split builds of the 256-wide tiles run here only
 WIDE_SPLIT = "wide-split"
 SHAPES[WIDE_SPLIT] = MoEShape(WIDE_SPLIT, "test", hidden=1024, intermediate=1024,
                               routed_experts=16, top_k=2, source="tests/ops/moe/test_op_gpu.py")
@@ -415,13 +415,11 @@ def test_an_ep_ranks_graph_follows_new_rows_in_its_receive_buffers(captures):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("model,block_n2", [("DiT-MoE", 128), (WIDE_SPLIT, 256),
-                                            ("Qwen3.5", 256)])
+@pytest.mark.parametrize("model,block_n2", [("DiT-MoE", 128), (WIDE_SPLIT, 256)])
 def test_one_token_splits_linear2_along_k_and_matches_the_reference_call_after_call(
         precision, model, block_n2):
     """One token: two experts' Linear-2 tiles (DiT-MoE's 22, 128 wide; 8 of 256 columns, in
-    FP8 two 128-column halves) on 132 SMs, split along K into one round (the kernel's
-    ``SPLIT_K`` build); Qwen3.5's ten experts' 160, split for their second round of 28. Five
+    FP8 two 128-column halves) on 132 SMs, split along K (the kernel's ``SPLIT_K`` build). Five
     routings through the layer's graph, its Combine rows poisoned before each call: each
     matches the reference, the same routing again gives the same bits (the splits summed in
     split order), and the split counters are left zero."""
@@ -446,12 +444,11 @@ def test_one_token_splits_linear2_along_k_and_matches_the_reference_call_after_c
                                           (MODEL, 8), (WIDE_SPLIT, 1)])
 def test_the_kernel_ends_with_the_weighted_sum_call_after_call(precision, model, tokens):
     """``weighted_sum="kernel"`` where one pass of the programs covers the tokens (DiT-MoE's
-    one and 64 tokens and the wide shape's one token through the split Linear-2 builds, the
-    rest unsplit): five routings, the Combine rows poisoned before each call, each output
-    matching the reference and equal bit for bit to the weighted sum's own launch over the same
-    rows, the same routing again the same bits; then one user graph replayed with three
-    routings, its output poisoned before each replay. Every launch counts two arrivals a
-    program."""
+    and the wide shape's one token through the split Linear-2 builds, the rest unsplit): five
+    routings, the Combine rows poisoned before each call, each output matching the reference
+    and equal bit for bit to the weighted sum's own launch over the same rows, the same
+    routing again the same bits; then one user graph replayed with three routings, its output
+    poisoned before each replay. Every launch counts two arrivals a program."""
     shape = SHAPES[model]
     weights = local_expert_weights(shape, 0, 1, precision, seed=SEED, device="cuda")
     layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="wave",

@@ -103,11 +103,6 @@ QUANT_ROWS = 32
 # (moe_layer/h200-x1/20261205T045739Z-bdf29c1056; base runs retired, bytes at 57a863b)
 QUANT_IN_HISTOGRAM_ROWS = 512
 SCHEDULES = ("wave", "interleaved")
-# l2_split_count: a split no shorter than the kernel's ring of stages (gluon_ws: up to 4 K
-# blocks), so that its mainloop fills the pipeline before its partial's epilogue; the fewest
-# splits within this of the fewest tile-times any count gives
-MIN_SPLIT_K_BLOCKS = 4
-SPLIT_SLACK = 0.05
 
 
 @dataclass(frozen=True)
@@ -185,53 +180,20 @@ def row_blocks_in_use(capacity: int, num_experts: int, block_m: int) -> int:
 
 
 def l2_split_count(l2_tiles: int, num_programs: int, k_blocks: int) -> int:
-    """K splits of each Linear-2 tile where a call has at most ``l2_tiles`` of them, so that the
-    Linear-2 phase leaves few of the ``num_programs`` idle. One CTA streams a tile's weights at
-    about 50 GB/s (moe_layer/h200-x1's traces at one token), a quarter of an H200's HBM rate
-    for DiT-MoE's 22 tiles; and where the tiles need a second round that they do not fill, the
-    programs without a tile of it idle through it: at one token at EP = 1 the Linear-2 phase of
-    DeepSeek-V4-Pro's 168 tiles took 1.57x (bf16) and 1.85x (FP8) the time of its weights at
-    the HBM rate measured in the run, Qwen3.5's 160 tiles 1.28x and 1.75x, GLM-5.x's 192 1.13x
-    and 1.36x (trace columns of moe_layer/h200-x1/20261205T041719Z-4608e0b82b). A round of at
-    least half the programs streams at most of the HBM rate (on an H200 66 x 50 GB/s, 3.3 of
-    the 4.1 TB/s measured in that run). So:
-      at most half the programs  as many splits as the programs take (``num_programs div
-                                 l2_tiles``): one round;
-      a second round of fewer than half the programs (and no third)  the fewest splits whose
-                                 rounds (``l2_split_rounds``) take within ``SPLIT_SLACK`` of the
-                                 fewest tile-times any count gives, each split at least
-                                 ``MIN_SPLIT_K_BLOCKS`` K blocks;
-      else                       1.
-    Each split at least one of the ``k_blocks`` and none empty (``even_splits``). The second
-    case sends FP8 layers with 256-wide Linear-2 tiles through the largest build: 114.5 KiB of
-    sm_90 machine code split against 74.3 unsplit (Triton 3.6; see ``moe_fused_ws.py`` on code
-    size), spilling 28 bytes where it spills none unsplit (``test_kernel_ws``), not yet weighed
-    against the split's gain on a GPU."""
-    if 2 * l2_tiles <= num_programs:
-        splits = min(num_programs // max(l2_tiles, 1), k_blocks)
-        return even_splits(k_blocks, splits) if splits >= 2 else 1
-    if num_programs < l2_tiles and 2 * (l2_tiles - num_programs) < num_programs:
-        counts = range(1, max(k_blocks // MIN_SPLIT_K_BLOCKS, 1) + 1)
-        times = {s: l2_split_rounds(l2_tiles, num_programs, k_blocks, s) for s in counts}
-        fewest = min(times.values())
-        return even_splits(k_blocks, min(s for s, t in times.items()
-                                         if t <= fewest * (1 + SPLIT_SLACK)))
-    return 1
-
-
-def even_splits(k_blocks: int, splits: int) -> int:
-    """``splits`` K ranges of ``ceil(k_blocks / splits)`` blocks, the last one shorter, as many
-    as those cover ``k_blocks`` in (none empty; the kernel's ``_l2_split``)."""
+    """K splits of each Linear-2 tile where a call has at most ``l2_tiles`` of them: 1 unless
+    they fill at most half the ``num_programs``, else as many as the programs take
+    (``num_programs div l2_tiles``), each split at least one of the ``k_blocks`` and none empty
+    (splits of ``ceil(k_blocks / splits)`` blocks). One CTA streams a tile's weights at about
+    50 GB/s (moe_layer/h200-x1's traces at one token): a 22-tile Linear-2, DiT-MoE's at one
+    token, reads them at a quarter of an H200's HBM rate. Tiles that need a second round they
+    do not fill stay unsplit: split so (the fewest splits of the fewest rounds, 8ceb2af), the
+    one-token call of Qwen3.5, GLM-5.x and DeepSeek-V4-Pro at EP = 1 was slower on an H100,
+    unsplit 0.84-0.97x its graphed time (moe_layer/h100-80gb-hbm3-x1/20261205T124833Z against
+    …124705Z and …124935Z)."""
+    splits = min(num_programs // max(l2_tiles, 1), k_blocks)
+    if splits < 2:
+        return 1
     return triton.cdiv(k_blocks, triton.cdiv(k_blocks, splits))
-
-
-def l2_split_rounds(l2_tiles: int, num_programs: int, k_blocks: int, splits: int) -> float:
-    """The Linear-2 phase in tile-times, the programs' stream rates alike and never limited by
-    HBM: each of ``l2_tiles`` tiles cut into ``even_splits`` K ranges, dealt in rounds over the
-    ``num_programs``, each round as long as its longest range."""
-    per = triton.cdiv(k_blocks, splits)
-    units = l2_tiles * even_splits(k_blocks, splits)
-    return triton.cdiv(units, num_programs) * per / k_blocks
 
 
 @dataclass

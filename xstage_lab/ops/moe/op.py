@@ -183,10 +183,9 @@ class MoEWorkspace:
     ``schedules.leads_from_expert`` says: ``TableBounds.expert_lead``);
     ``source_rows``: the bf16 rows of ``x`` an FP8 layer quantizes at most, 0 where it takes e4m3
     rows only (``allocate_tables``). With the gluon_ws kernel, where the bound leaves most SMs
-    without a Linear-2 tile, or a second round of Linear-2 tiles would (a few tokens), each
-    Linear-2 tile is split along K (``TableBounds.of(split_k=True)``,
-    ``device_tables.l2_split_count``) and its splits' partials get buffers of their own
-    (``fused.split_k_buffers``).
+    without a Linear-2 tile (a few tokens), each Linear-2 tile is split along K
+    (``TableBounds.of(split_k=True)``, ``device_tables.l2_split_count``) and its splits' partials
+    get buffers of their own (``fused.split_k_buffers``).
 
     ``buffers``: another workspace's (``buffers.MoEBuffers``: every buffer but the weights), to
     share, sized exactly as this one's would be; else allocated here, with a FusedMoE's Combine
