@@ -16,8 +16,8 @@ import nbformat
 import pytest
 
 from xstage_lab import prose, runner
-from xstage_lab.prose import (PROSE_KEY, COUNT_SLOT, VALUE_SLOT, Prose, count, span, typed_numbers,
-                              val, vals)
+from xstage_lab.prose import (PROSE_KEY, COUNT_SLOT, VALUE_SLOT, Prose, count, count_span, span,
+                              typed_numbers, val, vals)
 
 NOTEBOOKS = sorted(runner.NOTEBOOKS_DIR.glob("*.ipynb"))
 RECORD_ID = re.compile(r"\b\d{8}T\d{6}Z-[0-9a-f]{10}\b")
@@ -35,6 +35,10 @@ COINCIDENCES = {
     (("c5e9a2b7", 0), "0.999"): "a least ratio of the fused kernel's time after a sequence over "
     "its time right after itself: ratios within a thousandth of 1 keep their three decimals "
     "under the synthetic set's power of a ratio (moe_call_probe/h200-x1, 2026-12-04)",
+    (("c24cb15c", 0), "11"): "the largest graphed call less its kernels' device times, one cell's "
+    "in both sets (Qwen3.5 fp8 on the EP = 8 rank at one token): 66.68 − 55.60 µs committed, "
+    "119.16 − 108.06 µs synthetic, each quantity by its own factor "
+    "(moe_layer/h100-80gb-hbm3-x1/20261205T125721Z-9b87705fee, 2026-12-05)",
 }
 
 
@@ -57,6 +61,12 @@ def test_span_reads_one_value_where_both_ends_print_alike_and_no_negative_zero()
     assert str(Prose(span([-0.3, 0.2], ".1f"))) == "−0.3 to 0.2"
     assert str(Prose(span([1, 2], "+.0f"))) == "+1 to +2"
     assert str(Prose(val(-0.0004, ".2f"))) == "0.00"
+
+
+def test_a_span_of_counts_is_counts_not_values():
+    p = Prose(f"{count_span([88, 44, 66])} tiles on {count_span([44, 44])} SMs")
+    assert p == "44–88 tiles on 44 SMs"
+    assert p.counts == ["44", "88", "44"] and p.values == []
 
 
 # ------------------------------------------------------------------ numbers typed into Markdown

@@ -41,6 +41,14 @@ def count(n) -> str:
     return f"{_COUNT}{int(n)}{_END}"
 
 
+def count_span(values: Iterable) -> str:
+    """The range of counts (a trace's tiles, the SMs that ran them): ``lo–hi``, or the one count
+    where both ends are the same. Counts follow the routing and the shapes, not a timing, so a
+    rerun elsewhere may quote the same ones."""
+    lo, hi = int(min(values)), int(max(values))
+    return count(lo) if lo == hi else count(lo) + "–" + count(hi)
+
+
 def vals(values: Iterable, spec: str = ".2f", unit: str = "") -> str:
     """``a, b and c`` (each a measured value), then ``unit``."""
     items = [val(x, spec) for x in values]

@@ -8,7 +8,7 @@ import json
 import pandas as pd
 
 from ...analysis.moe import geometric_mean
-from .. import Prose, count, plural, rec, span, val
+from .. import Prose, count, count_span, plural, rec, span, val
 from .common import cell_name
 
 
@@ -328,8 +328,8 @@ def layer(layer_views) -> Prose:
                        + f") {plural(len(above), 'takes', 'take')} "
                        f"{span(above['kernel_us'] / above['weight_floor_us'], '.1f')}× the floor: "
                        f"{plural(len(above), 'its', 'their')} Linear-1 phase runs "
-                       f"{span(above['trace_l1_tiles'], '.0f')} tiles on "
-                       f"{span(above['trace_l1_sms'], '.0f')} SMs and moves its weights at "
+                       f"{count_span(above['trace_l1_tiles'])} tiles on "
+                       f"{count_span(above['trace_l1_sms'])} SMs and moves its weights at "
                        f"{span(rate['l1'][above.index] / above['hbm_gbps'], '.2f')} of the HBM "
                        f"bandwidth, the Linear-2 phase at "
                        f"{span(rate['l2'][above.index] / above['hbm_gbps'], '.2f')}.")
