@@ -1,6 +1,7 @@
 """A change held against the base runs of its job, cell by cell (``analysis.moe.versions``), and
 the command that prints it (``python -m xstage_lab compare``)."""
 import itertools
+import json
 from datetime import datetime, timedelta, timezone
 
 import pandas as pd
@@ -54,6 +55,23 @@ def test_only_cells_every_run_measured_are_compared():
     change = _runs({"A": [10.0, 20.0]}, tokens=(8, 512))
     out = version_ratios([base, base], change, CELL, ["t_us"])
     assert out[CELL].values.tolist() == [["A", 8]]
+
+
+def test_a_per_kernel_profile_is_compared_by_its_total():
+    """``route_kernels_us`` is JSON ({kernel: us}, as a record reads it back): its total is the
+    time compared; a cell without a profile gets no verdict."""
+    def profiled(totals):
+        t = _runs({"A": [1.0, 1.0, 1.0]})
+        t["route_us"] = [None if x is None else json.dumps({"route_tiny": x - 1, "route_rows": 1})
+                         for x in totals]
+        return t
+    out = version_ratios([profiled([4.0, 2.0, 3.0]), profiled([4.0, 2.0, None])],
+                         profiled([2.0, 3.0, 3.0]), CELL, ["route_us"])
+    assert out["route_us_ratio"][:2].tolist() == pytest.approx([0.5, 1.5])
+    assert out["route_us_verdict"].fillna("none").tolist() == [FASTER, SLOWER, "none"]
+    text = _runs({"A": [1.0, 1.0, 1.0]}).assign(route_us=["fast", "fast", "slow"])
+    with pytest.raises(ValueError, match="change's column route_us holds neither times nor"):
+        version_ratios([profiled([4.0, 2.0, 3.0])], text, CELL, ["route_us"])
 
 
 @pytest.mark.parametrize("bad", ["column", "twice", "no_base"])

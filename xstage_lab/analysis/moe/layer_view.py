@@ -226,8 +226,9 @@ def profile_kernel_us(profiles: pd.Series, name: str) -> pd.Series:
 def profile_total_us(profiles: pd.Series) -> pd.Series:
     """Per cell, the times of a per-kernel profile (a JSON column of ``layer_profile``'s:
     ``route_kernels_us``, ``call_kernels_us``, the boundaries') summed, as floats (a record's
-    JSON column reads back as strings, which ``map`` keeps)."""
-    return profiles.map(lambda k: sum(json.loads(k).values())).astype(float)
+    JSON column reads back as strings, which ``map`` keeps); NaN where a cell has no profile."""
+    return profiles.map(lambda k: sum(json.loads(k).values()) if isinstance(k, str)
+                        else float("nan")).astype(float)
 
 
 def acceptance_counts(table: pd.DataFrame) -> dict:

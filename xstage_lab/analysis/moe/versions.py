@@ -13,7 +13,7 @@ import pandas as pd
 from ...records import Record
 from . import geometric_mean
 from .host_view import CELL as HOST_CELL
-from .layer_view import CELL as LAYER_CELL
+from .layer_view import CELL as LAYER_CELL, profile_total_us
 
 # What a change did to a cell's time, against the base runs of its job.
 FASTER, SLOWER, WITHIN, UNBRACKETED = "faster", "slower", "within", "unbracketed"
@@ -40,8 +40,10 @@ def version_ratios(base: Sequence[pd.DataFrame], change: pd.DataFrame, cell: Seq
     geometric mean (``c_ratio``), and ``c_verdict``: ``FASTER`` where the change is below every
     base run, ``SLOWER`` where above every one, ``WITHIN`` where the base runs bracket it;
     ``UNBRACKETED`` with a single base run (a ratio without the job's own spread); missing where
-    a run left the time unmeasured (NaN). A cell measured by only some of the runs is left out.
-    Raises ValueError on a table that lacks a column or measures a cell twice."""
+    a run left the time unmeasured (NaN). A per-kernel profile (a JSON column:
+    ``route_kernels_us``) is compared by its kernels' total (``profile_total_us``). A cell
+    measured by only some of the runs is left out. Raises ValueError on a table that lacks a
+    column, holds neither times nor profiles in one, or measures a cell twice."""
     if not base:
         raise ValueError("no base run: a change is held against the base measured in its job")
     cell, columns = list(cell), list(columns)
@@ -51,10 +53,10 @@ def version_ratios(base: Sequence[pd.DataFrame], change: pd.DataFrame, cell: Seq
             raise ValueError(f"the {name} has no column {missing}")
         if t.duplicated(cell).any():
             raise ValueError(f"the {name} measures a cell of {cell} twice")
-    out = change[cell + columns]
+    out = _times(change, cell, columns, "change")
     for i, b in enumerate(base):
-        out = out.merge(b[cell + columns].rename(columns={c: f"{c}_base{i}" for c in columns}),
-                        on=cell)
+        out = out.merge(_times(b, cell, columns, f"base run {i}")
+                        .rename(columns={c: f"{c}_base{i}" for c in columns}), on=cell)
     for c in columns:
         runs = out[[f"{c}_base{i}" for i in range(len(base))]].to_numpy(float)
         new = out[c].to_numpy(float)
@@ -68,6 +70,20 @@ def version_ratios(base: Sequence[pd.DataFrame], change: pd.DataFrame, cell: Seq
         out[f"{c}_verdict"] = np.where(np.isnan(out[f"{c}_ratio"]), None, verdict)
     return out.drop(columns=[f"{c}_base{i}" for c in columns for i in range(len(base))]) \
         .sort_values(cell, kind="stable").reset_index(drop=True)
+
+
+def _times(table: pd.DataFrame, cell: list[str], columns: list[str], name: str) -> pd.DataFrame:
+    """The ``cell`` and ``columns`` of ``table`` (the ``name``d run's), each column as times:
+    a profile's as its kernels' total."""
+    out = table[cell + columns].copy()
+    for c in columns:
+        if not pd.api.types.is_numeric_dtype(out[c]):
+            try:
+                out[c] = profile_total_us(out[c])
+            except (ValueError, AttributeError, TypeError):  # not JSON, or not {kernel: us}
+                raise ValueError(f"the {name}'s column {c} holds neither times nor per-kernel "
+                                 f"profiles") from None
+    return out
 
 
 def version_summary(ratios: pd.DataFrame, by: Sequence[str],
