@@ -210,10 +210,12 @@ def test_layer_prose_gives_a_runs_first_call_where_a_record_kept_single_calls(tm
 
 
 def test_kernel_phases_read_a_one_token_trace():
-    """Two Linear-1 tiles on two SMs, then one Linear-2 tile that waited for their rows."""
+    """Two Linear-1 tiles on two SMs (programs 0 and 1, the second entering 0.3 µs later), then
+    program 0's Linear-2 tile that waited for their rows."""
     tiles = pd.DataFrame({
-        "kind": [0, 0, 1], "smid": [3, 7, 3], "mainloop_us": [10.0, 12.0, 4.0],
-        "wait_us": [0.0, 0.0, 9.0], "t1_us": [0.5, 0.4, 13.0], "t3_us": [11.0, 13.0, 17.5]})
+        "program": [0, 1, 0], "kind": [0, 0, 1], "smid": [3, 7, 3],
+        "mainloop_us": [10.0, 12.0, 4.0], "wait_us": [0.5, 0.1, 9.0], "t0_us": [0.0, 0.3, 11.0],
+        "t1_us": [0.5, 0.4, 13.0], "t2_us": [10.5, 12.4, 17.0], "t3_us": [11.0, 13.0, 17.5]})
     p = lv.kernel_phases(tiles, l1_tile_bytes=2_200_000, l2_tile_bytes=1_000_000)
     assert (p["trace_l1_tiles"], p["trace_l1_sms"], p["trace_l2_tiles"], p["trace_l2_sms"]) == \
         (2, 2, 1, 1)
@@ -221,6 +223,9 @@ def test_kernel_phases_read_a_one_token_trace():
     assert p["trace_l2_tile_gbps"] == pytest.approx(250.0)
     assert (p["trace_l1_end_us"], p["trace_l2_start_us"], p["trace_l2_wait_us"],
             p["trace_makespan_us"]) == (13.0, 13.0, 9.0, 17.5)
+    assert p["trace_entry_us"] == 0.3 and p["trace_l1_wait_us"] == pytest.approx(0.3)
+    assert p["trace_l1_epilogue_us"] == pytest.approx(0.55)  # 0.5 and 0.6
+    assert p["trace_l2_tail_us"] == pytest.approx(0.5)
 
 
 def test_kernel_parity_reads_the_paired_ratio_where_a_record_kept_it():
@@ -317,6 +322,16 @@ def test_layer_prose_says_where_a_one_token_miss_spends_its_time(tmp_path):
     assert ("The 1 one-token cell above the bound (M bf16 ep1) takes 1.6× the floor: its "
             "Linear-1 phase runs 44 tiles on 44 SMs and moves its weights at 0.25 of the HBM "
             "bandwidth, the Linear-2 phase at 0.30.") in text
+    assert "Around their mainloops" not in text  # a record from before those columns
+    around = dict(trace_entry_us=1.3, trace_l1_wait_us=2.0, trace_l1_epilogue_us=0.7,
+                  trace_l2_tail_us=6.0)
+    rows_around = [{**rows[0], **around}, {**rows[1], **around}, rows[2]]
+    write_record("moe_layer", "z", pd.DataFrame(rows_around), {}, {}, tmp_path)
+    assert ("the Linear-2 phase at 0.30. Around their mainloops: the last program enters 1.3 µs "
+            "after the first, a Linear-1 tile waits 2.0 µs from its entry for its first weights "
+            "and ends 0.7 µs after its mainloop (medians), and the last tile ends 6.0 µs after "
+            "the last Linear-2 mainloop (the epilogues, the split sums).") \
+        in str(layer([lv.layer_view("z", tmp_path)]))
     rows[0]["weight_floor_us"] = 60.0
     write_record("moe_layer", "y", pd.DataFrame(rows), {}, {}, tmp_path)
     assert "above the bound (" not in str(layer([lv.layer_view("y", tmp_path)]))

@@ -252,8 +252,12 @@ def kernel_phases(tiles: pd.DataFrame, l1_tile_bytes: int, l2_tile_bytes: int) -
     per tile kind the tiles and the SMs that ran them, the median mainloop and the weight bytes
     a tile streams over it (``*_tile_gbps``: one SM's stream rate, beside the HBM's); the last
     Linear-1 tile's end, the first Linear-2 mainloop's start, the median Linear-2 wait for its
-    rows and the makespan (µs from the launch's first tile entry). ``trace_`` columns of
-    ``moe_layer`` at one token."""
+    rows and the makespan (µs from the launch's first tile entry). Around the mainloops: the
+    last program's first tile entry (``trace_entry_us``: the programs' start spread), the
+    median Linear-1 wait from a tile's entry to its first weights (``trace_l1_wait_us``) and
+    epilogue (``trace_l1_epilogue_us``), and the makespan past the last Linear-2 mainloop's end
+    (``trace_l2_tail_us``: the epilogues, the split sums). ``trace_`` columns of ``moe_layer``
+    at one token."""
     out = {}
     for name, kind, nbytes in (("l1", L1, l1_tile_bytes), ("l2", L2, l2_tile_bytes)):
         k = tiles[tiles["kind"] == kind]
@@ -265,5 +269,9 @@ def kernel_phases(tiles: pd.DataFrame, l1_tile_bytes: int, l2_tile_bytes: int) -
     out.update({"trace_l1_end_us": float(l1["t3_us"].max()),
                 "trace_l2_start_us": float(l2["t1_us"].min()),
                 "trace_l2_wait_us": float(l2["wait_us"].median()),
-                "trace_makespan_us": float(tiles["t3_us"].max())})
+                "trace_makespan_us": float(tiles["t3_us"].max()),
+                "trace_entry_us": float(tiles.groupby("program")["t0_us"].min().max()),
+                "trace_l1_wait_us": float(l1["wait_us"].median()),
+                "trace_l1_epilogue_us": float((l1["t3_us"] - l1["t2_us"]).median()),
+                "trace_l2_tail_us": float(tiles["t3_us"].max() - l2["t2_us"].max())})
     return out

@@ -62,7 +62,9 @@ Floors from the HBM bandwidth measured at the start of the run (a device copy):
 ``weighted_sum_floor_us`` (its bytes) and ``weight_floor_us`` (the bytes of the experts the call
 touches). Where a one-token kernel's time goes (``trace_*``,
 ``layer_view.kernel_phases``): its tiles, the SMs that ran them, their mainloops and stream
-rates, the Linear-1 phase's end and the Linear-2 wait, from the instrumented launch.
+rates, the Linear-1 phase's end and the Linear-2 wait, from the instrumented launch; and around
+the mainloops the programs' start spread, a Linear-1 tile's wait for its first weights and its
+epilogue, and the tail past the last Linear-2 mainloop (none in records from before them).
 """
 from __future__ import annotations
 

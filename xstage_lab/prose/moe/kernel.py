@@ -333,6 +333,15 @@ def layer(layer_views) -> Prose:
                        f"{span(rate['l1'][above.index] / above['hbm_gbps'], '.2f')} of the HBM "
                        f"bandwidth, the Linear-2 phase at "
                        f"{span(rate['l2'][above.index] / above['hbm_gbps'], '.2f')}.")
+                if measured(above, "trace_entry_us"):
+                    t1 += (f" Around their mainloops: the last program enters "
+                           f"{span(above['trace_entry_us'], '.1f')} µs after the first, a "
+                           f"Linear-1 tile waits {span(above['trace_l1_wait_us'], '.1f')} µs "
+                           f"from its entry for its first weights and ends "
+                           f"{span(above['trace_l1_epilogue_us'], '.1f')} µs after its "
+                           f"mainloop (medians), and the last tile ends "
+                           f"{span(above['trace_l2_tail_us'], '.1f')} µs after the last "
+                           f"Linear-2 mainloop (the epilogues, the split sums).")
         missed = a[~a["graph_over_kernel_ok"]]
         misses = ""
         if len(missed):
