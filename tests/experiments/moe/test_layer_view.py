@@ -7,6 +7,7 @@ import pytest
 
 from xstage_lab.analysis.moe import layer_view as lv
 from xstage_lab.analysis.moe.layer_view import SUMMARY_KEYS, summary_entry
+from xstage_lab.prose import COUNT_SLOT
 from xstage_lab.records import write_record
 
 
@@ -449,6 +450,11 @@ def test_layer_prose_names_the_cells_whose_kernel_summed(tmp_path):
             "alone takes 2.0–3.5 µs more than without it)") in text
     write_record("moe_layer", "y", pd.DataFrame([_row(1), _row(64)]), {}, {}, tmp_path)
     assert "ends with the weighted sum" not in str(layer([lv.layer_view("y", tmp_path)]))
+    # one token count, one token: a count (the synthetic set keeps integer columns), singular
+    write_record("moe_layer", "z", pd.DataFrame(rows[:1] + rows[2:]), {}, {}, tmp_path)
+    prose = layer([lv.layer_view("z", tmp_path)])
+    assert "(in 1 EP = 1 cell, 1 token, the fused kernel ends" in str(prose)
+    assert f"cell, {COUNT_SLOT} token, the fused kernel ends" in prose.skeleton
 
 
 def test_the_prose_says_which_cells_started_their_graphed_trials_held(tmp_path):

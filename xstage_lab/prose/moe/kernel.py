@@ -209,9 +209,9 @@ def layer(layer_views) -> Prose:
                 parts = ([f"EP = 1: {span(ep1, '.0f')} µs"] if len(ep1) else []) + (
                     [f"the EP = 8 rank workload, the graph of its receive buffers: "
                      f"{span(ep8, '.0f')} µs"] if len(ep8) else [])
-                one = passes.max() == 1
+                one = one_routing_kernel(passes)
                 routing = ("routing kernel" if one
-                           else f"{span(passes, '.0f')} routing kernels")
+                           else f"{count_span(passes)} routing kernels")
                 first, node = ((f"the writer of its argument block, its {routing}",
                                 "the writer's")
                                if writer.all() else
@@ -224,14 +224,14 @@ def layer(layer_views) -> Prose:
             elif writer.all():
                 ep1, ep8 = (t[t["setting"] == s]["host_overhead_us"] for s in ("ep1", "ep8_rank"))
                 host += (f". At EP = 1 an eager call launches the writer of its argument block, "
-                         f"then replays one CUDA graph of its {span(passes, '.0f')} routing "
+                         f"then replays one CUDA graph of its {count_span(passes)} routing "
                          f"kernels, the fused kernel and the weighted sum"
                          + (f" ({span(ep1, '.0f')} µs)" if len(ep1) else "")
                          + "; the EP = 8 rank workload launches the writer, the routing kernels "
                          "and the fused kernel one by one"
                          + (f" ({span(ep8, '.0f')} µs)" if len(ep8) else ""))
             else:
-                host += (f", and a call launches {span(passes, '.0f')} routing kernels, the fused "
+                host += (f", and a call launches {count_span(passes)} routing kernels, the fused "
                          f"kernel and, at EP = 1, the weighted sum")
         # records before the eager call's steps were timed alone lack them
         timed = t["host_replay_us"].notna() if "host_replay_us" in t else False
@@ -381,10 +381,15 @@ def layer(layer_views) -> Prose:
     return Prose(*out)
 
 
+def one_routing_kernel(passes: pd.Series) -> bool:
+    """Whether the calls' ``passes`` (routing kernels a call) are one kernel each."""
+    return passes.max() == 1
+
+
 def first_routing_kernel(passes: pd.Series) -> str:
-    """The routing kernel that writes a call's argument block, named for the calls' ``passes``
-    (routing kernels a call): the first of several, or the only one."""
-    return "the routing kernel" if passes.max() == 1 else "the first routing kernel"
+    """The routing kernel that writes a call's argument block, named for the calls' ``passes``:
+    the first of several, or the only one."""
+    return "the routing kernel" if one_routing_kernel(passes) else "the first routing kernel"
 
 
 def held_starts(t: pd.DataFrame) -> str:
@@ -415,8 +420,8 @@ def in_kernel_sums(t: pd.DataFrame) -> str:
     if not len(summed):
         return ""
     return (f" (in {count(len(summed))} EP = 1 {plural(len(summed), 'cell')}, "
-            f"{span(summed['tokens'], '.0f')} tokens, the fused kernel ends with the weighted "
-            f"sum, which alone takes "
+            f"{count_span(summed['tokens'])} {plural(int(summed['tokens'].max()), 'token')}, "
+            f"the fused kernel ends with the weighted sum, which alone takes "
             f"{span(summed['kernel_summed_us'] - summed['kernel_us'], '.1f')} µs more than "
             f"without it)")
 
