@@ -109,8 +109,11 @@ CONSUMER_REGS = gl.constexpr(224)
 PRODUCER_REGS = gl.constexpr(56)
 PRODUCER_WARPS = gl.constexpr(4)
 COPY_BYTES = gl.constexpr(16)  # one cp.async
-PARTIAL_COLS = gl.constexpr(64)  # a split tile's columns summed per step: 32 fp32 a thread
-SPLIT_LOADS = gl.constexpr(2)  # a split tile's partials loaded together, each step of its sum
+# a split tile's sum: fp32 elements of one split's partial per load, 16 a thread (SUM_ROWS =
+# PARTIAL_ELEMENTS / N rows), 4-wide vectors, a warp's 32 threads over SUM_THREAD_COLS columns
+PARTIAL_ELEMENTS = gl.constexpr(2048)
+SUM_THREAD_COLS = gl.constexpr(32)
+SPLIT_LOADS = gl.constexpr(3)  # a split tile's partials loaded together, each step of its sum
 SUM_COLS = gl.constexpr(1024)  # the in-kernel weighted sum's columns per step: 8 bf16 a thread
 # the slots of its control block in shared memory (_sum_control_store)
 CONTROL_ARRIVALS = gl.constexpr(0)
@@ -550,11 +553,12 @@ def _pass_stages(it, ready, empty, n_k, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN, layout: gl.constexpr):
-    """Where the 64 layout rows from ``row_base`` (``layout``'s row slice) go: each row's row of
-    its source rank's Combine buffer (``row_src``) at its slot (``row_slot``), and whether it is
-    routed (slot -1 is padding)."""
-    rows = row_base + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
+def _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN, layout: gl.constexpr,
+                  ROWS: gl.constexpr):
+    """Where the ``ROWS`` layout rows from ``row_base`` (``layout``'s row slice) go: each row's
+    row of its source rank's Combine buffer (``row_src``) at its slot (``row_slot``), and whether
+    it is routed (slot -1 is padding)."""
+    rows = row_base + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     slot = gl.load(row_slot + rows)
     src = gl.load(row_src + rows)
     # Buffers are 16-byte aligned (host contract): the stores go out as vectors up to 16 bytes
@@ -570,7 +574,8 @@ def _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base, n_
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N2, BLOCK_N2 // 8],
                                                 [4, 1], [1, 0])
     out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
-    dst, routed = _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN, out_layout)
+    dst, routed = _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN, out_layout,
+                                HALF_ROWS)
     cols = n_block * BLOCK_N2 + gl.arange(0, BLOCK_N2, layout=gl.SliceLayout(0, out_layout))
     gl.store(dst[:, None] + cols[None, :], out, mask=routed[:, None])
 
@@ -607,32 +612,40 @@ def _last_split(counter, l2_splits):
 @gluon.jit
 def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_base, col0,
                         l2_splits, HIDDEN, N: gl.constexpr):
-    """The Combine rows of a split tile's half: per ``PARTIAL_COLS`` columns, the splits'
-    partials (split ``s`` at rows ``prow0 + s · BLOCK_M ..`` of ``l2_partial``) summed in split
-    order, read at L2 (``.cg``: other SMs wrote them), into their Combine rows
-    (``_combine_rows``). Inlined, 64 columns a step unrolled: a call of its own over 16 columns a
-    step (smaller machine code) ran DiT-MoE's one-token kernels 4-14% slower on an H200 (moe_layer
-    h200-x1 …041941Z against …041852Z and …042016Z, kernel_alone_device_us; retired, at a9cdb9f).
-    ``SPLIT_LOADS`` splits' loads a step, issued together: one at a time, a 6-split tile's 64
-    columns waited out five L2 round trips in a row (DiT-MoE at one token spent 5-7.5 us after
-    its Linear-2 mainloop, moe_layer/h200-x1's traces); three or four a step spill in FP8."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // PARTIAL_COLS, PARTIAL_COLS // 4],
+    """The Combine rows of a split tile's half: the splits' partials (split ``s`` at rows
+    ``prow0 + s · BLOCK_M ..`` of ``l2_partial``) summed in split order, read at L2 (``.cg``:
+    other SMs wrote them), into their Combine rows (``_combine_rows``). Only the rows up to the
+    half's last routed one, ``SUM_ROWS`` of them at a time, all ``N`` columns: at a few tokens a
+    half holds one or two routed rows, one group. ``SPLIT_LOADS`` splits' loads a step, issued
+    together and needing nothing but the rows in use (the Combine rows' addresses load beside
+    them): a 6-split tile waits two L2 round trips a group. Summed over all 64 rows, 64 columns
+    a step, two splits a step, it had waited four a step, sixteen in all (a 256-wide tile),
+    where DiT-MoE at one token spent 3.8-6.1 us after its last Linear-2 mainloop
+    (moe_layer/h200-x1/20261205T134536Z-8c78544a6b, …134317Z, ``trace_l2_tail_us``; unsplit
+    shapes 0.8-1.0 us). Not yet timed on a GPU."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // SUM_THREAD_COLS, SUM_THREAD_COLS],
                                             [4, 1], [1, 0])
-    r = gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
-    dst, routed = _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN, layout)
-    routed = routed[:, None]
+    SUM_ROWS: gl.constexpr = PARTIAL_ELEMENTS // N
+    half_rows = gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
+    # one past the half's last routed row: the rows summed
+    in_use = gl.max(gl.where(gl.load(row_slot + row_base + half_rows) >= 0, half_rows + 1, 0),
+                    axis=0)
+    r = gl.arange(0, SUM_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, N, layout=gl.SliceLayout(0, layout))
     split_rows = BLOCK_M * HIDDEN
-    for c in gl.static_range(0, N, PARTIAL_COLS):
-        cols = col0 + c + gl.arange(0, PARTIAL_COLS, layout=gl.SliceLayout(0, layout))
-        part = l2_partial + ((prow0 + r).to(gl.int64) * HIDDEN)[:, None] + cols[None, :]
-        total = gl.load(part, mask=routed, cache_modifier=".cg")
-        for s0 in range(1, l2_splits, SPLIT_LOADS):
+    for r0 in range(0, in_use, SUM_ROWS):
+        rows = (r0 + r < in_use)[:, None]
+        part = l2_partial + ((prow0 + r0 + r).to(gl.int64) * HIDDEN)[:, None] + cols[None, :]
+        total = gl.full([SUM_ROWS, N], -0.0, gl.float32, layout=layout)  # x + -0.0 is x
+        for s0 in range(0, l2_splits, SPLIT_LOADS):
             for j in gl.static_range(SPLIT_LOADS):
                 is_split = s0 + j < l2_splits
-                partial = gl.load(part + (s0 + j) * split_rows, mask=routed & is_split,
+                partial = gl.load(part + (s0 + j) * split_rows, mask=rows & is_split,
                                   cache_modifier=".cg")
                 total = gl.where(is_split, total + partial, total)
-        gl.store(dst[:, None] + cols[None, :], total.to(gl.bfloat16), mask=routed)
+        dst, routed = _combine_rows(row_src, row_slot, combine_ptrs, row_base + r0, HIDDEN,
+                                    layout, SUM_ROWS)
+        gl.store(dst[:, None] + cols[None, :], total.to(gl.bfloat16), mask=routed[:, None])
 
 
 @gluon.jit(noinline=True)

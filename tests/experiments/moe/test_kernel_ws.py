@@ -38,7 +38,7 @@ SHAPES = load_shapes()
 SASS_LIMIT_BYTES = 75 * 1024  # the largest build measured: 74.3 KiB (FP8, 256-wide Linear-2)
 # (stored, reloaded) bytes the split FP8 builds spill, by default build, with the weighted sum
 # or not (Triton 3.6)
-SPLIT_SPILL_BYTES = {("fp8", 128, 4): (4, 4), ("fp8", 256, 4): (28, 60)}
+SPLIT_SPILL_BYTES = {("fp8", 128, 4): (8, 8), ("fp8", 256, 4): (32, 44)}
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +139,8 @@ def test_compiles_for_hopper(ws_module, key):
 @pytest.mark.parametrize("key", list(_default_configs()), ids=lambda k: "-".join(map(str, k)))
 def test_the_split_builds_spill_no_more_than_measured(ws_module, key):
     """The builds that split Linear-2 along K (``SPLIT_K``) spill what they did when measured
-    (Triton 3.6), no more: the 256-wide FP8 one 28 bytes stored and 56 reloaded (60 with the
-    weighted sum), the 128-wide FP8 one 4 and 4, the bf16 ones none."""
+    (Triton 3.6), no more: the 256-wide FP8 one 32 bytes stored and 44 reloaded (24 and 32 with
+    the weighted sum), the 128-wide FP8 one 8 and 8, the bf16 ones none."""
     report = ptxas_report(_compile(ws_module, key[0], _default_configs()[key],
                                    split_k=True).asm["ptx"])
     stored, reloaded = SPLIT_SPILL_BYTES.get(key, (0, 0))
@@ -383,7 +383,7 @@ def test_the_weighted_sum_build_arrives_then_sums(ws_module, key, split_k):
     report = ptxas_report(ptx)
     assert not report["wgmma_serialized"]
     # unsplit none; split, no more than the split build's measured bound (ptxas moves a few of
-    # the producer's bytes: the 256-wide FP8 one reloads 56 without the sum, 60 with it)
+    # the producer's bytes: the 256-wide FP8 one reloads 44 without the sum, 32 with it)
     stored, reloaded = SPLIT_SPILL_BYTES.get(key, (0, 0)) if split_k else (0, 0)
     assert report["spill_store_bytes"] <= stored and report["spill_load_bytes"] <= reloaded, \
         report
