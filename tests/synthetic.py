@@ -225,6 +225,8 @@ _RATIO = re.compile(r"speedup|ratio|over_|_vs_")
 _SHARE = re.compile(r"share|frac")
 # Integer stamp lists (``fa_trace``) that are measurements.
 STAMP_LISTS = {"entry_ns", "q_loop_ns", "epilogue_ns"}
+# Integer columns that are measurements (NVML reads the SM clock in whole MHz).
+MEASURED_INT_COLUMNS = {"route_sm_clock_mhz"}
 # Subtrees of a record's parameters that hold measurements, per experiment.
 MEASURED_PARAMS = {"calibration": ("calibration",), "visibility": ("clock_alignment",),
                    "fa_a2a": ("raw",), "fa_tuning": ("raw",), "remote_ops": ("fits",),
@@ -279,7 +281,8 @@ def _json_cells(s: pd.Series) -> np.ndarray:
 
 def perturb_table(table: pd.DataFrame, experiment: str) -> pd.DataFrame:
     """A record's table with every measurement multiplied by its ``factor``: float columns other
-    than ``SETTING_COLUMNS``, the floats inside JSON text cells, ``STAMP_LISTS``; for
+    than ``SETTING_COLUMNS``, ``MEASURED_INT_COLUMNS`` (rounded), the floats inside JSON text
+    cells, ``STAMP_LISTS``; for
     ``visibility`` the receiver's and release stamps, as intervals from the issue start."""
     import json
 
@@ -306,6 +309,9 @@ def perturb_table(table: pd.DataFrame, experiment: str) -> pd.DataFrame:
                 out[col] = s ** (1 / f)
             else:
                 out[col] = s * f
+        elif col in MEASURED_INT_COLUMNS and pd.api.types.is_integer_dtype(s):
+            out[col] = np.rint(s.to_numpy(np.int64) * factor(f"{col}@{experiment}")
+                               ).astype(np.int64)
         elif s.dtype == object or str(s.dtype) in ("str", "string"):
             def one(v, k, col=col):
                 if not isinstance(v, str) or v[:1] not in "[{":

@@ -101,6 +101,27 @@ def test_the_schedule_bound_holds_the_table_passes_where_a_record_profiled_them(
     assert list(lv.schedule_tables_us(mixed)) == [25.0, 31.0, 40.0]
 
 
+def test_layer_prose_names_the_schedule_misses_with_their_clocks(tmp_path):
+    """At the schedule's token count, the cells whose table passes exceed 30 µs, named with
+    their time and, where the record read it, the SM clock as the routing's profile ended,
+    beside every such cell's clocks; nothing named where every cell meets the bound."""
+    from xstage_lab.prose.moe.kernel import layer
+
+    rows = [_row(8192, model=m, route_tables_us=us, route_sm_clock_mhz=mhz, sm_clock_mhz=k)
+            for m, us, mhz, k in (("M0", 25.0, 1500.0, 1800.0), ("M1", 38.0, 960.0, 1500.0))]
+    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    assert ("of schedule kernels: 1 of 2 cells; above it M1 bf16 at EP = 1: 38 µs, its SM clock "
+            "960 MHz as the routing's profile ended (the cells' routing profiles ended at "
+            "960–1500 MHz, their fused kernels' timed trials ran at 1500–1800 MHz))") in text
+    unclocked = [{k: v for k, v in r.items() if k != "route_sm_clock_mhz"} for r in rows]
+    write_record("moe_layer", "y", pd.DataFrame(unclocked), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("y", tmp_path)]))
+    assert "1 of 2 cells; above it M1 bf16 at EP = 1: 38 µs)" in text
+    write_record("moe_layer", "z", pd.DataFrame(rows[:1]), {}, {}, tmp_path)
+    assert "above it" not in str(layer([lv.layer_view("z", tmp_path)]))
+
+
 def test_summary_leaves_moe_layer_out_without_records(tmp_path):
     from xstage_lab.summary import ENTRIES, summary
 

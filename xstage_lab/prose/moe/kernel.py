@@ -186,7 +186,8 @@ def layer(layer_views) -> Prose:
                          f"schedule kernels, the table passes, {span(tables, '.0f')} µs")
         if len(at_limit):
             schedule += (f" (the issue asks for at most {SCHEDULE_LIMIT_US:.0f} µs of schedule "
-                         f"kernels: {met('schedule_ok')} cells)")
+                         f"kernels: {met('schedule_ok')} cells"
+                         f"{schedule_misses(at_limit, tables, a['schedule_ok'])})")
         host = (f"an eager call's host time is {span(t['host_overhead_us'], '.0f')} µs (at most "
                 f"{HOST_OVERHEAD_LIMIT_US:.0f} asked: {met('host_overhead_ok')} cells)")
         # records from before the single calls were kept lack them
@@ -379,6 +380,26 @@ def layer(layer_views) -> Prose:
             f"{span(t['host_scheduled_us'] / t['fused_eager_us'], '.1f')}× the fused eager "
             f"call's time.")
     return Prose(*out)
+
+
+def schedule_misses(cells: pd.DataFrame, tables: pd.Series, ok: pd.Series) -> str:
+    """Of ``cells`` (at the schedule's token count), those whose table passes (``tables``) miss
+    the limit (not ``ok``), each with that time and, where the record read it, the SM clock as
+    the routing's profile ended (``route_sm_clock_mhz``: these latency-bound kernels follow it),
+    beside every cell's such clock and its fused kernel's timed trials' (``sm_clock_mhz``); ""
+    where none misses."""
+    above = cells[~ok.loc[cells.index]]
+    if above.empty:
+        return ""
+    clocked = "route_sm_clock_mhz" in cells and cells["route_sm_clock_mhz"].notna().all()
+    named = "; ".join(f"{r.model} {r.precision} {SETTING_WORDS[r.setting]}: {tables[i]:.0f} µs"
+                      + (f", its SM clock {r.route_sm_clock_mhz:.0f} MHz as the routing's "
+                         f"profile ended" if clocked else "")
+                      for i, r in above.iterrows())
+    return (f"; above it {named}" + (
+        f" (the cells' routing profiles ended at {span(cells['route_sm_clock_mhz'], '.0f')} MHz,"
+        f" their fused kernels' timed trials ran at {span(cells['sm_clock_mhz'], '.0f')} MHz)"
+        if clocked else ""))
 
 
 def one_routing_kernel(passes: pd.Series) -> bool:
