@@ -122,6 +122,26 @@ def test_layer_prose_names_the_schedule_misses_with_their_clocks(tmp_path):
     assert "above it" not in str(layer([lv.layer_view("z", tmp_path)]))
 
 
+def test_layer_prose_names_the_host_misses_the_first_few_only(tmp_path):
+    """The cells whose eager call's host time exceeds 30 µs, named with it and, where the record
+    kept single calls, their median and slowest call; past three named, the rest counted."""
+    from xstage_lab.prose.moe.kernel import layer
+
+    rows = [_row(8192, model="M0", host_overhead_us=20.0, host_call_median_us=19.0,
+                 host_call_max_us=25.0),
+            _row(1, model="M1", host_overhead_us=69.0, host_call_median_us=68.0,
+                 host_call_max_us=132.0)]
+    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    assert ("(at most 30 asked: 1 of 2 cells; above it M1 bf16 at EP = 1 at 1 token: 69 µs, its "
+            "median call 68 µs and its slowest 132 µs)") in text
+    many = [_row(64, model=f"M{i}", host_overhead_us=40.0 + i) for i in range(5)]
+    write_record("moe_layer", "y", pd.DataFrame(many), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("y", tmp_path)]))
+    assert ("0 of 5 cells; above it M0 bf16 at EP = 1 at 64 tokens: 40 µs; M1 bf16 at EP = 1 at "
+            "64 tokens: 41 µs; M2 bf16 at EP = 1 at 64 tokens: 42 µs; and 2 more cells)") in text
+
+
 def test_summary_leaves_moe_layer_out_without_records(tmp_path):
     from xstage_lab.summary import ENTRIES, summary
 

@@ -189,7 +189,8 @@ def layer(layer_views) -> Prose:
                          f"kernels: {met('schedule_ok')} cells"
                          f"{schedule_misses(at_limit, tables, a['schedule_ok'])})")
         host = (f"an eager call's host time is {span(t['host_overhead_us'], '.0f')} µs (at most "
-                f"{HOST_OVERHEAD_LIMIT_US:.0f} asked: {met('host_overhead_ok')} cells)")
+                f"{HOST_OVERHEAD_LIMIT_US:.0f} asked: {met('host_overhead_ok')} cells"
+                f"{host_misses(t, a['host_overhead_ok'])})")
         # records from before the single calls were kept lack them
         calls = t[t["host_first_call_us"].notna()] if "host_first_call_us" in t else t.iloc[:0]
         if len(calls):
@@ -392,14 +393,48 @@ def schedule_misses(cells: pd.DataFrame, tables: pd.Series, ok: pd.Series) -> st
     if above.empty:
         return ""
     clocked = "route_sm_clock_mhz" in cells and cells["route_sm_clock_mhz"].notna().all()
-    named = "; ".join(f"{r.model} {r.precision} {SETTING_WORDS[r.setting]}: {tables[i]:.0f} µs"
-                      + (f", its SM clock {r.route_sm_clock_mhz:.0f} MHz as the routing's "
-                         f"profile ended" if clocked else "")
-                      for i, r in above.iterrows())
-    return (f"; above it {named}" + (
+    named = _above(f"{_cell_words(r)}: {val(tables[i], '.0f')} µs"
+                   + (f", its SM clock {val(r.route_sm_clock_mhz, '.0f')} MHz as the "
+                      f"routing's profile ended" if clocked else "")
+                   for i, r in above.iterrows())
+    return (named + (
         f" (the cells' routing profiles ended at {span(cells['route_sm_clock_mhz'], '.0f')} MHz,"
         f" their fused kernels' timed trials ran at {span(cells['sm_clock_mhz'], '.0f')} MHz)"
         if clocked else ""))
+
+
+def host_misses(cells: pd.DataFrame, ok: pd.Series) -> str:
+    """Of ``cells``, those whose eager call's host time misses the limit (not ``ok``), each with
+    that time and, where the record kept single calls, its median and slowest call; "" where
+    none misses."""
+    above = cells[~ok.loc[cells.index]]
+    single = "host_call_median_us" in cells and above["host_call_median_us"].notna().all()
+    return _above(
+        f"{_cell_words(r)} at {count(r.tokens)} {plural(r.tokens, 'token')}: "
+        f"{val(r.host_overhead_us, '.0f')} µs"
+        + (f", its median call {val(r.host_call_median_us, '.0f')} µs and its slowest "
+           f"{val(r.host_call_max_us, '.0f')} µs" if single else "")
+        for r in above.itertuples())
+
+
+# misses a sentence names, the rest counted
+NAMED_MISSES = 3
+
+
+def _above(parts) -> str:
+    """``; above it`` and the first ``NAMED_MISSES`` of ``parts`` (a miss each), then how many
+    more; "" for none."""
+    parts = list(parts)
+    if not parts:
+        return ""
+    more = len(parts) - NAMED_MISSES
+    return ("; above it " + "; ".join(parts[:NAMED_MISSES])
+            + (f"; and {count(more)} more {plural(more, 'cell')}" if more > 0 else ""))
+
+
+def _cell_words(r) -> str:
+    """A layer cell's model, precision and setting in a sentence."""
+    return f"{r.model} {r.precision} {SETTING_WORDS[r.setting]}"
 
 
 def one_routing_kernel(passes: pd.Series) -> bool:
