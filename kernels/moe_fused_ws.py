@@ -622,10 +622,11 @@ def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_
     a step, two splits a step, it had waited four a step: eight in all over DiT-MoE's 128-wide
     tiles (sixteen over 256-wide ones), where DiT-MoE at one token spent 3.8-6.1 us after its
     last Linear-2 mainloop (moe_layer/h200-x1/20261205T134536Z-8c78544a6b, …134317Z,
-    ``trace_l2_tail_us``; unsplit shapes 0.8-1.0 us). On an H100, DiT-MoE at one token at EP = 1, one ab job (base, this,
-    base): that time 2.5 us against 4.0-4.3 (bf16) and 3.7 against 6.0-6.2 (FP8); the graphed
-    call 0.949x in bf16 and 1.021x in FP8, the kernel's device time in the call 0.969x and
-    0.976x (moe_layer/h100-80gb-hbm3-x1/20261205T142515Z-bd10a525f3; the base runs retired)."""
+    ``trace_l2_tail_us``; unsplit shapes 0.8-1.0 us). On an H100, DiT-MoE at one token at
+    EP = 1, one ab job (base, this, base): that time 2.5 us against 4.0-4.3 (bf16) and 3.7
+    against 6.0-6.2 (FP8); the graphed call 0.949x in bf16 and 1.021x in FP8, the kernel's
+    device time in the call 0.969x and 0.976x (moe_layer/h100-80gb-hbm3-x1/
+    20261205T142515Z-bd10a525f3; the base runs retired)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // SUM_THREAD_COLS, SUM_THREAD_COLS],
                                             [4, 1], [1, 0])
     SUM_ROWS: gl.constexpr = PARTIAL_ELEMENTS // N
