@@ -35,10 +35,6 @@ COINCIDENCES = {
     (("c5e9a2b7", 0), "0.999"): "a least ratio of the fused kernel's time after a sequence over "
     "its time right after itself: ratios within a thousandth of 1 keep their three decimals "
     "under the synthetic set's power of a ratio (moe_call_probe/h200-x1, 2026-12-04)",
-    (("c24cb15c", 0), "11"): "the largest graphed call less its kernels' device times, one cell's "
-    "in both sets (Qwen3.5 fp8 on the EP = 8 rank at one token): 66.68 − 55.60 µs committed, "
-    "119.16 − 108.06 µs synthetic, each quantity by its own factor "
-    "(moe_layer/h100-80gb-hbm3-x1/20261205T125721Z-9b87705fee, 2026-12-05)",
 }
 
 
