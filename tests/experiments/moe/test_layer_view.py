@@ -142,6 +142,26 @@ def test_layer_prose_names_the_host_misses_the_first_few_only(tmp_path):
             "64 tokens: 41 µs; M2 bf16 at EP = 1 at 64 tokens: 42 µs; and 2 more cells)") in text
 
 
+def test_layer_prose_names_the_cells_where_the_fused_layer_is_slower(tmp_path):
+    """A cell short of the speed asked (from 64 tokens: slower than the unfused path, eagerly or
+    graphed; below: more than 10% slower) named with both ratios; the span from 64 tokens reads
+    as the unfused path's time over the fused layer's, which holds below 1 too."""
+    from xstage_lab.prose.moe.kernel import layer
+
+    rows = [_row(8192, model="M0", unfused_eager_us=89.0, unfused_graph_us=99.0),
+            _row(1, model="M1", unfused_eager_us=95.0, unfused_graph_us=81.0),
+            _row(64, model="M2")]
+    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    assert ("eagerly in 2 of 3 cells and graphed in 2 of 3; it is slower in M0 bf16 at EP = 1 "
+            "at 8192 tokens: the unfused path takes 0.89× the fused layer's time eagerly and "
+            "1.10× graphed; M1 bf16 at EP = 1 at 1 token: the unfused path takes 0.95× the fused "
+            "layer's time eagerly and 0.90× graphed; from 64 tokens the graphed unfused path "
+            "takes 1.10–1.33× the graphed fused layer's time.") in text
+    write_record("moe_layer", "y", pd.DataFrame(rows[2:]), {}, {}, tmp_path)
+    assert "slower in" not in str(layer([lv.layer_view("y", tmp_path)]))
+
+
 def test_summary_leaves_moe_layer_out_without_records(tmp_path):
     from xstage_lab.summary import ENTRIES, summary
 

@@ -370,8 +370,10 @@ def layer(layer_views) -> Prose:
             f"unfused torch path (routing by torch ops, grouped GEMMs, weighted sum; below "
             f"{SMALL_T} tokens at most 10% slower, as the issue allows) eagerly in "
             f"{met('eager_speedup_ok')} cells and graphed in {met('graph_speedup_ok')}"
-            + (f"; from {SMALL_T} tokens graphed it is {span(big['graph_speedup'], '.2f')}× "
-               f"faster" if len(big) else f" (no cell of {SMALL_T} tokens or more)")
+            f"{speedup_misses(a)}"
+            + (f"; from {SMALL_T} tokens the graphed unfused path takes "
+               f"{span(big['graph_speedup'], '.2f')}× the graphed fused layer's time" if len(big)
+               else f" (no cell of {SMALL_T} tokens or more)")
             + f". The "
             f"graphed call stays within 5% of the kernel plus the weighted sum's memory time in "
             f"{met('graph_over_kernel_ok')} cells ({span(a['graph_over_kernel'], '.2f')}×)"
@@ -381,6 +383,17 @@ def layer(layer_views) -> Prose:
             f"{span(t['host_scheduled_us'] / t['fused_eager_us'], '.1f')}× the fused eager "
             f"call's time.")
     return Prose(*out)
+
+
+def speedup_misses(accepted: pd.DataFrame) -> str:
+    """Of the cells of ``accepted`` (``layer_view.acceptance``), those where the fused layer
+    misses the speed asked of it, eagerly or graphed, each with the unfused path's time over the
+    fused layer's both ways; "" where none misses."""
+    slower = accepted[~(accepted["eager_speedup_ok"] & accepted["graph_speedup_ok"])]
+    return _named((f"{_cell_words(r)} at {count(r.tokens)} {plural(r.tokens, 'token')}: the "
+                   f"unfused path takes {val(r.eager_speedup, '.2f')}× the fused layer's time "
+                   f"eagerly and {val(r.graph_speedup, '.2f')}× graphed"
+                   for r in slower.itertuples()), "; it is slower in")
 
 
 def schedule_misses(cells: pd.DataFrame, tables: pd.Series, ok: pd.Series) -> str:
@@ -393,10 +406,10 @@ def schedule_misses(cells: pd.DataFrame, tables: pd.Series, ok: pd.Series) -> st
     if above.empty:
         return ""
     clocked = "route_sm_clock_mhz" in cells and cells["route_sm_clock_mhz"].notna().all()
-    named = _above(f"{_cell_words(r)}: {val(tables[i], '.0f')} µs"
-                   + (f", its SM clock {val(r.route_sm_clock_mhz, '.0f')} MHz as the "
-                      f"routing's profile ended" if clocked else "")
-                   for i, r in above.iterrows())
+    named = _named((f"{_cell_words(r)}: {val(tables[i], '.0f')} µs"
+                    + (f", its SM clock {val(r.route_sm_clock_mhz, '.0f')} MHz as the "
+                       f"routing's profile ended" if clocked else "")
+                    for i, r in above.iterrows()), "; above it")
     return (named + (
         f" (the cells' routing profiles ended at {span(cells['route_sm_clock_mhz'], '.0f')} MHz,"
         f" their fused kernels' timed trials ran at {span(cells['sm_clock_mhz'], '.0f')} MHz)"
@@ -409,26 +422,26 @@ def host_misses(cells: pd.DataFrame, ok: pd.Series) -> str:
     none misses."""
     above = cells[~ok.loc[cells.index]]
     single = "host_call_median_us" in cells and above["host_call_median_us"].notna().all()
-    return _above(
+    return _named((
         f"{_cell_words(r)} at {count(r.tokens)} {plural(r.tokens, 'token')}: "
         f"{val(r.host_overhead_us, '.0f')} µs"
         + (f", its median call {val(r.host_call_median_us, '.0f')} µs and its slowest "
            f"{val(r.host_call_max_us, '.0f')} µs" if single else "")
-        for r in above.itertuples())
+        for r in above.itertuples()), "; above it")
 
 
 # misses a sentence names, the rest counted
 NAMED_MISSES = 3
 
 
-def _above(parts) -> str:
-    """``; above it`` and the first ``NAMED_MISSES`` of ``parts`` (a miss each), then how many
-    more; "" for none."""
+def _named(parts, lead: str) -> str:
+    """``lead`` and the first ``NAMED_MISSES`` of ``parts`` (a miss each), then how many more;
+    "" for none."""
     parts = list(parts)
     if not parts:
         return ""
     more = len(parts) - NAMED_MISSES
-    return ("; above it " + "; ".join(parts[:NAMED_MISSES])
+    return (f"{lead} " + "; ".join(parts[:NAMED_MISSES])
             + (f"; and {count(more)} more {plural(more, 'cell')}" if more > 0 else ""))
 
 
