@@ -162,6 +162,23 @@ def test_layer_prose_names_the_cells_where_the_fused_layer_is_slower(tmp_path):
     assert "slower in" not in str(layer([lv.layer_view("y", tmp_path)]))
 
 
+def test_layer_prose_gives_the_kernels_weight_passes_from_4096_tokens(tmp_path):
+    """At 4096 tokens and more, the kernel alone over the time its weights take to read once, and
+    apart in the cells where the graphed fused layer is slower; no sentence below 4096."""
+    from xstage_lab.prose.moe.kernel import layer
+
+    rows = [_row(4096, model="M0", kernel_us=80.0, weight_floor_us=50.0),
+            _row(8192, model="M1", kernel_us=90.0, weight_floor_us=40.0, unfused_graph_us=80.0),
+            _row(64, model="M2", kernel_us=80.0, weight_floor_us=10.0)]
+    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    assert ("At 4096 tokens and more the kernel alone takes 1.6–2.2× the time its experts' "
+            "weights take to read once at the HBM bandwidth measured in the run, 2.2× in the 1 "
+            "cell where the graphed fused layer is slower than the unfused path.") in text
+    write_record("moe_layer", "y", pd.DataFrame(rows[2:]), {}, {}, tmp_path)
+    assert "read once at the HBM" not in str(layer([lv.layer_view("y", tmp_path)]))
+
+
 def test_summary_leaves_moe_layer_out_without_records(tmp_path):
     from xstage_lab.summary import ENTRIES, summary
 

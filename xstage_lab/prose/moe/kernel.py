@@ -379,10 +379,31 @@ def layer(layer_views) -> Prose:
             f"{met('graph_over_kernel_ok')} cells ({span(a['graph_over_kernel'], '.2f')}×)"
             f"{in_kernel_sums(t)}{misses}; "
             f"{schedule}; {host}; the one-token graphed call meets 1.5× the weight-read floor + "
-            f"10 µs in {met('t1_ok')} cells.{t1}{kernel} Today's host-scheduled call takes "
+            f"10 µs in {met('t1_ok')} cells.{t1}{kernel}{weight_passes(t, a)} Today's "
+            f"host-scheduled call takes "
             f"{span(t['host_scheduled_us'] / t['fused_eager_us'], '.1f')}× the fused eager "
             f"call's time.")
     return Prose(*out)
+
+
+def weight_passes(cells: pd.DataFrame, accepted: pd.DataFrame) -> str:
+    """From ``KERNEL_PARITY_TOKENS`` tokens, the kernel alone over the time its experts' weights
+    take to read once at the HBM bandwidth measured in the run (``weight_floor_us``), also in the
+    cells where the graphed fused layer is slower than the unfused path (``accepted``'s); "" where
+    no cell has that many tokens."""
+    from ...analysis.moe.layer_view import KERNEL_PARITY_TOKENS
+
+    big = cells[cells["tokens"] >= KERNEL_PARITY_TOKENS]
+    if big.empty:
+        return ""
+    passes = big["kernel_us"] / big["weight_floor_us"]
+    slower = passes[~accepted.loc[big.index, "graph_speedup_ok"]]
+    where = (f", {span(slower, '.1f')}× in the {count(len(slower))} "
+             f"{plural(len(slower), 'cell')} where the graphed fused layer is slower than the "
+             f"unfused path" if len(slower) else "")
+    return (f" At {KERNEL_PARITY_TOKENS} tokens and more the kernel alone takes "
+            f"{span(passes, '.1f')}× the time its experts' weights take to read once at the HBM "
+            f"bandwidth measured in the run{where}.")
 
 
 def speedup_misses(accepted: pd.DataFrame) -> str:
