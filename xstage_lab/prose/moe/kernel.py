@@ -411,9 +411,9 @@ def speedup_misses(accepted: pd.DataFrame) -> str:
     misses the speed asked of it, eagerly or graphed, each with the unfused path's time over the
     fused layer's both ways; "" where none misses."""
     slower = accepted[~(accepted["eager_speedup_ok"] & accepted["graph_speedup_ok"])]
-    return _named((f"{_cell_words(r)} at {count(r.tokens)} {plural(r.tokens, 'token')}: the "
-                   f"unfused path takes {val(r.eager_speedup, '.2f')}× the fused layer's time "
-                   f"eagerly and {val(r.graph_speedup, '.2f')}× graphed"
+    return _named((f"{_cell_at_tokens(r)}: the unfused path takes "
+                   f"{val(r.eager_speedup, '.2f')}× the fused layer's time eagerly and "
+                   f"{val(r.graph_speedup, '.2f')}× graphed"
                    for r in slower.itertuples()), "; it is slower in")
 
 
@@ -444,8 +444,7 @@ def host_misses(cells: pd.DataFrame, ok: pd.Series) -> str:
     above = cells[~ok.loc[cells.index]]
     single = "host_call_median_us" in cells and above["host_call_median_us"].notna().all()
     return _named((
-        f"{_cell_words(r)} at {count(r.tokens)} {plural(r.tokens, 'token')}: "
-        f"{val(r.host_overhead_us, '.0f')} µs"
+        f"{_cell_at_tokens(r)}: {val(r.host_overhead_us, '.0f')} µs"
         + (f", its median call {val(r.host_call_median_us, '.0f')} µs and its slowest "
            f"{val(r.host_call_max_us, '.0f')} µs" if single else "")
         for r in above.itertuples()), "; above it")
@@ -469,6 +468,11 @@ def _named(parts, lead: str) -> str:
 def _cell_words(r) -> str:
     """A layer cell's model, precision and setting in a sentence."""
     return f"{r.model} {r.precision} {SETTING_WORDS[r.setting]}"
+
+
+def _cell_at_tokens(r) -> str:
+    """``_cell_words`` and the cell's token count."""
+    return f"{_cell_words(r)} at {count(r.tokens)} {plural(r.tokens, 'token')}"
 
 
 def one_routing_kernel(passes: pd.Series) -> bool:
