@@ -68,19 +68,18 @@ lengths; ``G``, ``P_1`` and ``P_2``, a layer's constants, are constexprs, so eac
 compiles to a multiply and shift: route_tiny on the EP = 8 rank at one token had taken 2.3-3.7 µs,
 more the more tiles per row block its programs place (moe_layer/h200-x1/20261204T211110Z); not yet
 timed so on a GPU). Expert-Wave: the merged stream holds, per wave of row blocks ``[lo, hi)``, its
-Linear-1 tiles then its Linear-2 tiles, expert by expert and each expert's N-tile by N-tile
-(``schedules.expert_columns``): with the expert's ``b`` row blocks from ``f``, Linear-1 tile ``(p,
-n)`` is item ``lo (P_1 + P_2) + (f - lo) P_1 + n b + p - f`` and Linear-2 tile ``(p, n)`` item ``lo
-(P_1 + P_2) + (hi - lo) P_1 + (f - lo) P_2 + n b + p - f``; item ``k`` goes to program ``k mod G``
-at position ``k div G``. Interleaved (Algorithm 1, lead ``D``): the Linear-2 stream is dealt with
-stride G, the Linear-1 stream by work (``schedules.l1_deal``, in closed form: ``_l1_program``);
-program ``g`` merges its two streams by key (a Linear-1 tile of row ``p_1`` by ``p_1``, a Linear-2
-tile of row ``p_2`` by ``p_2 + D``, Linear-2 first on ties), so a tile's position is its index in
-its own stream plus program ``g``'s tiles of the other stream that lie before stream index ``X``:
-``X = min((p_1 - D + 1) P_2, n_2)`` for Linear-1 (counted by ``_programs_below``), ``X = min((p_2 +
-D) P_1, n_1)`` for Linear-2 (by ``_l1_below``). With the lead counted from the expert
-(``EXPERT_LEAD``), ``p_2`` in the key is the last row of its expert, and the Linear-2 rows before a
-Linear-1 tile are those of the experts ending by ``p_1 - D + 1``.
+Linear-1 tiles then its Linear-2 tiles, so Linear-1 tile ``(p, n)`` is item ``lo (P_1 + P_2) + (p -
+lo) P_1 + n`` and Linear-2 tile ``(p, n)`` item ``lo (P_1 + P_2) + (hi - lo) P_1 + (p - lo) P_2 +
+n``; item ``k`` goes to program ``k mod G`` at position ``k div G``. Interleaved (Algorithm 1, lead
+``D``): the Linear-2 stream is dealt with stride G, the Linear-1 stream by work
+(``schedules.l1_deal``, in closed form: ``_l1_program``); program ``g`` merges its two streams by
+key (a Linear-1 tile of row ``p_1`` by ``p_1``, a Linear-2 tile of row ``p_2`` by ``p_2 + D``,
+Linear-2 first on ties), so a tile's position is its index in its own stream plus program ``g``'s
+tiles of the other stream that lie before stream index ``X``: ``X = min((p_1 - D + 1) P_2, n_2)``
+for Linear-1 (counted by ``_programs_below``), ``X = min((p_2 + D) P_1, n_1)`` for Linear-2 (by
+``_l1_below``). With the lead counted from the expert (``EXPERT_LEAD``), ``p_2`` in the key is the
+last row of its expert, and the Linear-2 rows before a Linear-1 tile are those of the experts
+ending by ``p_1 - D + 1``.
 """
 import triton
 import triton.language as tl
@@ -694,20 +693,17 @@ def _write_row_blocks(ps, used, e, first_row, rows_used, lo, hi, row_blocks, l2_
     n2 = row_blocks * P2
     r2, nb, u, f = _l1_deal(row_blocks, G, P1, P2)
     ns = tl.arange(0, P_PAD)[None, :]
-    # Expert-Wave within a wave: expert by expert, each N-tile's row blocks side by side
-    first = first_row[:, None] // BLOCK_M
-    column = ns * ((rows_used[:, None] + BLOCK_M - 1) // BLOCK_M) + p - first
     for kind in tl.static_range(2):
         if kind == 0:
             n_blocks = P1
             k = p * P1 + ns  # index in the Linear-1 stream
-            wave_k = lo * (P1 + P2) + (first - lo) * P1 + column
+            wave_k = lo * (P1 + P2) + (p - lo) * P1 + ns
             g, own = _l1_program(k, G, r2, nb, u, f)
             other = _programs_below(tl.minimum(l2_before[:, None] * P2, n2), g, G)
         else:
             n_blocks = P2
             k = p * P2 + ns
-            wave_k = lo * (P1 + P2) + (hi - lo) * P1 + (first - lo) * P2 + column
+            wave_k = lo * (P1 + P2) + (hi - lo) * P1 + (p - lo) * P2 + ns
             g, own = k % G, k // G
             other = _l1_below(tl.minimum(l2_key[:, None] * P1, n1), g, G, r2, nb, u, f)
         live = used[:, None] & (ns < n_blocks)

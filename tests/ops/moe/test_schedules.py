@@ -219,16 +219,14 @@ def test_expert_wave_runs_a_wave_l1_then_l2():
 
 def test_expert_wave_deals_its_stream_with_stride_g():
     """Rows r0 (expert 0), r1 r2 (expert 1), r3 (expert 2), P_1 = P_2 = 2, two experts per wave.
-    The stream: wave {0, 1}'s Linear-1 tiles expert by expert, each expert's N-tile by N-tile with
-    its rows side by side (stream 0-5: r0 n0, r0 n1, r1 n0, r2 n0, r1 n1, r2 n1), its Linear-2
-    tiles so (6-11), then wave {2}'s (12-13, 14-15); program g takes stream items g, g + 3, g + 6,
-    ... So expert 1's rows take N-tile 0 of either Linear on programs 2 and 0 in one round."""
+    The stream: wave {0, 1}'s Linear-1 tiles row-major (stream 0-5), its Linear-2 tiles (6-11),
+    then wave {2}'s (12-13, 14-15); program g takes stream items g, g + 3, g + 6, ..."""
     problem = MoEProblem((1, 2, 1), 2, 2)
     schedule = expert_wave_schedule(problem, 3, experts_per_wave=2)
     assert schedule.programs == (
-        (Tile(L1, 0, 0, 0), Tile(L1, 1, 2, 0), Tile(L2, 0, 0, 0), Tile(L2, 1, 2, 0),
+        (Tile(L1, 0, 0, 0), Tile(L1, 1, 1, 1), Tile(L2, 0, 0, 0), Tile(L2, 1, 1, 1),
          Tile(L1, 2, 3, 0), Tile(L2, 2, 3, 1)),
-        (Tile(L1, 0, 0, 1), Tile(L1, 1, 1, 1), Tile(L2, 0, 0, 1), Tile(L2, 1, 1, 1),
+        (Tile(L1, 0, 0, 1), Tile(L1, 1, 2, 0), Tile(L2, 0, 0, 1), Tile(L2, 1, 2, 0),
          Tile(L1, 2, 3, 1)),
         (Tile(L1, 1, 1, 0), Tile(L1, 1, 2, 1), Tile(L2, 1, 1, 0), Tile(L2, 1, 2, 1),
          Tile(L2, 2, 3, 0)))

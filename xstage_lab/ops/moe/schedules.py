@@ -13,8 +13,7 @@ change. Terms follow the paper:
 * ``D`` (``lead_rows``) is the minimum row lead of the Linear-1 stream over the Linear-2 stream.
 
 Expert-Wave (the baseline, §2.2): consecutive local experts grouped into waves; the merged stream is
-each wave's Linear-1 tiles followed by its Linear-2 tiles, each expert's row blocks side by side on
-each N-tile (``expert_columns``), dealt round-robin to the programs.
+each wave's Linear-1 tiles followed by its Linear-2 tiles, dealt round-robin to the programs.
 
 Interleaved (Algorithm 1): each program merges its Linear-1 and Linear-2 streams, emitting
 Linear-2 only when ``p_2 + D <= p_1`` (``p_1 = inf`` once its Linear-1 stream is done); the
@@ -215,32 +214,22 @@ def _deal(stream: Sequence[Tile], num_programs: int) -> tuple[tuple[Tile, ...], 
     return tuple(tuple(stream[g::num_programs]) for g in range(num_programs))
 
 
-def expert_columns(problem: MoEProblem, kind: int, experts: range) -> list[Tile]:
-    """The ``kind`` tiles of ``experts``, expert by expert, each expert's N-tile by N-tile (its
-    row blocks side by side on each): the row blocks of an expert that read the same weight
-    columns are adjacent in the stream, so the stride-G deal runs them at once on neighbouring
-    programs and the second finds the columns in the L2 cache. Row-major, an expert's two row
-    blocks reach the same columns P_1 stream items apart, often a round later: DeepSeek-V4-Flash
-    bf16 at 8192 tokens (192 rows an expert) read 1.88x its weights from DRAM (``moe_ncu/
-    h100-80gb-hbm3-x1``) and ran slower than the unfused torch path on an H100."""
-    n_blocks = problem.l1_n_blocks if kind == L1 else problem.l2_n_blocks
-    first, blocks = problem.first_row, problem.blocks_per_expert
-    return [Tile(kind, e, first[e] + r, n) for e in experts for n in range(n_blocks)
-            for r in range(blocks[e])]
-
-
 def expert_wave_schedule(problem: MoEProblem, num_programs: int,
                          experts_per_wave: int | None = None) -> Schedule:
     """Expert-Wave: per wave (``wave_starts``), its Linear-1 tiles then its Linear-2 tiles
-    (``expert_columns`` each), the concatenated stream dealt with stride G. Linear-2 bursts of a
-    wave run back to back."""
+    (row-major each), the concatenated stream dealt with stride G. Linear-2 bursts of a wave run
+    back to back."""
     if num_programs < 1:
         raise ValueError(f"num_programs must be >= 1, got {num_programs}")
     starts = wave_starts(problem, num_programs, experts_per_wave)
     stream: list[Tile] = []
+    first = problem.first_row
     for e0, e1 in zip(starts, starts[1:] + (len(problem.blocks_per_expert),)):
-        stream += expert_columns(problem, L1, range(e0, e1))
-        stream += expert_columns(problem, L2, range(e0, e1))
+        rows = range(first[e0], first[e1 - 1] + problem.blocks_per_expert[e1 - 1])
+        stream += [problem.l1_tile(p * problem.l1_n_blocks + n)
+                   for p in rows for n in range(problem.l1_n_blocks)]
+        stream += [problem.l2_tile(p * problem.l2_n_blocks + n)
+                   for p in rows for n in range(problem.l2_n_blocks)]
     return Schedule("expert_wave", _deal(stream, num_programs), wave_starts=starts)
 
 
