@@ -4,11 +4,19 @@ Device code only, beside the portable Triton kernel ``moe_fused.py`` (which the 
 run): the same tile table ``(kind, expert, row_block, n_block)`` drives both, so Expert-Wave and
 Interleaved (Algorithm 1) run unchanged; the host side is ``xstage_lab/ops/moe/``.
 
+Tiles of ``BLOCK_M`` = 128 rows, or 256 (bf16; ``tiles.WS_ROW_TILES``): there each consumer
+warpgroup takes 128 rows over Linear-1 tiles of 64 gate and 64 up columns and Linear-2 tiles of
+128 columns, the same accumulator registers and stage bytes as at 128 rows, so each weight block
+a CTA streams serves twice the rows. With 192 routed rows an expert (DeepSeek-V4-Flash bf16 at
+8192 tokens) the 128-row kernel read 1.90x the expert weights' bytes from DRAM, with 256 rows an
+expert 2.34x: the L2 cache keeps little of an expert's weights for its next row block, whatever
+the tiles' order (``data/records/moe_ncu/README.md``).
+
 One CTA per SM walks its program's row of the table. Three partitions:
-  consumer 0, consumer 1   one warpgroup each, rows [64·half, 64·half + 64) of the tile's 128:
+  consumer 0, consumer 1   one warpgroup each, the tile's rows from half · BLOCK_M / 2:
                            wgmma on the shared-memory ring, then the tile's epilogue; a half
-                           of padding rows only (an expert's last row block with at most 64
-                           routed rows, the rule at small T) issues no wgmma and no stores and
+                           of padding rows only (an expert's last row block with at most
+                           BLOCK_M/2 routed rows, the rule at small T) issues no wgmma and no stores and
                            its A rows are not loaded (at one token the kernel took 0.83-0.99x
                            the time of the build without this, every shape, both settings, one
                            session on one H200: moe_layer/h200-x1/20261202T203004Z
@@ -97,16 +105,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 TILE_L1 = gl.constexpr(0)
 TILE_L2 = gl.constexpr(1)
 TILE_FIELDS = gl.constexpr(4)
-BLOCK_M = gl.constexpr(128)    # rows of a tile: the host layout pads every expert to it
-HALF_ROWS = gl.constexpr(64)   # rows per consumer warpgroup: wgmma's M per warpgroup
 SCALE_BLOCK = gl.constexpr(128)
 E4M3_MAX = gl.constexpr(448.0)
 NEG_LOG2E = gl.constexpr(-1.4426950408889634)
 TRACE_FIELDS = gl.constexpr(10)  # clock64 x 4, globaltimer x 4, smid, spins: moe_fused.py's
-# Registers per thread of the consumer warpgroups and of the producer warpgroup (setmaxnreg):
-# 2 x 128 x 224 + 128 x 56 of the SM's 65536.
+# Registers per thread of the consumer warpgroups and of the producer warpgroup (setmaxnreg),
+# by the rows of a tile: 2 x 128 x 224 + 128 x 56 of the SM's 65536 at 128; at 256, where the
+# producer gathers 128 rows a half and holds their origins across the K loop, 2 x 128 x 208 +
+# 128 x 96 (sm_90 build, Triton 3.6: 224 + 56, 224 + 64 and 216 + 80 spilled 8-20 bytes).
 CONSUMER_REGS = gl.constexpr(224)
 PRODUCER_REGS = gl.constexpr(56)
+TALL_CONSUMER_REGS = gl.constexpr(208)
+TALL_PRODUCER_REGS = gl.constexpr(96)
 PRODUCER_WARPS = gl.constexpr(4)
 COPY_BYTES = gl.constexpr(16)  # one cp.async
 # a split tile's sum: fp32 elements of one split's partial per load, 16 a thread (SUM_ROWS =
@@ -213,9 +223,9 @@ def _l2_split(n_block, l2_k_blocks, l2_splits, HIDDEN, BLOCK_N2: gl.constexpr,
 
 
 @gluon.jit
-def _load_a(desc, row0, k, bar, a_smem, s, second_half):
-    """The 64-row halves of an A tile (one per consumer warpgroup) into stage ``s``: the second
-    only where ``second_half`` (it holds a routed row; else its consumer reads nothing)."""
+def _load_a(desc, row0, k, bar, a_smem, s, second_half, HALF_ROWS: gl.constexpr):
+    """The halves of an A tile (one per consumer warpgroup) into stage ``s``: the second only
+    where ``second_half`` (it holds a routed row; else its consumer reads nothing)."""
     tma.async_copy_global_to_shared(desc, [row0, k], bar, a_smem.index(2 * s))
     tma.async_copy_global_to_shared(desc, [row0 + HALF_ROWS, k], bar, a_smem.index(2 * s + 1),
                                     pred=second_half)
@@ -235,15 +245,16 @@ def _load_w2(desc, w_row, k, it, ready, empty, b_smem, BLOCK_N2: gl.constexpr,
 
 
 @gluon.jit
-def _origin_rows(row_origin, row_base, layout: gl.constexpr):
-    """``row_origin`` of the 64 layout rows from ``row_base``, in ``layout``'s row slice."""
+def _origin_rows(row_origin, row_base, layout: gl.constexpr, HALF_ROWS: gl.constexpr):
+    """``row_origin`` of the ``HALF_ROWS`` layout rows from ``row_base``, in ``layout``'s row
+    slice."""
     rows = row_base + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
     return gl.load(row_origin + rows)
 
 
 @gluon.jit
 def _gather_half(x_rows, origin, k, smem, HIDDEN, layout: gl.constexpr, BLOCK_K: gl.constexpr):
-    """``cp.async`` of one 64-row half of a Linear-1 A block: layout row ``r``'s K block ``k`` from
+    """``cp.async`` of one half of a Linear-1 A block: layout row ``r``'s K block ``k`` from
     row ``origin[r]`` of ``x_rows`` in 16-byte vectors, padding rows (origin -1) zero-filled."""
     cols = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
     src = x_rows + (gl.maximum(origin, 0).to(gl.int64) * HIDDEN)[:, None] + cols[None, :]
@@ -260,7 +271,7 @@ def _expect_stage(bar, a_half_bytes: gl.constexpr, b_bytes: gl.constexpr, second
 
 @gluon.jit
 def _routed_half(row_slot, row_base):
-    """Whether the 64 rows from ``row_base`` hold a routed row. An expert's padding rows (slot
+    """Whether the half's rows from ``row_base`` hold a routed row. An expert's padding rows (slot
     -1) follow its routed rows, so a half whose first row is padding is padding throughout."""
     return gl.load(row_slot + row_base) >= 0
 
@@ -268,9 +279,9 @@ def _routed_half(row_slot, row_base):
 @gluon.jit
 def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_smem, b_smem, ready,
               empty, row_ready, row_slot, error, max_spin, num_experts, trace, HIDDEN, INTER,
-              l1_k_blocks, l2_k_blocks, l2_splits, FP8: gl.constexpr, BLOCK_N1: gl.constexpr,
-              BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-              INSTRUMENT: gl.constexpr, SPLIT_K: gl.constexpr):
+              l1_k_blocks, l2_k_blocks, l2_splits, FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
+              STAGES: gl.constexpr, INSTRUMENT: gl.constexpr, SPLIT_K: gl.constexpr):
     """The loading warpgroup: every K block of every tile of this program, in table order (a tile
     whose expert is not one of the ``num_experts`` is skipped, as the consumers skip it). The A
     tile's second half is loaded only where it holds a routed row (``_routed_half``).
@@ -283,6 +294,7 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
     at a few tokens the weights are the whole stream, and the first ones had waited for the
     rows' loads, or the row block's Linear-1 tiles, before they were asked for. INSTRUMENT: a
     Linear-2 tile's spin count into its trace record."""
+    HALF_ROWS: gl.constexpr = BLOCK_M // 2
     vec: gl.constexpr = COPY_BYTES if FP8 else COPY_BYTES // 2
     gather: gl.constexpr = gl.BlockedLayout([1, vec], [32 * vec // BLOCK_K, BLOCK_K // vec],
                                             [PRODUCER_WARPS, 1], [1, 0])
@@ -297,8 +309,8 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
             second_half = _routed_half(row_slot, row0 + HALF_ROWS)
             if kind == TILE_L1:
                 gate_row = expert * (2 * INTER) + n_block * BLOCK_N1
-                origin0 = _origin_rows(row_origin, row0, gather)
-                origin1 = _origin_rows(row_origin, row0 + HALF_ROWS, gather)
+                origin0 = _origin_rows(row_origin, row0, gather, HALF_ROWS)
+                origin1 = _origin_rows(row_origin, row0 + HALF_ROWS, gather, HALF_ROWS)
                 for kk in range(l1_k_blocks):
                     k = kk * BLOCK_K
                     s = it % STAGES
@@ -341,13 +353,14 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
                         _load_w2(w2_desc, w_row, k, it, ready, empty, b_smem, BLOCK_N2, STAGES)
                     _expect_stage(ready.index(s), h_desc.block_type.nbytes,
                                   w2_desc.block_type.nbytes, second_half)
-                    _load_a(h_desc, row0, k, ready.index(s), a_smem, s, second_half)
+                    _load_a(h_desc, row0, k, ready.index(s), a_smem, s, second_half, HALF_ROWS)
                     it += 1
 
 
 @gluon.jit
 def _fp8_halves_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_scales,
-                         b0_scales, b1_scales, n_k, LINEAR1: gl.constexpr, STAGES: gl.constexpr):
+                         b0_scales, b1_scales, n_k, LINEAR1: gl.constexpr, STAGES: gl.constexpr,
+                         HALF_ROWS: gl.constexpr):
     """FP8 accumulators of a stage's two 128-row B halves (Linear-1: gate and up; a 256-wide
     Linear-2 tile: its two scale blocks of columns) for this warpgroup's rows, each K block's
     wgmma group promoted with its scales: ``a_scales`` per row (this warpgroup's row pointers;
@@ -397,8 +410,10 @@ def _wait_stage(it, ready, LINEAR1: gl.constexpr, STAGES: gl.constexpr):
 @gluon.jit
 def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_rows, row_origin,
                       w1_scale, row_base, expert, n_block, HIDDEN, INTER, n_k, FP8: gl.constexpr,
-                      BLOCK_N1: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    """Gate and up accumulators ``[64, BLOCK_N1]`` of this warpgroup's rows; the next ``it``."""
+                      BLOCK_N1: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                      HALF_ROWS: gl.constexpr):
+    """Gate and up accumulators ``[HALF_ROWS, BLOCK_N1]`` of this warpgroup's rows; the next
+    ``it``."""
     if FP8:
         k_scales = HIDDEN // SCALE_BLOCK
         # each row's scales: its own row's where the routing laid them out by layout row (a_rows'
@@ -408,7 +423,7 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_ro
         # (moe_gather_probe/h200-x1/20261204T180629Z-0a56654b8d): a row block's tokens lie about
         # eight apart there, so each row's 44 bytes of scales take a line of their own
         per_row: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])
-        origin = _origin_rows(row_origin, row_base, per_row)
+        origin = _origin_rows(row_origin, row_base, per_row, HALF_ROWS)
         own = row_base + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, per_row))
         x_scale = gl.load(a_rows + 1).to(gl.pointer_type(gl.float32))
         by_row = gl.load(a_rows + 2) != 0
@@ -418,7 +433,7 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_ro
         acc_g, acc_u, it = _fp8_halves_mainloop(half, it, a_smem, b_smem, ready, empty,
                                                 a_scales, g_scales,
                                                 g_scales + (INTER // SCALE_BLOCK) * k_scales, n_k,
-                                                True, STAGES)
+                                                True, STAGES, HALF_ROWS)
     else:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N1, 16])
@@ -456,9 +471,10 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_ro
 @gluon.jit
 def _linear2_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, h_scale, w2_scale,
                       rows, expert, n_block, k0, HIDDEN, INTER, n_k, FP8: gl.constexpr,
-                      BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    """The ``[64, BLOCK_N2]`` accumulator of this warpgroup's rows over the ``n_k`` K blocks from
-    ``k0``; the next ``it``."""
+                      BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                      HALF_ROWS: gl.constexpr):
+    """The ``[HALF_ROWS, BLOCK_N2]`` accumulator of this warpgroup's rows over the ``n_k`` K
+    blocks from ``k0``; the next ``it``."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N2, 32 if FP8 else 16])
     acc = gl.zeros([HALF_ROWS, BLOCK_N2], gl.float32, layout=mma)
@@ -505,7 +521,7 @@ def _linear2_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, h_sc
 
 @gluon.jit
 def _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base, n_block, INTER,
-                      FP8: gl.constexpr, BLOCK_N1: gl.constexpr):
+                      FP8: gl.constexpr, BLOCK_N1: gl.constexpr, HALF_ROWS: gl.constexpr):
     """SwiGLU, ``h`` stored with 16-byte stores (re-quantized per row in FP8), then this
     warpgroup's release of its rows to the row block's counter."""
     hv = _silu(acc_g) * acc_u
@@ -568,7 +584,7 @@ def _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN, layout: gl.
 
 @gluon.jit
 def _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base, n_block, HIDDEN,
-                              BLOCK_N2: gl.constexpr):
+                              BLOCK_N2: gl.constexpr, HALF_ROWS: gl.constexpr):
     """Each result row into its source rank's Combine buffer, 16-byte stores; padding rows
     are skipped. No wait for the stores: the X-Stage drains them."""
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N2, BLOCK_N2 // 8],
@@ -582,8 +598,8 @@ def _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base, n_
 
 @gluon.jit
 def _store_partial(acc, l2_partial, row_slot, prow, row_base, col0, HIDDEN, N: gl.constexpr,
-                   FP8: gl.constexpr):
-    """A split's fp32 partial ``[64, N]`` of this warpgroup's rows, in its wgmma layout (no
+                   FP8: gl.constexpr, HALF_ROWS: gl.constexpr):
+    """A split's fp32 partial ``[HALF_ROWS, N]`` of this warpgroup's rows, in its wgmma layout (no
     conversion), into rows ``prow ..`` of ``l2_partial`` at columns ``col0 ..``: routed rows
     only."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -611,7 +627,7 @@ def _last_split(counter, l2_splits):
 
 @gluon.jit
 def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_base, col0,
-                        l2_splits, HIDDEN, N: gl.constexpr):
+                        l2_splits, HIDDEN, N: gl.constexpr, BLOCK_M: gl.constexpr):
     """The Combine rows of a split tile's half: the splits' partials (split ``s`` at rows
     ``prow0 + s · BLOCK_M ..`` of ``l2_partial``) summed in split order, read at L2 (``.cg``:
     other SMs wrote them), into their Combine rows (``_combine_rows``). Only the rows up to the
@@ -635,7 +651,7 @@ def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // SUM_THREAD_COLS, SUM_THREAD_COLS],
                                             [4, 1], [1, 0])
     SUM_ROWS: gl.constexpr = PARTIAL_ELEMENTS // N
-    half_rows = gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, layout))
+    half_rows = gl.arange(0, BLOCK_M // 2, layout=gl.SliceLayout(1, layout))
     # one past the half's last routed row: the rows summed
     in_use = gl.max(gl.where(gl.load(row_slot + row_base + half_rows) >= 0, half_rows + 1, 0),
                     axis=0)
@@ -738,10 +754,11 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
               row_origin, w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
               combine_ptrs, error, num_experts, trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
               l2_splits, l2_partial, l2_ready, sum_control, FP8: gl.constexpr,
-              BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
-              STAGES: gl.constexpr, INSTRUMENT: gl.constexpr, FENCE: gl.constexpr,
-              SPLIT_K: gl.constexpr, SUM_TOP_K: gl.constexpr, SUM_WEIGHT_DTYPE: gl.constexpr):
-    """Rows [64·half, 64·half + 64) of every tile of this program, in table order.
+              BLOCK_M: gl.constexpr, BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, INSTRUMENT: gl.constexpr,
+              FENCE: gl.constexpr, SPLIT_K: gl.constexpr, SUM_TOP_K: gl.constexpr,
+              SUM_WEIGHT_DTYPE: gl.constexpr):
+    """Rows [half·BLOCK_M/2, (half + 1)·BLOCK_M/2) of every tile of this program, in table order.
 
     INSTRUMENT (consumer 0 only, each stamp after its warpgroup's barrier): entry (0); the
     tile's first K block in shared memory (1: for Linear-2 after the producer's acquire-spin, so
@@ -750,6 +767,7 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
     sender-visible span T_RS of the tile's Combine burst); ``%smid``. SUM_TOP_K: after the
     tiles, this warpgroup's arrival, then consumer 0's share of the weighted sum."""
     stamped: gl.constexpr = INSTRUMENT and half == 0
+    HALF_ROWS: gl.constexpr = BLOCK_M // 2
     row_layout: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1], [32, 1], [4, 1],
                                                                   [1, 0]))
     it = 0
@@ -778,8 +796,8 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
             n2, split, k0, l2_n_k = _l2_split(n_block, l2_k_blocks, l2_splits, HIDDEN, BLOCK_N2,
                                               SPLIT_K)
             if not _routed_half(row_slot, row_base):
-                # padding rows only (half 1 of a row block with at most 64 routed rows, as at
-                # small T): no wgmma, no stores; Linear-1 still counts its release
+                # padding rows only (half 1 of a row block with at most BLOCK_M / 2 routed rows,
+                # as at small T): no wgmma, no stores; Linear-1 still counts its release
                 if kind == TILE_L1:
                     it = _pass_stages(it, ready, empty, l1_k_blocks, STAGES)
                     _release_rows(row_ready, row_block)
@@ -789,11 +807,11 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
                 acc_g, acc_u, it = _linear1_mainloop(half, it, a_smem, b_smem, ready, empty,
                                                      a_rows, row_origin, w1_scale, row_base,
                                                      expert, n_block, HIDDEN, INTER, l1_k_blocks,
-                                                     FP8, BLOCK_N1, BLOCK_K, STAGES)
+                                                     FP8, BLOCK_N1, BLOCK_K, STAGES, HALF_ROWS)
                 if stamped:
                     _stamp(rec, 2)
                 _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base,
-                                  n_block, INTER, FP8, BLOCK_N1)
+                                  n_block, INTER, FP8, BLOCK_N1, HALF_ROWS)
             else:
                 # split K: this split's partial rows, the splits of the tile's half stacked
                 prow0 = row_block * l2_splits * BLOCK_M + half * HALF_ROWS
@@ -808,36 +826,39 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
                     acc0, acc1, it = _fp8_halves_mainloop(half, it, a_smem, b_smem, ready, empty,
                                                           h_scale + rows * k_scales + k0,
                                                           w_scales, w_scales + k_scales, l2_n_k,
-                                                          False, STAGES)
+                                                          False, STAGES, HALF_ROWS)
                     if stamped:
                         _stamp(rec, 2)
                     if not SPLIT_K:
                         _linear2_combine_epilogue(acc0, row_src, row_slot, combine_ptrs,
-                                                  row_base, 2 * n2, HIDDEN, SCALE_BLOCK)
+                                                  row_base, 2 * n2, HIDDEN, SCALE_BLOCK,
+                                                  HALF_ROWS)
                         _linear2_combine_epilogue(acc1, row_src, row_slot, combine_ptrs,
-                                                  row_base, 2 * n2 + 1, HIDDEN, SCALE_BLOCK)
+                                                  row_base, 2 * n2 + 1, HIDDEN, SCALE_BLOCK,
+                                                  HALF_ROWS)
                     else:
                         _store_partial(acc0, l2_partial, row_slot, prow, row_base, col0, HIDDEN,
-                                       SCALE_BLOCK, FP8)
+                                       SCALE_BLOCK, FP8, HALF_ROWS)
                         _store_partial(acc1, l2_partial, row_slot, prow, row_base,
-                                       col0 + SCALE_BLOCK, HIDDEN, SCALE_BLOCK, FP8)
+                                       col0 + SCALE_BLOCK, HIDDEN, SCALE_BLOCK, FP8, HALF_ROWS)
                 else:
                     acc, it = _linear2_mainloop(half, it, a_smem, b_smem, ready, empty, h_scale,
                                                 w2_scale, rows, expert, n2, k0, HIDDEN, INTER,
-                                                l2_n_k, FP8, BLOCK_N2, BLOCK_K, STAGES)
+                                                l2_n_k, FP8, BLOCK_N2, BLOCK_K, STAGES,
+                                                HALF_ROWS)
                     if stamped:
                         _stamp(rec, 2)
                     if not SPLIT_K:
                         _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base,
-                                                  n2, HIDDEN, BLOCK_N2)
+                                                  n2, HIDDEN, BLOCK_N2, HALF_ROWS)
                     else:
                         _store_partial(acc, l2_partial, row_slot, prow, row_base, col0, HIDDEN,
-                                       BLOCK_N2, FP8)
+                                       BLOCK_N2, FP8, HALF_ROWS)
                 if SPLIT_K:
                     counter = l2_ready + (row_block * (HIDDEN // BLOCK_N2) + n2) * 2 + half
                     if _last_split(counter, l2_splits):
                         _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0,
-                                            row_base, col0, l2_splits, HIDDEN, BLOCK_N2)
+                                            row_base, col0, l2_splits, HIDDEN, BLOCK_N2, BLOCK_M)
                         gl.store(counter, 0)
                 if FENCE:
                     # completion-coupled (§2.3): the warpgroup's Combine stores, then a cumulative
@@ -863,7 +884,8 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
                         combine_ptrs, error, max_spin, num_experts, trace, HIDDEN, INTER,
                         l1_k_blocks, l2_k_blocks, l2_splits, l2_partial, l2_ready,
                         sum_args, sum_arrivals, sum_tokens, FP8: gl.constexpr,
-                        BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr,
+                        BLOCK_K: gl.constexpr,
                         STAGES: gl.constexpr, INSTRUMENT: gl.constexpr = False,
                         FENCE: gl.constexpr = False, SPLIT_K: gl.constexpr = False,
                         SUM_TOP_K: gl.constexpr = 0,
@@ -910,7 +932,7 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     my_trace = trace + pid * max_tiles * TRACE_FIELDS
     n_tiles = gl.load(num_tiles + pid)
     b_rows: gl.constexpr = 2 * BLOCK_N1 if 2 * BLOCK_N1 > BLOCK_N2 else BLOCK_N2
-    a_smem = gl.allocate_shared_memory(h_desc.dtype, [2 * STAGES, HALF_ROWS, BLOCK_K],
+    a_smem = gl.allocate_shared_memory(h_desc.dtype, [2 * STAGES, BLOCK_M // 2, BLOCK_K],
                                        h_desc.layout)
     b_smem = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, b_rows, BLOCK_K], w1_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -929,15 +951,18 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
         (_consumer, (0, my_tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows, row_origin,
                      w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs,
                      error, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
-                     l2_splits, l2_partial, l2_ready, sum_control, FP8, BLOCK_N1, BLOCK_N2,
-                     BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K, SUM_WEIGHT_DTYPE)),
+                     l2_splits, l2_partial, l2_ready, sum_control, FP8, BLOCK_M, BLOCK_N1,
+                     BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K,
+                     SUM_WEIGHT_DTYPE)),
         (_consumer, (1, my_tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows, row_origin,
                      w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs,
                      error, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
-                     l2_splits, l2_partial, l2_ready, sum_control, FP8, BLOCK_N1, BLOCK_N2,
-                     BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K, SUM_WEIGHT_DTYPE)),
+                     l2_splits, l2_partial, l2_ready, sum_control, FP8, BLOCK_M, BLOCK_N1,
+                     BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K,
+                     SUM_WEIGHT_DTYPE)),
         (_producer, (my_tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_smem,
                      b_smem, ready, empty, row_ready, row_slot, error, max_spin, num_experts,
-                     my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, FP8, BLOCK_N1,
-                     BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, SPLIT_K)),
-    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+                     my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, FP8, BLOCK_M,
+                     BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, SPLIT_K)),
+    ], [4, PRODUCER_WARPS], [CONSUMER_REGS if BLOCK_M == 128 else TALL_CONSUMER_REGS,
+                             PRODUCER_REGS if BLOCK_M == 128 else TALL_PRODUCER_REGS])

@@ -30,15 +30,17 @@ from xstage_lab.ops.moe.fused import (KERNEL_ENTRIES, TRACE_FIELDS, InKernelSum,
                                       kernel_launch, prepare_fused_moe, synthetic_k_blocks)
 from xstage_lab.ops.moe.schedules import MoEProblem, expert_wave_schedule
 from xstage_lab.ops.moe.shapes import MoEContractError, PRECISIONS, load_shapes
-from xstage_lab.ops.moe.tiles import (HOPPER_SMEM_PER_CTA, TileConfig, check_tile_config,
-                                      default_tile_config, ws_shared_memory_bytes)
+from xstage_lab.ops.moe.tiles import (HOPPER_SMEM_PER_CTA, WS_ROW_TILES, TileConfig,
+                                      check_tile_config, default_tile_config,
+                                      ws_shared_memory_bytes)
 from xstage_lab.ops.moe.weights import local_expert_weights, quantize_rows_fp8
 
 SHAPES = load_shapes()
 SASS_LIMIT_BYTES = 75 * 1024  # the largest build measured: 74.3 KiB (FP8, 256-wide Linear-2)
-# (stored, reloaded) bytes the split FP8 builds spill, by default build, with the weighted sum
-# or not (Triton 3.6)
-SPLIT_SPILL_BYTES = {("fp8", 128, 4): (8, 8), ("fp8", 256, 4): (32, 44)}
+# (stored, reloaded) bytes the split builds spill, by default build, with the weighted sum or
+# not (Triton 3.6): FP8's, and bf16's at 256 rows (the split sum's 128-row halves)
+SPLIT_SPILL_BYTES = {("fp8", 128, 128, 4): (8, 8), ("fp8", 128, 256, 4): (32, 44),
+                     ("bf16", 256, 128, 4): (44, 116)}
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +76,15 @@ def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
                  "l2_splits": "i32", "l2_partial": "*fp32" if split_k else "*i32",
                  "l2_ready": "*i32", "sum_args": "*i64" if sum_top_k else "*i32",
                  "sum_arrivals": "*i64" if sum_top_k else "*i32", "sum_tokens": "i32",
-                 "FP8": "constexpr",
+                 "FP8": "constexpr", "BLOCK_M": "constexpr",
                  "BLOCK_N1": "constexpr", "BLOCK_N2": "constexpr", "BLOCK_K": "constexpr",
                  "STAGES": "constexpr", "INSTRUMENT": "constexpr", "FENCE": "constexpr",
                  "SPLIT_K": "constexpr", "SUM_TOP_K": "constexpr",
                  "SUM_WEIGHT_DTYPE": "constexpr"}
     names = list(signature)
     constexprs = {(names.index(k),): v for k, v in dict(
-        FP8=precision == "fp8", BLOCK_N1=cfg.block_n1, BLOCK_N2=cfg.block_n2, BLOCK_K=bk,
+        FP8=precision == "fp8", BLOCK_M=cfg.block_m, BLOCK_N1=cfg.block_n1,
+        BLOCK_N2=cfg.block_n2, BLOCK_K=bk,
         STAGES=cfg.num_stages, INSTRUMENT=instrument, FENCE=fence, SPLIT_K=split_k,
         SUM_TOP_K=sum_top_k, SUM_WEIGHT_DTYPE=sum_weight_dtype).items()}
     # what Triton's launcher specializes: 16-byte aligned tensors, ints divisible by 16
@@ -93,12 +96,15 @@ def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
 
 
 def _default_configs():
-    """Every default gluon_ws configuration of the model shapes (what the benchmarks run)."""
+    """Every default gluon_ws configuration of the model shapes (what the benchmarks run), at
+    each tile height of the precision, keyed (precision, block_m, block_n2, stages)."""
     configs = {}
-    for precision in PRECISIONS:
-        for shape in SHAPES.values():
-            cfg = default_tile_config(precision, "gluon_ws", hidden=shape.hidden)
-            configs[(precision, cfg.block_n2, cfg.num_stages)] = cfg
+    for block_m, rows in WS_ROW_TILES.items():
+        for precision in rows["precisions"]:
+            for shape in SHAPES.values():
+                cfg = default_tile_config(precision, "gluon_ws", hidden=shape.hidden,
+                                          block_m=block_m)
+                configs[(precision, block_m, cfg.block_n2, cfg.num_stages)] = cfg
     return configs
 
 
@@ -111,8 +117,9 @@ def test_compiles_for_hopper(ws_module, key):
     # no build spills (the 256-wide FP8 one spilled 12 bytes while the producer was one warp)
     assert report["spill_store_bytes"] == 0 and report["spill_load_bytes"] == 0, report
     assert not report["wgmma_serialized"]
-    assert k.metadata.shared <= ws_shared_memory_bytes(precision, cfg.block_n2, cfg.block_k,
-                                                           cfg.num_stages) <= HOPPER_SMEM_PER_BLOCK
+    assert k.metadata.shared <= ws_shared_memory_bytes(
+        precision, cfg.block_m, cfg.block_n1, cfg.block_n2, cfg.block_k,
+        cfg.num_stages) <= HOPPER_SMEM_PER_BLOCK
     kind = "e4m3.e4m3" if precision == "fp8" else "bf16.bf16"
     assert f"wgmma.mma_async.sync.aligned.m64n{cfg.block_n1}k" in ptx and kind in ptx
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
@@ -140,7 +147,8 @@ def test_compiles_for_hopper(ws_module, key):
 def test_the_split_builds_spill_no_more_than_measured(ws_module, key):
     """The builds that split Linear-2 along K (``SPLIT_K``) spill what they did when measured
     (Triton 3.6), no more: the 256-wide FP8 one 32 bytes stored and 44 reloaded (24 and 32 with
-    the weighted sum), the 128-wide FP8 one 8 and 8, the bf16 ones none."""
+    the weighted sum), the 128-wide FP8 one 8 and 8, the bf16 one at 256 rows 44 and 116 (32 and
+    100 with the weighted sum), the other bf16 ones none."""
     report = ptxas_report(_compile(ws_module, key[0], _default_configs()[key],
                                    split_k=True).asm["ptx"])
     stored, reloaded = SPLIT_SPILL_BYTES.get(key, (0, 0))
@@ -154,17 +162,23 @@ def test_default_configs_follow_the_shapes():
     assert default_tile_config("bf16", "gluon_ws", hidden=1408).block_n2 == 128  # DiT-MoE
     fp8 = default_tile_config("fp8", "gluon_ws", hidden=4096)
     assert (fp8.block_n2, fp8.block_k) == (256, 128)
-    for cfg in (bf16, fp8):
-        check_tile_config(cfg, "bf16" if cfg is bf16 else "fp8", 4096, 2048)
-        assert ws_shared_memory_bytes("bf16" if cfg is bf16 else "fp8", cfg.block_n2,
-                                          cfg.block_k, cfg.num_stages + 1) > HOPPER_SMEM_PER_CTA
+    tall = default_tile_config("bf16", "gluon_ws", hidden=4096, block_m=256)
+    assert (tall.block_m, tall.block_n1, tall.block_n2, tall.num_stages) == (256, 64, 128, 4)
+    for cfg, precision in ((bf16, "bf16"), (fp8, "fp8"), (tall, "bf16")):
+        check_tile_config(cfg, precision, 4096, 2048)
+        assert ws_shared_memory_bytes(precision, cfg.block_m, cfg.block_n1, cfg.block_n2,
+                                      cfg.block_k, cfg.num_stages + 1) > HOPPER_SMEM_PER_CTA
+    with pytest.raises(MoEContractError, match="not one of"):
+        default_tile_config("fp8", "gluon_ws", hidden=4096, block_m=256)
     # no GPU here: the default is the portable kernel
     assert default_tile_config("bf16", device="cpu").kernel == "triton"
     assert default_tile_config("bf16").kernel == "triton"
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(block_m=64), "fixes"), (dict(block_k=128), "fixes"), (dict(block_n2=512), "block_n2"),
+    (dict(block_m=64), "not one of"), (dict(block_k=128), "fixes"),
+    (dict(block_n2=512), "block_n2"), (dict(block_m=256), "fixes"),
+    (dict(block_m=256, block_n1=64, block_n2=256), "block_n2"),
     (dict(num_stages=6), "shared memory"), (dict(num_stages=1), "2 or more stages"),
     (dict(kernel="cuda"), "kernel must be one of")])
 def test_bad_tiles_rejected(change, message):
@@ -387,8 +401,8 @@ def test_the_weighted_sum_build_arrives_then_sums(ws_module, key, split_k):
     stored, reloaded = SPLIT_SPILL_BYTES.get(key, (0, 0)) if split_k else (0, 0)
     assert report["spill_store_bytes"] <= stored and report["spill_load_bytes"] <= reloaded, \
         report
-    assert k.metadata.shared <= ws_shared_memory_bytes(precision, cfg.block_n2, cfg.block_k,
-                                                           cfg.num_stages)
+    assert k.metadata.shared <= ws_shared_memory_bytes(precision, cfg.block_m, cfg.block_n1,
+                                                       cfg.block_n2, cfg.block_k, cfg.num_stages)
     added = sass_bytes(k.asm["cubin"], "moe_fused_ws_kernel") - \
         sass_bytes(plain.asm["cubin"], "moe_fused_ws_kernel")
     assert 0 < added <= SUM_CODE_LIMIT_BYTES

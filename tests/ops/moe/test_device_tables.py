@@ -27,9 +27,9 @@ MODULE = "tests.ops.moe.test_device_tables"
 
 
 def _bounds(model: str, capacity: int, programs: int, lead: int, experts: int | None = None,
-            expert_lead: bool | None = None, split_k: bool = False):
+            expert_lead: bool | None = None, split_k: bool = False, block_m: int = 128):
     shape = SHAPES[model]
-    config = default_tile_config("bf16", "gluon_ws", hidden=shape.hidden)
+    config = default_tile_config("bf16", "gluon_ws", hidden=shape.hidden, block_m=block_m)
     return shape, TableBounds.of(capacity, experts or shape.routed_experts, shape.hidden,
                                  shape.intermediate, config, programs, lead, expert_lead,
                                  split_k=split_k)
@@ -44,15 +44,16 @@ def _assert_counters_in_use_zeroed(tables) -> None:
 
 def case_ep1(model: str, precision: str, tokens: int, routing: str, programs: int, lead: int,
              seed: int = 0, topk_ids: torch.Tensor | None = None,
-             expert_lead: bool | None = None, split_k: bool = False) -> dict:
+             expert_lead: bool | None = None, split_k: bool = False, block_m: int = 128) -> dict:
     """EP = 1 from ``topk_ids`` (the router's on ``routing`` unless given): device == host;
-    ``split_k``: Linear-2 tiles split along K where the bounds say so."""
+    ``split_k``: Linear-2 tiles split along K where the bounds say so; ``block_m`` the tiles'
+    rows."""
     shape = SHAPES[model]
     if topk_ids is None:
         logits = router_logits(tokens, shape.routed_experts, routing, seed=seed)
         topk_ids = router_topk(logits, shape.top_k)[0]
     _, bounds = _bounds(model, 2 * tokens * topk_ids.shape[1], programs, lead,
-                        expert_lead=expert_lead, split_k=split_k)
+                        expert_lead=expert_lead, split_k=split_k, block_m=block_m)
     x = torch.randn(tokens, shape.hidden, generator=torch.Generator().manual_seed(seed))
     x = x.to(torch.bfloat16)
     tables = allocate_tables(bounds, shape.hidden, precision, "cpu")
@@ -108,7 +109,8 @@ def case_zero_row_experts() -> dict:
 
 
 def case_ep_rank(model: str, precision: str, world: int, per_source: int, programs: int,
-                 lead: int, seed: int = 0, counts: list[int] | None = None) -> dict:
+                 lead: int, seed: int = 0, counts: list[int] | None = None,
+                 block_m: int = 128) -> dict:
     """An EP rank's received rows, source by source (``world`` sources, up to ``per_source``
     each, some none; or ``counts``), local expert ids and slots; the count on the device, a
     capacity above it."""
@@ -120,7 +122,7 @@ def case_ep_rank(model: str, precision: str, world: int, per_source: int, progra
     counts[1] = 0
     n = int(counts.sum())
     capacity = world * per_source + 5
-    _, bounds = _bounds(model, capacity, programs, lead, experts=e_loc)
+    _, bounds = _bounds(model, capacity, programs, lead, experts=e_loc, block_m=block_m)
     src = torch.repeat_interleave(torch.arange(world), counts)
     expert = torch.randint(0, e_loc, (n,), generator=g)
     slot = torch.cat([torch.randperm(per_source * 2, generator=g)[:int(c)] for c in counts])
@@ -300,6 +302,16 @@ def case_launch_by_launch_at_few_arrivals() -> dict:
         "ep_rank_few": (case_ep_rank, "MiMo-V2.5", "bf16", 8, 1, 16, 2)})
 
 
+def case_tall_row_blocks() -> dict:
+    """Tiles of 256 rows (the gluon_ws kernel's bf16 tiles for experts of several 128-row
+    blocks): skewed DiT-MoE with experts of one to three row blocks, one token (``route_tiny``),
+    an EP rank's received rows."""
+    return {"skewed": case_ep1("DiT-MoE", "bf16", 300, "skewed", 7, 3, block_m=256),
+            "one_token": case_ep1("DeepSeek-V4-Flash", "bf16", 1, "balanced", 132, 2,
+                                  block_m=256),
+            "ep_rank": case_ep_rank("MiMo-V2.5", "bf16", 8, 200, 16, 2, block_m=256)}
+
+
 def interpreter_cases() -> dict:
     return {
         "every_shape": (case_every_shape,),
@@ -321,6 +333,7 @@ def interpreter_cases() -> dict:
         "one_launch_up_to_block_m": (case_one_launch_up_to_block_m,),
         "few_received_under_a_large_bound": (case_few_received_under_a_large_bound,),
         "launch_by_launch_at_few_arrivals": (case_launch_by_launch_at_few_arrivals,),
+        "tall_row_blocks": (case_tall_row_blocks,),
     }
 
 

@@ -85,6 +85,7 @@ from ...ops.moe.op import WEIGHTED_SUMS
 from ...ops.moe.table_reference import table_mismatches
 from ...ops.moe.schedules import tile_table
 from ...ops.moe.shapes import PRECISIONS, load_shapes
+from ...ops.moe.tiles import WS_ROW_TILES
 from ...sweep import Axis, Sweep
 from .. import harness
 from ..harness import Experiment, Run
@@ -322,6 +323,9 @@ class MoELayer(LayerCellRun):
         p.add_argument("--weighted-sum", choices=WEIGHTED_SUMS, default="launch",
                        help="where the EP = 1 call's weighted sum runs (FusedMoE's "
                             "weighted_sum): the record's variant")
+        p.add_argument("--tile-rows", type=int, choices=list(WS_ROW_TILES), default=None,
+                       help="the rows of the gluon_ws kernel's tiles (tiles.WS_ROW_TILES; 256: "
+                            "bf16 only), else the workspace's default: the record's variant")
         p.add_argument("--graph-start", choices=list(GRAPH_STARTS), default="idle",
                        help="each graphed trial from an idle GPU (its replay's launch in the "
                             "window) or held behind a hold kernel: the record's variant")
@@ -329,7 +333,7 @@ class MoELayer(LayerCellRun):
                        help=f"the cells of {SMOKE}: a first check on the GPU")
 
     def cell_options(self, run: Run) -> dict:
-        return {"weighted_sum": run.args.weighted_sum}
+        return {"weighted_sum": run.args.weighted_sum, "tile_rows": run.args.tile_rows}
 
     def check_args(self, a: argparse.Namespace) -> None:
         shapes = load_shapes()
@@ -344,6 +348,9 @@ class MoELayer(LayerCellRun):
         self.check_cell_names(a)
         if min(a.tokens) < 1 or a.trials < 1 or a.graph_iters < 1:
             raise ValueError("--tokens, --trials and --graph-iters must be >= 1")
+        if a.tile_rows and set(a.precisions) - set(WS_ROW_TILES[a.tile_rows]["precisions"]):
+            raise ValueError(f"--tile-rows {a.tile_rows} takes only the precisions "
+                             f"{WS_ROW_TILES[a.tile_rows]['precisions']}, not {a.precisions}")
 
     def start(self, run: Run) -> None:
         super().start(run)
@@ -403,6 +410,7 @@ class MoELayer(LayerCellRun):
                 "weight_floor_us": cell.touched_experts() * _expert_bytes(weights) / bw * 1e6,
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
                 "l2_splits": splits, "weighted_sum_in_kernel": cell.sums_in_kernel(),
+                "tile_rows": cell.ws.config.block_m,
                 "graph_start": a.graph_start,
                 "graph_unheld_trials": sum(g.get("unheld_trials", 0) for g in graphed.values())
                 if a.graph_start == "held" else float("nan"),
@@ -428,7 +436,8 @@ class MoELayer(LayerCellRun):
                                         GRAPH_STARTS[run.args.graph_start]),
                 "graph_routings": GRAPH_ROUTINGS, "summary_keys": list(SUMMARY_KEYS),
                 VARIANT: {"weighted_sum": run.args.weighted_sum,
-                          "graph_start": run.args.graph_start}}
+                          "graph_start": run.args.graph_start,
+                          **({"tile_rows": run.args.tile_rows} if run.args.tile_rows else {})}}
 
 
 EXPERIMENT = MoELayer()

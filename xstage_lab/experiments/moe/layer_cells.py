@@ -15,6 +15,7 @@ from ...ops.moe.op import FusedMoE, GraphCache, MoEWorkspace, auto_schedule, lau
 from ...ops.moe.reference import expert_rows_reference, reference_moe
 from ...ops.moe.routing import router_logits, router_topk
 from ...ops.moe.schedules import MoEProblem, expert_wave_schedule, interleaved_schedule
+from ...ops.moe.tiles import TileConfig, default_tile_config
 from ...ops.moe.unfused import (GROUP_ALIGN, GroupedWeights, unfused_expert_weights,
                                 unfused_layer, unfused_rows)
 from ...ops.moe.weights import local_expert_weights, quantize_rows_fp8
@@ -43,10 +44,11 @@ class Ep1Cell:
     setting = "ep1"
 
     def __init__(self, shape, precision, tokens, weights, uweights, seed, device,
-                 weighted_sum: str = "launch"):
+                 weighted_sum: str = "launch", tile_rows: int | None = None):
         self.shape, self.precision, self.tokens, self.seed = shape, precision, tokens, seed
         self.layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="auto",
-                              weighted_sum=weighted_sum)
+                              weighted_sum=weighted_sum,
+                              config=_tiles(precision, shape, device, tile_rows))
         self.uweights = uweights
         self.x, self.ids, self.w = balanced_routing(shape, tokens, seed, 0, device)
         self.unfused_capacity = tokens * shape.top_k + shape.routed_experts * (GROUP_ALIGN - 1)
@@ -171,7 +173,8 @@ class Ep8RankCell:
 
     setting = "ep8_rank"
 
-    def __init__(self, shape, precision, tokens, weights, uweights, seed, device):
+    def __init__(self, shape, precision, tokens, weights, uweights, seed, device,
+                 tile_rows: int | None = None):
         self.shape, self.precision, self.tokens, self.seed = shape, precision, tokens, seed
         wl = build_workload(shape, "balanced", tokens, seed=seed, device=device)
         self.rows, self.slot, self.expert = wl.recv_x, wl.recv_slot, wl.recv_expert
@@ -179,7 +182,8 @@ class Ep8RankCell:
         capacity = EP * tokens * shape.top_k
         # the rows arrive as Dispatch sent them, e4m3 with their scales in FP8: nothing to
         # quantize, so no quantized copy
-        self.ws = MoEWorkspace(weights, capacity, source_rows=0)
+        self.ws = MoEWorkspace(weights, capacity, source_rows=0,
+                               config=_tiles(precision, shape, device, tile_rows))
         self.buffers = [torch.empty(tokens * shape.top_k, shape.hidden, dtype=torch.bfloat16,
                                     device=device) for _ in range(EP)]
         self.peers = local_combine_peers(self.buffers)
@@ -266,11 +270,19 @@ def _host_launch(layout, ws: MoEWorkspace, schedule: str, peers,
                              instrument=instrument, l2_splits=ws.bounds.l2_splits)
 
 
+def _tiles(precision: str, shape, device, tile_rows: int | None) -> TileConfig | None:
+    """The gluon_ws tiles of ``tile_rows`` rows, or None (the workspace's default)."""
+    if tile_rows is None:
+        return None
+    return default_tile_config(precision, "gluon_ws", hidden=shape.hidden, device=device,
+                               block_m=tile_rows)
+
+
 def layer_cell(shape, precision: str, setting: str, tokens: int, run: Run, device,
-               weighted_sum: str = "launch"):
+               weighted_sum: str = "launch", tile_rows: int | None = None):
     """The cell of ``setting`` (``Ep1Cell``, its weighted sum where ``weighted_sum`` says, or
     ``Ep8RankCell``), its weights built once per (model, precision, setting) in ``run``
-    (``run.args.seed``)."""
+    (``run.args.seed``), its kernel's tiles of ``tile_rows`` rows where given."""
     world = 1 if setting == "ep1" else EP
     seed = run.args.seed
 
@@ -282,6 +294,7 @@ def layer_cell(shape, precision: str, setting: str, tokens: int, run: Run, devic
 
     weights, uweights = run.resource((shape.model, precision, setting), make)
     if setting == "ep1":
-        return Ep1Cell(shape, precision, tokens, weights, uweights, seed, device, weighted_sum)
-    return Ep8RankCell(shape, precision, tokens, weights, uweights, seed, device)
+        return Ep1Cell(shape, precision, tokens, weights, uweights, seed, device, weighted_sum,
+                       tile_rows)
+    return Ep8RankCell(shape, precision, tokens, weights, uweights, seed, device, tile_rows)
 

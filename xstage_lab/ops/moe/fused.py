@@ -314,7 +314,8 @@ def kernel_launch(config: TileConfig, weights: ExpertWeights, b: KernelBuffers, 
             *((summed.args, summed.arrivals, summed.tokens) if summed else (unused, unused, 0)))
     sums = (dict(SUM_TOP_K=summed.top_k, SUM_WEIGHT_DTYPE=triton_dtype(summed.weight_dtype))
             if summed else {})
-    return args, dict(FP8=fp8, BLOCK_N1=config.block_n1, BLOCK_N2=config.block_n2, BLOCK_K=bk,
+    return args, dict(FP8=fp8, BLOCK_M=config.block_m, BLOCK_N1=config.block_n1,
+                      BLOCK_N2=config.block_n2, BLOCK_K=bk,
                       STAGES=config.num_stages, INSTRUMENT=bool(instrument), FENCE=bool(fence),
                       SPLIT_K=split_k, **sums, num_warps=4)
 

@@ -11,10 +11,15 @@ from ...kernel_sources import load_kernel_module
 from .shapes import FP8_SCALE_BLOCK, MoEContractError, check_precision, check_scale_blocks
 
 KERNELS = ("gluon_ws", "triton")
-# gluon_ws (kernels/moe_fused_ws.py): what its partitioning fixes, and the shared memory of one
-# CTA on an H100/H200 that the ring and the epilogues' layout conversions share.
+# gluon_ws (kernels/moe_fused_ws.py): the rows of a tile and its Linear-1 columns that its
+# partitioning allows (``WS_ROW_TILES``: 128 rows, one 64-row half a consumer warpgroup; 256 rows,
+# bf16 only, one 128-row half a consumer over half the columns, so each weight block a CTA reads
+# serves twice the rows in the same accumulator registers), and the shared memory of one CTA on
+# an H100/H200 that the ring and the epilogues' layout conversions share.
 WS_BLOCK_M = 128
 WS_BLOCK_N1 = 128
+WS_ROW_TILES = {128: dict(block_n1=128, precisions=("bf16", "fp8")),
+                256: dict(block_n1=64, precisions=("bf16",))}
 WS_BLOCK_K = {"bf16": 64, "fp8": FP8_SCALE_BLOCK}
 HOPPER_SMEM_PER_CTA = 227 * 1024
 
@@ -65,7 +70,7 @@ def kernel_device(device, kernel: str, who: str) -> torch.device:
 
 
 def default_tile_config(precision: str, kernel: str | None = None, *, hidden: int | None = None,
-                        device=None) -> TileConfig:
+                        device=None, block_m: int = WS_BLOCK_M) -> TileConfig:
     """The tiles of ``kernel`` (default: gluon_ws where ``device`` is a Hopper GPU, else the Triton
     kernel). Triton, bf16: K blocks of 64 keep three pipeline stages of gate + up + A tiles in
     shared memory; fp8: K blocks equal the 128-wide scale block (one scale pair per K block).
@@ -73,7 +78,8 @@ def default_tile_config(precision: str, kernel: str | None = None, *, hidden: in
     one accumulator as large as Linear-1's gate and up, in fp8 two 128-column halves promoted as
     gate and up are: faster than 128-wide fp8 tiles in each of eight cells compared in one run
     on one H200, a development comparison kept in no record), else 128; the deepest ring that
-    fits a CTA."""
+    fits a CTA. ``block_m`` (gluon_ws): its tile rows, one of ``WS_ROW_TILES`` (256: Linear-1
+    tiles of 64 columns, Linear-2 tiles of 128)."""
     check_precision(precision)
     if kernel is None:
         kernel = "triton" if device is None or kernel_unsupported("gluon_ws", device) else "gluon_ws"
@@ -81,24 +87,29 @@ def default_tile_config(precision: str, kernel: str | None = None, *, hidden: in
         raise MoEContractError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "triton":
         return TileConfig() if precision == "bf16" else TileConfig(block_k=FP8_SCALE_BLOCK)
-    wide = hidden is None or hidden % 256 == 0
+    if block_m not in WS_ROW_TILES or precision not in WS_ROW_TILES[block_m]["precisions"]:
+        raise MoEContractError(f"gluon_ws tiles of {block_m} rows in {precision} are not one of "
+                               f"{WS_ROW_TILES}")
+    block_n1 = WS_ROW_TILES[block_m]["block_n1"]
+    wide = block_m == WS_BLOCK_M and (hidden is None or hidden % 256 == 0)
     block_n2 = 256 if wide else 128
     stages = max(s for s in range(2, 5) if ws_shared_memory_bytes(
-        precision, block_n2, WS_BLOCK_K[precision], s) <= HOPPER_SMEM_PER_CTA)
-    return TileConfig(block_m=WS_BLOCK_M, block_n1=WS_BLOCK_N1, block_n2=block_n2,
+        precision, block_m, block_n1, block_n2, WS_BLOCK_K[precision], s) <= HOPPER_SMEM_PER_CTA)
+    return TileConfig(block_m=block_m, block_n1=block_n1, block_n2=block_n2,
                       block_k=WS_BLOCK_K[precision], num_warps=4, num_stages=stages,
                       kernel="gluon_ws")
 
 
-def ws_shared_memory_bytes(precision: str, block_n2: int, block_k: int, stages: int) -> int:
-    """Shared memory of a gluon_ws CTA: the ring (an A tile of 128 rows and a B tile of
-    max(2 block_n1, block_n2) rows per stage), the epilogues' layout conversion (one 64-row half
-    of the widest output tile: the compiler's scratch, shared by the partitions), the ring's
-    mbarriers with 64 bytes of alignment slack, and the weighted sum's control block (where the
-    build ends with the sum: ``SUM_CONTROL`` int64 slots)."""
+def ws_shared_memory_bytes(precision: str, block_m: int, block_n1: int, block_n2: int,
+                           block_k: int, stages: int) -> int:
+    """Shared memory of a gluon_ws CTA: the ring (an A tile of ``block_m`` rows and a B tile of
+    max(2 block_n1, block_n2) rows per stage), the epilogues' layout conversion (one half of the
+    widest output tile: the compiler's scratch, shared by the partitions), the ring's mbarriers
+    with 64 bytes of alignment slack, and the weighted sum's control block (where the build ends
+    with the sum: ``SUM_CONTROL`` int64 slots)."""
     elem = 2 if precision == "bf16" else 1
-    ring = stages * (WS_BLOCK_M + max(2 * WS_BLOCK_N1, block_n2)) * block_k * elem
-    conversion = (WS_BLOCK_M // 2) * max(block_n2 * 2, WS_BLOCK_N1 * elem)
+    ring = stages * (block_m + max(2 * block_n1, block_n2)) * block_k * elem
+    conversion = (block_m // 2) * max(block_n2 * 2, block_n1 * elem)
     sum_control = 8 * load_kernel_module("moe_fused_ws").SUM_CONTROL.value
     return ring + conversion + 2 * stages * 8 + 64 + sum_control
 
@@ -132,20 +143,28 @@ def check_tile_config(config: TileConfig, precision: str, hidden: int, intermedi
 
 
 def _check_ws_tiles(config: TileConfig, precision: str) -> None:
-    """The tile contract of kernels/moe_fused_ws.py: two 64-row consumer warpgroups, gate and up
-    in one 256-row B stage, K blocks that are 128 bytes of a row (TMA's 128-byte swizzle; in
-    fp8 one scale block), Linear-2 accumulators that fit a consumer's registers, a ring that fits
-    a CTA's shared memory."""
-    fixed = dict(block_m=WS_BLOCK_M, block_n1=WS_BLOCK_N1, block_k=WS_BLOCK_K[precision],
+    """The tile contract of kernels/moe_fused_ws.py: two consumer warpgroups, one half of the rows
+    each, with the Linear-1 width of their rows (``WS_ROW_TILES``), gate and up in one B stage,
+    K blocks that are 128 bytes of a row (TMA's 128-byte swizzle; in fp8 one scale block),
+    Linear-2 accumulators that fit a consumer's registers (128 x 128 fp32 at 256 rows), a ring
+    that fits a CTA's shared memory."""
+    rows = WS_ROW_TILES.get(config.block_m)
+    if rows is None or precision not in rows["precisions"]:
+        raise MoEContractError(f"gluon_ws tiles of block_m={config.block_m} rows in {precision} "
+                               f"are not one of {WS_ROW_TILES}")
+    fixed = dict(block_n1=rows["block_n1"], block_k=WS_BLOCK_K[precision],
                  scale_block=FP8_SCALE_BLOCK)
     wrong = {k: getattr(config, k) for k, v in fixed.items() if getattr(config, k) != v}
     if wrong:
-        raise MoEContractError(f"the gluon_ws kernel fixes {fixed} in {precision}, got {wrong}")
-    widths = (128, 256)
+        raise MoEContractError(f"the gluon_ws kernel fixes {fixed} at {config.block_m} rows in "
+                               f"{precision}, got {wrong}")
+    widths = (128, 256) if config.block_m == WS_BLOCK_M else (128,)
     if config.block_n2 not in widths:
-        raise MoEContractError(f"gluon_ws block_n2 must be one of {widths} in {precision} (its "
-                               f"accumulator's registers), got {config.block_n2}")
-    smem = ws_shared_memory_bytes(precision, config.block_n2, config.block_k, config.num_stages)
+        raise MoEContractError(f"gluon_ws block_n2 must be one of {widths} at {config.block_m} "
+                               f"rows in {precision} (its accumulator's registers), got "
+                               f"{config.block_n2}")
+    smem = ws_shared_memory_bytes(precision, config.block_m, config.block_n1, config.block_n2,
+                                  config.block_k, config.num_stages)
     if config.num_stages < 2 or smem > HOPPER_SMEM_PER_CTA:
         raise MoEContractError(f"gluon_ws needs 2 or more stages within {HOPPER_SMEM_PER_CTA} B "
                                f"of shared memory; {config.num_stages} stages take {smem} B")
