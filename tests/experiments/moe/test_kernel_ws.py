@@ -32,7 +32,7 @@ from xstage_lab.ops.moe.schedules import MoEProblem, expert_wave_schedule
 from xstage_lab.ops.moe.shapes import MoEContractError, PRECISIONS, load_shapes
 from xstage_lab.ops.moe.tiles import (HOPPER_SMEM_PER_CTA, WS_ROW_TILES, TileConfig,
                                       check_tile_config, default_tile_config,
-                                      ws_shared_memory_bytes)
+                                      ws_shared_memory_bytes, ws_tile_rows)
 from xstage_lab.ops.moe.weights import local_expert_weights, quantize_rows_fp8
 
 SHAPES = load_shapes()
@@ -173,6 +173,13 @@ def test_default_configs_follow_the_shapes():
     # no GPU here: the default is the portable kernel
     assert default_tile_config("bf16", device="cpu").kernel == "triton"
     assert default_tile_config("bf16").kernel == "triton"
+
+
+def test_tall_tiles_where_experts_hold_one_to_eight_row_blocks_in_bf16():
+    rows = (None, 1, 96, 127, 128, 192, 1024, 1025, 2048)
+    assert [ws_tile_rows("bf16", r) for r in rows] == [128, 128, 128, 128, 256, 256, 256, 128,
+                                                       128]
+    assert {ws_tile_rows("fp8", r) for r in rows} == {128}
 
 
 @pytest.mark.parametrize("change,message", [

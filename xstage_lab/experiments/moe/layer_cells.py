@@ -182,8 +182,10 @@ class Ep8RankCell:
         capacity = EP * tokens * shape.top_k
         # the rows arrive as Dispatch sent them, e4m3 with their scales in FP8: nothing to
         # quantize, so no quantized copy
+        # the bound is EP times the rows a rank receives on average: the tiles follow those
         self.ws = MoEWorkspace(weights, capacity, source_rows=0,
-                               config=_tiles(precision, shape, device, tile_rows))
+                               config=_tiles(precision, shape, device, tile_rows),
+                               rows_per_expert=tokens * shape.top_k / wl.experts_per_rank)
         self.buffers = [torch.empty(tokens * shape.top_k, shape.hidden, dtype=torch.bfloat16,
                                     device=device) for _ in range(EP)]
         self.peers = local_combine_peers(self.buffers)

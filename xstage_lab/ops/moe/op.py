@@ -51,7 +51,7 @@ from .fused import (DEFAULT_MAX_SPIN_ITERS, KERNEL_ENTRIES, InKernelSum, KernelB
                     check_expert_weights, expect_tensor, kernel_launch)
 from .schedules import d_knee, derived_lead
 from .shapes import FP8_SCALE_BLOCK, MoEContractError
-from .tiles import TileConfig, default_tile_config
+from .tiles import TileConfig, default_tile_config, ws_tile_rows
 from .weights import ExpertWeights
 
 SCHEDULE_CHOICES = (*SCHEDULES, "auto")
@@ -185,7 +185,9 @@ class MoEWorkspace:
     rows only (``allocate_tables``). With the gluon_ws kernel, where the bound leaves most SMs
     without a Linear-2 tile (a few tokens), each Linear-2 tile is split along K
     (``TableBounds.of(split_k=True)``, ``device_tables.l2_split_count``) and its splits' partials
-    get buffers of their own (``fused.split_k_buffers``).
+    get buffers of their own (``fused.split_k_buffers``). ``config`` defaults to the kernel's
+    tiles for experts of ``rows_per_expert`` routed rows on average (``tiles.ws_tile_rows``;
+    default: the bound's, ``capacity`` over the experts).
 
     ``buffers``: another workspace's (``buffers.MoEBuffers``: every buffer but the weights), to
     share, sized exactly as this one's would be; else allocated here, with a FusedMoE's Combine
@@ -195,11 +197,15 @@ class MoEWorkspace:
     def __init__(self, weights: ExpertWeights, capacity: int, *, config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
                  max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS, source_rows: int | None = None,
-                 buffers: MoEBuffers | None = None, combine_rows: bool = False):
+                 buffers: MoEBuffers | None = None, combine_rows: bool = False,
+                 rows_per_expert: float | None = None):
         device = weights.w1.device
         self.weights = weights
-        self.config = config or default_tile_config(weights.precision, hidden=weights.hidden,
-                                                    device=device)
+        if rows_per_expert is None:
+            rows_per_expert = capacity / weights.num_experts
+        self.config = config or default_tile_config(
+            weights.precision, hidden=weights.hidden, device=device,
+            block_m=ws_tile_rows(weights.precision, rows_per_expert))
         check_expert_weights(weights, self.config)
         if num_programs is None:
             num_programs = (torch.cuda.get_device_properties(device).multi_processor_count

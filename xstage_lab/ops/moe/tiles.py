@@ -22,6 +22,8 @@ WS_ROW_TILES = {128: dict(block_n1=128, precisions=("bf16", "fp8")),
                 256: dict(block_n1=64, precisions=("bf16",))}
 WS_BLOCK_K = {"bf16": 64, "fp8": FP8_SCALE_BLOCK}
 HOPPER_SMEM_PER_CTA = 227 * 1024
+# the routed rows an expert holds on average where ``ws_tile_rows`` takes 256-row tiles
+WS_TALL_ROWS_PER_EXPERT = (128, 1024)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,28 @@ def kernel_device(device, kernel: str, who: str) -> torch.device:
         raise SystemExit(why)
     torch.backends.cuda.matmul.allow_tf32 = False
     return on
+
+
+def ws_tile_rows(precision: str, rows_per_expert: float | None) -> int:
+    """The rows of the gluon_ws kernel's tiles for experts of ``rows_per_expert`` routed rows on
+    average (None: not known): 256 in bf16 from one full 128-row block an expert to eight
+    (``WS_TALL_ROWS_PER_EXPERT``), else 128.
+
+    Each row block of an expert streams the expert's weights, and the L2 cache keeps little of
+    them for its next row block (``data/records/moe_ncu/README.md``): there the kernel runs at
+    the bytes it reads. One ab job on one H100 (tiles of 128, 256, 128 rows; moe_layer/
+    h100-80gb-hbm3-x1/…162309Z against …162411Z and …162503Z, retired), bf16, the kernel alone
+    at 256 rows over 128: DeepSeek-V4-Flash at EP = 1 0.98x at 96 rows an expert and 0.65x at
+    192, MiMo-V2.5 0.77x at 128 and 0.74x at 256; on the EP = 8 rank 0.84x at 768 and 0.93x at
+    1024, 1.02x and 1.01x at 1536 and 2048, where an expert's many row blocks run side by side
+    and share its weights in the L2 cache. At one and 64 tokens (DiT-MoE, Qwen3.5, both
+    settings: a few rows an expert) 256-row tiles took 1.03-1.32x the time of the 128-row
+    kernel's records of the same cells (…162612Z, retired, against …151021Z, …151355Z and
+    …150538Z: not one job)."""
+    low, high = WS_TALL_ROWS_PER_EXPERT
+    if precision == "bf16" and rows_per_expert is not None and low <= rows_per_expert <= high:
+        return 256
+    return WS_BLOCK_M
 
 
 def default_tile_config(precision: str, kernel: str | None = None, *, hidden: int | None = None,
