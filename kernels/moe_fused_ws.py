@@ -10,7 +10,9 @@ warpgroup takes 128 rows over Linear-1 tiles of 64 gate and 64 up columns and Li
 a CTA streams serves twice the rows. With 192 routed rows an expert (DeepSeek-V4-Flash bf16 at
 8192 tokens) the 128-row kernel read 1.90x the expert weights' bytes from DRAM, with 256 rows an
 expert 2.34x: the L2 cache keeps little of an expert's weights for its next row block, whatever
-the tiles' order (``data/records/moe_ncu/README.md``).
+the tiles' order (``data/records/moe_ncu/README.md``). At 256 rows the kernel took 0.65x and
+0.74x the time there (one ab job on one H100; where the layer takes 256-row tiles:
+``tiles.ws_tile_rows``).
 
 One CTA per SM walks its program's row of the table. Three partitions:
   consumer 0, consumer 1   one warpgroup each, the tile's rows from half · BLOCK_M / 2:
