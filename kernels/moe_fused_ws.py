@@ -18,11 +18,11 @@ One CTA per SM walks its program's row of the table. Three partitions:
   consumer 0, consumer 1   one warpgroup each, the tile's rows from half · BLOCK_M / 2:
                            wgmma on the shared-memory ring, then the tile's epilogue; a half
                            of padding rows only (an expert's last row block with at most
-                           BLOCK_M/2 routed rows, the rule at small T) issues no wgmma and no stores and
-                           its A rows are not loaded (at one token the kernel took 0.83-0.99x
-                           the time of the build without this, every shape, both settings, one
-                           session on one H200: moe_layer/h200-x1/20261202T203004Z
-                           against …203438Z, both retired);
+                           BLOCK_M/2 routed rows, the rule at small T) issues no wgmma and no
+                           stores and its A rows are not loaded (at one token the kernel took
+                           0.83-0.99x the time of the build without this, every shape, both
+                           settings, one session on one H200: moe_layer/h200-x1/
+                           20261202T203004Z against …203438Z, both retired);
   producer                 one warpgroup: the A tile and the B tile (expert weights) of every K
                            block into a STAGES-deep ring, a stage refilled once both consumers
                            released it. B, and Linear-2's A (the intermediate ``h``), by TMA from
