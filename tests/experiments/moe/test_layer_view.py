@@ -179,6 +179,25 @@ def test_layer_prose_gives_the_kernels_weight_passes_from_4096_tokens(tmp_path):
     assert "read once at the HBM" not in str(layer([lv.layer_view("y", tmp_path)]))
 
 
+def test_layer_prose_says_which_cells_ran_256_row_tiles(tmp_path):
+    """The cells whose record names 256-row tiles, counted and placed by setting and token
+    count; none where every cell ran 128 or the record has no ``tile_rows`` (128 then)."""
+    from xstage_lab.prose.moe.kernel import layer
+
+    rows = [_row(4096, model="M0", tile_rows=256), _row(8192, model="M1", tile_rows=256),
+            _row(512, model="M2", setting="ep8_rank", tile_rows=256),
+            _row(64, model="M3", tile_rows=128)]
+    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    assert ("The kernel's tiles are 256 rows in 3 bf16 cells (at EP = 1 at 4096 and 8192 tokens "
+            "and on the EP = 8 rank at 512 tokens: where an expert's routed rows fill one to "
+            "eight 128-row blocks on average), 128 in the others.") in \
+        str(layer([lv.layer_view("x", tmp_path)]))
+    write_record("moe_layer", "y", pd.DataFrame(rows[3:]), {}, {}, tmp_path)
+    write_record("moe_layer", "z", pd.DataFrame([_row(64, model="M4")]), {}, {}, tmp_path)
+    for platform in ("y", "z"):
+        assert "256 rows" not in str(layer([lv.layer_view(platform, tmp_path)]))
+
+
 def test_summary_leaves_moe_layer_out_without_records(tmp_path):
     from xstage_lab.summary import ENTRIES, summary
 

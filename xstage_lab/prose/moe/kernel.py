@@ -8,7 +8,7 @@ import json
 import pandas as pd
 
 from ...analysis.moe import geometric_mean
-from .. import Prose, count, count_span, plural, rec, span, val
+from .. import Prose, count, count_span, plural, rec, span, val, words
 from .common import cell_name
 
 
@@ -379,8 +379,8 @@ def layer(layer_views) -> Prose:
             f"{met('graph_over_kernel_ok')} cells ({span(a['graph_over_kernel'], '.2f')}×)"
             f"{in_kernel_sums(t)}{misses}; "
             f"{schedule}; {host}; the one-token graphed call meets 1.5× the weight-read floor + "
-            f"10 µs in {met('t1_ok')} cells.{t1}{kernel}{weight_passes(t, a)} Today's "
-            f"host-scheduled call takes "
+            f"10 µs in {met('t1_ok')} cells.{t1}{kernel}{weight_passes(t, a)}{tall_tiles(t)} "
+            f"Today's host-scheduled call takes "
             f"{span(t['host_scheduled_us'] / t['fused_eager_us'], '.1f')}× the fused eager "
             f"call's time.")
     return Prose(*out)
@@ -404,6 +404,20 @@ def weight_passes(cells: pd.DataFrame, accepted: pd.DataFrame) -> str:
     return (f" At {KERNEL_PARITY_TOKENS} tokens and more the kernel alone takes "
             f"{span(passes, '.1f')}× the time its experts' weights take to read once at the HBM "
             f"bandwidth measured in the run{where}.")
+
+
+def tall_tiles(cells: pd.DataFrame) -> str:
+    """The cells whose record says the kernel ran 256-row tiles (``tile_rows``; records before
+    the column ran 128), by setting and token count; "" where none did."""
+    if "tile_rows" not in cells or not (cells["tile_rows"] == 256).any():
+        return ""
+    tall = cells[cells["tile_rows"] == 256]
+    where = words(f"{SETTING_WORDS[s]} at {words(count(n) for n in sorted(g['tokens'].unique()))}"
+                  f" tokens" for s, g in tall.groupby("setting"))
+    return (f" The kernel's tiles are 256 rows in {count(len(tall))} "
+            f"{words(sorted(tall['precision'].unique()))} {plural(len(tall), 'cell')} ({where}: "
+            "where an expert's routed rows fill one to eight 128-row blocks on average), 128 in "
+            "the others.")
 
 
 def speedup_misses(accepted: pd.DataFrame) -> str:
