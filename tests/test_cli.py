@@ -194,7 +194,9 @@ def _malformed_inputs(tmp: Path) -> dict[str, list[list[str]]]:
     return {
         "run": [["nosuch"], [], ["remote_store", "--repeats", "0"],
                 ["remote_store", "--only", "nosuch"], ["remote_store", "--root", str(tmp)],
-                ["moe_layer", "--weighted-sum", "fused"], ["moe_layer", "--graph-start", "busy"]],
+                ["moe_layer", "--weighted-sum", "fused"], ["moe_layer", "--graph-start", "busy"],
+                ["moe_layer", "--tile-rows", "512"],
+                ["moe_layer", "--tile-rows", "256", "--precisions", "fp8"]],
         "characterize": [["--repeats", "x"], ["--src", "y"], ["--only", "nosuch"]],
         "characterize-beyond": [["--only", "nosuch"], ["--repeats", "0"], ["--dst", "-2"]],
         "calibrate": [[str(not_parquet)], [str(tmp / "missing.parquet")], []],
