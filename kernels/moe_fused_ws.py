@@ -902,11 +902,12 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     tensors), and where the scales lie; layout row ``r`` is row ``row_origin[r]`` of ``x`` (int32
     [R], -1 on padding), its scales row ``r`` of ``[R, HIDDEN / 128]`` where ``a_rows[2]`` is 1,
     else row ``row_origin[r]`` of ``[N, HIDDEN / 128]``. Descriptors (row-major 2-D views):
-    ``h_desc`` over ``h [R, INTER]`` with [64, BLOCK_K] blocks, ``w1_desc`` over ``w1 [E·2·INTER,
-    HIDDEN]`` with [BLOCK_N1, BLOCK_K] blocks, ``w2_desc`` over ``w2 [E·HIDDEN, INTER]`` with
-    [BLOCK_N2, BLOCK_K] blocks. ``h`` and the scales as in ``moe_fused.py`` (FP8 only: bf16
-    launches pass any pointer for the scales).
-    ``row_ready`` int32 [R / 128], zero at launch for the row blocks in use (no other is read).
+    ``h_desc`` over ``h [R, INTER]`` with [BLOCK_M / 2, BLOCK_K] blocks, ``w1_desc`` over
+    ``w1 [E·2·INTER, HIDDEN]`` with [BLOCK_N1, BLOCK_K] blocks, ``w2_desc`` over ``w2 [E·HIDDEN,
+    INTER]`` with [BLOCK_N2, BLOCK_K] blocks. ``h`` and the scales as in ``moe_fused.py`` (FP8
+    only: bf16 launches pass any pointer for the scales). ``BLOCK_M``: the rows of a tile, 128
+    or 256 (``tiles.WS_ROW_TILES``), by which the layout pads every expert.
+    ``row_ready`` int32 [R / BLOCK_M], zero at launch for the row blocks in use (no other is read).
     INSTRUMENT: ``trace`` is int64 [programs, max_tiles, TRACE_FIELDS] (``_consumer``); a separate
     build, compared only with itself. FENCE: every Linear-2 tile waits after its Combine stores
     until they are visible system-wide (the completion-coupled counterfactual).
@@ -918,7 +919,7 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
 
     ``SPLIT_K`` (a separate build, where ``l2_splits`` > 1): ``l2_splits`` K splits of each
     Linear-2 tile; a Linear-2 entry's ``n_block`` is ``split · HIDDEN / BLOCK_N2 + column
-    block`` (``_l2_split``), ``l2_partial`` fp32 ``[row blocks · l2_splits · 128, HIDDEN]`` (row
+    block`` (``_l2_split``), ``l2_partial`` fp32 ``[row blocks · l2_splits · BLOCK_M, HIDDEN]`` (row
     blocks of the layout in use) and ``l2_ready`` int32 ``[row blocks · HIDDEN / BLOCK_N2 · 2]``,
     zero at the first launch and left zero by each. Without it both are never read.
 
