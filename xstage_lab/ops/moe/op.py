@@ -355,17 +355,17 @@ class FusedMoE(torch.nn.Module):
 
     ``weights``: the experts in the kernels' layout (``weights.local_expert_weights(shape, 0, 1,
     precision)``: bf16, or e4m3 with 128 x 128 fp32 scales); they stay on their device.
-    ``max_tokens``: the bound T every buffer is sized by (``device_tables.row_blocks_in_use``),
-    and, without a ``config``, what the kernel's tiles are chosen for (``tiles.ws_tile_rows``, at
-    ``max_tokens * top_k`` rows over the experts): a layer built for many more tokens than its
-    calls bring may run 256-row tiles where 128 would be faster (at one and 64 tokens on one
-    H100, 1.03-1.32x the 128-row records' time: ``tiles.ws_tile_rows``); pass ``config`` to
-    choose. ``schedule``: ``"wave"`` (Expert-Wave), ``"interleaved"`` (Algorithm 1, lead ``lead_rows``,
-    default ``schedules.derived_lead``) or ``"auto"`` (``auto_schedule``). ``check_ids``: also
-    check on the host that every id lies in ``0 .. E - 1`` before launch (a device-to-host copy;
-    ids on the CPU are always checked; neither while capturing a graph or tracing for
-    torch.compile); without it an id out of range adds to ``error`` on the device and its pick
-    gets no row (its slot of the output is not defined).
+    ``max_tokens``: the bound T every buffer is sized by (``device_tables.row_blocks_in_use``), and,
+    without a ``config``, what the kernel's tiles are chosen for (``tiles.ws_tile_rows``, at
+    ``max_tokens * top_k`` rows over the experts): a layer built for many more tokens than its calls
+    bring may run 256-row tiles where 128 would be faster (at one and 64 tokens on one H100,
+    1.03-1.32x the 128-row records' time: ``tiles.ws_tile_rows``); pass ``config`` to choose.
+    ``schedule``: ``"wave"`` (Expert-Wave), ``"interleaved"`` (Algorithm 1, lead ``lead_rows``,
+    default ``schedules.derived_lead``) or ``"auto"`` (``auto_schedule``). ``check_ids``: also check
+    on the host that every id lies in ``0 .. E - 1`` before launch (a device-to-host copy; ids on
+    the CPU are always checked; neither while capturing a graph or tracing for torch.compile);
+    without it an id out of range adds to ``error`` on the device and its pick gets no row (its slot
+    of the output is not defined).
 
     ``forward(x, topk_ids, topk_weights)``: bf16 ``x [T, H]`` (16-byte aligned), integer
     ``topk_ids [T, top_k]``, float ``topk_weights [T, top_k]``, ``T <= max_tokens``, all on the

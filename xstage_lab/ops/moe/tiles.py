@@ -17,7 +17,6 @@ KERNELS = ("gluon_ws", "triton")
 # serves twice the rows in the same accumulator registers), and the shared memory of one CTA on
 # an H100/H200 that the ring and the epilogues' layout conversions share.
 WS_BLOCK_M = 128
-WS_BLOCK_N1 = 128
 WS_ROW_TILES = {128: dict(block_n1=128, precisions=("bf16", "fp8")),
                 256: dict(block_n1=64, precisions=("bf16",))}
 WS_BLOCK_K = {"bf16": 64, "fp8": FP8_SCALE_BLOCK}
