@@ -115,10 +115,7 @@ def default_tile_config(precision: str, kernel: str | None = None, *, hidden: in
         raise MoEContractError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "triton":
         return TileConfig() if precision == "bf16" else TileConfig(block_k=FP8_SCALE_BLOCK)
-    if block_m not in WS_ROW_TILES or precision not in WS_ROW_TILES[block_m]["precisions"]:
-        raise MoEContractError(f"gluon_ws tiles of {block_m} rows in {precision} are not one of "
-                               f"{WS_ROW_TILES}")
-    block_n1 = WS_ROW_TILES[block_m]["block_n1"]
+    block_n1 = _ws_rows(block_m, precision)["block_n1"]
     wide = block_m == WS_BLOCK_M and (hidden is None or hidden % 256 == 0)
     block_n2 = 256 if wide else 128
     stages = max(s for s in range(2, 5) if ws_shared_memory_bytes(
@@ -170,16 +167,23 @@ def check_tile_config(config: TileConfig, precision: str, hidden: int, intermedi
         _check_ws_tiles(config, precision)
 
 
+def _ws_rows(block_m: int, precision: str) -> dict:
+    """``WS_ROW_TILES``' entry for tiles of ``block_m`` rows in ``precision``; MoEContractError
+    where the kernel has none."""
+    rows = WS_ROW_TILES.get(block_m)
+    if rows is None or precision not in rows["precisions"]:
+        raise MoEContractError(f"gluon_ws tiles of block_m={block_m} rows in {precision} are not "
+                               f"one of {WS_ROW_TILES}")
+    return rows
+
+
 def _check_ws_tiles(config: TileConfig, precision: str) -> None:
     """The tile contract of kernels/moe_fused_ws.py: two consumer warpgroups, one half of the rows
     each, with the Linear-1 width of their rows (``WS_ROW_TILES``), gate and up in one B stage,
     K blocks that are 128 bytes of a row (TMA's 128-byte swizzle; in fp8 one scale block),
     Linear-2 accumulators that fit a consumer's registers (128 x 128 fp32 at 256 rows), a ring
     that fits a CTA's shared memory."""
-    rows = WS_ROW_TILES.get(config.block_m)
-    if rows is None or precision not in rows["precisions"]:
-        raise MoEContractError(f"gluon_ws tiles of block_m={config.block_m} rows in {precision} "
-                               f"are not one of {WS_ROW_TILES}")
+    rows = _ws_rows(config.block_m, precision)
     fixed = dict(block_n1=rows["block_n1"], block_k=WS_BLOCK_K[precision],
                  scale_block=FP8_SCALE_BLOCK)
     wrong = {k: getattr(config, k) for k, v in fixed.items() if getattr(config, k) != v}
