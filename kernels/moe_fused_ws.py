@@ -5,9 +5,10 @@ run): the same tile table ``(kind, expert, row_block, n_block)`` drives both, so
 Interleaved (Algorithm 1) run unchanged; the host side is ``xstage_lab/ops/moe/``.
 
 Tiles of ``BLOCK_M`` = 128 rows, or 256 (bf16; ``tiles.WS_ROW_TILES``): there each consumer
-warpgroup takes 128 rows over Linear-1 tiles of 64 gate and 64 up columns and Linear-2 tiles of
-128 columns, the same accumulator registers and stage bytes as at 128 rows, so each weight block
-a CTA streams serves twice the rows. With 192 routed rows an expert (DeepSeek-V4-Flash bf16 at
+warpgroup takes 128 rows over Linear-1 tiles of 64 gate and 64 up columns (one m64n128 wgmma
+group, split in registers for SwiGLU) and Linear-2 tiles of 128 columns, the same accumulator
+registers and stage bytes as at 128 rows, so each weight block a CTA streams serves twice the
+rows. With 192 routed rows an expert (DeepSeek-V4-Flash bf16 at
 8192 tokens) the 128-row kernel read 1.90x the expert weights' bytes from DRAM, with 256 rows an
 expert 2.34x: the L2 cache keeps little of an expert's weights for its next row block, whatever
 the tiles' order (``data/records/moe_ncu/README.md``). At 256 rows the kernel took 0.65x and
@@ -437,10 +438,12 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_ro
                                                 g_scales + (INTER // SCALE_BLOCK) * k_scales, n_k,
                                                 True, STAGES, HALF_ROWS)
     elif BLOCK_N1 == 64:
-        # 256-row tiles: gate and up as one wgmma of 128 columns (the stage's B rows hold them
-        # side by side), not two m64n64 groups each, which read shared memory at 64 B a clock a
-        # warpgroup, the SM's 128 with both consumers issuing. At 128 rows one m64n256 group
-        # instead of two m64n128 took the rank's 8192-token kernels up to 1.21x their time
+        # 256-row tiles: gate and up as one m64n128k16 group (the stage's B rows hold them side
+        # by side), 6 KiB of shared memory read where two m64n64k16 groups read 8 KiB (A twice).
+        # On one H100 the 256-row kernels took 0.964-1.015x the time of two groups (geometric
+        # mean 0.985; 25 cells of three ab jobs, moe_layer/h100-80gb-hbm3-x1/…171756Z,
+        # …172332Z, …173153Z). At 128 rows one m64n256 group instead of two m64n128 gained
+        # nothing measurable (the graphed call 0.987-1.070x, 17 cells), so those stay two
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, 2 * BLOCK_N1, 16])
         acc = gl.zeros([HALF_ROWS, 2 * BLOCK_N1], gl.float32, layout=mma)

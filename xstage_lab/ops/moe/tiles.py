@@ -90,7 +90,12 @@ def ws_tile_rows(precision: str, rows_per_expert: float | None) -> int:
     same cells (…151756Z, …150538Z, …150811Z: not one job): where the tiles are 256 rows the
     kernel took 0.65-1.00x the time in 18 cells, 1.06-1.14x in three (DiT-MoE at EP = 1 at
     4096 tokens and on the rank at 512, 512 rows an expert; Qwen3.5 on the rank at 4096, 640),
-    where they stay 128 rows (the same kernel) 1.00-1.07x."""
+    where they stay 128 rows (the same kernel) 1.00-1.07x. In one ab job at c5c2e5c (…170605Z to
+    …170755Z, retired; DiT-MoE and Qwen3.5 from 512 to 8192 tokens) those three took 1.04x,
+    1.12x and 1.04x at 256 rows, and DiT-MoE on the rank at 4096 and 8192 tokens (4096 and 8192
+    rows an expert) 0.92x: DiT-MoE's gain does not follow the rows an expert holds, so the rule
+    stays. Since then Linear-1's gate and up share one wgmma at 256 rows
+    (``kernels/moe_fused_ws.py``: 0.964-1.015x the kernel's time, geometric mean 0.985)."""
     low, high = WS_TALL_ROWS_PER_EXPERT
     if precision == "bf16" and rows_per_expert is not None and low <= rows_per_expert <= high:
         return 256
