@@ -441,9 +441,10 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_ro
         # 256-row tiles: gate and up as one m64n128k16 group (the stage's B rows hold them side
         # by side), 6 KiB of shared memory read where two m64n64k16 groups read 8 KiB (A twice).
         # On one H100 the 256-row kernels took 0.964-1.015x the time of two groups (geometric
-        # mean 0.985; 25 cells of three ab jobs, moe_layer/h100-80gb-hbm3-x1/…171756Z,
-        # …172332Z, …173153Z). At 128 rows one m64n256 group instead of two m64n128 gained
-        # nothing measurable (the graphed call 0.987-1.070x, 17 cells), so those stay two
+        # mean 0.985; 12 cells, 25 measurements in three ab jobs: moe_layer/h100-80gb-hbm3-x1/
+        # …171756Z, …172332Z, …173153Z). At 128 rows one m64n256 group instead of two m64n128
+        # gained nothing measurable (the graphed call 0.987-1.070x; 18 cells, 23 measurements
+        # in two of those jobs), so those stay two
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, 2 * BLOCK_N1, 16])
         acc = gl.zeros([HALF_ROWS, 2 * BLOCK_N1], gl.float32, layout=mma)

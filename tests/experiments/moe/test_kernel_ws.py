@@ -121,9 +121,10 @@ def test_compiles_for_hopper(ws_module, key):
         precision, cfg.block_m, cfg.block_n1, cfg.block_n2, cfg.block_k,
         cfg.num_stages) <= HOPPER_SMEM_PER_BLOCK
     kind = "e4m3.e4m3" if precision == "fp8" else "bf16.bf16"
-    # Linear-1: gate and up in one wgmma at 256 rows (bf16), else one each
-    l1_width = 2 * cfg.block_n1 if cfg.block_m == 256 else cfg.block_n1
-    assert f"wgmma.mma_async.sync.aligned.m64n{l1_width}k" in ptx and kind in ptx
+    # Linear-1's gate and up: a wgmma group each at 128 rows (m64n128), one group for both at
+    # 256 rows (m64n128 over 64 + 64 columns, never two m64n64)
+    assert "wgmma.mma_async.sync.aligned.m64n128k" in ptx and kind in ptx
+    assert cfg.block_m == 128 or "wgmma.mma_async.sync.aligned.m64n64k" not in ptx
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
     assert "cp.async.bulk.tensor.2d" in ptx
     # Linear-1's rows gathered in 16-byte copies, tracked by the stage's barrier, and fenced
