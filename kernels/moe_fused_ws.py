@@ -445,29 +445,8 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_ro
         # …171756Z, …172332Z, …173153Z). At 128 rows one m64n256 group instead of two m64n128
         # gained nothing measurable (the graphed call 0.987-1.070x; 18 cells, 23 measurements
         # in two of those jobs), so those stay two
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 2 * BLOCK_N1, 16])
-        acc = gl.zeros([HALF_ROWS, 2 * BLOCK_N1], gl.float32, layout=mma)
-        # one K block's group stays in flight while the next block's is issued; a stage is
-        # released once the group that read it has retired
-        s = _wait_stage(it, ready, True, STAGES)
-        acc = warpgroup_mma(a_smem.index(2 * s + half),
-                            b_smem.index(s).slice(0, 2 * BLOCK_N1).permute((1, 0)), acc,
-                            use_acc=False, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # waits for nothing: a tensor
-        prev = s
-        it += 1
-        for kk in range(1, n_k):
-            s = _wait_stage(it, ready, True, STAGES)
-            acc = warpgroup_mma(a_smem.index(2 * s + half),
-                                b_smem.index(s).slice(0, 2 * BLOCK_N1).permute((1, 0)), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            mbarrier.arrive(empty.index(prev))
-            prev = s
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index(prev))
+        acc, it = _one_group_mainloop(half, it, a_smem, b_smem, ready, empty, n_k, 2 * BLOCK_N1,
+                                      True, STAGES, HALF_ROWS)
         # a thread holds column c and c + BLOCK_N1 of its rows: the split moves no data
         acc_g, acc_u = acc.reshape([HALF_ROWS, 2, BLOCK_N1]).permute((0, 2, 1)).split()
     else:
@@ -532,26 +511,38 @@ def _linear2_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, h_sc
             acc += t * scale[:, None]
             it += 1
     else:
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        acc, it = _one_group_mainloop(half, it, a_smem, b_smem, ready, empty, n_k, BLOCK_N2, False,
+                                      STAGES, HALF_ROWS)
+    return acc, it
+
+
+@gluon.jit
+def _one_group_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, n_k,
+                        N: gl.constexpr, LINEAR1: gl.constexpr, STAGES: gl.constexpr,
+                        HALF_ROWS: gl.constexpr):
+    """bf16: the ``[HALF_ROWS, N]`` accumulator of this warpgroup's rows over the stage's first
+    ``N`` B rows and ``n_k`` K blocks, one wgmma group in flight while the next block's is issued,
+    a stage released once the group that read it has retired; the next ``it``. ``LINEAR1``: the
+    A rows came by ``cp.async`` (``_wait_stage``)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, N, 16])
+    acc = gl.zeros([HALF_ROWS, N], gl.float32, layout=mma)
+    s = _wait_stage(it, ready, LINEAR1, STAGES)
+    acc = warpgroup_mma(a_smem.index(2 * s + half), b_smem.index(s).slice(0, N).permute((1, 0)),
+                        acc, use_acc=False, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # waits for nothing: a tensor
+    prev = s
+    it += 1
+    for kk in range(1, n_k):
+        s = _wait_stage(it, ready, LINEAR1, STAGES)
         acc = warpgroup_mma(a_smem.index(2 * s + half),
-                            b_smem.index(s).slice(0, BLOCK_N2).permute((1, 0)), acc,
-                            use_acc=False, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # waits for nothing: a tensor
+                            b_smem.index(s).slice(0, N).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        mbarrier.arrive(empty.index(prev))
         prev = s
         it += 1
-        for kk in range(1, n_k):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            acc = warpgroup_mma(a_smem.index(2 * s + half),
-                                b_smem.index(s).slice(0, BLOCK_N2).permute((1, 0)), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            mbarrier.arrive(empty.index(prev))
-            prev = s
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index(prev))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index(prev))
     return acc, it
 
 
