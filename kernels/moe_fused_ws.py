@@ -8,12 +8,11 @@ Tiles of ``BLOCK_M`` = 128 rows, or 256 (bf16; ``tiles.WS_ROW_TILES``): there ea
 warpgroup takes 128 rows over Linear-1 tiles of 64 gate and 64 up columns (one m64n128 wgmma
 group, split in registers for SwiGLU) and Linear-2 tiles of 128 columns, the same accumulator
 registers and stage bytes as at 128 rows, so each weight block a CTA streams serves twice the
-rows. With 192 routed rows an expert (DeepSeek-V4-Flash bf16 at
-8192 tokens) the 128-row kernel read 1.90x the expert weights' bytes from DRAM, with 256 rows an
-expert 2.34x: the L2 cache keeps little of an expert's weights for its next row block, whatever
-the tiles' order (``data/records/moe_ncu/README.md``). At 256 rows the kernel took 0.65x and
-0.74x the time there (one ab job on one H100; where the layer takes 256-row tiles:
-``tiles.ws_tile_rows``).
+rows. With 192 routed rows an expert (DeepSeek-V4-Flash bf16 at 8192 tokens) the 128-row kernel
+read 1.90x the expert weights' bytes from DRAM, with 256 rows an expert 2.34x: the L2 cache
+keeps little of an expert's weights for its next row block, whatever the tiles' order
+(``data/records/moe_ncu/README.md``). At 256 rows the kernel took 0.65x and 0.74x the time there
+(one ab job on one H100; where the layer takes 256-row tiles: ``tiles.ws_tile_rows``).
 
 One CTA per SM walks its program's row of the table. Three partitions:
   consumer 0, consumer 1   one warpgroup each, the tile's rows from half · BLOCK_M / 2:
@@ -490,10 +489,10 @@ def _linear2_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, h_sc
                       HALF_ROWS: gl.constexpr):
     """The ``[HALF_ROWS, BLOCK_N2]`` accumulator of this warpgroup's rows over the ``n_k`` K
     blocks from ``k0``; the next ``it``."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N2, 32 if FP8 else 16])
-    acc = gl.zeros([HALF_ROWS, BLOCK_N2], gl.float32, layout=mma)
     if FP8:
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N2, 32])
+        acc = gl.zeros([HALF_ROWS, BLOCK_N2], gl.float32, layout=mma)
         k_scales = INTER // SCALE_BLOCK
         # .cg: h's scales were released by other SMs; read them at L2
         h_scales = h_scale + gl.convert_layout(rows, gl.SliceLayout(1, mma)) * k_scales + k0
