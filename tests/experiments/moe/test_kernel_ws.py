@@ -180,9 +180,18 @@ def test_default_configs_follow_the_shapes():
 
 def test_tall_tiles_where_experts_hold_one_to_eight_row_blocks_in_bf16():
     rows = (None, 1, 96, 127, 128, 192, 1024, 1025, 2048)
-    assert [ws_tile_rows("bf16", r) for r in rows] == [128, 128, 128, 128, 256, 256, 256, 128,
-                                                       128]
-    assert {ws_tile_rows("fp8", r) for r in rows} == {128}
+    for hidden in (None, 4096, 7168):
+        assert [ws_tile_rows("bf16", r, hidden) for r in rows] == [128, 128, 128, 128, 256, 256,
+                                                                   256, 128, 128]
+    assert {ws_tile_rows("fp8", r, h) for r in rows for h in (None, 1408)} == {128}
+
+
+def test_tall_tiles_above_eight_row_blocks_where_linear2_tiles_are_narrow():
+    """DiT-MoE's hidden size (1408) gives its 128-row kernel 128-wide Linear-2 tiles: 256-row
+    tiles only from more than eight 128-row blocks an expert, with no bound above."""
+    assert default_tile_config("bf16", "gluon_ws", hidden=1408).block_n2 == 128
+    rows = (None, 128, 512, 1024, 1025, 4096, 8192)
+    assert [ws_tile_rows("bf16", r, 1408) for r in rows] == [128, 128, 128, 128, 256, 256, 256]
 
 
 @pytest.mark.parametrize("change,message", [

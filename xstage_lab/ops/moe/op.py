@@ -205,7 +205,7 @@ class MoEWorkspace:
             rows_per_expert = capacity / weights.num_experts
         self.config = config or default_tile_config(
             weights.precision, hidden=weights.hidden, device=device,
-            block_m=ws_tile_rows(weights.precision, rows_per_expert))
+            block_m=ws_tile_rows(weights.precision, rows_per_expert, weights.hidden))
         check_expert_weights(weights, self.config)
         if num_programs is None:
             num_programs = (torch.cuda.get_device_properties(device).multi_processor_count

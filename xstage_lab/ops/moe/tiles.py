@@ -21,8 +21,12 @@ WS_ROW_TILES = {128: dict(block_n1=128, precisions=("bf16", "fp8")),
                 256: dict(block_n1=64, precisions=("bf16",))}
 WS_BLOCK_K = {"bf16": 64, "fp8": FP8_SCALE_BLOCK}
 HOPPER_SMEM_PER_CTA = 227 * 1024
-# the routed rows an expert holds on average where ``ws_tile_rows`` takes 256-row tiles
+# the routed rows an expert holds on average where ``ws_tile_rows`` takes 256-row tiles: where the
+# 128-row kernel's Linear-2 tiles are 256 columns wide (``ws_wide_l2``), and where they are 128
+# (from this many rows on, no bound above)
 WS_TALL_ROWS_PER_EXPERT = (128, 1024)
+WS_TALL_NARROW_ROWS_PER_EXPERT = 1025
+WS_WIDE_L2 = 256  # Linear-2 columns of a 128-row tile where the hidden size is a multiple of it
 
 
 @dataclass(frozen=True)
@@ -70,10 +74,19 @@ def kernel_device(device, kernel: str, who: str) -> torch.device:
     return on
 
 
-def ws_tile_rows(precision: str, rows_per_expert: float | None) -> int:
+def ws_wide_l2(hidden: int | None) -> bool:
+    """Whether the 128-row gluon_ws kernel's Linear-2 tiles are ``WS_WIDE_L2`` columns wide: where
+    ``hidden`` (None: not known) is a multiple of it; else 128, as every 256-row kernel's."""
+    return hidden is None or hidden % WS_WIDE_L2 == 0
+
+
+def ws_tile_rows(precision: str, rows_per_expert: float | None,
+                 hidden: int | None = None) -> int:
     """The rows of the gluon_ws kernel's tiles for experts of ``rows_per_expert`` routed rows on
-    average (None: not known): 256 in bf16 from one full 128-row block an expert to eight
-    (``WS_TALL_ROWS_PER_EXPERT``), else 128.
+    average (None: not known) and a hidden size ``hidden`` (None: not known): 256 in bf16 from one
+    full 128-row block an expert to eight (``WS_TALL_ROWS_PER_EXPERT``) where the 128-row
+    kernel's Linear-2 tiles are 256 wide (``ws_wide_l2``), from more than eight
+    (``WS_TALL_NARROW_ROWS_PER_EXPERT``) where they are 128 wide; else 128.
 
     Each row block of an expert streams the expert's weights, and the L2 cache keeps little of
     them for its next row block (``data/records/moe_ncu/README.md``): there the kernel runs at
@@ -93,13 +106,25 @@ def ws_tile_rows(precision: str, rows_per_expert: float | None) -> int:
     where they stay 128 rows (the same kernel) 1.00-1.07x. In one ab job at c5c2e5c (…170605Z to
     …170755Z, retired; DiT-MoE and Qwen3.5 from 512 to 8192 tokens) those three took 1.04x,
     1.12x and 1.04x at 256 rows, and DiT-MoE on the rank at 4096 and 8192 tokens (4096 and 8192
-    rows an expert) 0.92x: DiT-MoE's gain does not follow the rows an expert holds, so the rule
-    stays. Since then Linear-1's gate and up share one wgmma at 256 rows
-    (``kernels/moe_fused_ws.py``: 0.964-1.015x the kernel's time, geometric mean 0.985)."""
-    low, high = WS_TALL_ROWS_PER_EXPERT
-    if precision == "bf16" and rows_per_expert is not None and low <= rows_per_expert <= high:
-        return 256
-    return WS_BLOCK_M
+    rows an expert) 0.92x. Since then Linear-1's gate and up share one wgmma at 256 rows
+    (``kernels/moe_fused_ws.py``: 0.964-1.015x the kernel's time, geometric mean 0.985).
+
+    DiT-MoE is the one shape whose hidden size (1408) is not a multiple of 256, so its 128-row
+    kernel has 128-wide Linear-2 tiles: a K step's 128 x 128 x 64 products over 32 KiB of A and
+    B, three quarters of the others' 128 x 256 x 64 over 48 KiB, which its 256-row tiles (256 x
+    128) restore. In one ab job on one H200 at e29796f
+    (tiles of 128, 256, 128 rows; moe_layer/h200-x1/…181627Z against …181704Z and …181736Z),
+    bf16, the kernel alone at 256 rows over 128: DiT-MoE at EP = 1 1.214x at 512 rows an expert
+    and 1.047x at 1024, on the EP = 8 rank 0.925x at 4096 and 0.940x at 8192, as the H100 had
+    measured (1.04x, 0.98x, 0.92x, 0.92x; and 1.12x on the rank at 512); Qwen3.5 1.103x at 80
+    rows, 0.874x at 160, 1.009x at 640 and 1.035x at 1280. So DiT-MoE's tiles are 256 rows only
+    above eight row blocks an expert."""
+    if precision != "bf16" or rows_per_expert is None:
+        return WS_BLOCK_M
+    if ws_wide_l2(hidden):
+        low, high = WS_TALL_ROWS_PER_EXPERT
+        return 256 if low <= rows_per_expert <= high else WS_BLOCK_M
+    return 256 if rows_per_expert >= WS_TALL_NARROW_ROWS_PER_EXPERT else WS_BLOCK_M
 
 
 def default_tile_config(precision: str, kernel: str | None = None, *, hidden: int | None = None,
@@ -121,8 +146,8 @@ def default_tile_config(precision: str, kernel: str | None = None, *, hidden: in
     if kernel == "triton":
         return TileConfig() if precision == "bf16" else TileConfig(block_k=FP8_SCALE_BLOCK)
     block_n1 = _ws_rows(block_m, precision)["block_n1"]
-    wide = block_m == WS_BLOCK_M and (hidden is None or hidden % 256 == 0)
-    block_n2 = 256 if wide else 128
+    wide = block_m == WS_BLOCK_M and ws_wide_l2(hidden)
+    block_n2 = WS_WIDE_L2 if wide else 128
     stages = max(s for s in range(2, 5) if ws_shared_memory_bytes(
         precision, block_m, block_n1, block_n2, WS_BLOCK_K[precision], s) <= HOPPER_SMEM_PER_CTA)
     return TileConfig(block_m=block_m, block_n1=block_n1, block_n2=block_n2,
