@@ -112,13 +112,14 @@ def ws_tile_rows(precision: str, rows_per_expert: float | None,
     DiT-MoE is the one shape whose hidden size (1408) is not a multiple of 256, so its 128-row
     kernel has 128-wide Linear-2 tiles: a K step's 128 x 128 x 64 products over 32 KiB of A and
     B, three quarters of the others' 128 x 256 x 64 over 48 KiB, which its 256-row tiles (256 x
-    128) restore. In one ab job on one H200 at e29796f
-    (tiles of 128, 256, 128 rows; moe_layer/h200-x1/…181627Z against …181704Z and …181736Z),
-    bf16, the kernel alone at 256 rows over 128: DiT-MoE at EP = 1 1.214x at 512 rows an expert
-    and 1.047x at 1024, on the EP = 8 rank 0.925x at 4096 and 0.940x at 8192, as the H100 had
-    measured (1.04x, 0.98x, 0.92x, 0.92x; and 1.12x on the rank at 512); Qwen3.5 1.103x at 80
-    rows, 0.874x at 160, 1.009x at 640 and 1.035x at 1280. So DiT-MoE's tiles are 256 rows only
-    above eight row blocks an expert."""
+    128) restore. In one ab job on one H200 at e29796f (tiles of 128, 256, 128 rows; moe_layer/
+    h200-x1/…181627Z against …181704Z and …181736Z, retired), bf16, the kernel alone at 256 rows
+    over 128: DiT-MoE at EP = 1 1.214x at 512 rows an expert and 1.047x at 1024, on the EP = 8
+    rank 0.925x at 4096 and 0.940x at 8192, as the H100 had measured (1.04x, 0.98x, 0.92x,
+    0.92x; and 1.12x on the rank at 512; at de81fd5 1.048x at 512 rows, h100-80gb-hbm3-x1/
+    …182316Z against …182337Z and …182354Z, retired); Qwen3.5 1.103x at 80 rows, 0.874x at 160,
+    1.009x at 640 and 1.035x at 1280. So DiT-MoE's tiles are 256 rows only above eight row
+    blocks an expert."""
     if precision != "bf16" or rows_per_expert is None:
         return WS_BLOCK_M
     if ws_wide_l2(hidden):
