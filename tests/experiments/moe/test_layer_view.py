@@ -189,8 +189,9 @@ def test_layer_prose_says_which_cells_ran_256_row_tiles(tmp_path):
             _row(64, model="M3", tile_rows=128)]
     write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
     assert ("The kernel's tiles are 256 rows in 3 bf16 cells (at EP = 1 at 4096 and 8192 tokens "
-            "and on the EP = 8 rank at 512 tokens: where an expert's routed rows fill one to "
-            "eight 128-row blocks on average), 128 in the others.") in \
+            "and on the EP = 8 rank at 512 tokens), 128 in the others, as the layer's rule chose "
+            "them when the record ran (by the routed rows an expert holds on average and the "
+            "hidden size: `tiles.ws_tile_rows`).") in \
         str(layer([lv.layer_view("x", tmp_path)]))
     write_record("moe_layer", "y", pd.DataFrame(rows[3:]), {}, {}, tmp_path)
     write_record("moe_layer", "z", pd.DataFrame([_row(64, model="M4")]), {}, {}, tmp_path)

@@ -1,5 +1,6 @@
 """The buffers a model's MoE layers share (``buffers.MoEBuffers``): what one set takes for every
-model shape, as the README states it, sized without allocating (on the meta device)."""
+model shape, as the README states it, sized without allocating (on the meta device); and what a
+workspace asks the tile rule with."""
 from __future__ import annotations
 
 import pytest
@@ -49,3 +50,17 @@ def test_nbytes_counts_every_buffer(precision):
     big = (TOKENS * shape.top_k * shape.hidden * 2 + rows * shape.intermediate * (1 if fp8 else 2)
            + (rows * shape.intermediate // 128 * 4 if fp8 else 0))
     assert big < b.nbytes < big * 1.2
+
+
+def test_workspace_picks_its_tiles_by_its_weights_hidden_size(monkeypatch):
+    """A workspace asks the tile rule (``tiles.ws_tile_rows``) with its rows an expert and its
+    weights' hidden size, which decides DiT-MoE's height (128-wide Linear-2 tiles at 1408)."""
+    import xstage_lab.ops.moe.op as op
+
+    asked = []
+    monkeypatch.setattr(op, "ws_tile_rows", lambda *a: asked.append(a) or 128)
+    for model in ("DiT-MoE", "Qwen3.5"):
+        shape = load_shapes()[model]
+        MoEWorkspace(_meta_weights(shape, "bf16"), TOKENS * shape.top_k, num_programs=H200_SMS)
+    dit, qwen = load_shapes()["DiT-MoE"], load_shapes()["Qwen3.5"]
+    assert asked == [("bf16", TOKENS * s.top_k / s.routed_experts, s.hidden) for s in (dit, qwen)]

@@ -415,9 +415,9 @@ def tall_tiles(cells: pd.DataFrame) -> str:
     where = words(f"{SETTING_WORDS[s]} at {words(count(n) for n in sorted(g['tokens'].unique()))}"
                   f" tokens" for s, g in tall.groupby("setting"))
     return (f" The kernel's tiles are 256 rows in {count(len(tall))} "
-            f"{words(sorted(tall['precision'].unique()))} {plural(len(tall), 'cell')} ({where}: "
-            "where an expert's routed rows fill one to eight 128-row blocks on average), 128 in "
-            "the others.")
+            f"{words(sorted(tall['precision'].unique()))} {plural(len(tall), 'cell')} ({where}), "
+            "128 in the others, as the layer's rule chose them when the record ran (by the routed "
+            "rows an expert holds on average and the hidden size: `tiles.ws_tile_rows`).")
 
 
 def speedup_misses(accepted: pd.DataFrame) -> str:
