@@ -1,6 +1,5 @@
 """The one-GPU kernel passages (``moe_kernel``: TF/s, the one-token call), the layer from the
-router's output (``moe_layer``), the forecast (``moe_forecast``) and the synthetic knee sweep
-against the model."""
+router's output (``moe_layer``) and the forecast (``moe_forecast``)."""
 from __future__ import annotations
 
 import json
@@ -558,31 +557,6 @@ def forecast(forecast_records, paper: dict) -> Prose:
                    f"Expert-Wave spans of {ref['span_wave_us'].min()}–{ref['span_wave_us'].max()} "
                    f"µs and Interleaved {ref['span_int_us'].min()}–{ref['span_int_us'].max()} µs "
                    f"at EP = 8 on its platform; the two-GPU run tests this forecast.")
-    return Prose(*out)
-
-
-def knee_sweep(traces, calibrations: dict) -> Prose:
-    """The synthetic knee sweep of each ``moe_trace`` record that has one, against the model;
-    ``calibrations``: platform -> ``model.PlatformModel``."""
-    from ...analysis.moe.trace import knee_sweep_rows
-
-    out = []
-    for tr in traces:
-        rows = pd.DataFrame(knee_sweep_rows(tr.table, calibrations[tr.platform])) \
-            if tr.platform in calibrations else pd.DataFrame()
-        if rows.empty:
-            out.append(f"Record {rec(tr)} ({tr.platform}) has no knee sweep: it was made before "
-                       f"the synthetic kernel existed, or without `--knee-models`.")
-            continue
-        below = rows[rows["g_wave_us"] < rows["g_star_us"]]
-        above = rows[rows["g_wave_us"] >= rows["g_star_us"]]
-        out.append(f"In record {rec(tr)} ({tr.platform}, a synthetic kernel), where G_wave falls "
-                   f"below G* ({count(len(below))} of {count(len(rows))} points) the remote span "
-                   f"exceeds the local control's by {span(below['excess_us'], '+.2f')} µs"
-                   + (f", against {span(above['excess_us'], '+.2f')} µs above G*"
-                      if len(above) else "")
-                   + f"; the model's span error is at most "
-                   f"{val((rows['span_pred_us'] - rows['span_remote_us']).abs().max(), '.2f')} µs.")
     return Prose(*out)
 
 

@@ -1,5 +1,5 @@
 """The ``moe_trace`` passages: what was traced, Table 2, the remote-store spans, Condition 1,
-the timeline and the traced causes."""
+the timeline, the traced causes and the synthetic knee sweep."""
 from __future__ import annotations
 
 import numpy as np
@@ -250,4 +250,29 @@ def traced_causes(traces) -> Prose:
                          f"{val(run['interleaved_us'], '.1f')} µs Interleaved (completion-coupled "
                          "table below); why is not measured.")
         out.append(text)
+    return Prose(*out)
+
+
+def knee_sweep(traces, calibrations: dict) -> Prose:
+    """The synthetic knee sweep of each ``moe_trace`` record that has one, against the model;
+    ``calibrations``: platform -> ``model.PlatformModel``."""
+    from ...analysis.moe.trace import knee_sweep_rows
+
+    out = []
+    for tr in traces:
+        rows = pd.DataFrame(knee_sweep_rows(tr.table, calibrations[tr.platform])) \
+            if tr.platform in calibrations else pd.DataFrame()
+        if rows.empty:
+            out.append(f"Record {rec(tr)} ({tr.platform}) has no knee sweep: it was made before "
+                       f"the synthetic kernel existed, or without `--knee-models`.")
+            continue
+        below = rows[rows["g_wave_us"] < rows["g_star_us"]]
+        above = rows[rows["g_wave_us"] >= rows["g_star_us"]]
+        out.append(f"In record {rec(tr)} ({tr.platform}, a synthetic kernel), where G_wave falls "
+                   f"below G* ({count(len(below))} of {count(len(rows))} points) the remote span "
+                   f"exceeds the local control's by {span(below['excess_us'], '+.2f')} µs"
+                   + (f", against {span(above['excess_us'], '+.2f')} µs above G*"
+                      if len(above) else "")
+                   + f"; the model's span error is at most "
+                   f"{val((rows['span_pred_us'] - rows['span_remote_us']).abs().max(), '.2f')} µs.")
     return Prose(*out)
