@@ -397,8 +397,9 @@ def test_layer_prose_says_by_how_much_the_misses_exceed_the_bound(tmp_path):
         row["model"] = f"M{i}"
     write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
-    assert ("in 1 of 3 cells (1.05–1.13×), the other 2 above that bound by 0.8–6.8 µs, where "
-            "their routing kernels take 2.0–3.0 µs (profiled);") in text
+    assert ("in 1 of 3 cells (1.05–1.13×; in 3 cells, from records made before that fill was "
+            "profiled, with it), the other 2 above that bound by 0.8–6.8 µs, where their routing "
+            "kernels take 2.0–3.0 µs (profiled);") in text
     write_record("moe_layer", "y", pd.DataFrame(rows[2:]), {}, {}, tmp_path)
     assert "above that bound" not in str(layer([lv.layer_view("y", tmp_path)]))
 
@@ -534,6 +535,36 @@ def test_a_kernel_that_ends_with_the_weighted_sum_is_held_against_the_kernel_wit
     assert e.iloc[0][["kernel_excess", "routing_excess", "weighted_sum_excess",
                       "boundary_excess"]].tolist() == pytest.approx([3 / 85, 3 / 85, -5 / 85,
                                                                      3 / 85])
+
+
+def test_the_bounds_kernel_alone_leaves_out_its_counters_fill_where_profiled(tmp_path):
+    """The kernel alone is timed after its row counters' fill, which a call's routing does: where
+    the record profiled the fill (its device time and its boundary into the kernel), the unit
+    leaves both out, the call's excess still adds up, and the prose gives the fill; in a record
+    from before, the unit keeps it and the prose counts those cells."""
+    import json
+
+    from xstage_lab.prose.moe.kernel import layer
+
+    kernels = json.dumps({"route_tiny": 3.0, "moe_fused_ws_kernel": 80.0, "weighted_sum": 6.0})
+    profiled = _row(1, fused_graph_us=89.0, call_kernels_us=kernels, kernel_in_call_us=80.0,
+                    kernel_alone_device_us=77.0, alone_fill_us=1.25, alone_fill_boundary_us=0.5)
+    table = pd.DataFrame([profiled, _row(8)])
+    assert lv.counters_fill_us(table).iloc[0] == 1.75 and pd.isna(lv.counters_fill_us(table)[1])
+    assert list(lv.kernel_and_sum_us(table)) == [83.25, 85.0]  # 80 - 1.75 + 5; 80 + 5
+    assert list(lv.acceptance(table)["graph_over_kernel_fill_out"]) == [True, False]
+    assert list(lv.kernel_and_sum_us(pd.DataFrame([_row(1)]))) == [85.0]  # no profile columns
+    e = lv.call_excess(table.iloc[:1])
+    assert e["graph_over_kernel"].iloc[0] == pytest.approx(89.0 / 83.25)
+    assert e[list(lv.CALL_EXCESS)].sum(axis=1).iloc[0] + 1 == pytest.approx(89.0 / 83.25)
+    # between kernels: the call's 0 against the kernel alone's 80 - 1.75 - 77
+    assert e["boundary_excess"].iloc[0] == pytest.approx(-1.25 / 83.25)
+    write_record("moe_layer", "x", table, {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    assert ("(1.06–1.07×; the kernel's time without its row counters' fill, 1.8 µs a call as "
+            "profiled; in 1 cell, from records made before that fill was profiled, with it)") in text
+    write_record("moe_layer", "y", table.iloc[:1], {}, {}, tmp_path)
+    assert "made before that fill" not in str(layer([lv.layer_view("y", tmp_path)]))
 
 
 def test_layer_prose_names_the_cells_whose_kernel_summed(tmp_path):

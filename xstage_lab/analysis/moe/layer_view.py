@@ -80,7 +80,8 @@ def acceptance(table: pd.DataFrame) -> pd.DataFrame:
     1 from ``SMALL_T`` tokens, at least 1/``SMALL_T_SLOWDOWN`` below); ``graph_over_kernel``,
     the graphed call over the kernel alone plus the weighted sum's memory time (and by how many
     µs the call exceeds ``GRAPH_OVER_KERNEL`` times that: ``graph_over_kernel_excess_us``,
-    negative within it); the schedule kernels' time (``schedule_tables_us``) at
+    negative within it; ``graph_over_kernel_fill_out``: the kernel's time without its counters'
+    fill, ``kernel_alone_us``); the schedule kernels' time (``schedule_tables_us``) at
     ``SCHEDULE_LIMIT_TOKENS`` tokens, beside the whole routing's graphed time
     (``schedule_us``); ``host_overhead_us``; at one token the graphed call against
     ``T1_FLOOR_FACTOR`` times the weight-read floor plus ``T1_FLOOR_US``; from
@@ -97,6 +98,7 @@ def acceptance(table: pd.DataFrame) -> pd.DataFrame:
     out["graph_over_kernel_ok"] = out["graph_over_kernel"] <= GRAPH_OVER_KERNEL
     out["graph_over_kernel_excess_us"] = (table["fused_graph_us"]
                                           - GRAPH_OVER_KERNEL * kernel_and_sum)
+    out["graph_over_kernel_fill_out"] = counters_fill_us(table).notna()
     out["schedule_us"] = table["schedule_us"]
     out["schedule_tables_us"] = schedule_tables_us(table)
     out["schedule_ok"] = (table["tokens"] != SCHEDULE_LIMIT_TOKENS) | \
@@ -157,9 +159,10 @@ def call_excess(table: pd.DataFrame) -> pd.DataFrame:
     beyond its memory time (``weighted_sum_excess``: its own launch's; below zero, the memory
     time, where the kernel summed), and the call's time between kernels beyond the kernel
     alone's (``boundary_excess``). The kernel
-    alone is timed as the call is (``kernel_us``: its counters' fill, then the kernel, in a
-    replayed graph), so it too has time beyond its kernel's device time (the fill, its
-    launches and boundaries, the events); only the call's boundaries beyond that count.
+    alone is timed as the call is (``kernel_us``: a replayed graph), so it too has time beyond
+    its kernel's device time (its launches and boundaries, the events, and where
+    ``counters_fill_us`` is unknown its counters' fill); only the call's boundaries beyond that
+    count.
     Device times are profiled in a run of their own, beside the timed one (``layer_profile``):
     a part below zero is the two runs' difference."""
     p = call_profile(table)
@@ -169,7 +172,7 @@ def call_excess(table: pd.DataFrame) -> pd.DataFrame:
     unit = kernel_and_sum_us(t)
     summed = profile_kernel_us(t["call_kernels_us"], WEIGHTED_SUM_KERNEL).fillna(0.0)
     kernels = t["fused_graph_us"] - p["call_gaps_us"]
-    alone_gaps = t["kernel_us"] - t["kernel_alone_device_us"]
+    alone_gaps = kernel_alone_us(t) - t["kernel_alone_device_us"]
     return p[CELL].assign(
         graph_over_kernel=t["fused_graph_us"] / unit,
         kernel_excess=(t["kernel_in_call_us"] - t["kernel_alone_device_us"]) / unit,
@@ -196,7 +199,25 @@ def kernel_and_sum_us(table: pd.DataFrame) -> pd.Series:
     held against (``GRAPH_OVER_KERNEL`` times it). The kernel alone is the fused kernel without
     the sum, also where the call's kernel ends with it (``sums_in_kernel``): the sum's time in
     the kernel beyond its memory time is the call's, not the bound's."""
-    return table["kernel_us"] + table["weighted_sum_floor_us"]
+    return kernel_alone_us(table) + table["weighted_sum_floor_us"]
+
+
+def kernel_alone_us(table: pd.DataFrame) -> pd.Series:
+    """Per cell, the fused kernel alone: its timed graph (``kernel_us``: the row counters' fill,
+    then the kernel, per call) less the fill (``counters_fill_us``), which a call's routing
+    does; ``kernel_us`` itself where the record did not profile the fill."""
+    return table["kernel_us"] - counters_fill_us(table).fillna(0.0)
+
+
+def counters_fill_us(table: pd.DataFrame) -> pd.Series:
+    """Per cell, the time per call the kernel alone's timed graph spends on its row counters'
+    fill: the fill's device time and the device's time from it into the kernel
+    (``layer_profile``'s ``alone_fill_us``, ``alone_fill_boundary_us``); NaN in records from
+    before them. The time from the kernel to the next fill stays: it stands for the time from
+    one kernel to the next."""
+    if "alone_fill_us" not in table:
+        return pd.Series(float("nan"), index=table.index)
+    return table["alone_fill_us"] + table["alone_fill_boundary_us"]
 
 
 def sums_in_kernel(table: pd.DataFrame) -> pd.Series:

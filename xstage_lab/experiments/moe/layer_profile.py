@@ -16,7 +16,9 @@ calls):
 - one whole call as a user makes it (``cell.call``: eagerly, its graph launched), per kernel
   (``call_kernels_us``, JSON), and the fused kernel's own time in it (``kernel_in_call_us``);
 - the fused kernel launched alone over the same tables (``cell.kernel``, as ``kernel_us`` is
-  timed): its own time (``kernel_alone_device_us``);
+  timed: its row counters' fill, then the kernel): its own time (``kernel_alone_device_us``),
+  the fill's (``alone_fill_us``) and the device's time from the fill into the kernel
+  (``alone_fill_boundary_us``), which ``layer_view`` takes out of the kernel's timed graph;
 - the device's time between consecutive kernels, per pair of their names (``dist_timing.
   kernel_boundaries_us``, JSON), in graphs of ``graph_iters`` calls replayed as ``layer_bench``
   times them: the call's (``call_boundaries_us``) and the kernel alone's, after its counters'
@@ -44,13 +46,22 @@ def device_profile(cell, graph_iters: int) -> dict:
     call = kernel_times_us(cell.call)
     alone = kernel_times_us(cell.kernel)
     fused = KERNEL_ENTRIES[cell.ws.config.kernel][1]
+    alone_boundaries = kernel_boundaries_us(graphed(cell.kernel, graph_iters))
     return {"route_tables_us": sum(route.values()) - gather, "route_gather_us": gather,
             "route_kernels_us": json.dumps(route),
             "route_sm_clock_mhz": float("nan") if route_clock is None else route_clock,
             "call_kernels_us": json.dumps(call),
             "kernel_in_call_us": call.get(fused, float("nan")),
             "kernel_alone_device_us": alone.get(fused, float("nan")),
+            "alone_fill_us": sum(v for k, v in alone.items() if k != fused),
+            "alone_fill_boundary_us": boundary_into_us(alone_boundaries, fused),
             "call_boundaries_us": json.dumps(kernel_boundaries_us(graphed(cell.call,
                                                                           graph_iters))),
-            "alone_boundaries_us": json.dumps(kernel_boundaries_us(graphed(cell.kernel,
-                                                                           graph_iters)))}
+            "alone_boundaries_us": json.dumps(alone_boundaries)}
+
+
+def boundary_into_us(boundaries: dict[str, float], kernel: str) -> float:
+    """The device's time per call into ``kernel`` from the kernels before it: the pairs ``A ->
+    kernel`` of ``dist_timing.kernel_boundaries_us``, ``A`` another kernel."""
+    return sum(us for pair, us in boundaries.items()
+               if pair.endswith(f" -> {kernel}") and not pair.startswith(f"{kernel} -> "))

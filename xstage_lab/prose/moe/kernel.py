@@ -127,8 +127,8 @@ def excess_parts(cells: pd.DataFrame) -> str:
                             for s in settings)
     summed = [s for s in medians.index if s == "ep1"]  # an EP rank sums nothing
     return (f"; of their time beyond the kernel plus the weighted sum's memory time "
-            f"({count(len(excess))} profiled calls, medians), the routing kernels take "
-            f"{per_setting('routing_excess')}"
+            f"({count(len(excess))} profiled {plural(len(excess), 'call')}, medians), the "
+            f"routing kernels take {per_setting('routing_excess')}"
             + (f", the weighted sum beyond its memory time "
                f"{per_setting('weighted_sum_excess', summed)}" if summed else "")
             + f", and the time between kernels beyond the kernel alone's "
@@ -375,8 +375,8 @@ def layer(layer_views) -> Prose:
                else f" (no cell of {SMALL_T} tokens or more)")
             + f". The "
             f"graphed call stays within 5% of the kernel plus the weighted sum's memory time in "
-            f"{met('graph_over_kernel_ok')} cells ({span(a['graph_over_kernel'], '.2f')}×)"
-            f"{in_kernel_sums(t)}{misses}; "
+            f"{met('graph_over_kernel_ok')} cells ({span(a['graph_over_kernel'], '.2f')}×"
+            f"{fill_kept(t, a)}){in_kernel_sums(t)}{misses}; "
             f"{schedule}; {host}; the one-token graphed call meets 1.5× the weight-read floor + "
             f"10 µs in {met('t1_ok')} cells.{t1}{kernel}{weight_passes(t, a)}{tall_tiles(t)} "
             f"Today's host-scheduled call takes "
@@ -531,6 +531,21 @@ def in_kernel_sums(t: pd.DataFrame) -> str:
             f"the fused kernel ends with the weighted sum, which alone takes "
             f"{span(summed['kernel_summed_us'] - summed['kernel_us'], '.1f')} µs more than "
             f"without it)")
+
+
+def fill_kept(cells: pd.DataFrame, accepted: pd.DataFrame) -> str:
+    """The kernel alone's row counters' fill as the bound takes it (``layer_view.kernel_alone_us``):
+    out, by how much a call where profiled; kept, in how many cells (records from before the fill
+    was profiled)."""
+    from ...analysis.moe.layer_view import counters_fill_us
+
+    out = accepted["graph_over_kernel_fill_out"]
+    kept = int((~out).sum())
+    return ((f"; the kernel's time without its row counters' fill, "
+             f"{span(counters_fill_us(cells)[out], '.1f')} µs a call as profiled" if out.any()
+             else "")
+            + (f"; in {count(kept)} {plural(kept, 'cell')}, from records made before that fill "
+               f"was profiled, with it" if kept else ""))
 
 
 def forecast(forecast_records, paper: dict) -> Prose:
