@@ -565,6 +565,12 @@ def test_the_bounds_kernel_alone_leaves_out_its_counters_fill_where_profiled(tmp
             "profiled; in 1 cell, from records made before that fill was profiled, with it)") in text
     write_record("moe_layer", "y", table.iloc[:1], {}, {}, tmp_path)
     assert "made before that fill" not in str(layer([lv.layer_view("y", tmp_path)]))
+    fill = "void at::native::vectorized_elementwise_kernel<4, FillFunctor<int>>"
+    measured = table.assign(alone_boundaries_us=json.dumps({f"{fill} -> moe": 0.5,
+                                                            f"moe -> {fill}": 0.25}),
+                            call_boundaries_us=json.dumps({"route_tiny -> moe": 1.0}))
+    between = lv.boundaries_per_call_us(measured)["alone_between_us"]
+    assert between.tolist() == [0.25, 0.75]  # the fill's 0.5 into the kernel out where profiled
 
 
 def test_layer_prose_names_the_cells_whose_kernel_summed(tmp_path):

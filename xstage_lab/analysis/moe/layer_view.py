@@ -185,13 +185,17 @@ def boundaries_per_call_us(table: pd.DataFrame) -> pd.DataFrame:
     """Per cell whose record measured the device's time between kernels (``layer_profile``'s
     ``call_boundaries_us``, ``alone_boundaries_us``; none before): per call, the medians of the
     call's pairs of consecutive kernels summed (each pair once a call, from one call to the next
-    included: ``call_between_us``), and the kernel alone's, its counters' fill then the kernel
-    (``alone_between_us``)."""
+    included: ``call_between_us``), and the kernel alone's, its counters' fill then the kernel,
+    less the time from the fill into the kernel where profiled, as the bound's unit has it
+    (``alone_between_us``: ``kernel_alone_us``)."""
     if "call_boundaries_us" not in table:
         return table[CELL].iloc[:0].assign(call_between_us=[], alone_between_us=[])
     t = table[table["call_boundaries_us"].notna()]
+    into_kernel = (t["alone_fill_boundary_us"].fillna(0.0) if "alone_fill_boundary_us" in t
+                   else 0.0)
     return t[CELL].assign(call_between_us=profile_total_us(t["call_boundaries_us"]),
-                          alone_between_us=profile_total_us(t["alone_boundaries_us"]))
+                          alone_between_us=profile_total_us(t["alone_boundaries_us"])
+                          - into_kernel)
 
 
 def kernel_and_sum_us(table: pd.DataFrame) -> pd.Series:
