@@ -667,13 +667,13 @@ def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_
     ``trace_l2_tail_us``; unsplit shapes 0.8-1.0 us). On an H100, DiT-MoE at one token at
     EP = 1, one ab job (base, this, base): that time 2.5 us against 4.0-4.3 (bf16) and 3.7
     against 6.0-6.2 (FP8); the graphed call 0.949x in bf16 and 1.021x in FP8, the kernel's
-    device time in the call 0.969x and 0.976x (moe_layer/h100-80gb-hbm3-x1/
-    20261205T142515Z-bd10a525f3; the base runs retired). Two more such jobs there, DiT-MoE at 1
+    device time in the call 0.969x and 0.976x (moe_layer/h100-80gb-hbm3-x1 …142515Z; it and the
+    base runs retired, its bytes at 93a4e5d). Two more such jobs there, DiT-MoE at 1
     and 8 tokens in both settings: the graphed call faster than both base runs in five of the
     eight cells (0.916-0.988x), within them in one (FP8 at one token at EP = 1, 1.006x), slower
     in two (FP8 at 8 tokens at EP = 1, 1.019x; bf16 at 8 tokens on the EP = 8 rank, 1.031x);
-    that time at one token 2.6-3.8 us against 3.8-6.9 (…145704Z-d8cb2c5c9f, …145918Z-5b72926810;
-    the base runs retired)."""
+    that time at one token 2.6-3.8 us against 3.8-6.9 (…145704Z, …145918Z: they and the base
+    runs retired, their bytes at 93a4e5d)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // SUM_THREAD_COLS, SUM_THREAD_COLS],
                                             [4, 1], [1, 0])
     SUM_ROWS: gl.constexpr = PARTIAL_ELEMENTS // N
