@@ -57,9 +57,10 @@ layout); a whole call's (``call_kernels_us``) and the fused kernel's own time in
 alone (``kernel_in_call_us``, ``kernel_alone_device_us``; records from before them have
 neither), and the fill of its row counters before it alone (``alone_fill_us``, with the time
 from the fill into the kernel ``alone_fill_boundary_us``: ``kernel_us`` holds both, which
-issue 27's bound takes out; none before them); the device's time between consecutive kernels, per pair, in graphs of the call and of
-the kernel alone (``call_boundaries_us``, ``alone_boundaries_us``; none before them). ``l2_splits``: the K splits of each Linear-2 tile the
-layer's tables hold (``device_tables.l2_split_count``; 1: none).
+issue 27's bound takes out; none before them); the device's time between consecutive kernels,
+per pair, in graphs of the call and of the kernel alone (``call_boundaries_us``,
+``alone_boundaries_us``; none before them). ``l2_splits``: the K splits of each Linear-2 tile
+the layer's tables hold (``device_tables.l2_split_count``; 1: none).
 Floors from the HBM bandwidth measured at the start of the run (a device copy):
 ``weighted_sum_floor_us`` (its bytes) and ``weight_floor_us`` (the bytes of the experts the call
 touches). Where a one-token kernel's time goes (``trace_*``,
