@@ -188,8 +188,8 @@ def l2_split_count(l2_tiles: int, num_programs: int, k_blocks: int) -> int:
     token, reads them at a quarter of an H200's HBM rate. Tiles that need a second round they
     do not fill stay unsplit: split so (the fewest splits of the fewest rounds, 8ceb2af), the
     one-token call of Qwen3.5, GLM-5.x and DeepSeek-V4-Pro at EP = 1 was slower on an H100,
-    unsplit 0.84-0.97x its graphed time (moe_layer/h100-80gb-hbm3-x1/20261205T124833Z against
-    …124705Z and …124935Z, retired: bytes at cfa70a7)."""
+    unsplit 0.84-0.97x its graphed time (moe_layer/h100-80gb-hbm3-x1/20261205T124833Z, bytes at
+    93a4e5d, against …124705Z and …124935Z, bytes at cfa70a7: all three retired)."""
     splits = min(num_programs // max(l2_tiles, 1), k_blocks)
     if splits < 2:
         return 1

@@ -97,17 +97,18 @@ def ws_tile_rows(precision: str, rows_per_expert: float | None,
     1024, 1.02x and 1.01x at 1536 and 2048, where an expert's many row blocks run side by side
     and share its weights in the L2 cache. At one and 64 tokens (DiT-MoE, Qwen3.5, both
     settings: a few rows an expert) 256-row tiles took 1.03-1.32x the time of the 128-row
-    kernel's records of the same cells (…162612Z, retired, against …151021Z, …151355Z and
-    …150538Z: not one job). Every bf16 cell of 4096 and 8192 tokens at EP = 1 and of 512 to 8192
-    on the rank at these defaults (…163145Z, …163356Z) against the 128-row records of the
-    same cells (…151756Z, …150538Z, …150811Z: not one job): where the tiles are 256 rows the
-    kernel took 0.65-1.00x the time in 18 cells, 1.06-1.14x in three (DiT-MoE at EP = 1 at
-    4096 tokens and on the rank at 512, 512 rows an expert; Qwen3.5 on the rank at 4096, 640),
-    where they stay 128 rows (the same kernel) 1.00-1.07x. In one ab job at c5c2e5c (…170605Z to
-    …170755Z, retired; DiT-MoE and Qwen3.5 from 512 to 8192 tokens) those three took 1.04x,
-    1.12x and 1.04x at 256 rows, and DiT-MoE on the rank at 4096 and 8192 tokens (4096 and 8192
-    rows an expert) 0.92x. Since then Linear-1's gate and up share one wgmma at 256 rows
-    (``kernels/moe_fused_ws.py``: 0.964-1.015x the kernel's time, geometric mean 0.985).
+    kernel's records of the same cells (…162612Z against …151021Z, …151355Z and …150538Z: not one
+    job; all four retired, the last three's bytes at 93a4e5d). Every bf16 cell of 4096 and 8192
+    tokens at EP = 1 and of 512 to 8192 on the rank at these defaults (…163145Z, …163356Z)
+    against the 128-row records of the same cells (…151756Z, …150538Z, …150811Z: not one job):
+    where the tiles are 256 rows the kernel took 0.65-1.00x the time in 18 cells, 1.06-1.14x in
+    three (DiT-MoE at EP = 1 at 4096 tokens and on the rank at 512, 512 rows an expert; Qwen3.5
+    on the rank at 4096, 640), where they stay 128 rows (the same kernel) 1.00-1.07x. In one ab
+    job at c5c2e5c (…170605Z to …170755Z, retired; DiT-MoE and Qwen3.5 from 512 to 8192 tokens)
+    those three took 1.04x, 1.12x and 1.04x at 256 rows, and DiT-MoE on the rank at 4096 and
+    8192 tokens (4096 and 8192 rows an expert) 0.92x. Since then Linear-1's gate and up share one
+    wgmma at 256 rows (``kernels/moe_fused_ws.py``: 0.964-1.015x the kernel's time, geometric
+    mean 0.985).
 
     DiT-MoE is the one shape whose hidden size (1408) is not a multiple of 256, so its 128-row
     kernel has 128-wide Linear-2 tiles: a K step's 128 x 128 x 64 products over 32 KiB of A and
