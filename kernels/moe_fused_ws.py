@@ -441,9 +441,9 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_ro
         # by side), 6 KiB of shared memory read where two m64n64k16 groups read 8 KiB (A twice).
         # On one H100 the 256-row kernels took 0.964-1.015x the time of two groups (geometric
         # mean 0.985; 12 cells, 25 measurements in three ab jobs: moe_layer/h100-80gb-hbm3-x1/
-        # …171756Z, …172332Z, …173153Z). At 128 rows one m64n256 group instead of two m64n128
-        # gained nothing measurable (the graphed call 0.987-1.070x; 18 cells, 23 measurements
-        # in two of those jobs), so those stay two
+        # …171756Z, …172332Z, …173153Z, retired). At 128 rows one m64n256 group instead of two
+        # m64n128 gained nothing measurable (the graphed call 0.987-1.070x; 18 cells, 23
+        # measurements in two of those jobs), so those stay two
         acc, it = _one_group_mainloop(half, it, a_smem, b_smem, ready, empty, n_k, 2 * BLOCK_N1,
                                       True, STAGES, HALF_ROWS)
         # a thread holds column c and c + BLOCK_N1 of its rows: the split moves no data

@@ -100,7 +100,8 @@ def ws_tile_rows(precision: str, rows_per_expert: float | None,
     kernel's records of the same cells (…162612Z against …151021Z, …151355Z and …150538Z: not one
     job; all four retired, the last three's bytes at 93a4e5d). Every bf16 cell of 4096 and 8192
     tokens at EP = 1 and of 512 to 8192 on the rank at these defaults (…163145Z, …163356Z)
-    against the 128-row records of the same cells (…151756Z, …150538Z, …150811Z: not one job):
+    against the 128-row records of the same cells (…151756Z, …150538Z, …150811Z: not one job;
+    all five retired, …150538Z's bytes at 93a4e5d, the others' at 0112955):
     where the tiles are 256 rows the kernel took 0.65-1.00x the time in 18 cells, 1.06-1.14x in
     three (DiT-MoE at EP = 1 at 4096 tokens and on the rank at 512, 512 rows an expert; Qwen3.5
     on the rank at 4096, 640), where they stay 128 rows (the same kernel) 1.00-1.07x. In one ab
