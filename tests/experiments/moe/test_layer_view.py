@@ -384,6 +384,27 @@ def test_layer_prose_reads_the_call_profile_where_a_record_kept_it(tmp_path):
             "them) is 2–8 µs.") in text
 
 
+def test_a_one_token_calls_weighted_sum_is_its_kernel_in_the_call_not_graphed_alone(tmp_path):
+    """Where a one-token call's time goes: the routing kernels as profiled, then the weighted
+    sum's kernel in the profiled call; the sum graphed alone (``weighted_sum_us``, for a kernel
+    of a few µs a multiple of its device time) is not quoted as the call's."""
+    import json
+
+    from xstage_lab.prose.moe.kernel import layer
+
+    route = json.dumps({"route_tiny": 2.0})
+    call = dict(call_kernels_us=json.dumps({"route_tiny": 2.0, "moe_fused_ws_kernel": 84.0,
+                                            "weighted_sum": 2.0}),
+                kernel_in_call_us=84.0, kernel_alone_device_us=80.0)
+    rows = [_row(1, route_kernels_us=route, weighted_sum_us=13.0, **call), _row(64)]
+    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    assert ("the routing kernels 2 µs (profiled). Profiled in a whole call (1 cell), the fused "
+            "kernel takes 1.05× its device time alone, the weighted sum's kernel 2.0 µs at "
+            "EP = 1,") in text
+    assert "13 µs" not in text
+
+
 def test_layer_prose_says_by_how_much_the_misses_exceed_the_bound(tmp_path):
     """The cells whose graphed call exceeds 1.05 x (kernel + weighted-sum floor): by how many µs,
     and their routing kernels' profiled time; nothing said where every cell meets it."""
