@@ -553,7 +553,7 @@ def _quantize_block(r, h, x, n_arrivals_ptr, x_quant, x_quant_scale, arrival_row
     (1408 columns) and 0.92-0.97x on Qwen3.5 (4096) at 4096 and 8192 tokens, 1.04x on GLM-5.x
     (6144) and DeepSeek-V4-Pro (7168) at 8192 (per-kernel profiles; moe_layer/h200-x1/
     20261204T183803Z-63b2bf9dea against …183850Z-9c19123ed0, …184307Z-6613df5091 against
-    …184400Z-6669c9fbcd, one job each)."""
+    …184400Z-6669c9fbcd, one job each; …183850Z and …184400Z retired, their bytes at 4c1757f)."""
     i = r * ROWS + tl.arange(0, ROWS)
     # an EP rank's arrivals are its rows (TOP_K 1); at EP = 1 each token is TOP_K arrivals
     n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED) // TOP_K

@@ -25,7 +25,8 @@ def host_call_times_us(fn, calls: int = 10, repeats: int = 5,
     device, is timed apart (``first``); then ``calls`` calls back to back, as a forward issues
     its layers (``runs``). On an H200 machine the first call took up to 240 µs where the wait
     had lasted tens of ms, and 7-23 µs the calls after it (moe_layer/h200-x1/20261203T074100Z
-    and …074246Z, ``host_first_call_us`` and ``host_call_median_us``)."""
+    and …074246Z, ``host_first_call_us`` and ``host_call_median_us``; both retired, their bytes
+    at 4df92bf)."""
     fn()
     torch.cuda.synchronize()
     first, runs = [], []
