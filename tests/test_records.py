@@ -342,6 +342,37 @@ def test_nothing_read_or_named_is_retired():
         assert named == [], (key, named)
 
 
+# How far from a retired record's stamp a text must say that it is retired (a sentence that cites
+# several says so once)
+RETIRED_CONTEXT = 500
+
+
+def test_a_text_citing_a_retired_record_by_its_stamp_says_it_is_retired():
+    """A tracked text (code, docs, notebooks; the errata and the manifest are JSON) that cites a
+    retired record by its stamp (``YYYYMMDDTHHMMSSZ``, or ``…HHMMSSZ`` where no record in the
+    tree has that time) says "retired" within ``RETIRED_CONTEXT`` characters, so that a reader
+    looks for its bytes in retired.json's commit, not in the tree."""
+    import re
+
+    stamp = re.compile(r"(\d{8}T\d{6}Z)")
+    tracked = _git("ls-files").stdout.split()
+    live = {m.group(1) for p in tracked if p.endswith(".parquet") and (m := stamp.search(p))}
+    gone = {r["id"].split("-")[0] for r in records.retired().values()} - live
+    short = {s.split("T")[1] for s in gone} - {s.split("T")[1] for s in live}
+    cited = re.compile(r"(\d{8}T\d{6}Z|…\d{6}Z)")
+    silent = []
+    for path in tracked:
+        if not path.endswith((".py", ".md", ".ipynb", ".cu", ".cpp")):
+            continue
+        text = (records.DATA_DIR.parent / path).read_text(encoding="utf-8")
+        for m in cited.finditer(text):
+            key = m.group(1)
+            if (key in gone or key.lstrip("…") in short) and "retired" not in text[
+                    max(0, m.start() - RETIRED_CONTEXT):m.end() + RETIRED_CONTEXT].lower():
+                silent.append(f"{path}:{text.count(chr(10), 0, m.start()) + 1}: {key}")
+    assert silent == []
+
+
 def test_asking_for_a_retired_record_names_its_commit(tmp_path, monkeypatch):
     _freeze(monkeypatch, T1)
     path = write_record("remote_store", "h200-x2", _table(), {}, {}, tmp_path)
