@@ -583,7 +583,8 @@ def test_the_bounds_kernel_alone_leaves_out_its_counters_fill_where_profiled(tmp
     write_record("moe_layer", "x", table, {}, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
     assert ("(1.06–1.07×; the kernel's time without its row counters' fill, 1.8 µs a call as "
-            "profiled; in 1 cell, from records made before that fill was profiled, with it)") in text
+            "profiled; in 1 cell, from records made before that fill was profiled, with it)") \
+        in text
     write_record("moe_layer", "y", table.iloc[:1], {}, {}, tmp_path)
     assert "made before that fill" not in str(layer([lv.layer_view("y", tmp_path)]))
     fill = "void at::native::vectorized_elementwise_kernel<4, FillFunctor<int>>"
