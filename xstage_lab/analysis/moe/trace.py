@@ -36,9 +36,6 @@ import pandas as pd
 from ...model import critical_path_stall
 from . import L1, L2, geometric_mean
 
-TRACE_COLUMNS = ("clk0", "clk1", "clk2", "clk3", "gt0", "gt1", "gt2", "gt3", "smid", "spins")
-
-
 class TraceError(ValueError):
     """A trace that cannot be analysed (a tile the kernel skipped or never stamped)."""
 

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from ... import model
-from ...calibration import Calibration, calibrate, fit_drain_rate, kb_key, launch_means, point_table
+from ...calibration import Calibration, calibrate, fit_drain_rate, kb_key, launch_means
 
 
 BASELINE_OP = "store16"
@@ -72,14 +72,6 @@ def fit_entry(fit: ConfigFit, base: Calibration | None, share: float = 1.0) -> d
         out["no_refit_from_baseline"] = {k: round(v, 3) for k, v in
                                          no_refit_error(fit.predicted, base, share).items()}
     return out
-
-
-def gap_points(table: pd.DataFrame) -> pd.DataFrame:
-    """Point medians (over repeats) of a beyond record's table, per config and source."""
-    frames = []
-    for (config, src), rows in table.groupby(["config", "src"]):
-        frames.append(point_table(launch_means(rows)).assign(config=config, src=src))
-    return pd.concat(frames, ignore_index=True)
 
 
 def aligned_drain_rate(rows: pd.DataFrame) -> float:

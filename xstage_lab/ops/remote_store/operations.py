@@ -44,10 +44,6 @@ def kernel_op_codes(source: str) -> dict[str, int]:
 OP_CODES = kernel_op_codes(cuda_source("remote_store_burst.cu"))  # OP_* in the kernel
 
 
-OP_BYTES = {"store4": 4, "store8": 8, "store16": 16, "red_add_u32": 4, "red_add_f32": 4,
-            "bulk": 16, "load16": 16}
-
-
 MODES = ("periodic", "isolated")
 
 

@@ -25,7 +25,6 @@ _ERRORS = {1: "sender grid barrier timeout", 2: "sender flag release waited for 
            4: "start rendezvous timeout (receiver not polling)",
            8: "receiver: a flag never became visible", 16: "receiver checkers timed out",
            32: "ping-pong timeout"}
-STAMP_COLUMNS = ("t_iss_start_ns", "t_iss_end_ns", "t_release_ns", "t_visible_ns")
 
 
 @dataclass(frozen=True)
