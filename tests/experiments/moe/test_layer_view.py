@@ -492,9 +492,15 @@ def test_layer_prose_splits_the_profiled_misses_excess_per_setting(tmp_path):
                                                       f"moe_fused_ws_kernel -> {fill}": 1.0}))
     write_record("moe_layer", "z", pd.DataFrame([ep1, {**rank, **boundaries}, _row(64)]), {}, {},
                  tmp_path)
-    assert ("3.0 µs on the EP = 8 rank (measured in graphed calls, the device's time between a "
-            "call's kernels 4.0 µs a call against the kernel alone's 1.5 µs on the EP = 8 rank, "
-            "medians over 1 cell);") in str(layer([lv.layer_view("z", tmp_path)]))
+    # the rank's 3 µs beyond the kernel alone's: 4.0 - 1.5 between kernels as the device
+    # measured them, the rest the timed window's; the EP = 1 cell's unsplit
+    assert ("1.5 µs at EP = 1, the time between kernels beyond the kernel alone's 3.5 µs at "
+            "EP = 1 and 2.5 µs on the EP = 8 rank (measured in graphed calls, the device's time "
+            "between a call's kernels 4.0 µs a call against the kernel alone's 1.5 µs on the "
+            "EP = 8 rank, medians over 1 cell), and the rest of the timed call beyond the kernel "
+            "alone's (a trial from an idle GPU holds a share of its replay's launch, and the "
+            "events; with the timed and profiled runs' difference) 0.5 µs on the EP = 8 rank;") \
+        in str(layer([lv.layer_view("z", tmp_path)]))
 
 
 def test_call_excess_adds_up_to_the_graphed_call_beyond_the_bounds_unit(tmp_path):
@@ -524,7 +530,7 @@ def test_call_excess_adds_up_to_the_graphed_call_beyond_the_bounds_unit(tmp_path
     unit = 85.0  # kernel 80 + weighted-sum floor 5
     # the call's 97 µs: 92.5 of kernels, 4.5 between them against the kernel alone's 3
     assert e.iloc[0][["graph_over_kernel", *lv.CALL_EXCESS]].tolist() == pytest.approx(
-        [97.0 / unit, 4.0 / unit, 5.0 / unit, 1.5 / unit, 1.5 / unit])
+        [97.0 / unit, 4.0 / unit, 5.0 / unit, 1.5 / unit, 1.5 / unit, float("nan")], nan_ok=True)
     rank = e.iloc[2]  # an EP rank sums nothing; 90 µs: 86 of kernels, 4 between against 3
     assert rank[["weighted_sum_excess", "boundary_excess"]].tolist() == pytest.approx(
         [0.0, 1.0 / 80.0])
@@ -535,6 +541,34 @@ def test_call_excess_adds_up_to_the_graphed_call_beyond_the_bounds_unit(tmp_path
     assert fig.layout.yaxis.title.text and fig.layout.xaxis.title.text
     write_record("moe_layer", "y", pd.DataFrame(rows[1:2]), {}, {}, tmp_path)
     assert moe_layer_call_excess(lv.layer_view("y", tmp_path)) is None
+
+
+def test_call_excess_splits_the_time_between_kernels_where_the_boundaries_were_profiled():
+    """Where a record measured the device's time between kernels, the call's time between its
+    kernels beyond the kernel alone's splits into that device time beyond the kernel alone's
+    (``boundary_excess``) and the rest of the timed window (``window_excess``); the parts still
+    add up; without the boundaries the window is not split off (NaN)."""
+    import json
+
+    fill = "void at::native::vectorized_elementwise_kernel<4, FillFunctor<int>>"
+    kernels = json.dumps({"route_tiny": 3.0, "moe_fused_ws_kernel": 80.0})
+    # timed 90 µs: 83 of kernels, 7 between them; the kernel alone's 80 - 1.5 - 77 = 1.5
+    row = _row(1, "ep8_rank", fused_graph_us=90.0, weighted_sum_floor_us=0.0,
+               call_kernels_us=kernels, kernel_in_call_us=80.0, kernel_alone_device_us=77.0,
+               alone_fill_us=1.0, alone_fill_boundary_us=0.5)
+    measured = dict(call_boundaries_us=json.dumps({"route_tiny -> moe": 0.5,
+                                                   "moe -> route_tiny": 1.5}),
+                    alone_boundaries_us=json.dumps({f"{fill} -> moe": 0.5,
+                                                    f"moe -> {fill}": 0.75}))
+    e = lv.call_excess(pd.DataFrame([{**row, **measured}, row]))
+    unit = 78.5
+    # the device between kernels: 2.0 a call against the alone's 0.75; the rest 5.5 - 1.25
+    assert e[["boundary_excess", "window_excess"]].iloc[0].tolist() == pytest.approx(
+        [1.25 / unit, 4.25 / unit])
+    assert e["boundary_excess"].iloc[1] == pytest.approx(5.5 / unit)
+    assert pd.isna(e["window_excess"].iloc[1])
+    sums = e[list(lv.CALL_EXCESS)].sum(axis=1) + 1
+    assert sums.tolist() == pytest.approx([90.0 / unit] * 2)
 
 
 def test_a_kernel_that_ends_with_the_weighted_sum_is_held_against_the_kernel_without_it():

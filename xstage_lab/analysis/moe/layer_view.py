@@ -24,8 +24,9 @@ from ...records import RECORDS_DIR, Record
 ARGS_WRITER = "write_args"
 WEIGHTED_SUM_KERNEL = "weighted_sum"  # kernels/moe_combine.py's, in a call's profile
 # call_excess' parts of a graphed call's time beyond the bound's unit, which add up to its
-# graph_over_kernel less 1
-CALL_EXCESS = ("kernel_excess", "routing_excess", "weighted_sum_excess", "boundary_excess")
+# graph_over_kernel less 1 (window_excess NaN where a record did not profile the boundaries)
+CALL_EXCESS = ("kernel_excess", "routing_excess", "weighted_sum_excess", "boundary_excess",
+               "window_excess")
 CELL = ["model", "precision", "setting", "tokens"]
 SUMMARY_KEYS = ("model", "precision", "setting", "tokens", "fused_eager_us", "fused_graph_us",
                 "schedule_us", "host_overhead_us", "kernel_us", "weighted_sum_floor_us",
@@ -157,12 +158,15 @@ def call_excess(table: pd.DataFrame) -> pd.DataFrame:
     ends with the weighted sum, the sum's time in it too), the call's other kernels, the routing
     and at EP = 1 in FP8 its quantization (``routing_excess``), the weighted sum's device time
     beyond its memory time (``weighted_sum_excess``: its own launch's; below zero, the memory
-    time, where the kernel summed), and the call's time between kernels beyond the kernel
-    alone's (``boundary_excess``). The kernel
+    time, where the kernel summed), the device's time between the call's kernels beyond the
+    kernel alone's (``boundary_excess``, ``boundaries_per_call_us``), and the rest of the timed
+    time beyond the kernel alone's (``window_excess``: the share of the replay's launch a trial
+    from an idle GPU holds, the events, and the timed and profiled runs' difference). The kernel
     alone is timed as the call is (``kernel_us``: a replayed graph), so it too has time beyond
     its kernel's device time (its launches and boundaries, the events, and where
-    ``counters_fill_us`` is unknown its counters' fill); only the call's boundaries beyond that
-    count.
+    ``counters_fill_us`` is unknown its counters' fill); only the call's beyond that count.
+    Where a record did not profile the boundaries, ``boundary_excess`` holds the whole of it
+    and ``window_excess`` is NaN.
     Device times are profiled in a run of their own, beside the timed one (``layer_profile``):
     a part below zero is the two runs' difference."""
     p = call_profile(table)
@@ -172,13 +176,16 @@ def call_excess(table: pd.DataFrame) -> pd.DataFrame:
     unit = kernel_and_sum_us(t)
     summed = profile_kernel_us(t["call_kernels_us"], WEIGHTED_SUM_KERNEL).fillna(0.0)
     kernels = t["fused_graph_us"] - p["call_gaps_us"]
-    alone_gaps = kernel_alone_us(t) - t["kernel_alone_device_us"]
+    beyond_alone = p["call_gaps_us"] - (kernel_alone_us(t) - t["kernel_alone_device_us"])
+    b = boundaries_per_call_us(t)
+    between = (b["call_between_us"] - b["alone_between_us"]).reindex(t.index)
     return p[CELL].assign(
         graph_over_kernel=t["fused_graph_us"] / unit,
         kernel_excess=(t["kernel_in_call_us"] - t["kernel_alone_device_us"]) / unit,
         routing_excess=(kernels - t["kernel_in_call_us"] - summed) / unit,
         weighted_sum_excess=(summed - t["weighted_sum_floor_us"]) / unit,
-        boundary_excess=(p["call_gaps_us"] - alone_gaps) / unit)
+        boundary_excess=between.fillna(beyond_alone) / unit,
+        window_excess=(beyond_alone - between) / unit)
 
 
 def boundaries_per_call_us(table: pd.DataFrame) -> pd.DataFrame:

@@ -119,20 +119,27 @@ def excess_parts(cells: pd.DataFrame) -> str:
         return ""
     us = excess[["setting"]].assign(
         **{c: excess[c] * kernel_and_sum_us(cells.loc[excess.index])
-           for c in ("routing_excess", "weighted_sum_excess", "boundary_excess")})
+           for c in ("routing_excess", "weighted_sum_excess", "boundary_excess",
+                     "window_excess")})
     medians = us.groupby("setting").median()
 
     def per_setting(column, settings=tuple(medians.index)):
         return " and ".join(f"{val(medians.loc[s, column], '.1f')} µs {SETTING_WORDS[s]}"
                             for s in settings)
     summed = [s for s in medians.index if s == "ep1"]  # an EP rank sums nothing
+    # where the records profiled the boundaries, the timed time beyond them is apart
+    windowed = tuple(medians["window_excess"].dropna().index)
     return (f"; of their time beyond the kernel plus the weighted sum's memory time "
             f"({count(len(excess))} profiled {plural(len(excess), 'call')}, medians), the "
             f"routing kernels take {per_setting('routing_excess')}"
             + (f", the weighted sum beyond its memory time "
                f"{per_setting('weighted_sum_excess', summed)}" if summed else "")
-            + f", and the time between kernels beyond the kernel alone's "
-            f"{per_setting('boundary_excess')}" + measured_boundaries(cells))
+            + f"{',' if windowed else ', and'} the time between kernels beyond the kernel "
+            f"alone's {per_setting('boundary_excess')}" + measured_boundaries(cells)
+            + (f", and the rest of the timed call beyond the kernel alone's (a trial from an "
+               f"idle GPU holds a share of its replay's launch, and the events; with the timed "
+               f"and profiled runs' difference) {per_setting('window_excess', windowed)}"
+               if windowed else ""))
 
 
 def measured_boundaries(cells: pd.DataFrame) -> str:
