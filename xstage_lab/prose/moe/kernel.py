@@ -77,12 +77,12 @@ def call_probes(records_by_platform) -> Prose:
             if s.empty:
                 continue
             parts = []
-            for sequence, words in CALL_PROBE_SEQUENCES.items():
+            for sequence, said in CALL_PROBE_SEQUENCES.items():
                 by = [f"{row.precision} {val(row.over_alone_min, '.3f')}–"
                       f"{val(row.over_alone_max, '.3f')}×"
                       for row in s[s["sequence"] == sequence].itertuples()]
                 if by:
-                    parts.append(f"{words}, {', '.join(by)}")
+                    parts.append(f"{said}, {', '.join(by)}")
             cells = len(r.table[CELL].drop_duplicates())
             tokens = ", ".join(str(n) for n in sorted(r.table["tokens"].unique()))
             out.append(f"On {platform}, record {rec(r)} (the kernel at `{s.iloc[0]['commit']}`, "
