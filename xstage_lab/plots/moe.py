@@ -129,10 +129,10 @@ def moe_layer_call_excess(layer_view) -> go.Figure | None:
     """Where the graphed call's time beyond the kernel alone plus the weighted sum's memory time
     goes, in each profiled cell over issue 27's bound (``layer_view.call_excess``, in units of
     that time), stacked: the routing's kernels, the weighted sum beyond its memory time, the
-    device's time between kernels beyond the kernel alone's, the rest of the timed time beyond
-    the kernel alone's (the replay's launch, the events), the fused kernel in the call beyond
-    alone (a part below zero: the profiled run's difference from the timed one); the bound's
-    5% dashed. One panel per setting; None where no profiled cell is over the bound."""
+    device's time between kernels beyond the kernel alone's, the rest of the call's timed span
+    beyond the kernel alone's (the replay's launch, the events), the fused kernel in the call
+    beyond alone (a part below zero: the profiled run's difference from the timed one); the
+    bound's 5% dashed. One panel per setting; None where no profiled cell is over the bound."""
     from ..analysis.moe.layer_view import GRAPH_OVER_KERNEL, call_excess
 
     excess = call_excess(layer_view.table)

@@ -497,9 +497,10 @@ def test_layer_prose_splits_the_profiled_misses_excess_per_setting(tmp_path):
     assert ("1.5 µs at EP = 1, the time between kernels beyond the kernel alone's 3.5 µs at "
             "EP = 1 and 2.5 µs on the EP = 8 rank (measured in graphed calls, the device's time "
             "between a call's kernels 4.0 µs a call against the kernel alone's 1.5 µs on the "
-            "EP = 8 rank, medians over 1 cell), and the rest of the timed call beyond the kernel "
-            "alone's (a trial from an idle GPU holds a share of its replay's launch, and the "
-            "events; with the timed and profiled runs' difference) 0.5 µs on the EP = 8 rank;") \
+            "EP = 8 rank, medians over 1 cell), and the rest of the call's timed span beyond the "
+            "kernel alone's (where a trial starts from an idle GPU, a share of its replay's "
+            "launch; the events; the timed and profiled runs' difference) 0.5 µs on the EP = 8 "
+            "rank;") \
         in str(layer([lv.layer_view("z", tmp_path)]))
 
 

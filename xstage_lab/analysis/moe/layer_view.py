@@ -159,9 +159,10 @@ def call_excess(table: pd.DataFrame) -> pd.DataFrame:
     and at EP = 1 in FP8 its quantization (``routing_excess``), the weighted sum's device time
     beyond its memory time (``weighted_sum_excess``: its own launch's; below zero, the memory
     time, where the kernel summed), the device's time between the call's kernels beyond the
-    kernel alone's (``boundary_excess``, ``boundaries_per_call_us``), and the rest of the timed
-    time beyond the kernel alone's (``window_excess``: the share of the replay's launch a trial
-    from an idle GPU holds, the events, and the timed and profiled runs' difference). The kernel
+    kernel alone's (``boundary_excess``, ``boundaries_per_call_us``), and the rest of the call's
+    timed span beyond the kernel alone's (``window_excess``: where a trial starts from an idle
+    GPU, a share of its replay's launch; the events; the timed and profiled runs' difference).
+    The kernel
     alone is timed as the call is (``kernel_us``: a replayed graph), so it too has time beyond
     its kernel's device time (its launches and boundaries, the events, and where
     ``counters_fill_us`` is unknown its counters' fill); only the call's beyond that count.

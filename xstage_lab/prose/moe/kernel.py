@@ -136,9 +136,9 @@ def excess_parts(cells: pd.DataFrame) -> str:
                f"{per_setting('weighted_sum_excess', summed)}" if summed else "")
             + f"{',' if windowed else ', and'} the time between kernels beyond the kernel "
             f"alone's {per_setting('boundary_excess')}" + measured_boundaries(cells)
-            + (f", and the rest of the timed call beyond the kernel alone's (a trial from an "
-               f"idle GPU holds a share of its replay's launch, and the events; with the timed "
-               f"and profiled runs' difference) {per_setting('window_excess', windowed)}"
+            + (f", and the rest of the call's timed span beyond the kernel alone's (where a "
+               f"trial starts from an idle GPU, a share of its replay's launch; the events; the "
+               f"timed and profiled runs' difference) {per_setting('window_excess', windowed)}"
                if windowed else ""))
 
 
