@@ -127,7 +127,7 @@ def excess_parts(cells: pd.DataFrame) -> str:
         return " and ".join(f"{val(medians.loc[s, column], '.1f')} µs {SETTING_WORDS[s]}"
                             for s in settings)
     summed = [s for s in medians.index if s == "ep1"]  # an EP rank sums nothing
-    # where the records profiled the boundaries, the timed time beyond them is apart
+    # where the records profiled the boundaries, the call's timed span beyond them is a part
     windowed = tuple(medians["window_excess"].dropna().index)
     return (f"; of their time beyond the kernel plus the weighted sum's memory time "
             f"({count(len(excess))} profiled {plural(len(excess), 'call')}, medians), the "
