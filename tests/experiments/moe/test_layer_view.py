@@ -1,5 +1,6 @@
 """The ``moe_layer`` view (``layer_view``): a platform's records joined per cell, each cell against
 issue 27's acceptance, the ``summary`` entry; and ``summary`` without any ``moe_layer`` record."""
+import json
 from datetime import datetime, timezone
 
 import pandas as pd
@@ -44,7 +45,7 @@ def test_a_platforms_records_join_per_cell_the_newest_winning(tmp_path):
 
 
 def test_the_prose_names_the_records_the_cells_come_from(tmp_path):
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(3)]
     for rows, when in (([_row(1), _row(64)], at[0]), ([_row(64, kernel_us=70.0)], at[1]),
@@ -105,7 +106,7 @@ def test_layer_prose_names_the_schedule_misses_with_their_clocks(tmp_path):
     """At the schedule's token count, the cells whose table passes exceed 30 µs, named with
     their time and, where the record read it, the SM clock as the routing's profile ended,
     beside every such cell's clocks; nothing named where every cell meets the bound."""
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     rows = [_row(8192, model=m, route_tables_us=us, route_sm_clock_mhz=mhz, sm_clock_mhz=k)
             for m, us, mhz, k in (("M0", 25.0, 1500.0, 1800.0), ("M1", 38.0, 960.0, 1500.0))]
@@ -125,7 +126,7 @@ def test_layer_prose_names_the_schedule_misses_with_their_clocks(tmp_path):
 def test_layer_prose_names_the_host_misses_the_first_few_only(tmp_path):
     """The cells whose eager call's host time exceeds 30 µs, named with it and, where the record
     kept single calls, their median and slowest call; past three named, the rest counted."""
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     rows = [_row(8192, model="M0", host_overhead_us=20.0, host_call_median_us=19.0,
                  host_call_max_us=25.0),
@@ -146,7 +147,7 @@ def test_layer_prose_names_the_cells_where_the_fused_layer_is_slower(tmp_path):
     """A cell short of the speed asked (from 64 tokens: slower than the unfused path, eagerly or
     graphed; below: more than 10% slower) named with both ratios; the span from 64 tokens reads
     as the unfused path's time over the fused layer's, which holds below 1 too."""
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     rows = [_row(8192, model="M0", unfused_eager_us=89.0, unfused_graph_us=99.0),
             _row(1, model="M1", unfused_eager_us=95.0, unfused_graph_us=81.0),
@@ -165,7 +166,7 @@ def test_layer_prose_names_the_cells_where_the_fused_layer_is_slower(tmp_path):
 def test_layer_prose_gives_the_kernels_weight_passes_from_4096_tokens(tmp_path):
     """At 4096 tokens and more, the kernel alone over the time its weights take to read once, and
     apart in the cells where the graphed fused layer is slower; no sentence below 4096."""
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     rows = [_row(4096, model="M0", kernel_us=80.0, weight_floor_us=50.0),
             _row(8192, model="M1", kernel_us=90.0, weight_floor_us=40.0, unfused_graph_us=80.0),
@@ -182,7 +183,7 @@ def test_layer_prose_gives_the_kernels_weight_passes_from_4096_tokens(tmp_path):
 def test_layer_prose_says_which_cells_ran_256_row_tiles(tmp_path):
     """The cells whose record names 256-row tiles, counted and placed by setting and token
     count; none where every cell ran 128 or the record has no ``tile_rows`` (128 then)."""
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     rows = [_row(4096, model="M0", tile_rows=256), _row(8192, model="M1", tile_rows=256),
             _row(512, model="M2", setting="ep8_rank", tile_rows=256),
@@ -214,7 +215,7 @@ def test_layer_prose_says_how_an_eager_call_launches(tmp_path, era):
     one graph; older records that a call launches each kernel."""
     import json
 
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     kernels = {name: 1.0 for name in ("route_histogram", "route_offsets", "route_scatter",
                                       "route_gather", "route_tiles")}
@@ -250,7 +251,7 @@ def test_layer_prose_reads_a_platform_of_one_token_cells_and_one_routing_kernel(
     routed by one kernel that also writes the argument block: said so, in the singular."""
     import json
 
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     rows = [_row(1, s, host_launch_floor_us=7.0, eager_path="graph_launch",
                  route_kernels_us=json.dumps({"route_histogram": 2.0}), host_check_us=2.0,
@@ -268,7 +269,7 @@ def test_layer_prose_reads_a_platform_of_one_token_cells_and_one_routing_kernel(
 def test_layer_prose_gives_the_eager_calls_steps_where_a_record_timed_them(tmp_path):
     """The steps of an EP = 1 eager call from the cells that timed them; an older record's cells
     (no step columns) are left out of the count."""
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(2)]
     write_record("moe_layer", "x", pd.DataFrame([_row(1), _row(64)]), {}, {}, tmp_path,
@@ -292,7 +293,7 @@ def test_layer_prose_gives_the_eager_calls_steps_where_a_record_timed_them(tmp_p
 def test_layer_prose_gives_a_runs_first_call_where_a_record_kept_single_calls(tmp_path):
     """The first call after the wait for the device and the median call, from the cells that
     kept single calls only; none said without them."""
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(2)]
     write_record("moe_layer", "x", pd.DataFrame([_row(1), _row(64)]), {}, {}, tmp_path,
@@ -339,6 +340,36 @@ def test_kernel_parity_reads_the_paired_ratio_where_a_record_kept_it():
     assert list(lv.acceptance(pd.DataFrame([older]))["kernel_parity_ok"]) == [False]
 
 
+def test_layer_prose_names_a_parity_miss_with_its_trials_own_spread(tmp_path):
+    """From 4096 tokens, the per-trial ratios' span over every cell and, for a cell above the 2%,
+    its ratio and the least and greatest of its own trials' ratios; a record without the trials
+    names the miss with its ratio alone."""
+    from xstage_lab.prose.moe.fused_layer import layer
+
+    def trials(kernel, host):
+        return dict(kernel_trials_us=json.dumps(kernel),
+                    host_scheduled_kernel_trials_us=json.dumps(host))
+    rows = [_row(4096, model="M0", kernel_over_host_kernel_paired=1.0,
+                 **trials([100.0, 99.0, 101.0], [100.0, 100.0, 100.0])),
+            _row(8192, model="M1", kernel_over_host_kernel_paired=1.03,
+                 **trials([103.0, 92.0, 105.0], [100.0, 100.0, 100.0])),
+            _row(64, model="M2", kernel_over_host_kernel_paired=1.5,
+                 **trials([150.0], [100.0]))]
+    ratios = lv.kernel_trial_ratios(pd.DataFrame(rows))
+    assert list(ratios["trials"]) == [3, 3, 1]
+    assert list(ratios["trial_ratio_max"]) == pytest.approx([1.01, 1.05, 1.5])
+    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("x", tmp_path)]))
+    assert ("(the median of their per-trial ratios, which themselves span 0.920–1.050×, where a "
+            "record kept the trials; within 2% in 1 of 2 cells; above it M1 bf16 at EP = 1 at "
+            "8192 tokens: 1.030×, its 3 trials' own ratios 0.920–1.050×)") in text
+    bare = [{k: v for k, v in r.items() if "trials" not in k} for r in rows]
+    write_record("moe_layer", "y", pd.DataFrame(bare), {}, {}, tmp_path)
+    text = str(layer([lv.layer_view("y", tmp_path)]))
+    assert ("(the median of their per-trial ratios, where a record kept the trials; within 2% in "
+            "1 of 2 cells; above it M1 bf16 at EP = 1 at 8192 tokens: 1.030×)") in text
+
+
 def test_call_profile_reads_the_gaps_and_the_kernels_time_in_a_call():
     import json
 
@@ -359,7 +390,7 @@ def test_layer_prose_reads_the_call_profile_where_a_record_kept_it(tmp_path):
     one token, from the cells whose record profiled a call; none said without them."""
     import json
 
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     route = json.dumps({"route_tiny": 2.0})
     rows = [_row(1, route_kernels_us=route), _row(1, "ep8_rank", route_kernels_us=route),
@@ -390,7 +421,7 @@ def test_a_one_token_calls_weighted_sum_is_its_kernel_in_the_call_not_graphed_al
     of a few µs a multiple of its device time) is not quoted as the call's."""
     import json
 
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     route = json.dumps({"route_tiny": 2.0})
     call = dict(call_kernels_us=json.dumps({"route_tiny": 2.0, "moe_fused_ws_kernel": 84.0,
@@ -410,7 +441,7 @@ def test_layer_prose_says_by_how_much_the_misses_exceed_the_bound(tmp_path):
     and their routing kernels' profiled time; nothing said where every cell meets it."""
     import json
 
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     rows = [_row(64, fused_graph_us=g, route_kernels_us=json.dumps({"route_tiny": r}))
             for g, r in ((96.0, 3.0), (90.0, 2.0), (89.0, 1.0))]
@@ -428,7 +459,7 @@ def test_layer_prose_says_by_how_much_the_misses_exceed_the_bound(tmp_path):
 def test_layer_prose_says_where_a_one_token_miss_spends_its_time(tmp_path):
     """The one-token cells above 1.5x the weight-read floor + 10 µs, named, with their traced
     phases: the Linear-1 tiles and SMs and each phase's weight rate over the HBM bandwidth."""
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     trace = dict(trace_l1_tiles=44, trace_l1_sms=44, trace_l1_tile_gbps=50.0,
                  trace_l1_mainloop_us=10.0, trace_l1_end_us=20.0, trace_l2_tiles=66,
@@ -463,7 +494,7 @@ def test_layer_prose_splits_the_profiled_misses_excess_per_setting(tmp_path):
     parts' medians per setting (the weighted sum at EP = 1 only)."""
     import json
 
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     ep1 = _row(1, fused_graph_us=97.0, kernel_in_call_us=81.0, kernel_alone_device_us=77.0,
                route_kernels_us=json.dumps({"route_tiny": 3.0}),
@@ -600,7 +631,7 @@ def test_the_bounds_kernel_alone_leaves_out_its_counters_fill_where_profiled(tmp
     from before, the unit keeps it and the prose counts those cells."""
     import json
 
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     kernels = json.dumps({"route_tiny": 3.0, "moe_fused_ws_kernel": 80.0, "weighted_sum": 6.0})
     profiled = _row(1, fused_graph_us=89.0, call_kernels_us=kernels, kernel_in_call_us=80.0,
@@ -631,7 +662,7 @@ def test_the_bounds_kernel_alone_leaves_out_its_counters_fill_where_profiled(tmp
 
 
 def test_layer_prose_names_the_cells_whose_kernel_summed(tmp_path):
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     rows = [_row(1, weighted_sum_in_kernel=True, kernel_summed_us=82.0),
             _row(8, weighted_sum_in_kernel=True, kernel_summed_us=83.5),
@@ -653,7 +684,7 @@ def test_the_prose_says_which_cells_started_their_graphed_trials_held(tmp_path):
     """Cells of a ``--graph-start held`` record beside an older record's (no column: idle): the
     prose names the held cells and the trials the hold did not cover; a view of idle cells only
     says nothing of a hold."""
-    from xstage_lab.prose.moe.kernel import layer
+    from xstage_lab.prose.moe.fused_layer import layer
 
     at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(2)]
     write_record("moe_layer", "x", pd.DataFrame([_row(1), _row(64), _row(512)]), {}, {},

@@ -126,6 +126,22 @@ def kernel_over_host_kernel(table: pd.DataFrame) -> pd.Series:
     return table["kernel_over_host_kernel_paired"].fillna(medians)
 
 
+def kernel_trial_ratios(table: pd.DataFrame) -> pd.DataFrame:
+    """Per cell, the least and greatest of the kernel's per-trial times over the host-scheduled
+    kernel's in the same trial (``trial_ratio_min``, ``trial_ratio_max``: the pairs whose median
+    is ``kernel_over_host_kernel``) and how many trials (``trials``): the trials' own spread
+    beside the parity bound; NaN and 0 where a record kept no trials."""
+    out = pd.DataFrame({"trial_ratio_min": float("nan"), "trial_ratio_max": float("nan"),
+                        "trials": 0}, index=table.index)
+    if "kernel_trials_us" not in table:
+        return out
+    for i, (k, h) in table[["kernel_trials_us", "host_scheduled_kernel_trials_us"]].iterrows():
+        if isinstance(k, str) and isinstance(h, str):
+            ratios = pd.Series(json.loads(k)) / pd.Series(json.loads(h))
+            out.loc[i] = ratios.min(), ratios.max(), len(ratios)
+    return out.astype({"trials": int})
+
+
 def schedule_tables_us(table: pd.DataFrame) -> pd.Series:
     """Per cell, the device time of the schedule kernels: the routing kernels' table passes
     (``route_tables_us``, from the per-kernel profile), without the pass over the activations
