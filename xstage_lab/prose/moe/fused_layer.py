@@ -6,7 +6,14 @@ import json
 
 import pandas as pd
 
-from ...analysis.moe.layer_view import kernel_trial_ratios
+from ...analysis.moe.layer_view import (ARGS_WRITER, HOST_OVERHEAD_LIMIT_US, KERNEL_PARITY,
+                                        KERNEL_PARITY_TOKENS, SCHEDULE_LIMIT_TOKENS,
+                                        SCHEDULE_LIMIT_US, SMALL_T, WEIGHTED_SUM_KERNEL,
+                                        acceptance, acceptance_counts, boundaries_per_call_us,
+                                        call_excess, call_profile, counters_fill_us,
+                                        graph_starts, kernel_and_sum_us, kernel_trial_ratios,
+                                        profile_kernel_us, profile_total_us, schedule_tables_us,
+                                        sums_in_kernel)
 from .. import Prose, count, count_span, plural, rec, span, val, words
 
 
@@ -30,8 +37,6 @@ def excess_parts(cells: pd.DataFrame) -> str:
     """Of ``cells``' graphed calls beyond the bound's unit, where their records profiled them
     (``layer_view.call_excess``), each part in µs, its median per setting; "" where none was
     profiled."""
-    from ...analysis.moe.layer_view import call_excess, kernel_and_sum_us
-
     excess = call_excess(cells)
     if excess.empty:
         return ""
@@ -64,8 +69,6 @@ def measured_boundaries(cells: pd.DataFrame) -> str:
     """Where ``cells``' records measured the device's time between kernels
     (``layer_view.boundaries_per_call_us``): per call, the call's against the kernel alone's
     (their medians per setting); "" where none did."""
-    from ...analysis.moe.layer_view import boundaries_per_call_us
-
     between = boundaries_per_call_us(cells)
     if between.empty:
         return ""
@@ -81,13 +84,6 @@ def layer(layer_views) -> Prose:
     """The fused layer from the router's output (``moe_layer``, issue 27): against the unfused
     torch path, and how many cells meet each measure of the issue's acceptance, with where the
     schedule's and the host's time go."""
-    from ...analysis.moe.layer_view import (ARGS_WRITER, HOST_OVERHEAD_LIMIT_US, KERNEL_PARITY,
-                                            KERNEL_PARITY_TOKENS, SCHEDULE_LIMIT_TOKENS,
-                                            SCHEDULE_LIMIT_US, SMALL_T, acceptance,
-                                            WEIGHTED_SUM_KERNEL, acceptance_counts,
-                                            call_profile, profile_kernel_us, profile_total_us,
-                                            schedule_tables_us)
-
     out = []
     for v in layer_views:
         t, a = v.table, acceptance(v.table)
@@ -290,7 +286,7 @@ def layer(layer_views) -> Prose:
                   f"kernel over the host-built schedule (the median of their per-trial "
                   f"ratios{spread}, where a record kept the trials; within "
                   f"{KERNEL_PARITY - 1:.0%} in {met('kernel_parity_ok')} cells"
-                  f"{parity_misses(t.loc[parity.index], parity)})."
+                  f"{parity_misses(trials, parity)})."
                   if measured(parity, "kernel_over_host_kernel") else "")
         out.append(
             f"On {v.platform} ({count(len(t))} cells of {count(t['model'].nunique())} models from "
@@ -320,8 +316,6 @@ def weight_passes(cells: pd.DataFrame, accepted: pd.DataFrame) -> str:
     take to read once at the HBM bandwidth measured in the run (``weight_floor_us``), also in the
     cells where the graphed fused layer is slower than the unfused path (``accepted``'s); "" where
     no cell has that many tokens."""
-    from ...analysis.moe.layer_view import KERNEL_PARITY_TOKENS
-
     big = cells[cells["tokens"] >= KERNEL_PARITY_TOKENS]
     if big.empty:
         return ""
@@ -393,13 +387,13 @@ def host_misses(cells: pd.DataFrame, ok: pd.Series) -> str:
         for r in above.itertuples()), "; above it")
 
 
-def parity_misses(cells: pd.DataFrame, accepted: pd.DataFrame) -> str:
-    """Of ``cells`` (from the parity's token count), those whose kernel over the device tables
-    misses parity with the host-scheduled kernel, each with its ratio and, where the record kept
-    the trials, the least and greatest of its per-trial ratios (``kernel_trial_ratios``: how far
-    the trials themselves spread beside the bound); "" where none misses."""
+def parity_misses(trials: pd.DataFrame, accepted: pd.DataFrame) -> str:
+    """Of the cells of ``accepted`` (from the parity's token count), those whose kernel over the
+    device tables misses parity with the host-scheduled kernel, each with its ratio and, where
+    the record kept the trials, the least and greatest of its per-trial ratios (``trials``:
+    ``kernel_trial_ratios``, how far the trials themselves spread beside the bound); "" where
+    none misses."""
     above = accepted[~accepted["kernel_parity_ok"]]
-    trials = kernel_trial_ratios(cells.loc[above.index])
     return _named((
         f"{_cell_at_tokens(r)}: {val(r.kernel_over_host_kernel, '.3f')}×"
         + (f", its {count(trials.at[i, 'trials'])} trials' own ratios "
@@ -448,8 +442,6 @@ def held_starts(t: pd.DataFrame) -> str:
     """Where a record's graphed trials started behind a hold kernel (``moe_layer --graph-start
     held``): the cells, and the trials whose start the GPU passed before their replay's launch;
     nothing where every cell started idle."""
-    from ...analysis.moe.layer_view import graph_starts
-
     held = t[graph_starts(t) == "held"]
     if not len(held):
         return ""
@@ -466,8 +458,6 @@ def in_kernel_sums(t: pd.DataFrame) -> str:
     """Where the fused kernel ended with the weighted sum (``moe_layer --weighted-sum kernel``):
     the cells and that kernel's time alone beyond the kernel without it (the bound's); nothing
     where none did."""
-    from ...analysis.moe.layer_view import sums_in_kernel
-
     summed = t[sums_in_kernel(t)]
     if not len(summed):
         return ""
@@ -482,8 +472,6 @@ def fill_kept(cells: pd.DataFrame, accepted: pd.DataFrame) -> str:
     """The kernel alone's row counters' fill as the bound takes it (``layer_view.kernel_alone_us``):
     out, by how much a call where profiled; kept, in how many cells (records from before the fill
     was profiled)."""
-    from ...analysis.moe.layer_view import counters_fill_us
-
     out = accepted["graph_over_kernel_fill_out"]
     kept = int((~out).sum())
     return ((f"; the kernel's time without its row counters' fill, "
