@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
@@ -352,8 +353,6 @@ def test_a_text_citing_a_retired_record_by_its_stamp_says_it_is_retired():
     retired record by its stamp (``YYYYMMDDTHHMMSSZ``, or ``…HHMMSSZ`` where no record in the
     tree has that time) says "retired" within ``RETIRED_CONTEXT`` characters, so that a reader
     looks for its bytes in retired.json's commit, not in the tree."""
-    import re
-
     stamp = re.compile(r"(\d{8}T\d{6}Z)")
     tracked = _git("ls-files").stdout.split()
     live = {m.group(1) for p in tracked if p.endswith(".parquet") and (m := stamp.search(p))}
@@ -369,7 +368,8 @@ def test_a_text_citing_a_retired_record_by_its_stamp_says_it_is_retired():
             key = m.group(1)
             if (key in gone or key.lstrip("…") in short) and "retired" not in text[
                     max(0, m.start() - RETIRED_CONTEXT):m.end() + RETIRED_CONTEXT].lower():
-                silent.append(f"{path}:{text.count(chr(10), 0, m.start()) + 1}: {key}")
+                line = text.count("\n", 0, m.start()) + 1
+                silent.append(f"{path}:{line}: {key}")
     assert silent == []
 
 
