@@ -330,7 +330,7 @@ def scales_by_layout_row(hidden: int) -> bool:
     …180629Z-0a56654b8d). Scales of a line or more (HIDDEN from 4096) gained nothing by layout
     row, while route_quantize, storing each token's scales top-k times, took 1.1-2.6 µs more at
     64 and 512 tokens (…182146Z-ce84581d84 against …181902Z-0cd7c38d53)."""
-    return hidden // FP8_SCALE_BLOCK * 4 <= SCALE_LINE_BYTES
+    return hidden // FP8_SCALE_BLOCK * 4 < SCALE_LINE_BYTES
 
 
 def quant_grid(rows: int, hidden: int) -> tuple[int, int]:
