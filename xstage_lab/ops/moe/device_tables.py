@@ -329,7 +329,12 @@ def scales_by_layout_row(hidden: int) -> bool:
     20261204T181620Z-f0fdda4cd7 against …181527Z-9fd98b7c50, one job; moe_gather_probe
     …180629Z-0a56654b8d). Scales of a line or more (HIDDEN from 4096) gained nothing by layout
     row, while route_quantize, storing each token's scales top-k times, took 1.1-2.6 µs more at
-    64 and 512 tokens (…182146Z-ce84581d84 against …181902Z-0cd7c38d53)."""
+    64 and 512 tokens (…182146Z-ce84581d84 against …181902Z-0cd7c38d53). On one H100, Hy3's
+    scales of one line read through its tokens cost its kernel 2% at 4096 tokens
+    (moe_gather_probe/h100-80gb-hbm3-x1 20261206T003605Z-97115ee498), but by layout row up to a
+    line the graphed call took 0.998x over the four models of H = 4096 at 4096 and 8192 tokens and
+    the schedule kernels 1.23x (moe_layer …003930Z and …004239Z, retired, bytes at 0e0fed2,
+    against …004028Z and …004141Z): the bound stays below a line."""
     return hidden // FP8_SCALE_BLOCK * 4 < SCALE_LINE_BYTES
 
 
