@@ -140,8 +140,20 @@ def test_git_commit_prefers_the_commit_the_sender_names(monkeypatch):
 
     monkeypatch.setenv("XSTAGE_GIT_COMMIT", "0123abcd")
     assert git_commit() == "0123abcd"
+    monkeypatch.setenv("XSTAGE_GIT_COMMIT", "3413762415df5bf0a2127e9dc6c4379b9fd968d4+dirty")
+    assert git_commit().endswith("+dirty")
     monkeypatch.delenv("XSTAGE_GIT_COMMIT")
     assert git_commit() != "0123abcd"
+
+
+@pytest.mark.parametrize("named", ["7444daf-UNKNOWN", "7444DAF", "abc", "HEAD", "0123abcd+dirt",
+                                   "0" * 41])
+def test_git_commit_refuses_a_name_that_is_no_commits_hash(monkeypatch, named):
+    from xstage_lab.platform import git_commit
+
+    monkeypatch.setenv("XSTAGE_GIT_COMMIT", named)
+    with pytest.raises(ValueError, match="not a commit's hash"):
+        git_commit()
 
 
 # ------------------------------------------------------------------------------ peer memory

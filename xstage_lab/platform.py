@@ -415,12 +415,21 @@ def _run(cmd: list[str]) -> str | None:
         return None
 
 
+# a commit's hash, abbreviated or whole, and ``+dirty`` where the tree sent had uncommitted changes
+COMMIT_NAME = re.compile(r"[0-9a-f]{7,40}(\+dirty)?")
+
+
 def git_commit() -> str:
     """``XSTAGE_GIT_COMMIT`` where set, else the checkout's commit (``+dirty`` when it has
     changes). The variable wins: the GPU machine's copy of the tree carries a stale ``.git`` whose
-    HEAD is not the commit that was copied, so the sender names the commit it sent."""
+    HEAD is not the commit that was copied, so the sender names the commit it sent. A value that
+    is not a commit's hash (``COMMIT_NAME``) is a ValueError, which ``experiments.harness`` raises
+    before a run launches anything (a record once named ``7444daf-UNKNOWN``: errata.json)."""
     named = os.environ.get("XSTAGE_GIT_COMMIT")
     if named:
+        if not COMMIT_NAME.fullmatch(named):
+            raise ValueError(f"XSTAGE_GIT_COMMIT={named!r} is not a commit's hash (7-40 lowercase "
+                             "hex digits, '+dirty' after it where the tree sent had changes)")
         return named
     head = _run(["git", "-C", str(_REPO), "rev-parse", "HEAD"])
     if head:

@@ -196,6 +196,17 @@ def test_bad_options_exit_2_before_anything_runs(argv, capsys):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+def test_a_commit_named_wrong_exits_2_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """A record names the commit it was measured at: a value of XSTAGE_GIT_COMMIT that is no
+    commit's hash stops the run before any point is validated or launched, nothing written."""
+    monkeypatch.setenv("XSTAGE_GIT_COMMIT", "7444daf-UNKNOWN")
+    toy = Toy()
+    with pytest.raises(SystemExit) as e:
+        run_toy(["--out", str(tmp_path / "t.json")], toy)
+    assert e.value.code == 2 and toy.log == [] and not (tmp_path / "t.json").exists()
+    assert "XSTAGE_GIT_COMMIT='7444daf-UNKNOWN'" in capsys.readouterr().err
+
+
 def test_record_sink_keeps_the_same_header_as_import_bench(tmp_path):
     _, path = run_toy(["--root", str(tmp_path / "direct")])
     direct = read_record(path)

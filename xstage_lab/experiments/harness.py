@@ -330,10 +330,12 @@ def _stop(run: Run) -> None:
 def run(experiment: Experiment, args: argparse.Namespace) -> Path | None:
     """Run ``experiment`` with parsed ``args``; returns what rank 0 wrote (the JSON output or the
     record), None on the other ranks."""
+    from ..platform import git_commit
     try:
         sweeps = experiment.sweeps(args)
-    except ValueError as e:  # what the options ask of this machine it cannot run: nothing launched
-        parser(experiment).error(str(e))
+        git_commit()  # the record's provenance, checked before a run it would end
+    except ValueError as e:  # what the options ask of this machine it cannot run, or a commit
+        parser(experiment).error(str(e))  # named wrong: nothing launched
     chosen = chunk_indices(sweeps, args.chunk)
     run_ = _start(experiment, args)
     try:
