@@ -333,9 +333,9 @@ def run(experiment: Experiment, args: argparse.Namespace) -> Path | None:
     from ..platform import git_commit
     try:
         sweeps = experiment.sweeps(args)
-        git_commit()  # the record's provenance, checked before a run it would end
-    except ValueError as e:  # what the options ask of this machine it cannot run, or a commit
-        parser(experiment).error(str(e))  # named wrong: nothing launched
+        git_commit()  # the record's commit, checked now, not when the run's end writes it
+    except ValueError as e:  # options this machine cannot run, or a commit named wrong:
+        parser(experiment).error(str(e))  # nothing launched
     chosen = chunk_indices(sweeps, args.chunk)
     run_ = _start(experiment, args)
     try:
