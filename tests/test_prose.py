@@ -35,10 +35,6 @@ COINCIDENCES = {
     (("c5e9a2b7", 0), "0.999"): "a least ratio of the fused kernel's time after a sequence over "
     "its time right after itself: ratios within a thousandth of 1 keep their three decimals "
     "under the synthetic set's power of a ratio (moe_call_probe/h200-x1, 2026-12-04)",
-    (("c24cb15c", 0), "31"): "the host time of a call above the 30 µs asked: the committed "
-    "record's is DiT-MoE fp8 EP = 1 4096's (30.8 µs), the synthetic set's DeepSeek-V4-Pro fp8 "
-    "EP = 1's, its host times doubled (moe_layer/h100-80gb-hbm3-x1/20261205T233529Z-5b8eb801ae, "
-    "2026-12-06)",
     (("c24cb15c", 1), "12"): "the largest one-token graphed call's time less its kernels' "
     "device times: the committed records' is DeepSeek-V4-Pro bf16 EP = 8 rank's (11.7 µs), the "
     "synthetic set's DiT-MoE fp8 EP = 1's (11.6 µs), a difference of two columns it scales by "
