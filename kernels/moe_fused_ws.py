@@ -87,7 +87,10 @@ rows (``_weighted_sum_share``), so that the layer's call needs no launch of its 
 (nor its kernel boundary) where one pass of the programs covers the tokens. What the sum needs
 comes from a control block in shared memory, written at the start (``_sum_control_store``):
 held in registers across the mainloops, four values more made ptxas spill in the FP8 consumers'
-mainloops (sm_90 builds, Triton 3.6).
+mainloops (sm_90 builds, Triton 3.6). With ``SUM_ATOMIC`` nothing waits: each Linear-2
+epilogue adds its rows, times their top-k weights, into the tokens' output rows by bf16
+reductions at L2 (``_combine_out``), which the routing zeroed; the sum's order of addition is
+then the epilogues' (the bits may differ from call to call, within bf16's rounding).
 
 ``FENCE`` builds the completion-coupled counterfactual of §2.3 (each Linear-2 tile waits until
 its Combine stores are visible system-wide), ``INSTRUMENT`` the traced build (``_consumer``); both
@@ -609,17 +612,54 @@ def _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN, layout: gl.
 
 
 @gluon.jit
-def _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base, n_block, HIDDEN,
-                              BLOCK_N2: gl.constexpr, HALF_ROWS: gl.constexpr):
-    """Each result row into its source rank's Combine buffer, 16-byte stores; padding rows
-    are skipped. No wait for the stores: the X-Stage drains them."""
+def _pick_weights(row_slot, row_base, sum_args, layout: gl.constexpr, ROWS: gl.constexpr,
+                  SUM_WEIGHT_DTYPE: gl.constexpr):
+    """The top-k weight of each of the ``ROWS`` layout rows from ``row_base`` (``layout``: their
+    slice), fp32, 0 on padding: at EP = 1 a row's slot is its pick's index in ``topk_weights``
+    (``sum_args[1]``'s address)."""
+    slot = gl.load(row_slot + row_base + gl.arange(0, ROWS, layout=layout))
+    weights = gl.load(sum_args + 1).to(gl.pointer_type(SUM_WEIGHT_DTYPE))
+    return gl.load(weights + slot, mask=slot >= 0, other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _combine_out(rows, row_src, row_slot, combine_ptrs, row_base, cols, sum_args, HIDDEN,
+                 layout: gl.constexpr, ROWS: gl.constexpr, SUM_TOP_K: gl.constexpr,
+                 SUM_ATOMIC: gl.constexpr):
+    """``rows`` (bf16 ``[ROWS, N]`` in ``layout``: the ``ROWS`` layout rows from ``row_base``,
+    columns ``cols``) into their Combine rows (``_combine_rows``), 16-byte stores, padding rows
+    skipped. ``SUM_ATOMIC`` (EP = 1; the rows already times their top-k weights:
+    ``_pick_weights``): added into their tokens' rows of the output instead, relaxed bf16 adds
+    at L2 (slot ``i`` is token ``i // SUM_TOP_K``'s pick; ``sum_args[2]`` the output's address,
+    zeroed by the routing), so no pass after the kernel sums them. No wait for either: the
+    X-Stage drains them."""
+    if SUM_ATOMIC:
+        slot = gl.load(row_slot + row_base + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)))
+        out = gl.multiple_of(gl.load(sum_args + 2).to(gl.pointer_type(gl.bfloat16)), 16)
+        dst = out + (slot // SUM_TOP_K).to(gl.int64) * HIDDEN
+        gl.atomic_add(dst[:, None] + cols[None, :], rows, mask=(slot >= 0)[:, None],
+                      sem="relaxed", scope="gpu")
+    else:
+        dst, routed = _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN, layout,
+                                    ROWS)
+        gl.store(dst[:, None] + cols[None, :], rows, mask=routed[:, None])
+
+
+@gluon.jit
+def _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base, n_block, sum_args,
+                              HIDDEN, BLOCK_N2: gl.constexpr, HALF_ROWS: gl.constexpr,
+                              SUM_TOP_K: gl.constexpr, SUM_WEIGHT_DTYPE: gl.constexpr,
+                              SUM_ATOMIC: gl.constexpr):
+    """Each result row into its Combine row, or weighted into the output (``_combine_out``)."""
+    if SUM_ATOMIC:
+        acc = acc * _pick_weights(row_slot, row_base, sum_args, gl.SliceLayout(1, acc.type.layout),
+                                  HALF_ROWS, SUM_WEIGHT_DTYPE)[:, None]
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N2, BLOCK_N2 // 8],
                                                 [4, 1], [1, 0])
     out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
-    dst, routed = _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN, out_layout,
-                                HALF_ROWS)
     cols = n_block * BLOCK_N2 + gl.arange(0, BLOCK_N2, layout=gl.SliceLayout(0, out_layout))
-    gl.store(dst[:, None] + cols[None, :], out, mask=routed[:, None])
+    _combine_out(out, row_src, row_slot, combine_ptrs, row_base, cols, sum_args, HIDDEN,
+                 out_layout, HALF_ROWS, SUM_TOP_K, SUM_ATOMIC)
 
 
 @gluon.jit
@@ -653,7 +693,9 @@ def _last_split(counter, l2_splits):
 
 @gluon.jit
 def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_base, col0,
-                        l2_splits, HIDDEN, N: gl.constexpr, BLOCK_M: gl.constexpr):
+                        l2_splits, sum_args, HIDDEN, N: gl.constexpr, BLOCK_M: gl.constexpr,
+                        SUM_TOP_K: gl.constexpr, SUM_WEIGHT_DTYPE: gl.constexpr,
+                        SUM_ATOMIC: gl.constexpr):
     """The Combine rows of a split tile's half: the splits' partials (split ``s`` at rows
     ``prow0 + s · BLOCK_M ..`` of ``l2_partial``) summed in split order, read at L2 (``.cg``:
     other SMs wrote them), into their Combine rows (``_combine_rows``). Only the rows up to the
@@ -694,9 +736,12 @@ def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_
                 partial = gl.load(part + (s0 + j) * split_rows, mask=rows & is_split,
                                   cache_modifier=".cg")
                 total = gl.where(is_split, total + partial, total)
-        dst, routed = _combine_rows(row_src, row_slot, combine_ptrs, row_base + r0, HIDDEN,
-                                    layout, SUM_ROWS)
-        gl.store(dst[:, None] + cols[None, :], total.to(gl.bfloat16), mask=routed[:, None])
+        if SUM_ATOMIC:
+            total = total * _pick_weights(row_slot, row_base + r0, sum_args,
+                                          gl.SliceLayout(1, layout), SUM_ROWS,
+                                          SUM_WEIGHT_DTYPE)[:, None]
+        _combine_out(total.to(gl.bfloat16), row_src, row_slot, combine_ptrs, row_base + r0, cols,
+                     sum_args, HIDDEN, layout, SUM_ROWS, SUM_TOP_K, SUM_ATOMIC)
 
 
 @gluon.jit(noinline=True)
@@ -779,11 +824,11 @@ def _weighted_sum_share(control, error, HIDDEN, TOP_K: gl.constexpr, WEIGHT_DTYP
 def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows,
               row_origin, w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
               combine_ptrs, error, num_experts, trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
-              l2_splits, l2_partial, l2_ready, sum_control, FP8: gl.constexpr,
+              l2_splits, l2_partial, l2_ready, sum_control, sum_args, FP8: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, INSTRUMENT: gl.constexpr,
               FENCE: gl.constexpr, SPLIT_K: gl.constexpr, SUM_TOP_K: gl.constexpr,
-              SUM_WEIGHT_DTYPE: gl.constexpr):
+              SUM_WEIGHT_DTYPE: gl.constexpr, SUM_ATOMIC: gl.constexpr):
     """Rows [half·BLOCK_M/2, (half + 1)·BLOCK_M/2) of every tile of this program, in table order.
 
     INSTRUMENT (consumer 0 only, each stamp after its warpgroup's barrier): entry (0); the
@@ -791,7 +836,8 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
     0 -> 1 is the wait for Linear-1 inputs, as in ``moe_fused.py``, plus any TMA latency the ring
     did not hide); mainloop end (2); every store of the epilogue issued (3: for Linear-2, the
     sender-visible span T_RS of the tile's Combine burst); ``%smid``. SUM_TOP_K: after the
-    tiles, this warpgroup's arrival, then consumer 0's share of the weighted sum."""
+    tiles, this warpgroup's arrival, then consumer 0's share of the weighted sum (none with
+    SUM_ATOMIC: each Linear-2 epilogue added its rows into the output)."""
     stamped: gl.constexpr = INSTRUMENT and half == 0
     HALF_ROWS: gl.constexpr = BLOCK_M // 2
     row_layout: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1], [32, 1], [4, 1],
@@ -857,11 +903,13 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
                         _stamp(rec, 2)
                     if not SPLIT_K:
                         _linear2_combine_epilogue(acc0, row_src, row_slot, combine_ptrs,
-                                                  row_base, 2 * n2, HIDDEN, SCALE_BLOCK,
-                                                  HALF_ROWS)
+                                                  row_base, 2 * n2, sum_args, HIDDEN,
+                                                  SCALE_BLOCK, HALF_ROWS, SUM_TOP_K,
+                                                  SUM_WEIGHT_DTYPE, SUM_ATOMIC)
                         _linear2_combine_epilogue(acc1, row_src, row_slot, combine_ptrs,
-                                                  row_base, 2 * n2 + 1, HIDDEN, SCALE_BLOCK,
-                                                  HALF_ROWS)
+                                                  row_base, 2 * n2 + 1, sum_args, HIDDEN,
+                                                  SCALE_BLOCK, HALF_ROWS, SUM_TOP_K,
+                                                  SUM_WEIGHT_DTYPE, SUM_ATOMIC)
                     else:
                         _store_partial(acc0, l2_partial, row_slot, prow, row_base, col0, HIDDEN,
                                        SCALE_BLOCK, FP8, HALF_ROWS)
@@ -876,7 +924,8 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
                         _stamp(rec, 2)
                     if not SPLIT_K:
                         _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base,
-                                                  n2, HIDDEN, BLOCK_N2, HALF_ROWS)
+                                                  n2, sum_args, HIDDEN, BLOCK_N2, HALF_ROWS,
+                                                  SUM_TOP_K, SUM_WEIGHT_DTYPE, SUM_ATOMIC)
                     else:
                         _store_partial(acc, l2_partial, row_slot, prow, row_base, col0, HIDDEN,
                                        BLOCK_N2, FP8, HALF_ROWS)
@@ -884,7 +933,9 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
                     counter = l2_ready + (row_block * (HIDDEN // BLOCK_N2) + n2) * 2 + half
                     if _last_split(counter, l2_splits):
                         _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0,
-                                            row_base, col0, l2_splits, HIDDEN, BLOCK_N2, BLOCK_M)
+                                            row_base, col0, l2_splits, sum_args, HIDDEN,
+                                            BLOCK_N2, BLOCK_M, SUM_TOP_K, SUM_WEIGHT_DTYPE,
+                                            SUM_ATOMIC)
                         gl.store(counter, 0)
                 if FENCE:
                     # completion-coupled (§2.3): the warpgroup's Combine stores, then a cumulative
@@ -898,7 +949,7 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
     # symmetric-memory barrier that tells the source ranks their rows are there.
     gl.thread_barrier()
     gl.atomic_add(error, 0, sem="release", scope="sys")
-    if SUM_TOP_K > 0:
+    if SUM_TOP_K > 0 and not SUM_ATOMIC:
         _arrive(sum_control)
         if half == 0:
             _weighted_sum_share(sum_control, error, HIDDEN, SUM_TOP_K, SUM_WEIGHT_DTYPE)
@@ -915,7 +966,8 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
                         STAGES: gl.constexpr, INSTRUMENT: gl.constexpr = False,
                         FENCE: gl.constexpr = False, SPLIT_K: gl.constexpr = False,
                         SUM_TOP_K: gl.constexpr = 0,
-                        SUM_WEIGHT_DTYPE: gl.constexpr = gl.float32):
+                        SUM_WEIGHT_DTYPE: gl.constexpr = gl.float32,
+                        SUM_ATOMIC: gl.constexpr = False):
     """One persistent program per table row (``tiles`` int32 [programs, max_tiles, 4],
     ``num_tiles`` int32 [programs], read on the device: a table sized by a static bound, its
     entries past ``num_tiles[g]`` never read); the schedule is the table, not this code. A tile
@@ -953,7 +1005,10 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     weights of ``SUM_WEIGHT_DTYPE``): ``sum_args`` int64 [3] the addresses of the Combine rows,
     the top-k weights and the output, ``sum_arrivals`` int64 [1], zero at the first launch and
     counting two arrivals a program at every launch (never reset: launches of one count of
-    programs share it). Without it the three are never read."""
+    programs share it). Without it the three are never read. ``SUM_ATOMIC`` (with
+    ``SUM_TOP_K``): each Linear-2 epilogue adds its rows, weighted, into the output that the
+    routing zeroed before the launch (``_combine_out``), for any number of tokens; no arrivals,
+    no pass at the end, ``sum_arrivals`` and ``sum_tokens`` never read."""
     pid = gl.program_id(0)
     my_tiles = tiles + pid * max_tiles * TILE_FIELDS
     my_trace = trace + pid * max_tiles * TRACE_FIELDS
@@ -967,7 +1022,7 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # one release per consumer warpgroup
-    if SUM_TOP_K > 0:
+    if SUM_TOP_K > 0 and not SUM_ATOMIC:
         sum_control = gl.allocate_shared_memory(gl.int64, [SUM_CONTROL],
                                                 gl.SwizzledSharedLayout(1, 1, 1, [0]))
         _sum_control_store(sum_control, sum_args, sum_arrivals, sum_tokens, max_spin)
@@ -978,15 +1033,15 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
         (_consumer, (0, my_tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows, row_origin,
                      w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs,
                      error, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
-                     l2_splits, l2_partial, l2_ready, sum_control, FP8, BLOCK_M, BLOCK_N1,
-                     BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K,
-                     SUM_WEIGHT_DTYPE)),
+                     l2_splits, l2_partial, l2_ready, sum_control, sum_args, FP8, BLOCK_M,
+                     BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K,
+                     SUM_WEIGHT_DTYPE, SUM_ATOMIC)),
         (_consumer, (1, my_tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows, row_origin,
                      w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs,
                      error, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
-                     l2_splits, l2_partial, l2_ready, sum_control, FP8, BLOCK_M, BLOCK_N1,
-                     BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K,
-                     SUM_WEIGHT_DTYPE)),
+                     l2_splits, l2_partial, l2_ready, sum_control, sum_args, FP8, BLOCK_M,
+                     BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K,
+                     SUM_WEIGHT_DTYPE, SUM_ATOMIC)),
         (_producer, (my_tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_smem,
                      b_smem, ready, empty, row_ready, row_slot, error, max_spin, num_experts,
                      my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, FP8, BLOCK_M,

@@ -102,6 +102,7 @@ E4M3_MAX = tl.constexpr(448.0)
 # atomics grow from 8 a thread at 256 bins to 32 at 512, every warp adding into the same bins.
 # Over 64 arrivals all pairs unroll to 8400 instructions, 435 of them shared-memory stores.
 PAIR_COUNT_ARRIVALS = tl.constexpr(16)
+ZERO_BLOCK = tl.constexpr(2048)  # route_tiny's ZERO_OUT: output elements a program zeroes
 
 
 @triton.jit
@@ -724,7 +725,8 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
                QUANTIZE: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
                A_PAD: tl.constexpr, A_FEW: tl.constexpr, G_PAD: tl.constexpr,
                ID_DTYPE: tl.constexpr, P_PAD: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-               TILE_PROGRAMS: tl.constexpr, QUANT_ROWS: tl.constexpr):
+               TILE_PROGRAMS: tl.constexpr, QUANT_ROWS: tl.constexpr, OUT_HIDDEN=0,
+               ZERO_OUT: tl.constexpr = False):
     """Every table of the three launches, for at most ``BLOCK_M`` arrivals (``CAPACITY <= A_PAD
     <= BLOCK_M``, a power of two), from the arrivals held in registers, with no pass and no step
     through memory between them. So few arrivals give each expert at most one row block, which
@@ -744,16 +746,28 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
     GLM-5.x (256), each step of the per-expert scan, its reductions and its broadcasts into the
     row blocks' experts a round of barriers among its warps (moe_layer/h200-x1/
     20261203T124752Z-aee52a93dd; Nsight Compute: 23 k cycles over 14 k warp instructions).
-    Ids out of range add to ``error`` and get no row, as in ``route_histogram``. ``QUANTIZE``:
-    the programs after those are ``_quantize_block``'s blocks of ``QUANT_ROWS`` rows and 128
+    Ids out of range add to ``error`` and get no row, as in ``route_histogram``. ``ZERO_OUT``
+    (EP = 1): the programs after those zero the output ``out`` (bf16 ``[CAPACITY / TOP_K,
+    OUT_HIDDEN]``), ``ZERO_BLOCK`` elements each, for the fused kernel's Linear-2 epilogues to
+    add their weighted rows into (``SUM_ATOMIC`` of ``moe_fused_ws.py``). ``QUANTIZE``: the
+    programs after those are ``_quantize_block``'s blocks of ``QUANT_ROWS`` rows and 128
     columns of ``x``, row-major (the fused kernel's quantized rows, ``x_quant``, without
     a launch of their own)."""
     q = tl.program_id(0)
-    first_quant = 2 + TILE_PROGRAMS
+    first_zero = 2 + TILE_PROGRAMS
+    first_quant = first_zero
+    if ZERO_OUT:
+        zeroed = (CAPACITY // TOP_K) * OUT_HIDDEN
+        first_quant = first_zero + tl.cdiv(zeroed, ZERO_BLOCK)
     if q >= first_quant:
         if QUANTIZE:
             _quantize_program(q - first_quant, x, n_arrivals_ptr, x_quant, x_quant_scale,
                               arrival_rows, CAPACITY, HIDDEN, TOP_K, RECEIVED, QUANT_ROWS)
+    elif q >= first_zero:
+        if ZERO_OUT:
+            at = (q - first_zero) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+            tl.store(out.to(tl.pointer_type(tl.bfloat16)) + at,
+                     tl.zeros([ZERO_BLOCK], tl.bfloat16), mask=at < zeroed)
     else:
         n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
         ids = expert_ids.to(tl.pointer_type(ID_DTYPE))

@@ -41,6 +41,9 @@ SASS_LIMIT_BYTES = 75 * 1024  # the largest build measured: 74.3 KiB (FP8, 256-w
 # not (Triton 3.6): FP8's, and bf16's at 256 rows (the split sum's 128-row halves)
 SPLIT_SPILL_BYTES = {("fp8", 128, 128, 4): (8, 8), ("fp8", 128, 256, 4): (32, 44),
                      ("bf16", 256, 128, 4): (8, 8)}
+# ... and with the atomic sum's adds (SUM_ATOMIC) the 256-wide FP8 split build's, as compiled
+# (sm_90, Triton 3.6): 4 bytes stored and 12 reloaded more than without
+ATOMIC_SPILL_BYTES = {("fp8", 128, 256, 4): (36, 56)}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def ws_module():
 
 def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
              fence: bool = False, split_k: bool = False, sum_top_k: int = 0,
-             sum_weight_dtype=gl.float32):
+             sum_weight_dtype=gl.float32, sum_atomic: bool = False):
     """The kernel for sm_90 with the argument types ``kernel_launch`` passes."""
     dtype, name = (gl.float8e4nv, "fp8e4nv") if precision == "fp8" else (gl.bfloat16, "bf16")
     half, bk = cfg.block_m // 2, cfg.block_k
@@ -80,13 +83,13 @@ def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
                  "BLOCK_N1": "constexpr", "BLOCK_N2": "constexpr", "BLOCK_K": "constexpr",
                  "STAGES": "constexpr", "INSTRUMENT": "constexpr", "FENCE": "constexpr",
                  "SPLIT_K": "constexpr", "SUM_TOP_K": "constexpr",
-                 "SUM_WEIGHT_DTYPE": "constexpr"}
+                 "SUM_WEIGHT_DTYPE": "constexpr", "SUM_ATOMIC": "constexpr"}
     names = list(signature)
     constexprs = {(names.index(k),): v for k, v in dict(
         FP8=precision == "fp8", BLOCK_M=cfg.block_m, BLOCK_N1=cfg.block_n1,
         BLOCK_N2=cfg.block_n2, BLOCK_K=bk,
         STAGES=cfg.num_stages, INSTRUMENT=instrument, FENCE=fence, SPLIT_K=split_k,
-        SUM_TOP_K=sum_top_k, SUM_WEIGHT_DTYPE=sum_weight_dtype).items()}
+        SUM_TOP_K=sum_top_k, SUM_WEIGHT_DTYPE=sum_weight_dtype, SUM_ATOMIC=sum_atomic).items()}
     # what Triton's launcher specializes: 16-byte aligned tensors, ints divisible by 16
     aligned = {(names.index(k),): [["tt.divisibility", 16]]
                for k, v in signature.items() if v.startswith("*")}
@@ -425,6 +428,31 @@ def test_the_weighted_sum_build_arrives_then_sums(ws_module, key, split_k):
     added = sass_bytes(k.asm["cubin"], "moe_fused_ws_kernel") - \
         sass_bytes(plain.asm["cubin"], "moe_fused_ws_kernel")
     assert 0 < added <= SUM_CODE_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("split_k", [False, True], ids=["unsplit", "split"])
+@pytest.mark.parametrize("key", list(_default_configs()), ids=lambda k: "-".join(map(str, k)))
+def test_the_atomic_sum_build_adds_its_rows_and_waits_for_nothing(ws_module, key, split_k):
+    """``SUM_ATOMIC``: the Linear-2 epilogues' rows go out as relaxed 8 x bf16 adds (no Combine
+    stores through the peer table's bf16 rows), with no control block, arrival or spin of the
+    in-kernel sum; wgmma not serialized, spills as the build without it (split: as measured,
+    ``ATOMIC_SPILL_BYTES``)."""
+    precision, cfg = key[0], _default_configs()[key]
+    k = _compile(ws_module, precision, cfg, split_k=split_k, sum_top_k=8,
+                 sum_weight_dtype=gl.bfloat16, sum_atomic=True)
+    plain = _compile(ws_module, precision, cfg, split_k=split_k)
+    ptx = k.asm["ptx"]
+    # 16 bytes an add (8 a thread in the split sums' layout)
+    add = r"atom\.global\.gpu\.relaxed\.add\.noftz\.v[48]\.bf16"
+    assert re.search(add, ptx) and not re.search(add, plain.asm["ptx"])
+    assert "_weighted_sum_share" not in ptx and "atom.global.gpu.release.add.u64" not in ptx
+    # the Combine rows' stores of the plain build's epilogues are gone
+    assert ptx.count("st.global.") < plain.asm["ptx"].count("st.global.")
+    report, base = ptxas_report(ptx), ptxas_report(plain.asm["ptx"])
+    assert not report["wgmma_serialized"]
+    stored, reloaded = ATOMIC_SPILL_BYTES.get(key, (0, 0)) if split_k else (0, 0)
+    assert report["spill_store_bytes"] <= max(stored, base["spill_store_bytes"]) and \
+        report["spill_load_bytes"] <= max(reloaded, base["spill_load_bytes"]), report
 
 
 def test_a_prepared_launch_keeps_its_local_combine_buffers_alive(monkeypatch):

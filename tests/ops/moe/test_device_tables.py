@@ -312,6 +312,36 @@ def case_tall_row_blocks() -> dict:
             "ep_rank": case_ep_rank("MiMo-V2.5", "bf16", 8, 200, 16, 2, block_m=256)}
 
 
+def case_route_tiny_zeroes_the_output() -> dict:
+    """``zeroed_hidden`` (a layer whose Linear-2 epilogues add into its output): ``route_tiny``
+    zeroes the poisoned output ``[T, H]`` of DiT-MoE's 20 tokens (40 picks, 28,160 elements:
+    14 programs of ``ZERO_BLOCK``, the last one partial) and of DeepSeek-V4-Flash's one token in
+    FP8 (its quantizing programs after the zeroing ones), and writes the tables that the same
+    routing writes without it, entry for entry; nothing past the output is touched."""
+    out = {}
+    for model, precision, tokens in (("DiT-MoE", "bf16", 20), ("DeepSeek-V4-Flash", "fp8", 1)):
+        shape = SHAPES[model]
+        ids = router_topk(router_logits(tokens, shape.routed_experts, "skewed", seed=6),
+                          shape.top_k)[0]
+        _, bounds = _bounds(model, tokens * shape.top_k, 16, 2)
+        x = torch.randn(tokens, shape.hidden, generator=torch.Generator().manual_seed(6))
+        x = x.to(torch.bfloat16)
+        y = torch.full((tokens + 1, shape.hidden), float("nan"), dtype=torch.bfloat16)
+        tables = allocate_tables(bounds, shape.hidden, precision, "cpu")
+        routing = tables.routing(False, precision == "fp8", ids.dtype, shape.hidden)
+        assert routing.tiny_at(ids.numel())
+        routing(ids.numel(), shape.top_k, dt.slot_addresses(tables.args, expert_ids=ids, x=x,
+                                                            out=y))
+        assert (y[:tokens] == 0).all() and y[tokens:].isnan().all()
+        rows = x.repeat_interleave(shape.top_k, dim=0)
+        xq, xs = quantize_rows_fp8(rows) if precision == "fp8" else (rows, None)
+        bad = table_mismatches(tables, host_tables(bounds, ids.reshape(-1), xq, xs,
+                                                   top_k=shape.top_k))
+        assert not bad, bad
+        out[model] = int(tables.meta[1])
+    return out
+
+
 def interpreter_cases() -> dict:
     return {
         "every_shape": (case_every_shape,),
@@ -334,6 +364,7 @@ def interpreter_cases() -> dict:
         "few_received_under_a_large_bound": (case_few_received_under_a_large_bound,),
         "launch_by_launch_at_few_arrivals": (case_launch_by_launch_at_few_arrivals,),
         "tall_row_blocks": (case_tall_row_blocks,),
+        "route_tiny_zeroes_the_output": (case_route_tiny_zeroes_the_output,),
     }
 
 

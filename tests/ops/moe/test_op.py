@@ -219,6 +219,8 @@ def test_bad_construction_is_refused():
         FusedMoE(weights, max_tokens=4, top_k=2, weighted_sum="fused")
     with pytest.raises(MoEContractError, match="needs the gluon_ws kernel, not triton"):
         FusedMoE(weights, max_tokens=4, top_k=2, weighted_sum="kernel")
+    with pytest.raises(MoEContractError, match="'atomic' needs the gluon_ws kernel, not triton"):
+        FusedMoE(weights, max_tokens=4, top_k=2, weighted_sum="atomic")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -249,6 +251,27 @@ def test_the_kernel_ends_with_the_weighted_sum_where_one_pass_covers_the_tokens(
     assert summed.arrivals is layer.moe_buffers.sum_arrivals and summed.arrivals.item() == 0
     assert (summed.tokens, summed.top_k, summed.weight_dtype) == (3, 2, torch.float32)
     assert given.args is own and given.weight_dtype == torch.bfloat16 and beyond is None
+
+
+def test_the_atomic_sum_adds_in_the_kernel_where_route_tiny_zeroes_the_output(monkeypatch):
+    """``weighted_sum="atomic"`` (gluon_ws, built here, never launched): where one launch routes
+    the call (``tiny_arrivals`` picks: Tiny's top-2, 32 tokens), the fused launch takes the
+    atomic sum over the call's block and the layer's routing zeroes the output; beyond, the
+    sum's own launch."""
+    weights = local_expert_weights(TINY, 0, 1, "bf16", seed=3)
+    config = default_tile_config("bf16", "gluon_ws", hidden=TINY.hidden)
+    layer = FusedMoE(weights, max_tokens=40, top_k=TINY.top_k, config=config, num_programs=4,
+                     weighted_sum="atomic")
+    tiny = layer.workspace.tables.tiny_arrivals // TINY.top_k
+    assert [layer.sums_in_kernel(t) for t in (1, tiny, tiny + 1)] == [True, True, False]
+    assert layer.routing(torch.int32).zeroed_hidden == TINY.hidden
+    launched = []
+    monkeypatch.setattr(layer.workspace, "launch",
+                        lambda schedule, peers, **kw: launched.append(kw["weighted_sum"]))
+    layer.fused_kernel(3, torch.float32, "wave", routed=True)
+    layer.fused_kernel(tiny + 1, torch.float32, "wave")
+    summed, beyond = launched
+    assert summed.atomic and summed.top_k == 2 and beyond is None
 
 
 @pytest.mark.parametrize("change,message", [

@@ -9,7 +9,8 @@ token count queued behind a long kernel, each keeping its own addresses; eager c
 around a user's graph capture, and the user's graph replayed after them; the first calls at
 token counts never seen under ``set_sync_debug_mode("error")``; two layers on one set of
 buffers, each replaying its own graphs. The fused kernel ending with the weighted sum
-(``weighted_sum="kernel"``), call after call and replayed."""
+(``weighted_sum="kernel"``) and its adds into the output (``"atomic"``), call after call and
+replayed."""
 from __future__ import annotations
 
 import pytest
@@ -472,3 +473,35 @@ def test_the_kernel_ends_with_the_weighted_sum_call_after_call(precision, model,
     assert int(layer.error) == 0
     programs = layer.workspace.bounds.num_programs
     assert int(layer.moe_buffers.sum_arrivals) == 2 * programs * launches
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("model,tokens", [("DiT-MoE", 1), ("DiT-MoE", 32), (MODEL, 1),
+                                          (MODEL, 8), (WIDE_SPLIT, 1)])
+def test_the_atomic_sum_adds_into_the_output_call_after_call(precision, model, tokens):
+    """``weighted_sum="atomic"`` where ``route_tiny`` routes (DiT-MoE's and the wide shape's
+    one token through the split Linear-2 builds, the rest unsplit): five routings, the output
+    memory poisoned before each call (the routing zeroes it), each output matching the
+    reference and, within bf16's rounding of its adds, the weighted sum's own launch over the
+    kernel's Combine rows for the same routing; then one user graph replayed with three
+    routings, its output poisoned before each replay."""
+    shape = SHAPES[model]
+    weights = local_expert_weights(shape, 0, 1, precision, seed=SEED, device="cuda")
+    layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="wave",
+                     weighted_sum="atomic")
+    apart = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="wave")
+    assert layer.sums_in_kernel(tokens) and not apart.sums_in_kernel(tokens)
+    for i in range(5):
+        x, ids, w = _inputs(tokens, 60 + i, ("balanced", "skewed")[i % 2], model=model)
+        # the caching allocator hands the call this block back for its output
+        torch.empty(tokens, shape.hidden, dtype=torch.bfloat16, device="cuda").fill_(
+            float("nan"))
+        y = layer(x, ids, w)
+        want = apart(x, ids, w)
+        torch.cuda.synchronize()
+        _check(layer, y, x, ids, w, model=model)
+        # each element top_k bf16 adds of rows rounded once more than the launch's
+        assert (y.float() - want.float()).abs().max() <= \
+            2.0 ** -8 * shape.top_k * want.float().abs().max()
+    _replay_routings(layer, tokens, range(80, 83), model)
+    assert int(layer.error) == 0

@@ -245,12 +245,14 @@ class DeviceTables:
         Linear-1 reads (``x``'s own, or ``x_quant``) and their scales, and the scales' layout."""
         return a_rows_view(self.args)
 
-    def routing(self, received: bool, quantize: bool, id_dtype: torch.dtype) -> RoutingLaunches:
+    def routing(self, received: bool, quantize: bool, id_dtype: torch.dtype,
+                zeroed_hidden: int = 0) -> RoutingLaunches:
         """The routing launches over these tables for arrivals of this kind (bound once)."""
-        key = (received, quantize, id_dtype)
+        key = (received, quantize, id_dtype, zeroed_hidden)
         launch = self.launches.get(key)
         if launch is None:
-            launch = self.launches[key] = RoutingLaunches(self, received, quantize, id_dtype)
+            launch = self.launches[key] = RoutingLaunches(self, received, quantize, id_dtype,
+                                                          zeroed_hidden)
         return launch
 
 
@@ -393,15 +395,20 @@ class RoutingLaunches:
     arrivals; ``quantize``: bf16 activations into an FP8 layer (``route_quantize``);
     ``id_dtype``: the expert ids' (int32 or int64). Up to ``tables.tiny_arrivals`` arrivals (an EP
     rank: up to a bound of ``tables.tiny_received``), ``route_tiny``; else the histogram, the scan,
-    and the scatter with the tiles."""
+    and the scatter with the tiles. ``zeroed_hidden`` > 0 (EP = 1): ``route_tiny`` also zeroes the
+    output, bf16 ``[T, zeroed_hidden]``, for a fused kernel that adds its rows into it
+    (``fused.InKernelSum.atomic``); the other launches never do."""
 
     def __init__(self, tables: DeviceTables, received: bool, quantize: bool,
-                 id_dtype: torch.dtype):
+                 id_dtype: torch.dtype, zeroed_hidden: int = 0):
         k = load_kernel_module("moe_routing")
         b, t = tables.bounds, tables
         e_pad = _pow2(b.num_experts)
         hidden = t.x_quant.shape[1] if quantize else 0
+        if zeroed_hidden and received:
+            raise MoEContractError("an EP rank's routing has no output to zero")
         self.tables, self.received, self.quantize = tables, received, quantize
+        self.zeroed_hidden = zeroed_hidden
         self.by_row = by_row = quantize and scales_by_layout_row(hidden)
         self.kernels = k
         # where the quantization writes; the fused kernel reads them through args' a_rows slots
@@ -526,8 +533,9 @@ class RoutingLaunches:
         call's addresses (a graph's node of it is given each call's). Up to the tiny bound,
         ``route_tiny``: two programs the arrivals' rows and the experts' tables, one per
         ``ROW_BLOCKS_TINY`` row blocks the tiles (the row blocks: one per routed expert at
-        most), and where it quantizes, one program more per block of ``_quantize_block``
-        (``quant_grid``), so no launch of its own quantizes them. Else ``route_histogram``, up
+        most), where it zeroes the output one per ``ZERO_BLOCK`` of its elements, and where it
+        quantizes, one program more per block of ``_quantize_block`` (``quant_grid``), so no
+        launch of its own quantizes them. Else ``route_histogram``, up
         to ``tables.scan_chunks`` chunks with ``route_offsets``' work in its last program, one
         program a chunk and, where it quantizes (``quantized_first``), one more a block."""
         t = self.tables
@@ -543,8 +551,13 @@ class RoutingLaunches:
         launch = self.tiny.get(a_pad)
         if launch is None:
             few = min(TINY_FEW_RECEIVED, a_pad) if self.received else a_pad
+            zero = (dict(ZERO_OUT=True, OUT_HIDDEN=self.zeroed_hidden) if self.zeroed_hidden
+                    else {})
             launch = self.tiny[a_pad] = Launcher(self.kernels.route_tiny, A_PAD=a_pad, A_FEW=few,
                                                  ROW_BLOCKS=row_blocks,
                                                  TILE_PROGRAMS=tile_programs,
-                                                 num_warps=tiny_warps(a_pad), **self.tiny_static)
-        return launch, (TINY_TABLE_PROGRAMS + tile_programs + quant,)
+                                                 num_warps=tiny_warps(a_pad), **zero,
+                                                 **self.tiny_static)
+        zeroes = triton.cdiv(capacity // top_k * self.zeroed_hidden,
+                             self.kernels.ZERO_BLOCK.value)
+        return launch, (TINY_TABLE_PROGRAMS + tile_programs + zeroes + quant,)

@@ -221,13 +221,16 @@ class InKernelSum:
     ``kernels/moe_fused_ws.py``): ``args`` int64 [3], the addresses of the Combine rows, the
     top-k weights and the output (``call_args.sum_args_view`` of a call's argument block);
     ``arrivals`` int64 [1], zero when allocated (the launches count up in it); ``tokens`` rows of
-    the output, ``top_k`` picks each, weights of ``weight_dtype``."""
+    the output, ``top_k`` picks each, weights of ``weight_dtype``. ``atomic`` (``SUM_ATOMIC``):
+    each Linear-2 epilogue adds its weighted rows into the output, which must be zero at
+    launch; ``arrivals`` and ``tokens`` are then not read."""
 
     args: torch.Tensor
     arrivals: torch.Tensor
     tokens: int
     top_k: int
     weight_dtype: torch.dtype
+    atomic: bool = False
 
 
 @dataclass(frozen=True)
@@ -312,8 +315,8 @@ def kernel_launch(config: TileConfig, weights: ExpertWeights, b: KernelBuffers, 
             inter, *k_blocks, b.l2_splits, b.l2_partial if split_k else unused,
             b.l2_ready if split_k else unused,
             *((summed.args, summed.arrivals, summed.tokens) if summed else (unused, unused, 0)))
-    sums = (dict(SUM_TOP_K=summed.top_k, SUM_WEIGHT_DTYPE=triton_dtype(summed.weight_dtype))
-            if summed else {})
+    sums = (dict(SUM_TOP_K=summed.top_k, SUM_WEIGHT_DTYPE=triton_dtype(summed.weight_dtype),
+                 SUM_ATOMIC=summed.atomic) if summed else {})
     return args, dict(FP8=fp8, BLOCK_M=config.block_m, BLOCK_N1=config.block_n1,
                       BLOCK_N2=config.block_n2, BLOCK_K=bk,
                       STAGES=config.num_stages, INSTRUMENT=bool(instrument), FENCE=bool(fence),

@@ -15,7 +15,8 @@ them into the argument block the later launches read
 sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-1 gathers each pick's token row as it
 loads and whose Linear-2 epilogues store each pick's row into the Combine buffer, then the top-k
 weighted sum (``combine``, one Triton launch, reading the block; with ``weighted_sum="kernel"``
-the fused kernel's end, where it covers the tokens in one pass). Eagerly on CUDA they run as one
+the fused kernel's end, where it covers the tokens in one pass; with ``"atomic"`` the Linear-2
+epilogues' adds into ``y``, zeroed by the routing, where ``route_tiny`` routes). Eagerly on CUDA they run as one
 CUDA graph (``GraphCache``), captured once per token count at that count's first call, the node of
 its first launch taking each call's addresses as new arguments (``graph_launch.GraphLauncher``): a
 call costs the host two driver calls. While the stream is capturing (a user's graph) or off CUDA
@@ -69,9 +70,10 @@ GRAPHS_PER_LAYER = 16
 CALL_TENSORS = ("expert_ids", "x", "combine_rows", "topk_weights", "out")
 WEIGHT_DTYPES = tuple(d for d in TRITON_DTYPES if d.is_floating_point)  # the weighted sum reads
 ID_DTYPES = (torch.int32, torch.int64)
-# Where a FusedMoE's top-k weighted sum runs: its own launch after the fused kernel, or the fused
-# kernel's end (gluon_ws; where one pass of its programs covers the tokens: sums_in_kernel).
-WEIGHTED_SUMS = ("launch", "kernel")
+# Where a FusedMoE's top-k weighted sum runs: its own launch after the fused kernel, the fused
+# kernel's end (gluon_ws; where one pass of its programs covers the tokens: sums_in_kernel), or
+# the fused kernel's Linear-2 epilogues adding into the output (gluon_ws; where route_tiny routes)
+WEIGHTED_SUMS = ("launch", "kernel", "atomic")
 
 
 def auto_schedule(peers_world: int) -> str:
@@ -387,7 +389,11 @@ class FusedMoE(torch.nn.Module):
     ``weighted_sum``: ``"launch"``, the top-k weighted sum in a launch of its own after the fused
     kernel; ``"kernel"`` (the gluon_ws kernel only), the fused kernel ends with it where one pass
     of its programs covers the call's tokens (``sums_in_kernel``), so the call has one launch and
-    one kernel boundary fewer; above that, its own launch."""
+    one kernel boundary fewer; above that, its own launch. ``"atomic"`` (gluon_ws only): where
+    one launch routes the call (``route_tiny``: up to ``tiny_arrivals`` picks), that launch
+    zeroes ``y`` and each Linear-2 epilogue adds its rows times their weights into it (bf16
+    adds in the epilogues' order: the bits may differ from call to call, within bf16's
+    rounding); above, its own launch."""
 
     def __init__(self, weights: ExpertWeights, *, max_tokens: int, top_k: int,
                  schedule: str = "auto", config: TileConfig | None = None,
@@ -409,9 +415,9 @@ class FusedMoE(torch.nn.Module):
                                       buffers=buffers, combine_rows=True)
         self.max_tokens, self.top_k, self.check_ids = max_tokens, top_k, check_ids
         self.schedule = auto_schedule(1) if schedule == "auto" else schedule
-        if weighted_sum == "kernel" and self.workspace.config.kernel != "gluon_ws":
-            raise MoEContractError(f"weighted_sum='kernel' needs the gluon_ws kernel, not "
-                                   f"{self.workspace.config.kernel}")
+        if weighted_sum != "launch" and self.workspace.config.kernel != "gluon_ws":
+            raise MoEContractError(f"weighted_sum={weighted_sum!r} needs the gluon_ws kernel, "
+                                   f"not {self.workspace.config.kernel}")
         self.weighted_sum = weighted_sum
         # the most tokens one pass of the programs' sum covers (sums_in_kernel): a token's
         # SUM_COLS columns of kernels/moe_fused_ws.py a program
@@ -419,6 +425,8 @@ class FusedMoE(torch.nn.Module):
         if weighted_sum == "kernel":
             pieces = triton.cdiv(weights.hidden, load_kernel_module("moe_fused_ws").SUM_COLS.value)
             self.tokens_summed_in_kernel = self.workspace.bounds.num_programs // pieces
+        elif weighted_sum == "atomic":
+            self.tokens_summed_in_kernel = self.workspace.tables.tiny_arrivals // top_k
         self.combine = self.workspace.buffers.combine
         self.peers = local_combine_peers([self.combine])
         self.device = weights.w1.device
@@ -534,9 +542,10 @@ class FusedMoE(torch.nn.Module):
     def sums_in_kernel(self, tokens: int) -> bool:
         """Whether a call of ``tokens`` tokens has the fused kernel end with the weighted sum:
         ``weighted_sum="kernel"`` and one piece of the sum (a token's ``SUM_COLS`` columns of
-        ``kernels/moe_fused_ws.py``) per program at most (``tokens_summed_in_kernel``, set at
-        construction). Beyond, a program would sum its pieces one after another, where the
-        weighted sum's own launch spreads them over every SM."""
+        ``kernels/moe_fused_ws.py``) per program at most, or ``"atomic"`` and ``route_tiny``
+        routing the call (``tokens_summed_in_kernel``, set at construction). Beyond, a program
+        would sum its pieces one after another, where the weighted sum's own launch spreads them
+        over every SM; the atomic adds need ``y`` zeroed, which only ``route_tiny`` does."""
         return tokens <= self.tokens_summed_in_kernel
 
     def fused_kernel(self, tokens: int, weights_dtype: torch.dtype, schedule: str, *,
@@ -549,7 +558,7 @@ class FusedMoE(torch.nn.Module):
         if self.sums_in_kernel(tokens):
             args = sum_args_view(self.workspace.tables.args) if sum_args is None else sum_args
             summed = InKernelSum(args, self.workspace.buffers.sum_arrivals, tokens, self.top_k,
-                                 weights_dtype)
+                                 weights_dtype, atomic=self.weighted_sum == "atomic")
         self.workspace.launch(schedule, self.peers, routed=routed, weighted_sum=summed)
 
     def route_launches(self, addresses: tuple[int, ...], tokens: int,
@@ -560,7 +569,8 @@ class FusedMoE(torch.nn.Module):
     def routing(self, id_dtype: torch.dtype):
         """The routing launches over this layer's tables for ``topk_ids`` of ``id_dtype``."""
         ws = self.workspace
-        return ws.tables.routing(False, ws.weights.precision == "fp8", id_dtype)
+        return ws.tables.routing(False, ws.weights.precision == "fp8", id_dtype,
+                                 ws.weights.hidden if self.weighted_sum == "atomic" else 0)
 
 
 @functools.cache
