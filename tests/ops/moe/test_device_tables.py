@@ -375,7 +375,7 @@ def test_scales_by_layout_row_where_a_rows_scales_are_narrower_than_a_line():
 
 
 def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False, by_row: bool = True,
-                  quantize: bool = True, arrivals: int = 128) -> dict:
+                  quantize: bool = True, arrivals: int = 128, zero_out: bool = False) -> dict:
     """One routing kernel built for sm_90 (as the op launches it on an H200); ``route_tiny``
     with ``e_pad`` experts over 128 arrivals of an EP rank or 32 where the count is that or less
     (512: from all pairs, 64: from the scan, with the 32 from all pairs), or over fewer
@@ -383,7 +383,7 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False, by_row: bool 
     ``route_histogram`` over ``e_pad`` experts, with the scan in its last program where ``scan``
     (a step's chunks: ``scan_step_rows``), quantizing programs after its chunks' unless the
     scales lie ``by_row``; without ``quantize`` (a bf16 layer) ``x_quant`` and its scales are
-    ``meta`` (int32), as the op passes them."""
+    ``meta`` (int32), as the op passes them; ``zero_out``: ``route_tiny`` zeroing the output."""
     import triton.language as tl
     from triton.compiler import ASTSource
 
@@ -449,6 +449,9 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False, by_row: bool 
                             TILE_PROGRAMS=min(arrivals, e_pad) // 4, QUANT_ROWS=32)),
     }
     signature, constexprs = signatures[name]
+    if zero_out:
+        signature = {**signature, "OUT_HIDDEN": i}
+        constexprs = {**constexprs, "ZERO_OUT": True}
     if name != "route_quantize":  # the tables' geometry: an H200's 132 programs, 16-tile rows
         constexprs = {**constexprs, "G": 132, "P1": 16, "P2": 16}
     signature = {**signature, **{k: "constexpr" for k in constexprs}}
@@ -474,6 +477,9 @@ COMPILE_CASES = {**{f"compile_sm90_{n}": (_compile_sm90, n)
                  # one token of Qwen3.5 at EP = 1: ten picks over 512 experts
                  "compile_sm90_route_tiny_one_token": (_compile_sm90, "route_tiny", 512, False,
                                                        True, True, 16),
+                 # ... zeroing the output of a layer whose Linear-2 epilogues add into it
+                 "compile_sm90_route_tiny_zeroing": (_compile_sm90, "route_tiny", 512, False,
+                                                     True, True, 16, True),
                  # bf16 layers: nothing to quantize, x_quant an int32 stand-in
                  "compile_sm90_route_histogram_bf16": (_compile_sm90, "route_histogram", 512,
                                                        False, False, False),
