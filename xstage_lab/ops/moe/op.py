@@ -16,10 +16,10 @@ sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-1 gathers each pick's t
 loads and whose Linear-2 epilogues store each pick's row into the Combine buffer, then the top-k
 weighted sum (``combine``, one Triton launch, reading the block; with ``weighted_sum="kernel"``
 the fused kernel's end, where it covers the tokens in one pass; with ``"atomic"`` the Linear-2
-epilogues' adds into ``y``, zeroed by the routing, where ``route_tiny`` routes). Eagerly on CUDA they run as one
-CUDA graph (``GraphCache``), captured once per token count at that count's first call, the node of
-its first launch taking each call's addresses as new arguments (``graph_launch.GraphLauncher``): a
-call costs the host two driver calls. While the stream is capturing (a user's graph) or off CUDA
+epilogues' adds into ``y``, zeroed by the routing, where ``route_tiny`` routes). Eagerly on CUDA
+they run as one CUDA graph (``GraphCache``), captured once per token count at that count's first
+call, the node of its first launch taking each call's addresses as new arguments
+(``graph_launch.GraphLauncher``): a call costs the host two driver calls. While the stream is capturing (a user's graph) or off CUDA
 they launch directly, each bound once (``launcher.Launcher``: a call pays the driver's launches,
 not Triton's Python binding). Once a T's graph exists, an eager call on CUDA takes the compiled
 host path (``fused_call.cpp``, built with ``torch.utils.cpp_extension`` at the layer's
