@@ -57,6 +57,7 @@ def ws_module():
     return module
 
 
+@functools.cache  # the plain builds serve several tests of a worker: compiled once each
 def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
              fence: bool = False, split_k: bool = False, sum_top_k: int = 0,
              sum_weight_dtype=gl.float32, sum_atomic: bool = False):
