@@ -89,7 +89,7 @@ comes from a control block in shared memory, written at the start (``_sum_contro
 held in registers across the mainloops, four values more made ptxas spill in the FP8 consumers'
 mainloops (sm_90 builds, Triton 3.6). With ``SUM_ATOMIC`` nothing waits: each Linear-2
 epilogue adds its rows, times their top-k weights, into the tokens' output rows by bf16
-reductions at L2 (``_combine_out``), which the routing zeroed; the sum's order of addition is
+reductions at L2 (``_add_rows``), which the routing zeroed; the sum's order of addition is
 then the epilogues' (the bits may differ from call to call, within bf16's rounding).
 
 ``FENCE`` builds the completion-coupled counterfactual of §2.3 (each Linear-2 tile waits until
@@ -623,26 +623,19 @@ def _pick_weights(row_slot, row_base, sum_args, layout: gl.constexpr, ROWS: gl.c
 
 
 @gluon.jit
-def _combine_out(rows, row_src, row_slot, combine_ptrs, row_base, cols, sum_args, HIDDEN,
-                 layout: gl.constexpr, ROWS: gl.constexpr, SUM_TOP_K: gl.constexpr,
-                 SUM_ATOMIC: gl.constexpr):
-    """``rows`` (bf16 ``[ROWS, N]`` in ``layout``: the ``ROWS`` layout rows from ``row_base``,
-    columns ``cols``) into their Combine rows (``_combine_rows``), 16-byte stores, padding rows
-    skipped. ``SUM_ATOMIC`` (EP = 1; the rows already times their top-k weights:
-    ``_pick_weights``): added into their tokens' rows of the output instead, relaxed bf16 adds
-    at L2 (slot ``i`` is token ``i // SUM_TOP_K``'s pick; ``sum_args[2]`` the output's address,
-    zeroed by the routing), so no pass after the kernel sums them. No wait for either: the
-    X-Stage drains them."""
-    if SUM_ATOMIC:
-        slot = gl.load(row_slot + row_base + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)))
-        out = gl.multiple_of(gl.load(sum_args + 2).to(gl.pointer_type(gl.bfloat16)), 16)
-        dst = out + (slot // SUM_TOP_K).to(gl.int64) * HIDDEN
-        gl.atomic_add(dst[:, None] + cols[None, :], rows, mask=(slot >= 0)[:, None],
-                      sem="relaxed", scope="gpu")
-    else:
-        dst, routed = _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN, layout,
-                                    ROWS)
-        gl.store(dst[:, None] + cols[None, :], rows, mask=routed[:, None])
+def _add_rows(rows, row_slot, row_base, cols, sum_args, HIDDEN, layout: gl.constexpr,
+              ROWS: gl.constexpr, SUM_TOP_K: gl.constexpr):
+    """``SUM_ATOMIC`` (EP = 1): ``rows`` (bf16 ``[ROWS, N]`` in ``layout``: the ``ROWS`` layout
+    rows from ``row_base``, columns ``cols``, already times their top-k weights:
+    ``_pick_weights``) added into their tokens' rows of the output instead of stored into
+    their Combine rows: relaxed bf16 adds at L2 (slot ``i`` is token ``i // SUM_TOP_K``'s pick;
+    ``sum_args[2]`` the output's address, zeroed by the routing; padding rows skipped), so no
+    pass after the kernel sums them. No wait for them: the X-Stage drains them."""
+    slot = gl.load(row_slot + row_base + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)))
+    out = gl.multiple_of(gl.load(sum_args + 2).to(gl.pointer_type(gl.bfloat16)), 16)
+    dst = out + (slot // SUM_TOP_K).to(gl.int64) * HIDDEN
+    gl.atomic_add(dst[:, None] + cols[None, :], rows, mask=(slot >= 0)[:, None], sem="relaxed",
+                  scope="gpu")
 
 
 @gluon.jit
@@ -650,16 +643,24 @@ def _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base, n_
                               HIDDEN, BLOCK_N2: gl.constexpr, HALF_ROWS: gl.constexpr,
                               SUM_TOP_K: gl.constexpr, SUM_WEIGHT_DTYPE: gl.constexpr,
                               SUM_ATOMIC: gl.constexpr):
-    """Each result row into its Combine row, or weighted into the output (``_combine_out``)."""
+    """Each result row into its source rank's Combine buffer, 16-byte stores; padding rows
+    are skipped. No wait for the stores: the X-Stage drains them. ``SUM_ATOMIC``: each row
+    times its top-k weight added into the output instead (``_add_rows``)."""
     if SUM_ATOMIC:
         acc = acc * _pick_weights(row_slot, row_base, sum_args, gl.SliceLayout(1, acc.type.layout),
                                   HALF_ROWS, SUM_WEIGHT_DTYPE)[:, None]
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N2, BLOCK_N2 // 8],
                                                 [4, 1], [1, 0])
     out = gl.convert_layout(acc.to(gl.bfloat16), out_layout)
-    cols = n_block * BLOCK_N2 + gl.arange(0, BLOCK_N2, layout=gl.SliceLayout(0, out_layout))
-    _combine_out(out, row_src, row_slot, combine_ptrs, row_base, cols, sum_args, HIDDEN,
-                 out_layout, HALF_ROWS, SUM_TOP_K, SUM_ATOMIC)
+    if SUM_ATOMIC:
+        cols = n_block * BLOCK_N2 + gl.arange(0, BLOCK_N2, layout=gl.SliceLayout(0, out_layout))
+        _add_rows(out, row_slot, row_base, cols, sum_args, HIDDEN, out_layout, HALF_ROWS,
+                  SUM_TOP_K)
+    else:
+        dst, routed = _combine_rows(row_src, row_slot, combine_ptrs, row_base, HIDDEN,
+                                    out_layout, HALF_ROWS)
+        cols = n_block * BLOCK_N2 + gl.arange(0, BLOCK_N2, layout=gl.SliceLayout(0, out_layout))
+        gl.store(dst[:, None] + cols[None, :], out, mask=routed[:, None])
 
 
 @gluon.jit
@@ -678,17 +679,21 @@ def _store_partial(acc, l2_partial, row_slot, prow, row_base, col0, HIDDEN, N: g
 
 
 @gluon.jit
-def _last_split(counter, l2_splits):
+def _last_split(counter, l2_splits, EXCLUSIVE: gl.constexpr):
     """This warpgroup's split released to its tile half's ``counter`` after every thread's
     partial stores, then whether every split has arrived, read alike by the whole warpgroup (the
     lowest count its threads acquire): true for the warpgroup that sums. Two may both find every
-    split there and both sum; they store the same rows."""
+    split there and both sum; they store the same rows. ``EXCLUSIVE`` (sums added into the
+    output: two would add them twice): only the warpgroup whose add was the last."""
     gl.thread_barrier()
-    gl.atomic_add(counter, 1, sem="release", scope="gpu")
+    before = gl.atomic_add(counter, 1, sem="release", scope="gpu")
     gl.thread_barrier()
     threads: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     seen = _load_acquire(counter + gl.zeros([128], gl.int32, layout=threads))
-    return gl.min(seen, axis=0) == l2_splits
+    last = gl.min(seen, axis=0) == l2_splits
+    if EXCLUSIVE:
+        last = last & (before == l2_splits - 1)
+    return last
 
 
 @gluon.jit
@@ -740,8 +745,12 @@ def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_
             total = total * _pick_weights(row_slot, row_base + r0, sum_args,
                                           gl.SliceLayout(1, layout), SUM_ROWS,
                                           SUM_WEIGHT_DTYPE)[:, None]
-        _combine_out(total.to(gl.bfloat16), row_src, row_slot, combine_ptrs, row_base + r0, cols,
-                     sum_args, HIDDEN, layout, SUM_ROWS, SUM_TOP_K, SUM_ATOMIC)
+            _add_rows(total.to(gl.bfloat16), row_slot, row_base + r0, cols, sum_args, HIDDEN,
+                      layout, SUM_ROWS, SUM_TOP_K)
+        else:
+            dst, routed = _combine_rows(row_src, row_slot, combine_ptrs, row_base + r0, HIDDEN,
+                                        layout, SUM_ROWS)
+            gl.store(dst[:, None] + cols[None, :], total.to(gl.bfloat16), mask=routed[:, None])
 
 
 @gluon.jit(noinline=True)
@@ -931,7 +940,7 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
                                        BLOCK_N2, FP8, HALF_ROWS)
                 if SPLIT_K:
                     counter = l2_ready + (row_block * (HIDDEN // BLOCK_N2) + n2) * 2 + half
-                    if _last_split(counter, l2_splits):
+                    if _last_split(counter, l2_splits, SUM_ATOMIC):
                         _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0,
                                             row_base, col0, l2_splits, sum_args, HIDDEN,
                                             BLOCK_N2, BLOCK_M, SUM_TOP_K, SUM_WEIGHT_DTYPE,
@@ -1007,7 +1016,7 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     counting two arrivals a program at every launch (never reset: launches of one count of
     programs share it). Without it the three are never read. ``SUM_ATOMIC`` (with
     ``SUM_TOP_K``): each Linear-2 epilogue adds its rows, weighted, into the output that the
-    routing zeroed before the launch (``_combine_out``), for any number of tokens; no arrivals,
+    routing zeroed before the launch (``_add_rows``), for any number of tokens; no arrivals,
     no pass at the end, ``sum_arrivals`` and ``sum_tokens`` never read."""
     pid = gl.program_id(0)
     my_tiles = tiles + pid * max_tiles * TILE_FIELDS

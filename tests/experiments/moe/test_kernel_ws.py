@@ -41,9 +41,9 @@ SASS_LIMIT_BYTES = 75 * 1024  # the largest build measured: 74.3 KiB (FP8, 256-w
 # not (Triton 3.6): FP8's, and bf16's at 256 rows (the split sum's 128-row halves)
 SPLIT_SPILL_BYTES = {("fp8", 128, 128, 4): (8, 8), ("fp8", 128, 256, 4): (32, 44),
                      ("bf16", 256, 128, 4): (8, 8)}
-# ... and with the atomic sum's adds (SUM_ATOMIC) the 256-wide FP8 split build's, as compiled
-# (sm_90, Triton 3.6): 4 bytes stored and 12 reloaded more than without
-ATOMIC_SPILL_BYTES = {("fp8", 128, 256, 4): (36, 56)}
+# ... and with the atomic sum's adds (SUM_ATOMIC) the FP8 split builds', as compiled (sm_90,
+# Triton 3.6): 4 bytes stored and 8-12 reloaded more than without
+ATOMIC_SPILL_BYTES = {("fp8", 128, 128, 4): (12, 16), ("fp8", 128, 256, 4): (36, 56)}
 
 
 @pytest.fixture(scope="module")
