@@ -19,9 +19,9 @@ the fused kernel's end, where it covers the tokens in one pass; with ``"atomic"`
 epilogues' adds into ``y``, zeroed by the routing, where ``route_tiny`` routes). Eagerly on CUDA
 they run as one CUDA graph (``GraphCache``), captured once per token count at that count's first
 call, the node of its first launch taking each call's addresses as new arguments
-(``graph_launch.GraphLauncher``): a call costs the host two driver calls. While the stream is capturing (a user's graph) or off CUDA
-they launch directly, each bound once (``launcher.Launcher``: a call pays the driver's launches,
-not Triton's Python binding). Once a T's graph exists, an eager call on CUDA takes the compiled
+(``graph_launch.GraphLauncher``): a call costs the host two driver calls. While the stream is
+capturing (a user's graph) or off CUDA they launch directly, each bound once
+(``launcher.Launcher``: a call pays the driver's launches, not Triton's Python binding). Once a T's graph exists, an eager call on CUDA takes the compiled
 host path (``fused_call.cpp``, built with ``torch.utils.cpp_extension`` at the layer's
 construction): the same checks, allocation, addresses and two driver calls in one C++ function.
 ``MoEWorkspace`` is the same call over received rows (the EP rank workload), storing into any
