@@ -23,7 +23,8 @@ call, the node of its first launch taking each call's addresses as new arguments
 capturing (a user's graph) or off CUDA they launch directly, each bound once
 (``launcher.Launcher``: a call pays the driver's launches, not Triton's Python binding). Once
 a T's graph exists, an eager call on CUDA takes the compiled host path (``fused_call.cpp``,
-built with ``torch.utils.cpp_extension`` at the layer's construction): the same checks, allocation, addresses and two driver calls in one C++ function.
+built with ``torch.utils.cpp_extension`` at the layer's construction): the same checks,
+allocation, addresses and two driver calls in one C++ function.
 ``MoEWorkspace`` is the same call over received rows (the EP rank workload), storing into any
 ``CombinePeers``, replayed from a graph per set of buffers. Layers of one shape can share their
 buffers (``buffers.MoEBuffers``): a model's MoE layers need one set, not one each.
