@@ -703,7 +703,8 @@ def _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0, row_
                         SUM_ATOMIC: gl.constexpr):
     """The Combine rows of a split tile's half: the splits' partials (split ``s`` at rows
     ``prow0 + s · BLOCK_M ..`` of ``l2_partial``) summed in split order, read at L2 (``.cg``:
-    other SMs wrote them), into their Combine rows (``_combine_rows``). Only the rows up to the
+    other SMs wrote them), into their Combine rows (``_combine_rows``; ``SUM_ATOMIC``: weighted
+    and added into the output instead, ``_add_rows``). Only the rows up to the
     half's last routed one, ``SUM_ROWS`` of them at a time, all ``N`` columns: at a few tokens a
     half holds one or two routed rows, one group. ``SPLIT_LOADS`` splits' loads a step, issued
     together and needing nothing but the rows in use (the Combine rows' addresses load beside

@@ -500,7 +500,7 @@ def test_the_atomic_sum_adds_into_the_output_call_after_call(precision, model, t
         want = apart(x, ids, w)
         torch.cuda.synchronize()
         _check(layer, y, x, ids, w, model=model)
-        # each element top_k bf16 adds of rows rounded once more than the launch's
+        # each element top_k bf16 adds, each rounding, where the launch's fp32 sum rounds once
         assert (y.float() - want.float()).abs().max() <= \
             2.0 ** -8 * shape.top_k * want.float().abs().max()
     _replay_routings(layer, tokens, range(80, 83), model)

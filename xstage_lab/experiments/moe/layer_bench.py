@@ -209,7 +209,7 @@ def check_kernel_alone_sums(cell: Ep1Cell, y: torch.Tensor) -> list[str]:
     torch.cuda.synchronize()
     failures = []
     if atomic:
-        # each element a sum of top_k adds, each rounded to bf16 once more than the call's
+        # each element top_k bf16 adds, each rounding, in an order of their own: a rounding each
         bound = 2.0 ** -8 * cell.shape.top_k
         diff = (cell.alone_out.float() - y.float()).abs().max()
         if not diff <= bound * y.float().abs().max():
