@@ -232,8 +232,13 @@ class DeviceTables:
     fp8: bool                      # an FP8 layer's (e4m3 activations with 1 x 128 scales)
     scan_chunks: int               # up to this many chunks, the scan in route_histogram
     quant_rows: int                # up to this many rows, the first launch quantizes them
-    # (received, quantize, id dtype) -> RoutingLaunches, bound on first use
+    # (received, quantize, id dtype, zeroed hidden) -> RoutingLaunches, bound on first use
     launches: dict = field(default_factory=dict, repr=False)
+
+    def tiny_at(self, capacity: int, received: bool) -> bool:
+        """Whether ``capacity`` arrivals (an EP rank's bound where ``received``) take
+        ``route_tiny``."""
+        return capacity <= (self.tiny_received if received else self.tiny_arrivals)
 
     @property
     def row_blocks(self) -> torch.Tensor:
@@ -512,9 +517,8 @@ class RoutingLaunches:
         return 1 if self.received else top_k
 
     def tiny_at(self, capacity: int) -> bool:
-        """Whether ``capacity`` arrivals take ``route_tiny``."""
-        t = self.tables
-        return capacity <= (t.tiny_received if self.received else t.tiny_arrivals)
+        """Whether ``capacity`` arrivals take ``route_tiny`` (``DeviceTables.tiny_at``)."""
+        return self.tables.tiny_at(capacity, self.received)
 
     def scanned_first(self, capacity: int) -> bool:
         """Whether ``route_histogram``'s last program over ``capacity`` arrivals scans the

@@ -426,8 +426,6 @@ class FusedMoE(torch.nn.Module):
         if weighted_sum == "kernel":
             pieces = triton.cdiv(weights.hidden, load_kernel_module("moe_fused_ws").SUM_COLS.value)
             self.tokens_summed_in_kernel = self.workspace.bounds.num_programs // pieces
-        elif weighted_sum == "atomic":
-            self.tokens_summed_in_kernel = self.workspace.tables.tiny_arrivals // top_k
         self.combine = self.workspace.buffers.combine
         self.peers = local_combine_peers([self.combine])
         self.device = weights.w1.device
@@ -543,10 +541,12 @@ class FusedMoE(torch.nn.Module):
     def sums_in_kernel(self, tokens: int) -> bool:
         """Whether a call of ``tokens`` tokens has the fused kernel end with the weighted sum:
         ``weighted_sum="kernel"`` and one piece of the sum (a token's ``SUM_COLS`` columns of
-        ``kernels/moe_fused_ws.py``) per program at most, or ``"atomic"`` and ``route_tiny``
-        routing the call (``tokens_summed_in_kernel``, set at construction). Beyond, a program
+        ``kernels/moe_fused_ws.py``) per program at most (``tokens_summed_in_kernel``, set at
+        construction), or ``"atomic"`` and ``route_tiny`` routing the call. Beyond, a program
         would sum its pieces one after another, where the weighted sum's own launch spreads them
         over every SM; the atomic adds need ``y`` zeroed, which only ``route_tiny`` does."""
+        if self.weighted_sum == "atomic":
+            return self.workspace.tables.tiny_at(tokens * self.top_k, received=False)
         return tokens <= self.tokens_summed_in_kernel
 
     def fused_kernel(self, tokens: int, weights_dtype: torch.dtype, schedule: str, *,
