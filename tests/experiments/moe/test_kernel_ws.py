@@ -434,7 +434,7 @@ def test_the_weighted_sum_build_arrives_then_sums(ws_module, key, split_k):
 @pytest.mark.parametrize("split_k", [False, True], ids=["unsplit", "split"])
 @pytest.mark.parametrize("key", list(_default_configs()), ids=lambda k: "-".join(map(str, k)))
 def test_the_atomic_sum_build_adds_its_rows_and_waits_for_nothing(ws_module, key, split_k):
-    """``SUM_ATOMIC``: the Linear-2 epilogues' rows go out as relaxed 8 x bf16 adds (no Combine
+    """``SUM_ATOMIC``: the Linear-2 epilogues' rows go out as relaxed vector bf16 adds (no Combine
     stores through the peer table's bf16 rows), with no control block, arrival or spin of the
     in-kernel sum; wgmma not serialized, spills as the build without it (split: as measured,
     ``ATOMIC_SPILL_BYTES``)."""
@@ -443,7 +443,7 @@ def test_the_atomic_sum_build_adds_its_rows_and_waits_for_nothing(ws_module, key
                  sum_weight_dtype=gl.bfloat16, sum_atomic=True)
     plain = _compile(ws_module, precision, cfg, split_k=split_k)
     ptx = k.asm["ptx"]
-    # 16 bytes an add (8 a thread in the split sums' layout)
+    # 8 bf16 (16 bytes) an add; 4 (8 bytes) in the split sums' layout of 4 columns a thread
     add = r"atom\.global\.gpu\.relaxed\.add\.noftz\.v[48]\.bf16"
     assert re.search(add, ptx) and not re.search(add, plain.asm["ptx"])
     assert "_weighted_sum_share" not in ptx and "atom.global.gpu.release.add.u64" not in ptx

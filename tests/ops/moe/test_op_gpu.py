@@ -482,9 +482,9 @@ def test_the_atomic_sum_adds_into_the_output_call_after_call(precision, model, t
     """``weighted_sum="atomic"`` where ``route_tiny`` routes (DiT-MoE's and the wide shape's
     one token through the split Linear-2 builds, the rest unsplit): five routings, the output
     memory poisoned before each call (the routing zeroes it), each output matching the
-    reference and, within bf16's rounding of its adds, the weighted sum's own launch over the
-    kernel's Combine rows for the same routing; then one user graph replayed with three
-    routings, its output poisoned before each replay."""
+    reference and, within bf16's rounding of its adds, the output of a layer of the same
+    weights whose sum has its own launch, on the same routing; then one user graph replayed
+    with three routings, its output poisoned before each replay."""
     shape = SHAPES[model]
     weights = local_expert_weights(shape, 0, 1, precision, seed=SEED, device="cuda")
     layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="wave",
