@@ -102,7 +102,7 @@ E4M3_MAX = tl.constexpr(448.0)
 # atomics grow from 8 a thread at 256 bins to 32 at 512, every warp adding into the same bins.
 # Over 64 arrivals all pairs unroll to 8400 instructions, 435 of them shared-memory stores.
 PAIR_COUNT_ARRIVALS = tl.constexpr(16)
-ZERO_BLOCK = tl.constexpr(2048)  # route_tiny's ZERO_OUT: output elements a program zeroes
+ZERO_BLOCK = tl.constexpr(2048)  # the first launch's ZERO_OUT: output elements a program zeroes
 
 
 @triton.jit
@@ -112,6 +112,27 @@ def _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED: tl.constexpr):
         return tl.load(n_arrivals_ptr)
     else:
         return CAPACITY
+
+
+@triton.jit
+def _zero_programs(CAPACITY, TOP_K, OUT_HIDDEN, ZERO_OUT: tl.constexpr):
+    """The first launch's programs that zero the output (``_zero_out``): none unless
+    ``ZERO_OUT``."""
+    if ZERO_OUT:
+        return tl.cdiv((CAPACITY // TOP_K) * OUT_HIDDEN, ZERO_BLOCK)
+    else:
+        return 0
+
+
+@triton.jit
+def _zero_out(z, out, CAPACITY, TOP_K, OUT_HIDDEN):
+    """Program ``z`` of ``_zero_programs``: its ``ZERO_BLOCK`` elements of the output ``out``
+    (bf16 ``[CAPACITY / TOP_K, OUT_HIDDEN]``, the last block partial) set to zero, for the fused
+    kernel's Linear-2 epilogues to add their weighted rows into (``SUM_ATOMIC`` of
+    ``moe_fused_ws.py``)."""
+    at = z * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+    tl.store(out.to(tl.pointer_type(tl.bfloat16)) + at, tl.zeros([ZERO_BLOCK], tl.bfloat16),
+             mask=at < (CAPACITY // TOP_K) * OUT_HIDDEN)
 
 
 @triton.jit
@@ -146,7 +167,8 @@ def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, ou
                     CHUNK: tl.constexpr, ID_DTYPE: tl.constexpr,
                     SCAN: tl.constexpr, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr,
                     E_LOG2: tl.constexpr, CHUNK_ROWS: tl.constexpr, JUMP_LEVELS: tl.constexpr,
-                    JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr, QUANT_ROWS: tl.constexpr):
+                    JUMP_STRIDE: tl.constexpr, JUMP_PAD: tl.constexpr, QUANT_ROWS: tl.constexpr,
+                    OUT_HIDDEN=0, ZERO_OUT: tl.constexpr = False):
     """``chunk_counts[c, e]`` (int32 ``[chunks, NUM_EXPERTS]``): arrivals of chunk ``c`` routed to
     local expert ``e``. ``expert_ids``: the address of ``ID_DTYPE`` (int32/int64) ``[CAPACITY]``,
     the local expert of each arrival; it and the call's other addresses (``moe_args``' slots)
@@ -155,17 +177,22 @@ def route_histogram(args, expert_ids, x, x_scale, combine_rows, topk_weights, ou
     work alone, every expert's column of counts at once (``_scan_chunk_counts``, ``CHUNK_ROWS``
     chunks a step), then ``_offsets_and_waves``: where the arrivals' bound has few chunks, one
     launch and one kernel boundary fewer. Without it the scan's arguments are not read.
-    ``QUANTIZE`` with the scales by the rows of ``x`` (not ``SCALES_BY_ROW``): the programs after
-    the chunks', where the grid has any, are ``_quantize_block``'s blocks of ``QUANT_ROWS`` rows
-    and 128 columns of ``x`` (of ``HIDDEN``; ``TOP_K`` arrivals a row), row-major, as in
-    ``route_tiny``: no launch of its own quantizes them."""
+    ``ZERO_OUT`` (EP = 1): the programs after the chunks' zero the output (``_zero_out``), as in
+    ``route_tiny``. ``QUANTIZE`` with the scales by the rows of ``x`` (not ``SCALES_BY_ROW``): the
+    programs after those, where the grid has any, are ``_quantize_block``'s blocks of
+    ``QUANT_ROWS`` rows and 128 columns of ``x`` (of ``HIDDEN``; ``TOP_K`` arrivals a row),
+    row-major, as in ``route_tiny``: no launch of its own quantizes them."""
     c = tl.program_id(0)
     chunks = tl.cdiv(CAPACITY, CHUNK)
-    if c >= chunks:
+    first_quant = chunks + _zero_programs(CAPACITY, TOP_K, OUT_HIDDEN, ZERO_OUT)
+    if c >= first_quant:
         # a runtime branch compiles both sides: the quantizing call only in a build that quantizes
         if QUANTIZE and not SCALES_BY_ROW:
-            _quantize_program(c - chunks, x, n_arrivals_ptr, x_quant, x_quant_scale,
+            _quantize_program(c - first_quant, x, n_arrivals_ptr, x_quant, x_quant_scale,
                               arrival_rows, CAPACITY, HIDDEN, TOP_K, RECEIVED, QUANT_ROWS)
+    elif c >= chunks:
+        if ZERO_OUT:
+            _zero_out(c - chunks, out, CAPACITY, TOP_K, OUT_HIDDEN)
     else:
         if c == 0:
             _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
@@ -747,27 +774,20 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
     row blocks' experts a round of barriers among its warps (moe_layer/h200-x1/
     20261203T124752Z-aee52a93dd; Nsight Compute: 23 k cycles over 14 k warp instructions).
     Ids out of range add to ``error`` and get no row, as in ``route_histogram``. ``ZERO_OUT``
-    (EP = 1): the programs after those zero the output ``out`` (bf16 ``[CAPACITY / TOP_K,
-    OUT_HIDDEN]``), ``ZERO_BLOCK`` elements each, for the fused kernel's Linear-2 epilogues to
-    add their weighted rows into (``SUM_ATOMIC`` of ``moe_fused_ws.py``). ``QUANTIZE``: the
+    (EP = 1): the programs after those zero the output (``_zero_out``). ``QUANTIZE``: the
     programs after those are ``_quantize_block``'s blocks of ``QUANT_ROWS`` rows and 128
     columns of ``x``, row-major (the fused kernel's quantized rows, ``x_quant``, without
     a launch of their own)."""
     q = tl.program_id(0)
     first_zero = 2 + TILE_PROGRAMS
-    first_quant = first_zero
-    if ZERO_OUT:
-        zeroed = (CAPACITY // TOP_K) * OUT_HIDDEN
-        first_quant = first_zero + tl.cdiv(zeroed, ZERO_BLOCK)
+    first_quant = first_zero + _zero_programs(CAPACITY, TOP_K, OUT_HIDDEN, ZERO_OUT)
     if q >= first_quant:
         if QUANTIZE:
             _quantize_program(q - first_quant, x, n_arrivals_ptr, x_quant, x_quant_scale,
                               arrival_rows, CAPACITY, HIDDEN, TOP_K, RECEIVED, QUANT_ROWS)
     elif q >= first_zero:
         if ZERO_OUT:
-            at = (q - first_zero) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
-            tl.store(out.to(tl.pointer_type(tl.bfloat16)) + at,
-                     tl.zeros([ZERO_BLOCK], tl.bfloat16), mask=at < zeroed)
+            _zero_out(q - first_zero, out, CAPACITY, TOP_K, OUT_HIDDEN)
     else:
         n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
         ids = expert_ids.to(tl.pointer_type(ID_DTYPE))

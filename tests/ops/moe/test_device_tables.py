@@ -312,14 +312,17 @@ def case_tall_row_blocks() -> dict:
             "ep_rank": case_ep_rank("MiMo-V2.5", "bf16", 8, 200, 16, 2, block_m=256)}
 
 
-def case_route_tiny_zeroes_the_output() -> dict:
-    """``zeroed_hidden`` (a layer whose Linear-2 epilogues add into its output): ``route_tiny``
-    zeroes the poisoned output ``[T, H]`` of DiT-MoE's 20 tokens (40 picks, 28,160 elements:
-    14 programs of ``ZERO_BLOCK``, the last one partial) and of DeepSeek-V4-Flash's one token in
-    FP8 (its quantizing programs after the zeroing ones), and writes the tables that the same
-    routing writes without it, entry for entry; nothing past the output is touched."""
+def case_first_launch_zeroes_the_output() -> dict:
+    """``zeroed_hidden`` (a layer whose Linear-2 epilogues add into its output): the first
+    routing launch zeroes the poisoned output ``[T, H]``: ``route_tiny``'s of DiT-MoE's 20
+    tokens (40 picks, 28,160 elements: 14 programs of ``ZERO_BLOCK``, the last one partial) and
+    of DeepSeek-V4-Flash's one token in FP8 (its quantizing programs after the zeroing ones),
+    ``route_histogram``'s of DiT-MoE's 40 tokens (80 picks) and of Hy3's 12 in FP8 (its chunk's
+    program, then the zeroing ones, then the quantizing ones), and writes the tables that the
+    same routing writes without it, entry for entry; nothing past the output is touched."""
     out = {}
-    for model, precision, tokens in (("DiT-MoE", "bf16", 20), ("DeepSeek-V4-Flash", "fp8", 1)):
+    for model, precision, tokens in (("DiT-MoE", "bf16", 20), ("DeepSeek-V4-Flash", "fp8", 1),
+                                     ("DiT-MoE", "bf16", 40), ("Hy3", "fp8", 12)):
         shape = SHAPES[model]
         ids = router_topk(router_logits(tokens, shape.routed_experts, "skewed", seed=6),
                           shape.top_k)[0]
@@ -329,7 +332,7 @@ def case_route_tiny_zeroes_the_output() -> dict:
         y = torch.full((tokens + 1, shape.hidden), float("nan"), dtype=torch.bfloat16)
         tables = allocate_tables(bounds, shape.hidden, precision, "cpu")
         routing = tables.routing(False, precision == "fp8", ids.dtype, shape.hidden)
-        assert routing.tiny_at(ids.numel())
+        assert routing.tiny_at(ids.numel()) == (ids.numel() <= 64)
         routing(ids.numel(), shape.top_k, dt.slot_addresses(tables.args, expert_ids=ids, x=x,
                                                             out=y))
         assert (y[:tokens] == 0).all() and y[tokens:].isnan().all()
@@ -338,7 +341,7 @@ def case_route_tiny_zeroes_the_output() -> dict:
         bad = table_mismatches(tables, host_tables(bounds, ids.reshape(-1), xq, xs,
                                                    top_k=shape.top_k))
         assert not bad, bad
-        out[model] = int(tables.meta[1])
+        out[f"{model}-{precision}-{tokens}"] = int(tables.meta[1])
     return out
 
 
@@ -364,7 +367,7 @@ def interpreter_cases() -> dict:
         "few_received_under_a_large_bound": (case_few_received_under_a_large_bound,),
         "launch_by_launch_at_few_arrivals": (case_launch_by_launch_at_few_arrivals,),
         "tall_row_blocks": (case_tall_row_blocks,),
-        "route_tiny_zeroes_the_output": (case_route_tiny_zeroes_the_output,),
+        "first_launch_zeroes_the_output": (case_first_launch_zeroes_the_output,),
     }
 
 
@@ -383,7 +386,7 @@ def _compile_sm90(name: str, e_pad: int = 512, scan: bool = False, by_row: bool 
     ``route_histogram`` over ``e_pad`` experts, with the scan in its last program where ``scan``
     (a step's chunks: ``scan_step_rows``), quantizing programs after its chunks' unless the
     scales lie ``by_row``; without ``quantize`` (a bf16 layer) ``x_quant`` and its scales are
-    ``meta`` (int32), as the op passes them; ``zero_out``: ``route_tiny`` zeroing the output."""
+    ``meta`` (int32), as the op passes them; ``zero_out``: the build zeroing the output."""
     import triton.language as tl
     from triton.compiler import ASTSource
 
@@ -480,6 +483,9 @@ COMPILE_CASES = {**{f"compile_sm90_{n}": (_compile_sm90, n)
                  # ... zeroing the output of a layer whose Linear-2 epilogues add into it
                  "compile_sm90_route_tiny_zeroing": (_compile_sm90, "route_tiny", 512, False,
                                                      True, True, 16, True),
+                 # ... and route_histogram: the chunks', zeroing and quantizing programs
+                 "compile_sm90_route_histogram_zeroing": (_compile_sm90, "route_histogram", 512,
+                                                          False, False, True, 128, True),
                  # bf16 layers: nothing to quantize, x_quant an int32 stand-in
                  "compile_sm90_route_histogram_bf16": (_compile_sm90, "route_histogram", 512,
                                                        False, False, False),

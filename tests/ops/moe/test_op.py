@@ -14,6 +14,7 @@ import torch
 
 from tests.experiments.triton_testing import child_main, interpreter_case_tests
 from xstage_lab.experiments.moe.bench import TOLERANCE
+from xstage_lab.kernel_sources import load_kernel_module
 from xstage_lab.ops.moe.combine import local_combine_peers
 from xstage_lab.ops.moe.op import FusedMoE, MoEWorkspace
 from xstage_lab.ops.moe.reference import reference_moe
@@ -253,25 +254,35 @@ def test_the_kernel_ends_with_the_weighted_sum_where_one_pass_covers_the_tokens(
     assert given.args is own and given.weight_dtype == torch.bfloat16 and beyond is None
 
 
-def test_the_atomic_sum_adds_in_the_kernel_where_route_tiny_zeroes_the_output(monkeypatch):
-    """``weighted_sum="atomic"`` (gluon_ws, built here, never launched): where one launch routes
-    the call (``tiny_arrivals`` picks: Tiny's top-2, 32 tokens), the fused launch takes the
-    atomic sum over the call's block and the layer's routing zeroes the output; beyond, the
-    sum's own launch."""
+def test_the_atomic_sum_adds_in_the_kernel_after_the_first_launch_zeroes_the_output(monkeypatch):
+    """``weighted_sum="atomic"`` (gluon_ws, built here, never launched): every call's fused
+    launch takes the atomic sum over the call's block, and the layer's first routing launch,
+    ``route_tiny`` up to ``tiny_arrivals`` picks (Tiny's top-2, 32 tokens) and
+    ``route_histogram`` beyond, has one program more per ``ZERO_BLOCK`` of the output's
+    elements (``[T, H]``) that zeroes it."""
     weights = local_expert_weights(TINY, 0, 1, "bf16", seed=3)
     config = default_tile_config("bf16", "gluon_ws", hidden=TINY.hidden)
     layer = FusedMoE(weights, max_tokens=40, top_k=TINY.top_k, config=config, num_programs=4,
                      weighted_sum="atomic")
+    plain = FusedMoE(weights, max_tokens=40, top_k=TINY.top_k, config=config, num_programs=4)
     tiny = layer.workspace.tables.tiny_arrivals // TINY.top_k
-    assert [layer.sums_in_kernel(t) for t in (1, tiny, tiny + 1)] == [True, True, False]
-    assert layer.routing(torch.int32).zeroed_hidden == TINY.hidden
+    assert all(layer.sums_in_kernel(t) for t in (1, tiny, tiny + 1, 40))
+    routing = layer.routing(torch.int32)
+    assert routing.zeroed_hidden == TINY.hidden and plain.routing(torch.int32).zeroed_hidden == 0
+    block = load_kernel_module("moe_routing").ZERO_BLOCK.value
+    for tokens in (3, tiny + 1, 40):
+        (launch, (grid,)), (base, (base_grid,)) = (
+            r.first(tokens * TINY.top_k, TINY.top_k) for r in (routing, plain.routing(torch.int32)))
+        assert launch.fn is base.fn and launch.static.get("ZERO_OUT") and not \
+            base.static.get("ZERO_OUT")
+        assert grid - base_grid == -(-tokens * TINY.hidden // block)
+        assert launch.fn.__name__ == ("route_tiny" if tokens <= tiny else "route_histogram")
     launched = []
     monkeypatch.setattr(layer.workspace, "launch",
                         lambda schedule, peers, **kw: launched.append(kw["weighted_sum"]))
     layer.fused_kernel(3, torch.float32, "wave", routed=True)
-    layer.fused_kernel(tiny + 1, torch.float32, "wave")
-    summed, beyond = launched
-    assert summed.atomic and summed.top_k == 2 and beyond is None
+    layer.fused_kernel(40, torch.float32, "wave")
+    assert all(s.atomic and s.top_k == 2 for s in launched) and len(launched) == 2
 
 
 @pytest.mark.parametrize("change,message", [

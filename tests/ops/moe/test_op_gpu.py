@@ -477,11 +477,14 @@ def test_the_kernel_ends_with_the_weighted_sum_call_after_call(precision, model,
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("model,tokens", [("DiT-MoE", 1), ("DiT-MoE", 32), (MODEL, 1),
-                                          (MODEL, 8), (WIDE_SPLIT, 1)])
+                                          (MODEL, 8), (WIDE_SPLIT, 1), ("DiT-MoE", 300),
+                                          (MODEL, 64), (MODEL, 600)])
 def test_the_atomic_sum_adds_into_the_output_call_after_call(precision, model, tokens):
-    """``weighted_sum="atomic"`` where ``route_tiny`` routes (DiT-MoE's and the wide shape's
-    one token through the split Linear-2 builds, the rest unsplit): five routings, the output
-    memory poisoned before each call (the routing zeroes it), each output matching the
+    """``weighted_sum="atomic"``, routed by ``route_tiny`` (up to 8 tokens of MODEL, 32 of
+    DiT-MoE; DiT-MoE's and the wide shape's one token through the split Linear-2 builds) or by
+    ``route_histogram`` and the launches after it (64 and 300 tokens, with the FP8 layer's
+    quantization in that launch; 600, in a launch of its own): five routings,
+    the output memory poisoned before each call (the routing zeroes it), each output matching the
     reference and, within bf16's rounding of its adds, the output of a layer of the same
     weights whose sum has its own launch, on the same routing; then one user graph replayed
     with three routings, its output poisoned before each replay."""

@@ -400,9 +400,9 @@ class RoutingLaunches:
     arrivals; ``quantize``: bf16 activations into an FP8 layer (``route_quantize``);
     ``id_dtype``: the expert ids' (int32 or int64). Up to ``tables.tiny_arrivals`` arrivals (an EP
     rank: up to a bound of ``tables.tiny_received``), ``route_tiny``; else the histogram, the scan,
-    and the scatter with the tiles. ``zeroed_hidden`` > 0 (EP = 1): ``route_tiny`` also zeroes the
-    output, bf16 ``[T, zeroed_hidden]``, for a fused kernel that adds its rows into it
-    (``fused.InKernelSum.atomic``); the other launches never do."""
+    and the scatter with the tiles. ``zeroed_hidden`` > 0 (EP = 1): the first launch also zeroes
+    the output, bf16 ``[T, zeroed_hidden]``, for a fused kernel that adds its rows into it
+    (``fused.InKernelSum.atomic``)."""
 
     def __init__(self, tables: DeviceTables, received: bool, quantize: bool,
                  id_dtype: torch.dtype, zeroed_hidden: int = 0):
@@ -414,6 +414,8 @@ class RoutingLaunches:
             raise MoEContractError("an EP rank's routing has no output to zero")
         self.tables, self.received, self.quantize = tables, received, quantize
         self.zeroed_hidden = zeroed_hidden
+        # the first launch's programs that zero the output (route_histogram's or route_tiny's)
+        zero = dict(ZERO_OUT=True, OUT_HIDDEN=zeroed_hidden) if zeroed_hidden else {}
         self.by_row = by_row = quantize and scales_by_layout_row(hidden)
         self.kernels = k
         # where the quantization writes; the fused kernel reads them through args' a_rows slots
@@ -441,7 +443,7 @@ class RoutingLaunches:
             E_LOG2=e_pad.bit_length() - 1, JUMP_LEVELS=t.wave_jumps.shape[0],
             JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
         histogram = dict(args=t.args, error=t.error, ID_DTYPE=ids, arrival_rows=t.arrival_rows,
-                         HIDDEN=hidden, QUANT_ROWS=QUANT_ROWS, **quant)
+                         HIDDEN=hidden, QUANT_ROWS=QUANT_ROWS, **quant, **zero)
         scan_rows = min(_pow2(max(min(t.scan_chunks, b.chunks), 1)), scan_step_rows(e_pad))
         # by (scan, scales by layout row): the latter only where route_quantize lays them out
         self.histograms = {
@@ -472,7 +474,7 @@ class RoutingLaunches:
             args=t.args, meta=t.meta, wave_num_tiles=t.num_tiles["wave"],
             inter_num_tiles=t.num_tiles["interleaved"], arrival_rows=t.arrival_rows,
             error=t.error, RECEIVED=received, G_PAD=_pow2(b.num_programs), ID_DTYPE=ids,
-            HIDDEN=hidden, QUANT_ROWS=QUANT_ROWS, **quant, **tables_static)
+            HIDDEN=hidden, QUANT_ROWS=QUANT_ROWS, **quant, **zero, **tables_static)
         self.tiny: dict[int, Launcher] = {}
 
     def __call__(self, capacity: int, top_k: int, addresses: tuple[int, ...], *,
@@ -537,31 +539,28 @@ class RoutingLaunches:
         call's addresses (a graph's node of it is given each call's). Up to the tiny bound,
         ``route_tiny``: two programs the arrivals' rows and the experts' tables, one per
         ``ROW_BLOCKS_TINY`` row blocks the tiles (the row blocks: one per routed expert at
-        most), where it zeroes the output one per ``ZERO_BLOCK`` of its elements, and where it
-        quantizes, one program more per block of ``_quantize_block`` (``quant_grid``), so no
-        launch of its own quantizes them. Else ``route_histogram``, up
-        to ``tables.scan_chunks`` chunks with ``route_offsets``' work in its last program, one
-        program a chunk and, where it quantizes (``quantized_first``), one more a block."""
+        most). Else ``route_histogram``, up to ``tables.scan_chunks`` chunks with
+        ``route_offsets``' work in its last program, one program a chunk. Either, where it zeroes
+        the output, one program more per ``ZERO_BLOCK`` of its elements, then, where it quantizes
+        (``quantized_first``), one more per block of ``_quantize_block`` (``quant_grid``), so no
+        launch of its own quantizes them."""
         t = self.tables
         quantizes = self.quantized_first(capacity, top_k)
         quant = math.prod(quant_grid(capacity // self.fanout(top_k), self.hidden)) \
             if quantizes else 0
+        after = triton.cdiv(capacity // top_k * self.zeroed_hidden,
+                            self.kernels.ZERO_BLOCK.value) + quant
         if not self.tiny_at(capacity):
             return (self.histograms[self.scanned_first(capacity), self.by_row and not quantizes],
-                    (triton.cdiv(capacity, CHUNK) + quant,))
+                    (triton.cdiv(capacity, CHUNK) + after,))
         a_pad = _pow2(capacity)
         row_blocks = min(ROW_BLOCKS_TINY, a_pad)
         tile_programs = triton.cdiv(min(a_pad, t.bounds.num_experts), row_blocks)
         launch = self.tiny.get(a_pad)
         if launch is None:
             few = min(TINY_FEW_RECEIVED, a_pad) if self.received else a_pad
-            zero = (dict(ZERO_OUT=True, OUT_HIDDEN=self.zeroed_hidden) if self.zeroed_hidden
-                    else {})
             launch = self.tiny[a_pad] = Launcher(self.kernels.route_tiny, A_PAD=a_pad, A_FEW=few,
                                                  ROW_BLOCKS=row_blocks,
                                                  TILE_PROGRAMS=tile_programs,
-                                                 num_warps=tiny_warps(a_pad), **zero,
-                                                 **self.tiny_static)
-        zeroes = triton.cdiv(capacity // top_k * self.zeroed_hidden,
-                             self.kernels.ZERO_BLOCK.value)
-        return launch, (TINY_TABLE_PROGRAMS + tile_programs + zeroes + quant,)
+                                                 num_warps=tiny_warps(a_pad), **self.tiny_static)
+        return launch, (TINY_TABLE_PROGRAMS + tile_programs + after,)

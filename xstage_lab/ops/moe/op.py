@@ -390,11 +390,10 @@ class FusedMoE(torch.nn.Module):
     ``weighted_sum``: ``"launch"``, the top-k weighted sum in a launch of its own after the fused
     kernel; ``"kernel"`` (the gluon_ws kernel only), the fused kernel ends with it where one pass
     of its programs covers the call's tokens (``sums_in_kernel``), so the call has one launch and
-    one kernel boundary fewer; above that, its own launch. ``"atomic"`` (gluon_ws only): where
-    one launch routes the call (``route_tiny``: up to ``tiny_arrivals`` picks), that launch
-    zeroes ``y`` and each Linear-2 epilogue adds its rows times their weights into it (bf16
-    adds in the epilogues' order: the bits may differ from call to call, within bf16's
-    rounding); above, its own launch."""
+    one kernel boundary fewer; above that, its own launch. ``"atomic"`` (gluon_ws only): the
+    first routing launch zeroes ``y`` and each Linear-2 epilogue adds its rows times their
+    weights into it (bf16 adds in the epilogues' order: the bits may differ from call to call,
+    within bf16's rounding), so no launch sums."""
 
     def __init__(self, weights: ExpertWeights, *, max_tokens: int, top_k: int,
                  schedule: str = "auto", config: TileConfig | None = None,
@@ -542,12 +541,10 @@ class FusedMoE(torch.nn.Module):
         """Whether a call of ``tokens`` tokens has the fused kernel end with the weighted sum:
         ``weighted_sum="kernel"`` and one piece of the sum (a token's ``SUM_COLS`` columns of
         ``kernels/moe_fused_ws.py``) per program at most (``tokens_summed_in_kernel``, set at
-        construction), or ``"atomic"`` and ``route_tiny`` routing the call. Beyond, a program
-        would sum its pieces one after another, where the weighted sum's own launch spreads them
-        over every SM; the atomic adds need ``y`` zeroed, which only ``route_tiny`` does."""
-        if self.weighted_sum == "atomic":
-            return self.workspace.tables.tiny_at(tokens * self.top_k, received=False)
-        return tokens <= self.tokens_summed_in_kernel
+        construction), or ``"atomic"`` (every call: its first routing launch zeroes ``y``).
+        Beyond the one pass, a program would sum its pieces one after another, where the
+        weighted sum's own launch spreads them over every SM."""
+        return self.weighted_sum == "atomic" or tokens <= self.tokens_summed_in_kernel
 
     def fused_kernel(self, tokens: int, weights_dtype: torch.dtype, schedule: str, *,
                      routed: bool = False, sum_args: torch.Tensor | None = None) -> None:
