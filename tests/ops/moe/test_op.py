@@ -16,6 +16,7 @@ from tests.experiments.triton_testing import child_main, interpreter_case_tests
 from xstage_lab.experiments.moe.bench import TOLERANCE
 from xstage_lab.kernel_sources import load_kernel_module
 from xstage_lab.ops.moe.combine import local_combine_peers
+from xstage_lab.ops.moe import op
 from xstage_lab.ops.moe.op import FusedMoE, MoEWorkspace
 from xstage_lab.ops.moe.reference import reference_moe
 from xstage_lab.ops.moe.routing import router_logits, router_topk
@@ -255,34 +256,37 @@ def test_the_kernel_ends_with_the_weighted_sum_where_one_pass_covers_the_tokens(
 
 
 def test_the_atomic_sum_adds_in_the_kernel_after_the_first_launch_zeroes_the_output(monkeypatch):
-    """``weighted_sum="atomic"`` (gluon_ws, built here, never launched): every call's fused
-    launch takes the atomic sum over the call's block, and the layer's first routing launch,
-    ``route_tiny`` up to ``tiny_arrivals`` picks (Tiny's top-2, 32 tokens) and
-    ``route_histogram`` beyond, has one program more per ``ZERO_BLOCK`` of the output's
-    elements (``[T, H]``) that zeroes it."""
+    """``weighted_sum="atomic"`` (gluon_ws, built here, never launched): up to
+    ``ATOMIC_SUM_TOKENS`` (here 40), a call's fused launch takes the atomic sum over the call's
+    block, and its first routing launch, ``route_tiny`` up to ``tiny_arrivals`` picks (Tiny's
+    top-2, 32 tokens) and ``route_histogram`` beyond, has one program more per ``ZERO_BLOCK`` of
+    the output's elements (``[T, H]``) that zeroes it; beyond, the sum's own launch and the
+    routing of a layer without the atomic sum."""
+    monkeypatch.setattr(op, "ATOMIC_SUM_TOKENS", 40)
     weights = local_expert_weights(TINY, 0, 1, "bf16", seed=3)
     config = default_tile_config("bf16", "gluon_ws", hidden=TINY.hidden)
-    layer = FusedMoE(weights, max_tokens=40, top_k=TINY.top_k, config=config, num_programs=4,
-                     weighted_sum="atomic")
-    plain = FusedMoE(weights, max_tokens=40, top_k=TINY.top_k, config=config, num_programs=4)
+    layer, plain = (FusedMoE(weights, max_tokens=48, top_k=TINY.top_k, config=config,
+                             num_programs=4, weighted_sum=s) for s in ("atomic", "launch"))
     tiny = layer.workspace.tables.tiny_arrivals // TINY.top_k
-    assert all(layer.sums_in_kernel(t) for t in (1, tiny, tiny + 1, 40))
-    routing = layer.routing(torch.int32)
-    assert routing.zeroed_hidden == TINY.hidden and plain.routing(torch.int32).zeroed_hidden == 0
+    assert [layer.sums_in_kernel(t) for t in (1, tiny, tiny + 1, 40, 41)] == [True] * 4 + [False]
     block = load_kernel_module("moe_routing").ZERO_BLOCK.value
-    for tokens in (3, tiny + 1, 40):
-        (launch, (grid,)), (base, (base_grid,)) = (
-            r.first(tokens * TINY.top_k, TINY.top_k) for r in (routing, plain.routing(torch.int32)))
-        assert launch.fn is base.fn and launch.static.get("ZERO_OUT") and not \
-            base.static.get("ZERO_OUT")
-        assert grid - base_grid == -(-tokens * TINY.hidden // block)
+    for tokens in (3, tiny + 1, 40, 41):
+        routing, base = (m.routing(torch.int32, tokens) for m in (layer, plain))
+        assert routing.zeroed_hidden == (TINY.hidden if tokens <= 40 else 0)
+        (launch, (grid,)), (first, (base_grid,)) = (
+            r.first(tokens * TINY.top_k, TINY.top_k) for r in (routing, base))
+        assert launch.fn is first.fn
         assert launch.fn.__name__ == ("route_tiny" if tokens <= tiny else "route_histogram")
+        assert bool(launch.static.get("ZERO_OUT")) == (tokens <= 40)
+        assert grid - base_grid == (-(-tokens * TINY.hidden // block) if tokens <= 40 else 0)
     launched = []
     monkeypatch.setattr(layer.workspace, "launch",
                         lambda schedule, peers, **kw: launched.append(kw["weighted_sum"]))
     layer.fused_kernel(3, torch.float32, "wave", routed=True)
     layer.fused_kernel(40, torch.float32, "wave")
-    assert all(s.atomic and s.top_k == 2 for s in launched) and len(launched) == 2
+    layer.fused_kernel(41, torch.float32, "wave")
+    summed, most, beyond = launched
+    assert summed.atomic and most.atomic and summed.top_k == 2 and beyond is None
 
 
 @pytest.mark.parametrize("change,message", [

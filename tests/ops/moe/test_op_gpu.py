@@ -478,16 +478,16 @@ def test_the_kernel_ends_with_the_weighted_sum_call_after_call(precision, model,
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("model,tokens", [("DiT-MoE", 1), ("DiT-MoE", 32), (MODEL, 1),
                                           (MODEL, 8), (WIDE_SPLIT, 1), ("DiT-MoE", 300),
-                                          (MODEL, 64), (MODEL, 600)])
+                                          (MODEL, 64), (MODEL, 512)])
 def test_the_atomic_sum_adds_into_the_output_call_after_call(precision, model, tokens):
-    """``weighted_sum="atomic"``, routed by ``route_tiny`` (up to 8 tokens of MODEL, 32 of
-    DiT-MoE; DiT-MoE's and the wide shape's one token through the split Linear-2 builds) or by
-    ``route_histogram`` and the launches after it (64 and 300 tokens, with the FP8 layer's
-    quantization in that launch; 600, in a launch of its own): five routings,
-    the output memory poisoned before each call (the routing zeroes it), each output matching the
-    reference and, within bf16's rounding of its adds, the output of a layer of the same
-    weights whose sum has its own launch, on the same routing; then one user graph replayed
-    with three routings, its output poisoned before each replay."""
+    """``weighted_sum="atomic"``, routed by ``route_tiny`` (up to 8 tokens of MODEL, 32 of DiT-MoE;
+    DiT-MoE's and the wide shape's one token through the split Linear-2 builds) or by
+    ``route_histogram`` and the launches after it (64 to 512 tokens, ``ATOMIC_SUM_TOKENS``, the FP8
+    layer's quantization in that launch too): five routings, the output memory poisoned before each
+    call (the routing zeroes it), each output matching the reference and, within bf16's rounding of
+    its adds, the output of a layer of the same weights whose sum has its own launch, on the same
+    routing; then one user graph replayed with three routings, its output poisoned before each
+    replay."""
     shape = SHAPES[model]
     weights = local_expert_weights(shape, 0, 1, precision, seed=SEED, device="cuda")
     layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="wave",

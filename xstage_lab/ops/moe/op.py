@@ -9,25 +9,24 @@ A call is five launches in bf16, six in FP8 (four and five up to
 routing to tile tables (``device_tables``: three Triton launches, two, or one, that zero the
 fused kernel's row counters; in FP8 one more quantizes the tokens per 1 x 128, or the first
 launch's extra programs do, ``RoutingLaunches.quantized_first``), whose first launch takes the
-call's addresses (``topk_ids``, ``x``, the Combine rows, ``topk_weights``, ``y``) and writes
-them into the argument block the later launches read
-(``call_args``), the fused kernel over the chosen schedule's table (``kernels/moe_fused_ws.py`` on
-sm_90, ``kernels/moe_fused.py`` elsewhere), whose Linear-1 gathers each pick's token row as it
-loads and whose Linear-2 epilogues store each pick's row into the Combine buffer, then the top-k
-weighted sum (``combine``, one Triton launch, reading the block; with ``weighted_sum="kernel"``
-the fused kernel's end, where it covers the tokens in one pass; with ``"atomic"`` the Linear-2
-epilogues' adds into ``y``, zeroed by the routing, where ``route_tiny`` routes). Eagerly on CUDA
-they run as one CUDA graph (``GraphCache``), captured once per token count at that count's first
-call, the node of its first launch taking each call's addresses as new arguments
-(``graph_launch.GraphLauncher``): a call costs the host two driver calls. While the stream is
-capturing (a user's graph) or off CUDA they launch directly, each bound once
-(``launcher.Launcher``: a call pays the driver's launches, not Triton's Python binding). Once
-a T's graph exists, an eager call on CUDA takes the compiled host path (``fused_call.cpp``,
-built with ``torch.utils.cpp_extension`` at the layer's construction): the same checks,
-allocation, addresses and two driver calls in one C++ function.
-``MoEWorkspace`` is the same call over received rows (the EP rank workload), storing into any
-``CombinePeers``, replayed from a graph per set of buffers. Layers of one shape can share their
-buffers (``buffers.MoEBuffers``): a model's MoE layers need one set, not one each.
+call's addresses (``topk_ids``, ``x``, the Combine rows, ``topk_weights``, ``y``) and writes them
+into the argument block the later launches read (``call_args``), the fused kernel over the chosen
+schedule's table (``kernels/moe_fused_ws.py`` on sm_90, ``kernels/moe_fused.py`` elsewhere), whose
+Linear-1 gathers each pick's token row as it loads and whose Linear-2 epilogues store each pick's
+row into the Combine buffer, then the top-k weighted sum (``combine``, one Triton launch, reading
+the block; with ``weighted_sum="kernel"`` the fused kernel's end, where it covers the tokens in one
+pass; with ``"atomic"`` the Linear-2 epilogues' adds into ``y``, zeroed by the routing, up to
+``ATOMIC_SUM_TOKENS``). Eagerly on CUDA they run as one CUDA graph (``GraphCache``), captured once
+per token count at that count's first call, the node of its first launch taking each call's
+addresses as new arguments (``graph_launch.GraphLauncher``): a call costs the host two driver
+calls. While the stream is capturing (a user's graph) or off CUDA they launch directly, each bound
+once (``launcher.Launcher``: a call pays the driver's launches, not Triton's Python binding). Once
+a T's graph exists, an eager call on CUDA takes the compiled host path (``fused_call.cpp``, built
+with ``torch.utils.cpp_extension`` at the layer's construction): the same checks, allocation,
+addresses and two driver calls in one C++ function. ``MoEWorkspace`` is the same call over received
+rows (the EP rank workload), storing into any ``CombinePeers``, replayed from a graph per set of
+buffers. Layers of one shape can share their buffers (``buffers.MoEBuffers``): a model's MoE layers
+need one set, not one each.
 """
 from __future__ import annotations
 
@@ -73,8 +72,11 @@ WEIGHT_DTYPES = tuple(d for d in TRITON_DTYPES if d.is_floating_point)  # the we
 ID_DTYPES = (torch.int32, torch.int64)
 # Where a FusedMoE's top-k weighted sum runs: its own launch after the fused kernel, the fused
 # kernel's end (gluon_ws; where one pass of its programs covers the tokens: sums_in_kernel), or
-# the fused kernel's Linear-2 epilogues adding into the output (gluon_ws; where route_tiny routes)
+# the Linear-2 epilogues adding into the output (gluon_ws; up to ATOMIC_SUM_TOKENS, as measured:
+# the graphed call 0.977x, 0.996x, 0.998x, 0.998x the sum's launch at 1, 8, 64, 512 tokens,
+# geometric means over every shape, ab jobs on one H100: moe_layer/h100-80gb-hbm3-x1)
 WEIGHTED_SUMS = ("launch", "kernel", "atomic")
+ATOMIC_SUM_TOKENS = 512
 
 
 def auto_schedule(peers_world: int) -> str:
@@ -390,10 +392,10 @@ class FusedMoE(torch.nn.Module):
     ``weighted_sum``: ``"launch"``, the top-k weighted sum in a launch of its own after the fused
     kernel; ``"kernel"`` (the gluon_ws kernel only), the fused kernel ends with it where one pass
     of its programs covers the call's tokens (``sums_in_kernel``), so the call has one launch and
-    one kernel boundary fewer; above that, its own launch. ``"atomic"`` (gluon_ws only): the
-    first routing launch zeroes ``y`` and each Linear-2 epilogue adds its rows times their
-    weights into it (bf16 adds in the epilogues' order: the bits may differ from call to call,
-    within bf16's rounding), so no launch sums."""
+    one kernel boundary fewer; above that, its own launch. ``"atomic"`` (gluon_ws only): up to
+    ``ATOMIC_SUM_TOKENS``, the first routing launch zeroes ``y`` and each Linear-2 epilogue adds
+    its rows times their weights into it (bf16 adds in the epilogues' order: the bits may differ
+    from call to call, within bf16's rounding), so no launch sums; above, its own launch."""
 
     def __init__(self, weights: ExpertWeights, *, max_tokens: int, top_k: int,
                  schedule: str = "auto", config: TileConfig | None = None,
@@ -519,8 +521,8 @@ class FusedMoE(torch.nn.Module):
         addresses = self.pack_addresses(ids, x, self.combine, w, y)
         key = (x.shape[0], schedule, ids.dtype, w.dtype)
         self.graphs.call(key, lambda: self.launches(addresses, *key), addresses,
-                         lambda: (self.routing(ids.dtype).first(x.shape[0] * self.top_k,
-                                                                self.top_k)[0].function(),
+                         lambda: (self.routing(ids.dtype, x.shape[0]).first(
+                                      x.shape[0] * self.top_k, self.top_k)[0].function(),
                                   FIRST_ADDRESS_PARAM, addresses))
         return y
 
@@ -541,10 +543,12 @@ class FusedMoE(torch.nn.Module):
         """Whether a call of ``tokens`` tokens has the fused kernel end with the weighted sum:
         ``weighted_sum="kernel"`` and one piece of the sum (a token's ``SUM_COLS`` columns of
         ``kernels/moe_fused_ws.py``) per program at most (``tokens_summed_in_kernel``, set at
-        construction), or ``"atomic"`` (every call: its first routing launch zeroes ``y``).
-        Beyond the one pass, a program would sum its pieces one after another, where the
-        weighted sum's own launch spreads them over every SM."""
-        return self.weighted_sum == "atomic" or tokens <= self.tokens_summed_in_kernel
+        construction), or ``"atomic"`` up to ``ATOMIC_SUM_TOKENS`` (its first routing launch
+        then zeroes ``y``). Beyond the one pass, a program would sum its pieces one after
+        another, where the weighted sum's own launch spreads them over every SM."""
+        if self.weighted_sum == "atomic":
+            return tokens <= ATOMIC_SUM_TOKENS
+        return tokens <= self.tokens_summed_in_kernel
 
     def fused_kernel(self, tokens: int, weights_dtype: torch.dtype, schedule: str, *,
                      routed: bool = False, sum_args: torch.Tensor | None = None) -> None:
@@ -562,13 +566,14 @@ class FusedMoE(torch.nn.Module):
     def route_launches(self, addresses: tuple[int, ...], tokens: int,
                        id_dtype: torch.dtype) -> None:
         """The routing kernels, the first writing ``addresses`` into the argument block."""
-        self.routing(id_dtype)(tokens * self.top_k, self.top_k, addresses)
+        self.routing(id_dtype, tokens)(tokens * self.top_k, self.top_k, addresses)
 
-    def routing(self, id_dtype: torch.dtype):
-        """The routing launches over this layer's tables for ``topk_ids`` of ``id_dtype``."""
+    def routing(self, id_dtype: torch.dtype, tokens: int):
+        """The routing launches of a call (its ids' dtype, tokens), zeroing ``y`` if added into."""
         ws = self.workspace
+        atomic = self.weighted_sum == "atomic" and self.sums_in_kernel(tokens)
         return ws.tables.routing(False, ws.weights.precision == "fp8", id_dtype,
-                                 ws.weights.hidden if self.weighted_sum == "atomic" else 0)
+                                 ws.weights.hidden if atomic else 0)
 
 
 @functools.cache
