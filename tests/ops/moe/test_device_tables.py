@@ -317,12 +317,12 @@ def case_first_launch_zeroes_the_output() -> dict:
     routing launch zeroes the poisoned output ``[T, H]``: ``route_tiny``'s of DiT-MoE's 20
     tokens (40 picks, 28,160 elements: 14 programs of ``ZERO_BLOCK``, the last one partial) and
     of DeepSeek-V4-Flash's one token in FP8 (its quantizing programs after the zeroing ones),
-    ``route_histogram``'s of DiT-MoE's 40 tokens (80 picks) and of Hy3's 12 in FP8 (its chunk's
+    ``route_histogram``'s of DiT-MoE's 40 tokens (80 picks), in bf16 and in FP8 (its chunk's
     program, then the zeroing ones, then the quantizing ones), and writes the tables that the
     same routing writes without it, entry for entry; nothing past the output is touched."""
     out = {}
     for model, precision, tokens in (("DiT-MoE", "bf16", 20), ("DeepSeek-V4-Flash", "fp8", 1),
-                                     ("DiT-MoE", "bf16", 40), ("Hy3", "fp8", 12)):
+                                     ("DiT-MoE", "bf16", 40), ("DiT-MoE", "fp8", 40)):
         shape = SHAPES[model]
         ids = router_topk(router_logits(tokens, shape.routed_experts, "skewed", seed=6),
                           shape.top_k)[0]
