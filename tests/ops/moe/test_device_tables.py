@@ -176,20 +176,22 @@ def case_scan_in_steps() -> dict:
     (``SCAN_ONE_TILE`` two chunks of every expert: 16 at EP = 1, 2 on the rank)."""
     from xstage_lab.ops.moe import device_tables as dt
 
-    saved = dt.SCAN_TILE, dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_ONE_TILE
+    saved = dt.SCAN_TILE, dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_ONE_TILE, dt.RECEIVED_SCAN_STEPS
     out = {}
     try:  # read as each call's tables bind
         dt.SCAN_TILE, dt.SCAN_IN_HISTOGRAM_CHUNKS = 2 * dt.SCAN_EXPERTS, 0
+        dt.RECEIVED_SCAN_STEPS = 0
         out["route_offsets"] = {"ep1": case_ep1("DiT-MoE", "bf16", 200, "skewed", 7, 3, 4),
                                 "ep_rank": case_ep_rank("DiT-MoE", "bf16", 8, 120, 5, 1, 3)}
         dt.SCAN_TILE, dt.SCAN_IN_HISTOGRAM_CHUNKS = saved[:2]
+        dt.RECEIVED_SCAN_STEPS = saved[3]
         dt.SCAN_ONE_TILE = 2 * 16
         ep1 = case_ep1("DiT-MoE", "bf16", 200, "skewed", 7, 3, 4)
         dt.SCAN_ONE_TILE = 2 * 2
         out["route_histogram"] = {"ep1": ep1,
                                   "ep_rank": case_ep_rank("DiT-MoE", "bf16", 8, 120, 5, 1, 3)}
     finally:
-        dt.SCAN_TILE, dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_ONE_TILE = saved
+        dt.SCAN_TILE, dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_ONE_TILE, dt.RECEIVED_SCAN_STEPS = saved
     assert out["route_offsets"] == out["route_histogram"]
     return out
 
@@ -208,6 +210,32 @@ def case_one_step_scan_beyond_the_chunk_bound() -> dict:
         return case_ep1("DiT-MoE", "bf16", 200, "skewed", 7, 3, 4)
     finally:
         dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_TILE = saved
+
+
+def case_received_scan_in_steps_beyond_the_chunk_bound() -> dict:
+    """An EP rank's scan in ``route_histogram``'s last program over more chunks than
+    ``scan_chunks`` (``SCAN_TILE`` 8 counts over DiT-MoE's two experts of an EP = 8 rank: 4
+    chunks a step, and the bound), where the bound's 8 chunks take at most
+    ``RECEIVED_SCAN_STEPS`` steps: the 630 rows received (5 chunks) scanned in two steps, equal
+    to the host reference and to the tables of ``route_offsets``' launch (``RECEIVED_SCAN_STEPS``
+    0)."""
+    saved = dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_TILE, dt.RECEIVED_SCAN_STEPS
+    out = {}
+    try:  # read as each call's tables are allocated and its launches bound
+        dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_TILE = 2, 8
+        for steps in (saved[2], 0):
+            dt.RECEIVED_SCAN_STEPS = steps
+            _, bounds = _bounds("DiT-MoE", 8 * 120 + 5, 5, 1, experts=2)
+            tables = allocate_tables(bounds, 1408, "bf16", "meta")
+            assert tables.scan_chunks == 4 and bounds.chunks == 8
+            scanned = tables.routing(True, False, torch.int32).scanned_first(bounds.capacity)
+            out["route_histogram" if scanned else "route_offsets"] = case_ep_rank(
+                "DiT-MoE", "bf16", 8, 120, 5, 1, 3, counts=[120, 0, 110, 100, 90, 80, 70, 60])
+    finally:
+        dt.SCAN_IN_HISTOGRAM_CHUNKS, dt.SCAN_TILE, dt.RECEIVED_SCAN_STEPS = saved
+    assert out["route_histogram"] == out["route_offsets"]
+    assert out["route_histogram"]["arrivals"] == 630
+    return out
 
 
 def case_narrow_scales_by_layout_row() -> dict:
@@ -358,6 +386,8 @@ def interpreter_cases() -> dict:
         "zero_row_experts": (case_zero_row_experts,),
         "scan_in_steps": (case_scan_in_steps,),
         "one_step_scan_beyond_the_chunk_bound": (case_one_step_scan_beyond_the_chunk_bound,),
+        "received_scan_in_steps_beyond_the_chunk_bound": (
+            case_received_scan_in_steps_beyond_the_chunk_bound,),
         "ep_rank_bf16": (case_ep_rank, "MiMo-V2.5", "bf16", 8, 40, 16, 2),
         "ep_rank_fp8": (case_ep_rank, "DiT-MoE", "fp8", 8, 150, 5, 1, 3),
         "ep_rank_few": (case_ep_rank, "Hy3", "fp8", 8, 1, 16, 2, 4),
@@ -556,8 +586,9 @@ def test_linear2_tiles_split_along_k_only_where_they_leave_most_programs_idle():
 def test_the_scan_runs_in_the_histogram_up_to_one_steps_chunks():
     """``route_histogram``'s last program scans up to ``SCAN_IN_HISTOGRAM_CHUNKS`` chunks, or as
     many as one step takes (``SCAN_TILE`` counts where the experts are fewer than 64, else
-    ``SCAN_ONE_TILE``): the first launch of a call is the histogram with the scan there, else
-    the histogram of the three launches."""
+    ``SCAN_ONE_TILE``), on an EP rank as many as ``RECEIVED_SCAN_STEPS`` steps take: the first
+    launch of a call is the histogram with the scan there, else the histogram of the three
+    launches."""
     from xstage_lab.ops.moe.device_tables import (SCAN_IN_HISTOGRAM_CHUNKS, SCAN_ONE_TILE,
                                                   SCAN_TILE, scan_chunk_bound, scan_step_rows)
 
@@ -572,6 +603,13 @@ def test_the_scan_runs_in_the_histogram_up_to_one_steps_chunks():
     _, ep1 = _bounds("Qwen3.5", 5120, 132, 1)
     routing = allocate_tables(ep1, 4096, "bf16", "meta").routing(False, False, torch.int32)
     assert routing.first(5120, 10)[0] is routing.histograms[False, False]
+    # its 64 experts of an EP = 8 rank: at 512 tokens a bound of 320 chunks, three steps of 128
+    # (the rows a rank receives from balanced routing: 40), at 4096 tokens twenty
+    for tokens, scanned in ((512, True), (4096, False)):
+        _, rank = _bounds("Qwen3.5", tokens * 10 * 8, 132, 1, experts=64)
+        routing = allocate_tables(rank, 4096, "bf16", "meta").routing(True, False, torch.int32)
+        assert routing.scan_rows == SCAN_ONE_TILE // 64 == 128
+        assert routing.first(rank.capacity, 1)[0] is routing.histograms[scanned, False]
 
 
 def test_the_first_launch_quantizes_a_few_rows_by_the_rows_of_x():

@@ -52,6 +52,13 @@ SCAN_TILE = 4096
 # …161751Z-58a86fc67b, one job, per-kernel profiles): 1.28-1.44x on the EP = 8 rank at 8 and 64
 # tokens, 1.31-2.01x at EP = 1
 SCAN_IN_HISTOGRAM_CHUNKS = 32
+# An EP rank's arrivals' bound is P times what balanced routing sends it (any source's picks may
+# all land there), and the last program scans only the chunks it received: up to this many steps
+# of that scan over the bound's chunks (its worst case, about one route_offsets launch), the scan
+# stays there, a launch and a kernel boundary fewer where the rows received take about one step
+# (the EP = 8 rank at 512 tokens: 2-3 steps over the bound, 3.5-4.9 µs of route_offsets launch
+# on an H200, moe_layer/h200-x1/20261206T004931Z-9d04154fcc). Unmeasured
+RECEIVED_SCAN_STEPS = 3
 SCAN_ONE_TILE = 8192
 # the histogram's scan steps: SCAN_ONE_TILE counts from this many experts, SCAN_TILE below
 SCAN_WIDE_EXPERTS = 64  # (ptxas spilled 8192 over 2-32 experts: sm_90 builds, Triton 3.6)
@@ -444,7 +451,8 @@ class RoutingLaunches:
             JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
         histogram = dict(args=t.args, error=t.error, ID_DTYPE=ids, arrival_rows=t.arrival_rows,
                          HIDDEN=hidden, QUANT_ROWS=QUANT_ROWS, **quant, **zero)
-        scan_rows = min(_pow2(max(min(t.scan_chunks, b.chunks), 1)), scan_step_rows(e_pad))
+        self.scan_rows = scan_rows = min(_pow2(max(min(t.scan_chunks, b.chunks), 1)),
+                                         scan_step_rows(e_pad))
         # by (scan, scales by layout row): the latter only where route_quantize lays them out
         self.histograms = {
             (scan, rows): Launcher(k.route_histogram, SCAN=scan, SCALES_BY_ROW=rows,
@@ -524,8 +532,12 @@ class RoutingLaunches:
 
     def scanned_first(self, capacity: int) -> bool:
         """Whether ``route_histogram``'s last program over ``capacity`` arrivals scans the
-        counts (up to ``tables.scan_chunks`` chunks), else ``route_offsets``' launch does."""
-        return triton.cdiv(capacity, CHUNK) <= self.tables.scan_chunks
+        counts (up to ``tables.scan_chunks`` chunks; on an EP rank, up to
+        ``RECEIVED_SCAN_STEPS`` steps of ``scan_rows`` chunks), else ``route_offsets``' launch
+        does."""
+        chunks = triton.cdiv(capacity, CHUNK)
+        return chunks <= self.tables.scan_chunks or (
+            self.received and triton.cdiv(chunks, self.scan_rows) <= RECEIVED_SCAN_STEPS)
 
     def quantized_first(self, capacity: int, top_k: int) -> bool:
         """Whether the first launch over ``capacity`` arrivals quantizes ``x`` too (its scales
