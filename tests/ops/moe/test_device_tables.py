@@ -610,6 +610,11 @@ def test_the_scan_runs_in_the_histogram_up_to_one_steps_chunks():
         routing = allocate_tables(rank, 4096, "bf16", "meta").routing(True, False, torch.int32)
         assert routing.scan_rows == SCAN_ONE_TILE // 64 == 128
         assert routing.first(rank.capacity, 1)[0] is routing.histograms[scanned, False]
+    # the three launches where the tables say so (route_small_probe's path): two chunks, each a
+    # step where the tables scan no chunks in the histogram
+    assert [allocate_tables(rank, 4096, "bf16", "meta", scan_chunks=0, received_scan_steps=steps)
+            .routing(True, False, torch.int32).scanned_first(256) for steps in (None, 0)] == \
+        [True, False]
 
 
 def test_the_first_launch_quantizes_a_few_rows_by_the_rows_of_x():

@@ -25,11 +25,11 @@ takes the launches of ``scan_in_histogram`` with ``route_quantize``'s launch aft
 count (records before it have bf16 only).
 
 1. Checks first: each path's tables (``allocate_tables`` with ``tiny_arrivals`` and
-   ``tiny_received`` 0, and above the capacity; ``scan_chunks`` 0 for the three launches;
-   ``quant_rows`` 0 to quantize apart), their outputs poisoned first, equal the host reference
-   entry for entry (``table_mismatches``; in FP8 the quantized rows and scales bitwise), the
-   fused kernel's counters of the row blocks in use zeroed; ids all in range (the error flag
-   zero). Any failure aborts the run before timing; nothing is written.
+   ``tiny_received`` 0, and above the capacity; ``scan_chunks`` and ``received_scan_steps`` 0
+   for the three launches; ``quant_rows`` 0 to quantize apart), their outputs poisoned first,
+   equal the host reference entry for entry (``table_mismatches``; in FP8 the quantized rows and
+   scales bitwise), the fused kernel's counters of the row blocks in use zeroed; ids all in
+   range (the error flag zero). Any failure aborts the run before timing; nothing is written.
 2. Timing: every path's routing (the argument block's writer, the table passes; in records before
    the fused kernel gathered its rows, the activations' gather too) in one rotation
    (``dist_timing.time_methods``, CUDA-graph replays), then each path's kernels by name
@@ -66,10 +66,11 @@ from ..moe.kernel_cell import EP, arrival_sources, build_workload, receive_buffe
 from ..moe.layer_cells import balanced_routing
 
 SETTINGS = ("ep1", "ep8_rank")
-# each path's tables: tiny_arrivals and tiny_received, scan_chunks (the three launches, the
-# scan in route_histogram's last program up to scan_chunk_bound (None): two, or route_tiny:
-# one) and quant_rows (None: the first launch quantizes up to QUANT_IN_HISTOGRAM_ROWS rows; 0:
-# route_quantize's launch after the tables, an FP8 layer's only)
+# each path's tables: tiny_arrivals and tiny_received, scan_chunks and received_scan_steps (0:
+# the three launches; None: the scan in route_histogram's last program up to scan_chunk_bound,
+# and on an EP rank RECEIVED_SCAN_STEPS: two; or route_tiny: one) and quant_rows (None: the
+# first launch quantizes up to QUANT_IN_HISTOGRAM_ROWS rows; 0: route_quantize's launch after the
+# tables, an FP8 layer's only)
 PATHS = {"launches": {"tiny": 0, "scan_chunks": 0, "quant_rows": None},
          "scan_in_histogram": {"tiny": 0, "scan_chunks": None, "quant_rows": None},
          "one_program": {"tiny": 1 << 30, "scan_chunks": None, "quant_rows": None},
@@ -194,6 +195,7 @@ class RouteSmall(Experiment):
                                         tiny_arrivals=PATHS[path]["tiny"],
                                         tiny_received=PATHS[path]["tiny"],
                                         scan_chunks=PATHS[path]["scan_chunks"],
+                                        received_scan_steps=PATHS[path]["scan_chunks"],
                                         quant_rows=PATHS[path]["quant_rows"])
                   for path in cell_paths(run.args.paths, precision)}
         return RouteStep(point, arrivals, tables, bounds)

@@ -239,6 +239,7 @@ class DeviceTables:
     fp8: bool                      # an FP8 layer's (e4m3 activations with 1 x 128 scales)
     scan_chunks: int               # up to this many chunks, the scan in route_histogram
     quant_rows: int                # up to this many rows, the first launch quantizes them
+    received_scan_steps: int       # on an EP rank, the scan there up to this many steps too
     # (received, quantize, id dtype, zeroed hidden) -> RoutingLaunches, bound on first use
     launches: dict = field(default_factory=dict, repr=False)
 
@@ -271,11 +272,13 @@ class DeviceTables:
 def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
                     error: torch.Tensor | None = None, tiny_arrivals: int | None = None,
                     source_rows: int | None = None, tiny_received: int | None = None,
-                    scan_chunks: int | None = None, quant_rows: int | None = None) -> DeviceTables:
+                    scan_chunks: int | None = None, quant_rows: int | None = None,
+                    received_scan_steps: int | None = None) -> DeviceTables:
     """Every buffer of ``bounds`` on ``device``; ``error`` shared with the fused kernel where
     given; ``tiny_arrivals``, ``tiny_received``: ``TINY_ARRIVALS``, ``TINY_RECEIVED`` where None
     (either way at most ``block_m``); ``scan_chunks``: ``scan_chunk_bound`` where None;
-    ``quant_rows``: ``QUANT_IN_HISTOGRAM_ROWS`` where None;
+    ``quant_rows``: ``QUANT_IN_HISTOGRAM_ROWS`` where None; ``received_scan_steps``:
+    ``RECEIVED_SCAN_STEPS`` where None;
     ``source_rows``: the bf16 rows of ``x`` an FP8 layer quantizes
     at most (``x_quant``'s), ``bounds.capacity`` where None (an EP rank's received rows; at EP = 1
     the tokens, ``capacity / top_k``); 0: none, the layer takes e4m3 rows with their scales only (an
@@ -305,7 +308,8 @@ def allocate_tables(bounds: TableBounds, hidden: int, precision: str, device,
         min(TINY_ARRIVALS if tiny_arrivals is None else tiny_arrivals, bounds.block_m),
         min(TINY_RECEIVED if tiny_received is None else tiny_received, bounds.block_m), fp8,
         scan_chunk_bound(e) if scan_chunks is None else scan_chunks,
-        QUANT_IN_HISTOGRAM_ROWS if quant_rows is None else quant_rows)
+        QUANT_IN_HISTOGRAM_ROWS if quant_rows is None else quant_rows,
+        RECEIVED_SCAN_STEPS if received_scan_steps is None else received_scan_steps)
 
 
 def scan_chunk_bound(num_experts: int) -> int:
@@ -533,11 +537,12 @@ class RoutingLaunches:
     def scanned_first(self, capacity: int) -> bool:
         """Whether ``route_histogram``'s last program over ``capacity`` arrivals scans the
         counts (up to ``tables.scan_chunks`` chunks; on an EP rank, up to
-        ``RECEIVED_SCAN_STEPS`` steps of ``scan_rows`` chunks), else ``route_offsets``' launch
-        does."""
+        ``tables.received_scan_steps`` steps of ``scan_rows`` chunks), else ``route_offsets``'
+        launch does."""
+        t = self.tables
         chunks = triton.cdiv(capacity, CHUNK)
-        return chunks <= self.tables.scan_chunks or (
-            self.received and triton.cdiv(chunks, self.scan_rows) <= RECEIVED_SCAN_STEPS)
+        return chunks <= t.scan_chunks or (
+            self.received and triton.cdiv(chunks, self.scan_rows) <= t.received_scan_steps)
 
     def quantized_first(self, capacity: int, top_k: int) -> bool:
         """Whether the first launch over ``capacity`` arrivals quantizes ``x`` too (its scales
