@@ -52,6 +52,9 @@ SCAN_TILE = 4096
 # …161751Z-58a86fc67b, one job, per-kernel profiles): 1.28-1.44x on the EP = 8 rank at 8 and 64
 # tokens, 1.31-2.01x at EP = 1
 SCAN_IN_HISTOGRAM_CHUNKS = 32
+SCAN_ONE_TILE = 8192
+# the histogram's scan steps: SCAN_ONE_TILE counts from this many experts, SCAN_TILE below
+SCAN_WIDE_EXPERTS = 64  # (ptxas spilled 8192 over 2-32 experts: sm_90 builds, Triton 3.6)
 # An EP rank's arrivals' bound is P times what balanced routing sends it (any source's picks may
 # all land there), and the last program scans only the chunks it received: up to this many steps
 # of that scan over the bound's chunks (its worst case, about one route_offsets launch), the scan
@@ -59,9 +62,6 @@ SCAN_IN_HISTOGRAM_CHUNKS = 32
 # (the EP = 8 rank at 512 tokens: 2-3 steps over the bound, 3.5-4.9 µs of route_offsets launch
 # on an H200, moe_layer/h200-x1/20261206T004931Z-9d04154fcc). Unmeasured
 RECEIVED_SCAN_STEPS = 3
-SCAN_ONE_TILE = 8192
-# the histogram's scan steps: SCAN_ONE_TILE counts from this many experts, SCAN_TILE below
-SCAN_WIDE_EXPERTS = 64  # (ptxas spilled 8192 over 2-32 experts: sm_90 builds, Triton 3.6)
 # Up to these bounds (never above block_m), one launch (route_tiny) writes every table from the
 # arrivals held in registers: at EP = 1 every slot of the bound is an arrival (TINY_ARRIVALS), on an
 # EP rank the received rows are a share of the bound (TINY_RECEIVED). Its tiles written side by side
