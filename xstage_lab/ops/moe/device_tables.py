@@ -243,11 +243,6 @@ class DeviceTables:
     # (received, quantize, id dtype, zeroed hidden) -> RoutingLaunches, bound on first use
     launches: dict = field(default_factory=dict, repr=False)
 
-    def tiny_at(self, capacity: int, received: bool) -> bool:
-        """Whether ``capacity`` arrivals (an EP rank's bound where ``received``) take
-        ``route_tiny``."""
-        return capacity <= (self.tiny_received if received else self.tiny_arrivals)
-
     @property
     def row_blocks(self) -> torch.Tensor:
         return self.meta[:1]
@@ -531,8 +526,9 @@ class RoutingLaunches:
         return 1 if self.received else top_k
 
     def tiny_at(self, capacity: int) -> bool:
-        """Whether ``capacity`` arrivals take ``route_tiny`` (``DeviceTables.tiny_at``)."""
-        return self.tables.tiny_at(capacity, self.received)
+        """Whether ``capacity`` arrivals take ``route_tiny``."""
+        t = self.tables
+        return capacity <= (t.tiny_received if self.received else t.tiny_arrivals)
 
     def scanned_first(self, capacity: int) -> bool:
         """Whether ``route_histogram``'s last program over ``capacity`` arrivals scans the
