@@ -586,11 +586,12 @@ def test_linear2_tiles_split_along_k_only_where_they_leave_most_programs_idle():
 def test_the_scan_runs_in_the_histogram_up_to_one_steps_chunks():
     """``route_histogram``'s last program scans up to ``SCAN_IN_HISTOGRAM_CHUNKS`` chunks, or as
     many as one step takes (``SCAN_TILE`` counts where the experts are fewer than 64, else
-    ``SCAN_ONE_TILE``), on an EP rank as many as ``RECEIVED_SCAN_STEPS`` steps take: the first
-    launch of a call is the histogram with the scan there, else the histogram of the three
-    launches."""
+    ``SCAN_ONE_TILE``), on an EP rank in the narrow steps as many as ``RECEIVED_SCAN_STEPS``
+    steps take: the first launch of a call is the histogram with the scan there, else the
+    histogram of the three launches."""
     from xstage_lab.ops.moe.device_tables import (SCAN_IN_HISTOGRAM_CHUNKS, SCAN_ONE_TILE,
-                                                  SCAN_TILE, scan_chunk_bound, scan_step_rows)
+                                                  SCAN_TILE, SCAN_WIDE_EXPERTS, scan_chunk_bound,
+                                                  scan_step_rows)
 
     assert scan_chunk_bound(2) == scan_step_rows(2) == SCAN_TILE // 2 > SCAN_IN_HISTOGRAM_CHUNKS
     assert scan_chunk_bound(32) == SCAN_TILE // 32 and scan_chunk_bound(64) == SCAN_ONE_TILE // 64
@@ -603,15 +604,24 @@ def test_the_scan_runs_in_the_histogram_up_to_one_steps_chunks():
     _, ep1 = _bounds("Qwen3.5", 5120, 132, 1)
     routing = allocate_tables(ep1, 4096, "bf16", "meta").routing(False, False, torch.int32)
     assert routing.first(5120, 10)[0] is routing.histograms[False, False]
-    # its 64 experts of an EP = 8 rank: at 512 tokens a bound of 320 chunks, three steps of 128
-    # (the rows a rank receives from balanced routing: 40), at 4096 tokens twenty
-    for tokens, scanned in ((512, True), (4096, False)):
-        _, rank = _bounds("Qwen3.5", tokens * 10 * 8, 132, 1, experts=64)
+    # Hy3's 24 experts of an EP = 8 rank (narrow steps: SCAN_TILE counts over 32) at 768 tokens:
+    # a bound of 384 chunks, three steps of 128 (the rows a rank receives from balanced routing:
+    # 48 chunks), at 1024 tokens four; Qwen3.5's 64 (wide steps) route_offsets' launch at 512
+    # tokens, its 320 chunks three steps too
+    for model, experts, tokens, scanned in (("Hy3", 24, 768, True), ("Hy3", 24, 1024, False),
+                                            ("Qwen3.5", 64, 512, False)):
+        _, rank = _bounds(model, tokens * SHAPES[model].top_k * 8, 132, 1, experts=experts)
         routing = allocate_tables(rank, 4096, "bf16", "meta").routing(True, False, torch.int32)
-        assert routing.scan_rows == SCAN_ONE_TILE // 64 == 128
+        assert routing.scan_rows == 128 and routing.wide_scan == (experts >= SCAN_WIDE_EXPERTS)
         assert routing.first(rank.capacity, 1)[0] is routing.histograms[scanned, False]
+    # at EP = 1 the steps never count: DiT-MoE's 16 experts (narrow, 256 chunks a step) over
+    # 313 chunks, above its scan_chunks
+    _, ep1 = _bounds("DiT-MoE", 40000, 132, 1)
+    routing = allocate_tables(ep1, 1408, "bf16", "meta").routing(False, False, torch.int32)
+    assert routing.scan_rows == 256 and not routing.scanned_first(ep1.capacity)
     # the three launches where the tables say so (route_small_probe's path): two chunks, each a
-    # step where the tables scan no chunks in the histogram
+    # step where the tables scan no chunks in the histogram (Hy3's rank)
+    _, rank = _bounds("Hy3", 768 * 8 * 8, 132, 1, experts=24)
     assert [allocate_tables(rank, 4096, "bf16", "meta", scan_chunks=0, received_scan_steps=steps)
             .routing(True, False, torch.int32).scanned_first(256) for steps in (None, 0)] == \
         [True, False]

@@ -58,9 +58,13 @@ SCAN_WIDE_EXPERTS = 64  # (ptxas spilled 8192 over 2-32 experts: sm_90 builds, T
 # An EP rank's arrivals' bound is P times what balanced routing sends it (any source's picks may
 # all land there), and the last program scans only the chunks it received: up to this many steps
 # of that scan over the bound's chunks (its worst case, about one route_offsets launch), the scan
-# stays there, a launch and a kernel boundary fewer where the rows received take about one step
-# (the EP = 8 rank at 512 tokens: 2-3 steps over the bound, 3.5-4.9 µs of route_offsets launch
-# on an H200, moe_layer/h200-x1/20261206T004931Z-9d04154fcc). Unmeasured
+# stays there, a launch and a kernel boundary fewer where the rows received take about one step;
+# only in its narrow steps (SCAN_TILE counts, below SCAN_WIDE_EXPERTS experts). Measured on one
+# H200, ab of 5a758c7 against three launches (b4d2a3f), the EP = 8 rank at 512 tokens (the
+# bound's 192-320 chunks in 2-3 steps of 128): 32 experts or fewer, the graphed call 0.968-0.995x
+# in 8 cells (the table passes' device time 0.84-0.96x); DeepSeek-V4-Pro's 48 and Qwen3.5's 64
+# experts in wide steps, 1.003-1.017x (1.16-1.34x) (moe_layer/h200-x1/20261206T072545Z against
+# …072515Z and …072609Z, the latter retired)
 RECEIVED_SCAN_STEPS = 3
 # Up to these bounds (never above block_m), one launch (route_tiny) writes every table from the
 # arrivals held in registers: at EP = 1 every slot of the bound is an arrival (TINY_ARRIVALS), on an
@@ -450,6 +454,7 @@ class RoutingLaunches:
             JUMP_STRIDE=t.wave_jumps.shape[1], JUMP_PAD=_pow2(b.num_experts + 1), num_warps=8)
         histogram = dict(args=t.args, error=t.error, ID_DTYPE=ids, arrival_rows=t.arrival_rows,
                          HIDDEN=hidden, QUANT_ROWS=QUANT_ROWS, **quant, **zero)
+        self.wide_scan = e_pad >= SCAN_WIDE_EXPERTS  # its steps SCAN_ONE_TILE counts each
         self.scan_rows = scan_rows = min(_pow2(max(min(t.scan_chunks, b.chunks), 1)),
                                          scan_step_rows(e_pad))
         # by (scan, scales by layout row): the latter only where route_quantize lays them out
@@ -532,13 +537,14 @@ class RoutingLaunches:
 
     def scanned_first(self, capacity: int) -> bool:
         """Whether ``route_histogram``'s last program over ``capacity`` arrivals scans the
-        counts (up to ``tables.scan_chunks`` chunks; on an EP rank, up to
+        counts (up to ``tables.scan_chunks`` chunks; on an EP rank in narrow steps, up to
         ``tables.received_scan_steps`` steps of ``scan_rows`` chunks), else ``route_offsets``'
         launch does."""
         t = self.tables
         chunks = triton.cdiv(capacity, CHUNK)
         return chunks <= t.scan_chunks or (
-            self.received and triton.cdiv(chunks, self.scan_rows) <= t.received_scan_steps)
+            self.received and not self.wide_scan
+            and triton.cdiv(chunks, self.scan_rows) <= t.received_scan_steps)
 
     def quantized_first(self, capacity: int, top_k: int) -> bool:
         """Whether the first launch over ``capacity`` arrivals quantizes ``x`` too (its scales
