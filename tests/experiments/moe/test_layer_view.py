@@ -44,6 +44,43 @@ def test_a_platforms_records_join_per_cell_the_newest_winning(tmp_path):
         lv.layer_view("y", tmp_path)
 
 
+def test_a_platforms_matrix_takes_only_records_of_its_variant(tmp_path):
+    """A newer record naming options other than ``PLATFORM_VARIANT``'s (an A/B's side: another
+    weighted sum, held starts, tiles given) holds no cell of the matrix; one naming its options,
+    or none (records from before variants), does."""
+    from xstage_lab.analysis.moe import VARIANT
+
+    at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(5)]
+    variants = [None, {"weighted_sum": "launch"}, {"weighted_sum": "atomic", "graph_start": "idle"},
+                {"weighted_sum": "launch", "graph_start": "held"},
+                {**lv.PLATFORM_VARIANT, "tile_rows": 256}]
+    for i, (variant, when) in enumerate(zip(variants, at)):
+        write_record("moe_layer", "x", pd.DataFrame([_row(1, kernel_us=60.0 + i)]),
+                     {} if variant is None else {VARIANT: variant}, {}, tmp_path, created=when)
+    view = lv.layer_view("x", tmp_path)
+    assert len(view.records) == 2 and list(view.table["kernel_us"]) == [61.0]
+    write_record("moe_layer", "y", pd.DataFrame([_row(1)]),
+                 {VARIANT: {"weighted_sum": "atomic"}}, {}, tmp_path)
+    with pytest.raises(FileNotFoundError, match="no 'moe_layer' record of"):
+        lv.layer_view("y", tmp_path)
+
+
+def test_the_platform_variant_is_what_the_op_and_the_bench_default_to():
+    import argparse
+    import inspect
+
+    from xstage_lab.experiments.moe.layer_bench import EXPERIMENT
+    from xstage_lab.ops.moe.op import FusedMoE
+
+    op_default = inspect.signature(FusedMoE).parameters["weighted_sum"].default
+    assert op_default == lv.PLATFORM_VARIANT["weighted_sum"]
+    parser = argparse.ArgumentParser()
+    EXPERIMENT.add_arguments(parser)
+    args = parser.parse_args([])
+    assert {"weighted_sum": args.weighted_sum, "graph_start": args.graph_start} == \
+        lv.PLATFORM_VARIANT and args.tile_rows is None
+
+
 def test_the_prose_names_the_records_the_cells_come_from(tmp_path):
     from xstage_lab.prose.moe.fused_layer import layer
 

@@ -13,6 +13,9 @@ import pandas as pd
 
 L1, L2 = 0, 1
 PRECISIONS = ("bf16", "fp8")
+# A record's params may name the options that made its version of the code beside its commit (a
+# build an option picks: moe_layer's weighted sum), so that runs of one commit compare as versions
+VARIANT = "variant"
 
 
 def geometric_mean(values) -> float:

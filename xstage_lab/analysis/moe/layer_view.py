@@ -5,8 +5,8 @@ issue's acceptance; where a call's device time goes; and the ``moe_layer`` entry
 --json``.
 
 A platform's matrix may be measured in several runs (by model, precision or setting, one device
-session each): ``layer_view`` joins every record of the platform, a cell from the newest record
-that holds it."""
+session each): ``layer_view`` joins every record of the platform's variant (``PLATFORM_VARIANT``:
+the layer as it ships, timed as the matrix is), a cell from the newest record that holds it."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from ...loading import read, record_paths
-from . import L1, L2, CellView
+from . import L1, L2, VARIANT, CellView
 from ...records import RECORDS_DIR, Record
 
 # The writer of a call's argument block (kernels/moe_args.py) as a record's per-kernel profile
@@ -28,6 +28,11 @@ WEIGHTED_SUM_KERNEL = "weighted_sum"  # kernels/moe_combine.py's, in a call's pr
 CALL_EXCESS = ("kernel_excess", "routing_excess", "weighted_sum_excess", "boundary_excess",
                "window_excess")
 CELL = ["model", "precision", "setting", "tokens"]
+# The options of layer_bench's runs whose records make a platform's matrix (its defaults): the
+# op's default weighted sum, trials from an idle GPU, the tiles the layer's rule picks (no
+# ``tile_rows``). A record naming other options (its params' ``VARIANT``; none named: these) is an
+# A/B's side, compared by ``compare``, not a cell of the matrix.
+PLATFORM_VARIANT = {"weighted_sum": "launch", "graph_start": "idle"}
 SUMMARY_KEYS = ("model", "precision", "setting", "tokens", "fused_eager_us", "fused_graph_us",
                 "schedule_us", "host_overhead_us", "kernel_us", "weighted_sum_floor_us",
                 "unfused_eager_us", "unfused_graph_us", "host_scheduled_us", "weight_floor_us")
@@ -69,10 +74,20 @@ class LayerView(CellView):
 
 
 def layer_view(platform: str, root: Path = RECORDS_DIR) -> LayerView:
-    records = tuple(read(p) for p in record_paths("moe_layer", platform, root))
+    """The platform's records of ``PLATFORM_VARIANT``, oldest first."""
+    records = tuple(r for r in map(read, record_paths("moe_layer", platform, root))
+                    if in_platform_variant(r))
     if not records:
-        raise FileNotFoundError(f"no 'moe_layer' record for platform {platform!r} under {root}")
+        raise FileNotFoundError(f"no 'moe_layer' record of {PLATFORM_VARIANT} for platform "
+                                f"{platform!r} under {root}")
     return LayerView(platform, records)
+
+
+def in_platform_variant(record: Record) -> bool:
+    """Whether ``record``'s run had ``PLATFORM_VARIANT``'s options: each it names (``VARIANT``
+    of its params) as there."""
+    named = record.params.get(VARIANT) or {}
+    return all(PLATFORM_VARIANT.get(k) == v for k, v in named.items())
 
 
 def acceptance(table: pd.DataFrame) -> pd.DataFrame:

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from ...records import Record
-from . import geometric_mean
+from . import VARIANT, geometric_mean
 from .host_view import CELL as HOST_CELL
 from .layer_view import CELL as LAYER_CELL, profile_total_us
 
@@ -20,9 +20,6 @@ FASTER, SLOWER, WITHIN, UNBRACKETED = "faster", "slower", "within", "unbracketed
 VERDICTS = (FASTER, SLOWER, WITHIN, UNBRACKETED)
 # The cell columns of the experiments measured in cells (each view's ``CELL``).
 CELLS = {"moe_layer": LAYER_CELL, "moe_host": HOST_CELL}
-# A record's params may name the options that made its version of the code beside its commit (a
-# build an option picks: moe_layer's weighted sum), so that runs of one commit compare as versions
-VARIANT = "variant"
 
 
 def record_version(record: Record) -> str:

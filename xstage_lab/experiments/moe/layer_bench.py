@@ -78,7 +78,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from ...analysis.moe.layer_view import SUMMARY_KEYS, LayerView, kernel_phases, layer_view
+from ...analysis.moe.layer_view import (PLATFORM_VARIANT, SUMMARY_KEYS, LayerView,
+                                         kernel_phases, layer_view)
 from ...analysis.moe.versions import VARIANT
 from ...analysis.moe.trace import tile_frame
 from ...cli import list_option
@@ -326,7 +327,8 @@ class MoELayer(LayerCellRun):
 
     @classmethod
     def analyse_platform(cls, platform: str, root: Path) -> LayerView:
-        """Every record of the platform, a cell from the newest that holds it (``layer_view``)."""
+        """Every record of the platform's ``PLATFORM_VARIANT``, a cell from the newest that
+        holds it (``layer_view``)."""
         return layer_view(platform, root)
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
@@ -337,13 +339,15 @@ class MoELayer(LayerCellRun):
         p.add_argument("--trials", type=int, default=None)
         p.add_argument("--graph-iters", type=int, default=5)
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--weighted-sum", choices=WEIGHTED_SUMS, default="launch",
+        p.add_argument("--weighted-sum", choices=WEIGHTED_SUMS,
+                       default=PLATFORM_VARIANT["weighted_sum"],
                        help="where the EP = 1 call's weighted sum runs (FusedMoE's "
                             "weighted_sum): the record's variant")
         p.add_argument("--tile-rows", type=int, choices=list(WS_ROW_TILES), default=None,
                        help="the rows of the gluon_ws kernel's tiles (tiles.WS_ROW_TILES; 256: "
                             "bf16 only), else the workspace's default: the record's variant")
-        p.add_argument("--graph-start", choices=list(GRAPH_STARTS), default="idle",
+        p.add_argument("--graph-start", choices=list(GRAPH_STARTS),
+                       default=PLATFORM_VARIANT["graph_start"],
                        help="each graphed trial from an idle GPU (its replay's launch in the "
                             "window) or held behind a hold kernel: the record's variant")
         p.add_argument("--smoke", action="store_true",
