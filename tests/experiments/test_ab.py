@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from xstage_lab.__main__ import main
-from xstage_lab.analysis.moe.versions import VARIANT
+from xstage_lab.analysis.moe import VARIANT
 from xstage_lab.experiments import ab
 from xstage_lab.experiments.ab import Side, check_sides, run_sides
 from xstage_lab.records import write_record

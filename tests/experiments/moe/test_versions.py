@@ -8,8 +8,9 @@ import pandas as pd
 import pytest
 
 from xstage_lab.__main__ import main
-from xstage_lab.analysis.moe.versions import (FASTER, SLOWER, UNBRACKETED, VARIANT, WITHIN,
-                                              version_ratios, version_summary)
+from xstage_lab.analysis.moe import VARIANT
+from xstage_lab.analysis.moe.versions import (FASTER, SLOWER, UNBRACKETED, WITHIN, version_ratios,
+                                              version_summary)
 from xstage_lab.dist_timing import timing_method
 from xstage_lab.records import write_record
 

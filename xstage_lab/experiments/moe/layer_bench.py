@@ -78,9 +78,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from ...analysis.moe import VARIANT
 from ...analysis.moe.layer_view import (PLATFORM_VARIANT, SUMMARY_KEYS, LayerView,
                                          kernel_phases, layer_view)
-from ...analysis.moe.versions import VARIANT
 from ...analysis.moe.trace import tile_frame
 from ...cli import list_option
 from ...dist_timing import (HOLD_CYCLES, median_clock_mhz, paired_ratio, time_methods,
