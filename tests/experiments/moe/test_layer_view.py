@@ -8,7 +8,6 @@ import pytest
 
 from xstage_lab.analysis.moe import layer_view as lv
 from xstage_lab.analysis.moe.layer_view import SUMMARY_KEYS, summary_entry
-from xstage_lab.prose import COUNT_SLOT
 from xstage_lab.records import write_record
 
 
@@ -652,8 +651,6 @@ def test_a_kernel_that_ends_with_the_weighted_sum_is_held_against_the_kernel_wit
             _row(1, fused_graph_us=89.0, weighted_sum_in_kernel=False)]
     table = pd.DataFrame(rows)
     assert list(lv.kernel_and_sum_us(table)) == [85.0, 85.0]
-    assert list(lv.sums_in_kernel(table)) == [True, False]
-    assert not lv.sums_in_kernel(pd.DataFrame([_row(1)])).any()  # a record from before
     e = lv.call_excess(table.iloc[:1])
     # 89 µs: 83 of kernels (3 routing), 6 between against the kernel alone's 3
     assert e.iloc[0][["kernel_excess", "routing_excess", "weighted_sum_excess",
@@ -698,41 +695,3 @@ def test_the_bounds_kernel_alone_leaves_out_its_counters_fill_where_profiled(tmp
     assert between.tolist() == [0.25, 0.75]  # the fill's 0.5 into the kernel out where profiled
 
 
-def test_layer_prose_names_the_cells_whose_kernel_summed(tmp_path):
-    from xstage_lab.prose.moe.fused_layer import layer
-
-    rows = [_row(1, weighted_sum_in_kernel=True, kernel_summed_us=82.0),
-            _row(8, weighted_sum_in_kernel=True, kernel_summed_us=83.5),
-            _row(64, weighted_sum_in_kernel=False)]
-    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
-    text = str(layer([lv.layer_view("x", tmp_path)]))
-    assert ("(in 2 EP = 1 cells, 1–8 tokens, the fused kernel ends with the weighted sum, which "
-            "alone takes 2.0–3.5 µs more than without it)") in text
-    write_record("moe_layer", "y", pd.DataFrame([_row(1), _row(64)]), {}, {}, tmp_path)
-    assert "ends with the weighted sum" not in str(layer([lv.layer_view("y", tmp_path)]))
-    # one token count, one token: a count (the synthetic set keeps integer columns), singular
-    write_record("moe_layer", "z", pd.DataFrame(rows[:1] + rows[2:]), {}, {}, tmp_path)
-    prose = layer([lv.layer_view("z", tmp_path)])
-    assert "(in 1 EP = 1 cell, 1 token, the fused kernel ends" in str(prose)
-    assert f"cell, {COUNT_SLOT} token, the fused kernel ends" in prose.skeleton
-
-
-def test_the_prose_says_which_cells_started_their_graphed_trials_held(tmp_path):
-    """Cells of a ``--graph-start held`` record beside an older record's (no column: idle): the
-    prose names the held cells and the trials the hold did not cover; a view of idle cells only
-    says nothing of a hold."""
-    from xstage_lab.prose.moe.fused_layer import layer
-
-    at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(2)]
-    write_record("moe_layer", "x", pd.DataFrame([_row(1), _row(64), _row(512)]), {}, {},
-                 tmp_path, created=at[0])
-    assert "hold kernel" not in str(layer([lv.layer_view("x", tmp_path)]))
-    write_record("moe_layer", "x", pd.DataFrame([
-        _row(t, graph_start="held", graph_unheld_trials=u) for t, u in ((1, 0), (64, 2))]),
-        {}, {}, tmp_path, created=at[1])
-    view = lv.layer_view("x", tmp_path)
-    assert list(lv.graph_starts(view.table)) == ["held", "held", "idle"]
-    assert ("; in 2 cells each graphed trial started behind a hold kernel, its graph launched "
-            "while the GPU was busy, the GPU past the start before the launch in 2 trials, in "
-            "the others from an idle GPU, each trial's time holding its graph's launch)"
-            in str(layer([view])))

@@ -240,8 +240,8 @@ def boundaries_per_call_us(table: pd.DataFrame) -> pd.DataFrame:
 def kernel_and_sum_us(table: pd.DataFrame) -> pd.Series:
     """Per cell, the kernel alone plus the weighted sum's memory time: what the graphed call is
     held against (``GRAPH_OVER_KERNEL`` times it). The kernel alone is the fused kernel without
-    the sum, also where the call's kernel ends with it (``sums_in_kernel``): the sum's time in
-    the kernel beyond its memory time is the call's, not the bound's."""
+    the sum, also where the call's kernel ends with it (``weighted_sum_in_kernel``: an A/B's
+    side): the sum's time in the kernel beyond its memory time is the call's, not the bound's."""
     return kernel_alone_us(table) + table["weighted_sum_floor_us"]
 
 
@@ -261,24 +261,6 @@ def counters_fill_us(table: pd.DataFrame) -> pd.Series:
     if "alone_fill_us" not in table:
         return pd.Series(float("nan"), index=table.index)
     return table["alone_fill_us"] + table["alone_fill_boundary_us"]
-
-
-def sums_in_kernel(table: pd.DataFrame) -> pd.Series:
-    """Per cell, whether the call's fused kernel ended with the weighted sum
-    (``weighted_sum_in_kernel``: moe_layer's ``--weighted-sum kernel``); False in records from
-    before the column."""
-    if "weighted_sum_in_kernel" not in table:
-        return pd.Series(False, index=table.index)
-    return table["weighted_sum_in_kernel"].fillna(False).astype(bool)
-
-
-def graph_starts(table: pd.DataFrame) -> pd.Series:
-    """Per cell, how its graphed trials started (``graph_start``: moe_layer's ``--graph-start``):
-    ``held`` behind a hold kernel, or ``idle``, each trial's window holding its replay's launch;
-    idle in records from before the column."""
-    if "graph_start" not in table:
-        return pd.Series("idle", index=table.index)
-    return table["graph_start"].fillna("idle")
 
 
 def profile_kernel_us(profiles: pd.Series, name: str) -> pd.Series:

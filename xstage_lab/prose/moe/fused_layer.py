@@ -11,9 +11,8 @@ from ...analysis.moe.layer_view import (ARGS_WRITER, HOST_OVERHEAD_LIMIT_US, KER
                                         SCHEDULE_LIMIT_US, SMALL_T, WEIGHTED_SUM_KERNEL,
                                         acceptance, acceptance_counts, boundaries_per_call_us,
                                         call_excess, call_profile, counters_fill_us,
-                                        graph_starts, kernel_and_sum_us, kernel_trial_ratios,
-                                        profile_kernel_us, profile_total_us, schedule_tables_us,
-                                        sums_in_kernel)
+                                        kernel_and_sum_us, kernel_trial_ratios, profile_kernel_us,
+                                        profile_total_us, schedule_tables_us)
 from .. import Prose, count, count_span, plural, rec, span, val, words
 
 
@@ -290,7 +289,7 @@ def layer(layer_views) -> Prose:
                   if measured(parity, "kernel_over_host_kernel") else "")
         out.append(
             f"On {v.platform} ({count(len(t))} cells of {count(t['model'].nunique())} models from "
-            f"{sources(v)}{held_starts(t)}), from the "
+            f"{sources(v)}), from the "
             f"router's output to the layer's output, the fused layer is at least as fast as the "
             f"unfused torch path (routing by torch ops, grouped GEMMs, weighted sum; below "
             f"{SMALL_T} tokens at most 10% slower, as the issue allows) eagerly in "
@@ -302,7 +301,7 @@ def layer(layer_views) -> Prose:
             + f". The "
             f"graphed call stays within 5% of the kernel plus the weighted sum's memory time in "
             f"{met('graph_over_kernel_ok')} cells ({span(a['graph_over_kernel'], '.2f')}×"
-            f"{fill_kept(t, a)}){in_kernel_sums(t)}{misses}; "
+            f"{fill_kept(t, a)}){misses}; "
             f"{schedule}; {host}; the one-token graphed call meets 1.5× the weight-read floor + "
             f"10 µs in {met('t1_ok')} cells.{t1}{kernel}{weight_passes(t, a)}{tall_tiles(t)} "
             f"Today's host-scheduled call takes "
@@ -436,36 +435,6 @@ def first_routing_kernel(passes: pd.Series) -> str:
     """The routing kernel that writes a call's argument block, named for the calls' ``passes``:
     the first of several, or the only one."""
     return "the routing kernel" if one_routing_kernel(passes) else "the first routing kernel"
-
-
-def held_starts(t: pd.DataFrame) -> str:
-    """Where a record's graphed trials started behind a hold kernel (``moe_layer --graph-start
-    held``): the cells, and the trials whose start the GPU passed before their replay's launch;
-    nothing where every cell started idle."""
-    held = t[graph_starts(t) == "held"]
-    if not len(held):
-        return ""
-    unheld = int(held["graph_unheld_trials"].sum())
-    return (f"; in {count(len(held))} {plural(len(held), 'cell')} each graphed trial started "
-            f"behind a hold kernel, its graph launched while the GPU was busy, "
-            + (f"the GPU past the start before the launch in {count(unheld)} "
-               f"{plural(unheld, 'trial')}" if unheld else "in every trial")
-            + (", in the others from an idle GPU, each trial's time holding its graph's launch"
-               if len(held) < len(t) else ""))
-
-
-def in_kernel_sums(t: pd.DataFrame) -> str:
-    """Where the fused kernel ended with the weighted sum (``moe_layer --weighted-sum kernel``):
-    the cells and that kernel's time alone beyond the kernel without it (the bound's); nothing
-    where none did."""
-    summed = t[sums_in_kernel(t)]
-    if not len(summed):
-        return ""
-    return (f" (in {count(len(summed))} EP = 1 {plural(len(summed), 'cell')}, "
-            f"{count_span(summed['tokens'])} {plural(int(summed['tokens'].max()), 'token')}, "
-            f"the fused kernel ends with the weighted sum, which alone takes "
-            f"{span(summed['kernel_summed_us'] - summed['kernel_us'], '.1f')} µs more than "
-            f"without it)")
 
 
 def fill_kept(cells: pd.DataFrame, accepted: pd.DataFrame) -> str:
