@@ -473,8 +473,7 @@ def _scatter_chunk(c, n, expert_ids, arrival_src, arrival_slot, chunk_start, exp
     local = tl.arange(0, CHUNK)
     i = c * CHUNK + local
     e, _, valid = _arrival_experts(expert_ids, i, n, NUM_EXPERTS, CAPACITY)
-    src, slot = _arrival_sources(i, arrival_src, arrival_slot, CAPACITY, True, RECEIVED)
-    origin = _arrival_origins(i, TOP_K, RECEIVED)
+    src, slot, origin = _arrival_sources(i, arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED)
     if c * CHUNK < n:
         at, e, rank = _sorted_ranks(tl.where(valid, e, -1), local, CHUNK)
         valid = e >= 0
@@ -514,28 +513,20 @@ def _maximum(a, b):
 
 
 @triton.jit
-def _arrival_sources(i, arrival_src, arrival_slot, CAPACITY, wanted, RECEIVED: tl.constexpr):
-    """Arrivals ``i``' source rank and slot: source 0 and slot ``i`` at EP = 1; on an EP rank the
-    received row's source and slot, read where ``wanted`` up to ``CAPACITY`` (so their loads need
-    neither the count nor the ids), 0 elsewhere."""
+def _arrival_sources(i, arrival_src, arrival_slot, CAPACITY, TOP_K, RECEIVED: tl.constexpr):
+    """Arrivals ``i``' source rank, slot and row of ``x`` (``row_origin``): source 0, slot ``i``
+    and token ``i // TOP_K`` at EP = 1; on an EP rank the received row's source and slot (read
+    up to ``CAPACITY``, so their loads need neither the count nor the ids) and row ``i``."""
     if RECEIVED:
-        read = (i < CAPACITY) & wanted
-        src = tl.load(arrival_src + i, mask=read, other=0).to(tl.int32)
-        slot = tl.load(arrival_slot + i, mask=read, other=0).to(tl.int32)
+        in_bound = i < CAPACITY
+        src = tl.load(arrival_src + i, mask=in_bound, other=0).to(tl.int32)
+        slot = tl.load(arrival_slot + i, mask=in_bound, other=0).to(tl.int32)
+        origin = i
     else:
         src = tl.zeros_like(i)
         slot = i
-    return src, slot
-
-
-@triton.jit
-def _arrival_origins(i, TOP_K, RECEIVED: tl.constexpr):
-    """Arrivals ``i``' row of ``x`` (``row_origin``): token ``i // TOP_K`` at EP = 1, received
-    row ``i`` on an EP rank."""
-    if RECEIVED:
-        return i
-    else:
-        return i // TOP_K
+        origin = i // TOP_K
+    return src, slot, origin
 
 
 @triton.jit
@@ -543,8 +534,7 @@ def _store_arrival_rows(i, row, live, valid, src, slot, origin, arrival_rows, ro
                         row_origin):
     """Arrivals ``i`` (``live``: below the count; ``valid``: their id in range) at their padded
     ``row``: ``arrival_rows[i]`` (-1 where not valid), and that row's ``row_src``/``row_slot``/
-    ``row_origin``: ``_arrival_sources``' ``src`` and ``slot``, ``_arrival_origins``'
-    ``origin``."""
+    ``row_origin``, ``_arrival_sources``' ``src``, ``slot`` and ``origin``."""
     tl.store(arrival_rows + i, tl.where(valid, row, -1), mask=live)
     tl.store(row_src + row, src, mask=valid)
     tl.store(row_slot + row, slot, mask=valid)
@@ -801,27 +791,21 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
     else:
         n = _num_arrivals(n_arrivals_ptr, CAPACITY, RECEIVED)
         ids = expert_ids.to(tl.pointer_type(ID_DTYPE))
-        # in flight with the count: the ids, and for program 0 the received rows' sources
-        few = _load_ids(ids, tl.arange(0, A_FEW), CAPACITY)
-        src, slot = _arrival_sources(tl.arange(0, A_FEW), arrival_src, arrival_slot, CAPACITY,
-                                     q == 0, RECEIVED)
+        few = _load_ids(ids, tl.arange(0, A_FEW), CAPACITY)  # in flight with the count
         many = False
         if A_FEW < A_PAD:
             many = n > A_FEW
         if many:
-            i = tl.arange(0, A_PAD)
-            src_all, slot_all = _arrival_sources(i, arrival_src, arrival_slot, CAPACITY, q == 0,
-                                                 RECEIVED)
-            _tiny_tables(q, n, _load_ids(ids, i, CAPACITY), src_all, slot_all, args, expert_ids, x,
-                         x_scale, combine_rows, topk_weights, out, expert_counts,
-                         expert_offsets, meta, wave_num_tiles, inter_num_tiles, arrival_rows,
-                         row_src, row_slot, row_origin, row_ready, wave_tiles, inter_tiles,
-                         error, x_quant, x_quant_scale, CAPACITY, NUM_EXPERTS, G, P1, P2,
-                         WAVE_MIN_L1, LEAD, MAX_TILES, TOP_K, RECEIVED, QUANTIZE, BLOCK_M, E_PAD,
-                         A_PAD, G_PAD, P_PAD, ROW_BLOCKS)
+            _tiny_tables(q, n, _load_ids(ids, tl.arange(0, A_PAD), CAPACITY), args, expert_ids,
+                         x, x_scale, combine_rows, topk_weights, out, arrival_src, arrival_slot,
+                         expert_counts, expert_offsets, meta, wave_num_tiles, inter_num_tiles,
+                         arrival_rows, row_src, row_slot, row_origin, row_ready, wave_tiles,
+                         inter_tiles, error, x_quant, x_quant_scale, CAPACITY, NUM_EXPERTS, G,
+                         P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES, TOP_K, RECEIVED, QUANTIZE,
+                         BLOCK_M, E_PAD, A_PAD, G_PAD, P_PAD, ROW_BLOCKS)
         else:
-            _tiny_tables(q, n, few, src, slot, args, expert_ids, x, x_scale, combine_rows,
-                         topk_weights, out, expert_counts, expert_offsets, meta,
+            _tiny_tables(q, n, few, args, expert_ids, x, x_scale, combine_rows, topk_weights,
+                         out, arrival_src, arrival_slot, expert_counts, expert_offsets, meta,
                          wave_num_tiles, inter_num_tiles, arrival_rows, row_src, row_slot,
                          row_origin, row_ready, wave_tiles, inter_tiles, error, x_quant,
                          x_quant_scale, CAPACITY, NUM_EXPERTS, G, P1, P2, WAVE_MIN_L1, LEAD,
@@ -830,8 +814,8 @@ def route_tiny(args, expert_ids, x, x_scale, combine_rows, topk_weights, out, ar
 
 
 @triton.jit
-def _tiny_tables(q, n, ids, src, slot, args, expert_ids, x, x_scale, combine_rows,
-                 topk_weights, out, expert_counts, expert_offsets, meta, wave_num_tiles,
+def _tiny_tables(q, n, ids, args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
+                 arrival_src, arrival_slot, expert_counts, expert_offsets, meta, wave_num_tiles,
                  inter_num_tiles, arrival_rows, row_src, row_slot, row_origin, row_ready,
                  wave_tiles, inter_tiles, error, x_quant, x_quant_scale, CAPACITY, NUM_EXPERTS,
                  G, P1, P2, WAVE_MIN_L1, LEAD, MAX_TILES, TOP_K, RECEIVED: tl.constexpr,
@@ -839,11 +823,11 @@ def _tiny_tables(q, n, ids, src, slot, args, expert_ids, x, x_scale, combine_row
                  A: tl.constexpr, G_PAD: tl.constexpr, P_PAD: tl.constexpr,
                  ROW_BLOCKS: tl.constexpr):
     """``route_tiny``'s program ``q`` (one of its tables') over the ``n`` arrivals, at most
-    ``A``, whose ids it holds (``ids``: ``_load_ids`` of the first ``A``; program 0 their
-    sources and slots, ``_arrival_sources``). On the EP = 8 rank all pairs of a bound of 128
-    arrivals took route_tiny 6.4 µs where DiT-MoE's eight tokens had sent it 17 rows, 7.2 µs
-    where Qwen3.5's one token 11; a bound of 16 (DiT-MoE, one token, 2 rows) took 2.3 µs
-    (per-kernel profiles, moe_layer/h200-x1/20261204T151107Z-559641b29b)."""
+    ``A``, whose ids it holds (``ids``: ``_load_ids`` of the first ``A``). On the EP = 8 rank
+    all pairs of a bound of 128 arrivals took route_tiny 6.4 µs where DiT-MoE's eight tokens
+    had sent it 17 rows, 7.2 µs where Qwen3.5's one token 11; a bound of 16 (DiT-MoE, one
+    token, 2 rows) took 2.3 µs (per-kernel profiles, moe_layer/h200-x1/
+    20261204T151107Z-559641b29b)."""
     i = tl.arange(0, A)
     e, live, valid = _live_experts(ids, i, n, NUM_EXPERTS)
     if q == 1:  # the one program that flags bad ids
@@ -855,12 +839,13 @@ def _tiny_tables(q, n, ids, src, slot, args, expert_ids, x, x_scale, combine_row
         e = tl.where(valid, e, -1)
         rank, first, block, rows_of, row_blocks = _tiny_layout(i, e, valid, A, E_PAD)
         if q == 0:
+            src, slot, origin = _arrival_sources(i, arrival_src, arrival_slot, CAPACITY,
+                                                 TOP_K, RECEIVED)
             # its quantizing programs run beside the layout's: the scales by the rows of x
             _write_block(args, expert_ids, x, x_scale, combine_rows, topk_weights, out,
                          x_quant, x_quant_scale, QUANTIZE, False)
-            _store_arrival_rows(i, block * BLOCK_M + rank, live, valid, src, slot,
-                                _arrival_origins(i, TOP_K, RECEIVED), arrival_rows, row_src,
-                                row_slot, row_origin)
+            _store_arrival_rows(i, block * BLOCK_M + rank, live, valid, src, slot, origin,
+                                arrival_rows, row_src, row_slot, row_origin)
         else:
             _tiny_tiles((q - 2) * ROW_BLOCKS + tl.arange(0, ROW_BLOCKS), e, first, block,
                         rows_of, row_blocks, tl.cdiv(WAVE_MIN_L1, P1), row_src, row_slot,
