@@ -841,7 +841,7 @@ def _tiny_tables(q, n, ids, args, expert_ids, x, x_scale, combine_rows, topk_wei
         if q == 0:
             # An EP rank's sources and slots loaded beside the ids instead, before the layout's
             # reductions, took route_tiny as long on the EP = 8 rank on one H100 (0.998x at one
-            # token, 1.001x at eight: moe_layer/h100-80gb-hbm3-x1/20261206T090836Z-962903ac16,
+            # token, 1.001x at eight: moe_layer/h100-80gb-hbm3-x1/20261206T090836Z,
             # retired, bytes at 0b5060f): program 0 is not its longest path
             src, slot, origin = _arrival_sources(i, arrival_src, arrival_slot, CAPACITY,
                                                  TOP_K, RECEIVED)
