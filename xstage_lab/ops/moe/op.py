@@ -541,26 +541,27 @@ class FusedMoE(torch.nn.Module):
 
     def sums_in_kernel(self, tokens: int) -> bool:
         """Whether a call of ``tokens`` tokens has the fused kernel end with the weighted sum:
-        ``weighted_sum="kernel"`` and one piece of the sum (a token's ``SUM_COLS`` columns of
-        ``kernels/moe_fused_ws.py``) per program at most (``tokens_summed_in_kernel``, set at
-        construction), or ``"atomic"`` up to ``ATOMIC_SUM_TOKENS`` (its first routing launch
-        then zeroes ``y``). Beyond the one pass, a program would sum its pieces one after
-        another, where the weighted sum's own launch spreads them over every SM."""
+        ``"kernel"`` and a piece of the sum (a token's ``SUM_COLS`` columns, moe_fused_ws.py) per
+        program at most (``tokens_summed_in_kernel``; beyond, a program would sum its pieces in
+        turn, the sum's launch uses every SM), or ``"atomic"`` up to ``ATOMIC_SUM_TOKENS``."""
         if self.weighted_sum == "atomic":
             return tokens <= ATOMIC_SUM_TOKENS
         return tokens <= self.tokens_summed_in_kernel
+
+    def adds_into_output(self, tokens: int) -> bool:
+        """Whether a call's Linear-2 epilogues add into ``y``, which its routing then zeroes."""
+        return self.weighted_sum == "atomic" and self.sums_in_kernel(tokens)
 
     def fused_kernel(self, tokens: int, weights_dtype: torch.dtype, schedule: str, *,
                      routed: bool = False, sum_args: torch.Tensor | None = None) -> None:
         """The fused kernel as a call of ``tokens`` tokens launches it (``MoEWorkspace.launch``),
         ending with the weighted sum where ``sums_in_kernel``: of the tensors the argument block
-        names (``sum_args``: another block of the weighted sum's three addresses,
-        ``call_args.sum_args_view``'s layout, that must name live tensors)."""
+        names (``sum_args``: another block of its 3 addresses, ``call_args.sum_args_view``'s)."""
         summed = None
         if self.sums_in_kernel(tokens):
             args = sum_args_view(self.workspace.tables.args) if sum_args is None else sum_args
             summed = InKernelSum(args, self.workspace.buffers.sum_arrivals, tokens, self.top_k,
-                                 weights_dtype, atomic=self.weighted_sum == "atomic")
+                                 weights_dtype, atomic=self.adds_into_output(tokens))
         self.workspace.launch(schedule, self.peers, routed=routed, weighted_sum=summed)
 
     def route_launches(self, addresses: tuple[int, ...], tokens: int,
@@ -571,9 +572,8 @@ class FusedMoE(torch.nn.Module):
     def routing(self, id_dtype: torch.dtype, tokens: int):
         """The routing launches of a call (its ids' dtype, tokens), zeroing ``y`` if added into."""
         ws = self.workspace
-        atomic = self.weighted_sum == "atomic" and self.sums_in_kernel(tokens)
         return ws.tables.routing(False, ws.weights.precision == "fp8", id_dtype,
-                                 ws.weights.hidden if atomic else 0)
+                                 ws.weights.hidden if self.adds_into_output(tokens) else 0)
 
 
 @functools.cache
