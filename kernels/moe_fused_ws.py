@@ -71,7 +71,10 @@ consumer warpgroup's wgmma keeps the tensor cores busy (DeepGEMM's SM90 scheme).
 block under this warpgroup's own next wgmma needs a second temporary: 4 x 64 registers with
 Linear-1's two accumulators, above the 224 a consumer thread has; at Linear-2's 3 x 64 ptxas
 spilled and serialized every wgmma of the kernel (sm_90 build of this kernel, Triton 3.6), so
-both wait.
+both wait. Halving the temporaries instead (each 128-column half as two m64n64 groups, the first
+promoted while the second runs: 4 x 32 + 2 x 32 registers) did not fit either: ptxas spilled
+444 bytes in the 128-wide FP8 build and 712 in the 256-wide one, which grew from 74 to 81 KiB
+(Linear-1's loop alone; Triton 3.6, not run).
 
 Code size: the kernel is timed after other kernels in a call, whose code takes the SMs'
 instruction caches. The FP8 builds at 81-91 KiB of SASS then took up to 1.24x their time after
