@@ -78,6 +78,9 @@ LIVE = {
     # every sequence on one cell
     "moe_call_probe": Live("local", ("--models", "DiT-MoE", "--precisions", "bf16", "--settings",
                                      "ep1", "--repeats", "1", "--calls", "2")),
+    # two depths of one cell, the default among them
+    "moe_ring_probe": Live("local", ("--models", "DiT-MoE", "--precisions", "bf16", "--settings",
+                                     "ep1", "--stages", "2", "4", "--trials", "2")),
     "fa_kernel_probe": Live("local", ("--variant",
                                       f"committed={kernel_path('flash_attention_ws.py')}",
                                       "--shapes", "128:12:1024", *TIMING)),

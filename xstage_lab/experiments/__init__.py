@@ -34,6 +34,7 @@ EXPERIMENTS = {  # record experiment -> "module:attribute"; measure-all runs the
     "route_small_probe": "xstage_lab.experiments.probes.route_small:EXPERIMENT",
     "moe_gather_probe": "xstage_lab.experiments.probes.moe_gather:EXPERIMENT",
     "moe_call_probe": "xstage_lab.experiments.probes.moe_call:EXPERIMENT",
+    "moe_ring_probe": "xstage_lab.experiments.probes.moe_ring:EXPERIMENT",
 }
 
 

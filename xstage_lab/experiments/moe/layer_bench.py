@@ -125,6 +125,15 @@ def _expert_bytes(weights) -> int:
 EAGER_PATH = "graph_launch"
 
 
+def tile_weight_bytes(ws) -> tuple[float, float]:
+    """The weight bytes a tile of ``ws``'s kernel streams: Linear-1 its gate and up columns,
+    Linear-2 its hidden columns, of a split tile its share of K (``kernel_phases``' rates)."""
+    cfg, w = ws.config, ws.weights
+    elem = w.w1.element_size()
+    return (2 * cfg.block_n1 * w.hidden * elem,
+            cfg.block_n2 * w.intermediate * elem / ws.bounds.l2_splits)
+
+
 def hbm_bandwidth_gbps(device) -> float:
     """Read + write bytes of a large device-to-device copy over its median time."""
     src = torch.empty(HBM_PROBE_BYTES // 2, dtype=torch.uint8, device=device)
@@ -136,15 +145,7 @@ def hbm_bandwidth_gbps(device) -> float:
 def check_cell(cell, run: Run) -> list[str]:
     """Correctness first (module docstring)."""
     failures = []
-
-    def poison():
-        if isinstance(cell, Ep1Cell):
-            cell.layer.combine.fill_(float("nan"))
-        else:
-            for b in cell.buffers:
-                b.fill_(float("nan"))
-
-    poison()
+    cell.poison()
     y = cell.call()
     torch.cuda.synchronize()
     errs = cell.output_error(y, cell.x, cell.ids, cell.w) if isinstance(cell, Ep1Cell) \
@@ -157,10 +158,10 @@ def check_cell(cell, run: Run) -> list[str]:
     # included where no row lands)
     if isinstance(cell, Ep1Cell) and cell.layer.adds_into_output(cell.tokens):
         # the call added its rows into y: the Combine rows of its tables, the kernel's alone
-        poison()
+        cell.poison()
         cell.kernel()
     device_rows = cell.combined().clone()
-    poison()
+    cell.poison()
     cell.host_call = cell.host_launch()  # timed alone by measure
     cell.host_call()
     if not torch.equal(cell.combined().view(torch.int16), device_rows.view(torch.int16)):
@@ -168,14 +169,14 @@ def check_cell(cell, run: Run) -> list[str]:
     if cell.host_call.error_count():
         failures.append(f"host-scheduled launch: spin errors {cell.host_call.error_count()}")
     if cell.tokens in TRACED_TOKENS:
-        failures += check_traced(cell, poison, device_rows)
+        failures += check_traced(cell, device_rows)
     if cell.tokens <= TABLE_CHECK_MAX_TOKENS:
         bad = table_mismatches(cell.ws.tables, cell.host_tables())
         failures += [f"device table {b} differs from the host reference" for b in bad]
     # the second eager call launches the graph its first call captured: checked under the sync
     # check, its Combine rows poisoned; the first call's output is still held, so the second's
     # new one cannot be a block that already holds the right answer
-    poison()
+    cell.poison()
     torch.cuda.set_sync_debug_mode("error")
     synchronized = False
     try:
@@ -224,12 +225,12 @@ def check_kernel_alone_sums(cell: Ep1Cell, y: torch.Tensor) -> list[str]:
     return failures
 
 
-def check_traced(cell, poison, device_rows: torch.Tensor) -> list[str]:
+def check_traced(cell, device_rows: torch.Tensor) -> list[str]:
     """The instrumented build of the host-scheduled launch (warm, then poisoned and run): the
     same Combine rows bit for bit, no spin error; its tiles kept for ``measure``."""
     traced = cell.host_launch(instrument=True)
     traced()
-    poison()
+    cell.poison()
     traced()
     failures = []
     if not torch.equal(cell.combined().view(torch.int16), device_rows.view(torch.int16)):
@@ -397,11 +398,7 @@ class MoELayer(LayerCellRun):
         # the host time of each step of a call
         stages = {f"host_{k}_us": host_overhead_us(fn) for k, fn in cell.host_stages().items()}
         calls = call_statistics_us(*host_call_times_us(cell.call))
-        # a tile's weight bytes: Linear-1 gate and up, Linear-2 its hidden columns
-        cfg, elem = cell.ws.config, weights.w1.element_size()
-        splits = cell.ws.bounds.l2_splits  # a split Linear-2 tile reads its share of K
-        phases = (kernel_phases(cell.tiles, 2 * cfg.block_n1 * weights.hidden * elem,
-                                cfg.block_n2 * weights.intermediate * elem / splits)
+        phases = (kernel_phases(cell.tiles, *tile_weight_bytes(cell.ws))
                   if cell.tokens in TRACED_TOKENS else {})
         # the point's columns too: the progress line reads them before the sweep adds them
         return {"model": cell.shape.model, "precision": cell.precision,
@@ -429,7 +426,8 @@ class MoELayer(LayerCellRun):
                 "host_launch_floor_us": self.launch_floor_us,
                 "weight_floor_us": cell.touched_experts() * _expert_bytes(weights) / bw * 1e6,
                 "touched_experts": cell.touched_experts(), "hbm_gbps": self.hbm_gbps,
-                "l2_splits": splits, "weighted_sum_in_kernel": cell.sums_in_kernel(),
+                "l2_splits": cell.ws.bounds.l2_splits,
+                "weighted_sum_in_kernel": cell.sums_in_kernel(),
                 "tile_rows": cell.ws.config.block_m,
                 "graph_start": a.graph_start,
                 "graph_unheld_trials": sum(g.get("unheld_trials", 0) for g in graphed.values())

@@ -103,16 +103,19 @@ class Ep1Cell:
         xq, xs = quantize_rows_fp8(rows) if self.precision == "fp8" else (rows, None)
         return host_tables(self.ws.bounds, self.ids.reshape(-1), xq, xs, top_k=k)
 
-    def host_launch(self, instrument: bool = False) -> FusedMoECall:
+    def host_launch(self, instrument: bool = False,
+                    config: TileConfig | None = None) -> FusedMoECall:
         """Today's path up to the launch: the layout on the host (syncs), the call's schedule
-        built and checked there, the launch prepared (``instrument``: the traced build)."""
+        built and checked there, the launch prepared (``instrument``: the traced build;
+        ``config``: other tiles than the workspace's, of the same rows)."""
         ws, k = self.ws, self.shape.top_k
         rows = self.x.repeat_interleave(k, dim=0)
         xq, xs = quantize_rows_fp8(rows) if self.precision == "fp8" else (rows, None)
         n = rows.shape[0]
         layout = build_layout(xq, xs, torch.arange(n, device=rows.device), self.ids.reshape(-1),
                               [n], self.shape.routed_experts, ws.config.block_m)
-        return _host_launch(layout, ws, self.layer.schedule, self.layer.peers, instrument)
+        return _host_launch(layout, ws, self.layer.schedule, self.layer.peers, instrument,
+                            config)
 
     def host_scheduled(self):
         """Today's path: ``host_launch``, the kernel, the weighted sum."""
@@ -122,6 +125,10 @@ class Ep1Cell:
     def combined(self) -> torch.Tensor:
         """The Combine rows a launch stored."""
         return self.layer.combine[:self.tokens * self.shape.top_k]
+
+    def poison(self):
+        """NaN into every Combine row a launch stores (before a launch that is checked)."""
+        self.layer.combine.fill_(float("nan"))
 
     def host_stages(self) -> dict:
         """The host side of a call's steps, each timed alone (``host_overhead_us``): those of an
@@ -236,18 +243,23 @@ class Ep8RankCell:
         return host_tables(self.ws.bounds, self.expert, self.xq, self.xsc, arrival_src=self.src,
                            arrival_slot=self.slot)
 
-    def host_launch(self, instrument: bool = False) -> FusedMoECall:
+    def host_launch(self, instrument: bool = False,
+                    config: TileConfig | None = None) -> FusedMoECall:
         ws = self.ws
         counts = torch.bincount(self.src, minlength=EP).tolist()
         layout = build_layout(self.xq, self.xsc, self.slot, self.expert, counts,
                               self.shape.routed_experts // EP, ws.config.block_m)
-        return _host_launch(layout, ws, auto_schedule(EP), self.peers, instrument)
+        return _host_launch(layout, ws, auto_schedule(EP), self.peers, instrument, config)
 
     def host_scheduled(self):
         self.host_launch()()
 
     def combined(self) -> torch.Tensor:
         return torch.stack(self.buffers)
+
+    def poison(self):
+        for b in self.buffers:
+            b.fill_(float("nan"))
 
     def host_stages(self) -> dict:
         return {"route": self.route, "launch": self.kernel}
@@ -259,16 +271,17 @@ class Ep8RankCell:
         return 0
 
 
-def _host_launch(layout, ws: MoEWorkspace, schedule: str, peers,
-                 instrument: bool = False) -> FusedMoECall:
+def _host_launch(layout, ws: MoEWorkspace, schedule: str, peers, instrument: bool = False,
+                 config: TileConfig | None = None) -> FusedMoECall:
     """``schedule`` (the one the device tables give the fused call) built and checked on the
-    host for ``layout``, and its launch prepared (``fused.prepare_fused_moe``)."""
+    host for ``layout``, and its launch prepared (``fused.prepare_fused_moe``) with the
+    workspace's tiles, or ``config``'s."""
     problem = MoEProblem(layout.blocks_per_expert, ws.bounds.l1_n_blocks, ws.bounds.l2_n_blocks)
     g = ws.bounds.num_programs
     built = (expert_wave_schedule(problem, g) if schedule == "wave"
              else interleaved_schedule(problem, g, ws.bounds.lead_rows,
                                        expert_lead=ws.bounds.expert_lead))
-    return prepare_fused_moe(layout, ws.weights, built, peers, config=ws.config,
+    return prepare_fused_moe(layout, ws.weights, built, peers, config=config or ws.config,
                              instrument=instrument, l2_splits=ws.bounds.l2_splits)
 
 
