@@ -166,7 +166,7 @@ class MoERing(LayerCellRun):
     def metadata(self, run: Run) -> dict:
         a = run.args
         return {"stages": a.stages,
-                "timing": f"CUDA-graph replays of one launch, {a.trials} trials, "
+                "timing": f"CUDA-graph replays of {GRAPH_ITERS} launches, {a.trials} trials, "
                           "depths rotated by trial"}
 
 
