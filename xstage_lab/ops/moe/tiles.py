@@ -139,8 +139,10 @@ def default_tile_config(precision: str, kernel: str | None = None, *, hidden: in
     one accumulator as large as Linear-1's gate and up, in fp8 two 128-column halves promoted as
     gate and up are: faster than 128-wide fp8 tiles in each of eight cells compared in one run
     on one H200, a development comparison kept in no record), else 128; the deepest ring that
-    fits a CTA. ``block_m`` (gluon_ws): its tile rows, one of ``WS_ROW_TILES`` (256: Linear-1
-    tiles of 64 columns, Linear-2 tiles of 128)."""
+    fits a CTA (at one token on one H100, the fastest of 2-4 stages or within 4% of it in 16
+    cells: moe_ring_probe/h100-80gb-hbm3-x1/20261206T101902Z-af1a2135ca). ``block_m``
+    (gluon_ws): its tile rows, one of ``WS_ROW_TILES`` (256: Linear-1 tiles of 64 columns,
+    Linear-2 tiles of 128)."""
     check_precision(precision)
     if kernel is None:
         kernel = "triton" if device is None or kernel_unsupported("gluon_ws", device) else "gluon_ws"
