@@ -95,6 +95,11 @@ epilogue adds its rows, times their top-k weights, into the tokens' output rows 
 reductions at L2 (``_add_rows``), which the routing zeroed; the sum's order of addition is
 then the epilogues' (the bits may differ from call to call, within bf16's rounding).
 
+``ONE_HALF`` (a separate build, for calls whose bound keeps every expert's routed rows within a
+tile's first half, as at a few tokens): the ring holds one A half a stage, which leaves room for
+a deeper ring (``tiles.default_tile_config``). A tile whose second half holds a routed row adds
+1 to ``error``; its consumer then reads the first half's rows, and the call's output is invalid.
+
 ``FENCE`` builds the completion-coupled counterfactual of §2.3 (each Linear-2 tile waits until
 its Combine stores are visible system-wide), ``INSTRUMENT`` the traced build (``_consumer``); both
 leave every result unchanged.
@@ -231,12 +236,25 @@ def _l2_split(n_block, l2_k_blocks, l2_splits, HIDDEN, BLOCK_N2: gl.constexpr,
 
 
 @gluon.jit
-def _load_a(desc, row0, k, bar, a_smem, s, second_half, HALF_ROWS: gl.constexpr):
+def _a_slot(a_smem, s, half: gl.constexpr, STAGES: gl.constexpr):
+    """The ring's slot of stage ``s``'s A half ``half``: the halves side by side, or, where the
+    ring holds one half a stage (``ONE_HALF``: ``STAGES`` slots), the stage's."""
+    if a_smem.shape[0] == STAGES:
+        return s
+    else:
+        return 2 * s + half
+
+
+@gluon.jit
+def _load_a(desc, row0, k, bar, a_smem, s, second_half, HALF_ROWS: gl.constexpr,
+            STAGES: gl.constexpr):
     """The halves of an A tile (one per consumer warpgroup) into stage ``s``: the second only
     where ``second_half`` (it holds a routed row; else its consumer reads nothing)."""
-    tma.async_copy_global_to_shared(desc, [row0, k], bar, a_smem.index(2 * s))
-    tma.async_copy_global_to_shared(desc, [row0 + HALF_ROWS, k], bar, a_smem.index(2 * s + 1),
-                                    pred=second_half)
+    tma.async_copy_global_to_shared(desc, [row0, k], bar, a_smem.index(_a_slot(a_smem, s, 0,
+                                                                                STAGES)))
+    if a_smem.shape[0] != STAGES:
+        tma.async_copy_global_to_shared(desc, [row0 + HALF_ROWS, k], bar,
+                                        a_smem.index(2 * s + 1), pred=second_half)
 
 
 @gluon.jit
@@ -315,6 +333,12 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
         n_block = gl.load(tiles + i * TILE_FIELDS + 3)
         if (expert >= 0) & (expert < num_experts):
             second_half = _routed_half(row_slot, row0 + HALF_ROWS)
+            if a_smem.shape[0] == STAGES:
+                # a ring of one A half a stage (ONE_HALF), for calls whose bound keeps every
+                # expert's rows in its first half: a routed second half is an error, never loaded
+                # (its consumer reads the first half's rows: the call's output is invalid)
+                if second_half:
+                    gl.atomic_add(error, 1)
             if kind == TILE_L1:
                 gate_row = expert * (2 * INTER) + n_block * BLOCK_N1
                 origin0 = _origin_rows(row_origin, row0, gather, HALF_ROWS)
@@ -332,10 +356,13 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
                     tma.async_copy_global_to_shared(w1_desc, [gate_row + INTER, k],
                                                     ready.index(s),
                                                     b_smem.index(s).slice(BLOCK_N1, BLOCK_N1))
-                    _gather_half(x_rows, origin0, k, a_smem.index(2 * s), HIDDEN, gather, BLOCK_K)
-                    if second_half:
-                        _gather_half(x_rows, origin1, k, a_smem.index(2 * s + 1), HIDDEN, gather,
-                                     BLOCK_K)
+                    _gather_half(x_rows, origin0, k,
+                                 a_smem.index(_a_slot(a_smem, s, 0, STAGES)), HIDDEN, gather,
+                                 BLOCK_K)
+                    if a_smem.shape[0] != STAGES:
+                        if second_half:
+                            _gather_half(x_rows, origin1, k, a_smem.index(2 * s + 1), HIDDEN,
+                                         gather, BLOCK_K)
                     async_copy.mbarrier_arrive(ready.index(s))
                     gl.thread_barrier()
                     mbarrier.expect(ready.index(s), 2 * w1_desc.block_type.nbytes)
@@ -359,9 +386,14 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
                     s = it % STAGES
                     if kk >= early:
                         _load_w2(w2_desc, w_row, k, it, ready, empty, b_smem, BLOCK_N2, STAGES)
-                    _expect_stage(ready.index(s), h_desc.block_type.nbytes,
-                                  w2_desc.block_type.nbytes, second_half)
-                    _load_a(h_desc, row0, k, ready.index(s), a_smem, s, second_half, HALF_ROWS)
+                    if a_smem.shape[0] == STAGES:
+                        mbarrier.expect(ready.index(s),
+                                        h_desc.block_type.nbytes + w2_desc.block_type.nbytes)
+                    else:
+                        _expect_stage(ready.index(s), h_desc.block_type.nbytes,
+                                      w2_desc.block_type.nbytes, second_half)
+                    _load_a(h_desc, row0, k, ready.index(s), a_smem, s, second_half, HALF_ROWS,
+                            STAGES)
                     it += 1
 
 
@@ -382,7 +414,7 @@ def _fp8_halves_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a
     t = gl.zeros([HALF_ROWS, SCALE_BLOCK], gl.float32, layout=mma)
     for kk in range(n_k):
         s = _wait_stage(it, ready, LINEAR1, STAGES)
-        a = a_smem.index(2 * s + half)
+        a = a_smem.index(_a_slot(a_smem, s, half, STAGES))
         b = b_smem.index(s)
         t = warpgroup_mma(a, b.slice(0, SCALE_BLOCK).permute((1, 0)), t, use_acc=False,
                           is_async=True)
@@ -463,9 +495,10 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_ro
         # a stage is released once the groups that read it have retired
         s = _wait_stage(it, ready, True, STAGES)
         b = b_smem.index(s)
-        acc_g = warpgroup_mma(a_smem.index(2 * s + half), b.slice(0, BLOCK_N1).permute((1, 0)),
-                              acc_g, use_acc=False, is_async=True)
-        acc_u = warpgroup_mma(a_smem.index(2 * s + half),
+        a = a_smem.index(_a_slot(a_smem, s, half, STAGES))
+        acc_g = warpgroup_mma(a, b.slice(0, BLOCK_N1).permute((1, 0)), acc_g, use_acc=False,
+                              is_async=True)
+        acc_u = warpgroup_mma(a,
                               b.slice(BLOCK_N1, BLOCK_N1).permute((1, 0)), acc_u, use_acc=False,
                               is_async=True)
         # waits for nothing (two groups in flight): turns the tokens into loop-carried tensors
@@ -474,7 +507,7 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_ro
         it += 1
         for kk in range(1, n_k):
             s = _wait_stage(it, ready, True, STAGES)
-            a = a_smem.index(2 * s + half)
+            a = a_smem.index(_a_slot(a_smem, s, half, STAGES))
             b = b_smem.index(s)
             acc_g = warpgroup_mma(a, b.slice(0, BLOCK_N1).permute((1, 0)), acc_g, is_async=True)
             acc_u = warpgroup_mma(a, b.slice(BLOCK_N1, BLOCK_N1).permute((1, 0)), acc_u,
@@ -507,7 +540,7 @@ def _linear2_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, h_sc
         for kk in range(n_k):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            t = warpgroup_mma(a_smem.index(2 * s + half),
+            t = warpgroup_mma(a_smem.index(_a_slot(a_smem, s, half, STAGES)),
                               b_smem.index(s).slice(0, BLOCK_N2).permute((1, 0)), t,
                               use_acc=False, is_async=True)
             scale = gl.load(h_scales + kk, cache_modifier=".cg") * gl.load(w_scales + kk)
@@ -533,14 +566,15 @@ def _one_group_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, n_
                                                   instr_shape=[16, N, 16])
     acc = gl.zeros([HALF_ROWS, N], gl.float32, layout=mma)
     s = _wait_stage(it, ready, LINEAR1, STAGES)
-    acc = warpgroup_mma(a_smem.index(2 * s + half), b_smem.index(s).slice(0, N).permute((1, 0)),
-                        acc, use_acc=False, is_async=True)
+    acc = warpgroup_mma(a_smem.index(_a_slot(a_smem, s, half, STAGES)),
+                        b_smem.index(s).slice(0, N).permute((1, 0)), acc, use_acc=False,
+                        is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # waits for nothing: a tensor
     prev = s
     it += 1
     for kk in range(1, n_k):
         s = _wait_stage(it, ready, LINEAR1, STAGES)
-        acc = warpgroup_mma(a_smem.index(2 * s + half),
+        acc = warpgroup_mma(a_smem.index(_a_slot(a_smem, s, half, STAGES)),
                             b_smem.index(s).slice(0, N).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         mbarrier.arrive(empty.index(prev))
@@ -980,7 +1014,8 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
                         FENCE: gl.constexpr = False, SPLIT_K: gl.constexpr = False,
                         SUM_TOP_K: gl.constexpr = 0,
                         SUM_WEIGHT_DTYPE: gl.constexpr = gl.float32,
-                        SUM_ATOMIC: gl.constexpr = False):
+                        SUM_ATOMIC: gl.constexpr = False,
+                        ONE_HALF: gl.constexpr = False):
     """One persistent program per table row (``tiles`` int32 [programs, max_tiles, 4],
     ``num_tiles`` int32 [programs], read on the device: a table sized by a static bound, its
     entries past ``num_tiles[g]`` never read); the schedule is the table, not this code. A tile
@@ -1027,7 +1062,8 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     my_trace = trace + pid * max_tiles * TRACE_FIELDS
     n_tiles = gl.load(num_tiles + pid)
     b_rows: gl.constexpr = 2 * BLOCK_N1 if 2 * BLOCK_N1 > BLOCK_N2 else BLOCK_N2
-    a_smem = gl.allocate_shared_memory(h_desc.dtype, [2 * STAGES, BLOCK_M // 2, BLOCK_K],
+    A_SLOTS: gl.constexpr = STAGES if ONE_HALF else 2 * STAGES
+    a_smem = gl.allocate_shared_memory(h_desc.dtype, [A_SLOTS, BLOCK_M // 2, BLOCK_K],
                                        h_desc.layout)
     b_smem = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, b_rows, BLOCK_K], w1_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())

@@ -10,6 +10,7 @@ fences).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -27,7 +28,8 @@ from xstage_lab.kernel_sources import kernel_path, load_kernel_module
 from xstage_lab.ops.moe.combine import local_combine_peers
 from xstage_lab.ops.moe.dispatch import build_layout
 from xstage_lab.ops.moe.fused import (KERNEL_ENTRIES, TRACE_FIELDS, InKernelSum, KernelBuffers,
-                                      kernel_launch, prepare_fused_moe, synthetic_k_blocks)
+                                      check_expert_weights, kernel_launch, prepare_fused_moe,
+                                      synthetic_k_blocks)
 from xstage_lab.ops.moe.schedules import MoEProblem, expert_wave_schedule
 from xstage_lab.ops.moe.shapes import MoEContractError, PRECISIONS, load_shapes
 from xstage_lab.ops.moe.tiles import (HOPPER_SMEM_PER_CTA, WS_ROW_TILES, TileConfig,
@@ -84,13 +86,15 @@ def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
                  "BLOCK_N1": "constexpr", "BLOCK_N2": "constexpr", "BLOCK_K": "constexpr",
                  "STAGES": "constexpr", "INSTRUMENT": "constexpr", "FENCE": "constexpr",
                  "SPLIT_K": "constexpr", "SUM_TOP_K": "constexpr",
-                 "SUM_WEIGHT_DTYPE": "constexpr", "SUM_ATOMIC": "constexpr"}
+                 "SUM_WEIGHT_DTYPE": "constexpr", "SUM_ATOMIC": "constexpr",
+                 "ONE_HALF": "constexpr"}
     names = list(signature)
     constexprs = {(names.index(k),): v for k, v in dict(
         FP8=precision == "fp8", BLOCK_M=cfg.block_m, BLOCK_N1=cfg.block_n1,
         BLOCK_N2=cfg.block_n2, BLOCK_K=bk,
         STAGES=cfg.num_stages, INSTRUMENT=instrument, FENCE=fence, SPLIT_K=split_k,
-        SUM_TOP_K=sum_top_k, SUM_WEIGHT_DTYPE=sum_weight_dtype, SUM_ATOMIC=sum_atomic).items()}
+        SUM_TOP_K=sum_top_k, SUM_WEIGHT_DTYPE=sum_weight_dtype, SUM_ATOMIC=sum_atomic,
+        ONE_HALF=cfg.a_halves == 1).items()}
     # what Triton's launcher specializes: 16-byte aligned tensors, ints divisible by 16
     aligned = {(names.index(k),): [["tt.divisibility", 16]]
                for k, v in signature.items() if v.startswith("*")}
@@ -101,14 +105,17 @@ def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
 
 def _default_configs():
     """Every default gluon_ws configuration of the model shapes (what the benchmarks run), at
-    each tile height of the precision, keyed (precision, block_m, block_n2, stages)."""
+    each tile height of the precision, and where every expert's rows fit a tile's first half
+    (a ring of one A half a stage where that is deeper), keyed (precision, block_m, block_n2,
+    stages)."""
     configs = {}
     for block_m, rows in WS_ROW_TILES.items():
         for precision in rows["precisions"]:
             for shape in SHAPES.values():
-                cfg = default_tile_config(precision, "gluon_ws", hidden=shape.hidden,
-                                          block_m=block_m)
-                configs[(precision, block_m, cfg.block_n2, cfg.num_stages)] = cfg
+                for expert_rows in (None, block_m // 2):
+                    cfg = default_tile_config(precision, "gluon_ws", hidden=shape.hidden,
+                                              block_m=block_m, expert_rows=expert_rows)
+                    configs[(precision, block_m, cfg.block_n2, cfg.num_stages)] = cfg
     return configs
 
 
@@ -123,7 +130,7 @@ def test_compiles_for_hopper(ws_module, key):
     assert not report["wgmma_serialized"]
     assert k.metadata.shared <= ws_shared_memory_bytes(
         precision, cfg.block_m, cfg.block_n1, cfg.block_n2, cfg.block_k,
-        cfg.num_stages) <= HOPPER_SMEM_PER_BLOCK
+        cfg.num_stages, cfg.a_halves) <= HOPPER_SMEM_PER_BLOCK
     kind = "e4m3.e4m3" if precision == "fp8" else "bf16.bf16"
     # Linear-1's gate and up: a wgmma group each at 128 rows (m64n128), one group for both at
     # 256 rows (m64n128 over 64 + 64 columns, never two m64n64)
@@ -182,6 +189,37 @@ def test_default_configs_follow_the_shapes():
     assert default_tile_config("bf16").kernel == "triton"
 
 
+def test_a_ring_of_one_a_half_where_every_experts_rows_fit_the_first_half(monkeypatch):
+    """bf16 128-row tiles whose bound keeps each expert's rows in a tile's first half: a ring of
+    one A half a stage, one stage deeper (DiT-MoE: 5); two halves where a row may pass the half,
+    in fp8, at 256 rows, or where one half buys no stage (256-wide Linear-2 tiles). The launch
+    builds it (``ONE_HALF``) and the host refuses it for a bound past the half."""
+    dit = default_tile_config("bf16", "gluon_ws", hidden=1408, expert_rows=64)
+    assert (dit.a_halves, dit.num_stages) == (1, 5)
+    check_tile_config(dit, "bf16", 1408, 5632)
+    assert ws_shared_memory_bytes("bf16", 128, 128, 128, 64, 5, 1) <= HOPPER_SMEM_PER_CTA < \
+        ws_shared_memory_bytes("bf16", 128, 128, 128, 64, 6, 1)
+    for precision, hidden, rows in (("bf16", 1408, 65), ("fp8", 1408, 64), ("bf16", 4096, 64),
+                                    ("bf16", 1408, None)):
+        cfg = default_tile_config(precision, "gluon_ws", hidden=hidden, expert_rows=rows)
+        assert (cfg.a_halves, cfg.num_stages) == (2, 4), (precision, hidden, rows)
+    tall = default_tile_config("bf16", "gluon_ws", hidden=1408, block_m=256, expert_rows=128)
+    assert (tall.a_halves, tall.num_stages) == (2, 4)
+    with pytest.raises(MoEContractError, match="1 or 2 A tile halves"):
+        check_tile_config(dataclasses.replace(dit, a_halves=3), "bf16", 1408, 5632)
+    with pytest.raises(MoEContractError, match="Triton kernel's tiles are whole"):
+        check_tile_config(TileConfig(a_halves=1), "bf16", 1408, 5632)
+    one_half = dataclasses.replace(default_tile_config("bf16", "gluon_ws", hidden=4096),
+                                   a_halves=1)
+    check_expert_weights(_tiny_weights("bf16"), one_half, expert_rows=64)
+    with pytest.raises(MoEContractError, match="holds 64 routed rows an expert; the bound "
+                                               "allows 65"):
+        check_expert_weights(_tiny_weights("bf16"), one_half, expert_rows=65)
+    monkeypatch.setattr("xstage_lab.ops.moe.fused.kernel_unsupported", lambda kernel, device: None)
+    assert not _tiny_call("bf16").constexprs["ONE_HALF"]
+    assert _tiny_call("bf16", config=one_half).constexprs["ONE_HALF"]
+
+
 def test_tall_tiles_where_experts_hold_one_to_eight_row_blocks_in_bf16():
     rows = (None, 1, 96, 127, 128, 192, 1024, 1025, 2048)
     for hidden in (None, 4096, 7168):
@@ -221,9 +259,10 @@ def _tiny_weights(precision: str):
     return local_expert_weights(SHAPES["DeepSeek-V4-Flash"], 0, 128, precision, seed=0)
 
 
-def _tiny_call(precision: str, l2_splits: int = 1, kernel: str = "gluon_ws", **kwargs):
+def _tiny_call(precision: str, l2_splits: int = 1, kernel: str = "gluon_ws",
+               config: TileConfig | None = None, **kwargs):
     shape = SHAPES["DeepSeek-V4-Flash"]
-    cfg = default_tile_config(precision, kernel, hidden=shape.hidden)
+    cfg = config or default_tile_config(precision, kernel, hidden=shape.hidden)
     weights = _tiny_weights(precision)
     rows, counts = 200, [120, 80]
     x = torch.randn(rows, shape.hidden).to(torch.bfloat16)
@@ -425,7 +464,8 @@ def test_the_weighted_sum_build_arrives_then_sums(ws_module, key, split_k):
     assert report["spill_store_bytes"] <= stored and report["spill_load_bytes"] <= reloaded, \
         report
     assert k.metadata.shared <= ws_shared_memory_bytes(precision, cfg.block_m, cfg.block_n1,
-                                                       cfg.block_n2, cfg.block_k, cfg.num_stages)
+                                                       cfg.block_n2, cfg.block_k, cfg.num_stages,
+                                                       cfg.a_halves)
     added = sass_bytes(k.asm["cubin"], "moe_fused_ws_kernel") - \
         sass_bytes(plain.asm["cubin"], "moe_fused_ws_kernel")
     assert 0 < added <= SUM_CODE_LIMIT_BYTES

@@ -508,3 +508,45 @@ def test_the_atomic_sum_adds_into_the_output_call_after_call(precision, model, t
             2.0 ** -8 * shape.top_k * want.float().abs().max()
     _replay_routings(layer, tokens, range(80, 83), model)
     assert int(layer.error) == 0
+
+
+def test_a_ring_of_one_a_half_a_stage_at_a_few_tokens_and_its_flag():
+    """bf16 DiT-MoE built for 32 tokens (64 routed rows at most an expert: a tile's first half)
+    takes the ring of one A half a stage, 5 deep, and matches the reference over routings,
+    balanced and skewed; built for 33, two halves. The host-scheduled launch of that build over
+    a layout whose expert holds 100 rows (its first row block's second half routed) flags each
+    of that row block's tiles, Linear-1's and Linear-2's, on the device."""
+    from xstage_lab.ops.moe.combine import local_combine_peers
+    from xstage_lab.ops.moe.dispatch import build_layout
+    from xstage_lab.ops.moe.fused import prepare_fused_moe
+    from xstage_lab.ops.moe.schedules import MoEProblem, expert_wave_schedule
+
+    shape = SHAPES["DiT-MoE"]
+    weights = local_expert_weights(shape, 0, 1, "bf16", seed=SEED, device="cuda")
+    layer = FusedMoE(weights, max_tokens=32, top_k=shape.top_k, schedule="wave")
+    cfg = layer.workspace.config
+    assert (cfg.a_halves, cfg.num_stages) == (1, 5)
+    wider = FusedMoE(weights, max_tokens=33, top_k=shape.top_k, schedule="wave")
+    assert (wider.workspace.config.a_halves, wider.workspace.config.num_stages) == (2, 4)
+    for i, tokens in enumerate((1, 8, 32, 32)):
+        x, ids, w = _inputs(tokens, 90 + i, ("balanced", "skewed")[i % 2], model="DiT-MoE")
+        torch.empty(tokens, shape.hidden, dtype=torch.bfloat16, device="cuda").fill_(
+            float("nan"))
+        y = layer(x, ids, w)
+        torch.cuda.synchronize()
+        _check(layer, y, x, ids, w, model="DiT-MoE")
+    assert int(layer.error) == 0
+    rows = 100
+    x = torch.randn(rows, shape.hidden, device="cuda").to(torch.bfloat16)
+    expert = torch.zeros(rows, dtype=torch.int64, device="cuda")
+    layout = build_layout(x, None, torch.arange(rows, device="cuda"), expert, [rows],
+                          shape.routed_experts, cfg.block_m)
+    problem = MoEProblem(layout.blocks_per_expert, shape.intermediate // cfg.block_n1,
+                         shape.hidden // cfg.block_n2)
+    combine = [torch.full((rows, shape.hidden), float("nan"), dtype=torch.bfloat16,
+                          device="cuda")]
+    call = prepare_fused_moe(layout, weights, expert_wave_schedule(problem, 8),
+                             local_combine_peers(combine), config=cfg)
+    call()
+    torch.cuda.synchronize()
+    assert call.error_count() == problem.l1_n_blocks + problem.l2_n_blocks

@@ -74,16 +74,23 @@ def expect_tensor(t: torch.Tensor | None, name: str, shape: tuple, dtypes, devic
         raise MoEContractError(f"{name} must be contiguous on {device}")
 
 
-def check_expert_weights(weights: ExpertWeights, config: TileConfig) -> None:
+def check_expert_weights(weights: ExpertWeights, config: TileConfig,
+                         expert_rows: int | None = None) -> None:
     """Raise MoEContractError unless ``weights`` are what ``config``'s kernel reads (nothing is
     launched): the tiles dividing H and I (``check_tile_config``); ``w1 [E, 2I, H]`` and ``w2
     [E, H, I]`` in bf16, or in e4m3 with fp32 scales per ``config.scale_block`` square block
     (``w1_scale [E, 2I/sb, H/sb]``, ``w2_scale [E, H/sb, I/sb]``); each contiguous on ``w1``'s
     device (the kernels index them by the shapes alone) and, for gluon_ws, 16-byte aligned (its
-    TMA descriptors over ``w1`` and ``w2``)."""
+    TMA descriptors over ``w1`` and ``w2``). ``expert_rows``: the most routed rows an expert can
+    hold in a call, where known, within a tile's first half where the ring holds one A half a
+    stage (``a_halves`` 1; else the kernel flags each tile past it)."""
     precision, device = weights.precision, weights.w1.device
     e_loc, hidden, inter = weights.num_experts, weights.hidden, weights.intermediate
     check_tile_config(config, precision, hidden, inter)
+    if config.a_halves == 1 and expert_rows is not None and expert_rows > config.block_m // 2:
+        raise MoEContractError(f"a ring of one A half a stage (a_halves=1) holds "
+                               f"{config.block_m // 2} routed rows an expert; the bound allows "
+                               f"{expert_rows}")
     wdt = torch.bfloat16 if precision == "bf16" else torch.float8_e4m3fn
     expect_tensor(weights.w1, "w1", (e_loc, 2 * inter, hidden), wdt, device)
     expect_tensor(weights.w2, "w2", (e_loc, hidden, inter), wdt, device)
@@ -320,7 +327,7 @@ def kernel_launch(config: TileConfig, weights: ExpertWeights, b: KernelBuffers, 
     return args, dict(FP8=fp8, BLOCK_M=config.block_m, BLOCK_N1=config.block_n1,
                       BLOCK_N2=config.block_n2, BLOCK_K=bk,
                       STAGES=config.num_stages, INSTRUMENT=bool(instrument), FENCE=bool(fence),
-                      SPLIT_K=split_k, **sums, num_warps=4)
+                      SPLIT_K=split_k, **sums, ONE_HALF=config.a_halves == 1, num_warps=4)
 
 
 def row_addresses(x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:

@@ -209,9 +209,9 @@ class MoEWorkspace:
         if rows_per_expert is None:
             rows_per_expert = capacity / weights.num_experts
         self.config = config or default_tile_config(
-            weights.precision, hidden=weights.hidden, device=device,
+            weights.precision, hidden=weights.hidden, device=device, expert_rows=capacity,
             block_m=ws_tile_rows(weights.precision, rows_per_expert, weights.hidden))
-        check_expert_weights(weights, self.config)
+        check_expert_weights(weights, self.config, expert_rows=capacity)
         if num_programs is None:
             num_programs = (torch.cuda.get_device_properties(device).multi_processor_count
                             if device.type == "cuda" else CPU_PROGRAMS)

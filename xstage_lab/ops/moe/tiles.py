@@ -27,6 +27,7 @@ HOPPER_SMEM_PER_CTA = 227 * 1024
 WS_TALL_ROWS_PER_EXPERT = (128, 1024)
 WS_TALL_NARROW_ROWS_PER_EXPERT = 1025
 WS_WIDE_L2 = 256  # Linear-2 columns of a 128-row tile where the hidden size is a multiple of it
+WS_MAX_STAGES = 8  # the deepest ring default_tile_config tries (what fits a CTA is fewer)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,10 @@ class TileConfig:
     """Kernel and tile sizes. An L1 tile is ``block_m`` rows x ``block_n1`` intermediate columns
     (gate and up); an L2 tile is ``block_m`` rows x ``block_n2`` hidden columns. ``num_stages``
     is the depth of the K pipeline (gluon_ws: of its shared-memory ring); ``num_warps`` applies
-    to the Triton kernel (gluon_ws has two consumer warpgroups and a producer warp)."""
+    to the Triton kernel (gluon_ws has two consumer warpgroups and a producer warp).
+    ``a_halves`` (gluon_ws): the A tile halves a stage of the ring holds, 2, or 1 (the kernel's
+    ``ONE_HALF`` build) where no expert's routed rows reach a tile's second half, which leaves
+    room for a deeper ring (``default_tile_config``'s ``expert_rows``)."""
 
     block_m: int = 64
     block_n1: int = 128
@@ -44,6 +48,7 @@ class TileConfig:
     num_warps: int = 8  # two 64 x 128 fp32 accumulators (gate, up) fit without spills at 8 warps
     num_stages: int = 3
     kernel: str = "triton"
+    a_halves: int = 2
 
 
 def kernel_unsupported(kernel: str, device) -> str | None:
@@ -131,7 +136,8 @@ def ws_tile_rows(precision: str, rows_per_expert: float | None,
 
 
 def default_tile_config(precision: str, kernel: str | None = None, *, hidden: int | None = None,
-                        device=None, block_m: int = WS_BLOCK_M) -> TileConfig:
+                        device=None, block_m: int = WS_BLOCK_M,
+                        expert_rows: int | None = None) -> TileConfig:
     """The tiles of ``kernel`` (default: gluon_ws where ``device`` is a Hopper GPU, else the Triton
     kernel). Triton, bf16: K blocks of 64 keep three pipeline stages of gate + up + A tiles in
     shared memory; fp8: K blocks equal the 128-wide scale block (one scale pair per K block).
@@ -140,9 +146,14 @@ def default_tile_config(precision: str, kernel: str | None = None, *, hidden: in
     gate and up are: faster than 128-wide fp8 tiles in each of eight cells compared in one run
     on one H200, a development comparison kept in no record), else 128; the deepest ring that
     fits a CTA (at one token on one H100, the fastest of 2-4 stages or within 4% of it in 16
-    cells: moe_ring_probe/h100-80gb-hbm3-x1/20261206T101902Z-af1a2135ca). ``block_m``
-    (gluon_ws): its tile rows, one of ``WS_ROW_TILES`` (256: Linear-1 tiles of 64 columns,
-    Linear-2 tiles of 128)."""
+    cells: moe_ring_probe/h100-80gb-hbm3-x1/20261206T101902Z-af1a2135ca). Where
+    ``expert_rows``, the most routed rows an expert can hold in a call, stays within a tile's
+    first half, and a ring of one A half a stage fits deeper, that ring (``a_halves`` 1), in
+    bf16: there the probe found a one-token Linear-1 stream capped by the ring (DiT-MoE on the
+    EP rank), where fp8's did not follow the ring's depth (and its 5-stage build spilled: 12
+    bytes stored and 8 reloaded, split 28 and 52; sm_90, Triton 3.6). ``block_m`` (gluon_ws):
+    its tile rows, one of ``WS_ROW_TILES`` (256: Linear-1 tiles of 64 columns, Linear-2 tiles of
+    128)."""
     check_precision(precision)
     if kernel is None:
         kernel = "triton" if device is None or kernel_unsupported("gluon_ws", device) else "gluon_ws"
@@ -153,22 +164,30 @@ def default_tile_config(precision: str, kernel: str | None = None, *, hidden: in
     block_n1 = _ws_rows(block_m, precision)["block_n1"]
     wide = block_m == WS_BLOCK_M and ws_wide_l2(hidden)
     block_n2 = WS_WIDE_L2 if wide else 128
-    stages = max(s for s in range(2, 5) if ws_shared_memory_bytes(
-        precision, block_m, block_n1, block_n2, WS_BLOCK_K[precision], s) <= HOPPER_SMEM_PER_CTA)
+    def deepest(a_halves: int) -> int:
+        return max(s for s in range(2, WS_MAX_STAGES + 1) if ws_shared_memory_bytes(
+            precision, block_m, block_n1, block_n2, WS_BLOCK_K[precision], s,
+            a_halves) <= HOPPER_SMEM_PER_CTA)
+
+    a_halves, stages = 2, deepest(2)
+    # 128-row tiles only: the layer takes 256 where experts hold 128 rows or more on average
+    if (precision == "bf16" and block_m == WS_BLOCK_M and expert_rows is not None
+            and expert_rows <= block_m // 2 and deepest(1) > stages):
+        a_halves, stages = 1, deepest(1)
     return TileConfig(block_m=block_m, block_n1=block_n1, block_n2=block_n2,
                       block_k=WS_BLOCK_K[precision], num_warps=4, num_stages=stages,
-                      kernel="gluon_ws")
+                      kernel="gluon_ws", a_halves=a_halves)
 
 
 def ws_shared_memory_bytes(precision: str, block_m: int, block_n1: int, block_n2: int,
-                           block_k: int, stages: int) -> int:
-    """Shared memory of a gluon_ws CTA: the ring (an A tile of ``block_m`` rows and a B tile of
-    max(2 block_n1, block_n2) rows per stage), the epilogues' layout conversion (one half of the
-    widest output tile: the compiler's scratch, shared by the partitions), the ring's mbarriers
-    with 64 bytes of alignment slack, and the weighted sum's control block (where the build ends
-    with the sum: ``SUM_CONTROL`` int64 slots)."""
+                           block_k: int, stages: int, a_halves: int = 2) -> int:
+    """Shared memory of a gluon_ws CTA: the ring (``a_halves`` halves of an A tile of
+    ``block_m`` rows and a B tile of max(2 block_n1, block_n2) rows per stage), the epilogues'
+    layout conversion (one half of the widest output tile: the compiler's scratch, shared by
+    the partitions), the ring's mbarriers with 64 bytes of alignment slack, and the weighted
+    sum's control block (where the build ends with the sum: ``SUM_CONTROL`` int64 slots)."""
     elem = 2 if precision == "bf16" else 1
-    ring = stages * (block_m + max(2 * block_n1, block_n2)) * block_k * elem
+    ring = stages * (block_m * a_halves // 2 + max(2 * block_n1, block_n2)) * block_k * elem
     conversion = (block_m // 2) * max(block_n2 * 2, block_n1 * elem)
     sum_control = 8 * load_kernel_module("moe_fused_ws").SUM_CONTROL.value
     return ring + conversion + 2 * stages * 8 + 64 + sum_control
@@ -200,6 +219,9 @@ def check_tile_config(config: TileConfig, precision: str, hidden: int, intermedi
         raise MoEContractError(f"kernel must be one of {KERNELS}, got {config.kernel!r}")
     if config.kernel == "gluon_ws":
         _check_ws_tiles(config, precision)
+    elif config.a_halves != 2:
+        raise MoEContractError("a ring of one A half a stage (a_halves=1) is the gluon_ws "
+                               "kernel's; the Triton kernel's tiles are whole")
 
 
 def _ws_rows(block_m: int, precision: str) -> dict:
@@ -230,8 +252,10 @@ def _check_ws_tiles(config: TileConfig, precision: str) -> None:
         raise MoEContractError(f"gluon_ws block_n2 must be one of {widths} at {config.block_m} "
                                f"rows in {precision} (its accumulator's registers), got "
                                f"{config.block_n2}")
+    if config.a_halves not in (1, 2):
+        raise MoEContractError(f"gluon_ws stages hold 1 or 2 A tile halves, got {config.a_halves}")
     smem = ws_shared_memory_bytes(precision, config.block_m, config.block_n1, config.block_n2,
-                                  config.block_k, config.num_stages)
+                                  config.block_k, config.num_stages, config.a_halves)
     if config.num_stages < 2 or smem > HOPPER_SMEM_PER_CTA:
         raise MoEContractError(f"gluon_ws needs 2 or more stages within {HOPPER_SMEM_PER_CTA} B "
                                f"of shared memory; {config.num_stages} stages take {smem} B")
