@@ -132,6 +132,7 @@ TALL_CONSUMER_REGS = gl.constexpr(208)
 TALL_PRODUCER_REGS = gl.constexpr(96)
 PRODUCER_WARPS = gl.constexpr(4)
 COPY_BYTES = gl.constexpr(16)  # one cp.async
+L2_EARLY_BLOCKS = gl.constexpr(4)  # a Linear-2 tile's weight blocks issued before its rows
 # a split tile's sum: fp32 elements of one split's partial per load, 16 a thread (SUM_ROWS =
 # PARTIAL_ELEMENTS / N rows), 4-wide vectors, a warp's 32 threads over SUM_THREAD_COLS columns
 PARTIAL_ELEMENTS = gl.constexpr(2048)
@@ -372,8 +373,10 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
                                                SPLIT_K)
                 w_row = expert * HIDDEN + n2 * BLOCK_N2
                 # the first stages' weights before the wait on the row block's Linear-1 tiles,
-                # which they do not need: they stream while those run
-                early = gl.minimum(n_k, STAGES)
+                # which they do not need: they stream while those run. At most L2_EARLY_BLOCKS:
+                # a deeper ring's (ONE_HALF) more took HBM from a Linear-1 phase that had none
+                # to spare (unmeasured)
+                early = gl.minimum(n_k, L2_EARLY_BLOCKS if STAGES > L2_EARLY_BLOCKS else STAGES)
                 for e in range(early):
                     _load_w2(w2_desc, w_row, (k0 + e) * BLOCK_K, it + e, ready, empty, b_smem,
                              BLOCK_N2, STAGES)
