@@ -374,8 +374,8 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
                 w_row = expert * HIDDEN + n2 * BLOCK_N2
                 # the first stages' weights before the wait on the row block's Linear-1 tiles,
                 # which they do not need: they stream while those run. At most L2_EARLY_BLOCKS:
-                # a deeper ring's (ONE_HALF) more took HBM from a Linear-1 phase that had none
-                # to spare (unmeasured)
+                # ONE_HALF's 5 (DiT-MoE bf16) took the kernel 1.03x its time at one token at
+                # EP = 1, where Linear-1 streams at HBM's rate (ab on one H100, README)
                 early = gl.minimum(n_k, L2_EARLY_BLOCKS if STAGES > L2_EARLY_BLOCKS else STAGES)
                 for e in range(early):
                     _load_w2(w2_desc, w_row, (k0 + e) * BLOCK_K, it + e, ready, empty, b_smem,
