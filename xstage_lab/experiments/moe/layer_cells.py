@@ -48,7 +48,8 @@ class Ep1Cell:
         self.shape, self.precision, self.tokens, self.seed = shape, precision, tokens, seed
         self.layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="auto",
                               weighted_sum=weighted_sum,
-                              config=_tiles(precision, shape, device, tile_rows))
+                              config=_tiles(precision, shape, device, tile_rows,
+                                            tokens * shape.top_k))
         self.uweights = uweights
         self.x, self.ids, self.w = balanced_routing(shape, tokens, seed, 0, device)
         self.unfused_capacity = tokens * shape.top_k + shape.routed_experts * (GROUP_ALIGN - 1)
@@ -191,7 +192,7 @@ class Ep8RankCell:
         # quantize, so no quantized copy
         # the bound is EP times the rows a rank receives on average: the tiles follow those
         self.ws = MoEWorkspace(weights, capacity, source_rows=0,
-                               config=_tiles(precision, shape, device, tile_rows),
+                               config=_tiles(precision, shape, device, tile_rows, capacity),
                                rows_per_expert=tokens * shape.top_k / wl.experts_per_rank)
         self.buffers = [torch.empty(tokens * shape.top_k, shape.hidden, dtype=torch.bfloat16,
                                     device=device) for _ in range(EP)]
@@ -285,12 +286,14 @@ def _host_launch(layout, ws: MoEWorkspace, schedule: str, peers, instrument: boo
                              instrument=instrument, l2_splits=ws.bounds.l2_splits)
 
 
-def _tiles(precision: str, shape, device, tile_rows: int | None) -> TileConfig | None:
-    """The gluon_ws tiles of ``tile_rows`` rows, or None (the workspace's default)."""
+def _tiles(precision: str, shape, device, tile_rows: int | None,
+           capacity: int) -> TileConfig | None:
+    """The gluon_ws tiles of ``tile_rows`` rows for a workspace of ``capacity`` rows (its bound
+    on an expert's: ``MoEWorkspace``'s), or None (the workspace's default)."""
     if tile_rows is None:
         return None
     return default_tile_config(precision, "gluon_ws", hidden=shape.hidden, device=device,
-                               block_m=tile_rows)
+                               block_m=tile_rows, expert_rows=capacity)
 
 
 def layer_cell(shape, precision: str, setting: str, tokens: int, run: Run, device,
