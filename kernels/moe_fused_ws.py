@@ -317,11 +317,12 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
     one pending arrival to the phase, then arrives once its copies land) and the expect-tx arrival
     of the B bytes; the warpgroup's barrier between them keeps the B arrival from ending the phase
     before every thread has added its own. Each stage's weights (B) are issued before its A, and a
-    Linear-2 tile's first ``STAGES`` weight blocks before its wait on the row block (``_load_w2``):
-    at a few tokens the weights are the whole stream, and the first ones had waited for the
-    rows' loads, or the row block's Linear-1 tiles, before they were asked for. INSTRUMENT: a
-    Linear-2 tile's spin count into its trace record."""
+    Linear-2 tile's first ``L2_EARLY_BLOCKS`` weight blocks (at most ``STAGES``) before its wait
+    on the row block (``_load_w2``): at a few tokens the weights are the whole stream, and the
+    first ones had waited for the rows' loads, or the row block's Linear-1 tiles, before they
+    were asked for. INSTRUMENT: a Linear-2 tile's spin count into its trace record."""
     HALF_ROWS: gl.constexpr = BLOCK_M // 2
+    ONE_HALF: gl.constexpr = a_smem.shape[0] == STAGES  # a ring of one A half a stage
     vec: gl.constexpr = COPY_BYTES if FP8 else COPY_BYTES // 2
     gather: gl.constexpr = gl.BlockedLayout([1, vec], [32 * vec // BLOCK_K, BLOCK_K // vec],
                                             [PRODUCER_WARPS, 1], [1, 0])
@@ -334,8 +335,8 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
         n_block = gl.load(tiles + i * TILE_FIELDS + 3)
         if (expert >= 0) & (expert < num_experts):
             second_half = _routed_half(row_slot, row0 + HALF_ROWS)
-            if a_smem.shape[0] == STAGES:
-                # a ring of one A half a stage (ONE_HALF), for calls whose bound keeps every
+            if ONE_HALF:
+                # a ring of one A half a stage, for calls whose bound keeps every
                 # expert's rows in its first half: a routed second half is an error, never loaded
                 # (its consumer reads the first half's rows: the call's output is invalid)
                 if second_half:
@@ -360,7 +361,7 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
                     _gather_half(x_rows, origin0, k,
                                  a_smem.index(_a_slot(a_smem, s, 0, STAGES)), HIDDEN, gather,
                                  BLOCK_K)
-                    if a_smem.shape[0] != STAGES:
+                    if not ONE_HALF:
                         if second_half:
                             _gather_half(x_rows, origin1, k, a_smem.index(2 * s + 1), HIDDEN,
                                          gather, BLOCK_K)
@@ -389,7 +390,7 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
                     s = it % STAGES
                     if kk >= early:
                         _load_w2(w2_desc, w_row, k, it, ready, empty, b_smem, BLOCK_N2, STAGES)
-                    if a_smem.shape[0] == STAGES:
+                    if ONE_HALF:
                         mbarrier.expect(ready.index(s),
                                         h_desc.block_type.nbytes + w2_desc.block_type.nbytes)
                     else:
