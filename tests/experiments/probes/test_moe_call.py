@@ -15,6 +15,7 @@ import torch
 
 from tests.experiments.triton_testing import (assert_case_ok, child_main, child_results,
                                               interpreter_case_tests)
+from xstage_lab.experiments import harness
 from xstage_lab.experiments.probes import moe_call as mc
 
 MODULE = "tests.experiments.probes.test_moe_call"
@@ -72,9 +73,8 @@ def test_straight_line_compiles_to_straight_code_of_the_size_it_claims():
 
 
 def _args(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    mc.EXPERIMENT.add_arguments(p)
-    return p.parse_args(list(argv))
+    """The experiment's command line parsed as ``harness`` parses it, unchecked."""
+    return harness.parser(mc.EXPERIMENT).parse_args(["--root", "records", *argv])
 
 
 def test_options_are_checked_before_any_launch():

@@ -8,14 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from xstage_lab.experiments import harness
 from xstage_lab.experiments.probes import moe_gather as mg
 from xstage_lab.kernel_sources import kernel_path
 
 
 def _args(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    mg.EXPERIMENT.add_arguments(p)
-    return p.parse_args(list(argv))
+    """The experiment's command line parsed as ``harness`` parses it, unchecked."""
+    return harness.parser(mg.EXPERIMENT).parse_args(["--root", "records", *argv])
 
 
 def test_options_are_checked_before_any_launch(tmp_path):

@@ -9,15 +9,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from xstage_lab.experiments import harness
 from xstage_lab.experiments.moe.layer_bench import LayerCellRun
 from xstage_lab.experiments.probes import moe_ring as mr
 from xstage_lab.ops.moe.tiles import default_tile_config
 
 
 def _args(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    mr.EXPERIMENT.add_arguments(p)
-    return p.parse_args(list(argv))
+    """The experiment's command line parsed as ``harness`` parses it, unchecked."""
+    return harness.parser(mr.EXPERIMENT).parse_args(["--root", "records", *argv])
 
 
 def test_options_are_checked_before_any_launch():

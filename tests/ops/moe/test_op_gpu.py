@@ -18,11 +18,14 @@ import torch
 
 from xstage_lab.experiments.moe.bench import TOLERANCE
 from xstage_lab.ops.moe import device_tables
-from xstage_lab.ops.moe.combine import combine_weighted_sum
+from xstage_lab.ops.moe.combine import combine_weighted_sum, local_combine_peers
+from xstage_lab.ops.moe.dispatch import build_layout
+from xstage_lab.ops.moe.fused import prepare_fused_moe
 from xstage_lab.ops.moe.table_reference import host_tables, table_mismatches
 from xstage_lab.ops.moe.op import GRAPHS_PER_LAYER, FusedMoE
 from xstage_lab.ops.moe.reference import reference_moe
 from xstage_lab.ops.moe.routing import router_logits, router_topk
+from xstage_lab.ops.moe.schedules import MoEProblem, expert_wave_schedule
 from xstage_lab.ops.moe.shapes import PRECISIONS, MoEShape, load_shapes
 from xstage_lab.ops.moe.weights import local_expert_weights, quantize_rows_fp8
 
@@ -516,11 +519,6 @@ def test_a_ring_of_one_a_half_a_stage_at_a_few_tokens_and_its_flag():
     balanced and skewed; built for 33, two halves. The host-scheduled launch of that build over
     a layout whose expert holds 100 rows (its first row block's second half routed) flags each
     of that row block's tiles, Linear-1's and Linear-2's, on the device."""
-    from xstage_lab.ops.moe.combine import local_combine_peers
-    from xstage_lab.ops.moe.dispatch import build_layout
-    from xstage_lab.ops.moe.fused import prepare_fused_moe
-    from xstage_lab.ops.moe.schedules import MoEProblem, expert_wave_schedule
-
     shape = SHAPES["DiT-MoE"]
     weights = local_expert_weights(shape, 0, 1, "bf16", seed=SEED, device="cuda")
     layer = FusedMoE(weights, max_tokens=32, top_k=shape.top_k, schedule="wave")
