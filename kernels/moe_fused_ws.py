@@ -74,7 +74,14 @@ spilled and serialized every wgmma of the kernel (sm_90 build of this kernel, Tr
 both wait. Halving the temporaries instead (each 128-column half as two m64n64 groups, the first
 promoted while the second runs: 4 x 32 + 2 x 32 registers) did not fit either: ptxas spilled
 444 bytes in the 128-wide FP8 build and 712 in the 256-wide one, which grew from 74 to 81 KiB
-(Linear-1's loop alone; Triton 3.6, not run).
+(Linear-1's loop alone; Triton 3.6, not run). Where a tile's second half is padding (a few
+tokens), pairing the warpgroups instead (the ring of one A half; each warpgroup 64 gate and 64
+up columns of the first half's rows, their maxima for h's scales exchanged at a named barrier,
+and 128 columns of a 256-wide Linear-2 tile) built without spills but measured no better on one
+H100: DiT-MoE FP8 at 1 and 8 tokens, the graphed call 0.979-1.013x and the kernel alone's
+device time 1.005-1.021x (8f8a43d, reverted; moe_layer/h100-80gb-hbm3-x1 …114628Z against
+…114552Z and …114656Z, the first two retired). Its groups still waited block by block; issuing
+a block's before the previous block's promotion made ptxas serialize every wgmma (not run).
 
 Code size: the kernel is timed after other kernels in a call, whose code takes the SMs'
 instruction caches. The FP8 builds at 81-91 KiB of SASS then took up to 1.24x their time after
@@ -99,12 +106,6 @@ then the epilogues' (the bits may differ from call to call, within bf16's roundi
 tile's first half, as at a few tokens): the ring holds one A half a stage, which leaves room for
 a deeper ring (``tiles.default_tile_config``). A tile whose second half holds a routed row adds
 1 to ``error``; its consumer then reads the first half's rows, and the call's output is invalid.
-In FP8 it pairs the consumer warpgroups (``PAIRED``): where the second half is padding, its
-warpgroup would idle while the other, alone, waits for each K block's wgmma before promoting it.
-Paired, both take the first half's rows, each 64 of a Linear-1 tile's gate and 64 of its up
-columns (``_fp8_pair_mainloop``; the rows' 1 x 128 scales of ``h`` from both warpgroups' maxima,
-``_linear1_pair_epilogue``) and 128 columns of a 256-wide Linear-2 tile, so one promotes while
-the other's wgmma runs.
 
 ``FENCE`` builds the completion-coupled counterfactual of §2.3 (each Linear-2 tile waits until
 its Combine stores are visible system-wide), ``INSTRUMENT`` the traced build (``_consumer``); both
@@ -139,7 +140,6 @@ TALL_PRODUCER_REGS = gl.constexpr(96)
 PRODUCER_WARPS = gl.constexpr(4)
 COPY_BYTES = gl.constexpr(16)  # one cp.async
 L2_EARLY_BLOCKS = gl.constexpr(4)  # a Linear-2 tile's weight blocks issued before its rows
-PAIR_COLS = gl.constexpr(64)  # PAIRED: a warpgroup's gate (up) columns of a Linear-1 tile
 # a split tile's sum: fp32 elements of one split's partial per load, 16 a thread (SUM_ROWS =
 # PARTIAL_ELEMENTS / N rows), 4-wide vectors, a warp's 32 threads over SUM_THREAD_COLS columns
 PARTIAL_ELEMENTS = gl.constexpr(2048)
@@ -448,40 +448,6 @@ def _fp8_halves_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a
 
 
 @gluon.jit
-def _fp8_pair_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_scales, g_scales,
-                       u_scales, n_k, STAGES: gl.constexpr, HALF_ROWS: gl.constexpr):
-    """``PAIRED`` Linear-1: gate and up accumulators ``[HALF_ROWS, PAIR_COLS]`` of the tile's
-    first-half rows over its column half ``half`` (both warpgroups read every stage, each its
-    own 64 gate and 64 up B rows). Up's group runs while gate's is promoted: two temporaries of
-    32 registers fit where two of 64 did not (``_fp8_halves_mainloop``)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, PAIR_COLS, 32])
-    a_scales = gl.convert_layout(a_scales, gl.SliceLayout(1, mma))
-    acc_g = gl.zeros([HALF_ROWS, PAIR_COLS], gl.float32, layout=mma)
-    acc_u = gl.zeros([HALF_ROWS, PAIR_COLS], gl.float32, layout=mma)
-    t_g = gl.zeros([HALF_ROWS, PAIR_COLS], gl.float32, layout=mma)
-    t_u = gl.zeros([HALF_ROWS, PAIR_COLS], gl.float32, layout=mma)
-    for kk in range(n_k):
-        s = _wait_stage(it, ready, True, STAGES)
-        a = a_smem.index(s)
-        b = b_smem.index(s)
-        t_g = warpgroup_mma(a, b.slice(half * PAIR_COLS, PAIR_COLS).permute((1, 0)), t_g,
-                            use_acc=False, is_async=True)
-        t_u = warpgroup_mma(a, b.slice(SCALE_BLOCK + half * PAIR_COLS, PAIR_COLS).permute((1, 0)),
-                            t_u, use_acc=False, is_async=True)
-        a_s = gl.load(a_scales + kk)
-        s_g = gl.load(g_scales + kk)
-        s_u = gl.load(u_scales + kk)
-        t_g = warpgroup_mma_wait(num_outstanding=1, deps=(t_g, ))
-        acc_g += t_g * (a_s * s_g)[:, None]
-        t_u = warpgroup_mma_wait(num_outstanding=0, deps=(t_u, ))
-        mbarrier.arrive(empty.index(s))
-        acc_u += t_u * (a_s * s_u)[:, None]
-        it += 1
-    return acc_g, acc_u, it
-
-
-@gluon.jit
 def _wait_stage(it, ready, LINEAR1: gl.constexpr, STAGES: gl.constexpr):
     """Wait until stage ``it % STAGES`` is filled; returns the stage. ``LINEAR1``: its A rows came
     by ``cp.async`` (generic proxy), so this thread fences before wgmma (async proxy) reads them."""
@@ -515,15 +481,10 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_ro
         a_scales = x_scale + gl.where(by_row, own, gl.maximum(origin, 0)).to(gl.int64) * k_scales
         # the tile's gate (up) columns lie in one 128 x 128 weight scale block (BLOCK_N1 == 128)
         g_scales = w1_scale + (expert * (2 * INTER // SCALE_BLOCK) + n_block) * k_scales
-        u_scales = g_scales + (INTER // SCALE_BLOCK) * k_scales
-        if a_smem.shape[0] == STAGES:  # PAIRED
-            acc_g, acc_u, it = _fp8_pair_mainloop(half, it, a_smem, b_smem, ready, empty,
-                                                  a_scales, g_scales, u_scales, n_k, STAGES,
-                                                  HALF_ROWS)
-        else:
-            acc_g, acc_u, it = _fp8_halves_mainloop(half, it, a_smem, b_smem, ready, empty,
-                                                    a_scales, g_scales, u_scales, n_k, True,
-                                                    STAGES, HALF_ROWS)
+        acc_g, acc_u, it = _fp8_halves_mainloop(half, it, a_smem, b_smem, ready, empty,
+                                                a_scales, g_scales,
+                                                g_scales + (INTER // SCALE_BLOCK) * k_scales, n_k,
+                                                True, STAGES, HALF_ROWS)
     elif BLOCK_N1 == 64:
         # 256-row tiles: gate and up as one m64n128k16 group (the stage's B rows hold them side
         # by side), 6 KiB of shared memory read where two m64n64k16 groups read 8 KiB (A twice).
@@ -575,10 +536,9 @@ def _linear1_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, a_ro
 def _linear2_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, h_scale, w2_scale,
                       rows, expert, n_block, k0, HIDDEN, INTER, n_k, FP8: gl.constexpr,
                       BLOCK_N2: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                      HALF_ROWS: gl.constexpr, B_ROW0: gl.constexpr = 0):
+                      HALF_ROWS: gl.constexpr):
     """The ``[HALF_ROWS, BLOCK_N2]`` accumulator of this warpgroup's rows over the ``n_k`` K
-    blocks from ``k0`` (FP8: the stage's ``BLOCK_N2`` B rows from ``B_ROW0``, column block
-    ``n_block`` of ``BLOCK_N2``); the next ``it``."""
+    blocks from ``k0``; the next ``it``."""
     if FP8:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N2, 32])
@@ -592,7 +552,7 @@ def _linear2_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, h_sc
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             t = warpgroup_mma(a_smem.index(_a_slot(a_smem, s, half, STAGES)),
-                              b_smem.index(s).slice(B_ROW0, BLOCK_N2).permute((1, 0)), t,
+                              b_smem.index(s).slice(0, BLOCK_N2).permute((1, 0)), t,
                               use_acc=False, is_async=True)
             scale = gl.load(h_scales + kk, cache_modifier=".cg") * gl.load(w_scales + kk)
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
@@ -660,46 +620,6 @@ def _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base, 
         q = gl.convert_layout(hv.to(gl.bfloat16), out_layout)
     rows = (row_base + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, out_layout))).to(gl.int64)
     cols = n_block * BLOCK_N1 + gl.arange(0, BLOCK_N1, layout=gl.SliceLayout(0, out_layout))
-    gl.store(h + rows[:, None] * INTER + cols[None, :], q)
-    _release_rows(row_ready, row_block)
-
-
-@gluon.jit
-def _pair_sync():
-    """Both consumer warpgroups (``PAIRED``) at named barrier 15, 256 threads: the shared-memory
-    stores of each before it visible to the other after it. Lower ids are the partitions' own
-    barriers (the sm_90 build uses 0, 2 and 3)."""
-    gl.inline_asm_elementwise("bar.sync 15, 256; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _linear1_pair_epilogue(half: gl.constexpr, acc_g, acc_u, h, h_scale, row_ready, row_block,
-                           row_base, n_block, INTER, pair_amax, HALF_ROWS: gl.constexpr):
-    """``PAIRED``: SwiGLU of this warpgroup's ``PAIR_COLS`` columns; each row's 1 x 128 scale
-    from both warpgroups' maxima, exchanged through shared memory between two ``_pair_sync``
-    (the second keeps either from writing the next tile's before both read these); ``h``
-    stored, the scales by warpgroup 0, then this warpgroup's release."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, PAIR_COLS, 32])
-    hv = _silu(acc_g) * acc_u
-    amax = gl.max(gl.abs(hv), axis=1)
-    pair_amax.index(half).store(amax)
-    _pair_sync()
-    other = pair_amax.index(1 - half).load(gl.SliceLayout(1, mma))
-    _pair_sync()
-    # the maximum of the two maxima: the bits of the unpaired epilogue's scale
-    scale = gl.maximum(gl.maximum(amax, other), 1e-12) / E4M3_MAX
-    q = (hv * (1.0 / scale)[:, None]).to(gl.float8e4nv)
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // PAIR_COLS, PAIR_COLS // 16],
-                                                [4, 1], [1, 0])
-    q = gl.convert_layout(q, out_layout)
-    if half == 0:
-        scale_rows = row_base + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, mma))
-        gl.store(h_scale + scale_rows.to(gl.int64) * (INTER // SCALE_BLOCK) + n_block, scale)
-    rows = (row_base + gl.arange(0, HALF_ROWS, layout=gl.SliceLayout(1, out_layout))).to(gl.int64)
-    cols = (n_block * SCALE_BLOCK + half * PAIR_COLS
-            + gl.arange(0, PAIR_COLS, layout=gl.SliceLayout(0, out_layout)))
     gl.store(h + rows[:, None] * INTER + cols[None, :], q)
     _release_rows(row_ready, row_block)
 
@@ -962,9 +882,8 @@ def _weighted_sum_share(control, error, HIDDEN, TOP_K: gl.constexpr, WEIGHT_DTYP
 def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows,
               row_origin, w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot,
               combine_ptrs, error, num_experts, trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
-              l2_splits, l2_partial, l2_ready, sum_control, sum_args, pair_amax,
-              FP8: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N1: gl.constexpr,
-              BLOCK_N2: gl.constexpr,
+              l2_splits, l2_partial, l2_ready, sum_control, sum_args, FP8: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N1: gl.constexpr, BLOCK_N2: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, INSTRUMENT: gl.constexpr,
               FENCE: gl.constexpr, SPLIT_K: gl.constexpr, SUM_TOP_K: gl.constexpr,
               SUM_WEIGHT_DTYPE: gl.constexpr, SUM_ATOMIC: gl.constexpr):
@@ -979,10 +898,6 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
     SUM_ATOMIC: each Linear-2 epilogue added its rows into the output)."""
     stamped: gl.constexpr = INSTRUMENT and half == 0
     HALF_ROWS: gl.constexpr = BLOCK_M // 2
-    PAIRED: gl.constexpr = FP8 and a_smem.shape[0] == STAGES
-    # ... and a 256-wide Linear-2 tile by warpgroup, 128 columns each (a split's sum too)
-    PAIRED_L2: gl.constexpr = PAIRED and BLOCK_N2 == 2 * SCALE_BLOCK
-    L2_SUM_COLS: gl.constexpr = SCALE_BLOCK if PAIRED_L2 else BLOCK_N2
     row_layout: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 1], [32, 1], [4, 1],
                                                                   [1, 0]))
     it = 0
@@ -997,15 +912,7 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
             if half == 0:
                 gl.atomic_add(error, 1)
         else:
-            if PAIRED:
-                # both warpgroups on the first half's rows (the second is never routed), each
-                # its column half, of a Linear-1 tile and a 256-wide Linear-2 one
-                if PAIRED_L2:
-                    row_base = row_block * BLOCK_M
-                else:
-                    row_base = row_block * BLOCK_M + gl.where(kind == TILE_L1, 0, half * HALF_ROWS)
-            else:
-                row_base = row_block * BLOCK_M + half * HALF_ROWS
+            row_base = row_block * BLOCK_M + half * HALF_ROWS
             rows = (row_base + gl.arange(0, HALF_ROWS, layout=row_layout)).to(gl.int64)
             rec = trace + i * TRACE_FIELDS
             if stamped:
@@ -1033,38 +940,14 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
                                                      FP8, BLOCK_N1, BLOCK_K, STAGES, HALF_ROWS)
                 if stamped:
                     _stamp(rec, 2)
-                if PAIRED:
-                    _linear1_pair_epilogue(half, acc_g, acc_u, h, h_scale, row_ready, row_block,
-                                           row_base, n_block, INTER, pair_amax, HALF_ROWS)
-                else:
-                    _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base,
-                                      n_block, INTER, FP8, BLOCK_N1, HALF_ROWS)
+                _linear1_epilogue(acc_g, acc_u, h, h_scale, row_ready, row_block, row_base,
+                                  n_block, INTER, FP8, BLOCK_N1, HALF_ROWS)
             else:
                 # split K: this split's partial rows, the splits of the tile's half stacked
-                if PAIRED_L2:
-                    # the first half's rows, this warpgroup's 128 columns
-                    prow0 = row_block * l2_splits * BLOCK_M
-                    col0 = n2 * BLOCK_N2 + half * SCALE_BLOCK
-                else:
-                    prow0 = row_block * l2_splits * BLOCK_M + half * HALF_ROWS
-                    col0 = n2 * BLOCK_N2
+                prow0 = row_block * l2_splits * BLOCK_M + half * HALF_ROWS
                 prow = prow0 + split * BLOCK_M
-                if PAIRED_L2:
-                    acc, it = _linear2_mainloop(half, it, a_smem, b_smem, ready, empty, h_scale,
-                                                w2_scale, rows, expert, 2 * n2 + half, k0, HIDDEN,
-                                                INTER, l2_n_k, FP8, SCALE_BLOCK, BLOCK_K, STAGES,
-                                                HALF_ROWS, half * SCALE_BLOCK)
-                    if stamped:
-                        _stamp(rec, 2)
-                    if not SPLIT_K:
-                        _linear2_combine_epilogue(acc, row_src, row_slot, combine_ptrs, row_base,
-                                                  2 * n2 + half, sum_args, HIDDEN, SCALE_BLOCK,
-                                                  HALF_ROWS, SUM_TOP_K, SUM_WEIGHT_DTYPE,
-                                                  SUM_ATOMIC)
-                    else:
-                        _store_partial(acc, l2_partial, row_slot, prow, row_base, col0, HIDDEN,
-                                       SCALE_BLOCK, FP8, HALF_ROWS)
-                elif FP8 and BLOCK_N2 == 2 * SCALE_BLOCK:
+                col0 = n2 * BLOCK_N2
+                if FP8 and BLOCK_N2 == 2 * SCALE_BLOCK:
                     # two 128-column halves, as Linear-1's gate and up: one temporary fits the
                     # registers
                     k_scales = INTER // SCALE_BLOCK
@@ -1109,7 +992,7 @@ def _consumer(half: gl.constexpr, tiles, n_tiles, a_smem, b_smem, ready, empty, 
                     if _last_split(counter, l2_splits, SUM_ATOMIC):
                         _combine_split_sums(l2_partial, row_src, row_slot, combine_ptrs, prow0,
                                             row_base, col0, l2_splits, sum_args, HIDDEN,
-                                            L2_SUM_COLS, BLOCK_M, SUM_TOP_K, SUM_WEIGHT_DTYPE,
+                                            BLOCK_N2, BLOCK_M, SUM_TOP_K, SUM_WEIGHT_DTYPE,
                                             SUM_ATOMIC)
                         gl.store(counter, 0)
                 if FENCE:
@@ -1199,12 +1082,6 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # one release per consumer warpgroup
-    if FP8 and ONE_HALF:
-        # PAIRED: a Linear-1 tile's row maxima, one slot per warpgroup
-        pair_amax = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M // 2],
-                                              gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    else:
-        pair_amax = ready  # never read
     if SUM_TOP_K > 0 and not SUM_ATOMIC:
         sum_control = gl.allocate_shared_memory(gl.int64, [SUM_CONTROL],
                                                 gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -1216,15 +1093,15 @@ def moe_fused_ws_kernel(tiles, num_tiles, max_tiles, a_rows, row_origin, w1_desc
         (_consumer, (0, my_tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows, row_origin,
                      w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs,
                      error, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
-                     l2_splits, l2_partial, l2_ready, sum_control, sum_args, pair_amax,
-                     FP8, BLOCK_M, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE,
-                     SPLIT_K, SUM_TOP_K, SUM_WEIGHT_DTYPE, SUM_ATOMIC)),
+                     l2_splits, l2_partial, l2_ready, sum_control, sum_args, FP8, BLOCK_M,
+                     BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K,
+                     SUM_WEIGHT_DTYPE, SUM_ATOMIC)),
         (_consumer, (1, my_tiles, n_tiles, a_smem, b_smem, ready, empty, a_rows, row_origin,
                      w1_scale, w2_scale, h, h_scale, row_ready, row_src, row_slot, combine_ptrs,
                      error, num_experts, my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks,
-                     l2_splits, l2_partial, l2_ready, sum_control, sum_args, pair_amax,
-                     FP8, BLOCK_M, BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE,
-                     SPLIT_K, SUM_TOP_K, SUM_WEIGHT_DTYPE, SUM_ATOMIC)),
+                     l2_splits, l2_partial, l2_ready, sum_control, sum_args, FP8, BLOCK_M,
+                     BLOCK_N1, BLOCK_N2, BLOCK_K, STAGES, INSTRUMENT, FENCE, SPLIT_K, SUM_TOP_K,
+                     SUM_WEIGHT_DTYPE, SUM_ATOMIC)),
         (_producer, (my_tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_smem,
                      b_smem, ready, empty, row_ready, row_slot, error, max_spin, num_experts,
                      my_trace, HIDDEN, INTER, l1_k_blocks, l2_k_blocks, l2_splits, FP8, BLOCK_M,

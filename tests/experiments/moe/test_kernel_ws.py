@@ -105,10 +105,9 @@ def _compile(module, precision: str, cfg: TileConfig, instrument: bool = False,
 
 def _default_configs(one_half: bool = False):
     """Every default gluon_ws configuration of the model shapes (what the benchmarks run), at
-    each tile height of the precision, keyed (precision, block_m, block_n2, stages), a ring of
-    one A half a stage keyed "one_half" after them; with ``one_half``, also where every
-    expert's rows fit a tile's first half (that ring where it is deeper, in FP8 with its
-    warpgroups paired: the plain and split builds here; its in-kernel sums run in
+    each tile height of the precision, keyed (precision, block_m, block_n2, stages); with
+    ``one_half``, also where every expert's rows fit a tile's first half (a ring of one A half a
+    stage where that is deeper: the plain and split builds here; its in-kernel sums run in
     tests/ops/moe/test_op_gpu.py)."""
     configs = {}
     for block_m, rows in WS_ROW_TILES.items():
@@ -117,8 +116,7 @@ def _default_configs(one_half: bool = False):
                 for expert_rows in (None, block_m // 2) if one_half else (None,):
                     cfg = default_tile_config(precision, "gluon_ws", hidden=shape.hidden,
                                               block_m=block_m, expert_rows=expert_rows)
-                    key = (precision, block_m, cfg.block_n2, cfg.num_stages)
-                    configs[key + (("one_half",) if cfg.a_halves == 1 else ())] = cfg
+                    configs[(precision, block_m, cfg.block_n2, cfg.num_stages)] = cfg
     return configs
 
 
@@ -140,11 +138,6 @@ def test_compiles_for_hopper(ws_module, key):
     # 256 rows (m64n128 over 64 + 64 columns, never two m64n64)
     assert "wgmma.mma_async.sync.aligned.m64n128k" in ptx and kind in ptx
     assert cfg.block_m == 128 or "wgmma.mma_async.sync.aligned.m64n64k" not in ptx
-    # FP8's ring of one A half pairs the warpgroups: each a Linear-1 tile's 64 gate and 64 up
-    # columns (m64n64), the rows' maxima exchanged at their named barrier
-    paired = precision == "fp8" and cfg.a_halves == 1
-    assert ("wgmma.mma_async.sync.aligned.m64n64k32" in ptx) == paired
-    assert ("bar.sync 15, 256;" in ptx) == paired
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
     assert "cp.async.bulk.tensor.2d" in ptx
     # Linear-1's rows gathered in 16-byte copies, tracked by the stage's barrier, and fenced
@@ -200,21 +193,16 @@ def test_default_configs_follow_the_shapes():
 
 
 def test_a_ring_of_one_a_half_where_every_experts_rows_fit_the_first_half(monkeypatch):
-    """128-row tiles whose bound keeps each expert's rows in a tile's first half: a ring of one A
-    half a stage, in bf16 where it is one stage deeper (DiT-MoE: 5), in FP8 everywhere (its
-    warpgroups paired; DiT-MoE's 5 deep, 4 at 256-wide Linear-2 tiles); two halves where a row
-    may pass the half, at 256 rows, or in bf16 where one half buys no stage (256-wide Linear-2
-    tiles). The launch builds it (``ONE_HALF``) and the host refuses it for a bound past the
-    half."""
+    """bf16 128-row tiles whose bound keeps each expert's rows in a tile's first half: a ring of
+    one A half a stage, one stage deeper (DiT-MoE: 5); two halves where a row may pass the half,
+    in fp8, at 256 rows, or where one half buys no stage (256-wide Linear-2 tiles). The launch
+    builds it (``ONE_HALF``) and the host refuses it for a bound past the half."""
     dit = default_tile_config("bf16", "gluon_ws", hidden=1408, expert_rows=64)
     assert (dit.a_halves, dit.num_stages) == (1, 5)
     check_tile_config(dit, "bf16", 1408, 5632)
     assert ws_shared_memory_bytes("bf16", 128, 128, 128, 64, 5, 1) <= HOPPER_SMEM_PER_CTA < \
         ws_shared_memory_bytes("bf16", 128, 128, 128, 64, 6, 1)
-    for hidden, stages in ((1408, 5), (4096, 4)):
-        fp8 = default_tile_config("fp8", "gluon_ws", hidden=hidden, expert_rows=64)
-        assert (fp8.a_halves, fp8.num_stages) == (1, stages), hidden
-    for precision, hidden, rows in (("bf16", 1408, 65), ("fp8", 1408, 65), ("bf16", 4096, 64),
+    for precision, hidden, rows in (("bf16", 1408, 65), ("fp8", 1408, 64), ("bf16", 4096, 64),
                                     ("bf16", 1408, None)):
         cfg = default_tile_config(precision, "gluon_ws", hidden=hidden, expert_rows=rows)
         assert (cfg.a_halves, cfg.num_stages) == (2, 4), (precision, hidden, rows)

@@ -148,10 +148,10 @@ def default_tile_config(precision: str, kernel: str | None = None, *, hidden: in
     fits a CTA (at one token on one H100, the fastest of 2-4 stages or within 4% of it in 16
     cells: moe_ring_probe/h100-80gb-hbm3-x1/20261206T101902Z-af1a2135ca). Where
     ``expert_rows``, the most routed rows an expert can hold in a call, stays within a tile's
-    first half, the ring of one A half a stage (``a_halves`` 1): in bf16 where it fits deeper
-    (there the probe found a one-token Linear-1 stream capped by the ring: DiT-MoE on the EP
-    rank); in fp8 always, whose stream did not follow the ring's depth but the consumer's
-    promotions, there paired over both warpgroups (the kernel's ``PAIRED``). ``block_m`` (gluon_ws):
+    first half, and a ring of one A half a stage fits deeper, that ring (``a_halves`` 1), in
+    bf16: there the probe found a one-token Linear-1 stream capped by the ring (DiT-MoE on the
+    EP rank), where fp8's did not follow the ring's depth (and its 5-stage build spilled: 12
+    bytes stored and 8 reloaded, split 28 and 52; sm_90, Triton 3.6). ``block_m`` (gluon_ws):
     its tile rows, one of ``WS_ROW_TILES`` (256: Linear-1 tiles of 64 columns, Linear-2 tiles of
     128)."""
     check_precision(precision)
@@ -171,8 +171,8 @@ def default_tile_config(precision: str, kernel: str | None = None, *, hidden: in
 
     a_halves, stages = 2, deepest(2)
     # 128-row tiles only: the layer takes 256 where experts hold 128 rows or more on average
-    if (block_m == WS_BLOCK_M and expert_rows is not None and expert_rows <= block_m // 2
-            and (precision == "fp8" or deepest(1) > stages)):
+    if (precision == "bf16" and block_m == WS_BLOCK_M and expert_rows is not None
+            and expert_rows <= block_m // 2 and deepest(1) > stages):
         a_halves, stages = 1, deepest(1)
     return TileConfig(block_m=block_m, block_n1=block_n1, block_n2=block_n2,
                       block_k=WS_BLOCK_K[precision], num_warps=4, num_stages=stages,
@@ -189,11 +189,8 @@ def ws_shared_memory_bytes(precision: str, block_m: int, block_n1: int, block_n2
     elem = 2 if precision == "bf16" else 1
     ring = stages * (block_m * a_halves // 2 + max(2 * block_n1, block_n2)) * block_k * elem
     conversion = (block_m // 2) * max(block_n2 * 2, block_n1 * elem)
-    kernel = load_kernel_module("moe_fused_ws")
-    sum_control = 8 * kernel.SUM_CONTROL.value
-    # FP8's ring of one A half pairs the warpgroups (PAIRED): 2 x 2 slots of row maxima, 2 barriers
-    paired = 4 * (block_m // 2) * 4 + 2 * 8 if precision == "fp8" and a_halves == 1 else 0
-    return ring + conversion + 2 * stages * 8 + 64 + sum_control + paired
+    sum_control = 8 * load_kernel_module("moe_fused_ws").SUM_CONTROL.value
+    return ring + conversion + 2 * stages * 8 + 64 + sum_control
 
 
 def check_tile_config(config: TileConfig, precision: str, hidden: int, intermediate: int) -> None:
