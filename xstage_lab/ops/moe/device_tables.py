@@ -316,8 +316,8 @@ def scan_chunk_bound(num_experts: int) -> int:
     ``SCAN_IN_HISTOGRAM_CHUNKS``, or the more one step takes, where ``route_offsets`` would split
     that step and add a launch. Above 32 (DiT-MoE's EP = 8 rank from 512 tokens, EP = 1 from
     4096; Qwen3.5's rank at 64) the graphed call took 0.967-0.996x its time over three launches
-    (ab, base runs on either side: moe_layer/h200-x1/20261205T050105Z, retired, …050209Z,
-    …050333Z)."""
+    (ab, base runs on either side: moe_layer/h200-x1/20261205T050105Z and the change run
+    …050209Z, both retired, then …050333Z)."""
     return max(SCAN_IN_HISTOGRAM_CHUNKS, scan_step_rows(_pow2(num_experts)))
 
 
