@@ -78,10 +78,12 @@ promoted while the second runs: 4 x 32 + 2 x 32 registers) did not fit either: p
 tokens), pairing the warpgroups instead (the ring of one A half; each warpgroup 64 gate and 64
 up columns of the first half's rows, their maxima for h's scales exchanged at a named barrier,
 and 128 columns of a 256-wide Linear-2 tile) built without spills but measured no better on one
-H100: DiT-MoE FP8 at 1 and 8 tokens, the graphed call 0.979-1.013x and the kernel alone's
-device time 1.005-1.021x (8f8a43d, reverted; moe_layer/h100-80gb-hbm3-x1 …114628Z against
-…114552Z and …114656Z, the first two retired). Its groups still waited block by block; issuing
-a block's before the previous block's promotion made ptxas serialize every wgmma (not run).
+H100: DiT-MoE FP8 at one token in both settings and eight at EP = 1, the graphed call
+0.979-1.007x and the kernel alone's device time 1.005-1.021x, the unchanged build of eight
+tokens on the EP rank 1.013x and 1.009x (8f8a43d, reverted; moe_layer/h100-80gb-hbm3-x1
+…114628Z against …114552Z and …114656Z, the first two retired). Its groups still waited block
+by block; issuing a block's before the previous block's promotion made ptxas serialize every
+wgmma (compiled only, not kept).
 
 Code size: the kernel is timed after other kernels in a call, whose code takes the SMs'
 instruction caches. The FP8 builds at 81-91 KiB of SASS then took up to 1.24x their time after
