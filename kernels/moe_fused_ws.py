@@ -81,7 +81,7 @@ and 128 columns of a 256-wide Linear-2 tile) built without spills but measured n
 H100: DiT-MoE FP8 at one token in both settings and eight at EP = 1, the graphed call
 0.979-1.007x and the kernel alone's device time 1.005-1.021x, the unchanged build of eight
 tokens on the EP rank 1.013x and 1.009x (8f8a43d, reverted; moe_layer/h100-80gb-hbm3-x1
-…114628Z against …114552Z and …114656Z, the first two retired). Its groups still waited block
+…114628Z against …114552Z and …114656Z, all retired). Its groups still waited block
 by block; issuing a block's before the previous block's promotion made ptxas serialize every
 wgmma (compiled only, not kept).
 
@@ -550,31 +550,22 @@ def _linear2_mainloop(half: gl.constexpr, it, a_smem, b_smem, ready, empty, h_sc
         h_scales = h_scale + gl.convert_layout(rows, gl.SliceLayout(1, mma)) * k_scales + k0
         w_scales = w2_scale + (expert * (HIDDEN // SCALE_BLOCK) + n_block) * k_scales + k0
         t = gl.zeros([HALF_ROWS, BLOCK_N2], gl.float32, layout=mma)
-        # each K block's scales loaded a block ahead, under the previous block's wgmma: read
-        # after it, the .cg load's L2 round trip held every block (one token, Nsight Compute:
-        # moe_ncu/h100-80gb-hbm3-x1). Block 0's after its stage's wait, which follows the
-        # producer's acquire of the rows (their h and its scales). Not in _fp8_halves_mainloop
-        # (256-wide tiles): there the three values more spilled 0.9-2.8 KB (sm_90, Triton 3.6)
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        h_s = gl.load(h_scales, cache_modifier=".cg")
-        w_s = gl.load(w_scales)
         for kk in range(n_k):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             t = warpgroup_mma(a_smem.index(_a_slot(a_smem, s, half, STAGES)),
                               b_smem.index(s).slice(0, BLOCK_N2).permute((1, 0)), t,
                               use_acc=False, is_async=True)
-            ahead = gl.minimum(kk + 1, n_k - 1)  # the last block's again after it: unused
-            h_next = gl.load(h_scales + ahead, cache_modifier=".cg")
-            w_next = gl.load(w_scales + ahead)
+            # loaded a block ahead instead (block 0's after its stage's wait), these scales took
+            # the traced Linear-2 mainloop of DiT-MoE FP8 at one token 1.04-1.08x its time, the
+            # graphed call 0.98-1.01x at 1, 8 and 4096 tokens (b9d26db, reverted; ab on one
+            # H100: moe_layer/h100-80gb-hbm3-x1 …123417Z against …123337Z, both retired, and
+            # …123447Z), though Nsight Compute sampled the product waiting on them (moe_ncu)
+            scale = gl.load(h_scales + kk, cache_modifier=".cg") * gl.load(w_scales + kk)
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
             mbarrier.arrive(empty.index(s))
-            acc += t * (h_s * w_s)[:, None]
-            h_s = h_next
-            w_s = w_next
+            acc += t * scale[:, None]
             it += 1
-            s = it % STAGES
-            if kk + 1 < n_k:
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
     else:
         acc, it = _one_group_mainloop(half, it, a_smem, b_smem, ready, empty, n_k, BLOCK_N2, False,
                                       STAGES, HALF_ROWS)

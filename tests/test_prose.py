@@ -39,13 +39,6 @@ COINCIDENCES = {
     "device times: the committed records' is DeepSeek-V4-Pro bf16 EP = 8 rank's (11.7 µs), the "
     "synthetic set's DiT-MoE fp8 EP = 1's (11.6 µs), a difference of two columns it scales by "
     "1.79 and 1.89 (moe_layer/h200-x1/20261206T004931Z-9d04154fcc, 2026-12-06)",
-    (("c24cb15c", 0), "0.38"): "the least share of the HBM bandwidth at which a one-token "
-    "Linear-2 phase moves its weights: the committed records' is DiT-MoE fp8 EP = 8 rank's "
-    "(0.3773), the synthetic set's DiT-MoE fp8 EP = 1's (0.3813), a quotient of five columns "
-    "(moe_layer/h100-80gb-hbm3-x1/20261206T114656Z-57d850a3dc, 2026-12-06)",
-    (("c24cb15c", 0), "0.49"): "the same share of the Linear-1 phase: the committed records' "
-    "is DiT-MoE fp8 EP = 8 rank's (0.4911), the synthetic set's DeepSeek-V4-Pro fp8 EP = 1's "
-    "(0.4908) (moe_layer/h100-80gb-hbm3-x1/20261206T114656Z-57d850a3dc, 2026-12-06)",
 }
 
 
