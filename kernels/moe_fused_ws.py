@@ -264,7 +264,8 @@ def _load_a(desc, row0, k, bar, a_smem, s, second_half, HALF_ROWS: gl.constexpr,
                                                                                 STAGES)))
     if a_smem.shape[0] != STAGES:
         tma.async_copy_global_to_shared(desc, [row0 + HALF_ROWS, k], bar,
-                                        a_smem.index(2 * s + 1), pred=second_half)
+                                        a_smem.index(_a_slot(a_smem, s, 1, STAGES)),
+                                        pred=second_half)
 
 
 @gluon.jit
@@ -372,7 +373,8 @@ def _producer(tiles, n_tiles, a_rows, row_origin, w1_desc, h_desc, w2_desc, a_sm
                                  BLOCK_K)
                     if not ONE_HALF:
                         if second_half:
-                            _gather_half(x_rows, origin1, k, a_smem.index(2 * s + 1), HIDDEN,
+                            _gather_half(x_rows, origin1, k,
+                                         a_smem.index(_a_slot(a_smem, s, 1, STAGES)), HIDDEN,
                                          gather, BLOCK_K)
                     async_copy.mbarrier_arrive(ready.index(s))
                     gl.thread_barrier()
