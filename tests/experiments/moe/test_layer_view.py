@@ -8,7 +8,10 @@ import pytest
 
 from xstage_lab.analysis.moe import layer_view as lv
 from xstage_lab.analysis.moe.layer_view import SUMMARY_KEYS, summary_entry
+from xstage_lab.analysis.moe import VARIANT
 from xstage_lab.records import write_record
+
+PLATFORM = {VARIANT: lv.PLATFORM_VARIANT}  # a record's params: a run of the layer as it ships
 
 
 def _row(tokens, setting="ep1", **over):
@@ -31,10 +34,10 @@ def test_summary_rows_keep_the_issue_fields_in_plain_values():
 
 def test_a_platforms_records_join_per_cell_the_newest_winning(tmp_path):
     at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(2)]
-    write_record("moe_layer", "x", pd.DataFrame([_row(1), _row(64)]), {}, {}, tmp_path,
+    write_record("moe_layer", "x", pd.DataFrame([_row(1), _row(64)]), PLATFORM, {}, tmp_path,
                  created=at[0])
     write_record("moe_layer", "x", pd.DataFrame([_row(64, kernel_us=70.0), _row(64, "ep8_rank")]),
-                 {}, {}, tmp_path, created=at[1])
+                 PLATFORM, {}, tmp_path, created=at[1])
     view = lv.layer_view("x", tmp_path)
     t = view.table
     assert len(view.records) == 2 and len(t) == 3
@@ -44,24 +47,37 @@ def test_a_platforms_records_join_per_cell_the_newest_winning(tmp_path):
 
 
 def test_a_platforms_matrix_takes_only_records_of_its_variant(tmp_path):
-    """A newer record naming options other than ``PLATFORM_VARIANT``'s (an A/B's side: another
-    weighted sum, held starts, tiles given) holds no cell of the matrix; one naming its options,
-    or none (records from before variants), does."""
-    from xstage_lab.analysis.moe import VARIANT
-
-    at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(5)]
+    """A newer record naming options other than ``PLATFORM_VARIANT``'s (an A/B's side: held
+    starts, tiles given, the sum in the kernel) holds no cell of the matrix; one naming its
+    options holds every cell; one of the default's other options but a sum "auto" picks
+    between (the launch, the adds), or naming none (records from before variants: the
+    launch), holds the cells where "auto" picks that sum: the adds at EP = 1 up to
+    ``AUTO_ATOMIC_TOKENS``."""
+    few, many = lv.AUTO_ATOMIC_TOKENS, lv.AUTO_ATOMIC_TOKENS + 1
+    cells = [(1, "ep1"), (few, "ep1"), (many, "ep1"), (1, "ep8_rank")]
+    at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(7)]
     variants = [None, {"weighted_sum": "launch"}, {"weighted_sum": "atomic", "graph_start": "idle"},
                 {"weighted_sum": "launch", "graph_start": "held"},
-                {**lv.PLATFORM_VARIANT, "tile_rows": 256}]
+                {**lv.PLATFORM_VARIANT, "tile_rows": 256}, {"weighted_sum": "kernel"}]
     for i, (variant, when) in enumerate(zip(variants, at)):
-        write_record("moe_layer", "x", pd.DataFrame([_row(1, kernel_us=60.0 + i)]),
+        write_record("moe_layer", "x",
+                     pd.DataFrame([_row(n, s, kernel_us=60.0 + i) for n, s in cells]),
                      {} if variant is None else {VARIANT: variant}, {}, tmp_path, created=when)
     view = lv.layer_view("x", tmp_path)
-    assert len(view.records) == 2 and list(view.table["kernel_us"]) == [61.0]
-    write_record("moe_layer", "y", pd.DataFrame([_row(1)]),
+    assert len(view.records) == 3 and list(view.table["kernel_us"]) == [62.0, 62.0, 61.0, 61.0]
+    write_record("moe_layer", "x", pd.DataFrame([_row(n, s, kernel_us=70.0) for n, s in cells]),
+                 {VARIANT: lv.PLATFORM_VARIANT}, {}, tmp_path, created=at[6])
+    assert list(lv.layer_view("x", tmp_path).table["kernel_us"]) == [70.0] * 4
+    write_record("moe_layer", "y", pd.DataFrame([_row(many)]),
                  {VARIANT: {"weighted_sum": "atomic"}}, {}, tmp_path)
     with pytest.raises(FileNotFoundError, match="no 'moe_layer' record of"):
         lv.layer_view("y", tmp_path)
+
+
+def test_the_views_auto_bound_is_the_ops():
+    from xstage_lab.ops.moe import op
+
+    assert lv.AUTO_ATOMIC_TOKENS == op.AUTO_ATOMIC_TOKENS
 
 
 def test_the_platform_variant_is_what_the_op_and_the_bench_default_to():
@@ -86,7 +102,7 @@ def test_the_prose_names_the_records_the_cells_come_from(tmp_path):
     at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(3)]
     for rows, when in (([_row(1), _row(64)], at[0]), ([_row(64, kernel_us=70.0)], at[1]),
                        ([_row(1, kernel_us=60.0)], at[2])):
-        write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path, created=when)
+        write_record("moe_layer", "x", pd.DataFrame(rows), PLATFORM, {}, tmp_path, created=when)
     view = lv.layer_view("x", tmp_path)
     assert [r.record_id for r in view.sources] == [r.record_id for r in view.records[1:]]
     text = str(layer([view]))
@@ -146,16 +162,16 @@ def test_layer_prose_names_the_schedule_misses_with_their_clocks(tmp_path):
 
     rows = [_row(8192, model=m, route_tables_us=us, route_sm_clock_mhz=mhz, sm_clock_mhz=k)
             for m, us, mhz, k in (("M0", 25.0, 1500.0, 1800.0), ("M1", 38.0, 960.0, 1500.0))]
-    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    write_record("moe_layer", "x", pd.DataFrame(rows), PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
     assert ("of schedule kernels: 1 of 2 cells; above it M1 bf16 at EP = 1: 38 µs, its SM clock "
             "960 MHz as the routing's profile ended (the cells' routing profiles ended at "
             "960–1500 MHz, their fused kernels' timed trials ran at 1500–1800 MHz))") in text
     unclocked = [{k: v for k, v in r.items() if k != "route_sm_clock_mhz"} for r in rows]
-    write_record("moe_layer", "y", pd.DataFrame(unclocked), {}, {}, tmp_path)
+    write_record("moe_layer", "y", pd.DataFrame(unclocked), PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("y", tmp_path)]))
     assert "1 of 2 cells; above it M1 bf16 at EP = 1: 38 µs)" in text
-    write_record("moe_layer", "z", pd.DataFrame(rows[:1]), {}, {}, tmp_path)
+    write_record("moe_layer", "z", pd.DataFrame(rows[:1]), PLATFORM, {}, tmp_path)
     assert "above it" not in str(layer([lv.layer_view("z", tmp_path)]))
 
 
@@ -168,12 +184,12 @@ def test_layer_prose_names_the_host_misses_the_first_few_only(tmp_path):
                  host_call_max_us=25.0),
             _row(1, model="M1", host_overhead_us=69.0, host_call_median_us=68.0,
                  host_call_max_us=132.0)]
-    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    write_record("moe_layer", "x", pd.DataFrame(rows), PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
     assert ("(at most 30 asked: 1 of 2 cells; above it M1 bf16 at EP = 1 at 1 token: 69 µs, its "
             "median call 68 µs and its slowest 132 µs)") in text
     many = [_row(64, model=f"M{i}", host_overhead_us=40.0 + i) for i in range(5)]
-    write_record("moe_layer", "y", pd.DataFrame(many), {}, {}, tmp_path)
+    write_record("moe_layer", "y", pd.DataFrame(many), PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("y", tmp_path)]))
     assert ("0 of 5 cells; above it M0 bf16 at EP = 1 at 64 tokens: 40 µs; M1 bf16 at EP = 1 at "
             "64 tokens: 41 µs; M2 bf16 at EP = 1 at 64 tokens: 42 µs; and 2 more cells)") in text
@@ -188,14 +204,14 @@ def test_layer_prose_names_the_cells_where_the_fused_layer_is_slower(tmp_path):
     rows = [_row(8192, model="M0", unfused_eager_us=89.0, unfused_graph_us=99.0),
             _row(1, model="M1", unfused_eager_us=95.0, unfused_graph_us=81.0),
             _row(64, model="M2")]
-    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    write_record("moe_layer", "x", pd.DataFrame(rows), PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
     assert ("eagerly in 2 of 3 cells and graphed in 2 of 3; it is slower in M0 bf16 at EP = 1 "
             "at 8192 tokens: the unfused path takes 0.89× the fused layer's time eagerly and "
             "1.10× graphed; M1 bf16 at EP = 1 at 1 token: the unfused path takes 0.95× the fused "
             "layer's time eagerly and 0.90× graphed; from 64 tokens the graphed unfused path "
             "takes 1.10–1.33× the graphed fused layer's time.") in text
-    write_record("moe_layer", "y", pd.DataFrame(rows[2:]), {}, {}, tmp_path)
+    write_record("moe_layer", "y", pd.DataFrame(rows[2:]), PLATFORM, {}, tmp_path)
     assert "slower in" not in str(layer([lv.layer_view("y", tmp_path)]))
 
 
@@ -207,12 +223,12 @@ def test_layer_prose_gives_the_kernels_weight_passes_from_4096_tokens(tmp_path):
     rows = [_row(4096, model="M0", kernel_us=80.0, weight_floor_us=50.0),
             _row(8192, model="M1", kernel_us=90.0, weight_floor_us=40.0, unfused_graph_us=80.0),
             _row(64, model="M2", kernel_us=80.0, weight_floor_us=10.0)]
-    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    write_record("moe_layer", "x", pd.DataFrame(rows), PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
     assert ("At 4096 tokens and more the kernel alone takes 1.6–2.2× the time its experts' "
             "weights take to read once at the HBM bandwidth measured in the run, 2.2× in the 1 "
             "cell where the graphed fused layer is slower than the unfused path.") in text
-    write_record("moe_layer", "y", pd.DataFrame(rows[2:]), {}, {}, tmp_path)
+    write_record("moe_layer", "y", pd.DataFrame(rows[2:]), PLATFORM, {}, tmp_path)
     assert "read once at the HBM" not in str(layer([lv.layer_view("y", tmp_path)]))
 
 
@@ -224,14 +240,14 @@ def test_layer_prose_says_which_cells_ran_256_row_tiles(tmp_path):
     rows = [_row(4096, model="M0", tile_rows=256), _row(8192, model="M1", tile_rows=256),
             _row(512, model="M2", setting="ep8_rank", tile_rows=256),
             _row(64, model="M3", tile_rows=128)]
-    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    write_record("moe_layer", "x", pd.DataFrame(rows), PLATFORM, {}, tmp_path)
     assert ("The kernel's tiles are 256 rows in 3 bf16 cells (at EP = 1 at 4096 and 8192 tokens "
             "and on the EP = 8 rank at 512 tokens), 128 in the others, as the layer's rule chose "
             "them when the record ran (by the routed rows an expert holds on average and the "
             "hidden size: `tiles.ws_tile_rows`).") in \
         str(layer([lv.layer_view("x", tmp_path)]))
-    write_record("moe_layer", "y", pd.DataFrame(rows[3:]), {}, {}, tmp_path)
-    write_record("moe_layer", "z", pd.DataFrame([_row(64, model="M4")]), {}, {}, tmp_path)
+    write_record("moe_layer", "y", pd.DataFrame(rows[3:]), PLATFORM, {}, tmp_path)
+    write_record("moe_layer", "z", pd.DataFrame([_row(64, model="M4")]), PLATFORM, {}, tmp_path)
     for platform in ("y", "z"):
         assert "256 rows" not in str(layer([lv.layer_view(platform, tmp_path)]))
 
@@ -261,7 +277,7 @@ def test_layer_prose_says_how_an_eager_call_launches(tmp_path, era):
     rows = [_row(t, s, host_launch_floor_us=7.0, route_kernels_us=json.dumps(kernels),
                  host_overhead_us=40.0 if s == "ep1" else 90.0, **path)
             for s in ("ep1", "ep8_rank") for t in (1, 8192)]
-    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    write_record("moe_layer", "x", pd.DataFrame(rows), PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
     # one token: the kernel 80 µs over the 50 µs floor, the profiled routing kernels summed
     assert (f"the kernel takes 1.6× the weight-read floor (80 µs against 50 µs), the routing "
@@ -293,7 +309,7 @@ def test_layer_prose_reads_a_platform_of_one_token_cells_and_one_routing_kernel(
                  route_kernels_us=json.dumps({"route_histogram": 2.0}), host_check_us=2.0,
                  host_args_us=1.0, host_replay_us=6.0, host_set_addresses_us=1.5,
                  host_graph_launch_us=4.0) for s in ("ep1", "ep8_rank")]
-    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    write_record("moe_layer", "x", pd.DataFrame(rows), PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
     assert "graphed in 2 of 2 (no cell of 64 tokens or more). The graphed call" in text
     assert ("one CUDA graph of its routing kernel (which writes its argument block), the fused "
@@ -308,11 +324,11 @@ def test_layer_prose_gives_the_eager_calls_steps_where_a_record_timed_them(tmp_p
     from xstage_lab.prose.moe.fused_layer import layer
 
     at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(2)]
-    write_record("moe_layer", "x", pd.DataFrame([_row(1), _row(64)]), {}, {}, tmp_path,
+    write_record("moe_layer", "x", pd.DataFrame([_row(1), _row(64)]), PLATFORM, {}, tmp_path,
                  created=at[0])
     steps = dict(host_check_us=4.0, host_args_us=15.0, host_replay_us=8.0)
-    write_record("moe_layer", "x", pd.DataFrame([_row(64, **steps), _row(64, "ep8_rank")]), {},
-                 {}, tmp_path, created=at[1])
+    write_record("moe_layer", "x", pd.DataFrame([_row(64, **steps), _row(64, "ep8_rank")]),
+                 PLATFORM, {}, tmp_path, created=at[1])
     text = str(layer([lv.layer_view("x", tmp_path)]))
     assert ("the inputs' check 4 µs, the argument block's write 15 µs, the graph's replay 8 µs "
             "(1 cell") in text
@@ -320,7 +336,7 @@ def test_layer_prose_gives_the_eager_calls_steps_where_a_record_timed_them(tmp_p
     write_record("moe_layer", "x", pd.DataFrame([_row(64, eager_path="graph_launch",
                                                       host_output_us=3.0,
                                                       host_capturing_us=1.0, **steps)]),
-                 {}, {}, tmp_path, created=at[1].replace(minute=5))
+                 PLATFORM, {}, tmp_path, created=at[1].replace(minute=5))
     text = str(layer([lv.layer_view("x", tmp_path)]))
     assert ("the inputs' check 4 µs, the output's allocation 3 µs, the stream's capture state "
             "1 µs, the addresses gathered 15 µs, the graph launched with them 8 µs (1 cell") in text
@@ -332,13 +348,13 @@ def test_layer_prose_gives_a_runs_first_call_where_a_record_kept_single_calls(tm
     from xstage_lab.prose.moe.fused_layer import layer
 
     at = [datetime(2026, 12, 2, 3, m, tzinfo=timezone.utc) for m in range(2)]
-    write_record("moe_layer", "x", pd.DataFrame([_row(1), _row(64)]), {}, {}, tmp_path,
+    write_record("moe_layer", "x", pd.DataFrame([_row(1), _row(64)]), PLATFORM, {}, tmp_path,
                  created=at[0])
     assert "first call" not in str(layer([lv.layer_view("x", tmp_path)]))
     calls = [dict(host_first_call_us=f, host_call_median_us=m) for f, m in ((240.0, 12.0),
                                                                             (30.0, 9.0))]
     write_record("moe_layer", "x", pd.DataFrame([_row(64, **calls[0]),
-                                                 _row(64, "ep8_rank", **calls[1])]), {}, {},
+                                                 _row(64, "ep8_rank", **calls[1])]), PLATFORM, {},
                  tmp_path, created=at[1])
     text = str(layer([lv.layer_view("x", tmp_path)]))
     assert ("in the 2 cells that keep single calls, a run's first call, the host back from "
@@ -394,13 +410,13 @@ def test_layer_prose_names_a_parity_miss_with_its_trials_own_spread(tmp_path):
     ratios = lv.kernel_trial_ratios(pd.DataFrame(rows))
     assert list(ratios["trials"]) == [3, 3, 1]
     assert list(ratios["trial_ratio_max"]) == pytest.approx([1.01, 1.05, 1.5])
-    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    write_record("moe_layer", "x", pd.DataFrame(rows), PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
     assert ("(the median of their per-trial ratios, which themselves span 0.920–1.050×, where a "
             "record kept the trials; within 2% in 1 of 2 cells; above it M1 bf16 at EP = 1 at "
             "8192 tokens: 1.030×, its 3 trials' own ratios 0.920–1.050×)") in text
     bare = [{k: v for k, v in r.items() if "trials" not in k} for r in rows]
-    write_record("moe_layer", "y", pd.DataFrame(bare), {}, {}, tmp_path)
+    write_record("moe_layer", "y", pd.DataFrame(bare), PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("y", tmp_path)]))
     assert ("(the median of their per-trial ratios, where a record kept the trials; within 2% in "
             "1 of 2 cells; above it M1 bf16 at EP = 1 at 8192 tokens: 1.030×)") in text
@@ -431,7 +447,7 @@ def test_layer_prose_reads_the_call_profile_where_a_record_kept_it(tmp_path):
     route = json.dumps({"route_tiny": 2.0})
     rows = [_row(1, route_kernels_us=route), _row(1, "ep8_rank", route_kernels_us=route),
             _row(64, route_kernels_us=route)]
-    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    write_record("moe_layer", "x", pd.DataFrame(rows), PLATFORM, {}, tmp_path)
     assert "Profiled in a whole call" not in str(layer([lv.layer_view("x", tmp_path)]))
     call = dict(call_kernels_us=json.dumps({"route_tiny": 2.0, "moe_fused_ws_kernel": 84.0,
                                             "weighted_sum": 2.0}),
@@ -442,7 +458,7 @@ def test_layer_prose_reads_the_call_profile_where_a_record_kept_it(tmp_path):
                     "call_kernels_us": json.dumps({"route_tiny": 2.0,
                                                    "moe_fused_ws_kernel": 80.0})}),
             _row(64, route_kernels_us=route)]
-    write_record("moe_layer", "y", pd.DataFrame(rows), {}, {}, tmp_path)
+    write_record("moe_layer", "y", pd.DataFrame(rows), PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("y", tmp_path)]))
     # graphed 90 µs less 88 (EP = 1) and 82 µs (rank) of kernels; 84 and 80 over 80
     assert ("Profiled in a whole call (2 cells), the fused kernel takes 1.00–1.05× its device "
@@ -464,7 +480,7 @@ def test_a_one_token_calls_weighted_sum_is_its_kernel_in_the_call_not_graphed_al
                                             "weighted_sum": 2.0}),
                 kernel_in_call_us=84.0, kernel_alone_device_us=80.0)
     rows = [_row(1, route_kernels_us=route, weighted_sum_us=13.0, **call), _row(64)]
-    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    write_record("moe_layer", "x", pd.DataFrame(rows), PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
     assert ("the routing kernels 2 µs (profiled). Profiled in a whole call (1 cell), the fused "
             "kernel takes 1.05× its device time alone, the weighted sum's kernel 2.0 µs at "
@@ -483,12 +499,12 @@ def test_layer_prose_says_by_how_much_the_misses_exceed_the_bound(tmp_path):
             for g, r in ((96.0, 3.0), (90.0, 2.0), (89.0, 1.0))]
     for i, row in enumerate(rows):
         row["model"] = f"M{i}"
-    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    write_record("moe_layer", "x", pd.DataFrame(rows), PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
     assert ("in 1 of 3 cells (1.05–1.13×; in 3 cells, from records made before that fill was "
             "profiled, with it), the other 2 above that bound by 0.8–6.8 µs, where their routing "
             "kernels take 2.0–3.0 µs (profiled);") in text
-    write_record("moe_layer", "y", pd.DataFrame(rows[2:]), {}, {}, tmp_path)
+    write_record("moe_layer", "y", pd.DataFrame(rows[2:]), PLATFORM, {}, tmp_path)
     assert "above that bound" not in str(layer([lv.layer_view("y", tmp_path)]))
 
 
@@ -504,7 +520,7 @@ def test_layer_prose_says_where_a_one_token_miss_spends_its_time(tmp_path):
                  hbm_gbps=4400.0)
     # 90 µs graphed: over 1.5 x 50 + 10, within 1.5 x 60 + 10
     rows = [_row(1, **trace), _row(1, "ep8_rank", weight_floor_us=60.0, **trace), _row(64)]
-    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    write_record("moe_layer", "x", pd.DataFrame(rows), PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
     # Linear-1: 44 tiles x 50 GB/s x 10 µs over 20 µs; Linear-2: 66 x 40 x 10 over 40 - 20
     assert ("The 1 one-token cell above the bound (M bf16 ep1) takes 1.6× the floor: its "
@@ -514,14 +530,14 @@ def test_layer_prose_says_where_a_one_token_miss_spends_its_time(tmp_path):
     around = dict(trace_entry_us=1.3, trace_l1_wait_us=2.0, trace_l1_epilogue_us=0.7,
                   trace_l2_tail_us=6.0)
     rows_around = [{**rows[0], **around}, {**rows[1], **around}, rows[2]]
-    write_record("moe_layer", "z", pd.DataFrame(rows_around), {}, {}, tmp_path)
+    write_record("moe_layer", "z", pd.DataFrame(rows_around), PLATFORM, {}, tmp_path)
     assert ("the Linear-2 phase at 0.30. Around their mainloops: the last program enters 1.3 µs "
             "after the first, a Linear-1 tile waits 2.0 µs from its entry for its first weights "
             "and ends 0.7 µs after its mainloop (medians), and the last tile ends 6.0 µs after "
             "the last Linear-2 mainloop (the epilogues, the split sums).") \
         in str(layer([lv.layer_view("z", tmp_path)]))
     rows[0]["weight_floor_us"] = 60.0
-    write_record("moe_layer", "y", pd.DataFrame(rows), {}, {}, tmp_path)
+    write_record("moe_layer", "y", pd.DataFrame(rows), PLATFORM, {}, tmp_path)
     assert "above the bound (" not in str(layer([lv.layer_view("y", tmp_path)]))
 
 
@@ -540,7 +556,7 @@ def test_layer_prose_splits_the_profiled_misses_excess_per_setting(tmp_path):
                 kernel_alone_device_us=77.0, weighted_sum_floor_us=0.0,
                 route_kernels_us=json.dumps({"route_tiny": 4.0}),
                 call_kernels_us=json.dumps({"route_tiny": 4.0, "moe_fused_ws_kernel": 80.0}))
-    write_record("moe_layer", "x", pd.DataFrame([ep1, rank, _row(64)]), {}, {}, tmp_path)
+    write_record("moe_layer", "x", pd.DataFrame([ep1, rank, _row(64)]), PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
     # EP = 1: 97 µs, 90.5 of kernels, 6.5 between against the kernel alone's 80 - 77
     assert ("; of their time beyond the kernel plus the weighted sum's memory time (2 profiled "
@@ -549,16 +565,16 @@ def test_layer_prose_splits_the_profiled_misses_excess_per_setting(tmp_path):
             "time between kernels beyond the kernel alone's 3.5 µs at EP = 1 and 3.0 µs on the "
             "EP = 8 rank;") in text
     assert "measured in graphed calls" not in text  # a record from before the boundaries
-    write_record("moe_layer", "y", pd.DataFrame([_row(1, fused_graph_us=97.0), _row(64)]), {},
-                 {}, tmp_path)
+    write_record("moe_layer", "y", pd.DataFrame([_row(1, fused_graph_us=97.0), _row(64)]),
+                 PLATFORM, {}, tmp_path)
     assert "profiled calls" not in str(layer([lv.layer_view("y", tmp_path)]))
     fill = "void at::native::vectorized_elementwise_kernel<4, FillFunctor<int>>"
     boundaries = dict(call_boundaries_us=json.dumps({"route_tiny -> moe_fused_ws_kernel": 1.5,
                                                      "moe_fused_ws_kernel -> route_tiny": 2.5}),
                       alone_boundaries_us=json.dumps({f"{fill} -> moe_fused_ws_kernel": 0.5,
                                                       f"moe_fused_ws_kernel -> {fill}": 1.0}))
-    write_record("moe_layer", "z", pd.DataFrame([ep1, {**rank, **boundaries}, _row(64)]), {}, {},
-                 tmp_path)
+    write_record("moe_layer", "z", pd.DataFrame([ep1, {**rank, **boundaries}, _row(64)]),
+                 PLATFORM, {}, tmp_path)
     # the rank's 3 µs beyond the kernel alone's: 4.0 - 1.5 between kernels as the device
     # measured them, the rest the timed window's; the EP = 1 cell's unsplit
     assert ("1.5 µs at EP = 1, the time between kernels beyond the kernel alone's 3.5 µs at "
@@ -602,12 +618,12 @@ def test_call_excess_adds_up_to_the_graphed_call_beyond_the_bounds_unit(tmp_path
     rank = e.iloc[2]  # an EP rank sums nothing; 90 µs: 86 of kernels, 4 between against 3
     assert rank[["weighted_sum_excess", "boundary_excess"]].tolist() == pytest.approx(
         [0.0, 1.0 / 80.0])
-    write_record("moe_layer", "x", pd.DataFrame(rows), {}, {}, tmp_path)
+    write_record("moe_layer", "x", pd.DataFrame(rows), PLATFORM, {}, tmp_path)
     fig = moe_layer_call_excess(lv.layer_view("x", tmp_path))
     drawn = {(tr.xaxis, tuple(tr.x)) for tr in fig.data}
     assert drawn == {("x", ("M bf16 T=1",)), ("x2", ("M bf16 T=64",))}  # 8 tokens: 1.04x
     assert fig.layout.yaxis.title.text and fig.layout.xaxis.title.text
-    write_record("moe_layer", "y", pd.DataFrame(rows[1:2]), {}, {}, tmp_path)
+    write_record("moe_layer", "y", pd.DataFrame(rows[1:2]), PLATFORM, {}, tmp_path)
     assert moe_layer_call_excess(lv.layer_view("y", tmp_path)) is None
 
 
@@ -680,12 +696,12 @@ def test_the_bounds_kernel_alone_leaves_out_its_counters_fill_where_profiled(tmp
     assert e[list(lv.CALL_EXCESS)].sum(axis=1).iloc[0] + 1 == pytest.approx(89.0 / 83.25)
     # between kernels: the call's 0 against the kernel alone's 80 - 1.75 - 77
     assert e["boundary_excess"].iloc[0] == pytest.approx(-1.25 / 83.25)
-    write_record("moe_layer", "x", table, {}, {}, tmp_path)
+    write_record("moe_layer", "x", table, PLATFORM, {}, tmp_path)
     text = str(layer([lv.layer_view("x", tmp_path)]))
     assert ("(1.06–1.07×; the kernel's time without its row counters' fill, 1.8 µs a call as "
             "profiled; in 1 cell, from records made before that fill was profiled, with it)") \
         in text
-    write_record("moe_layer", "y", table.iloc[:1], {}, {}, tmp_path)
+    write_record("moe_layer", "y", table.iloc[:1], PLATFORM, {}, tmp_path)
     assert "made before that fill" not in str(layer([lv.layer_view("y", tmp_path)]))
     fill = "void at::native::vectorized_elementwise_kernel<4, FillFunctor<int>>"
     measured = table.assign(alone_boundaries_us=json.dumps({f"{fill} -> moe": 0.5,

@@ -55,7 +55,7 @@ def fake():
         [-1 if i is None else i for i in order], list(aligned), ALIGN_BYTES, OWN, COMBINE,
         HIDDEN, TOP_K, MAX_TOKENS, list(WEIGHT_DTYPES), torch.device("cpu"), driver.addresses())
     words = (ctypes.c_uint64 * len(order))()
-    call.add(8, torch.int64, torch.float32, EXEC, NODE, PARAMS, ctypes.addressof(words))
+    call.add(8, torch.int64, torch.float32, False, EXEC, NODE, PARAMS, ctypes.addressof(words))
     return call, driver, words, order
 
 
@@ -99,7 +99,12 @@ def test_what_the_compiled_path_does_not_take_comes_back_as_none(fake):
     driver.capturing = 1
     assert call(x, ids, w, STREAM) is None, "the stream capturing"
     driver.capturing = 0
-    call.remove(8, torch.int64, torch.float32)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert call(x, ids, w, STREAM) is None, "torch's deterministic flag: another key"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    call.remove(8, torch.int64, torch.float32, False)
     assert call(x, ids, w, STREAM) is None and len(call) == 0, "the graph dropped"
     assert driver.calls == [] and list(words) == before
 

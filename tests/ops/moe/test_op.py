@@ -208,7 +208,7 @@ def test_bad_input_is_refused_before_launch(change, message):
 def test_a_model_printout_names_the_layer():
     text = repr(torch.nn.Sequential(_layer("fp8", "interleaved")))
     assert ("FusedMoE(experts=8, hidden=256, intermediate=256, top_k=2, precision=fp8, "
-            "max_tokens=16, schedule=interleaved, kernel=triton, weighted_sum=launch)") in text
+            "max_tokens=16, schedule=interleaved, kernel=triton, weighted_sum=auto)") in text
 
 
 def test_bad_construction_is_refused():
@@ -238,7 +238,8 @@ def test_the_kernel_ends_with_the_weighted_sum_where_one_pass_covers_the_tokens(
     layer = FusedMoE(weights, max_tokens=8, top_k=TINY.top_k, config=config, num_programs=4,
                      weighted_sum="kernel")
     assert [layer.sums_in_kernel(t) for t in (1, 4, 5, 8)] == [True, True, False, False]
-    apart = FusedMoE(weights, max_tokens=8, top_k=TINY.top_k, config=config, num_programs=4)
+    apart = FusedMoE(weights, max_tokens=8, top_k=TINY.top_k, config=config, num_programs=4,
+                     weighted_sum="launch")
     assert not apart.sums_in_kernel(1)
     launched = []
     monkeypatch.setattr(layer.workspace, "launch",
@@ -425,3 +426,36 @@ def test_compile_with_dynamic_tokens_keeps_the_bound():
 
 if __name__ == "__main__":
     raise SystemExit(child_main(sys.argv[1:], interpreter_cases(), {}))
+
+
+def test_the_default_sum_adds_in_the_kernel_at_few_tokens_unless_torch_asks_for_determinism(
+        monkeypatch):
+    """``weighted_sum="auto"`` (the default): with gluon_ws (built here, never launched) the
+    atomic sum's adds up to ``AUTO_ATOMIC_TOKENS`` and the sum's launch beyond, or at every T
+    while ``torch.use_deterministic_algorithms(True)`` holds (the adds' order, and so the bits,
+    may change from call to call); with the portable Triton kernel, the launch; a call's graph
+    is keyed by the flag, so one captured under either is never replayed under the other."""
+    weights = local_expert_weights(TINY, 0, 1, "bf16", seed=3)
+    config = default_tile_config("bf16", "gluon_ws", hidden=TINY.hidden)
+    layer = FusedMoE(weights, max_tokens=16, top_k=TINY.top_k, config=config, num_programs=4)
+    at = op.AUTO_ATOMIC_TOKENS
+    assert layer.weighted_sum == "auto"
+    assert [layer.adds_into_output(t) for t in (1, at, at + 1)] == [True, True, False]
+    assert layer.routing(torch.int32, at).zeroed_hidden == TINY.hidden
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not any(layer.sums_in_kernel(t) for t in (1, at))
+        assert layer.routing(torch.int32, 1).zeroed_hidden == 0
+    finally:
+        torch.use_deterministic_algorithms(False)
+    portable = FusedMoE(weights, max_tokens=16, top_k=TINY.top_k)
+    assert portable.workspace.config.kernel == "triton" and not portable.sums_in_kernel(1)
+    keys = []
+    monkeypatch.setattr(layer.graphs, "call", lambda key, *a, **kw: keys.append(key))
+    try:
+        for deterministic in (False, True):
+            torch.use_deterministic_algorithms(deterministic)
+            layer.run(*_inputs(2), layer.schedule)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert [k[-1] for k in keys] == [False, True] and keys[0][:-1] == keys[1][:-1]

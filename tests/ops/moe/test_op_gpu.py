@@ -22,7 +22,8 @@ from xstage_lab.ops.moe.combine import combine_weighted_sum, local_combine_peers
 from xstage_lab.ops.moe.dispatch import build_layout
 from xstage_lab.ops.moe.fused import prepare_fused_moe
 from xstage_lab.ops.moe.table_reference import host_tables, table_mismatches
-from xstage_lab.ops.moe.op import GRAPHS_PER_LAYER, FusedMoE
+from xstage_lab.ops.graph_launch import GRAPHS_PER_LAYER
+from xstage_lab.ops.moe.op import AUTO_ATOMIC_TOKENS, FusedMoE
 from xstage_lab.ops.moe.reference import reference_moe
 from xstage_lab.ops.moe.routing import router_logits, router_topk
 from xstage_lab.ops.moe.schedules import MoEProblem, expert_wave_schedule
@@ -429,7 +430,8 @@ def test_one_token_splits_linear2_along_k_and_matches_the_reference_call_after_c
     split order), and the split counters are left zero."""
     shape = SHAPES[model]
     weights = local_expert_weights(shape, 0, 1, precision, seed=SEED, device="cuda")
-    layer = FusedMoE(weights, max_tokens=1, top_k=shape.top_k, schedule="wave")
+    layer = FusedMoE(weights, max_tokens=1, top_k=shape.top_k, schedule="wave",
+                     weighted_sum="launch")
     assert layer.workspace.bounds.l2_splits > 1
     assert layer.workspace.config.block_n2 == block_n2
     for i in range(5):
@@ -495,7 +497,8 @@ def test_the_atomic_sum_adds_into_the_output_call_after_call(precision, model, t
     weights = local_expert_weights(shape, 0, 1, precision, seed=SEED, device="cuda")
     layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="wave",
                      weighted_sum="atomic")
-    apart = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="wave")
+    apart = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="wave",
+                     weighted_sum="launch")
     assert layer.sums_in_kernel(tokens) and not apart.sums_in_kernel(tokens)
     for i in range(5):
         x, ids, w = _inputs(tokens, 60 + i, ("balanced", "skewed")[i % 2], model=model)
@@ -510,6 +513,41 @@ def test_the_atomic_sum_adds_into_the_output_call_after_call(precision, model, t
         assert (y.float() - want.float()).abs().max() <= \
             2.0 ** -8 * shape.top_k * want.float().abs().max()
     _replay_routings(layer, tokens, range(80, 83), model)
+    assert int(layer.error) == 0
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_the_default_sum_adds_at_few_tokens_and_launches_under_torchs_determinism(precision):
+    """``weighted_sum="auto"`` (the default), MODEL at 1 and ``AUTO_ATOMIC_TOKENS`` tokens: each
+    call's output, poisoned first, matches the reference and, within bf16's rounding of its
+    adds, the sum's launch; under ``torch.use_deterministic_algorithms(True)`` the same layer
+    launches the sum (another graph) and gives the launch's bits, call after call."""
+    shape = SHAPES[MODEL]
+    weights = local_expert_weights(shape, 0, 1, precision, seed=SEED, device="cuda")
+    layer = FusedMoE(weights, max_tokens=AUTO_ATOMIC_TOKENS, top_k=shape.top_k,
+                     schedule="wave")
+    apart = FusedMoE(weights, max_tokens=AUTO_ATOMIC_TOKENS, top_k=shape.top_k,
+                     schedule="wave", weighted_sum="launch")
+    for i, tokens in enumerate((1, AUTO_ATOMIC_TOKENS) * 2):
+        assert layer.adds_into_output(tokens)
+        x, ids, w = _inputs(tokens, 70 + i, ("balanced", "skewed")[i % 2])
+        want = apart(x, ids, w)
+        for deterministic in (False, True):
+            torch.use_deterministic_algorithms(deterministic)
+            try:
+                torch.empty(tokens, shape.hidden, dtype=torch.bfloat16, device="cuda").fill_(
+                    float("nan"))
+                y = layer(x, ids, w)
+            finally:
+                torch.use_deterministic_algorithms(False)
+            torch.cuda.synchronize()
+            _check(layer, y, x, ids, w)
+            if deterministic:
+                assert torch.equal(y.view(torch.int16), want.view(torch.int16))
+            else:
+                assert (y.float() - want.float()).abs().max() <= \
+                    2.0 ** -8 * shape.top_k * want.float().abs().max()
+    assert sorted(k[-1] for k in layer.graphs) == [False, False, True, True]
     assert int(layer.error) == 0
 
 

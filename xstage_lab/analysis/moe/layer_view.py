@@ -6,11 +6,12 @@ issue's acceptance; where a call's device time goes; and the ``moe_layer`` entry
 
 A platform's matrix may be measured in several runs (by model, precision or setting, one device
 session each): ``layer_view`` joins every record of the platform's variant (``PLATFORM_VARIANT``:
-the layer as it ships, timed as the matrix is), a cell from the newest record that holds it."""
+the layer as it ships, timed as the matrix is; ``platform_rows``), a cell from the newest record
+that holds it."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
@@ -30,9 +31,13 @@ CALL_EXCESS = ("kernel_excess", "routing_excess", "weighted_sum_excess", "bounda
 CELL = ["model", "precision", "setting", "tokens"]
 # The options of layer_bench's runs whose records make a platform's matrix (its defaults): the
 # op's default weighted sum, trials from an idle GPU, the tiles the layer's rule picks (no
-# ``tile_rows``). A record naming other options (its params' ``VARIANT``; none named: these) is an
-# A/B's side, compared by ``compare``, not a cell of the matrix.
-PLATFORM_VARIANT = {"weighted_sum": "launch", "graph_start": "idle"}
+# ``tile_rows``). A record naming other options (its params' ``VARIANT``; none named: the sum's
+# launch, the default before "auto") is an A/B's side, compared by ``compare``, not a cell of the
+# matrix, but for the cells where "auto" picks the sum it ran (``auto_weighted_sum``)
+PLATFORM_VARIANT = {"weighted_sum": "auto", "graph_start": "idle"}
+# ops.moe.op's (a test keeps them equal): "auto" adds in the kernel at EP = 1 up to this many
+# tokens, with torch's deterministic algorithms off, as layer_bench runs
+AUTO_ATOMIC_TOKENS = 8
 SUMMARY_KEYS = ("model", "precision", "setting", "tokens", "fused_eager_us", "fused_graph_us",
                 "schedule_us", "host_overhead_us", "kernel_us", "weighted_sum_floor_us",
                 "unfused_eager_us", "unfused_graph_us", "host_scheduled_us", "weight_floor_us")
@@ -74,20 +79,38 @@ class LayerView(CellView):
 
 
 def layer_view(platform: str, root: Path = RECORDS_DIR) -> LayerView:
-    """The platform's records of ``PLATFORM_VARIANT``, oldest first."""
-    records = tuple(r for r in map(read, record_paths("moe_layer", platform, root))
-                    if in_platform_variant(r))
+    """The platform's records of ``PLATFORM_VARIANT``, oldest first, each holding its cells of
+    the matrix only (``platform_rows``)."""
+    records = tuple(replace(r, table=platform_rows(r))
+                    for r in map(read, record_paths("moe_layer", platform, root)))
+    records = tuple(r for r in records if len(r.table))
     if not records:
         raise FileNotFoundError(f"no 'moe_layer' record of {PLATFORM_VARIANT} for platform "
                                 f"{platform!r} under {root}")
     return LayerView(platform, records)
 
 
-def in_platform_variant(record: Record) -> bool:
-    """Whether ``record``'s run had ``PLATFORM_VARIANT``'s options: each it names (``VARIANT``
-    of its params) as there."""
-    named = record.params.get(VARIANT) or {}
-    return all(PLATFORM_VARIANT.get(k) == v for k, v in named.items())
+def auto_weighted_sum(setting: str, tokens: int) -> str:
+    """The sum ``weighted_sum="auto"`` runs in a cell as layer_bench measures it: the adds
+    (``"atomic"``) at EP = 1 up to ``AUTO_ATOMIC_TOKENS``, else the launch (an EP rank's call
+    has no weighted sum: its records name the launch)."""
+    return "atomic" if setting == "ep1" and tokens <= AUTO_ATOMIC_TOKENS else "launch"
+
+
+def platform_rows(record: Record) -> pd.DataFrame:
+    """The rows of ``record`` that are cells of its platform's matrix: every row where its run
+    had ``PLATFORM_VARIANT``'s options (each it names, ``VARIANT`` of its params, as there); where
+    it ran the default's options but another weighted sum, the rows whose cells
+    ``auto_weighted_sum`` runs with that sum (a record naming none ran the launch); else none."""
+    named = dict(record.params.get(VARIANT) or {})
+    summed = named.pop("weighted_sum", "launch")
+    t = record.table
+    if not all(PLATFORM_VARIANT.get(k) == v for k, v in named.items()):
+        return t.iloc[:0]
+    if summed == PLATFORM_VARIANT["weighted_sum"]:
+        return t
+    picks = [auto_weighted_sum(s, n) for s, n in zip(t["setting"], t["tokens"])]
+    return t[[p == summed for p in picks]].reset_index(drop=True)
 
 
 def acceptance(table: pd.DataFrame) -> pd.DataFrame:

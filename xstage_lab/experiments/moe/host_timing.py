@@ -9,7 +9,8 @@ import torch
 
 from ...ops.moe.call_args import (FIRST_ADDRESS_PARAM, allocate_args, slot_packer,
                                   write_addresses, writer_function)
-from ...ops.moe.op import CALL_TENSORS, GraphCache
+from ...ops.graph_launch import GraphCache
+from ...ops.moe.op import CALL_TENSORS
 
 FLOOR_GRAPH_NODES = (1, 8)  # a graph of one kernel, and of as many as a FusedMoE call's
 FLOOR_HOLD_CYCLES = 100_000_000  # about 50 ms at H200 clocks: a round of calls queues behind it

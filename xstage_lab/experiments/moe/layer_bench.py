@@ -202,9 +202,10 @@ def check_kernel_alone_sums(cell: Ep1Cell, y: torch.Tensor) -> list[str]:
     """Where the call's fused kernel ends with the weighted sum: that kernel alone as ``measure``
     times it (``kernel_summed``: over the call's tables, into the cell's own output, poisoned
     first) sums the same bits as the call ``y``, and the count of arrivals holds whole launches
-    (two a program). Its adds (``weighted_sum="atomic"``) go into the output zeroed first, as
-    the call's routing leaves it, in an order of their own: within bf16's rounding of ``y``."""
-    atomic = cell.layer.weighted_sum == "atomic"
+    (two a program). Its adds (``weighted_sum="atomic"``, ``"auto"``'s at a few tokens) go into
+    the output zeroed first, as the call's routing leaves it, in an order of their own: within
+    bf16's rounding of ``y``."""
+    atomic = cell.layer.adds_into_output(cell.tokens)
     cell.alone_out.fill_(0.0 if atomic else float("nan"))
     cell.kernel_summed()
     torch.cuda.synchronize()

@@ -11,7 +11,8 @@ from ...ops.moe.combine import combine_weighted_sum, local_combine_peers
 from ...ops.moe.table_reference import host_tables
 from ...ops.moe.dispatch import build_layout
 from ...ops.moe.fused import FusedMoECall, prepare_fused_moe
-from ...ops.moe.op import FusedMoE, GraphCache, MoEWorkspace, auto_schedule, launching_graphs
+from ...ops.graph_launch import GraphCache, launching_graphs
+from ...ops.moe.op import FusedMoE, MoEWorkspace, auto_schedule
 from ...ops.moe.reference import expert_rows_reference, reference_moe
 from ...ops.moe.routing import router_logits, router_topk
 from ...ops.moe.schedules import MoEProblem, expert_wave_schedule, interleaved_schedule
@@ -44,7 +45,7 @@ class Ep1Cell:
     setting = "ep1"
 
     def __init__(self, shape, precision, tokens, weights, uweights, seed, device,
-                 weighted_sum: str = "launch", tile_rows: int | None = None):
+                 weighted_sum: str = "auto", tile_rows: int | None = None):
         self.shape, self.precision, self.tokens, self.seed = shape, precision, tokens, seed
         self.layer = FusedMoE(weights, max_tokens=tokens, top_k=shape.top_k, schedule="auto",
                               weighted_sum=weighted_sum,

@@ -12,6 +12,7 @@
 // torch/python.h, not torch/extension.h: at::Tensor and pybind11 are all this file takes, and
 // extension.h adds the header of every ATen operator, a third of the build's time (50 s against
 // 33 s on a two-core machine).
+#include <ATen/Context.h>
 #include <torch/python.h>
 
 #include <algorithm>
@@ -57,15 +58,18 @@ class FusedCall {
         graph_launch_(reinterpret_cast<GraphLaunch>(functions[1])),
         is_capturing_(reinterpret_cast<StreamIsCapturing>(functions[2])) {}
 
-  void add(int64_t tokens, at::ScalarType id_dtype, at::ScalarType weight_dtype, int64_t exec,
-           int64_t node, int64_t params, int64_t words) {
-    graphs_[key(tokens, id_dtype, weight_dtype)] = {
+  // deterministic: torch's deterministic-algorithms flag the graph was captured under (a
+  // FusedMoE's "auto" weighted sum picks its launches by it)
+  void add(int64_t tokens, at::ScalarType id_dtype, at::ScalarType weight_dtype,
+           bool deterministic, int64_t exec, int64_t node, int64_t params, int64_t words) {
+    graphs_[key(tokens, id_dtype, weight_dtype, deterministic)] = {
         reinterpret_cast<void*>(exec), reinterpret_cast<void*>(node),
         reinterpret_cast<const void*>(params), reinterpret_cast<uint64_t*>(words)};
   }
 
-  void remove(int64_t tokens, at::ScalarType id_dtype, at::ScalarType weight_dtype) {
-    graphs_.erase(key(tokens, id_dtype, weight_dtype));
+  void remove(int64_t tokens, at::ScalarType id_dtype, at::ScalarType weight_dtype,
+              bool deterministic) {
+    graphs_.erase(key(tokens, id_dtype, weight_dtype, deterministic));
   }
 
   int64_t size() const { return static_cast<int64_t>(graphs_.size()); }
@@ -85,7 +89,8 @@ class FusedCall {
         std::find(weight_dtypes_.begin(), weight_dtypes_.end(), weight_dtype) ==
             weight_dtypes_.end())
       return std::nullopt;
-    auto found = graphs_.find(key(tokens, id_dtype, weight_dtype));
+    auto found = graphs_.find(
+        key(tokens, id_dtype, weight_dtype, at::globalContext().deterministicAlgorithms()));
     if (found == graphs_.end()) return std::nullopt;
     void* cu_stream = reinterpret_cast<void*>(stream);
     int capturing = 0;
@@ -107,10 +112,11 @@ class FusedCall {
   }
 
  private:
-  using Key = std::tuple<int64_t, int, int>;  // T, the ids' and the weights' dtypes
+  // T, the ids' and the weights' dtypes, torch's deterministic flag
+  using Key = std::tuple<int64_t, int, int, bool>;
 
-  static Key key(int64_t tokens, at::ScalarType ids, at::ScalarType weights) {
-    return {tokens, static_cast<int>(ids), static_cast<int>(weights)};
+  static Key key(int64_t tokens, at::ScalarType ids, at::ScalarType weights, bool deterministic) {
+    return {tokens, static_cast<int>(ids), static_cast<int>(weights), deterministic};
   }
 
   static void check(int result, const char* call) {

@@ -15,12 +15,14 @@ schedule's table (``kernels/moe_fused_ws.py`` on sm_90, ``kernels/moe_fused.py``
 Linear-1 gathers each pick's token row as it loads and whose Linear-2 epilogues store each pick's
 row into the Combine buffer, then the top-k weighted sum (``combine``, one Triton launch, reading
 the block; with ``weighted_sum="kernel"`` the fused kernel's end, where it covers the tokens in one
-pass; with ``"atomic"`` the Linear-2 epilogues' adds into ``y``, zeroed by the routing, up to
-``ATOMIC_SUM_TOKENS``). Eagerly on CUDA they run as one CUDA graph (``GraphCache``), captured once
-per token count at that count's first call, the node of its first launch taking each call's
-addresses as new arguments (``graph_launch.GraphLauncher``): a call costs the host two driver
-calls. While the stream is capturing (a user's graph) or off CUDA they launch directly, each bound
-once (``launcher.Launcher``: a call pays the driver's launches, not Triton's Python binding). Once
+pass; with ``"atomic"`` up to ``ATOMIC_SUM_TOKENS``, and by default (``"auto"``) up to
+``AUTO_ATOMIC_TOKENS`` where torch's deterministic algorithms are off, the Linear-2 epilogues' adds
+into ``y``, zeroed by the routing). Eagerly on CUDA they run as one CUDA graph
+(``graph_launch.GraphCache``), captured once per token count (and deterministic flag) at that
+count's first call, the node of its first launch taking each call's addresses as new arguments
+(``graph_launch.GraphLauncher``): a call costs the host two driver calls. While the stream is
+capturing (a user's graph) or off CUDA they launch directly, each bound once
+(``launcher.Launcher``: a call pays the driver's launches, not Triton's Python binding). Once
 a T's graph exists, an eager call on CUDA takes the compiled host path (``fused_call.cpp``, built
 with ``torch.utils.cpp_extension`` at the layer's construction): the same checks, allocation,
 addresses and two driver calls in one C++ function. ``MoEWorkspace`` is the same call over received
@@ -31,17 +33,14 @@ need one set, not one each.
 from __future__ import annotations
 
 import functools
-import gc
 import weakref
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
 import triton
-from triton.runtime import driver
 
 from ...kernel_sources import load_kernel_module
-from ..graph_launch import GraphLauncher, call_functions
+from ..graph_launch import GraphCache, GraphLauncher, call_functions
 from ..launcher import Launcher
 from .call_args import (ALIGN_BYTES, FIRST_ADDRESS_PARAM, TRITON_DTYPES, slot_order, slot_packer,
                         sum_args_view)
@@ -60,12 +59,6 @@ SCHEDULE_CHOICES = (*SCHEDULES, "auto")
 # Linear-2 tile would wait forever on a Linear-1 tile of a later program; one program walks the
 # whole stream, in which every schedule puts a row's Linear-1 tiles before its Linear-2 tiles.
 CPU_PROGRAMS = 1
-# Captured graphs a FusedMoE or MoEWorkspace keeps, least recently launched from Python dropped
-# first (one still in flight is freed by the driver when it completes; a FusedMoE's compiled path
-# does not reorder them): a graph holds no device memory of its own (a call allocates only its
-# output, outside the graph), but each is a driver object of up to eight kernel nodes, and a
-# server's token counts are unbounded.
-GRAPHS_PER_LAYER = 16
 # What a FusedMoE call's argument block takes, in the order its compiled path is given them.
 CALL_TENSORS = ("expert_ids", "x", "combine_rows", "topk_weights", "out")
 WEIGHT_DTYPES = tuple(d for d in TRITON_DTYPES if d.is_floating_point)  # the weighted sum reads
@@ -74,9 +67,13 @@ ID_DTYPES = (torch.int32, torch.int64)
 # kernel's end (gluon_ws; where one pass of its programs covers the tokens: sums_in_kernel), or
 # the Linear-2 epilogues adding into the output (gluon_ws; up to ATOMIC_SUM_TOKENS, as measured:
 # the graphed call 0.977x, 0.996x, 0.998x, 0.998x the sum's launch at 1, 8, 64, 512 tokens,
-# geometric means over every shape, ab jobs on one H100: moe_layer/h100-80gb-hbm3-x1)
-WEIGHTED_SUMS = ("launch", "kernel", "atomic")
+# geometric means over every shape, ab jobs on one H100: moe_layer/h100-80gb-hbm3-x1). "auto":
+# the adds up to AUTO_ATOMIC_TOKENS unless torch's deterministic algorithms are on, the launch
+# otherwise: on one H200 the launch's graphed call took 1.047x and 1.005x the adds' at 1 and 8
+# tokens, 0.999x and 0.998x at 64 and 512 (moe_layer/h200-x1 …073646Z-…074655Z, README)
+WEIGHTED_SUMS = ("auto", "launch", "kernel", "atomic")
 ATOMIC_SUM_TOKENS = 512
+AUTO_ATOMIC_TOKENS = 8
 
 
 def auto_schedule(peers_world: int) -> str:
@@ -87,97 +84,6 @@ def auto_schedule(peers_world: int) -> str:
     picks per cell (``host_forecast.pick_auto``, eqs. 12–16), and its pick is passed as the
     schedule (``moe_host`` times it as ``auto``)."""
     return "wave" if peers_world == 1 else "interleaved"
-
-
-class GraphCache:
-    """The CUDA graphs of one op's calls, keyed by what fixes their launches, at most
-    ``GRAPHS_PER_LAYER``, the least recently launched dropped first. ``capture`` records a
-    call's launches into a new graph, nothing run and nothing synchronized
-    (``torch.cuda.graph`` would synchronize the device first): on a side stream joined to the
-    current one both ways (capture needs a stream other than the default), in ``thread_local``
-    mode (other threads' CUDA calls cannot break it; this thread makes none: every launch of
-    the key was bound by a direct call before)."""
-
-    def __init__(self, device: torch.device, on_capture=None, on_drop=None):
-        """``on_capture(key, launcher)`` / ``on_drop(key)``: told of each graph captured and of
-        each dropped (before its launcher is released)."""
-        self.device = device
-        self.on_capture, self.on_drop = on_capture, on_drop
-        self.graphs: OrderedDict[tuple, GraphLauncher] = OrderedDict()
-        self.stream: torch.cuda.Stream | None = None  # made at the first capture
-        # the current CUstream's getter, looked up once (Triton's driver resolves attributes at
-        # every access); off CUDA nothing launches a graph
-        self.current_stream = (driver.active.get_current_stream if device.type == "cuda"
-                               else None)
-
-    def __len__(self) -> int:
-        return len(self.graphs)
-
-    def __iter__(self):
-        return iter(self.graphs)
-
-    def __contains__(self, key: tuple) -> bool:
-        return key in self.graphs
-
-    def get(self, key: tuple) -> GraphLauncher | None:
-        graph = self.graphs.get(key)
-        if graph is not None:
-            self.graphs.move_to_end(key)
-        return graph
-
-    def call(self, key: tuple, launches, addresses: tuple[int, ...] = (), rewrite=None) -> None:
-        """One call of ``launches()``: directly where no graph launches (``launching_graphs``);
-        else ``key``'s graph launched with ``addresses``, captured after a direct call at the
-        key's first call (which binds every launch new at the key). ``rewrite()``, evaluated at
-        a capture only, gives what ``GraphLauncher`` takes as ``rewrite``."""
-        if not launching_graphs(self.device):
-            launches()
-            return
-        graph = self.get(key)
-        if graph is None:
-            launches()
-            self.capture(key, launches, rewrite() if rewrite is not None else None)
-        else:
-            graph(self.current_stream(self.device.index), addresses)
-
-    def capture(self, key: tuple, launches, rewrite=None) -> GraphLauncher:
-        """``launches()`` captured as ``key``'s graph; ``rewrite`` as ``GraphLauncher`` takes it."""
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(self.device)
-        here, side = torch.cuda.current_stream(self.device), self.stream
-        side.wait_stream(here)
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-        # no cyclic collection inside the capture: it may free other graphs (a destroyed graph
-        # frees its memory, which a capture forbids); torch.cuda.graph collects before instead,
-        # after synchronizing
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.stream(side):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    launches()
-                finally:
-                    graph.capture_end()
-        finally:
-            if collecting:
-                gc.enable()
-        here.wait_stream(side)
-        launcher = self.graphs[key] = GraphLauncher(graph, rewrite)
-        if len(self.graphs) > GRAPHS_PER_LAYER:
-            dropped = next(iter(self.graphs))
-            if self.on_drop is not None:
-                self.on_drop(dropped)
-            del self.graphs[dropped]
-        if self.on_capture is not None:
-            self.on_capture(key, launcher)
-        return launcher
-
-
-def launching_graphs(device: torch.device) -> bool:
-    """Whether a call on ``device`` launches its graph (eagerly on CUDA), else launches directly
-    (off CUDA, or while the current stream is being captured: into the user's graph)."""
-    return device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
 
 
 class MoEWorkspace:
@@ -344,14 +250,14 @@ def _compiled_hooks(compiled, schedule: str):
         return None, None
 
     def captured(key: tuple, launcher: GraphLauncher) -> None:
-        tokens, key_schedule, ids_dtype, weights_dtype = key
+        tokens, key_schedule, *dtypes_deterministic = key
         if key_schedule == schedule:
-            compiled.add(tokens, ids_dtype, weights_dtype, *launcher.handles())
+            compiled.add(tokens, *dtypes_deterministic, *launcher.handles())
 
     def dropped(key: tuple) -> None:
-        tokens, key_schedule, ids_dtype, weights_dtype = key
+        tokens, key_schedule, *dtypes_deterministic = key
         if key_schedule == schedule:
-            compiled.remove(tokens, ids_dtype, weights_dtype)
+            compiled.remove(tokens, *dtypes_deterministic)
     return captured, dropped
 
 
@@ -378,10 +284,10 @@ class FusedMoE(torch.nn.Module):
     only: ``y`` carries no autograd history.
 
     Eagerly on CUDA (the stream not capturing) a call launches the graph of its T with its
-    tensors' addresses: ``graphs``, keyed by T, schedule and the ids' and weights' dtypes (a
-    ``GraphCache``). The first call at a T launches directly, then captures that T's graph
-    without synchronizing. Calls share the layer's buffers: one call at a time per layer, in
-    stream order.
+    tensors' addresses: ``graphs``, keyed by T, schedule, the ids' and weights' dtypes and torch's
+    deterministic flag (a ``GraphCache``). The first call at a T launches directly, then
+    captures that T's graph without synchronizing. Calls share the layer's buffers: one call at
+    a time per layer, in stream order.
 
     ``buffers``: another FusedMoE's (``layer.moe_buffers``), to share: a model's MoE layers of
     one shape, called one after another on one stream, need one set of buffers between them
@@ -395,13 +301,16 @@ class FusedMoE(torch.nn.Module):
     one kernel boundary fewer; above that, its own launch. ``"atomic"`` (gluon_ws only): up to
     ``ATOMIC_SUM_TOKENS``, the first routing launch zeroes ``y`` and each Linear-2 epilogue adds
     its rows times their weights into it (bf16 adds in the epilogues' order: the bits may differ
-    from call to call, within bf16's rounding), so no launch sums; above, its own launch."""
+    from call to call, within bf16's rounding), so no launch sums; above, its own launch.
+    ``"auto"`` (the default): the adds up to ``AUTO_ATOMIC_TOKENS`` with the gluon_ws kernel,
+    unless ``torch.are_deterministic_algorithms_enabled()`` at the call, as torch's own atomic
+    adds (``index_add_``) are; else the launch."""
 
     def __init__(self, weights: ExpertWeights, *, max_tokens: int, top_k: int,
                  schedule: str = "auto", config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
                  check_ids: bool = False, max_spin_iters: int = DEFAULT_MAX_SPIN_ITERS,
-                 buffers: MoEBuffers | None = None, weighted_sum: str = "launch"):
+                 buffers: MoEBuffers | None = None, weighted_sum: str = "auto"):
         super().__init__()
         if schedule not in SCHEDULE_CHOICES:
             raise MoEContractError(f"schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}")
@@ -417,7 +326,7 @@ class FusedMoE(torch.nn.Module):
                                       buffers=buffers, combine_rows=True)
         self.max_tokens, self.top_k, self.check_ids = max_tokens, top_k, check_ids
         self.schedule = auto_schedule(1) if schedule == "auto" else schedule
-        if weighted_sum != "launch" and self.workspace.config.kernel != "gluon_ws":
+        if weighted_sum in ("kernel", "atomic") and self.workspace.config.kernel != "gluon_ws":
             raise MoEContractError(f"weighted_sum={weighted_sum!r} needs the gluon_ws kernel, "
                                    f"not {self.workspace.config.kernel}")
         self.weighted_sum = weighted_sum
@@ -519,8 +428,10 @@ class FusedMoE(torch.nn.Module):
         x, ids, w = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
         y = torch.empty_like(x)
         addresses = self.pack_addresses(ids, x, self.combine, w, y)
-        key = (x.shape[0], schedule, ids.dtype, w.dtype)
-        self.graphs.call(key, lambda: self.launches(addresses, *key), addresses,
+        # a graph's launches follow torch's deterministic flag where the sum is "auto"
+        key = (x.shape[0], schedule, ids.dtype, w.dtype,
+               torch.are_deterministic_algorithms_enabled())
+        self.graphs.call(key, lambda: self.launches(addresses, *key[:4]), addresses,
                          lambda: (self.routing(ids.dtype, x.shape[0]).first(
                                       x.shape[0] * self.top_k, self.top_k)[0].function(),
                                   FIRST_ADDRESS_PARAM, addresses))
@@ -543,14 +454,18 @@ class FusedMoE(torch.nn.Module):
         """Whether a call of ``tokens`` tokens has the fused kernel end with the weighted sum:
         ``"kernel"`` and a piece of the sum (a token's ``SUM_COLS`` columns, moe_fused_ws.py) per
         program at most (``tokens_summed_in_kernel``; beyond, a program would sum its pieces in
-        turn, the sum's launch uses every SM), or ``"atomic"`` up to ``ATOMIC_SUM_TOKENS``."""
+        turn, the sum's launch uses every SM), ``"atomic"`` up to ``ATOMIC_SUM_TOKENS``, or
+        ``"auto"``'s adds (up to ``AUTO_ATOMIC_TOKENS``, torch's deterministic flag off)."""
         if self.weighted_sum == "atomic":
             return tokens <= ATOMIC_SUM_TOKENS
+        if self.weighted_sum == "auto":
+            return (self.workspace.config.kernel == "gluon_ws" and tokens <= AUTO_ATOMIC_TOKENS
+                    and not torch.are_deterministic_algorithms_enabled())
         return tokens <= self.tokens_summed_in_kernel
 
     def adds_into_output(self, tokens: int) -> bool:
         """Whether a call's Linear-2 epilogues add into ``y``, which its routing then zeroes."""
-        return self.weighted_sum == "atomic" and self.sums_in_kernel(tokens)
+        return self.weighted_sum in ("atomic", "auto") and self.sums_in_kernel(tokens)
 
     def fused_kernel(self, tokens: int, weights_dtype: torch.dtype, schedule: str, *,
                      routed: bool = False, sum_args: torch.Tensor | None = None) -> None:
