@@ -9,9 +9,9 @@
 // call this path does not take (no graph for the key yet, the stream capturing, an input the
 // contract check would refuse) returns None, and the Python path runs: it raises the contract's
 // errors, captures the graph, or launches into the user's capture.
-// torch/python.h, not torch/extension.h: at::Tensor and pybind11 are all this file takes, and
-// extension.h adds the header of every ATen operator, a third of the build's time (50 s against
-// 33 s on a two-core machine).
+// torch/python.h, not torch/extension.h: at::Tensor, pybind11 and ATen's global context (the
+// deterministic flag) are all this file takes, and extension.h adds the header of every ATen
+// operator, a third of the build's time (50 s against 33 s on a two-core machine).
 #include <ATen/Context.h>
 #include <torch/python.h>
 
