@@ -142,7 +142,8 @@ class Ep1Cell:
         ``graph_launch_kernel``: and the fused kernel), and the direct launches a graph
         captures (``route``, ``launch``, ``weighted_sum``)."""
         layer, y = self.layer, torch.empty_like(self.x)
-        graph = layer.graphs.get((self.tokens, layer.schedule, self.ids.dtype, self.w.dtype))
+        graph = layer.graphs.get(layer.graph_key(self.tokens, layer.schedule, self.ids.dtype,
+                                                 self.w.dtype))
 
         def addresses():
             return layer.pack_addresses(self.ids, self.x, layer.combine, self.w, y)

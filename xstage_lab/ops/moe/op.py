@@ -428,14 +428,19 @@ class FusedMoE(torch.nn.Module):
         x, ids, w = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
         y = torch.empty_like(x)
         addresses = self.pack_addresses(ids, x, self.combine, w, y)
-        # a graph's launches follow torch's deterministic flag where the sum is "auto"
-        key = (x.shape[0], schedule, ids.dtype, w.dtype,
-               torch.are_deterministic_algorithms_enabled())
+        key = self.graph_key(x.shape[0], schedule, ids.dtype, w.dtype)
         self.graphs.call(key, lambda: self.launches(addresses, *key[:4]), addresses,
                          lambda: (self.routing(ids.dtype, x.shape[0]).first(
                                       x.shape[0] * self.top_k, self.top_k)[0].function(),
                                   FIRST_ADDRESS_PARAM, addresses))
         return y
+
+    def graph_key(self, tokens: int, schedule: str, id_dtype: torch.dtype,
+                  weights_dtype: torch.dtype) -> tuple:
+        """The key of a call's graph in ``graphs``: what fixes its launches, torch's
+        deterministic flag among them (``"auto"``'s sum follows it)."""
+        return (tokens, schedule, id_dtype, weights_dtype,
+                torch.are_deterministic_algorithms_enabled())
 
     def launches(self, addresses: tuple[int, ...], tokens: int, schedule: str,
                  id_dtype: torch.dtype, weights_dtype: torch.dtype) -> None:
