@@ -39,11 +39,6 @@ COINCIDENCES = {
     "device times: the committed records' is DeepSeek-V4-Pro bf16 EP = 8 rank's (11.7 µs), the "
     "synthetic set's DiT-MoE fp8 EP = 1's (11.6 µs), a difference of two columns it scales by "
     "1.79 and 1.89 (moe_layer/h200-x1/20261206T004931Z-9d04154fcc, 2026-12-06)",
-    (("c24cb15c", 0), "0.48"): "the H100 platform's least Linear-1 phase share of the HBM "
-    "bandwidth at one token (also the least of the cells above the bound): the committed "
-    "records' is DiT-MoE fp8 EP = 8 rank's (0.4787), the synthetic set's DiT-MoE fp8 EP = 1's "
-    "(0.4764), since that cell comes from the atomic sum's run (moe_layer/h100-80gb-hbm3-x1/"
-    "20261206T051041Z-29be2f4374, 2026-12-06)",
 }
 
 
