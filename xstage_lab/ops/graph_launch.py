@@ -13,6 +13,9 @@ queued keeps the addresses it was launched with (CUDA Driver API, Graph Manageme
 The driver is called through ``ctypes`` with the parameter block built once: per call only the
 address words change, where a binding that marshals the parameter array would rebuild it at
 every call.
+
+A ``GraphCache`` holds an op's ``GraphLauncher``s, one per key of what fixes a call's launches
+(``FusedMoE.graph_key``), each captured at its key's first call without a device sync.
 """
 from __future__ import annotations
 
