@@ -2,8 +2,8 @@
 stood in for by ctypes callbacks that record their arguments: a captured key's call writes the
 argument block's addresses in slot order, sets the node's parameters and launches, returning a
 fresh output; everything it must not take (no graph of the key, the stream capturing, an input
-the contract check refuses, a misaligned tensor) comes back as None with nothing launched; a
-driver error raises. The real driver and the GPU are ``test_op_gpu``'s."""
+the contract check refuses, a misaligned tensor, an input autograd records) comes back as None
+with nothing launched; a driver error raises. The real driver and the GPU are ``test_op_gpu``'s."""
 from __future__ import annotations
 
 import ctypes
@@ -107,6 +107,18 @@ def test_what_the_compiled_path_does_not_take_comes_back_as_none(fake):
     call.remove(8, torch.int64, torch.float32, False)
     assert call(x, ids, w, STREAM) is None and len(call) == 0, "the graph dropped"
     assert driver.calls == [] and list(words) == before
+
+
+def test_inputs_autograd_records_come_back_as_none_unless_grad_is_off(fake):
+    """An ``x`` or weights that require grad: the Python path's (the custom op, whose output's
+    backward raises), unless grad mode is off."""
+    call, driver, _, _ = fake
+    x, ids, w = inputs()
+    for args in ((x.clone().requires_grad_(), ids, w), (x, ids, w.clone().requires_grad_())):
+        assert call(*args, STREAM) is None
+        with torch.no_grad():
+            assert call(*args, STREAM) is not None
+    assert [c[0] for c in driver.calls] == ["set_params", "launch"] * 2
 
 
 def test_a_driver_error_raises(fake):

@@ -3,7 +3,8 @@ the interpreter against the float32 reference in both precisions and schedules, 
 on new tensors (int32 ids and bf16 weights among them) each against its own reference, an id out
 of range raising the error flag instead of writing; input errors raised before launch; the custom
 op's fake implementation traced by ``torch.compile(fullgraph=True)`` in a block (router,
-FusedMoE, residual) on FakeTensors; a model's own experts (``nn.Linear`` projections) against
+FusedMoE, residual) on FakeTensors; a call autograd records going through the custom op, whose
+backward raises; a model's own experts (``nn.Linear`` projections) against
 the model's forward; two layers on one set of buffers, and sizes that cannot share refused."""
 from __future__ import annotations
 
@@ -314,6 +315,29 @@ def test_a_layer_keeps_torchs_module_interface():
     tools call it on every module (``make_graphed_callables``, ``torch.export``)."""
     layer = _layer("bf16")
     assert list(layer.buffers()) == [] and list(torch.nn.Sequential(layer).buffers()) == []
+
+
+def test_autograd_records_a_call_through_the_custom_op_whose_backward_raises(monkeypatch):
+    """Where grad mode records ``x`` or ``topk_weights`` the call goes through
+    ``xstage::fused_moe``: ``y`` has a backward, which raises (the op has no autograd formula),
+    where the plain call's ``y`` would have no history and leave the layer out of the gradients.
+    Without such an input, under ``torch.no_grad`` and in inference mode, the plain call. No
+    kernel runs here: ``run`` stands in, counting its calls."""
+    layer = _layer("bf16")
+    runs = []
+    monkeypatch.setattr(layer, "run", lambda x, ids, w, schedule: runs.append(schedule) or
+                        torch.full_like(x, float("nan")))
+    x, ids, w = _inputs(4)
+    for args in ((x.clone().requires_grad_(), ids, w), (x, ids, w.clone().requires_grad_())):
+        y = layer(*args)
+        assert y.requires_grad and y.grad_fn is not None
+        with pytest.raises(RuntimeError, match="no autograd formula"):
+            y.float().sum().backward()
+        for off in (torch.no_grad, torch.inference_mode):
+            with off():
+                assert not layer(*args).requires_grad
+    assert layer(x, ids, w).grad_fn is None
+    assert len(runs) == 7
 
 
 def _rank_call(precision: str, capacity: int = 24) -> dict:

@@ -334,6 +334,30 @@ def test_the_compiled_path_takes_a_captured_calls_and_hands_back_the_rest(layer,
     assert len(captures) == 1 and int(moe.error) == 0
 
 
+def test_a_call_autograd_records_goes_through_the_op_and_its_backward_raises(layer, captures):
+    """Once T = 8 is captured, a call whose ``x`` or ``topk_weights`` requires grad is handed
+    back by the compiled path and goes through the custom op: right against the reference on a
+    poisoned Combine buffer, its output recorded by autograd, and its backward raises instead of
+    leaving the layer out of the gradients; under ``torch.no_grad`` the compiled path takes it."""
+    moe = _fresh_layer(layer)
+    moe(*_inputs(8, 83))
+    stream = moe.graphs.current_stream(moe.device.index)
+    x, ids, w = _inputs(8, 84, "skewed")
+    for args in ((x.clone().requires_grad_(), ids, w), (x, ids, w.clone().requires_grad_())):
+        assert moe.compiled(*args, stream) is None
+        moe.combine.fill_(float("nan"))
+        y = moe(*args)
+        torch.cuda.synchronize()
+        assert y.requires_grad
+        _check(moe, y.detach(), x, ids, w)
+        with pytest.raises(RuntimeError, match="no autograd formula"):
+            y.float().sum().backward()
+        with torch.no_grad():
+            assert moe.compiled(*args, stream) is not None
+    torch.cuda.synchronize()
+    assert len(captures) == 1 and int(moe.error) == 0
+
+
 def test_eager_calls_around_a_users_graph(layer, captures):
     """A user's graph captured around a call (its launches direct: no graph of the layer's
     captured inside), eager calls after it at the captured T and at a new one, then the user's

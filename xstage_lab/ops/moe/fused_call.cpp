@@ -7,12 +7,14 @@
 // Host code only. The driver is reached through the function pointers Python's ctypes binding
 // resolved (graph_launch.py), so this file needs neither cuda.h nor libcuda at build time. A
 // call this path does not take (no graph for the key yet, the stream capturing, an input the
-// contract check would refuse) returns None, and the Python path runs: it raises the contract's
-// errors, captures the graph, or launches into the user's capture.
+// contract check would refuse, an input autograd records) returns None, and the Python path runs:
+// it raises the contract's errors, captures the graph, launches into the user's capture, or goes
+// through the custom op, whose output's backward raises.
 // torch/python.h, not torch/extension.h: at::Tensor, pybind11 and ATen's global context (the
 // deterministic flag) are all this file takes, and extension.h adds the header of every ATen
 // operator, a third of the build's time (50 s against 33 s on a two-core machine).
 #include <ATen/Context.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/python.h>
 
 #include <algorithm>
@@ -78,7 +80,8 @@ class FusedCall {
                                     const torch::Tensor& weights, int64_t stream) {
     if (x.device() != device_ || ids.device() != device_ || weights.device() != device_ ||
         x.scalar_type() != at::kBFloat16 || x.dim() != 2 || x.size(1) != hidden_ ||
-        !x.is_contiguous() || !ids.is_contiguous() || !weights.is_contiguous())
+        !x.is_contiguous() || !ids.is_contiguous() || !weights.is_contiguous() ||
+        (at::GradMode::is_enabled() && (x.requires_grad() || weights.requires_grad())))
       return std::nullopt;
     const int64_t tokens = x.size(0);
     const auto id_dtype = ids.scalar_type();

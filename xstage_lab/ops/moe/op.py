@@ -281,7 +281,8 @@ class FusedMoE(torch.nn.Module):
     ``forward(x, topk_ids, topk_weights)``: bf16 ``x [T, H]`` (16-byte aligned), integer
     ``topk_ids [T, top_k]``, float ``topk_weights [T, top_k]``, ``T <= max_tokens``, all on the
     weights' device -> bf16 ``y [T, H]`` = ``sum_j w[t, j] · FFN_{e_tj}(x[t])``. Inference
-    only: ``y`` carries no autograd history.
+    only: where grad mode records ``x`` or ``topk_weights``, ``y``'s backward raises (the custom
+    op has no autograd formula) instead of leaving the layer out of the gradients.
 
     Eagerly on CUDA (the stream not capturing) a call launches the graph of its T with its
     tensors' addresses: ``graphs``, keyed by T, schedule, the ids' and weights' dtypes and torch's
@@ -411,11 +412,14 @@ class FusedMoE(torch.nn.Module):
             if y is not None:
                 return y
         self.check_inputs(x, topk_ids, topk_weights)
-        if torch.compiler.is_compiling():
+        # the op where autograd records an input: its output's backward then raises (no
+        # autograd formula), as under torch.compile, where run's would silently have no history
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+                x.requires_grad or topk_weights.requires_grad)):
             return torch.ops.xstage.fused_moe(x, topk_ids, topk_weights, self.key, self.schedule)
         # eager (a CUDA graph capture included): the dispatcher's round trip through the custom
         # op costs 20-40 µs of host time per call on the 2-core CI machine, and only tracing
-        # needs the op
+        # and autograd need the op
         return self.run(x, topk_ids, topk_weights, self.schedule)
 
     def run(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
