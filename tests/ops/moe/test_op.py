@@ -195,7 +195,7 @@ interpreter_results, test_interpreter_case = interpreter_case_tests(MODULE, inte
     (lambda x, ids, w: (x, ids - 1, w), "expert ids must lie"),
     (lambda x, ids, w: (x, ids, w.to("meta")), "topk_weights on meta"),
     (lambda x, ids, w: (torch.cat([x] * 5), torch.cat([ids] * 5), torch.cat([w] * 5)),
-     "outside 1..16"),
+     "T=20 tokens above max_tokens=16"),
     (lambda x, ids, w: (torch.cat([x.reshape(-1)[:1], x.reshape(-1)])[1:].view(x.shape), ids, w),
      "x must start 16-byte aligned"),
 ])
@@ -204,6 +204,18 @@ def test_bad_input_is_refused_before_launch(change, message):
     with pytest.raises(MoEContractError, match=message):
         layer(*change(*_inputs(4)))
     assert int(layer.error) == 0 and (layer.workspace.tables.meta == 0).all()  # nothing ran
+
+
+def test_an_empty_batch_gives_an_empty_output_and_launches_nothing():
+    """T = 0 (an EP rank's batch that got no tokens): an empty bf16 ``y``, the ids' check
+    (``check_ids``) passed over, nothing launched, eagerly and through the custom op."""
+    layer = FusedMoE(local_expert_weights(TINY, 0, 1, "bf16", seed=3), max_tokens=16,
+                     top_k=TINY.top_k, check_ids=True)
+    x, ids, w = (t[:0] for t in _inputs(4))
+    for args in ((x, ids, w), (x.clone().requires_grad_(), ids, w)):
+        y = layer(*args)
+        assert y.shape == (0, TINY.hidden) and y.dtype == torch.bfloat16
+    assert int(layer.error) == 0 and (layer.workspace.tables.meta == 0).all()
 
 
 def test_a_model_printout_names_the_layer():
@@ -445,11 +457,9 @@ def test_compile_with_dynamic_tokens_keeps_the_bound():
             x = mode.from_tensor(torch.zeros(tokens, TINY.hidden, dtype=torch.bfloat16))
             assert compiled(x).shape == (tokens, TINY.hidden)
         assert len(graphs) == 1
-        with pytest.raises(RuntimeError, match=r"T=20 tokens outside 1\.\.16"):
+        with pytest.raises(RuntimeError, match="T=20 tokens above max_tokens=16"):
             compiled(mode.from_tensor(torch.zeros(20, TINY.hidden, dtype=torch.bfloat16)))
 
-if __name__ == "__main__":
-    raise SystemExit(child_main(sys.argv[1:], interpreter_cases(), {}))
 
 
 def test_the_default_sum_adds_in_the_kernel_at_few_tokens_unless_torch_asks_for_determinism(
@@ -483,3 +493,7 @@ def test_the_default_sum_adds_in_the_kernel_at_few_tokens_unless_torch_asks_for_
     finally:
         torch.use_deterministic_algorithms(False)
     assert [k[-1] for k in keys] == [False, True] and keys[0][:-1] == keys[1][:-1]
+
+
+if __name__ == "__main__":
+    raise SystemExit(child_main(sys.argv[1:], interpreter_cases(), {}))

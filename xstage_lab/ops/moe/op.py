@@ -280,9 +280,10 @@ class FusedMoE(torch.nn.Module):
 
     ``forward(x, topk_ids, topk_weights)``: bf16 ``x [T, H]`` (16-byte aligned), integer
     ``topk_ids [T, top_k]``, float ``topk_weights [T, top_k]``, ``T <= max_tokens``, all on the
-    weights' device -> bf16 ``y [T, H]`` = ``sum_j w[t, j] · FFN_{e_tj}(x[t])``. Inference
-    only: where grad mode records ``x`` or ``topk_weights``, ``y``'s backward raises (the custom
-    op has no autograd formula) instead of leaving the layer out of the gradients.
+    weights' device -> bf16 ``y [T, H]`` = ``sum_j w[t, j] · FFN_{e_tj}(x[t])`` (at ``T = 0`` an
+    empty ``y``, nothing launched). Inference only: where grad mode records ``x`` or
+    ``topk_weights``, ``y``'s backward raises (the custom op has no autograd formula) instead of
+    leaving the layer out of the gradients.
 
     Eagerly on CUDA (the stream not capturing) a call launches the graph of its T with its
     tensors' addresses: ``graphs``, keyed by T, schedule, the ids' and weights' dtypes and torch's
@@ -379,9 +380,9 @@ class FusedMoE(torch.nn.Module):
         if x.dtype != torch.bfloat16 or len(shape) != 2 or shape[1] != hidden:
             raise MoEContractError(f"x must be bf16 [T, {hidden}], got {x.dtype} {list(shape)}")
         t = shape[0]
-        if not 1 <= t <= self.max_tokens:
-            raise MoEContractError(f"T={t} tokens outside 1..{self.max_tokens}, the bound this "
-                                   "FusedMoE was built for")
+        if t > self.max_tokens:
+            raise MoEContractError(f"T={t} tokens above max_tokens={self.max_tokens}, the bound "
+                                   "this FusedMoE was built for")
         if topk_ids.dtype not in ID_DTYPES or topk_ids.shape != (t, k):
             raise MoEContractError(f"topk_ids must be int32 or int64 [{t}, {k}], got "
                                    f"{topk_ids.dtype} {list(topk_ids.shape)}")
@@ -393,7 +394,7 @@ class FusedMoE(torch.nn.Module):
             where = ", ".join(f"{n} on {v.device}" for n, v in
                               (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)))
             raise MoEContractError(f"{where}: all must be on the experts' device {device}")
-        if (ids_device.type == "cpu" or self.check_ids) and not (
+        if t and (ids_device.type == "cpu" or self.check_ids) and not (
                 torch.compiler.is_compiling()
                 or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             lo, hi = int(topk_ids.min()), int(topk_ids.max())
@@ -406,7 +407,7 @@ class FusedMoE(torch.nn.Module):
                 topk_weights: torch.Tensor) -> torch.Tensor:
         if self.compiled is not None and not torch.compiler.is_compiling():
             # None where it does not take the call: no graph of this key yet, the stream
-            # capturing, or an input the check below refuses (and names)
+            # capturing, an input the check below refuses (and names) or autograd records
             y = self.compiled(x, topk_ids, topk_weights,
                               self.graphs.current_stream(self.device.index))
             if y is not None:
@@ -427,6 +428,8 @@ class FusedMoE(torch.nn.Module):
         """The call itself (what the custom op runs; inputs checked by ``forward``): its
         launches, launched from the graph of this call's key with this call's addresses where
         the device is CUDA and the stream is not capturing, else launched directly."""
+        if x.shape[0] == 0:  # an empty batch (an EP rank's that got no tokens): nothing to launch
+            return torch.empty_like(x)
         # held until the call returns: the kernels read them through their addresses (a
         # contiguous [T, k] is the arrivals' [T k])
         x, ids, w = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
