@@ -394,9 +394,10 @@ class FusedMoE(torch.nn.Module):
             where = ", ".join(f"{n} on {v.device}" for n, v in
                               (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)))
             raise MoEContractError(f"{where}: all must be on the experts' device {device}")
-        if t and (ids_device.type == "cpu" or self.check_ids) and not (
+        # T last: read while tracing, a symbolic T would be guarded on
+        if (ids_device.type == "cpu" or self.check_ids) and not (
                 torch.compiler.is_compiling()
-                or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+                or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())) and t:
             lo, hi = int(topk_ids.min()), int(topk_ids.max())
             if lo < 0 or hi >= self.workspace.weights.num_experts:
                 raise MoEContractError(f"expert ids must lie in "
