@@ -131,6 +131,22 @@ def test_an_eager_call_never_synchronizes(layer):
     _check(layer, y, x, ids, w)
 
 
+def test_an_empty_batch_launches_nothing_and_never_synchronizes(layer):
+    """T = 0 with the ids' host check on (``check_ids``, a device-to-host copy at T > 0): an empty
+    bf16 output, no synchronization, no graph captured, nothing flagged."""
+    moe = FusedMoE(layer.workspace.weights, max_tokens=64, top_k=SHAPES[MODEL].top_k,
+                   check_ids=True)
+    x, ids, w = (t[:0] for t in _inputs(4, 2))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = moe(x, ids, w)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert y.shape == (0, x.shape[1]) and y.dtype == torch.bfloat16
+    assert len(moe.graphs) == 0 and int(moe.error) == 0
+
+
 def test_one_graph_replays_five_routings(layer):
     _replay_routings(layer, 64, range(10, 15))
     assert int(layer.error) == 0
