@@ -461,7 +461,6 @@ def test_compile_with_dynamic_tokens_keeps_the_bound():
             compiled(mode.from_tensor(torch.zeros(20, TINY.hidden, dtype=torch.bfloat16)))
 
 
-
 def test_the_default_sum_adds_in_the_kernel_at_few_tokens_unless_torch_asks_for_determinism(
         monkeypatch):
     """``weighted_sum="auto"`` (the default): with gluon_ws (built here, never launched) the

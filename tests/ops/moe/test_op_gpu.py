@@ -10,7 +10,8 @@ around a user's graph capture, and the user's graph replayed after them; the fir
 token counts never seen under ``set_sync_debug_mode("error")``; two layers on one set of
 buffers, each replaying its own graphs. The fused kernel ending with the weighted sum
 (``weighted_sum="kernel"``) and its adds into the output (``"atomic"``), call after call and
-replayed."""
+replayed. A call autograd records, through the custom op, whose backward raises; an empty batch
+launching nothing."""
 from __future__ import annotations
 
 import pytest
