@@ -436,8 +436,8 @@ class FusedMoE(torch.nn.Module):
         x, ids, w = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
         y = torch.empty_like(x)
         addresses = self.pack_addresses(ids, x, self.combine, w, y)
-        key = self.graph_key(x.shape[0], schedule, ids.dtype, w.dtype)
-        self.graphs.call(key, lambda: self.launches(addresses, *key[:4]), addresses,
+        call = (x.shape[0], schedule, ids.dtype, w.dtype)
+        self.graphs.call(self.graph_key(*call), lambda: self.launches(addresses, *call), addresses,
                          lambda: (self.routing(ids.dtype, x.shape[0]).first(
                                       x.shape[0] * self.top_k, self.top_k)[0].function(),
                                   FIRST_ADDRESS_PARAM, addresses))
