@@ -70,6 +70,7 @@ def _driver() -> ctypes.CDLL:
         "cuGraphExecKernelNodeSetParams_v2": (p, p, ctypes.POINTER(_KernelNodeParams)),
         "cuGraphLaunch": (p, p),
         "cuStreamIsCapturing": (p, ctypes.POINTER(ctypes.c_int)),
+        "cuCtxGetDevice": (ctypes.POINTER(ctypes.c_int),),
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -77,13 +78,14 @@ def _driver() -> ctypes.CDLL:
     return lib
 
 
-def call_functions() -> tuple[int, int, int]:
-    """The addresses of ``cuGraphExecKernelNodeSetParams``, ``cuGraphLaunch`` and
-    ``cuStreamIsCapturing`` in the driver: what a compiled host path calls (``moe/fused_call.cpp``
-    takes them instead of linking the driver)."""
+def call_functions() -> tuple[int, int, int, int]:
+    """The addresses of ``cuGraphExecKernelNodeSetParams``, ``cuGraphLaunch``,
+    ``cuStreamIsCapturing`` and ``cuCtxGetDevice`` in the driver: what a compiled host path calls
+    (``moe/fused_call.cpp`` takes them instead of linking the driver)."""
     lib = _driver()
     return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (
-        lib.cuGraphExecKernelNodeSetParams_v2, lib.cuGraphLaunch, lib.cuStreamIsCapturing))
+        lib.cuGraphExecKernelNodeSetParams_v2, lib.cuGraphLaunch, lib.cuStreamIsCapturing,
+        lib.cuCtxGetDevice))
 
 
 def _check(result: int, call: str) -> None:

@@ -1,9 +1,9 @@
-"""The compiled eager call (``ops/moe/fused_call.cpp``) on CPU, with the driver's three functions
+"""The compiled eager call (``ops/moe/fused_call.cpp``) on CPU, with the driver's four functions
 stood in for by ctypes callbacks that record their arguments: a captured key's call writes the
 argument block's addresses in slot order, sets the node's parameters and launches, returning a
 fresh output; everything it must not take (no graph of the key, the stream capturing, an input
-the contract check refuses, a misaligned tensor, an input autograd records) comes back as None
-with nothing launched; a driver error raises. The real driver and the GPU are ``test_op_gpu``'s."""
+the contract check refuses, a misaligned tensor, an input autograd records, another device
+current or none) comes back as None with nothing launched; a driver error raises. The real driver and the GPU are ``test_op_gpu``'s."""
 from __future__ import annotations
 
 import ctypes
@@ -19,15 +19,18 @@ pytestmark = pytest.mark.early  # the first test builds the extension (about 35 
 SET_PARAMS = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 IS_CAPTURING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+CURRENT_DEVICE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int))
 HIDDEN, TOP_K, MAX_TOKENS, OWN, COMBINE, STREAM = 64, 2, 16, 0x1000, 0x2000, 0x77
 EXEC, NODE, PARAMS = 0x10, 0x20, 0x30
 
 
 class FakeDriver:
-    """The three driver functions as callbacks: what each was called with, what each returns."""
+    """The four driver functions as callbacks: what each was called with, what each returns.
+    The current device is the fixture's (the CPU's index, -1), unless a test makes it another."""
 
     def __init__(self):
         self.calls, self.capturing, self.result = [], 0, 0
+        self.device, self.context_result = -1, 0
 
         def set_params(exec_, node, params):
             self.calls.append(("set_params", exec_, node, params))
@@ -41,7 +44,12 @@ class FakeDriver:
             status[0] = self.capturing
             return 0
 
-        self.functions = (SET_PARAMS(set_params), LAUNCH(launch), IS_CAPTURING(is_capturing))
+        def current_device(device):
+            device[0] = self.device
+            return self.context_result
+
+        self.functions = (SET_PARAMS(set_params), LAUNCH(launch), IS_CAPTURING(is_capturing),
+                          CURRENT_DEVICE(current_device))
 
     def addresses(self) -> list[int]:
         return [ctypes.cast(f, ctypes.c_void_p).value for f in self.functions]
@@ -99,6 +107,11 @@ def test_what_the_compiled_path_does_not_take_comes_back_as_none(fake):
     driver.capturing = 1
     assert call(x, ids, w, STREAM) is None, "the stream capturing"
     driver.capturing = 0
+    driver.device = 0
+    assert call(x, ids, w, STREAM) is None, "another device current: run makes the layer's"
+    driver.device, driver.context_result = -1, 201  # CUDA_ERROR_INVALID_CONTEXT
+    assert call(x, ids, w, STREAM) is None, "no context current"
+    driver.context_result = 0
     torch.use_deterministic_algorithms(True)
     try:
         assert call(x, ids, w, STREAM) is None, "torch's deterministic flag: another key"
