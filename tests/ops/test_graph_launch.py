@@ -1,14 +1,17 @@
 """``graph_launch``'s view of the CUDA driver's ABI against ``cuda.h`` (no GPU needed): the kernel
 node parameter struct's size and field offsets and the two enum values it reads, as a host
-program compiled by nvcc against the toolkit's own header prints them."""
+program compiled by nvcc against the toolkit's own header prints them. ``StreamOrder`` with
+CUDA's streams stood in for."""
 from __future__ import annotations
 
 import ctypes
 import subprocess
 
+import torch
+
 from tests.experiments.cuda_testing import needs_nvcc
 from xstage_lab.ops import graph_launch
-from xstage_lab.ops.graph_launch import _KernelNodeParams
+from xstage_lab.ops.graph_launch import StreamOrder, _KernelNodeParams
 
 PROGRAM = """
 #include <cstddef>
@@ -39,3 +42,28 @@ def test_kernel_node_params_match_cuda_h(tmp_path):
     ours["CU_GRAPH_NODE_TYPE_KERNEL"] = graph_launch.CU_GRAPH_NODE_TYPE_KERNEL
     ours["CUDA_ERROR_INVALID_VALUE"] = graph_launch.CUDA_ERROR_INVALID_VALUE
     assert {k: int(v) for k, v in printed.items()} == ours
+
+
+class FakeStream:
+    def __init__(self, handle: int):
+        self.handle, self.waited_for = handle, []
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.waited_for.append(other.handle)
+
+
+def test_a_call_on_another_stream_waits_for_the_latest_calls(monkeypatch):
+    """Calls on streams 11, 11, 22, 22, 11: the first and those on the latest call's stream wait
+    for nothing, each that changes stream waits for the one before; the word at ``address``
+    (what the compiled path reads) holds the latest call's stream, -1 before any."""
+    streams = {h: FakeStream(h) for h in (11, 22)}
+    current = [11]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams[current[0]])
+    order = StreamOrder()
+    latest = ctypes.c_int64.from_address(order.address)
+    assert latest.value == -1
+    for handle in (11, 11, 22, 22, 11):
+        current[0] = handle
+        order.follow(handle, torch.device("cuda", 0))
+        assert latest.value == handle
+    assert streams[11].waited_for == [22] and streams[22].waited_for == [11]

@@ -203,6 +203,34 @@ class GraphLauncher:
             _check(result, "cuGraphLaunch")
 
 
+class StreamOrder:
+    """The stream of the latest call over buffers that every call rewrites (one set of a fused
+    MoE's): a call made on another stream first has that stream wait for the work queued on the
+    latest one, that call among it, so calls run one at a time in the order they are made,
+    whichever stream each is made on, as torch's own ops may be called. ``latest``: that
+    stream's ``CUstream`` (-1 before any call), which a compiled host path reads at ``address``
+    to hand a call on another stream back (``moe/fused_call.cpp``)."""
+
+    def __init__(self):
+        self.latest = ctypes.c_int64(-1)
+        self.stream: torch.cuda.Stream | None = None
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.latest)
+
+    def follow(self, stream: int, device: torch.device) -> None:
+        """A call on ``stream`` (the current ``CUstream`` of ``device``) is about to be queued:
+        where the latest call's stream is another, the current stream waits for its queued
+        work (an event recorded there now)."""
+        if stream == self.latest.value:
+            return
+        current = torch.cuda.current_stream(device)
+        if self.stream is not None:
+            current.wait_stream(self.stream)
+        self.stream, self.latest.value = current, stream
+
+
 class GraphCache:
     """The CUDA graphs of one op's calls, keyed by what fixes their launches, at most
     ``GRAPHS_PER_LAYER``, the least recently launched dropped first. ``capture`` records a
@@ -212,11 +240,13 @@ class GraphCache:
     mode (other threads' CUDA calls cannot break it; this thread makes none: every launch of
     the key was bound by a direct call before)."""
 
-    def __init__(self, device: torch.device, on_capture=None, on_drop=None):
+    def __init__(self, device: torch.device, on_capture=None, on_drop=None,
+                 order: StreamOrder | None = None):
         """``on_capture(key, launcher)`` / ``on_drop(key)``: told of each graph captured and of
-        each dropped (before its launcher is released)."""
+        each dropped (before its launcher is released). ``order``: that of the buffers the
+        calls rewrite, which each call launched eagerly follows (``StreamOrder.follow``)."""
         self.device = device
-        self.on_capture, self.on_drop = on_capture, on_drop
+        self.on_capture, self.on_drop, self.order = on_capture, on_drop, order
         self.graphs: OrderedDict[tuple, GraphLauncher] = OrderedDict()
         self.stream: torch.cuda.Stream | None = None  # made at the first capture
         # the current CUstream's getter, looked up once (Triton's driver resolves attributes at
@@ -247,12 +277,15 @@ class GraphCache:
         if not launching_graphs(self.device):
             launches()
             return
+        stream = self.current_stream(self.device.index)
+        if self.order is not None:
+            self.order.follow(stream, self.device)
         graph = self.get(key)
         if graph is None:
             launches()
             self.capture(key, launches, rewrite() if rewrite is not None else None)
         else:
-            graph(self.current_stream(self.device.index), addresses)
+            graph(stream, addresses)
 
     def capture(self, key: tuple, launches, rewrite=None) -> GraphLauncher:
         """``launches()`` captured as ``key``'s graph; ``rewrite`` as ``GraphLauncher`` takes it."""

@@ -3,7 +3,8 @@ stood in for by ctypes callbacks that record their arguments: a captured key's c
 argument block's addresses in slot order, sets the node's parameters and launches, returning a
 fresh output; everything it must not take (no graph of the key, the stream capturing, an input
 the contract check refuses, a misaligned tensor, an input autograd records, another device
-current or none) comes back as None with nothing launched; a driver error raises. The real driver and the GPU are ``test_op_gpu``'s."""
+current or none, a stream other than the latest call's) comes back as None with nothing
+launched; a driver error raises. The real driver and the GPU are ``test_op_gpu``'s."""
 from __future__ import annotations
 
 import ctypes
@@ -31,6 +32,7 @@ class FakeDriver:
     def __init__(self):
         self.calls, self.capturing, self.result = [], 0, 0
         self.device, self.context_result = -1, 0
+        self.latest_stream = ctypes.c_int64(STREAM)  # StreamOrder's word: the latest call's
 
         def set_params(exec_, node, params):
             self.calls.append(("set_params", exec_, node, params))
@@ -61,7 +63,8 @@ def fake():
     order, aligned = slot_order(*CALL_TENSORS)
     call = fused_call_module().FusedCall(
         [-1 if i is None else i for i in order], list(aligned), ALIGN_BYTES, OWN, COMBINE,
-        HIDDEN, TOP_K, MAX_TOKENS, list(WEIGHT_DTYPES), torch.device("cpu"), driver.addresses())
+        HIDDEN, TOP_K, MAX_TOKENS, list(WEIGHT_DTYPES), torch.device("cpu"), driver.addresses(),
+        ctypes.addressof(driver.latest_stream))
     words = (ctypes.c_uint64 * len(order))()
     call.add(8, torch.int64, torch.float32, False, EXEC, NODE, PARAMS, ctypes.addressof(words))
     return call, driver, words, order
@@ -112,6 +115,7 @@ def test_what_the_compiled_path_does_not_take_comes_back_as_none(fake):
     driver.device, driver.context_result = -1, 201  # CUDA_ERROR_INVALID_CONTEXT
     assert call(x, ids, w, STREAM) is None, "no context current"
     driver.context_result = 0
+    assert call(x, ids, w, STREAM + 1) is None, "a stream not the latest call's: it must wait"
     torch.use_deterministic_algorithms(True)
     try:
         assert call(x, ids, w, STREAM) is None, "torch's deterministic flag: another key"

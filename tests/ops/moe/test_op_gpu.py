@@ -8,10 +8,10 @@ the reference and leave earlier outputs alone, one graph captured per token coun
 token count queued behind a long kernel, each keeping its own addresses; eager calls
 around a user's graph capture, and the user's graph replayed after them; the first calls at
 token counts never seen under ``set_sync_debug_mode("error")``; two layers on one set of
-buffers, each replaying its own graphs. The fused kernel ending with the weighted sum
-(``weighted_sum="kernel"``) and its adds into the output (``"atomic"``), call after call and
-replayed. A call autograd records, through the custom op, whose backward raises; an empty batch
-launching nothing."""
+buffers, each replaying its own graphs; calls on two streams, one at a time. The fused kernel
+ending with the weighted sum (``weighted_sum="kernel"``) and its adds into the output
+(``"atomic"``), call after call and replayed. A call autograd records, through the custom
+op, whose backward raises; an empty batch launching nothing."""
 from __future__ import annotations
 
 import pytest
@@ -283,6 +283,34 @@ def test_queued_calls_of_one_token_count_relaunch_its_graph(layer, captures):
     for y, inputs in zip(ys, calls):
         _check(moe, y, *inputs)
     assert len(captures) == 1 and int(moe.error) == 0
+
+
+def test_calls_on_two_streams_run_one_at_a_time(layer, captures):
+    """Calls on two streams, alternating at T = 64 and 8, each stream held behind one long
+    kernel so that both are released at once: the layer's buffers are the latest call's until it
+    ends, so each call on the other stream waits for it (``StreamOrder``); the compiled path
+    hands such a call back. Every output right, on poisoned Combine rows."""
+    moe = _fresh_layer(layer)
+    for tokens in (64, 8):
+        moe(*_inputs(tokens, 90 + tokens))  # both graphs captured
+    calls = [_inputs((64, 8)[i % 2], 100 + i) for i in range(4)]
+    moe.combine.fill_(float("nan"))
+    torch.cuda.synchronize()
+    hold, streams = torch.cuda.Stream(), (torch.cuda.Stream(), torch.cuda.Stream())
+    released = torch.cuda.Event()
+    with torch.cuda.stream(hold):
+        torch.cuda._sleep(HOLD_CYCLES)
+        released.record()
+    ys = []
+    for i, inputs in enumerate(calls):
+        stream = streams[i % 2]
+        stream.wait_event(released)
+        with torch.cuda.stream(stream):
+            ys.append(moe(*inputs))
+    torch.cuda.synchronize()
+    for y, inputs in zip(ys, calls):
+        _check(moe, y, *inputs)
+    assert len(captures) == 2 and int(moe.error) == 0
 
 
 def test_graphs_per_layer_are_bounded(layer, captures):

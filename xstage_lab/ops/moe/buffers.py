@@ -2,16 +2,17 @@
 bound to them, so that the MoE layers of a model can share one set: a call rewrites every buffer
 it reads before reading it (the routing its tables, the row counters and the argument block;
 Linear-1 its ``h`` rows; Linear-2 its Combine rows; the split Linear-2 tiles leave their counters
-zero), so layers called one after another in stream order need one set between them, not one
-each. A set for 8192 tokens takes 0.15-1.2 GiB over the model shapes of ``data/moe_shapes.json``
-(the Combine rows and ``h`` the most of it): as much again for each further layer that held its
-own."""
+zero), so layers called one after another (``graph_launch.StreamOrder`` keeps their calls one
+at a time, whichever stream each is made on) need one set between them, not one each. A set for
+8192 tokens takes 0.15-1.2 GiB over the model shapes of ``data/moe_shapes.json`` (the Combine
+rows and ``h`` the most of it): as much again for each further layer that held its own."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
+from ..graph_launch import StreamOrder
 from .device_tables import DeviceTables, TableBounds, allocate_tables
 from .fused import split_k_buffers
 from .shapes import FP8_SCALE_BLOCK, MoEContractError
@@ -53,7 +54,8 @@ class MoEBuffers:
     the error flag among them), ``h`` and its FP8 scales, the split Linear-2 tiles' fp32
     partials and counters (None unsplit), the trace stand-in (never instrumented), and a
     FusedMoE's Combine rows and the arrivals its launches count when they end with the weighted
-    sum (``fused.InKernelSum.arrivals``; both None for an EP rank's workspace)."""
+    sum (``fused.InKernelSum.arrivals``; both None for an EP rank's workspace); the stream order
+    of the calls over them (``graph_launch.StreamOrder``)."""
 
     sizes: BufferSizes
     tables: DeviceTables
@@ -64,6 +66,7 @@ class MoEBuffers:
     trace: torch.Tensor
     combine: torch.Tensor | None
     sum_arrivals: torch.Tensor | None
+    order: StreamOrder = field(default_factory=StreamOrder)
 
     @classmethod
     def allocate(cls, sizes: BufferSizes) -> MoEBuffers:

@@ -7,10 +7,11 @@
 // Host code only. The driver is reached through the function pointers Python's ctypes binding
 // resolved (graph_launch.py), so this file needs neither cuda.h nor libcuda at build time. A
 // call this path does not take (no graph for the key yet, the stream capturing, an input the
-// contract check would refuse, an input autograd records, another device current) returns None,
-// and the Python path runs: it raises the contract's errors, captures the graph, launches into
-// the user's capture, goes through the custom op, whose output's backward raises, or makes the
-// layer's device current for the call.
+// contract check would refuse, an input autograd records, another device current, a stream
+// other than the latest call's over the layer's buffers) returns None, and the Python path runs:
+// it raises the contract's errors, captures the graph, launches into the user's capture, goes
+// through the custom op, whose output's backward raises, makes the layer's device current for
+// the call, or has the call's stream wait for the latest call's (graph_launch.StreamOrder).
 // torch/python.h, not torch/extension.h: at::Tensor, pybind11 and ATen's global context (the
 // deterministic flag) are all this file takes, and extension.h adds the header of every ATen
 // operator, a third of the build's time (50 s against 33 s on a two-core machine).
@@ -49,11 +50,12 @@ class FusedCall {
   // slots: per argument-block slot, the index of its tensor in (ids, x, combine, weights, y),
   // or -1 for the block's own address (call_args.slot_order); aligned: the tensor indices that
   // must start align-byte aligned; functions: cuGraphExecKernelNodeSetParams, cuGraphLaunch,
-  // cuStreamIsCapturing, cuCtxGetDevice (graph_launch.call_functions).
+  // cuStreamIsCapturing, cuCtxGetDevice (graph_launch.call_functions); latest_stream: where
+  // the CUstream of the latest call over the layer's buffers is kept (StreamOrder.address).
   FusedCall(std::vector<int64_t> slots, std::vector<int64_t> aligned, int64_t align, int64_t own,
             int64_t combine, int64_t hidden, int64_t top_k, int64_t max_tokens,
             std::vector<at::ScalarType> weight_dtypes, torch::Device device,
-            std::array<int64_t, 4> functions)
+            std::array<int64_t, 4> functions, int64_t latest_stream)
       : slots_(std::move(slots)), aligned_(std::move(aligned)), align_(align), own_(own),
         combine_(combine),
         hidden_(hidden), top_k_(top_k), max_tokens_(max_tokens),
@@ -61,7 +63,8 @@ class FusedCall {
         set_params_(reinterpret_cast<SetParams>(functions[0])),
         graph_launch_(reinterpret_cast<GraphLaunch>(functions[1])),
         is_capturing_(reinterpret_cast<StreamIsCapturing>(functions[2])),
-        current_device_(reinterpret_cast<CtxGetDevice>(functions[3])) {}
+        current_device_(reinterpret_cast<CtxGetDevice>(functions[3])),
+        latest_stream_(reinterpret_cast<const int64_t*>(latest_stream)) {}
 
   // deterministic: torch's deterministic-algorithms flag the graph was captured under (a
   // FusedMoE's "auto" weighted sum picks its launches by it)
@@ -98,10 +101,12 @@ class FusedCall {
     auto found = graphs_.find(
         key(tokens, id_dtype, weight_dtype, at::globalContext().deterministicAlgorithms()));
     if (found == graphs_.end()) return std::nullopt;
-    // the Python path's launches go to the current device: a call from another (a model split
-    // over GPUs in one process), or with no context current, is its (FusedMoE.run)
+    // the Python path's: a call from another device (a model split over GPUs in one process;
+    // its launches go to the current one: FusedMoE.run), with no context current, or on a
+    // stream other than the latest call's, which must wait for it (StreamOrder.follow)
     int current = -1;
-    if (current_device_(&current) || current != device_.index()) return std::nullopt;
+    if (current_device_(&current) || current != device_.index() || stream != *latest_stream_)
+      return std::nullopt;
     void* cu_stream = reinterpret_cast<void*>(stream);
     int capturing = 0;
     check(is_capturing_(cu_stream, &capturing), "cuStreamIsCapturing");
@@ -142,6 +147,7 @@ class FusedCall {
   GraphLaunch graph_launch_;
   StreamIsCapturing is_capturing_;
   CtxGetDevice current_device_;
+  const int64_t* latest_stream_;
   std::map<Key, Graph> graphs_;
 };
 
@@ -151,7 +157,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<FusedCall>(m, "FusedCall")
       .def(pybind11::init<std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t,
                           int64_t, int64_t, int64_t, std::vector<at::ScalarType>, torch::Device,
-                          std::array<int64_t, 4>>())
+                          std::array<int64_t, 4>, int64_t>())
       .def("add", &FusedCall::add)
       .def("remove", &FusedCall::remove)
       .def("__len__", &FusedCall::size)

@@ -102,8 +102,8 @@ class MoEWorkspace:
 
     ``buffers``: another workspace's (``buffers.MoEBuffers``: every buffer but the weights), to
     share, sized exactly as this one's would be; else allocated here, with a FusedMoE's Combine
-    rows where ``combine_rows``. Workspaces that share them must run their calls one after
-    another, in stream order; they share the error flag too."""
+    rows where ``combine_rows``. Workspaces that share them run their calls one at a time (the
+    buffers' ``StreamOrder``, eagerly on CUDA); they share the error flag too."""
 
     def __init__(self, weights: ExpertWeights, capacity: int, *, config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
@@ -144,7 +144,7 @@ class MoEWorkspace:
         self.trace = buffers.trace
         self.max_spin_iters = max_spin_iters
         self._launches: dict = {}
-        self.graphs = GraphCache(device)
+        self.graphs = GraphCache(device, order=buffers.order)
 
     @property
     def error(self) -> torch.Tensor:
@@ -288,11 +288,13 @@ class FusedMoE(torch.nn.Module):
     Eagerly on CUDA (the stream not capturing) a call launches the graph of its T with its
     tensors' addresses: ``graphs``, keyed by T, schedule, the ids' and weights' dtypes and torch's
     deterministic flag (a ``GraphCache``). The first call at a T launches directly, then
-    captures that T's graph without synchronizing. Calls share the layer's buffers: one call at
-    a time per layer, in stream order.
+    captures that T's graph without synchronizing. Calls share the layer's buffers and run one
+    at a time in the order they are made: a call on a stream other than the latest call's over
+    them waits for that one (``graph_launch.StreamOrder``; inside a user's capture, the user
+    orders the graph's replays).
 
     ``buffers``: another FusedMoE's (``layer.moe_buffers``), to share: a model's MoE layers of
-    one shape, called one after another on one stream, need one set of buffers between them
+    one shape, called one after another, need one set of buffers between them
     (``buffers.MoEBuffers``), not one each; refused unless the layers would size them alike
     (the same ``max_tokens * top_k``, ``max_tokens``, experts, precision, H, I, tiles,
     programs, lead and device). Layers that share them share ``error`` too.
@@ -349,8 +351,10 @@ class FusedMoE(torch.nn.Module):
             self.compiled = fused_call_module().FusedCall(
                 [-1 if i is None else i for i in order], list(aligned), ALIGN_BYTES,
                 self.workspace.tables.args.data_ptr(), self.combine.data_ptr(), weights.hidden,
-                top_k, max_tokens, list(WEIGHT_DTYPES), self.device, call_functions())
-        self.graphs = GraphCache(self.device, *_compiled_hooks(self.compiled, self.schedule))
+                top_k, max_tokens, list(WEIGHT_DTYPES), self.device, call_functions(),
+                self.moe_buffers.order.address)
+        self.graphs = GraphCache(self.device, *_compiled_hooks(self.compiled, self.schedule),
+                                 order=self.moe_buffers.order)
         self.key = id(self.workspace)
         _LAYERS[self.key] = self
 
