@@ -102,8 +102,10 @@ class MoEWorkspace:
 
     ``buffers``: another workspace's (``buffers.MoEBuffers``: every buffer but the weights), to
     share, sized exactly as this one's would be; else allocated here, with a FusedMoE's Combine
-    rows where ``combine_rows``. Workspaces that share them run their calls one at a time (the
-    buffers' ``StreamOrder``, eagerly on CUDA); they share the error flag too."""
+    rows where ``combine_rows``. Workspaces that share them share the error flag too; their
+    graphed calls (``received_call``, a FusedMoE's) run one at a time whichever stream each is
+    made on (the buffers' ``StreamOrder``), their direct launches (``route``, ``launch``) in the
+    order of the stream they are made on."""
 
     def __init__(self, weights: ExpertWeights, capacity: int, *, config: TileConfig | None = None,
                  num_programs: int | None = None, lead_rows: int | None = None,
