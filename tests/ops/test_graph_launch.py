@@ -1,7 +1,8 @@
 """``graph_launch``'s view of the CUDA driver's ABI against ``cuda.h`` (no GPU needed): the kernel
 node parameter struct's size and field offsets and the two enum values it reads, as a host
 program compiled by nvcc against the toolkit's own header prints them. ``StreamOrder`` with
-CUDA's streams stood in for."""
+CUDA's streams stood in for; ``GraphCache.call`` on its device with CUDA's current device
+stood in for."""
 from __future__ import annotations
 
 import ctypes
@@ -11,7 +12,7 @@ import torch
 
 from tests.experiments.cuda_testing import needs_nvcc
 from xstage_lab.ops import graph_launch
-from xstage_lab.ops.graph_launch import StreamOrder, _KernelNodeParams
+from xstage_lab.ops.graph_launch import GraphCache, StreamOrder, _KernelNodeParams
 
 PROGRAM = """
 #include <cstddef>
@@ -67,3 +68,35 @@ def test_a_call_on_another_stream_waits_for_the_latest_calls(monkeypatch):
         order.follow(handle, torch.device("cuda", 0))
         assert latest.value == handle
     assert streams[11].waited_for == [22] and streams[22].waited_for == [11]
+
+
+def test_a_call_launches_on_the_caches_device_whichever_is_current(monkeypatch):
+    """A model split over GPUs in one process calls a layer on ``cuda:1`` while ``cuda:0`` is
+    current: ``call`` makes its device current for the launches (Triton's, and a key's first
+    call, go to the current device), then gives the caller's back; where its device is current
+    it enters nothing. The cache is built off CUDA (Triton's driver needs a GPU), then given
+    ``cuda:1``; the launches go directly (``launching_graphs`` stood in) and record the device
+    current at them."""
+    cache = GraphCache(torch.device("cpu"))
+    cache.device = torch.device("cuda", 1)
+    current, entered, launched = [0], [], []
+
+    class Device:
+        def __init__(self, device):
+            self.index = torch.device(device).index
+
+        def __enter__(self):
+            entered.append(self.index)
+            self.caller, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.caller
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    monkeypatch.setattr(graph_launch, "launching_graphs", lambda device: False)
+    for caller in (0, 1):
+        current[0] = caller
+        cache.call("key", lambda: launched.append(current[0]))
+        assert current[0] == caller
+    assert launched == [1, 1] and entered == [1]

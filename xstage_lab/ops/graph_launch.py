@@ -273,7 +273,13 @@ class GraphCache:
         """One call of ``launches()``: directly where no graph launches (``launching_graphs``);
         else ``key``'s graph launched with ``addresses``, captured after a direct call at the
         key's first call (which binds every launch new at the key). ``rewrite()``, evaluated at
-        a capture only, gives what ``GraphLauncher`` takes as ``rewrite``."""
+        a capture only, gives what ``GraphLauncher`` takes as ``rewrite``. On ``device``,
+        whichever device is current at the call."""
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            # Triton's launches, a key's first (direct) call among them, go to the current
+            # device: a model split over GPUs in one process calls its layers from another
+            with torch.cuda.device(self.device):
+                return self.call(key, launches, addresses, rewrite)
         if not launching_graphs(self.device):
             launches()
             return

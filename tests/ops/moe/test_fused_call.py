@@ -111,7 +111,7 @@ def test_what_the_compiled_path_does_not_take_comes_back_as_none(fake):
     assert call(x, ids, w, STREAM) is None, "the stream capturing"
     driver.capturing = 0
     driver.device = 0
-    assert call(x, ids, w, STREAM) is None, "another device current: run makes the layer's"
+    assert call(x, ids, w, STREAM) is None, "another device current: Python makes it the layer's"
     driver.device, driver.context_result = -1, 201  # CUDA_ERROR_INVALID_CONTEXT
     assert call(x, ids, w, STREAM) is None, "no context current"
     driver.context_result = 0

@@ -352,38 +352,6 @@ def test_autograd_records_a_call_through_the_custom_op_whose_backward_raises(mon
     assert len(runs) == 7
 
 
-def test_a_call_launches_on_the_layers_device_whichever_is_current(monkeypatch):
-    """A model split over GPUs in one process calls a layer on ``cuda:1`` while ``cuda:0`` is
-    current: ``run`` makes the layer's device current for its launches (Triton's, and a key's
-    first call, go to the current device), then gives the caller's back; where the layer's is
-    current it enters nothing. CUDA's current device is stood in for, the launches by a recorder
-    of the device current at them."""
-    layer = _layer("bf16")
-    layer.device = torch.device("cuda", 1)
-    current, entered, launched = [0], [], []
-
-    class Device:
-        def __init__(self, device):
-            self.index = torch.device(device).index
-
-        def __enter__(self):
-            entered.append(self.index)
-            self.caller, current[0] = current[0], self.index
-
-        def __exit__(self, *exc):
-            current[0] = self.caller
-
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
-    monkeypatch.setattr(torch.cuda, "device", Device)
-    monkeypatch.setattr(layer.graphs, "call", lambda *a, **k: launched.append(current[0]))
-    x, ids, w = _inputs(4)
-    for caller in (0, 1):
-        current[0] = caller
-        layer.run(x, ids, w, layer.schedule)
-        assert current[0] == caller
-    assert launched == [1, 1] and entered == [1]
-
-
 def _rank_call(precision: str, capacity: int = 24) -> dict:
     """An EP rank's received rows as its receive buffers hold them (rows as Dispatch sent them:
     e4m3 with their scales in FP8), and its Combine buffer."""

@@ -102,7 +102,7 @@ class FusedCall {
         key(tokens, id_dtype, weight_dtype, at::globalContext().deterministicAlgorithms()));
     if (found == graphs_.end()) return std::nullopt;
     // the Python path's: a call from another device (a model split over GPUs in one process;
-    // its launches go to the current one: FusedMoE.run), with no context current, or on a
+    // its launches go to the current one: GraphCache.call), with no context current, or on a
     // stream other than the latest call's, which must wait for it (StreamOrder.follow)
     int current = -1;
     if (current_device_(&current) || current != device_.index() || stream != *latest_stream_)

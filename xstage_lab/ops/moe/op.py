@@ -437,11 +437,6 @@ class FusedMoE(torch.nn.Module):
         the device is CUDA and the stream is not capturing, else launched directly."""
         if x.shape[0] == 0:  # an empty batch (an EP rank's that got no tokens): nothing to launch
             return torch.empty_like(x)
-        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
-            # Triton's launches and a key's first (direct) call go to the current device: a
-            # model split over GPUs in one process calls its layers from another
-            with torch.cuda.device(self.device):
-                return self.run(x, topk_ids, topk_weights, schedule)
         # held until the call returns: the kernels read them through their addresses (a
         # contiguous [T, k] is the arrivals' [T k])
         x, ids, w = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
