@@ -44,6 +44,7 @@ SHAPES[WIDE_SPLIT] = MoEShape(WIDE_SPLIT, "test", hidden=1024, intermediate=1024
 MODEL = "DeepSeek-V4-Flash"
 SEED = 5
 HOLD_CYCLES = 200_000_000  # about 0.1 s at H200 clocks: the calls after it queue behind it
+RACE_SPIN_ITERS = 1 << 16  # polls: far above an ordered call's waits, far below the default's
 QUEUED_CALLS = 6
 
 
@@ -200,10 +201,10 @@ def test_compiled_block_matches_eager(layer):
     torch.testing.assert_close(compiled.float(), eager.float(), rtol=2e-2, atol=2e-2)
 
 
-def _fresh_layer(layer: FusedMoE, max_tokens: int = 512) -> FusedMoE:
+def _fresh_layer(layer: FusedMoE, max_tokens: int = 512, **kwargs) -> FusedMoE:
     """A layer of no graphs yet over the fixture's experts."""
     return FusedMoE(layer.workspace.weights, max_tokens=max_tokens, top_k=SHAPES[MODEL].top_k,
-                    schedule="wave")
+                    schedule="wave", **kwargs)
 
 
 @pytest.fixture
@@ -289,8 +290,10 @@ def test_calls_on_two_streams_run_one_at_a_time(layer, captures):
     """Calls on two streams, alternating at T = 64 and 8, each stream held behind one long
     kernel so that both are released at once: the layer's buffers are the latest call's until it
     ends, so each call on the other stream waits for it (``StreamOrder``); the compiled path
-    hands such a call back. Every output right, on poisoned Combine rows."""
-    moe = _fresh_layer(layer)
+    hands such a call back. Every output right, on poisoned Combine rows. Spins bounded short
+    (``RACE_SPIN_ITERS``) so that calls racing on the buffers count errors within seconds
+    instead of polling for minutes."""
+    moe = _fresh_layer(layer, max_spin_iters=RACE_SPIN_ITERS)
     for tokens in (64, 8):
         moe(*_inputs(tokens, 90 + tokens))  # both graphs captured
     calls = [_inputs((64, 8)[i % 2], 100 + i) for i in range(4)]
