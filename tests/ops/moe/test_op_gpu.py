@@ -44,7 +44,7 @@ SHAPES[WIDE_SPLIT] = MoEShape(WIDE_SPLIT, "test", hidden=1024, intermediate=1024
 MODEL = "DeepSeek-V4-Flash"
 SEED = 5
 HOLD_CYCLES = 200_000_000  # about 0.1 s at H200 clocks: the calls after it queue behind it
-RACE_SPIN_ITERS = 1 << 16  # polls: far above an ordered call's waits, far below the default's
+RACE_SPIN_ITERS = 1 << 16  # polls: enough for ordered calls (H100); a racing call errs in seconds
 QUEUED_CALLS = 6
 
 
